@@ -1,0 +1,196 @@
+"""dpprof.DataParallel and dpprof.data_parallel: torch's DataParallel, every phase measured.
+
+On CUDA the work is done by torch's scatter, replicate, parallel_apply and gather; on
+CPU workers by dpprof's implementations of the same semantics. Each phase runs inside a
+``dpprof.<phase>`` record_function range, and inside a run (``dpprof.record``) it is timed.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from itertools import chain
+from typing import Any
+
+import torch
+from torch.autograd.profiler import record_function
+from torch.nn import Module
+
+from dpprof.parallel.devices import DeviceLike, DeviceSet, resolve_devices
+from dpprof.parallel.parallel_apply import parallel_apply
+from dpprof.parallel.probe import ForwardProbe, MeasuredReplica
+from dpprof.parallel.replicate import replicate
+from dpprof.parallel.scatter_gather import gather, scatter_kwargs
+from dpprof.recording import current_run
+
+__all__ = ["DataParallel", "data_parallel"]
+
+_HOST_LABEL = "cpu:0"  # where the module runs when there is no device to spread over
+
+
+class DataParallel(torch.nn.DataParallel):
+    """torch.nn.DataParallel that also runs on CPU workers and records every phase of every step.
+
+    Args:
+        module: the module to parallelize; its parameters and buffers must be on device_ids[0].
+        device_ids: CUDA devices (ints, "cuda:N", torch.device) or CPU workers ("cpu:N",
+            torch.device("cpu", N), dpprof.cpu_devices(n)). Default: every GPU; with no GPU the
+            module runs directly, as in torch.
+        output_device: where outputs are gathered (default: device_ids[0]).
+        dim: the dimension inputs are chunked and outputs concatenated along.
+
+    Example:
+        >>> net = dpprof.DataParallel(model, device_ids=dpprof.cpu_devices(2))
+        >>> with dpprof.record(name="demo") as run:
+        ...     net(torch.randn(30, 5)).sum().backward()
+    """
+
+    def __init__(self, module: Module, device_ids: Sequence[DeviceLike] | None = None,
+                 output_device: DeviceLike | None = None, dim: int = 0) -> None:
+        devices = None
+        if device_ids is not None or torch.cuda.is_available():
+            all_gpus = list(range(torch.cuda.device_count()))
+            devices = resolve_devices(all_gpus if device_ids is None else device_ids, output_device)
+        if devices is None or devices.type == "cuda":
+            super().__init__(module, device_ids, output_device, dim)
+        else:
+            Module.__init__(self)
+            torch._C._log_api_usage_once("torch.nn.parallel.DataParallel")
+            self.module = module
+            self.dim = dim
+            self.device_ids = list(devices.indices)
+            self.output_device = devices.output_index
+            self.src_device_obj = torch.device("cpu")  # CPU tensors carry no worker index
+        self.__dict__["_devices"] = devices
+        self.__dict__["_probe"] = None
+
+    @classmethod
+    def _functional(cls, module: Module, devices: DeviceSet, dim: int) -> DataParallel:
+        """A DataParallel around ``module`` for data_parallel: no balance check, nothing moved."""
+        self = cls.__new__(cls)
+        Module.__init__(self)
+        self.module = module
+        self.dim = dim
+        self.device_ids = list(devices.indices)
+        self.output_device = devices.output_index
+        self.src_device_obj = torch.device(devices.type) if devices.type == "cpu" else torch.device(
+            "cuda", devices.indices[0])
+        self.__dict__["_devices"] = devices
+        self.__dict__["_probe"] = None
+        return self
+
+    # device ids as the pieces below want them
+    def _targets(self, device_ids: Sequence[int]) -> list[Any]:
+        devices = self.__dict__["_devices"]
+        return [torch.device("cpu", i) for i in device_ids] if devices.type == "cpu" else list(device_ids)
+
+    def _label(self, index: int) -> str:
+        devices = self.__dict__["_devices"]
+        if devices is None:
+            return _HOST_LABEL
+        return "cpu" if index == -1 else devices.label(index)
+
+    @contextmanager
+    def _phase(self, name: str, index: int) -> Iterator[None]:
+        with record_function(f"dpprof.{name}"):
+            probe: ForwardProbe | None = self.__dict__["_probe"]
+            if probe is None:
+                yield
+            else:
+                with probe.phase(name, self._label(index)):
+                    yield
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        with record_function("DataParallel.forward"):
+            run = current_run()
+            if run is None:
+                return self._forward(inputs, kwargs)
+            devices = self.__dict__["_devices"]
+            labels = devices.labels if devices is not None else [_HOST_LABEL]
+            out_label = self._label(self.output_device) if devices is not None else _HOST_LABEL
+            probe = ForwardProbe(run, labels, out_label, self.dim)
+            self.__dict__["_probe"] = probe
+            try:
+                output = self._forward(inputs, kwargs)
+            finally:
+                self.__dict__["_probe"] = None
+                probe.end(self.module, used=max(len(probe.memory), 1))
+            probe.watch_backward(output)
+            return output
+
+    def _forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # torch's DataParallel.forward, except that the one-device and no-device paths
+        # also run their module call as a measured "apply" phase.
+        probe = self.__dict__["_probe"]
+        if not self.device_ids:
+            return MeasuredReplica(self.module, probe, _HOST_LABEL)(*inputs, **kwargs)
+        for t in chain(self.module.parameters(), self.module.buffers()):
+            if t.device != self.src_device_obj:
+                raise RuntimeError(
+                    "module must have its parameters and buffers "
+                    f"on device {self.src_device_obj} (device_ids[0]) but found one of "
+                    f"them on device: {t.device}"
+                )
+        inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
+        if not inputs and not module_kwargs:
+            inputs = ((),)
+            module_kwargs = ({},)
+        if len(self.device_ids) == 1:
+            replica = MeasuredReplica(self.module, probe, self._label(self.device_ids[0]))
+            return replica(*inputs[0], **module_kwargs[0])
+        replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
+        outputs = self.parallel_apply(replicas, inputs, module_kwargs)
+        return self.gather(outputs, self.output_device)
+
+    def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None,
+                device_ids: Sequence[int]) -> Any:
+        with self._phase("scatter", device_ids[0]):
+            probe = self.__dict__["_probe"]
+            if probe is not None:
+                probe.note_batch(inputs, kwargs)
+            return scatter_kwargs(inputs, kwargs, self._targets(device_ids), dim=self.dim)
+
+    def replicate(self, module: Module, device_ids: Sequence[int]) -> list[Module]:
+        with self._phase("replicate", device_ids[0]):
+            return replicate(module, self._targets(device_ids), not torch.is_grad_enabled())
+
+    def parallel_apply(self, replicas: Sequence[Module], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
+        device_ids = self.device_ids[: len(replicas)]
+        probe = self.__dict__["_probe"]
+        measured = [MeasuredReplica(r, probe, self._label(i)) for r, i in zip(replicas, device_ids)]
+        with self._phase("parallel_apply", device_ids[0]):
+            return parallel_apply(measured, inputs, kwargs, self._targets(device_ids))
+
+    def gather(self, outputs: Any, output_device: int) -> Any:
+        with self._phase("gather", output_device):
+            target = self._targets([output_device])[0] if output_device != -1 else -1
+            output = gather(outputs, target, dim=self.dim)
+            probe = self.__dict__["_probe"]
+            if probe is not None:
+                probe.note_gathered(output)
+            return output
+
+
+def data_parallel(module: Module, inputs: Any, device_ids: Sequence[DeviceLike] | None = None,
+                  output_device: DeviceLike | None = None, dim: int = 0,
+                  module_kwargs: Any | None = None) -> Any:
+    """Evaluate ``module(*inputs, **module_kwargs)`` in parallel over device_ids: torch's data_parallel.
+
+    Args:
+        module: the module to evaluate; its parameters and buffers must be on device_ids[0].
+        inputs: a tensor, or a tuple of positional inputs.
+        device_ids: CUDA devices or CPU workers (default: every GPU).
+        output_device: where the result is gathered (default: device_ids[0]).
+        dim: the dimension to chunk and concatenate along.
+        module_kwargs: keyword inputs, scattered like the positional ones.
+
+    Returns:
+        the gathered result of ``module`` on output_device.
+    """
+    if not isinstance(inputs, tuple):
+        inputs = (inputs,) if inputs is not None else ()
+    if device_ids is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("device type could not be determined")
+        device_ids = list(range(torch.cuda.device_count()))
+    devices = resolve_devices(device_ids, output_device)
+    return DataParallel._functional(module, devices, dim)(*inputs, **(module_kwargs or {}))

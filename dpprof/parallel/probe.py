@@ -1,0 +1,244 @@
+"""What one recorded forward call measures: phase times, per-device bytes, backward, allocator.
+
+Nothing here blocks on the GPU: CUDA events are read after the fact (Run.resolve_pending)
+unless the run asked for synchronous timing.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from itertools import chain
+from typing import Any, Callable
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+from torch.autograd.profiler import record_function
+from torch.nn import Module
+
+from dpprof.records import AllocatorRecord, DeviceMemoryRecord, PhaseRecord
+from dpprof.recording import Run
+
+__all__ = ["ForwardProbe", "MeasuredReplica", "tensor_bytes", "iter_tensors"]
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside nested tuples, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from iter_tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from iter_tensors(item)
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors inside ``obj`` (numel × element size; views counted at their own size)."""
+    return sum(t.numel() * t.element_size() for t in iter_tensors(obj))
+
+
+def _cuda_index(label: str) -> int | None:
+    kind, _, index = label.partition(":")
+    return int(index) if kind == "cuda" else None
+
+
+def _cuda_event(index: int | None) -> torch.cuda.Event | None:
+    if index is None:
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(index))
+    return event
+
+
+def _weight_storages(module: Module) -> set[int]:
+    """Storage addresses of a module's (or replica's) parameters and buffers."""
+    ptrs = set()
+    for m in module.modules():
+        params = getattr(m, "_former_parameters", None) or m._parameters
+        for t in chain(params.values(), m._buffers.values()):
+            if t is not None:
+                ptrs.add(t.untyped_storage().data_ptr())
+    return ptrs
+
+
+class _PendingPhase:
+    """A phase whose CUDA events may still be in flight."""
+
+    __slots__ = ("fields", "start", "end")
+
+    def __init__(self, fields: dict[str, Any], start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        self.fields, self.start, self.end = fields, start, end
+
+    def try_emit(self, run: Run, block: bool) -> bool:
+        if block:
+            self.end.synchronize()
+        elif not self.end.query():
+            return False
+        run.emit(PhaseRecord(**self.fields, device_duration_ms=self.start.elapsed_time(self.end)))
+        return True
+
+
+class _SavedBytes:
+    """saved_tensors_hooks pack hook that adds up the activations a replica saves for backward."""
+
+    __slots__ = ("exclude", "seen", "bytes")
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.exclude = exclude
+        self.seen: set[tuple[int, int]] = set()
+        self.bytes = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in self.exclude:
+            key = (t.data_ptr(), t.numel())
+            if key not in self.seen:
+                self.seen.add(key)
+                self.bytes += t.numel() * t.element_size()
+        return t
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class _BackwardWatch:
+    """Times backward from the first gradient reaching the output to the end of the graph task."""
+
+    __slots__ = ("probe", "label", "t0", "ev0", "range")
+
+    def __init__(self, probe: ForwardProbe, label: str) -> None:
+        self.probe, self.label = probe, label
+        self.t0: int | None = None
+        self.ev0 = None
+        self.range: record_function | None = None
+
+    def on_grad(self, grad: torch.Tensor) -> None:
+        if self.t0 is not None:
+            return
+        self.range = record_function("dpprof.backward")
+        self.range.__enter__()
+        self.t0 = time.perf_counter_ns()
+        self.ev0 = _cuda_event(_cuda_index(self.label))
+        torch.autograd.Variable._execution_engine.queue_callback(self.on_done)
+
+    def on_done(self) -> None:
+        if self.range is not None:
+            self.range.__exit__(None, None, None)
+        t0, ev0, self.t0, self.ev0, self.range = self.t0, self.ev0, None, None, None
+        self.probe.finish_phase("backward", self.label, t0, ev0)
+
+
+class ForwardProbe:
+    """Measurements of one DataParallel forward call inside a run."""
+
+    def __init__(self, run: Run, labels: list[str], output_label: str, dim: int) -> None:
+        self.run = run
+        self.step = run.step_for_forward()
+        self.call = self.step.calls - 1
+        self.dim = dim
+        self.output_label = output_label
+        self.cuda_indices = [i for i in map(_cuda_index, labels) if i is not None]
+        self.memory: dict[str, dict[str, Any]] = {}
+        run.note_devices(labels)
+        if self.call == 0:
+            for index in self.cuda_indices:
+                torch.cuda.reset_peak_memory_stats(index)
+
+    # time
+    @contextmanager
+    def phase(self, name: str, label: str) -> Iterator[None]:
+        t0 = time.perf_counter_ns()
+        ev0 = _cuda_event(_cuda_index(label))
+        try:
+            yield
+        finally:
+            self.finish_phase(name, label, t0, ev0)
+
+    def finish_phase(self, name: str, label: str, t0: int, ev0: torch.cuda.Event | None) -> None:
+        run, index = self.run, _cuda_index(label)
+        if index is not None and run.sync_timing:
+            torch.cuda.synchronize(index)
+        t1 = time.perf_counter_ns()
+        self.step.touch(t1)
+        fields = dict(step=self.step.index, call=self.call, phase=name, device=label,
+                      start_ms=run.ms(t0), duration_ms=(t1 - t0) / 1e6)
+        if ev0 is None:
+            run.emit(PhaseRecord(**fields))
+        else:
+            run.defer(_PendingPhase(fields, ev0, _cuda_event(index)))
+        for i in self.cuda_indices:
+            run.emit(AllocatorRecord(
+                step=self.step.index, call=self.call, device=f"cuda:{i}", phase=name,
+                allocated_bytes=torch.cuda.memory_allocated(i),
+                peak_allocated_bytes=torch.cuda.max_memory_allocated(i),
+                reserved_bytes=torch.cuda.memory_reserved(i),
+            ))
+
+    # bytes
+    def note_batch(self, inputs: Any, kwargs: Any) -> None:
+        first = next(chain(iter_tensors(inputs), iter_tensors(kwargs)), None)
+        if first is not None and first.dim() > 0:
+            self.step.batch_size = (self.step.batch_size or 0) + first.size(self.dim)
+
+    def note_device(self, label: str, args: Any, kwargs: Any, output: Any, activation_bytes: int,
+                    module: Module) -> None:
+        first = next(chain(iter_tensors(args), iter_tensors(kwargs)), None)
+        self.memory.setdefault(label, {}).update(
+            chunk_size=first.size(self.dim) if first is not None and first.dim() > 0 else None,
+            input_bytes=tensor_bytes((args, kwargs)), output_bytes=tensor_bytes(output),
+            activation_bytes=activation_bytes,
+        )
+
+    def note_gathered(self, output: Any) -> None:
+        self.memory.setdefault(self.output_label, {})["gathered_bytes"] = tensor_bytes(output)
+
+    def end(self, module: Module, used: int) -> None:
+        """Close the forward call: emit each device's memory record."""
+        self.step.devices_used = max(self.step.devices_used, used)
+        param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
+        for label, m in self.memory.items():
+            applied = "input_bytes" in m
+            self.run.emit(DeviceMemoryRecord(
+                step=self.step.index, call=self.call, device=label, chunk_size=m.get("chunk_size"),
+                input_bytes=m.get("input_bytes", 0), output_bytes=m.get("output_bytes", 0),
+                activation_bytes=m.get("activation_bytes", 0), gathered_bytes=m.get("gathered_bytes", 0),
+                param_bytes=param_bytes if applied else 0, buffer_bytes=buffer_bytes if applied else 0,
+            ))
+
+    def watch_backward(self, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        tensors = [t for t in iter_tensors(output) if t.requires_grad]
+        if tensors:
+            watch = _BackwardWatch(self, self.output_label)
+            for t in tensors:
+                t.register_hook(watch.on_grad)
+
+
+class MeasuredReplica:
+    """A replica as parallel_apply calls it: inside a dpprof.apply range, measured when recording."""
+
+    __slots__ = ("module", "probe", "label")
+
+    def __init__(self, module: Callable[..., Any], probe: ForwardProbe | None, label: str) -> None:
+        self.module, self.probe, self.label = module, probe, label
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with record_function("dpprof.apply"):
+            probe = self.probe
+            if probe is None:
+                return self.module(*args, **kwargs)
+            with probe.phase("apply", self.label):
+                if torch.is_grad_enabled():
+                    saved = _SavedBytes(_weight_storages(self.module))
+                    with saved_tensors_hooks(saved.pack, _unpack):
+                        output = self.module(*args, **kwargs)
+                    activation_bytes = saved.bytes
+                else:
+                    output = self.module(*args, **kwargs)
+                    activation_bytes = 0
+            probe.note_device(self.label, args, kwargs, output, activation_bytes, self.module)
+            return output

@@ -1,0 +1,133 @@
+"""replicate with torch's meaning on CUDA devices and on CPU workers.
+
+On CPU workers every replica's parameters are differentiable views of the module's
+(so backward sums the replicas' gradients into the module's .grad, sparse ones too),
+replica 0 shares the module's buffers and the other replicas get copies, exactly the
+storage sharing torch's Broadcast gives replica 0 on device_ids[0].
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TypeVar
+
+import torch
+from torch.autograd import Function
+from torch.nn import Module
+from torch.nn.parallel.replicate import _replicatable_module
+from torch.nn.parallel.replicate import replicate as _torch_replicate
+
+from dpprof.parallel.devices import DeviceLike, is_cpu_worker_list
+
+__all__ = ["replicate"]
+
+T = TypeVar("T", bound=Module)
+
+
+class CpuBroadcast(Function):
+    """Hand each of ``num_replicas`` workers a view of every input; backward sums their gradients."""
+
+    @staticmethod
+    def forward(ctx, num_replicas: int, *inputs: torch.Tensor):  # type: ignore[override]
+        ctx.num_inputs = len(inputs)
+        outputs = [t.view_as(t) for _ in range(num_replicas) for t in inputs]
+        frozen = [
+            outputs[j * len(inputs) + i]
+            for i, needs in enumerate(ctx.needs_input_grad[1:])
+            if not needs
+            for j in range(num_replicas)
+        ]
+        ctx.mark_non_differentiable(*frozen)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        n = ctx.num_inputs
+        sums: list[torch.Tensor | None] = []
+        for i in range(n):
+            total = None
+            for g in grads[i::n]:
+                if g is not None:
+                    total = g if total is None else total + g
+            sums.append(total)
+        return (None, *sums)
+
+
+def _cpu_copies(tensors: list[torch.Tensor], num_replicas: int, detach: bool) -> list[list[torch.Tensor]]:
+    """Per-replica lists of parameter-like tensors: views (differentiable unless detach)."""
+    if not tensors:
+        return [[] for _ in range(num_replicas)]
+    if detach:
+        return [[t.detach() for t in tensors] for _ in range(num_replicas)]
+    flat = CpuBroadcast.apply(num_replicas, *tensors)
+    n = len(tensors)
+    return [list(flat[j * n:(j + 1) * n]) for j in range(num_replicas)]
+
+
+def _cpu_buffer_copies(buffers: list[torch.Tensor], num_replicas: int) -> list[list[torch.Tensor]]:
+    """Replica 0 shares each buffer (in-place updates persist); the others get copies, as on GPUs."""
+    return [list(buffers) if j == 0 else [b.detach().clone() for b in buffers] for j in range(num_replicas)]
+
+
+def _cpu_replicate(network: T, num_replicas: int, detach: bool) -> list[T]:
+    params = list(network.parameters())
+    param_indices = {p: i for i, p in enumerate(params)}
+    param_copies = _cpu_copies(params, num_replicas, detach)
+
+    buffers = list(network.buffers())
+    buffers_rg = [b for b in buffers if b.requires_grad and not detach]
+    buffers_not_rg = [b for b in buffers if not (b.requires_grad and not detach)]
+    rg_indices = {b: i for i, b in enumerate(buffers_rg)}
+    not_rg_indices = {b: i for i, b in enumerate(buffers_not_rg)}
+    rg_copies = _cpu_copies(buffers_rg, num_replicas, detach=False)
+    not_rg_copies = _cpu_buffer_copies(buffers_not_rg, num_replicas)
+
+    modules = list(network.modules())
+    module_indices = {m: i for i, m in enumerate(modules)}
+    module_copies: list[list[Module]] = [[] for _ in range(num_replicas)]
+    for module in modules:
+        for j in range(num_replicas):
+            replica = module._replicate_for_data_parallel()
+            replica._former_parameters = OrderedDict()
+            module_copies[j].append(replica)
+
+    for i, module in enumerate(modules):
+        for key, child in module._modules.items():
+            for j in range(num_replicas):
+                if child is None:
+                    module_copies[j][i]._modules[key] = None
+                else:
+                    setattr(module_copies[j][i], key, module_copies[j][module_indices[child]])
+        for key, param in module._parameters.items():
+            for j in range(num_replicas):
+                replica = module_copies[j][i]
+                if param is None:
+                    replica._parameters[key] = None
+                else:
+                    copy = param_copies[j][param_indices[param]]
+                    setattr(replica, key, copy)
+                    replica._former_parameters[key] = copy
+        for key, buf in module._buffers.items():
+            for j in range(num_replicas):
+                replica = module_copies[j][i]
+                if buf is None:
+                    replica._buffers[key] = None
+                elif buf.requires_grad and not detach:
+                    setattr(replica, key, rg_copies[j][rg_indices[buf]])
+                else:
+                    setattr(replica, key, not_rg_copies[j][not_rg_indices[buf]])
+    return [module_copies[j][0] for j in range(num_replicas)]  # type: ignore[misc]
+
+
+def replicate(network: T, devices: Sequence[DeviceLike], detach: bool = False) -> list[T]:
+    """One replica of ``network`` per device; torch's own replicate on CUDA."""
+    if not is_cpu_worker_list(devices):
+        return _torch_replicate(network, devices, detach)
+    if not _replicatable_module(network):
+        raise RuntimeError("Cannot replicate network where python modules are children of ScriptModule")
+    if not devices:
+        return []
+    for t in list(network.parameters()) + list(network.buffers()):
+        if t.device.type != "cpu":
+            raise RuntimeError(f"cannot replicate onto CPU workers: a parameter or buffer is on {t.device}")
+    return _cpu_replicate(network, len(devices), detach)

@@ -1,0 +1,140 @@
+"""scatter, scatter_kwargs and gather with torch's meaning, on CUDA devices and on CPU workers.
+
+CUDA goes to torch.nn.parallel's own functions. CPU workers share one memory, so a
+"copy to device i" is the chunk itself, made contiguous as a device copy would be.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.nn.parallel import scatter_gather as _torch_sg
+
+from dpprof.parallel.devices import DeviceLike, is_cpu_worker_list
+
+__all__ = ["scatter", "scatter_kwargs", "gather", "check_scatter_dim"]
+
+_SCALAR_GATHER_WARNING = (
+    "Was asked to gather along dimension 0, but all input tensors were scalars; "
+    "will instead unsqueeze and return a vector."
+)
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
+
+
+def check_scatter_dim(obj: Any, dim: int) -> None:
+    """Raise IndexError naming the shape if ``dim`` is out of range for any tensor in ``obj``."""
+    if isinstance(obj, torch.Tensor):
+        if not -max(obj.dim(), 1) <= dim < max(obj.dim(), 1) or obj.dim() == 0:
+            raise IndexError(
+                f"cannot scatter along dim={dim}: an input has shape {tuple(obj.shape)} "
+                f"({obj.dim()} dimension(s)); dim must be in [{-obj.dim()}, {obj.dim() - 1}]"
+            )
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            check_scatter_dim(item, dim)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            check_scatter_dim(item, dim)
+
+
+def _cpu_scatter(inputs: Any, target: Sequence[DeviceLike], dim: int) -> Any:
+    n = len(target)
+
+    def scatter_map(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return tuple(chunk.contiguous() for chunk in obj.chunk(n, dim))
+        if _is_namedtuple(obj):
+            return [type(obj)(*args) for args in zip(*map(scatter_map, obj))]
+        if isinstance(obj, tuple) and len(obj) > 0:
+            return list(zip(*map(scatter_map, obj)))
+        if isinstance(obj, list) and len(obj) > 0:
+            return [list(i) for i in zip(*map(scatter_map, obj))]
+        if isinstance(obj, dict) and len(obj) > 0:
+            return [type(obj)(i) for i in zip(*map(scatter_map, obj.items()))]
+        return [obj for _ in target]
+
+    try:
+        return scatter_map(inputs)
+    finally:
+        scatter_map = None  # break the closure's reference cycle, as torch does
+
+
+def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any:
+    """Slice tensors into torch.chunk pieces, one per device; other objects are shared by reference."""
+    check_scatter_dim(inputs, dim)
+    if is_cpu_worker_list(target_gpus):
+        return _cpu_scatter(inputs, target_gpus, dim)
+    return _torch_sg.scatter(inputs, target_gpus, dim)
+
+
+def scatter_kwargs(
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any] | None,
+    target_gpus: Sequence[DeviceLike],
+    dim: int = 0,
+) -> tuple[tuple[Any, ...], tuple[dict[str, Any], ...]]:
+    """Scatter positional and keyword inputs; pad the shorter side with () or {} as torch does."""
+    scattered_inputs = scatter(inputs, target_gpus, dim) if inputs else []
+    scattered_kwargs = scatter(kwargs, target_gpus, dim) if kwargs else []
+    if len(scattered_inputs) < len(scattered_kwargs):
+        scattered_inputs.extend(() for _ in range(len(scattered_kwargs) - len(scattered_inputs)))
+    elif len(scattered_kwargs) < len(inputs):
+        scattered_kwargs.extend({} for _ in range(len(scattered_inputs) - len(scattered_kwargs)))
+    return tuple(scattered_inputs), tuple(scattered_kwargs)
+
+
+def _first_tensor(obj: Any) -> torch.Tensor | None:
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    if isinstance(obj, dict):
+        for item in obj.values():
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _cpu_gather_tensors(tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    if dim == 0 and all(t.dim() == 0 for t in tensors):
+        warnings.warn(_SCALAR_GATHER_WARNING, stacklevel=4)
+        tensors = [t.view(1) for t in tensors]
+    return torch.cat(list(tensors), dim)
+
+
+def _cpu_gather(outputs: Any, dim: int) -> Any:
+    def gather_map(outputs: Any) -> Any:
+        out = outputs[0]
+        if isinstance(out, torch.Tensor):
+            return _cpu_gather_tensors(outputs, dim)
+        if out is None:
+            return None
+        if isinstance(out, dict):
+            if not all(len(out) == len(d) for d in outputs):
+                raise ValueError("All dicts must have the same number of keys")
+            return type(out)((k, gather_map([d[k] for d in outputs])) for k in out)
+        if _is_namedtuple(out):
+            return type(out)._make(map(gather_map, zip(*outputs, strict=True)))
+        return type(out)(map(gather_map, zip(*outputs, strict=True)))
+
+    try:
+        return gather_map(outputs)
+    finally:
+        gather_map = None
+
+
+def gather(outputs: Any, target_device: DeviceLike, dim: int = 0) -> Any:
+    """Concatenate per-device outputs along ``dim`` onto ``target_device``, keeping container types."""
+    first = _first_tensor(outputs)
+    if first is not None and first.device.type == "cpu":
+        return _cpu_gather(outputs, dim)
+    return _torch_sg.gather(outputs, target_device, dim)

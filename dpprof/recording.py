@@ -1,0 +1,237 @@
+"""Recording sessions: ``with dpprof.record(...) as run`` and ``with run.step():``.
+
+A Run owns the clock, the step counter and a sink that receives records. Every
+dpprof DataParallel called while a run is active records into the innermost one.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, fields
+from datetime import datetime, timezone
+from typing import Any, Protocol
+
+import pandas as pd
+import torch
+
+from dpprof.records import AllocatorRecord, DeviceMemoryRecord, PhaseRecord, Record, StepRecord
+
+__all__ = ["Run", "record", "current_run", "MemorySink", "Sink"]
+
+_TABLES: dict[type, str] = {
+    StepRecord: "steps",
+    PhaseRecord: "phases",
+    DeviceMemoryRecord: "memory",
+    AllocatorRecord: "allocator",
+}
+
+_active: list[Run] = []
+_active_lock = threading.Lock()
+
+
+def current_run() -> Run | None:
+    """The innermost active run, or None when nothing is recording."""
+    return _active[-1] if _active else None
+
+
+class Sink(Protocol):
+    def put(self, record: Record) -> None: ...
+    def close(self) -> None: ...
+
+
+class MemorySink:
+    """Keeps records in lists, one per table."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, list[Record]] = {name: [] for name in _TABLES.values()}
+
+    def put(self, record: Record) -> None:
+        self.tables[_TABLES[type(record)]].append(record)  # list.append is atomic under the GIL
+
+    def close(self) -> None:
+        pass
+
+
+class _Step:
+    __slots__ = ("index", "start_ns", "explicit", "calls", "batch_size", "devices_used", "last_end_ns")
+
+    def __init__(self, index: int, start_ns: int, explicit: bool) -> None:
+        self.index = index
+        self.start_ns = start_ns
+        self.explicit = explicit
+        self.calls = 0
+        self.batch_size: int | None = None
+        self.devices_used = 0
+        self.last_end_ns = start_ns
+
+    def touch(self, end_ns: int) -> None:
+        if end_ns > self.last_end_ns:
+            self.last_end_ns = end_ns
+
+
+class Run:
+    """One recording: metadata, a clock, steps, and the sink its records go to."""
+
+    def __init__(self, name: str | None = None, reports_dir: str | os.PathLike[str] = "reports",
+                 sync_timing: bool = False, sink: Sink | None = None) -> None:
+        now = datetime.now(timezone.utc)
+        self.id = f"{now:%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
+        self.name = name or self.id
+        self.reports_dir = os.fspath(reports_dir)
+        self.sync_timing = sync_timing
+        self.created_at = now
+        self.ended_at: datetime | None = None
+        self.status = "running"
+        self.error: str | None = None
+        self.host = socket.gethostname()
+        self.pid = os.getpid()
+        self.torch_version = torch.__version__
+        self.cuda_version = torch.version.cuda
+        self.devices: list[str] = []  # every device that recorded, in first-seen order
+        self.sink: Sink = sink if sink is not None else MemorySink()
+        self._t0_ns = time.perf_counter_ns()
+        self._lock = threading.Lock()
+        self._next_step = 0
+        self._explicit: _Step | None = None
+        self._implicit: _Step | None = None
+        self._pending: list[Any] = []  # CUDA timings whose events have not completed yet
+
+    # clock
+    def ms(self, t_ns: int) -> float:
+        """A perf_counter_ns reading as milliseconds since the run started."""
+        return (t_ns - self._t0_ns) / 1e6
+
+    # records
+    def emit(self, record: Record) -> None:
+        self.sink.put(record)
+
+    def note_devices(self, labels: list[str]) -> None:
+        for label in labels:
+            if label not in self.devices:
+                self.devices.append(label)
+
+    @property
+    def backend(self) -> str | None:
+        kinds = {d.split(":")[0] for d in self.devices}
+        return kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else None)
+
+    # steps
+    def _new_step(self, explicit: bool) -> _Step:
+        step = _Step(self._next_step, time.perf_counter_ns(), explicit)
+        self._next_step += 1
+        return step
+
+    def _close_step(self, step: _Step, end_ns: int) -> None:
+        self.resolve_pending(block=False)
+        self.emit(StepRecord(
+            step=step.index, start_ms=self.ms(step.start_ns), duration_ms=(end_ns - step.start_ns) / 1e6,
+            batch_size=step.batch_size, devices_used=step.devices_used, forward_calls=step.calls,
+            explicit=step.explicit,
+        ))
+
+    @contextmanager
+    def step(self) -> Iterator[int]:
+        """Mark one training step (forward, loss, backward, optimizer); yields its index."""
+        with self._lock:
+            if self._explicit is not None:
+                raise RuntimeError("run.step() blocks cannot be nested")
+            self._flush_implicit()
+            step = self._explicit = self._new_step(explicit=True)
+        try:
+            yield step.index
+        finally:
+            with self._lock:
+                self._explicit = None
+            self._close_step(step, time.perf_counter_ns())
+
+    def step_for_forward(self) -> _Step:
+        """The step a forward call belongs to: the open run.step(), or a new implicit one."""
+        with self._lock:
+            if self._explicit is not None:
+                step = self._explicit
+            else:
+                self._flush_implicit()
+                step = self._implicit = self._new_step(explicit=False)
+            step.calls += 1
+            return step
+
+    def _flush_implicit(self) -> None:
+        if self._implicit is not None:
+            step, self._implicit = self._implicit, None
+            self._close_step(step, step.last_end_ns)
+
+    # CUDA timings that complete after the step
+    def defer(self, pending: Any) -> None:
+        self._pending.append(pending)
+
+    def resolve_pending(self, block: bool) -> None:
+        still = []
+        for item in self._pending:
+            if not item.try_emit(self, block):
+                still.append(item)
+        self._pending = still
+
+    # lifecycle
+    def close(self, status: str = "finished", error: str | None = None) -> None:
+        with self._lock:
+            self._flush_implicit()
+        self.resolve_pending(block=True)
+        self.status = status
+        self.error = error
+        self.ended_at = datetime.now(timezone.utc)
+        self.sink.close()
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "name": self.name, "created_at": self.created_at.isoformat(),
+            "ended_at": self.ended_at.isoformat() if self.ended_at else None, "host": self.host,
+            "pid": self.pid, "torch_version": self.torch_version, "cuda_version": self.cuda_version,
+            "backend": self.backend, "devices": list(self.devices), "status": self.status, "error": self.error,
+        }
+
+    def frames(self) -> dict[str, pd.DataFrame]:
+        """The records held by an in-memory sink, as one DataFrame per table."""
+        if not isinstance(self.sink, MemorySink):
+            raise TypeError("frames() reads an in-memory run; load a stored run with dpprof.load_run")
+        out = {}
+        for cls, table in _TABLES.items():
+            rows = self.sink.tables[table]
+            columns = [f.name for f in fields(cls)]
+            out[table] = pd.DataFrame([asdict(r) for r in rows], columns=columns)
+        return out
+
+
+@contextmanager
+def record(name: str | None = None, reports_dir: str | os.PathLike[str] = "reports",
+           sync_timing: bool = False) -> Iterator[Run]:
+    """Record every dpprof DataParallel call made inside the block into one run.
+
+    Args:
+        name: a name for the run (default: its id).
+        reports_dir: where runs are kept.
+        sync_timing: on CUDA, synchronize at each phase end so host times equal device times.
+
+    Example:
+        >>> with dpprof.record(name="baseline") as run:
+        ...     for x, y in loader:
+        ...         with run.step():
+        ...             loss = criterion(net(x), y); loss.backward(); opt.step()
+    """
+    run = Run(name=name, reports_dir=reports_dir, sync_timing=sync_timing)
+    with _active_lock:
+        _active.append(run)
+    try:
+        yield run
+    except BaseException as err:
+        run.close(status="failed", error=f"{type(err).__name__}: {err}")
+        raise
+    else:
+        run.close(status="finished")
+    finally:
+        with _active_lock:
+            _active.remove(run)
