@@ -107,7 +107,7 @@ class DataParallel(torch.nn.DataParallel):
             devices = self.__dict__["_devices"]
             labels = devices.labels if devices is not None else [_HOST_LABEL]
             out_label = self._label(self.output_device) if devices is not None else _HOST_LABEL
-            probe = ForwardProbe(run, labels, out_label, self.dim)
+            probe = ForwardProbe(run, labels, out_label, getattr(self, "dim", 0))  # torch sets no dim without devices
             self.__dict__["_probe"] = probe
             try:
                 output = self._forward(inputs, kwargs)

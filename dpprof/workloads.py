@@ -1,0 +1,128 @@
+"""Built-in workloads: the DataParallel tutorial's models on synthetic data of the real shapes."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpprof.parallel import DataParallel
+from dpprof.parallel.devices import DeviceLike
+from dpprof.recording import Run, record
+
+__all__ = ["Workload", "WORKLOADS", "build_workload", "train", "TutorialLinear", "CifarNet"]
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class TutorialLinear(nn.Module):
+    """The DataParallel tutorial's model: one Linear(5, 2)."""
+
+    def __init__(self, input_size: int = 5, output_size: int = 2) -> None:
+        super().__init__()
+        self.fc = nn.Linear(input_size, output_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+class CifarNet(nn.Module):
+    """The 60-minute blitz's CIFAR-10 Net: conv 3→6 5x5, pool, conv 6→16 5x5, fc 400→120→84→10."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 6, 5)
+        self.pool = nn.MaxPool2d(2, 2)
+        self.conv2 = nn.Conv2d(6, 16, 5)
+        self.fc1 = nn.Linear(16 * 5 * 5, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(F.relu(self.conv1(x)))
+        x = self.pool(F.relu(self.conv2(x)))
+        x = torch.flatten(x, 1)
+        x = F.relu(self.fc1(x))
+        x = F.relu(self.fc2(x))
+        return self.fc3(x)
+
+
+@dataclass
+class Workload:
+    """A model, its loss, and an endless stream of batches."""
+
+    name: str
+    model: nn.Module
+    criterion: nn.Module
+    batches: Callable[[], Iterator[Batch]]
+    batch_size: int
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+def _tutorial_linear(batch_size: int | None, seed: int) -> Workload:
+    batch_size = batch_size or 30
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randn(100, 5, generator=gen)  # the tutorial's RandomDataset(5, 100)
+    target = torch.randn(100, 2, generator=gen)
+
+    def batches() -> Iterator[Batch]:
+        while True:  # epochs of 100 samples: 30, 30, 30, 10 at the tutorial's batch size
+            order = torch.randperm(100, generator=gen)
+            for start in range(0, 100, batch_size):
+                idx = order[start:start + batch_size]
+                yield data[idx], target[idx]
+
+    return Workload("tutorial-linear", TutorialLinear(), nn.MSELoss(), batches, batch_size,
+                    {"batch_size": batch_size, "samples": 100})
+
+
+def _cifar_lenet(batch_size: int | None, seed: int) -> Workload:
+    batch_size = batch_size or 256
+    gen = torch.Generator().manual_seed(seed)
+
+    def batches() -> Iterator[Batch]:
+        while True:  # synthetic CIFAR-10: 3x32x32 images in [-1, 1], labels 0..9
+            yield (torch.rand(batch_size, 3, 32, 32, generator=gen) * 2 - 1,
+                   torch.randint(0, 10, (batch_size,), generator=gen))
+
+    return Workload("cifar-lenet", CifarNet(), nn.CrossEntropyLoss(), batches, batch_size,
+                    {"batch_size": batch_size, "data": "synthetic"})
+
+
+WORKLOADS: dict[str, Callable[[int | None, int], Workload]] = {
+    "tutorial-linear": _tutorial_linear,
+    "cifar-lenet": _cifar_lenet,
+}
+
+
+def build_workload(name: str, batch_size: int | None = None, seed: int = 0) -> Workload:
+    """A built-in workload by name (see WORKLOADS)."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch size must be positive, got {batch_size}")
+    torch.manual_seed(seed)
+    return WORKLOADS[name](batch_size, seed)
+
+
+def train(workload: Workload, device_ids: Sequence[DeviceLike], steps: int, name: str | None = None,
+          reports_dir: str = "reports", progress: Callable[[Iterator[int]], Iterator[int]] | None = None) -> Run:
+    """Train ``workload`` for ``steps`` steps under dpprof.DataParallel and record it; returns the run."""
+    net = DataParallel(workload.model, device_ids=device_ids)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    batches = workload.batches()
+    step_ids: Iterator[int] = iter(range(steps))
+    if progress is not None:
+        step_ids = progress(step_ids)
+    with record(name=name or workload.name, reports_dir=reports_dir) as run:
+        for _ in step_ids:
+            inputs, target = next(batches)
+            with run.step():
+                optimizer.zero_grad(set_to_none=True)
+                loss = workload.criterion(net(inputs), target)
+                loss.backward()
+                optimizer.step()
+    return run

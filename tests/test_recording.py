@@ -1,0 +1,154 @@
+"""What a recorded run holds: phases, steps, chunk sizes and bytes, profiler ranges."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+import dpprof
+from dpprof.records import PHASES
+
+
+def _linear_net(workers: int) -> dpprof.DataParallel:
+    torch.manual_seed(0)
+    return dpprof.DataParallel(nn.Linear(5, 2), device_ids=dpprof.cpu_devices(workers))
+
+
+@pytest.mark.parametrize("batch, workers, chunks", [
+    (30, 3, [10, 10, 10]),  # the tutorial on 3 GPUs
+    (10, 3, [4, 4, 2]),
+    (10, 8, [2, 2, 2, 2, 2]),  # only 5 of 8 devices get a chunk
+    (5, 4, [2, 2, 1]),
+])
+def test_chunk_sizes_and_bytes_are_recorded_per_device(batch, workers, chunks):
+    net = _linear_net(workers)
+    with dpprof.record(name="chunks") as run:
+        net(torch.randn(batch, 5)).sum().backward()
+    frames = run.frames()
+    mem = frames["memory"].set_index("device").sort_index()
+    assert mem["chunk_size"].tolist() == chunks
+    assert mem["input_bytes"].tolist() == [c * 5 * 4 for c in chunks]
+    assert mem["output_bytes"].tolist() == [c * 2 * 4 for c in chunks]
+    # Linear saves its input chunk for the weight gradient; the weight itself is not an activation
+    assert mem["activation_bytes"].tolist() == [c * 5 * 4 for c in chunks]
+    assert mem["param_bytes"].tolist() == [(5 * 2 + 2) * 4] * len(chunks)
+    assert mem.loc["cpu:0", "gathered_bytes"] == batch * 2 * 4
+    assert mem["gathered_bytes"].iloc[1:].eq(0).all()
+    step = frames["steps"].iloc[0]
+    assert (step["batch_size"], step["devices_used"], step["forward_calls"]) == (batch, len(chunks), 1)
+
+
+def test_every_phase_is_recorded_once_per_step_and_nested_in_time():
+    net = _linear_net(2)
+    with dpprof.record(name="phases") as run:
+        for _ in range(3):
+            with run.step():
+                net(torch.randn(8, 5)).sum().backward()
+    phases = run.frames()["phases"]
+    counts = phases.groupby(["step", "phase"]).size().unstack()
+    assert set(counts.columns) == set(PHASES)
+    assert (counts["apply"] == 2).all() and (counts.drop(columns="apply") == 1).all().all()
+    for _, step in phases.groupby("step"):
+        by = {p: r for p, r in step.groupby("phase")}
+        pa = by["parallel_apply"].iloc[0]
+        for _, apply in by["apply"].iterrows():  # each replica's apply lies inside parallel_apply
+            assert pa.start_ms <= apply.start_ms
+            assert apply.start_ms + apply.duration_ms <= pa.start_ms + pa.duration_ms + 1e-3
+        order = [by[p].iloc[0].start_ms for p in ("scatter", "replicate", "parallel_apply", "gather", "backward")]
+        assert order == sorted(order)
+    steps = run.frames()["steps"]
+    assert steps["explicit"].all() and steps["step"].tolist() == [0, 1, 2]
+    assert phases["device_duration_ms"].isna().all()  # no CUDA events on CPU workers
+
+
+def test_without_run_step_each_forward_starts_a_step():
+    net = _linear_net(2)
+    with dpprof.record(name="implicit") as run:
+        for _ in range(4):
+            net(torch.randn(6, 5)).sum().backward()
+    frames = run.frames()
+    assert frames["steps"]["step"].tolist() == [0, 1, 2, 3]
+    assert not frames["steps"]["explicit"].any()
+    assert frames["phases"].query("phase == 'backward'")["step"].tolist() == [0, 1, 2, 3]
+    # an implicit step spans its forward and its backward
+    for _, s in frames["steps"].iterrows():
+        bw = frames["phases"].query("phase == 'backward' and step == @s.step").iloc[0]
+        assert s.start_ms + s.duration_ms >= bw.start_ms + bw.duration_ms - 1e-3
+
+
+def test_two_forward_calls_in_one_step_are_two_calls():
+    net = _linear_net(2)
+    with dpprof.record(name="two calls") as run:
+        with run.step():
+            (net(torch.randn(4, 5)).sum() + net(torch.randn(6, 5)).sum()).backward()
+    frames = run.frames()
+    assert frames["steps"].iloc[0][["batch_size", "forward_calls"]].tolist() == [10, 2]
+    assert sorted(frames["memory"]["call"].unique().tolist()) == [0, 1]
+
+
+def test_no_grad_forward_records_no_backward_and_no_activations():
+    net = _linear_net(2)
+    with dpprof.record(name="eval") as run, torch.no_grad():
+        net(torch.randn(8, 5))
+    frames = run.frames()
+    assert "backward" not in set(frames["phases"]["phase"])
+    assert frames["memory"]["activation_bytes"].eq(0).all()
+
+
+def test_one_device_and_no_device_paths_still_record_an_apply():
+    torch.manual_seed(0)
+    one = dpprof.DataParallel(nn.Linear(5, 2), device_ids=["cpu:0"])
+    plain = dpprof.DataParallel(nn.Linear(5, 2))  # no GPU here: torch runs the module directly
+    assert plain.device_ids == []
+    with dpprof.record(name="single") as run:
+        one(torch.randn(4, 5)).sum().backward()
+        plain(torch.randn(3, 5)).sum().backward()
+    phases = run.frames()["phases"]
+    assert phases.query("step == 0")["phase"].tolist().count("apply") == 1
+    assert set(phases.query("step == 1")["phase"]) == {"apply", "backward"}
+    mem = run.frames()["memory"]
+    assert mem["chunk_size"].iloc[0] == 4 and mem["device"].tolist() == ["cpu:0", "cpu:0"]
+
+
+def test_a_failing_step_closes_the_run_as_failed():
+    net = _linear_net(2)
+    with pytest.raises(ValueError, match="boom"):
+        with dpprof.record(name="crash") as run:
+            net(torch.randn(4, 5)).sum().backward()
+            raise ValueError("boom")
+    assert run.status == "failed" and "boom" in run.error
+    assert len(run.frames()["steps"]) == 1  # the step before the crash is kept
+    assert dpprof.current_run() is None
+
+
+def _all_threads_profile():
+    # the profiler is thread-local: worker threads (torch's on CUDA, dpprof's on CPU) show with this
+    return profile(activities=[ProfilerActivity.CPU],
+                   experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True))
+
+
+def test_ranges_appear_in_a_torch_profiler_trace():
+    net = _linear_net(2)
+    with _all_threads_profile() as prof:
+        net(torch.randn(8, 5)).sum().backward()
+    names = {e.name for e in prof.events()}
+    for phase in ("scatter", "replicate", "parallel_apply", "apply", "gather"):
+        assert f"dpprof.{phase}" in names
+    # backward is timed only while recording
+    with dpprof.record(name="trace"), _all_threads_profile() as prof:
+        net(torch.randn(8, 5)).sum().backward()
+    assert "dpprof.backward" in {e.name for e in prof.events()}
+    applies = [e for e in prof.events() if e.name == "dpprof.apply"]
+    assert len(applies) == 2
+
+
+def test_activation_bytes_follow_the_model_not_the_weights():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3))
+    net = dpprof.DataParallel(model, device_ids=dpprof.cpu_devices(2))
+    with dpprof.record(name="acts") as run:
+        net(torch.randn(8, 5)).sum().backward()
+    mem = run.frames()["memory"].set_index("device")
+    # per replica of 4 samples: Linear1 saves its input (4x5), ReLU its output (4x16) which Linear2 reuses
+    assert mem["activation_bytes"].tolist() == [(4 * 5 + 4 * 16) * 4] * 2
