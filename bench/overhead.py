@@ -28,7 +28,7 @@ def _steps(net, workload, optimizer, batches, n, run=None):
         t0 = time.perf_counter()
         with run.step() if run is not None else nullcontext():
             optimizer.zero_grad(set_to_none=True)
-            workload.criterion(net(x), y).backward()
+            workload.criterion(net(*x), y).backward()
             optimizer.step()
         times.append(time.perf_counter() - t0)
     return times

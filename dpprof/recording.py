@@ -19,16 +19,12 @@ from typing import Any, Protocol
 import pandas as pd
 import torch
 
-from dpprof.records import AllocatorRecord, DeviceMemoryRecord, PhaseRecord, Record, StepRecord
+from dpprof.records import TABLE_OF, Record, StepRecord
+from dpprof.store.reader import RUN_SUFFIX, load_run
+from dpprof.store.reader import reports_dir as resolve_reports_dir
+from dpprof.store.writer import SqliteSink
 
 __all__ = ["Run", "record", "current_run", "MemorySink", "Sink"]
-
-_TABLES: dict[type, str] = {
-    StepRecord: "steps",
-    PhaseRecord: "phases",
-    DeviceMemoryRecord: "memory",
-    AllocatorRecord: "allocator",
-}
 
 _active: list[Run] = []
 _active_lock = threading.Lock()
@@ -41,17 +37,21 @@ def current_run() -> Run | None:
 
 class Sink(Protocol):
     def put(self, record: Record) -> None: ...
+    def update_run(self, **values: Any) -> None: ...
     def close(self) -> None: ...
 
 
 class MemorySink:
-    """Keeps records in lists, one per table."""
+    """Keeps records in lists, one per table (for runs that are not to be stored)."""
 
     def __init__(self) -> None:
-        self.tables: dict[str, list[Record]] = {name: [] for name in _TABLES.values()}
+        self.tables: dict[str, list[Record]] = {name: [] for name in TABLE_OF.values()}
 
     def put(self, record: Record) -> None:
-        self.tables[_TABLES[type(record)]].append(record)  # list.append is atomic under the GIL
+        self.tables[TABLE_OF[type(record)]].append(record)  # list.append is atomic under the GIL
+
+    def update_run(self, **values: Any) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -77,12 +77,14 @@ class _Step:
 class Run:
     """One recording: metadata, a clock, steps, and the sink its records go to."""
 
-    def __init__(self, name: str | None = None, reports_dir: str | os.PathLike[str] = "reports",
-                 sync_timing: bool = False, sink: Sink | None = None) -> None:
+    def __init__(self, name: str | None = None, reports_dir: str | os.PathLike[str] | None = None,
+                 sync_timing: bool = False, workload: str | None = None,
+                 workload_args: dict[str, Any] | None = None, store: bool = True) -> None:
         now = datetime.now(timezone.utc)
         self.id = f"{now:%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
         self.name = name or self.id
-        self.reports_dir = os.fspath(reports_dir)
+        self.workload = workload
+        self.workload_args = dict(workload_args or {})
         self.sync_timing = sync_timing
         self.created_at = now
         self.ended_at: datetime | None = None
@@ -93,7 +95,15 @@ class Run:
         self.torch_version = torch.__version__
         self.cuda_version = torch.version.cuda
         self.devices: list[str] = []  # every device that recorded, in first-seen order
-        self.sink: Sink = sink if sink is not None else MemorySink()
+        self.path: str | None = None
+        self.sink: Sink
+        if store:
+            directory = resolve_reports_dir(reports_dir)
+            directory.mkdir(parents=True, exist_ok=True)
+            self.path = str(directory / f"{self.id}{RUN_SUFFIX}")
+            self.sink = SqliteSink(self.path, self.metadata())
+        else:
+            self.sink = MemorySink()
         self._t0_ns = time.perf_counter_ns()
         self._lock = threading.Lock()
         self._next_step = 0
@@ -111,9 +121,10 @@ class Run:
         self.sink.put(record)
 
     def note_devices(self, labels: list[str]) -> None:
-        for label in labels:
-            if label not in self.devices:
-                self.devices.append(label)
+        new = [label for label in labels if label not in self.devices]
+        if new:
+            self.devices.extend(new)
+            self.sink.update_run(devices=list(self.devices), backend=self.backend)
 
     @property
     def backend(self) -> str | None:
@@ -184,6 +195,7 @@ class Run:
         self.status = status
         self.error = error
         self.ended_at = datetime.now(timezone.utc)
+        self.sink.update_run(status=status, error=error, ended_at=self.ended_at.isoformat())
         self.sink.close()
 
     def metadata(self) -> dict[str, Any]:
@@ -192,14 +204,17 @@ class Run:
             "ended_at": self.ended_at.isoformat() if self.ended_at else None, "host": self.host,
             "pid": self.pid, "torch_version": self.torch_version, "cuda_version": self.cuda_version,
             "backend": self.backend, "devices": list(self.devices), "status": self.status, "error": self.error,
+            "workload": self.workload, "workload_args": self.workload_args,
         }
 
     def frames(self) -> dict[str, pd.DataFrame]:
-        """The records held by an in-memory sink, as one DataFrame per table."""
+        """The run's records as one DataFrame per table (read back from its file once it is closed)."""
         if not isinstance(self.sink, MemorySink):
-            raise TypeError("frames() reads an in-memory run; load a stored run with dpprof.load_run")
+            if self.ended_at is None:
+                raise RuntimeError("the run is still recording; read it after the with block")
+            return load_run(self.path).frames()
         out = {}
-        for cls, table in _TABLES.items():
+        for cls, table in TABLE_OF.items():
             rows = self.sink.tables[table]
             columns = [f.name for f in fields(cls)]
             out[table] = pd.DataFrame([asdict(r) for r in rows], columns=columns)
@@ -207,14 +222,17 @@ class Run:
 
 
 @contextmanager
-def record(name: str | None = None, reports_dir: str | os.PathLike[str] = "reports",
-           sync_timing: bool = False) -> Iterator[Run]:
+def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None = None,
+           sync_timing: bool = False, workload: str | None = None,
+           workload_args: dict[str, Any] | None = None, store: bool = True) -> Iterator[Run]:
     """Record every dpprof DataParallel call made inside the block into one run.
 
     Args:
         name: a name for the run (default: its id).
-        reports_dir: where runs are kept.
+        reports_dir: where the run file goes (default: $DPPROF_REPORTS, else ./reports).
         sync_timing: on CUDA, synchronize at each phase end so host times equal device times.
+        workload: what is being trained, and workload_args its settings, stored with the run.
+        store: False keeps the records in memory only (run.frames() still works).
 
     Example:
         >>> with dpprof.record(name="baseline") as run:
@@ -222,7 +240,8 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] = "repor
         ...         with run.step():
         ...             loss = criterion(net(x), y); loss.backward(); opt.step()
     """
-    run = Run(name=name, reports_dir=reports_dir, sync_timing=sync_timing)
+    run = Run(name=name, reports_dir=reports_dir, sync_timing=sync_timing, workload=workload,
+              workload_args=workload_args, store=store)
     with _active_lock:
         _active.append(run)
     try:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PHASES", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "Record"]
+__all__ = ["PHASES", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "Record", "TABLE_OF"]
 
 # Phase names, in the order a step runs them; record_function ranges are "dpprof.<phase>".
 PHASES = ("scatter", "replicate", "parallel_apply", "apply", "gather", "backward")
@@ -65,3 +65,11 @@ class AllocatorRecord:
 
 
 Record = StepRecord | PhaseRecord | DeviceMemoryRecord | AllocatorRecord
+
+# Record type -> the run table that holds it.
+TABLE_OF: dict[type, str] = {
+    StepRecord: "steps",
+    PhaseRecord: "phases",
+    DeviceMemoryRecord: "memory",
+    AllocatorRecord: "allocator",
+}

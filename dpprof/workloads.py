@@ -13,9 +13,10 @@ from dpprof.parallel import DataParallel
 from dpprof.parallel.devices import DeviceLike
 from dpprof.recording import Run, record
 
-__all__ = ["Workload", "WORKLOADS", "build_workload", "train", "TutorialLinear", "CifarNet"]
+__all__ = ["Workload", "WORKLOADS", "build_workload", "user_workload", "train", "TutorialLinear", "CifarNet",
+           "SortedGRU"]
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[tuple[Any, ...], torch.Tensor]  # (positional inputs of the model, target)
 
 
 class TutorialLinear(nn.Module):
@@ -50,9 +51,28 @@ class CifarNet(nn.Module):
         return self.fc3(x)
 
 
+class SortedGRU(nn.Module):
+    """A GRU classifier over padded variable-length sequences; each replica trims to its own longest.
+
+    Batches come sorted by length, as length-bucketing loaders make them, so torch.chunk hands
+    the last device the longest sequences: a straggler by nature, on GPUs and CPU workers alike.
+    """
+
+    def __init__(self, features: int = 32, hidden: int = 64, classes: int = 10) -> None:
+        super().__init__()
+        self.gru = nn.GRU(features, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        x = x[:, : int(lengths.max())]  # this chunk's longest sequence, not the batch's
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+        _, h = self.gru(packed)
+        return self.head(h[-1])
+
+
 @dataclass
 class Workload:
-    """A model, its loss, and an endless stream of batches."""
+    """A model, its loss, and an endless stream of (inputs, target) batches; the model takes *inputs."""
 
     name: str
     model: nn.Module
@@ -73,7 +93,7 @@ def _tutorial_linear(batch_size: int | None, seed: int) -> Workload:
             order = torch.randperm(100, generator=gen)
             for start in range(0, 100, batch_size):
                 idx = order[start:start + batch_size]
-                yield data[idx], target[idx]
+                yield (data[idx],), target[idx]
 
     return Workload("tutorial-linear", TutorialLinear(), nn.MSELoss(), batches, batch_size,
                     {"batch_size": batch_size, "samples": 100})
@@ -85,17 +105,71 @@ def _cifar_lenet(batch_size: int | None, seed: int) -> Workload:
 
     def batches() -> Iterator[Batch]:
         while True:  # synthetic CIFAR-10: 3x32x32 images in [-1, 1], labels 0..9
-            yield (torch.rand(batch_size, 3, 32, 32, generator=gen) * 2 - 1,
+            yield ((torch.rand(batch_size, 3, 32, 32, generator=gen) * 2 - 1,),
                    torch.randint(0, 10, (batch_size,), generator=gen))
 
     return Workload("cifar-lenet", CifarNet(), nn.CrossEntropyLoss(), batches, batch_size,
                     {"batch_size": batch_size, "data": "synthetic"})
 
 
+def _sorted_gru(batch_size: int | None, seed: int) -> Workload:
+    batch_size = batch_size or 64
+    gen = torch.Generator().manual_seed(seed)
+    max_len, features = 128, 32
+
+    def batches() -> Iterator[Batch]:
+        while True:  # lengths 8..128, sorted ascending within the batch
+            lengths = torch.randint(8, max_len + 1, (batch_size,), generator=gen).sort().values
+            x = torch.randn(batch_size, max_len, features, generator=gen)
+            yield (x, lengths), torch.randint(0, 10, (batch_size,), generator=gen)
+
+    return Workload("sorted-gru", SortedGRU(features), nn.CrossEntropyLoss(), batches, batch_size,
+                    {"batch_size": batch_size, "lengths": f"8..{max_len}, sorted"})
+
+
 WORKLOADS: dict[str, Callable[[int | None, int], Workload]] = {
     "tutorial-linear": _tutorial_linear,
     "cifar-lenet": _cifar_lenet,
+    "sorted-gru": _sorted_gru,
 }
+
+
+class _SquaredOutput(nn.Module):
+    """Loss for a user's model on random inputs: the mean square of every output tensor."""
+
+    def forward(self, output: Any, target: Any = None) -> torch.Tensor:
+        from dpprof.parallel.probe import iter_tensors
+        return sum(t.float().pow(2).mean() for t in iter_tensors(output) if t.is_floating_point())
+
+
+def user_workload(spec: str, input_shape: Sequence[int], batch_size: int | None = None,
+                  seed: int = 0) -> Workload:
+    """A user's model from ``package.module:factory``, trained on random inputs of (batch, *input_shape)."""
+    import importlib
+
+    module_name, _, factory_name = spec.partition(":")
+    if not module_name or not factory_name:
+        raise ValueError(f"--model takes package.module:factory, got {spec!r}")
+    try:
+        factory = getattr(importlib.import_module(module_name), factory_name)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"cannot load model factory {spec!r}: {err}") from None
+    if not input_shape or any(d < 1 for d in input_shape):
+        raise ValueError(f"--input-shape needs positive sizes, got {list(input_shape)}")
+    torch.manual_seed(seed)
+    model = factory()
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module")
+    batch_size = batch_size or 32
+    gen = torch.Generator().manual_seed(seed)
+    shape = (batch_size, *input_shape)
+
+    def batches() -> Iterator[Batch]:
+        while True:
+            yield (torch.randn(shape, generator=gen),), torch.zeros(batch_size)
+
+    return Workload(spec, model, _SquaredOutput(), batches, batch_size,
+                    {"batch_size": batch_size, "input_shape": list(input_shape), "loss": "mean square of outputs"})
 
 
 def build_workload(name: str, batch_size: int | None = None, seed: int = 0) -> Workload:
@@ -109,7 +183,7 @@ def build_workload(name: str, batch_size: int | None = None, seed: int = 0) -> W
 
 
 def train(workload: Workload, device_ids: Sequence[DeviceLike], steps: int, name: str | None = None,
-          reports_dir: str = "reports", progress: Callable[[Iterator[int]], Iterator[int]] | None = None) -> Run:
+          reports_dir: str | None = None, progress: Callable[[Iterator[int]], Iterator[int]] | None = None) -> Run:
     """Train ``workload`` for ``steps`` steps under dpprof.DataParallel and record it; returns the run."""
     net = DataParallel(workload.model, device_ids=device_ids)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
@@ -117,12 +191,13 @@ def train(workload: Workload, device_ids: Sequence[DeviceLike], steps: int, name
     step_ids: Iterator[int] = iter(range(steps))
     if progress is not None:
         step_ids = progress(step_ids)
-    with record(name=name or workload.name, reports_dir=reports_dir) as run:
+    with record(name=name or workload.name, reports_dir=reports_dir, workload=workload.name,
+                workload_args={**workload.args, "devices": [str(d) for d in device_ids], "steps": steps}) as run:
         for _ in step_ids:
             inputs, target = next(batches)
             with run.step():
                 optimizer.zero_grad(set_to_none=True)
-                loss = workload.criterion(net(inputs), target)
+                loss = workload.criterion(net(*inputs), target)
                 loss.backward()
                 optimizer.step()
     return run

@@ -70,6 +70,17 @@ def _cpu_buffer_copies(buffers: list[torch.Tensor], num_replicas: int) -> list[l
 
 
 def _cpu_replicate(network: T, num_replicas: int, detach: bool) -> list[T]:
+    # Copy the modules first: a lazy module refuses here with torch's RuntimeError, before
+    # any uninitialized parameter is touched.
+    modules = list(network.modules())
+    module_indices = {m: i for i, m in enumerate(modules)}
+    module_copies: list[list[Module]] = [[] for _ in range(num_replicas)]
+    for module in modules:
+        for j in range(num_replicas):
+            replica = module._replicate_for_data_parallel()
+            replica._former_parameters = OrderedDict()
+            module_copies[j].append(replica)
+
     params = list(network.parameters())
     param_indices = {p: i for i, p in enumerate(params)}
     param_copies = _cpu_copies(params, num_replicas, detach)
@@ -81,15 +92,6 @@ def _cpu_replicate(network: T, num_replicas: int, detach: bool) -> list[T]:
     not_rg_indices = {b: i for i, b in enumerate(buffers_not_rg)}
     rg_copies = _cpu_copies(buffers_rg, num_replicas, detach=False)
     not_rg_copies = _cpu_buffer_copies(buffers_not_rg, num_replicas)
-
-    modules = list(network.modules())
-    module_indices = {m: i for i, m in enumerate(modules)}
-    module_copies: list[list[Module]] = [[] for _ in range(num_replicas)]
-    for module in modules:
-        for j in range(num_replicas):
-            replica = module._replicate_for_data_parallel()
-            replica._former_parameters = OrderedDict()
-            module_copies[j].append(replica)
 
     for i, module in enumerate(modules):
         for key, child in module._modules.items():

@@ -1,0 +1,6 @@
+"""python -m dpprof: the dpprof command."""
+import sys
+
+from dpprof.cli import main
+
+sys.exit(main())
