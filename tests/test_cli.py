@@ -1,0 +1,102 @@
+"""The dpprof command end to end on CPU workers: profile, runs, show, export, exit codes."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+import dpprof
+from dpprof.cli import main
+
+
+def _profile(*extra):
+    return main(["profile", "tutorial-linear", "--steps", "6", "--devices", "cpu:3", "--quiet", *extra])
+
+
+@pytest.mark.parametrize("command", [[], ["profile"], ["runs"], ["show"], ["export"]])
+def test_help_on_every_command(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--help"])
+    assert exit_.value.code == 0
+    assert "usage: dpprof" in capsys.readouterr().out
+
+
+def test_profile_records_a_run_that_runs_and_show_describe(capsys):
+    assert _profile("--name", "cli run") == 0
+    runs = dpprof.list_runs()
+    assert runs[["name", "status", "workload", "steps", "devices"]].values.tolist() == [
+        ["cli run", "finished", "tutorial-linear", 6, "cpu:0,cpu:1,cpu:2"]]
+    run_id = runs.loc[0, "id"]
+    capsys.readouterr()
+    assert main(["runs"]) == 0
+    assert run_id in capsys.readouterr().out
+    assert main(["show", run_id]) == 0
+    out = capsys.readouterr().out
+    assert "6 steps" in out and "apply_mean_ms" in out
+    for device in ("cpu:0", "cpu:1", "cpu:2"):
+        assert device in out
+    stored = dpprof.load_run(run_id)
+    # the tutorial's batches of 30 over 100 samples: 30, 30, 30, 10, 30, 30
+    assert stored.steps["batch_size"].tolist() == [30, 30, 30, 10, 30, 30]
+    assert stored.meta["workload_args"]["batch_size"] == 30
+
+
+def test_export_writes_every_table_with_the_runs_values(tmp_path):
+    assert _profile() == 0
+    run = dpprof.load_run(dpprof.list_runs().loc[0, "id"])
+    out = tmp_path / "csv"
+    assert main(["export", run.id, "--out", str(out)]) == 0
+    phases = pd.read_csv(out / "phases.csv")
+    assert list(phases.columns) == ["step", "call", "phase", "device", "start_ms", "duration_ms",
+                                    "device_duration_ms"]
+    pd.testing.assert_series_equal(phases["duration_ms"], run.phases["duration_ms"])
+    memory = pd.read_csv(out / "memory.csv")
+    assert memory["chunk_size"].tolist() == run.memory["chunk_size"].tolist()
+    summary = pd.read_csv(out / "device_summary.csv").set_index("device")
+    assert list(summary.index) == ["cpu:0", "cpu:1", "cpu:2"]
+    apply = run.phases.query("phase == 'apply'").groupby("device")["duration_ms"]
+    assert summary["apply_mean_ms"].round(9).tolist() == apply.mean().round(9).tolist()
+    assert summary["apply_p95_ms"].round(9).tolist() == apply.quantile(0.95).round(9).tolist()
+    assert summary["chunk_size_mean"].tolist() == run.memory.groupby("device")["chunk_size"].mean().tolist()
+    meta = pd.read_csv(out / "run.csv")
+    assert meta.loc[0, "id"] == run.id
+
+
+def test_exit_codes_for_bad_input(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["profile", "--devices", "gpu7", "--quiet"])
+    assert exit_.value.code == 2
+    assert "--devices 'gpu7'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["profile", "no-such-workload"])
+    assert exit_.value.code == 2
+    with pytest.raises(SystemExit) as exit_:
+        main(["profile", "--devices", "cuda", "--quiet"])  # no GPU here
+    assert exit_.value.code == 2
+    with pytest.raises(SystemExit) as exit_:
+        main(["profile", "--model", "nowhere.models:make", "--input-shape", "5", "--quiet"])
+    assert exit_.value.code == 2
+    assert "cannot load model factory" in capsys.readouterr().err
+    assert main(["show", "no-such-run"]) == 1
+    assert "no run 'no-such-run'" in capsys.readouterr().err
+    assert dpprof.list_runs().empty  # nothing half-made was left behind
+
+
+def test_profile_a_users_model_from_a_factory(tmp_path, monkeypatch):
+    (tmp_path / "mymodels.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 4))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["profile", "--model", "mymodels:make", "--input-shape", "3,4", "--batch-size", "10",
+                 "--steps", "3", "--devices", "cpu:2", "--quiet"]) == 0
+    run = dpprof.load_run(dpprof.list_runs().loc[0, "id"])
+    assert run.meta["workload"] == "mymodels:make"
+    assert run.memory.groupby("device")["input_bytes"].first().tolist() == [5 * 12 * 4] * 2
+
+
+def test_python_dash_m_and_the_console_script_agree(reports):
+    out = subprocess.run([sys.executable, "-m", "dpprof", "runs"], capture_output=True, text=True, check=True)
+    assert "no runs yet" in out.stdout

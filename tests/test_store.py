@@ -1,0 +1,170 @@
+"""The run store: what is written is what is read, whatever happens to the process or the files."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import dpprof
+from dpprof.store.reader import RunFileError
+from dpprof.store.writer import SqliteSink
+
+
+def _record(steps=4, store=True, workers=2, name="run"):
+    torch.manual_seed(0)
+    net = dpprof.DataParallel(nn.Linear(5, 2), device_ids=dpprof.cpu_devices(workers))
+    with dpprof.record(name=name, store=store) as run:
+        for _ in range(steps):
+            with run.step():
+                net(torch.randn(7, 5)).sum().backward()
+    return run
+
+
+def test_records_written_equal_records_read(reports):
+    mem = _record(store=False)
+    path = str(reports / "copy.sqlite")
+    reports.mkdir(exist_ok=True)
+    sink = SqliteSink(path, mem.metadata())
+    for table in mem.sink.tables.values():
+        for rec in table:
+            sink.put(rec)
+    sink.close()
+    stored = dpprof.load_run(path)
+    expected = mem.frames()
+    for table, df in expected.items():
+        got = stored.table(table)
+        assert len(got) == len(df) > 0 or table == "allocator"
+        pd.testing.assert_frame_equal(got.reset_index(drop=True), df.reset_index(drop=True),
+                                      check_dtype=False)
+
+
+def test_a_recorded_run_lands_in_reports_with_its_metadata(reports):
+    run = _record(steps=3, name="meta check")
+    assert os.path.dirname(run.path) == str(reports)
+    listed = dpprof.list_runs()
+    assert listed[["id", "name", "status", "backend", "devices", "steps"]].values.tolist() == [
+        [run.id, "meta check", "finished", "cpu", "cpu:0,cpu:1", 3]]
+    stored = dpprof.load_run(run.id)
+    assert stored.meta["pid"] == os.getpid() and stored.meta["torch_version"] == torch.__version__
+    assert stored.meta["devices"] == ["cpu:0", "cpu:1"] and stored.meta["ended_at"]
+    assert not any(p.name.endswith(("-wal", "-shm")) for p in reports.iterdir())  # one file per run
+    assert dpprof.load_run(run.id[:12]).id == run.id  # a unique prefix is enough
+
+
+_KILLED_CHILD = r"""
+import sys, time, torch, dpprof
+net = dpprof.DataParallel(torch.nn.Linear(5, 2), device_ids=dpprof.cpu_devices(2))
+with dpprof.record(name="killed") as run:
+    print(run.path, flush=True)
+    i = 0
+    while True:
+        with run.step():
+            net(torch.randn(8, 5)).sum().backward()
+        print(i, flush=True)
+        i += 1
+        time.sleep(0.01)
+"""
+
+
+def test_sigkill_leaves_an_incomplete_run_holding_every_committed_step(reports):
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "DPPROF_REPORTS": str(reports)})
+    path = child.stdout.readline().strip()
+    last = -1
+    while last < 30:
+        last = int(child.stdout.readline())
+    time.sleep(1.5)  # > 2 commit intervals: step `last` is on disk
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    stored = dpprof.load_run(path)
+    assert stored.meta["status"] == "incomplete"
+    steps = stored.steps["step"].tolist()
+    assert steps == list(range(len(steps))) and len(steps) > last
+    phases = stored.phases[stored.phases["step"].isin(steps)]
+    assert (phases.groupby("step")["phase"].nunique() == 6).all()
+    listed = dpprof.list_runs()
+    assert listed.loc[0, "status"] == "incomplete" and pd.isna(listed.loc[0, "reason"])
+
+
+def test_four_processes_recording_at_once_each_get_a_whole_run(reports):
+    cmd = [sys.executable, "-m", "dpprof", "profile", "tutorial-linear", "--steps", "15", "--devices",
+           "cpu:2", "--quiet"]
+    procs = [subprocess.Popen(cmd + ["--name", f"p{i}"], env={**os.environ, "DPPROF_REPORTS": str(reports)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i in range(4)]
+    for p in procs:
+        assert p.wait(timeout=120) == 0, p.stderr.read()
+    runs = dpprof.list_runs()
+    assert sorted(runs["name"]) == ["p0", "p1", "p2", "p3"]
+    assert runs["id"].nunique() == 4 and (runs["status"] == "finished").all() and (runs["steps"] == 15).all()
+
+
+def _sha(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def test_bad_files_are_listed_with_a_reason_and_never_break_listing(reports):
+    good = _record(steps=2, name="good")
+    good_hash = _sha(good.path)
+    size = os.path.getsize(good.path)
+    with open(good.path, "rb") as f:
+        (reports / "truncated.sqlite").write_bytes(f.read(size // 3))
+    (reports / "garbage.sqlite").write_bytes(b"this is not a database" * 50)
+    (reports / "empty.sqlite").write_bytes(b"")
+    (reports / "notes.txt").write_text("hello")
+    foreign = sqlite3.connect(reports / "foreign.sqlite")
+    foreign.execute("CREATE TABLE t (x)")
+    foreign.commit()
+    foreign.close()
+    newer = reports / "newer.sqlite"
+    shutil.copy(good.path, newer)
+    con = sqlite3.connect(newer)
+    con.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    con.commit()
+    con.close()
+
+    runs = dpprof.list_runs().set_index("path")
+    reasons = {os.path.basename(p): r for p, r in runs["reason"].items()}
+    assert pd.isna(reasons[os.path.basename(good.path)])
+    assert "corrupt" in reasons["truncated.sqlite"] or "malformed" in reasons["truncated.sqlite"]
+    assert reasons["garbage.sqlite"] == "not a dpprof run: not an SQLite file"
+    assert reasons["notes.txt"] == "not a dpprof run: not an SQLite file"
+    assert reasons["empty.sqlite"] == "empty file"
+    assert "without dpprof's meta table" in reasons["foreign.sqlite"]
+    assert "newer dpprof (schema 99" in reasons["newer.sqlite"]
+    for name in ("truncated", "garbage", "foreign", "newer"):
+        with pytest.raises(RunFileError):
+            dpprof.load_run(reports / f"{name}.sqlite")
+    assert _sha(good.path) == good_hash  # reading changed nothing
+
+
+def test_a_full_buffer_drops_and_counts_records_without_blocking(reports):
+    mem = _record(steps=5, store=False)
+    records = [r for table in mem.sink.tables.values() for r in table]
+    reports.mkdir(exist_ok=True)
+    path = str(reports / "overflow.sqlite")
+    sink = SqliteSink(path, mem.metadata(), max_buffered=10, flush_interval_s=60)
+    t0 = time.perf_counter()
+    for rec in records:
+        sink.put(rec)
+    assert time.perf_counter() - t0 < 1.0  # never waits on the writer
+    assert sink.dropped == len(records) - 10
+    sink.close()
+    stored = dpprof.load_run(path)
+    assert stored.meta["dropped_records"] == len(records) - 10
+    assert sum(len(stored.table(t)) for t in ("steps", "phases", "memory", "allocator")) == 10
+
+
+def test_unknown_run_is_a_clear_error(reports):
+    _record(steps=1)
+    with pytest.raises(RunFileError, match="no run 'nope'"):
+        dpprof.load_run("nope")
