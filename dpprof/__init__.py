@@ -9,11 +9,15 @@ from dpprof.parallel import (
     scatter,
     scatter_kwargs,
 )
-from dpprof.recording import Run, current_run, record
+from dpprof.devices import check_balance
+from dpprof.recording import CLOSE_HOOKS, Run, current_run, record
+from dpprof.report import store_findings
 from dpprof.store import RunFileError, StoredRun, list_runs, load_run
 
 __version__ = "0.1.0"
 
+CLOSE_HOOKS.append(store_findings)  # every stored run gets its findings when it closes
+
 __all__ = ["DataParallel", "data_parallel", "cpu_devices", "scatter", "scatter_kwargs", "replicate",
            "parallel_apply", "gather", "record", "current_run", "Run", "list_runs", "load_run", "StoredRun",
-           "RunFileError", "__version__"]
+           "RunFileError", "check_balance", "__version__"]

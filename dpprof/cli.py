@@ -1,4 +1,4 @@
-"""The dpprof command: profile, runs, show, export.
+"""The dpprof command: profile, check, runs, show, export.
 
 Exit codes: 0 ok, 1 failure (or findings, for commands that report them), 2 usage error.
 """
@@ -99,7 +99,7 @@ def _cmd_runs(args: argparse.Namespace) -> int:
 def _cmd_show(args: argparse.Namespace) -> int:
     import dpprof
     from dpprof.analysis import phase_table
-    from dpprof.export import summary_of
+    from dpprof.report import findings_of, summary_of
 
     run = dpprof.load_run(args.run, args.reports_dir)
     m = run.meta
@@ -119,7 +119,44 @@ def _cmd_show(args: argparse.Namespace) -> int:
     print(_table(summary_of(run)))
     print("\nmean ms per step, by phase:")
     print(_table(phase_table(run.phases)))
+    findings = findings_of(run)
+    print(f"\nfindings: {len(findings) or 'none'}")
+    _print_findings(findings.to_dict("records"))
+    notes = run.notes
+    for message in notes["message"] if not notes.empty else []:
+        print(f"note: {message}")
     return EXIT_OK
+
+
+def _print_findings(findings: list[dict]) -> None:
+    for f in findings:
+        where = f" [{f['device']}]" if isinstance(f.get("device"), str) else ""
+        print(f"  {f['severity'].upper()}{where} {f['title']}")
+        print(f"    evidence: {f['evidence']}")
+        print(f"    advice:   {f['advice']}")
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import asdict
+
+    import dpprof
+
+    device_ids = None
+    if args.device_ids:  # "0,1" are GPU indices, as torch takes them; "cuda:0" and "cpu:0" are names
+        device_ids = [int(d) if d.isdigit() else d for d in (p.strip() for p in args.device_ids.split(","))]
+    try:
+        findings = dpprof.check_balance(device_ids, args.batch_size)
+    except (ValueError, TypeError) as err:
+        raise UsageError(str(err)) from None
+    if args.json:
+        print(json.dumps([asdict(f) for f in findings], indent=2))
+    elif findings:
+        print(f"{len(findings)} finding(s):")
+        _print_findings([asdict(f) for f in findings])
+    else:
+        print("no findings: these devices look balanced")
+    return EXIT_FAILURE if findings else EXIT_OK
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -156,6 +193,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --model: the shape of one sample, e.g. 3,224,224")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_profile)
+
+    p = sub.add_parser("check", help="pre-flight check: are these devices (and this batch size) balanced?",
+                       description="Exit code 0: no findings; 1: findings (do not start training blind); "
+                       "2: usage error.")
+    p.add_argument("--device-ids", default=None, metavar="IDS",
+                   help="devices DataParallel will use: 0,1,2 or cuda:0,cuda:1 or cpu:0,cpu:1 (default: every GPU)")
+    p.add_argument("--batch-size", type=int, default=None, help="check how torch.chunk splits this batch")
+    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser("runs", help="list the recorded runs")
     p.set_defaults(func=_cmd_runs)

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from dpprof.analysis import device_summary
+from dpprof.report import findings_of, summary_of
 from dpprof.store.reader import TABLES, StoredRun
 
-__all__ = ["to_csv_bytes", "export_run", "neutralize_formulas", "summary_of"]
+__all__ = ["to_csv_bytes", "export_run", "neutralize_formulas"]
 
 _FORMULA_PREFIXES = ("=", "+", "-", "@")
 
@@ -29,19 +29,14 @@ def to_csv_bytes(df: pd.DataFrame, index: bool = False) -> bytes:
     return neutralize_formulas(df.reset_index() if index else df).to_csv(index=False).encode()
 
 
-def summary_of(run: StoredRun) -> pd.DataFrame:
-    """The per-device summary of a stored run."""
-    return device_summary(run.steps, run.phases, run.memory, run.allocator)
-
-
 def export_run(run: StoredRun, out_dir: str | os.PathLike[str]) -> list[Path]:
     """Write <table>.csv for every table and device_summary.csv into out_dir; returns the paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     meta = pd.DataFrame([{k: v for k, v in run.meta.items()}])
-    for name, df, index in [("run", meta, False), *[(t, run.table(t), False) for t in TABLES],
-                            ("device_summary", summary_of(run), True)]:
+    tables = [(t, findings_of(run) if t == "findings" else run.table(t), False) for t in TABLES]
+    for name, df, index in [("run", meta, False), *tables, ("device_summary", summary_of(run), True)]:
         path = out / f"{name}.csv"
         path.write_bytes(to_csv_bytes(df, index=index))
         written.append(path)

@@ -5,6 +5,7 @@ dpprof DataParallel called while a run is active records into the innermost one.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -14,17 +15,26 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, fields
 from datetime import datetime, timezone
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import pandas as pd
 import torch
 
-from dpprof.records import TABLE_OF, Record, StepRecord
+from dpprof.devices import inventory, nvml_handles
+from dpprof.nvml import DEFAULT_SAMPLE_HZ, GpuSampler, Nvml, NvmlUnavailable
+from dpprof.parallel.devices import DeviceSet
+from dpprof.records import TABLE_OF, NoteRecord, Record, StepRecord
 from dpprof.store.reader import RUN_SUFFIX, load_run
 from dpprof.store.reader import reports_dir as resolve_reports_dir
 from dpprof.store.writer import SqliteSink
 
-__all__ = ["Run", "record", "current_run", "MemorySink", "Sink"]
+__all__ = ["Run", "record", "current_run", "MemorySink", "Sink", "CLOSE_HOOKS"]
+
+log = logging.getLogger("dpprof")
+
+# Called with each stored run after it closes (dpprof registers its findings here; the
+# recording layer itself never imports analysis).
+CLOSE_HOOKS: list[Callable[[Run], None]] = []
 
 _active: list[Run] = []
 _active_lock = threading.Lock()
@@ -79,7 +89,8 @@ class Run:
 
     def __init__(self, name: str | None = None, reports_dir: str | os.PathLike[str] | None = None,
                  sync_timing: bool = False, workload: str | None = None,
-                 workload_args: dict[str, Any] | None = None, store: bool = True) -> None:
+                 workload_args: dict[str, Any] | None = None, store: bool = True,
+                 sample_hz: float | None = DEFAULT_SAMPLE_HZ) -> None:
         now = datetime.now(timezone.utc)
         self.id = f"{now:%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
         self.name = name or self.id
@@ -110,21 +121,57 @@ class Run:
         self._explicit: _Step | None = None
         self._implicit: _Step | None = None
         self._pending: list[Any] = []  # CUDA timings whose events have not completed yet
+        self._noted: set[str] = set()
+        self._nvml: Nvml | None = None
+        self._sampler: GpuSampler | None = None
+        self.sample_hz = sample_hz
+
+    # the GPU monitor
+    def start_monitor(self) -> None:
+        """Sample every visible GPU through NVML in the background; a missing piece is a note, not an error."""
+        if not self.sample_hz:
+            return
+        if not torch.cuda.is_available():
+            self.note("nvml", "no CUDA GPU visible: GPU sampling is off", tell=False)
+            return
+        try:
+            self._nvml = Nvml()
+        except NvmlUnavailable as err:
+            self.note("nvml", f"GPU sampling is off: {err}")
+            return
+        self._nvml.on_reason = lambda message: self.note("nvml", message)
+        handles = nvml_handles(self._nvml, range(torch.cuda.device_count()))
+        self._sampler = GpuSampler(self._nvml, handles, self.emit, self.now_ms, hz=self.sample_hz)
+
+    def note(self, source: str, message: str, tell: bool = True) -> None:
+        """Record why some data is missing, once per message, and tell the user in one line."""
+        if message in self._noted:
+            return
+        self._noted.add(message)
+        self.emit(NoteRecord(t_ms=self.now_ms(), source=source, message=message))
+        if tell:
+            log.warning("dpprof: %s", message)
 
     # clock
     def ms(self, t_ns: int) -> float:
         """A perf_counter_ns reading as milliseconds since the run started."""
         return (t_ns - self._t0_ns) / 1e6
 
+    def now_ms(self) -> float:
+        return self.ms(time.perf_counter_ns())
+
     # records
     def emit(self, record: Record) -> None:
         self.sink.put(record)
 
-    def note_devices(self, labels: list[str]) -> None:
-        new = [label for label in labels if label not in self.devices]
+    def note_devices(self, devices: DeviceSet) -> None:
+        """Add devices a forward call uses; the first time, store their inventory."""
+        new = [i for i, label in zip(devices.indices, devices.labels) if label not in self.devices]
         if new:
-            self.devices.extend(new)
+            self.devices.extend(devices.label(i) for i in new)
             self.sink.update_run(devices=list(self.devices), backend=self.backend)
+            for rec in inventory(DeviceSet(devices.type, tuple(new), devices.output_index), self._nvml):
+                self.emit(rec)
 
     @property
     def backend(self) -> str | None:
@@ -189,6 +236,10 @@ class Run:
 
     # lifecycle
     def close(self, status: str = "finished", error: str | None = None) -> None:
+        if self._sampler is not None:
+            self._sampler.close()
+        if self._nvml is not None:
+            self._nvml.close()
         with self._lock:
             self._flush_implicit()
         self.resolve_pending(block=True)
@@ -224,7 +275,8 @@ class Run:
 @contextmanager
 def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None = None,
            sync_timing: bool = False, workload: str | None = None,
-           workload_args: dict[str, Any] | None = None, store: bool = True) -> Iterator[Run]:
+           workload_args: dict[str, Any] | None = None, store: bool = True,
+           sample_hz: float | None = DEFAULT_SAMPLE_HZ) -> Iterator[Run]:
     """Record every dpprof DataParallel call made inside the block into one run.
 
     Args:
@@ -233,6 +285,7 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
         sync_timing: on CUDA, synchronize at each phase end so host times equal device times.
         workload: what is being trained, and workload_args its settings, stored with the run.
         store: False keeps the records in memory only (run.frames() still works).
+        sample_hz: how often the GPU monitor samples NVML (None or 0: off).
 
     Example:
         >>> with dpprof.record(name="baseline") as run:
@@ -241,16 +294,20 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
         ...             loss = criterion(net(x), y); loss.backward(); opt.step()
     """
     run = Run(name=name, reports_dir=reports_dir, sync_timing=sync_timing, workload=workload,
-              workload_args=workload_args, store=store)
+              workload_args=workload_args, store=store, sample_hz=sample_hz)
     with _active_lock:
         _active.append(run)
     try:
+        run.start_monitor()
         yield run
     except BaseException as err:
-        run.close(status="failed", error=f"{type(err).__name__}: {err}")
-        raise
-    else:
-        run.close(status="finished")
-    finally:
         with _active_lock:
             _active.remove(run)
+        run.close(status="failed", error=f"{type(err).__name__}: {err}")
+        raise
+    with _active_lock:
+        _active.remove(run)
+    run.close(status="finished")
+    if run.path is not None:
+        for hook in CLOSE_HOOKS:
+            hook(run)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PHASES", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "Record", "TABLE_OF"]
+__all__ = ["PHASES", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
+           "DeviceRecord", "NoteRecord", "FindingRecord", "Record", "TABLE_OF"]
 
 # Phase names, in the order a step runs them; record_function ranges are "dpprof.<phase>".
 PHASES = ("scatter", "replicate", "parallel_apply", "apply", "gather", "backward")
@@ -64,7 +65,67 @@ class AllocatorRecord:
     reserved_bytes: int
 
 
-Record = StepRecord | PhaseRecord | DeviceMemoryRecord | AllocatorRecord
+@dataclass(frozen=True, slots=True)
+class GpuSampleRecord:
+    """One NVML reading of one GPU; None where NVML had no value (unsupported, lost, no library)."""
+
+    t_ms: float  # since the run started
+    device: str  # torch's label, "cuda:N"
+    gpu_util_pct: float | None = None
+    memory_util_pct: float | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    temperature_c: float | None = None
+    sm_clock_mhz: float | None = None
+    pcie_tx_bytes_per_s: float | None = None
+    pcie_rx_bytes_per_s: float | None = None
+    throttle_reasons: str | None = None  # comma-separated names of active clock-throttle reasons
+    other_process_memory_bytes: int | None = None  # held on this GPU by processes other than this one
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceRecord:
+    """One device of the run's inventory."""
+
+    device: str
+    kind: str  # "cuda" or "cpu"
+    name: str | None = None
+    total_memory_bytes: int | None = None
+    multiprocessor_count: int | None = None
+    capability: str | None = None
+    pci_bus_id: str | None = None
+    nvml_index: int | None = None  # NVML's index for the same GPU (may differ from torch's)
+    cpu_model: str | None = None
+    cores: int | None = None
+    threads: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NoteRecord:
+    """A reason some data is missing (no NVML, a metric not supported, a GPU lost), stored once."""
+
+    t_ms: float
+    source: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class FindingRecord:
+    """A diagnosis: what is wrong, the numbers that show it, and what to do."""
+
+    kind: str
+    severity: str  # "info" | "warning" | "critical"
+    device: str | None
+    title: str
+    evidence: str
+    advice: str
+    value: float | None = None  # the finding's headline number, in the unit its kind names
+
+
+Record = (StepRecord | PhaseRecord | DeviceMemoryRecord | AllocatorRecord | GpuSampleRecord | DeviceRecord
+          | NoteRecord | FindingRecord)
 
 # Record type -> the run table that holds it.
 TABLE_OF: dict[type, str] = {
@@ -72,4 +133,8 @@ TABLE_OF: dict[type, str] = {
     PhaseRecord: "phases",
     DeviceMemoryRecord: "memory",
     AllocatorRecord: "allocator",
+    GpuSampleRecord: "gpu_samples",
+    DeviceRecord: "devices",
+    NoteRecord: "notes",
+    FindingRecord: "findings",
 }

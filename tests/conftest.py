@@ -10,3 +10,37 @@ def reports(tmp_path, monkeypatch):
     path = tmp_path / "reports"
     monkeypatch.setenv("DPPROF_REPORTS", str(path))
     return path
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """Install the fake pynvml and fake CUDA device properties: ``fake_gpus([fake_pynvml.gpu(...), ...])``.
+
+    torch's device i is NVML's GPU ``torch_order[i]`` (CUDA_VISIBLE_DEVICES can reorder them).
+    Returns the fake module, whose state the test may change further.
+    """
+    import sys
+    from types import SimpleNamespace
+
+    import torch
+
+    import fake_pynvml
+
+    def install(gpus, multiprocessors=None, torch_order=None):
+        fake_pynvml.reset(gpus)
+        monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml)
+        order = torch_order or list(range(len(gpus)))
+        props = []
+        for i in order:
+            g = gpus[i]
+            domain, bus, device = g["bus_id"].split(":")[0], g["bus_id"].split(":")[1], g["bus_id"].split(":")[2]
+            props.append(SimpleNamespace(
+                name=g["name"], total_memory=g["total"],
+                multi_processor_count=(multiprocessors or [108] * len(gpus))[i], major=8, minor=0,
+                pci_domain_id=int(domain, 16), pci_bus_id=int(bus, 16), pci_device_id=int(device.split(".")[0], 16)))
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: len(props))
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props[i])
+        return fake_pynvml
+
+    return install

@@ -24,7 +24,8 @@ from dpprof.recording import current_run
 
 __all__ = ["DataParallel", "data_parallel"]
 
-_HOST_LABEL = "cpu:0"  # where the module runs when there is no device to spread over
+_HOST = DeviceSet("cpu", (0,), 0)  # where the module runs when there is no device to spread over
+_HOST_LABEL = _HOST.label(0)
 
 
 class DataParallel(torch.nn.DataParallel):
@@ -105,9 +106,9 @@ class DataParallel(torch.nn.DataParallel):
             if run is None:
                 return self._forward(inputs, kwargs)
             devices = self.__dict__["_devices"]
-            labels = devices.labels if devices is not None else [_HOST_LABEL]
             out_label = self._label(self.output_device) if devices is not None else _HOST_LABEL
-            probe = ForwardProbe(run, labels, out_label, getattr(self, "dim", 0))  # torch sets no dim without devices
+            # torch sets no dim when there are no devices
+            probe = ForwardProbe(run, devices or _HOST, out_label, getattr(self, "dim", 0))
             self.__dict__["_probe"] = probe
             try:
                 output = self._forward(inputs, kwargs)

@@ -16,6 +16,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.autograd.profiler import record_function
 from torch.nn import Module
 
+from dpprof.parallel.devices import DeviceSet
 from dpprof.records import AllocatorRecord, DeviceMemoryRecord, PhaseRecord
 from dpprof.recording import Run
 
@@ -133,15 +134,15 @@ class _BackwardWatch:
 class ForwardProbe:
     """Measurements of one DataParallel forward call inside a run."""
 
-    def __init__(self, run: Run, labels: list[str], output_label: str, dim: int) -> None:
+    def __init__(self, run: Run, devices: DeviceSet, output_label: str, dim: int) -> None:
         self.run = run
         self.step = run.step_for_forward()
         self.call = self.step.calls - 1
         self.dim = dim
         self.output_label = output_label
-        self.cuda_indices = [i for i in map(_cuda_index, labels) if i is not None]
+        self.cuda_indices = list(devices.indices) if devices.type == "cuda" else []
         self.memory: dict[str, dict[str, Any]] = {}
-        run.note_devices(labels)
+        run.note_devices(devices)
         if self.call == 0:
             for index in self.cuda_indices:
                 torch.cuda.reset_peak_memory_stats(index)

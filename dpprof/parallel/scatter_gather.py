@@ -1,4 +1,3 @@
-import copy
 """scatter, scatter_kwargs and gather with torch's meaning, on CUDA devices and on CPU workers.
 
 CUDA goes to torch.nn.parallel's own functions. CPU workers share one memory, so a
@@ -57,7 +56,7 @@ def _cpu_scatter(inputs: Any, target: Sequence[DeviceLike], dim: int) -> Any:
             return [list(i) for i in zip(*map(scatter_map, obj))]
         if isinstance(obj, dict) and len(obj) > 0:
             return [type(obj)(i) for i in zip(*map(scatter_map, obj.items()))]
-        return [copy.copy(obj) for _ in target]
+        return [obj for _ in target]
 
     try:
         return scatter_map(inputs)

@@ -24,27 +24,6 @@ RUN_COLUMNS = {
     "error": "TEXT", "dropped_records": "INTEGER",
 }
 
-# Tables the collectors beyond DataParallel fill; every run has them.
-_EXTRA_TABLES = {
-    "devices": {
-        "device": "TEXT", "kind": "TEXT", "name": "TEXT", "total_memory_bytes": "INTEGER",
-        "multiprocessor_count": "INTEGER", "capability": "TEXT", "pci_bus_id": "TEXT",
-        "nvml_index": "INTEGER", "cpu_model": "TEXT", "cores": "INTEGER", "threads": "INTEGER",
-    },
-    "gpu_samples": {
-        "t_ms": "REAL", "device": "TEXT", "gpu_util_pct": "REAL", "memory_util_pct": "REAL",
-        "memory_used_bytes": "INTEGER", "memory_total_bytes": "INTEGER", "power_w": "REAL",
-        "power_limit_w": "REAL", "temperature_c": "REAL", "sm_clock_mhz": "REAL",
-        "pcie_tx_bytes_per_s": "REAL", "pcie_rx_bytes_per_s": "REAL", "throttle_reasons": "TEXT",
-        "other_process_memory_bytes": "INTEGER",
-    },
-    "findings": {
-        "kind": "TEXT", "severity": "TEXT", "device": "TEXT", "title": "TEXT", "evidence": "TEXT",
-        "advice": "TEXT", "value": "REAL",
-    },
-    "notes": {"t_ms": "REAL", "source": "TEXT", "message": "TEXT"},  # missing-data reasons, once each
-}
-
 _SQL_TYPES = {int: "INTEGER", float: "REAL", str: "TEXT", bool: "INTEGER"}
 
 
@@ -70,7 +49,6 @@ def ddl() -> list[str]:
     statements = ["CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)",
                   _create("runs", RUN_COLUMNS)]
     statements += [_create(t, columns_of(cls)) for cls, t in RECORD_TABLES.items()]
-    statements += [_create(t, cols) for t, cols in _EXTRA_TABLES.items()]
     statements += ["CREATE INDEX IF NOT EXISTS phases_step ON phases (step)",
                    "CREATE INDEX IF NOT EXISTS memory_step ON memory (step)"]
     return statements

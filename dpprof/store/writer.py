@@ -16,10 +16,10 @@ from dataclasses import fields
 from datetime import datetime, timezone
 from typing import Any
 
-from dpprof.records import Record
+from dpprof.records import FindingRecord, Record
 from dpprof.store.schema import FORMAT, RECORD_TABLES, RUN_COLUMNS, SCHEMA_VERSION, ddl
 
-__all__ = ["SqliteSink", "FLUSH_INTERVAL_S", "MAX_BUFFERED_RECORDS", "create_run_file"]
+__all__ = ["SqliteSink", "FLUSH_INTERVAL_S", "MAX_BUFFERED_RECORDS", "create_run_file", "replace_findings"]
 
 FLUSH_INTERVAL_S = 0.5  # the issue asks for at least one commit a second; half that leaves margin
 MAX_BUFFERED_RECORDS = 200_000  # ~30 MB of records; 100 s of an 8-device run at 100 steps/s
@@ -124,3 +124,14 @@ class SqliteSink:
             self._con.close()
         if self._error is not None:
             raise RuntimeError(f"dpprof could not write {self.path}: {self._error}") from self._error
+
+
+def replace_findings(path: str, findings: list[tuple[Any, ...]]) -> None:
+    """Store a closed run's findings (rows in FindingRecord field order), replacing earlier ones."""
+    con = sqlite3.connect(path, timeout=30)
+    try:
+        with con:
+            con.execute("DELETE FROM findings")
+            con.executemany(_INSERT[FindingRecord], findings)
+    finally:
+        con.close()

@@ -1,0 +1,213 @@
+"""Findings from a recorded run: pure functions, run DataFrames in, a findings DataFrame out.
+
+Each finding names a device where one is to blame, gives its evidence in numbers and says
+what to do. Thresholds are named constants with the reason for their value.
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pandas as pd
+
+from dpprof.nvml import SLOWDOWN_REASONS
+from dpprof.records import FindingRecord
+
+__all__ = ["run_findings", "FINDING_COLUMNS", "STRAGGLER_RATIO", "STRAGGLER_CONSISTENCY", "MEMORY_SKEW_RATIO",
+           "DP_TAX_WARN", "UNEVEN_STEPS_SHARE", "UNDERUSED_UTIL_RATIO", "THROTTLED_SAMPLES_SHARE",
+           "BACKWARD_SHARE_INFO"]
+
+FINDING_COLUMNS = [f.name for f in fields(FindingRecord)]
+
+# A device is a straggler when its median apply time is 15% above the others' (smaller gaps are
+# within run-to-run noise on shared machines) ...
+STRAGGLER_RATIO = 1.15
+# ... and it is the slowest device in at least 60% of steps (consistently, not one bad step).
+STRAGGLER_CONSISTENCY = 0.6
+# The output device holds 25% more than the average other device: beyond allocator rounding and
+# the loss's own tensors, that is gathered outputs, the skew DataParallel is known for.
+MEMORY_SKEW_RATIO = 1.25
+# Scatter + replicate + gather above 10% of the step: the DataParallel-only work DDP does not do.
+DP_TAX_WARN = 0.10
+# Uneven chunks in more than 10% of steps (one short last batch per epoch is normal and ignored).
+UNEVEN_STEPS_SHARE = 0.10
+# A GPU busy less than half as much as the busiest one, while that one is over 50% busy.
+UNDERUSED_UTIL_RATIO = 0.5
+UNDERUSED_BUSY_PCT = 50.0
+# Clocks throttled for a slowdown reason in more than 5% of samples.
+THROTTLED_SAMPLES_SHARE = 0.05
+# Backward over half the step: reported so the gradient reduction onto device_ids[0] is seen.
+BACKWARD_SHARE_INFO = 0.5
+
+_SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
+
+
+def _f(kind: str, severity: str, device: str | None, title: str, evidence: str, advice: str,
+       value: float | None) -> dict:
+    return dict(kind=kind, severity=severity, device=device, title=title, evidence=evidence, advice=advice,
+                value=None if value is None else float(value))
+
+
+def _apply_per_step(phases: pd.DataFrame) -> pd.DataFrame:
+    """Apply ms per step (rows) and device (columns), forward calls summed."""
+    apply = phases[phases["phase"] == "apply"]
+    return apply.groupby(["step", "device"])["duration_ms"].sum().unstack("device")
+
+
+def straggler(phases: pd.DataFrame) -> list[dict]:
+    table = _apply_per_step(phases).dropna()
+    if table.shape[1] < 2 or len(table) < 3:
+        return []
+    medians = table.median()
+    slow = medians.idxmax()
+    others = medians.drop(slow)
+    ratio = medians[slow] / others.median()
+    slowest_share = (table.idxmax(axis=1) == slow).mean()
+    if ratio < STRAGGLER_RATIO or slowest_share < STRAGGLER_CONSISTENCY:
+        return []
+    wait = table.drop(columns=slow).rsub(table[slow], axis=0).clip(lower=0).mean(axis=1)  # per other device
+    return [_f("straggler", "critical" if ratio >= 1.5 else "warning", slow,
+               f"{slow} is the straggler: its apply takes {ratio:.2f}x the others'",
+               f"median apply {medians[slow]:.2f} ms on {slow} vs {others.median():.2f} ms on the others; slowest in "
+               f"{slowest_share:.0%} of {len(table)} steps; the others wait {wait.mean():.2f} ms per step, "
+               f"{wait.sum() / 1e3:.2f} s over the run",
+               f"Every step waits for {slow}. If its chunk is bigger or its inputs longer (sorted or bucketed "
+               f"batches), shuffle within the batch or balance by cost; if it is a slower or busier device, "
+               f"leave it out of device_ids.", ratio)]
+
+
+def _held(memory: pd.DataFrame) -> pd.DataFrame:
+    cols = ["input_bytes", "output_bytes", "activation_bytes", "gathered_bytes", "param_bytes", "buffer_bytes"]
+    per = memory.groupby(["device", "step"])[cols].sum()
+    per["held_bytes"] = per.sum(axis=1)
+    return per
+
+
+def memory_skew(memory: pd.DataFrame, allocator: pd.DataFrame, output_device: str | None) -> list[dict]:
+    if memory.empty or memory["device"].nunique() < 2:
+        return []
+    per = _held(memory)
+    peak = per["held_bytes"].groupby("device").max()
+    out = output_device if output_device in peak.index else per["gathered_bytes"].groupby("device").max().idxmax()
+    others = peak.drop(out)
+    source = "accounted"
+    if not allocator.empty and allocator["device"].nunique() > 1:  # on CUDA the allocator knows better
+        peak = allocator.groupby("device")["peak_allocated_bytes"].max()
+        if out in peak.index:
+            others = peak.drop(out)
+            source = "allocator peak"
+    ratio = peak[out] / others.mean() if others.mean() else 1.0
+    if ratio < MEMORY_SKEW_RATIO:
+        return []
+    gathered = per["gathered_bytes"].groupby("device").max().get(out, 0)
+    return [_f("memory_skew", "warning" if ratio < 2 else "critical", out,
+               f"the output device {out} holds {ratio:.2f}x the memory of the others",
+               f"{source} bytes: {out} {peak[out] / 2**20:.1f} MiB, others {others.mean() / 2**20:.1f} MiB on "
+               f"average; gathered outputs on {out}: {gathered / 2**20:.1f} MiB per step (the loss is computed there "
+               f"too)",
+               f"Compute the loss on every device instead of gathering: dpprof.DataParallelModel with "
+               f"dpprof.DataParallelCriterion keeps each device's outputs where they are, saving about "
+               f"{gathered / 2**20:.1f} MiB of gathered outputs on {out} (dpprof profile ... --balanced to measure).",
+               ratio)]
+
+
+def dataparallel_tax(phases: pd.DataFrame, steps: pd.DataFrame) -> list[dict]:
+    if phases.empty or steps.empty:
+        return []
+    tax = phases[phases["phase"].isin(["scatter", "replicate", "gather"])]
+    by_phase = tax.groupby("phase")["duration_ms"].sum() / len(steps)
+    share = by_phase.sum() / steps["duration_ms"].mean()
+    if share < DP_TAX_WARN:
+        return []
+    parts = ", ".join(f"{p} {by_phase.get(p, 0):.2f} ms" for p in ("scatter", "replicate", "gather"))
+    return [_f("dataparallel_tax", "warning" if share < 0.25 else "critical", None,
+               f"scatter, replicate and gather take {share:.0%} of the step",
+               f"per step: {parts} of a {steps['duration_ms'].mean():.2f} ms step",
+               "This is work only DataParallel does: DistributedDataParallel runs one process per GPU with the "
+               "model resident there, so it has no replicate and no gather, and overlaps the gradient all-reduce "
+               "with backward. A larger batch per step also spreads this cost.", share)]
+
+
+def uneven_chunks(memory: pd.DataFrame, devices: list[str]) -> list[dict]:
+    if memory.empty:
+        return []
+    per_step = memory.groupby("step")["chunk_size"].agg(["min", "max", "count"])
+    uneven = per_step[(per_step["min"] != per_step["max"]) | (per_step["count"] < len(devices))]
+    findings = []
+    share = len(uneven) / len(per_step)
+    if share > UNEVEN_STEPS_SHARE:
+        sizes = memory[memory["step"] == uneven.index[0]].sort_values("device")["chunk_size"].tolist()
+        findings.append(_f("uneven_chunks", "warning", None,
+                           f"chunks were uneven in {share:.0%} of steps",
+                           f"{len(uneven)} of {len(per_step)} steps; e.g. step {uneven.index[0]}: chunks {sizes}",
+                           f"torch.chunk splits the batch; use a batch size that {len(devices)} divides evenly "
+                           "(dpprof check --batch-size N shows the split).", share))
+    idle = [d for d in devices if d not in set(memory["device"])]
+    if idle:
+        findings.append(_f("idle_devices", "critical", idle[0], f"{len(idle)} device(s) never got a chunk",
+                           f"devices {', '.join(idle)} of {len(devices)} did no work in any step",
+                           "The batch is smaller than the number of devices times the chunk torch.chunk makes; "
+                           "raise the batch size or use fewer devices.", len(idle)))
+    return findings
+
+
+def gpu_underused(gpu_samples: pd.DataFrame) -> list[dict]:
+    util = gpu_samples.dropna(subset=["gpu_util_pct"]).groupby("device")["gpu_util_pct"].mean()
+    if len(util) < 2 or util.max() < UNDERUSED_BUSY_PCT:
+        return []
+    busiest = util.idxmax()
+    return [_f("gpu_underused", "warning", d, f"{d} was busy {u:.0f}% of the time, {busiest} {util.max():.0f}%",
+               f"mean NVML GPU utilisation: {d} {u:.0f}%, {busiest} {util.max():.0f}%",
+               f"{d} waits for the others; see the straggler and memory findings, or give it a bigger share.",
+               u / util.max())
+            for d, u in util.items() if d != busiest and u < UNDERUSED_UTIL_RATIO * util.max()]
+
+
+def throttling(gpu_samples: pd.DataFrame) -> list[dict]:
+    samples = gpu_samples.dropna(subset=["throttle_reasons"])
+    findings = []
+    for device, s in samples.groupby("device"):
+        slow = s["throttle_reasons"].map(lambda r: [x for x in r.split(",") if x in SLOWDOWN_REASONS])
+        share = (slow.str.len() > 0).mean()
+        if share > THROTTLED_SAMPLES_SHARE:
+            reasons = sorted({x for r in slow for x in r})
+            findings.append(_f("throttling", "warning", device, f"{device} was throttled in {share:.0%} of samples",
+                               f"reasons: {', '.join(reasons)}; {len(s)} samples",
+                               "A throttled GPU slows every step: check cooling, power limits and other jobs.", share))
+    return findings
+
+
+def backward_share(phases: pd.DataFrame, steps: pd.DataFrame) -> list[dict]:
+    backward = phases[phases["phase"] == "backward"]
+    if backward.empty or steps.empty:
+        return []
+    share = backward["duration_ms"].sum() / steps["duration_ms"].sum()
+    if share < BACKWARD_SHARE_INFO:
+        return []
+    return [_f("backward_share", "info", backward["device"].iloc[0], f"backward takes {share:.0%} of the step",
+               f"mean backward {backward['duration_ms'].sum() / len(steps):.2f} ms of a "
+               f"{steps['duration_ms'].mean():.2f} ms step; it includes summing every replica's gradients "
+               f"onto {backward['device'].iloc[0]}",
+               "Expected for small models; the reduction onto one device grows with devices and model size, "
+               "which DistributedDataParallel spreads across devices and overlaps with backward.", share)]
+
+
+def run_findings(steps: pd.DataFrame, phases: pd.DataFrame, memory: pd.DataFrame, allocator: pd.DataFrame,
+                 gpu_samples: pd.DataFrame, devices: list[str], output_device: str | None = None) -> pd.DataFrame:
+    """All findings for one run, worst first.
+
+    Args:
+        steps, phases, memory, allocator, gpu_samples: the run's tables.
+        devices: the run's device labels, in device_ids order.
+        output_device: where outputs were gathered (default: the device holding the gathered bytes).
+
+    Returns:
+        a DataFrame with the FindingRecord columns.
+    """
+    rows = (straggler(phases) + memory_skew(memory, allocator, output_device) + dataparallel_tax(phases, steps)
+            + uneven_chunks(memory, devices) + gpu_underused(gpu_samples) + throttling(gpu_samples)
+            + backward_share(phases, steps))
+    df = pd.DataFrame(rows, columns=FINDING_COLUMNS)
+    if df.empty:
+        return df
+    df["_rank"] = df["severity"].map(_SEVERITY_RANK)
+    return df.sort_values(["_rank", "value"], ascending=[True, False]).drop(columns="_rank").reset_index(drop=True)
