@@ -209,11 +209,12 @@ def _nvml_rules(devices: DeviceSet, nvml: Nvml) -> list[FindingRecord]:
     findings = []
     handles = nvml_handles(nvml, devices.indices)
     lib = nvml.lib
-    free = {}
+    free, others = {}, {}
     for label, handle in handles.items():
         mem = nvml.get(label, "memory", lib.nvmlDeviceGetMemoryInfo, handle)
         if mem is not None:
             free[label] = mem.free
+        others[label] = nvml.sample(handle, label, 0.0).other_process_memory_bytes or 0
         link = nvml.pcie_link(handle, label)
         if None not in link.values() and (link["gen"] < link["max_gen"] or link["width"] < link["max_width"]):
             findings.append(_finding(
@@ -235,12 +236,13 @@ def _nvml_rules(devices: DeviceSet, nvml: Nvml) -> list[FindingRecord]:
     if len(free) > 1:
         best = max(free, key=free.get)
         for label, value in free.items():
-            if free[best] and value / free[best] < FREE_MEMORY_RATIO_WARN:
+            # smaller GPUs are the memory rule's business; this one is about other processes
+            if free[best] and value / free[best] < FREE_MEMORY_RATIO_WARN and others[label]:
                 findings.append(_finding(
                     "low_free_memory", "critical", label,
                     f"{label} has {value / free[best]:.0%} of {best}'s free memory",
                     f"free: {label} {value / 2**30:.2f} GiB, {best} {free[best] / 2**30:.2f} GiB; other processes "
-                    "hold the difference",
+                    f"hold {others[label] / 2**30:.2f} GiB on {label}",
                     f"Other processes are using {label}. Stop them, or leave {label} out of device_ids.",
                     value / free[best]))
     return findings

@@ -1,0 +1,96 @@
+"""Findings from runs the CPU backend records: each fires on the device to blame, none on a balanced run."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import dpprof
+import fake_pynvml
+from dpprof.findings import STRAGGLER_RATIO, run_findings
+from dpprof.report import findings_of
+from dpprof.workloads import build_workload, train
+
+
+class SortedWide(nn.Module):
+    """Sorted variable-length sequences in, a wide per-sample output out (a decoder's logits, say)."""
+
+    def __init__(self, features: int = 16, hidden: int = 8, out: int = 50_000) -> None:
+        super().__init__()
+        self.gru = nn.GRU(features, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, out)
+
+    def forward(self, x, lengths):
+        x = x[:, : int(lengths.max())]  # each replica runs to its own longest sequence
+        _, h = self.gru(nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False))
+        return self.head(h[-1])
+
+
+def _record(model, batches, workers, steps, **kw):
+    torch.manual_seed(0)
+    net = dpprof.DataParallel(model, device_ids=dpprof.cpu_devices(workers))
+    with dpprof.record(name="findings", **kw) as run:
+        for i in range(steps):
+            with run.step():
+                net(*batches(i)).float().pow(2).mean().backward()
+    return dpprof.load_run(run.path)
+
+
+def _uneven_batch(i, batch=63, max_len=200):
+    # sorted lengths: the first chunk short, the last chunk long -> the last device straggles
+    lengths = torch.cat([torch.full((batch // 2,), 4), torch.full((batch - batch // 2,), max_len)])
+    return torch.randn(batch, max_len, 16), lengths
+
+
+def test_an_uneven_run_finds_the_straggler_the_memory_skew_and_the_uneven_chunks():
+    run = _record(SortedWide(), _uneven_batch, workers=2, steps=8)
+    findings = findings_of(run).set_index("kind")
+    assert findings.loc["straggler", "device"] == "cpu:1"
+    assert findings.loc["straggler", "value"] >= STRAGGLER_RATIO
+    assert "the others wait" in findings.loc["straggler", "evidence"]
+    assert findings.loc["memory_skew", "device"] == "cpu:0"
+    assert "gathered outputs on cpu:0: 12.0 MiB" in findings.loc["memory_skew", "evidence"]  # 63 x 50,000 floats
+    assert "DataParallelCriterion" in findings.loc["memory_skew", "advice"]
+    assert findings.loc["uneven_chunks", "evidence"].endswith("chunks [32, 31]")
+    # stored with the run when it closed, the same as computed now
+    stored = run.findings.set_index("kind")
+    assert set(stored.index) == set(findings.index)
+    assert stored.loc["straggler", "device"] == "cpu:1"
+
+
+def test_the_dataparallel_tax_fires_when_replication_dominates():
+    deep = nn.Sequential(*[nn.Linear(4, 4) for _ in range(150)])  # many small parameters, little compute
+    run = _record(deep, lambda i: (torch.randn(4, 4),), workers=2, steps=6)
+    tax = findings_of(run).set_index("kind").loc["dataparallel_tax"]
+    assert "replicate" in tax["evidence"] and "DistributedDataParallel" in tax["advice"]
+    share = run.phases[run.phases["phase"].isin(["scatter", "replicate", "gather"])]["duration_ms"].sum()
+    assert tax["value"] == pytest.approx(share / len(run.steps) / run.steps["duration_ms"].mean())
+
+
+def test_idle_devices_when_the_batch_is_smaller_than_the_devices():
+    run = _record(nn.Linear(5, 2), lambda i: (torch.randn(3, 5),), workers=4, steps=3)
+    findings = findings_of(run).set_index("kind")
+    assert findings.loc["idle_devices", "device"] == "cpu:3"
+    assert findings.loc["idle_devices", "value"] == 1
+
+
+def test_a_balanced_run_has_no_findings():
+    run = train(build_workload("cifar-lenet", 64), dpprof.cpu_devices(2), steps=8)
+    assert findings_of(dpprof.load_run(run.path)).empty
+
+
+def test_gpu_findings_from_nvml_samples(fake_gpus):
+    fake_gpus([fake_pynvml.gpu("00000000:1A:00.0", util=95, throttle=0x40),
+               fake_pynvml.gpu("00000000:3B:00.0", util=20)])
+    run = _record(nn.Linear(5, 2), lambda i: (torch.randn(8, 5),), workers=2, steps=5, sample_hz=50)
+    findings = findings_of(run).set_index("kind")
+    assert findings.loc["gpu_underused", "device"] == "cuda:1"
+    assert findings.loc["throttling", "device"] == "cuda:0"
+    assert "hw_thermal" in findings.loc["throttling", "evidence"]
+
+
+def test_findings_are_pure_functions_of_the_tables():
+    run = _record(SortedWide(), _uneven_batch, workers=2, steps=4)
+    empty = run.gpu_samples.iloc[0:0]
+    again = run_findings(run.steps, run.phases, run.memory, run.allocator, empty, run.meta["devices"])
+    assert again.equals(findings_of(run))
