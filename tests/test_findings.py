@@ -7,23 +7,9 @@ from torch import nn
 
 import dpprof
 import fake_pynvml
-from dpprof.findings import STRAGGLER_RATIO, run_findings
+from dpprof.findings import MEMORY_SKEW_RATIO, STRAGGLER_RATIO_CPU, run_findings
 from dpprof.report import findings_of
-from dpprof.workloads import build_workload, train
-
-
-class SortedWide(nn.Module):
-    """Sorted variable-length sequences in, a wide per-sample output out (a decoder's logits, say)."""
-
-    def __init__(self, features: int = 16, hidden: int = 8, out: int = 50_000) -> None:
-        super().__init__()
-        self.gru = nn.GRU(features, hidden, batch_first=True)
-        self.head = nn.Linear(hidden, out)
-
-    def forward(self, x, lengths):
-        x = x[:, : int(lengths.max())]  # each replica runs to its own longest sequence
-        _, h = self.gru(nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False))
-        return self.head(h[-1])
+from dpprof.workloads import SortedGRU, build_workload, train
 
 
 def _record(model, batches, workers, steps, **kw):
@@ -36,26 +22,32 @@ def _record(model, batches, workers, steps, **kw):
     return dpprof.load_run(run.path)
 
 
-def _uneven_batch(i, batch=63, max_len=200):
-    # sorted lengths: the first chunk short, the last chunk long -> the last device straggles
+def _sorted_batch(i, batch=64, max_len=256):
+    # lengths sorted as a length-bucketing loader makes them: the last chunk gets the long sequences
     lengths = torch.cat([torch.full((batch // 2,), 4), torch.full((batch - batch // 2,), max_len)])
-    return torch.randn(batch, max_len, 16), lengths
+    return torch.randn(batch, max_len, 32), lengths
 
 
-def test_an_uneven_run_finds_the_straggler_the_memory_skew_and_the_uneven_chunks():
-    run = _record(SortedWide(), _uneven_batch, workers=2, steps=8)
+def test_sorted_sequences_make_the_last_device_the_straggler():
+    run = _record(SortedGRU(), _sorted_batch, workers=2, steps=6)
     findings = findings_of(run).set_index("kind")
-    assert findings.loc["straggler", "device"] == "cpu:1"
-    assert findings.loc["straggler", "value"] >= STRAGGLER_RATIO
-    assert "the others wait" in findings.loc["straggler", "evidence"]
-    assert findings.loc["memory_skew", "device"] == "cpu:0"
-    assert "gathered outputs on cpu:0: 12.0 MiB" in findings.loc["memory_skew", "evidence"]  # 63 x 50,000 floats
-    assert "DataParallelCriterion" in findings.loc["memory_skew", "advice"]
+    straggler = findings.loc["straggler"]
+    assert straggler["device"] == "cpu:1" and straggler["value"] >= 2 * STRAGGLER_RATIO_CPU
+    assert "slowest in 100% of 6 steps" in straggler["evidence"] and "the others wait" in straggler["evidence"]
+    stored = run.findings.set_index("kind")  # stored with the run when it closed
+    assert stored.loc["straggler", "device"] == "cpu:1" and set(stored.index) == set(findings.index)
+
+
+def test_wide_outputs_skew_memory_onto_the_output_device_and_uneven_chunks_show():
+    # a decoder-sized output (63 x 50,000 logits) gathered on cpu:0; batch 63 splits 32 + 31
+    run = _record(nn.Linear(16, 50_000), lambda i: (torch.randn(63, 16),), workers=2, steps=4)
+    findings = findings_of(run).set_index("kind")
+    skew = findings.loc["memory_skew"]
+    assert skew["device"] == "cpu:0" and skew["value"] >= MEMORY_SKEW_RATIO
+    assert "gathered outputs on cpu:0: 12.0 MiB" in skew["evidence"]  # 63 x 50,000 float32
+    assert "DataParallelCriterion" in skew["advice"]
     assert findings.loc["uneven_chunks", "evidence"].endswith("chunks [32, 31]")
-    # stored with the run when it closed, the same as computed now
-    stored = run.findings.set_index("kind")
-    assert set(stored.index) == set(findings.index)
-    assert stored.loc["straggler", "device"] == "cpu:1"
+    assert "straggler" not in findings.index
 
 
 def test_the_dataparallel_tax_fires_when_replication_dominates():
@@ -75,7 +67,7 @@ def test_idle_devices_when_the_batch_is_smaller_than_the_devices():
 
 
 def test_a_balanced_run_has_no_findings():
-    run = train(build_workload("cifar-lenet", 64), dpprof.cpu_devices(2), steps=8)
+    run = train(build_workload("cifar-lenet", 64), dpprof.cpu_devices(2), steps=16)
     assert findings_of(dpprof.load_run(run.path)).empty
 
 
@@ -90,7 +82,7 @@ def test_gpu_findings_from_nvml_samples(fake_gpus):
 
 
 def test_findings_are_pure_functions_of_the_tables():
-    run = _record(SortedWide(), _uneven_batch, workers=2, steps=4)
+    run = _record(SortedGRU(), _sorted_batch, workers=2, steps=4)
     empty = run.gpu_samples.iloc[0:0]
     again = run_findings(run.steps, run.phases, run.memory, run.allocator, empty, run.meta["devices"])
     assert again.equals(findings_of(run))
