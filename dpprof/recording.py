@@ -207,11 +207,17 @@ class Run:
                 self._explicit = None
             self._close_step(step, time.perf_counter_ns())
 
-    def step_for_forward(self) -> _Step:
-        """The step a forward call belongs to: the open run.step(), or a new implicit one."""
+    def step_for_forward(self, starts_step: bool = True) -> _Step:
+        """The step a forward call belongs to: the open run.step(), or a new implicit one.
+
+        A call that does not start a step (DataParallelCriterion after DataParallelModel) joins
+        the current implicit step.
+        """
         with self._lock:
             if self._explicit is not None:
                 step = self._explicit
+            elif not starts_step and self._implicit is not None:
+                step = self._implicit
             else:
                 self._flush_implicit()
                 step = self._implicit = self._new_step(explicit=False)

@@ -64,6 +64,13 @@ class DataParallel(torch.nn.DataParallel):
         self.__dict__["_devices"] = devices
         self.__dict__["_probe"] = None
 
+    # what a subclass changes (DataParallelCriterion): whether backward is timed from this
+    # module's output, how many leading arguments are another module's outputs, and whether
+    # a call starts a step
+    _watch_backward = True
+    _shared_args = 0
+    _starts_step = True  # without run.step(), a forward call starts a new step
+
     @classmethod
     def _functional(cls, module: Module, devices: DeviceSet, dim: int) -> DataParallel:
         """A DataParallel around ``module`` for data_parallel: no balance check, nothing moved."""
@@ -108,14 +115,15 @@ class DataParallel(torch.nn.DataParallel):
             devices = self.__dict__["_devices"]
             out_label = self._label(self.output_device) if devices is not None else _HOST_LABEL
             # torch sets no dim when there are no devices
-            probe = ForwardProbe(run, devices or _HOST, out_label, getattr(self, "dim", 0))
+            probe = ForwardProbe(run, devices or _HOST, out_label, getattr(self, "dim", 0), self._starts_step)
             self.__dict__["_probe"] = probe
             try:
                 output = self._forward(inputs, kwargs)
             finally:
                 self.__dict__["_probe"] = None
                 probe.end(self.module, used=max(len(probe.memory), 1))
-            probe.watch_backward(output)
+            if self._watch_backward:
+                probe.watch_backward(output)
             return output
 
     def _forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -157,7 +165,7 @@ class DataParallel(torch.nn.DataParallel):
     def parallel_apply(self, replicas: Sequence[Module], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
         device_ids = self.device_ids[: len(replicas)]
         probe = self.__dict__["_probe"]
-        measured = [MeasuredReplica(r, probe, self._label(i)) for r, i in zip(replicas, device_ids)]
+        measured = [MeasuredReplica(r, probe, self._label(i), self._shared_args) for r, i in zip(replicas, device_ids)]
         with self._phase("parallel_apply", device_ids[0]):
             return parallel_apply(measured, inputs, kwargs, self._targets(device_ids))
 

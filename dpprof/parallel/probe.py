@@ -134,9 +134,9 @@ class _BackwardWatch:
 class ForwardProbe:
     """Measurements of one DataParallel forward call inside a run."""
 
-    def __init__(self, run: Run, devices: DeviceSet, output_label: str, dim: int) -> None:
+    def __init__(self, run: Run, devices: DeviceSet, output_label: str, dim: int, starts_step: bool = True) -> None:
         self.run = run
-        self.step = run.step_for_forward()
+        self.step = run.step_for_forward(starts_step)
         self.call = self.step.calls - 1
         self.dim = dim
         self.output_label = output_label
@@ -184,11 +184,11 @@ class ForwardProbe:
             self.step.batch_size = (self.step.batch_size or 0) + first.size(self.dim)
 
     def note_device(self, label: str, args: Any, kwargs: Any, output: Any, activation_bytes: int,
-                    module: Module) -> None:
+                    shared_args: int = 0) -> None:
         first = next(chain(iter_tensors(args), iter_tensors(kwargs)), None)
         self.memory.setdefault(label, {}).update(
             chunk_size=first.size(self.dim) if first is not None and first.dim() > 0 else None,
-            input_bytes=tensor_bytes((args, kwargs)), output_bytes=tensor_bytes(output),
+            input_bytes=tensor_bytes((args[shared_args:], kwargs)), output_bytes=tensor_bytes(output),
             activation_bytes=activation_bytes,
         )
 
@@ -222,10 +222,12 @@ class ForwardProbe:
 class MeasuredReplica:
     """A replica as parallel_apply calls it: inside a dpprof.apply range, measured when recording."""
 
-    __slots__ = ("module", "probe", "label")
+    __slots__ = ("module", "probe", "label", "shared_args")
 
-    def __init__(self, module: Callable[..., Any], probe: ForwardProbe | None, label: str) -> None:
+    def __init__(self, module: Callable[..., Any], probe: ForwardProbe | None, label: str,
+                 shared_args: int = 0) -> None:
         self.module, self.probe, self.label = module, probe, label
+        self.shared_args = shared_args  # leading args already counted elsewhere (a model's outputs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with record_function("dpprof.apply"):
@@ -241,5 +243,5 @@ class MeasuredReplica:
                 else:
                     output = self.module(*args, **kwargs)
                     activation_bytes = 0
-            probe.note_device(self.label, args, kwargs, output, activation_bytes, self.module)
+            probe.note_device(self.label, args, kwargs, output, activation_bytes, self.shared_args)
             return output

@@ -14,7 +14,7 @@ from torch.nn.parallel import scatter_gather as _torch_sg
 
 from dpprof.parallel.devices import DeviceLike, is_cpu_worker_list
 
-__all__ = ["scatter", "scatter_kwargs", "gather", "check_scatter_dim"]
+__all__ = ["scatter", "scatter_kwargs", "scatter_sized", "gather", "check_scatter_dim"]
 
 _SCALAR_GATHER_WARNING = (
     "Was asked to gather along dimension 0, but all input tensors were scalars; "
@@ -86,6 +86,46 @@ def scatter_kwargs(
     elif len(scattered_kwargs) < len(inputs):
         scattered_kwargs.extend({} for _ in range(len(scattered_inputs) - len(scattered_kwargs)))
     return tuple(scattered_inputs), tuple(scattered_kwargs)
+
+
+def scatter_sized(inputs: Any, target_devices: Sequence[DeviceLike], chunk_sizes: Sequence[int],
+                  dim: int = 0) -> list[Any]:
+    """Scatter like ``scatter`` but into the given chunk sizes (to split targets as the inputs were split).
+
+    Raises:
+        ValueError: a tensor's size along ``dim`` is not the sum of ``chunk_sizes``.
+    """
+    check_scatter_dim(inputs, dim)
+    cpu = is_cpu_worker_list(target_devices)
+    total = sum(chunk_sizes)
+
+    def split(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if t.size(dim) != total:
+            raise ValueError(
+                f"the outputs were split {'+'.join(map(str, chunk_sizes))} = {total} along dim {dim}, "
+                f"but a target of shape {tuple(t.shape)} holds {t.size(dim)}")
+        if cpu:
+            return tuple(c.contiguous() for c in t.split(list(chunk_sizes), dim))
+        from torch.nn.parallel._functions import Scatter
+        return Scatter.apply(list(target_devices), list(chunk_sizes), dim, t)
+
+    def scatter_map(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return split(obj)
+        if _is_namedtuple(obj):
+            return [type(obj)(*args) for args in zip(*map(scatter_map, obj))]
+        if isinstance(obj, tuple) and len(obj) > 0:
+            return list(zip(*map(scatter_map, obj)))
+        if isinstance(obj, list) and len(obj) > 0:
+            return [list(i) for i in zip(*map(scatter_map, obj))]
+        if isinstance(obj, dict) and len(obj) > 0:
+            return [type(obj)(i) for i in zip(*map(scatter_map, obj.items()))]
+        return [obj for _ in target_devices]
+
+    try:
+        return scatter_map(inputs)
+    finally:
+        scatter_map = None
 
 
 def _first_tensor(obj: Any) -> torch.Tensor | None:
