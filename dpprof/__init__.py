@@ -1,6 +1,8 @@
 """dpprof: a profiling and diagnostics workbench for PyTorch data-parallel training."""
 from dpprof.parallel import (
     DataParallel,
+    DataParallelCriterion,
+    DataParallelModel,
     cpu_devices,
     data_parallel,
     gather,
@@ -18,6 +20,6 @@ __version__ = "0.1.0"
 
 CLOSE_HOOKS.append(store_findings)  # every stored run gets its findings when it closes
 
-__all__ = ["DataParallel", "data_parallel", "cpu_devices", "scatter", "scatter_kwargs", "replicate",
+__all__ = ["DataParallel", "data_parallel", "DataParallelModel", "DataParallelCriterion", "cpu_devices", "scatter", "scatter_kwargs", "replicate",
            "parallel_apply", "gather", "record", "current_run", "Run", "list_runs", "load_run", "StoredRun",
            "RunFileError", "check_balance", "__version__"]
