@@ -75,7 +75,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from None
     progress = lambda it: tqdm(it, total=args.steps, desc=f"{workload.name} on {args.devices}",  # noqa: E731
                                unit="step", disable=args.quiet)
-    run = train(workload, devices, args.steps, name=args.name, reports_dir=args.reports_dir, progress=progress)
+    run = train(workload, devices, args.steps, name=args.name, reports_dir=args.reports_dir, progress=progress,
+                balanced=args.balanced)
     print(f"recorded run {run.id} ({args.steps} steps) in {run.path}")
     print(f"  dpprof show {run.id}")
     return EXIT_OK
@@ -191,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="profile your own model: a factory returning an nn.Module, on random inputs")
     p.add_argument("--input-shape", type=_input_shape, default=None, metavar="D1,D2,...",
                    help="with --model: the shape of one sample, e.g. 3,224,224")
+    p.add_argument("--balanced", action="store_true",
+                   help="compute the loss on every device (DataParallelModel + DataParallelCriterion) "
+                   "instead of gathering outputs onto one")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_profile)
 

@@ -7,7 +7,8 @@ __all__ = ["PHASES", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "Allocat
            "DeviceRecord", "NoteRecord", "FindingRecord", "Record", "TABLE_OF"]
 
 # Phase names, in the order a step runs them; record_function ranges are "dpprof.<phase>".
-PHASES = ("scatter", "replicate", "parallel_apply", "apply", "gather", "reduce", "backward")
+PHASES = ("scatter", "replicate", "parallel_apply", "apply", "gather", "loss", "reduce", "backward")
+# "loss" is a whole-batch loss measured on the output device (MeasuredLoss, after a plain gather);
 # "reduce" is DataParallelCriterion's: the per-device losses combined on the output device.
 
 

@@ -9,12 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpprof.parallel import DataParallel
+from dpprof.parallel import DataParallel, DataParallelCriterion, DataParallelModel
+from dpprof.parallel.balanced import MeasuredLoss
 from dpprof.parallel.devices import DeviceLike
 from dpprof.recording import Run, record
 
 __all__ = ["Workload", "WORKLOADS", "build_workload", "user_workload", "train", "TutorialLinear", "CifarNet",
-           "SortedGRU"]
+           "SortedGRU", "TinyFCN"]
 
 Batch = tuple[tuple[Any, ...], torch.Tensor]  # (positional inputs of the model, target)
 
@@ -68,6 +69,26 @@ class SortedGRU(nn.Module):
         packed = nn.utils.rnn.pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
         _, h = self.gru(packed)
         return self.head(h[-1])
+
+
+class TinyFCN(nn.Module):
+    """A small fully-convolutional segmentation net: per-pixel logits at the input's resolution.
+
+    Semantic segmentation is where gathered outputs hurt most (PyTorch-Encoding's reason for the
+    balanced criterion): the logits are classes x height x width per sample.
+    """
+
+    def __init__(self, classes: int = 21) -> None:
+        super().__init__()
+        self.encode = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        )
+        self.classify = nn.Conv2d(32, classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.classify(self.encode(x))
+        return F.interpolate(logits, size=x.shape[-2:], mode="bilinear", align_corners=False)
 
 
 @dataclass
@@ -127,10 +148,25 @@ def _sorted_gru(batch_size: int | None, seed: int) -> Workload:
                     {"batch_size": batch_size, "lengths": f"8..{max_len}, sorted"})
 
 
+def _seg_fcn(batch_size: int | None, seed: int) -> Workload:
+    batch_size = batch_size or 16
+    gen = torch.Generator().manual_seed(seed)
+    classes, size = 21, 96  # PASCAL VOC's 21 classes on small synthetic images
+
+    def batches() -> Iterator[Batch]:
+        while True:
+            yield ((torch.rand(batch_size, 3, size, size, generator=gen) * 2 - 1,),
+                   torch.randint(0, classes, (batch_size, size, size), generator=gen))
+
+    return Workload("seg-fcn", TinyFCN(classes), nn.CrossEntropyLoss(), batches, batch_size,
+                    {"batch_size": batch_size, "image": f"3x{size}x{size}", "classes": classes})
+
+
 WORKLOADS: dict[str, Callable[[int | None, int], Workload]] = {
     "tutorial-linear": _tutorial_linear,
     "cifar-lenet": _cifar_lenet,
     "sorted-gru": _sorted_gru,
+    "seg-fcn": _seg_fcn,
 }
 
 
@@ -183,21 +219,33 @@ def build_workload(name: str, batch_size: int | None = None, seed: int = 0) -> W
 
 
 def train(workload: Workload, device_ids: Sequence[DeviceLike], steps: int, name: str | None = None,
-          reports_dir: str | None = None, progress: Callable[[Iterator[int]], Iterator[int]] | None = None) -> Run:
-    """Train ``workload`` for ``steps`` steps under dpprof.DataParallel and record it; returns the run."""
-    net = DataParallel(workload.model, device_ids=device_ids)
+          reports_dir: str | None = None, progress: Callable[[Iterator[int]], Iterator[int]] | None = None,
+          balanced: bool = False) -> Run:
+    """Train ``workload`` for ``steps`` steps under dpprof.DataParallel and record it; returns the run.
+
+    With ``balanced``, the model runs as DataParallelModel and the loss as DataParallelCriterion on
+    the same devices: every device computes its own share of the loss, nothing is gathered.
+    """
+    if balanced:
+        net = DataParallelModel(workload.model, device_ids=device_ids)
+        criterion: nn.Module = DataParallelCriterion(workload.criterion, device_ids=device_ids)
+    else:
+        net = DataParallel(workload.model, device_ids=device_ids)
+        criterion = MeasuredLoss(workload.criterion, output_device=device_ids[0])
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     batches = workload.batches()
     step_ids: Iterator[int] = iter(range(steps))
     if progress is not None:
         step_ids = progress(step_ids)
-    with record(name=name or workload.name, reports_dir=reports_dir, workload=workload.name,
-                workload_args={**workload.args, "devices": [str(d) for d in device_ids], "steps": steps}) as run:
+    default_name = f"{workload.name} (balanced)" if balanced else workload.name
+    args = {**workload.args, "devices": [str(d) for d in device_ids], "steps": steps, "balanced": balanced}
+    with record(name=name or default_name, reports_dir=reports_dir, workload=workload.name,
+                workload_args=args) as run:
         for _ in step_ids:
             inputs, target = next(batches)
             with run.step():
                 optimizer.zero_grad(set_to_none=True)
-                loss = workload.criterion(net(*inputs), target)
+                loss = criterion(net(*inputs), target)
                 loss.backward()
                 optimizer.step()
     return run

@@ -16,11 +16,12 @@ import torch
 from torch import nn
 
 from dpprof.parallel.data_parallel import _HOST_LABEL, DataParallel
-from dpprof.parallel.devices import DeviceLike
-from dpprof.parallel.probe import MeasuredReplica, iter_tensors
+from dpprof.parallel.devices import DeviceLike, resolve_devices
+from dpprof.parallel.probe import ForwardProbe, MeasuredReplica, iter_tensors
 from dpprof.parallel.scatter_gather import gather, scatter_sized
+from dpprof.recording import current_run
 
-__all__ = ["DataParallelModel", "DataParallelCriterion"]
+__all__ = ["DataParallelModel", "DataParallelCriterion", "MeasuredLoss"]
 
 
 class DataParallelModel(DataParallel):
@@ -120,3 +121,28 @@ class DataParallelCriterion(DataParallel):
             w = torch.tensor(weights, dtype=vector.dtype, device=vector.device)
             # a device whose targets were all ignored has a NaN mean and weight 0: leave it out
             return torch.where(w > 0, vector, torch.zeros_like(vector)).mul(w).sum() / w.sum()
+
+
+class MeasuredLoss(nn.Module):
+    """A plain criterion on gathered outputs, measured as the "loss" phase on the output device.
+
+    The counterpart of DataParallelCriterion for plain DataParallel, so the two can be compared:
+    the loss's saved tensors and targets count against the output device, where they live.
+    """
+
+    def __init__(self, criterion: nn.Module, output_device: DeviceLike) -> None:
+        super().__init__()
+        self.criterion = criterion
+        self._devices = resolve_devices([output_device])
+
+    def forward(self, output: Any, *targets: Any, **kwargs: Any) -> Any:
+        run = current_run()
+        if run is None:
+            return self.criterion(output, *targets, **kwargs)
+        label = self._devices.labels[0]
+        probe = ForwardProbe(run, self._devices, label, dim=0, starts_step=False)
+        try:
+            return MeasuredReplica(self.criterion, probe, label, shared_args=1, phase="loss")(
+                output, *targets, **kwargs)
+        finally:
+            probe.end(self.criterion, used=1)

@@ -184,8 +184,8 @@ class ForwardProbe:
             self.step.batch_size = (self.step.batch_size or 0) + first.size(self.dim)
 
     def note_device(self, label: str, args: Any, kwargs: Any, output: Any, activation_bytes: int,
-                    shared_args: int = 0) -> None:
-        first = next(chain(iter_tensors(args), iter_tensors(kwargs)), None)
+                    shared_args: int = 0, chunked: bool = True) -> None:
+        first = next(chain(iter_tensors(args), iter_tensors(kwargs)), None) if chunked else None
         self.memory.setdefault(label, {}).update(
             chunk_size=first.size(self.dim) if first is not None and first.dim() > 0 else None,
             input_bytes=tensor_bytes((args[shared_args:], kwargs)), output_bytes=tensor_bytes(output),
@@ -222,19 +222,20 @@ class ForwardProbe:
 class MeasuredReplica:
     """A replica as parallel_apply calls it: inside a dpprof.apply range, measured when recording."""
 
-    __slots__ = ("module", "probe", "label", "shared_args")
+    __slots__ = ("module", "probe", "label", "shared_args", "phase", "range_name")
 
     def __init__(self, module: Callable[..., Any], probe: ForwardProbe | None, label: str,
-                 shared_args: int = 0) -> None:
+                 shared_args: int = 0, phase: str = "apply") -> None:
         self.module, self.probe, self.label = module, probe, label
         self.shared_args = shared_args  # leading args already counted elsewhere (a model's outputs)
+        self.phase, self.range_name = phase, f"dpprof.{phase}"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with record_function("dpprof.apply"):
+        with record_function(self.range_name):
             probe = self.probe
             if probe is None:
                 return self.module(*args, **kwargs)
-            with probe.phase("apply", self.label):
+            with probe.phase(self.phase, self.label):
                 if torch.is_grad_enabled():
                     saved = _SavedBytes(_weight_storages(self.module))
                     with saved_tensors_hooks(saved.pack, _unpack):
@@ -243,5 +244,6 @@ class MeasuredReplica:
                 else:
                     output = self.module(*args, **kwargs)
                     activation_bytes = 0
-            probe.note_device(self.label, args, kwargs, output, activation_bytes, self.shared_args)
+            probe.note_device(self.label, args, kwargs, output, activation_bytes, self.shared_args,
+                              chunked=self.phase == "apply")
             return output
