@@ -53,7 +53,7 @@ def test_export_writes_every_table_with_the_runs_values(tmp_path):
                                     "device_duration_ms"]
     pd.testing.assert_series_equal(phases["duration_ms"], run.phases["duration_ms"])
     memory = pd.read_csv(out / "memory.csv")
-    assert memory["chunk_size"].tolist() == run.memory["chunk_size"].tolist()
+    pd.testing.assert_series_equal(memory["chunk_size"], run.memory["chunk_size"], check_dtype=False)
     summary = pd.read_csv(out / "device_summary.csv").set_index("device")
     assert list(summary.index) == ["cpu:0", "cpu:1", "cpu:2"]
     apply = run.phases.query("phase == 'apply'").groupby("device")["duration_ms"]

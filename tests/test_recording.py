@@ -47,7 +47,7 @@ def test_every_phase_is_recorded_once_per_step_and_nested_in_time():
                 net(torch.randn(8, 5)).sum().backward()
     phases = run.frames()["phases"]
     counts = phases.groupby(["step", "phase"]).size().unstack()
-    assert set(counts.columns) == set(PHASES) - {"reduce"}  # reduce is the balanced criterion's
+    assert set(counts.columns) == set(PHASES) - {"loss", "reduce"}  # MeasuredLoss and the balanced criterion
     assert (counts["apply"] == 2).all() and (counts.drop(columns="apply") == 1).all().all()
     for _, step in phases.groupby("step"):
         by = {p: r for p, r in step.groupby("phase")}
