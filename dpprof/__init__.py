@@ -3,6 +3,7 @@ from dpprof.parallel import (
     DataParallel,
     DataParallelCriterion,
     DataParallelModel,
+    DistributedDataParallel,
     cpu_devices,
     data_parallel,
     gather,
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 
 CLOSE_HOOKS.append(store_findings)  # every stored run gets its findings when it closes
 
-__all__ = ["DataParallel", "data_parallel", "DataParallelModel", "DataParallelCriterion", "cpu_devices", "scatter", "scatter_kwargs", "replicate",
+__all__ = ["DataParallel", "data_parallel", "DataParallelModel", "DataParallelCriterion",
+           "DistributedDataParallel", "cpu_devices", "scatter", "scatter_kwargs", "replicate",
            "parallel_apply", "gather", "record", "current_run", "Run", "list_runs", "load_run", "StoredRun",
            "RunFileError", "check_balance", "__version__"]

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from dpprof.records import PHASES
+from dpprof.records import DDP_PHASES, PHASES
+
 
 __all__ = ["phase_table", "device_summary"]
 
@@ -17,7 +18,8 @@ def phase_table(phases: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(columns=[f"{p}_ms" for p in PHASES])
     per_step = phases.groupby(["device", "phase", "step"], sort=False)["duration_ms"].sum()
     table = per_step.groupby(["device", "phase"]).mean().unstack("phase")
-    table = table.reindex(columns=[p for p in PHASES if p in table.columns])
+    order = DDP_PHASES if "forward" in table.columns else PHASES
+    table = table.reindex(columns=[p for p in order if p in table.columns])
     table.columns = [f"{c}_ms" for c in table.columns]
     table.index.name = "device"
     return table.sort_index()
@@ -34,12 +36,16 @@ def device_summary(steps: pd.DataFrame, phases: pd.DataFrame, memory: pd.DataFra
                    allocator: pd.DataFrame) -> pd.DataFrame:
     """One row per device: apply time (mean, p50, p95), share of the step, chunk size and peak memory.
 
+    On DistributedDataParallel runs (ranks as devices) "apply" is a rank's forward plus backward compute.
+
     Returns:
         columns apply_mean_ms, apply_p50_ms, apply_p95_ms, apply_share_of_step_pct, chunk_size_mean,
         peak_held_bytes (what dpprof accounts on every backend), peak_allocated_bytes (CUDA allocator;
         NaN on CPU workers), indexed by device.
     """
-    apply = phases[phases["phase"] == "apply"].groupby(["device", "step"])["duration_ms"].sum()
+    # a device's own compute: its replica's apply, or on a DDP rank its forward and backward compute
+    own = ["apply"] if (phases["phase"] == "apply").any() else ["forward", "backward_compute"]
+    apply = phases[phases["phase"].isin(own)].groupby(["device", "step"])["duration_ms"].sum()
     by_device = apply.groupby("device")
     out = pd.DataFrame({
         "apply_mean_ms": by_device.mean(),

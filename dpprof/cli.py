@@ -112,7 +112,9 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if steps.empty:
         print("  no steps recorded")
         return EXIT_OK
-    print(f"  {len(steps)} steps, median {steps['duration_ms'].median():.2f} ms, "
+    ranks = f" on each of {steps['rank'].nunique()} ranks" if "rank" in steps.columns else ""
+    count = steps.groupby("rank").size().max() if ranks else len(steps)
+    print(f"  {count} steps{ranks}, median {steps['duration_ms'].median():.2f} ms, "
           f"batch {int(steps['batch_size'].median()) if steps['batch_size'].notna().any() else '-'}")
     if m.get("dropped_records"):
         print(f"  warning: {m['dropped_records']} records were dropped (the writer fell behind)")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -67,10 +68,10 @@ def nvml_handles(nvml: Nvml, indices: Sequence[int]) -> dict[str, Any]:
 
 def inventory(devices: DeviceSet, nvml: Nvml | None = None) -> list[DeviceRecord]:
     """One DeviceRecord per device of ``devices``: torch's properties joined to NVML for CUDA."""
-    if devices.type == "cpu":
+    if devices.type in ("cpu", "rank"):
         info = cpu_info()
-        return [DeviceRecord(device=label, kind="cpu", name="CPU worker thread", **info)
-                for label in devices.labels]
+        name = "CPU worker thread" if devices.type == "cpu" else f"rank on {socket.gethostname()}"
+        return [DeviceRecord(device=label, kind=devices.type, name=name, **info) for label in devices.labels]
     nvml_index = {}
     if nvml is not None:
         for j in range(nvml.get("nvml", "device count", nvml.count) or 0):

@@ -14,7 +14,7 @@ from dpprof.records import FindingRecord
 
 __all__ = ["run_findings", "FINDING_COLUMNS", "STRAGGLER_RATIO", "STRAGGLER_RATIO_CPU", "STRAGGLER_CONSISTENCY", "MEMORY_SKEW_RATIO",
            "DP_TAX_WARN", "UNEVEN_STEPS_SHARE", "UNDERUSED_UTIL_RATIO", "THROTTLED_SAMPLES_SHARE",
-           "BACKWARD_SHARE_INFO"]
+           "BACKWARD_SHARE_INFO", "COMM_SHARE_WARN", "FEW_BUCKETS", "MANY_BUCKETS", "SMALL_BUCKET_BYTES"]
 
 FINDING_COLUMNS = [f.name for f in fields(FindingRecord)]
 
@@ -40,6 +40,14 @@ UNDERUSED_BUSY_PCT = 50.0
 THROTTLED_SAMPLES_SHARE = 0.05
 # Backward over half the step: reported so the gradient reduction onto device_ids[0] is seen.
 BACKWARD_SHARE_INFO = 0.5
+
+# DistributedDataParallel: all-reduce busy more than 20% of the step is worth acting on.
+COMM_SHARE_WARN = 0.20
+# One bucket means the all-reduce cannot start before backward ends; more than 30 buckets of
+# under 1 MiB each pay per-call latency many times (torch's default bucket_cap_mb is 25).
+FEW_BUCKETS = 1
+MANY_BUCKETS = 30
+SMALL_BUCKET_BYTES = 2**20
 
 _SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
 
@@ -195,21 +203,123 @@ def backward_share(phases: pd.DataFrame, steps: pd.DataFrame) -> list[dict]:
                "which DistributedDataParallel spreads across devices and overlaps with backward.", share)]
 
 
+def _per_rank_step(phases: pd.DataFrame, names: list[str]) -> pd.DataFrame:
+    sel = phases[phases["phase"].isin(names)]
+    return sel.groupby(["step", "device"])["duration_ms"].sum().unstack("device")
+
+
+def straggler_rank(phases: pd.DataFrame, threshold: float = STRAGGLER_RATIO) -> list[dict]:
+    """The rank that reaches the all-reduce last, step after step, and the time the others wait for it."""
+    busy = _per_rank_step(phases, ["data", "forward", "backward_compute"]).dropna()
+    wait = _per_rank_step(phases, ["comm_wait"]).reindex(busy.index)
+    if busy.shape[1] < 2 or len(busy) < 3:
+        return []
+    medians = busy.median()
+    slow = medians.idxmax()
+    ratio = medians[slow] / medians.drop(slow).median()
+    slowest_share = (busy.idxmax(axis=1) == slow).mean()
+    if ratio < threshold or slowest_share < STRAGGLER_CONSISTENCY:
+        return []
+    others_wait = wait.drop(columns=slow).mean(axis=1)
+    return [_f("straggler_rank", "critical" if ratio >= 1.5 else "warning", slow,
+               f"{slow} is the straggler: the others wait for it at every all-reduce",
+               f"median time to gradients ready (data + forward + backward compute): {slow} {medians[slow]:.2f} ms, "
+               f"the others {medians.drop(slow).median():.2f} ms; slowest in {slowest_share:.0%} of {len(busy)} steps; "
+               f"the other ranks wait {others_wait.mean():.2f} ms per step at the all-reduce, "
+               f"{others_wait.sum() / 1e3:.2f} s over the run",
+               f"Look at {slow}'s data phase (input pipeline, its share of the data) and its device (slower or "
+               f"shared GPU, throttling). DDP steps at the pace of the slowest rank.", ratio)]
+
+
+def _union_ms(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def communication(phases: pd.DataFrame, comms: pd.DataFrame, steps: pd.DataFrame) -> list[dict]:
+    """All-reduce share of the step and how much of it overlaps backward compute; bucket-size advice."""
+    if comms.empty:
+        return []
+    compute_end = phases[phases["phase"] == "backward_compute"].assign(
+        end_ms=lambda d: d["start_ms"] + d["duration_ms"]).set_index(["step", "device"])["end_ms"]
+    busy, overlapped = [], []
+    for (step, device), c in comms.groupby(["step", "device"]):
+        spans = list(zip(c["launch_ms"], c["launch_ms"] + c["duration_ms"]))
+        busy.append(_union_ms(spans))
+        end = compute_end.get((step, device))
+        overlapped.append(_union_ms([(a, min(b, end)) for a, b in spans if a < end]) if end is not None else 0.0)
+    comm_ms = sum(busy) / len(busy)
+    share = comm_ms / steps["duration_ms"].mean()
+    overlap = sum(overlapped) / sum(busy) if sum(busy) else 0.0
+    findings = []
+    if share >= COMM_SHARE_WARN:
+        findings.append(_f("communication_share", "warning", None,
+                           f"gradient all-reduce is busy {share:.0%} of the step, {overlap:.0%} of it overlapped",
+                           f"all-reduce busy {comm_ms:.2f} ms per step per rank of a {steps['duration_ms'].mean():.2f} ms "
+                           f"step; {overlap:.0%} of it ran while backward was still computing",
+                           "Raise the per-rank batch (communication is per step, compute per sample), or compress "
+                           "gradients with a communication hook (fp16/bf16 compress, PowerSGD).", share))
+    later = comms[comms["step"] > comms["step"].min()] if comms["step"].nunique() > 1 else comms  # DDP rebuilds buckets after step 0
+    per_step = later.groupby(["step", "device"])["bucket"].nunique().median()
+    mean_bytes = later["bucket_bytes"].mean()
+    if per_step <= FEW_BUCKETS and share >= COMM_SHARE_WARN / 2:
+        findings.append(_f("bucket_size", "info", None, "all gradients travel in one bucket",
+                           f"{per_step:.0f} bucket per step of {mean_bytes / 2**20:.2f} MiB; {overlap:.0%} overlap",
+                           "With one bucket the all-reduce starts only when backward has finished: lower bucket_cap_mb "
+                           f"(DDP's default is 25) to below {max(mean_bytes / 2**20 / 4, 0.01):.2f} so it overlaps.",
+                           per_step))
+    elif per_step > MANY_BUCKETS and mean_bytes < SMALL_BUCKET_BYTES:
+        findings.append(_f("bucket_size", "info", None, f"{per_step:.0f} small buckets per step",
+                           f"{per_step:.0f} buckets of {mean_bytes / 2**10:.0f} KiB on average",
+                           "Each all-reduce pays a fixed latency: raise bucket_cap_mb.", per_step))
+    return findings
+
+
+def uneven_inputs(steps: pd.DataFrame) -> list[dict]:
+    """Ranks fed different batch sizes in the same step."""
+    if "rank" not in steps.columns or steps["batch_size"].isna().all():
+        return []
+    spread = steps.groupby("step")["batch_size"].agg(["min", "max"])
+    uneven = spread[spread["min"] != spread["max"]]
+    if uneven.empty:
+        return []
+    first = uneven.index[0]
+    sizes = steps[steps["step"] == first].sort_values("rank")["batch_size"].tolist()
+    return [_f("uneven_inputs", "warning", None, f"ranks got different batch sizes in {len(uneven)} steps",
+               f"e.g. step {first}: batch sizes by rank {sizes}",
+               "DDP averages gradients as if every rank's batch were equal; use DistributedSampler with "
+               "drop_last=True, or the join() context manager for uneven inputs.", len(uneven) / len(spread))]
+
+
 def run_findings(steps: pd.DataFrame, phases: pd.DataFrame, memory: pd.DataFrame, allocator: pd.DataFrame,
-                 gpu_samples: pd.DataFrame, devices: list[str], output_device: str | None = None) -> pd.DataFrame:
+                 gpu_samples: pd.DataFrame, devices: list[str], output_device: str | None = None,
+                 comms: pd.DataFrame | None = None) -> pd.DataFrame:
     """All findings for one run, worst first.
 
     Args:
         steps, phases, memory, allocator, gpu_samples: the run's tables.
         devices: the run's device labels, in device_ids order.
         output_device: where outputs were gathered (default: the device holding the gathered bytes).
+        comms: the all-reduce table of a DistributedDataParallel run (ranks as devices).
 
     Returns:
         a DataFrame with the FindingRecord columns.
     """
-    rows = (straggler(phases) + memory_skew(memory, allocator, output_device) + dataparallel_tax(phases, steps)
-            + uneven_chunks(memory, devices) + gpu_underused(gpu_samples) + throttling(gpu_samples)
-            + backward_share(phases, steps))
+    if comms is not None and not comms.empty or (phases["phase"] == "comm_wait").any():
+        comms = comms if comms is not None else pd.DataFrame(columns=["step", "device", "bucket", "bucket_bytes",
+                                                                        "launch_ms", "duration_ms"])
+        # ranks on CPUs (no GPU samples) share cores as CPU workers do
+        threshold = STRAGGLER_RATIO_CPU if gpu_samples.empty else STRAGGLER_RATIO
+        rows = (straggler_rank(phases, threshold) + communication(phases, comms, steps) + uneven_inputs(steps)
+                + gpu_underused(gpu_samples) + throttling(gpu_samples))
+    else:
+        rows = (straggler(phases) + memory_skew(memory, allocator, output_device) + dataparallel_tax(phases, steps)
+                + uneven_chunks(memory, devices) + gpu_underused(gpu_samples) + throttling(gpu_samples)
+                + backward_share(phases, steps))
     df = pd.DataFrame(rows, columns=FINDING_COLUMNS)
     if df.empty:
         return df

@@ -67,6 +67,23 @@ class MemorySink:
         pass
 
 
+def new_run_id(now: datetime | None = None) -> str:
+    """A run id: UTC time to the second and six random hex digits (sortable, unique across processes)."""
+    now = now or datetime.now(timezone.utc)
+    return f"{now:%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
+
+
+def _distributed_identity(name: str | None) -> tuple[str | None, str | None, int | None, int | None]:
+    """Under torch.distributed with several ranks, rank 0's run id and name for every rank (a collective)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None, name, None, None
+    shared = [new_run_id(), name] if dist.get_rank() == 0 else [None, None]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0], shared[1], dist.get_rank(), dist.get_world_size()
+
+
 class _Step:
     __slots__ = ("index", "start_ns", "explicit", "calls", "batch_size", "devices_used", "last_end_ns")
 
@@ -90,9 +107,11 @@ class Run:
     def __init__(self, name: str | None = None, reports_dir: str | os.PathLike[str] | None = None,
                  sync_timing: bool = False, workload: str | None = None,
                  workload_args: dict[str, Any] | None = None, store: bool = True,
-                 sample_hz: float | None = DEFAULT_SAMPLE_HZ) -> None:
+                 sample_hz: float | None = DEFAULT_SAMPLE_HZ, run_id: str | None = None,
+                 rank: int | None = None, world_size: int | None = None) -> None:
         now = datetime.now(timezone.utc)
-        self.id = f"{now:%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
+        self.id = run_id or new_run_id(now)
+        self.rank, self.world_size = rank, world_size
         self.name = name or self.id
         self.workload = workload
         self.workload_args = dict(workload_args or {})
@@ -111,7 +130,8 @@ class Run:
         if store:
             directory = resolve_reports_dir(reports_dir)
             directory.mkdir(parents=True, exist_ok=True)
-            self.path = str(directory / f"{self.id}{RUN_SUFFIX}")
+            rank_part = f".rank{rank}" if rank is not None else ""  # one file per rank: a dead rank loses only its own
+            self.path = str(directory / f"{self.id}{rank_part}{RUN_SUFFIX}")
             self.sink = SqliteSink(self.path, self.metadata())
         else:
             self.sink = MemorySink()
@@ -262,6 +282,7 @@ class Run:
             "pid": self.pid, "torch_version": self.torch_version, "cuda_version": self.cuda_version,
             "backend": self.backend, "devices": list(self.devices), "status": self.status, "error": self.error,
             "workload": self.workload, "workload_args": self.workload_args,
+            "rank": self.rank, "world_size": self.world_size,
         }
 
     def frames(self) -> dict[str, pd.DataFrame]:
@@ -293,14 +314,19 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
         store: False keeps the records in memory only (run.frames() still works).
         sample_hz: how often the GPU monitor samples NVML (None or 0: off).
 
+    Under torch.distributed with more than one rank, every rank must enter ``record`` (it is a
+    collective): rank 0 names the run, and each rank writes its own file of that run.
+
     Example:
         >>> with dpprof.record(name="baseline") as run:
         ...     for x, y in loader:
         ...         with run.step():
         ...             loss = criterion(net(x), y); loss.backward(); opt.step()
     """
+    run_id, name, rank, world_size = _distributed_identity(name)
     run = Run(name=name, reports_dir=reports_dir, sync_timing=sync_timing, workload=workload,
-              workload_args=workload_args, store=store, sample_hz=sample_hz)
+              workload_args=workload_args, store=store, sample_hz=sample_hz, run_id=run_id, rank=rank,
+              world_size=world_size)
     with _active_lock:
         _active.append(run)
     try:

@@ -3,11 +3,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PHASES", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
-           "DeviceRecord", "NoteRecord", "FindingRecord", "Record", "TABLE_OF"]
+__all__ = ["PHASES", "DDP_PHASES", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
+           "DeviceRecord", "NoteRecord", "FindingRecord", "CommRecord", "Record",
+           "TABLE_OF"]
 
 # Phase names, in the order a step runs them; record_function ranges are "dpprof.<phase>".
 PHASES = ("scatter", "replicate", "parallel_apply", "apply", "gather", "loss", "reduce", "backward")
+# DistributedDataParallel's phases, per rank ("rank:N" as the device): the gap before the step
+# (data loading), forward, backward (first gradient to the last all-reduce done), inside it
+# backward_compute (until the last bucket was launched) and comm_wait (from then until the last
+# all-reduce completed), and the optimizer step.
+DDP_PHASES = ("data", "forward", "backward", "backward_compute", "comm_wait", "optimizer")
 # "loss" is a whole-batch loss measured on the output device (MeasuredLoss, after a plain gather);
 # "reduce" is DataParallelCriterion's: the per-device losses combined on the output device.
 
@@ -126,8 +132,20 @@ class FindingRecord:
     value: float | None = None  # the finding's headline number, in the unit its kind names
 
 
+@dataclass(frozen=True, slots=True)
+class CommRecord:
+    """One gradient bucket's all-reduce in one step on one rank (DistributedDataParallel)."""
+
+    step: int
+    device: str  # "rank:N"
+    bucket: int  # the bucket's index in DDP's reducer
+    bucket_bytes: int
+    launch_ms: float  # since the run started: when the bucket was ready and its all-reduce launched
+    duration_ms: float  # launch to completion (the future's callback)
+
+
 Record = (StepRecord | PhaseRecord | DeviceMemoryRecord | AllocatorRecord | GpuSampleRecord | DeviceRecord
-          | NoteRecord | FindingRecord)
+          | NoteRecord | FindingRecord | CommRecord)
 
 # Record type -> the run table that holds it.
 TABLE_OF: dict[type, str] = {
@@ -139,4 +157,5 @@ TABLE_OF: dict[type, str] = {
     DeviceRecord: "devices",
     NoteRecord: "notes",
     FindingRecord: "findings",
+    CommRecord: "comms",
 }

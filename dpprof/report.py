@@ -18,7 +18,7 @@ log = logging.getLogger("dpprof")
 def findings_of(run: StoredRun) -> pd.DataFrame:
     """The run's findings, computed from its tables (so a running or killed run has them too)."""
     return run_findings(run.steps, run.phases, run.memory, run.allocator, run.gpu_samples,
-                        list(run.meta["devices"]))
+                        list(run.meta["devices"]), comms=run.comms)
 
 
 def summary_of(run: StoredRun) -> pd.DataFrame:

@@ -130,7 +130,7 @@ def test_the_criterion_records_its_phases_in_the_models_step():
     assert step0.groupby("call")["phase"].apply(sorted).to_dict() == {
         0: ["apply", "apply", "apply", "backward", "parallel_apply", "replicate", "scatter"],
         1: ["apply", "apply", "apply", "parallel_apply", "reduce", "replicate", "scatter"]}
-    mem = stored.memory.query("step == 0 and call == 1").set_index("device")
+    mem = stored.memory.query("step == 0 and call == 1").set_index("device").sort_index()
     assert mem["input_bytes"].tolist() == [4 * 8, 4 * 8, 2 * 8]  # each device's int64 targets only
 
 

@@ -2,9 +2,11 @@
 from dpprof.parallel.balanced import DataParallelCriterion, DataParallelModel
 from dpprof.parallel.data_parallel import DataParallel, data_parallel
 from dpprof.parallel.devices import cpu_devices, resolve_devices
+from dpprof.parallel.distributed import DistributedDataParallel
 from dpprof.parallel.parallel_apply import parallel_apply
 from dpprof.parallel.replicate import replicate
 from dpprof.parallel.scatter_gather import gather, scatter, scatter_kwargs
 
-__all__ = ["DataParallel", "data_parallel", "DataParallelModel", "DataParallelCriterion", "cpu_devices", "resolve_devices", "parallel_apply",
+__all__ = ["DataParallel", "data_parallel", "DataParallelModel", "DataParallelCriterion",
+           "DistributedDataParallel", "cpu_devices", "resolve_devices", "parallel_apply",
            "replicate", "gather", "scatter", "scatter_kwargs"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sqlite3
 from dataclasses import dataclass, field
@@ -22,10 +23,11 @@ __all__ = ["RUN_SUFFIX", "list_runs", "load_run", "StoredRun", "RunFileError", "
            "HEARTBEAT_TIMEOUT_S"]
 
 RUN_SUFFIX = ".sqlite"
+_RANK_FILE = re.compile(r"^(.+)\.rank(\d+)\.sqlite$")  # <run id>.rank<N>.sqlite: one rank of a distributed run
 _SIDE_FILES = ("-wal", "-shm", "-journal")
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 HEARTBEAT_TIMEOUT_S = 30.0  # the writer commits every 0.5 s; 60 missed commits means it is gone
-TABLES = ("steps", "phases", "memory", "allocator", "devices", "gpu_samples", "findings", "notes")
+TABLES = tuple(RECORD_TABLES.values())
 
 
 class RunFileError(Exception):
@@ -103,39 +105,56 @@ def _read_meta(con: sqlite3.Connection) -> dict[str, Any]:
 
 @dataclass
 class StoredRun:
-    """A run read from its file: ``meta`` and one DataFrame per table (read on first use)."""
+    """A run read from its file (or, for a torch.distributed run, its rank files): ``meta`` and one
+    DataFrame per table, read on first use. A multi-rank run's tables carry a ``rank`` column."""
 
-    path: Path
+    path: Path  # the run's file; for a multi-rank run, the lowest rank's
     meta: dict[str, Any]
     _frames: dict[str, pd.DataFrame] = field(default_factory=dict, repr=False)
+    paths: list[Path] = field(default_factory=list)  # every file of the run, by rank
+
+    def __post_init__(self) -> None:
+        if not self.paths:
+            self.paths = [self.path]
 
     @property
     def id(self) -> str:
         return self.meta["id"]
+
+    @property
+    def mtime(self) -> float:
+        """The newest modification time of the run's files (a cache key for readers)."""
+        return max(p.stat().st_mtime for p in self.paths)
+
+    def _read(self, sql: str, params: tuple[Any, ...], what: str) -> pd.DataFrame:
+        frames = []
+        for rank, path in enumerate(self.paths):
+            con = _connect_ro(path)
+            try:
+                df = pd.read_sql_query(sql, con, params=params)
+            except (sqlite3.DatabaseError, pd.errors.DatabaseError) as err:
+                raise RunFileError(f"{path.name}: corrupt {what}: {err}") from None
+            finally:
+                con.close()
+            if len(self.paths) > 1:
+                df["rank"] = _rank_of(path)
+            frames.append(df)
+        return frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
 
     def table(self, name: str) -> pd.DataFrame:
         """One table as a DataFrame."""
         if name not in TABLES:
             raise KeyError(f"no table {name!r}; tables are {', '.join(TABLES)}")
         if name not in self._frames:
-            con = _connect_ro(self.path)
-            try:
-                self._frames[name] = pd.read_sql_query(f"SELECT * FROM {name}", con)
-            except (sqlite3.DatabaseError, pd.errors.DatabaseError) as err:
-                raise RunFileError(f"{self.path.name}: corrupt table {name}: {err}") from None
-            finally:
-                con.close()
+            self._frames[name] = self._read(f"SELECT * FROM {name}", (), f"table {name}")
             if name == "steps":
                 self._frames[name]["explicit"] = self._frames[name]["explicit"].astype(bool)
         return self._frames[name]
 
     def query(self, sql: str, params: tuple[Any, ...] = ()) -> pd.DataFrame:
-        """An SQL query against the run file (for aggregates over large runs)."""
-        con = _connect_ro(self.path)
-        try:
-            return pd.read_sql_query(sql, con, params=params)
-        finally:
-            con.close()
+        """An SQL query against the run file (for aggregates over large runs); over a multi-rank run,
+        the rows of each rank's file, with a ``rank`` column."""
+        return self._read(sql, params, "query")
 
     def frames(self) -> dict[str, pd.DataFrame]:
         return {name: self.table(name) for name in TABLES}
@@ -148,6 +167,7 @@ class StoredRun:
     gpu_samples = property(lambda self: self.table("gpu_samples"))
     findings = property(lambda self: self.table("findings"))
     notes = property(lambda self: self.table("notes"))
+    comms = property(lambda self: self.table("comms"))
 
 
 def _candidates(directory: Path) -> list[Path]:
@@ -162,37 +182,69 @@ def _summary(con: sqlite3.Connection) -> dict[str, Any]:
     return {"steps": steps, "steps_duration_ms": duration}
 
 
+def _rank_of(path: Path) -> int | None:
+    match = _RANK_FILE.match(path.name)
+    return int(match.group(2)) if match else None
+
+
+def _open(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A run file's metadata and summary, or RunFileError saying why not."""
+    try:
+        con = _connect_ro(path)
+    except OSError as err:
+        raise RunFileError(f"cannot read: {err}") from None
+    try:
+        return _read_meta(con), _summary(con)
+    except sqlite3.DatabaseError as err:
+        raise RunFileError(f"corrupt or truncated: {err}") from None
+    finally:
+        con.close()
+
+
+_STATUS_RANK = {"failed": 0, "incomplete": 1, "running": 2, "unknown": 3, "finished": 4}
+
+
+def _combine(metas: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's metadata from its ranks' files: rank 0's, with every rank's devices and the worst status."""
+    metas = sorted(metas, key=lambda m: m.get("rank") or 0)
+    meta = dict(metas[0])
+    meta["devices"] = [d for m in metas for d in m["devices"]]
+    meta["status"] = min((m["status"] for m in metas), key=lambda s: _STATUS_RANK.get(s, 3))
+    meta["error"] = next((m["error"] for m in metas if m.get("error")), None)
+    meta["dropped_records"] = sum(m.get("dropped_records") or 0 for m in metas)
+    meta["ranks"] = [m.get("rank") for m in metas]
+    ends = [m.get("ended_at") for m in metas]
+    meta["ended_at"] = max(ends) if all(ends) else None
+    return meta
+
+
 def list_runs(reports_dir_: str | os.PathLike[str] | None = None) -> pd.DataFrame:
-    """Every file in the reports directory, one row each; unreadable ones with their ``reason``.
+    """Every run in the reports directory, one row each, and every unreadable file with its ``reason``.
+
+    A torch.distributed run's rank files are one row (``ranks`` says how many).
 
     Returns:
-        a DataFrame with id, name, status, created_at, ended_at, backend, devices, workload,
-        steps, duration_s, path and reason (None for readable runs), newest first.
+        a DataFrame with id, name, status, created_at, ended_at, duration_s, backend, devices,
+        workload, steps, ranks, dropped_records, error, path and reason (None for readable runs),
+        newest first.
     """
-    rows = []
+    rows, by_id = [], {}
     for path in _candidates(reports_dir(reports_dir_)):
-        base = {"path": str(path), "reason": None}
         try:
-            con = _connect_ro(path)
-            try:
-                meta = _read_meta(con)
-                summary = _summary(con)
-            except sqlite3.DatabaseError as err:
-                raise RunFileError(f"corrupt or truncated: {err}") from None
-            finally:
-                con.close()
+            meta, summary = _open(path)
         except RunFileError as err:
-            rows.append({**base, "id": path.stem, "status": "unreadable", "reason": str(err)})
+            rows.append({"id": path.stem, "status": "unreadable", "path": str(path), "reason": str(err)})
             continue
-        except OSError as err:
-            rows.append({**base, "id": path.stem, "status": "unreadable", "reason": f"cannot read: {err}"})
-            continue
-        rows.append({**base, **{k: meta[k] for k in ("id", "name", "status", "created_at", "ended_at",
-                                                        "backend", "workload", "error", "dropped_records")},
-                     "devices": ",".join(meta["devices"]), "steps": summary["steps"],
-                     "duration_s": _duration_s(meta)})
+        by_id.setdefault(meta["id"], []).append((path, meta, summary))
+    for run_id, files in by_id.items():
+        meta = _combine([m for _, m, _ in files])
+        rows.append({**{k: meta[k] for k in ("id", "name", "status", "created_at", "ended_at", "backend",
+                                              "workload", "error", "dropped_records")},
+                     "devices": ",".join(meta["devices"]), "steps": max(s["steps"] for _, _, s in files),
+                     "ranks": len(files), "duration_s": _duration_s(meta), "path": str(files[0][0]),
+                     "reason": None})
     columns = ["id", "name", "status", "created_at", "ended_at", "duration_s", "backend", "devices",
-               "workload", "steps", "dropped_records", "error", "path", "reason"]
+               "workload", "steps", "ranks", "dropped_records", "error", "path", "reason"]
     df = pd.DataFrame(rows, columns=columns)
     return df.sort_values("created_at", ascending=False, na_position="last", kind="stable").reset_index(drop=True)
 
@@ -211,27 +263,35 @@ def _resolve(run: str | os.PathLike[str], directory: Path) -> Path:
     for candidate in (directory / f"{run}{RUN_SUFFIX}", directory / str(run)):
         if candidate.is_file():
             return candidate
-    matches = [p for p in _candidates(directory) if p.stem.startswith(str(run))]
-    if len(matches) == 1:
-        return matches[0]
-    if len(matches) > 1:
-        raise RunFileError(f"{run!r} matches {len(matches)} runs in {directory}: "
-                           f"{', '.join(p.stem for p in matches[:5])}")
+    matches = [p for p in _candidates(directory) if p.name.startswith(str(run))]
+    ids = {_RANK_FILE.match(p.name).group(1) if _RANK_FILE.match(p.name) else p.stem for p in matches}
+    if len(ids) == 1:
+        return min(matches, key=lambda p: _rank_of(p) or 0)
+    if len(ids) > 1:
+        raise RunFileError(f"{run!r} matches {len(ids)} runs in {directory}: {', '.join(sorted(ids)[:5])}")
     raise RunFileError(f"no run {run!r} in {directory} (dpprof runs lists them)")
 
 
 def load_run(run: str | os.PathLike[str], reports_dir_: str | os.PathLike[str] | None = None) -> StoredRun:
     """Open one run by id (or a unique id prefix) in the reports directory, or by path.
 
+    A torch.distributed run is read from every rank file of it beside the one named.
+
     Raises:
         RunFileError: no such run, or the file is not a readable dpprof run (the message says why).
     """
     path = _resolve(run, reports_dir(reports_dir_))
-    con = _connect_ro(path)
     try:
-        meta = _read_meta(con)
-    except sqlite3.DatabaseError as err:
-        raise RunFileError(f"{path.name}: corrupt or truncated: {err}") from None
-    finally:
-        con.close()
-    return StoredRun(path=path, meta=meta)
+        meta, _ = _open(path)
+    except RunFileError as err:
+        raise RunFileError(f"{path.name}: {err}") from None
+    if meta.get("rank") is None:
+        return StoredRun(path=path, meta=meta)
+    files = sorted(path.parent.glob(f"{meta['id']}.rank*{RUN_SUFFIX}"), key=lambda p: _rank_of(p) or 0)
+    metas = []
+    for f in files:
+        try:
+            metas.append(_open(f)[0])
+        except RunFileError as err:
+            raise RunFileError(f"{f.name}: {err}") from None
+    return StoredRun(path=files[0], meta=_combine(metas), paths=files)

@@ -7,7 +7,7 @@ from dataclasses import fields
 
 from dpprof.records import TABLE_OF
 
-__all__ = ["SCHEMA_VERSION", "FORMAT", "RECORD_TABLES", "RUN_COLUMNS", "ddl", "columns_of"]
+__all__ = ["SCHEMA_VERSION", "FORMAT", "RECORD_TABLES", "RUN_COLUMNS", "INDEXES", "ddl", "columns_of"]
 
 SCHEMA_VERSION = 1
 FORMAT = "dpprof-run"  # meta.format: tells a dpprof run from any other SQLite file
@@ -22,6 +22,7 @@ RUN_COLUMNS = {
     "workload": "TEXT", "workload_args": "TEXT",  # JSON object
     "status": "TEXT",  # running | finished | failed | (read side) incomplete
     "error": "TEXT", "dropped_records": "INTEGER",
+    "rank": "INTEGER", "world_size": "INTEGER",  # torch.distributed runs: one file per rank
 }
 
 _SQL_TYPES = {int: "INTEGER", float: "REAL", str: "TEXT", bool: "INTEGER"}
@@ -49,6 +50,22 @@ def ddl() -> list[str]:
     statements = ["CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)",
                   _create("runs", RUN_COLUMNS)]
     statements += [_create(t, columns_of(cls)) for cls, t in RECORD_TABLES.items()]
-    statements += ["CREATE INDEX IF NOT EXISTS phases_step ON phases (step)",
-                   "CREATE INDEX IF NOT EXISTS memory_step ON memory (step)"]
+    statements += [f"CREATE INDEX IF NOT EXISTS {name} ON {spec}" for name, spec in INDEXES.items()]
     return statements
+
+
+# Indices the read side needs to open a large run fast (dpprof.store.queries). Each costs the
+# background writer a little per record, never the training step. A file without them still
+# reads, only more slowly (run files written before they existed).
+INDEXES = {
+    "phases_step": "phases (step)",  # the timeline: WHERE step BETWEEN a AND b
+    "memory_step": "memory (step)",
+    # per-device apply statistics and per-phase sums read the index alone, never the table
+    "phases_phase": "phases (phase, device, step, duration_ms)",
+    # per-device memory peaks (per-step sums, one device at a time) read the index alone
+    "memory_device": ("memory (device, step, chunk_size, input_bytes, output_bytes, activation_bytes, "
+                      "gathered_bytes, param_bytes, buffer_bytes)"),
+    # the allocator's per-device peaks are one index lookup each (a CUDA run has 13 x devices rows a step)
+    "allocator_peak": "allocator (device, peak_allocated_bytes)",
+    "allocator_reserved": "allocator (device, reserved_bytes)",
+}

@@ -1,0 +1,207 @@
+"""dpprof.DistributedDataParallel: torch's DDP, each rank's step recorded phase by phase.
+
+Per rank and step: the gap before the step (data loading), forward, backward, each gradient
+bucket's all-reduce (through a communication hook that wraps the default all-reduce or the
+user's own hook, timing launch and completion), the time backward waits for the last
+all-reduce, and the optimizer step. The rank is the device axis ("rank:N").
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+import torch.distributed as dist
+from torch.autograd.graph import saved_tensors_hooks
+from torch.autograd.profiler import record_function
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from dpprof.parallel.devices import DeviceSet
+from dpprof.parallel.probe import ForwardProbe, _SavedBytes, _unpack, _weight_storages, iter_tensors
+from dpprof.recording import Run, current_run
+from dpprof.records import CommRecord, PhaseRecord
+
+__all__ = ["DistributedDataParallel"]
+
+# The probe of the latest recorded DDP forward in this process, for the optimizer hooks.
+_latest: dict[str, Any] = {"probe": None}
+_optimizer_hooks: list[Any] = []
+_hooks_lock = threading.Lock()
+
+
+def _install_optimizer_hooks() -> None:
+    """Time every optimizer step that follows a recorded DDP forward (global hooks, installed once)."""
+    with _hooks_lock:
+        if _optimizer_hooks:
+            return
+
+        def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+            probe = _latest["probe"]
+            if probe is not None:
+                probe.optimizer_t0 = time.perf_counter_ns()
+
+        def post(optimizer: Any, args: Any, kwargs: Any) -> None:
+            probe = _latest["probe"]
+            if probe is not None and probe.optimizer_t0 is not None:
+                probe.phase_done("optimizer", probe.optimizer_t0, time.perf_counter_ns())
+                probe.optimizer_t0 = None
+
+        _optimizer_hooks.append(register_optimizer_step_pre_hook(pre))
+        _optimizer_hooks.append(register_optimizer_step_post_hook(post))
+
+
+class _RankProbe:
+    """One recorded DDP step on one rank."""
+
+    def __init__(self, run: Run, rank: int, previous: _RankProbe | None) -> None:
+        self.run = run
+        self.devices = DeviceSet("rank", (rank,), rank)
+        self.label = self.devices.label(rank)
+        self.forward = ForwardProbe(run, self.devices, self.label, dim=0)
+        self.step = self.forward.step
+        self.previous_end_ns = previous.last_end_ns if previous is not None else None
+        self.last_end_ns = time.perf_counter_ns()
+        self.optimizer_t0: int | None = None
+        self.backward_t0: int | None = None
+        self.graph_end_ns: int | None = None
+        self.launches: list[int] = []
+        self.completions: list[int] = []
+        self.lock = threading.Lock()
+
+    def phase_done(self, name: str, t0: int, t1: int) -> None:
+        self.run.emit(PhaseRecord(step=self.step.index, call=0, phase=name, device=self.label,
+                                  start_ms=self.run.ms(t0), duration_ms=(t1 - t0) / 1e6))
+        self.step.touch(t1)
+        self.last_end_ns = max(self.last_end_ns, t1)
+
+    def launched(self, launch_ns: int) -> None:
+        with self.lock:
+            self.launches.append(launch_ns)
+
+    def comm(self, bucket: int, nbytes: int, launch_ns: int, done_ns: int) -> None:
+        self.run.emit(CommRecord(step=self.step.index, device=self.label, bucket=bucket, bucket_bytes=nbytes,
+                                 launch_ms=self.run.ms(launch_ns), duration_ms=(done_ns - launch_ns) / 1e6))
+        with self.lock:
+            self.completions.append(done_ns)
+        self._maybe_finish_backward()
+
+    def backward_done(self, t_end: int) -> None:
+        with self.lock:
+            self.graph_end_ns = t_end
+        self._maybe_finish_backward()
+
+    def _maybe_finish_backward(self) -> None:
+        """Once the graph task has ended and every launched all-reduce completed (in either order),
+        split backward into compute and the wait for the last all-reduce."""
+        with self.lock:
+            t0, t_end = self.backward_t0, self.graph_end_ns
+            if t0 is None or t_end is None or len(self.completions) < len(self.launches):
+                return
+            last_launch = max(self.launches, default=t_end)
+            end = max(t_end, max(self.completions, default=t_end))
+            self.backward_t0 = self.graph_end_ns = None
+            self.launches, self.completions = [], []
+        self.phase_done("backward", t0, end)
+        self.phase_done("backward_compute", t0, last_launch)
+        self.phase_done("comm_wait", last_launch, end)
+
+
+def _timed_hook(owner: DistributedDataParallel, inner: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """Wrap a DDP communication hook so each bucket's launch and completion are recorded."""
+
+    def dpprof_comm_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        probe: _RankProbe | None = owner._dpprof_probe
+        if probe is None:
+            return inner(state, bucket)
+        launch = time.perf_counter_ns()
+        probe.launched(launch)
+        index, nbytes = bucket.index(), bucket.buffer().numel() * bucket.buffer().element_size()
+        with record_function("dpprof.allreduce"):
+            fut = inner(state, bucket)
+
+        def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            probe.comm(index, nbytes, launch, time.perf_counter_ns())
+            return f.value()
+
+        return fut.then(done)
+
+    dpprof_comm_hook.__qualname__ = f"dpprof_comm_hook({getattr(inner, '__qualname__', 'hook')})"
+    # DDP checks the hook's annotations as objects; this module's are strings (PEP 563)
+    dpprof_comm_hook.__annotations__ = {"state": object, "bucket": dist.GradBucket,
+                                        "return": torch.futures.Future[torch.Tensor]}
+    return dpprof_comm_hook
+
+
+class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
+    """torch.nn.parallel.DistributedDataParallel (same constructor, same behaviour), recorded per rank.
+
+    Inside ``dpprof.record`` each forward starts a step (or joins the open ``run.step()``); its
+    backward's gradient buckets are timed through a communication hook around the default
+    all-reduce, or around the hook you register with ``register_comm_hook``.
+
+    Example:
+        >>> ddp = dpprof.DistributedDataParallel(model)           # after dist.init_process_group
+        >>> with dpprof.record(name="ddp") as run:                # on every rank
+        ...     for x, y in loader:
+        ...         loss_fn(ddp(x), y).backward(); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.__dict__["_dpprof_probe"] = None
+        self.__dict__["_dpprof_hooked"] = False
+        self.__dict__["_dpprof_previous"] = None
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """Register ``hook`` as torch does; dpprof times each bucket's all-reduce around it."""
+        self._check_comm_hook(hook)
+        self.__dict__["_dpprof_hooked"] = True
+        super().register_comm_hook(state, _timed_hook(self, hook))
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        run = current_run()
+        if run is None:
+            return super().forward(*inputs, **kwargs)
+        if not self.__dict__["_dpprof_hooked"]:
+            self.register_comm_hook(self.process_group, allreduce_hook)
+        _install_optimizer_hooks()
+        previous: _RankProbe | None = self.__dict__["_dpprof_previous"]
+        if previous is not None and previous.run is not run:
+            previous = None
+        probe = _RankProbe(run, dist.get_rank(self.process_group) if dist.is_initialized() else 0, previous)
+        self.__dict__["_dpprof_probe"] = probe
+        self.__dict__["_dpprof_previous"] = probe
+        _latest["probe"] = probe
+        t0 = time.perf_counter_ns()
+        if probe.previous_end_ns is not None:
+            probe.phase_done("data", probe.previous_end_ns, t0)
+        probe.forward.note_batch(inputs, kwargs)
+        saved = _SavedBytes(_weight_storages(self.module)) if torch.is_grad_enabled() else None
+        with record_function("dpprof.forward"):
+            if saved is not None:
+                with saved_tensors_hooks(saved.pack, _unpack):
+                    output = super().forward(*inputs, **kwargs)
+            else:
+                output = super().forward(*inputs, **kwargs)
+        probe.phase_done("forward", t0, time.perf_counter_ns())
+        probe.forward.note_device(probe.label, inputs, kwargs, output, saved.bytes if saved else 0)
+        probe.forward.end(self.module, used=1)
+        self._watch_backward(probe, output)
+        return output
+
+    @staticmethod
+    def _watch_backward(probe: _RankProbe, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        tensors = [t for t in iter_tensors(output) if t.requires_grad]
+
+        def on_grad(grad: torch.Tensor) -> None:
+            if probe.backward_t0 is None:
+                probe.backward_t0 = time.perf_counter_ns()
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: probe.backward_done(time.perf_counter_ns()))
+
+        for t in tensors:
+            t.register_hook(on_grad)
