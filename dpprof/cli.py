@@ -1,4 +1,4 @@
-"""The dpprof command: profile, check, runs, show, export.
+"""The dpprof command: profile, check, merge, runs, show, export.
 
 Exit codes: 0 ok, 1 failure (or findings, for commands that report them), 2 usage error.
 """
@@ -62,6 +62,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise UsageError(f"--steps must be positive, got {args.steps}")
+    if args.ddp:
+        return _profile_ddp(args)
     devices = parse_devices(args.devices)
     try:
         resolve_devices(devices)
@@ -79,6 +81,52 @@ def _cmd_profile(args: argparse.Namespace) -> int:
                 balanced=args.balanced)
     print(f"recorded run {run.id} ({args.steps} steps) in {run.path}")
     print(f"  dpprof show {run.id}")
+    return EXIT_OK
+
+
+def _profile_ddp(args: argparse.Namespace) -> int:
+    """Run the workload under torchrun, one process per rank, with rank 0's steps as the progress bar."""
+    import collections
+    import os
+    import subprocess
+
+    from tqdm import tqdm
+
+    if args.model or args.balanced:
+        raise UsageError("--ddp runs the built-in workloads (no --model, no --balanced)")
+    if args.nproc < 1:
+        raise UsageError(f"--nproc must be positive, got {args.nproc}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           "-m", "dpprof.ddp_worker", args.workload, "--steps", str(args.steps)]
+    for flag, value in (("--batch-size", args.batch_size), ("--name", args.name), ("--reports-dir", args.reports_dir)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    tail: collections.deque[str] = collections.deque(maxlen=30)
+    bar = tqdm(total=args.steps, desc=f"{args.workload} on {args.nproc} ranks", unit="step", disable=args.quiet)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}) as proc:
+        for line in proc.stdout:
+            tail.append(line.rstrip())
+            if line.startswith("rank 0 step "):
+                bar.update(1)
+            elif line.startswith("recorded run "):
+                bar.close()
+                print(line.rstrip())
+    bar.close()
+    if proc.returncode != 0:
+        print("\n".join(tail), file=sys.stderr)
+        print(f"dpprof: torchrun exited with {proc.returncode}; the ranks' records so far are kept", file=sys.stderr)
+        return EXIT_FAILURE
+    return EXIT_OK
+
+
+def _cmd_merge(args: argparse.Namespace) -> int:
+    from dpprof.store.merge import merge_rank_files
+    from dpprof.store.reader import reports_dir
+
+    out = args.out or reports_dir(args.reports_dir)
+    for run_id, ranks in merge_rank_files(args.sources, out).items():
+        print(f"run {run_id}: ranks {', '.join(map(str, ranks))} in {out}")
     return EXIT_OK
 
 
@@ -197,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--balanced", action="store_true",
                    help="compute the loss on every device (DataParallelModel + DataParallelCriterion) "
                    "instead of gathering outputs onto one")
+    p.add_argument("--ddp", action="store_true",
+                   help="run under torchrun with dpprof.DistributedDataParallel, one process per rank "
+                   "(gloo on CPU, NCCL on GPUs)")
+    p.add_argument("--nproc", type=int, default=2, help="with --ddp: ranks to start (default: 2)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_profile)
 
@@ -208,6 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None, help="check how torch.chunk splits this batch")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     p.set_defaults(func=_cmd_check)
+
+    p = sub.add_parser("merge", help="gather distributed runs' rank files from several machines into one run")
+    p.add_argument("sources", nargs="+", help="rank files (<run id>.rank<N>.sqlite) or directories holding them")
+    p.add_argument("--out", default=None, help="where to gather them (default: the reports directory)")
+    p.set_defaults(func=_cmd_merge)
 
     p = sub.add_parser("runs", help="list the recorded runs")
     p.set_defaults(func=_cmd_runs)

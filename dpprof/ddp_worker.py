@@ -59,7 +59,7 @@ def main() -> None:
                 loss = workload.criterion(ddp(*inputs), target)
                 loss.backward()
                 optimizer.step()
-                print(f"rank {rank} step {step}", flush=True)
+                print(f"rank {rank} step {step} pid {os.getpid()}", flush=True)
         if rank == 0:
             print(f"recorded run {run.id} ({args.steps} steps on {dist.get_world_size()} ranks)", flush=True)
     finally:

@@ -1,0 +1,66 @@
+"""Gather the rank files of distributed runs, written on several machines, into one reports directory."""
+from __future__ import annotations
+
+import filecmp
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+from dpprof.store.reader import _RANK_FILE, RUN_SUFFIX, RunFileError, _open
+
+__all__ = ["merge_rank_files"]
+
+
+def _rank_files(sources: Iterable[str | Path]) -> list[Path]:
+    files = []
+    for source in map(Path, sources):
+        if source.is_dir():
+            files += sorted(p for p in source.iterdir() if _RANK_FILE.match(p.name))
+        elif source.is_file():
+            if not _RANK_FILE.match(source.name):
+                raise RunFileError(f"{source}: not a rank file (<run id>.rank<N>{RUN_SUFFIX})")
+            files.append(source)
+        else:
+            raise RunFileError(f"{source}: no such file or directory")
+    return files
+
+
+def merge_rank_files(sources: Iterable[str | Path], out_dir: str | Path) -> dict[str, list[int]]:
+    """Copy every rank file found in ``sources`` into ``out_dir`` so each run reads as one.
+
+    Files are checked before anything is copied: each must be a readable dpprof rank file, and a
+    (run, rank) found twice must be the same file. Nothing in ``out_dir`` is ever overwritten
+    (an identical file already there is left as it is).
+
+    Returns:
+        run id -> the ranks now in ``out_dir``.
+
+    Raises:
+        RunFileError: a source is missing, unreadable, or conflicts with another (nothing copied).
+    """
+    out = Path(out_dir)
+    chosen: dict[tuple[str, int], Path] = {}
+    for path in _rank_files(sources):
+        try:
+            meta, _ = _open(path)
+        except RunFileError as err:
+            raise RunFileError(f"{path}: {err}") from None
+        key = (meta["id"], int(meta["rank"]))
+        if key in chosen and not filecmp.cmp(chosen[key], path, shallow=False):
+            raise RunFileError(f"run {key[0]} rank {key[1]} is in both {chosen[key]} and {path}, and they differ")
+        chosen.setdefault(key, path)
+        target = out / path.name
+        if target.exists() and target.resolve() != path.resolve() and not filecmp.cmp(target, path, shallow=False):
+            raise RunFileError(f"{target} already exists and differs from {path}; nothing was copied")
+    if not chosen:
+        raise RunFileError("no rank files found in the sources")
+    out.mkdir(parents=True, exist_ok=True)
+    merged: dict[str, list[int]] = {}
+    for (run_id, rank), path in sorted(chosen.items()):
+        target = out / path.name
+        if not target.exists():
+            tmp = target.with_name(f".{target.name}.part")
+            shutil.copyfile(path, tmp)
+            tmp.replace(target)  # a crash mid-copy never leaves a half file under the run's name
+        merged.setdefault(run_id, []).append(rank)
+    return merged

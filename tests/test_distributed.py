@@ -1,0 +1,102 @@
+"""DistributedDataParallel on two gloo ranks over loopback (torchrun --standalone), recorded by dpprof."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import dpprof
+from dpprof.cli import main
+from dpprof.report import findings_of
+from dpprof.store.reader import RunFileError
+
+pytestmark = pytest.mark.slow
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            "-m", "dpprof.ddp_worker"]
+
+
+def _torchrun(*args, env=None, timeout=180):
+    out = subprocess.run(TORCHRUN + list(args), capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def test_a_two_rank_run_records_every_step_and_one_allreduce_per_bucket_per_step():
+    assert main(["profile", "cifar-lenet", "--ddp", "--nproc", "2", "--steps", "6", "--batch-size", "32",
+                 "--quiet"]) == 0
+    [run_id] = dpprof.list_runs()["id"]
+    runs = dpprof.list_runs()
+    assert runs.loc[0, "ranks"] == 2 and runs.loc[0, "status"] == "finished" and runs.loc[0, "devices"] == "rank:0,rank:1"
+    run = dpprof.load_run(run_id)
+    assert len(run.paths) == 2 and run.meta["ranks"] == [0, 1]
+    assert run.steps.groupby("rank")["step"].apply(list).to_dict() == {0: list(range(6)), 1: list(range(6))}
+    per = run.phases.groupby(["device", "phase"]).size().unstack()
+    for phase in ("forward", "backward", "backward_compute", "comm_wait", "optimizer"):
+        assert per[phase].tolist() == [6, 6], phase
+    assert per["data"].tolist() == [5, 5]  # the gap before every step but the first
+    comms = run.comms
+    assert set(comms["device"]) == {"rank:0", "rank:1"}
+    for (step, device), c in comms.groupby(["step", "device"]):
+        assert sorted(c["bucket"]) == list(range(len(c))), (step, device)  # each bucket once
+    # both ranks reduce the same buckets, the same bytes, every step
+    by_rank = comms.groupby("device").apply(lambda c: sorted(zip(c["step"], c["bucket"], c["bucket_bytes"])))
+    assert by_rank["rank:0"] == by_rank["rank:1"]
+    params = 62006 * 4  # the CIFAR-10 Net's parameters, float32
+    assert comms[comms["step"] == 5].groupby("device")["bucket_bytes"].sum().tolist() == [params, params]
+
+
+def test_a_slowed_rank_is_found_as_the_straggler():
+    _torchrun("tutorial-linear", "--steps", "8", "--delay-rank", "1:40")
+    run = dpprof.load_run(dpprof.list_runs().loc[0, "id"])
+    findings = findings_of(run).set_index("kind")
+    assert findings.loc["straggler_rank", "device"] == "rank:1"
+    waits = run.phases[run.phases["phase"] == "comm_wait"].groupby("device")["duration_ms"].median()
+    assert waits["rank:0"] > 30 > waits["rank:1"]  # rank 0 waits ~40 ms at every all-reduce
+
+
+def test_a_rank_killed_mid_run_leaves_the_other_ranks_data_whole(reports):
+    proc = subprocess.Popen(TORCHRUN + ["tutorial-linear", "--steps", "100000", "--timeout-s", "20"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        started = None
+        for line in proc.stdout:
+            if line.startswith("rank 1 step "):
+                started = started or time.monotonic()
+                if time.monotonic() - started > 2.0:  # four commit intervals of recorded steps
+                    os.kill(int(line.split()[-1]), signal.SIGKILL)
+                    break
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    files = sorted(reports.glob("*.rank*.sqlite"))
+    assert len(files) == 2
+    run = dpprof.load_run(files[0])
+    assert run.meta["status"] in ("incomplete", "failed")
+    steps = run.steps.groupby("rank")["step"].agg(["count", "max"])
+    # each rank holds its committed steps, in order, from step 0 (at most the last 0.5 s is lost)
+    assert steps.loc[0, "count"] == steps.loc[0, "max"] + 1 >= 10
+    assert steps.loc[1, "count"] == steps.loc[1, "max"] + 1 >= 10
+    assert findings_of(run) is not None  # a killed run still analyses
+
+
+def test_merge_gathers_rank_files_written_to_separate_directories(tmp_path, reports):
+    _torchrun("tutorial-linear", "--steps", "4", "--reports-dir", str(tmp_path / "machine{rank}"))
+    sources = [tmp_path / "machine0", tmp_path / "machine1"]
+    assert [len(list(s.iterdir())) for s in sources] == [1, 1]
+    assert main(["merge", *map(str, sources)]) == 0
+    run = dpprof.load_run(dpprof.list_runs().loc[0, "id"])
+    assert run.meta["ranks"] == [0, 1] and run.meta["devices"] == ["rank:0", "rank:1"]
+    assert len(run.steps) == 8
+    assert main(["merge", *map(str, sources)]) == 0  # again: identical files are left alone
+    (sources[1] / os.listdir(sources[1])[0]).write_bytes(b"not the same rank file")
+    with pytest.raises(RunFileError):
+        from dpprof.store.merge import merge_rank_files
+        merge_rank_files(sources, reports)
+    assert len(dpprof.load_run(run.id).steps) == 8  # the merged run is untouched
