@@ -29,8 +29,8 @@ def summary_of(run: StoredRun) -> pd.DataFrame:
 def store_findings(run: object) -> None:
     """Close hook: compute a finished run's findings and store them in its file."""
     path = getattr(run, "path", None)
-    if path is None:
-        return
+    if path is None or getattr(run, "rank", None) is not None:
+        return  # a rank cannot read the other ranks' files while they close; their findings are computed on read
     try:
         findings = findings_of(load_run(path))
         replace_findings(path, [tuple(row) for row in findings[FINDING_COLUMNS].itertuples(index=False)])

@@ -170,3 +170,22 @@ def test_unknown_run_is_a_clear_error(reports):
     _record(steps=1)
     with pytest.raises(RunFileError, match="no run 'nope'"):
         dpprof.load_run("nope")
+
+
+def test_a_reader_holding_the_file_while_the_run_closes_changes_nothing(reports, monkeypatch, caplog):
+    import dpprof.store.writer as writer
+    monkeypatch.setattr(writer, "FOLD_RETRY_S", 0.2)
+    torch.manual_seed(0)
+    net = dpprof.DataParallel(nn.Linear(5, 2), device_ids=dpprof.cpu_devices(2))
+    with dpprof.record(name="watched") as run:
+        for _ in range(3):
+            net(torch.randn(4, 5)).sum().backward()
+        time.sleep(0.7)  # the writer has committed
+        reader = sqlite3.connect(f"file:{run.path}?mode=ro", uri=True)
+        assert reader.execute("SELECT COUNT(*) FROM steps").fetchone()[0] >= 2  # reading a running run
+    try:
+        assert dpprof.load_run(run.id).meta["status"] == "finished"  # closed, whole, readable
+        assert len(dpprof.load_run(run.id).steps) == 3
+        assert "stays in WAL mode" in caplog.text
+    finally:
+        reader.close()

@@ -163,6 +163,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         run = current_run()
         if run is None:
+            self.__dict__["_dpprof_probe"] = None  # a backward after the run must not record into it
+            _latest["probe"] = None
             return super().forward(*inputs, **kwargs)
         if not self.__dict__["_dpprof_hooked"]:
             self.register_comm_hook(self.process_group, allreduce_hook)

@@ -1,0 +1,86 @@
+"""What recording costs under DistributedDataParallel: two gloo ranks on loopback.
+
+    python bench/ddp_overhead.py [--rounds 10] [--steps 10] [--batch-size 128]
+
+Starts itself under torchrun (2 ranks). Each rank trains the CIFAR-10 Net with
+dpprof.DistributedDataParallel; rounds alternate recording off and on (dpprof.record on every
+rank), in one process so machine noise hits both alike. Rank 0 prints the median step time
+of each arm and the ratio. Aim: at most 2% of the step.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import dpprof
+    from dpprof.workloads import build_workload
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    workload = build_workload("cifar-lenet", args.batch_size, seed=rank)
+    torch.manual_seed(0)
+    ddp = dpprof.DistributedDataParallel(workload.model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    batches = workload.batches()
+
+    def steps(n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            (x,), y = next(batches)
+            t0 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            workload.criterion(ddp(x), y).backward()
+            optimizer.step()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    with dpprof.record(name="bench-ddp-warmup"):
+        steps(5)  # installs the communication hook, as every recorded run does
+    arms: dict[str, list[float]] = {"off": [], "dpprof": []}
+    ratios = []
+    for r in range(args.rounds):
+        medians = {}
+        for arm in (("off", "dpprof") if r % 2 == 0 else ("dpprof", "off")):
+            with dpprof.record(name="bench-ddp") if arm == "dpprof" else nullcontext():
+                times = steps(args.steps)
+            arms[arm] += times
+            medians[arm] = statistics.median(times)
+        ratios.append(medians["dpprof"] / medians["off"])
+    if rank == 0:
+        print(f"cifar-lenet, batch {args.batch_size} per rank, 2 gloo ranks; {args.rounds} rounds x {args.steps} "
+              "steps per arm (medians)")
+        for arm, times in arms.items():
+            print(f"  {arm:7s} {statistics.median(times) * 1e3:8.2f} ms/step")
+        print(f"  recording adds {statistics.median(ratios) - 1:+.2%} of the step (median of per-round ratios; "
+              "aim: <= +2%)")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        _worker(args)
+        return
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+           "--worker", "--rounds", str(args.rounds), "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DPPROF_REPORTS": os.environ.get("DPPROF_REPORTS", "/tmp/dpprof-bench")}
+    sys.exit(subprocess.call(cmd, env=env))
+
+
+if __name__ == "__main__":
+    main()
