@@ -6,7 +6,7 @@ CUDA goes to torch.nn.parallel's own functions. CPU workers share one memory, so
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,12 +42,13 @@ def check_scatter_dim(obj: Any, dim: int) -> None:
             check_scatter_dim(item, dim)
 
 
-def _cpu_scatter(inputs: Any, target: Sequence[DeviceLike], dim: int) -> Any:
-    n = len(target)
+def _scatter_map(inputs: Any, split: Callable[[torch.Tensor], tuple[torch.Tensor, ...]], n: int) -> Any:
+    """torch's scatter recursion: tensors split by ``split``, containers rebuilt per device with their
+    types, anything else passed to all ``n`` devices by reference."""
 
     def scatter_map(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            return tuple(chunk.contiguous() for chunk in obj.chunk(n, dim))
+            return split(obj)
         if _is_namedtuple(obj):
             return [type(obj)(*args) for args in zip(*map(scatter_map, obj))]
         if isinstance(obj, tuple) and len(obj) > 0:
@@ -56,12 +57,17 @@ def _cpu_scatter(inputs: Any, target: Sequence[DeviceLike], dim: int) -> Any:
             return [list(i) for i in zip(*map(scatter_map, obj))]
         if isinstance(obj, dict) and len(obj) > 0:
             return [type(obj)(i) for i in zip(*map(scatter_map, obj.items()))]
-        return [obj for _ in target]
+        return [obj for _ in range(n)]
 
     try:
         return scatter_map(inputs)
     finally:
         scatter_map = None  # break the closure's reference cycle, as torch does
+
+
+def _cpu_scatter(inputs: Any, target: Sequence[DeviceLike], dim: int) -> Any:
+    n = len(target)
+    return _scatter_map(inputs, lambda t: tuple(chunk.contiguous() for chunk in t.chunk(n, dim)), n)
 
 
 def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any:
@@ -109,23 +115,7 @@ def scatter_sized(inputs: Any, target_devices: Sequence[DeviceLike], chunk_sizes
         from torch.nn.parallel._functions import Scatter
         return Scatter.apply(list(target_devices), list(chunk_sizes), dim, t)
 
-    def scatter_map(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return split(obj)
-        if _is_namedtuple(obj):
-            return [type(obj)(*args) for args in zip(*map(scatter_map, obj))]
-        if isinstance(obj, tuple) and len(obj) > 0:
-            return list(zip(*map(scatter_map, obj)))
-        if isinstance(obj, list) and len(obj) > 0:
-            return [list(i) for i in zip(*map(scatter_map, obj))]
-        if isinstance(obj, dict) and len(obj) > 0:
-            return [type(obj)(i) for i in zip(*map(scatter_map, obj.items()))]
-        return [obj for _ in target_devices]
-
-    try:
-        return scatter_map(inputs)
-    finally:
-        scatter_map = None
+    return _scatter_map(inputs, split, len(target_devices))
 
 
 def _first_tensor(obj: Any) -> torch.Tensor | None:
