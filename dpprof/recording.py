@@ -142,6 +142,7 @@ class Run:
         self._implicit: _Step | None = None
         self._pending: list[Any] = []  # CUDA timings whose events have not completed yet
         self._noted: set[str] = set()
+        self._cache: dict[Any, Any] = {}
         self._nvml: Nvml | None = None
         self._sampler: GpuSampler | None = None
         self.sample_hz = sample_hz
@@ -171,6 +172,12 @@ class Run:
         self.emit(NoteRecord(t_ms=self.now_ms(), source=source, message=message))
         if tell:
             log.warning("dpprof: %s", message)
+
+    def cached(self, key: Any, compute: Callable[[], Any]) -> Any:
+        """A value computed once per run (a module's weight bytes: weights do not change size in a run)."""
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
 
     # clock
     def ms(self, t_ns: int) -> float:

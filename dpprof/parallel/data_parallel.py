@@ -115,7 +115,8 @@ class DataParallel(torch.nn.DataParallel):
             devices = self.__dict__["_devices"]
             out_label = self._label(self.output_device) if devices is not None else _HOST_LABEL
             # torch sets no dim when there are no devices
-            probe = ForwardProbe(run, devices or _HOST, out_label, getattr(self, "dim", 0), self._starts_step)
+            probe = ForwardProbe(run, devices or _HOST, out_label, getattr(self, "dim", 0), self._starts_step,
+                                 root=self.module)
             self.__dict__["_probe"] = probe
             try:
                 output = self._forward(inputs, kwargs)

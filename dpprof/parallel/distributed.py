@@ -19,7 +19,7 @@ from torch.autograd.profiler import record_function
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from dpprof.parallel.devices import DeviceSet
-from dpprof.parallel.probe import ForwardProbe, _SavedBytes, _unpack, _weight_storages, iter_tensors
+from dpprof.parallel.probe import ForwardProbe, _SavedBytes, _unpack, iter_tensors
 from dpprof.recording import Run, current_run
 from dpprof.records import CommRecord, PhaseRecord
 
@@ -180,7 +180,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         if probe.previous_end_ns is not None:
             probe.phase_done("data", probe.previous_end_ns, t0)
         probe.forward.note_batch(inputs, kwargs)
-        saved = _SavedBytes(_weight_storages(self.module)) if torch.is_grad_enabled() else None
+        saved = _SavedBytes(probe.forward.weight_storages(self.module)) if torch.is_grad_enabled() else None
         with record_function("dpprof.forward"):
             if saved is not None:
                 with saved_tensors_hooks(saved.pack, _unpack):

@@ -134,8 +134,10 @@ class _BackwardWatch:
 class ForwardProbe:
     """Measurements of one DataParallel forward call inside a run."""
 
-    def __init__(self, run: Run, devices: DeviceSet, output_label: str, dim: int, starts_step: bool = True) -> None:
+    def __init__(self, run: Run, devices: DeviceSet, output_label: str, dim: int, starts_step: bool = True,
+                 root: Module | None = None) -> None:
         self.run = run
+        self.root = root  # the module the replicas are made from
         self.step = run.step_for_forward(starts_step)
         self.call = self.step.calls - 1
         self.dim = dim
@@ -177,6 +179,15 @@ class ForwardProbe:
                 reserved_bytes=torch.cuda.memory_reserved(i),
             ))
 
+    def weight_storages(self, module: Module) -> set[int]:
+        """Storages of a module's weights: a replica's own on CUDA; on CPU workers (replicas are
+        views of the module) and for a persistent module, computed once per run."""
+        if getattr(module, "_is_replica", False):
+            if self.cuda_indices:  # broadcast copies: each replica's own storages
+                return _weight_storages(module)
+            return self.run.cached(("weight storages", id(self.root)), lambda: _weight_storages(self.root))
+        return self.run.cached(("weight storages", id(module)), lambda: _weight_storages(module))
+
     # bytes
     def note_batch(self, inputs: Any, kwargs: Any) -> None:
         first = next(chain(iter_tensors(inputs), iter_tensors(kwargs)), None)
@@ -198,8 +209,9 @@ class ForwardProbe:
     def end(self, module: Module, used: int) -> None:
         """Close the forward call: emit each device's memory record."""
         self.step.devices_used = max(self.step.devices_used, used)
-        param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-        buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
+        param_bytes, buffer_bytes = self.run.cached(("weight bytes", id(module)), lambda: (
+            sum(p.numel() * p.element_size() for p in module.parameters()),
+            sum(b.numel() * b.element_size() for b in module.buffers())))
         for label, m in self.memory.items():
             applied = "input_bytes" in m
             self.run.emit(DeviceMemoryRecord(
@@ -237,7 +249,7 @@ class MeasuredReplica:
                 return self.module(*args, **kwargs)
             with probe.phase(self.phase, self.label):
                 if torch.is_grad_enabled():
-                    saved = _SavedBytes(_weight_storages(self.module))
+                    saved = _SavedBytes(probe.weight_storages(self.module))
                     with saved_tensors_hooks(saved.pack, _unpack):
                         output = self.module(*args, **kwargs)
                     activation_bytes = saved.bytes
