@@ -1,50 +1,44 @@
 """dpprof's dashboard: ``streamlit run app.py``.
 
-For now one page: record a short demo on CPU workers and show where each device spent
-its time. Everything below is layout; the work is done by dpprof.
+Layout only: the pages in app_pages/ lay out what dpprof.views computes and dpprof.charts draws.
+With runs in the reports directory it opens on the newest one; with none, on Runs, which says
+what to do and offers a demo run on CPU workers.
 """
 from __future__ import annotations
 
-import pandas as pd
+import sys
+from pathlib import Path
+
 import streamlit as st
 
-import dpprof
-from dpprof.analysis import phase_table
-from dpprof.workloads import WORKLOADS, build_workload, train
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # pages.common, from whichever directory streamlit was started
+    sys.path.insert(0, str(HERE))
+
+from app_pages import common  # noqa: E402
 
 st.set_page_config(page_title="dpprof", layout="wide")
+common.sidebar_picker()
 
 
-@st.cache_data(show_spinner="Recording a demo run on CPU workers…")
-def demo_frames(workload: str, workers: int, batch_size: int, steps: int) -> dict[str, pd.DataFrame]:
-    run = train(build_workload(workload, batch_size), dpprof.cpu_devices(workers), steps,
-                name=f"demo-{workload}")
-    return run.frames()
+def home() -> None:
+    """The address without a page: the newest run's Overview, or Runs (which says what to do) without runs."""
+    has_runs = not common.readable(common.listing()).empty
+    st.switch_page("app_pages/overview.py" if has_runs else "app_pages/runs.py")
 
 
-st.title("dpprof — where a data-parallel step spends its time, device by device")
-st.caption("A short training run of a built-in workload under dpprof.DataParallel on CPU worker "
-           "threads, the same phases a multi-GPU box runs: scatter, replicate, parallel_apply "
-           "(each replica's apply on its device), gather, backward.")
-
-with st.sidebar:
-    workload = st.selectbox("Workload", list(WORKLOADS), index=list(WORKLOADS).index("cifar-lenet"))
-    workers = st.slider("CPU workers", 1, 8, 2)
-    batch_size = st.number_input("Batch size", 1, 4096, 256 if workload == "cifar-lenet" else 30)
-    steps = st.slider("Steps", 2, 100, 20)
-
-frames = demo_frames(workload, workers, int(batch_size), steps)
-steps_df, memory = frames["steps"], frames["memory"]
-
-c1, c2, c3 = st.columns(3)
-c1.metric("Steps recorded", len(steps_df))
-c2.metric("Median step", f"{steps_df['duration_ms'].median():.1f} ms")
-c3.metric("Devices used", int(steps_df["devices_used"].max()))
-
-st.subheader("Mean time per step of each phase, per device (ms)")
-st.dataframe(phase_table(frames["phases"]).round(3), width="stretch")
-
-st.subheader("Memory per device (mean per step, bytes)")
-st.dataframe(memory.groupby("device")[["chunk_size", "input_bytes", "output_bytes", "activation_bytes",
-                                        "gathered_bytes", "param_bytes"]].mean().round(0),
-             width="stretch")
+st.navigation({
+    "Recorded runs": [st.Page(home, title="Home", default=True, visibility="hidden"),
+                      st.Page("app_pages/runs.py", title="Runs", url_path="runs")],
+    "Run": [
+        st.Page("app_pages/overview.py", title="Overview", url_path="overview"),
+        st.Page("app_pages/load.py", title="Per-GPU load", url_path="load"),
+        st.Page("app_pages/timeline.py", title="Timeline", url_path="timeline"),
+        st.Page("app_pages/export.py", title="Export", url_path="export"),
+    ],
+    "Runs side by side": [st.Page("app_pages/compare.py", title="Compare", url_path="compare")],
+    "This machine": [
+        st.Page("app_pages/devices.py", title="Devices", url_path="devices"),
+        st.Page("app_pages/new_run.py", title="New run", url_path="new-run"),
+    ],
+}).run()

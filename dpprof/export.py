@@ -18,7 +18,7 @@ def neutralize_formulas(df: pd.DataFrame) -> pd.DataFrame:
     """Prefix text cells that a spreadsheet would run as a formula (= + - @) with a quote."""
     out = df.copy()
     for col in out.columns:
-        if out[col].dtype == object:
+        if out[col].dtype == object or pd.api.types.is_string_dtype(out[col].dtype):  # pandas 3: str dtype
             out[col] = out[col].map(
                 lambda v: f"'{v}" if isinstance(v, str) and v.startswith(_FORMULA_PREFIXES) else v)
     return out

@@ -1,0 +1,346 @@
+"""What every page shares: the run listing, the chosen run, caching, live refresh, and starting runs.
+
+Streamlit only. A run is chosen from the listing of the reports directory, by id, never from a
+path the browser sends. Cached results are keyed by the run file's path and its modification
+time (and its write-ahead log's, so a running run is re-read as it grows).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+
+from dpprof import views
+from dpprof.export import to_csv_bytes
+from dpprof.store.reader import list_runs, load_run, reports_dir
+
+REFRESH_S = 2.0  # a running run's pages re-read it this often (its writer commits every 0.5 s)
+LISTING_TTL_S = 5.0  # "running" turns "incomplete" by time alone (heartbeat age), not by file changes
+RUN_KEY = "chosen_run"  # session state: the chosen run's id (no widget has this key)
+COMPARE_KEY = "compare_ids"  # session state: ids of runs to compare (no widget has this key)
+STATUS_COLORS = {"running": "green", "finished": "blue", "failed": "red", "incomplete": "orange",
+                 "unreadable": "gray"}
+DEMO_ARGS = {"workload": "cifar-lenet", "devices": "cpu:2", "steps": 30, "name": "demo"}
+
+
+# -- reading, cached ---------------------------------------------------------------------------
+
+def _signature(path: Path, run_id: str) -> tuple[tuple[str, int, int], ...]:
+    """Name, mtime and size of the run's files (every rank's of a distributed run) and their write-ahead
+    logs: it changes whenever a writer commits."""
+    out = []
+    for p in sorted(path.parent.glob(f"{run_id}*")):
+        try:
+            s = p.stat()
+            out.append((p.name, s.st_mtime_ns, s.st_size))
+        except OSError:  # gone between listing and stat
+            continue
+    return tuple(out)
+
+
+def _dir_signature(directory: Path) -> tuple[tuple[str, int, int], ...]:
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return ()
+    return tuple(sorted((e.name, *_stat(e)) for e in entries))
+
+
+def _stat(entry: os.DirEntry) -> tuple[int, int]:
+    try:
+        s = entry.stat()
+        return s.st_mtime_ns, s.st_size
+    except OSError:
+        return 0, 0
+
+
+@st.cache_data(ttl=LISTING_TTL_S, show_spinner=False)
+def _listing(directory: str, signature: tuple) -> pd.DataFrame:
+    return list_runs(directory)
+
+
+def listing() -> pd.DataFrame:
+    """Every file in the reports directory (list_runs), cached until a file changes (or LISTING_TTL_S)."""
+    directory = reports_dir()
+    return _listing(str(directory), _dir_signature(directory))
+
+
+def readable(runs: pd.DataFrame) -> pd.DataFrame:
+    return runs[runs["reason"].isna()]
+
+
+@st.cache_data(show_spinner="Reading the run…", max_entries=128)
+def _view(name: str, path: str, signature: tuple, *args: Any) -> Any:
+    return getattr(views, name)(load_run(path), *args)
+
+
+def view(name: str, row: pd.Series, *args: Any) -> Any:
+    """dpprof.views.<name>(run, *args) for a run of the listing, cached by its file and modification time."""
+    path = Path(row["path"])
+    return _view(name, str(path), _signature(path, row["id"]), *args)
+
+
+def run_csv(row: pd.Series, table: str) -> Callable[[], bytes]:
+    """A callable for st.download_button: the table's CSV, built when the button is clicked."""
+    path = row["path"]
+    return lambda: views.table_csv(load_run(path), table)
+
+
+def run_zip(row: pd.Series) -> Callable[[], bytes]:
+    path = row["path"]
+    return lambda: views.run_zip(load_run(path))
+
+
+# -- the chosen run ----------------------------------------------------------------------------
+
+def run_label(row: pd.Series) -> str:
+    return f"{row['name'] or row['id']} · {row['id'][-6:]} · {row['status']}"
+
+
+PICKER_KEY = "run_picker"  # the sidebar selectbox's own state
+
+
+def _picked() -> None:
+    st.session_state[RUN_KEY] = st.session_state[PICKER_KEY]
+
+
+def sidebar_picker() -> None:
+    """The run picker in the sidebar (every page): readable runs, newest first."""
+    runs = readable(listing())
+    state = st.session_state
+    ids = runs["id"].tolist()
+    if state.get(RUN_KEY) not in ids:
+        wanted = st.query_params.get("run")
+        state[RUN_KEY] = wanted if wanted in ids else (ids[0] if ids else None)
+    with st.sidebar:
+        st.caption(f"Runs in `{reports_dir()}`")
+        if not ids:
+            st.write("No runs yet.")
+            return
+        if state.get(PICKER_KEY) != state[RUN_KEY]:
+            state[PICKER_KEY] = state[RUN_KEY]  # another page chose a run (set before the widget exists)
+        labels = dict(zip(ids, (run_label(r) for _, r in runs.iterrows())))
+        st.selectbox("Run", ids, format_func=labels.get, key=PICKER_KEY, on_change=_picked)
+    if st.query_params.get("run") != state[RUN_KEY]:
+        st.query_params["run"] = state[RUN_KEY]
+
+
+def chosen_run() -> pd.Series | None:
+    """The chosen run's row of the listing, or None (with a word on the page about what to do)."""
+    runs = readable(listing())
+    match = runs[runs["id"] == st.session_state.get(RUN_KEY)]
+    if match.empty:
+        if runs.empty:
+            st.info("No runs yet. Record one on the **New run** page (or on **Runs**: a demo on CPU workers), "
+                    "or from a shell: `python -m dpprof profile cifar-lenet --steps 30 --devices cpu:2`.")
+        else:
+            st.info("Choose a run in the sidebar or on the **Runs** page.")
+        st.page_link("app_pages/runs.py", label="Go to Runs")
+        return None
+    return match.iloc[0]
+
+
+def run_header(row: pd.Series) -> None:
+    """The run's name, status and what it ran."""
+    st.title(f"{row['name'] or row['id']}")
+    cols = st.columns([1, 6])
+    cols[0].badge(row["status"], color=STATUS_COLORS.get(row["status"], "gray"))
+    created = str(row["created_at"] or "")[:19].replace("T", " ")
+    steps = int(row["steps"]) if pd.notna(row["steps"]) else 0
+    cols[1].caption(f"run `{row['id']}` · {row['workload'] or 'your model'} · {row['backend'] or '-'} · "
+                    f"devices {row['devices'] or '-'} · {steps:,} steps · started {created} UTC")
+    if row["status"] == "running":
+        st.caption(f"Recording: this page re-reads the run every {REFRESH_S:.0f} s.")
+    elif row["status"] in ("failed", "incomplete") and row.get("error"):
+        st.warning(f"The run {row['status']}: {row['error']}")
+    elif row["status"] == "incomplete":
+        st.warning("The run is incomplete: its process stopped without closing it (killed, or the machine "
+                   "went down). What it recorded until then is shown.")
+    if row.get("dropped_records"):
+        st.warning(f"{int(row['dropped_records']):,} records were dropped: the writer fell behind.")
+
+
+def live(body: Callable[[pd.Series], None]) -> None:
+    """Run a page body for the chosen run; while the run is recording, re-run it every REFRESH_S."""
+    row = chosen_run()
+    if row is None:
+        return
+    if row["status"] != "running":
+        body(row)
+        return
+    run_id = row["id"]
+
+    @st.fragment(run_every=REFRESH_S)
+    def refreshing() -> None:
+        current = readable(listing())
+        match = current[current["id"] == run_id]
+        if match.empty or match.iloc[0]["status"] != "running":
+            st.rerun(scope="app")  # it finished (or went): one last full render, then no more refreshes
+        body(match.iloc[0])
+
+    refreshing()
+
+
+def refreshing(active: bool, body: Callable[[], None]) -> None:
+    """Run body; while ``active`` (something shown is still recording), re-run it every REFRESH_S."""
+    if not active:
+        body()
+        return
+    st.fragment(body, run_every=REFRESH_S)()
+
+
+def rerun_on_change(signature: Callable[[], Any]) -> None:
+    """Re-run the whole page when signature() changes (checked every REFRESH_S): for pages whose widgets
+    must live outside a fragment, such as the Runs table and its selection."""
+    before = signature()
+
+    @st.fragment(run_every=REFRESH_S)
+    def follow() -> None:
+        if signature() != before:
+            st.rerun(scope="app")
+
+    follow()
+
+
+# -- tables and words --------------------------------------------------------------------------
+
+def table(df: pd.DataFrame, name: str, index: bool = False, **kwargs: Any) -> None:
+    """st.dataframe plus a CSV download of exactly what is shown (formula-like cells neutralised)."""
+    st.dataframe(df, hide_index=not index, **kwargs)
+    csv_button(df, name, index)
+
+
+def csv_button(df: pd.DataFrame, name: str, index: bool = False) -> None:
+    """A CSV download of a table (formula-like cells neutralised: the built-in table download is off)."""
+    st.download_button(f"⬇ {name}.csv", to_csv_bytes(df, index=index), file_name=f"{name}.csv",
+                       mime="text/csv", key=f"csv-{name}", on_click="ignore")
+
+
+def missing(text: str) -> None:
+    """Data this run does not have, said in words (never an empty chart)."""
+    st.info(text, icon="ℹ️")
+
+
+def chart(fig: Any) -> None:
+    st.plotly_chart(fig, width="stretch", config={"displaylogo": False})
+
+
+# -- starting runs -----------------------------------------------------------------------------
+
+@st.cache_resource
+def processes() -> dict[int, dict[str, Any]]:
+    """Runs started from this dashboard: pid -> Popen and what it was asked to do (one per server)."""
+    return {}
+
+
+def start_run(workload: str, devices: str, steps: int, batch_size: int | None = None,
+              name: str | None = None) -> dict[str, Any]:
+    """Start ``python -m dpprof profile ...`` in its own process, logging to reports/.logs/."""
+    directory = reports_dir()
+    logs = directory / ".logs"  # a dot-directory: list_runs never lists it
+    logs.mkdir(parents=True, exist_ok=True)
+    started = datetime.now(timezone.utc)
+    log = logs / f"{started:%Y%m%d-%H%M%S}-{workload}-{os.urandom(3).hex()}.log"
+    cmd = [sys.executable, "-m", "dpprof", "--reports-dir", str(directory), "profile", workload,
+           "--devices", devices, "--steps", str(int(steps)), "--quiet"]
+    if batch_size:
+        cmd += ["--batch-size", str(int(batch_size))]
+    if name:
+        cmd += ["--name", name]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)  # not killed with the page; not Streamlit's thread
+    info = {"pid": proc.pid, "proc": proc, "cmd": cmd, "log": str(log), "started": time.time()}
+    processes()[proc.pid] = info
+    st.session_state.setdefault("started", []).append(proc.pid)
+    st.session_state["watch"] = proc.pid
+    return info
+
+
+def process_status(pid: int) -> tuple[str, int | None]:
+    """("running", None) or ("exited", returncode) for a process started here."""
+    info = processes().get(pid)
+    if info is None:
+        return "unknown", None
+    code = info["proc"].poll()  # also reaps it, so its pid never lingers as a zombie
+    return ("running", None) if code is None else ("exited", code)
+
+
+def log_tail(pid: int, lines: int = 15) -> str:
+    info = processes().get(pid)
+    if info is None:
+        return ""
+    try:
+        text = Path(info["log"]).read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def run_of_process(pid: int) -> pd.Series | None:
+    """The listed run a process started here is recording (matched by the pid stored in the run)."""
+    info = processes().get(pid)
+    runs = readable(listing())
+    if info is None or runs.empty:
+        return None
+    for _, row in runs.iterrows():
+        created = row["created_at"]
+        if created and datetime.fromisoformat(created).timestamp() >= info["started"] - 5:
+            try:
+                if load_run(row["path"]).meta.get("pid") == pid:
+                    return row
+            except Exception:  # a file that went away between listing and opening
+                continue
+    return None
+
+
+def watch_started_run() -> None:
+    """After a start: the process's state, its log, and a link to its run once it appears; refreshed
+    every second until the process has exited and its run is no longer running."""
+    pid = st.session_state.get("watch")
+    if pid is None or pid not in processes():
+        return
+
+    def done() -> bool:
+        row = run_of_process(pid)
+        return process_status(pid)[0] != "running" and (row is None or row["status"] != "running")
+
+    def render() -> None:
+        status, code = process_status(pid)
+        row = run_of_process(pid)
+        command = " ".join(processes()[pid]["cmd"][1:])
+        if status == "running":
+            st.info(f"Process {pid} is running: `{command}`")
+        elif code == 0:
+            st.success(f"Process {pid} finished: `{command}`")
+        else:
+            st.error(f"Process {pid} exited with code {code}: `{command}`")
+        if row is not None:
+            st.session_state[RUN_KEY] = row["id"]
+            st.write(f"Run **{row['name']}** (`{row['id']}`) is {row['status']}.")
+            st.page_link("app_pages/overview.py", label="Open it on Overview →")
+        elif status == "running":
+            st.caption("Waiting for the run file to appear…")
+        tail = log_tail(pid)
+        if tail:
+            st.code(tail, language=None)
+
+    if done():
+        render()
+        return
+
+    @st.fragment(run_every=1.0)
+    def watching() -> None:
+        if done():
+            st.rerun(scope="app")  # one last full render without the timer
+        render()
+
+    watching()

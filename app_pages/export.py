@@ -1,0 +1,31 @@
+"""Export: every table of the run as CSV, and the whole run as a zip of CSVs."""
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from app_pages import common
+
+
+def body(row: pd.Series) -> None:
+    common.run_header(row)
+    st.subheader("Download")
+    st.caption("CSV files are built when you click. A text cell that begins with = + - or @ is prefixed with ' "
+               "so that a spreadsheet shows it instead of running it.")
+    st.download_button("⬇ The whole run (zip of CSVs)", common.run_zip(row), file_name=f"{row['id']}.zip",
+                       mime="application/zip", type="primary", key="zip", on_click="ignore")
+    tables = common.view("export_tables", row)
+    extra = pd.DataFrame([
+        {"table": "run", "rows": 1, "what": "the run's metadata"},
+        {"table": "device_summary", "rows": None, "what": "per device: apply time and memory"},
+        {"table": "phase_totals", "rows": None, "what": "each phase's share of the step"},
+    ])
+    for t in pd.concat([tables, extra], ignore_index=True).itertuples():
+        c1, c2, c3 = st.columns([2, 1, 4])
+        c1.download_button(f"⬇ {t.table}.csv", common.run_csv(row, t.table), file_name=f"{row['id']}-{t.table}.csv",
+                           mime="text/csv", key=f"export-{t.table}", on_click="ignore")
+        c2.write(f"{int(t.rows):,} rows" if pd.notna(t.rows) else "")
+        c3.caption(t.what)
+
+
+common.live(body)

@@ -1,0 +1,39 @@
+"""New run: start a built-in workload in a background process, then watch it record."""
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+import torch
+
+from dpprof.workloads import WORKLOADS
+from app_pages import common
+
+st.title("New run")
+st.caption("Trains a built-in workload under dpprof.DataParallel in its own process "
+           "(`python -m dpprof profile …`), so the dashboard stays responsive; its pages refresh by themselves "
+           "while it records.")
+names = list(WORKLOADS)
+with st.form("new_run"):
+    workload = st.selectbox("Workload", names, index=names.index("cifar-lenet"))
+    choices = ["CPU workers"] + (["every CUDA GPU"] if torch.cuda.is_available() else [])
+    on = st.radio("Devices", choices, horizontal=True)
+    c1, c2, c3 = st.columns(3)
+    workers = int(c1.number_input("CPU workers", min_value=1, max_value=64, value=2))
+    steps = int(c2.number_input("Steps", min_value=1, max_value=10_000_000, value=50))
+    batch = int(c3.number_input("Batch size (0: the workload's own)", min_value=0, max_value=1_000_000, value=0))
+    name = st.text_input("Name (optional)", max_chars=100)
+    start = st.form_submit_button("Start", type="primary")
+if start:
+    devices = f"cpu:{workers}" if on == "CPU workers" else "cuda"
+    common.start_run(workload, devices, steps, batch or None, name.strip() or None)
+common.watch_started_run()
+
+mine = [p for p in st.session_state.get("started", []) if p in common.processes()]
+if mine:
+    st.subheader("Started from this page")
+    rows = []
+    for pid in reversed(mine):
+        status, code = common.process_status(pid)
+        rows.append({"pid": pid, "process": status if code is None else f"exited ({code})",
+                     "command": " ".join(common.processes()[pid]["cmd"][3:])})
+    st.dataframe(pd.DataFrame(rows), hide_index=True)

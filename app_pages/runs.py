@@ -1,0 +1,55 @@
+"""Runs: every file in the reports directory with its status and what it ran; open one, compare several."""
+from __future__ import annotations
+
+import streamlit as st
+
+from app_pages import common
+from dpprof.store.reader import reports_dir
+
+st.title("Runs")
+runs = common.listing()
+good = common.readable(runs)
+bad = runs[runs["reason"].notna()]
+
+if good.empty:
+    st.subheader("No runs yet")
+    st.markdown(
+        f"dpprof keeps one file per recorded run in `{reports_dir()}` and there is none yet. Record one from a "
+        "shell (CPU workers stand in for GPUs, so this works on any machine):")
+    st.code("python -m dpprof profile cifar-lenet --steps 30 --devices cpu:2", language="bash")
+    st.markdown("or wrap your own model in `dpprof.DataParallel` inside `with dpprof.record():` (see the README), "
+                "or start one here:")
+    if st.button("Record a demo run on 2 CPU workers", type="primary", key="demo"):
+        common.start_run(**common.DEMO_ARGS)
+    common.watch_started_run()
+else:
+    shown = good[["status", "name", "workload", "backend", "devices", "steps", "duration_s", "created_at", "id"]].copy()
+    shown["created_at"] = shown["created_at"].str.slice(0, 19).str.replace("T", " ")
+    st.caption("Select one run to open it, or several to compare them.")
+    event = st.dataframe(
+        shown, hide_index=True, on_select="rerun", selection_mode="multi-row", key="runs_table",
+        column_config={"duration_s": st.column_config.NumberColumn("duration (s)", format="%.1f"),
+                       "created_at": "started (UTC)", "steps": st.column_config.NumberColumn(format="%d")})
+    selected = shown.iloc[list(event.selection.rows)]["id"].tolist() if event.selection.rows else []
+    c1, c2, c3, _ = st.columns([1, 1, 1, 5])
+    if c1.button("Open", disabled=len(selected) != 1, type="primary", key="open_run",
+                 help="Select one run in the table"):
+        st.session_state[common.RUN_KEY] = selected[0]
+        st.switch_page("app_pages/overview.py")
+    if c2.button("Compare", disabled=len(selected) < 2, key="compare_runs", help="Select two or more runs"):
+        # oldest first: the baseline is the run before the change
+        st.session_state[common.COMPARE_KEY] = good[good["id"].isin(selected)].sort_values("created_at")["id"].tolist()
+        st.session_state.pop("compare_pick", None)  # the Compare page starts from this choice
+        st.switch_page("app_pages/compare.py")
+    with c3:
+        common.csv_button(good.drop(columns=["path", "reason"]), "runs")
+    if (good["status"] == "running").any():
+        st.caption(f"A run is recording: this list refreshes every {common.REFRESH_S:.0f} s.")
+        common.rerun_on_change(lambda: common.readable(common.listing())[["id", "status", "steps"]].values.tolist())
+    common.watch_started_run()
+
+if not bad.empty:
+    st.subheader("Unreadable files")
+    st.caption("Files in the reports directory that are not runs this dpprof can read, and why.")
+    unreadable = bad.assign(file=bad["path"].map(lambda p: p.rsplit("/", 1)[-1]))[["file", "reason"]]
+    st.dataframe(unreadable, hide_index=True)

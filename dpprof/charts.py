@@ -1,0 +1,306 @@
+"""Charts: DataFrames in (as dpprof.store.queries and dpprof.views return them), plotly figures out.
+
+No I/O and no Streamlit here. Every function takes the frame a query returns and draws it; a
+frame longer than MAX_POINTS rows per series is thinned first (a browser draws 2,000 points
+per line quickly, 50,000 slowly). Callers decide what to say when there is no data: these
+functions are given data.
+"""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from dpprof.records import PHASES
+
+__all__ = ["MAX_POINTS", "PHASE_COLORS", "downsample", "step_times", "phase_breakdown", "phase_shares",
+           "apply_distribution", "memory_per_device", "chunk_sizes", "gpu_samples", "timeline",
+           "compare_step_times", "compare_phase_shares", "compare_memory", "check_chunks"]
+
+MAX_POINTS = 2_000  # per series; dpprof.store.queries buckets long runs to this many points already
+
+# One colour per phase, the same on every chart (plotly's qualitative "Safe" palette, colour-blind safe).
+PHASE_COLORS = {
+    "scatter": "#88CCEE", "replicate": "#CC6677", "parallel_apply": "#DDCC77", "apply": "#117733",
+    "gather": "#332288", "loss": "#44AA99", "reduce": "#999933", "backward": "#AA4499", "rest": "#BBBBBB",
+    "step": "#DDDDDD", "data": "#88CCEE", "forward": "#117733", "backward_compute": "#AA4499",
+    "comm_wait": "#CC6677", "optimizer": "#DDCC77",
+}
+PHASE_LABELS = {"parallel_apply": "apply (all devices)", "rest": "rest of step", "loss": "loss (output device)",
+                "reduce": "reduce (losses)"}
+_OTHER_COLORS = ["#661100", "#6699CC", "#888888", "#E69F00"]
+
+
+def _color(phase: str) -> str:
+    return PHASE_COLORS.get(phase) or _OTHER_COLORS[sum(map(ord, phase)) % len(_OTHER_COLORS)]
+_MIB = 2**20
+_LAYOUT = dict(template="plotly_white", margin=dict(l=10, r=10, t=50, b=10), legend_title_text="")
+
+
+def _fig(title: str, **layout: object) -> go.Figure:
+    fig = go.Figure()
+    fig.update_layout(title=title, **{**_LAYOUT, **layout})
+    return fig
+
+
+def downsample(df: pd.DataFrame, max_points: int = MAX_POINTS) -> pd.DataFrame:
+    """Every k-th row, so that at most max_points remain (the last row always kept)."""
+    if len(df) <= max_points:
+        return df
+    stride = math.ceil(len(df) / max_points)
+    keep = list(range(0, len(df), stride))
+    if keep[-1] != len(df) - 1:
+        keep.append(len(df) - 1)
+    return df.iloc[keep]
+
+
+def _label(phase: str) -> str:
+    return PHASE_LABELS.get(phase, phase)
+
+
+def step_times(steps: pd.DataFrame) -> go.Figure:
+    """Step time over the steps; bucketed points show the bucket's mean with its min-max band.
+
+    Args:
+        steps: dpprof.store.queries.step_times (step, steps, duration_ms, min_duration_ms, max_duration_ms).
+    """
+    df = downsample(steps)
+    bucketed = "steps" in df and (df["steps"] > 1).any()
+    fig = _fig("Step time" + (f" (mean of every {int(df['steps'].max())} steps, min-max shaded)" if bucketed else ""),
+               xaxis_title="step", yaxis_title="ms", hovermode="x unified")
+    if bucketed:
+        fig.add_trace(go.Scatter(x=df["step"], y=df["max_duration_ms"], mode="lines", line=dict(width=0),
+                                 showlegend=False, hoverinfo="skip"))
+        fig.add_trace(go.Scatter(x=df["step"], y=df["min_duration_ms"], mode="lines", line=dict(width=0),
+                                 fill="tonexty", fillcolor="rgba(68,119,170,0.2)", name="min-max", hoverinfo="skip"))
+    fig.add_trace(go.Scatter(x=df["step"], y=df["duration_ms"], mode="lines" if len(df) > 60 else "lines+markers",
+                             name="step time", line=dict(color="#4477AA")))
+    return fig
+
+
+def phase_breakdown(breakdown: pd.DataFrame) -> go.Figure:
+    """Each step stacked by phase: scatter, replicate, apply (all devices), gather, backward, rest of step.
+
+    Args:
+        breakdown: dpprof.store.queries.phase_breakdown.
+    """
+    df = downsample(breakdown)
+    phases = [c[:-3] for c in df.columns if c.endswith("_ms") and c != "step_ms"]
+    bars = len(df) <= 300
+    fig = _fig("Phase breakdown per step (ms)", xaxis_title="step", yaxis_title="ms", hovermode="x unified",
+               barmode="stack", bargap=0.05)
+    for phase in phases:
+        kwargs = dict(x=df["step"], y=df[f"{phase}_ms"], name=_label(phase), marker_color=_color(phase))
+        if bars:
+            fig.add_trace(go.Bar(**kwargs))
+        else:
+            fig.add_trace(go.Scatter(**kwargs, mode="lines", stackgroup="phases",
+                                     line=dict(width=0.5, color=_color(phase))))
+    return fig
+
+
+def phase_shares(totals: pd.DataFrame) -> go.Figure:
+    """Each phase's share of the run's step time, one horizontal bar each.
+
+    Args:
+        totals: dpprof.store.queries.phase_totals (phase, total_ms, per_step_ms, share_pct).
+    """
+    df = totals.iloc[::-1]
+    fig = _fig("Share of the step", xaxis_title="% of step time", showlegend=False, height=320)
+    fig.add_trace(go.Bar(x=df["share_pct"], y=[_label(p) for p in df["phase"]], orientation="h",
+                         marker_color=[_color(p) for p in df["phase"]],
+                         text=[f"{s:.1f}% · {ms:.2f} ms/step" for s, ms in zip(df["share_pct"], df["per_step_ms"])],
+                         textposition="auto"))
+    return fig
+
+
+def apply_distribution(samples: pd.DataFrame, kind: str = "box", phase: str = "apply") -> go.Figure:
+    """Apply time per step on each device, as box plots (or violins): a straggler stands out.
+
+    Args:
+        samples: dpprof.store.queries.apply_samples (step, device, duration_ms).
+        kind: "box" or "violin".
+        phase: the phase the samples are of ("forward" for DistributedDataParallel ranks).
+    """
+    fig = _fig(f"{phase.capitalize()} time per device (ms per step)", yaxis_title="ms", showlegend=False)
+    trace = go.Violin if kind == "violin" else go.Box
+    extra = dict(box_visible=True, meanline_visible=True, points=False) if kind == "violin" else dict(
+        boxmean=True, boxpoints="outliers")
+    for device, df in samples.groupby("device", sort=False):
+        fig.add_trace(trace(y=df["duration_ms"], name=str(device), marker_color=PHASE_COLORS["apply"], **extra))
+    return fig
+
+
+_MEMORY_KINDS = {
+    "input_bytes": "inputs", "output_bytes": "outputs", "activation_bytes": "activations",
+    "gathered_bytes": "gathered outputs", "param_bytes": "parameters", "buffer_bytes": "buffers",
+}
+_MEMORY_COLORS = ["#88CCEE", "#44AA99", "#117733", "#CC6677", "#999933", "#DDCC77"]
+
+
+def _device_ticks(memory: pd.DataFrame) -> list[str]:
+    return [f"{d} (output)" if out else str(d) for d, out in zip(memory["device"], memory["output_device"])]
+
+
+def memory_per_device(memory: pd.DataFrame) -> go.Figure:
+    """What each device held in its peak step, by kind, stacked; the CUDA allocator's peak allocated
+    and reserved bytes as markers where recorded; the output device marked.
+
+    Args:
+        memory: dpprof.store.queries.memory_peaks.
+    """
+    ticks = _device_ticks(memory)
+    fig = _fig("Memory per device (MiB, in each device's peak step)", yaxis_title="MiB", barmode="stack")
+    for (col, label), color in zip(_MEMORY_KINDS.items(), _MEMORY_COLORS):
+        if col in memory and memory[col].fillna(0).any():
+            fig.add_trace(go.Bar(x=ticks, y=memory[col] / _MIB, name=label, marker_color=color))
+    for col, label, symbol in (("peak_allocated_bytes", "peak allocated (allocator)", "diamond"),
+                               ("peak_reserved_bytes", "reserved (allocator)", "line-ew-open")):
+        if col in memory and memory[col].notna().any():
+            fig.add_trace(go.Scatter(x=ticks, y=memory[col] / _MIB, name=label, mode="markers",
+                                     marker=dict(symbol=symbol, size=14, color="#222222", line=dict(width=2))))
+    for tick, out in zip(ticks, memory["output_device"]):
+        if out:
+            fig.add_annotation(x=tick, y=1.0, yref="paper", text="output device", showarrow=False,
+                               yanchor="bottom", font=dict(color="#CC6677"))
+    return fig
+
+
+def chunk_sizes(chunks: pd.DataFrame) -> go.Figure:
+    """The chunk each device got: one dot per (device, chunk size), its size the share of forward calls.
+
+    Args:
+        chunks: dpprof.store.queries.chunk_counts (device, chunk_size, calls).
+    """
+    df = chunks.dropna(subset=["chunk_size"])
+    total = df.groupby("device")["calls"].transform("sum")
+    share = df["calls"] / total
+    fig = _fig("Chunk size per device (samples; dot size: share of forward calls)", yaxis_title="samples",
+               showlegend=False, yaxis_rangemode="tozero")
+    fig.add_trace(go.Scatter(x=df["device"].tolist(), y=df["chunk_size"].astype(float).tolist(), mode="markers+text",
+                             marker=dict(size=(10 + 30 * share.astype(float)).tolist(), color="#4477AA"),
+                             text=[f"{int(c)} ({n:,} calls)" for c, n in zip(df["chunk_size"], df["calls"])],
+                             textposition="top center", cliponaxis=False))
+    fig.update_yaxes(range=[0, float(df["chunk_size"].max() if len(df) else 1) * 1.3])
+    return fig
+
+
+_GPU_PANELS = [("gpu_util_pct", "GPU utilisation (%)", 1.0), ("memory_used_bytes", "memory used (GiB)", 2**-30),
+               ("power_w", "power (W)", 1.0), ("temperature_c", "temperature (°C)", 1.0)]
+
+
+def gpu_samples(series: pd.DataFrame) -> go.Figure:
+    """Utilisation, memory used, power and temperature over time, one line per GPU; a metric NVML never
+    gave says so in its panel.
+
+    Args:
+        series: dpprof.store.queries.gpu_series.
+    """
+    fig = make_subplots(rows=2, cols=2, subplot_titles=[p[1] for p in _GPU_PANELS], shared_xaxes=True)
+    fig.update_layout(title="GPU samples (NVML) over time", **_LAYOUT, height=560, hovermode="x unified")
+    palette = ["#4477AA", "#EE6677", "#228833", "#CCBB44", "#66CCEE", "#AA3377", "#BBBBBB", "#000000"]
+    legend_panel = next((col for col, _, _ in _GPU_PANELS if series[col].notna().any()), None)
+    for i, (col, _, scale) in enumerate(_GPU_PANELS):
+        row, c = divmod(i, 2)
+        if series[col].isna().all():
+            fig.add_annotation(text="not recorded by NVML for these GPUs", showarrow=False,
+                               xref=f"x{i + 1 if i else ''} domain", yref=f"y{i + 1 if i else ''} domain",
+                               x=0.5, y=0.5)
+            continue
+        for j, (device, df) in enumerate(series.groupby("device", sort=False)):
+            df = downsample(df)
+            fig.add_trace(go.Scatter(x=df["t_ms"] / 1e3, y=df[col] * scale, mode="lines", name=str(device),
+                                     legendgroup=str(device), showlegend=col == legend_panel,
+                                     line=dict(color=palette[j % len(palette)])), row=row + 1, col=c + 1)
+    fig.update_xaxes(title_text="s since the run started", row=2)
+    return fig
+
+
+def timeline(phases: pd.DataFrame, steps: pd.DataFrame) -> go.Figure:
+    """A Gantt chart of the phases on each device over a range of steps.
+
+    Lanes: "step" (each step), "parallel_apply" (all replicas together), then one lane per device with
+    its scatter, replicate, apply, gather and backward.
+
+    Args:
+        phases, steps: dpprof.store.queries.timeline.
+    """
+    devices = list(dict.fromkeys(phases.loc[phases["phase"] == "apply", "device"]))
+    devices += [d for d in dict.fromkeys(phases["device"]) if d not in devices]
+    lanes = ["step", *(["parallel_apply"] if (phases["phase"] == "parallel_apply").any() else []), *devices]
+    fig = _fig("Timeline (ms since the run started)", xaxis_title="ms", barmode="overlay",
+               height=140 + 40 * len(lanes), bargap=0.25)
+    if not steps.empty:
+        fig.add_trace(go.Bar(y=["step"] * len(steps), x=steps["duration_ms"], base=steps["start_ms"], orientation="h",
+                             name="step", marker=dict(color=PHASE_COLORS["step"], line=dict(color="#888", width=1)),
+                             text=[f"step {s}" for s in steps["step"]], textposition="inside",
+                             hovertemplate="step %{text}<br>%{x:.2f} ms<extra></extra>"))
+    rank = {p: i for i, p in enumerate(PHASES)}
+    for phase in sorted(dict.fromkeys(phases["phase"]), key=lambda p: rank.get(p, len(rank))):
+        df = phases[phases["phase"] == phase]
+        y = ["parallel_apply"] * len(df) if phase == "parallel_apply" else df["device"]
+        fig.add_trace(go.Bar(y=y, x=df["duration_ms"], base=df["start_ms"], orientation="h", name=_label(phase),
+                             marker_color=_color(phase), customdata=df[["step", "device"]],
+                             hovertemplate=f"{phase}<br>step %{{customdata[0]}} on %{{customdata[1]}}"
+                                           "<br>%{x:.3f} ms from %{base:.2f} ms<extra></extra>"))
+    fig.update_yaxes(categoryorder="array", categoryarray=lanes[::-1])
+    return fig
+
+
+def compare_step_times(steps: pd.DataFrame) -> go.Figure:
+    """Step time over the steps of each run, one line per run.
+
+    Args:
+        steps: dpprof.views.compare(...).steps (run, step, duration_ms).
+    """
+    fig = _fig("Step time by run (ms)", xaxis_title="step", yaxis_title="ms", hovermode="x unified")
+    for run, df in steps.groupby("run", sort=False):
+        df = downsample(df)
+        fig.add_trace(go.Scatter(x=df["step"], y=df["duration_ms"], mode="lines", name=str(run)))
+    return fig
+
+
+def compare_phase_shares(shares: pd.DataFrame) -> go.Figure:
+    """Each run's step split into phases, as 100% stacked horizontal bars.
+
+    Args:
+        shares: dpprof.views.compare(...).shares (run, phase, share_pct, per_step_ms).
+    """
+    fig = _fig("Phase shares of the step by run (%)", xaxis_title="% of step time", barmode="stack",
+               height=260 + 50 * shares["run"].nunique(),
+               legend=dict(orientation="h", yanchor="top", y=-0.25, x=0, title_text=""))
+    for phase, df in shares.groupby("phase", sort=False):
+        fig.add_trace(go.Bar(y=df["run"], x=df["share_pct"], name=_label(str(phase)), orientation="h",
+                             marker_color=_color(str(phase)), customdata=df["per_step_ms"],
+                             hovertemplate="%{y}: %{x:.1f}% (%{customdata:.2f} ms/step)<extra>" + _label(str(phase))
+                                           + "</extra>"))
+    fig.update_yaxes(autorange="reversed")
+    return fig
+
+
+def compare_memory(memory: pd.DataFrame) -> go.Figure:
+    """The most each device held in one step, grouped by device, one bar per run; output devices marked.
+
+    Args:
+        memory: dpprof.views.compare(...).memory (run, device, output_device, peak_held_bytes,
+            peak_allocated_bytes).
+    """
+    use_alloc = memory["peak_allocated_bytes"].notna().all() if len(memory) else False
+    col = "peak_allocated_bytes" if use_alloc else "peak_held_bytes"
+    what = "peak allocated" if use_alloc else "peak held in one step"
+    fig = _fig("Memory per device by run", yaxis_title=f"MiB, {what}", barmode="group")
+    for run, df in memory.groupby("run", sort=False):
+        fig.add_trace(go.Bar(x=df["device"], y=df[col] / _MIB, name=str(run),
+                             text=["output" if o else "" for o in df["output_device"]], textposition="outside"))
+    return fig
+
+
+def check_chunks(sizes: list[int], devices: list[str]) -> go.Figure:
+    """How torch.chunk would split a batch over devices (the pre-flight check's batch size)."""
+    padded = list(sizes) + [0] * (len(devices) - len(sizes))
+    fig = _fig("Chunk per device at this batch size (samples)", yaxis_title="samples", showlegend=False, height=300)
+    fig.add_trace(go.Bar(x=devices, y=padded, text=[str(s) if s else "idle" for s in padded], textposition="auto",
+                         marker_color=["#4477AA" if s else "#CC6677" for s in padded]))
+    return fig

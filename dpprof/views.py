@@ -1,0 +1,334 @@
+"""What each dashboard page shows, as DataFrames and sentences: composed from the store's queries,
+the analysis and the findings. No Streamlit here (the app caches and lays these out), no plotting
+(dpprof.charts draws them).
+
+Example:
+    >>> run = dpprof.load_run("20261122-080557")
+    >>> data = overview(run)
+    >>> charts.step_times(data.steps)
+"""
+from __future__ import annotations
+
+import io
+import zipfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from dpprof.export import to_csv_bytes
+from dpprof.findings import FINDING_COLUMNS, run_findings
+from dpprof.report import findings_of
+from dpprof.store import queries
+from dpprof.store.queries import DP_TAX_PHASES
+from dpprof.store.reader import TABLES, StoredRun
+
+__all__ = ["FINDINGS_FULL_STEPS", "TIMELINE_DEFAULT_STEPS", "TABLE_DESCRIPTIONS", "Overview", "Load", "Comparison",
+           "ComparePart", "overview", "load", "findings", "gpu_missing_reason", "step_bounds",
+           "default_timeline_range", "timeline", "compare", "compare_part", "combine", "run_label", "export_tables",
+           "table_csv", "run_zip"]
+
+# Up to this many steps, findings come from every record (well under a second); beyond it a finished
+# run shows the findings stored when it closed, and a running one those of its last this-many steps.
+FINDINGS_FULL_STEPS = 5_000
+TIMELINE_DEFAULT_STEPS = 5  # a few steps show each phase wide enough to read
+
+
+@dataclass
+class Overview:
+    """The Overview page of one run."""
+
+    stats: dict[str, Any]
+    steps: pd.DataFrame  # queries.step_times
+    breakdown: pd.DataFrame  # queries.phase_breakdown
+    totals: pd.DataFrame  # queries.phase_totals
+    tax_pct: float | None  # scatter + replicate + gather, % of step time
+    tax_ms: float | None  # ... in ms per step
+    findings: pd.DataFrame
+    findings_scope: str  # where the findings come from, in words
+
+
+@dataclass
+class Load:
+    """The Per-GPU load page of one run."""
+
+    apply_samples: pd.DataFrame
+    apply_stats: pd.DataFrame
+    memory: pd.DataFrame
+    chunks: pd.DataFrame
+    gpu: pd.DataFrame
+    work_phase: str = "apply"  # each device's share of the work: "apply" (DataParallel), "forward" (DDP ranks)
+    missing: dict[str, str] = field(default_factory=dict)  # "allocator" / "gpu" / "memory" / "apply" -> why not
+
+
+@dataclass
+class Comparison:
+    """Two or more runs side by side, and what differs, in sentences."""
+
+    summary: pd.DataFrame  # one row per run
+    steps: pd.DataFrame  # run, step, duration_ms
+    shares: pd.DataFrame  # run, phase, share_pct, per_step_ms
+    memory: pd.DataFrame  # run, device, output_device, peak_held_bytes, peak_allocated_bytes
+    differences: list[str]
+
+
+def _nan_to_none(value: Any) -> Any:
+    return None if value is None or (isinstance(value, float) and pd.isna(value)) else value
+
+
+def findings(run: StoredRun, steps: int | None = None) -> tuple[pd.DataFrame, str]:
+    """The run's findings, worst first, and where they come from in words."""
+    steps = queries.run_stats(run)["steps"] if steps is None else steps
+    running = run.meta["status"] == "running"
+    if not steps:
+        return pd.DataFrame(columns=FINDING_COLUMNS), "no steps recorded yet"
+    if steps <= FINDINGS_FULL_STEPS:
+        return findings_of(run), f"from all {steps:,} steps" + (" so far" if running else "")
+    if run.meta["status"] == "finished":
+        return run.findings, f"stored when the run finished, from all {steps:,} steps"
+    frames = queries.last_steps_frames(run, FINDINGS_FULL_STEPS)
+    found = run_findings(frames["steps"], frames["phases"], frames["memory"], frames["allocator"],
+                         frames["gpu_samples"], list(run.meta.get("devices") or []), comms=frames["comms"])
+    return found, f"from the last {FINDINGS_FULL_STEPS:,} of {steps:,} steps"
+
+
+def overview(run: StoredRun) -> Overview:
+    """Step time, the phase breakdown per step, the DataParallel tax and the findings of one run."""
+    stats = queries.run_stats(run)
+    totals = queries.phase_totals(run, stats)
+    tax_pct = tax_ms = None
+    if not totals.empty:
+        tax = totals[totals["phase"].isin(DP_TAX_PHASES)]
+        tax_pct, tax_ms = _nan_to_none(float(tax["share_pct"].sum())), float(tax["per_step_ms"].sum())
+    found, scope = findings(run, stats["steps"])
+    return Overview(stats=stats, steps=queries.step_times(run), breakdown=queries.phase_breakdown(run),
+                    totals=totals, tax_pct=tax_pct, tax_ms=tax_ms, findings=found, findings_scope=scope)
+
+
+def gpu_missing_reason(run: StoredRun) -> str:
+    """Why a run has no GPU samples, in words (from the notes the recorder left, else from its backend)."""
+    notes = run.query("SELECT message FROM notes WHERE source = 'nvml' ORDER BY t_ms")["message"].tolist()
+    if run.meta.get("backend") == "cpu":
+        base = "This run used CPU workers: there are no GPUs to sample."
+    else:
+        base = "No GPU samples were recorded for this run."
+    return base + (f" The recorder noted: {'; '.join(notes)}." if notes else "")
+
+
+def load(run: StoredRun) -> Load:
+    """Apply time distributions, memory, chunk sizes and GPU samples per device of one run."""
+    samples = queries.apply_samples(run)
+    stats = queries.apply_stats(run, samples)
+    chunks = queries.chunk_counts(run)
+    memory = queries.memory_peaks(run, chunks)
+    data = Load(apply_samples=samples, apply_stats=stats, memory=memory, chunks=chunks, gpu=queries.gpu_series(run),
+                work_phase=queries.work_phase(queries.present_phases(run)))
+    if stats.empty:
+        data.missing["apply"] = f"No {data.work_phase} phases recorded yet: no forward call has finished."
+    if memory.empty:
+        data.missing["memory"] = "No memory records yet: no forward call has finished."
+    elif memory["peak_allocated_bytes"].isna().all():
+        data.missing["allocator"] = ("Peak allocated and reserved bytes come from the CUDA caching allocator; "
+                                     + ("this run used CPU workers, which have none, so the chart shows what dpprof "
+                                        "accounts to each device (chunk, outputs, activations, gathered outputs, "
+                                        "weights)." if run.meta.get("backend") == "cpu"
+                                        else "none were recorded for this run."))
+    if data.gpu.empty:
+        data.missing["gpu"] = gpu_missing_reason(run)
+    return data
+
+
+def step_bounds(run: StoredRun) -> tuple[int | None, int | None]:
+    """The run's first and last recorded step (None, None before its first step)."""
+    stats = queries.run_stats(run)
+    if not stats["steps"]:
+        return None, None
+    return int(stats["first_step"]), int(stats["last_step"])
+
+
+def default_timeline_range(run: StoredRun) -> tuple[int, int]:
+    """The last TIMELINE_DEFAULT_STEPS steps (all steps of a shorter run)."""
+    stats = queries.run_stats(run)
+    if not stats["steps"]:
+        return 0, 0
+    last = int(stats["last_step"])
+    return max(int(stats["first_step"]), last - TIMELINE_DEFAULT_STEPS + 1), last
+
+
+def timeline(run: StoredRun, first_step: int, last_step: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The phases and steps of a range of steps (see dpprof.store.queries.timeline)."""
+    return queries.timeline(run, first_step, last_step)
+
+
+def run_label(meta: dict[str, Any]) -> str:
+    """A short, unique label for a run: its name and the random end of its id."""
+    return f"{meta.get('name') or meta['id']} · {meta['id'][-6:]}"
+
+
+def _times_text(a: float, b: float) -> str:
+    """b's time against a's: "0.77x the time (23% faster)"."""
+    r = b / a
+    change = f" ({1 - r:.0%} faster)" if r < 0.995 else f" ({r - 1:.0%} slower)" if r > 1.005 else ""
+    return f"{r:.2f}x the time{change}"
+
+
+def _bytes_text(a: float, b: float) -> str:
+    """b's bytes against a's: "1.20x (20% more)"."""
+    r = b / a
+    return f"{r:.2f}x" + (f" ({1 - r:.0%} less)" if r < 0.995 else f" ({r - 1:.0%} more)" if r > 1.005 else "")
+
+
+@dataclass
+class ComparePart:
+    """One run's share of a comparison (cached per run by the app)."""
+
+    row: dict[str, Any]
+    shares: pd.DataFrame
+    memory: pd.DataFrame
+    steps: pd.DataFrame
+
+
+def compare_part(run: StoredRun, max_points: int = 1_000) -> ComparePart:
+    """What a comparison needs of one run: its summary row, phase shares, memory and step times."""
+    stats = queries.run_stats(run)
+    totals = queries.phase_totals(run, stats)
+    memory = queries.memory_peaks(run, detail=False)
+    apply = queries.apply_stats(run, percentiles=False, stats=stats)
+    meta = run.meta
+    label = run_label(meta)
+    share = totals.set_index("phase")["share_pct"] if not totals.empty else pd.Series(dtype=float)
+    median, batch = stats["median_step_ms"], stats["batch_size"]
+    is_out = memory["output_device"].astype(bool) if not memory.empty else pd.Series(dtype=bool)
+    row = {
+        "run": label, "id": meta["id"], "status": meta["status"], "backend": meta.get("backend"),
+        "devices": len(meta.get("devices") or []), "workload": meta.get("workload"), "steps": stats["steps"],
+        "batch_size": batch, "median_step_ms": median, "mean_step_ms": stats["mean_step_ms"],
+        "samples_per_s": batch / median * 1e3 if batch and median else None,
+        "dp_tax_pct": float(share.reindex(list(DP_TAX_PHASES)).fillna(0).sum()) if len(share) else None,
+        "apply_slowest_to_fastest": (apply["apply_mean_ms"].max() / apply["apply_mean_ms"].min()
+                                     if len(apply) > 1 and apply["apply_mean_ms"].min() else None),
+        "output_device_peak_held_bytes": float(memory.loc[is_out, "peak_held_bytes"].max()) if is_out.any() else None,
+        "other_devices_peak_held_bytes": (float(memory.loc[~is_out, "peak_held_bytes"].mean())
+                                          if (~is_out).any() else None),
+    }
+    for phase, value in share.items():
+        row[f"{phase}_share_pct"] = _nan_to_none(float(value))
+    return ComparePart(
+        row=row, shares=totals.assign(run=label)[["run", "phase", "share_pct", "per_step_ms"]],
+        memory=memory.assign(run=label)[["run", "device", "output_device", "peak_held_bytes", "peak_allocated_bytes"]],
+        steps=queries.step_times(run, max_points).assign(run=label)[["run", "step", "duration_ms"]])
+
+
+def combine(parts: list[ComparePart]) -> Comparison:
+    """Runs side by side, the differences stated against the first run (the baseline)."""
+    summary = pd.DataFrame([p.row for p in parts])
+    return Comparison(summary=summary, steps=pd.concat([p.steps for p in parts], ignore_index=True),
+                      shares=pd.concat([p.shares for p in parts], ignore_index=True),
+                      memory=pd.concat([p.memory for p in parts], ignore_index=True),
+                      differences=_differences(summary))
+
+
+def compare(runs: list[StoredRun]) -> Comparison:
+    """Two or more runs side by side: step time, phase shares, per-device memory, and what differs.
+
+    The differences are stated against the first run (the baseline).
+    """
+    return combine([compare_part(run) for run in runs])
+
+
+def _differences(summary: pd.DataFrame) -> list[str]:
+    """Sentences: how each run differs from the first."""
+    if len(summary) < 2:
+        return []
+    base = summary.iloc[0]
+    out = []
+    for _, other in summary.iloc[1:].iterrows():
+        a, b = base["run"], other["run"]
+        if base["devices"] != other["devices"] or base["backend"] != other["backend"]:
+            out.append(f"{b} runs on {other['devices']} {other['backend']} device(s), {a} on "
+                       f"{base['devices']} {base['backend']} device(s).")
+        if base["batch_size"] != other["batch_size"]:
+            out.append(f"Batch size: {b} {other['batch_size']}, {a} {base['batch_size']}.")
+        if base["median_step_ms"] and other["median_step_ms"]:
+            out.append(f"Median step: {b} {other['median_step_ms']:.2f} ms, {a} {base['median_step_ms']:.2f} ms: "
+                       f"{b} takes {_times_text(base['median_step_ms'], other['median_step_ms'])}.")
+        if base["samples_per_s"] and other["samples_per_s"]:
+            out.append(f"Throughput: {b} {other['samples_per_s']:,.0f} samples/s, {a} "
+                       f"{base['samples_per_s']:,.0f} samples/s "
+                       f"({other['samples_per_s'] / base['samples_per_s'] - 1:+.0%}).")
+        deltas = []
+        for col in (c for c in summary.columns if c.endswith("_share_pct")):
+            phase = col[: -len("_share_pct")]
+            x, y = base.get(col), other.get(col)
+            x = 0.0 if x is None or pd.isna(x) else x  # a phase one run does not have takes 0% of its step
+            y = 0.0 if y is None or pd.isna(y) else y
+            deltas.append((abs(y - x), phase, x, y))
+        for _, phase, x, y in sorted(deltas, reverse=True)[:2]:
+            if abs(y - x) >= 1.0:
+                name = {"parallel_apply": "apply (all devices)", "rest": "the rest of the step"}.get(phase, phase)
+                name = name[0].upper() + name[1:]
+                out.append(f"{name}: {y:.1f}% of {b}'s step, {x:.1f}% of {a}'s ({y - x:+.1f} points).")
+        if base["dp_tax_pct"] is not None and other["dp_tax_pct"] is not None:
+            out.append(f"DataParallel tax (scatter + replicate + gather): {b} {other['dp_tax_pct']:.1f}%, "
+                       f"{a} {base['dp_tax_pct']:.1f}% of the step.")
+        x, y = base["output_device_peak_held_bytes"], other["output_device_peak_held_bytes"]
+        if x and y and not pd.isna(x) and not pd.isna(y):
+            out.append(f"The output device holds {y / 2**20:.1f} MiB in {b}, {x / 2**20:.1f} MiB in {a}: "
+                       f"{_bytes_text(x, y)}.")
+        x, y = base["apply_slowest_to_fastest"], other["apply_slowest_to_fastest"]
+        if x and y and not pd.isna(x) and not pd.isna(y):
+            out.append(f"Slowest device's mean apply over the fastest's: {b} {y:.2f}x, {a} {x:.2f}x.")
+    return out
+
+
+TABLE_DESCRIPTIONS = {
+    "steps": "one row per step: start, duration, batch size",
+    "phases": "one row per phase of each forward call on each device",
+    "memory": "what each device held in each forward call",
+    "allocator": "the CUDA caching allocator at each phase end (CUDA runs only)",
+    "devices": "the run's devices",
+    "gpu_samples": "NVML readings over time (CUDA runs with NVML only)",
+    "findings": "the run's findings, worst first",
+    "notes": "why some data is missing",
+    "comms": "each gradient bucket's all-reduce (DistributedDataParallel runs only)",
+}
+
+
+def export_tables(run: StoredRun) -> pd.DataFrame:
+    """The run's tables and their row counts (what the Export page offers)."""
+    counts = {t: int(run.query(f"SELECT COUNT(*) FROM {t}").iloc[0, 0]) for t in TABLES if t != "findings"}
+    counts["findings"] = None  # computed (or stored) when asked for
+    return pd.DataFrame([{"table": t, "rows": counts[t], "what": TABLE_DESCRIPTIONS.get(t, "")} for t in TABLES])
+
+
+def _table(run: StoredRun, name: str) -> pd.DataFrame:
+    if name == "findings":
+        return findings(run)[0]
+    if name == "run":
+        return pd.DataFrame([run.meta])
+    if name == "device_summary":
+        stats = queries.apply_stats(run)
+        memory = queries.memory_peaks(run)
+        return stats.merge(memory, on="device", how="outer") if len(stats) else memory
+    if name == "phase_totals":
+        return queries.phase_totals(run)
+    return run.query(f"SELECT * FROM {name}") if name in TABLES else pd.DataFrame()
+
+
+EXTRA_TABLES = ("run", "device_summary", "phase_totals")
+
+
+def table_csv(run: StoredRun, name: str) -> bytes:
+    """One table of the run as CSV bytes (formula-like cells neutralised)."""
+    if name not in TABLES and name not in EXTRA_TABLES:
+        raise KeyError(f"no table {name!r}")
+    return to_csv_bytes(_table(run, name))
+
+
+def run_zip(run: StoredRun) -> bytes:
+    """The whole run as a zip of CSVs: run.csv, one per table, device_summary.csv, phase_totals.csv."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for name in (*EXTRA_TABLES[:1], *TABLES, *EXTRA_TABLES[1:]):
+            z.writestr(f"{run.id}/{name}.csv", table_csv(run, name))
+    return buf.getvalue()

@@ -1,0 +1,69 @@
+"""Runs the CPU backend really records, for the dashboard's tests (queries, views, charts, app, browser)."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import dpprof
+from dpprof.store.reader import StoredRun
+from dpprof.workloads import build_workload, train
+
+BUS = ["00000000:1A:00.0", "00000000:3B:00.0"]
+
+
+def record(directory: Path, name: str, workers: int = 2, steps: int = 6, batch_size: int = 32,
+           balanced: bool = False, workload: str = "cifar-lenet") -> StoredRun:
+    """Train a built-in workload on CPU workers for a few steps, recorded into ``directory``."""
+    run = train(build_workload(workload, batch_size), dpprof.cpu_devices(workers), steps, name=name,
+                reports_dir=str(directory), balanced=balanced)
+    return dpprof.load_run(run.path)
+
+
+def record_with_gpu_samples(directory: Path, steps: int = 6) -> StoredRun:
+    """A CPU-worker run while the fake NVML (tests/fake_pynvml.py, installed by the fake_gpus fixture)
+    reports two GPUs: the recorder's own sampler stores their samples."""
+    net = dpprof.DataParallel(nn.Linear(5, 2), device_ids=dpprof.cpu_devices(2))
+    with dpprof.record(name="sampled", reports_dir=str(directory), sample_hz=50.0) as run:
+        for _ in range(steps):
+            with run.step():
+                net(torch.randn(8, 5)).sum().backward()
+            time.sleep(0.05)
+    return dpprof.load_run(run.path)
+
+
+class RunningRun:
+    """A run left recording in a background thread until stop(): its status reads 'running'."""
+
+    def __init__(self, directory: Path, name: str = "live", workers: int = 2) -> None:
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self.steps = 0
+        self.path: str | None = None
+        self._thread = threading.Thread(target=self._train, args=(directory, name, workers), daemon=True)
+
+    def _train(self, directory: Path, name: str, workers: int) -> None:
+        torch.manual_seed(0)
+        net = dpprof.DataParallel(nn.Linear(5, 2), device_ids=dpprof.cpu_devices(workers))
+        with dpprof.record(name=name, reports_dir=str(directory)) as run:
+            self.path = run.path
+            while not self._stop.is_set():
+                with run.step():
+                    net(torch.randn(8, 5)).sum().backward()
+                self.steps += 1
+                if self.steps >= 5:
+                    self._ready.set()
+                time.sleep(0.02)
+
+    def __enter__(self) -> RunningRun:
+        self._thread.start()
+        assert self._ready.wait(30), "the background run never recorded 5 steps"
+        time.sleep(0.6)  # the writer commits every 0.5 s: the first steps are on disk
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)

@@ -1,0 +1,302 @@
+"""The dashboard (app.py and app_pages/) under streamlit's AppTest, on runs the CPU backend records.
+
+Every page, the empty state, a running run, unreadable files, starting a run in a background process,
+and choosing runs only from the listing.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+import dpprof
+from dpprof import views
+from dpprof.store.reader import TABLES
+from recorded import BUS, RunningRun, record, record_with_gpu_samples
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = ROOT / "app.py"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from app_pages import common  # noqa: E402  (the same module object the app's pages use)
+
+PAGES = ["runs", "overview", "load", "timeline", "compare", "devices", "new_run", "export"]
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """Two runs (2 devices plain, 3 devices balanced), a file that is no run and a truncated run file."""
+    directory = tmp_path_factory.mktemp("reports")
+    plain = record(directory, "plain", workers=2, steps=6, batch_size=32)
+    balanced = record(directory, "balanced", workers=3, steps=6, batch_size=33, balanced=True)
+    (directory / "notes.txt").write_text("not a run")
+    (directory / "truncated.sqlite").write_bytes(plain.path.read_bytes()[:2048])
+    return SimpleNamespace(dir=directory, plain=plain, balanced=balanced)
+
+
+@pytest.fixture
+def reports_with_runs(recorded, monkeypatch):
+    monkeypatch.setenv("DPPROF_REPORTS", str(recorded.dir))
+    return recorded
+
+
+def _app() -> AppTest:
+    at = AppTest.from_file(str(APP), default_timeout=60)
+    at.run()
+    assert not at.exception, at.exception
+    return at
+
+
+def _page(at: AppTest, page: str) -> AppTest:
+    at.switch_page(f"app_pages/{page}.py").run()
+    assert not at.exception, [e.message for e in at.exception]
+    return at
+
+
+def _charts(at: AppTest) -> int:
+    return len(at.get("plotly_chart"))
+
+
+def _texts(elements) -> str:
+    return "\n".join(e.value for e in elements)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_page_runs_on_recorded_runs(reports_with_runs, page):
+    at = _page(_app(), page)
+    assert at.title, page
+
+
+def test_it_opens_on_the_newest_run(reports_with_runs):
+    at = _app()
+    assert at.title[0].value == "balanced"  # Overview of the run recorded last
+    assert at.sidebar.selectbox[0].value == reports_with_runs.balanced.id
+
+
+def test_runs_lists_every_run_and_every_unreadable_file_with_its_reason(reports_with_runs):
+    at = _page(_app(), "runs")
+    listed = at.dataframe[0].value
+    assert listed["name"].tolist() == ["balanced", "plain"]
+    assert listed["status"].tolist() == ["finished", "finished"] and listed["steps"].tolist() == [6, 6]
+    unreadable = at.dataframe[-1].value.set_index("file")["reason"]
+    assert unreadable["notes.txt"] == "not a dpprof run: not an SQLite file"
+    assert unreadable["truncated.sqlite"].startswith("corrupt or truncated")
+    assert "⬇ runs.csv" in [b.label for b in at.download_button]
+
+
+def test_a_run_opens_from_the_runs_table(reports_with_runs):
+    at = _page(_app(), "runs")
+    assert at.button(key="open_run").disabled
+    at.session_state["runs_table"] = {"selection": {"rows": [1], "columns": [], "cells": []}}
+    at.run()
+    at.button(key="open_run").click().run()
+    assert at.title[0].value == "plain" and at.sidebar.selectbox[0].value == reports_with_runs.plain.id
+
+
+def test_overview_shows_step_time_phases_tax_and_findings(reports_with_runs):
+    at = _app()
+    at.sidebar.selectbox[0].select(reports_with_runs.plain.id).run()
+    assert at.title[0].value == "plain"
+    data = views.overview(reports_with_runs.plain)
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Steps"] == "6" and metrics["Median step"] == f"{data.stats['median_step_ms']:.2f} ms"
+    assert metrics["DataParallel tax"] == f"{data.tax_pct:.1f}%"
+    assert _charts(at) == 3  # step time, phase breakdown, phase shares
+    totals = at.dataframe[0].value
+    assert totals["phase"].tolist() == data.totals["phase"].tolist()
+    assert [s.value for s in at.subheader] == ["The DataParallel tax", "Findings"]
+    assert "Worst first; from all 6 steps." in _texts(at.caption)
+    for f in data.findings.itertuples():  # each finding with its evidence and advice
+        assert f.title in _texts([*at.error, *at.warning, *at.info])
+
+
+def test_per_gpu_load_draws_what_the_run_has_and_says_what_it_has_not(reports_with_runs):
+    at = _page(_app(), "load")  # the balanced run: 3 CPU workers
+    assert _charts(at) == 3  # apply distributions, memory, chunk sizes; no GPU chart
+    said = _texts(at.info)
+    assert "Peak allocated and reserved bytes come from the CUDA caching allocator" in said
+    assert "This run used CPU workers: there are no GPUs to sample." in said
+    apply = at.dataframe[0].value
+    assert apply["device"].tolist() == ["cpu:0", "cpu:1", "cpu:2"] and apply["steps"].tolist() == [6, 6, 6]
+    at.segmented_control(key="apply_kind").set_value("violin").run()
+    assert not at.exception and _charts(at) == 3
+
+
+def test_per_gpu_load_draws_gpu_samples_where_they_were_recorded(reports, fake_gpus):
+    import fake_pynvml
+
+    fake_gpus([fake_pynvml.gpu(BUS[0]), fake_pynvml.gpu(BUS[1], util=30)])
+    record_with_gpu_samples(reports)
+    at = _page(_app(), "load")
+    assert _charts(at) == 4  # and the GPUs over time
+    assert "no GPUs to sample" not in _texts(at.info)
+    assert set(at.dataframe[-1].value["device"]) == {"cuda:0", "cuda:1"}
+
+
+def test_timeline_shows_the_chosen_range_of_steps(reports_with_runs):
+    at = _page(_app(), "timeline")
+    run = reports_with_runs.balanced
+    shown = at.dataframe[0].value
+    assert sorted(set(shown["step"])) == [1, 2, 3, 4, 5]  # the last five steps
+    at.number_input(key="tl_from").set_value(0)
+    at.slider(key="tl_count").set_value(2).run()
+    shown = at.dataframe[0].value
+    assert len(shown) == len(run.phases[run.phases["step"] <= 1]) and _charts(at) == 1
+    at.number_input(key="tl_from").set_value(99).run()  # past the end: said, and clamped
+    assert "This run's steps are 0–5" in _texts(at.warning)
+
+
+def test_compare_sets_runs_side_by_side_and_states_the_differences(reports_with_runs):
+    at = _page(_app(), "compare")
+    plain, balanced = reports_with_runs.plain, reports_with_runs.balanced
+    at.multiselect[0].set_value([plain.id, balanced.id]).run()
+    assert not at.exception and _charts(at) == 3
+    said = _texts(at.markdown)
+    a, b = views.run_label(plain.meta), views.run_label(balanced.meta)
+    assert f"{b} runs on 3 cpu device(s), {a} on 2 cpu device(s)." in said
+    assert "Median step:" in said and "DataParallel tax" in said
+    at.multiselect[0].set_value([plain.id]).run()
+    assert "Choose two or more runs" in _texts(at.info) and _charts(at) == 0
+
+
+def test_compare_from_the_runs_table_takes_the_older_run_as_baseline(reports_with_runs):
+    at = _page(_app(), "runs")
+    at.session_state["runs_table"] = {"selection": {"rows": [0, 1], "columns": [], "cells": []}}
+    at.run()
+    at.button(key="compare_runs").click().run()
+    assert at.title[0].value == "Compare runs"
+    assert at.multiselect[0].value == [reports_with_runs.plain.id, reports_with_runs.balanced.id]
+
+
+def test_devices_shows_this_machine_and_the_preflight_check(reports_with_runs):
+    at = _page(_app(), "devices")
+    assert "No CUDA GPU is visible here" in _texts(at.info)
+    assert "No findings: 2 device(s) at batch size 30 look balanced." in _texts(at.success)
+    at.number_input(key="dev_workers").set_value(4)
+    at.number_input(key="dev_batch").set_value(5).run()
+    assert "1 of 4 devices will idle at batch size 5" in _texts([*at.error, *at.warning])
+    assert _charts(at) == 1
+
+
+def test_export_offers_every_table_and_the_whole_run(reports_with_runs):
+    at = _page(_app(), "export")
+    labels = [b.label for b in at.download_button]
+    assert labels[0] == "⬇ The whole run (zip of CSVs)"
+    assert {f"⬇ {t}.csv" for t in (*TABLES, "run", "device_summary", "phase_totals")} <= set(labels)
+
+
+def test_the_empty_state_says_what_to_do_and_records_a_demo_run(reports, monkeypatch):
+    monkeypatch.setitem(common.DEMO_ARGS, "steps", 3)
+    monkeypatch.setitem(common.DEMO_ARGS, "workload", "tutorial-linear")
+    at = _app()
+    assert at.title[0].value == "Runs" and at.subheader[0].value == "No runs yet"
+    assert "python -m dpprof profile cifar-lenet --steps 30 --devices cpu:2" in _texts(at.code)
+    for page in ("overview", "load", "timeline", "export"):
+        assert "No runs yet" in _texts(_page(at, page).info), page
+    _page(at, "runs")
+    at.button(key="demo").click().run()
+    pid = at.session_state["watch"]
+    assert pid != os.getpid()
+    _wait_for_exit(pid)
+    at.run()
+    assert f"Process {pid} finished" in _texts(at.success)
+    runs = dpprof.list_runs()
+    assert runs["name"].tolist() == ["demo"] and runs["status"].tolist() == ["finished"]
+    assert at.session_state[common.RUN_KEY] == runs.loc[0, "id"]  # the page follows the new run
+
+
+def _wait_for_exit(pid: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while common.process_status(pid)[0] == "running":
+        assert time.monotonic() < deadline, common.log_tail(pid)
+        time.sleep(0.2)
+
+
+def test_new_run_starts_a_background_process_whose_run_appears(reports):
+    at = _page(_app(), "new_run")
+    at.selectbox[0].select("tutorial-linear")
+    at.number_input[0].set_value(3)  # CPU workers
+    at.number_input[1].set_value(4)  # steps
+    at.text_input[0].input("from the page")
+    at.form_submit_button[0].click().run()
+    assert not at.exception
+    pid = at.session_state["watch"]
+    cmd = common.processes()[pid]["cmd"]
+    assert cmd[1:3] == ["-m", "dpprof"] and cmd[5:] == ["profile", "tutorial-linear", "--devices", "cpu:3",
+                                                           "--steps", "4", "--quiet", "--name", "from the page"]
+    _wait_for_exit(pid)
+    at.run()
+    assert "finished" in _texts(at.success)
+    run = dpprof.load_run(dpprof.list_runs().loc[0, "id"])
+    assert run.meta["name"] == "from the page" and run.meta["devices"] == ["cpu:0", "cpu:1", "cpu:2"]
+    assert run.meta["pid"] == pid and len(run.steps) == 4
+    assert at.dataframe[0].value["pid"].tolist() == [pid]
+    _page(at, "overview")
+    assert at.title[0].value == "from the page"
+
+
+def test_a_running_run_says_so_and_its_pages_refresh(reports):
+    with RunningRun(reports, name="live") as live:
+        at = _app()
+        assert at.title[0].value == "live"
+        assert "Recording: this page re-reads the run every 2 s." in _texts(at.caption)
+        steps = {m.label: m.value for m in at.metric}["Steps"]
+        assert int(steps) >= 5
+        for page in ("load", "timeline", "export"):
+            assert "Recording" in _texts(_page(at, page).caption), page
+        assert _page(at, "timeline").toggle(key="tl_follow").value  # following the newest steps
+        runs_page = _page(at, "runs")
+        assert runs_page.dataframe[0].value["status"].tolist() == ["running"]
+        assert "A run is recording: this list refreshes every 2 s." in _texts(runs_page.caption)
+        time.sleep(1.2)
+        _page(at, "overview")
+        assert int({m.label: m.value for m in at.metric}["Steps"]) > int(steps)  # re-read, not cached
+    time.sleep(0.1)
+    at.run()
+    assert at.title[0].value == "live" and "Recording" not in _texts(at.caption)
+
+
+def test_a_run_is_chosen_from_the_listing_never_from_what_the_browser_sends(reports_with_runs):
+    at = AppTest.from_file(str(APP), default_timeout=60)
+    at.query_params["run"] = str(reports_with_runs.plain.path)  # a path, not an id of the listing
+    at.run()
+    assert at.title[0].value == "balanced"  # ignored: the newest run
+    at = AppTest.from_file(str(APP), default_timeout=60)
+    at.query_params["run"] = reports_with_runs.plain.id  # an id of the listing: a bookmark
+    at.run()
+    assert at.title[0].value == "plain"
+    at.session_state[common.RUN_KEY] = "/etc/passwd"
+    at.run()
+    assert at.title[0].value == "plain"  # back to the listed run the URL names
+    assert at.session_state[common.RUN_KEY] == reports_with_runs.plain.id
+
+
+def test_a_run_file_that_disappears_is_dropped_from_the_listing(reports, recorded):
+    reports.mkdir(exist_ok=True)
+    for run in (recorded.plain, recorded.balanced):
+        shutil.copy(run.path, reports / run.path.name)
+    at = _app()
+    assert at.title[0].value == "balanced"
+    (reports / recorded.balanced.path.name).unlink()
+    at.run()
+    assert not at.exception and at.title[0].value == "plain"
+    assert at.sidebar.selectbox[0].options == [common.run_label(r) for _, r in dpprof.list_runs().iterrows()]
+
+
+def test_devices_lists_gpus_and_checks_them_when_there_are_some(reports, fake_gpus):
+    import fake_pynvml
+
+    fake_gpus([fake_pynvml.gpu(BUS[0]), fake_pynvml.gpu(BUS[1], name="NVIDIA A100 80GB", total=80 * 2**30)])
+    at = _page(_app(), "devices")
+    inventory = at.dataframe[0].value
+    assert inventory["device"].tolist() == ["cuda:0", "cuda:1"]
+    assert inventory["name"].tolist() == ["NVIDIA A100-SXM4-40GB", "NVIDIA A100 80GB"]
+    assert "NVML is available" in _texts(at.caption)
+    assert at.multiselect[0].value == [0, 1]
+    assert "cuda:0 has 50% of the total memory of cuda:1" in _texts(at.error)  # torch's 75% rule

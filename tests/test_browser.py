@@ -1,0 +1,121 @@
+"""The dashboard in a real browser: Debian's chromium, driven by playwright, against `streamlit run app.py`.
+
+Opens a recorded run, switches runs and pages, and downloads a CSV whose content it checks against the run.
+Skips only when /usr/bin/chromium or the playwright package is missing (.ci/run installs both).
+"""
+from __future__ import annotations
+
+import io
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from recorded import record
+
+CHROMIUM = "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_MS = 30_000
+
+if not Path(CHROMIUM).exists():
+    pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)", allow_module_level=True)
+playwright = pytest.importorskip("playwright.sync_api", reason="playwright is missing (pip install playwright)")
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """Two recorded runs, and `streamlit run app.py` on a free loopback port reading them."""
+    reports = tmp_path_factory.mktemp("reports")
+    first = record(reports, "=first", workers=2, steps=5, batch_size=32)
+    second = record(reports, "second", workers=3, steps=6, batch_size=33)
+    port = _free_port()
+    log = open(reports.parent / "streamlit.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.port", str(port),
+         "--server.address", "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false"],
+        cwd=ROOT, env={**os.environ, "DPPROF_REPORTS": str(reports)}, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if urllib.request.urlopen(f"{base}/_stcore/health", timeout=2).read() == b"ok":
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None, (reports.parent / "streamlit.log").read_text()
+            assert time.monotonic() < deadline, "streamlit did not start in 60 s"
+            time.sleep(0.3)
+        yield {"base": base, "first": first, "second": second}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                              args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                                    "--disable-component-update", "--disable-sync"])
+        yield b
+        b.close()
+
+
+def _heading(page, text: str) -> None:
+    page.get_by_role("heading", name=text, exact=True).first.wait_for(timeout=TIMEOUT_MS)
+
+
+def test_open_a_run_switch_pages_and_download_a_csv(server, browser):
+    first, second = server["first"], server["second"]
+    page = browser.new_page(accept_downloads=True, viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(server["base"])
+    _heading(page, "second")  # the dashboard opens on the newest run
+    page.get_by_text("Step time", exact=True).first.wait_for()
+
+    # open the other run from the sidebar's listing
+    page.locator('[data-testid="stSidebar"] [data-testid="stSelectbox"]').click()
+    page.get_by_role("option", name=f"=first · {first.id[-6:]} · finished").click()
+    _heading(page, "=first")
+    assert page.url.endswith(f"run={first.id}")
+
+    # switch pages: each shows this run
+    for title, heading in (("Per-GPU load", "Apply time per device"), ("Timeline", "=first"),
+                           ("Runs", "Runs"), ("Export", "Download")):
+        page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name=title, exact=True).click()
+        _heading(page, heading)
+        if title == "Per-GPU load":
+            page.get_by_text("This run used CPU workers: there are no GPUs to sample.").wait_for()
+
+    # download the steps table and check it is the run's
+    with page.expect_download() as info:
+        page.get_by_role("button", name="⬇ steps.csv").click()
+    download = info.value
+    assert download.suggested_filename == f"{first.id}-steps.csv"
+    steps = pd.read_csv(download.path())
+    pd.testing.assert_frame_equal(steps, first.steps, check_dtype=False)
+    with page.expect_download() as info:
+        page.get_by_role("button", name="⬇ run.csv").click()
+    meta = pd.read_csv(io.BytesIO(Path(info.value.path()).read_bytes()))
+    assert meta.loc[0, "id"] == first.id and meta.loc[0, "name"] == "'=first"  # neutralised for spreadsheets
+    page.close()

@@ -1,0 +1,103 @@
+"""dpprof.charts: figures drawn from what the store's queries return for runs the CPU backend records."""
+from __future__ import annotations
+
+import plotly.graph_objects as go
+import pytest
+
+from dpprof import charts, views
+from dpprof.devices import chunk_sizes
+from dpprof.store import queries
+from recorded import BUS, record, record_with_gpu_samples
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("reports")
+    return {"plain": record(directory, "plain", workers=2, steps=6, batch_size=32),
+            "three": record(directory, "three", workers=3, steps=4, batch_size=30)}
+
+
+def _names(fig: go.Figure) -> list[str]:
+    return [t.name for t in fig.data]
+
+
+def test_step_times_is_one_line_or_a_mean_with_its_band(runs):
+    run = runs["plain"]
+    fig = charts.step_times(queries.step_times(run))
+    assert _names(fig) == ["step time"] and list(fig.data[0].y) == run.steps["duration_ms"].tolist()
+    fig = charts.step_times(queries.step_times(run, max_points=2))
+    assert _names(fig) == [None, "min-max", "step time"] and "mean of every 3 steps" in fig.layout.title.text
+
+
+def test_phase_breakdown_stacks_each_phase_and_the_rest(runs):
+    fig = charts.phase_breakdown(queries.phase_breakdown(runs["plain"]))
+    assert _names(fig) == ["scatter", "replicate", "apply (all devices)", "gather", "loss (output device)", "backward",
+                           "rest of step"]
+    assert all(isinstance(t, go.Bar) for t in fig.data) and fig.layout.barmode == "stack"
+
+
+def test_phase_shares_label_each_bar_with_its_share(runs):
+    totals = queries.phase_totals(runs["plain"])
+    fig = charts.phase_shares(totals)
+    assert list(fig.data[0].y)[::-1] == [charts._label(p) for p in totals["phase"]]
+    assert fig.data[0].text[-1].startswith(f"{totals['share_pct'].iloc[0]:.1f}%")
+
+
+@pytest.mark.parametrize("kind, trace", [("box", go.Box), ("violin", go.Violin)])
+def test_apply_distribution_is_one_shape_per_device(runs, kind, trace):
+    fig = charts.apply_distribution(queries.apply_samples(runs["three"]), kind)
+    assert _names(fig) == ["cpu:0", "cpu:1", "cpu:2"] and all(isinstance(t, trace) for t in fig.data)
+    assert all(len(t.y) == 4 for t in fig.data)
+
+
+def test_memory_marks_the_output_device_and_leaves_out_what_is_not_there(runs):
+    fig = charts.memory_per_device(queries.memory_peaks(runs["plain"]))
+    assert list(fig.data[0].x) == ["cpu:0 (output)", "cpu:1"]
+    assert [a.text for a in fig.layout.annotations] == ["output device"]
+    assert fig.layout.annotations[0].x == "cpu:0 (output)"
+    assert "gathered outputs" in _names(fig) and "buffers" not in _names(fig)  # no buffers in CifarNet
+    assert not any("allocator" in (n or "") for n in _names(fig))  # CPU workers: no allocator markers
+
+
+def test_chunk_sizes_and_the_check_chunks_chart(runs):
+    fig = charts.chunk_sizes(queries.chunk_counts(runs["three"]))
+    assert list(fig.data[0].x) == ["cpu:0", "cpu:1", "cpu:2"] and list(fig.data[0].y) == [10, 10, 10]
+    fig = charts.check_chunks(chunk_sizes(5, 4), ["cpu:0", "cpu:1", "cpu:2", "cpu:3"])
+    assert list(fig.data[0].y) == [2, 2, 1, 0] and list(fig.data[0].text) == ["2", "2", "1", "idle"]
+
+
+def test_gpu_samples_draw_a_line_per_gpu_and_say_what_nvml_did_not_give(reports, fake_gpus):
+    import fake_pynvml
+
+    fake = fake_gpus([fake_pynvml.gpu(BUS[0]), fake_pynvml.gpu(BUS[1], util=30)])
+    fake.NOT_SUPPORTED.add("nvmlDeviceGetPowerUsage")
+    run = record_with_gpu_samples(reports)
+    fig = charts.gpu_samples(queries.gpu_series(run))
+    assert sorted({t.name for t in fig.data}) == ["cuda:0", "cuda:1"]
+    assert len(fig.data) == 2 * 3  # utilisation, memory, temperature; power was not supported
+    assert "not recorded by NVML for these GPUs" in [a.text for a in fig.layout.annotations]
+
+
+def test_timeline_has_a_lane_per_device_and_the_steps(runs):
+    phases, steps = queries.timeline(runs["three"], 1, 2)
+    fig = charts.timeline(phases, steps)
+    assert list(fig.layout.yaxis.categoryarray) == ["cpu:2", "cpu:1", "cpu:0", "parallel_apply", "step"]
+    apply = next(t for t in fig.data if t.name == "apply")
+    assert len(apply.x) == 6 and list(apply.base) == phases.loc[phases["phase"] == "apply", "start_ms"].tolist()
+
+
+def test_compare_charts_have_one_series_per_run(runs):
+    data = views.compare([runs["plain"], runs["three"]])
+    labels = data.summary["run"].tolist()
+    assert _names(charts.compare_step_times(data.steps)) == labels
+    shares = charts.compare_phase_shares(data.shares)
+    assert {tuple(t.y) for t in shares.data} == {tuple(labels)}
+    memory = charts.compare_memory(data.memory)
+    assert _names(memory) == labels and list(memory.data[1].x) == ["cpu:0", "cpu:1", "cpu:2"]
+
+
+def test_downsample_keeps_at_most_max_points_and_the_last_row(runs):
+    df = queries.step_times(runs["plain"])
+    small = charts.downsample(df, 4)
+    assert len(small) <= 4 + 1 and small.index[-1] == df.index[-1] and small.index[0] == 0
+    assert charts.downsample(df, 100) is df

@@ -1,0 +1,185 @@
+"""dpprof.store.queries: what SQL aggregates equals what pandas computes from the whole tables of a run."""
+from __future__ import annotations
+
+import shutil
+import sqlite3
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import dpprof
+from dpprof.store import queries
+from dpprof.store.schema import INDEXES
+from recorded import record, record_with_gpu_samples
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("reports")
+    return {"plain": record(directory, "plain", workers=2, steps=7, batch_size=32),
+            "balanced": record(directory, "balanced", workers=3, steps=5, batch_size=33, balanced=True),
+            "uneven": record(directory, "uneven", workers=3, steps=4, batch_size=5, workload="tutorial-linear")}
+
+
+def _per_step(run, phase):
+    p = run.phases[run.phases["phase"] == phase]
+    return p.groupby(["device", "step"])["duration_ms"].sum()
+
+
+@pytest.mark.parametrize("name", ["plain", "balanced", "uneven"])
+def test_run_stats_equal_the_steps_table(runs, name):
+    run = runs[name]
+    stats = queries.run_stats(run)
+    steps = run.steps
+    assert stats["steps"] == len(steps) and (stats["first_step"], stats["last_step"]) == (0, len(steps) - 1)
+    assert stats["mean_step_ms"] == pytest.approx(steps["duration_ms"].mean())
+    assert stats["total_ms"] == pytest.approx(steps["duration_ms"].sum())
+    assert stats["median_step_ms"] == steps["duration_ms"].sort_values().iloc[(len(steps) - 1) // 2]
+    assert stats["batch_size"] == steps["batch_size"].max()
+
+
+def test_step_times_is_every_step_until_it_must_bucket(runs):
+    run = runs["plain"]
+    full = queries.step_times(run)
+    assert full["step"].tolist() == run.steps["step"].tolist() and (full["steps"] == 1).all()
+    assert np.allclose(full["duration_ms"], run.steps["duration_ms"])
+    bucketed = queries.step_times(run, max_points=3)  # 7 steps in buckets of 3: 0-2, 3-5, 6
+    assert bucketed["step"].tolist() == [0, 3, 6] and bucketed["steps"].tolist() == [3, 3, 1]
+    means = run.steps.groupby(run.steps["step"] // 3)["duration_ms"].agg(["mean", "min", "max"])
+    assert np.allclose(bucketed["duration_ms"], means["mean"])
+    assert np.allclose(bucketed["min_duration_ms"], means["min"])
+    assert np.allclose(bucketed["max_duration_ms"], means["max"])
+
+
+@pytest.mark.parametrize("name, stacked", [
+    ("plain", ["scatter", "replicate", "parallel_apply", "gather", "loss", "backward"]),
+    ("balanced", ["scatter", "replicate", "parallel_apply", "reduce", "backward"]),
+])
+def test_phase_breakdown_stacks_the_sequential_phases_and_the_rest_of_the_step(runs, name, stacked):
+    run = runs[name]
+    breakdown = queries.phase_breakdown(run)
+    assert [c[:-3] for c in breakdown.columns if c.endswith("_ms") and c != "step_ms"] == [*stacked, "rest"]
+    sums = run.phases.groupby(["step", "phase"])["duration_ms"].sum().unstack().fillna(0)
+    for phase in stacked:
+        assert np.allclose(breakdown[f"{phase}_ms"], sums[phase]), phase
+    parts = breakdown[[f"{p}_ms" for p in stacked]].sum(axis=1)
+    assert np.allclose(breakdown["rest_ms"], run.steps["duration_ms"] - parts)
+    assert (breakdown["rest_ms"] >= 0).all()
+
+
+def test_phase_totals_are_shares_of_the_step_that_add_up_to_100(runs):
+    run = runs["plain"]
+    totals = queries.phase_totals(run).set_index("phase")
+    assert totals["share_pct"].sum() == pytest.approx(100)
+    backward = run.phases.loc[run.phases["phase"] == "backward", "duration_ms"].sum()
+    assert totals.loc["backward", "total_ms"] == pytest.approx(backward)
+    assert totals.loc["backward", "per_step_ms"] == pytest.approx(backward / len(run.steps))
+
+
+@pytest.mark.parametrize("name", ["plain", "balanced", "uneven"])
+def test_apply_stats_are_per_step_sums_of_every_device(runs, name):
+    run = runs[name]
+    stats = queries.apply_stats(run).set_index("device")
+    per_step = _per_step(run, "apply").groupby("device")
+    assert stats.index.tolist() == sorted(per_step.groups, key=run.meta["devices"].index)
+    assert np.allclose(stats["apply_mean_ms"], per_step.mean()[stats.index])
+    assert np.allclose(stats["apply_max_ms"], per_step.max()[stats.index])
+    assert np.allclose(stats["apply_p95_ms"], per_step.quantile(0.95)[stats.index])
+    assert (stats["steps"] == per_step.size()[stats.index]).all() and not stats["sampled"].any()
+
+
+def test_apply_samples_take_every_kth_step_past_the_limit(runs):
+    run = runs["plain"]
+    samples = queries.apply_samples(run, per_device=3)  # 7 steps, at most ~3 per device: steps 0, 3, 6
+    assert sorted(set(samples["step"])) == [0, 3, 6]
+    stats = queries.apply_stats(run, samples)
+    assert stats["sampled"].all()
+    exact = _per_step(run, "apply").groupby("device")
+    assert np.allclose(stats.set_index("device")["apply_mean_ms"], exact.mean()[stats["device"]])  # still exact
+
+
+def test_memory_peaks_are_the_largest_per_step_sums_with_the_output_device_marked(runs):
+    run = runs["plain"]
+    peaks = queries.memory_peaks(run).set_index("device")
+    cols = list(queries.MEMORY_BYTES)
+    per = run.memory.groupby(["device", "step"])[cols].sum()
+    held = per.sum(axis=1)
+    assert np.allclose(peaks["peak_held_bytes"], held.groupby("device").max()[peaks.index])
+    for device, row in peaks.iterrows():
+        assert per.loc[(device, row["peak_step"]), cols].tolist() == row[cols].tolist()
+    assert peaks["output_device"].to_dict() == {"cpu:0": True, "cpu:1": False}
+    assert peaks["peak_allocated_bytes"].isna().all()  # CPU workers have no caching allocator
+    assert (peaks["chunk_size_mean"] == 16).all()
+    balanced = queries.memory_peaks(runs["balanced"])
+    assert not balanced["output_device"].any()  # nothing is gathered: no output device holds more
+
+
+def test_chunk_counts_show_uneven_chunks(runs):
+    counts = queries.chunk_counts(runs["uneven"])  # batch 5 on 3 workers: torch.chunk gives 2, 2, 1
+    model = counts.dropna(subset=["chunk_size"])
+    assert model.groupby("device")["chunk_size"].apply(list).to_dict() == {"cpu:0": [2], "cpu:1": [2], "cpu:2": [1]}
+    assert (model["calls"] == 4).all()
+    peaks = queries.memory_peaks(runs["uneven"]).set_index("device")
+    assert peaks["chunk_size_max"].tolist() == [2, 2, 1]
+
+
+def test_timeline_is_one_range_of_steps_and_capped(runs):
+    run = runs["plain"]
+    phases, steps = queries.timeline(run, 2, 4)
+    expected = run.phases[run.phases["step"].between(2, 4)]
+    assert len(phases) == len(expected) and set(phases["step"]) == {2, 3, 4}
+    assert phases["start_ms"].is_monotonic_increasing
+    assert np.allclose(phases["end_ms"], phases["start_ms"] + phases["duration_ms"])
+    assert steps["step"].tolist() == [2, 3, 4]
+    phases, steps = queries.timeline(run, 0, 10_000)
+    assert len(steps) == min(len(run.steps), queries.TIMELINE_MAX_STEPS)
+
+
+def test_no_gpu_samples_on_cpu_workers_is_an_empty_frame(runs):
+    series = queries.gpu_series(runs["plain"])
+    assert series.empty and "gpu_util_pct" in series.columns
+
+
+def test_gpu_series_averages_samples_per_gpu(reports, fake_gpus):
+    import fake_pynvml
+    from recorded import BUS
+
+    fake_gpus([fake_pynvml.gpu(BUS[0]), fake_pynvml.gpu(BUS[1], util=30)])
+    run = record_with_gpu_samples(reports)
+    series = queries.gpu_series(run)
+    assert series.groupby("device")["samples"].sum().to_dict() == run.gpu_samples.groupby("device").size().to_dict()
+    assert series.groupby("device")["gpu_util_pct"].mean().to_dict() == {"cuda:0": 90.0, "cuda:1": 30.0}
+    few = queries.gpu_series(run, max_points=2)
+    assert (few.groupby("device").size() <= 3).all()
+
+
+def test_a_file_without_the_dashboard_indices_reads_the_same(runs, tmp_path):
+    run = runs["plain"]
+    copy = tmp_path / run.path.name
+    shutil.copy(run.path, copy)
+    con = sqlite3.connect(copy)
+    for name in INDEXES:
+        con.execute(f"DROP INDEX IF EXISTS {name}")
+    con.commit()
+    con.close()
+    bare = dpprof.load_run(copy)
+    for fn in (queries.phase_breakdown, queries.apply_stats, queries.memory_peaks, queries.chunk_counts,
+               queries.phase_totals):
+        pd.testing.assert_frame_equal(fn(bare), fn(run), check_dtype=False)
+
+
+def test_a_new_run_file_has_the_dashboard_indices(runs):
+    con = sqlite3.connect(f"file:{runs['plain'].path}?mode=ro", uri=True)
+    names = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+    con.close()
+    assert set(INDEXES) <= names
+
+
+def test_the_read_side_never_imports_streamlit():
+    code = ("import sys, dpprof.store.queries, dpprof.views, dpprof.charts; "
+            "print('streamlit' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr

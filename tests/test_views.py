@@ -1,0 +1,94 @@
+"""dpprof.views: what each dashboard page shows, on runs the CPU backend records."""
+from __future__ import annotations
+
+import io
+import zipfile
+
+import pandas as pd
+import pytest
+
+import dpprof
+from dpprof import views
+from dpprof.report import findings_of
+from dpprof.store.reader import TABLES
+from recorded import RunningRun, record
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("reports")
+    return {"plain": record(directory, "=plain", workers=2, steps=6, batch_size=32),
+            "balanced": record(directory, "balanced", workers=3, steps=6, batch_size=33, balanced=True)}
+
+
+def test_overview_has_the_tax_and_the_findings_of_all_steps(runs):
+    run = runs["plain"]
+    data = views.overview(run)
+    assert data.stats["steps"] == 6 and len(data.steps) == 6 and len(data.breakdown) == 6
+    tax = data.totals.set_index("phase").loc[["scatter", "replicate", "gather"], "share_pct"].sum()
+    assert data.tax_pct == pytest.approx(tax)
+    pd.testing.assert_frame_equal(data.findings, findings_of(run))
+    assert data.findings_scope == "from all 6 steps"
+
+
+def test_findings_of_a_large_finished_run_are_the_stored_ones(runs, monkeypatch):
+    monkeypatch.setattr(views, "FINDINGS_FULL_STEPS", 3)
+    found, scope = views.findings(runs["plain"])
+    assert scope == "stored when the run finished, from all 6 steps"
+    pd.testing.assert_frame_equal(found, runs["plain"].findings)
+
+
+def test_findings_of_a_large_running_run_use_its_last_steps(reports, monkeypatch):
+    monkeypatch.setattr(views, "FINDINGS_FULL_STEPS", 3)
+    with RunningRun(reports) as live:
+        run = dpprof.load_run(live.path)
+        assert run.meta["status"] == "running"
+        found, scope = views.findings(run)
+    assert scope.startswith("from the last 3 of ") and list(found.columns) == list(runs_columns())
+
+
+def runs_columns():
+    from dpprof.findings import FINDING_COLUMNS
+    return FINDING_COLUMNS
+
+
+def test_load_says_in_words_what_a_cpu_run_does_not_have(runs):
+    data = views.load(runs["plain"])
+    assert set(data.missing) == {"allocator", "gpu"}
+    assert "CPU workers" in data.missing["allocator"] and "CPU workers" in data.missing["gpu"]
+    assert "no CUDA GPU visible" in data.missing["gpu"]  # the recorder's own note
+    assert data.gpu.empty and not data.apply_stats.empty and not data.memory.empty
+
+
+def test_compare_states_the_differences_against_the_first_run(runs):
+    data = views.compare([runs["plain"], runs["balanced"]])
+    assert data.summary["devices"].tolist() == [2, 3]
+    text = "\n".join(data.differences)
+    b, a = views.run_label(runs["balanced"].meta), views.run_label(runs["plain"].meta)
+    assert f"{b} runs on 3 cpu device(s), {a} on 2 cpu device(s)." in text
+    assert f"Batch size: {b} 33, {a} 32." in text
+    assert "Median step:" in text and "DataParallel tax" in text
+    assert set(data.shares["run"]) == {a, b} and set(data.memory["run"]) == {a, b}
+    shares = data.shares.groupby("run")["share_pct"].sum()
+    assert shares.round(6).tolist() == [100.0, 100.0]
+
+
+def test_table_csv_is_the_table_with_formulas_neutralised(runs):
+    run = runs["plain"]
+    steps = pd.read_csv(io.BytesIO(views.table_csv(run, "steps")))
+    pd.testing.assert_frame_equal(steps, run.steps, check_dtype=False)
+    meta = pd.read_csv(io.BytesIO(views.table_csv(run, "run")))
+    assert meta.loc[0, "name"] == "'=plain"  # a spreadsheet shows it instead of running it
+    with pytest.raises(KeyError):
+        views.table_csv(run, "sqlite_master")
+
+
+def test_the_run_zip_holds_every_table(runs):
+    run = runs["plain"]
+    z = zipfile.ZipFile(io.BytesIO(views.run_zip(run)))
+    names = {n.split("/")[-1][:-4] for n in z.namelist()}
+    assert names == {*TABLES, "run", "device_summary", "phase_totals"}
+    phases = pd.read_csv(z.open(f"{run.id}/phases.csv"))
+    assert len(phases) == len(run.phases)
+    listing = views.export_tables(run).set_index("table")
+    assert listing.loc["phases", "rows"] == len(run.phases) and listing.loc["memory", "rows"] == len(run.memory)
