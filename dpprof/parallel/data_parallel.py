@@ -6,8 +6,7 @@ CPU workers by dpprof's implementations of the same semantics. Each phase runs i
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from itertools import chain
 from typing import Any
 
@@ -26,6 +25,28 @@ __all__ = ["DataParallel", "data_parallel"]
 
 _HOST = DeviceSet("cpu", (0,), 0)  # where the module runs when there is no device to spread over
 _HOST_LABEL = _HOST.label(0)
+
+
+class _PhaseRange:
+    """A phase's record_function range and, inside a run, its timing (on every step's path: no generator)."""
+
+    __slots__ = ("range", "timer")
+
+    def __init__(self, probe: ForwardProbe | None, name: str, label: str) -> None:
+        self.range = record_function(f"dpprof.{name}")
+        self.timer = probe.phase(name, label) if probe is not None else None
+
+    def __enter__(self) -> None:
+        self.range.__enter__()
+        if self.timer is not None:
+            self.timer.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.timer is not None:
+                self.timer.__exit__(*exc)
+        finally:
+            self.range.__exit__(*exc)
 
 
 class DataParallel(torch.nn.DataParallel):
@@ -97,15 +118,9 @@ class DataParallel(torch.nn.DataParallel):
             return _HOST_LABEL
         return "cpu" if index == -1 else devices.label(index)
 
-    @contextmanager
-    def _phase(self, name: str, index: int) -> Iterator[None]:
-        with record_function(f"dpprof.{name}"):
-            probe: ForwardProbe | None = self.__dict__["_probe"]
-            if probe is None:
-                yield
-            else:
-                with probe.phase(name, self._label(index)):
-                    yield
+    def _phase(self, name: str, index: int) -> _PhaseRange:
+        """``with self._phase("scatter", device):`` a dpprof.<name> range, timed when recording."""
+        return _PhaseRange(self.__dict__["_probe"], name, self._label(index))
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with record_function("DataParallel.forward"):

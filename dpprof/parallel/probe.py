@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from itertools import chain
 from typing import Any, Callable
 
@@ -131,6 +130,22 @@ class _BackwardWatch:
         self.probe.finish_phase("backward", self.label, t0, ev0)
 
 
+class _Phase:
+    """The timing of one phase: a plain context manager (this is on every step's path)."""
+
+    __slots__ = ("probe", "name", "label", "t0", "ev0")
+
+    def __init__(self, probe: ForwardProbe, name: str, label: str) -> None:
+        self.probe, self.name, self.label = probe, name, label
+
+    def __enter__(self) -> None:
+        self.ev0 = _cuda_event(_cuda_index(self.label)) if self.probe.cuda_indices else None
+        self.t0 = time.perf_counter_ns()
+
+    def __exit__(self, *exc: object) -> None:
+        self.probe.finish_phase(self.name, self.label, self.t0, self.ev0)
+
+
 class ForwardProbe:
     """Measurements of one DataParallel forward call inside a run."""
 
@@ -150,27 +165,23 @@ class ForwardProbe:
                 torch.cuda.reset_peak_memory_stats(index)
 
     # time
-    @contextmanager
-    def phase(self, name: str, label: str) -> Iterator[None]:
-        t0 = time.perf_counter_ns()
-        ev0 = _cuda_event(_cuda_index(label))
-        try:
-            yield
-        finally:
-            self.finish_phase(name, label, t0, ev0)
+    def phase(self, name: str, label: str) -> _Phase:
+        """``with probe.phase("scatter", "cuda:0"):`` times the block as that phase on that device."""
+        return _Phase(self, name, label)
 
     def finish_phase(self, name: str, label: str, t0: int, ev0: torch.cuda.Event | None) -> None:
-        run, index = self.run, _cuda_index(label)
+        run = self.run
+        index = _cuda_index(label) if self.cuda_indices else None
         if index is not None and run.sync_timing:
             torch.cuda.synchronize(index)
         t1 = time.perf_counter_ns()
         self.step.touch(t1)
+        if ev0 is None:
+            run.emit(PhaseRecord(self.step.index, self.call, name, label, run.ms(t0), (t1 - t0) / 1e6))
+            return
         fields = dict(step=self.step.index, call=self.call, phase=name, device=label,
                       start_ms=run.ms(t0), duration_ms=(t1 - t0) / 1e6)
-        if ev0 is None:
-            run.emit(PhaseRecord(**fields))
-        else:
-            run.defer(_PendingPhase(fields, ev0, _cuda_event(index)))
+        run.defer(_PendingPhase(fields, ev0, _cuda_event(index)))
         for i in self.cuda_indices:
             run.emit(AllocatorRecord(
                 step=self.step.index, call=self.call, device=f"cuda:{i}", phase=name,
