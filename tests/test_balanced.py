@@ -44,7 +44,11 @@ def _pair(model_fn, criterion_fn, workers):
             model, ref, criterion_fn())
 
 
-def _assert_same_grads(model, ref):
+def _assert_same_loss_and_grads(loss, expected, model, ref):
+    """The balanced loss equals the plain one, and so do the gradients both leave in their modules."""
+    assert torch.allclose(loss, expected, atol=1e-6)
+    loss.backward()
+    expected.backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-6), name
 
@@ -59,10 +63,7 @@ def test_tensor_outputs_equal_the_plain_criterion_on_the_whole_batch(batch, work
     assert isinstance(outputs, list) and [o.shape[0] for o in outputs] == chunks
     loss = crit(outputs, y)
     expected = plain(ref(x), y)
-    assert torch.allclose(loss, expected, atol=1e-6)
-    loss.backward()
-    expected.backward()
-    _assert_same_grads(model, ref)
+    _assert_same_loss_and_grads(loss, expected, model, ref)
 
 
 def test_class_weights_and_ignored_targets_still_give_the_whole_batch_mean():
@@ -73,10 +74,7 @@ def test_class_weights_and_ignored_targets_still_give_the_whole_batch_mean():
     y = torch.tensor([0, 2, 3, 1, 1, 0, 2, 1, 3, 1])  # chunk 2 (of 2) ignores one of its targets
     loss = crit(net(x), y)
     expected = plain(ref(x), y)
-    assert torch.allclose(loss, expected, atol=1e-6)
-    loss.backward()
-    expected.backward()
-    _assert_same_grads(model, ref)
+    _assert_same_loss_and_grads(loss, expected, model, ref)
 
 
 def test_a_chunk_whose_targets_are_all_ignored_drops_out():
@@ -92,10 +90,7 @@ def test_tuple_outputs_and_several_targets():
     assert all(isinstance(o, tuple) for o in outputs)
     loss = crit(outputs, labels, values)
     expected = plain(ref(x), labels, values)
-    assert torch.allclose(loss, expected, atol=1e-6)
-    loss.backward()
-    expected.backward()
-    _assert_same_grads(model, ref)
+    _assert_same_loss_and_grads(loss, expected, model, ref)
 
 
 def test_reduction_none_concatenates_per_sample_losses():
