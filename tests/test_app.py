@@ -300,3 +300,24 @@ def test_devices_lists_gpus_and_checks_them_when_there_are_some(reports, fake_gp
     assert "NVML is available" in _texts(at.caption)
     assert at.multiselect[0].value == [0, 1]
     assert "cuda:0 has 50% of the total memory of cuda:1" in _texts(at.error)  # torch's 75% rule
+
+
+@pytest.fixture(scope="module")
+def ddp_reports(tmp_path_factory):
+    """A two-rank DistributedDataParallel run (gloo on loopback), recorded by `dpprof profile --ddp`."""
+    import subprocess
+
+    directory = tmp_path_factory.mktemp("ddp-reports")
+    subprocess.run([sys.executable, "-m", "dpprof", "--reports-dir", str(directory), "profile", "tutorial-linear",
+                    "--ddp", "--nproc", "2", "--steps", "6", "--quiet"], check=True, capture_output=True,
+                   timeout=180)
+    return directory
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", ["overview", "load", "timeline", "export"])
+def test_a_multi_rank_run_shows_ranks_where_devices_are_shown(ddp_reports, monkeypatch, page):
+    monkeypatch.setenv("DPPROF_REPORTS", str(ddp_reports))
+    at = _page(_app(), page)
+    shown = "\n".join(str(e.value) for kind in ("markdown", "caption", "dataframe", "table") for e in at.get(kind))
+    assert "rank:0" in shown and "rank:1" in shown, page
