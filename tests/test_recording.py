@@ -152,3 +152,15 @@ def test_activation_bytes_follow_the_model_not_the_weights():
     mem = run.frames()["memory"].set_index("device")
     # per replica of 4 samples: Linear1 saves its input (4x5), ReLU its output (4x16) which Linear2 reuses
     assert mem["activation_bytes"].tolist() == [(4 * 5 + 4 * 16) * 4] * 2
+
+
+def test_buffers_saved_for_backward_are_weights_on_every_replica():
+    # BatchNorm in eval mode saves its running statistics for backward: on replicas after the
+    # first those are copies, and still weights, not activations
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8)).eval()
+    net = dpprof.DataParallel(model, device_ids=dpprof.cpu_devices(2))
+    with dpprof.record(name="bn") as run:
+        net(torch.randn(8, 5)).sum().backward()
+    mem = run.frames()["memory"].set_index("device").sort_index()
+    assert mem["activation_bytes"].nunique() == 1  # both replicas account the same activations

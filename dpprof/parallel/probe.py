@@ -196,7 +196,11 @@ class ForwardProbe:
         if getattr(module, "_is_replica", False):
             if self.cuda_indices:  # broadcast copies: each replica's own storages
                 return _weight_storages(module)
-            return self.run.cached(("weight storages", id(self.root)), lambda: _weight_storages(self.root))
+            shared = self.run.cached(("weight storages", id(self.root)), lambda: _weight_storages(self.root))
+            if not self.run.cached(("has buffers", id(self.root)), lambda: any(True for _ in self.root.buffers())):
+                return shared
+            # replicas after the first hold copies of the buffers: theirs are weights too, not activations
+            return shared | {b.untyped_storage().data_ptr() for b in module.buffers()}
         return self.run.cached(("weight storages", id(module)), lambda: _weight_storages(module))
 
     # bytes
