@@ -148,7 +148,7 @@ def _cmd_runs(args: argparse.Namespace) -> int:
 def _cmd_show(args: argparse.Namespace) -> int:
     import dpprof
     from dpprof.analysis import phase_table
-    from dpprof.report import findings_of, summary_of
+    from dpprof.report import SUMMARY_COLUMNS, findings_of, summary_of
 
     run = dpprof.load_run(args.run, args.reports_dir)
     m = run.meta
@@ -167,7 +167,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if m.get("dropped_records"):
         print(f"  warning: {m['dropped_records']} records were dropped (the writer fell behind)")
     print("\nper device:")
-    print(_table(summary_of(run)))
+    print(_table(summary_of(run)[SUMMARY_COLUMNS]))
     print("\nmean ms per step, by phase:")
     print(_table(phase_table(run.phases)))
     findings = findings_of(run)

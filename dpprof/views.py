@@ -18,7 +18,7 @@ import pandas as pd
 
 from dpprof.export import to_csv_bytes
 from dpprof.findings import FINDING_COLUMNS, run_findings
-from dpprof.report import findings_of
+from dpprof.report import findings_of, summary_of
 from dpprof.store import queries
 from dpprof.store.queries import DP_TAX_PHASES
 from dpprof.store.reader import TABLES, StoredRun
@@ -57,7 +57,7 @@ class Load:
     memory: pd.DataFrame
     chunks: pd.DataFrame
     gpu: pd.DataFrame
-    work_phase: str = "apply"  # each device's share of the work: "apply" (DataParallel), "forward" (DDP ranks)
+    work_phase: str = "apply"  # each device's share of the work: "apply", or a DDP rank's "forward + backward_compute"
     missing: dict[str, str] = field(default_factory=dict)  # "allocator" / "gpu" / "memory" / "apply" -> why not
 
 
@@ -122,7 +122,7 @@ def load(run: StoredRun) -> Load:
     chunks = queries.chunk_counts(run)
     memory = queries.memory_peaks(run, chunks)
     data = Load(apply_samples=samples, apply_stats=stats, memory=memory, chunks=chunks, gpu=queries.gpu_series(run),
-                work_phase=queries.work_phase(queries.present_phases(run)))
+                work_phase=" + ".join(queries.work_phases(queries.present_phases(run))))
     if stats.empty:
         data.missing["apply"] = f"No {data.work_phase} phases recorded yet: no forward call has finished."
     if memory.empty:
@@ -307,9 +307,7 @@ def _table(run: StoredRun, name: str) -> pd.DataFrame:
     if name == "run":
         return pd.DataFrame([run.meta])
     if name == "device_summary":
-        stats = queries.apply_stats(run)
-        memory = queries.memory_peaks(run)
-        return stats.merge(memory, on="device", how="outer") if len(stats) else memory
+        return summary_of(run).reset_index()
     if name == "phase_totals":
         return queries.phase_totals(run)
     return run.query(f"SELECT * FROM {name}") if name in TABLES else pd.DataFrame()

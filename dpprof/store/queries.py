@@ -20,7 +20,7 @@ from dpprof.store.reader import StoredRun
 __all__ = ["MAX_POINTS", "APPLY_SAMPLE_PER_DEVICE", "TIMELINE_MAX_STEPS", "MEMORY_BYTES", "DP_TAX_PHASES",
            "GPU_METRICS", "bucket_width", "present_phases", "stacked_phases", "run_stats", "step_times",
            "phase_breakdown", "phase_totals", "apply_samples", "apply_stats", "memory_peaks", "chunk_counts",
-           "gpu_series", "timeline", "last_steps_frames", "devices_of", "work_phase"]
+           "gpu_series", "timeline", "last_steps_frames", "devices_of", "work_phases"]
 
 MAX_POINTS = 2_000  # points a chart draws per series; a browser stays responsive well past this
 APPLY_SAMPLE_PER_DEVICE = 4_000  # enough for box and violin shapes; exact mean, min and max come from SQL
@@ -193,9 +193,16 @@ def phase_totals(run: StoredRun, stats: dict[str, Any] | None = None) -> pd.Data
     return out[cols]
 
 
-def work_phase(present: list[str]) -> str:
-    """The phase that is each device's share of the work: DataParallel's apply, DDP's forward per rank."""
-    return "apply" if "apply" in present or "forward" not in present else "forward"
+def work_phases(present: list[str]) -> tuple[str, ...]:
+    """The phases that are each device's own share of the work: DataParallel's apply; a DDP rank's
+    forward and backward compute."""
+    if "apply" in present or "forward" not in present:
+        return ("apply",)
+    return ("forward", "backward_compute") if "backward_compute" in present else ("forward",)
+
+
+def _phase_in(phases: tuple[str, ...]) -> str:
+    return f"phase IN ({', '.join('?' * len(phases))})"
 
 
 def devices_of(run: StoredRun) -> list[str]:
@@ -216,9 +223,9 @@ def apply_samples(run: StoredRun, per_device: int = APPLY_SAMPLE_PER_DEVICE) -> 
     if first is None:
         return pd.DataFrame(columns=["step", "device", "duration_ms"])
     stride = bucket_width(first, last, per_device)
-    phase = work_phase(present_phases(run))
+    phases = work_phases(present_phases(run))
     out = run.query("SELECT step, device, SUM(duration_ms) AS duration_ms FROM phases "
-                    "WHERE phase = ? AND step % ? = 0 GROUP BY device, step", (phase, stride))
+                    f"WHERE {_phase_in(phases)} AND step % ? = 0 GROUP BY device, step", (*phases, stride))
     out = out.drop(columns=["rank"], errors="ignore")
     order = {d: i for i, d in enumerate(devices_of(run))}
     return out.sort_values(["device", "step"], key=lambda s: s.map(order) if s.name == "device" else s,
@@ -243,11 +250,12 @@ def apply_stats(run: StoredRun, samples: pd.DataFrame | None = None, percentiles
     cols = ["device", "steps", "apply_mean_ms", "apply_min_ms", "apply_max_ms", "apply_p50_ms", "apply_p95_ms",
             "apply_share_of_step_pct", "sampled"]
     rows = []
-    phase = work_phase(present_phases(run))
+    phases = work_phases(present_phases(run))
     for device in devices_of(run):  # one device at a time: SQLite walks the index, never sorts
         r = _one_row(run.query("SELECT COUNT(*) AS steps, AVG(ms) AS apply_mean_ms, MIN(ms) AS apply_min_ms, "
                                "MAX(ms) AS apply_max_ms FROM (SELECT SUM(duration_ms) AS ms FROM phases "
-                               "WHERE phase = ? AND device = ? GROUP BY step)", (phase, device)), "steps")
+                               f"WHERE {_phase_in(phases)} AND device = ? GROUP BY step)", (*phases, device)),
+                     "steps")
         if r["steps"]:
             rows.append({"device": device, **r.to_dict()})
     if not rows:
