@@ -189,3 +189,19 @@ def test_a_reader_holding_the_file_while_the_run_closes_changes_nothing(reports,
         assert "stays in WAL mode" in caplog.text
     finally:
         reader.close()
+
+
+def test_a_file_older_than_a_table_or_column_the_schema_added_still_reads(reports):
+    run = _record(steps=2, name="older")
+    old = reports / "older.sqlite"
+    shutil.copy(run.path, old)
+    con = sqlite3.connect(old)
+    con.execute("DROP TABLE comms")
+    con.execute("ALTER TABLE runs DROP COLUMN world_size")
+    con.commit()
+    con.close()
+    stored = dpprof.load_run(old)
+    assert stored.meta["world_size"] is None and stored.meta["name"] == "older"
+    assert stored.comms.empty and list(stored.comms.columns) == [
+        "step", "device", "bucket", "bucket_bytes", "launch_ms", "duration_ms"]
+    assert len(stored.steps) == 2

@@ -17,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 
-from dpprof.store.schema import FORMAT, RECORD_TABLES, RUN_COLUMNS, SCHEMA_VERSION
+from dpprof.store.schema import FORMAT, RECORD_TABLES, RUN_COLUMNS, SCHEMA_VERSION, columns_of
 
 __all__ = ["RUN_SUFFIX", "list_runs", "load_run", "StoredRun", "RunFileError", "reports_dir",
            "HEARTBEAT_TIMEOUT_S"]
@@ -88,13 +88,14 @@ def _read_meta(con: sqlite3.Connection) -> dict[str, Any]:
         raise RunFileError(f"written by a newer dpprof (schema {version}; this dpprof reads up to "
                            f"{SCHEMA_VERSION}): upgrade dpprof to open it")
     try:
-        cur = con.execute(f"SELECT {', '.join(RUN_COLUMNS)} FROM runs")
+        cur = con.execute("SELECT * FROM runs")
         rows = cur.fetchall()
     except sqlite3.DatabaseError as err:
         raise RunFileError(f"corrupt or truncated: {err}") from None
     if len(rows) != 1:
         raise RunFileError(f"corrupt: expected one run row, found {len(rows)}")
-    row = dict(zip(RUN_COLUMNS, rows[0]))
+    stored = dict(zip((d[0] for d in cur.description), rows[0]))
+    row = {c: stored.get(c) for c in RUN_COLUMNS}  # a column added since the file was written reads as None
     for key in ("devices", "workload_args"):
         row[key] = json.loads(row[key]) if row[key] else ([] if key == "devices" else {})
     row["stored_status"] = row["status"]
@@ -141,12 +142,26 @@ class StoredRun:
             frames.append(df)
         return frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
 
+    @staticmethod
+    def _has_table(path: Path, name: str) -> bool:
+        con = _connect_ro(path)
+        try:
+            return con.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone() is not None
+        except sqlite3.DatabaseError as err:
+            raise RunFileError(f"{path.name}: corrupt: {err}") from None
+        finally:
+            con.close()
+
     def table(self, name: str) -> pd.DataFrame:
         """One table as a DataFrame."""
         if name not in TABLES:
             raise KeyError(f"no table {name!r}; tables are {', '.join(TABLES)}")
         if name not in self._frames:
-            self._frames[name] = self._read(f"SELECT * FROM {name}", (), f"table {name}")
+            if all(self._has_table(path, name) for path in self.paths):
+                self._frames[name] = self._read(f"SELECT * FROM {name}", (), f"table {name}")
+            else:  # a table added to the schema since the file was written: it holds no rows
+                cls = next(c for c, t in RECORD_TABLES.items() if t == name)
+                self._frames[name] = pd.DataFrame(columns=list(columns_of(cls)))
             if name == "steps":
                 self._frames[name]["explicit"] = self._frames[name]["explicit"].astype(bool)
         return self._frames[name]
