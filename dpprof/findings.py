@@ -58,24 +58,35 @@ def _f(kind: str, severity: str, device: str | None, title: str, evidence: str, 
                 value=None if value is None else float(value))
 
 
-def _apply_per_step(phases: pd.DataFrame) -> pd.DataFrame:
-    """Apply ms per step (rows) and device (columns), forward calls summed."""
-    apply = phases[phases["phase"] == "apply"]
-    return apply.groupby(["step", "device"])["duration_ms"].sum().unstack("device")
+def _per_step(phases: pd.DataFrame, names: list[str]) -> pd.DataFrame:
+    """Milliseconds of the named phases per step (rows) and device (columns), forward calls summed."""
+    sel = phases[phases["phase"].isin(names)]
+    return sel.groupby(["step", "device"])["duration_ms"].sum().unstack("device")
+
+
+def _slowest(table: pd.DataFrame, threshold: float) -> tuple[str, pd.Series, float, float] | None:
+    """The device whose median per step (``table``: steps x devices) is highest, when it is at least
+    ``threshold`` times the others' and it is the slowest in STRAGGLER_CONSISTENCY of the steps:
+    (device, medians, ratio, share of steps it was slowest in), else None."""
+    if table.shape[1] < 2 or len(table) < 3:
+        return None
+    medians = table.median()
+    slow = medians.idxmax()
+    ratio = medians[slow] / medians.drop(slow).median()
+    slowest_share = (table.idxmax(axis=1) == slow).mean()
+    if ratio < threshold or slowest_share < STRAGGLER_CONSISTENCY:
+        return None
+    return slow, medians, ratio, slowest_share
 
 
 def straggler(phases: pd.DataFrame) -> list[dict]:
-    table = _apply_per_step(phases).dropna()
-    if table.shape[1] < 2 or len(table) < 3:
+    table = _per_step(phases, ["apply"]).dropna()
+    cpu = table.shape[1] > 0 and str(table.columns[0]).startswith("cpu")
+    found = _slowest(table, STRAGGLER_RATIO_CPU if cpu else STRAGGLER_RATIO)
+    if found is None:
         return []
-    medians = table.median()
-    slow = medians.idxmax()
+    slow, medians, ratio, slowest_share = found
     others = medians.drop(slow)
-    ratio = medians[slow] / others.median()
-    slowest_share = (table.idxmax(axis=1) == slow).mean()
-    threshold = STRAGGLER_RATIO_CPU if str(slow).startswith("cpu") else STRAGGLER_RATIO
-    if ratio < threshold or slowest_share < STRAGGLER_CONSISTENCY:
-        return []
     wait = table.drop(columns=slow).rsub(table[slow], axis=0).clip(lower=0).mean(axis=1)  # per other device
     return [_f("straggler", "critical" if ratio >= 1.5 else "warning", slow,
                f"{slow} is the straggler: its apply takes {ratio:.2f}x the others'",
@@ -203,23 +214,14 @@ def backward_share(phases: pd.DataFrame, steps: pd.DataFrame) -> list[dict]:
                "which DistributedDataParallel spreads across devices and overlaps with backward.", share)]
 
 
-def _per_rank_step(phases: pd.DataFrame, names: list[str]) -> pd.DataFrame:
-    sel = phases[phases["phase"].isin(names)]
-    return sel.groupby(["step", "device"])["duration_ms"].sum().unstack("device")
-
-
 def straggler_rank(phases: pd.DataFrame, threshold: float = STRAGGLER_RATIO) -> list[dict]:
     """The rank that reaches the all-reduce last, step after step, and the time the others wait for it."""
-    busy = _per_rank_step(phases, ["data", "forward", "backward_compute"]).dropna()
-    wait = _per_rank_step(phases, ["comm_wait"]).reindex(busy.index)
-    if busy.shape[1] < 2 or len(busy) < 3:
+    busy = _per_step(phases, ["data", "forward", "backward_compute"]).dropna()
+    found = _slowest(busy, threshold)
+    if found is None:
         return []
-    medians = busy.median()
-    slow = medians.idxmax()
-    ratio = medians[slow] / medians.drop(slow).median()
-    slowest_share = (busy.idxmax(axis=1) == slow).mean()
-    if ratio < threshold or slowest_share < STRAGGLER_CONSISTENCY:
-        return []
+    slow, medians, ratio, slowest_share = found
+    wait = _per_step(phases, ["comm_wait"]).reindex(busy.index)
     others_wait = wait.drop(columns=slow).mean(axis=1)
     return [_f("straggler_rank", "critical" if ratio >= 1.5 else "warning", slow,
                f"{slow} is the straggler: the others wait for it at every all-reduce",
