@@ -14,12 +14,11 @@ from typing import Any, Callable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 import torch.distributed as dist
-from torch.autograd.graph import saved_tensors_hooks
 from torch.autograd.profiler import record_function
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from dpprof.parallel.devices import DeviceSet
-from dpprof.parallel.probe import ForwardProbe, _SavedBytes, _unpack, iter_tensors
+from dpprof.parallel.probe import ForwardProbe, iter_tensors
 from dpprof.recording import Run, current_run
 from dpprof.records import CommRecord, PhaseRecord
 
@@ -180,15 +179,11 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         if probe.previous_end_ns is not None:
             probe.phase_done("data", probe.previous_end_ns, t0)
         probe.forward.note_batch(inputs, kwargs)
-        saved = _SavedBytes(probe.forward.weight_storages(self.module)) if torch.is_grad_enabled() else None
         with record_function("dpprof.forward"):
-            if saved is not None:
-                with saved_tensors_hooks(saved.pack, _unpack):
-                    output = super().forward(*inputs, **kwargs)
-            else:
-                output = super().forward(*inputs, **kwargs)
+            output, activation_bytes = probe.forward.call_counting_activations(super().forward, self.module,
+                                                                               inputs, kwargs)
         probe.phase_done("forward", t0, time.perf_counter_ns())
-        probe.forward.note_device(probe.label, inputs, kwargs, output, saved.bytes if saved else 0)
+        probe.forward.note_device(probe.label, inputs, kwargs, output, activation_bytes)
         probe.forward.end(self.module, used=1)
         self._watch_backward(probe, output)
         return output

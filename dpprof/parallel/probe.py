@@ -203,6 +203,17 @@ class ForwardProbe:
             return shared | {b.untyped_storage().data_ptr() for b in module.buffers()}
         return self.run.cached(("weight storages", id(module)), lambda: _weight_storages(module))
 
+    def call_counting_activations(self, fn: Callable[..., Any], weights: Module, args: Any,
+                                  kwargs: dict[str, Any]) -> tuple[Any, int]:
+        """``fn(*args, **kwargs)`` and the bytes of the activations autograd saved during it (0 without grad),
+        ``weights``' own tensors not counted."""
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs), 0
+        saved = _SavedBytes(self.weight_storages(weights))
+        with saved_tensors_hooks(saved.pack, _unpack):
+            output = fn(*args, **kwargs)
+        return output, saved.bytes
+
     # bytes
     def note_batch(self, inputs: Any, kwargs: Any) -> None:
         first = next(chain(iter_tensors(inputs), iter_tensors(kwargs)), None)
@@ -263,14 +274,7 @@ class MeasuredReplica:
             if probe is None:
                 return self.module(*args, **kwargs)
             with probe.phase(self.phase, self.label):
-                if torch.is_grad_enabled():
-                    saved = _SavedBytes(probe.weight_storages(self.module))
-                    with saved_tensors_hooks(saved.pack, _unpack):
-                        output = self.module(*args, **kwargs)
-                    activation_bytes = saved.bytes
-                else:
-                    output = self.module(*args, **kwargs)
-                    activation_bytes = 0
+                output, activation_bytes = probe.call_counting_activations(self.module, self.module, args, kwargs)
             probe.note_device(self.label, args, kwargs, output, activation_bytes, self.shared_args,
                               chunked=self.phase == "apply")
             return output
