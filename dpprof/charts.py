@@ -218,6 +218,12 @@ def gpu_samples(series: pd.DataFrame) -> go.Figure:
     return fig
 
 
+def _device_order(label: str) -> tuple[str, int, str]:
+    """cpu:2 before cpu:10: by kind, then index."""
+    kind, _, index = str(label).partition(":")
+    return (kind, int(index), "") if index.isdigit() else (kind, -1, str(label))
+
+
 def timeline(phases: pd.DataFrame, steps: pd.DataFrame) -> go.Figure:
     """A Gantt chart of the phases on each device over a range of steps.
 
@@ -227,8 +233,7 @@ def timeline(phases: pd.DataFrame, steps: pd.DataFrame) -> go.Figure:
     Args:
         phases, steps: dpprof.store.queries.timeline.
     """
-    devices = list(dict.fromkeys(phases.loc[phases["phase"] == "apply", "device"]))
-    devices += [d for d in dict.fromkeys(phases["device"]) if d not in devices]
+    devices = sorted(dict.fromkeys(phases["device"]), key=_device_order)  # not by who started first
     lanes = ["step", *(["parallel_apply"] if (phases["phase"] == "parallel_apply").any() else []), *devices]
     fig = _fig("Timeline (ms since the run started)", xaxis_title="ms", barmode="overlay",
                height=140 + 40 * len(lanes), bargap=0.25)
