@@ -11,12 +11,13 @@ from itertools import chain
 from typing import Any
 
 import torch
+from torch.autograd import profiler as _torch_profiler
 from torch.autograd.profiler import record_function
 from torch.nn import Module
 
 from dpprof.parallel.devices import DeviceLike, DeviceSet, resolve_devices
 from dpprof.parallel.parallel_apply import parallel_apply
-from dpprof.parallel.probe import ForwardProbe, MeasuredReplica
+from dpprof.parallel.probe import ForwardProbe, MeasuredReplica, watch_backward
 from dpprof.parallel.replicate import replicate
 from dpprof.parallel.scatter_gather import gather, scatter_kwargs
 from dpprof.recording import current_run
@@ -126,7 +127,11 @@ class DataParallel(torch.nn.DataParallel):
         with record_function("DataParallel.forward"):
             run = current_run()
             if run is None:
-                return self._forward(inputs, kwargs)
+                output = self._forward(inputs, kwargs)
+                # torch's own fast check of "a profiler is on" (all-threads profiling included)
+                if self._watch_backward and _torch_profiler._is_profiler_enabled:
+                    watch_backward(output, None, _HOST_LABEL)  # the dpprof.backward range, untimed
+                return output
             devices = self.__dict__["_devices"]
             out_label = self._label(self.output_device) if devices is not None else _HOST_LABEL
             # torch sets no dim when there are no devices

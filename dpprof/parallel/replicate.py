@@ -1,9 +1,10 @@
 """replicate with torch's meaning on CUDA devices and on CPU workers.
 
-On CPU workers every replica's parameters are differentiable views of the module's
-(so backward sums the replicas' gradients into the module's .grad, sparse ones too),
-replica 0 shares the module's buffers and the other replicas get copies, exactly the
-storage sharing torch's Broadcast gives replica 0 on device_ids[0].
+On CPU workers replicate does what torch's Broadcast does across GPUs: replica 0, on
+device_ids[0], shares the module's parameters and buffers (its parameters are differentiable
+views), and every other replica holds its own copies, paid for in the replicate phase's time
+and memory as a GPU pays for them. Backward sums the replicas' gradients into the module's
+.grad (sparse ones too).
 """
 from __future__ import annotations
 
@@ -25,12 +26,12 @@ T = TypeVar("T", bound=Module)
 
 
 class CpuBroadcast(Function):
-    """Hand each of ``num_replicas`` workers a view of every input; backward sums their gradients."""
+    """Hand worker 0 a view of every input and each other worker a copy; backward sums their gradients."""
 
     @staticmethod
     def forward(ctx, num_replicas: int, *inputs: torch.Tensor):  # type: ignore[override]
         ctx.num_inputs = len(inputs)
-        outputs = [t.view_as(t) for _ in range(num_replicas) for t in inputs]
+        outputs = [t.view_as(t) if j == 0 else t.clone() for j in range(num_replicas) for t in inputs]
         frozen = [
             outputs[j * len(inputs) + i]
             for i, needs in enumerate(ctx.needs_input_grad[1:])
@@ -54,11 +55,12 @@ class CpuBroadcast(Function):
 
 
 def _cpu_copies(tensors: list[torch.Tensor], num_replicas: int, detach: bool) -> list[list[torch.Tensor]]:
-    """Per-replica lists of parameter-like tensors: views (differentiable unless detach)."""
+    """Per-replica lists of parameter-like tensors: replica 0's views, the others' copies
+    (differentiable unless detach)."""
     if not tensors:
         return [[] for _ in range(num_replicas)]
     if detach:
-        return [[t.detach() for t in tensors] for _ in range(num_replicas)]
+        return [[t.detach() if j == 0 else t.detach().clone() for t in tensors] for j in range(num_replicas)]
     flat = CpuBroadcast.apply(num_replicas, *tensors)
     n = len(tensors)
     return [list(flat[j * n:(j + 1) * n]) for j in range(num_replicas)]
