@@ -12,10 +12,10 @@ from typing import Any, Callable
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
-from torch.autograd.profiler import record_function
 from torch.nn import Module
 
 from dpprof.parallel.devices import DeviceSet
+from dpprof.parallel.ranges import profiler_range
 from dpprof.records import AllocatorRecord, DeviceMemoryRecord, PhaseRecord
 from dpprof.recording import Run
 
@@ -113,12 +113,12 @@ class _BackwardWatch:
         self.probe, self.label = probe, label
         self.t0: int | None = None
         self.ev0 = None
-        self.range: record_function | None = None
+        self.range: Any = None
 
     def on_grad(self, grad: torch.Tensor) -> None:
         if self.t0 is not None:
             return
-        self.range = record_function("dpprof.backward")
+        self.range = profiler_range("dpprof.backward")
         self.range.__enter__()
         self.t0 = time.perf_counter_ns()
         if self.probe is not None:
@@ -272,7 +272,7 @@ class MeasuredReplica:
         self.phase, self.range_name = phase, f"dpprof.{phase}"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with record_function(self.range_name):
+        with profiler_range(self.range_name):
             probe = self.probe
             if probe is None:
                 return self.module(*args, **kwargs)
