@@ -5,6 +5,7 @@ Exit codes: 0 ok, 1 failure (or findings, for commands that report them), 2 usag
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -79,6 +80,10 @@ def _cmd_profile(args: argparse.Namespace) -> int:
                                unit="step", disable=args.quiet)
     run = train(workload, devices, args.steps, name=args.name, reports_dir=args.reports_dir, progress=progress,
                 balanced=args.balanced)
+    if run.recording_failed:  # training finished; the one line on stderr said what was not recorded
+        if os.path.exists(run.path):
+            print(f"  dpprof show {run.id}")
+        return EXIT_FAILURE
     print(f"recorded run {run.id} ({args.steps} steps) in {run.path}")
     print(f"  dpprof show {run.id}")
     return EXIT_OK
@@ -87,7 +92,6 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 def _profile_ddp(args: argparse.Namespace) -> int:
     """Run the workload under torchrun, one process per rank, with rank 0's steps as the progress bar."""
     import collections
-    import os
     import subprocess
 
     from tqdm import tqdm
@@ -165,7 +169,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
     print(f"  {count} steps{ranks}, median {steps['duration_ms'].median():.2f} ms, "
           f"batch {int(steps['batch_size'].median()) if steps['batch_size'].notna().any() else '-'}")
     if m.get("dropped_records"):
-        print(f"  warning: {m['dropped_records']} records were dropped (the writer fell behind)")
+        why = "the disk was full" if m["status"] == "disk_full" else "the writer fell behind"
+        print(f"  warning: {m['dropped_records']} records were dropped ({why})")
     print("\nper device:")
     print(_table(summary_of(run)[SUMMARY_COLUMNS]))
     print("\nmean ms per step, by phase:")
@@ -283,17 +288,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 on usage errors, 0 on --help
+    from dpprof.store.faults import RecordingError
     from dpprof.store.reader import RunFileError
 
     try:
         return args.func(args)
     except UsageError as err:
         parser.error(str(err))  # prints usage and exits 2
-    except RunFileError as err:
+    except (RunFileError, RecordingError) as err:
         print(f"dpprof: {err}", file=sys.stderr)
         return EXIT_FAILURE
-    except KeyboardInterrupt:
-        print("dpprof: interrupted; the run recorded so far is kept", file=sys.stderr)
+    except KeyboardInterrupt:  # a run being recorded said what it kept
+        print("dpprof: interrupted", file=sys.stderr)
         return EXIT_FAILURE
     return EXIT_OK
 
