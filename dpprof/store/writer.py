@@ -141,7 +141,8 @@ class SqliteSink:
     Attributes:
         failure: why writing stopped ("disk full", ...), or None while every commit succeeds.
         steps_kept: step records committed to the file.
-        lost: the file is gone from disk (its directory was removed and could not be made again).
+        lost: the file is gone from disk (its directory was removed and could not be made again, or
+            writing failed before the first step and the empty run was ``removed``).
         written_back: the file was removed while recording and dpprof wrote it back to its path.
         clock_ms: the run's clock, for the time of the note a failure leaves (set by the run).
     """
@@ -164,6 +165,7 @@ class SqliteSink:
         self.steps_kept = 0
         self.lost = False
         self.written_back = False
+        self.removed = False
         self.folded = True
         self.clock_ms: Callable[[], float] | None = None
         self.message: str | None = None
@@ -290,11 +292,14 @@ class SqliteSink:
         if self.folded or self.lost or time.monotonic() - self._last_fold_try < REFOLD_INTERVAL_S:
             return
         self._last_fold_try = time.monotonic()
+        self.folded = self._checkpoint()
+
+    def _checkpoint(self) -> bool:
+        """Copy the write-ahead log into the run file and empty it; False if a reader or the full disk stops it."""
         try:
-            busy = self._con.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
-            self.folded = not busy
+            return not self._con.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
         except _WRITE_ERRORS:
-            pass
+            return False
 
     def _write_back(self) -> None:
         """The run file was removed while recording (its directory deleted): write what the open file
@@ -333,19 +338,33 @@ class SqliteSink:
         self._stop.set()
         self._wake.set()
         self._thread.join()
+        if self.failure is not None and self.steps_kept == 0 and not self.lost:
+            self._remove_empty_run()  # failed before its first step: like a run that could not start
         self.message = self._message(steps_total)
         try:
             if self.lost:
                 return
             if self.failure is not None:
+                self._checkpoint()  # folding the log first may free the room the final line needs
                 self.record_failure(self.message)
             elif self.written_back:
                 self._store((self._note(self.message),))
             self._fold()
         finally:
-            self._con.close()
+            if not self.removed:
+                self._con.close()
+
+    def _remove_empty_run(self) -> None:
+        """Our own file, holding no step: removed, so that a listing shows no run that recorded nothing."""
+        self._con.close()
+        _remove(self.path, *(self.path + s for s in _SIDE_FILES))
+        self.lost = self.removed = True
 
     def _message(self, steps_total: int | None) -> str | None:
+        if self.removed:
+            not_recorded = f", {steps_total} steps not recorded" if steps_total else ""
+            return (f"cannot record in {os.path.dirname(self.path) or '.'}: {self.failure} before the first "
+                    f"step was stored: no run file kept{not_recorded}")
         if self.lost:
             return f"the run is lost: {self.failure}"
         if self.failure is not None:
