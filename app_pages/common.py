@@ -20,7 +20,9 @@ import streamlit as st
 
 from dpprof import views
 from dpprof.export import to_csv_bytes
+from dpprof.store.faults import RecordingError
 from dpprof.store.reader import list_runs, load_run, reports_dir
+from dpprof.store.writer import check_reports_dir
 
 REFRESH_S = 2.0  # a running run's pages re-read it this often (its writer commits every 0.5 s)
 LISTING_TTL_S = 5.0  # "running" turns "incomplete" by time alone (heartbeat age), not by file changes
@@ -242,9 +244,14 @@ def processes() -> dict[int, dict[str, Any]]:
 
 
 def start_run(workload: str, devices: str, steps: int, batch_size: int | None = None,
-              name: str | None = None) -> dict[str, Any]:
+              name: str | None = None) -> dict[str, Any] | None:
     """Start ``python -m dpprof profile ...`` in its own process, logging to reports/.logs/."""
     directory = reports_dir()
+    try:  # a read-only, full or missing reports directory: the one line `dpprof profile` would print
+        check_reports_dir(directory)
+    except RecordingError as err:
+        st.error(f"dpprof: {err}")
+        return None
     logs = directory / ".logs"  # a dot-directory: list_runs never lists it
     logs.mkdir(parents=True, exist_ok=True)
     started = datetime.now(timezone.utc)

@@ -195,6 +195,42 @@ def test_a_run_cut_short_by_a_full_disk_reads_as_such_and_its_log_folds_back_onc
     assert len(dpprof.load_run(path).steps) == kept  # with every step it had
 
 
+def test_a_script_recording_onto_a_full_disk_trains_on_and_is_told_once(mount, monkeypatch, reports, caplog):
+    where = mount("260k")
+    if where is None:
+        _fake_full_disk(monkeypatch, after_commits=1)
+    net = dpprof.DataParallel(nn.Linear(5, 2), device_ids=dpprof.cpu_devices(2))
+    trained = 0
+    with caplog.at_level("WARNING", logger="dpprof"):
+        with dpprof.record(name="script", reports_dir=where or reports) as run:
+            for i in range(600):
+                _linear_steps(run, net, 1)
+                trained += 1
+                if i in (0, 300):
+                    time.sleep(0.6)  # commits before and after the disk fills
+    assert trained == 600 and run.status == "finished" and run.recording_failed
+    lines = [r.getMessage() for r in caplog.records if r.name == "dpprof"]
+    kept = len(dpprof.load_run(run.path).steps)
+    assert lines == [f"dpprof: disk full after step {kept}: {kept} steps kept in {run.path}, {600 - kept} not recorded"]
+
+
+def test_the_dashboard_check_gives_the_line_a_run_would(mount, monkeypatch, reports):
+    """The New run page checks the reports directory before it starts `dpprof profile`, and shows this line."""
+    from dpprof.store.writer import check_reports_dir
+
+    check_reports_dir(reports)  # a writable directory: made, and nothing left in it
+    assert _files(reports) == []
+    where = mount("64k", read_only=True)
+    if where is None:
+        def read_only(*args, **kwargs):
+            raise OSError(errno.EROFS, "Read-only file system")
+        monkeypatch.setattr("dpprof.store.writer.os.open", read_only)
+        where = reports
+    with pytest.raises(RecordingError, match=f"^cannot record in {re.escape(str(where))}: read-only file system$"):
+        check_reports_dir(where)
+    assert _files(where) == []
+
+
 # -- the directory -------------------------------------------------------------------------------
 
 def test_a_read_only_reports_directory_is_one_line_and_leaves_no_file(mount, monkeypatch, reports):

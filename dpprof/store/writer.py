@@ -30,7 +30,7 @@ from dpprof.store.faults import cause_of, failure_line, is_disk_full, start_fail
 from dpprof.store.schema import FORMAT, RECORD_TABLES, RUN_COLUMNS, SCHEMA_VERSION, ddl
 
 __all__ = ["SqliteSink", "FLUSH_INTERVAL_S", "MAX_BUFFERED_RECORDS", "create_run_file", "replace_findings",
-           "fold_leftover_logs"]
+           "fold_leftover_logs", "check_reports_dir"]
 
 FLUSH_INTERVAL_S = 0.5  # the issue asks for at least one commit a second; half that leaves margin
 FOLD_RETRY_S = 2.0  # how long close() waits for readers to let go before leaving the run in WAL mode
@@ -394,6 +394,22 @@ class SqliteSink:
                     log.warning("dpprof: %s stays in WAL mode (a reader has it open): %s", self.path, err)
                     return
                 time.sleep(0.05)
+
+
+def check_reports_dir(directory: str | os.PathLike[str]) -> None:
+    """Raise RecordingError, with the line a run would give, if a run cannot be created in ``directory``.
+
+    For a caller that starts a recording elsewhere (the dashboard starting ``dpprof profile``): it
+    makes the directory and an empty run file under a hidden name, the way a run does, then removes it.
+    """
+    directory = os.fspath(directory)
+    probe = os.path.join(directory, f"probe-{os.getpid()}-{threading.get_ident()}.sqlite")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        create_run_file(_hidden(probe), {"id": "probe", "status": "probe"}).close()
+    except _WRITE_ERRORS as err:
+        raise start_failure(directory, err) from None
+    _remove(_hidden(probe), *(_hidden(probe) + s for s in _SIDE_FILES))
 
 
 def fold_leftover_logs(directory: str | os.PathLike[str]) -> list[Path]:
