@@ -148,6 +148,7 @@ def test_a_disk_that_fills_mid_run_keeps_every_committed_step_and_says_how_many(
     assert int(match.group(1)) == kept and kept + int(match.group(4)) == steps and 0 < kept < steps
     stored = dpprof.load_run(path)
     assert stored.meta["status"] == "disk_full" and stored.meta["dropped_records"] > 0
+    assert stored.meta["devices"] == ["cpu:0", "cpu:1"]
     assert stored.steps["step"].tolist() == list(range(kept))  # every committed step, in order
     # the final line if it still fitted, else the one stored when the disk filled
     assert stored.meta["error"] in (line.removeprefix("dpprof: "),

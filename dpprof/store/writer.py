@@ -169,6 +169,7 @@ class SqliteSink:
         self.folded = True
         self.clock_ms: Callable[[], float] | None = None
         self.message: str | None = None
+        self._unwritten: dict[str, Any] = {}
         self._last_fold_try = 0.0
         self._commits = 0
         self._committed = threading.Condition()
@@ -225,12 +226,14 @@ class SqliteSink:
         updates, self._run_updates = self._run_updates, {}
         if self.failure is not None:  # writing stopped: count what comes, fold the log once space allows
             self._count_dropped(len(records))
+            self._keep_run_updates(updates)
             self._try_fold_again()
         else:
             updates.update(heartbeat_at=_now(), dropped_records=self.dropped)
             try:
                 self._write(records, updates)
             except _WRITE_ERRORS as err:
+                self._keep_run_updates(updates)
                 self._stop_writing(err, records)
             else:
                 if not os.path.exists(self.path):
@@ -267,10 +270,18 @@ class SqliteSink:
         self._last_fold_try = time.monotonic()
         self.record_failure(f"{self.failure} after step {self.steps_kept}: the steps after it were not recorded")
 
+    def _keep_run_updates(self, updates: dict[str, Any]) -> None:
+        """Run columns that could not be written (the devices seen, ...), for the failure's own update;
+        the status stays the failure's."""
+        for key in ("status", "error", "heartbeat_at", "dropped_records"):
+            updates.pop(key, None)
+        self._unwritten.update(updates)
+
     def record_failure(self, message: str) -> bool:
         """Store the failure in the run (its status, error and a note) if that still fits; True if it did."""
-        status = "disk_full" if self.disk_full else "failed"
-        row = ("UPDATE runs SET status = ?, error = ?, dropped_records = ?", (status, message, self.dropped))
+        values = {**self._unwritten, "status": "disk_full" if self.disk_full else "failed", "error": message,
+                  "dropped_records": self.dropped}
+        row = (f"UPDATE runs SET {', '.join(f'{k} = ?' for k in values)}", tuple(_encode(v) for v in values.values()))
         return self._store((row, self._note(message)), (row,))  # a note if it fits; the status alone if only that does
 
     def _note(self, message: str) -> tuple[str, tuple[Any, ...]]:
