@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import sqlite3
 from dataclasses import dataclass, field
@@ -81,12 +82,9 @@ def _effective_status(row: dict[str, Any], path: Path | None = None) -> str:
 def _stopped_by_full_disk(path: Path) -> bool:
     wal = path.with_name(path.name + "-wal")
     try:
-        if wal.stat().st_size == 0:
-            return False
-        fs = os.statvfs(path.parent)
+        return wal.stat().st_size > 0 and shutil.disk_usage(path.parent).free < FULL_DISK_FREE_BYTES
     except OSError:
         return False
-    return fs.f_bavail * fs.f_frsize < FULL_DISK_FREE_BYTES
 
 
 def _read_meta(con: sqlite3.Connection, path: Path | None = None) -> dict[str, Any]:
