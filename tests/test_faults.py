@@ -318,6 +318,26 @@ def test_a_reports_directory_removed_mid_run_gets_the_whole_run_back(reports, ca
     _row("directory removed mid-run", 20, 20, "finished (written back)", line)
 
 
+def test_a_removed_directory_that_cannot_be_made_again_is_said_to_be_lost(reports, monkeypatch, caplog):
+    """Where the directory cannot be made again (here: no permission, faked, since root may do anything)."""
+    net = dpprof.DataParallel(nn.Linear(5, 2), device_ids=dpprof.cpu_devices(2))
+
+    def forbidden(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+    with caplog.at_level("WARNING", logger="dpprof"):
+        with dpprof.record(name="gone") as run:
+            _linear_steps(run, net, 5)
+            time.sleep(0.7)
+            monkeypatch.setattr("dpprof.store.writer.os.makedirs", forbidden)
+            shutil.rmtree(reports)
+            time.sleep(0.7)
+            _linear_steps(run, net, 5)
+    assert run.recording_failed and not reports.exists()
+    lines = [r.getMessage() for r in caplog.records if r.name == "dpprof"]
+    assert lines == [f"dpprof: the run is lost: {reports} was removed during the run and cannot be made again "
+                     "(permission denied)"]
+
+
 # -- signals -------------------------------------------------------------------------------------
 
 _CHILD = r"""
