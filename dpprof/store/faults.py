@@ -14,9 +14,10 @@ __all__ = ["RecordingError", "cause_of", "is_disk_full", "start_failure", "failu
 
 DISK_FULL = "disk full"
 
+QUOTA_EXCEEDED = "disk quota exceeded"
+
 _ERRNO_CAUSES = {
     errno.ENOSPC: DISK_FULL,
-    errno.EDQUOT: "disk quota exceeded",
     errno.EROFS: "read-only file system",
     errno.EACCES: "permission denied",
     errno.EPERM: "permission denied",
@@ -24,6 +25,8 @@ _ERRNO_CAUSES = {
     errno.ENOTDIR: "not a directory",
     errno.EIO: "input/output error",
 }
+if hasattr(errno, "EDQUOT"):  # not on every platform
+    _ERRNO_CAUSES[errno.EDQUOT] = QUOTA_EXCEEDED
 # SQLite's primary result codes (sqlite3.h) for the failures a reports directory can meet
 _SQLITE_CAUSES = {
     13: DISK_FULL,  # SQLITE_FULL
@@ -52,7 +55,7 @@ def cause_of(err: BaseException) -> str:
 
 
 def is_disk_full(err: BaseException) -> bool:
-    return cause_of(err) in (DISK_FULL, _ERRNO_CAUSES[errno.EDQUOT])
+    return cause_of(err) in (DISK_FULL, QUOTA_EXCEEDED)
 
 
 def start_failure(directory: str | os.PathLike[str], err: BaseException) -> RecordingError:
