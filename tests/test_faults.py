@@ -232,6 +232,30 @@ def test_the_dashboard_check_gives_the_line_a_run_would(mount, monkeypatch, repo
     assert _files(where) == []
 
 
+def test_the_dashboard_shows_that_line_instead_of_starting_a_run(mount, monkeypatch, reports):
+    from streamlit.testing.v1 import AppTest
+
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from app_pages import common
+
+    where = mount("64k", read_only=True)
+    if where is None:
+        def read_only(*args, **kwargs):
+            raise OSError(errno.EROFS, "Read-only file system")
+        monkeypatch.setattr("dpprof.store.writer.os.open", read_only)
+        where = reports
+    monkeypatch.setenv("DPPROF_REPORTS", str(where))
+    started = set(common.processes())
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60)
+    at.run()
+    at.button(key="demo").click().run()  # the Runs page's start, with the New run page's start_run
+    assert not at.exception, at.exception
+    assert [e.value for e in at.error] == [f"dpprof: cannot record in {where}: read-only file system"]
+    assert "watch" not in at.session_state and set(common.processes()) == started  # nothing started
+    assert _files(where) == []
+
+
 # -- the directory -------------------------------------------------------------------------------
 
 def test_a_read_only_reports_directory_is_one_line_and_leaves_no_file(mount, monkeypatch, reports):
