@@ -1,111 +1,166 @@
-"""What recording costs: the tutorial's CIFAR-10 Net, batch 256, on 2 CPU workers.
+"""What recording costs, and what CPU workers cost against the plain module, on two steps.
 
-Three arms, interleaved round by round in one process so that machine noise hits them
-alike: recording off, recording on (dpprof.record), and the same step under torch.profiler
-(CPU activities, every thread: the replicas run in worker threads).
-Prints the median step time of each and the ratios. Aim: recording adds at most 2% to the
-step and at most a tenth of what torch.profiler adds.
+Steps: the tutorial's CIFAR-10 Net at batch 256, and an MLP 64-128-128-10 at batch 64 (a step
+small enough that fixed costs per forward call show), each on 2 CPU workers with SGD.
 
-    python bench/overhead.py [--rounds 10] [--steps 30] [--batch-size 256] [--workers 2]
+Arms, interleaved round by round in one process so that machine noise hits them alike:
+
+- plain: the bare module, no DataParallel (for the CPU-workers-vs-plain ratio);
+- off: dpprof.DataParallel on the workers, nothing recording;
+- memory: recording into memory only (``dpprof.record(store=False)``): timing and memory accounting;
+- dpprof: recording as users do, into a run file (the writer thread included);
+- torch.profiler: CPU activities on every thread (it sees no replica otherwise), nothing recording.
+
+Each arm runs a block of steps per round. Reported per arm: the mean step over its blocks
+(what a user pays, periodic work such as the writer's commits included), the median over
+rounds of each round's ratio to ``off`` and of the microseconds it adds per step, and the
+process CPU time per step (all threads). A recording's own start and close (creating the
+file; the last commit and the findings at close) are outside the blocks and reported once.
+
+    python bench/overhead.py [--rounds 10] [--workers 2] [--only cifar-lenet|mlp]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import dpprof
 from dpprof.workloads import build_workload
 
+ARMS = ("plain", "off", "memory", "dpprof", "torch.profiler")
 
-def _steps(net, workload, optimizer, batches, n, run=None):
-    times = []
+
+@dataclass
+class Step:
+    name: str
+    model: nn.Module
+    criterion: nn.Module
+    batches: Callable[[], Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]]]
+    block_steps: int  # about a second of steps: each dpprof block sees the writer commit twice
+
+
+def _cifar() -> Step:
+    w = build_workload("cifar-lenet", 256)
+    return Step("cifar-lenet, batch 256", w.model, w.criterion, w.batches, 40)
+
+
+def _mlp() -> Step:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+
+    def batches():
+        while True:
+            yield (x,), y
+
+    return Step("MLP 64-128-128-10, batch 64", model, nn.CrossEntropyLoss(), batches, 600)
+
+
+def _block(net: nn.Module, step: Step, optimizer: torch.optim.Optimizer, batches, n: int, run=None) -> float:
+    """Seconds for n steps."""
+    t0 = time.perf_counter()
     for _ in range(n):
         x, y = next(batches)
-        t0 = time.perf_counter()
         with run.step() if run is not None else nullcontext():
             optimizer.zero_grad(set_to_none=True)
-            workload.criterion(net(*x), y).backward()
+            step.criterion(net(*x), y).backward()
             optimizer.step()
-        times.append(time.perf_counter() - t0)
-    return times
+    return time.perf_counter() - t0
+
+
+def measure(step: Step, workers: int, rounds: int, reports_dir: str) -> dict[str, dict[str, list[float]]]:
+    net = dpprof.DataParallel(step.model, device_ids=dpprof.cpu_devices(workers))
+    optimizer = torch.optim.SGD(step.model.parameters(), lr=0.01, momentum=0.9)
+    batches = step.batches()
+    n = step.block_steps
+    all_threads = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+
+    def plain() -> float:
+        return _block(step.model, step, optimizer, batches, n)
+
+    def off() -> float:
+        return _block(net, step, optimizer, batches, n)
+
+    def recorded(store: bool) -> Callable[[], float]:
+        def arm() -> float:
+            with dpprof.record(name="bench-overhead", store=store, reports_dir=reports_dir) as run:
+                return _block(net, step, optimizer, batches, n, run)
+        return arm
+
+    def profiled() -> float:
+        with profile(activities=[ProfilerActivity.CPU], experimental_config=all_threads):
+            return _block(net, step, optimizer, batches, n)
+
+    runners = {"plain": plain, "off": off, "memory": recorded(False), "dpprof": recorded(True),
+               "torch.profiler": profiled}
+    for arm in ("plain", "off", "dpprof"):
+        runners[arm]()  # warm-up: worker threads, allocator, the first run file
+    out: dict[str, dict[str, list[float]]] = {k: {"step_s": [], "cpu_s": [], "once_s": []} for k in runners}
+    for r in range(rounds):
+        order = list(runners)[r % len(runners):] + list(runners)[:r % len(runners)]  # no arm always first
+        for k in order:
+            t0, c0 = time.perf_counter(), time.process_time()
+            steps_s = runners[k]()
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            out[k]["step_s"].append(steps_s / n)
+            out[k]["cpu_s"].append(cpu / n)
+            out[k]["once_s"].append(wall - steps_s)
+    return out
+
+
+def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str, list[float]]]) -> None:
+    def paired(k: str, field: str, f: Callable[[float, float], float]) -> float:
+        return statistics.median(f(a, b) for a, b in zip(out[k][field], out["off"][field]))
+
+    print(f"\n{name} on {workers} CPU workers: {rounds} rounds x {n} steps per arm")
+    print(f"  {'arm':15s} {'mean step':>10s} {'added':>9s} {'added/step':>11s} {'CPU/step':>10s} {'CPU added':>9s}")
+    for k in ARMS:
+        mean_ms = statistics.fmean(out[k]["step_s"]) * 1e3
+        cpu_ms = statistics.fmean(out[k]["cpu_s"]) * 1e3
+        if k in ("plain", "off"):
+            print(f"  {k:15s} {mean_ms:8.3f}ms {'':>9s} {'':>11s} {cpu_ms:8.3f}ms")
+            continue
+        added = paired(k, "step_s", lambda a, b: a / b - 1)
+        added_us = paired(k, "step_s", lambda a, b: (a - b) * 1e6)
+        cpu_added = paired(k, "cpu_s", lambda a, b: a / b - 1)
+        print(f"  {k:15s} {mean_ms:8.3f}ms {added:+9.2%} {added_us:+9.1f}us {cpu_ms:8.3f}ms {cpu_added:+9.2%}")
+    rec = paired("dpprof", "step_s", lambda a, b: (a - b) * 1e6)
+    mem = paired("memory", "step_s", lambda a, b: (a - b) * 1e6)
+    prof = paired("torch.profiler", "step_s", lambda a, b: (a - b) * 1e6)
+    workers_ratio = statistics.median(o / p for o, p in zip(out["off"]["step_s"], out["plain"]["step_s"]))
+    print(f"  CPU workers / plain module: {workers_ratio:.2f}x (median of rounds)")
+    print(f"  dpprof per step: {rec:+.1f} us = timing and memory accounting {mem:+.1f} us"
+          f" + the run file's writer {rec - mem:+.1f} us")
+    if prof > 0:
+        print(f"  dpprof / torch.profiler: {rec / prof:.2f} of the profiler's added time (aim: <= 0.5)")
+    once = {k: statistics.median(out[k]["once_s"]) * 1e3 for k in ("off", "dpprof", "torch.profiler")}
+    print(f"  once per recording: dpprof {once['dpprof'] - once['off']:.1f} ms (create the file; at close the last"
+          f" commit and the findings), torch.profiler {once['torch.profiler'] - once['off']:.1f} ms")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=30, help="steps per arm per round")
-    parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--only", choices=["cifar-lenet", "mlp"])
     args = parser.parse_args()
-
-    workload = build_workload("cifar-lenet", args.batch_size)
-    net = dpprof.DataParallel(workload.model, device_ids=dpprof.cpu_devices(args.workers))
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    batches = workload.batches()
-    _steps(net, workload, optimizer, batches, 5)  # warm-up
-
-    def off() -> list[float]:
-        return _steps(net, workload, optimizer, batches, args.steps)
-
-    def recorded() -> list[float]:
-        with dpprof.record(name="bench-overhead") as run:
-            return _steps(net, workload, optimizer, batches, args.steps, run)
-
-    # every thread: without it the profiler sees none of the replicas' work (their threads are not the caller's)
-    all_threads = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-
-    def profiled() -> list[float]:
-        with profile(activities=[ProfilerActivity.CPU], experimental_config=all_threads):
-            return _steps(net, workload, optimizer, batches, args.steps)
-
-    runners = {"off": off, "dpprof": recorded, "torch.profiler": profiled}
-    arms: dict[str, list[float]] = {k: [] for k in runners}
-    ratios: dict[str, list[float]] = {"dpprof": [], "torch.profiler": []}
-    walls: dict[str, list[float]] = {k: [] for k in runners}  # whole arm, start-up and teardown included
-    per_round: dict[str, list[list[float]]] = {k: [] for k in runners}
-    cpu: dict[str, list[float]] = {k: [] for k in runners}  # process CPU seconds per step, all threads
-    for r in range(args.rounds):
-        order = list(runners)[r % 3:] + list(runners)[:r % 3]  # rotate so no arm always runs first
-        round_med = {}
-        for k in order:
-            t0, c0 = time.perf_counter(), time.process_time()
-            times = runners[k]()
-            walls[k].append(time.perf_counter() - t0)
-            cpu[k].append((time.process_time() - c0) / args.steps)
-            per_round[k].append(times)
-            arms[k] += times
-            round_med[k] = statistics.median(times)
-        for k in ratios:
-            ratios[k].append(round_med[k] / round_med["off"])
-
-    med = {k: statistics.median(v) * 1e3 for k, v in arms.items()}
-    print(f"cifar-lenet batch {args.batch_size} on {args.workers} CPU workers, "
-          f"{args.rounds} rounds x {args.steps} steps per arm (medians)")
-    for k, v in med.items():
-        print(f"  {k:15s} {v:8.2f} ms/step")
-    # the median over rounds of each round's ratio: robust to drift between rounds
-    rec = statistics.median(ratios["dpprof"]) - 1
-    prof = statistics.median(ratios["torch.profiler"]) - 1
-    print(f"  dpprof recording adds      {rec:+.2%} of the step (aim: <= +2%)")
-    print(f"  torch.profiler adds        {prof:+.2%} of the step")
-    # CPU time is what the work costs, whoever else shares the machine: steadier than wall time here
-    cpu_med = {k: statistics.median(v) * 1e3 for k, v in cpu.items()}
-    print("  process CPU time per step, all threads (less sensitive to other load on the machine):")
-    for k, v in cpu_med.items():
-        print(f"    {k:13s} {v:8.2f} ms  ({v / cpu_med['off'] - 1:+.2%})")
-    # what a recording costs once, whatever its length: the arm's wall time less its steps
-    fixed = {k: statistics.median(w - sum(t) for w, t in zip(walls[k], per_round[k])) * 1e3 for k in walls}
-    print("  once per recording (the arm's wall time less its steps, median):")
-    print(f"    dpprof          {fixed['dpprof'] - fixed['off']:8.2f} ms  (create the run file; at close, "
-          "commit, compute and store the findings)")
-    print(f"    torch.profiler  {fixed['torch.profiler'] - fixed['off']:8.2f} ms  (start, and build the trace at exit)")
-    if prof > 0:
-        print(f"  dpprof / torch.profiler    {rec / prof:.3f} of the profiler's cost (aim: <= 0.1)")
+    steps = {"cifar-lenet": _cifar, "mlp": _mlp}
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads")
+    for key, make in steps.items():
+        if args.only in (None, key):
+            step = make()
+            with tempfile.TemporaryDirectory(prefix="dpprof-bench-") as reports_dir:  # not the user's reports/
+                out = measure(step, args.workers, args.rounds, reports_dir)
+            report(step.name, args.workers, args.rounds, step.block_steps, out)
 
 
 if __name__ == "__main__":

@@ -788,6 +788,37 @@ def test_parallel_apply_passes_a_key_error_on():
         dpprof.parallel_apply(modules=(l1, l1), inputs=(None, None), devices=W(2))
 
 
+def test_parallel_apply_without_devices_runs_cpu_inputs_on_cpu_workers():
+    # torch takes the device from the inputs; none on a GPU (None inputs too) means CPU workers
+    seen = []
+
+    def fn(*args):
+        seen.append(threading.current_thread().name)
+        return args
+
+    outputs = dpprof.parallel_apply([fn, fn], [None, (torch.ones(2),)])
+    assert outputs[0] == (None,) and torch.equal(outputs[1][0], torch.ones(2))
+    assert sorted(name.rsplit("_", 1)[0] for name in seen) == ["dpprof-cpu:0", "dpprof-cpu:1"]
+
+
+def test_parallel_apply_without_devices_passes_a_key_error_on():
+    class TestModule(nn.Module):
+        def forward(self, *args):
+            return {}["wonderful"]
+
+    l1 = TestModule()
+    pattern = r"Caught KeyError in replica \d on device cpu:\d.\nOriginal Traceback[\s\S]+wonderful"
+    with pytest.raises(KeyError, match=pattern):
+        dpprof.parallel_apply(modules=(l1, l1), inputs=(None, None))
+
+
+def test_gather_onto_minus_one_warns_as_torch_and_gathers_on_the_cpu():
+    outputs = [torch.ones(2, 3), torch.zeros(1, 3)]
+    with pytest.warns(FutureWarning, match="Using -1 to represent CPU tensor is deprecated"):
+        out = dpprof.gather(outputs, -1)
+    assert out.device == torch.device("cpu") and torch.equal(out, torch.cat(outputs))
+
+
 # grad mode and autocast in worker threads
 
 class ModeRecorder(nn.Linear):
@@ -972,9 +1003,14 @@ def _assert_no_new_threads(before: set[threading.Thread]) -> None:
 
 
 @pytest.mark.parametrize("workers", [2, 4, 8])
-def test_a_step_leaves_no_threads_behind(workers):
-    before = set(threading.enumerate())
+def test_workers_are_long_lived_threads(workers):
+    # like a GPU's stream, each worker is one thread that outlives the call: steps after the
+    # first, and a step whose replica fails, start no thread
     net = dpprof.DataParallel(nn.Linear(4, 4), W(workers))
+    net(torch.randn(16, 4)).sum().backward()
+    before = set(threading.enumerate())
+    names = {t.name.rsplit("_", 1)[0] for t in before}
+    assert {f"dpprof-cpu:{i}" for i in range(workers)} <= names
     net(torch.randn(16, 4)).sum().backward()
     _assert_no_new_threads(before)
     x = torch.randn(16, 4)
@@ -982,6 +1018,23 @@ def test_a_step_leaves_no_threads_behind(workers):
     with pytest.raises(ValueError):
         dpprof.DataParallel(FailsOnNaN(), W(workers))(x)
     _assert_no_new_threads(before)
+
+
+def test_a_data_parallel_inside_a_replica_runs_on_threads_of_its_own():
+    # the workers are busy with the outer call: the inner one must not wait for them
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return dpprof.data_parallel(self.inner, x, W(2))
+
+    torch.manual_seed(0)
+    outer = Outer()
+    x = torch.randn(8, 4)
+    out = dpprof.DataParallel(outer, W(2))(x)
+    torch.testing.assert_close(out, outer.inner(x))
 
 
 # the functional form
@@ -1071,6 +1124,35 @@ def test_replicate_shares_buffers_with_replica_zero_only(devices):
             buf = getattr(replica.bn, name)
             assert torch.equal(buf, original)
             assert (buf.untyped_storage().data_ptr() == ptr) is (j == 0), (name, j)
+
+
+@pytest.mark.parametrize("detach", [False, True])
+@pytest.mark.parametrize("devices", [W(2), W(3)], ids=["two", "three"])
+def test_replicas_after_the_first_hold_copies_of_the_parameters(devices, detach):
+    """As torch's Broadcast gives each GPU its own copy: replica 0 shares the module's storage, the
+    others hold copies, so an in-place change to the module after replicate shows in replica 0 only."""
+    torch.manual_seed(0)
+    module = nn.Linear(6, 3).to(DOUBLE)
+    replicas = dpprof.replicate(module, devices, detach=detach)
+    ptr = module.weight.untyped_storage().data_ptr()
+    for j, replica in enumerate(replicas):
+        assert (replica.weight.untyped_storage().data_ptr() == ptr) is (j == 0), j
+        assert torch.equal(replica.weight, module.weight)
+    with torch.no_grad():
+        module.weight.add_(1.0)
+    assert [torch.equal(r.weight, module.weight) for r in replicas] == [True] + [False] * (len(devices) - 1)
+
+
+@pytest.mark.parametrize("devices", [W(2), W(3)], ids=["two", "three"])
+def test_gradients_through_copied_replicas_are_the_plain_modules(devices):
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(DOUBLE)
+    ref = copy.deepcopy(module)
+    x = torch.randn(3 * len(devices), 6, dtype=DOUBLE)
+    replicas = dpprof.replicate(module, devices)
+    sum(r(c).pow(2).sum() for r, c in zip(replicas, x.chunk(len(devices)))).backward()
+    ref(x).pow(2).sum().backward()
+    assert_same_grads(module, ref)
 
 
 @pytest.mark.parametrize("detach", [False, True])

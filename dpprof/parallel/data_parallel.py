@@ -2,7 +2,8 @@
 
 On CUDA the work is done by torch's scatter, replicate, parallel_apply and gather; on
 CPU workers by dpprof's implementations of the same semantics. Each phase runs inside a
-``dpprof.<phase>`` record_function range, and inside a run (``dpprof.record``) it is timed.
+``dpprof.<phase>`` torch.profiler range (dpprof.parallel.ranges), and inside a run
+(``dpprof.record``) it is timed.
 """
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from itertools import chain
 from typing import Any
 
 import torch
-from torch.autograd.profiler import record_function
 from torch.nn import Module
 
 from dpprof.parallel.devices import DeviceLike, DeviceSet, resolve_devices
 from dpprof.parallel.parallel_apply import parallel_apply
-from dpprof.parallel.probe import ForwardProbe, MeasuredReplica
+from dpprof.parallel.probe import ForwardProbe, MeasuredReplica, watch_backward
+from dpprof.parallel.ranges import profiler_on, profiler_range
 from dpprof.parallel.replicate import replicate
 from dpprof.parallel.scatter_gather import gather, scatter_kwargs
 from dpprof.recording import current_run
@@ -28,12 +29,12 @@ _HOST_LABEL = _HOST.label(0)
 
 
 class _PhaseRange:
-    """A phase's record_function range and, inside a run, its timing (on every step's path: no generator)."""
+    """A phase's torch.profiler range and, inside a run, its timing (on every step's path: no generator)."""
 
     __slots__ = ("range", "timer")
 
     def __init__(self, probe: ForwardProbe | None, name: str, label: str) -> None:
-        self.range = record_function(f"dpprof.{name}")
+        self.range = profiler_range(f"dpprof.{name}")
         self.timer = probe.phase(name, label) if probe is not None else None
 
     def __enter__(self) -> None:
@@ -123,10 +124,14 @@ class DataParallel(torch.nn.DataParallel):
         return _PhaseRange(self.__dict__["_probe"], name, self._label(index))
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        with record_function("DataParallel.forward"):
+        with profiler_range("DataParallel.forward"):
             run = current_run()
             if run is None:
-                return self._forward(inputs, kwargs)
+                output = self._forward(inputs, kwargs)
+                # torch's own fast check of "a profiler is on" (all-threads profiling included)
+                if self._watch_backward and profiler_on():
+                    watch_backward(output, None, _HOST_LABEL)  # the dpprof.backward range, untimed
+                return output
             devices = self.__dict__["_devices"]
             out_label = self._label(self.output_device) if devices is not None else _HOST_LABEL
             # torch sets no dim when there are no devices

@@ -1,8 +1,9 @@
 """parallel_apply with torch's meaning: one thread per replica, on CUDA devices or CPU workers.
 
-CUDA goes to torch.nn.parallel.parallel_apply. CPU workers run the same worker loop:
-grad mode and autocast state carried into each thread, a replica's exception re-raised
-in the caller with torch's "Caught X in replica i on device d." text.
+CUDA goes to torch.nn.parallel.parallel_apply. CPU workers run the same loop on their own
+long-lived threads (dpprof.parallel.workers): grad mode and autocast state carried into each,
+a replica's exception re-raised in the caller with torch's "Caught X in replica i on device d."
+text.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from torch.nn.parallel.parallel_apply import get_a_var
 from torch.nn.parallel.parallel_apply import parallel_apply as _torch_parallel_apply
 
 from dpprof.parallel.devices import DeviceLike, is_cpu_worker_list
+from dpprof.parallel.workers import on_worker_thread, run_on_workers
 
 __all__ = ["parallel_apply", "get_a_var"]
 
@@ -42,44 +44,59 @@ def _cpu_label(device: DeviceLike) -> str:
 
 def _cpu_parallel_apply(modules: Sequence[Callable[..., Any]], inputs: Sequence[Any],
                         kwargs_tup: Sequence[dict[str, Any]], devices: Sequence[DeviceLike]) -> list[Any]:
-    lock = threading.Lock()
-    results: dict[int, Any] = {}
     grad_enabled = torch.is_grad_enabled()
     autocast_enabled = torch.is_autocast_enabled("cpu")
     autocast_dtype = torch.get_autocast_dtype("cpu")
 
-    def _worker(i: int, module: Callable[..., Any], input: Any, kwargs: dict[str, Any], device: DeviceLike) -> None:
-        torch.set_grad_enabled(grad_enabled)
-        try:
-            with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_enabled):
-                if not isinstance(input, (list, tuple)):
-                    input = (input,)
-                output = module(*input, **kwargs)
-            with lock:
-                results[i] = output
-        except Exception:
-            with lock:
-                results[i] = ExceptionWrapper(where=f"in replica {i} on device {_cpu_label(device)}")
+    def _task(i: int, module: Callable[..., Any], input: Any, kwargs: dict[str, Any],
+              device: DeviceLike) -> Callable[[], Any]:
+        def run() -> Any:
+            torch.set_grad_enabled(grad_enabled)
+            try:
+                with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_enabled):
+                    args = input if isinstance(input, (list, tuple)) else (input,)
+                    return module(*args, **kwargs)
+            except Exception:
+                return ExceptionWrapper(where=f"in replica {i} on device {_cpu_label(device)}")
+        return run
 
-    if len(modules) > 1:
-        threads = [
-            threading.Thread(target=_worker, args=(i, m, inp, kw, dev), name=f"dpprof-{_cpu_label(dev)}")
-            for i, (m, inp, kw, dev) in enumerate(zip(modules, inputs, kwargs_tup, devices, strict=True))
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+    tasks = [_task(i, m, inp, kw, dev)
+             for i, (m, inp, kw, dev) in enumerate(zip(modules, inputs, kwargs_tup, devices, strict=True))]
+    if len(tasks) == 1:
+        outputs = [tasks[0]()]
+    elif on_worker_thread():
+        # a DataParallel inside a replica: the workers may be busy with the outer call, so this
+        # call gets threads of its own, as torch's parallel_apply always does
+        outputs = _on_new_threads(tasks)
     else:
-        _worker(0, modules[0], inputs[0], kwargs_tup[0], devices[0])
-
-    outputs = []
-    for i in range(len(inputs)):
-        output = results[i]
+        outputs = run_on_workers([_worker_index(d) for d in devices], tasks)
+    for output in outputs:
         if isinstance(output, ExceptionWrapper):
             output.reraise()
-        outputs.append(output)
     return outputs
+
+
+def _worker_index(device: DeviceLike) -> int:
+    return device if isinstance(device, int) else torch.device(device).index or 0
+
+
+def _on_new_threads(tasks: Sequence[Callable[[], Any]]) -> list[Any]:
+    results: list[Any] = [None] * len(tasks)
+
+    def run(i: int) -> None:
+        results[i] = tasks[i]()
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"dpprof-replica-{i}") for i in range(len(tasks))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def _on_accelerator(obj: Any) -> bool:
+    var = get_a_var(obj) if obj is not None else None
+    return var is not None and var.device.type != "cpu"
 
 
 def parallel_apply(modules: Sequence[Callable[..., Any]], inputs: Sequence[Any],
@@ -93,10 +110,10 @@ def parallel_apply(modules: Sequence[Callable[..., Any]], inputs: Sequence[Any],
     _check_lengths(modules, inputs, kwargs_tup, devices)
     if kwargs_tup is None:
         kwargs_tup = ({},) * len(modules)
-    if devices is None:
-        first = get_a_var(inputs[0]) if inputs else None
-        if first is not None and first.device.type == "cpu":
-            devices = [torch.device("cpu", i) for i in range(len(modules))]
+    if devices is None and not any(_on_accelerator(x) for x in inputs):
+        # torch takes the device from the inputs; with none on a GPU (CPU tensors, no tensor,
+        # None) the replicas run on CPU workers 0..n-1
+        devices = [torch.device("cpu", i) for i in range(len(modules))]
     if devices is not None and is_cpu_worker_list(devices):
         return _cpu_parallel_apply(modules, inputs, kwargs_tup, devices)
     return _torch_parallel_apply(modules, inputs, kwargs_tup, devices)

@@ -12,14 +12,14 @@ from typing import Any, Callable
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
-from torch.autograd.profiler import record_function
 from torch.nn import Module
 
 from dpprof.parallel.devices import DeviceSet
+from dpprof.parallel.ranges import profiler_range
 from dpprof.records import AllocatorRecord, DeviceMemoryRecord, PhaseRecord
 from dpprof.recording import Run
 
-__all__ = ["ForwardProbe", "MeasuredReplica", "tensor_bytes", "iter_tensors"]
+__all__ = ["ForwardProbe", "MeasuredReplica", "tensor_bytes", "iter_tensors", "watch_backward"]
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -104,30 +104,45 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
 
 
 class _BackwardWatch:
-    """Times backward from the first gradient reaching the output to the end of the graph task."""
+    """The dpprof.backward range from the first gradient reaching the output to the end of the graph
+    task; inside a run, also its timing."""
 
     __slots__ = ("probe", "label", "t0", "ev0", "range")
 
-    def __init__(self, probe: ForwardProbe, label: str) -> None:
+    def __init__(self, probe: ForwardProbe | None, label: str) -> None:
         self.probe, self.label = probe, label
         self.t0: int | None = None
         self.ev0 = None
-        self.range: record_function | None = None
+        self.range: Any = None
 
     def on_grad(self, grad: torch.Tensor) -> None:
         if self.t0 is not None:
             return
-        self.range = record_function("dpprof.backward")
+        self.range = profiler_range("dpprof.backward")
         self.range.__enter__()
         self.t0 = time.perf_counter_ns()
-        self.ev0 = _cuda_event(_cuda_index(self.label))
+        if self.probe is not None:
+            self.ev0 = _cuda_event(_cuda_index(self.label))
         torch.autograd.Variable._execution_engine.queue_callback(self.on_done)
 
     def on_done(self) -> None:
         if self.range is not None:
             self.range.__exit__(None, None, None)
         t0, ev0, self.t0, self.ev0, self.range = self.t0, self.ev0, None, None, None
-        self.probe.finish_phase("backward", self.label, t0, ev0)
+        if self.probe is not None:
+            self.probe.finish_phase("backward", self.label, t0, ev0)
+
+
+def watch_backward(output: Any, probe: ForwardProbe | None, label: str) -> None:
+    """Open a dpprof.backward range when the first gradient reaches ``output``, closed when backward
+    ends, and time it when ``probe`` is given."""
+    if not torch.is_grad_enabled():
+        return
+    tensors = [t for t in iter_tensors(output) if t.requires_grad]
+    if tensors:
+        watch = _BackwardWatch(probe, label)
+        for t in tensors:
+            t.register_hook(watch.on_grad)
 
 
 class _Phase:
@@ -191,16 +206,10 @@ class ForwardProbe:
             ))
 
     def weight_storages(self, module: Module) -> set[int]:
-        """Storages of a module's weights: a replica's own on CUDA; on CPU workers (replicas are
-        views of the module) and for a persistent module, computed once per run."""
+        """Storages of a module's weights: a replica's own (broadcast copies on GPUs, copies or views
+        of the module on CPU workers); a persistent module's computed once per run."""
         if getattr(module, "_is_replica", False):
-            if self.cuda_indices:  # broadcast copies: each replica's own storages
-                return _weight_storages(module)
-            shared = self.run.cached(("weight storages", id(self.root)), lambda: _weight_storages(self.root))
-            if not self.run.cached(("has buffers", id(self.root)), lambda: any(True for _ in self.root.buffers())):
-                return shared
-            # replicas after the first hold copies of the buffers: theirs are weights too, not activations
-            return shared | {b.untyped_storage().data_ptr() for b in module.buffers()}
+            return _weight_storages(module)
         return self.run.cached(("weight storages", id(module)), lambda: _weight_storages(module))
 
     def call_counting_activations(self, fn: Callable[..., Any], weights: Module, args: Any,
@@ -248,13 +257,7 @@ class ForwardProbe:
             ))
 
     def watch_backward(self, output: Any) -> None:
-        if not torch.is_grad_enabled():
-            return
-        tensors = [t for t in iter_tensors(output) if t.requires_grad]
-        if tensors:
-            watch = _BackwardWatch(self, self.output_label)
-            for t in tensors:
-                t.register_hook(watch.on_grad)
+        watch_backward(output, self, self.output_label)
 
 
 class MeasuredReplica:
@@ -269,7 +272,7 @@ class MeasuredReplica:
         self.phase, self.range_name = phase, f"dpprof.{phase}"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with record_function(self.range_name):
+        with profiler_range(self.range_name):
             probe = self.probe
             if probe is None:
                 return self.module(*args, **kwargs)

@@ -1,9 +1,10 @@
 """replicate with torch's meaning on CUDA devices and on CPU workers.
 
-On CPU workers every replica's parameters are differentiable views of the module's
-(so backward sums the replicas' gradients into the module's .grad, sparse ones too),
-replica 0 shares the module's buffers and the other replicas get copies, exactly the
-storage sharing torch's Broadcast gives replica 0 on device_ids[0].
+On CPU workers replicate does what torch's Broadcast does across GPUs: replica 0, on
+device_ids[0], shares the module's parameters and buffers (its parameters are differentiable
+views), and every other replica holds its own copies, paid for in the replicate phase's time
+and memory as a GPU pays for them. Backward sums the replicas' gradients into the module's
+.grad (sparse ones too).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import TypeVar
 import torch
 from torch.autograd import Function
 from torch.nn import Module
+from torch.nn.modules import module as _module_hooks
 from torch.nn.parallel.replicate import _replicatable_module
 from torch.nn.parallel.replicate import replicate as _torch_replicate
 
@@ -25,12 +27,12 @@ T = TypeVar("T", bound=Module)
 
 
 class CpuBroadcast(Function):
-    """Hand each of ``num_replicas`` workers a view of every input; backward sums their gradients."""
+    """Hand worker 0 a view of every input and each other worker a copy; backward sums their gradients."""
 
     @staticmethod
     def forward(ctx, num_replicas: int, *inputs: torch.Tensor):  # type: ignore[override]
         ctx.num_inputs = len(inputs)
-        outputs = [t.view_as(t) for _ in range(num_replicas) for t in inputs]
+        outputs = [t.view_as(t) if j == 0 else t.clone() for j in range(num_replicas) for t in inputs]
         frozen = [
             outputs[j * len(inputs) + i]
             for i, needs in enumerate(ctx.needs_input_grad[1:])
@@ -54,11 +56,12 @@ class CpuBroadcast(Function):
 
 
 def _cpu_copies(tensors: list[torch.Tensor], num_replicas: int, detach: bool) -> list[list[torch.Tensor]]:
-    """Per-replica lists of parameter-like tensors: views (differentiable unless detach)."""
+    """Per-replica lists of parameter-like tensors: replica 0's views, the others' copies
+    (differentiable unless detach)."""
     if not tensors:
         return [[] for _ in range(num_replicas)]
     if detach:
-        return [[t.detach() for t in tensors] for _ in range(num_replicas)]
+        return [[t.detach() if j == 0 else t.detach().clone() for t in tensors] for j in range(num_replicas)]
     flat = CpuBroadcast.apply(num_replicas, *tensors)
     n = len(tensors)
     return [list(flat[j * n:(j + 1) * n]) for j in range(num_replicas)]
@@ -69,6 +72,35 @@ def _cpu_buffer_copies(buffers: list[torch.Tensor], num_replicas: int) -> list[l
     return [list(buffers) if j == 0 else [b.detach().clone() for b in buffers] for j in range(num_replicas)]
 
 
+def _module_copy_by_torch(module: Module) -> Module:
+    replica = module._replicate_for_data_parallel()  # a lazy module refuses here, as in torch
+    replica._former_parameters = OrderedDict()
+    return replica
+
+
+def _module_copy(module: Module) -> Module:
+    """What Module._replicate_for_data_parallel returns, with _former_parameters, built in one
+    step rather than through Module.__setattr__ five times."""
+    replica = module.__new__(type(module))
+    state = module.__dict__.copy()
+    state["_parameters"] = {}
+    state["_buffers"] = state["_buffers"].copy()
+    state["_modules"] = state["_modules"].copy()
+    state["_is_replica"] = True
+    state["_former_parameters"] = OrderedDict()
+    object.__setattr__(replica, "__dict__", state)
+    return replica
+
+
+def _plain_setattr(module: Module) -> bool:
+    """Whether assigning to ``module`` is Module.__setattr__ with no registration hooks: then the
+    replicas' attributes can be put in place directly, with the same result, at a fraction of the cost."""
+    cls = type(module)
+    return (cls.__setattr__ is Module.__setattr__ and cls.register_buffer is Module.register_buffer
+            and not _module_hooks._global_module_registration_hooks
+            and not _module_hooks._global_buffer_registration_hooks)
+
+
 def _cpu_replicate(network: T, num_replicas: int, detach: bool) -> list[T]:
     # Copy the modules first: a lazy module refuses here with torch's RuntimeError, before
     # any uninitialized parameter is touched.
@@ -76,16 +108,22 @@ def _cpu_replicate(network: T, num_replicas: int, detach: bool) -> list[T]:
     module_indices = {m: i for i, m in enumerate(modules)}
     module_copies: list[list[Module]] = [[] for _ in range(num_replicas)]
     for module in modules:
+        plain = type(module)._replicate_for_data_parallel is Module._replicate_for_data_parallel
         for j in range(num_replicas):
-            replica = module._replicate_for_data_parallel()
-            replica._former_parameters = OrderedDict()
-            module_copies[j].append(replica)
+            module_copies[j].append(_module_copy(module) if plain else _module_copy_by_torch(module))
 
-    params = list(network.parameters())
-    param_indices = {p: i for i, p in enumerate(params)}
-    param_copies = _cpu_copies(params, num_replicas, detach)
+    # parameters and buffers in network.parameters() / buffers() order (each once)
+    params: dict[torch.Tensor, int] = {}
+    buffers: dict[torch.Tensor, int] = {}
+    for module in modules:
+        for p in module._parameters.values():
+            if p is not None and p not in params:
+                params[p] = len(params)
+        for b in module._buffers.values():
+            if b is not None and b not in buffers:
+                buffers[b] = len(buffers)
+    param_copies = _cpu_copies(list(params), num_replicas, detach)
 
-    buffers = list(network.buffers())
     buffers_rg = [b for b in buffers if b.requires_grad and not detach]
     buffers_not_rg = [b for b in buffers if not (b.requires_grad and not detach)]
     rg_indices = {b: i for i, b in enumerate(buffers_rg)}
@@ -94,10 +132,13 @@ def _cpu_replicate(network: T, num_replicas: int, detach: bool) -> list[T]:
     not_rg_copies = _cpu_buffer_copies(buffers_not_rg, num_replicas)
 
     for i, module in enumerate(modules):
+        direct = _plain_setattr(module)
         for key, child in module._modules.items():
             for j in range(num_replicas):
                 if child is None:
                     module_copies[j][i]._modules[key] = None
+                elif direct:
+                    module_copies[j][i]._modules[key] = module_copies[j][module_indices[child]]
                 else:
                     setattr(module_copies[j][i], key, module_copies[j][module_indices[child]])
         for key, param in module._parameters.items():
@@ -106,18 +147,27 @@ def _cpu_replicate(network: T, num_replicas: int, detach: bool) -> list[T]:
                 if param is None:
                     replica._parameters[key] = None
                 else:
-                    copy = param_copies[j][param_indices[param]]
-                    setattr(replica, key, copy)
+                    # parameters in replicas are not leaves: plain attributes, as in torch
+                    copy = param_copies[j][params[param]]
+                    if direct:
+                        replica.__dict__[key] = copy
+                    else:
+                        setattr(replica, key, copy)
                     replica._former_parameters[key] = copy
         for key, buf in module._buffers.items():
             for j in range(num_replicas):
                 replica = module_copies[j][i]
                 if buf is None:
                     replica._buffers[key] = None
-                elif buf.requires_grad and not detach:
-                    setattr(replica, key, rg_copies[j][rg_indices[buf]])
+                    continue
+                if buf.requires_grad and not detach:
+                    copy = rg_copies[j][rg_indices[buf]]
                 else:
-                    setattr(replica, key, not_rg_copies[j][not_rg_indices[buf]])
+                    copy = not_rg_copies[j][not_rg_indices[buf]]
+                if direct:
+                    replica._buffers[key] = copy
+                else:
+                    setattr(replica, key, copy)
     return [module_copies[j][0] for j in range(num_replicas)]  # type: ignore[misc]
 
 

@@ -16,6 +16,10 @@ from dpprof.parallel.devices import DeviceLike, is_cpu_worker_list
 
 __all__ = ["scatter", "scatter_kwargs", "scatter_sized", "gather", "check_scatter_dim"]
 
+_CPU_AS_MINUS_ONE_WARNING = (  # torch.nn.parallel.comm.gather's text
+    "Using -1 to represent CPU tensor is deprecated. Please use a "
+    'device object or string instead, e.g., "cpu".'
+)
 _SCALAR_GATHER_WARNING = (
     "Was asked to gather along dimension 0, but all input tensors were scalars; "
     "will instead unsqueeze and return a vector."
@@ -166,5 +170,7 @@ def gather(outputs: Any, target_device: DeviceLike, dim: int = 0) -> Any:
     """Concatenate per-device outputs along ``dim`` onto ``target_device``, keeping container types."""
     first = _first_tensor(outputs)
     if first is not None and first.device.type == "cpu":
+        if isinstance(target_device, int) and target_device == -1:
+            warnings.warn(_CPU_AS_MINUS_ONE_WARNING, FutureWarning, stacklevel=2)
         return _cpu_gather(outputs, dim)
     return _torch_sg.gather(outputs, target_device, dim)
