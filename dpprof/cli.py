@@ -166,7 +166,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise  # the script's exit code
     except BaseException as err:  # noqa: BLE001 - printed as python prints an uncaught exception
         _tell_recorded(session)
-        sys.excepthook(type(err), err, _script_frames(err.__traceback__))
+        err = err.with_traceback(_script_frames(err.__traceback__))
+        sys.excepthook(type(err), err, err.__traceback__)
         return 130 if isinstance(err, KeyboardInterrupt) else EXIT_FAILURE
     finally:
         sys.argv, sys.path[0] = saved_argv, saved_path0
@@ -179,8 +180,8 @@ def _script_frames(tb):
     import os
     import runpy
 
-    ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
-    while tb is not None and tb.tb_next is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in ours:
+    ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in ours:
         tb = tb.tb_next
     return tb
 
