@@ -153,7 +153,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     sys.argv = [target, *script_args]
     run_args = {"command": "dpprof run", "argv": [shown, *script_args], "cpu_workers": args.cpu_workers,
                 "steps": args.steps}
-    record_args = dict(name=name, reports_dir=args.reports_dir, workload=shown, workload_args=run_args)
+    record_args = None if args.no_record else dict(name=name, reports_dir=args.reports_dir, workload=shown,
+                                                   workload_args=run_args)
     session = None
     try:
         with instrumented(record_args, args.cpu_workers, args.steps) as session:
@@ -347,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "torch's pass-through (a script that calls .cuda() still needs a GPU)")
     p.add_argument("--steps", type=int, default=None, metavar="N",
                    help="stop recording after N steps; the script goes on, unrecorded")
+    p.add_argument("--no-record", action="store_true",
+                   help="record nothing: torch's classes are still dpprof's and --cpu-workers still applies "
+                   "(what bench/run_overhead.py compares recording against)")
     p.add_argument("-m", dest="module", action="store_true", help="run a module, as python -m does")
     p.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT.py|MODULE [ARGS...]",
                    help="the script (or, with -m, the module) and its own arguments")

@@ -81,9 +81,10 @@ def _pickled_class(obj: Any) -> type:
 
 
 def _reduce(obj: Any, protocol: int) -> tuple[Any, ...]:
+    """Pickled as torch's class (copyreg's plain reconstructor: __newobj__ insists on the object's own class)."""
     import copyreg
 
-    return copyreg.__newobj__, (_pickled_class(obj),), obj.__getstate__()
+    return copyreg._reconstructor, (_pickled_class(obj), object, None), obj.__getstate__()
 
 
 class DataParallel(_DataParallel, metaclass=_StandIn):
@@ -211,8 +212,8 @@ class _Session:
     """One instrument block: the patched names, the run (started at once, or under torchrun at the
     first DataParallel or DDP, when the process group is up), the step rule and the --steps limit."""
 
-    def __init__(self, record_args: dict[str, Any], cpu_workers: int | None, steps: int | None) -> None:
-        self.record_args = record_args
+    def __init__(self, record_args: dict[str, Any] | None, cpu_workers: int | None, steps: int | None) -> None:
+        self.record_args = record_args  # None: the stand-ins and CPU workers, nothing recorded
         self.cpu_workers = cpu_workers
         self.steps = steps
         self.run: Run | None = None
@@ -255,6 +256,9 @@ class _Session:
         if self.started:
             return
         self.started = True
+        if self.record_args is None:
+            self.stopped = True
+            return
         try:
             recording = record(**self.record_args)
             self.run = recording.__enter__()
@@ -334,9 +338,12 @@ class _Session:
 
 
 @contextmanager
-def instrumented(record_args: dict[str, Any], cpu_workers: int | None = None,
+def instrumented(record_args: dict[str, Any] | None, cpu_workers: int | None = None,
                  steps: int | None = None) -> Iterator[_Session]:
-    """The instrument block itself, yielding its session (``session.run`` once started)."""
+    """The instrument block itself, yielding its session (``session.run`` once started).
+
+    ``record_args`` are ``dpprof.record``'s; None records nothing (the stand-ins and CPU workers only:
+    what ``dpprof run --no-record`` runs, to measure what recording costs)."""
     global _session
     if _session is not None:
         raise RuntimeError("dpprof.instrument blocks cannot be nested")
