@@ -272,3 +272,39 @@ def test_the_functional_form_records_on_cpu_workers_and_steps_follow_the_optimiz
     assert steps["forward_calls"].tolist() == [2, 1, 1] and steps["devices_used"].tolist() == [2, 2, 2]
     with pytest.raises(RuntimeError, match="device type could not be determined"):
         nn.parallel.data_parallel(net, torch.randn(6, 4))  # torch's own again, with no GPU
+
+
+def test_without_recording_the_stand_ins_still_run_on_cpu_workers(reports):
+    from dpprof.instrument import instrumented
+
+    with instrumented(None, cpu_workers=3) as session:
+        model = nn.DataParallel(nn.Linear(4, 2))
+        model(torch.randn(9, 4)).sum().backward()
+        assert session.run is None and dpprof.current_run() is None
+    assert model.device_ids == [0, 1, 2] and not reports.exists()
+
+
+def test_a_ddp_built_inside_pickles_as_torchs_ddp_with_its_own_comm_hooks_only(tmp_path):
+    import io
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with instrument(store=False) as run:
+            ddp = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            ddp(torch.ones(2, 3)).sum().backward()
+            opt.step()
+        assert run.frames()["phases"].groupby("phase").size()[["forward", "backward", "optimizer"]].tolist() == [1] * 3
+        buffer = io.BytesIO()
+        torch.save(ddp, buffer)  # after the block: torch's class, without dpprof's timing hook
+        assert b"dpprof" not in buffer.getvalue()
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        assert type(loaded) is nn.parallel.DistributedDataParallel and loaded._comm_hooks == []
+        plain = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
+        assert sorted(loaded.__dict__) == sorted(plain.__dict__)
+        loaded(torch.ones(2, 3)).sum().backward()
+    finally:
+        dist.destroy_process_group()
