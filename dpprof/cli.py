@@ -338,6 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser("run", help="run a training script unchanged, its DataParallel and DDP recorded",
+                       usage="dpprof run [-h] [--name NAME] [--cpu-workers N] [--steps N] [--no-record] "
+                       "(SCRIPT.py | -m MODULE) [ARGS...]",
                        description="Runs SCRIPT.py (or -m MODULE) as python would: same sys.argv, __main__, "
                        "working directory, exit code and exceptions, with torch.nn.DataParallel, "
                        "data_parallel and DistributedDataParallel recording into one run. A step ends at each "

@@ -9,8 +9,9 @@ ways (an instance of torch's class is an instance of the stand-in too), and a pi
 checkpoint loads without dpprof.
 
 A training step ends at each ``optimizer.step()`` (torch's global optimizer step hook), so the
-forward calls of gradient accumulation share a step; a forward with no optimizer step after it
-(evaluation) is a step of its own. ``dpprof run script.py`` is this around ``runpy``.
+forward calls of gradient accumulation share a step; a forward under no_grad, or with neither a
+backward nor an optimizer step before it (evaluation), starts a step of its own.
+``dpprof run script.py`` is this around ``runpy``.
 """
 from __future__ import annotations
 

@@ -207,9 +207,16 @@ def test_an_unwritable_reports_directory_is_said_once_and_the_script_goes_on(tmp
     (["--cpu-workers", "0", "x.py"], "--cpu-workers must be positive"),
 ])
 def test_bad_run_arguments_are_usage_errors(argv, message, capsys):
+    """A clear one-line error and exit code 2, before anything runs."""
     with pytest.raises(SystemExit) as exit_:
         main(["run", *argv])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_run_help(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "--help"])
+    assert exit_.value.code == 0 and "(SCRIPT.py | -m MODULE) [ARGS...]" in capsys.readouterr().out
 
 
 # dpprof.instrument in a running process
