@@ -9,7 +9,12 @@ process's wall and CPU time (start-up, the run file, and at close the findings i
 time is what the work costs whoever else shares the machine). Runs with OMP_NUM_THREADS=1 unless
 it is set: two CPU workers on a small machine, one intra-op thread each.
 
-    python bench/run_overhead.py [--rounds 8] [--steps 60] [--warmup 5]
+Then the same comparison in this one process, where process start-up and the machine's other
+load between processes do not enter: `dpprof run` (the CLI's main) on the script, recording on
+and off in alternate blocks, each block's steps timed by the script and its CPU time (all threads)
+by this process.
+
+    python bench/run_overhead.py [--rounds 8] [--steps 60] [--warmup 5] [--blocks 20] [--block-steps 25]
 """
 from __future__ import annotations
 
@@ -49,6 +54,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=60, help="steps per process")
     parser.add_argument("--warmup", type=int, default=5, help="first steps of each process left out")
+    parser.add_argument("--blocks", type=int, default=20, help="in-process blocks per arm")
+    parser.add_argument("--block-steps", type=int, default=25, help="steps per in-process block")
     args = parser.parse_args()
 
     steps: dict[str, list[float]] = {"off": [], "on": []}
@@ -80,6 +87,50 @@ def main() -> None:
     print(f"  per process, recording on less off (median over rounds): {statistics.median(wall_diffs) * 1e3:+.0f} ms "
           f"wall, {statistics.median(cpu_diffs) * 1e3:+.0f} ms CPU ({statistics.median(cpu_diffs) / args.steps * 1e3:+.2f} "
           "ms CPU per step if it were all per-step work; it includes creating the run file and, at close, the findings)")
+    _in_process(args)
+
+
+def _in_process(args: argparse.Namespace) -> None:
+    import contextlib
+    import io
+
+    import torch
+
+    from dpprof.cli import main as dpprof_main
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    steps: dict[str, list[float]] = {"off": [], "on": []}
+    cpu_per_step: dict[str, list[float]] = {"off": [], "on": []}
+    ratios, cpu_ratios = [], []
+    with tempfile.TemporaryDirectory() as reports:
+        def block(record: bool) -> tuple[list[float], float]:
+            out = io.StringIO()
+            argv = ["--reports-dir", reports, "run", "--cpu-workers", "2", *([] if record else ["--no-record"]),
+                    str(SCRIPT), "--steps", str(args.block_steps)]
+            c0 = time.process_time()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+                assert dpprof_main(argv) == 0
+            cpu = time.process_time() - c0
+            return [float(line.split()[-1]) for line in out.getvalue().splitlines() if line.startswith("step ")], cpu
+
+        block(False)  # warm-up
+        for r in range(args.blocks):
+            medians, cpus = {}, {}
+            for arm in (["off", "on"] if r % 2 == 0 else ["on", "off"]):
+                times, cpu = block(arm == "on")
+                steps[arm] += times[2:]
+                medians[arm] = statistics.median(times[2:])
+                cpus[arm] = cpu / args.block_steps
+                cpu_per_step[arm].append(cpus[arm])
+            ratios.append(medians["on"] / medians["off"])
+            cpu_ratios.append(cpus["on"] / cpus["off"])
+    print(f"in one process: {args.blocks} blocks x {args.block_steps} steps per arm, alternating")
+    for arm in steps:
+        print(f"  recording {arm:3s}  {statistics.median(steps[arm]):8.2f} ms/step (median)   "
+              f"{statistics.median(cpu_per_step[arm]) * 1e3:7.2f} ms CPU per step, the block's start and close included")
+    print(f"  recording adds {statistics.median(ratios) - 1:+.2%} per step (median of the blocks' ratios), "
+          f"{statistics.mean(ratios) - 1:+.2%} (mean)")
+    print(f"  and {statistics.median(cpu_ratios) - 1:+.2%} CPU per step (median), {statistics.mean(cpu_ratios) - 1:+.2%} (mean)")
 
 
 if __name__ == "__main__":

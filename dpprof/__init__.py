@@ -24,5 +24,5 @@ CLOSE_HOOKS.append(store_findings)  # every stored run gets its findings when it
 
 __all__ = ["DataParallel", "data_parallel", "DataParallelModel", "DataParallelCriterion",
            "DistributedDataParallel", "cpu_devices", "scatter", "scatter_kwargs", "replicate",
-           "parallel_apply", "gather", "record", "instrument", "current_run", "Run", "list_runs", "load_run", "StoredRun",
-           "RunFileError", "check_balance", "__version__"]
+           "parallel_apply", "gather", "record", "current_run", "Run", "list_runs", "load_run", "StoredRun",
+           "RunFileError", "check_balance", "instrument", "__version__"]
