@@ -315,3 +315,23 @@ def test_a_ddp_built_inside_pickles_as_torchs_ddp_with_its_own_comm_hooks_only(t
         loaded(torch.ones(2, 3)).sum().backward()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("body, code, status", [
+    ("raise SystemExit(0)", 0, "finished"),
+    ("raise SystemExit(4)", 4, "failed"),
+    ("raise KeyboardInterrupt", 130, "failed"),
+], ids=["exit-0", "exit-4", "interrupt"])
+def test_the_scripts_exit_is_the_commands_and_the_runs_status(tmp_path, body, code, status, capsys):
+    script = tmp_path / "ends.py"
+    script.write_text("import torch\nmodel = torch.nn.DataParallel(torch.nn.Linear(2, 2))\nmodel(torch.ones(3, 2))\n"
+                      + body + "\n")
+    try:
+        returned = main(["run", str(script)])
+    except SystemExit as exit_:
+        returned = exit_.code
+    assert returned == code
+    run = _only_run()
+    assert run.meta["status"] == status and len(run.steps) == 1
+    if code == 130:
+        assert capsys.readouterr().err.rstrip().endswith("KeyboardInterrupt")
