@@ -145,9 +145,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
             raise UsageError(f"-m {target}: no module named {target!r}")
         sys.path[0] = os.getcwd()  # as python -m does
     else:
-        if not os.path.isfile(target):
+        if not os.path.exists(target):
             raise UsageError(f"{target}: no such file")
-        sys.path[0] = os.path.dirname(os.path.abspath(target))  # as python script.py does
+        if os.path.isfile(target) and not target.endswith(".zip"):  # a directory or zip: runpy puts it first
+            sys.path[0] = os.path.dirname(os.path.abspath(target))  # as python script.py does
     shown = (f"-m {target}" if args.module else os.path.basename(target))
     name = args.name or " ".join([shown, *script_args])
     sys.argv = [target, *script_args]
