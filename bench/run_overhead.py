@@ -130,7 +130,8 @@ def _in_process(args: argparse.Namespace) -> None:
               f"{statistics.median(cpu_per_step[arm]) * 1e3:7.2f} ms CPU per step, the block's start and close included")
     print(f"  recording adds {statistics.median(ratios) - 1:+.2%} per step (median of the blocks' ratios), "
           f"{statistics.mean(ratios) - 1:+.2%} (mean)")
-    print(f"  and {statistics.median(cpu_ratios) - 1:+.2%} CPU per step (median), {statistics.mean(cpu_ratios) - 1:+.2%} (mean)")
+    print(f"  and {statistics.median(cpu_ratios) - 1:+.2%} CPU per step (median), "
+          f"{statistics.mean(cpu_ratios) - 1:+.2%} (mean)")
 
 
 if __name__ == "__main__":

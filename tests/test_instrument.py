@@ -77,7 +77,8 @@ def test_a_training_loop_with_accumulation_records_steps_calls_and_workers_and_t
         assert torch.equal(recorded[key], reference[key]), key
 
     run = _only_run()
-    assert run.meta["status"] == "finished" and run.meta["name"] == f"train_accum.py --batches 8 --save {tmp_path}/recorded.pt"
+    assert run.meta["status"] == "finished"
+    assert run.meta["name"] == f"train_accum.py --batches 8 --save {tmp_path}/recorded.pt"
     assert run.meta["devices"] == ["cpu:0", "cpu:1"]
     steps = run.steps
     assert steps["step"].tolist() == [0, 1, 2, 3]  # 8 batches, an optimizer step every 2
@@ -191,7 +192,8 @@ def test_the_script_sees_what_python_would_show_it(module):
 
 def test_an_unwritable_reports_directory_is_said_once_and_the_script_goes_on(tmp_path):
     (tmp_path / "file").write_text("not a directory")
-    out = _dpprof_run("--cpu-workers", "2", SCRIPTS / "evaluate.py", env={"DPPROF_REPORTS": str(tmp_path / "file" / "r")})
+    out = _dpprof_run("--cpu-workers", "2", SCRIPTS / "evaluate.py",
+                      env={"DPPROF_REPORTS": str(tmp_path / "file" / "r")})
     assert out.returncode == 0
     assert out.stdout == _python(SCRIPTS / "evaluate.py").stdout
     said = [line for line in out.stderr.splitlines() if line.startswith("dpprof:")]
