@@ -13,6 +13,7 @@ from dpprof.parallel import (
     scatter_kwargs,
 )
 from dpprof.devices import check_balance
+from dpprof.instrument import instrument
 from dpprof.recording import CLOSE_HOOKS, Run, current_run, record
 from dpprof.report import store_findings
 from dpprof.store import RunFileError, StoredRun, list_runs, load_run
@@ -25,4 +26,4 @@ CLOSE_HOOKS.append(store_findings)  # every stored run gets its findings when it
 __all__ = ["DataParallel", "data_parallel", "DataParallelModel", "DataParallelCriterion",
            "DistributedDataParallel", "cpu_devices", "scatter", "scatter_kwargs", "replicate",
            "parallel_apply", "gather", "record", "current_run", "Run", "list_runs", "load_run", "StoredRun",
-           "RunFileError", "RecordingError", "check_balance", "__version__"]
+           "RunFileError", "RecordingError", "check_balance", "instrument", "__version__"]

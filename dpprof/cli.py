@@ -1,4 +1,4 @@
-"""The dpprof command: profile, check, merge, runs, show, export.
+"""The dpprof command: profile, run, check, merge, runs, show, export.
 
 Exit codes: 0 ok, 1 failure (or findings, for commands that report them), 2 usage error.
 """
@@ -122,6 +122,83 @@ def _profile_ddp(args: argparse.Namespace) -> int:
         print(f"dpprof: torchrun exited with {proc.returncode}; the ranks' records so far are kept", file=sys.stderr)
         return EXIT_FAILURE
     return EXIT_OK
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    """Run a script (or -m module) as python would, with torch's DataParallel and DDP recording."""
+    import os
+    import runpy
+
+    from dpprof.instrument import instrumented
+
+    if not args.target:
+        raise UsageError("run needs a script (dpprof run train.py ARGS...) or a module (dpprof run -m MODULE ARGS...)")
+    for flag, value in (("--cpu-workers", args.cpu_workers), ("--steps", args.steps)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be positive, got {value}")
+    target, script_args = args.target[0], args.target[1:]
+    saved_argv, saved_path0 = sys.argv, sys.path[0]
+    if args.module:
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(target) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise UsageError(f"-m {target}: no module named {target!r}")
+        sys.path[0] = os.getcwd()  # as python -m does
+    else:
+        if not os.path.exists(target):
+            raise UsageError(f"{target}: no such file")
+        if os.path.isfile(target) and not target.endswith(".zip"):  # a directory or zip: runpy puts it first
+            sys.path[0] = os.path.dirname(os.path.abspath(target))  # as python script.py does
+    shown = (f"-m {target}" if args.module else os.path.basename(target))
+    name = args.name or " ".join([shown, *script_args])
+    sys.argv = [target, *script_args]
+    run_args = {"command": "dpprof run", "argv": [shown, *script_args], "cpu_workers": args.cpu_workers,
+                "steps": args.steps}
+    record_args = None if args.no_record else dict(name=name, reports_dir=args.reports_dir, workload=shown,
+                                                   workload_args=run_args)
+    session = None
+    try:
+        with instrumented(record_args, args.cpu_workers, args.steps) as session:
+            if args.module:
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(target, run_name="__main__")
+    except SystemExit:
+        _tell_recorded(session)
+        raise  # the script's exit code
+    except BaseException as err:  # noqa: BLE001 - printed as python prints an uncaught exception
+        _tell_recorded(session)
+        err = err.with_traceback(_script_frames(err.__traceback__))
+        sys.excepthook(type(err), err, err.__traceback__)
+        return 130 if isinstance(err, KeyboardInterrupt) else EXIT_FAILURE
+    finally:
+        sys.argv, sys.path[0] = saved_argv, saved_path0
+    _tell_recorded(session)
+    return EXIT_OK
+
+
+def _script_frames(tb):
+    """The traceback from the script's first frame on (dpprof's and runpy's own frames left out)."""
+    import os
+    import runpy
+
+    ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in ours:
+        tb = tb.tb_next
+    return tb
+
+
+def _tell_recorded(session) -> None:
+    """One line on stderr (the script's stdout is left as it is) saying where the run went."""
+    run = session.run if session is not None else None
+    if run is None or run.path is None or run.rank not in (None, 0):
+        return
+    print(f"dpprof: recorded run {run.id} ({run.steps_started} steps) in {run.path}; dpprof show {run.id}",
+          file=sys.stderr, flush=True)
 
 
 def _cmd_merge(args: argparse.Namespace) -> int:
@@ -266,6 +343,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     p.set_defaults(func=_cmd_check)
 
+    p = sub.add_parser("run", help="run a training script unchanged, its DataParallel and DDP recorded",
+                       usage="dpprof run [-h] [--name NAME] [--cpu-workers N] [--steps N] [--no-record] "
+                       "(SCRIPT.py | -m MODULE) [ARGS...]",
+                       description="Runs SCRIPT.py (or -m MODULE) as python would: same sys.argv, __main__, "
+                       "working directory, exit code and exceptions, with torch.nn.DataParallel, "
+                       "data_parallel and DistributedDataParallel recording into one run. A step ends at each "
+                       "optimizer.step(). Under torchrun: torchrun --nproc_per_node=N -m dpprof run train.py")
+    p.add_argument("--name", default=None, help="a name for the run (default: the script and its arguments)")
+    p.add_argument("--cpu-workers", type=int, default=None, metavar="N",
+                   help="with no GPU, a DataParallel built with no device_ids runs on N CPU workers instead of "
+                   "torch's pass-through (a script that calls .cuda() still needs a GPU)")
+    p.add_argument("--steps", type=int, default=None, metavar="N",
+                   help="stop recording after N steps; the script goes on, unrecorded")
+    p.add_argument("--no-record", action="store_true",
+                   help="record nothing: torch's classes are still dpprof's and --cpu-workers still applies "
+                   "(what bench/run_overhead.py compares recording against)")
+    p.add_argument("-m", dest="module", action="store_true", help="run a module, as python -m does")
+    p.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT.py|MODULE [ARGS...]",
+                   help="the script (or, with -m, the module) and its own arguments")
+    p.set_defaults(func=_cmd_run)
+
     p = sub.add_parser("merge", help="gather distributed runs' rank files from several machines into one run")
     p.add_argument("sources", nargs="+", help="rank files (<run id>.rank<N>.sqlite) or directories holding them")
     p.add_argument("--out", default=None, help="where to gather them (default: the reports directory)")
@@ -291,6 +389,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dpprof.store.faults import RecordingError
     from dpprof.store.reader import RunFileError
 
+    if args.command == "run":  # the script's exceptions and exit code are its own
+        try:
+            return args.func(args)
+        except UsageError as err:
+            parser.error(str(err))
     try:
         return args.func(args)
     except UsageError as err:

@@ -149,6 +149,8 @@ class Run:
         self._next_step = 0
         self._explicit: _Step | None = None
         self._implicit: _Step | None = None
+        # dpprof.instrument's step rule: whether a forward call joins the open implicit step (None: never)
+        self.joins_open_step: Callable[[], bool] | None = None
         self._pending: list[Any] = []  # CUDA timings whose events have not completed yet
         self._noted: set[str] = set()
         self._cache: dict[Any, Any] = {}
@@ -252,13 +254,32 @@ class Run:
         with self._lock:
             if self._explicit is not None:
                 step = self._explicit
-            elif not starts_step and self._implicit is not None:
+            elif self._implicit is not None and (not starts_step or self._rule_joins()):
                 step = self._implicit
             else:
                 self._flush_implicit()
                 step = self._implicit = self._new_step(explicit=False)
             step.calls += 1
             return step
+
+    def _rule_joins(self) -> bool:
+        return self.joins_open_step is not None and self.joins_open_step()
+
+    def end_step(self) -> None:
+        """End the open implicit step now (dpprof.instrument calls it at each optimizer.step())."""
+        with self._lock:
+            if self._implicit is not None:
+                self._implicit.touch(time.perf_counter_ns())
+                self._flush_implicit()
+
+    def forward_starts_step(self) -> bool:
+        """Whether a forward call made now would start a new step."""
+        with self._lock:
+            return self._explicit is None and (self._implicit is None or not self._rule_joins())
+
+    @property
+    def steps_started(self) -> int:
+        return self._next_step
 
     def _flush_implicit(self) -> None:
         if self._implicit is not None:
