@@ -322,7 +322,7 @@ def test_a_ddp_built_inside_pickles_as_torchs_ddp_with_its_own_comm_hooks_only(t
 @pytest.mark.parametrize("body, code, status", [
     ("raise SystemExit(0)", 0, "finished"),
     ("raise SystemExit(4)", 4, "failed"),
-    ("raise KeyboardInterrupt", 130, "failed"),
+    ("raise KeyboardInterrupt", 130, "interrupted"),
 ], ids=["exit-0", "exit-4", "interrupt"])
 def test_the_scripts_exit_is_the_commands_and_the_runs_status(tmp_path, body, code, status, capsys):
     script = tmp_path / "ends.py"
