@@ -1,8 +1,10 @@
 """The dpprof command end to end on CPU workers: profile, runs, show, export, exit codes."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -100,3 +102,79 @@ def test_profile_a_users_model_from_a_factory(tmp_path, monkeypatch):
 def test_python_dash_m_and_the_console_script_agree(reports):
     out = subprocess.run([sys.executable, "-m", "dpprof", "runs"], capture_output=True, text=True, check=True)
     assert "no runs yet" in out.stdout
+
+
+ROOT = Path(__file__).resolve().parents[1]
+_MODEL = ("import torch\n"
+          "def make():\n"
+          "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 4))\n")
+
+
+def _console_script(tmp_path, cwd, *args):
+    """Run dpprof the way its console script does: sys.path[0] is the script's folder, not the current one."""
+    script = tmp_path / "bin" / "dpprof_entry.py"
+    script.parent.mkdir(exist_ok=True)
+    script.write_text("import sys\nfrom dpprof.cli import main\nsys.exit(main())\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, str(script), *args], cwd=cwd, capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def test_model_from_the_current_directory_as_the_console_script_runs_it(tmp_path, reports):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "cwdmodels.py").write_text(_MODEL)
+    out = _console_script(tmp_path, folder, "--reports-dir", str(reports), "profile", "--model", "cwdmodels:make",
+                          "--input-shape", "3,4", "--batch-size", "4", "--steps", "2", "--devices", "cpu:2",
+                          "--quiet")
+    assert out.returncode == 0, out.stderr
+    assert dpprof.list_runs(reports).loc[0, "workload"] == "cwdmodels:make"
+
+
+def test_a_model_that_fails_on_the_input_shape_is_refused_in_one_line_before_any_run(tmp_path, monkeypatch, capsys):
+    (tmp_path / "shapemodels.py").write_text(_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SystemExit) as exit_:
+        main(["profile", "--model", "shapemodels:make", "--input-shape", "3,5", "--steps", "2", "--quiet"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    message = [line for line in err.splitlines() if line.startswith("dpprof profile: error:")]
+    assert len(message) == 1 and "--input-shape 3,5" in message[0] and "RuntimeError" in message[0], err
+    assert "Traceback" not in err
+    assert dpprof.list_runs().empty  # no failed run left in the listing
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["profile", "--model", "m:make", "--input-shape", "3,x,32"], "'3,x,32' is not a shape"),
+    (["profile", "--model", "m:make", "--input-shape", "3,,32"], "'3,,32' is not a shape"),
+    (["profile", "seg-fcn", "--model", "m:make", "--input-shape", "3,32,32"], "seg-fcn) or --model, not both"),
+    (["profile", "--steps", "0"], "--steps must be positive"),
+    (["check", "--device-ids", "cpu:3"], "--device-ids cpu:0,cpu:1,cpu:2 for 3 worker(s)"),
+])
+def test_usage_errors_exit_2_with_the_subcommands_usage(argv, says, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: dpprof {argv[0]} "), err
+    assert says in err
+
+
+def test_check_and_profile_take_the_same_list_of_cpu_workers(capsys):
+    from dpprof.cli import parse_devices
+    assert [str(d) for d in parse_devices("cpu:0,cpu:1")] == ["cpu:0", "cpu:1"]
+    assert len(parse_devices("cpu:3")) == 3
+    assert main(["check", "--device-ids", "cpu:0,cpu:1", "--batch-size", "4"]) == 0
+    assert "no findings" in capsys.readouterr().out
+
+
+def test_a_reader_that_closes_the_pipe_early_gets_no_traceback(tmp_path, reports):
+    read, write = os.pipe()
+    os.close(read)  # `dpprof runs | head` after head has gone
+    try:
+        out = subprocess.run([sys.executable, "-m", "dpprof", "runs"], stdout=write, stderr=subprocess.PIPE,
+                             text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    finally:
+        os.close(write)
+    assert "Traceback" not in out.stderr and "BrokenPipeError" not in out.stderr, out.stderr
+    assert out.returncode == 0
