@@ -184,6 +184,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     import dpprof
     from dpprof.analysis import phase_table
     from dpprof.report import SUMMARY_COLUMNS, findings_of, summary_of
+    from dpprof.store.queries import median_step_ms
 
     run = dpprof.load_run(args.run, args.reports_dir)
     m = run.meta
@@ -197,7 +198,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
         return EXIT_OK
     ranks = f" on each of {steps['rank'].nunique()} ranks" if "rank" in steps.columns else ""
     count = steps.groupby("rank").size().max() if ranks else len(steps)
-    print(f"  {count} steps{ranks}, median {steps['duration_ms'].median():.2f} ms, "
+    print(f"  {count} steps{ranks}, median {median_step_ms(run):.2f} ms, "
           f"batch {int(steps['batch_size'].median()) if steps['batch_size'].notna().any() else '-'}")
     if m.get("dropped_records"):
         print(f"  warning: {m['dropped_records']} records were dropped (the writer fell behind)")
