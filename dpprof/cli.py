@@ -184,6 +184,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     import dpprof
     from dpprof.analysis import phase_table
     from dpprof.report import SUMMARY_COLUMNS, findings_of, summary_of
+    from dpprof.findings import findings_withheld
     from dpprof.store.queries import median_step_ms
 
     run = dpprof.load_run(args.run, args.reports_dir)
@@ -207,7 +208,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
     print("\nmean ms per step, by phase:")
     print(_table(phase_table(run.phases)))
     findings = findings_of(run)
-    print(f"\nfindings: {len(findings) or 'none'}")
+    withheld = findings_withheld(steps)
+    print(f"\nfindings: {len(findings) or 'none'}" + (f" ({withheld})" if withheld else ""))
     _print_findings(findings.to_dict("records"))
     notes = run.notes
     for message in notes["message"] if not notes.empty else []:

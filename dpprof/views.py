@@ -16,7 +16,7 @@ from typing import Any
 
 import pandas as pd
 
-from dpprof.export import to_csv_bytes
+from dpprof.export import meta_frame, to_csv_bytes
 from dpprof.findings import FINDING_COLUMNS, FINDINGS_MIN_STEPS, findings_withheld, run_findings
 from dpprof.report import findings_of, summary_of
 from dpprof.store import queries
@@ -450,7 +450,7 @@ def _table(run: StoredRun, name: str) -> pd.DataFrame:
     if name == "findings":
         return findings(run)[0]
     if name == "run":
-        return pd.DataFrame([run.meta])
+        return meta_frame(run.meta)
     if name == "device_summary":
         return summary_of(run).reset_index()
     if name == "phase_totals":

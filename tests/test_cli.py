@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import pandas as pd
 import pytest
 
 import dpprof
+import dpprof.report
 from dpprof.cli import main
 
 
@@ -61,7 +63,7 @@ def test_export_writes_every_table_with_the_runs_values(tmp_path):
     apply = run.phases.query("phase == 'apply'").groupby("device")["duration_ms"]
     assert summary["apply_mean_ms"].round(9).tolist() == apply.mean().round(9).tolist()
     assert summary["apply_p95_ms"].round(9).tolist() == apply.quantile(0.95).round(9).tolist()
-    assert summary["chunk_size_mean"].tolist() == run.memory.groupby("device")["chunk_size"].mean().tolist()
+    assert summary["chunk_size_mean"].tolist() == pytest.approx(run.memory.groupby("device")["chunk_size"].mean().tolist(), rel=1e-14)
     meta = pd.read_csv(out / "run.csv")
     assert meta.loc[0, "id"] == run.id
 
@@ -178,3 +180,26 @@ def test_a_reader_that_closes_the_pipe_early_gets_no_traceback(tmp_path, reports
         os.close(write)
     assert "Traceback" not in out.stderr and "BrokenPipeError" not in out.stderr, out.stderr
     assert out.returncode == 0
+
+
+def _significant_digits(token: str) -> int:
+    mantissa = token.lstrip("-").split("e")[0].replace(".", "").lstrip("0")
+    return len(mantissa)
+
+
+def test_exported_csvs_hold_machine_values_without_float_noise_or_python_text(tmp_path):
+    assert _profile("--batch-size", "7") == 0  # 7 over 3 workers: chunks 3, 3, 1
+    run = dpprof.load_run(dpprof.list_runs().loc[0, "id"])
+    out = tmp_path / "csv"
+    main(["export", run.id, "--out", str(out)])
+    for path in out.glob("*.csv"):
+        numbers = re.findall(r"(?<![\w:.])-?\d+\.\d+(?:e-?\d+)?(?![\w:])", path.read_text())
+        noisy = [n for n in numbers if _significant_digits(n) > 15]
+        assert not noisy, (path.name, noisy[:3])
+    meta = pd.read_csv(out / "run.csv")
+    cells = [str(v) for v in meta.iloc[0].tolist()]
+    assert not [c for c in cells if c.startswith(("[", "{"))], cells
+    assert meta.loc[0, "devices"] == "cpu:0,cpu:1,cpu:2" and meta.loc[0, "workload_args.batch_size"] == 7
+    summary = pd.read_csv(out / "device_summary.csv")
+    assert summary["peak_held_bytes"].dtype.kind == "i"  # bytes as whole numbers, not 47503964.0
+    assert (summary["peak_held_bytes"] == dpprof.report.summary_of(run)["peak_held_bytes"].values).all()
