@@ -80,6 +80,9 @@ def test_every_page_runs_on_recorded_runs(reports_with_runs, page):
 def test_it_opens_on_the_newest_run(reports_with_runs):
     at = _app()
     assert at.title[0].value == "balanced"  # Overview of the run recorded last
+    said = _texts(at.markdown)
+    assert ":violet-badge[balanced]" in said  # marked in its header
+    assert "Nothing is gathered" in said and "Scatter, replicate and gather" not in said
     assert at.sidebar.selectbox[0].value == reports_with_runs.balanced.id
 
 
@@ -211,6 +214,13 @@ def test_compare_sets_runs_side_by_side_and_states_the_differences(reports_with_
     a, b = views.run_label(plain.meta), views.run_label(balanced.meta)
     assert f"{b} runs on 3 cpu device(s), {a} on 2 cpu device(s)." in said
     assert "Median step:" in said and "DataParallel tax" in said
+    # the balanced run gathers nothing (no output device): memory is compared by the fullest device
+    held = lambda r: summary_of(r)["peak_held_bytes"]  # noqa: E731
+    assert (f"The fullest device holds {held(balanced).max() / 2**20:.1f} MiB in {b} ({held(balanced).idxmax()}), "
+            f"{held(plain).max() / 2**20:.1f} MiB in {a} ({held(plain).idxmax()} (output device))") in said
+    summary = at.dataframe[0].value
+    assert summary.loc["balanced", b] == "yes" and summary.loc["balanced", a] == "no"
+    assert "fullest device peak held (MiB)" in summary.index and "nan" not in summary.to_string()
     at.multiselect[0].set_value([plain.id]).run()
     assert "Choose two or more runs" in _texts(at.info) and _charts(at) == 0
 
@@ -409,3 +419,27 @@ def test_a_multi_rank_run_shows_ranks_where_devices_are_shown(ddp_reports, monke
     at = _page(_app(), page)
     shown = "\n".join(str(e.value) for kind in ("markdown", "caption", "dataframe", "table") for e in at.get(kind))
     assert "rank:0" in shown and "rank:1" in shown, page
+
+
+def test_a_failed_run_is_not_opened_first_shows_its_error_as_code_and_gives_no_findings(reports):
+    from recorded import record_failed
+
+    finished = record(reports, "finished", workers=2, steps=4, batch_size=16, workload="tutorial-linear")
+    failed = record_failed(reports)  # the newest run, failed in its second step
+    assert failed.meta["status"] == "failed" and len(failed.steps) == 2  # the failing step is recorded too
+    at = _app()
+    assert at.title[0].value == "finished"  # the newest run that finished
+    at.sidebar.selectbox[0].select(failed.id).run()
+    assert at.title[0].value == "failed"
+    assert "The run failed:" in _texts(at.warning)
+    error = _texts(at.code)
+    assert "shape mismatch in the second step" in error and "\n" in error  # its lines kept
+    assert not at.error and "No findings from 2 steps: they need at least 3" in _texts(at.info)
+    # Compare opens on the open (failed) run and the newest finished run of its workload, or says what it needs
+    compare = _page(at, "compare")
+    assert compare.multiselect[0].value == [] and "needs a second finished run" in _texts(compare.info)
+    at.sidebar.selectbox[0].select(finished.id).run()
+    second = record(reports, "second", workers=2, steps=4, batch_size=16, workload="tutorial-linear")
+    at = _page(_app(), "compare")  # a new session: the newest finished run is open
+    assert at.multiselect[0].value == [finished.id, second.id]  # the older first, as the baseline
+    assert _charts(at) == 3
