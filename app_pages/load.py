@@ -40,10 +40,7 @@ def body(row: pd.Series) -> None:
 
         st.subheader("Chunk sizes")
         common.chart(charts.chunk_sizes(data.chunks, data.idle))
-        common.table(data.chunks.dropna(subset=["chunk_size"]), "chunk_sizes")
-        if data.chunks["chunk_size"].isna().any():
-            st.caption("Calls without a batch dimension (the whole-batch loss on the output device) have no chunk "
-                       "and are left out.")
+        common.table(data.chunks, "chunk_sizes")
 
     st.subheader("GPUs over time")
     if "gpu" in data.missing:

@@ -222,7 +222,8 @@ def load(run: StoredRun) -> Load:
     stats = queries.apply_stats(run, samples)
     chunks = queries.chunk_counts(run)
     memory = queries.memory_peaks(run, chunks)
-    data = Load(apply_samples=samples, apply_stats=stats, memory=memory, chunks=chunks, gpu=queries.gpu_series(run),
+    data = Load(apply_samples=samples, apply_stats=stats, memory=memory, gpu=queries.gpu_series(run),
+                chunks=chunks.dropna(subset=["chunk_size"]).reset_index(drop=True),  # calls without a batch: no chunk
                 idle=idle_devices(run), work_phase=" + ".join(queries.work_phases(queries.present_phases(run))))
     if stats.empty:
         data.missing["apply"] = f"No {data.work_phase} phases recorded yet: no forward call has finished."
