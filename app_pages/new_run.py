@@ -33,6 +33,7 @@ if busy:
 if st.button("Start", type="primary", key="nr_start", disabled=not confirmed):
     devices = f"cpu:{workers}" if on == "CPU workers" else "cuda"
     common.start_run(workload, devices, steps, batch or None, name.strip() or None, balanced=balanced)
+    st.rerun()  # draw the page again with the run going: a second start now asks first
 common.watch_started_run()
 
 mine = [p for p in st.session_state.get("started", []) if p in common.processes()]

@@ -43,7 +43,7 @@ def per_device(data) -> None:
     if g.idle and g.time_ratio is None:
         c[0].metric("Idle devices", len(g.idle), help="devices of the run that never got a chunk")
     if len(g.devices):
-        common.chart(charts.device_glance(g.devices, g.work_phase, g.memory_source, g.slowest, g.heaviest))
+        common.chart(charts.device_glance(g.devices, g.work_phase, g.memory_source, *g.marked()))
     for sentence in g.sentences:
         st.markdown(f"- {sentence}")
     if len(g.devices) < 2:

@@ -23,7 +23,7 @@ from dpprof.store import queries
 from dpprof.store.queries import DP_TAX_PHASES
 from dpprof.store.reader import TABLES, StoredRun
 
-__all__ = ["FINDINGS_FULL_STEPS", "TIMELINE_DEFAULT_STEPS", "TABLE_DESCRIPTIONS", "Overview", "Load", "Comparison",
+__all__ = ["EVEN_RATIO", "FINDINGS_FULL_STEPS", "TIMELINE_DEFAULT_STEPS", "TABLE_DESCRIPTIONS", "Overview", "Load", "Comparison",
            "ComparePart", "Glance", "glance", "display_table", "default_compare", "is_balanced", "overview", "load", "findings", "gpu_missing_reason", "step_bounds",
            "default_timeline_range", "timeline", "compare", "compare_part", "combine", "run_label", "export_tables",
            "table_csv", "run_zip"]
@@ -54,6 +54,11 @@ class Glance:
     memory_ratio: float | None  # heaviest / lightest peak
     idle: list[str]  # devices of the run that never got a chunk
     sentences: list[str]  # the above, in words
+
+    def marked(self) -> tuple[str | None, str | None]:
+        """The slowest and the heaviest device to mark, each None where the devices are within EVEN_RATIO."""
+        return (self.slowest if (self.time_ratio or 0) >= EVEN_RATIO else None,
+                self.heaviest if (self.memory_ratio or 0) >= EVEN_RATIO else None)
 
 
 @dataclass
@@ -137,8 +142,15 @@ def _ratio(values: pd.Series) -> tuple[str | None, str | None, float | None]:
     return values.idxmax(), values.idxmin(), float(values.max() / values.min())
 
 
+# Devices within 5% of each other are even: no device is marked as the worst (thread scheduling on CPU
+# workers alone moves apply times by a few percent).
+EVEN_RATIO = 1.05
+
+
 def _mib(value: float) -> str:
-    return f"{value / 2**30:,.2f} GiB" if value >= 2**30 else f"{value / 2**20:,.1f} MiB"
+    if value >= 2**30:
+        return f"{value / 2**30:,.2f} GiB"
+    return f"{value / 2**20:,.1f} MiB" if value >= 2**20 else f"{value / 2**10:,.1f} KiB"
 
 
 def glance(run: StoredRun, stats: dict[str, Any] | None = None) -> Glance:
@@ -167,11 +179,17 @@ def glance(run: StoredRun, stats: dict[str, Any] | None = None) -> Glance:
     slowest, fastest, time_ratio = _ratio(by_device["work_ms"].astype(float))
     heaviest, lightest, memory_ratio = _ratio(by_device["peak_bytes"].astype(float))
     sentences = []
-    if time_ratio is not None:
+    if time_ratio is not None and time_ratio < EVEN_RATIO:
+        sentences.append(f"{work_phase.capitalize()} time is even: every device within {time_ratio - 1:.0%} of "
+                         f"{fastest}'s {by_device.at[fastest, 'work_ms']:.2f} ms per step.")
+    elif time_ratio is not None:
         sentences.append(f"{slowest} is the slowest: {work_phase} {by_device.at[slowest, 'work_ms']:.2f} ms per step, "
                          f"{time_ratio:.2f}x {fastest}'s {by_device.at[fastest, 'work_ms']:.2f} ms "
                          f"({time_ratio - 1:.0%} longer).")
-    if memory_ratio is not None:
+    if memory_ratio is not None and memory_ratio < EVEN_RATIO:
+        sentences.append(f"Memory is even: every device within {memory_ratio - 1:.0%} of "
+                         f"{_mib(by_device.at[lightest, 'peak_bytes'])}.")
+    elif memory_ratio is not None:
         sentences.append(f"{heaviest} holds the most: {_mib(by_device.at[heaviest, 'peak_bytes'])}, "
                          f"{memory_ratio:.2f}x {lightest}'s {_mib(by_device.at[lightest, 'peak_bytes'])}"
                          + (" (the output device: gathered outputs and the loss live there)."

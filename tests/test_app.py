@@ -140,7 +140,8 @@ def test_overview_opens_on_each_device_with_the_worst_named_and_numbers_that_mat
     ratio = summary["apply_mean_ms"].max() / summary["apply_mean_ms"].min()
     assert metrics["Apply imbalance"] == f"{ratio:.2f}x"
     assert metrics["Most memory"] == summary["peak_held_bytes"].idxmax()
-    assert f"{slowest} is the slowest" in _texts(at.markdown)
+    said = _texts(at.markdown)
+    assert (f"{slowest} is the slowest" in said) if ratio >= views.EVEN_RATIO else ("Apply time is even" in said)
     first = json.loads(at.get("plotly_chart")[0].proto.spec)  # the first chart on the page: each device
     titles = [a["text"] for a in first["layout"]["annotations"]]
     assert titles[0] == "apply per step (ms, mean)" and titles[1].startswith(f"memory ({charts.bytes_unit(summary['peak_held_bytes'].max())[0]}, peak held")
