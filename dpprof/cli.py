@@ -186,6 +186,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from dpprof.report import SUMMARY_COLUMNS, findings_of, summary_of
     from dpprof.findings import findings_withheld
     from dpprof.store.queries import median_step_ms
+    from dpprof.views import display_table
 
     run = dpprof.load_run(args.run, args.reports_dir)
     m = run.meta
@@ -203,10 +204,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
           f"batch {int(steps['batch_size'].median()) if steps['batch_size'].notna().any() else '-'}")
     if m.get("dropped_records"):
         print(f"  warning: {m['dropped_records']} records were dropped (the writer fell behind)")
-    print("\nper device:")
-    print(_table(summary_of(run)[SUMMARY_COLUMNS]))
+    print("\nper device:")  # units in the headers, bytes in MiB: `dpprof export` keeps the machine values
+    print(_table(display_table(summary_of(run)[SUMMARY_COLUMNS].reset_index()).set_index("device"), "{:,.2f}"))
     print("\nmean ms per step, by phase:")
-    print(_table(phase_table(run.phases)))
+    print(_table(display_table(phase_table(run.phases).reset_index()).set_index("device"), "{:,.2f}"))
     findings = findings_of(run)
     withheld = findings_withheld(steps)
     print(f"\nfindings: {len(findings) or 'none'}" + (f" ({withheld})" if withheld else ""))
