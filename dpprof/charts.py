@@ -285,7 +285,16 @@ def _device_order(label: str) -> tuple[str, int, str]:
     return (kind, int(index), "") if index.isdigit() else (kind, -1, str(label))
 
 
-def timeline(phases: pd.DataFrame, steps: pd.DataFrame) -> go.Figure:
+def _per_step_scale(phases: pd.DataFrame, steps: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+    """Each phase's start and length in steps: step i spans [i, i + 1) of the range, whatever its duration."""
+    index = {s: i for i, s in enumerate(steps["step"])}
+    start = phases["step"].map(steps.set_index("step")["start_ms"])
+    length = phases["step"].map(steps.set_index("step")["duration_ms"]).replace(0, float("nan"))
+    base = phases["step"].map(index) + (phases["start_ms"] - start) / length
+    return base, phases["duration_ms"] / length
+
+
+def timeline(phases: pd.DataFrame, steps: pd.DataFrame, equal_steps: bool = False) -> go.Figure:
     """A Gantt chart of the phases on each device over a range of steps.
 
     Lanes: "step" (each step), "parallel_apply" (all replicas together), then one lane per device with
@@ -293,28 +302,40 @@ def timeline(phases: pd.DataFrame, steps: pd.DataFrame) -> go.Figure:
 
     Args:
         phases, steps: dpprof.store.queries.timeline.
+        equal_steps: draw every step the same width (each phase at its share of its step), so that a few
+            slow steps do not squash the others; hover still gives milliseconds.
     """
     devices = sorted(dict.fromkeys(phases["device"]), key=_device_order)  # not by who started first
     lanes = ["step", *(["parallel_apply"] if (phases["phase"] == "parallel_apply").any() else []), *devices]
-    fig = _fig("Timeline (ms since the run started)", xaxis_title="ms", barmode="overlay",
+    equal_steps = equal_steps and not steps.empty
+    fig = _fig("Timeline (every step the same width)" if equal_steps else "Timeline (ms since the run started)",
+               xaxis_title="step (each the same width)" if equal_steps else "ms", barmode="overlay",
                height=140 + 40 * len(lanes), bargap=0.25)
     if not steps.empty:
-        fig.add_trace(go.Bar(y=["step"] * len(steps), x=steps["duration_ms"], base=steps["start_ms"], orientation="h",
+        x, base = ([1.0] * len(steps), list(range(len(steps)))) if equal_steps else (steps["duration_ms"],
+                                                                                     steps["start_ms"])
+        fig.add_trace(go.Bar(y=["step"] * len(steps), x=x, base=base, orientation="h",
                              name="step", marker=dict(color=PHASE_COLORS["step"], line=dict(color="#888", width=1)),
-                             text=[f"step {s}" for s in steps["step"]],
+                             text=[f"step {s}" for s in steps["step"]], customdata=steps[["duration_ms"]],
                              # labels only where they fit flat; past TIMELINE_LABELLED_STEPS steps, on hover
                              texttemplate="%{text}" if len(steps) <= TIMELINE_LABELLED_STEPS else "",
                              textposition="inside", insidetextanchor="middle", textangle=0,
-                             hovertemplate="%{text}<br>%{x:.2f} ms<extra></extra>"))
+                             hovertemplate="%{text}<br>%{customdata[0]:.2f} ms<extra></extra>"))
     rank = {p: i for i, p in enumerate(PHASES)}
     for phase in sorted(dict.fromkeys(phases["phase"]), key=lambda p: rank.get(p, len(rank))):
         df = phases[phases["phase"] == phase]
         y = ["parallel_apply"] * len(df) if phase == "parallel_apply" else df["device"]
-        fig.add_trace(go.Bar(y=y, x=df["duration_ms"], base=df["start_ms"], orientation="h", name=_label(phase),
-                             marker_color=_color(phase), customdata=df[["step", "device"]],
+        base, x = _per_step_scale(df, steps) if equal_steps else (df["start_ms"], df["duration_ms"])
+        fig.add_trace(go.Bar(y=y, x=x, base=base, orientation="h", name=_label(phase),
+                             marker_color=_color(phase), customdata=df[["step", "device", "duration_ms", "start_ms"]],
                              hovertemplate=f"{phase}<br>step %{{customdata[0]}} on %{{customdata[1]}}"
-                                           "<br>%{x:.3f} ms from %{base:.2f} ms<extra></extra>"))
+                                           "<br>%{customdata[2]:.3f} ms from %{customdata[3]:.2f} ms<extra></extra>"))
     fig.update_yaxes(categoryorder="array", categoryarray=lanes[::-1])
+    if equal_steps:
+        every = max(1, math.ceil(len(steps) / TIMELINE_LABELLED_STEPS))
+        ticks = list(range(0, len(steps), every))
+        fig.update_xaxes(tickvals=[i + 0.5 for i in ticks], ticktext=[str(steps["step"].iloc[i]) for i in ticks],
+                         range=[0, len(steps)])
     return fig
 
 

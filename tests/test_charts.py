@@ -139,3 +139,16 @@ def test_two_devices_sit_apart_on_the_chunk_chart_without_a_row_for_calls_withou
     fig = charts.chunk_sizes(chunks)
     assert list(fig.layout.xaxis.range) == [-0.75, 1.75] and list(fig.data[0].x) == ["cpu:0", "cpu:1"]
     assert views.load(runs["plain"]).chunks["chunk_size"].notna().all()
+
+
+def test_the_timeline_can_draw_every_step_the_same_width(runs):
+    phases, steps = queries.timeline(runs["three"], 0, 3)
+    fig = charts.timeline(phases, steps, equal_steps=True)
+    step_lane = fig.data[0]
+    assert list(step_lane.x) == [1.0] * 4 and list(step_lane.base) == [0, 1, 2, 3]
+    for trace in fig.data[1:]:  # each phase inside its own step's unit, at its share of that step
+        step_of = [int(c[0]) for c in trace.customdata]
+        assert all(s <= b + 1e-9 and b + w <= s + 1 + 1e-6 for s, b, w in zip(step_of, trace.base, trace.x))
+    assert list(fig.layout.xaxis.ticktext) == ["0", "1", "2", "3"]
+    real = charts.timeline(phases, steps)
+    assert list(real.data[0].x) == steps["duration_ms"].tolist()  # the default: milliseconds
