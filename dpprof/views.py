@@ -498,6 +498,7 @@ def run_zip(run: StoredRun) -> bytes:
 
 # Column-name endings and the unit people read them in: (ending, unit, scale).
 _UNITS = (("_bytes_per_s", "MiB/s", 2**-20), ("_bytes", "MiB", 2**-20), ("_ms", "ms", 1.0), ("_pct", "%", 1.0),
+          ("_per_s", "per s", 1.0),
           ("_s", "s", 1.0), ("_w", "W", 1.0), ("_c", "°C", 1.0), ("_mhz", "MHz", 1.0))
 DISPLAY_DECIMALS = 2  # a table shows hundredths of a millisecond, a MiB or a percent; CSVs keep every digit
 
