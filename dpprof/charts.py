@@ -93,8 +93,8 @@ def device_glance(devices: pd.DataFrame, work_phase: str = "apply", memory_sourc
         text = ["idle" if i else ("" if pd.isna(v) else fmt.format(v)) for v, i in zip(values, devices["idle"])]
         colors = [_IDLE if i else _WORST if d == worst else _DEVICE for d, i in zip(devices["device"], devices["idle"])]
         fig.add_trace(go.Bar(x=values.fillna(0).tolist(), y=ticks, orientation="h", marker_color=colors, text=text,
-                             textposition="auto", cliponaxis=False, hovertemplate="%{y}: %{text}<extra></extra>"),
-                      row=1, col=col)
+                             textposition=["outside" if i else "auto" for i in devices["idle"]],  # a zero-width bar
+                             cliponaxis=False, hovertemplate="%{y}: %{text}<extra></extra>"), row=1, col=col)
         fig.update_xaxes(rangemode="tozero", tickformat=",.3~f", row=1, col=col)
     fig.update_yaxes(categoryorder="array", categoryarray=ticks[::-1])
     return fig

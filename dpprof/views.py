@@ -432,7 +432,7 @@ def _differences(summary: pd.DataFrame) -> list[str]:
         elif _present(base["fullest_device_peak_held_bytes"]) and _present(other["fullest_device_peak_held_bytes"]):
             # a balanced run gathers nothing, so it has no output device: compare the fullest devices
             x, y = base["fullest_device_peak_held_bytes"], other["fullest_device_peak_held_bytes"]
-            role = lambda r: " (output device)" if _present(r["output_device_peak_held_bytes"]) else ""  # noqa: E731
+            role = lambda r: ", the output device" if _present(r["output_device_peak_held_bytes"]) else ""  # noqa: E731
             out.append(f"The fullest device holds {y / 2**20:.1f} MiB in {b} ({other['fullest_device']}"
                        f"{role(other)}), {x / 2**20:.1f} MiB in {a} ({base['fullest_device']}{role(base)}): "
                        f"{_bytes_text(x, y)}.")

@@ -218,7 +218,7 @@ def test_compare_sets_runs_side_by_side_and_states_the_differences(reports_with_
     # the balanced run gathers nothing (no output device): memory is compared by the fullest device
     held = lambda r: summary_of(r)["peak_held_bytes"]  # noqa: E731
     assert (f"The fullest device holds {held(balanced).max() / 2**20:.1f} MiB in {b} ({held(balanced).idxmax()}), "
-            f"{held(plain).max() / 2**20:.1f} MiB in {a} ({held(plain).idxmax()} (output device))") in said
+            f"{held(plain).max() / 2**20:.1f} MiB in {a} ({held(plain).idxmax()}, the output device)") in said
     summary = at.dataframe[0].value
     assert summary.loc["balanced", b] == "yes" and summary.loc["balanced", a] == "no"
     assert "fullest device peak held (MiB)" in summary.index and "nan" not in summary.to_string()
