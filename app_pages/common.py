@@ -28,7 +28,7 @@ LISTING_TTL_S = 5.0  # "running" turns "incomplete" by time alone (heartbeat age
 RUN_KEY = "chosen_run"  # session state: the chosen run's id (no widget has this key)
 COMPARE_KEY = "compare_ids"  # session state: ids of runs to compare (no widget has this key)
 STATUS_COLORS = {"running": "green", "finished": "blue", "failed": "red", "incomplete": "orange",
-                 "unreadable": "gray"}
+                 "interrupted": "orange", "unreadable": "gray"}
 DEMO_ARGS = {"workload": "cifar-lenet", "devices": "cpu:2", "steps": 30, "name": "demo"}
 
 
@@ -301,6 +301,7 @@ def stop_run(pid: int) -> None:
     info = processes().get(pid)
     if info is not None and info["proc"].poll() is None:
         info["proc"].send_signal(signal.SIGTERM)
+        info["stopped"] = True  # however it exits (killed by the signal, or closing its run first), it was stopped
 
 
 def progress_line(pid: int, row: pd.Series | None) -> str | None:
@@ -365,8 +366,9 @@ def watch_started_run() -> None:
             c2.markdown(f"**{progress}**" if progress else "Starting…")
         elif code == 0:
             st.success(f"Process {pid} finished: `{command}`")
-        elif code == -signal.SIGTERM:
-            st.warning(f"Process {pid} was stopped (SIGTERM); the steps it recorded are kept: `{command}`")
+        elif processes()[pid].get("stopped"):
+            st.warning(f"Process {pid} was stopped (SIGTERM, exit code {code}); the steps it recorded are kept: "
+                       f"`{command}`")
         else:
             st.error(f"Process {pid} exited with code {code}: `{command}`")
         if row is not None:

@@ -23,10 +23,10 @@ from dpprof.store import queries
 from dpprof.store.queries import DP_TAX_PHASES
 from dpprof.store.reader import TABLES, StoredRun
 
-__all__ = ["EVEN_RATIO", "FINDINGS_FULL_STEPS", "TIMELINE_DEFAULT_STEPS", "TABLE_DESCRIPTIONS", "Overview", "Load", "Comparison",
-           "ComparePart", "Glance", "glance", "display_table", "default_compare", "is_balanced", "overview", "load", "findings", "gpu_missing_reason", "step_bounds",
-           "default_timeline_range", "timeline", "compare", "compare_part", "combine", "run_label", "export_tables",
-           "table_csv", "run_zip"]
+__all__ = ["EVEN_RATIO", "FINDINGS_FULL_STEPS", "TIMELINE_DEFAULT_STEPS", "TABLE_DESCRIPTIONS", "Overview", "Load",
+           "Comparison", "ComparePart", "Glance", "glance", "display_table", "default_compare", "is_balanced",
+           "overview", "load", "findings", "gpu_missing_reason", "step_bounds", "default_timeline_range", "timeline",
+           "compare", "compare_part", "combine", "run_label", "export_tables", "table_csv", "run_zip"]
 
 # Up to this many steps, findings come from every record (well under a second); beyond it a finished
 # run shows the findings stored when it closed, and a running one those of its last this-many steps.
@@ -40,7 +40,7 @@ class Glance:
 
     ``devices`` has one row per device of the run, idle ones included (zero, ``idle`` True): device,
     work_ms (mean per step of ``work_phase``), peak_bytes (the allocator's peak allocated where recorded,
-    else what dpprof accounts to the device in its peak step), chunk_size_mean, output_device, idle.
+    else what dpprof accounts to the device in its peak step), output_device, idle.
     """
 
     devices: pd.DataFrame
@@ -115,7 +115,7 @@ def findings(run: StoredRun, steps: int | None = None) -> tuple[pd.DataFrame, st
         return pd.DataFrame(columns=FINDING_COLUMNS), "no steps recorded yet"
     if steps < FINDINGS_MIN_STEPS:
         why = findings_withheld(run.query("SELECT step FROM steps"))
-        return pd.DataFrame(columns=FINDING_COLUMNS), why + (" yet" if running else "")
+        return pd.DataFrame(columns=FINDING_COLUMNS), why
     if steps <= FINDINGS_FULL_STEPS:
         return findings_of(run), f"from all {steps:,} steps" + (" so far" if running else "")
     if run.meta["status"] == "finished":
@@ -159,10 +159,6 @@ def glance(run: StoredRun, stats: dict[str, Any] | None = None) -> Glance:
     work_phase = " + ".join(queries.work_phases(queries.present_phases(run)))
     apply = queries.apply_stats(run, percentiles=False, stats=stats)
     memory = queries.memory_peaks(run, detail=False)
-    chunks = queries.chunk_counts(run)
-    sized = chunks.dropna(subset=["chunk_size"])
-    mean_chunk = (sized.assign(t=sized["chunk_size"] * sized["calls"]).groupby("device")["t"].sum()
-                  / sized.groupby("device")["calls"].sum()) if len(sized) else pd.Series(dtype=float)
     idle = idle_devices(run)
     order = [*queries.devices_of(run)]
     order += [d for d in idle if d not in order]
@@ -171,11 +167,10 @@ def glance(run: StoredRun, stats: dict[str, Any] | None = None) -> Glance:
     use_alloc = len(memory) and memory["peak_allocated_bytes"].notna().any()
     col = "peak_allocated_bytes" if use_alloc else "peak_held_bytes"
     by_device["peak_bytes"] = memory.set_index("device")[col].reindex(order) if len(memory) else float("nan")
-    by_device["chunk_size_mean"] = mean_chunk.reindex(order)
     by_device["output_device"] = (memory.set_index("device")["output_device"].reindex(order).fillna(False).astype(bool)
                                   if len(memory) else False)
     by_device["idle"] = by_device.index.isin(idle)
-    by_device.loc[by_device["idle"], ["work_ms", "peak_bytes", "chunk_size_mean"]] = 0.0
+    by_device.loc[by_device["idle"], ["work_ms", "peak_bytes"]] = 0.0
     slowest, fastest, time_ratio = _ratio(by_device["work_ms"].astype(float))
     heaviest, lightest, memory_ratio = _ratio(by_device["peak_bytes"].astype(float))
     sentences = []

@@ -178,14 +178,15 @@ def test_new_run_starts_only_from_start_and_stops(server, browser, tmp_path):
     name.press("Enter")
     page.wait_for_timeout(2_000)
     assert set(dpprof.list_runs(reports)["id"]) == before and page.get_by_text("is running").count() == 0
-    page.get_by_role("button", name="Start", exact=True).click()
+    main = page.locator('[data-testid="stMain"]')  # not the header's own Stop button (a script still running)
+    main.get_by_role("button", name="Start", exact=True).click()
     page.get_by_text(re.compile(r"step \d+ of 100,000 · [\d.]+ steps/s")).first.wait_for(timeout=120_000)
-    start = page.get_by_role("button", name="Start", exact=True)
+    start = main.get_by_role("button", name="Start", exact=True)
     assert start.is_disabled()  # while it runs, a second start needs the confirmation below
     page.get_by_text(re.compile(r"Start another run while 1 started here is still running")).wait_for()
     _shot(page, tmp_path, "new-run-progress")
-    page.get_by_role("button", name="Stop", exact=True).click()
-    page.get_by_text(re.compile(r"was stopped \(SIGTERM\)")).first.wait_for(timeout=60_000)
+    main.get_by_role("button", name="Stop", exact=True).click()
+    page.get_by_text(re.compile(r"was stopped \(SIGTERM")).first.wait_for(timeout=60_000)
     runs = dpprof.list_runs(reports)
     new = runs[~runs["id"].isin(before)]
     assert new["name"].tolist() == ["from the browser"]  # one run, from the one click

@@ -18,8 +18,8 @@ from dpprof.records import PHASES
 from dpprof.store.reader import StoredRun
 
 __all__ = ["MAX_POINTS", "APPLY_SAMPLE_PER_DEVICE", "TIMELINE_MAX_STEPS", "MEMORY_BYTES", "DP_TAX_PHASES",
-           "GPU_METRICS", "bucket_width", "present_phases", "stacked_phases", "run_stats", "median_step_ms", "step_times",
-           "phase_breakdown", "phase_totals", "apply_samples", "apply_stats", "memory_peaks", "chunk_counts",
+           "GPU_METRICS", "bucket_width", "present_phases", "stacked_phases", "run_stats", "median_step_ms",
+           "step_times", "phase_breakdown", "phase_totals", "apply_samples", "apply_stats", "memory_peaks", "chunk_counts",
            "gpu_series", "timeline", "last_steps_frames", "devices_of", "work_phases"]
 
 MAX_POINTS = 2_000  # points a chart draws per series; a browser stays responsive well past this
