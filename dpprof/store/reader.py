@@ -254,7 +254,8 @@ def list_runs(reports_dir_: str | os.PathLike[str] | None = None) -> pd.DataFram
 
     Returns:
         a DataFrame with id, name, status, created_at, ended_at, duration_s, backend, devices,
-        workload, steps, ranks, dropped_records, error, path and reason (None for readable runs),
+        workload, steps, ranks, dropped_records, error, balanced (recorded with the balanced model and
+        criterion), path and reason (None for readable runs),
         newest first.
     """
     rows, by_id = [], {}
@@ -271,9 +272,10 @@ def list_runs(reports_dir_: str | os.PathLike[str] | None = None) -> pd.DataFram
                                               "workload", "error", "dropped_records")},
                      "devices": ",".join(meta["devices"]), "steps": max(s["steps"] for _, _, s in files),
                      "ranks": len(files), "duration_s": _duration_s(meta), "path": str(files[0][0]),
+                     "balanced": bool((meta.get("workload_args") or {}).get("balanced")),
                      "reason": None})
     columns = ["id", "name", "status", "created_at", "ended_at", "duration_s", "backend", "devices",
-               "workload", "steps", "ranks", "dropped_records", "error", "path", "reason"]
+               "workload", "steps", "ranks", "dropped_records", "error", "balanced", "path", "reason"]
     df = pd.DataFrame(rows, columns=columns)
     return df.sort_values("created_at", ascending=False, na_position="last", kind="stable").reset_index(drop=True)
 
