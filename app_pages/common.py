@@ -30,7 +30,7 @@ LISTING_TTL_S = 5.0  # "running" turns "incomplete" by time alone (heartbeat age
 RUN_KEY = "chosen_run"  # session state: the chosen run's id (no widget has this key)
 COMPARE_KEY = "compare_ids"  # session state: ids of runs to compare (no widget has this key)
 STATUS_COLORS = {"running": "green", "finished": "blue", "failed": "red", "incomplete": "orange",
-                 "interrupted": "orange", "unreadable": "gray"}
+                 "interrupted": "orange", "disk_full": "red", "unreadable": "gray"}
 DEMO_ARGS = {"workload": "cifar-lenet", "devices": "cpu:2", "steps": 30, "name": "demo"}
 
 
@@ -173,6 +173,11 @@ def run_header(row: pd.Series) -> None:
                     f"devices {row['devices'] or '-'} · {steps:,} steps · started {created} UTC")
     if row["status"] == "running":
         st.caption(f"Recording: this page re-reads the run every {REFRESH_S:.0f} s.")
+    elif row["status"] == "disk_full":
+        st.warning("The disk filled while this run recorded: the steps committed before are shown, the rest "
+                   "were not recorded." + (f" {row['error']}" if row.get("error") else ""))
+    elif row["status"] == "interrupted" and row.get("error"):
+        st.warning(f"The run was {row['error']}.")
     elif row["status"] in ("failed", "incomplete") and row.get("error"):
         st.warning(f"The run {row['status']}:")
         st.code(str(row["error"]), language=None)  # a traceback keeps its lines and its ^^^^ markers
@@ -180,7 +185,8 @@ def run_header(row: pd.Series) -> None:
         st.warning("The run is incomplete: its process stopped without closing it (killed, or the machine "
                    "went down). What it recorded until then is shown.")
     if row.get("dropped_records"):
-        st.warning(f"{int(row['dropped_records']):,} records were dropped: the writer fell behind.")
+        why = "the disk was full" if row["status"] == "disk_full" else "the writer fell behind"
+        st.warning(f"{int(row['dropped_records']):,} records were dropped: {why}.")
 
 
 def live(body: Callable[[pd.Series], None]) -> None:

@@ -333,7 +333,7 @@ def test_new_run_asks_before_a_second_start_shows_progress_and_stops_with_sigter
     row = common.run_of_process(pid)
     run = dpprof.load_run(row["path"])
     assert len(run.steps) >= 3 and run.meta["pid"] == pid  # the steps recorded before the stop are kept
-    assert dpprof.list_runs().loc[0, "status"] != "running"  # "interrupted" once SIGTERM is handled (issue 15)
+    assert dpprof.list_runs().loc[0, "status"] == "interrupted"  # SIGTERM: flushed, marked, ended by the signal
     at.run()
     assert f"Process {pid} was stopped (SIGTERM" in _texts(at.warning)
     assert not at.button(key="nr_start").disabled
