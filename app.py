@@ -1,8 +1,8 @@
 """dpprof's dashboard: ``streamlit run app.py``.
 
 Layout only: the pages in app_pages/ lay out what dpprof.views computes and dpprof.charts draws.
-With runs in the reports directory it opens on the newest one; with none, on Runs, which says
-what to do and offers a demo run on CPU workers.
+With runs in the reports directory it opens on the newest that finished (or is recording); with none,
+on Runs, which says what to do and offers a demo run on CPU workers.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ common.sidebar_picker()
 
 
 def home() -> None:
-    """The address without a page: the newest run's Overview, or Runs (which says what to do) without runs."""
+    """The address without a page: the Overview of the run the sidebar chose (common.default_run), or Runs (which
+    says what to do) without runs."""
     has_runs = not common.readable(common.listing()).empty
     st.switch_page("app_pages/overview.py" if has_runs else "app_pages/runs.py")
 

@@ -7,6 +7,7 @@ time (and its write-ahead log's, so a running run is re-read as it grows).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,14 +21,16 @@ import streamlit as st
 
 from dpprof import views
 from dpprof.export import to_csv_bytes
+from dpprof.store.faults import RecordingError
 from dpprof.store.reader import list_runs, load_run, reports_dir
+from dpprof.store.writer import check_reports_dir
 
 REFRESH_S = 2.0  # a running run's pages re-read it this often (its writer commits every 0.5 s)
 LISTING_TTL_S = 5.0  # "running" turns "incomplete" by time alone (heartbeat age), not by file changes
 RUN_KEY = "chosen_run"  # session state: the chosen run's id (no widget has this key)
 COMPARE_KEY = "compare_ids"  # session state: ids of runs to compare (no widget has this key)
 STATUS_COLORS = {"running": "green", "finished": "blue", "failed": "red", "incomplete": "orange",
-                 "unreadable": "gray"}
+                 "interrupted": "orange", "disk_full": "red", "unreadable": "gray"}
 DEMO_ARGS = {"workload": "cifar-lenet", "devices": "cpu:2", "steps": 30, "name": "demo"}
 
 
@@ -119,7 +122,7 @@ def sidebar_picker() -> None:
     ids = runs["id"].tolist()
     if state.get(RUN_KEY) not in ids:
         wanted = st.query_params.get("run")
-        state[RUN_KEY] = wanted if wanted in ids else (ids[0] if ids else None)
+        state[RUN_KEY] = wanted if wanted in ids else default_run(runs)
     with st.sidebar:
         st.caption(f"Runs in `{reports_dir()}`")
         if not ids:
@@ -131,6 +134,13 @@ def sidebar_picker() -> None:
         st.selectbox("Run", ids, format_func=labels.get, key=PICKER_KEY, on_change=_picked)
     if st.query_params.get("run") != state[RUN_KEY]:
         st.query_params["run"] = state[RUN_KEY]
+
+
+def default_run(runs: pd.DataFrame) -> str | None:
+    """The run the dashboard opens on: the newest that finished or is recording (a failed or killed one only
+    when there is no other)."""
+    good = runs[runs["status"].isin(["finished", "running"])]
+    return (good if len(good) else runs)["id"].iloc[0] if len(runs) else None
 
 
 def chosen_run() -> pd.Series | None:
@@ -152,20 +162,31 @@ def run_header(row: pd.Series) -> None:
     """The run's name, status and what it ran."""
     st.title(f"{row['name'] or row['id']}")
     cols = st.columns([1, 6])
-    cols[0].badge(row["status"], color=STATUS_COLORS.get(row["status"], "gray"))
+    with cols[0]:
+        st.badge(row["status"], color=STATUS_COLORS.get(row["status"], "gray"))
+        if row.get("balanced"):
+            st.badge("balanced", color="violet", help="DataParallelModel + DataParallelCriterion: each device "
+                     "computes its share of the loss, nothing is gathered")
     created = str(row["created_at"] or "")[:19].replace("T", " ")
     steps = int(row["steps"]) if pd.notna(row["steps"]) else 0
     cols[1].caption(f"run `{row['id']}` · {row['workload'] or 'your model'} · {row['backend'] or '-'} · "
                     f"devices {row['devices'] or '-'} · {steps:,} steps · started {created} UTC")
     if row["status"] == "running":
         st.caption(f"Recording: this page re-reads the run every {REFRESH_S:.0f} s.")
+    elif row["status"] == "disk_full":
+        st.warning("The disk filled while this run recorded: the steps committed before are shown, the rest "
+                   "were not recorded." + (f" {row['error']}" if row.get("error") else ""))
+    elif row["status"] == "interrupted" and row.get("error"):
+        st.warning(f"The run was {row['error']}.")
     elif row["status"] in ("failed", "incomplete") and row.get("error"):
-        st.warning(f"The run {row['status']}: {row['error']}")
+        st.warning(f"The run {row['status']}:")
+        st.code(str(row["error"]), language=None)  # a traceback keeps its lines and its ^^^^ markers
     elif row["status"] == "incomplete":
         st.warning("The run is incomplete: its process stopped without closing it (killed, or the machine "
                    "went down). What it recorded until then is shown.")
     if row.get("dropped_records"):
-        st.warning(f"{int(row['dropped_records']):,} records were dropped: the writer fell behind.")
+        why = "the disk was full" if row["status"] == "disk_full" else "the writer fell behind"
+        st.warning(f"{int(row['dropped_records']):,} records were dropped: {why}.")
 
 
 def live(body: Callable[[pd.Series], None]) -> None:
@@ -213,8 +234,10 @@ def rerun_on_change(signature: Callable[[], Any]) -> None:
 # -- tables and words --------------------------------------------------------------------------
 
 def table(df: pd.DataFrame, name: str, index: bool = False, **kwargs: Any) -> None:
-    """st.dataframe plus a CSV download of exactly what is shown (formula-like cells neutralised)."""
-    st.dataframe(df, hide_index=not index, **kwargs)
+    """st.dataframe as people read it (units in the headers, MiB, two decimals) plus a CSV download of the same
+    rows in machine values (formula-like cells neutralised)."""
+    shown = views.display_table(df.reset_index() if index else df)
+    st.dataframe(shown, hide_index=True, **kwargs)
     csv_button(df, name, index)
 
 
@@ -242,9 +265,14 @@ def processes() -> dict[int, dict[str, Any]]:
 
 
 def start_run(workload: str, devices: str, steps: int, batch_size: int | None = None,
-              name: str | None = None) -> dict[str, Any]:
+              name: str | None = None, balanced: bool = False) -> dict[str, Any] | None:
     """Start ``python -m dpprof profile ...`` in its own process, logging to reports/.logs/."""
     directory = reports_dir()
+    try:  # a read-only, full or missing reports directory: the one line `dpprof profile` would print
+        check_reports_dir(directory)
+    except RecordingError as err:
+        st.error(f"dpprof: {err}")
+        return None
     logs = directory / ".logs"  # a dot-directory: list_runs never lists it
     logs.mkdir(parents=True, exist_ok=True)
     started = datetime.now(timezone.utc)
@@ -255,10 +283,12 @@ def start_run(workload: str, devices: str, steps: int, batch_size: int | None = 
         cmd += ["--batch-size", str(int(batch_size))]
     if name:
         cmd += ["--name", name]
+    if balanced:
+        cmd += ["--balanced"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)  # not killed with the page; not Streamlit's thread
-    info = {"pid": proc.pid, "proc": proc, "cmd": cmd, "log": str(log), "started": time.time()}
+    info = {"pid": proc.pid, "proc": proc, "cmd": cmd, "log": str(log), "started": time.time(), "steps": int(steps)}
     processes()[proc.pid] = info
     st.session_state.setdefault("started", []).append(proc.pid)
     st.session_state["watch"] = proc.pid
@@ -272,6 +302,29 @@ def process_status(pid: int) -> tuple[str, int | None]:
         return "unknown", None
     code = info["proc"].poll()  # also reaps it, so its pid never lingers as a zombie
     return ("running", None) if code is None else ("exited", code)
+
+
+def running_processes() -> list[int]:
+    """Processes started from this dashboard that are still running."""
+    return [pid for pid in list(processes()) if process_status(pid)[0] == "running"]
+
+
+def stop_run(pid: int) -> None:
+    """End a run started here with SIGTERM (its recorded steps stay in its file)."""
+    info = processes().get(pid)
+    if info is not None and info["proc"].poll() is None:
+        info["proc"].send_signal(signal.SIGTERM)
+        info["stopped"] = True  # however it exits (killed by the signal, or closing its run first), it was stopped
+
+
+def progress_line(pid: int, row: pd.Series | None) -> str | None:
+    """"step 12 of 50 · 4.1 steps/s" for a run started here, from its listed steps and duration."""
+    info = processes().get(pid)
+    if info is None or row is None or pd.isna(row["steps"]):
+        return None
+    done = int(row["steps"])
+    rate = f" · {done / row['duration_s']:.1f} steps/s" if done and row["duration_s"] else ""
+    return f"step {done:,} of {info['steps']:,}{rate}"
 
 
 def log_tail(pid: int, lines: int = 15) -> str:
@@ -319,8 +372,16 @@ def watch_started_run() -> None:
         command = " ".join(processes()[pid]["cmd"][1:])
         if status == "running":
             st.info(f"Process {pid} is running: `{command}`")
+            progress = progress_line(pid, row)
+            c1, c2 = st.columns([1, 5])
+            if c1.button("Stop", key=f"stop-{pid}", help="End the run (SIGTERM); the steps recorded so far are kept"):
+                stop_run(pid)
+            c2.markdown(f"**{progress}**" if progress else "Starting…")
         elif code == 0:
             st.success(f"Process {pid} finished: `{command}`")
+        elif processes()[pid].get("stopped"):
+            st.warning(f"Process {pid} was stopped (SIGTERM, exit code {code}); the steps it recorded are kept: "
+                       f"`{command}`")
         else:
             st.error(f"Process {pid} exited with code {code}: `{command}`")
         if row is not None:

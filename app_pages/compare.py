@@ -1,6 +1,10 @@
 """Compare: two or more runs side by side (step time, phase shares, per-device memory) and what differs."""
 from __future__ import annotations
 
+import numbers
+
+import numpy as np
+import pandas as pd
 import streamlit as st
 
 from dpprof import charts, views
@@ -11,32 +15,59 @@ runs = common.readable(common.listing())
 ids = runs["id"].tolist()
 labels = dict(zip(ids, (common.run_label(r) for _, r in runs.iterrows())))
 state = st.session_state
+need = None
 if "compare_pick" not in state:  # first visit, or the Runs page chose the runs
-    state["compare_pick"] = [i for i in state.get(common.COMPARE_KEY, []) if i in ids] or ids[:2][::-1]
+    picked = [i for i in state.get(common.COMPARE_KEY, []) if i in ids]
+    if not picked:  # the open run and the newest finished run of its workload
+        picked, need = views.default_compare(runs, state.get(common.RUN_KEY))
+    state["compare_pick"] = picked
 state["compare_pick"] = [i for i in state["compare_pick"] if i in ids]  # a run file may have gone
 chosen = st.multiselect("Runs (the first is the baseline)", ids, format_func=labels.get, key="compare_pick")
 state[common.COMPARE_KEY] = chosen
 
 
+def _cell(value: object) -> str:
+    """One cell of the transposed summary, as text (its rows mix numbers, words and flags)."""
+    if isinstance(value, (bool, np.bool_)):
+        return "yes" if value else "no"
+    if value is None or (isinstance(value, numbers.Number) and pd.isna(value)) or value is pd.NA:
+        return "-"
+    if isinstance(value, numbers.Integral):
+        return f"{value:,}"
+    return f"{value:,.2f}" if isinstance(value, numbers.Real) else str(value)
+
+
 def body() -> None:
     if len(chosen) < 2:
-        common.missing("Choose two or more runs to compare (here, or select them on the Runs page)."
-                       if len(ids) >= 2 else "Comparing needs two or more runs; record another on the New run page.")
+        common.missing(need or ("Choose two or more runs to compare (here, or select them on the Runs page)."
+                                if len(ids) >= 2 else "Comparing needs two or more runs; record another on the "
+                                "New run page."))
         return
     rows = [runs[runs["id"] == i].iloc[0] for i in chosen]
     data = views.combine([common.view("compare_part", r) for r in rows])
     st.subheader("What differs")
     st.caption(f"Against the baseline, {data.summary.iloc[0]['run']}.")
     st.markdown("\n".join(f"- {line}" for line in data.differences) or "Nothing to compare yet.")
-    summary = data.summary.set_index("run").T
-    shown = summary.map(lambda v: f"{v:,.2f}" if isinstance(v, float) else "" if v is None else str(v))
-    common.table(shown, "compare_summary", index=True)
+    shown = views.display_table(data.summary).set_index("run").T
+    st.dataframe(shown.map(_cell), width="stretch")
+    common.csv_button(data.summary, "compare_summary")
+    empty = [r["run"] for _, r in data.summary.iterrows() if not r["steps"]]
+    if empty:
+        common.missing(f"No steps recorded in {', '.join(empty)}: its charts stay empty.")
+    if data.steps.empty:
+        return
     common.chart(charts.compare_step_times(data.steps))
     left, right = st.columns(2)
     with left:
-        common.chart(charts.compare_phase_shares(data.shares))
+        if data.shares.empty:
+            common.missing("No phases recorded in these runs.")
+        else:
+            common.chart(charts.compare_phase_shares(data.shares))
     with right:
-        common.chart(charts.compare_memory(data.memory))
+        if data.memory.empty:
+            common.missing("No memory records in these runs.")
+        else:
+            common.chart(charts.compare_memory(data.memory))
     if data.memory["peak_allocated_bytes"].isna().any():
         st.caption("Memory is what dpprof accounts to each device (chunk, outputs, activations, gathered outputs, "
                    "weights): some of these runs have no CUDA allocator figures.")

@@ -24,7 +24,7 @@ def body(row: pd.Series) -> None:
         c1, c2, c3 = st.columns([2, 1, 4])
         c1.download_button(f"⬇ {t.table}.csv", common.run_csv(row, t.table), file_name=f"{row['id']}-{t.table}.csv",
                            mime="text/csv", key=f"export-{t.table}", on_click="ignore")
-        c2.write(f"{int(t.rows):,} rows" if pd.notna(t.rows) else "")
+        c2.write(f"{int(t.rows):,} row{'' if int(t.rows) == 1 else 's'}" if pd.notna(t.rows) else "")
         c3.caption(t.what)
 
 

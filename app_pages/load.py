@@ -17,18 +17,20 @@ def body(row: pd.Series) -> None:
         common.missing(data.missing["apply"])
     else:
         kind = st.segmented_control("Draw as", ["box", "violin"], default="box", key="apply_kind") or "box"
-        common.chart(charts.apply_distribution(data.apply_samples, kind, data.work_phase))
+        common.chart(charts.apply_distribution(data.apply_samples, kind, data.work_phase, data.idle))
         if data.apply_stats["sampled"].any():
             per = int(data.apply_samples.groupby("device").size().max())
             st.caption(f"The distributions and percentiles use every k-th step ({per:,} per device); mean, min and "
                        "max are over every step.")
-        common.table(data.apply_stats.drop(columns=["sampled"]).round(4), "apply_per_device")
+        common.table(data.apply_stats.drop(columns=["sampled"]), "apply_per_device")
+    if data.idle:
+        st.caption(f"{', '.join(data.idle)} got no chunk in any step: idle, drawn at zero.")
 
     st.subheader("Memory per device")
     if "memory" in data.missing:
         common.missing(data.missing["memory"])
     else:
-        common.chart(charts.memory_per_device(data.memory))
+        common.chart(charts.memory_per_device(data.memory, data.idle))
         if "allocator" in data.missing:
             common.missing(data.missing["allocator"])
         out = data.memory.loc[data.memory["output_device"].astype(bool), "device"].tolist()
@@ -37,7 +39,7 @@ def body(row: pd.Series) -> None:
         common.table(data.memory, "memory_per_device")
 
         st.subheader("Chunk sizes")
-        common.chart(charts.chunk_sizes(data.chunks))
+        common.chart(charts.chunk_sizes(data.chunks, data.idle))
         common.table(data.chunks, "chunk_sizes")
 
     st.subheader("GPUs over time")

@@ -1,4 +1,4 @@
-"""New run: start a built-in workload in a background process, then watch it record."""
+"""New run: start a built-in workload in a background process, then watch it record (and stop it)."""
 from __future__ import annotations
 
 import pandas as pd
@@ -11,21 +11,29 @@ from app_pages import common
 st.title("New run")
 st.caption("Trains a built-in workload under dpprof.DataParallel in its own process "
            "(`python -m dpprof profile …`), so the dashboard stays responsive; its pages refresh by themselves "
-           "while it records.")
+           "while it records. A run starts only from the Start button.")
 names = list(WORKLOADS)
-with st.form("new_run"):
-    workload = st.selectbox("Workload", names, index=names.index("cifar-lenet"))
-    choices = ["CPU workers"] + (["every CUDA GPU"] if torch.cuda.is_available() else [])
-    on = st.radio("Devices", choices, horizontal=True)
-    c1, c2, c3 = st.columns(3)
-    workers = int(c1.number_input("CPU workers", min_value=1, max_value=64, value=2))
-    steps = int(c2.number_input("Steps", min_value=1, max_value=10_000_000, value=50))
-    batch = int(c3.number_input("Batch size (0: the workload's own)", min_value=0, max_value=1_000_000, value=0))
-    name = st.text_input("Name (optional)", max_chars=100)
-    start = st.form_submit_button("Start", type="primary")
-if start:
+# plain widgets, no st.form: Enter in a field never submits anything
+workload = st.selectbox("Workload", names, index=names.index("cifar-lenet"), key="nr_workload")
+choices = ["CPU workers"] + (["every CUDA GPU"] if torch.cuda.is_available() else [])
+on = st.radio("Devices", choices, horizontal=True, key="nr_devices")
+c1, c2, c3 = st.columns(3)
+workers = int(c1.number_input("CPU workers", min_value=1, max_value=64, value=2, key="nr_workers"))
+steps = int(c2.number_input("Steps", min_value=1, max_value=10_000_000, value=50, key="nr_steps"))
+batch = int(c3.number_input("Batch size (0: the workload's own)", min_value=0, max_value=1_000_000, value=0,
+                            key="nr_batch"))
+name = st.text_input("Name (optional)", max_chars=100, key="nr_name")
+balanced = st.checkbox("Balanced: DataParallelModel + DataParallelCriterion (each device computes its share of the "
+                       "loss; nothing is gathered onto one device)", key="nr_balanced")
+busy = common.running_processes()
+confirmed = True
+if busy:
+    confirmed = st.checkbox(f"Start another run while {len(busy)} started here is still running (they share this "
+                            "machine's cores and slow each other down)", key=f"nr_confirm_{max(busy)}")
+if st.button("Start", type="primary", key="nr_start", disabled=not confirmed):
     devices = f"cpu:{workers}" if on == "CPU workers" else "cuda"
-    common.start_run(workload, devices, steps, batch or None, name.strip() or None)
+    common.start_run(workload, devices, steps, batch or None, name.strip() or None, balanced=balanced)
+    st.rerun()  # draw the page again with the run going: a second start now asks first
 common.watch_started_run()
 
 mine = [p for p in st.session_state.get("started", []) if p in common.processes()]

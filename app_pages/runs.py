@@ -23,13 +23,16 @@ if good.empty:
         common.start_run(**common.DEMO_ARGS)
     common.watch_started_run()
 else:
-    shown = good[["status", "name", "workload", "backend", "devices", "steps", "duration_s", "created_at", "id"]].copy()
+    shown = good[["status", "name", "workload", "balanced", "backend", "devices", "steps", "duration_s", "created_at",
+                  "id"]].copy()
     shown["created_at"] = shown["created_at"].str.slice(0, 19).str.replace("T", " ")
     st.caption("Select one run to open it, or several to compare them.")
     event = st.dataframe(
         shown, hide_index=True, on_select="rerun", selection_mode="multi-row", key="runs_table",
         column_config={"duration_s": st.column_config.NumberColumn("duration (s)", format="%.1f"),
-                       "created_at": "started (UTC)", "steps": st.column_config.NumberColumn(format="%d")})
+                       "created_at": "started (UTC)", "steps": st.column_config.NumberColumn(format="%d"),
+                       "balanced": st.column_config.CheckboxColumn(
+                           "balanced", help="DataParallelModel + DataParallelCriterion: nothing gathered")})
     selected = shown.iloc[list(event.selection.rows)]["id"].tolist() if event.selection.rows else []
     c1, c2, c3, _ = st.columns([1, 1, 1, 5])
     if c1.button("Open", disabled=len(selected) != 1, type="primary", key="open_run",

@@ -136,7 +136,9 @@ def page_builders(paths: list[str]) -> dict[str, object]:
 
     def overview():
         data = views.overview(load_run(path))
-        return [charts.step_times(data.steps), charts.phase_breakdown(data.breakdown), charts.phase_shares(data.totals)]
+        g = data.glance
+        return [charts.device_glance(g.devices, g.work_phase, g.memory_source, *g.marked()),
+                charts.step_times(data.steps), charts.phase_breakdown(data.breakdown), charts.phase_shares(data.totals)]
 
     def load():
         data = views.load(load_run(path))

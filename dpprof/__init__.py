@@ -13,9 +13,11 @@ from dpprof.parallel import (
     scatter_kwargs,
 )
 from dpprof.devices import check_balance
+from dpprof.instrument import instrument
 from dpprof.recording import CLOSE_HOOKS, Run, current_run, record
 from dpprof.report import store_findings
 from dpprof.store import RunFileError, StoredRun, list_runs, load_run
+from dpprof.store.faults import RecordingError
 
 __version__ = "0.1.0"
 
@@ -24,4 +26,4 @@ CLOSE_HOOKS.append(store_findings)  # every stored run gets its findings when it
 __all__ = ["DataParallel", "data_parallel", "DataParallelModel", "DataParallelCriterion",
            "DistributedDataParallel", "cpu_devices", "scatter", "scatter_kwargs", "replicate",
            "parallel_apply", "gather", "record", "current_run", "Run", "list_runs", "load_run", "StoredRun",
-           "RunFileError", "check_balance", "__version__"]
+           "RunFileError", "RecordingError", "check_balance", "instrument", "__version__"]

@@ -15,7 +15,7 @@ from plotly.subplots import make_subplots
 
 from dpprof.records import PHASES
 
-__all__ = ["MAX_POINTS", "PHASE_COLORS", "downsample", "step_times", "phase_breakdown", "phase_shares",
+__all__ = ["MAX_POINTS", "PHASE_COLORS", "downsample", "device_glance", "bytes_unit", "step_times", "phase_breakdown", "phase_shares",
            "apply_distribution", "memory_per_device", "chunk_sizes", "gpu_samples", "timeline",
            "compare_step_times", "compare_phase_shares", "compare_memory", "check_chunks"]
 
@@ -35,7 +35,7 @@ _OTHER_COLORS = ["#661100", "#6699CC", "#888888", "#E69F00"]
 
 def _color(phase: str) -> str:
     return PHASE_COLORS.get(phase) or _OTHER_COLORS[sum(map(ord, phase)) % len(_OTHER_COLORS)]
-_MIB = 2**20
+TIMELINE_LABELLED_STEPS = 20  # more step labels than this in one lane get cramped and turn on their side
 _LAYOUT = dict(template="plotly_white", margin=dict(l=10, r=10, t=50, b=10), legend_title_text="")
 
 
@@ -58,6 +58,46 @@ def downsample(df: pd.DataFrame, max_points: int = MAX_POINTS) -> pd.DataFrame:
 
 def _label(phase: str) -> str:
     return PHASE_LABELS.get(phase, phase)
+
+
+def bytes_unit(max_bytes: float) -> tuple[str, float]:
+    """The unit a byte axis reads best in, and its scale: KiB under one MiB, GiB from one GiB, else MiB."""
+    if max_bytes >= 2**30:
+        return "GiB", 2**-30
+    if 0 < max_bytes < 2**20:
+        return "KiB", 2**-10
+    return "MiB", 2**-20
+
+
+_WORST, _DEVICE, _IDLE = "#CC6677", "#4477AA", "#BBBBBB"
+
+
+def device_glance(devices: pd.DataFrame, work_phase: str = "apply", memory_source: str = "peak held",
+                  slowest: str | None = None, heaviest: str | None = None) -> go.Figure:
+    """Each device's mean work per step and its peak memory, side by side, the worst device of each in red and
+    idle devices at zero, labelled idle.
+
+    Args:
+        devices: dpprof.views.Glance.devices (device, work_ms, peak_bytes, output_device, idle).
+        slowest, heaviest: the devices to mark (dpprof.views.Glance).
+    """
+    unit, scale = bytes_unit(float(devices["peak_bytes"].max() or 0) if len(devices) else 0.0)
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
+                        subplot_titles=[f"{work_phase} per step (ms, mean)", f"memory ({unit}, {memory_source})"])
+    fig.update_layout(**{**_LAYOUT, "margin": dict(l=10, r=10, t=40, b=10)}, height=110 + 34 * max(2, len(devices)),
+                      showlegend=False)
+    ticks = [f"{d} (output)" if o else str(d) for d, o in zip(devices["device"], devices["output_device"])]
+    for col, (value_col, worst, fmt, mult) in enumerate((("work_ms", slowest, "{:.2f} ms", 1.0),
+                                                         ("peak_bytes", heaviest, "{:,.1f} " + unit, scale)), 1):
+        values = devices[value_col].astype(float) * mult
+        text = ["idle" if i else ("" if pd.isna(v) else fmt.format(v)) for v, i in zip(values, devices["idle"])]
+        colors = [_IDLE if i else _WORST if d == worst else _DEVICE for d, i in zip(devices["device"], devices["idle"])]
+        fig.add_trace(go.Bar(x=values.fillna(0).tolist(), y=ticks, orientation="h", marker_color=colors, text=text,
+                             textposition=["outside" if i else "auto" for i in devices["idle"]],  # a zero-width bar
+                             cliponaxis=False, hovertemplate="%{y}: %{text}<extra></extra>"), row=1, col=col)
+        fig.update_xaxes(rangemode="tozero", tickformat=",.3~f", row=1, col=col)
+    fig.update_yaxes(categoryorder="array", categoryarray=ticks[::-1])
+    return fig
 
 
 def step_times(steps: pd.DataFrame) -> go.Figure:
@@ -116,20 +156,26 @@ def phase_shares(totals: pd.DataFrame) -> go.Figure:
     return fig
 
 
-def apply_distribution(samples: pd.DataFrame, kind: str = "box", phase: str = "apply") -> go.Figure:
-    """Apply time per step on each device, as box plots (or violins): a straggler stands out.
+def apply_distribution(samples: pd.DataFrame, kind: str = "box", phase: str = "apply",
+                       idle: list[str] | tuple[str, ...] = ()) -> go.Figure:
+    """Apply time per step on each device, as box plots (or violins, clipped to the data): a straggler stands out.
 
     Args:
         samples: dpprof.store.queries.apply_samples (step, device, duration_ms).
         kind: "box" or "violin".
         phase: the phase the samples are of ("forward" for DistributedDataParallel ranks).
+        idle: devices of the run that did no work: drawn at zero, labelled idle.
     """
-    fig = _fig(f"{phase.capitalize()} time per device (ms per step)", yaxis_title="ms", showlegend=False)
+    fig = _fig(f"{phase.capitalize()} time per device (ms per step)", yaxis_title="ms", showlegend=False,
+               yaxis_rangemode="tozero")
     trace = go.Violin if kind == "violin" else go.Box
-    extra = dict(box_visible=True, meanline_visible=True, points=False) if kind == "violin" else dict(
+    extra = dict(box_visible=True, meanline_visible=True, points=False, spanmode="hard") if kind == "violin" else dict(
         boxmean=True, boxpoints="outliers")
     for device, df in samples.groupby("device", sort=False):
         fig.add_trace(trace(y=df["duration_ms"], name=str(device), marker_color=PHASE_COLORS["apply"], **extra))
+    for device in idle:
+        fig.add_trace(go.Scatter(x=[f"{device} (idle)"], y=[0], mode="markers+text", text=["idle: no chunk"],
+                                 textposition="top center", marker=dict(color=_IDLE, size=10), name=str(device)))
     return fig
 
 
@@ -144,23 +190,30 @@ def _device_ticks(memory: pd.DataFrame) -> list[str]:
     return [f"{d} (output)" if out else str(d) for d, out in zip(memory["device"], memory["output_device"])]
 
 
-def memory_per_device(memory: pd.DataFrame) -> go.Figure:
+def memory_per_device(memory: pd.DataFrame, idle: list[str] | tuple[str, ...] = ()) -> go.Figure:
     """What each device held in its peak step, by kind, stacked; the CUDA allocator's peak allocated
-    and reserved bytes as markers where recorded; the output device marked.
+    and reserved bytes as markers where recorded; the output device marked; idle devices at zero.
 
     Args:
         memory: dpprof.store.queries.memory_peaks.
+        idle: devices of the run that did no work: drawn at zero, labelled idle.
     """
     ticks = _device_ticks(memory)
-    fig = _fig("Memory per device (MiB, in each device's peak step)", yaxis_title="MiB", barmode="stack")
+    peaks = [memory[c].max() for c in ("peak_held_bytes", "peak_allocated_bytes", "peak_reserved_bytes") if c in memory]
+    unit, scale = bytes_unit(float(pd.Series(peaks, dtype=float).max()) if peaks and len(memory) else 0.0)
+    fig = _fig(f"Memory per device ({unit}, in each device's peak step)", yaxis_title=unit, barmode="stack",
+               yaxis_tickformat=",.3~f")
     for (col, label), color in zip(_MEMORY_KINDS.items(), _MEMORY_COLORS):
         if col in memory and memory[col].fillna(0).any():
-            fig.add_trace(go.Bar(x=ticks, y=memory[col] / _MIB, name=label, marker_color=color))
+            fig.add_trace(go.Bar(x=ticks, y=memory[col] * scale, name=label, marker_color=color))
     for col, label, symbol in (("peak_allocated_bytes", "peak allocated (allocator)", "diamond"),
                                ("peak_reserved_bytes", "reserved (allocator)", "line-ew-open")):
         if col in memory and memory[col].notna().any():
-            fig.add_trace(go.Scatter(x=ticks, y=memory[col] / _MIB, name=label, mode="markers",
+            fig.add_trace(go.Scatter(x=ticks, y=memory[col] * scale, name=label, mode="markers",
                                      marker=dict(symbol=symbol, size=14, color="#222222", line=dict(width=2))))
+    if idle:
+        fig.add_trace(go.Bar(x=[f"{d} (idle)" for d in idle], y=[0] * len(idle), name="idle", marker_color=_IDLE,
+                             text=["idle: no chunk"] * len(idle), textposition="outside", cliponaxis=False))
     for tick, out in zip(ticks, memory["output_device"]):
         if out:
             fig.add_annotation(x=tick, y=1.0, yref="paper", text="output device", showarrow=False,
@@ -168,11 +221,13 @@ def memory_per_device(memory: pd.DataFrame) -> go.Figure:
     return fig
 
 
-def chunk_sizes(chunks: pd.DataFrame) -> go.Figure:
-    """The chunk each device got: one dot per (device, chunk size), its size the share of forward calls.
+def chunk_sizes(chunks: pd.DataFrame, idle: list[str] | tuple[str, ...] = ()) -> go.Figure:
+    """The chunk each device got: one dot per (device, chunk size), its size the share of forward calls;
+    idle devices at zero, labelled idle.
 
     Args:
         chunks: dpprof.store.queries.chunk_counts (device, chunk_size, calls).
+        idle: devices of the run that never got a chunk.
     """
     df = chunks.dropna(subset=["chunk_size"])
     total = df.groupby("device")["calls"].transform("sum")
@@ -183,6 +238,12 @@ def chunk_sizes(chunks: pd.DataFrame) -> go.Figure:
                              marker=dict(size=(10 + 30 * share.astype(float)).tolist(), color="#4477AA"),
                              text=[f"{int(c)} ({n:,} calls)" for c, n in zip(df["chunk_size"], df["calls"])],
                              textposition="top center", cliponaxis=False))
+    if idle:
+        fig.add_trace(go.Scatter(x=list(idle), y=[0] * len(idle), mode="markers+text", text=["idle: no chunk"] * len(idle),
+                                 textposition="top center", marker=dict(size=10, color=_IDLE), cliponaxis=False))
+    lanes = list(dict.fromkeys([*df["device"], *idle]))
+    # categories with half a lane of room each side: two devices sit apart, not at the plot's edges
+    fig.update_xaxes(type="category", categoryorder="array", categoryarray=lanes, range=[-0.75, len(lanes) - 0.25])
     fig.update_yaxes(range=[0, float(df["chunk_size"].max() if len(df) else 1) * 1.3])
     return fig
 
@@ -224,7 +285,16 @@ def _device_order(label: str) -> tuple[str, int, str]:
     return (kind, int(index), "") if index.isdigit() else (kind, -1, str(label))
 
 
-def timeline(phases: pd.DataFrame, steps: pd.DataFrame) -> go.Figure:
+def _per_step_scale(phases: pd.DataFrame, steps: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+    """Each phase's start and length in steps: step i spans [i, i + 1) of the range, whatever its duration."""
+    index = {s: i for i, s in enumerate(steps["step"])}
+    start = phases["step"].map(steps.set_index("step")["start_ms"])
+    length = phases["step"].map(steps.set_index("step")["duration_ms"]).replace(0, float("nan"))
+    base = phases["step"].map(index) + (phases["start_ms"] - start) / length
+    return base, phases["duration_ms"] / length
+
+
+def timeline(phases: pd.DataFrame, steps: pd.DataFrame, equal_steps: bool = False) -> go.Figure:
     """A Gantt chart of the phases on each device over a range of steps.
 
     Lanes: "step" (each step), "parallel_apply" (all replicas together), then one lane per device with
@@ -232,25 +302,40 @@ def timeline(phases: pd.DataFrame, steps: pd.DataFrame) -> go.Figure:
 
     Args:
         phases, steps: dpprof.store.queries.timeline.
+        equal_steps: draw every step the same width (each phase at its share of its step), so that a few
+            slow steps do not squash the others; hover still gives milliseconds.
     """
     devices = sorted(dict.fromkeys(phases["device"]), key=_device_order)  # not by who started first
     lanes = ["step", *(["parallel_apply"] if (phases["phase"] == "parallel_apply").any() else []), *devices]
-    fig = _fig("Timeline (ms since the run started)", xaxis_title="ms", barmode="overlay",
+    equal_steps = equal_steps and not steps.empty
+    fig = _fig("Timeline (every step the same width)" if equal_steps else "Timeline (ms since the run started)",
+               xaxis_title="step (each the same width)" if equal_steps else "ms", barmode="overlay",
                height=140 + 40 * len(lanes), bargap=0.25)
     if not steps.empty:
-        fig.add_trace(go.Bar(y=["step"] * len(steps), x=steps["duration_ms"], base=steps["start_ms"], orientation="h",
+        x, base = ([1.0] * len(steps), list(range(len(steps)))) if equal_steps else (steps["duration_ms"],
+                                                                                     steps["start_ms"])
+        fig.add_trace(go.Bar(y=["step"] * len(steps), x=x, base=base, orientation="h",
                              name="step", marker=dict(color=PHASE_COLORS["step"], line=dict(color="#888", width=1)),
-                             text=[f"step {s}" for s in steps["step"]], textposition="inside",
-                             hovertemplate="step %{text}<br>%{x:.2f} ms<extra></extra>"))
+                             text=[f"step {s}" for s in steps["step"]], customdata=steps[["duration_ms"]],
+                             # labels only where they fit flat; past TIMELINE_LABELLED_STEPS steps, on hover
+                             texttemplate="%{text}" if len(steps) <= TIMELINE_LABELLED_STEPS else "",
+                             textposition="inside", insidetextanchor="middle", textangle=0,
+                             hovertemplate="%{text}<br>%{customdata[0]:.2f} ms<extra></extra>"))
     rank = {p: i for i, p in enumerate(PHASES)}
     for phase in sorted(dict.fromkeys(phases["phase"]), key=lambda p: rank.get(p, len(rank))):
         df = phases[phases["phase"] == phase]
         y = ["parallel_apply"] * len(df) if phase == "parallel_apply" else df["device"]
-        fig.add_trace(go.Bar(y=y, x=df["duration_ms"], base=df["start_ms"], orientation="h", name=_label(phase),
-                             marker_color=_color(phase), customdata=df[["step", "device"]],
+        base, x = _per_step_scale(df, steps) if equal_steps else (df["start_ms"], df["duration_ms"])
+        fig.add_trace(go.Bar(y=y, x=x, base=base, orientation="h", name=_label(phase),
+                             marker_color=_color(phase), customdata=df[["step", "device", "duration_ms", "start_ms"]],
                              hovertemplate=f"{phase}<br>step %{{customdata[0]}} on %{{customdata[1]}}"
-                                           "<br>%{x:.3f} ms from %{base:.2f} ms<extra></extra>"))
+                                           "<br>%{customdata[2]:.3f} ms from %{customdata[3]:.2f} ms<extra></extra>"))
     fig.update_yaxes(categoryorder="array", categoryarray=lanes[::-1])
+    if equal_steps:
+        every = max(1, math.ceil(len(steps) / TIMELINE_LABELLED_STEPS))
+        ticks = list(range(0, len(steps), every))
+        fig.update_xaxes(tickvals=[i + 0.5 for i in ticks], ticktext=[str(steps["step"].iloc[i]) for i in ticks],
+                         range=[0, len(steps)])
     return fig
 
 
@@ -295,9 +380,10 @@ def compare_memory(memory: pd.DataFrame) -> go.Figure:
     use_alloc = memory["peak_allocated_bytes"].notna().all() if len(memory) else False
     col = "peak_allocated_bytes" if use_alloc else "peak_held_bytes"
     what = "peak allocated" if use_alloc else "peak held in one step"
-    fig = _fig("Memory per device by run", yaxis_title=f"MiB, {what}", barmode="group")
+    unit, scale = bytes_unit(float(memory[col].max()) if len(memory) and memory[col].notna().any() else 0.0)
+    fig = _fig("Memory per device by run", yaxis_title=f"{unit}, {what}", barmode="group", yaxis_tickformat=",.3~f")
     for run, df in memory.groupby("run", sort=False):
-        fig.add_trace(go.Bar(x=df["device"], y=df[col] / _MIB, name=str(run),
+        fig.add_trace(go.Bar(x=df["device"], y=df[col] * scale, name=str(run),
                              text=["output" if o else "" for o in df["output_device"]], textposition="outside"))
     return fig
 

@@ -1,10 +1,12 @@
-"""The dpprof command: profile, check, merge, runs, show, export.
+"""The dpprof command: profile, run, check, merge, runs, show, export.
 
 Exit codes: 0 ok, 1 failure (or findings, for commands that report them), 2 usage error.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -13,19 +15,26 @@ import pandas as pd
 __all__ = ["main", "parse_devices"]
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+DEFAULT_WORKLOAD = "cifar-lenet"
 
 
 class UsageError(Exception):
     """Bad arguments: reported with exit code 2."""
 
 
+_CPU_LIST = re.compile(r"cpu:\d+(,cpu:\d+)+")  # cpu:0,cpu:1: the workers by name, as `dpprof check` takes them
+
+
 def parse_devices(text: str) -> list:
-    """--devices: "cpu:N" (N CPU workers), "cuda" (every GPU) or "0,1,2" (those GPUs)."""
+    """--devices: "cpu:N" (N CPU workers), "cpu:0,cpu:1" (those workers), "cuda" (every GPU) or "0,1,2"
+    (those GPUs)."""
     import torch
 
     import dpprof
 
     text = text.strip()
+    if _CPU_LIST.fullmatch(text.replace(" ", "")):
+        return [p.strip() for p in text.split(",")]
     if text.startswith("cpu:"):
         count = text[4:]
         if not count.isdigit() or int(count) < 1:
@@ -42,10 +51,30 @@ def parse_devices(text: str) -> list:
 
 
 def _input_shape(text: str) -> list[int]:
+    """--input-shape: positive sizes separated by commas (or x): 3,224,224 or 3x224x224."""
+    parts = [p.strip() for p in re.split(r"[,x]", text.strip())]
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a shape of positive sizes like 3,224,224")
+    return [int(p) for p in parts]
+
+
+def _check_input_shape(workload: object, spec: str, shape: list[int]) -> None:
+    """One forward pass of the user's model on a batch of two samples of ``shape``, before any run is created:
+    a model that cannot take the shape is a usage error, said in one line."""
+    import torch
+
+    model = workload.model  # type: ignore[attr-defined]
+    training = model.training
     try:
-        return [int(d) for d in text.replace("x", ",").split(",") if d.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a shape like 3,224,224") from None
+        model.eval()  # no BatchNorm statistics learnt from the check's random batch
+        with torch.no_grad():
+            model(torch.randn(2, *shape))
+    except Exception as err:  # whatever the model raises: the message is what the user needs
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise UsageError(f"--model {spec} fails on --input-shape {','.join(map(str, shape))} "
+                         f"(a batch of 2): {type(err).__name__}: {first}") from None
+    finally:
+        model.train(training)
 
 
 def _table(df: pd.DataFrame, float_format: str = "{:.3f}") -> str:
@@ -62,6 +91,11 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise UsageError(f"--steps must be positive, got {args.steps}")
+    if args.model and args.workload:
+        raise UsageError(f"give a built-in workload ({args.workload}) or --model, not both")
+    if args.model and os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # --model pkg.module:factory from the current directory, as python -m finds it
+    args.workload = args.workload or ("" if args.model else DEFAULT_WORKLOAD)
     if args.ddp:
         return _profile_ddp(args)
     devices = parse_devices(args.devices)
@@ -71,6 +105,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             if not args.input_shape:
                 raise UsageError("--model needs --input-shape (the shape of one sample, e.g. 3,224,224)")
             workload = user_workload(args.model, args.input_shape, args.batch_size)
+            _check_input_shape(workload, args.model, args.input_shape)
         else:
             workload = build_workload(args.workload, args.batch_size)
     except ValueError as err:
@@ -79,6 +114,10 @@ def _cmd_profile(args: argparse.Namespace) -> int:
                                unit="step", disable=args.quiet)
     run = train(workload, devices, args.steps, name=args.name, reports_dir=args.reports_dir, progress=progress,
                 balanced=args.balanced)
+    if run.recording_failed:  # training finished; the one line on stderr said what was not recorded
+        if os.path.exists(run.path):
+            print(f"  dpprof show {run.id}")
+        return EXIT_FAILURE
     print(f"recorded run {run.id} ({args.steps} steps) in {run.path}")
     print(f"  dpprof show {run.id}")
     return EXIT_OK
@@ -87,7 +126,6 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 def _profile_ddp(args: argparse.Namespace) -> int:
     """Run the workload under torchrun, one process per rank, with rank 0's steps as the progress bar."""
     import collections
-    import os
     import subprocess
 
     from tqdm import tqdm
@@ -120,6 +158,83 @@ def _profile_ddp(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    """Run a script (or -m module) as python would, with torch's DataParallel and DDP recording."""
+    import os
+    import runpy
+
+    from dpprof.instrument import instrumented
+
+    if not args.target:
+        raise UsageError("run needs a script (dpprof run train.py ARGS...) or a module (dpprof run -m MODULE ARGS...)")
+    for flag, value in (("--cpu-workers", args.cpu_workers), ("--steps", args.steps)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be positive, got {value}")
+    target, script_args = args.target[0], args.target[1:]
+    saved_argv, saved_path0 = sys.argv, sys.path[0]
+    if args.module:
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(target) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise UsageError(f"-m {target}: no module named {target!r}")
+        sys.path[0] = os.getcwd()  # as python -m does
+    else:
+        if not os.path.exists(target):
+            raise UsageError(f"{target}: no such file")
+        if os.path.isfile(target) and not target.endswith(".zip"):  # a directory or zip: runpy puts it first
+            sys.path[0] = os.path.dirname(os.path.abspath(target))  # as python script.py does
+    shown = (f"-m {target}" if args.module else os.path.basename(target))
+    name = args.name or " ".join([shown, *script_args])
+    sys.argv = [target, *script_args]
+    run_args = {"command": "dpprof run", "argv": [shown, *script_args], "cpu_workers": args.cpu_workers,
+                "steps": args.steps}
+    record_args = None if args.no_record else dict(name=name, reports_dir=args.reports_dir, workload=shown,
+                                                   workload_args=run_args)
+    session = None
+    try:
+        with instrumented(record_args, args.cpu_workers, args.steps) as session:
+            if args.module:
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(target, run_name="__main__")
+    except SystemExit:
+        _tell_recorded(session)
+        raise  # the script's exit code
+    except BaseException as err:  # noqa: BLE001 - printed as python prints an uncaught exception
+        _tell_recorded(session)
+        err = err.with_traceback(_script_frames(err.__traceback__))
+        sys.excepthook(type(err), err, err.__traceback__)
+        return 130 if isinstance(err, KeyboardInterrupt) else EXIT_FAILURE
+    finally:
+        sys.argv, sys.path[0] = saved_argv, saved_path0
+    _tell_recorded(session)
+    return EXIT_OK
+
+
+def _script_frames(tb):
+    """The traceback from the script's first frame on (dpprof's and runpy's own frames left out)."""
+    import os
+    import runpy
+
+    ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in ours:
+        tb = tb.tb_next
+    return tb
+
+
+def _tell_recorded(session) -> None:
+    """One line on stderr (the script's stdout is left as it is) saying where the run went."""
+    run = session.run if session is not None else None
+    if run is None or run.path is None or run.rank not in (None, 0):
+        return
+    print(f"dpprof: recorded run {run.id} ({run.steps_started} steps) in {run.path}; dpprof show {run.id}",
+          file=sys.stderr, flush=True)
+
+
 def _cmd_merge(args: argparse.Namespace) -> int:
     from dpprof.store.merge import merge_rank_files
     from dpprof.store.reader import reports_dir
@@ -149,6 +264,9 @@ def _cmd_show(args: argparse.Namespace) -> int:
     import dpprof
     from dpprof.analysis import phase_table
     from dpprof.report import SUMMARY_COLUMNS, findings_of, summary_of
+    from dpprof.findings import findings_withheld
+    from dpprof.store.queries import median_step_ms
+    from dpprof.views import display_table
 
     run = dpprof.load_run(args.run, args.reports_dir)
     m = run.meta
@@ -162,16 +280,18 @@ def _cmd_show(args: argparse.Namespace) -> int:
         return EXIT_OK
     ranks = f" on each of {steps['rank'].nunique()} ranks" if "rank" in steps.columns else ""
     count = steps.groupby("rank").size().max() if ranks else len(steps)
-    print(f"  {count} steps{ranks}, median {steps['duration_ms'].median():.2f} ms, "
+    print(f"  {count} steps{ranks}, median {median_step_ms(run):.2f} ms, "
           f"batch {int(steps['batch_size'].median()) if steps['batch_size'].notna().any() else '-'}")
     if m.get("dropped_records"):
-        print(f"  warning: {m['dropped_records']} records were dropped (the writer fell behind)")
-    print("\nper device:")
-    print(_table(summary_of(run)[SUMMARY_COLUMNS]))
+        why = "the disk was full" if m["status"] == "disk_full" else "the writer fell behind"
+        print(f"  warning: {m['dropped_records']} records were dropped ({why})")
+    print("\nper device:")  # units in the headers, bytes in MiB: `dpprof export` keeps the machine values
+    print(_table(display_table(summary_of(run)[SUMMARY_COLUMNS].reset_index()).set_index("device"), "{:,.2f}"))
     print("\nmean ms per step, by phase:")
-    print(_table(phase_table(run.phases)))
+    print(_table(display_table(phase_table(run.phases).reset_index()).set_index("device"), "{:,.2f}"))
     findings = findings_of(run)
-    print(f"\nfindings: {len(findings) or 'none'}")
+    withheld = findings_withheld(steps)
+    print(f"\nfindings: {len(findings) or 'none'}" + (f" ({withheld})" if withheld else ""))
     _print_findings(findings.to_dict("records"))
     notes = run.notes
     for message in notes["message"] if not notes.empty else []:
@@ -196,6 +316,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
     device_ids = None
     if args.device_ids:  # "0,1" are GPU indices, as torch takes them; "cuda:0" and "cpu:0" are names
         device_ids = [int(d) if d.isdigit() else d for d in (p.strip() for p in args.device_ids.split(","))]
+        if len(device_ids) == 1 and re.fullmatch(r"cpu:\d+", str(device_ids[0])):
+            # `profile --devices cpu:3` means three workers; here cpu:3 would be the one worker named cpu:3
+            n = int(str(device_ids[0])[4:])
+            listed = ",".join(f"cpu:{i}" for i in range(max(n, 1)))
+            raise UsageError(f"--device-ids {device_ids[0]} is ambiguous: name every worker, e.g. --device-ids "
+                             f"{listed} for {max(n, 1)} worker(s) (as `dpprof profile --devices "
+                             f"cpu:{max(n, 1)}` means)")
     try:
         findings = dpprof.check_balance(device_ids, args.batch_size)
     except (ValueError, TypeError) as err:
@@ -231,10 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
     from dpprof.workloads import WORKLOADS
 
     p = sub.add_parser("profile", help="train a built-in workload (or your model) and record it")
-    p.add_argument("workload", nargs="?", default="cifar-lenet", choices=list(WORKLOADS),
-                   help="built-in workload (default: cifar-lenet)")
-    p.add_argument("--devices", default="cpu:2", help="cpu:N (CPU workers), cuda (every GPU) or 0,1,2 "
-                   "(default: cpu:2)")
+    p.add_argument("workload", nargs="?", default=None, choices=list(WORKLOADS),
+                   help=f"built-in workload (default: {DEFAULT_WORKLOAD}); not with --model")
+    p.add_argument("--devices", default="cpu:2", help="cpu:N (N CPU workers), cpu:0,cpu:1 (those workers), cuda "
+                   "(every GPU) or 0,1,2 (default: cpu:2)")
     p.add_argument("--steps", type=int, default=50, help="training steps to record (default: 50)")
     p.add_argument("--batch-size", type=int, default=None, help="batch size (default: the workload's)")
     p.add_argument("--name", default=None, help="a name for the run")
@@ -250,52 +377,94 @@ def build_parser() -> argparse.ArgumentParser:
                    "(gloo on CPU, NCCL on GPUs)")
     p.add_argument("--nproc", type=int, default=2, help="with --ddp: ranks to start (default: 2)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_cmd_profile)
+    p.set_defaults(func=_cmd_profile, parser=p)
 
     p = sub.add_parser("check", help="pre-flight check: are these devices (and this batch size) balanced?",
                        description="Exit code 0: no findings; 1: findings (do not start training blind); "
                        "2: usage error.")
     p.add_argument("--device-ids", default=None, metavar="IDS",
-                   help="devices DataParallel will use: 0,1,2 or cuda:0,cuda:1 or cpu:0,cpu:1 (default: every GPU)")
+                   help="devices DataParallel will use: 0,1,2 or cuda:0,cuda:1 or cpu:0,cpu:1 (every worker named; "
+                   "default: every GPU)")
     p.add_argument("--batch-size", type=int, default=None, help="check how torch.chunk splits this batch")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
-    p.set_defaults(func=_cmd_check)
+    p.set_defaults(func=_cmd_check, parser=p)
+
+    p = sub.add_parser("run", help="run a training script unchanged, its DataParallel and DDP recorded",
+                       usage="dpprof run [-h] [--name NAME] [--cpu-workers N] [--steps N] [--no-record] "
+                       "(SCRIPT.py | -m MODULE) [ARGS...]",
+                       description="Runs SCRIPT.py (or -m MODULE) as python would: same sys.argv, __main__, "
+                       "working directory, exit code and exceptions, with torch.nn.DataParallel, "
+                       "data_parallel and DistributedDataParallel recording into one run. A step ends at each "
+                       "optimizer.step(). Under torchrun: torchrun --nproc_per_node=N -m dpprof run train.py")
+    p.add_argument("--name", default=None, help="a name for the run (default: the script and its arguments)")
+    p.add_argument("--cpu-workers", type=int, default=None, metavar="N",
+                   help="with no GPU, a DataParallel built with no device_ids runs on N CPU workers instead of "
+                   "torch's pass-through (a script that calls .cuda() still needs a GPU)")
+    p.add_argument("--steps", type=int, default=None, metavar="N",
+                   help="stop recording after N steps; the script goes on, unrecorded")
+    p.add_argument("--no-record", action="store_true",
+                   help="record nothing: torch's classes are still dpprof's and --cpu-workers still applies "
+                   "(what bench/run_overhead.py compares recording against)")
+    p.add_argument("-m", dest="module", action="store_true", help="run a module, as python -m does")
+    p.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT.py|MODULE [ARGS...]",
+                   help="the script (or, with -m, the module) and its own arguments")
+    p.set_defaults(func=_cmd_run, parser=p)
 
     p = sub.add_parser("merge", help="gather distributed runs' rank files from several machines into one run")
     p.add_argument("sources", nargs="+", help="rank files (<run id>.rank<N>.sqlite) or directories holding them")
     p.add_argument("--out", default=None, help="where to gather them (default: the reports directory)")
-    p.set_defaults(func=_cmd_merge)
+    p.set_defaults(func=_cmd_merge, parser=p)
 
     p = sub.add_parser("runs", help="list the recorded runs")
-    p.set_defaults(func=_cmd_runs)
+    p.set_defaults(func=_cmd_runs, parser=p)
 
     p = sub.add_parser("show", help="the per-device phase summary of one run")
     p.add_argument("run", help="run id (or a unique prefix) or path to a run file")
-    p.set_defaults(func=_cmd_show)
+    p.set_defaults(func=_cmd_show, parser=p)
 
     p = sub.add_parser("export", help="write a run's tables as CSV files")
     p.add_argument("run", help="run id (or a unique prefix) or path to a run file")
     p.add_argument("--out", default=None, help="output directory (default: ./<run id>-csv)")
-    p.set_defaults(func=_cmd_export)
+    p.set_defaults(func=_cmd_export, parser=p)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 on usage errors, 0 on --help
+    from dpprof.store.faults import RecordingError
     from dpprof.store.reader import RunFileError
 
+    if args.command == "run":  # the script's exceptions and exit code are its own
+        try:
+            return args.func(args)
+        except UsageError as err:
+            args.parser.error(str(err))
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # inside the try: a pipe closed early breaks here, not in the interpreter's last flush
+        return code
     except UsageError as err:
-        parser.error(str(err))  # prints usage and exits 2
-    except RunFileError as err:
+        args.parser.error(str(err))  # the subcommand's usage and the message; exits 2
+    except BrokenPipeError:  # `dpprof runs | head`: the reader has what it wanted
+        _quiet_stdout()
+        return EXIT_OK
+    except (RunFileError, RecordingError) as err:
         print(f"dpprof: {err}", file=sys.stderr)
         return EXIT_FAILURE
-    except KeyboardInterrupt:
-        print("dpprof: interrupted; the run recorded so far is kept", file=sys.stderr)
+    except KeyboardInterrupt:  # a run being recorded said what it kept
+        print("dpprof: interrupted", file=sys.stderr)
         return EXIT_FAILURE
     return EXIT_OK
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's final flush into a closed pipe says nothing."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is no file (pytest's capture): nothing will flush into the pipe
+        pass
 
 
 if __name__ == "__main__":

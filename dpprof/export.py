@@ -9,9 +9,12 @@ import pandas as pd
 from dpprof.report import findings_of, summary_of
 from dpprof.store.reader import TABLES, StoredRun
 
-__all__ = ["to_csv_bytes", "export_run", "neutralize_formulas"]
+__all__ = ["to_csv_bytes", "export_run", "neutralize_formulas", "meta_frame", "CSV_FLOAT_FORMAT"]
 
 _FORMULA_PREFIXES = ("=", "+", "-", "@")
+# 15 significant digits: every digit a float64 holds exactly, without binary noise such as 19.649437600000006
+# (written 19.6494376), and whole numbers (bytes) without ".0".
+CSV_FLOAT_FORMAT = "%.15g"
 
 
 def neutralize_formulas(df: pd.DataFrame) -> pd.DataFrame:
@@ -25,8 +28,26 @@ def neutralize_formulas(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def to_csv_bytes(df: pd.DataFrame, index: bool = False) -> bytes:
-    """A DataFrame as UTF-8 CSV, safe to open in a spreadsheet."""
-    return neutralize_formulas(df.reset_index() if index else df).to_csv(index=False).encode()
+    """A DataFrame as UTF-8 CSV, safe to open in a spreadsheet, floats without binary noise."""
+    return neutralize_formulas(df.reset_index() if index else df).to_csv(
+        index=False, float_format=CSV_FLOAT_FORMAT).encode()
+
+
+def _flat(prefix: str, value: object) -> dict[str, object]:
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _flat(f"{prefix}.{key}", item).items()}
+    if isinstance(value, (list, tuple)):
+        return {prefix: ",".join(str(v) for v in value)}
+    return {prefix: value}
+
+
+def meta_frame(meta: dict[str, object]) -> pd.DataFrame:
+    """A run's metadata as one CSV row: lists as comma-separated text (devices "cpu:0,cpu:1"), dicts as one
+    column per key ("workload_args.batch_size"): no Python list or dict text in a cell."""
+    row: dict[str, object] = {}
+    for key, value in meta.items():
+        row.update(_flat(key, value))
+    return pd.DataFrame([row])
 
 
 def export_run(run: StoredRun, out_dir: str | os.PathLike[str]) -> list[Path]:
@@ -34,7 +55,7 @@ def export_run(run: StoredRun, out_dir: str | os.PathLike[str]) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    meta = pd.DataFrame([{k: v for k, v in run.meta.items()}])
+    meta = meta_frame(run.meta)
     tables = [(t, findings_of(run) if t == "findings" else run.table(t), False) for t in TABLES]
     for name, df, index in [("run", meta, False), *tables, ("device_summary", summary_of(run), True)]:
         path = out / f"{name}.csv"

@@ -12,7 +12,8 @@ import pandas as pd
 from dpprof.nvml import SLOWDOWN_REASONS
 from dpprof.records import FindingRecord
 
-__all__ = ["run_findings", "FINDING_COLUMNS", "STRAGGLER_RATIO", "STRAGGLER_RATIO_CPU", "STRAGGLER_CONSISTENCY", "MEMORY_SKEW_RATIO",
+__all__ = ["run_findings", "findings_withheld", "FINDING_COLUMNS", "FINDINGS_MIN_STEPS", "OUTLIER_STEP_RATIO",
+           "OUTLIER_TIME_SHARE", "STRAGGLER_RATIO", "STRAGGLER_RATIO_CPU", "STRAGGLER_CONSISTENCY", "MEMORY_SKEW_RATIO",
            "DP_TAX_WARN", "UNEVEN_STEPS_SHARE", "UNDERUSED_UTIL_RATIO", "THROTTLED_SAMPLES_SHARE",
            "BACKWARD_SHARE_INFO", "COMM_SHARE_WARN", "FEW_BUCKETS", "MANY_BUCKETS", "SMALL_BUCKET_BYTES"]
 
@@ -48,6 +49,19 @@ COMM_SHARE_WARN = 0.20
 FEW_BUCKETS = 1
 MANY_BUCKETS = 30
 SMALL_BUCKET_BYTES = 2**20
+
+# No findings from fewer steps than this: the first step carries one-time costs (threads started,
+# memory allocated, lazy initialisation), and the straggler rule needs three steps to call a device
+# consistently slow. A run that failed after one step says nothing about balance.
+FINDINGS_MIN_STEPS = 3
+# A step (past the first) over 2x the run's median step is an outlier: a stall or contention from
+# outside the step (another process on the same cores or GPU, data loading, swapping), not the
+# model's own variation, which stays well within 2x on a steady machine ...
+OUTLIER_STEP_RATIO = 2.0
+# ... worth a finding when the outliers' time beyond the median is over 5% of the run's step time.
+OUTLIER_TIME_SHARE = 0.05
+# Outlier steps listed in the evidence (the slowest first).
+OUTLIER_STEPS_LISTED = 8
 
 _SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
 
@@ -158,7 +172,8 @@ def uneven_chunks(memory: pd.DataFrame, devices: list[str]) -> list[dict]:
     findings = []
     share = len(uneven) / len(per_step)
     if share > UNEVEN_STEPS_SHARE:
-        sizes = memory[memory["step"] == uneven.index[0]].sort_values("device")["chunk_size"].tolist()
+        sizes = [("none" if pd.isna(c) else int(c)) for c in
+                 memory[memory["step"] == uneven.index[0]].sort_values("device")["chunk_size"]]
         findings.append(_f("uneven_chunks", "warning", None,
                            f"chunks were uneven in {share:.0%} of steps",
                            f"{len(uneven)} of {len(per_step)} steps; e.g. step {uneven.index[0]}: chunks {sizes}",
@@ -212,6 +227,44 @@ def backward_share(phases: pd.DataFrame, steps: pd.DataFrame) -> list[dict]:
                f"onto {backward['device'].iloc[0]}",
                "Expected for small models; the reduction onto one device grows with devices and model size, "
                "which DistributedDataParallel spreads across devices and overlaps with backward.", share)]
+
+
+def _step_durations(steps: pd.DataFrame) -> pd.Series:
+    """Milliseconds per step (a distributed run's ranks step together: the slowest rank's time)."""
+    return steps.groupby("step")["duration_ms"].max().sort_index()
+
+
+def outlier_steps(steps: pd.DataFrame) -> list[dict]:
+    """Steps far beyond the run's median (stalls, contention from other load), named with their times."""
+    per = _step_durations(steps).iloc[1:]  # the first step's one-time costs are no stall
+    if len(per) < FINDINGS_MIN_STEPS:
+        return []
+    median = float(per.median())
+    slow = per[per > OUTLIER_STEP_RATIO * median]
+    excess = float((slow - median).sum())
+    share = excess / float(per.sum()) if per.sum() else 0.0
+    if slow.empty or share < OUTLIER_TIME_SHARE:
+        return []
+    worst = slow.sort_values(ascending=False)
+    listed = ", ".join(f"{s} ({ms:.0f} ms)" for s, ms in worst.head(OUTLIER_STEPS_LISTED).items())
+    more = f" and {len(worst) - OUTLIER_STEPS_LISTED} more" if len(worst) > OUTLIER_STEPS_LISTED else ""
+    return [_f("outlier_steps", "warning" if share >= 4 * OUTLIER_TIME_SHARE else "info", None,
+               f"{len(slow)} of {len(per)} steps took over {OUTLIER_STEP_RATIO:g}x the median step",
+               f"median step {median:.2f} ms; steps {listed}{more}; {excess / 1e3:.2f} s beyond the median, "
+               f"{share:.0%} of the run's step time (the first step is left out)",
+               "Steps that stall like this come from outside the model: another process on the same cores or GPU "
+               "(another run started alongside), data loading, swapping or garbage collection. Check what else "
+               "ran at those steps; the per-device findings of such a run are less certain.", share)]
+
+
+def findings_withheld(steps: pd.DataFrame) -> str | None:
+    """Why a run's tables give no findings (too few steps), or None when findings can be computed."""
+    count = int(steps["step"].nunique()) if not steps.empty else 0
+    if count >= FINDINGS_MIN_STEPS:
+        return None
+    return (f"no findings from {count} step{'s' if count != 1 else ''}: they need at least {FINDINGS_MIN_STEPS} "
+            "(the first step carries one-time costs, and a device is called slow only when it is slow step "
+            "after step)")
 
 
 def straggler_rank(phases: pd.DataFrame, threshold: float = STRAGGLER_RATIO) -> list[dict]:
@@ -309,19 +362,22 @@ def run_findings(steps: pd.DataFrame, phases: pd.DataFrame, memory: pd.DataFrame
         comms: the all-reduce table of a DistributedDataParallel run (ranks as devices).
 
     Returns:
-        a DataFrame with the FindingRecord columns.
+        a DataFrame with the FindingRecord columns; empty from fewer than FINDINGS_MIN_STEPS steps
+        (findings_withheld says why).
     """
+    if findings_withheld(steps) is not None:
+        return pd.DataFrame(columns=FINDING_COLUMNS)
     if comms is not None and not comms.empty or (phases["phase"] == "comm_wait").any():
         comms = comms if comms is not None else pd.DataFrame(columns=["step", "device", "bucket", "bucket_bytes",
                                                                         "launch_ms", "duration_ms"])
         # ranks on CPUs (no GPU samples) share cores as CPU workers do
         threshold = STRAGGLER_RATIO_CPU if gpu_samples.empty else STRAGGLER_RATIO
         rows = (straggler_rank(phases, threshold) + communication(phases, comms, steps) + uneven_inputs(steps)
-                + gpu_underused(gpu_samples) + throttling(gpu_samples))
+                + gpu_underused(gpu_samples) + throttling(gpu_samples) + outlier_steps(steps))
     else:
         rows = (straggler(phases) + memory_skew(memory, allocator, output_device) + dataparallel_tax(phases, steps)
                 + uneven_chunks(memory, devices) + gpu_underused(gpu_samples) + throttling(gpu_samples)
-                + backward_share(phases, steps))
+                + backward_share(phases, steps) + outlier_steps(steps))
     df = pd.DataFrame(rows, columns=FINDING_COLUMNS)
     if df.empty:
         return df

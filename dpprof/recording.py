@@ -24,9 +24,11 @@ from dpprof.devices import inventory, nvml_handles
 from dpprof.nvml import DEFAULT_SAMPLE_HZ, GpuSampler, Nvml, NvmlUnavailable
 from dpprof.parallel.devices import DeviceSet
 from dpprof.records import TABLE_OF, NoteRecord, Record, StepRecord
+from dpprof.signals import Interrupted, SignalGuard, signal_name
+from dpprof.store.faults import start_failure
 from dpprof.store.reader import RUN_SUFFIX, load_run
 from dpprof.store.reader import reports_dir as resolve_reports_dir
-from dpprof.store.writer import SqliteSink
+from dpprof.store.writer import SqliteSink, fold_leftover_logs
 
 __all__ = ["Run", "record", "current_run", "MemorySink", "Sink", "CLOSE_HOOKS"]
 
@@ -48,7 +50,7 @@ def current_run() -> Run | None:
 class Sink(Protocol):
     def put(self, record: Record) -> None: ...
     def update_run(self, **values: Any) -> None: ...
-    def close(self) -> None: ...
+    def close(self, steps_total: int | None = None) -> None: ...
 
 
 class MemorySink:
@@ -63,7 +65,7 @@ class MemorySink:
     def update_run(self, **values: Any) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, steps_total: int | None = None) -> None:
         pass
 
 
@@ -126,13 +128,20 @@ class Run:
         self.cuda_version = torch.version.cuda
         self.devices: list[str] = []  # every device that recorded, in first-seen order
         self.path: str | None = None
+        self.problem: str | None = None  # what went wrong with the recording, in the one line the user was told
+        self.recording_failed = False  # steps were not recorded although training went on
         self.sink: Sink
         if store:
             directory = resolve_reports_dir(reports_dir)
-            directory.mkdir(parents=True, exist_ok=True)
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise start_failure(directory, err) from None  # one line, and nothing left behind
+            fold_leftover_logs(directory)  # runs that closed on a full disk: one file again, if there is room now
             rank_part = f".rank{rank}" if rank is not None else ""  # one file per rank: a dead rank loses only its own
             self.path = str(directory / f"{self.id}{rank_part}{RUN_SUFFIX}")
             self.sink = SqliteSink(self.path, self.metadata())
+            self.sink.clock_ms = self.now_ms
         else:
             self.sink = MemorySink()
         self._t0_ns = time.perf_counter_ns()
@@ -140,6 +149,8 @@ class Run:
         self._next_step = 0
         self._explicit: _Step | None = None
         self._implicit: _Step | None = None
+        # dpprof.instrument's step rule: whether a forward call joins the open implicit step (None: never)
+        self.joins_open_step: Callable[[], bool] | None = None
         self._pending: list[Any] = []  # CUDA timings whose events have not completed yet
         self._noted: set[str] = set()
         self._cache: dict[Any, Any] = {}
@@ -243,13 +254,32 @@ class Run:
         with self._lock:
             if self._explicit is not None:
                 step = self._explicit
-            elif not starts_step and self._implicit is not None:
+            elif self._implicit is not None and (not starts_step or self._rule_joins()):
                 step = self._implicit
             else:
                 self._flush_implicit()
                 step = self._implicit = self._new_step(explicit=False)
             step.calls += 1
             return step
+
+    def _rule_joins(self) -> bool:
+        return self.joins_open_step is not None and self.joins_open_step()
+
+    def end_step(self) -> None:
+        """End the open implicit step now (dpprof.instrument calls it at each optimizer.step())."""
+        with self._lock:
+            if self._implicit is not None:
+                self._implicit.touch(time.perf_counter_ns())
+                self._flush_implicit()
+
+    def forward_starts_step(self) -> bool:
+        """Whether a forward call made now would start a new step."""
+        with self._lock:
+            return self._explicit is None and (self._implicit is None or not self._rule_joins())
+
+    @property
+    def steps_started(self) -> int:
+        return self._next_step
 
     def _flush_implicit(self) -> None:
         if self._implicit is not None:
@@ -280,7 +310,30 @@ class Run:
         self.error = error
         self.ended_at = datetime.now(timezone.utc)
         self.sink.update_run(status=status, error=error, ended_at=self.ended_at.isoformat())
-        self.sink.close()
+        self.sink.close(steps_total=self._next_step)
+        self._tell()
+
+    def _tell(self) -> None:
+        """Say once, in one line on the dpprof logger, what a closed run lost or went through."""
+        if self.path is None:
+            return
+        self.problem = getattr(self.sink, "message", None)
+        self.recording_failed = getattr(self.sink, "failure", None) is not None
+        if self.problem is None and self.status == "interrupted":
+            self.problem = f"{self.error}: {getattr(self.sink, 'steps_kept', self._next_step)} steps kept in {self.path}"
+        if self.problem is not None:
+            log.warning("dpprof: %s", self.problem)
+
+    def mark_interrupted(self, signum: int) -> None:
+        """A signal arrived that the program handles itself: store the run as interrupted now, in case
+        that handler ends the process."""
+        self.sink.update_run(status="interrupted", error=self._interrupted_by(signal_name(signum)))
+        flush = getattr(self.sink, "flush", None)
+        if flush is not None:
+            flush()
+
+    def _interrupted_by(self, what: str) -> str:
+        return f"interrupted by {what} after step {self._next_step}"
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -336,17 +389,37 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
               world_size=world_size)
     with _active_lock:
         _active.append(run)
+    guard = SignalGuard(run.mark_interrupted).install()  # SIGTERM/SIGHUP: flush, mark interrupted, then end
     try:
         run.start_monitor()
         yield run
     except BaseException as err:
+        guard.closing = True
         with _active_lock:
             _active.remove(run)
-        run.close(status="failed", error=f"{type(err).__name__}: {err}")
+        if isinstance(err, Interrupted):
+            run.close(status="interrupted", error=run._interrupted_by(str(err)))
+        elif isinstance(err, KeyboardInterrupt):
+            run.close(status="interrupted", error=run._interrupted_by("SIGINT (Ctrl-C)"))
+        elif guard.received is not None:
+            run.close(status="interrupted", error=f"{run._interrupted_by(signal_name(guard.received))}, "
+                                                  f"then {type(err).__name__}: {err}")
+        else:
+            run.close(status="failed", error=f"{type(err).__name__}: {err}")
+        guard.restore()
+        if isinstance(err, Interrupted):
+            guard.deliver(err.signum, only_default=True)  # the process ends by the signal, as without dpprof
         raise
+    guard.closing = True
     with _active_lock:
         _active.remove(run)
-    run.close(status="finished")
-    if run.path is not None:
+    if guard.received is not None:  # the program's own handler let training go on to the end
+        run.close(status="interrupted", error=run._interrupted_by(signal_name(guard.received)))
+    else:
+        run.close(status="finished")
+    guard.restore()
+    if guard.pending is not None:  # arrived while the run closed: now do what it would have done
+        guard.deliver(guard.pending)
+    if run.path is not None and not run.recording_failed:
         for hook in CLOSE_HOOKS:
             hook(run)

@@ -16,17 +16,17 @@ from typing import Any
 
 import pandas as pd
 
-from dpprof.export import to_csv_bytes
-from dpprof.findings import FINDING_COLUMNS, run_findings
+from dpprof.export import meta_frame, to_csv_bytes
+from dpprof.findings import FINDING_COLUMNS, FINDINGS_MIN_STEPS, findings_withheld, run_findings
 from dpprof.report import findings_of, summary_of
 from dpprof.store import queries
 from dpprof.store.queries import DP_TAX_PHASES
 from dpprof.store.reader import TABLES, StoredRun
 
-__all__ = ["FINDINGS_FULL_STEPS", "TIMELINE_DEFAULT_STEPS", "TABLE_DESCRIPTIONS", "Overview", "Load", "Comparison",
-           "ComparePart", "overview", "load", "findings", "gpu_missing_reason", "step_bounds",
-           "default_timeline_range", "timeline", "compare", "compare_part", "combine", "run_label", "export_tables",
-           "table_csv", "run_zip"]
+__all__ = ["EVEN_RATIO", "FINDINGS_FULL_STEPS", "TIMELINE_DEFAULT_STEPS", "TABLE_DESCRIPTIONS", "Overview", "Load",
+           "Comparison", "ComparePart", "Glance", "glance", "display_table", "default_compare", "is_balanced",
+           "overview", "load", "findings", "gpu_missing_reason", "step_bounds", "default_timeline_range", "timeline",
+           "compare", "compare_part", "combine", "run_label", "export_tables", "table_csv", "run_zip"]
 
 # Up to this many steps, findings come from every record (well under a second); beyond it a finished
 # run shows the findings stored when it closed, and a running one those of its last this-many steps.
@@ -35,9 +35,37 @@ TIMELINE_DEFAULT_STEPS = 5  # a few steps show each phase wide enough to read
 
 
 @dataclass
+class Glance:
+    """Each device's work and memory side by side: which device is the problem, at first glance.
+
+    ``devices`` has one row per device of the run, idle ones included (zero, ``idle`` True): device,
+    work_ms (mean per step of ``work_phase``), peak_bytes (the allocator's peak allocated where recorded,
+    else what dpprof accounts to the device in its peak step), output_device, idle.
+    """
+
+    devices: pd.DataFrame
+    work_phase: str  # "apply", or a DDP rank's "forward + backward_compute"
+    memory_source: str  # "peak allocated (CUDA allocator)" or "peak held in one step (dpprof's accounting)"
+    slowest: str | None  # the device with the longest mean work, when two or more devices worked
+    fastest: str | None
+    time_ratio: float | None  # slowest / fastest mean work
+    heaviest: str | None  # the device holding the most memory
+    lightest: str | None
+    memory_ratio: float | None  # heaviest / lightest peak
+    idle: list[str]  # devices of the run that never got a chunk
+    sentences: list[str]  # the above, in words
+
+    def marked(self) -> tuple[str | None, str | None]:
+        """The slowest and the heaviest device to mark, each None where the devices are within EVEN_RATIO."""
+        return (self.slowest if (self.time_ratio or 0) >= EVEN_RATIO else None,
+                self.heaviest if (self.memory_ratio or 0) >= EVEN_RATIO else None)
+
+
+@dataclass
 class Overview:
     """The Overview page of one run."""
 
+    glance: Glance
     stats: dict[str, Any]
     steps: pd.DataFrame  # queries.step_times
     breakdown: pd.DataFrame  # queries.phase_breakdown
@@ -46,6 +74,8 @@ class Overview:
     tax_ms: float | None  # ... in ms per step
     findings: pd.DataFrame
     findings_scope: str  # where the findings come from, in words
+    gathers: bool = True  # False for a balanced run: nothing was gathered onto one device
+    balanced: bool = False  # recorded with DataParallelModel + DataParallelCriterion
 
 
 @dataclass
@@ -57,6 +87,7 @@ class Load:
     memory: pd.DataFrame
     chunks: pd.DataFrame
     gpu: pd.DataFrame
+    idle: list[str] = field(default_factory=list)  # devices of the run that never got a chunk (drawn as zero)
     work_phase: str = "apply"  # each device's share of the work: "apply", or a DDP rank's "forward + backward_compute"
     missing: dict[str, str] = field(default_factory=dict)  # "allocator" / "gpu" / "memory" / "apply" -> why not
 
@@ -82,6 +113,9 @@ def findings(run: StoredRun, steps: int | None = None) -> tuple[pd.DataFrame, st
     running = run.meta["status"] == "running"
     if not steps:
         return pd.DataFrame(columns=FINDING_COLUMNS), "no steps recorded yet"
+    if steps < FINDINGS_MIN_STEPS:
+        why = findings_withheld(run.query("SELECT step FROM steps"))
+        return pd.DataFrame(columns=FINDING_COLUMNS), why
     if steps <= FINDINGS_FULL_STEPS:
         return findings_of(run), f"from all {steps:,} steps" + (" so far" if running else "")
     if run.meta["status"] == "finished":
@@ -92,8 +126,80 @@ def findings(run: StoredRun, steps: int | None = None) -> tuple[pd.DataFrame, st
     return found, f"from the last {FINDINGS_FULL_STEPS:,} of {steps:,} steps"
 
 
+def idle_devices(run: StoredRun) -> list[str]:
+    """The devices of the run that never got a chunk (a batch smaller than the devices), in device_ids order."""
+    if len(getattr(run, "paths", None) or [run.path]) > 1:
+        return []  # a distributed run's ranks all step; their devices are named by rank
+    worked = set(queries.devices_of(run))
+    return [d for d in run.meta.get("devices") or [] if d not in worked] if worked else []
+
+
+def _ratio(values: pd.Series) -> tuple[str | None, str | None, float | None]:
+    """(largest's device, smallest's device, largest / smallest) over the devices with a positive value."""
+    values = values[values > 0].dropna()
+    if len(values) < 2:
+        return (values.idxmax() if len(values) else None), None, None
+    return values.idxmax(), values.idxmin(), float(values.max() / values.min())
+
+
+# Devices within 5% of each other are even: no device is marked as the worst (thread scheduling on CPU
+# workers alone moves apply times by a few percent).
+EVEN_RATIO = 1.05
+
+
+def _mib(value: float) -> str:
+    if value >= 2**30:
+        return f"{value / 2**30:,.2f} GiB"
+    return f"{value / 2**20:,.1f} MiB" if value >= 2**20 else f"{value / 2**10:,.1f} KiB"
+
+
+def glance(run: StoredRun, stats: dict[str, Any] | None = None) -> Glance:
+    """Each device's mean work per step and peak memory, idle devices as zero, and the worst device named."""
+    stats = queries.run_stats(run) if stats is None else stats
+    work_phase = " + ".join(queries.work_phases(queries.present_phases(run)))
+    apply = queries.apply_stats(run, percentiles=False, stats=stats)
+    memory = queries.memory_peaks(run, detail=False)
+    idle = idle_devices(run)
+    order = [*queries.devices_of(run)]
+    order += [d for d in idle if d not in order]
+    by_device = pd.DataFrame(index=pd.Index(order, name="device"))
+    by_device["work_ms"] = apply.set_index("device")["apply_mean_ms"].reindex(order) if len(apply) else float("nan")
+    use_alloc = len(memory) and memory["peak_allocated_bytes"].notna().any()
+    col = "peak_allocated_bytes" if use_alloc else "peak_held_bytes"
+    by_device["peak_bytes"] = memory.set_index("device")[col].reindex(order) if len(memory) else float("nan")
+    by_device["output_device"] = (memory.set_index("device")["output_device"].reindex(order).fillna(False).astype(bool)
+                                  if len(memory) else False)
+    by_device["idle"] = by_device.index.isin(idle)
+    by_device.loc[by_device["idle"], ["work_ms", "peak_bytes"]] = 0.0
+    slowest, fastest, time_ratio = _ratio(by_device["work_ms"].astype(float))
+    heaviest, lightest, memory_ratio = _ratio(by_device["peak_bytes"].astype(float))
+    sentences = []
+    if time_ratio is not None and time_ratio < EVEN_RATIO:
+        sentences.append(f"{work_phase.capitalize()} time is even: every device within {time_ratio - 1:.0%} of "
+                         f"{fastest}'s {by_device.at[fastest, 'work_ms']:.2f} ms per step.")
+    elif time_ratio is not None:
+        sentences.append(f"{slowest} is the slowest: {work_phase} {by_device.at[slowest, 'work_ms']:.2f} ms per step, "
+                         f"{time_ratio:.2f}x {fastest}'s {by_device.at[fastest, 'work_ms']:.2f} ms "
+                         f"({time_ratio - 1:.0%} longer).")
+    if memory_ratio is not None and memory_ratio < EVEN_RATIO:
+        sentences.append(f"Memory is even: every device within {memory_ratio - 1:.0%} of "
+                         f"{_mib(by_device.at[lightest, 'peak_bytes'])}.")
+    elif memory_ratio is not None:
+        sentences.append(f"{heaviest} holds the most: {_mib(by_device.at[heaviest, 'peak_bytes'])}, "
+                         f"{memory_ratio:.2f}x {lightest}'s {_mib(by_device.at[lightest, 'peak_bytes'])}"
+                         + (" (the output device: gathered outputs and the loss live there)."
+                            if by_device.at[heaviest, "output_device"] else "."))
+    if idle:
+        sentences.append(f"{', '.join(idle)} got no chunk in any step: idle (the batch is smaller than the devices "
+                         "times torch.chunk's chunk).")
+    source = ("peak allocated (CUDA allocator)" if use_alloc else "peak held in one step (dpprof's accounting)")
+    return Glance(devices=by_device.reset_index(), work_phase=work_phase, memory_source=source, slowest=slowest,
+                  fastest=fastest, time_ratio=time_ratio, heaviest=heaviest, lightest=lightest,
+                  memory_ratio=memory_ratio, idle=idle, sentences=sentences)
+
+
 def overview(run: StoredRun) -> Overview:
-    """Step time, the phase breakdown per step, the DataParallel tax and the findings of one run."""
+    """The per-device picture, step time, the phase breakdown per step, the DataParallel tax and the findings."""
     stats = queries.run_stats(run)
     totals = queries.phase_totals(run, stats)
     tax_pct = tax_ms = None
@@ -101,8 +207,16 @@ def overview(run: StoredRun) -> Overview:
         tax = totals[totals["phase"].isin(DP_TAX_PHASES)]
         tax_pct, tax_ms = _nan_to_none(float(tax["share_pct"].sum())), float(tax["per_step_ms"].sum())
     found, scope = findings(run, stats["steps"])
-    return Overview(stats=stats, steps=queries.step_times(run), breakdown=queries.phase_breakdown(run),
-                    totals=totals, tax_pct=tax_pct, tax_ms=tax_ms, findings=found, findings_scope=scope)
+    present = queries.present_phases(run)
+    return Overview(glance=glance(run, stats), stats=stats, steps=queries.step_times(run),
+                    breakdown=queries.phase_breakdown(run), totals=totals, tax_pct=tax_pct, tax_ms=tax_ms,
+                    findings=found, findings_scope=scope, gathers="gather" in present or not present,
+                    balanced=is_balanced(run.meta))
+
+
+def is_balanced(meta: dict[str, Any]) -> bool:
+    """Whether a run was recorded with the balanced model and criterion (``dpprof profile --balanced``)."""
+    return bool((meta.get("workload_args") or {}).get("balanced"))
 
 
 def gpu_missing_reason(run: StoredRun) -> str:
@@ -121,8 +235,9 @@ def load(run: StoredRun) -> Load:
     stats = queries.apply_stats(run, samples)
     chunks = queries.chunk_counts(run)
     memory = queries.memory_peaks(run, chunks)
-    data = Load(apply_samples=samples, apply_stats=stats, memory=memory, chunks=chunks, gpu=queries.gpu_series(run),
-                work_phase=" + ".join(queries.work_phases(queries.present_phases(run))))
+    data = Load(apply_samples=samples, apply_stats=stats, memory=memory, gpu=queries.gpu_series(run),
+                chunks=chunks.dropna(subset=["chunk_size"]).reset_index(drop=True),  # calls without a batch: no chunk
+                idle=idle_devices(run), work_phase=" + ".join(queries.work_phases(queries.present_phases(run))))
     if stats.empty:
         data.missing["apply"] = f"No {data.work_phase} phases recorded yet: no forward call has finished."
     if memory.empty:
@@ -207,6 +322,11 @@ def compare_part(run: StoredRun, max_points: int = 1_000) -> ComparePart:
         "dp_tax_pct": float(share.reindex(list(DP_TAX_PHASES)).fillna(0).sum()) if len(share) else None,
         "apply_slowest_to_fastest": (apply["apply_mean_ms"].max() / apply["apply_mean_ms"].min()
                                      if len(apply) > 1 and apply["apply_mean_ms"].min() else None),
+        "balanced": is_balanced(meta),
+        "fullest_device": memory.loc[memory["peak_held_bytes"].idxmax(), "device"] if len(memory) else None,
+        "fullest_device_peak_held_bytes": float(memory["peak_held_bytes"].max()) if len(memory) else None,
+        "memory_most_to_least": (float(memory["peak_held_bytes"].max() / memory["peak_held_bytes"].min())
+                                 if len(memory) > 1 and memory["peak_held_bytes"].min() > 0 else None),
         "output_device_peak_held_bytes": float(memory.loc[is_out, "peak_held_bytes"].max()) if is_out.any() else None,
         "other_devices_peak_held_bytes": (float(memory.loc[~is_out, "peak_held_bytes"].mean())
                                           if (~is_out).any() else None),
@@ -234,6 +354,35 @@ def compare(runs: list[StoredRun]) -> Comparison:
     The differences are stated against the first run (the baseline).
     """
     return combine([compare_part(run) for run in runs])
+
+
+def _present(value: Any) -> bool:
+    return value is not None and not pd.isna(value) and bool(value)
+
+
+def default_compare(runs: pd.DataFrame, chosen: str | None) -> tuple[list[str], str | None]:
+    """The pair Compare opens on: the run open in the sidebar and the newest finished run of the same workload
+    (the older first, as the baseline); or no pair and what is needed, in words.
+
+    Args:
+        runs: the readable runs of dpprof.list_runs, newest first.
+        chosen: the id of the run open in the sidebar.
+    """
+    match = runs[runs["id"] == chosen]
+    if match.empty:
+        return [], "Choose a run in the sidebar (or two or more below) to compare."
+    row = match.iloc[0]
+    if not row["steps"] or pd.isna(row["steps"]):
+        return [], (f"The open run, {row['name'] or row['id']}, recorded no steps: there is nothing to compare. "
+                    "Choose another run in the sidebar, or runs below.")
+    others = runs[(runs["id"] != chosen) & (runs["status"] == "finished") & (runs["steps"].fillna(0) > 0)
+                  & (runs["workload"].fillna("") == (row["workload"] or ""))]
+    if others.empty:
+        return [], (f"Comparing needs a second finished run of {row['workload'] or 'the same model'} besides "
+                    f"{row['name'] or row['id']}: record one on the New run page (for example with --balanced or "
+                    "another number of devices), or choose runs below.")
+    pair = pd.concat([match, others.iloc[[0]]]).sort_values("created_at")
+    return pair["id"].tolist(), None
 
 
 def _differences(summary: pd.DataFrame) -> list[str]:
@@ -272,9 +421,19 @@ def _differences(summary: pd.DataFrame) -> list[str]:
             out.append(f"DataParallel tax (scatter + replicate + gather): {b} {other['dp_tax_pct']:.1f}%, "
                        f"{a} {base['dp_tax_pct']:.1f}% of the step.")
         x, y = base["output_device_peak_held_bytes"], other["output_device_peak_held_bytes"]
-        if x and y and not pd.isna(x) and not pd.isna(y):
+        if _present(x) and _present(y):
             out.append(f"The output device holds {y / 2**20:.1f} MiB in {b}, {x / 2**20:.1f} MiB in {a}: "
                        f"{_bytes_text(x, y)}.")
+        elif _present(base["fullest_device_peak_held_bytes"]) and _present(other["fullest_device_peak_held_bytes"]):
+            # a balanced run gathers nothing, so it has no output device: compare the fullest devices
+            x, y = base["fullest_device_peak_held_bytes"], other["fullest_device_peak_held_bytes"]
+            role = lambda r: ", the output device" if _present(r["output_device_peak_held_bytes"]) else ""  # noqa: E731
+            out.append(f"The fullest device holds {y / 2**20:.1f} MiB in {b} ({other['fullest_device']}"
+                       f"{role(other)}), {x / 2**20:.1f} MiB in {a} ({base['fullest_device']}{role(base)}): "
+                       f"{_bytes_text(x, y)}.")
+        x, y = base["memory_most_to_least"], other["memory_most_to_least"]
+        if _present(x) and _present(y) and abs(x - y) >= 0.05:
+            out.append(f"Memory spread (the fullest device over the emptiest): {b} {y:.2f}x, {a} {x:.2f}x.")
         x, y = base["apply_slowest_to_fastest"], other["apply_slowest_to_fastest"]
         if x and y and not pd.isna(x) and not pd.isna(y):
             out.append(f"Slowest device's mean apply over the fastest's: {b} {y:.2f}x, {a} {x:.2f}x.")
@@ -305,7 +464,7 @@ def _table(run: StoredRun, name: str) -> pd.DataFrame:
     if name == "findings":
         return findings(run)[0]
     if name == "run":
-        return pd.DataFrame([run.meta])
+        return meta_frame(run.meta)
     if name == "device_summary":
         return summary_of(run).reset_index()
     if name == "phase_totals":
@@ -330,3 +489,35 @@ def run_zip(run: StoredRun) -> bytes:
         for name in (*EXTRA_TABLES[:1], *TABLES, *EXTRA_TABLES[1:]):
             z.writestr(f"{run.id}/{name}.csv", table_csv(run, name))
     return buf.getvalue()
+
+
+# Column-name endings and the unit people read them in: (ending, unit, scale).
+_UNITS = (("_bytes_per_s", "MiB/s", 2**-20), ("_bytes", "MiB", 2**-20), ("_ms", "ms", 1.0), ("_pct", "%", 1.0),
+          ("_per_s", "per s", 1.0),
+          ("_s", "s", 1.0), ("_w", "W", 1.0), ("_c", "°C", 1.0), ("_mhz", "MHz", 1.0))
+DISPLAY_DECIMALS = 2  # a table shows hundredths of a millisecond, a MiB or a percent; CSVs keep every digit
+
+
+def display_table(df: pd.DataFrame) -> pd.DataFrame:
+    """A table as people read it: headers in words with their unit ("apply mean (ms)"), bytes in MiB (GiB
+    where a column reaches one), numbers to DISPLAY_DECIMALS places, whole-number columns as integers."""
+    out = pd.DataFrame(index=df.index)
+    for col in df.columns:
+        values, name = df[col], str(col)
+        for ending, unit, scale in _UNITS:
+            if name.endswith(ending) and pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_bool_dtype(values):
+                if unit == "MiB" and values.abs().max() >= 2**30:
+                    unit, scale = "GiB", 2**-30
+                values, name = values * scale, f"{name[: -len(ending)]} ({unit})"
+                break
+        if pd.api.types.is_float_dtype(values):
+            finite = values.dropna()
+            whole = len(finite) and (finite == finite.round()).all() and finite.abs().max() < 2**53
+            values = values.round().astype("Int64") if whole and _unit_free(name) else values.round(DISPLAY_DECIMALS)
+        out[name.replace("_", " ")] = values
+    return out
+
+
+def _unit_free(header: str) -> bool:
+    """Whether a display header is a count (no unit in parentheses): such columns show as integers."""
+    return not header.endswith(")")

@@ -67,3 +67,31 @@ class RunningRun:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(30)
+
+
+class _FailsOnSecondCall(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(5, 2)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.calls:  # in every replica of the second step
+            raise ValueError("shape mismatch in the second step")
+        return self.linear(x)
+
+
+def record_failed(directory: Path, name: str = "failed") -> StoredRun:
+    """A run that fails in its second step inside a replica (torch's "Caught ... in replica" traceback text),
+    leaving two recorded steps (the failing one too): the status is failed."""
+    model = _FailsOnSecondCall()
+    net = dpprof.DataParallel(model, device_ids=dpprof.cpu_devices(2))
+    try:
+        with dpprof.record(name=name, reports_dir=str(directory)) as run:
+            for _ in range(2):
+                with run.step():
+                    net(torch.randn(8, 5)).sum().backward()
+                model.calls += 1
+    except ValueError:
+        pass
+    return dpprof.load_run(run.path)

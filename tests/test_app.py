@@ -5,7 +5,9 @@ and choosing runs only from the listing.
 """
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -16,7 +18,8 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 import dpprof
-from dpprof import views
+from dpprof import charts, views
+from dpprof.report import summary_of
 from dpprof.store.reader import TABLES
 from recorded import BUS, RunningRun, record, record_with_gpu_samples
 
@@ -76,6 +79,9 @@ def test_every_page_runs_on_recorded_runs(reports_with_runs, page):
 def test_it_opens_on_the_newest_run(reports_with_runs):
     at = _app()
     assert at.title[0].value == "balanced"  # Overview of the run recorded last
+    said = _texts(at.markdown)
+    assert ":violet-badge[balanced]" in said  # marked in its header
+    assert "Nothing is gathered" in said and "Scatter, replicate and gather" not in said
     assert at.sidebar.selectbox[0].value == reports_with_runs.balanced.id
 
 
@@ -107,13 +113,56 @@ def test_overview_shows_step_time_phases_tax_and_findings(reports_with_runs):
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["Steps"] == "6" and metrics["Median step"] == f"{data.stats['median_step_ms']:.2f} ms"
     assert metrics["DataParallel tax"] == f"{data.tax_pct:.1f}%"
-    assert _charts(at) == 3  # step time, phase breakdown, phase shares
+    assert _charts(at) == 4  # each device at a glance, step time, phase breakdown, phase shares
     totals = at.dataframe[0].value
     assert totals["phase"].tolist() == data.totals["phase"].tolist()
     assert [s.value for s in at.subheader] == ["The DataParallel tax", "Findings"]
     assert "Worst first; from all 6 steps." in _texts(at.caption)
     for f in data.findings.itertuples():  # each finding with its evidence and advice
         assert f.title in _texts([*at.error, *at.warning, *at.info])
+
+
+def test_overview_opens_on_each_device_with_the_worst_named_and_numbers_that_match_show(reports_with_runs, capsys):
+    from dpprof.cli import main
+    from dpprof.report import summary_of
+
+    run = reports_with_runs.balanced  # the newest: the run the dashboard opens on
+    at = _app()
+    glance = views.overview(run).glance
+    summary = summary_of(run)
+    # the glance's numbers are dpprof show's per-device summary
+    assert glance.devices.set_index("device")["work_ms"].round(9).tolist() == summary["apply_mean_ms"].round(9).tolist()
+    assert glance.devices.set_index("device")["peak_bytes"].tolist() == summary["peak_held_bytes"].tolist()
+    slowest = summary["apply_mean_ms"].idxmax()
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Slowest device"] == slowest == glance.slowest
+    ratio = summary["apply_mean_ms"].max() / summary["apply_mean_ms"].min()
+    assert metrics["Apply imbalance"] == f"{ratio:.2f}x"
+    assert metrics["Most memory"] == summary["peak_held_bytes"].idxmax()
+    said = _texts(at.markdown)
+    assert (f"{slowest} is the slowest" in said) if ratio >= views.EVEN_RATIO else ("Apply time is even" in said)
+    first = json.loads(at.get("plotly_chart")[0].proto.spec)  # the first chart on the page: each device
+    titles = [a["text"] for a in first["layout"]["annotations"]]
+    assert titles[0] == "apply per step (ms, mean)" and titles[1].startswith(f"memory ({charts.bytes_unit(summary['peak_held_bytes'].max())[0]}, peak held")
+    # one median: the steps table's, the dashboard's and dpprof show's
+    median = dpprof.load_run(run.path).steps["duration_ms"].median()
+    assert metrics["Median step"] == f"{median:.2f} ms"
+    assert main(["show", run.id]) == 0
+    assert f"median {median:.2f} ms" in capsys.readouterr().out
+
+
+def test_an_idle_device_shows_as_zero_labelled_idle(reports):
+    idle = record(reports, "idle", workers=2, steps=3, batch_size=1, workload="tutorial-linear")
+    glance = views.overview(idle).glance
+    assert glance.idle == ["cpu:1"]
+    assert glance.devices.set_index("device").loc["cpu:1", ["work_ms", "peak_bytes"]].tolist() == [0.0, 0.0]
+    at = _app()
+    assert "cpu:1 got no chunk in any step: idle" in _texts(at.markdown)
+    assert '"idle"' in at.get("plotly_chart")[0].proto.spec
+    at = _page(at, "load")
+    assert all('idle: no chunk' in c.proto.spec for c in at.get("plotly_chart")), "apply, memory and chunks"
+    assert "cpu:1 got no chunk in any step: idle, drawn at zero." in _texts(at.caption)
+    assert at.dataframe[2].value["chunk size"].tolist() == [1]  # the chunk table: no row without a chunk
 
 
 def test_per_gpu_load_draws_what_the_run_has_and_says_what_it_has_not(reports_with_runs):
@@ -124,6 +173,10 @@ def test_per_gpu_load_draws_what_the_run_has_and_says_what_it_has_not(reports_wi
     assert "This run used CPU workers: there are no GPUs to sample." in said
     apply = at.dataframe[0].value
     assert apply["device"].tolist() == ["cpu:0", "cpu:1", "cpu:2"] and apply["steps"].tolist() == [6, 6, 6]
+    assert "apply mean (ms)" in apply.columns and "apply_mean_ms" not in apply.columns  # words and units
+    memory = at.dataframe[1].value
+    held = summary_of(reports_with_runs.balanced)["peak_held_bytes"] / 2**20
+    assert memory["peak held (MiB)"].tolist() == held.round(2).tolist()
     at.segmented_control(key="apply_kind").set_value("violin").run()
     assert not at.exception and _charts(at) == 3
 
@@ -161,6 +214,13 @@ def test_compare_sets_runs_side_by_side_and_states_the_differences(reports_with_
     a, b = views.run_label(plain.meta), views.run_label(balanced.meta)
     assert f"{b} runs on 3 cpu device(s), {a} on 2 cpu device(s)." in said
     assert "Median step:" in said and "DataParallel tax" in said
+    # the balanced run gathers nothing (no output device): memory is compared by the fullest device
+    held = lambda r: summary_of(r)["peak_held_bytes"]  # noqa: E731
+    assert (f"The fullest device holds {held(balanced).max() / 2**20:.1f} MiB in {b} ({held(balanced).idxmax()}), "
+            f"{held(plain).max() / 2**20:.1f} MiB in {a} ({held(plain).idxmax()}, the output device)") in said
+    summary = at.dataframe[0].value
+    assert summary.loc["balanced", b] == "yes" and summary.loc["balanced", a] == "no"
+    assert "fullest device peak held (MiB)" in summary.index and "nan" not in summary.to_string()
     at.multiselect[0].set_value([plain.id]).run()
     assert "Choose two or more runs" in _texts(at.info) and _charts(at) == 0
 
@@ -220,11 +280,12 @@ def _wait_for_exit(pid: int, timeout: float = 120) -> None:
 
 def test_new_run_starts_a_background_process_whose_run_appears(reports):
     at = _page(_app(), "new_run")
-    at.selectbox[0].select("tutorial-linear")
-    at.number_input[0].set_value(3)  # CPU workers
-    at.number_input[1].set_value(4)  # steps
-    at.text_input[0].input("from the page")
-    at.form_submit_button[0].click().run()
+    at.selectbox(key="nr_workload").select("tutorial-linear")
+    at.number_input(key="nr_workers").set_value(3)
+    at.number_input(key="nr_steps").set_value(4).run()  # Enter in a field: a rerun, never a start
+    at.text_input(key="nr_name").input("from the page").run()
+    assert not at.exception and "watch" not in at.session_state and not common.running_processes()
+    at.button(key="nr_start").click().run()
     assert not at.exception
     pid = at.session_state["watch"]
     cmd = common.processes()[pid]["cmd"]
@@ -239,6 +300,43 @@ def test_new_run_starts_a_background_process_whose_run_appears(reports):
     assert at.dataframe[0].value["pid"].tolist() == [pid]
     _page(at, "overview")
     assert at.title[0].value == "from the page"
+
+
+def _wait_for(condition, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.3)
+
+
+def test_new_run_asks_before_a_second_start_shows_progress_and_stops_with_sigterm(reports):
+    at = _page(_app(), "new_run")
+    at.selectbox(key="nr_workload").select("tutorial-linear")
+    at.number_input(key="nr_steps").set_value(100_000)
+    at.checkbox(key="nr_balanced").check()
+    at.button(key="nr_start").click().run()
+    pid = at.session_state["watch"]
+    assert common.processes()[pid]["cmd"][-1] == "--balanced"
+    try:
+        _wait_for(lambda: (r := common.run_of_process(pid)) is not None and r["steps"] >= 3, "3 steps on disk")
+        at.run()
+        assert not at.exception
+        # a second start needs an explicit confirmation
+        assert at.button(key="nr_start").disabled
+        assert f"nr_confirm_{pid}" in [c.key for c in at.checkbox]
+        assert re.search(r"step \d+ of 100,000 · [\d.]+ steps/s", _texts(at.markdown)), _texts(at.markdown)
+        at.button(key=f"stop-{pid}").click().run()
+        _wait_for(lambda: common.process_status(pid)[0] != "running", "the process to end", timeout=30)
+    finally:
+        common.stop_run(pid)  # never leave it running, whatever failed above
+    assert common.process_status(pid)[0] == "exited" and common.processes()[pid]["stopped"]
+    row = common.run_of_process(pid)
+    run = dpprof.load_run(row["path"])
+    assert len(run.steps) >= 3 and run.meta["pid"] == pid  # the steps recorded before the stop are kept
+    assert dpprof.list_runs().loc[0, "status"] == "interrupted"  # SIGTERM: flushed, marked, ended by the signal
+    at.run()
+    assert f"Process {pid} was stopped (SIGTERM" in _texts(at.warning)
+    assert not at.button(key="nr_start").disabled
 
 
 def test_a_running_run_says_so_and_its_pages_refresh(reports):
@@ -321,3 +419,27 @@ def test_a_multi_rank_run_shows_ranks_where_devices_are_shown(ddp_reports, monke
     at = _page(_app(), page)
     shown = "\n".join(str(e.value) for kind in ("markdown", "caption", "dataframe", "table") for e in at.get(kind))
     assert "rank:0" in shown and "rank:1" in shown, page
+
+
+def test_a_failed_run_is_not_opened_first_shows_its_error_as_code_and_gives_no_findings(reports):
+    from recorded import record_failed
+
+    finished = record(reports, "finished", workers=2, steps=4, batch_size=16, workload="tutorial-linear")
+    failed = record_failed(reports)  # the newest run, failed in its second step
+    assert failed.meta["status"] == "failed" and len(failed.steps) == 2  # the failing step is recorded too
+    at = _app()
+    assert at.title[0].value == "finished"  # the newest run that finished
+    at.sidebar.selectbox[0].select(failed.id).run()
+    assert at.title[0].value == "failed"
+    assert "The run failed:" in _texts(at.warning)
+    error = _texts(at.code)
+    assert "shape mismatch in the second step" in error and "\n" in error  # its lines kept
+    assert not at.error and "No findings from 2 steps: they need at least 3" in _texts(at.info)
+    # Compare opens on the open (failed) run and the newest finished run of its workload, or says what it needs
+    compare = _page(at, "compare")
+    assert compare.multiselect[0].value == [] and "needs a second finished run" in _texts(compare.info)
+    at.sidebar.selectbox[0].select(finished.id).run()
+    second = record(reports, "second", workers=2, steps=4, batch_size=16, workload="tutorial-linear")
+    at = _page(_app(), "compare")  # a new session: the newest finished run is open
+    assert at.multiselect[0].value == [finished.id, second.id]  # the older first, as the baseline
+    assert _charts(at) == 3

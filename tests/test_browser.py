@@ -6,6 +6,7 @@ Skips only when /usr/bin/chromium or the playwright package is missing (.ci/run 
 from __future__ import annotations
 
 import io
+import re
 import os
 import socket
 import subprocess
@@ -118,4 +119,76 @@ def test_open_a_run_switch_pages_and_download_a_csv(server, browser):
         page.get_by_role("button", name="⬇ run.csv").click()
     meta = pd.read_csv(io.BytesIO(Path(info.value.path()).read_bytes()))
     assert meta.loc[0, "id"] == first.id and meta.loc[0, "name"] == "'=first"  # neutralised for spreadsheets
+    page.close()
+
+
+def _shot(page, tmp_path, name: str) -> Path:
+    """A screenshot, also kept under $DPPROF_SCREENSHOTS when set (to look at what a user sees)."""
+    path = tmp_path / f"{name}.png"
+    page.screenshot(path=str(path))
+    keep = os.environ.get("DPPROF_SCREENSHOTS")
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        (Path(keep) / path.name).write_bytes(path.read_bytes())
+    return path
+
+
+def test_the_first_screen_shows_each_device_and_the_worst_one(server, browser, tmp_path):
+    from dpprof.report import summary_of
+
+    second = server["second"]
+    summary = summary_of(second)
+    slowest = summary["apply_mean_ms"].idxmax()
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(server["base"])
+    _heading(page, "second")
+    metric = page.locator('[data-testid="stMetric"]').filter(has_text="Slowest device").first
+    metric.wait_for()
+    assert slowest in metric.inner_text()
+    chart = page.locator('[data-testid="stPlotlyChart"]').first
+    chart.locator(".main-svg").first.wait_for()
+    page.get_by_text("apply per step (ms, mean)").first.wait_for()
+    page.wait_for_timeout(500)  # let plotly finish its layout
+    _shot(page, tmp_path, "first-screen")
+    for element in (metric, chart):  # above the fold, without scrolling
+        box = element.bounding_box()
+        assert box is not None and box["y"] >= 0 and box["y"] + box["height"] <= 1000, box
+    for device in summary.index:  # every device is on the first screen's chart
+        assert chart.get_by_text(device, exact=False).count() >= 1, device
+    page.close()
+
+
+def test_new_run_starts_only_from_start_and_stops(server, browser, tmp_path):
+    import dpprof
+
+    reports = Path(server["first"].path).parent
+    before = set(dpprof.list_runs(reports)["id"])
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(f"{server['base']}/new-run")
+    _heading(page, "New run")
+    page.locator('[data-testid="stSelectbox"]').filter(has_text="Workload").click()
+    page.get_by_role("option", name="tutorial-linear").click()
+    steps = page.get_by_label("Steps")
+    steps.fill("100000")
+    steps.press("Enter")  # Enter in a field: no run starts
+    name = page.get_by_label("Name (optional)")
+    name.fill("from the browser")
+    name.press("Enter")
+    page.wait_for_timeout(2_000)
+    assert set(dpprof.list_runs(reports)["id"]) == before and page.get_by_text("is running").count() == 0
+    main = page.locator('[data-testid="stMain"]')  # not the header's own Stop button (a script still running)
+    main.get_by_role("button", name="Start", exact=True).click()
+    page.get_by_text(re.compile(r"step \d+ of 100,000 · [\d.]+ steps/s")).first.wait_for(timeout=120_000)
+    start = main.get_by_role("button", name="Start", exact=True)
+    assert start.is_disabled()  # while it runs, a second start needs the confirmation below
+    page.get_by_text(re.compile(r"Start another run while 1 started here is still running")).wait_for()
+    _shot(page, tmp_path, "new-run-progress")
+    main.get_by_role("button", name="Stop", exact=True).click()
+    page.get_by_text(re.compile(r"was stopped \(SIGTERM")).first.wait_for(timeout=60_000)
+    runs = dpprof.list_runs(reports)
+    new = runs[~runs["id"].isin(before)]
+    assert new["name"].tolist() == ["from the browser"]  # one run, from the one click
+    assert new["status"].iloc[0] != "running" and new["steps"].iloc[0] >= 1  # ended, its steps kept
     page.close()

@@ -101,3 +101,54 @@ def test_downsample_keeps_at_most_max_points_and_the_last_row(runs):
     small = charts.downsample(df, 4)
     assert len(small) <= 4 + 1 and small.index[-1] == df.index[-1] and small.index[0] == 0
     assert charts.downsample(df, 100) is df
+
+
+def test_the_violin_is_clipped_to_the_data(runs):
+    samples = queries.apply_samples(runs["plain"])
+    fig = charts.apply_distribution(samples, "violin")
+    assert [t.spanmode for t in fig.data] == ["hard", "hard"]  # no tail drawn below the fastest step
+
+
+def test_the_per_device_glance_marks_the_worst_device_and_idle_ones(runs, reports):
+    glance = views.glance(runs["three"])
+    fig = charts.device_glance(glance.devices, glance.work_phase, glance.memory_source, glance.slowest,
+                               glance.heaviest)
+    work, memory = fig.data
+    devices = glance.devices.set_index("device")
+    assert list(work.x) == devices["work_ms"].tolist()
+    red = [y for y, c in zip(work.y, work.marker.color) if c == "#CC6677"]
+    assert red == [glance.slowest] or red == [f"{glance.slowest} (output)"]
+    idle = views.glance(record(reports, "idle", workers=2, steps=3, batch_size=1, workload="tutorial-linear"))
+    fig = charts.device_glance(idle.devices, idle.work_phase, idle.memory_source, idle.slowest, idle.heaviest)
+    assert [t for t in fig.data[0].text][-1] == "idle" and fig.data[0].x[-1] == 0
+
+
+def test_byte_axes_read_in_a_unit_that_fits(runs):
+    assert charts.bytes_unit(120.0) == ("KiB", 2**-10)  # not "120μ" MiB
+    assert charts.bytes_unit(47_503_964.0) == ("MiB", 2**-20)
+    assert charts.bytes_unit(3 * 2**30) == ("GiB", 2**-30)
+    memory = queries.memory_peaks(runs["plain"])
+    fig = charts.memory_per_device(memory)
+    unit, scale = charts.bytes_unit(memory["peak_held_bytes"].max())
+    assert fig.layout.yaxis.title.text == unit and fig.layout.yaxis.tickformat == ",.3~f"
+
+
+def test_two_devices_sit_apart_on_the_chunk_chart_without_a_row_for_calls_without_a_chunk(runs):
+    chunks = queries.chunk_counts(runs["plain"])
+    assert chunks["chunk_size"].isna().any()  # the whole-batch loss on the output device has no chunk
+    fig = charts.chunk_sizes(chunks)
+    assert list(fig.layout.xaxis.range) == [-0.75, 1.75] and list(fig.data[0].x) == ["cpu:0", "cpu:1"]
+    assert views.load(runs["plain"]).chunks["chunk_size"].notna().all()
+
+
+def test_the_timeline_can_draw_every_step_the_same_width(runs):
+    phases, steps = queries.timeline(runs["three"], 0, 3)
+    fig = charts.timeline(phases, steps, equal_steps=True)
+    step_lane = fig.data[0]
+    assert list(step_lane.x) == [1.0] * 4 and list(step_lane.base) == [0, 1, 2, 3]
+    for trace in fig.data[1:]:  # each phase inside its own step's unit, at its share of that step
+        step_of = [int(c[0]) for c in trace.customdata]
+        assert all(s <= b + 1e-9 and b + w <= s + 1 + 1e-6 for s, b, w in zip(step_of, trace.base, trace.x))
+    assert list(fig.layout.xaxis.ticktext) == ["0", "1", "2", "3"]
+    real = charts.timeline(phases, steps)
+    assert list(real.data[0].x) == steps["duration_ms"].tolist()  # the default: milliseconds

@@ -1,13 +1,17 @@
 """The dpprof command end to end on CPU workers: profile, runs, show, export, exit codes."""
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
 import dpprof
+import dpprof.report
 from dpprof.cli import main
 
 
@@ -34,7 +38,7 @@ def test_profile_records_a_run_that_runs_and_show_describe(capsys):
     assert run_id in capsys.readouterr().out
     assert main(["show", run_id]) == 0
     out = capsys.readouterr().out
-    assert "6 steps" in out and "apply_mean_ms" in out
+    assert "6 steps" in out and "apply mean (ms)" in out and "peak held (MiB)" in out
     for device in ("cpu:0", "cpu:1", "cpu:2"):
         assert device in out
     stored = dpprof.load_run(run_id)
@@ -59,7 +63,7 @@ def test_export_writes_every_table_with_the_runs_values(tmp_path):
     apply = run.phases.query("phase == 'apply'").groupby("device")["duration_ms"]
     assert summary["apply_mean_ms"].round(9).tolist() == apply.mean().round(9).tolist()
     assert summary["apply_p95_ms"].round(9).tolist() == apply.quantile(0.95).round(9).tolist()
-    assert summary["chunk_size_mean"].tolist() == run.memory.groupby("device")["chunk_size"].mean().tolist()
+    assert summary["chunk_size_mean"].tolist() == pytest.approx(run.memory.groupby("device")["chunk_size"].mean().tolist(), rel=1e-14)
     meta = pd.read_csv(out / "run.csv")
     assert meta.loc[0, "id"] == run.id
 
@@ -100,3 +104,102 @@ def test_profile_a_users_model_from_a_factory(tmp_path, monkeypatch):
 def test_python_dash_m_and_the_console_script_agree(reports):
     out = subprocess.run([sys.executable, "-m", "dpprof", "runs"], capture_output=True, text=True, check=True)
     assert "no runs yet" in out.stdout
+
+
+ROOT = Path(__file__).resolve().parents[1]
+_MODEL = ("import torch\n"
+          "def make():\n"
+          "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 4))\n")
+
+
+def _console_script(tmp_path, cwd, *args):
+    """Run dpprof the way its console script does: sys.path[0] is the script's folder, not the current one."""
+    script = tmp_path / "bin" / "dpprof_entry.py"
+    script.parent.mkdir(exist_ok=True)
+    script.write_text("import sys\nfrom dpprof.cli import main\nsys.exit(main())\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, str(script), *args], cwd=cwd, capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def test_model_from_the_current_directory_as_the_console_script_runs_it(tmp_path, reports):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "cwdmodels.py").write_text(_MODEL)
+    out = _console_script(tmp_path, folder, "--reports-dir", str(reports), "profile", "--model", "cwdmodels:make",
+                          "--input-shape", "3,4", "--batch-size", "4", "--steps", "2", "--devices", "cpu:2",
+                          "--quiet")
+    assert out.returncode == 0, out.stderr
+    assert dpprof.list_runs(reports).loc[0, "workload"] == "cwdmodels:make"
+
+
+def test_a_model_that_fails_on_the_input_shape_is_refused_in_one_line_before_any_run(tmp_path, monkeypatch, capsys):
+    (tmp_path / "shapemodels.py").write_text(_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SystemExit) as exit_:
+        main(["profile", "--model", "shapemodels:make", "--input-shape", "3,5", "--steps", "2", "--quiet"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    message = [line for line in err.splitlines() if line.startswith("dpprof profile: error:")]
+    assert len(message) == 1 and "--input-shape 3,5" in message[0] and "RuntimeError" in message[0], err
+    assert "Traceback" not in err
+    assert dpprof.list_runs().empty  # no failed run left in the listing
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["profile", "--model", "m:make", "--input-shape", "3,x,32"], "'3,x,32' is not a shape"),
+    (["profile", "--model", "m:make", "--input-shape", "3,,32"], "'3,,32' is not a shape"),
+    (["profile", "seg-fcn", "--model", "m:make", "--input-shape", "3,32,32"], "seg-fcn) or --model, not both"),
+    (["profile", "--steps", "0"], "--steps must be positive"),
+    (["check", "--device-ids", "cpu:3"], "--device-ids cpu:0,cpu:1,cpu:2 for 3 worker(s)"),
+])
+def test_usage_errors_exit_2_with_the_subcommands_usage(argv, says, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: dpprof {argv[0]} "), err
+    assert says in err
+
+
+def test_check_and_profile_take_the_same_list_of_cpu_workers(capsys):
+    from dpprof.cli import parse_devices
+    assert [str(d) for d in parse_devices("cpu:0,cpu:1")] == ["cpu:0", "cpu:1"]
+    assert len(parse_devices("cpu:3")) == 3
+    assert main(["check", "--device-ids", "cpu:0,cpu:1", "--batch-size", "4"]) == 0
+    assert "no findings" in capsys.readouterr().out
+
+
+def test_a_reader_that_closes_the_pipe_early_gets_no_traceback(tmp_path, reports):
+    read, write = os.pipe()
+    os.close(read)  # `dpprof runs | head` after head has gone
+    try:
+        out = subprocess.run([sys.executable, "-m", "dpprof", "runs"], stdout=write, stderr=subprocess.PIPE,
+                             text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    finally:
+        os.close(write)
+    assert "Traceback" not in out.stderr and "BrokenPipeError" not in out.stderr, out.stderr
+    assert out.returncode == 0
+
+
+def _significant_digits(token: str) -> int:
+    mantissa = token.lstrip("-").split("e")[0].replace(".", "").lstrip("0")
+    return len(mantissa)
+
+
+def test_exported_csvs_hold_machine_values_without_float_noise_or_python_text(tmp_path):
+    assert _profile("--batch-size", "7") == 0  # 7 over 3 workers: chunks 3, 3, 1
+    run = dpprof.load_run(dpprof.list_runs().loc[0, "id"])
+    out = tmp_path / "csv"
+    main(["export", run.id, "--out", str(out)])
+    for path in out.glob("*.csv"):
+        numbers = re.findall(r"(?<![\w:.])-?\d+\.\d+(?:e-?\d+)?(?![\w:])", path.read_text())
+        noisy = [n for n in numbers if _significant_digits(n) > 15]
+        assert not noisy, (path.name, noisy[:3])
+    meta = pd.read_csv(out / "run.csv")
+    cells = [str(v) for v in meta.iloc[0].tolist()]
+    assert not [c for c in cells if c.startswith(("[", "{"))], cells
+    assert meta.loc[0, "devices"] == "cpu:0,cpu:1,cpu:2" and meta.loc[0, "workload_args.batch_size"] == 7
+    summary = pd.read_csv(out / "device_summary.csv")
+    assert summary["peak_held_bytes"].dtype.kind == "i"  # bytes as whole numbers, not 47503964.0
+    assert (summary["peak_held_bytes"] == dpprof.report.summary_of(run)["peak_held_bytes"].values).all()

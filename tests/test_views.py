@@ -92,3 +92,29 @@ def test_the_run_zip_holds_every_table(runs):
     assert len(phases) == len(run.phases)
     listing = views.export_tables(run).set_index("table")
     assert listing.loc["phases", "rows"] == len(run.phases) and listing.loc["memory", "rows"] == len(run.memory)
+
+
+def test_display_tables_put_units_in_words_and_bytes_in_mib(runs):
+    from dpprof.report import summary_of
+
+    summary = summary_of(runs["plain"]).reset_index()
+    shown = views.display_table(summary)
+    assert "apply mean (ms)" in shown and "peak held (MiB)" in shown and "apply share of step (%)" in shown
+    assert not [c for c in shown.columns if "_" in c]  # no snake_case header left
+    assert shown["peak held (MiB)"].tolist() == (summary["peak_held_bytes"] / 2**20).round(2).tolist()
+    assert shown["steps"].dtype.kind == "i" and str(shown["chunk size min"].dtype) == "Int64"  # counts as integers
+    assert shown["apply mean (ms)"].tolist() == summary["apply_mean_ms"].round(2).tolist()
+    big = views.display_table(pd.DataFrame({"reserved_bytes": [3 * 2**30, 2**29]}))
+    assert big["reserved (GiB)"].tolist() == [3.0, 0.5]
+
+
+def test_compare_opens_on_the_open_run_and_the_newest_finished_one_of_its_workload(runs):
+    listing = dpprof.list_runs(runs["plain"].path.parent)
+    plain, balanced = runs["plain"].id, runs["balanced"].id
+    assert views.default_compare(listing, balanced) == ([plain, balanced], None)  # the older is the baseline
+    failed = listing.assign(status=["failed", "finished"] if listing.loc[0, "id"] == balanced else
+                            ["finished", "failed"])
+    ids, need = views.default_compare(failed, plain)
+    assert ids == [] and "needs a second finished run of cifar-lenet" in need
+    ids, need = views.default_compare(listing, None)
+    assert ids == [] and "Choose a run" in need

@@ -127,6 +127,7 @@ def _timed_hook(owner: DistributedDataParallel, inner: Callable[[Any, Any], Any]
         return fut.then(done)
 
     dpprof_comm_hook.__qualname__ = f"dpprof_comm_hook({getattr(inner, '__qualname__', 'hook')})"
+    dpprof_comm_hook._dpprof_inner = inner  # type: ignore[attr-defined]  # what a pickled DDP keeps
     # DDP checks the hook's annotations as objects; this module's are strings (PEP 563)
     dpprof_comm_hook.__annotations__ = {"state": object, "bucket": dist.GradBucket,
                                         "return": torch.futures.Future[torch.Tensor]}

@@ -18,8 +18,8 @@ from dpprof.records import PHASES
 from dpprof.store.reader import StoredRun
 
 __all__ = ["MAX_POINTS", "APPLY_SAMPLE_PER_DEVICE", "TIMELINE_MAX_STEPS", "MEMORY_BYTES", "DP_TAX_PHASES",
-           "GPU_METRICS", "bucket_width", "present_phases", "stacked_phases", "run_stats", "step_times",
-           "phase_breakdown", "phase_totals", "apply_samples", "apply_stats", "memory_peaks", "chunk_counts",
+           "GPU_METRICS", "bucket_width", "present_phases", "stacked_phases", "run_stats", "median_step_ms",
+           "step_times", "phase_breakdown", "phase_totals", "apply_samples", "apply_stats", "memory_peaks", "chunk_counts",
            "gpu_series", "timeline", "last_steps_frames", "devices_of", "work_phases"]
 
 MAX_POINTS = 2_000  # points a chart draws per series; a browser stays responsive well past this
@@ -92,12 +92,21 @@ def run_stats(run: StoredRun) -> dict[str, Any]:
     stats["steps"] = int(stats["steps"] or 0)
     stats["batch_size"] = int(stats["batch_size"]) if stats["batch_size"] else None
     stats["devices_used"] = int(stats["devices_used"]) if stats["devices_used"] else None
-    stats["median_step_ms"] = None
-    if stats["steps"]:
-        median = run.query("SELECT duration_ms FROM steps ORDER BY duration_ms LIMIT 1 OFFSET "
-                           "(SELECT (COUNT(*) - 1) / 2 FROM steps)")
-        stats["median_step_ms"] = float(median["duration_ms"].median())
+    stats["median_step_ms"] = median_step_ms(run) if stats["steps"] else None
     return stats
+
+
+def median_step_ms(run: StoredRun) -> float | None:
+    """The median of every recorded step's duration_ms (the mean of the middle two of an even count): the one
+    definition the dashboard and ``dpprof show`` share. Equals ``load_run(...).steps["duration_ms"].median()``.
+    A distributed run's rows of every rank count, as its steps table holds them."""
+    if _ranks(run) > 1:  # rank files are separate databases: the rows come to pandas
+        durations = run.query("SELECT duration_ms FROM steps")["duration_ms"]
+        return float(durations.median()) if len(durations) else None
+    middle = run.query("SELECT AVG(duration_ms) AS ms FROM (SELECT duration_ms FROM steps ORDER BY duration_ms "
+                       "LIMIT 2 - (SELECT COUNT(*) FROM steps) % 2 OFFSET (SELECT (COUNT(*) - 1) / 2 FROM steps))")
+    value = middle["ms"].iloc[0]
+    return None if pd.isna(value) else float(value)
 
 
 def step_times(run: StoredRun, max_points: int = MAX_POINTS) -> pd.DataFrame:

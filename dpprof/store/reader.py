@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import sqlite3
 from dataclasses import dataclass, field
@@ -20,13 +21,16 @@ import pandas as pd
 from dpprof.store.schema import FORMAT, RECORD_TABLES, RUN_COLUMNS, SCHEMA_VERSION, columns_of
 
 __all__ = ["RUN_SUFFIX", "list_runs", "load_run", "StoredRun", "RunFileError", "reports_dir",
-           "HEARTBEAT_TIMEOUT_S"]
+           "HEARTBEAT_TIMEOUT_S", "FULL_DISK_FREE_BYTES"]
 
 RUN_SUFFIX = ".sqlite"
 _RANK_FILE = re.compile(r"^(.+)\.rank(\d+)\.sqlite$")  # <run id>.rank<N>.sqlite: one rank of a distributed run
 _SIDE_FILES = ("-wal", "-shm", "-journal")
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 HEARTBEAT_TIMEOUT_S = 30.0  # the writer commits every 0.5 s; 60 missed commits means it is gone
+# A run that stopped without closing, with its write-ahead log beside it on a disk with less than this
+# free, was cut short by the full disk: one commit of a busy run is hundreds of KB of log.
+FULL_DISK_FREE_BYTES = 1 << 20
 TABLES = tuple(RECORD_TABLES.values())
 
 
@@ -60,21 +64,30 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _effective_status(row: dict[str, Any]) -> str:
-    """A 'running' run whose process is gone, or whose writer stopped beating, is incomplete."""
+def _effective_status(row: dict[str, Any], path: Path | None = None) -> str:
+    """A 'running' run whose process is gone, or whose writer stopped beating, is incomplete; or
+    disk_full, when its write-ahead log is still beside it on a full disk (the writer could not even
+    store that status)."""
     if row.get("status") != "running":
         return row.get("status") or "unknown"
-    if row.get("host") == socket.gethostname() and row.get("pid") and not _pid_alive(int(row["pid"])):
-        return "incomplete"
+    stopped = row.get("host") == socket.gethostname() and row.get("pid") and not _pid_alive(int(row["pid"]))
     beat = row.get("heartbeat_at")
-    if beat:
-        age = (datetime.now(timezone.utc) - datetime.fromisoformat(beat)).total_seconds()
-        if age > HEARTBEAT_TIMEOUT_S:
-            return "incomplete"
-    return "running"
+    if not stopped and beat:
+        stopped = (datetime.now(timezone.utc) - datetime.fromisoformat(beat)).total_seconds() > HEARTBEAT_TIMEOUT_S
+    if not stopped:
+        return "running"
+    return "disk_full" if path is not None and _stopped_by_full_disk(path) else "incomplete"
 
 
-def _read_meta(con: sqlite3.Connection) -> dict[str, Any]:
+def _stopped_by_full_disk(path: Path) -> bool:
+    wal = path.with_name(path.name + "-wal")
+    try:
+        return wal.stat().st_size > 0 and shutil.disk_usage(path.parent).free < FULL_DISK_FREE_BYTES
+    except OSError:
+        return False
+
+
+def _read_meta(con: sqlite3.Connection, path: Path | None = None) -> dict[str, Any]:
     try:
         meta = dict(con.execute("SELECT key, value FROM meta").fetchall())
     except sqlite3.DatabaseError as err:
@@ -99,7 +112,7 @@ def _read_meta(con: sqlite3.Connection) -> dict[str, Any]:
     for key in ("devices", "workload_args"):
         row[key] = json.loads(row[key]) if row[key] else ([] if key == "devices" else {})
     row["stored_status"] = row["status"]
-    row["status"] = _effective_status(row)
+    row["status"] = _effective_status(row, path)
     row["schema_version"] = version
     return row
 
@@ -209,14 +222,15 @@ def _open(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     except OSError as err:
         raise RunFileError(f"cannot read: {err}") from None
     try:
-        return _read_meta(con), _summary(con)
+        return _read_meta(con, path), _summary(con)
     except sqlite3.DatabaseError as err:
         raise RunFileError(f"corrupt or truncated: {err}") from None
     finally:
         con.close()
 
 
-_STATUS_RANK = {"failed": 0, "incomplete": 1, "running": 2, "unknown": 3, "finished": 4}
+_STATUS_RANK = {"failed": 0, "disk_full": 1, "interrupted": 2, "incomplete": 3, "running": 4, "unknown": 5,
+                "finished": 6}
 
 
 def _combine(metas: list[dict[str, Any]]) -> dict[str, Any]:
@@ -224,7 +238,7 @@ def _combine(metas: list[dict[str, Any]]) -> dict[str, Any]:
     metas = sorted(metas, key=lambda m: m.get("rank") or 0)
     meta = dict(metas[0])
     meta["devices"] = [d for m in metas for d in m["devices"]]
-    meta["status"] = min((m["status"] for m in metas), key=lambda s: _STATUS_RANK.get(s, 3))
+    meta["status"] = min((m["status"] for m in metas), key=lambda s: _STATUS_RANK.get(s, _STATUS_RANK["unknown"]))
     meta["error"] = next((m["error"] for m in metas if m.get("error")), None)
     meta["dropped_records"] = sum(m.get("dropped_records") or 0 for m in metas)
     meta["ranks"] = [m.get("rank") for m in metas]
@@ -240,7 +254,8 @@ def list_runs(reports_dir_: str | os.PathLike[str] | None = None) -> pd.DataFram
 
     Returns:
         a DataFrame with id, name, status, created_at, ended_at, duration_s, backend, devices,
-        workload, steps, ranks, dropped_records, error, path and reason (None for readable runs),
+        workload, steps, ranks, dropped_records, error, balanced (recorded with the balanced model and
+        criterion), path and reason (None for readable runs),
         newest first.
     """
     rows, by_id = [], {}
@@ -257,9 +272,10 @@ def list_runs(reports_dir_: str | os.PathLike[str] | None = None) -> pd.DataFram
                                               "workload", "error", "dropped_records")},
                      "devices": ",".join(meta["devices"]), "steps": max(s["steps"] for _, _, s in files),
                      "ranks": len(files), "duration_s": _duration_s(meta), "path": str(files[0][0]),
+                     "balanced": bool((meta.get("workload_args") or {}).get("balanced")),
                      "reason": None})
     columns = ["id", "name", "status", "created_at", "ended_at", "duration_s", "backend", "devices",
-               "workload", "steps", "ranks", "dropped_records", "error", "path", "reason"]
+               "workload", "steps", "ranks", "dropped_records", "error", "balanced", "path", "reason"]
     df = pd.DataFrame(rows, columns=columns)
     return df.sort_values("created_at", ascending=False, na_position="last", kind="stable").reset_index(drop=True)
 

@@ -20,7 +20,7 @@ RUN_COLUMNS = {
     "host": "TEXT", "pid": "INTEGER", "torch_version": "TEXT", "cuda_version": "TEXT",
     "backend": "TEXT", "devices": "TEXT",  # JSON list of device labels
     "workload": "TEXT", "workload_args": "TEXT",  # JSON object
-    "status": "TEXT",  # running | finished | failed | (read side) incomplete
+    "status": "TEXT",  # running | finished | failed | interrupted | disk_full | (read side) incomplete
     "error": "TEXT", "dropped_records": "INTEGER",
     "rank": "INTEGER", "world_size": "INTEGER",  # torch.distributed runs: one file per rank
 }

@@ -3,9 +3,15 @@
 The training step never waits on disk. put() is a deque append; when the buffer is full the
 record is dropped and counted, and the count is stored with the run. The writer commits at
 least every FLUSH_INTERVAL_S, so a process killed with SIGKILL loses at most that much.
+
+When a write fails (the disk fills), the writer keeps everything committed, commits what of the
+failed batch still fits, stops writing and counts what it drops; training goes on. A run file
+is built under a hidden name and appears under its own only whole, so a listing never shows a
+half-created run, and a run that cannot start leaves no file behind.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import operator
@@ -16,16 +22,21 @@ import time
 from collections import deque
 from dataclasses import fields
 from datetime import datetime, timezone
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
-from dpprof.records import FindingRecord, Record
+from dpprof.records import FindingRecord, NoteRecord, Record, StepRecord
+from dpprof.store.faults import cause_of, failure_line, is_disk_full, start_failure
 from dpprof.store.schema import FORMAT, RECORD_TABLES, RUN_COLUMNS, SCHEMA_VERSION, ddl
 
-__all__ = ["SqliteSink", "FLUSH_INTERVAL_S", "MAX_BUFFERED_RECORDS", "create_run_file", "replace_findings"]
+__all__ = ["SqliteSink", "FLUSH_INTERVAL_S", "MAX_BUFFERED_RECORDS", "create_run_file", "replace_findings",
+           "fold_leftover_logs", "check_reports_dir"]
 
 FLUSH_INTERVAL_S = 0.5  # the issue asks for at least one commit a second; half that leaves margin
 FOLD_RETRY_S = 2.0  # how long close() waits for readers to let go before leaving the run in WAL mode
+REFOLD_INTERVAL_S = 5.0  # after the disk filled, how often a live writer tries again to fold its log back
 MAX_BUFFERED_RECORDS = 200_000  # ~30 MB of records; 100 s of an 8-device run at 100 steps/s
+MIN_KEPT_SLICE = 16  # after a failed commit, ever smaller slices of it are tried, down to this many records
 
 log = logging.getLogger("dpprof")
 
@@ -34,6 +45,9 @@ _INSERT = {
     cls: f"INSERT INTO {table} VALUES ({', '.join('?' * len(fields(cls)))})"
     for cls, table in RECORD_TABLES.items()
 }
+_SIDE_FILES = ("-wal", "-shm", "-journal")
+_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS}
+_WRITE_ERRORS = (sqlite3.Error, OSError)
 
 
 def _now() -> str:
@@ -42,24 +56,78 @@ def _now() -> str:
 
 def _connect(path: str) -> sqlite3.Connection:
     con = sqlite3.connect(path, timeout=30, check_same_thread=False)
-    con.execute("PRAGMA journal_mode=WAL")  # readers (the dashboard) read while we write
+    mode = con.execute("PRAGMA journal_mode=WAL").fetchone()[0]  # readers (the dashboard) read while we write
+    if mode != "wal":
+        con.close()
+        raise sqlite3.OperationalError(f"cannot put {path} in WAL mode (journal mode stays {mode})")
     con.execute("PRAGMA synchronous=NORMAL")  # durable across a killed process; fsync at checkpoints
     return con
 
 
+def _hidden(path: str) -> str:
+    """Where a file is built before it appears under ``path``: a dot-name the listing skips."""
+    directory, name = os.path.split(path)
+    return os.path.join(directory, f".{name}.part")
+
+
+def _remove(*paths: str) -> None:
+    for p in paths:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
+
+
+def _publish(built: str, path: str) -> None:
+    """Give a whole file its name, never over an existing one."""
+    try:
+        os.link(built, path)  # fails if ``path`` exists: the name is claimed atomically
+    except OSError as err:
+        if err.errno not in _NO_HARD_LINKS:
+            raise
+        if os.path.exists(path):
+            raise FileExistsError(errno.EEXIST, "file exists", path) from None
+        os.rename(built, path)
+    else:
+        os.unlink(built)
+
+
 def create_run_file(path: str, run_row: dict[str, Any]) -> sqlite3.Connection:
-    """Create a new run file (never an existing one) with its schema and its runs row."""
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)  # claim the name atomically
+    """Create a new run file (never an existing one) with its schema and runs row; open it for writing.
+
+    The file is built under a hidden name and given its own only when whole, and the first write
+    in WAL mode is made before this returns. Whatever fails, no file is left behind.
+    """
+    built = _hidden(path)
+    fd = os.open(built, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     os.close(fd)
-    con = _connect(path)
-    with con:
-        for statement in ddl():
-            con.execute(statement)
-        con.executemany("INSERT INTO meta VALUES (?, ?)",
-                        [("format", FORMAT), ("schema_version", str(SCHEMA_VERSION))])
-        cols = list(RUN_COLUMNS)
-        con.execute(f"INSERT INTO runs ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
-                    [_encode(run_row.get(c)) for c in cols])
+    try:
+        con = sqlite3.connect(built, timeout=30)
+        try:
+            with con:
+                for statement in ddl():
+                    con.execute(statement)
+                con.executemany("INSERT INTO meta VALUES (?, ?)",
+                                [("format", FORMAT), ("schema_version", str(SCHEMA_VERSION))])
+                cols = list(RUN_COLUMNS)
+                con.execute(f"INSERT INTO runs ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
+                            [_encode(run_row.get(c)) for c in cols])
+        finally:
+            con.close()
+        _publish(built, path)
+    except BaseException:
+        _remove(built, built + "-journal")
+        raise
+    con = None
+    try:
+        con = _connect(path)
+        with con:  # the write-ahead log and its index exist, or this fails here, before the first step
+            con.execute("UPDATE runs SET heartbeat_at = ?", (_now(),))
+    except BaseException:
+        if con is not None:
+            con.close()
+        _remove(path, *(path + s for s in _SIDE_FILES))  # our own file, created a moment ago, holding no step
+        raise
     return con
 
 
@@ -68,20 +136,45 @@ def _encode(value: Any) -> Any:
 
 
 class SqliteSink:
-    """A Sink that writes one run file from a background thread."""
+    """A Sink that writes one run file from a background thread.
+
+    Attributes:
+        failure: why writing stopped ("disk full", ...), or None while every commit succeeds.
+        steps_kept: step records committed to the file.
+        lost: the file is gone from disk (its directory was removed and could not be made again, or
+            writing failed before the first step and the empty run was ``removed``).
+        written_back: the file was removed while recording and dpprof wrote it back to its path.
+        clock_ms: the run's clock, for the time of the note a failure leaves (set by the run).
+    """
 
     def __init__(self, path: str, run_row: dict[str, Any], max_buffered: int = MAX_BUFFERED_RECORDS,
                  flush_interval_s: float = FLUSH_INTERVAL_S) -> None:
         self.path = path
-        self._con = create_run_file(path, {**run_row, "heartbeat_at": _now(), "dropped_records": 0})
+        try:
+            self._con = create_run_file(path, {**run_row, "heartbeat_at": _now(), "dropped_records": 0})
+        except _WRITE_ERRORS as err:
+            raise start_failure(os.path.dirname(path) or ".", err) from None
         self._buffer: deque[Record] = deque()
         self._max = max_buffered
         self._interval = flush_interval_s
         self.dropped = 0
         self._drop_lock = threading.Lock()
         self._run_updates: dict[str, Any] = {}
+        self.failure: str | None = None
+        self.disk_full = False
+        self.steps_kept = 0
+        self.lost = False
+        self.written_back = False
+        self.removed = False
+        self.folded = True
+        self.clock_ms: Callable[[], float] | None = None
+        self.message: str | None = None
+        self._unwritten: dict[str, Any] = {}
+        self._last_fold_try = 0.0
+        self._commits = 0
+        self._committed = threading.Condition()
+        self._wake = threading.Event()
         self._stop = threading.Event()
-        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="dpprof-writer", daemon=True)
         self._thread.start()
 
@@ -96,53 +189,267 @@ class SqliteSink:
         """Change columns of the runs row at the next commit."""
         self._run_updates.update(values)
 
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Commit what is buffered now and wait for it; False if that took longer than ``timeout_s``."""
+        with self._committed:
+            target = self._commits + 2  # a commit under way may have taken the buffer before the last records
+            self._wake.set()
+            return self._committed.wait_for(lambda: self._commits >= target or not self._thread.is_alive(),
+                                            timeout_s)
+
     def _loop(self) -> None:
         try:
-            while not self._stop.wait(self._interval):
+            while not self._stop.is_set():
+                self._wake.wait(self._interval)
+                self._wake.clear()
                 self._commit()
             self._commit()
-        except BaseException as err:  # a full disk must not take the training loop down
-            self._error = err
+        except BaseException as err:  # nothing the disk does may take the training loop down
+            if self.failure is None:
+                self.failure = cause_of(err)
+        finally:
+            with self._committed:
+                self._committed.notify_all()
+
+    def _drain(self) -> list[Record]:
+        buffer, records = self._buffer, []
+        while buffer:
+            records.append(buffer.popleft())
+        return records
+
+    def _count_dropped(self, n: int) -> None:
+        with self._drop_lock:
+            self.dropped += n
 
     def _commit(self) -> None:
-        batches: dict[type, list[tuple[Any, ...]]] = {}
-        buffer = self._buffer
-        while buffer:
-            record = buffer.popleft()
-            batches.setdefault(type(record), []).append(_ROW_OF[type(record)](record))
+        records = self._drain()
         updates, self._run_updates = self._run_updates, {}
-        updates.update(heartbeat_at=_now(), dropped_records=self.dropped)
+        if self.failure is not None:  # writing stopped: count what comes, fold the log once space allows
+            self._count_dropped(len(records))
+            self._keep_run_updates(updates)
+            self._try_fold_again()
+        else:
+            updates.update(heartbeat_at=_now(), dropped_records=self.dropped)
+            try:
+                self._write(records, updates)
+            except _WRITE_ERRORS as err:
+                self._keep_run_updates(updates)
+                self._stop_writing(err, records)
+            else:
+                if not os.path.exists(self.path):
+                    self._write_back()
+        with self._committed:
+            self._commits += 1
+            self._committed.notify_all()
+
+    def _write(self, records: list[Record], updates: dict[str, Any]) -> None:
+        batches: dict[type, list[tuple[Any, ...]]] = {}
+        for record in records:
+            batches.setdefault(type(record), []).append(_ROW_OF[type(record)](record))
         with self._con:
             for cls, rows in batches.items():
                 self._con.executemany(_INSERT[cls], rows)
-            self._con.execute(f"UPDATE runs SET {', '.join(f'{k} = ?' for k in updates)}",
-                              [_encode(v) for v in updates.values()])
+            if updates:
+                self._con.execute(f"UPDATE runs SET {', '.join(f'{k} = ?' for k in updates)}",
+                                  [_encode(v) for v in updates.values()])
+        self.steps_kept += len(batches.get(StepRecord, ()))
 
-    def close(self) -> None:
+    def _stop_writing(self, err: BaseException, records: list[Record]) -> None:
+        """A commit failed: keep what of it still fits, in the order it was recorded, then stop writing."""
+        kept, size = 0, len(records) // 2
+        while size >= MIN_KEPT_SLICE and kept < len(records):
+            try:
+                self._write(records[kept:kept + size], {})
+                kept += size
+            except _WRITE_ERRORS:
+                size //= 2
+        self._count_dropped(len(records) - kept)
+        self.failure = cause_of(err)
+        self.disk_full = is_disk_full(err)
+        self.folded = False
+        self._last_fold_try = time.monotonic()
+        self.record_failure(f"{self.failure} after step {self.steps_kept}: the steps after it were not recorded")
+
+    def _keep_run_updates(self, updates: dict[str, Any]) -> None:
+        """Run columns that could not be written (the devices seen, ...), for the failure's own update;
+        the status stays the failure's."""
+        for key in ("status", "error", "heartbeat_at", "dropped_records"):
+            updates.pop(key, None)
+        self._unwritten.update(updates)
+
+    def record_failure(self, message: str) -> bool:
+        """Store the failure in the run (its status, error and a note) if that still fits; True if it did."""
+        values = {**self._unwritten, "status": "disk_full" if self.disk_full else "failed", "error": message,
+                  "dropped_records": self.dropped}
+        row = (f"UPDATE runs SET {', '.join(f'{k} = ?' for k in values)}", tuple(_encode(v) for v in values.values()))
+        return self._store((row, self._note(message)), (row,))  # a note if it fits; the status alone if only that does
+
+    def _note(self, message: str) -> tuple[str, tuple[Any, ...]]:
+        t_ms = self.clock_ms() if self.clock_ms is not None else float("nan")
+        return _INSERT[NoteRecord], _ROW_OF[NoteRecord](NoteRecord(t_ms=t_ms, source="store", message=message))
+
+    def _store(self, *attempts: tuple[tuple[str, tuple[Any, ...]], ...]) -> bool:
+        for statements in attempts:
+            try:
+                with self._con:
+                    for sql, params in statements:
+                        self._con.execute(sql, params)
+                return True
+            except _WRITE_ERRORS:
+                continue
+        return False
+
+    def _try_fold_again(self) -> None:
+        if self.folded or self.lost or time.monotonic() - self._last_fold_try < REFOLD_INTERVAL_S:
+            return
+        self._last_fold_try = time.monotonic()
+        self.folded = self._checkpoint()
+
+    def _checkpoint(self) -> bool:
+        """Copy the write-ahead log into the run file and empty it; False if a reader or the full disk stops it."""
+        try:
+            return not self._con.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+        except _WRITE_ERRORS:
+            return False
+
+    def _write_back(self) -> None:
+        """The run file was removed while recording (its directory deleted): write what the open file
+        holds back to its path and go on writing there."""
+        built = _hidden(self.path)
+        try:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            copy = sqlite3.connect(built)
+            try:
+                self._con.backup(copy)
+            finally:
+                copy.close()
+            _publish(built, self.path)
+            con = _connect(self.path)
+        except _WRITE_ERRORS as err:
+            _remove(built, built + "-journal")
+            self.failure = (f"{os.path.dirname(self.path)} was removed during the run and cannot be made "
+                            f"again ({cause_of(err)})")
+            self.lost = True
+            return
+        old, self._con = self._con, con
+        old.close()
+        self.written_back = True
+
+    def close(self, steps_total: int | None = None) -> None:
         """Commit everything and fold the write-ahead log back so the run is one file again.
 
-        Everything is committed before this returns. Folding the log needs the file to itself: while
-        a reader (the dashboard, another rank) has it open, it is retried for FOLD_RETRY_S and then
-        left in WAL mode, intact, with its -wal and -shm files beside it.
+        Everything is committed before this returns. Folding the log needs the file to itself and
+        room on the disk: while a reader (the dashboard, another rank) has it open, it is retried
+        for FOLD_RETRY_S; either way a run left in WAL mode is intact, with its -wal and -shm files
+        beside it. ``message`` is then the one line to tell the user, if something went wrong.
+
+        Args:
+            steps_total: how many steps the training made (the run knows; the writer counts what it kept).
         """
         self._stop.set()
+        self._wake.set()
         self._thread.join()
+        if self.failure is not None and self.steps_kept == 0 and not self.lost:
+            self._remove_empty_run()  # failed before its first step: like a run that could not start
+        self.message = self._message(steps_total)
         try:
-            deadline = time.monotonic() + FOLD_RETRY_S
-            while True:
-                try:
-                    self._con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-                    self._con.execute("PRAGMA journal_mode=DELETE")
-                    break
-                except sqlite3.OperationalError as err:
-                    if time.monotonic() > deadline:
-                        log.warning("dpprof: %s stays in WAL mode (a reader has it open): %s", self.path, err)
-                        break
-                    time.sleep(0.05)
+            if self.lost:
+                return
+            if self.failure is not None:
+                self._checkpoint()  # folding the log first may free the room the final line needs
+                self.record_failure(self.message)
+            elif self.written_back:
+                self._store((self._note(self.message),))
+            self._fold()
         finally:
-            self._con.close()
-        if self._error is not None:  # the run is whole up to the failure; the training already finished
-            log.warning("dpprof: could not write all of %s: %s", self.path, self._error)
+            if not self.removed:
+                self._con.close()
+
+    def _remove_empty_run(self) -> None:
+        """Our own file, holding no step: removed, so that a listing shows no run that recorded nothing."""
+        self._con.close()
+        _remove(self.path, *(self.path + s for s in _SIDE_FILES))
+        self.lost = self.removed = True
+
+    def _message(self, steps_total: int | None) -> str | None:
+        if self.removed:
+            not_recorded = f", {steps_total} steps not recorded" if steps_total else ""
+            return (f"cannot record in {os.path.dirname(self.path) or '.'}: {self.failure} before the first "
+                    f"step was stored: no run file kept{not_recorded}")
+        if self.lost:
+            return f"the run is lost: {self.failure}"
+        if self.failure is not None:
+            return failure_line(self.failure, self.path, self.steps_kept, steps_total)
+        if self.written_back:
+            return (f"{os.path.dirname(self.path)} was removed during the run: dpprof wrote the run back to "
+                    f"{self.path} ({self.steps_kept} steps)")
+        return None
+
+    def _fold(self) -> None:
+        deadline = time.monotonic() + FOLD_RETRY_S
+        while True:
+            try:
+                self._con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                self._con.execute("PRAGMA journal_mode=DELETE")
+                self.folded = True
+                return
+            except sqlite3.OperationalError as err:
+                if is_disk_full(err):
+                    self.folded = False
+                    if self.failure is None:  # a failed run's one line says it; a whole run's log must go with it
+                        log.warning("dpprof: %s is whole but the disk is full: it keeps its write-ahead log "
+                                    "beside it (%s-wal) until there is room", self.path, self.path)
+                    return
+                if time.monotonic() > deadline:
+                    self.folded = False
+                    log.warning("dpprof: %s stays in WAL mode (a reader has it open): %s", self.path, err)
+                    return
+                time.sleep(0.05)
+
+
+def check_reports_dir(directory: str | os.PathLike[str]) -> None:
+    """Raise RecordingError, with the line a run would give, if a run cannot be created in ``directory``.
+
+    For a caller that starts a recording elsewhere (the dashboard starting ``dpprof profile``): it
+    makes the directory and an empty run file under a hidden name, the way a run does, then removes it.
+    """
+    directory = os.fspath(directory)
+    probe = os.path.join(directory, f"probe-{os.getpid()}-{threading.get_ident()}.sqlite")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        create_run_file(_hidden(probe), {"id": "probe", "status": "probe"}).close()
+    except _WRITE_ERRORS as err:
+        raise start_failure(directory, err) from None
+    _remove(_hidden(probe), *(_hidden(probe) + s for s in _SIDE_FILES))
+
+
+def fold_leftover_logs(directory: str | os.PathLike[str]) -> list[Path]:
+    """Fold back the write-ahead logs that runs no longer recording left beside them (the disk was
+    full when they closed); returns the run files now whole. Never touches a run still recording."""
+    from dpprof.store.reader import _effective_status
+
+    folded = []
+    for wal in sorted(Path(directory).glob("*.sqlite-wal")):
+        path = wal.with_name(wal.name[:-len("-wal")])
+        if path.name.startswith(".") or not path.is_file():
+            continue
+        try:
+            con = sqlite3.connect(path, timeout=0.5)
+        except sqlite3.Error:
+            continue
+        try:
+            cur = con.execute("SELECT * FROM runs")
+            row = dict(zip((d[0] for d in cur.description), cur.fetchone() or ()))
+            if row.get("status") == "running" and _effective_status(row) == "running":
+                continue
+            con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            if con.execute("PRAGMA journal_mode=DELETE").fetchone()[0] == "delete":
+                folded.append(path)
+        except sqlite3.Error:
+            continue  # not a run, no room yet, or a reader holds it: the next recording tries again
+        finally:
+            con.close()
+    return folded
 
 
 def replace_findings(path: str, findings: list[tuple[Any, ...]]) -> None:

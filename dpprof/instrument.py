@@ -1,0 +1,405 @@
+"""dpprof.instrument: record a training script that was never written for dpprof.
+
+Inside ``with dpprof.instrument(...)`` torch's ``DataParallel``, ``data_parallel`` and
+``DistributedDataParallel``, under every name torch exports them by, are dpprof's recording
+subclasses (the stand-ins); leaving the block puts torch's own back. A stand-in keeps the face of
+torch's class: its name, module and ``state_dict()`` keys are torch's, ``isinstance`` holds both
+ways (an instance of torch's class is an instance of the stand-in too), and a pickled stand-in
+(``torch.save(model)``, ``copy.deepcopy``) is written as torch's class with torch's attributes, so a
+checkpoint loads without dpprof.
+
+A training step ends at each ``optimizer.step()`` (torch's global optimizer step hook), so the
+forward calls of gradient accumulation share a step; a forward under no_grad, or with neither a
+backward nor an optimizer step before it (evaluation), starts a step of its own.
+``dpprof run script.py`` is this around ``runpy``.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from dpprof.nvml import DEFAULT_SAMPLE_HZ
+from dpprof.parallel import distributed as _ddp
+from dpprof.parallel.data_parallel import DataParallel as _DataParallel
+from dpprof.parallel.data_parallel import data_parallel as _data_parallel
+from dpprof.parallel.devices import cpu_devices, resolve_devices
+from dpprof.parallel.probe import iter_tensors
+from dpprof.recording import Run, record
+
+__all__ = ["instrument", "NO_PARALLEL_NOTE"]
+
+NO_PARALLEL_NOTE = ("the script built no DataParallel or DistributedDataParallel (nor called data_parallel): "
+                    "nothing was recorded")
+
+# torch.nn.parallel.data_parallel is also the name of the function, so the modules are looked up
+_TORCH_DP = importlib.import_module("torch.nn.parallel.data_parallel").DataParallel
+_TORCH_DATA_PARALLEL = importlib.import_module("torch.nn.parallel.data_parallel").data_parallel
+_TORCH_DDP = importlib.import_module("torch.nn.parallel.distributed").DistributedDataParallel
+
+# Every name torch exports each of them by: (module, attribute)
+_NAMES = {
+    "DataParallel": [("torch.nn", "DataParallel"), ("torch.nn.parallel", "DataParallel"),
+                     ("torch.nn.parallel.data_parallel", "DataParallel")],
+    "data_parallel": [("torch.nn.parallel", "data_parallel"), ("torch.nn.parallel.data_parallel", "data_parallel")],
+    "DistributedDataParallel": [("torch.nn.parallel", "DistributedDataParallel"),
+                                ("torch.nn.parallel.distributed", "DistributedDataParallel")],
+}
+
+_session: _Session | None = None
+
+
+class _StandIn(type):
+    """The stand-ins' metaclass: torch's original class and its instances count as the stand-in's."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        original = cls.__dict__.get("_dpprof_original")
+        return super().__instancecheck__(obj) or (original is not None and isinstance(obj, original))
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        original = cls.__dict__.get("_dpprof_original")
+        return super().__subclasscheck__(sub) or (original is not None and issubclass(sub, original))
+
+
+class _StandInABC(_StandIn, type(_TORCH_DDP)):  # DDP is Joinable, an abstract base class
+    pass
+
+
+def _pickled_class(obj: Any) -> type:
+    """The class a stand-in instance is pickled as: whatever torch's name holds now (the stand-in
+    inside an instrument block, torch's own class after it); a user's subclass stays itself."""
+    cls = type(obj)
+    original = cls.__dict__.get("_dpprof_original")
+    if original is None:
+        return cls
+    return getattr(importlib.import_module(original.__module__), original.__qualname__)
+
+
+def _reduce(obj: Any, protocol: int) -> tuple[Any, ...]:
+    """Pickled as torch's class (copyreg's plain reconstructor: __newobj__ insists on the object's own class)."""
+    import copyreg
+
+    return copyreg._reconstructor, (_pickled_class(obj), object, None), obj.__getstate__()
+
+
+class DataParallel(_DataParallel, metaclass=_StandIn):
+    """torch.nn.DataParallel inside an instrument block: dpprof.DataParallel wearing torch's name."""
+
+    _dpprof_original = _TORCH_DP
+
+    def __init__(self, module: torch.nn.Module, device_ids: Sequence[Any] | None = None,
+                 output_device: Any = None, dim: int = 0) -> None:
+        session = _session
+        workers = session.cpu_workers_for(device_ids) if session is not None else None
+        super().__init__(module, workers or device_ids, output_device, dim)
+        self.__dict__["_dpprof_cpu_workers"] = workers is not None
+        if session is not None:
+            session.built()
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        session = _session
+        if session is None:
+            return super().forward(*inputs, **kwargs)
+        session.before_forward()
+        output = super().forward(*inputs, **kwargs)
+        session.after_forward(output)
+        return output
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's DataParallel's attributes, as torch would have set them."""
+        state = super().__getstate__()
+        for key in ("_devices", "_probe"):
+            state.pop(key, None)
+        if state.pop("_dpprof_cpu_workers", False):  # torch's pass-through: no devices, nothing else set
+            state["device_ids"] = []
+            for key in ("dim", "output_device", "src_device_obj"):
+                state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        device_ids = self.__dict__.get("device_ids") or []
+        self.__dict__["_devices"] = resolve_devices(device_ids, self.output_device) if device_ids else None
+        self.__dict__["_probe"] = None
+        self.__dict__["_dpprof_cpu_workers"] = False
+
+    __reduce_ex__ = _reduce
+
+
+class DistributedDataParallel(_ddp.DistributedDataParallel, metaclass=_StandInABC):
+    """torch.nn.parallel.DistributedDataParallel inside an instrument block, recorded per rank."""
+
+    _dpprof_original = _TORCH_DDP
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        session = _session
+        if session is not None:
+            session.built()
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        session = _session
+        if session is None:
+            return super().forward(*inputs, **kwargs)
+        session.before_forward()
+        output = super().forward(*inputs, **kwargs)
+        session.after_forward(output)
+        return output
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's DDP state: dpprof's attributes dropped, its timing hook unwrapped to the user's own."""
+        state = super().__getstate__()
+        for key in ("_dpprof_probe", "_dpprof_hooked", "_dpprof_previous"):
+            state.pop(key, None)
+        hooks = []
+        for hook, hook_state in state.get("_comm_hooks", []):
+            inner = getattr(hook, "_dpprof_inner", hook)
+            if inner is not hook and inner is _ddp.allreduce_hook:
+                continue  # the hook dpprof registered itself: torch's default all-reduce
+            hooks.append((inner, hook_state))
+        if "_comm_hooks" in state:
+            state["_comm_hooks"] = hooks
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.update(_dpprof_probe=None, _dpprof_hooked=False, _dpprof_previous=None)
+
+    __reduce_ex__ = _reduce
+
+
+for _cls, _original in ((DataParallel, _TORCH_DP), (DistributedDataParallel, _TORCH_DDP)):
+    _cls.__module__, _cls.__qualname__, _cls.__name__ = _original.__module__, _original.__qualname__, _original.__name__
+    _cls.__doc__ = _original.__doc__
+
+
+def data_parallel(module: torch.nn.Module, inputs: Any, device_ids: Sequence[Any] | None = None,
+                  output_device: Any = None, dim: int = 0, module_kwargs: Any | None = None) -> Any:
+    """torch.nn.parallel.data_parallel inside an instrument block: dpprof's, recorded."""
+    session = _session
+    workers = session.cpu_workers_for(device_ids) if session is not None else None
+    if workers is None and device_ids is None and not torch.cuda.is_available():
+        return _TORCH_DATA_PARALLEL(module, inputs, device_ids, output_device, dim, module_kwargs)
+    if session is not None:
+        session.built()
+        session.before_forward()
+    output = _data_parallel(module, inputs, workers or device_ids, output_device, dim, module_kwargs)
+    if session is not None:
+        session.after_forward(output)
+    return output
+
+
+data_parallel.__module__, data_parallel.__doc__ = _TORCH_DATA_PARALLEL.__module__, _TORCH_DATA_PARALLEL.__doc__
+
+_STAND_INS = {"DataParallel": DataParallel, "data_parallel": data_parallel,
+              "DistributedDataParallel": DistributedDataParallel}
+
+
+def _under_launcher() -> bool:
+    """One of several ranks started by torchrun whose process group is not up yet."""
+    import torch.distributed as dist
+
+    initialized = dist.is_available() and dist.is_initialized()
+    return not initialized and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+
+
+class _Session:
+    """One instrument block: the patched names, the run (started at once, or under torchrun at the
+    first DataParallel or DDP, when the process group is up), the step rule and the --steps limit."""
+
+    def __init__(self, record_args: dict[str, Any] | None, cpu_workers: int | None, steps: int | None) -> None:
+        self.record_args = record_args  # None: the stand-ins and CPU workers, nothing recorded
+        self.cpu_workers = cpu_workers
+        self.steps = steps
+        self.run: Run | None = None
+        self._recording: AbstractContextManager[Run] | None = None
+        self.started = False  # a start was tried (it may have failed)
+        self.stopped = False  # recording ended before the block did (--steps, or a failure)
+        self.built_any = False
+        self.optimizer_seen = False
+        self.backward_seen = False
+        self.told = False
+        self._patched: list[tuple[Any, str, Any]] = []
+        self._hook: Any = None
+
+    # the patch
+    def patch(self) -> None:
+        for kind, names in _NAMES.items():
+            for module_name, attr in names:
+                module = importlib.import_module(module_name)
+                self._patched.append((module, attr, getattr(module, attr)))
+                setattr(module, attr, _STAND_INS[kind])
+        _ddp._install_optimizer_hooks()  # DDP's optimizer timing runs before the step ends
+        self._hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+
+    def unpatch(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        for module, attr, original in reversed(self._patched):
+            setattr(module, attr, original)
+        self._patched.clear()
+
+    # the run
+    def say(self, message: str) -> None:
+        """The recording's own trouble, said once on stderr; the script goes on."""
+        if not self.told:
+            self.told = True
+            print(f"dpprof: {message}", file=sys.stderr, flush=True)
+
+    def start(self) -> None:
+        if self.started:
+            return
+        self.started = True
+        if self.record_args is None:
+            self.stopped = True
+            return
+        try:
+            recording = record(**self.record_args)
+            self.run = recording.__enter__()
+            self._recording = recording
+        except Exception as err:  # an unwritable reports directory, a full disk
+            self.run, self.stopped = None, True
+            self.say(f"cannot record ({type(err).__name__}: {err}); the script runs unrecorded")
+            return
+        self.run.joins_open_step = self._joins_open_step
+
+    def finish(self, exc: BaseException | None) -> None:
+        """Close the run: finished, unless the script raised (SystemExit 0 is a finish)."""
+        if self._recording is None:
+            return
+        recording, self._recording = self._recording, None
+        if isinstance(exc, SystemExit) and exc.code in (None, 0):
+            exc = None
+        try:
+            if exc is None:
+                recording.__exit__(None, None, None)
+            else:
+                recording.__exit__(type(exc), exc, exc.__traceback__)
+        except Exception as err:
+            self.say(f"closing the run failed ({type(err).__name__}: {err})")
+
+    def stop(self, reason: str) -> None:
+        """End recording now; the script goes on unrecorded."""
+        if self.run is not None:
+            self.run.note("dpprof", reason, tell=False)
+        self.stopped = True
+        self.finish(None)
+
+    # what the stand-ins call
+    def cpu_workers_for(self, device_ids: Sequence[Any] | None) -> list[torch.device] | None:
+        """CPU workers for a DataParallel built with no device_ids where torch would pass through (no GPU)."""
+        if self.cpu_workers and device_ids is None and not torch.cuda.is_available():
+            return cpu_devices(self.cpu_workers)
+        return None
+
+    def built(self) -> None:
+        self.built_any = True
+        self.start()
+
+    def before_forward(self) -> None:
+        run = self.run
+        if run is None or self.stopped or self.steps is None:
+            return
+        if run.steps_started >= self.steps and run.forward_starts_step():
+            self.stop(f"recording stopped after {self.steps} steps (--steps); the script went on")
+
+    def after_forward(self, output: Any) -> None:
+        if self.run is None or self.stopped:
+            return
+        self.backward_seen = False
+        if torch.is_grad_enabled():
+            first = next((t for t in iter_tensors(output) if t.requires_grad), None)
+            if first is not None:
+                first.register_hook(self._on_backward)
+
+    def _on_backward(self, grad: torch.Tensor) -> None:
+        self.backward_seen = True
+
+    def _joins_open_step(self) -> bool:
+        """A forward joins the open step when training is under way: a backward since the step's last
+        forward (gradient accumulation), or an optimizer that ends steps; never under no_grad."""
+        return torch.is_grad_enabled() and (self.optimizer_seen or self.backward_seen)
+
+    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        run = self.run
+        if run is None or self.stopped:
+            return
+        self.optimizer_seen = True
+        self.backward_seen = False
+        run.end_step()
+        if self.steps is not None and run.steps_started >= self.steps:
+            self.stop(f"recording stopped after {self.steps} steps (--steps); the script went on")
+
+
+@contextmanager
+def instrumented(record_args: dict[str, Any] | None, cpu_workers: int | None = None,
+                 steps: int | None = None) -> Iterator[_Session]:
+    """The instrument block itself, yielding its session (``session.run`` once started).
+
+    ``record_args`` are ``dpprof.record``'s; None records nothing (the stand-ins and CPU workers only:
+    what ``dpprof run --no-record`` runs, to measure what recording costs)."""
+    global _session
+    if _session is not None:
+        raise RuntimeError("dpprof.instrument blocks cannot be nested")
+    if cpu_workers is not None and cpu_workers < 1:
+        raise ValueError(f"cpu_workers must be positive, got {cpu_workers}")
+    if steps is not None and steps < 1:
+        raise ValueError(f"steps must be positive, got {steps}")
+    session = _Session(record_args, cpu_workers, steps)
+    session.patch()
+    _session = session
+    error: BaseException | None = None
+    try:
+        if not _under_launcher():
+            session.start()
+        yield session
+    except BaseException as err:
+        error = err
+        raise
+    finally:
+        _session = None
+        session.unpatch()
+        if not session.stopped:
+            session.start()  # a script that built nothing still gets its run, and a note saying so
+            if session.run is not None and not session.built_any:
+                session.run.note("dpprof", NO_PARALLEL_NOTE, tell=False)
+            session.finish(error)
+
+
+@contextmanager
+def instrument(name: str | None = None, reports_dir: str | os.PathLike[str] | None = None,
+               cpu_workers: int | None = None, steps: int | None = None, sync_timing: bool = False,
+               workload: str | None = None, workload_args: dict[str, Any] | None = None, store: bool = True,
+               sample_hz: float | None = DEFAULT_SAMPLE_HZ) -> Iterator[Run | None]:
+    """Record every DataParallel and DDP that code inside the block builds with torch's own names.
+
+    Args:
+        name: a name for the run (default: its id).
+        reports_dir: where the run file goes (default: $DPPROF_REPORTS, else ./reports).
+        cpu_workers: a DataParallel built with no device_ids on a machine with no GPU runs on this
+            many CPU workers instead of torch's pass-through (default: torch's behaviour).
+        steps: stop recording after this many steps; the code goes on, unrecorded.
+        sync_timing, workload, workload_args, store, sample_hz: as for ``dpprof.record``.
+
+    Returns:
+        the run, or None when it could not start (said once on stderr) or, in one of several
+        torchrun ranks whose process group is not up yet, starts later: at the first DataParallel
+        or DDP built (every rank's records then go into one run, as ``dpprof.record`` does).
+
+    Example:
+        >>> with dpprof.instrument(name="notebook") as run:
+        ...     model = torch.nn.DataParallel(net)      # dpprof's, recording
+        ...     train(model)
+        >>> run.frames()["steps"]
+    """
+    record_args = dict(name=name, reports_dir=reports_dir, sync_timing=sync_timing, workload=workload,
+                       workload_args=workload_args, store=store, sample_hz=sample_hz)
+    with instrumented(record_args, cpu_workers, steps) as session:
+        yield session.run

@@ -1,0 +1,71 @@
+"""What a failed write means: the cause of a storage error in a few words, and the one line the user reads.
+
+A write to the reports directory can fail before a run starts (the directory is read-only,
+missing, not ours, or the disk is full) or while it records (the disk fills). Either way the
+user reads one line naming the place and the cause, never a traceback.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import sqlite3
+
+__all__ = ["RecordingError", "cause_of", "is_disk_full", "start_failure", "failure_line", "DISK_FULL"]
+
+DISK_FULL = "disk full"
+
+QUOTA_EXCEEDED = "disk quota exceeded"
+
+_ERRNO_CAUSES = {
+    errno.ENOSPC: DISK_FULL,
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.ENOENT: "no such directory",
+    errno.ENOTDIR: "not a directory",
+    errno.EIO: "input/output error",
+}
+if hasattr(errno, "EDQUOT"):  # not on every platform
+    _ERRNO_CAUSES[errno.EDQUOT] = QUOTA_EXCEEDED
+# SQLite's primary result codes (sqlite3.h) for the failures a reports directory can meet
+_SQLITE_CAUSES = {
+    13: DISK_FULL,  # SQLITE_FULL
+    8: "read-only file system",  # SQLITE_READONLY
+    3: "permission denied",  # SQLITE_PERM
+    23: "permission denied",  # SQLITE_AUTH
+}
+
+
+class RecordingError(Exception):
+    """A run could not be recorded in its reports directory; the message says where and why, in one line."""
+
+
+def cause_of(err: BaseException) -> str:
+    """A storage error in a few words: "disk full", "read-only file system", "permission denied", ..."""
+    if isinstance(err, OSError) and err.errno in _ERRNO_CAUSES:
+        return _ERRNO_CAUSES[err.errno]
+    if isinstance(err, sqlite3.Error):
+        code = getattr(err, "sqlite_errorcode", None)
+        if code is not None and code & 0xFF in _SQLITE_CAUSES:
+            return _SQLITE_CAUSES[code & 0xFF]
+        return str(err) or type(err).__name__
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror.lower()
+    return str(err) or type(err).__name__
+
+
+def is_disk_full(err: BaseException) -> bool:
+    return cause_of(err) in (DISK_FULL, QUOTA_EXCEEDED)
+
+
+def start_failure(directory: str | os.PathLike[str], err: BaseException) -> RecordingError:
+    """The error for a run that could not start: "cannot record in DIR: CAUSE"."""
+    return RecordingError(f"cannot record in {os.fspath(directory)}: {cause_of(err)}")
+
+
+def failure_line(cause: str, path: str, steps_kept: int, steps_total: int | None) -> str:
+    """"disk full after step 212: 212 steps kept in PATH, 188 not recorded"."""
+    line = f"{cause} after step {steps_kept}: {steps_kept} steps kept in {path}"
+    if steps_total is not None and steps_total > steps_kept:
+        line += f", {steps_total - steps_kept} not recorded"
+    return line

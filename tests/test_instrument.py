@@ -1,0 +1,339 @@
+"""dpprof run / dpprof.instrument on unchanged scripts (tests/scripts, which never import dpprof).
+
+The scripts run in their own processes, as users start them: `python -m dpprof run ...` against
+plain `python ...`, on CPU workers.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import dpprof
+from dpprof.cli import main
+from dpprof.instrument import NO_PARALLEL_NOTE, instrument
+
+SCRIPTS = Path(__file__).parent / "scripts"
+ROOT = Path(__file__).parent.parent
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+TORCH_NAMES = {
+    ("torch.nn", "DataParallel"), ("torch.nn.parallel", "DataParallel"),
+    ("torch.nn.parallel.data_parallel", "DataParallel"), ("torch.nn.parallel", "data_parallel"),
+    ("torch.nn.parallel.data_parallel", "data_parallel"), ("torch.nn.parallel", "DistributedDataParallel"),
+    ("torch.nn.parallel.distributed", "DistributedDataParallel"),
+}
+
+
+def _python(*args, cwd=None, env=None, timeout=240):
+    """Run python with these arguments; returns the CompletedProcess."""
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd, env={**os.environ, **ENV, **(env or {})})
+
+
+def _dpprof_run(*args, **kw):
+    return _python("-m", "dpprof", "run", *args, **kw)
+
+
+def _only_run():
+    runs = dpprof.list_runs()
+    assert len(runs) == 1, runs
+    return dpprof.load_run(runs.loc[0, "id"])
+
+
+def _torch_names():
+    import importlib
+
+    return {(m, a): getattr(importlib.import_module(m), a) for m, a in TORCH_NAMES}
+
+
+# (a) a plain loop with gradient accumulation, on CPU workers
+REFERENCE = """
+import runpy, sys, torch, dpprof
+torch.nn.DataParallel = lambda module: dpprof.DataParallel(module, device_ids=dpprof.cpu_devices(2))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_training_loop_with_accumulation_records_steps_calls_and_workers_and_trains_bit_identically(tmp_path):
+    script = SCRIPTS / "train_accum.py"
+    out = _dpprof_run("--cpu-workers", "2", script, "--batches", "8", "--save", tmp_path / "recorded.pt")
+    assert out.returncode == 0, out.stderr
+    # the same script under plain python, dpprof's own DataParallel on 2 CPU workers, nothing recorded
+    ref = _python("-c", REFERENCE, script, "--batches", "8", "--save", tmp_path / "reference.pt")
+    assert ref.returncode == 0, ref.stderr
+    assert out.stdout == ref.stdout and out.stdout.count("step ") == 4
+    recorded, reference = (torch.load(tmp_path / f) for f in ("recorded.pt", "reference.pt"))
+    assert list(recorded) == list(reference)
+    for key in reference:
+        assert torch.equal(recorded[key], reference[key]), key
+
+    run = _only_run()
+    assert run.meta["status"] == "finished"
+    assert run.meta["name"] == f"train_accum.py --batches 8 --save {tmp_path}/recorded.pt"
+    assert run.meta["devices"] == ["cpu:0", "cpu:1"]
+    steps = run.steps
+    assert steps["step"].tolist() == [0, 1, 2, 3]  # 8 batches, an optimizer step every 2
+    assert steps["forward_calls"].tolist() == [2, 2, 2, 2] and steps["batch_size"].tolist() == [32] * 4
+    applies = run.phases[run.phases["phase"] == "apply"].groupby(["step", "device"]).size()
+    assert applies.to_dict() == {(s, d): 2 for s in range(4) for d in ("cpu:0", "cpu:1")}
+    backward = run.phases[run.phases["phase"] == "backward"].groupby("step").size()
+    assert backward.tolist() == [2, 2, 2, 2]
+    assert f"recorded run {run.id} (4 steps)" in out.stderr
+
+
+def test_steps_stops_recording_not_training(tmp_path):
+    script = SCRIPTS / "train_accum.py"
+    plain = _python(script, "--batches", "8")
+    limited = _dpprof_run("--steps", "2", script, "--batches", "8")
+    assert limited.returncode == plain.returncode == 0, limited.stderr
+    assert limited.stdout == plain.stdout and plain.stdout.count("step ") == 4
+    run = _only_run()
+    assert run.meta["status"] == "finished" and run.steps["step"].tolist() == [0, 1]
+    assert set(run.phases["step"]) == {0, 1}
+    assert "recording stopped after 2 steps (--steps); the script went on" in run.notes["message"].tolist()
+
+
+# (b) DDP under torchrun
+@pytest.mark.slow
+def test_b_a_ddp_script_under_torchrun_records_both_ranks_into_one_run():
+    out = _python("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dpprof", "run",
+                  SCRIPTS / "train_ddp.py", "--steps", "3")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("step ") == 3  # rank 0 prints
+    run = _only_run()
+    assert run.meta["ranks"] == [0, 1] and run.meta["devices"] == ["rank:0", "rank:1"]
+    assert run.meta["name"] == "train_ddp.py --steps 3" and run.meta["status"] == "finished"
+    assert run.steps.groupby("rank")["step"].apply(list).to_dict() == {0: [0, 1, 2], 1: [0, 1, 2]}
+    per = run.phases.groupby(["rank", "step", "phase"]).size().unstack()
+    for phase in ("forward", "backward", "comm_wait", "optimizer"):  # the optimizer in the step it ends
+        assert per[phase].tolist() == [1] * 6, phase
+    assert len(run.comms) >= 6
+
+
+# (c) a script that dies
+def test_c_a_script_that_raises_keeps_its_run_failed_with_its_steps_and_its_own_traceback():
+    out = _dpprof_run("--cpu-workers", "2", SCRIPTS / "train_crash.py")
+    plain = _python(SCRIPTS / "train_crash.py")
+    assert out.returncode == plain.returncode == 1
+    assert out.stdout == plain.stdout
+    traceback = out.stderr[out.stderr.index("Traceback"):]
+    assert traceback == plain.stderr[plain.stderr.index("Traceback"):]  # the script's frames only
+    run = _only_run()
+    assert run.meta["status"] == "failed" and "loss is nan at step 3" in run.meta["error"]
+    assert run.steps["step"].tolist() == [0, 1, 2] and run.steps["forward_calls"].tolist() == [1, 1, 1]
+
+
+# (d) evaluation only
+def test_d_an_evaluation_script_gets_one_step_per_forward_call():
+    out = _dpprof_run("--cpu-workers", "2", SCRIPTS / "evaluate.py")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == _python(SCRIPTS / "evaluate.py").stdout
+    run = _only_run()
+    assert run.steps["step"].tolist() == [0, 1, 2, 3, 4] and run.steps["forward_calls"].tolist() == [1] * 5
+    assert set(run.phases["phase"]) == {"scatter", "replicate", "parallel_apply", "apply", "gather"}  # no backward
+    assert run.steps["devices_used"].tolist() == [2] * 5
+
+
+# (e) type, isinstance and checkpoints
+LOAD = """
+import sys, torch
+m = torch.load(sys.argv[1], weights_only=False)
+print(type(m).__module__, type(m).__qualname__, sorted(m.__dict__), m.device_ids, "dpprof" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("workers", [[], ["--cpu-workers", "2"]], ids=["pass-through", "cpu-workers"])
+def test_e_type_isinstance_and_checkpoints_are_torchs(tmp_path, workers):
+    plain = _python(SCRIPTS / "checkpoint.py", tmp_path / "plain")
+    out = _dpprof_run(*workers, SCRIPTS / "checkpoint.py", tmp_path / "dpprof")
+    assert plain.returncode == out.returncode == 0, out.stderr
+    assert out.stdout == plain.stdout
+    assert "type DataParallel torch.nn.parallel.data_parallel DataParallel" in out.stdout
+    assert "isinstance True True True True" in out.stdout and "loaded DataParallel True True" in out.stdout
+    # the whole-module checkpoint names torch's class only, and loads without dpprof as torch's
+    pickles = []
+    for name in ("plain", "dpprof"):
+        with zipfile.ZipFile(tmp_path / f"{name}.whole.pt") as archive:
+            [pkl] = [n for n in archive.namelist() if n.endswith("data.pkl")]
+            pickles.append(archive.read(pkl))
+    assert b"dpprof" not in pickles[1] and b"torch.nn.parallel.data_parallel" in pickles[1]
+    loads = [_python("-c", LOAD, tmp_path / f"{name}.whole.pt").stdout for name in ("plain", "dpprof")]
+    assert loads[0] == loads[1] and loads[0].startswith("torch.nn.parallel.data_parallel DataParallel [")
+    assert loads[0].strip().endswith("[] False")
+    assert len(_only_run().steps) == 1
+
+
+# a script that builds nothing, the start of a script, and a reports directory that cannot be written
+def test_a_script_that_builds_no_data_parallel_says_so_and_keeps_its_exit_code():
+    out = _dpprof_run(SCRIPTS / "no_parallel.py")
+    assert out.returncode == 3 and out.stdout == "sum 3.0\n"
+    run = _only_run()
+    assert NO_PARALLEL_NOTE in run.notes["message"].tolist() and run.steps.empty
+
+
+@pytest.mark.parametrize("module", [False, True], ids=["script", "-m"])
+def test_the_script_sees_what_python_would_show_it(module):
+    target = ["-m", "argv_echo"] if module else ["argv_echo.py"]
+    plain = _python(*target, "a", "--b", cwd=SCRIPTS)
+    out = _dpprof_run(*target, "a", "--b", cwd=SCRIPTS)
+    assert plain.returncode == out.returncode == 0, out.stderr
+    assert out.stdout == plain.stdout and "name __main__" in out.stdout
+    assert _only_run().meta["name"] == ("-m argv_echo a --b" if module else "argv_echo.py a --b")
+
+
+def test_an_unwritable_reports_directory_is_said_once_and_the_script_goes_on(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    out = _dpprof_run("--cpu-workers", "2", SCRIPTS / "evaluate.py",
+                      env={"DPPROF_REPORTS": str(tmp_path / "file" / "r")})
+    assert out.returncode == 0
+    assert out.stdout == _python(SCRIPTS / "evaluate.py").stdout
+    said = [line for line in out.stderr.splitlines() if line.startswith("dpprof:")]
+    assert len(said) == 1 and said[0].startswith("dpprof: cannot record (") and "unrecorded" in said[0]
+    assert (tmp_path / "file").read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "run needs a script"),
+    (["no/such/script.py"], "no/such/script.py: no such file"),
+    (["-m", "no_such_module_here"], "no module named 'no_such_module_here'"),
+    (["--steps", "0", "x.py"], "--steps must be positive"),
+    (["--cpu-workers", "0", "x.py"], "--cpu-workers must be positive"),
+])
+def test_bad_run_arguments_are_usage_errors(argv, message, capsys):
+    """A clear one-line error and exit code 2, before anything runs."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", *argv])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_run_help(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "--help"])
+    assert exit_.value.code == 0 and "(SCRIPT.py | -m MODULE) [ARGS...]" in capsys.readouterr().out
+
+
+# dpprof.instrument in a running process
+def test_instrument_swaps_torchs_names_and_puts_them_back_even_on_error():
+    before = _torch_names()
+    with pytest.raises(ZeroDivisionError):
+        with instrument(store=False) as run:
+            assert run is not None and dpprof.current_run() is run
+            during = _torch_names()
+            assert all(during[k] is not before[k] for k in TORCH_NAMES)
+            with pytest.raises(RuntimeError, match="cannot be nested"):
+                with instrument(store=False):
+                    pass
+            1 / 0
+    assert _torch_names() == before and dpprof.current_run() is None
+    assert run.status == "failed" and run.error.startswith("ZeroDivisionError")
+
+
+def test_isinstance_holds_both_ways_and_only_for_torchs_class():
+    made_before = nn.DataParallel(nn.Linear(2, 2))
+    with instrument(store=False):
+        made_inside = nn.DataParallel(nn.Linear(2, 2))
+
+        class Custom(nn.DataParallel):  # a user's subclass, defined while instrumented
+            pass
+
+        custom = Custom(nn.Linear(2, 2))
+        assert isinstance(made_before, nn.DataParallel) and issubclass(type(made_before), nn.DataParallel)
+        assert isinstance(made_inside, type(made_before)) and isinstance(custom, nn.DataParallel)
+        assert not isinstance(made_before, Custom)
+        assert type(made_inside).__name__ == "DataParallel" and type(made_inside) is nn.DataParallel
+    assert isinstance(made_inside, nn.DataParallel) and type(made_inside) is not nn.DataParallel
+
+
+def test_a_module_built_inside_pickles_and_copies_as_torchs_class_after_the_block():
+    with instrument(store=False, cpu_workers=2):
+        model = nn.DataParallel(nn.Linear(3, 2))
+        inside = pickle.loads(pickle.dumps(model))  # while instrumented: the stand-in again
+        assert type(inside) is nn.DataParallel and list(inside.state_dict()) == ["module.weight", "module.bias"]
+    data = pickle.dumps(model)
+    assert b"dpprof" not in data
+    plain = pickle.loads(data)
+    assert type(plain) is nn.DataParallel and plain.device_ids == []  # torch's pass-through without a GPU
+    assert sorted(plain.__dict__) == sorted(nn.DataParallel(nn.Linear(3, 2)).__dict__)
+    twin = copy.deepcopy(model)
+    assert type(twin) is nn.DataParallel and torch.equal(twin(torch.ones(1, 3)), model(torch.ones(1, 3)))
+
+
+def test_the_functional_form_records_on_cpu_workers_and_steps_follow_the_optimizer():
+    net = nn.Linear(4, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with instrument(store=False, cpu_workers=2) as run:
+        for _ in range(2):  # two accumulated calls, then the optimizer: one step
+            nn.parallel.data_parallel(net, torch.randn(6, 4)).sum().backward()
+        opt.step()
+        with torch.no_grad():  # then evaluation: a step per call
+            nn.parallel.data_parallel(net, torch.randn(6, 4))
+            nn.parallel.data_parallel(net, torch.randn(6, 4))
+    steps = run.frames()["steps"]
+    assert steps["forward_calls"].tolist() == [2, 1, 1] and steps["devices_used"].tolist() == [2, 2, 2]
+    with pytest.raises(RuntimeError, match="device type could not be determined"):
+        nn.parallel.data_parallel(net, torch.randn(6, 4))  # torch's own again, with no GPU
+
+
+def test_without_recording_the_stand_ins_still_run_on_cpu_workers(reports):
+    from dpprof.instrument import instrumented
+
+    with instrumented(None, cpu_workers=3) as session:
+        model = nn.DataParallel(nn.Linear(4, 2))
+        model(torch.randn(9, 4)).sum().backward()
+        assert session.run is None and dpprof.current_run() is None
+    assert model.device_ids == [0, 1, 2] and not reports.exists()
+
+
+def test_a_ddp_built_inside_pickles_as_torchs_ddp_with_its_own_comm_hooks_only(tmp_path):
+    import io
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with instrument(store=False) as run:
+            ddp = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            ddp(torch.ones(2, 3)).sum().backward()
+            opt.step()
+        assert run.frames()["phases"].groupby("phase").size()[["forward", "backward", "optimizer"]].tolist() == [1] * 3
+        buffer = io.BytesIO()
+        torch.save(ddp, buffer)  # after the block: torch's class, without dpprof's timing hook
+        assert b"dpprof" not in buffer.getvalue()
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        assert type(loaded) is nn.parallel.DistributedDataParallel and loaded._comm_hooks == []
+        plain = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
+        assert sorted(loaded.__dict__) == sorted(plain.__dict__)
+        loaded(torch.ones(2, 3)).sum().backward()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("body, code, status", [
+    ("raise SystemExit(0)", 0, "finished"),
+    ("raise SystemExit(4)", 4, "failed"),
+    ("raise KeyboardInterrupt", 130, "interrupted"),
+], ids=["exit-0", "exit-4", "interrupt"])
+def test_the_scripts_exit_is_the_commands_and_the_runs_status(tmp_path, body, code, status, capsys):
+    script = tmp_path / "ends.py"
+    script.write_text("import torch\nmodel = torch.nn.DataParallel(torch.nn.Linear(2, 2))\nmodel(torch.ones(3, 2))\n"
+                      + body + "\n")
+    try:
+        returned = main(["run", str(script)])
+    except SystemExit as exit_:
+        returned = exit_.code
+    assert returned == code
+    run = _only_run()
+    assert run.meta["status"] == status and len(run.steps) == 1
+    if code == 130:
+        assert capsys.readouterr().err.rstrip().endswith("KeyboardInterrupt")
