@@ -45,7 +45,7 @@ class Step:
     model: nn.Module
     criterion: nn.Module
     batches: Callable[[], Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]]]
-    block_steps: int  # about a second of steps: each dpprof block sees the writer commit twice
+    block_steps: int  # about a second of steps on cifar-lenet: each dpprof block sees the writer commit
 
 
 def _cifar() -> Step:
@@ -62,7 +62,7 @@ def _mlp() -> Step:
         while True:
             yield (x,), y
 
-    return Step("MLP 64-128-128-10, batch 64", model, nn.CrossEntropyLoss(), batches, 600)
+    return Step("MLP 64-128-128-10, batch 64", model, nn.CrossEntropyLoss(), batches, 300)
 
 
 def _block(net: nn.Module, step: Step, optimizer: torch.optim.Optimizer, batches, n: int, run=None) -> float:

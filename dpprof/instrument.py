@@ -88,7 +88,20 @@ def _reduce(obj: Any, protocol: int) -> tuple[Any, ...]:
     return copyreg._reconstructor, (_pickled_class(obj), object, None), obj.__getstate__()
 
 
-class DataParallel(_DataParallel, metaclass=_StandIn):
+class _SessionForward:
+    """A stand-in's forward: the session learns of each call (steps end at optimizer.step())."""
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        session = _session
+        if session is None:
+            return super().forward(*inputs, **kwargs)
+        session.before_forward()
+        output = super().forward(*inputs, **kwargs)
+        session.after_forward(output)
+        return output
+
+
+class DataParallel(_SessionForward, _DataParallel, metaclass=_StandIn):
     """torch.nn.DataParallel inside an instrument block: dpprof.DataParallel wearing torch's name."""
 
     _dpprof_original = _TORCH_DP
@@ -101,15 +114,6 @@ class DataParallel(_DataParallel, metaclass=_StandIn):
         self.__dict__["_dpprof_cpu_workers"] = workers is not None
         if session is not None:
             session.built()
-
-    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        session = _session
-        if session is None:
-            return super().forward(*inputs, **kwargs)
-        session.before_forward()
-        output = super().forward(*inputs, **kwargs)
-        session.after_forward(output)
-        return output
 
     def __getstate__(self) -> dict[str, Any]:
         """torch's DataParallel's attributes, as torch would have set them."""
@@ -132,7 +136,7 @@ class DataParallel(_DataParallel, metaclass=_StandIn):
     __reduce_ex__ = _reduce
 
 
-class DistributedDataParallel(_ddp.DistributedDataParallel, metaclass=_StandInABC):
+class DistributedDataParallel(_SessionForward, _ddp.DistributedDataParallel, metaclass=_StandInABC):
     """torch.nn.parallel.DistributedDataParallel inside an instrument block, recorded per rank."""
 
     _dpprof_original = _TORCH_DDP
@@ -142,15 +146,6 @@ class DistributedDataParallel(_ddp.DistributedDataParallel, metaclass=_StandInAB
         session = _session
         if session is not None:
             session.built()
-
-    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        session = _session
-        if session is None:
-            return super().forward(*inputs, **kwargs)
-        session.before_forward()
-        output = super().forward(*inputs, **kwargs)
-        session.after_forward(output)
-        return output
 
     def __getstate__(self) -> dict[str, Any]:
         """torch's DDP state: dpprof's attributes dropped, its timing hook unwrapped to the user's own."""

@@ -775,8 +775,10 @@ def test_a_replica_exception_is_reraised_naming_the_replica(device_ids, bad_row,
         dpprof.data_parallel(FailsOnNaN(), x, device_ids)
 
 
-def test_parallel_apply_passes_a_key_error_on():
-    """torch's test_parallel_apply_passes_exception (one module used twice)."""
+@pytest.mark.parametrize("devices", [W(2), None], ids=["cpu-workers", "from-inputs"])
+def test_parallel_apply_passes_a_key_error_on(devices):
+    """torch's test_parallel_apply_passes_exception (one module used twice); without devices, the
+    None inputs run on CPU workers too."""
 
     class TestModule(nn.Module):
         def forward(self, *args):
@@ -785,7 +787,7 @@ def test_parallel_apply_passes_a_key_error_on():
     l1 = TestModule()
     pattern = r"Caught KeyError in replica \d on device cpu:\d.\nOriginal Traceback[\s\S]+wonderful"
     with pytest.raises(KeyError, match=pattern):
-        dpprof.parallel_apply(modules=(l1, l1), inputs=(None, None), devices=W(2))
+        dpprof.parallel_apply(modules=(l1, l1), inputs=(None, None), devices=devices)
 
 
 def test_parallel_apply_without_devices_runs_cpu_inputs_on_cpu_workers():
@@ -799,17 +801,6 @@ def test_parallel_apply_without_devices_runs_cpu_inputs_on_cpu_workers():
     outputs = dpprof.parallel_apply([fn, fn], [None, (torch.ones(2),)])
     assert outputs[0] == (None,) and torch.equal(outputs[1][0], torch.ones(2))
     assert sorted(name.rsplit("_", 1)[0] for name in seen) == ["dpprof-cpu:0", "dpprof-cpu:1"]
-
-
-def test_parallel_apply_without_devices_passes_a_key_error_on():
-    class TestModule(nn.Module):
-        def forward(self, *args):
-            return {}["wonderful"]
-
-    l1 = TestModule()
-    pattern = r"Caught KeyError in replica \d on device cpu:\d.\nOriginal Traceback[\s\S]+wonderful"
-    with pytest.raises(KeyError, match=pattern):
-        dpprof.parallel_apply(modules=(l1, l1), inputs=(None, None))
 
 
 def test_gather_onto_minus_one_warns_as_torch_and_gathers_on_the_cpu():
