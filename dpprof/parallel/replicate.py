@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import chain
 from typing import TypeVar
 
 import torch
 from torch.autograd import Function
 from torch.nn import Module
 from torch.nn.modules import module as _module_hooks
+from torch.jit import ScriptModule as _ScriptModule
 from torch.nn.parallel.replicate import _replicatable_module
 from torch.nn.parallel.replicate import replicate as _torch_replicate
 
@@ -105,6 +107,9 @@ def _cpu_replicate(network: T, num_replicas: int, detach: bool) -> list[T]:
     # Copy the modules first: a lazy module refuses here with torch's RuntimeError, before
     # any uninitialized parameter is touched.
     modules = list(network.modules())
+    # torch's check, in full only where there is a ScriptModule to check
+    if any(isinstance(m, _ScriptModule) for m in modules) and not _replicatable_module(network):
+        raise RuntimeError("Cannot replicate network where python modules are children of ScriptModule")
     module_indices = {m: i for i, m in enumerate(modules)}
     module_copies: list[list[Module]] = [[] for _ in range(num_replicas)]
     for module in modules:
@@ -112,22 +117,30 @@ def _cpu_replicate(network: T, num_replicas: int, detach: bool) -> list[T]:
         for j in range(num_replicas):
             module_copies[j].append(_module_copy(module) if plain else _module_copy_by_torch(module))
 
-    # parameters and buffers in network.parameters() / buffers() order (each once)
-    params: dict[torch.Tensor, int] = {}
-    buffers: dict[torch.Tensor, int] = {}
+    # parameters and buffers in network.parameters() / buffers() order (each once), keyed by id:
+    # a tensor's own __hash__ is a Python call
+    params: dict[int, int] = {}
+    param_list: list[torch.Tensor] = []
+    buffers: list[torch.Tensor] = []
+    seen_buffers: set[int] = set()
     for module in modules:
         for p in module._parameters.values():
-            if p is not None and p not in params:
-                params[p] = len(params)
+            if p is not None and id(p) not in params:
+                params[id(p)] = len(param_list)
+                param_list.append(p)
         for b in module._buffers.values():
-            if b is not None and b not in buffers:
-                buffers[b] = len(buffers)
-    param_copies = _cpu_copies(list(params), num_replicas, detach)
+            if b is not None and id(b) not in seen_buffers:
+                seen_buffers.add(id(b))
+                buffers.append(b)
+    for t in chain(param_list, buffers):
+        if not t.is_cpu:
+            raise RuntimeError(f"cannot replicate onto CPU workers: a parameter or buffer is on {t.device}")
+    param_copies = _cpu_copies(param_list, num_replicas, detach)
 
     buffers_rg = [b for b in buffers if b.requires_grad and not detach]
     buffers_not_rg = [b for b in buffers if not (b.requires_grad and not detach)]
-    rg_indices = {b: i for i, b in enumerate(buffers_rg)}
-    not_rg_indices = {b: i for i, b in enumerate(buffers_not_rg)}
+    rg_indices = {id(b): i for i, b in enumerate(buffers_rg)}
+    not_rg_indices = {id(b): i for i, b in enumerate(buffers_not_rg)}
     rg_copies = _cpu_copies(buffers_rg, num_replicas, detach=False)
     not_rg_copies = _cpu_buffer_copies(buffers_not_rg, num_replicas)
 
@@ -148,7 +161,7 @@ def _cpu_replicate(network: T, num_replicas: int, detach: bool) -> list[T]:
                     replica._parameters[key] = None
                 else:
                     # parameters in replicas are not leaves: plain attributes, as in torch
-                    copy = param_copies[j][params[param]]
+                    copy = param_copies[j][params[id(param)]]
                     if direct:
                         replica.__dict__[key] = copy
                     else:
@@ -161,9 +174,9 @@ def _cpu_replicate(network: T, num_replicas: int, detach: bool) -> list[T]:
                     replica._buffers[key] = None
                     continue
                 if buf.requires_grad and not detach:
-                    copy = rg_copies[j][rg_indices[buf]]
+                    copy = rg_copies[j][rg_indices[id(buf)]]
                 else:
-                    copy = not_rg_copies[j][not_rg_indices[buf]]
+                    copy = not_rg_copies[j][not_rg_indices[id(buf)]]
                 if direct:
                     replica._buffers[key] = copy
                 else:
@@ -175,11 +188,8 @@ def replicate(network: T, devices: Sequence[DeviceLike], detach: bool = False) -
     """One replica of ``network`` per device; torch's own replicate on CUDA."""
     if not is_cpu_worker_list(devices):
         return _torch_replicate(network, devices, detach)
-    if not _replicatable_module(network):
-        raise RuntimeError("Cannot replicate network where python modules are children of ScriptModule")
     if not devices:
+        if not _replicatable_module(network):
+            raise RuntimeError("Cannot replicate network where python modules are children of ScriptModule")
         return []
-    for t in list(network.parameters()) + list(network.buffers()):
-        if t.device.type != "cpu":
-            raise RuntimeError(f"cannot replicate onto CPU workers: a parameter or buffer is on {t.device}")
     return _cpu_replicate(network, len(devices), detach)
