@@ -24,7 +24,7 @@ from dpprof.store.queries import DP_TAX_PHASES
 from dpprof.store.reader import TABLES, StoredRun
 
 __all__ = ["FINDINGS_FULL_STEPS", "TIMELINE_DEFAULT_STEPS", "TABLE_DESCRIPTIONS", "Overview", "Load", "Comparison",
-           "ComparePart", "overview", "load", "findings", "gpu_missing_reason", "step_bounds",
+           "ComparePart", "overview", "load", "findings", "gpu_missing_reason", "trace_memory_text", "step_bounds",
            "default_timeline_range", "timeline", "compare", "compare_part", "combine", "run_label", "export_tables",
            "table_csv", "run_zip"]
 
@@ -125,7 +125,9 @@ def load(run: StoredRun) -> Load:
                 work_phase=" + ".join(queries.work_phases(queries.present_phases(run))))
     if stats.empty:
         data.missing["apply"] = f"No {data.work_phase} phases recorded yet: no forward call has finished."
-    if memory.empty:
+    if memory.empty and run.meta.get("source") == "trace":
+        data.missing["memory"] = trace_memory_text(run)
+    elif memory.empty:
         data.missing["memory"] = "No memory records yet: no forward call has finished."
     elif memory["peak_allocated_bytes"].isna().all():
         data.missing["allocator"] = ("Peak allocated and reserved bytes come from the CUDA caching allocator; "
@@ -136,6 +138,21 @@ def load(run: StoredRun) -> Load:
     if data.gpu.empty:
         data.missing["gpu"] = gpu_missing_reason(run)
     return data
+
+
+def trace_memory_text(run: StoredRun) -> str:
+    """What an imported trace says about memory, in words: the allocator's peaks from its [memory] events."""
+    text = ("An imported torch.profiler trace has no dpprof accounting of what each device holds (its chunk, "
+            "outputs, activations, gathered outputs).")
+    peaks = run.query("SELECT device, MAX(peak_allocated_bytes) AS peak, MAX(reserved_bytes) AS reserved "
+                      "FROM allocator GROUP BY device").drop(columns=["rank"], errors="ignore")
+    if peaks.empty:
+        return text + " It has no [memory] events either (recorded without profile_memory=True)."
+    parts = [f"{r.device} {r.peak / 2**20:,.1f} MiB" + (f" (reserved {r.reserved / 2**20:,.1f} MiB)"
+                                                        if pd.notna(r.reserved) else "")
+             for r in peaks.itertuples()]
+    return (text + " Its [memory] events give the CUDA allocator's peak allocated bytes: " + "; ".join(parts)
+            + ". Per step, they are the allocator table (Export page).")
 
 
 def step_bounds(run: StoredRun) -> tuple[int | None, int | None]:
@@ -290,7 +307,8 @@ TABLE_DESCRIPTIONS = {
     "gpu_samples": "NVML readings over time (CUDA runs with NVML only)",
     "findings": "the run's findings, worst first",
     "notes": "why some data is missing",
-    "comms": "each gradient bucket's all-reduce (DistributedDataParallel runs only)",
+    "comms": "each gradient bucket's all-reduce (DistributedDataParallel runs), or each collective (imported traces)",
+    "gpu_time": "per step and GPU: compute, communication, overlap, memcpy, memset and idle time (imported traces)",
 }
 
 

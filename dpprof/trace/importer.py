@@ -27,7 +27,7 @@ from dpprof.trace.convert import Converted, convert
 from dpprof.trace.findings import trace_findings
 from dpprof.trace.reader import TraceError, TraceFile, is_trace_name
 
-__all__ = ["ImportedRun", "import_traces", "trace_files", "SOURCE"]
+__all__ = ["ImportedRun", "import_traces", "trace_files", "pending_traces", "SOURCE"]
 
 SOURCE = "trace"  # runs.source of an imported run
 _RANK_IN_NAME = re.compile(r"rank[_\-.]?(\d+)", re.IGNORECASE)
@@ -141,8 +141,8 @@ def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | 
     if not paths:
         raise TraceError("no trace files given")
     files = [collect(TraceFile(p, progress)) for p in paths]
-    ranks = _ranks(files)
     _check_one_job(files)
+    ranks = _ranks(files)
     distributed = len(files) > 1 or ranks[0] is not None
     order = sorted(range(len(files)), key=lambda i: (ranks[i] is None, ranks[i] if ranks[i] is not None else i))
     files, ranks = [files[i] for i in order], [ranks[i] for i in order]
@@ -232,3 +232,35 @@ def _store_findings(written: list[Path], converted: list[Converted]) -> None:
     rows = [tuple(None if pd.isna(v) else v for v in row)
             for row in every[FINDING_COLUMNS].itertuples(index=False)]
     replace_findings(str(written[0]), rows)
+
+
+def pending_traces(reports_dir: str | os.PathLike[str] | None = None) -> pd.DataFrame:
+    """Trace files in the reports directory that no run there was imported from (same name and size).
+
+    Returns:
+        columns file, size_bytes, modified (UTC, ISO), oldest first.
+    """
+    from dpprof.store.reader import list_runs
+
+    directory = resolve_reports_dir(reports_dir)
+    cols = ["file", "size_bytes", "modified"]
+    if not directory.is_dir():
+        return pd.DataFrame(columns=cols)
+    files = [p for p in directory.iterdir() if p.is_file() and is_trace_name(p.name) and not p.name.startswith(".")]
+    if not files:
+        return pd.DataFrame(columns=cols)
+    runs = list_runs(directory)
+    imported: set[tuple[str, int]] = set()
+    for path in runs.loc[runs["reason"].isna() & (runs["workload"] == "torch.profiler trace"), "path"]:
+        try:
+            listing = load_run(path).meta["workload_args"].get("trace_files") or []
+        except Exception:  # a run file that went or broke since listing: it imported nothing we can see
+            continue
+        imported |= {(f.get("file"), f.get("bytes")) for f in listing}
+    rows = []
+    for p in files:
+        stat = p.stat()
+        if (p.name, stat.st_size) not in imported:
+            rows.append({"file": p.name, "size_bytes": stat.st_size,
+                         "modified": datetime.fromtimestamp(stat.st_mtime, timezone.utc).isoformat()})
+    return pd.DataFrame(rows, columns=cols).sort_values("modified", kind="stable").reset_index(drop=True)
