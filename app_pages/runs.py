@@ -30,7 +30,6 @@ def traces_to_import() -> None:
             except TraceError as err:
                 st.error(f"Not imported: {err}")
                 return
-        st.cache_data.clear()  # the listing changed
         st.session_state[common.RUN_KEY] = run.id
         st.success(f"Imported run {run.id}: {run.steps} steps on {', '.join(run.devices)}.")
 
