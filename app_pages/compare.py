@@ -36,7 +36,11 @@ def body() -> None:
     with left:
         common.chart(charts.compare_phase_shares(data.shares))
     with right:
-        common.chart(charts.compare_memory(data.memory))
+        if data.memory.empty:  # imported traces: no dpprof accounting per device (the allocator's is on Per-GPU load)
+            common.missing("None of these runs has dpprof's per-device memory accounting (imported traces have "
+                           "none): there is no memory to compare.")
+        else:
+            common.chart(charts.compare_memory(data.memory))
     if data.memory["peak_allocated_bytes"].isna().any():
         st.caption("Memory is what dpprof accounts to each device (chunk, outputs, activations, gathered outputs, "
                    "weights): some of these runs have no CUDA allocator figures.")
