@@ -147,44 +147,77 @@ def _gpu_of(event: dict[str, Any], args: dict[str, Any]) -> int | None:
     return int(pid) if isinstance(pid, (int, float)) else None
 
 
+def _name_kind(name: str) -> tuple[str, int] | None:
+    """What a CPU range's name makes it: ("step", N), ("forward",), ... or None (an op dpprof does not need)."""
+    if m := _STEP.match(name):
+        return ("step", int(m.group(1)))
+    if name in WRAPPER_FORWARDS:
+        return ("forward", 0)
+    if name.startswith("dpprof."):
+        return ("dpprof", 0)
+    if name.startswith("Optimizer.step#"):
+        return ("optimizer", 0)
+    if name.startswith("enumerate(DataLoader)"):
+        return ("data", 0)
+    if _COLLECTIVE.match(name):
+        return ("collective", 0)
+    if _BACKWARD.search(name):
+        return ("backward", 0)
+    return None
+
+
+_GPU_CATS = _KERNEL_CATS | _MEMCPY_CATS | _MEMSET_CATS
+
+
 def collect(trace: TraceFile) -> Collected:
     """Read the trace once and keep what dpprof's records need (see the module docstring)."""
     out = Collected(name=trace.name, size_bytes=trace.size_bytes, meta=trace.meta)
     gpu = out.gpu
     backward = out.backward
+    kinds: dict[str, tuple[str, int] | None] = {}  # name -> _name_kind(name): names repeat, step after step
+    first_us, last_us = float("inf"), float("-inf")
+    cpu_cats, gpu_cats = _CPU_CATS, _GPU_CATS
     for event in trace.events():
         ph = event.get("ph")
         if ph == "X":
             cat = event.get("cat")
-            ts = event.get("ts")
-            dur = event.get("dur")
-            if not isinstance(ts, (int, float)):
-                continue
-            ts = float(ts)
-            end = ts + float(dur) if isinstance(dur, (int, float)) else ts
-            if cat in _CPU_CATS:
-                if ts < out.first_us:
-                    out.first_us = ts
-                if end > out.last_us:
-                    out.last_us = end
+            if cat in cpu_cats:
+                ts, dur = event.get("ts"), event.get("dur")
+                if not isinstance(ts, (int, float)):
+                    continue
+                end = ts + dur if isinstance(dur, (int, float)) else ts
+                if ts < first_us:
+                    first_us = ts
+                if end > last_us:
+                    last_us = end
                 name = event.get("name", "")
-                if name[:1] == "P" and (m := _STEP.match(name)):
-                    out.steps.append((int(m.group(1)), ts, end))
-                elif name in WRAPPER_FORWARDS:
-                    out.forwards.append(Range(name, ts, end, event.get("tid")))
-                elif name.startswith("dpprof."):
-                    out.dpprof_ranges.append(Range(name[len("dpprof."):], ts, end, event.get("tid")))
-                elif name.startswith("Optimizer.step#"):
-                    out.optimizer.append(Range(name, ts, end, event.get("tid")))
-                elif name.startswith("enumerate(DataLoader)"):
-                    out.data.append(Range(name, ts, end, event.get("tid")))
-                elif _COLLECTIVE.match(name):
-                    out.collectives.append(Collective(name, ts, end, _message_bytes(event.get("args") or {})))
-                elif _BACKWARD.search(name):
+                kind = kinds.get(name, ())
+                if kind == ():
+                    kind = kinds[name] = _name_kind(name) if isinstance(name, str) else None
+                if kind is None:
+                    continue
+                what = kind[0]
+                if what == "backward":
                     backward.add(ts, end)
-                continue
-            kind = gpu_kind(cat, event.get("name", "")) if cat is not None else None
-            if kind is not None:
+                elif what == "step":
+                    out.steps.append((kind[1], float(ts), float(end)))
+                elif what == "forward":
+                    out.forwards.append(Range(name, float(ts), float(end), event.get("tid")))
+                elif what == "dpprof":
+                    out.dpprof_ranges.append(Range(name[len("dpprof."):], float(ts), float(end), event.get("tid")))
+                elif what == "optimizer":
+                    out.optimizer.append(Range(name, float(ts), float(end), event.get("tid")))
+                elif what == "data":
+                    out.data.append(Range(name, float(ts), float(end), event.get("tid")))
+                else:
+                    out.collectives.append(Collective(name, float(ts), float(end),
+                                                      _message_bytes(event.get("args") or {})))
+            elif cat in gpu_cats:
+                ts, dur = event.get("ts"), event.get("dur")
+                if not isinstance(ts, (int, float)):
+                    continue
+                end = ts + dur if isinstance(dur, (int, float)) else ts
+                kind = gpu_kind(cat, event.get("name", ""))
                 args = event.get("args") or {}
                 index = _gpu_of(event, args)
                 if index is None:
@@ -194,13 +227,14 @@ def collect(trace: TraceFile) -> Collected:
                     gpu[key] = _Intervals()
                 gpu[key].add(ts, end)
                 if kind == "communication":
-                    out.comm_kernels.append((index, ts, end, _message_bytes(args)))
+                    out.comm_kernels.append((index, float(ts), float(end), _message_bytes(args)))
         elif ph == "i" and event.get("name") == "[memory]":
             _memory(out, event)
         elif ph == "M" and event.get("name") == "process_labels":
             labels = (event.get("args") or {}).get("labels")
             if isinstance(labels, str) and labels.startswith("GPU") and isinstance(event.get("pid"), (int, float)):
                 out.gpu_labels[int(event["pid"])] = labels
+    out.first_us, out.last_us = float(first_us), float(last_us)
     out.events = trace.events_read
     out.steps.sort(key=lambda s: s[1])
     out.forwards.sort(key=lambda r: r.start_us)

@@ -35,7 +35,9 @@ KINETO_CATEGORIES = frozenset({
     "Trace", "fwdbwd", "cpu_instant_event",
 })
 _SPACE = re.compile(r"\s*")
+_SEPARATORS = re.compile(r"[\s,]*")  # between events
 _decode = json.JSONDecoder().raw_decode
+_scan = json.JSONDecoder().scan_once  # the C scanner raw_decode wraps: (value, end), or StopIteration
 
 
 class TraceError(Exception):
@@ -182,18 +184,32 @@ class TraceFile:
                 self.meta[key] = text.value()
 
     def _events(self, text: _Text) -> Iterator[dict[str, Any]]:
+        """The events of traceEvents, decoded one by one straight from the buffer (the hot loop)."""
         kineto = KINETO_CATEGORIES
+        skip = _SEPARATORS.match
+        scan = _scan
+        buf, pos = text.buf, text.pos
         while True:
-            c = text.peek()
-            if c == "]":
-                text.pos += 1
-                return
-            if c == ",":
-                text.pos += 1
+            pos = skip(buf, pos).end()
+            if pos >= len(buf):
+                text.pos = pos
+                if not text.more():
+                    raise _Broken("the file ends inside traceEvents", text.consumed + pos)
+                buf, pos = text.buf, text.pos
                 continue
-            if c == "":
-                raise _Broken("the file ends inside traceEvents", text.consumed + text.pos)
-            event = text.value()
+            if buf[pos] == "]":
+                text.pos = pos + 1
+                return
+            try:
+                event, pos = scan(buf, pos)
+            except (json.JSONDecodeError, StopIteration) as err:
+                text.pos = pos
+                if text.eof or len(buf) - pos > MAX_VALUE_CHARS:
+                    at = err.pos if isinstance(err, json.JSONDecodeError) else pos
+                    raise _Broken(getattr(err, "msg", "expecting a value"), text.consumed + at) from None
+                text.more()  # the event runs past the buffer: read on and decode it again
+                buf, pos = text.buf, text.pos
+                continue
             if not isinstance(event, dict):
                 raise self._error("traceEvents holds something other than event objects")
             self.events_read += 1
