@@ -275,3 +275,11 @@ def test_pending_traces_lists_trace_files_not_yet_imported(reports):
     assert pending_traces(reports)["file"].tolist() == [DDP2.name]
     runs = dpprof.list_runs(reports)
     assert runs["reason"].isna().all()  # trace files are not listed as unreadable runs
+
+
+@pytest.mark.parametrize("path", [RESNET, DDP2], ids=lambda p: p.name)
+def test_progress_reports_every_byte_read_from_disk(path):
+    seen = []
+    trace = TraceFile(path, progress=seen.append)
+    events = sum(1 for _ in trace.events())
+    assert sum(seen) == path.stat().st_size and len(seen) > 1 and events == len(_load(path)["traceEvents"])
