@@ -283,3 +283,9 @@ def test_progress_reports_every_byte_read_from_disk(path):
     trace = TraceFile(path, progress=seen.append)
     events = sum(1 for _ in trace.events())
     assert sum(seen) == path.stat().st_size and len(seen) > 1 and events == len(_load(path)["traceEvents"])
+
+
+def test_the_trace_package_needs_no_streamlit():
+    code = "import sys, dpprof.trace; print('streamlit' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert out.stdout.split() == ["False"], out.stderr

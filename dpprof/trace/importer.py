@@ -19,7 +19,7 @@ from typing import Any
 import pandas as pd
 
 from dpprof.findings import FINDING_COLUMNS, run_findings
-from dpprof.records import NoteRecord
+from dpprof.records import NoteRecord, StepRecord
 from dpprof.store.reader import RUN_SUFFIX, load_run, reports_dir as resolve_reports_dir
 from dpprof.store.writer import SqliteSink, replace_findings
 from dpprof.trace.collect import Collected, collect
@@ -150,7 +150,7 @@ def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | 
     t0_abs = min(s + _abs_offset_us(f) for s, f in starts)
     converted: list[Converted] = [convert(f, t0_abs - _abs_offset_us(f), r if distributed else None)
                                   for f, r in zip(files, ranks)]
-    if not any(any(type(x).__name__ == "StepRecord" for x in c.records) for c in converted):
+    if not any(any(isinstance(x, StepRecord) for x in c.records) for c in converted):
         raise TraceError(f"{files[0].name}: no CPU ranges to make steps of (a trace with GPU activity only)")
     run_id = new_run_id()
     directory = resolve_reports_dir(reports_dir)
@@ -176,7 +176,7 @@ def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | 
         raise
     final = moved
     devices = [d for c in converted for d in c.devices]
-    steps = max(sum(1 for x in c.records if type(x).__name__ == "StepRecord") for c in converted)
+    steps = max(sum(1 for x in c.records if isinstance(x, StepRecord)) for c in converted)
     return ImportedRun(id=run_id, paths=final, steps=steps, devices=devices)
 
 
@@ -199,7 +199,7 @@ def _write(staging: Path, run_id: str, name: str, files: list[Collected], ranks:
                               "distributedInfo": f.meta.get("distributedInfo")},
             "status": "finished", "error": None, "rank": rank, "world_size": world, "source": SOURCE,
         }
-        steps = [x for x in conv.records if type(x).__name__ == "StepRecord"]
+        steps = [x for x in conv.records if isinstance(x, StepRecord)]
         if steps:
             end_ms = max(s.start_ms + s.duration_ms for s in steps)
             start = datetime.fromisoformat(row["created_at"])
