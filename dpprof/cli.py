@@ -190,6 +190,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
     print(_table(summary_of(run)[SUMMARY_COLUMNS]))
     print("\nmean ms per step, by phase:")
     print(_table(phase_table(run.phases)))
+    from dpprof.views import gpu_time
+
+    per_gpu = gpu_time(run)
+    if not per_gpu.empty:
+        print("\nGPU time, mean ms per step (from the trace):")
+        print(_table(per_gpu.set_index("device")))
     findings = findings_of(run)
     print(f"\nfindings: {len(findings) or 'none'}")
     _print_findings(findings.to_dict("records"))

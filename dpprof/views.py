@@ -24,7 +24,8 @@ from dpprof.store.queries import DP_TAX_PHASES
 from dpprof.store.reader import TABLES, StoredRun
 
 __all__ = ["FINDINGS_FULL_STEPS", "TIMELINE_DEFAULT_STEPS", "TABLE_DESCRIPTIONS", "Overview", "Load", "Comparison",
-           "ComparePart", "overview", "load", "findings", "gpu_missing_reason", "trace_memory_text", "step_bounds",
+           "ComparePart", "overview", "load", "findings", "gpu_missing_reason", "trace_memory_text",
+           "gpu_time", "GPU_TIME_PARTS", "step_bounds",
            "default_timeline_range", "timeline", "compare", "compare_part", "combine", "run_label", "export_tables",
            "table_csv", "run_zip"]
 
@@ -138,6 +139,32 @@ def load(run: StoredRun) -> Load:
     if data.gpu.empty:
         data.missing["gpu"] = gpu_missing_reason(run)
     return data
+
+
+GPU_TIME_PARTS = ("computation_ms", "overlapping_ms", "communication_ms", "memcpy_ms", "memset_ms", "idle_ms")
+
+
+def gpu_time(run: StoredRun) -> pd.DataFrame:
+    """Mean ms per step of each GPU (or rank's GPU) by what it ran, from an imported trace's gpu_time table:
+    the TensorBoard plugin's Distributed view (computation and communication without their overlap,
+    the overlap, copies, memsets, idle). Empty for recorded runs.
+
+    Returns:
+        columns device, steps, step_ms, one column per GPU_TIME_PARTS, idle_pct.
+    """
+    cols = ["device", "steps", "step_ms", *GPU_TIME_PARTS, "idle_pct"]
+    table = run.gpu_time  # one row per step and GPU: small; a file written before the table reads it empty
+    if table.empty:
+        return pd.DataFrame(columns=cols)
+    t = table.assign(computation_ms=table["compute_ms"] - table["overlap_ms"], overlapping_ms=table["overlap_ms"],
+                     communication_ms=table["communication_ms"] - table["overlap_ms"])
+    per = t.groupby("device", as_index=False).agg(
+        steps=("step", "count"), step_ms=("window_ms", "mean"),
+        **{c: (c, "mean") for c in GPU_TIME_PARTS})
+    order = {d: i for i, d in enumerate(run.meta.get("devices") or [])}
+    per = per.sort_values("device", key=lambda s: s.map(lambda d: (order.get(d, len(order)), d))).reset_index(drop=True)
+    per["idle_pct"] = 100 * per["idle_ms"] / per["step_ms"]
+    return per[cols]
 
 
 def trace_memory_text(run: StoredRun) -> str:

@@ -289,3 +289,17 @@ def test_the_trace_package_needs_no_streamlit():
     code = "import sys, dpprof.trace; print('streamlit' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=str(ROOT))
     assert out.stdout.split() == ["False"], out.stderr
+
+
+def test_the_gpu_time_view_is_the_distributed_view_of_the_table(reports):
+    from dpprof import views
+
+    run = dpprof.load_run(import_traces([DDP2], reports).id, reports)
+    per = views.gpu_time(run).set_index("device")
+    table = run.gpu_time.groupby("device").mean(numeric_only=True)
+    assert list(per.index) == ["rank:0"] and per.loc["rank:0", "steps"] == 3
+    for device, row in per.iterrows():
+        assert row["computation_ms"] + row["overlapping_ms"] == pytest.approx(table.loc[device, "compute_ms"])
+        assert row["communication_ms"] + row["overlapping_ms"] == pytest.approx(table.loc[device, "communication_ms"])
+        assert row["idle_pct"] == pytest.approx(100 * table.loc[device, "idle_ms"] / table.loc[device, "window_ms"])
+    assert row["overlapping_ms"] > 0  # DDP overlaps its all-reduces with backward compute

@@ -70,6 +70,8 @@ def test_every_page_of_an_imported_trace_opens_without_an_empty_chart(imported, 
         assert charts, f"{page} drew no chart for {job}"
     if page != "compare":
         assert at.title[0].value == job
+    if page == "load":  # the trace's Distributed view: each GPU's step by what it ran
+        assert "GPU time per device (from the trace)" in [s.value for s in at.subheader]
 
 
 def test_the_runs_page_lists_a_trace_file_and_imports_it_on_a_click(tmp_path, monkeypatch):
