@@ -303,3 +303,20 @@ def test_the_gpu_time_view_is_the_distributed_view_of_the_table(reports):
         assert row["communication_ms"] + row["overlapping_ms"] == pytest.approx(table.loc[device, "communication_ms"])
         assert row["idle_pct"] == pytest.approx(100 * table.loc[device, "idle_ms"] / table.loc[device, "window_ms"])
     assert row["overlapping_ms"] > 0  # DDP overlaps its all-reduces with backward compute
+
+
+def test_unknown_categories_and_odd_fields_are_data_not_errors(tmp_path, reports):
+    doc = _load(DDP2)
+    base = _load(DDP2)["traceEvents"]
+    odd = [{"ph": "X", "cat": "some_new_category", "name": "x", "pid": 1, "tid": 1, "ts": base[100]["ts"], "dur": 1},
+           {"ph": "X", "cat": "cpu_op", "name": 42, "pid": 1, "tid": 1, "ts": base[100]["ts"], "dur": 1},
+           {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": "soon", "args": ["not", "a", "dict"]},
+           {"ph": "i", "name": "[memory]", "pid": 1, "tid": 1, "ts": base[100]["ts"], "args": {"Device Type": 1}},
+           {"ph": "Z", "future": {"nested": [1, 2, 3]}}]
+    doc["traceEvents"] = base + odd
+    doc["someFutureField"] = {"a": [1, {"b": None}]}
+    path = tmp_path / "odd.json"
+    path.write_text(json.dumps(doc))
+    run = dpprof.load_run(import_traces([path], reports).id, reports)
+    assert sorted(run.steps["step"]) == sorted(_steps(_load(DDP2)))
+    assert run.meta["workload_args"]["trace_files"][0]["events"] == len(base) + len(odd)

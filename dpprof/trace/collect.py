@@ -122,7 +122,7 @@ def gpu_kind(cat: str, name: str) -> str | None:
 def _message_bytes(args: dict[str, Any]) -> int | None:
     """Bytes a collective moves: In msg nelems x dtype size, else its input's dims x type size."""
     nelems, dtype = args.get("In msg nelems"), args.get("dtype")
-    if nelems is not None and isinstance(dtype, str) and dtype.lower() in DTYPE_BYTES:
+    if isinstance(nelems, (int, float)) and isinstance(dtype, str) and dtype.lower() in DTYPE_BYTES:
         return int(nelems) * DTYPE_BYTES[dtype.lower()]
     dims, types = args.get("Input Dims"), args.get("Input type")
     if isinstance(dims, list) and isinstance(types, list) and dims and types:
@@ -133,6 +133,8 @@ def _message_bytes(args: dict[str, Any]) -> int | None:
                 continue
             count = 1
             for d in shape:
+                if not isinstance(d, (int, float)):
+                    break
                 count *= int(d)
             total += count * size
         return total or None
@@ -190,10 +192,12 @@ def collect(trace: TraceFile) -> Collected:
                     first_us = ts
                 if end > last_us:
                     last_us = end
-                name = event.get("name", "")
+                name = event.get("name")
+                if not isinstance(name, str):  # odd fields are data, not errors: such an event is not one we need
+                    continue
                 kind = kinds.get(name, ())
                 if kind == ():
-                    kind = kinds[name] = _name_kind(name) if isinstance(name, str) else None
+                    kind = kinds[name] = _name_kind(name)
                 if kind is None:
                     continue
                 what = kind[0]
@@ -210,15 +214,14 @@ def collect(trace: TraceFile) -> Collected:
                 elif what == "data":
                     out.data.append(Range(name, float(ts), float(end), event.get("tid")))
                 else:
-                    out.collectives.append(Collective(name, float(ts), float(end),
-                                                      _message_bytes(event.get("args") or {})))
+                    out.collectives.append(Collective(name, float(ts), float(end), _message_bytes(_args(event))))
             elif cat in gpu_cats:
                 ts, dur = event.get("ts"), event.get("dur")
                 if not isinstance(ts, (int, float)):
                     continue
                 end = ts + dur if isinstance(dur, (int, float)) else ts
-                kind = gpu_kind(cat, event.get("name", ""))
-                args = event.get("args") or {}
+                kind = gpu_kind(cat, str(event.get("name", "")))
+                args = _args(event)
                 index = _gpu_of(event, args)
                 if index is None:
                     continue
@@ -231,7 +234,7 @@ def collect(trace: TraceFile) -> Collected:
         elif ph == "i" and event.get("name") == "[memory]":
             _memory(out, event)
         elif ph == "M" and event.get("name") == "process_labels":
-            labels = (event.get("args") or {}).get("labels")
+            labels = _args(event).get("labels")
             if isinstance(labels, str) and labels.startswith("GPU") and isinstance(event.get("pid"), (int, float)):
                 out.gpu_labels[int(event["pid"])] = labels
     out.first_us, out.last_us = float(first_us), float(last_us)
@@ -245,8 +248,13 @@ def collect(trace: TraceFile) -> Collected:
     return out
 
 
+def _args(event: dict[str, Any]) -> dict[str, Any]:
+    args = event.get("args")
+    return args if isinstance(args, dict) else {}
+
+
 def _memory(out: Collected, event: dict[str, Any]) -> None:
-    args = event.get("args") or {}
+    args = _args(event)
     if args.get("Device Type") != 1:  # 0: CPU memory; 1: CUDA
         return
     device = args.get("Device Id")
@@ -258,9 +266,12 @@ def _memory(out: Collected, event: dict[str, Any]) -> None:
         out.memory[device] = (array("d"), array("d"), array("d"))
     times, allocated, reserved = out.memory[device]
     total = args.get("Total Allocated")
-    if total is None:  # the 2021 format: only each allocation's Bytes, so allocated is their running sum
+    if not isinstance(total, (int, float)):  # the 2021 format: only each allocation's Bytes: allocated is their sum
+        nbytes = args.get("Bytes")
+        if not isinstance(nbytes, (int, float)):
+            return
         out.memory_cumulative.add(device)
-        total = (allocated[-1] if allocated else 0.0) + float(args.get("Bytes") or 0)
+        total = (allocated[-1] if allocated else 0.0) + nbytes
     times.append(float(ts))
     allocated.append(float(total))
     res = args.get("Total Reserved")
