@@ -242,6 +242,8 @@ def collect(trace: TraceFile) -> Collected:
     out.steps.sort(key=lambda s: s[1])
     out.forwards.sort(key=lambda r: r.start_us)
     out.dpprof_ranges.sort(key=lambda r: r.start_us)
+    out.optimizer.sort(key=lambda r: r.start_us)
+    out.data.sort(key=lambda r: r.start_us)
     out.collectives.sort(key=lambda c: c.start_us)
     out.comm_kernels.sort(key=lambda k: k[1])
     _pair_collectives(out)

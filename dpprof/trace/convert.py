@@ -16,6 +16,7 @@ Rules (each said in the run's notes when it applies):
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,26 +105,44 @@ def _intersection_ms(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.n
     return total / 1e3
 
 
-def _in(ranges: list[Range], lo: float, hi: float) -> list[Range]:
-    return [r for r in ranges if lo <= r.start_us < hi]
+def _in(ranges: list[Any], lo: float, hi: float) -> list[Any]:
+    """The ranges (sorted by start_us) that start in [lo, hi): two bisections, never a scan of them all."""
+    key = lambda r: r.start_us  # noqa: E731
+    return ranges[bisect.bisect_left(ranges, lo, key=key):bisect.bisect_left(ranges, hi, key=key)]
+
+
+class _Sorted:
+    """One GPU's intervals of one kind, sorted by start, sliced per step window without scanning them all."""
+
+    def __init__(self, starts: np.ndarray, ends: np.ndarray) -> None:
+        order = np.argsort(starts, kind="stable")
+        self.starts, self.ends = starts[order], ends[order]
+        self.longest = float((self.ends - self.starts).max()) if len(starts) else 0.0
+
+    def window(self, lo: float, hi: float) -> tuple[np.ndarray, np.ndarray]:
+        """The intervals that may overlap [lo, hi]: started before hi, and after lo minus the longest one."""
+        i = int(np.searchsorted(self.starts, lo - self.longest, "left"))
+        j = int(np.searchsorted(self.starts, hi, "left"))
+        return self.starts[i:j], self.ends[i:j]
 
 
 def _gpu_time(c: Collected, windows: list[tuple[int, float, float]], label_of: dict[int, str]) -> list[Record]:
     out: list[Record] = []
-    arrays = {key: (np.frombuffer(iv.starts, dtype=float), np.frombuffer(iv.ends, dtype=float))
-              for key, iv in c.gpu.items()}
+    empty = _Sorted(np.empty(0), np.empty(0))
     for gpu in sorted({g for g, _ in c.gpu}):
-        every = [arrays[(gpu, k)] for k in GPU_KINDS if (gpu, k) in arrays]
-        all_s = np.concatenate([s for s, _ in every])
-        all_e = np.concatenate([e for _, e in every])
+        kinds = {k: _Sorted(np.frombuffer(c.gpu[(gpu, k)].starts, dtype=float),
+                            np.frombuffer(c.gpu[(gpu, k)].ends, dtype=float)) if (gpu, k) in c.gpu else empty
+                 for k in GPU_KINDS}
         for step, lo, hi in windows:
-            ms = {}
-            merged = {}
+            ms, merged = {}, {}
+            parts_s, parts_e = [], []
             for kind in GPU_KINDS:
-                s, e = arrays.get((gpu, kind), (np.empty(0), np.empty(0)))
-                ms[kind], ms_s, ms_e = _union_ms(s, e, lo, hi)
-                merged[kind] = (ms_s, ms_e)
-            busy, _, _ = _union_ms(all_s, all_e, lo, hi)
+                s, e = kinds[kind].window(lo, hi)
+                ms[kind], merged_s, merged_e = _union_ms(s, e, lo, hi)
+                merged[kind] = (merged_s, merged_e)
+                parts_s.append(merged_s)
+                parts_e.append(merged_e)
+            busy, _, _ = _union_ms(np.concatenate(parts_s), np.concatenate(parts_e), lo, hi)
             window = (hi - lo) / 1e3
             out.append(GpuTimeRecord(
                 step=step, device=label_of[gpu], window_ms=window, compute_ms=ms["compute"],
@@ -187,7 +206,7 @@ def _host_phases(c: Collected, windows: list[tuple[int, float, float]], label: s
             notes.add("forward: no DataParallel or DistributedDataParallel forward range, so forward is from the "
                       "step's start (after loading data) to its first backward op")
         if b0 is not None:
-            colls = [x for x in c.collectives if b0 <= x.start_us < hi]
+            colls = _in(c.collectives, b0, hi)
             if colls:
                 last_launch = max(x.start_us for x in colls)
                 done = max((x.kernel_end_us or x.end_us) for x in colls)
@@ -209,7 +228,7 @@ def _dataparallel_phases(c: Collected, windows: list[tuple[int, float, float]], 
     ranges = [r for r in c.dpprof_ranges if r.name in PHASES]
     applies = [r for r in ranges if r.name == "apply"]
     for step, lo, hi in windows:
-        forwards = [f for f in c.forwards if lo <= f.start_us < hi and f.name == "DataParallel.forward"]
+        forwards = [f for f in _in(c.forwards, lo, hi) if f.name == "DataParallel.forward"]
         starts = [f.start_us for f in forwards]
 
         def call_of(t: float) -> int:
@@ -221,7 +240,7 @@ def _dataparallel_phases(c: Collected, windows: list[tuple[int, float, float]], 
             out.append(PhaseRecord(step=step, call=call_of(r.start_us), phase=r.name, device=devices[0],
                                    start_ms=ms(r.start_us), duration_ms=(r.end_us - r.start_us) / 1e3))
             if r.name == "parallel_apply":
-                inside = sorted((a for a in applies if r.start_us <= a.start_us < r.end_us), key=lambda a: a.start_us)
+                inside = _in(applies, r.start_us, r.end_us)
                 for k, a in enumerate(inside[:len(devices)]):
                     out.append(PhaseRecord(step=step, call=call_of(r.start_us), phase="apply", device=devices[k],
                                            start_ms=ms(a.start_us), duration_ms=(a.end_us - a.start_us) / 1e3))
@@ -263,7 +282,8 @@ def convert(c: Collected, t0_us: float, rank: int | None) -> Converted:
     gpus = c.gpus
     dp_exact = any(r.name == "parallel_apply" for r in c.dpprof_ranges) and rank is None
     if dp_exact:
-        per_call = max((sum(1 for a in c.dpprof_ranges if a.name == "apply" and p.start_us <= a.start_us < p.end_us)
+        applies = [a for a in c.dpprof_ranges if a.name == "apply"]
+        per_call = max((len(_in(applies, p.start_us, p.end_us))
                         for p in c.dpprof_ranges if p.name == "parallel_apply"), default=1)
         count = max(per_call, 1, len(gpus))
         devices = [f"cuda:{g}" for g in gpus[:count]] if gpus else [f"cpu:{i}" for i in range(count)]
@@ -315,7 +335,7 @@ def convert(c: Collected, t0_us: float, rank: int | None) -> Converted:
                                       launch_ms=ms(x.start_us), duration_ms=(end - x.start_us) / 1e3,
                                       collective=x.name))
     for step, lo, hi in windows:
-        fw = sum(1 for f in c.forwards if lo <= f.start_us < hi)
+        fw = len(_in(c.forwards, lo, hi))
         out.records.append(StepRecord(step=step, start_ms=ms(lo), duration_ms=(hi - lo) / 1e3, batch_size=None,
                                       devices_used=len(devices), forward_calls=fw, explicit=bool(c.steps)))
     out.records += _device_records(c, devices, gpu_of)
