@@ -1,6 +1,7 @@
 """Importing a ~1 GB torch.profiler trace: dpprof's streaming import against Holistic Trace Analysis's parser.
 
     python bench/trace_import.py [--size-mb 1024] [--rounds 2] [--hta-python /work/hta-venv/bin/python]
+                                 [--trace FILE]   # reuse a trace an earlier run made
 
 A trace of about --size-mb MB (uncompressed JSON) is made in a temporary directory by repeating the
 steps of a shared real trace (../shared/traces/ddp-2ranks-rank0-nccl.json.gz: DDP on NCCL, 3 steps)
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +80,8 @@ def make_trace(source: Path, out: Path, size_mb: float) -> int:
 ARM_CODE = {
     "dpprof": ("import dpprof.trace, tempfile\n"
                "{stop}"
-               "run = dpprof.trace.import_traces([PATH], tempfile.mkdtemp(prefix='dpprof-bench-'))\n"
+               "with tempfile.TemporaryDirectory(prefix='dpprof-bench-') as reports:\n"
+               "    run = dpprof.trace.import_traces([PATH], reports)\n"
                "RESULT = f'{{run.steps}} steps'\n"),
     "hta-json": ("from hta.common.trace_parser import parse_trace_dataframe\n"
                  "from hta.configs.parser_config import ParserConfig, ParserBackend\n"
@@ -121,12 +124,16 @@ def run_arm(arm: str, python: str, path: Path, baseline: bool = False) -> dict:
     return out
 
 
+print = partial(print, flush=True)  # noqa: A001  (a long run: every line as soon as it is known)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=float, default=1024)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--hta-python", default=str(DEFAULT_HTA), help="a python with holistictraceanalysis installed")
     parser.add_argument("--arms", default="dpprof,hta-ijson,hta-json")
+    parser.add_argument("--trace", default=None, help="use this trace (made by an earlier run) instead of making one")
     args = parser.parse_args()
 
     arms = args.arms.split(",")
@@ -139,11 +146,17 @@ def main() -> None:
     python = {a: (args.hta_python if a.startswith("hta") else sys.executable) for a in arms}
 
     with tempfile.TemporaryDirectory(prefix="dpprof-trace-bench-") as tmp:
-        path = Path(tmp) / "big.pt.trace.json"
-        t = time.perf_counter()
-        events = make_trace(SOURCE, path, args.size_mb)
-        size_mb = path.stat().st_size / 2**20
-        print(f"trace: {size_mb:,.0f} MiB, {events:,} events, made in {time.perf_counter() - t:.0f} s from {SOURCE.name}")
+        if args.trace:
+            path = Path(args.trace)
+            size_mb = path.stat().st_size / 2**20
+            print(f"trace: {path} ({size_mb:,.0f} MiB)")
+        else:
+            path = Path(tmp) / "big.pt.trace.json"
+            t = time.perf_counter()
+            events = make_trace(SOURCE, path, args.size_mb)
+            size_mb = path.stat().st_size / 2**20
+            print(f"trace: {size_mb:,.0f} MiB, {events:,} events, made in {time.perf_counter() - t:.0f} s from "
+                  f"{SOURCE.name}")
         for arm in arms:
             base = run_arm(arm, python[arm], path, baseline=True)
             print(f"  {arm}: imports alone peak at {base.get('peak_rss_mb', float('nan')):.0f} MiB RSS")
