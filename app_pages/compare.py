@@ -64,8 +64,9 @@ def body() -> None:
         else:
             common.chart(charts.compare_phase_shares(data.shares))
     with right:
-        if data.memory.empty:
-            common.missing("No memory records in these runs.")
+        if data.memory.empty:  # imported traces: no dpprof accounting per device (the allocator's is on Per-GPU load)
+            common.missing("None of these runs has dpprof's per-device memory accounting (imported traces have "
+                           "none): there is no memory to compare.")
         else:
             common.chart(charts.compare_memory(data.memory))
     if data.memory["peak_allocated_bytes"].isna().any():

@@ -50,4 +50,19 @@ def body(row: pd.Series) -> None:
         common.table(data.gpu, "gpu_samples_bucketed")
 
 
-common.live(body)
+def trace_gpu_time(row: pd.Series) -> None:
+    """An imported trace's GPU time per device (its Distributed view); nothing for a recorded run."""
+    per = common.view("gpu_time", row)
+    if per.empty:
+        return
+    st.subheader("GPU time per device (from the trace)")
+    common.chart(charts.gpu_time(per))
+    common.table(per.round(3), "gpu_time_per_device")
+
+
+def _body(row: pd.Series) -> None:
+    body(row)
+    trace_gpu_time(row)
+
+
+common.live(_body)

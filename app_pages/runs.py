@@ -5,6 +5,34 @@ import streamlit as st
 
 from app_pages import common
 from dpprof.store.reader import reports_dir
+from dpprof.trace import TraceError, import_traces, pending_traces
+
+
+def traces_to_import() -> None:
+    """Trace files in the reports directory not imported yet, imported on a click. The browser only picks
+    rows of this listing: the files imported are the listing's, never a path it sends."""
+    directory = reports_dir()
+    pending = pending_traces(directory)
+    if pending.empty:
+        return
+    st.subheader("torch.profiler traces to import")
+    st.caption(f"Trace files (.json, .json.gz) in `{directory}` that no run was imported from. Select one, or the "
+               "files of one job's ranks, and import them as one run (`dpprof import` does the same from a shell).")
+    shown = pending.assign(size_mb=pending["size_bytes"] / 2**20)[["file", "size_mb", "modified"]]
+    event = st.dataframe(shown, hide_index=True, on_select="rerun", selection_mode="multi-row", key="traces_table",
+                         column_config={"size_mb": st.column_config.NumberColumn("size (MiB)", format="%.1f")})
+    rows = list(event.selection.rows) if event.selection.rows else []
+    if st.button("Import", disabled=not rows, key="import_traces", help="Select trace files in the table"):
+        files = [directory / name for name in pending.iloc[rows]["file"]]
+        with st.spinner(f"Importing {len(files)} trace file(s)…"):
+            try:
+                run = import_traces(files, directory)
+            except TraceError as err:
+                st.error(f"Not imported: {err}")
+                return
+        st.session_state[common.RUN_KEY] = run.id
+        st.success(f"Imported run {run.id}: {run.steps} steps on {', '.join(run.devices)}.")
+
 
 st.title("Runs")
 runs = common.listing()
@@ -50,6 +78,8 @@ else:
         st.caption(f"A run is recording: this list refreshes every {common.REFRESH_S:.0f} s.")
         common.rerun_on_change(lambda: common.readable(common.listing())[["id", "status", "steps"]].values.tolist())
     common.watch_started_run()
+
+traces_to_import()
 
 if not bad.empty:
     st.subheader("Unreadable files")

@@ -17,7 +17,7 @@ from dpprof.records import PHASES
 
 __all__ = ["MAX_POINTS", "PHASE_COLORS", "downsample", "device_glance", "bytes_unit", "step_times", "phase_breakdown", "phase_shares",
            "apply_distribution", "memory_per_device", "chunk_sizes", "gpu_samples", "timeline",
-           "compare_step_times", "compare_phase_shares", "compare_memory", "check_chunks"]
+           "compare_step_times", "compare_phase_shares", "compare_memory", "check_chunks", "gpu_time"]
 
 MAX_POINTS = 2_000  # per series; dpprof.store.queries buckets long runs to this many points already
 
@@ -394,4 +394,24 @@ def check_chunks(sizes: list[int], devices: list[str]) -> go.Figure:
     fig = _fig("Chunk per device at this batch size (samples)", yaxis_title="samples", showlegend=False, height=300)
     fig.add_trace(go.Bar(x=devices, y=padded, text=[str(s) if s else "idle" for s in padded], textposition="auto",
                          marker_color=["#4477AA" if s else "#CC6677" for s in padded]))
+    return fig
+
+
+_GPU_TIME_COLORS = {"computation_ms": "#4477AA", "overlapping_ms": "#228833", "communication_ms": "#CC6677",
+                    "memcpy_ms": "#DDCC77", "memset_ms": "#88CCEE", "idle_ms": "#BBBBBB"}
+
+
+def gpu_time(per_device: pd.DataFrame) -> go.Figure:
+    """Each GPU's mean step, stacked by what it ran (an imported trace's Distributed view).
+
+    Args:
+        per_device: dpprof.views.gpu_time (device, computation_ms, overlapping_ms, communication_ms,
+            memcpy_ms, memset_ms, idle_ms).
+    """
+    fig = _fig("GPU time per step by device (ms): computation, overlap, communication, copies, idle",
+               yaxis_title="ms per step", barmode="stack")
+    for col, color in _GPU_TIME_COLORS.items():
+        if col in per_device and per_device[col].fillna(0).any():
+            fig.add_trace(go.Bar(x=per_device["device"].tolist(), y=per_device[col].astype(float).tolist(),
+                                 name=col[:-3], marker_color=color))
     return fig

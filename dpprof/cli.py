@@ -1,4 +1,4 @@
-"""The dpprof command: profile, run, check, merge, runs, show, export.
+"""The dpprof command: profile, run, check, merge, import, runs, show, export.
 
 Exit codes: 0 ok, 1 failure (or findings, for commands that report them), 2 usage error.
 """
@@ -245,6 +245,26 @@ def _cmd_merge(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_import(args: argparse.Namespace) -> int:
+    """Import torch.profiler traces as one run, with a progress bar of bytes read on a terminal."""
+    from tqdm import tqdm
+
+    from dpprof.trace import TraceError, import_traces, trace_files
+
+    try:
+        total = sum(p.stat().st_size for p in trace_files(args.sources))
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reading traces",
+                  disable=args.quiet or not sys.stderr.isatty()) as bar:
+            run = import_traces(args.sources, args.reports_dir, name=args.name, progress=bar.update)
+    except TraceError as err:
+        print(f"dpprof: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(f"imported run {run.id} ({run.steps} steps, {', '.join(run.devices)}) in "
+          f"{', '.join(str(p) for p in run.paths)}")
+    print(f"  dpprof show {run.id}")
+    return EXIT_OK
+
+
 def _cmd_runs(args: argparse.Namespace) -> int:
     import dpprof
 
@@ -289,6 +309,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
     print(_table(display_table(summary_of(run)[SUMMARY_COLUMNS].reset_index()).set_index("device"), "{:,.2f}"))
     print("\nmean ms per step, by phase:")
     print(_table(display_table(phase_table(run.phases).reset_index()).set_index("device"), "{:,.2f}"))
+    from dpprof.views import gpu_time
+
+    per_gpu = gpu_time(run)
+    if not per_gpu.empty:
+        print("\nGPU time, mean ms per step (from the trace):")
+        print(_table(per_gpu.set_index("device")))
     findings = findings_of(run)
     withheld = findings_withheld(steps)
     print(f"\nfindings: {len(findings) or 'none'}" + (f" ({withheld})" if withheld else ""))
@@ -414,6 +440,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("sources", nargs="+", help="rank files (<run id>.rank<N>.sqlite) or directories holding them")
     p.add_argument("--out", default=None, help="where to gather them (default: the reports directory)")
     p.set_defaults(func=_cmd_merge, parser=p)
+
+    p = sub.add_parser("import", help="read torch.profiler traces (.json, .json.gz) as one run",
+                       description="Several files of one job become one run with one rank per file (rank from "
+                       "distributedInfo, else from the file name, else the order given). Exit 1, with nothing "
+                       "written, when a file is not a readable trace or the files are of different jobs.")
+    p.add_argument("sources", nargs="+", metavar="TRACE_OR_DIR", help="trace files, or directories of them")
+    p.add_argument("--name", default=None, help="a name for the run (default: the first file's name)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_import, parser=p)
 
     p = sub.add_parser("runs", help="list the recorded runs")
     p.set_defaults(func=_cmd_runs, parser=p)

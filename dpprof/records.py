@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["PHASES", "DDP_PHASES", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
-           "DeviceRecord", "NoteRecord", "FindingRecord", "CommRecord", "Record",
+           "DeviceRecord", "NoteRecord", "FindingRecord", "CommRecord", "GpuTimeRecord", "Record",
            "TABLE_OF"]
 
 # Phase names, in the order a step runs them; record_function ranges are "dpprof.<phase>".
@@ -142,10 +142,31 @@ class CommRecord:
     bucket_bytes: int
     launch_ms: float  # since the run started: when the bucket was ready and its all-reduce launched
     duration_ms: float  # launch to completion (the future's callback)
+    collective: str | None = None  # the op, where known: "nccl:all_reduce" (imported traces); None: DDP's bucket all-reduce
+
+
+@dataclass(frozen=True, slots=True)
+class GpuTimeRecord:
+    """How one GPU (or one rank's GPU) spent one step, from a torch.profiler trace's GPU activity.
+
+    Times are unions of the activities' intervals inside the step's window, so streams that run at
+    the same time count once: the Distributed view's computation is compute_ms - overlap_ms, its
+    communication communication_ms - overlap_ms, its overlapping overlap_ms.
+    """
+
+    step: int
+    device: str
+    window_ms: float  # the step's length
+    compute_ms: float  # kernels other than communication
+    communication_ms: float  # NCCL / Gloo kernels
+    overlap_ms: float  # communication while compute kernels ran
+    memcpy_ms: float
+    memset_ms: float
+    idle_ms: float  # nothing running on the GPU
 
 
 Record = (StepRecord | PhaseRecord | DeviceMemoryRecord | AllocatorRecord | GpuSampleRecord | DeviceRecord
-          | NoteRecord | FindingRecord | CommRecord)
+          | NoteRecord | FindingRecord | CommRecord | GpuTimeRecord)
 
 # Record type -> the run table that holds it.
 TABLE_OF: dict[type, str] = {
@@ -158,4 +179,5 @@ TABLE_OF: dict[type, str] = {
     NoteRecord: "notes",
     FindingRecord: "findings",
     CommRecord: "comms",
+    GpuTimeRecord: "gpu_time",
 }

@@ -16,7 +16,10 @@ log = logging.getLogger("dpprof")
 
 
 def findings_of(run: StoredRun) -> pd.DataFrame:
-    """The run's findings, computed from its tables (so a running or killed run has them too)."""
+    """The run's findings, computed from its tables (so a running or killed run has them too); an imported
+    trace's are those stored at import, which include the trace-only rules (dpprof.trace.findings)."""
+    if run.meta.get("source") == "trace":
+        return run.findings.drop(columns=["rank"], errors="ignore").reset_index(drop=True)
     return run_findings(run.steps, run.phases, run.memory, run.allocator, run.gpu_samples,
                         list(run.meta["devices"]), comms=run.comms)
 

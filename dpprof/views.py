@@ -25,8 +25,9 @@ from dpprof.store.reader import TABLES, StoredRun
 
 __all__ = ["EVEN_RATIO", "FINDINGS_FULL_STEPS", "TIMELINE_DEFAULT_STEPS", "TABLE_DESCRIPTIONS", "Overview", "Load",
            "Comparison", "ComparePart", "Glance", "glance", "display_table", "default_compare", "is_balanced",
-           "overview", "load", "findings", "gpu_missing_reason", "step_bounds", "default_timeline_range", "timeline",
-           "compare", "compare_part", "combine", "run_label", "export_tables", "table_csv", "run_zip"]
+           "overview", "load", "findings", "gpu_missing_reason", "trace_memory_text", "gpu_time", "GPU_TIME_PARTS",
+           "step_bounds", "default_timeline_range", "timeline", "compare", "compare_part", "combine", "run_label",
+           "export_tables", "table_csv", "run_zip"]
 
 # Up to this many steps, findings come from every record (well under a second); beyond it a finished
 # run shows the findings stored when it closed, and a running one those of its last this-many steps.
@@ -240,7 +241,9 @@ def load(run: StoredRun) -> Load:
                 idle=idle_devices(run), work_phase=" + ".join(queries.work_phases(queries.present_phases(run))))
     if stats.empty:
         data.missing["apply"] = f"No {data.work_phase} phases recorded yet: no forward call has finished."
-    if memory.empty:
+    if memory.empty and run.meta.get("source") == "trace":
+        data.missing["memory"] = trace_memory_text(run)
+    elif memory.empty:
         data.missing["memory"] = "No memory records yet: no forward call has finished."
     elif memory["peak_allocated_bytes"].isna().all():
         data.missing["allocator"] = ("Peak allocated and reserved bytes come from the CUDA caching allocator; "
@@ -251,6 +254,47 @@ def load(run: StoredRun) -> Load:
     if data.gpu.empty:
         data.missing["gpu"] = gpu_missing_reason(run)
     return data
+
+
+GPU_TIME_PARTS = ("computation_ms", "overlapping_ms", "communication_ms", "memcpy_ms", "memset_ms", "idle_ms")
+
+
+def gpu_time(run: StoredRun) -> pd.DataFrame:
+    """Mean ms per step of each GPU (or rank's GPU) by what it ran, from an imported trace's gpu_time table:
+    the TensorBoard plugin's Distributed view (computation and communication without their overlap,
+    the overlap, copies, memsets, idle). Empty for recorded runs.
+
+    Returns:
+        columns device, steps, step_ms, one column per GPU_TIME_PARTS, idle_pct.
+    """
+    cols = ["device", "steps", "step_ms", *GPU_TIME_PARTS, "idle_pct"]
+    table = run.gpu_time  # one row per step and GPU: small; a file written before the table reads it empty
+    if table.empty:
+        return pd.DataFrame(columns=cols)
+    t = table.assign(computation_ms=table["compute_ms"] - table["overlap_ms"], overlapping_ms=table["overlap_ms"],
+                     communication_ms=table["communication_ms"] - table["overlap_ms"])
+    per = t.groupby("device", as_index=False).agg(
+        steps=("step", "count"), step_ms=("window_ms", "mean"),
+        **{c: (c, "mean") for c in GPU_TIME_PARTS})
+    order = {d: i for i, d in enumerate(run.meta.get("devices") or [])}
+    per = per.sort_values("device", key=lambda s: s.map(lambda d: (order.get(d, len(order)), d))).reset_index(drop=True)
+    per["idle_pct"] = 100 * per["idle_ms"] / per["step_ms"]
+    return per[cols]
+
+
+def trace_memory_text(run: StoredRun) -> str:
+    """What an imported trace says about memory, in words: the allocator's peaks from its [memory] events."""
+    text = ("An imported torch.profiler trace has no dpprof accounting of what each device holds (its chunk, "
+            "outputs, activations, gathered outputs).")
+    peaks = run.query("SELECT device, MAX(peak_allocated_bytes) AS peak, MAX(reserved_bytes) AS reserved "
+                      "FROM allocator GROUP BY device").drop(columns=["rank"], errors="ignore")
+    if peaks.empty:
+        return text + " It has no [memory] events either (recorded without profile_memory=True)."
+    parts = [f"{r.device} {r.peak / 2**20:,.1f} MiB" + (f" (reserved {r.reserved / 2**20:,.1f} MiB)"
+                                                        if pd.notna(r.reserved) else "")
+             for r in peaks.itertuples()]
+    return (text + " Its [memory] events give the CUDA allocator's peak allocated bytes: " + "; ".join(parts)
+            + ". Per step, they are the allocator table (Export page).")
 
 
 def step_bounds(run: StoredRun) -> tuple[int | None, int | None]:
@@ -449,7 +493,8 @@ TABLE_DESCRIPTIONS = {
     "gpu_samples": "NVML readings over time (CUDA runs with NVML only)",
     "findings": "the run's findings, worst first",
     "notes": "why some data is missing",
-    "comms": "each gradient bucket's all-reduce (DistributedDataParallel runs only)",
+    "comms": "each gradient bucket's all-reduce (DistributedDataParallel runs), or each collective (imported traces)",
+    "gpu_time": "per step and GPU: compute, communication, overlap, memcpy, memset and idle time (imported traces)",
 }
 
 

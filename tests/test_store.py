@@ -197,11 +197,14 @@ def test_a_file_older_than_a_table_or_column_the_schema_added_still_reads(report
     shutil.copy(run.path, old)
     con = sqlite3.connect(old)
     con.execute("DROP TABLE comms")
+    con.execute("DROP TABLE gpu_time")
     con.execute("ALTER TABLE runs DROP COLUMN world_size")
+    con.execute("ALTER TABLE runs DROP COLUMN source")
     con.commit()
     con.close()
     stored = dpprof.load_run(old)
-    assert stored.meta["world_size"] is None and stored.meta["name"] == "older"
+    assert stored.meta["world_size"] is None and stored.meta["source"] is None and stored.meta["name"] == "older"
     assert stored.comms.empty and list(stored.comms.columns) == [
-        "step", "device", "bucket", "bucket_bytes", "launch_ms", "duration_ms"]
+        "step", "device", "bucket", "bucket_bytes", "launch_ms", "duration_ms", "collective"]
+    assert stored.gpu_time.empty
     assert len(stored.steps) == 2

@@ -26,6 +26,8 @@ __all__ = ["RUN_SUFFIX", "list_runs", "load_run", "StoredRun", "RunFileError", "
 RUN_SUFFIX = ".sqlite"
 _RANK_FILE = re.compile(r"^(.+)\.rank(\d+)\.sqlite$")  # <run id>.rank<N>.sqlite: one rank of a distributed run
 _SIDE_FILES = ("-wal", "-shm", "-journal")
+# torch.profiler traces waiting to be imported (dpprof import; the Runs page lists them), not runs
+_TRACE_FILES = (".json", ".json.gz")
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 HEARTBEAT_TIMEOUT_S = 30.0  # the writer commits every 0.5 s; 60 missed commits means it is gone
 # A run that stopped without closing, with its write-ahead log beside it on a disk with less than this
@@ -196,13 +198,14 @@ class StoredRun:
     findings = property(lambda self: self.table("findings"))
     notes = property(lambda self: self.table("notes"))
     comms = property(lambda self: self.table("comms"))
+    gpu_time = property(lambda self: self.table("gpu_time"))
 
 
 def _candidates(directory: Path) -> list[Path]:
     if not directory.is_dir():
         return []
     return sorted(p for p in directory.iterdir()
-                  if p.is_file() and not p.name.startswith(".") and not p.name.endswith(_SIDE_FILES))
+                  if p.is_file() and not p.name.startswith(".") and not p.name.endswith(_SIDE_FILES + _TRACE_FILES))
 
 
 def _summary(con: sqlite3.Connection) -> dict[str, Any]:

@@ -23,6 +23,7 @@ RUN_COLUMNS = {
     "status": "TEXT",  # running | finished | failed | interrupted | disk_full | (read side) incomplete
     "error": "TEXT", "dropped_records": "INTEGER",
     "rank": "INTEGER", "world_size": "INTEGER",  # torch.distributed runs: one file per rank
+    "source": "TEXT",  # "trace": imported from torch.profiler traces (dpprof import); None: recorded live
 }
 
 _SQL_TYPES = {int: "INTEGER", float: "REAL", str: "TEXT", bool: "INTEGER"}

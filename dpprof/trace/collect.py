@@ -1,0 +1,297 @@
+"""What one trace file says, gathered in one streaming pass: the few ranges that mark steps and phases,
+and every GPU activity and memory reading packed into typed arrays (16-24 bytes each, never a dict).
+
+``collect(trace)`` consumes ``TraceFile.events()`` and returns a ``Collected``; turning it into
+dpprof's records is ``dpprof.trace.convert``.
+"""
+from __future__ import annotations
+
+import re
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+from dpprof.trace.reader import TraceFile
+
+__all__ = ["Range", "Collective", "Collected", "collect", "DTYPE_BYTES", "gpu_kind"]
+
+# Bytes per element of the dtypes collectives name ("dtype": "Float"; "Input type": "float").
+DTYPE_BYTES = {
+    "float": 4, "float32": 4, "half": 2, "float16": 2, "bfloat16": 2, "double": 8, "float64": 8,
+    "long": 8, "int64": 8, "long int": 8, "int": 4, "int32": 4, "short": 2, "int16": 2, "byte": 1,
+    "unsigned char": 1, "uint8": 1, "char": 1, "signed char": 1, "int8": 1, "bool": 1, "float8_e4m3fn": 1,
+    "float8_e5m2": 1, "complexfloat": 8, "complexdouble": 16,
+}
+_CPU_CATS = frozenset({"cpu_op", "user_annotation", "Operator", "python_function"})
+_KERNEL_CATS = frozenset({"kernel", "Kernel"})
+_MEMCPY_CATS = frozenset({"gpu_memcpy", "Memcpy"})
+_MEMSET_CATS = frozenset({"gpu_memset", "Memset"})
+_STEP = re.compile(r"^ProfilerStep#(\d+)$")
+_COLLECTIVE = re.compile(r"^(nccl|gloo|mpi|ucc|xccl):")
+# Backward ops: the autograd engine's per-function ranges (torch >= 1.10), else the older names of
+# the backward functions themselves (the 2021 format: "CudnnConvolutionBackward").
+_BACKWARD = re.compile(r"^autograd::engine::evaluate_function|Backward\d*$|^torch::autograd::AccumulateGrad$")
+WRAPPER_FORWARDS = ("DataParallel.forward", "DistributedDataParallel.forward")
+GPU_KINDS = ("compute", "communication", "memcpy", "memset")
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """A CPU range from the trace, in the trace's microseconds."""
+
+    name: str
+    start_us: float
+    end_us: float
+    tid: Any
+
+
+@dataclass(slots=True)
+class Collective:
+    """One collective op on the CPU (``nccl:all_reduce``), and what its GPU kernel says once paired."""
+
+    name: str
+    start_us: float
+    end_us: float
+    bytes: int | None
+    kernel_start_us: float | None = None
+    kernel_end_us: float | None = None
+
+
+class _Intervals:
+    """start/end pairs in two typed arrays (16 bytes an interval)."""
+
+    __slots__ = ("starts", "ends")
+
+    def __init__(self) -> None:
+        self.starts = array("d")
+        self.ends = array("d")
+
+    def add(self, start: float, end: float) -> None:
+        self.starts.append(start)
+        self.ends.append(end)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+
+@dataclass
+class Collected:
+    """One trace file's steps, phase ranges, collectives, GPU activity and memory readings."""
+
+    name: str
+    size_bytes: int
+    meta: dict[str, Any]
+    events: int = 0
+    steps: list[tuple[int, float, float]] = field(default_factory=list)  # (N, start_us, end_us) of ProfilerStep#N
+    forwards: list[Range] = field(default_factory=list)  # DataParallel.forward / DistributedDataParallel.forward
+    dpprof_ranges: list[Range] = field(default_factory=list)  # dpprof.<phase>
+    optimizer: list[Range] = field(default_factory=list)  # Optimizer.step#...
+    data: list[Range] = field(default_factory=list)  # enumerate(DataLoader)#...
+    backward: _Intervals = field(default_factory=_Intervals)  # autograd ops
+    collectives: list[Collective] = field(default_factory=list)
+    comm_kernels: list[tuple[int, float, float, int | None]] = field(default_factory=list)  # (gpu, start, end, bytes)
+    gpu: dict[tuple[int, str], _Intervals] = field(default_factory=dict)  # (gpu, kind) -> intervals
+    memory: dict[int, tuple[array, array, array]] = field(default_factory=dict)  # gpu -> ts, allocated, reserved
+    memory_cumulative: set[int] = field(default_factory=set)  # GPUs whose allocated bytes are summed from Bytes
+    first_us: float = float("inf")
+    last_us: float = float("-inf")
+    gpu_labels: dict[int, str] = field(default_factory=dict)  # pid -> "GPU 0"
+
+    @property
+    def gpus(self) -> list[int]:
+        return sorted({g for g, _ in self.gpu} | set(self.memory))
+
+    @property
+    def rank(self) -> int | None:
+        info = self.meta.get("distributedInfo")
+        return int(info["rank"]) if isinstance(info, dict) and info.get("rank") is not None else None
+
+
+def gpu_kind(cat: str, name: str) -> str | None:
+    """compute, communication, memcpy or memset for a GPU activity; None for anything else."""
+    if cat in _KERNEL_CATS:
+        low = name.lower()
+        return "communication" if ("nccl" in low or "gloo" in low or "rccl" in low) else "compute"
+    if cat in _MEMCPY_CATS:
+        return "memcpy"
+    if cat in _MEMSET_CATS:
+        return "memset"
+    return None
+
+
+def _message_bytes(args: dict[str, Any]) -> int | None:
+    """Bytes a collective moves: In msg nelems x dtype size, else its input's dims x type size."""
+    nelems, dtype = args.get("In msg nelems"), args.get("dtype")
+    if isinstance(nelems, (int, float)) and isinstance(dtype, str) and dtype.lower() in DTYPE_BYTES:
+        return int(nelems) * DTYPE_BYTES[dtype.lower()]
+    dims, types = args.get("Input Dims"), args.get("Input type")
+    if isinstance(dims, list) and isinstance(types, list) and dims and types:
+        total = 0
+        for shape, kind in zip(dims, types):
+            size = DTYPE_BYTES.get(str(kind).lower())
+            if size is None or not isinstance(shape, list):
+                continue
+            count = 1
+            for d in shape:
+                if not isinstance(d, (int, float)):
+                    break
+                count *= int(d)
+            total += count * size
+        return total or None
+    return None
+
+
+def _gpu_of(event: dict[str, Any], args: dict[str, Any]) -> int | None:
+    device = args.get("device")
+    if isinstance(device, (int, float)):
+        return int(device)
+    pid = event.get("pid")
+    return int(pid) if isinstance(pid, (int, float)) else None
+
+
+def _name_kind(name: str) -> tuple[str, int] | None:
+    """What a CPU range's name makes it: ("step", N), ("forward",), ... or None (an op dpprof does not need)."""
+    if m := _STEP.match(name):
+        return ("step", int(m.group(1)))
+    if name in WRAPPER_FORWARDS:
+        return ("forward", 0)
+    if name.startswith("dpprof."):
+        return ("dpprof", 0)
+    if name.startswith("Optimizer.step#"):
+        return ("optimizer", 0)
+    if name.startswith("enumerate(DataLoader)"):
+        return ("data", 0)
+    if _COLLECTIVE.match(name):
+        return ("collective", 0)
+    if _BACKWARD.search(name):
+        return ("backward", 0)
+    return None
+
+
+_GPU_CATS = _KERNEL_CATS | _MEMCPY_CATS | _MEMSET_CATS
+
+
+def collect(trace: TraceFile) -> Collected:
+    """Read the trace once and keep what dpprof's records need (see the module docstring)."""
+    out = Collected(name=trace.name, size_bytes=trace.size_bytes, meta=trace.meta)
+    gpu = out.gpu
+    backward = out.backward
+    kinds: dict[str, tuple[str, int] | None] = {}  # name -> _name_kind(name): names repeat, step after step
+    first_us, last_us = float("inf"), float("-inf")
+    cpu_cats, gpu_cats = _CPU_CATS, _GPU_CATS
+    for event in trace.events():
+        ph = event.get("ph")
+        if ph == "X":
+            cat = event.get("cat")
+            if cat in cpu_cats:
+                ts, dur = event.get("ts"), event.get("dur")
+                if not isinstance(ts, (int, float)):
+                    continue
+                end = ts + dur if isinstance(dur, (int, float)) else ts
+                if ts < first_us:
+                    first_us = ts
+                if end > last_us:
+                    last_us = end
+                name = event.get("name")
+                if not isinstance(name, str):  # odd fields are data, not errors: such an event is not one we need
+                    continue
+                kind = kinds.get(name, ())
+                if kind == ():
+                    kind = kinds[name] = _name_kind(name)
+                if kind is None:
+                    continue
+                what = kind[0]
+                if what == "backward":
+                    backward.add(ts, end)
+                elif what == "step":
+                    out.steps.append((kind[1], float(ts), float(end)))
+                elif what == "forward":
+                    out.forwards.append(Range(name, float(ts), float(end), event.get("tid")))
+                elif what == "dpprof":
+                    out.dpprof_ranges.append(Range(name[len("dpprof."):], float(ts), float(end), event.get("tid")))
+                elif what == "optimizer":
+                    out.optimizer.append(Range(name, float(ts), float(end), event.get("tid")))
+                elif what == "data":
+                    out.data.append(Range(name, float(ts), float(end), event.get("tid")))
+                else:
+                    out.collectives.append(Collective(name, float(ts), float(end), _message_bytes(_args(event))))
+            elif cat in gpu_cats:
+                ts, dur = event.get("ts"), event.get("dur")
+                if not isinstance(ts, (int, float)):
+                    continue
+                end = ts + dur if isinstance(dur, (int, float)) else ts
+                kind = gpu_kind(cat, str(event.get("name", "")))
+                args = _args(event)
+                index = _gpu_of(event, args)
+                if index is None:
+                    continue
+                key = (index, kind)
+                if key not in gpu:
+                    gpu[key] = _Intervals()
+                gpu[key].add(ts, end)
+                if kind == "communication":
+                    out.comm_kernels.append((index, float(ts), float(end), _message_bytes(args)))
+        elif ph == "i" and event.get("name") == "[memory]":
+            _memory(out, event)
+        elif ph == "M" and event.get("name") == "process_labels":
+            labels = _args(event).get("labels")
+            if isinstance(labels, str) and labels.startswith("GPU") and isinstance(event.get("pid"), (int, float)):
+                out.gpu_labels[int(event["pid"])] = labels
+    out.first_us, out.last_us = float(first_us), float(last_us)
+    out.events = trace.events_read
+    out.steps.sort(key=lambda s: s[1])
+    out.forwards.sort(key=lambda r: r.start_us)
+    out.dpprof_ranges.sort(key=lambda r: r.start_us)
+    out.optimizer.sort(key=lambda r: r.start_us)
+    out.data.sort(key=lambda r: r.start_us)
+    out.collectives.sort(key=lambda c: c.start_us)
+    out.comm_kernels.sort(key=lambda k: k[1])
+    _pair_collectives(out)
+    return out
+
+
+def _args(event: dict[str, Any]) -> dict[str, Any]:
+    args = event.get("args")
+    return args if isinstance(args, dict) else {}
+
+
+def _memory(out: Collected, event: dict[str, Any]) -> None:
+    args = _args(event)
+    if args.get("Device Type") != 1:  # 0: CPU memory; 1: CUDA
+        return
+    device = args.get("Device Id")
+    ts = event.get("ts")
+    if not isinstance(device, (int, float)) or not isinstance(ts, (int, float)):
+        return
+    device = int(device)
+    if device not in out.memory:
+        out.memory[device] = (array("d"), array("d"), array("d"))
+    times, allocated, reserved = out.memory[device]
+    total = args.get("Total Allocated")
+    if not isinstance(total, (int, float)):  # the 2021 format: only each allocation's Bytes: allocated is their sum
+        nbytes = args.get("Bytes")
+        if not isinstance(nbytes, (int, float)):
+            return
+        out.memory_cumulative.add(device)
+        total = (allocated[-1] if allocated else 0.0) + nbytes
+    times.append(float(ts))
+    allocated.append(float(total))
+    res = args.get("Total Reserved")
+    reserved.append(float(res) if isinstance(res, (int, float)) else float("nan"))
+
+
+def _pair_collectives(out: Collected) -> None:
+    """Give each collective op the next communication kernel launched after it, in order (NCCL runs one
+    kernel per collective on its own stream); the kernel's message size wins where the op has none."""
+    kernels = out.comm_kernels
+    k = 0
+    for op in out.collectives:
+        while k < len(kernels) and kernels[k][1] < op.start_us:
+            k += 1
+        if k >= len(kernels):
+            break
+        _, start, end, nbytes = kernels[k]
+        op.kernel_start_us, op.kernel_end_us = start, end
+        if op.bytes is None:
+            op.bytes = nbytes
+        k += 1

@@ -1,0 +1,357 @@
+"""A collected trace file as dpprof's own records: steps, phases, GPU time, allocator memory, collectives.
+
+Rules (each said in the run's notes when it applies):
+- Steps are ``ProfilerStep#N`` ranges; else the iterations of ``DataParallel.forward`` /
+  ``DistributedDataParallel.forward`` (each from one forward's start to the next's); else the whole
+  window is one step.
+- A trace of a ``dpprof.DataParallel`` has dpprof's ``dpprof.<phase>`` ranges: its phases are exact.
+  The trace does not say which replica a worker thread ran, so the k-th ``dpprof.apply`` to start
+  inside a ``dpprof.parallel_apply`` is device k (dpprof starts replica k's thread k-th).
+- Otherwise a process's step is split as DistributedDataParallel runs are: ``data`` (DataLoader
+  ranges, else the gap before the forward), ``forward`` (the wrapper's range, else up to the first
+  backward op), ``backward`` (first autograd op to the last op or collective done), inside it
+  ``backward_compute`` (until the last collective was launched) and ``comm_wait`` (from then until it
+  completed on the GPU), and ``optimizer`` (``Optimizer.step#`` ranges).
+- GPU time per step: unions of kernel, memcpy and memset intervals inside the step's window.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dpprof.records import (PHASES, AllocatorRecord, CommRecord, DeviceRecord, GpuTimeRecord, NoteRecord,
+                            PhaseRecord, Record, StepRecord)
+from dpprof.trace.collect import GPU_KINDS, Collected, Range
+
+__all__ = ["Converted", "convert", "process_label"]
+
+
+@dataclass
+class Converted:
+    """One trace file's records, and what its run row needs to know."""
+
+    records: list[Record] = field(default_factory=list)
+    devices: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    dataparallel: str | None = None  # "exact" (dpprof ranges) or "torch" (DataParallel.forward, GPUs)
+
+
+def process_label(c: Collected, rank: int | None) -> str:
+    """The device axis of a process: "rank:N" in a distributed run, else its GPU, else "cpu:0"."""
+    if rank is not None:
+        return f"rank:{rank}"
+    return f"cuda:{c.gpus[0]}" if c.gpus else "cpu:0"
+
+
+def _windows(c: Collected) -> tuple[list[tuple[int, float, float]], str | None]:
+    """(step, start_us, end_us) per step, and a note when they are not ProfilerStep ranges."""
+    if c.steps:
+        return list(c.steps), None
+    forwards = [f for f in c.forwards]
+    if forwards:
+        main = forwards[0].tid
+        forwards = [f for f in forwards if f.tid == main]
+        out = []
+        for i, f in enumerate(forwards):
+            end = forwards[i + 1].start_us if i + 1 < len(forwards) else max(c.last_us, f.end_us)
+            out.append((i, f.start_us, end))
+        return out, (f"no ProfilerStep ranges (the profiler ran without a schedule): each step is one "
+                     f"{forwards[0].name}, from its start to the next one's")
+    if c.last_us >= c.first_us:
+        return [(0, c.first_us, c.last_us)], ("no ProfilerStep ranges and no DataParallel or "
+                                              "DistributedDataParallel forward: the whole trace is one step")
+    return [], None
+
+
+def _union_ms(starts: np.ndarray, ends: np.ndarray, lo: float, hi: float) -> tuple[float, np.ndarray, np.ndarray]:
+    """Length in ms of the union of the intervals clipped to [lo, hi], and the merged intervals (µs)."""
+    if not len(starts):
+        return 0.0, starts, ends
+    s = np.clip(starts, lo, hi)
+    e = np.clip(ends, lo, hi)
+    keep = e > s
+    s, e = s[keep], e[keep]
+    if not len(s):
+        return 0.0, s, e
+    order = np.argsort(s, kind="stable")
+    s, e = s[order], e[order]
+    reach = np.maximum.accumulate(e)
+    new = np.empty(len(s), dtype=bool)
+    new[0] = True
+    new[1:] = s[1:] > reach[:-1]
+    starts_m = s[new]
+    idx = np.flatnonzero(new)
+    ends_m = np.maximum.reduceat(e, idx)
+    return float((ends_m - starts_m).sum()) / 1e3, starts_m, ends_m
+
+
+def _intersection_ms(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> float:
+    """Overlap in ms of two sorted, disjoint interval lists."""
+    (sa, ea), (sb, eb) = a, b
+    i = j = 0
+    total = 0.0
+    while i < len(sa) and j < len(sb):
+        lo, hi = max(sa[i], sb[j]), min(ea[i], eb[j])
+        if hi > lo:
+            total += hi - lo
+        if ea[i] < eb[j]:
+            i += 1
+        else:
+            j += 1
+    return total / 1e3
+
+
+def _in(ranges: list[Any], lo: float, hi: float) -> list[Any]:
+    """The ranges (sorted by start_us) that start in [lo, hi): two bisections, never a scan of them all."""
+    key = lambda r: r.start_us  # noqa: E731
+    return ranges[bisect.bisect_left(ranges, lo, key=key):bisect.bisect_left(ranges, hi, key=key)]
+
+
+class _Sorted:
+    """One GPU's intervals of one kind, sorted by start, sliced per step window without scanning them all."""
+
+    def __init__(self, starts: np.ndarray, ends: np.ndarray) -> None:
+        order = np.argsort(starts, kind="stable")
+        self.starts, self.ends = starts[order], ends[order]
+        self.longest = float((self.ends - self.starts).max()) if len(starts) else 0.0
+
+    def window(self, lo: float, hi: float) -> tuple[np.ndarray, np.ndarray]:
+        """The intervals that may overlap [lo, hi]: started before hi, and after lo minus the longest one."""
+        i = int(np.searchsorted(self.starts, lo - self.longest, "left"))
+        j = int(np.searchsorted(self.starts, hi, "left"))
+        return self.starts[i:j], self.ends[i:j]
+
+
+def _gpu_time(c: Collected, windows: list[tuple[int, float, float]], label_of: dict[int, str]) -> list[Record]:
+    out: list[Record] = []
+    empty = _Sorted(np.empty(0), np.empty(0))
+    for gpu in sorted({g for g, _ in c.gpu}):
+        kinds = {k: _Sorted(np.frombuffer(c.gpu[(gpu, k)].starts, dtype=float),
+                            np.frombuffer(c.gpu[(gpu, k)].ends, dtype=float)) if (gpu, k) in c.gpu else empty
+                 for k in GPU_KINDS}
+        for step, lo, hi in windows:
+            ms, merged = {}, {}
+            parts_s, parts_e = [], []
+            for kind in GPU_KINDS:
+                s, e = kinds[kind].window(lo, hi)
+                ms[kind], merged_s, merged_e = _union_ms(s, e, lo, hi)
+                merged[kind] = (merged_s, merged_e)
+                parts_s.append(merged_s)
+                parts_e.append(merged_e)
+            busy, _, _ = _union_ms(np.concatenate(parts_s), np.concatenate(parts_e), lo, hi)
+            window = (hi - lo) / 1e3
+            out.append(GpuTimeRecord(
+                step=step, device=label_of[gpu], window_ms=window, compute_ms=ms["compute"],
+                communication_ms=ms["communication"],
+                overlap_ms=_intersection_ms(merged["compute"], merged["communication"]),
+                memcpy_ms=ms["memcpy"], memset_ms=ms["memset"], idle_ms=max(0.0, window - busy)))
+    return out
+
+
+def _allocator(c: Collected, windows: list[tuple[int, float, float]], label_of: dict[int, str]) -> list[Record]:
+    out: list[Record] = []
+    for gpu, (times, allocated, reserved) in sorted(c.memory.items()):
+        t = np.frombuffer(times, dtype=float)
+        order = np.argsort(t, kind="stable")
+        t = t[order]
+        a = np.frombuffer(allocated, dtype=float)[order]
+        r = np.frombuffer(reserved, dtype=float)[order]
+        for step, lo, hi in windows:
+            i, j = np.searchsorted(t, lo, "left"), np.searchsorted(t, hi, "right")
+            inside = a[i:j]
+            before = a[i - 1:i]  # what was allocated as the step began
+            span = np.concatenate([before, inside])
+            if not len(span):
+                continue
+            res = np.concatenate([r[i - 1:i], r[i:j]])
+            res = res[~np.isnan(res)]
+            out.append(AllocatorRecord(step=step, call=0, device=label_of.get(gpu, f"cuda:{gpu}"), phase="step",
+                                       allocated_bytes=int(span[-1]), peak_allocated_bytes=int(span.max()),
+                                       reserved_bytes=int(res.max()) if len(res) else None))
+    return out
+
+
+def _host_phases(c: Collected, windows: list[tuple[int, float, float]], label: str, ms: Any) -> tuple[list[Record], list[str]]:
+    """data, forward, backward (backward_compute, comm_wait) and optimizer of each step of one process."""
+    out: list[Record] = []
+    notes: set[str] = set()
+    bw_s = np.frombuffer(c.backward.starts, dtype=float)
+    bw_e = np.frombuffer(c.backward.ends, dtype=float)
+    order = np.argsort(bw_s, kind="stable")
+    bw_s, bw_e = bw_s[order], bw_e[order]
+    for step, lo, hi in windows:
+        def phase(name: str, start: float, end: float) -> None:
+            if end > start:
+                out.append(PhaseRecord(step=step, call=0, phase=name, device=label, start_ms=ms(start),
+                                       duration_ms=(end - start) / 1e3))
+        i, j = np.searchsorted(bw_s, lo, "left"), np.searchsorted(bw_s, hi, "left")
+        b0 = float(bw_s[i]) if j > i else None
+        b1 = float(bw_e[i:j].max()) if j > i else None
+        data = _in(c.data, lo, hi)
+        for r in data:
+            phase("data", r.start_us, r.end_us)
+        forwards = _in(c.forwards, lo, hi)
+        if forwards:
+            if not data and forwards[0].start_us > lo:
+                phase("data", lo, forwards[0].start_us)
+            for f in forwards:
+                phase("forward", f.start_us, f.end_us)
+        elif b0 is not None:
+            start = max([r.end_us for r in data], default=lo)
+            phase("forward", start, b0)
+            notes.add("forward: no DataParallel or DistributedDataParallel forward range, so forward is from the "
+                      "step's start (after loading data) to its first backward op")
+        if b0 is not None:
+            colls = _in(c.collectives, b0, hi)
+            if colls:
+                last_launch = max(x.start_us for x in colls)
+                done = max((x.kernel_end_us or x.end_us) for x in colls)
+                phase("backward", b0, max(b1, done))
+                phase("backward_compute", b0, last_launch)
+                phase("comm_wait", last_launch, done)
+            else:
+                phase("backward", b0, b1)
+                phase("backward_compute", b0, b1)
+        for r in _in(c.optimizer, lo, hi):
+            phase("optimizer", r.start_us, r.end_us)
+    return out, sorted(notes)
+
+
+def _dataparallel_phases(c: Collected, windows: list[tuple[int, float, float]], devices: list[str],
+                         ms: Any) -> list[Record]:
+    """dpprof's own phases from its ``dpprof.<phase>`` ranges (a profiled dpprof.DataParallel)."""
+    out: list[Record] = []
+    ranges = [r for r in c.dpprof_ranges if r.name in PHASES]
+    applies = [r for r in ranges if r.name == "apply"]
+    for step, lo, hi in windows:
+        forwards = [f for f in _in(c.forwards, lo, hi) if f.name == "DataParallel.forward"]
+        starts = [f.start_us for f in forwards]
+
+        def call_of(t: float) -> int:
+            return max(0, sum(1 for s in starts if s <= t) - 1)
+
+        for r in _in(ranges, lo, hi):
+            if r.name == "apply":
+                continue
+            out.append(PhaseRecord(step=step, call=call_of(r.start_us), phase=r.name, device=devices[0],
+                                   start_ms=ms(r.start_us), duration_ms=(r.end_us - r.start_us) / 1e3))
+            if r.name == "parallel_apply":
+                inside = _in(applies, r.start_us, r.end_us)
+                for k, a in enumerate(inside[:len(devices)]):
+                    out.append(PhaseRecord(step=step, call=call_of(r.start_us), phase="apply", device=devices[k],
+                                           start_ms=ms(a.start_us), duration_ms=(a.end_us - a.start_us) / 1e3))
+    return out
+
+
+def _device_records(c: Collected, devices: list[str], gpu_of: dict[str, int]) -> list[Record]:
+    props = {int(p["id"]): p for p in c.meta.get("deviceProperties") or [] if isinstance(p, dict) and "id" in p}
+    out: list[Record] = []
+    for label in devices:
+        gpu = gpu_of.get(label)
+        p = props.get(gpu) if gpu is not None else None
+        if gpu is None:
+            out.append(DeviceRecord(device=label, kind="cpu"))
+        else:
+            cap = f"{p['computeMajor']}.{p['computeMinor']}" if p and "computeMajor" in p else None
+            out.append(DeviceRecord(device=label, kind="cuda", name=(p or {}).get("name") or c.gpu_labels.get(gpu),
+                                    total_memory_bytes=(p or {}).get("totalGlobalMem"),
+                                    multiprocessor_count=(p or {}).get("numSms"), capability=cap))
+    return out
+
+
+def convert(c: Collected, t0_us: float, rank: int | None) -> Converted:
+    """One file's records, times in ms since ``t0_us`` (the run's earliest step start across its files).
+
+    Args:
+        c: the collected file.
+        t0_us: the run's time origin, in the trace's microseconds.
+        rank: the file's rank in a distributed run (its device axis is then "rank:N"), else None.
+    """
+    out = Converted()
+
+    def ms(t: float) -> float:
+        return (t - t0_us) / 1e3
+
+    windows, note = _windows(c)
+    if note:
+        out.notes.append(note)
+    gpus = c.gpus
+    dp_exact = any(r.name == "parallel_apply" for r in c.dpprof_ranges) and rank is None
+    if dp_exact:
+        applies = [a for a in c.dpprof_ranges if a.name == "apply"]
+        per_call = max((len(_in(applies, p.start_us, p.end_us))
+                        for p in c.dpprof_ranges if p.name == "parallel_apply"), default=1)
+        count = max(per_call, 1, len(gpus))
+        devices = [f"cuda:{g}" for g in gpus[:count]] if gpus else [f"cpu:{i}" for i in range(count)]
+        devices += [f"cpu:{i}" for i in range(len(devices), count)]
+        label_of = {g: f"cuda:{g}" for g in gpus}
+        out.dataparallel = "exact"
+        out.notes.append("phases are dpprof's own dpprof.* ranges (a profiled dpprof.DataParallel); the trace does "
+                         "not say which worker thread ran which replica, so the k-th dpprof.apply to start in a "
+                         "parallel_apply is device k (dpprof starts replica k's thread k-th)")
+        out.records += _dataparallel_phases(c, windows, devices, ms)
+    else:
+        label = process_label(c, rank)
+        label_of = {g: (label if rank is not None else f"cuda:{g}") for g in gpus}
+        devices = sorted(set(label_of.values()), key=lambda d: (len(d), d)) if gpus else [label]
+        if label not in devices:
+            devices.insert(0, label)
+        phases, notes = _host_phases(c, windows, label, ms)
+        out.records += phases
+        out.notes += notes
+        if any(f.name == "DataParallel.forward" for f in c.forwards) and len(gpus) > 1:
+            out.dataparallel = "torch"
+            out.notes.append("torch.nn.DataParallel on several GPUs without dpprof's ranges: its scatter, replicate, "
+                             "apply and gather are not split out (the host phases and each GPU's time are)")
+        if rank is not None and len(gpus) > 1:
+            out.notes.append(f"rank {rank}'s trace shows {len(gpus)} GPUs: their activity is summed onto {label}")
+    out.devices = devices
+    gpu_of = {label_of[g]: g for g in gpus}
+    out.records += _gpu_time(c, windows, label_of)
+    out.records += _allocator(c, windows, label_of)
+    if c.memory_cumulative:
+        out.notes.append("allocated bytes are the running sum of the trace's [memory] events (this format has no "
+                         "Total Allocated): what was allocated before the profiler started is not counted, and "
+                         "reserved bytes are unknown")
+    elif not c.memory:
+        out.notes.append("no [memory] events (profile_memory=False, or no GPU): allocator memory per device is "
+                         "not in this trace")
+    if not gpus:
+        out.notes.append("no GPU activity in this trace (a CPU-only process): no kernel, idle or overlap times")
+    step_of = _stepper(windows)
+    counts: dict[int, int] = {}
+    label = process_label(c, rank) if not dp_exact else devices[0]
+    for x in c.collectives:
+        step = step_of(x.start_us)
+        if step is None:
+            continue
+        k = counts[step] = counts.get(step, -1) + 1
+        end = x.kernel_end_us if x.kernel_end_us is not None else x.end_us
+        out.records.append(CommRecord(step=step, device=label, bucket=k, bucket_bytes=x.bytes,
+                                      launch_ms=ms(x.start_us), duration_ms=(end - x.start_us) / 1e3,
+                                      collective=x.name))
+    for step, lo, hi in windows:
+        fw = len(_in(c.forwards, lo, hi))
+        out.records.append(StepRecord(step=step, start_ms=ms(lo), duration_ms=(hi - lo) / 1e3, batch_size=None,
+                                      devices_used=len(devices), forward_calls=fw, explicit=bool(c.steps)))
+    out.records += _device_records(c, devices, gpu_of)
+    return out
+
+
+def _stepper(windows: list[tuple[int, float, float]]) -> Any:
+    starts = np.array([w[1] for w in windows], dtype=float)
+
+    def step_of(t: float) -> int | None:
+        if not len(starts):
+            return None
+        i = int(np.searchsorted(starts, t, "right")) - 1
+        if i < 0:
+            return None
+        step, lo, hi = windows[i]
+        return step if t < hi or math.isclose(t, hi) else None
+
+    return step_of

@@ -1,0 +1,266 @@
+"""``dpprof import``: torch.profiler traces in, one dpprof run out, written through the store's writer.
+
+Several files of one job are one run with one rank per file, stored the way dpprof's own DDP runs are
+(one ``<run id>.rank<N>.sqlite`` per rank). Files are checked and converted first, the run is written
+under a hidden temporary directory in the reports directory and moved into place only when whole, so
+a bad file or an interrupted import leaves nothing behind.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from dpprof.findings import FINDING_COLUMNS, run_findings
+from dpprof.records import NoteRecord, StepRecord
+from dpprof.store.reader import RUN_SUFFIX, load_run, reports_dir as resolve_reports_dir
+from dpprof.store.writer import SqliteSink, replace_findings
+from dpprof.trace.collect import Collected, collect
+from dpprof.trace.convert import Converted, convert
+from dpprof.trace.findings import trace_findings
+from dpprof.trace.reader import TraceError, TraceFile, is_trace_name
+
+__all__ = ["ImportedRun", "import_traces", "trace_files", "pending_traces", "SOURCE"]
+
+SOURCE = "trace"  # runs.source of an imported run
+_RANK_IN_NAME = re.compile(r"rank[_\-.]?(\d+)", re.IGNORECASE)
+
+
+@dataclass
+class ImportedRun:
+    id: str
+    paths: list[Path]
+    steps: int
+    devices: list[str]
+
+
+def trace_files(sources: Iterable[str | os.PathLike[str]]) -> list[Path]:
+    """The trace files named, and those directly inside the directories named, in the order given."""
+    out: list[Path] = []
+    for source in map(Path, sources):
+        if source.is_dir():
+            found = sorted(p for p in source.iterdir() if p.is_file() and is_trace_name(p.name))
+            if not found:
+                raise TraceError(f"{source}: no .json or .json.gz trace files in this directory")
+            out += found
+        elif source.is_file():
+            out.append(source)
+        else:
+            raise TraceError(f"{source}: no such file or directory")
+    return out
+
+
+def _abs_offset_us(c: Collected) -> float:
+    """What to add to the file's ts to get microseconds since the epoch (ts are relative to
+    baseTimeNanoseconds where the trace has one)."""
+    base = c.meta.get("baseTimeNanoseconds")
+    return float(base) / 1e3 if isinstance(base, (int, float)) else 0.0
+
+
+def _ranks(files: list[Collected]) -> list[int | None]:
+    """Each file's rank: distributedInfo, else a number in its name (rank3), else its place in the list."""
+    if len(files) == 1:
+        return [files[0].rank]
+    infos = [f.rank for f in files]
+    if all(r is not None for r in infos):
+        ranks = infos
+    elif any(r is not None for r in infos):
+        odd = files[infos.index(None)]
+        raise TraceError(f"{odd.name}: has no distributedInfo while the other files do: files of two different jobs")
+    else:
+        named = [_RANK_IN_NAME.search(f.name) for f in files]
+        ranks = [int(m.group(1)) for m in named] if all(named) else list(range(len(files)))
+    seen: dict[int, str] = {}
+    for f, r in zip(files, ranks):
+        if r in seen:
+            raise TraceError(f"{f.name}: rank {r} again (also {seen[r]}): files of two different jobs, or one given twice")
+        seen[r] = f.name
+    return ranks
+
+
+def _check_one_job(files: list[Collected]) -> None:
+    """Files given together must be ranks of one job: same world size and backend, overlapping in time."""
+    if len(files) < 2:
+        return
+    first = files[0]
+    info0 = first.meta.get("distributedInfo") or {}
+    for f in files[1:]:
+        info = f.meta.get("distributedInfo") or {}
+        for key in ("world_size", "backend"):
+            if info0.get(key) != info.get(key):
+                raise TraceError(f"{f.name}: {key} {info.get(key)!r} but {first.name} has {info0.get(key)!r}: "
+                                 "files of two different jobs")
+    spans = [(f.first_us + _abs_offset_us(f), f.last_us + _abs_offset_us(f), f) for f in files]
+    for lo, hi, f in spans:
+        others = [(a, b) for a, b, g in spans if g is not f]
+        if all(hi < a or lo > b for a, b in others):
+            when = datetime.fromtimestamp(lo / 1e6, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+            raise TraceError(f"{f.name}: recorded at {when} UTC, at no time the other files were: files of two "
+                             "different jobs")
+
+
+def _created_at(c: Collected, first_us: float) -> str:
+    abs_us = first_us + _abs_offset_us(c)
+    if abs_us > 1e15:  # an epoch time (µs since 1970 past 2001): when the trace was recorded
+        return datetime.fromtimestamp(abs_us / 1e6, timezone.utc).isoformat()
+    return datetime.now(timezone.utc).isoformat()
+
+
+def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | os.PathLike[str] | None = None,
+                  name: str | None = None, progress: Callable[[int], None] | None = None) -> ImportedRun:
+    """Read torch.profiler traces and write them as one dpprof run into the reports directory.
+
+    Args:
+        sources: trace files (``.json``, ``.json.gz``) or directories of them; several files are the
+            ranks of one job.
+        reports_dir: where the run goes (default: $DPPROF_REPORTS, else ./reports).
+        name: the run's name (default: the first file's name).
+        progress: called with bytes read from disk as the files are read (for a progress bar).
+
+    Returns:
+        the new run's id, files, step count and devices.
+
+    Raises:
+        TraceError: a file is missing, not a trace, truncated, empty, or the files are of different jobs
+            (nothing is written).
+
+    Example:
+        >>> run = import_traces(["rank0.pt.trace.json.gz", "rank1.pt.trace.json.gz"], name="baseline")
+        >>> dpprof.load_run(run.id).comms
+    """
+    from dpprof.recording import new_run_id  # the same ids as recorded runs
+
+    paths = trace_files(sources)
+    if not paths:
+        raise TraceError("no trace files given")
+    files = [collect(TraceFile(p, progress)) for p in paths]
+    _check_one_job(files)
+    ranks = _ranks(files)
+    distributed = len(files) > 1 or ranks[0] is not None
+    order = sorted(range(len(files)), key=lambda i: (ranks[i] is None, ranks[i] if ranks[i] is not None else i))
+    files, ranks = [files[i] for i in order], [ranks[i] for i in order]
+    starts = [(min([s[1] for s in f.steps] or [f.first_us]), f) for f in files]
+    t0_abs = min(s + _abs_offset_us(f) for s, f in starts)
+    converted: list[Converted] = [convert(f, t0_abs - _abs_offset_us(f), r if distributed else None)
+                                  for f, r in zip(files, ranks)]
+    if not any(any(isinstance(x, StepRecord) for x in c.records) for c in converted):
+        raise TraceError(f"{files[0].name}: no CPU ranges to make steps of (a trace with GPU activity only)")
+    run_id = new_run_id()
+    directory = resolve_reports_dir(reports_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    staging = directory / f".import-{run_id}"
+    staging.mkdir()
+    moved: list[Path] = []
+    try:
+        written = _write(staging, run_id, name or files[0].name, files, ranks if distributed else [None],
+                         converted, t0_abs, distributed)
+        _store_findings(written, converted)
+        for path in written:
+            if (directory / path.name).exists():
+                raise TraceError(f"{directory / path.name}: already exists; nothing was imported")
+        for path in written:
+            os.replace(path, directory / path.name)
+            moved.append(directory / path.name)
+        staging.rmdir()
+    except BaseException:
+        for path in moved:  # files this import created, never a user's run
+            path.unlink(missing_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    final = moved
+    devices = [d for c in converted for d in c.devices]
+    steps = max(sum(1 for x in c.records if isinstance(x, StepRecord)) for c in converted)
+    return ImportedRun(id=run_id, paths=final, steps=steps, devices=devices)
+
+
+def _write(staging: Path, run_id: str, name: str, files: list[Collected], ranks: list[int | None],
+           converted: list[Converted], t0_abs: float, distributed: bool) -> list[Path]:
+    listing = [{"file": f.name, "bytes": f.size_bytes, "events": f.events} for f in files]
+    world = None
+    if distributed:
+        info = files[0].meta.get("distributedInfo") or {}
+        world = int(info.get("world_size") or len(files))
+    written = []
+    for f, rank, conv in zip(files, ranks if distributed else [None], converted):
+        suffix = f".rank{rank}" if distributed else ""
+        path = staging / f"{run_id}{suffix}{RUN_SUFFIX}"
+        row: dict[str, Any] = {
+            "id": run_id, "name": name, "created_at": _created_at(f, t0_abs - _abs_offset_us(f)),
+            "host": f.meta.get("host_name"), "pid": None, "torch_version": None, "cuda_version": None,
+            "backend": "cuda" if f.gpus else "cpu", "devices": conv.devices, "workload": "torch.profiler trace",
+            "workload_args": {"trace_files": listing, "trace_file": f.name,
+                              "distributedInfo": f.meta.get("distributedInfo")},
+            "status": "finished", "error": None, "rank": rank, "world_size": world, "source": SOURCE,
+        }
+        steps = [x for x in conv.records if isinstance(x, StepRecord)]
+        if steps:
+            end_ms = max(s.start_ms + s.duration_ms for s in steps)
+            start = datetime.fromisoformat(row["created_at"])
+            row["ended_at"] = (start + pd.Timedelta(milliseconds=end_ms)).isoformat()
+        sink = SqliteSink(str(path), row, max_buffered=len(conv.records) + len(conv.notes) + 16)
+        written.append(path)
+        try:
+            for record in conv.records:
+                sink.put(record)
+            for message in conv.notes:
+                sink.put(NoteRecord(t_ms=0.0, source="trace", message=f"{f.name}: {message}"))
+        finally:
+            sink.close()
+        if sink.dropped:
+            raise TraceError(f"{f.name}: {sink.dropped} records could not be written")
+    return written
+
+
+def _store_findings(written: list[Path], converted: list[Converted]) -> None:
+    """The shared rules on the run's tables plus the trace-only ones, stored in the first file."""
+    run = load_run(written[0])
+    tables = {t: run.table(t) for t in ("steps", "phases", "memory", "allocator", "gpu_samples", "comms", "gpu_time")}
+    found = run_findings(tables["steps"], tables["phases"], tables["memory"], tables["allocator"],
+                         tables["gpu_samples"], list(run.meta["devices"]), comms=tables["comms"])
+    kinds = set(found["kind"]) if not found.empty else set()
+    dataparallel = next((c.dataparallel for c in converted if c.dataparallel), None)
+    extra = pd.DataFrame(trace_findings(tables["gpu_time"], tables["allocator"], list(run.meta["devices"]),
+                                        dataparallel, kinds), columns=FINDING_COLUMNS)
+    every = pd.concat([found, extra], ignore_index=True) if not extra.empty else found
+    rows = [tuple(None if pd.isna(v) else v for v in row)
+            for row in every[FINDING_COLUMNS].itertuples(index=False)]
+    replace_findings(str(written[0]), rows)
+
+
+def pending_traces(reports_dir: str | os.PathLike[str] | None = None) -> pd.DataFrame:
+    """Trace files in the reports directory that no run there was imported from (same name and size).
+
+    Returns:
+        columns file, size_bytes, modified (UTC, ISO), oldest first.
+    """
+    from dpprof.store.reader import list_runs
+
+    directory = resolve_reports_dir(reports_dir)
+    cols = ["file", "size_bytes", "modified"]
+    if not directory.is_dir():
+        return pd.DataFrame(columns=cols)
+    files = [p for p in directory.iterdir() if p.is_file() and is_trace_name(p.name) and not p.name.startswith(".")]
+    if not files:
+        return pd.DataFrame(columns=cols)
+    runs = list_runs(directory)
+    imported: set[tuple[str, int]] = set()
+    for path in runs.loc[runs["reason"].isna() & (runs["workload"] == "torch.profiler trace"), "path"]:
+        try:
+            listing = load_run(path).meta["workload_args"].get("trace_files") or []
+        except Exception:  # a run file that went or broke since listing: it imported nothing we can see
+            continue
+        imported |= {(f.get("file"), f.get("bytes")) for f in listing}
+    rows = []
+    for p in files:
+        stat = p.stat()
+        if (p.name, stat.st_size) not in imported:
+            rows.append({"file": p.name, "size_bytes": stat.st_size,
+                         "modified": datetime.fromtimestamp(stat.st_mtime, timezone.utc).isoformat()})
+    return pd.DataFrame(rows, columns=cols).sort_values("modified", kind="stable").reset_index(drop=True)
