@@ -164,3 +164,42 @@ def test_buffers_saved_for_backward_are_weights_on_every_replica():
         net(torch.randn(8, 5)).sum().backward()
     mem = run.frames()["memory"].set_index("device").sort_index()
     assert mem["activation_bytes"].nunique() == 1  # both replicas account the same activations
+
+
+class _SavesMoreWhenPositive(nn.Module):
+    """Saves one tensor for backward, or two when its input's mean is positive: data-dependent."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        y = x * self.w  # saves x
+        return y * y if x.mean() > 0 else y  # saves y twice (one tensor) when positive
+
+
+def _activation_bytes(run, device="cpu:1"):
+    mem = run.frames()["memory"]
+    return mem[mem["device"] == device].sort_values("step")["activation_bytes"].tolist()
+
+
+def test_activation_bytes_of_alike_calls_are_counted_once_and_recounted():
+    from dpprof.parallel.probe import ACTIVATIONS_RECOUNT_EVERY as every
+
+    net = dpprof.DataParallel(nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3)), dpprof.cpu_devices(2))
+    with dpprof.record(store=False) as run:
+        for _ in range(every + 5):
+            net(torch.randn(8, 5)).sum().backward()
+    # a model whose saved tensors follow the shapes: every step carries the count of the first
+    assert _activation_bytes(run) == [(4 * 5 + 4 * 16) * 4] * (every + 5)
+
+    net = dpprof.DataParallel(_SavesMoreWhenPositive(), dpprof.cpu_devices(2))
+    with dpprof.record(store=False) as run:
+        for i in range(2 * every + 4):
+            sign = 1 if i == 0 else -1  # the recount at call `every` sees fewer bytes than the first count
+            net(sign * torch.rand(8, 4) + sign).sum().backward()
+    counted = _activation_bytes(run)
+    negative = 4 * 4 * 4  # x only, 4 samples x 4 features of float32
+    assert counted[0] == 2 * negative
+    # from the recount that saw the difference on, every call is counted
+    assert counted[every:] == [negative] * (every + 4)

@@ -39,6 +39,17 @@ def tensor_bytes(obj: Any) -> int:
     return sum(t.numel() * t.element_size() for t in iter_tensors(obj))
 
 
+# Calls alike (same replica place, module, input shapes and modes) save the same activations in
+# all but data-dependent models: count them with per-tensor hooks once, then once every this many
+# calls, to keep per-tensor Python off most steps while still catching a model that varies.
+ACTIVATIONS_RECOUNT_EVERY = 50
+
+
+def _signature(obj: Any) -> tuple[Any, ...]:
+    """The shapes and dtypes of the tensors inside ``obj`` (what activations depend on, data aside)."""
+    return tuple((t.shape, t.dtype) for t in iter_tensors(obj))
+
+
 def _cuda_index(label: str) -> int | None:
     kind, _, index = label.partition(":")
     return int(index) if kind == "cuda" else None
@@ -213,14 +224,35 @@ class ForwardProbe:
         return self.run.cached(("weight storages", id(module)), lambda: _weight_storages(module))
 
     def call_counting_activations(self, fn: Callable[..., Any], weights: Module, args: Any,
-                                  kwargs: dict[str, Any]) -> tuple[Any, int]:
+                                  kwargs: dict[str, Any], site: Any = None) -> tuple[Any, int]:
         """``fn(*args, **kwargs)`` and the bytes of the activations autograd saved during it (0 without grad),
-        ``weights``' own tensors not counted."""
+        ``weights``' own tensors not counted.
+
+        With ``site`` (what makes calls alike: the replica's place and module), the bytes are counted
+        with saved-tensor hooks on the first call of each input signature (shapes, dtypes, grad and
+        training mode) and again every ACTIVATIONS_RECOUNT_EVERY calls; in between the count is reused,
+        and a signature whose recount ever differs (a model whose saved tensors depend on the data) is
+        counted on every call from then on.
+        """
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs), 0
+        counts = None
+        if site is not None:
+            key = (site, weights.training, _signature(args), _signature(kwargs))
+            counts = self.run.cached("activation counts", dict)
+            known = counts.get(key)
+            if known is not None and known[1] > 0:
+                known[1] -= 1
+                return fn(*args, **kwargs), known[0]
         saved = _SavedBytes(self.weight_storages(weights))
         with saved_tensors_hooks(saved.pack, _unpack):
             output = fn(*args, **kwargs)
+        if counts is not None:
+            known = counts.get(key)
+            if known is None or known[0] == saved.bytes:
+                counts[key] = [saved.bytes, ACTIVATIONS_RECOUNT_EVERY - 1 if known is None or known[1] >= 0 else -1]
+            else:  # the same signature saved other bytes: count this one on every call
+                counts[key] = [saved.bytes, -1]
         return output, saved.bytes
 
     # bytes
@@ -277,7 +309,8 @@ class MeasuredReplica:
             if probe is None:
                 return self.module(*args, **kwargs)
             with probe.phase(self.phase, self.label):
-                output, activation_bytes = probe.call_counting_activations(self.module, self.module, args, kwargs)
+                output, activation_bytes = probe.call_counting_activations(
+                    self.module, self.module, args, kwargs, site=(self.label, self.phase, id(probe.root)))
             probe.note_device(self.label, args, kwargs, output, activation_bytes, self.shared_args,
                               chunked=self.phase == "apply")
             return output
