@@ -142,7 +142,7 @@ class DataParallel(torch.nn.DataParallel):
                 output = self._forward(inputs, kwargs)
             finally:
                 self.__dict__["_probe"] = None
-                probe.end(self.module, used=max(len(probe.memory), 1))
+                probe.end(self.module)
             if self._watch_backward:
                 probe.watch_backward(output)
             return output

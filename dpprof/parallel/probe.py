@@ -185,6 +185,9 @@ class ForwardProbe:
         self.output_label = output_label
         self.cuda_indices = list(devices.indices) if devices.type == "cuda" else []
         self.memory: dict[str, dict[str, Any]] = {}
+        # what each replica's call held, noted by its worker and counted by end() on the calling
+        # thread: byte counts are Python, and on a worker they would contend with the other replicas
+        self.applied: list[tuple[Any, ...]] = []
         run.note_devices(devices)
         if self.call == 0:
             for index in self.cuda_indices:
@@ -273,8 +276,14 @@ class ForwardProbe:
     def note_gathered(self, output: Any) -> None:
         self.memory.setdefault(self.output_label, {})["gathered_bytes"] = tensor_bytes(output)
 
-    def end(self, module: Module, used: int) -> None:
-        """Close the forward call: emit each device's memory record."""
+    def end(self, module: Module, used: int | None = None) -> None:
+        """Close the forward call: count what each replica held and emit each device's memory record.
+
+        ``used``: replicas that ran (default: the devices that held something)."""
+        for applied in self.applied:
+            self.note_device(*applied)
+        self.applied.clear()
+        used = max(len(self.memory), 1) if used is None else used
         self.step.devices_used = max(self.step.devices_used, used)
         param_bytes, buffer_bytes = self.run.cached(("weight bytes", id(module)), lambda: (
             sum(p.numel() * p.element_size() for p in module.parameters()),
@@ -311,6 +320,6 @@ class MeasuredReplica:
             with probe.phase(self.phase, self.label):
                 output, activation_bytes = probe.call_counting_activations(
                     self.module, self.module, args, kwargs, site=(self.label, self.phase, id(probe.root)))
-            probe.note_device(self.label, args, kwargs, output, activation_bytes, self.shared_args,
-                              chunked=self.phase == "apply")
+            probe.applied.append((self.label, args, kwargs, output, activation_bytes, self.shared_args,
+                                  self.phase == "apply"))
             return output

@@ -232,7 +232,9 @@ def _open(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         con.close()
 
 
-_STATUS_RANK = {"failed": 0, "disk_full": 1, "interrupted": 2, "incomplete": 3, "running": 4, "unknown": 5,
+# worst first: a rank that died without closing its file (incomplete) says more about the run than
+# one that was stopped cleanly (interrupted), as when torchrun stops the others after a rank died
+_STATUS_RANK = {"failed": 0, "disk_full": 1, "incomplete": 2, "interrupted": 3, "running": 4, "unknown": 5,
                 "finished": 6}
 
 
