@@ -252,10 +252,9 @@ class ForwardProbe:
             output = fn(*args, **kwargs)
         if counts is not None:
             known = counts.get(key)
-            if known is None or known[0] == saved.bytes:
-                counts[key] = [saved.bytes, ACTIVATIONS_RECOUNT_EVERY - 1 if known is None or known[1] >= 0 else -1]
-            else:  # the same signature saved other bytes: count this one on every call
-                counts[key] = [saved.bytes, -1]
+            alike = known is None or (known[1] >= 0 and known[0] == saved.bytes)
+            # [bytes, calls left before a recount]; -1: this signature saved other bytes once, so count it every call
+            counts[key] = [saved.bytes, ACTIVATIONS_RECOUNT_EVERY - 1 if alike else -1]
         return output, saved.bytes
 
     # bytes

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["run_on_workers", "on_worker_thread", "worker_threads"]
+__all__ = ["run_on_workers", "on_worker_thread"]
 
 _local = threading.local()  # .index: set on a worker's own thread
 
@@ -69,12 +69,6 @@ def _worker(index: int) -> _Worker:
 def on_worker_thread() -> bool:
     """Whether the calling thread is one of the CPU workers' own threads."""
     return getattr(_local, "index", None) is not None
-
-
-def worker_threads(index: int) -> int:
-    """The intra-op thread count worker ``index`` runs with (0 before its first call)."""
-    worker = _workers.get(index)
-    return worker.threads if worker is not None else 0
 
 
 def _set_threads(count: int) -> None:
