@@ -11,13 +11,20 @@ Arms, interleaved round by round in one process so that machine noise hits them 
 - dpprof: recording as users do, into a run file (the writer thread included);
 - torch.profiler: CPU activities on every thread (it sees no replica otherwise), nothing recording.
 
+With ``--device cuda`` the same steps run on GPU 0 instead: the module on cuda:0 (plain),
+dpprof.DataParallel(device_ids=[0]) for the other arms, torch.nn.DataParallel(device_ids=[0]) as
+one more arm, and torch.profiler with CPU and CUDA activities. Every block ends with a
+synchronize, so the GPU's work is inside the time. One GPU cannot show DataParallel over several:
+this measures what recording costs per step on a real device (CUDA events, allocator counters,
+NVML sampling).
+
 Each arm runs a block of steps per round. Reported per arm: the mean step over its blocks
 (what a user pays, periodic work such as the writer's commits included), the median over
 rounds of each round's ratio to ``off`` and of the microseconds it adds per step, and the
 process CPU time per step (all threads). A recording's own start and close (creating the
 file; the last commit and the findings at close) are outside the blocks and reported once.
 
-    python bench/overhead.py [--rounds 10] [--workers 2] [--only cifar-lenet|mlp]
+    python bench/overhead.py [--rounds 10] [--workers 2] [--only cifar-lenet|mlp] [--device cpu|cuda]
 """
 from __future__ import annotations
 
@@ -37,6 +44,7 @@ import dpprof
 from dpprof.workloads import build_workload
 
 ARMS = ("plain", "off", "memory", "dpprof", "torch.profiler")
+CUDA_ARMS = ("plain", "torch DataParallel", "off", "memory", "dpprof", "torch.profiler")
 
 
 @dataclass
@@ -65,8 +73,26 @@ def _mlp() -> Step:
     return Step("MLP 64-128-128-10, batch 64", model, nn.CrossEntropyLoss(), batches, 300)
 
 
+def _on_gpu(step: Step) -> Step:
+    """The same step on cuda:0: model, loss and a fixed batch on the GPU (no host copies in the step)."""
+    device = torch.device("cuda", 0)
+    step.model.to(device)
+    step.criterion.to(device)
+    (x, *rest), y = next(step.batches())
+    x, y = x.to(device), y.to(device)
+
+    def batches():
+        while True:
+            yield (x,), y
+
+    return Step(step.name, step.model, step.criterion, batches, step.block_steps)
+
+
 def _block(net: nn.Module, step: Step, optimizer: torch.optim.Optimizer, batches, n: int, run=None) -> float:
-    """Seconds for n steps."""
+    """Seconds for n steps (the GPU's work included)."""
+    cuda = torch.cuda.is_available() and next(step.model.parameters()).is_cuda
+    if cuda:
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(n):
         x, y = next(batches)
@@ -74,21 +100,30 @@ def _block(net: nn.Module, step: Step, optimizer: torch.optim.Optimizer, batches
             optimizer.zero_grad(set_to_none=True)
             step.criterion(net(*x), y).backward()
             optimizer.step()
+    if cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
-def measure(step: Step, workers: int, rounds: int, reports_dir: str) -> dict[str, dict[str, list[float]]]:
-    net = dpprof.DataParallel(step.model, device_ids=dpprof.cpu_devices(workers))
+def measure(step: Step, workers: int, rounds: int, reports_dir: str,
+            cuda: bool = False) -> dict[str, dict[str, list[float]]]:
+    net = dpprof.DataParallel(step.model, device_ids=[0] if cuda else dpprof.cpu_devices(workers))
     optimizer = torch.optim.SGD(step.model.parameters(), lr=0.01, momentum=0.9)
     batches = step.batches()
     n = step.block_steps
     all_threads = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
 
     def plain() -> float:
         return _block(step.model, step, optimizer, batches, n)
 
     def off() -> float:
         return _block(net, step, optimizer, batches, n)
+
+    theirs = nn.DataParallel(step.model, device_ids=[0]) if cuda else None
+
+    def torch_dp() -> float:
+        return _block(theirs, step, optimizer, batches, n)
 
     def recorded(store: bool) -> Callable[[], float]:
         def arm() -> float:
@@ -97,11 +132,13 @@ def measure(step: Step, workers: int, rounds: int, reports_dir: str) -> dict[str
         return arm
 
     def profiled() -> float:
-        with profile(activities=[ProfilerActivity.CPU], experimental_config=all_threads):
+        with profile(activities=activities, experimental_config=all_threads):
             return _block(net, step, optimizer, batches, n)
 
     runners = {"plain": plain, "off": off, "memory": recorded(False), "dpprof": recorded(True),
                "torch.profiler": profiled}
+    if cuda:
+        runners = {"plain": plain, "torch DataParallel": torch_dp, **{k: v for k, v in runners.items() if k != "plain"}}
     for arm in ("plain", "off", "dpprof"):
         runners[arm]()  # warm-up: worker threads, allocator, the first run file
     out: dict[str, dict[str, list[float]]] = {k: {"step_s": [], "cpu_s": [], "once_s": []} for k in runners}
@@ -117,27 +154,34 @@ def measure(step: Step, workers: int, rounds: int, reports_dir: str) -> dict[str
     return out
 
 
-def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str, list[float]]]) -> None:
+def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str, list[float]]],
+           cuda: bool = False) -> None:
     def paired(k: str, field: str, f: Callable[[float, float], float]) -> float:
         return statistics.median(f(a, b) for a, b in zip(out[k][field], out["off"][field]))
 
-    print(f"\n{name} on {workers} CPU workers: {rounds} rounds x {n} steps per arm")
-    print(f"  {'arm':15s} {'mean step':>10s} {'added':>9s} {'added/step':>11s} {'CPU/step':>10s} {'CPU added':>9s}")
-    for k in ARMS:
+    where = f"GPU 0 ({torch.cuda.get_device_name(0)})" if cuda else f"{workers} CPU workers"
+    print(f"\n{name} on {where}: {rounds} rounds x {n} steps per arm")
+    print(f"  {'arm':18s} {'mean step':>10s} {'added':>9s} {'added/step':>11s} {'CPU/step':>10s} {'CPU added':>9s}")
+    for k in CUDA_ARMS if cuda else ARMS:
         mean_ms = statistics.fmean(out[k]["step_s"]) * 1e3
         cpu_ms = statistics.fmean(out[k]["cpu_s"]) * 1e3
-        if k in ("plain", "off"):
-            print(f"  {k:15s} {mean_ms:8.3f}ms {'':>9s} {'':>11s} {cpu_ms:8.3f}ms")
+        if k in ("plain", "off", "torch DataParallel"):
+            print(f"  {k:18s} {mean_ms:8.3f}ms {'':>9s} {'':>11s} {cpu_ms:8.3f}ms")
             continue
         added = paired(k, "step_s", lambda a, b: a / b - 1)
         added_us = paired(k, "step_s", lambda a, b: (a - b) * 1e6)
         cpu_added = paired(k, "cpu_s", lambda a, b: a / b - 1)
-        print(f"  {k:15s} {mean_ms:8.3f}ms {added:+9.2%} {added_us:+9.1f}us {cpu_ms:8.3f}ms {cpu_added:+9.2%}")
+        print(f"  {k:18s} {mean_ms:8.3f}ms {added:+9.2%} {added_us:+9.1f}us {cpu_ms:8.3f}ms {cpu_added:+9.2%}")
     rec = paired("dpprof", "step_s", lambda a, b: (a - b) * 1e6)
     mem = paired("memory", "step_s", lambda a, b: (a - b) * 1e6)
     prof = paired("torch.profiler", "step_s", lambda a, b: (a - b) * 1e6)
     workers_ratio = statistics.median(o / p for o, p in zip(out["off"]["step_s"], out["plain"]["step_s"]))
-    print(f"  CPU workers / plain module: {workers_ratio:.2f}x (median of rounds)")
+    if cuda:
+        theirs = statistics.median(o / p for o, p in zip(out["off"]["step_s"], out["torch DataParallel"]["step_s"]))
+        print(f"  dpprof.DataParallel off / plain module: {workers_ratio:.3f}x; / torch.nn.DataParallel: {theirs:.3f}x"
+              " (medians of rounds)")
+    else:
+        print(f"  CPU workers / plain module: {workers_ratio:.2f}x (median of rounds)")
     print(f"  dpprof per step: {rec:+.1f} us = timing and memory accounting {mem:+.1f} us"
           f" + the run file's writer {rec - mem:+.1f} us")
     if prof > 0:
@@ -152,15 +196,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--only", choices=["cifar-lenet", "mlp"])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cpu: CPU workers (default); cuda: the steps on GPU 0")
     args = parser.parse_args()
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU is visible here")
     steps = {"cifar-lenet": _cifar, "mlp": _mlp}
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads"
+          + (f", {torch.cuda.get_device_name(0)}" if cuda else ""))
     for key, make in steps.items():
         if args.only in (None, key):
-            step = make()
+            step = _on_gpu(make()) if cuda else make()
             with tempfile.TemporaryDirectory(prefix="dpprof-bench-") as reports_dir:  # not the user's reports/
-                out = measure(step, args.workers, args.rounds, reports_dir)
-            report(step.name, args.workers, args.rounds, step.block_steps, out)
+                out = measure(step, args.workers, args.rounds, reports_dir, cuda)
+            report(step.name, args.workers, args.rounds, step.block_steps, out, cuda)
 
 
 if __name__ == "__main__":

@@ -134,8 +134,12 @@ def _profile_ddp(args: argparse.Namespace) -> int:
         raise UsageError("--ddp runs the built-in workloads (no --model, no --balanced)")
     if args.nproc < 1:
         raise UsageError(f"--nproc must be positive, got {args.nproc}")
+    from dpprof.parallel.devices import is_cpu_worker_list
+
+    on_gpus = not is_cpu_worker_list(parse_devices(args.devices))  # --devices cuda or 0,1: each rank on a GPU
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "-m", "dpprof.ddp_worker", args.workload, "--steps", str(args.steps)]
+           "-m", "dpprof.ddp_worker", args.workload, "--steps", str(args.steps),
+           "--device", "cuda" if on_gpus else "cpu"]
     for flag, value in (("--batch-size", args.batch_size), ("--name", args.name), ("--reports-dir", args.reports_dir)):
         if value is not None:
             cmd += [flag, str(value)]
@@ -399,8 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute the loss on every device (DataParallelModel + DataParallelCriterion) "
                    "instead of gathering outputs onto one")
     p.add_argument("--ddp", action="store_true",
-                   help="run under torchrun with dpprof.DistributedDataParallel, one process per rank "
-                   "(gloo on CPU, NCCL on GPUs)")
+                   help="run under torchrun with dpprof.DistributedDataParallel, one process per rank: on the "
+                   "CPU over gloo, or with --devices cuda on GPU local_rank %% GPUs (NCCL; gloo when ranks "
+                   "share GPUs)")
     p.add_argument("--nproc", type=int, default=2, help="with --ddp: ranks to start (default: 2)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_profile, parser=p)

@@ -1,5 +1,9 @@
 """One rank of ``dpprof profile --ddp``: run under torchrun, trains a built-in workload with
-dpprof.DistributedDataParallel and records it (gloo on CPU, NCCL on GPUs)."""
+dpprof.DistributedDataParallel and records it.
+
+On the CPU the ranks talk over gloo. With ``--device cuda`` each rank takes GPU
+``local_rank % GPUs``: NCCL when every rank has a GPU of its own, gloo when ranks share GPUs
+(NCCL refuses two ranks on one GPU), unless ``--backend`` says otherwise."""
 from __future__ import annotations
 
 import argparse
@@ -25,20 +29,29 @@ def main() -> None:
                         help="add MS milliseconds to every forward on RANK: what a straggler looks like")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket_cap_mb")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="collective timeout")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where each rank trains")
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
+                        help="default: gloo on the CPU or when ranks share GPUs, else NCCL")
     args = parser.parse_args()
 
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout_s))
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU is visible here")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    gpu = local_rank % torch.cuda.device_count() if cuda else None
+    shared = cuda and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    backend = args.backend or ("nccl" if cuda and not shared else "gloo")
+    if cuda:
+        torch.cuda.set_device(gpu)
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
     rank = dist.get_rank()
     try:
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
         workload = build_workload(args.workload, args.batch_size, seed=rank)  # each rank its own batches
         torch.manual_seed(0)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
         model = workload.model
         if cuda:
-            torch.cuda.set_device(local_rank)
-            model = model.cuda(local_rank)
-        ddp = dpprof.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None,
+            model = model.cuda(gpu)
+        ddp = dpprof.DistributedDataParallel(model, device_ids=[gpu] if cuda else None,
                                              bucket_cap_mb=args.bucket_cap_mb)
         delay_rank, delay_ms = (int(x) for x in args.delay_rank.split(":")) if args.delay_rank else (-1, 0)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
@@ -46,13 +59,14 @@ def main() -> None:
         reports = args.reports_dir.format(rank=rank) if args.reports_dir else None
         name = args.name or f"{workload.name} (ddp x{dist.get_world_size()})"
         run_args = {**workload.args, "ddp": True, "world_size": dist.get_world_size(), "steps": args.steps,
-                    "bucket_cap_mb": args.bucket_cap_mb}
+                    "bucket_cap_mb": args.bucket_cap_mb, "backend": backend,
+                    "device": f"cuda:{gpu}" if cuda else "cpu"}
         with dpprof.record(name=name, reports_dir=reports, workload=workload.name, workload_args=run_args) as run:
             for step in range(args.steps):
                 inputs, target = next(batches)
                 if cuda:
-                    inputs = tuple(t.cuda(local_rank) for t in inputs)
-                    target = target.cuda(local_rank)
+                    inputs = tuple(t.cuda(gpu) for t in inputs)
+                    target = target.cuda(gpu)
                 if rank == delay_rank:
                     time.sleep(delay_ms / 1e3)
                 optimizer.zero_grad(set_to_none=True)

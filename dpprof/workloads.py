@@ -11,7 +11,7 @@ from torch import nn
 
 from dpprof.parallel import DataParallel, DataParallelCriterion, DataParallelModel
 from dpprof.parallel.balanced import MeasuredLoss
-from dpprof.parallel.devices import DeviceLike
+from dpprof.parallel.devices import DeviceLike, resolve_devices
 from dpprof.recording import Run, record
 
 __all__ = ["Workload", "WORKLOADS", "build_workload", "user_workload", "train", "TutorialLinear", "CifarNet",
@@ -225,7 +225,15 @@ def train(workload: Workload, device_ids: Sequence[DeviceLike], steps: int, name
 
     With ``balanced``, the model runs as DataParallelModel and the loss as DataParallelCriterion on
     the same devices: every device computes its own share of the loss, nothing is gathered.
+    On GPUs the model is moved to device_ids[0] (as torch.nn.DataParallel requires) and each
+    batch stays on the host until DataParallel scatters it; plain DataParallel's targets go to the
+    output device, where the gathered outputs are.
     """
+    devices = resolve_devices(device_ids)
+    on_gpus = devices.type == "cuda"
+    if on_gpus:
+        workload.model.to(torch.device("cuda", devices.indices[0]))
+        workload.criterion.to(torch.device("cuda", devices.indices[0]))
     if balanced:
         net = DataParallelModel(workload.model, device_ids=device_ids)
         criterion: nn.Module = DataParallelCriterion(workload.criterion, device_ids=device_ids)
@@ -243,6 +251,8 @@ def train(workload: Workload, device_ids: Sequence[DeviceLike], steps: int, name
                 workload_args=args) as run:
         for _ in step_ids:
             inputs, target = next(batches)
+            if on_gpus and not balanced:
+                target = target.to(torch.device("cuda", devices.output_index), non_blocking=True)
             with run.step():
                 optimizer.zero_grad(set_to_none=True)
                 loss = criterion(net(*inputs), target)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn as nn
@@ -102,3 +103,157 @@ def test_recording_fills_device_durations_on_cuda(sync_timing):
     assert (cuda_rows["device_duration_ms"] >= 0).all()
     assert set(cuda_rows["phase"]) >= {"apply", "backward"}
     assert sorted(set(cuda_rows.loc[cuda_rows["phase"] == "apply", "device"])) == [f"cuda:{i}" for i in device_ids]
+
+
+# One GPU is enough for everything below: DataParallel on one device, a recorded run's CUDA events,
+# allocator and NVML readings, two DDP ranks sharing the GPU, and a trace with CUDA activity.
+
+def test_one_gpu_data_parallel_matches_torch_and_records_cuda_phases():
+    torch.manual_seed(0)
+    module = conv_bn_net().cuda(0)
+    reference = copy.deepcopy(module)
+    ours, theirs = dpprof.DataParallel(module, device_ids=[0]), nn.DataParallel(reference, device_ids=[0])
+    x = torch.randn(8, 3, 8, 8, device="cuda:0")
+    with dpprof.record(name="one-gpu", store=False) as run:
+        out = ours(x)
+        out.sum().backward()
+    expected = theirs(x)
+    expected.sum().backward()
+    assert_close(out, expected)
+    for (name, p), q in zip(module.named_parameters(), reference.parameters()):
+        assert_close(p.grad, q.grad, msg=name)
+    phases = run.frames()["phases"]
+    assert set(phases["device"]) == {"cuda:0"}
+    assert {"scatter", "apply", "backward"} <= set(phases["phase"])
+    assert phases["device_duration_ms"].notna().all() and (phases["device_duration_ms"] > 0).all()
+
+
+def test_a_recorded_cuda_run_holds_the_allocator_and_real_nvml_readings(reports):
+    from dpprof.workloads import build_workload, train
+
+    torch.cuda.synchronize()
+    run = train(build_workload("cifar-lenet", 128), [0], steps=30, name="cuda-run")
+    stored = dpprof.load_run(run.id)
+    assert stored.meta["status"] == "finished" and len(stored.steps) == 30
+    props = torch.cuda.get_device_properties(0)
+    device = stored.devices.set_index("device").loc["cuda:0"]
+    assert device["name"] == props.name and device["total_memory_bytes"] == props.total_memory
+    assert device["multiprocessor_count"] == props.multi_processor_count
+    assert device["nvml_index"] is not None and not pd.isna(device["nvml_index"])  # joined by PCI bus id
+    alloc = stored.allocator[stored.allocator["device"] == "cuda:0"]
+    assert not alloc.empty
+    # the allocator's own counters, as torch reports them, never above the process's peak
+    assert (alloc["peak_allocated_bytes"] >= alloc["allocated_bytes"]).all()
+    assert alloc["peak_allocated_bytes"].max() <= torch.cuda.max_memory_allocated(0)
+    assert (alloc["reserved_bytes"] >= alloc["allocated_bytes"]).all()
+    samples = stored.gpu_samples[stored.gpu_samples["device"] == "cuda:0"]
+    assert len(samples) >= 1  # the sampler ran against the real driver
+    assert (samples["memory_total_bytes"] > 0).all()
+    used = samples["memory_used_bytes"]
+    assert (used > 0).all() and (used <= samples["memory_total_bytes"]).all()
+    # NVML sees at least what this process's allocator reserved at the last sample's time, give or take
+    # other processes: a reading in bytes, not a fraction
+    assert used.max() >= alloc["reserved_bytes"].min()
+    phases = stored.phases[stored.phases["device"] == "cuda:0"]
+    assert phases["device_duration_ms"].notna().all()
+    # a CUDA event time is GPU time: the apply phase's cannot exceed the host time around it by more
+    # than the launch queue the host had already run ahead by (bounded by the step)
+    steps = stored.steps.set_index("step")["duration_ms"]
+    apply = phases[phases["phase"] == "apply"].set_index("step")
+    assert (apply["device_duration_ms"] <= steps.loc[apply.index] * 2 + 1).all()
+
+
+def test_dpprof_check_reads_the_real_gpu(capsys):
+    from dpprof.cli import main
+
+    assert main(["check", "--device-ids", "0"]) in (0, 1)
+    out = capsys.readouterr().out
+    assert torch.cuda.get_device_name(0) in out
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_share_one_gpu_over_gloo():
+    from dpprof.cli import main
+
+    assert main(["profile", "cifar-lenet", "--ddp", "--nproc", "2", "--devices", "cuda", "--steps", "6",
+                 "--batch-size", "32", "--quiet"]) == 0
+    [run_id] = dpprof.list_runs()["id"]
+    run = dpprof.load_run(run_id)
+    assert run.meta["status"] == "finished" and run.meta["ranks"] == [0, 1]
+    args = run.meta["workload_args"]
+    if isinstance(args, str):
+        import json
+        args = json.loads(args)
+    expected_backend = "gloo" if torch.cuda.device_count() < 2 else "nccl"
+    assert args["backend"] == expected_backend
+    assert run.steps.groupby("rank").size().tolist() == [6, 6]
+    comms = run.comms
+    assert set(comms["device"]) == {"rank:0", "rank:1"}
+    params = 62006 * 4
+    assert comms[comms["step"] == 5].groupby("device")["bucket_bytes"].sum().tolist() == [params, params]
+    if torch.cuda.device_count() < 2:
+        # both ranks hold memory on the one GPU: each rank's NVML samples see the other's as another process's
+        samples = run.gpu_samples
+        assert not samples.empty
+        assert (samples.groupby("rank")["other_process_memory_bytes"].max() > 0).all()
+
+
+def test_a_cuda_trace_imports_with_gpu_time_and_dpprof_phases(tmp_path):
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from dpprof.trace.importer import import_traces
+
+    net = dpprof.DataParallel(conv_bn_net().cuda(0), device_ids=[0])
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(64, 3, 8, 8, device="cuda:0")
+    trace = tmp_path / "gpu.pt.trace.json"
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 schedule=schedule(wait=0, warmup=1, active=4),
+                 on_trace_ready=lambda p: p.export_chrome_trace(str(trace))) as prof:
+        for _ in range(5):
+            optimizer.zero_grad()
+            net(x).sum().backward()
+            optimizer.step()
+            prof.step()
+    imported = import_traces([trace])
+    assert imported.steps == 4 and "cuda:0" in imported.devices
+    run = dpprof.load_run(imported.id)
+    gpu = run.gpu_time[run.gpu_time["device"] == "cuda:0"]
+    assert len(gpu) == 4 and (gpu["compute_ms"] > 0).all()
+    assert (gpu["compute_ms"] <= gpu["window_ms"] + 1e-6).all()
+    assert {"scatter", "apply", "backward"} <= set(run.phases["phase"])
+
+
+def test_dpprof_run_records_an_unchanged_cuda_script(tmp_path, reports):
+    import subprocess
+    import sys
+
+    script = tmp_path / "train_gpu.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\n"
+        "model = nn.DataParallel(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)).cuda())\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for _ in range(5):\n"
+        "    x = torch.randn(16, 32, device='cuda')\n"
+        "    opt.zero_grad(); model(x).sum().backward(); opt.step()\n"
+        "print('trained on', next(model.parameters()).device)\n")
+    out = subprocess.run([sys.executable, "-m", "dpprof", "run", str(script)], capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "trained on cuda:0" in out.stdout
+    [run_id] = dpprof.list_runs()["id"]
+    run = dpprof.load_run(run_id)
+    assert len(run.steps) == 5
+    assert "cuda:0" in set(run.phases["device"])
+    assert run.phases.loc[run.phases["device"] == "cuda:0", "device_duration_ms"].notna().all()
+
+
+def test_the_balanced_criterion_on_one_gpu_gives_the_plain_loss():
+    torch.manual_seed(0)
+    module = nn.Linear(10, 3).cuda(0)
+    x, y = torch.randn(12, 10, device="cuda:0"), torch.randint(0, 3, (12,), device="cuda:0")
+    model = dpprof.DataParallelModel(module, device_ids=[0])
+    criterion = dpprof.DataParallelCriterion(nn.CrossEntropyLoss(), device_ids=[0])
+    with dpprof.record(name="balanced-gpu", store=False):
+        loss = criterion(model(x), y)
+    assert_close(loss, nn.functional.cross_entropy(module(x), y))

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# What one CUDA GPU can prove about dpprof, in one go (a few minutes on one GPU):
+#   1. the cuda-marked tests (tests/test_cuda.py);
+#   2. the rest of the suite with a GPU visible (CPU-worker paths must not change when CUDA is there);
+#      the dashboard's tests are left out with --no-dashboard (they need streamlit and plotly, no GPU);
+#   3. a recorded run on cuda:0 (CUDA events, allocator counters, real NVML), shown and exported as CSV;
+#   4. DDP: two ranks sharing GPU 0 over gloo (NCCL refuses two ranks on one GPU);
+#   5. bench/overhead.py --device cuda: recording against torch.profiler with CUDA activities.
+# One GPU cannot show DataParallel over several GPUs: the two-GPU parity tests skip.
+#
+#   bench/cuda_checks.sh [--no-dashboard] [--rounds N] [OUTDIR]     (python: $PYTHON, else python3)
+set -u
+dashboard=1 rounds=8
+while [ $# -gt 0 ]; do
+  case $1 in
+    --no-dashboard) dashboard=0; shift ;;
+    --rounds) rounds=$2; shift 2 ;;
+    *) break ;;
+  esac
+done
+out=$(mkdir -p "${1:-cuda-checks}" && cd "${1:-cuda-checks}" && pwd)
+py=${PYTHON:-python3}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 DPPROF_REPORTS=$out/reports
+failed=()
+step() {  # step NAME SECONDS CMD...: run, log to $out/NAME.log, remember a failure
+  local name=$1 limit=$2; shift 2
+  echo "== $name: $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$out/$name.log"
+  echo "== $name: exit $rc after $((SECONDS - t0)) s"
+  [ $rc -eq 0 ] || failed+=("$name")
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+"$py" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "GPUs", torch.cuda.device_count(), torch.cuda.get_device_name(0))'
+
+step cuda-tests 300 "$py" -m pytest tests/test_cuda.py -v -rs -p no:cacheprovider
+ignore=()
+if [ $dashboard -eq 0 ]; then
+  ignore=(--ignore=tests/test_app.py --ignore=tests/test_browser.py --ignore=tests/test_trace_app.py
+          --ignore=tests/test_charts.py --deselect=tests/test_queries.py::test_the_read_side_never_imports_streamlit
+          --deselect=tests/test_faults.py::test_the_dashboard_shows_that_line_instead_of_starting_a_run)
+fi
+"$py" -c 'import xdist' 2>/dev/null && ignore+=(-n 8)  # pytest-xdist, where installed
+step suite 420 "$py" -m pytest tests -q -p no:cacheprovider "${ignore[@]}" --ignore=tests/test_cuda.py
+step cuda-run 180 "$py" -m dpprof profile cifar-lenet --devices cuda --steps 200 --name "cifar-lenet on cuda:0" --quiet
+newest='import dpprof; print(dpprof.list_runs().loc[0, "id"])'
+run_id=$("$py" -c "$newest")
+step cuda-show 120 "$py" -m dpprof show "$run_id"
+step cuda-export 120 "$py" -m dpprof export "$run_id" --out "$out/csv"
+step ddp-gloo 300 "$py" -m dpprof profile cifar-lenet --ddp --nproc 2 --devices cuda --steps 100 --batch-size 128 \
+  --name "cifar-lenet, 2 DDP ranks sharing cuda:0 over gloo" --quiet
+ddp_id=$("$py" -c "$newest")
+step ddp-show 120 "$py" -m dpprof show "$ddp_id"
+step overhead 420 nice -n -5 "$py" -u bench/overhead.py --device cuda --rounds "$rounds"
+
+echo
+if [ ${#failed[@]} -eq 0 ]; then echo "all steps passed; logs in $out"; else echo "FAILED: ${failed[*]}; logs in $out"; exit 1; fi
