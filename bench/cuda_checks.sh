@@ -54,7 +54,7 @@ step ddp-gloo 300 "$py" -m dpprof profile cifar-lenet --ddp --nproc 2 --devices 
   --name "cifar-lenet, 2 DDP ranks sharing cuda:0 over gloo" --quiet
 ddp_id=$("$py" -c "$newest")
 step ddp-show 120 "$py" -m dpprof show "$ddp_id"
-step overhead 420 nice -n -5 "$py" -u bench/overhead.py --device cuda --rounds "$rounds"
+step overhead 420 nice -n -5 "$py" -u bench/overhead.py --device cuda --rounds "$rounds" --cprofile
 
 echo
 if [ ${#failed[@]} -eq 0 ]; then echo "all steps passed; logs in $out"; else echo "FAILED: ${failed[*]}; logs in $out"; exit 1; fi

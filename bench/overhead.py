@@ -191,6 +191,24 @@ def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str
           f" commit and the findings), torch.profiler {once['torch.profiler'] - once['off']:.1f} ms")
 
 
+def where_time_goes(step: Step, workers: int, reports_dir: str, cuda: bool) -> None:
+    """One block of the dpprof arm under cProfile (the calling thread only): the top functions by own time."""
+    import cProfile
+    import pstats
+
+    net = dpprof.DataParallel(step.model, device_ids=[0] if cuda else dpprof.cpu_devices(workers))
+    optimizer = torch.optim.SGD(step.model.parameters(), lr=0.01)
+    batches = step.batches()
+    with dpprof.record(name="bench-cprofile", reports_dir=reports_dir) as run:
+        _block(net, step, optimizer, batches, 5, run)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        _block(net, step, optimizer, batches, step.block_steps, run)
+        profiler.disable()
+    print(f"  cProfile of {step.block_steps} recorded steps (calling thread), top 25 by own time:")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
@@ -198,6 +216,8 @@ def main() -> None:
     parser.add_argument("--only", choices=["cifar-lenet", "mlp"])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cpu: CPU workers (default); cuda: the steps on GPU 0")
+    parser.add_argument("--cprofile", action="store_true",
+                        help="then one more block of the dpprof arm under cProfile: where its time goes")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -210,7 +230,9 @@ def main() -> None:
             step = _on_gpu(make()) if cuda else make()
             with tempfile.TemporaryDirectory(prefix="dpprof-bench-") as reports_dir:  # not the user's reports/
                 out = measure(step, args.workers, args.rounds, reports_dir, cuda)
-            report(step.name, args.workers, args.rounds, step.block_steps, out, cuda)
+                report(step.name, args.workers, args.rounds, step.block_steps, out, cuda)
+                if args.cprofile:
+                    where_time_goes(step, args.workers, reports_dir, cuda)
 
 
 if __name__ == "__main__":

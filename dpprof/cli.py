@@ -359,12 +359,35 @@ def _cmd_check(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from None
     if args.json:
         print(json.dumps([asdict(f) for f in findings], indent=2))
-    elif findings:
+        return EXIT_FAILURE if findings else EXIT_OK
+    for line in _checked_devices(device_ids):
+        print(line)
+    if findings:
         print(f"{len(findings)} finding(s):")
         _print_findings([asdict(f) for f in findings])
     else:
         print("no findings: these devices look balanced")
     return EXIT_FAILURE if findings else EXIT_OK
+
+
+def _checked_devices(device_ids: list | None) -> list[str]:
+    """One line per device `dpprof check` looked at (none when there is no GPU to default to)."""
+    import torch
+
+    from dpprof.devices import inventory
+    from dpprof.parallel.devices import resolve_devices
+
+    if device_ids is None:
+        if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+            return []
+        device_ids = list(range(torch.cuda.device_count()))
+    records = inventory(resolve_devices(device_ids))
+    if records[0].kind == "cpu":
+        r = records[0]
+        return [f"checked {len(records)} CPU worker(s), {', '.join(x.device for x in records)}, on {r.cpu_model or 'a CPU'}"
+                f" ({r.cores} cores, {r.threads} threads)"]
+    return [f"checked {r.device}: {r.name}, {r.total_memory_bytes / 2**30:.1f} GiB, {r.multiprocessor_count} SMs, "
+            f"compute capability {r.capability}" for r in records]
 
 
 def _cmd_export(args: argparse.Namespace) -> int:

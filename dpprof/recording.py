@@ -156,16 +156,25 @@ class Run:
         self._cache: dict[Any, Any] = {}
         self._nvml: Nvml | None = None
         self._sampler: GpuSampler | None = None
+        self._monitor_pending = False  # start_monitor ran and the sampler waits for the first GPU
         self.sample_hz = sample_hz
 
     # the GPU monitor
-    def start_monitor(self) -> None:
-        """Sample every visible GPU through NVML in the background; a missing piece is a note, not an error."""
-        if not self.sample_hz:
+    def start_monitor(self, sample_gpus: bool | None = None) -> None:
+        """Sample every visible GPU through NVML in the background: from now (``sample_gpus=True``),
+        never (False), or (None) from when the run first uses a GPU (note_devices), so that a run on
+        CPU workers samples no GPU it never touched. A missing piece is a note, not an error."""
+        if not self.sample_hz or sample_gpus is False:
             return
         if not torch.cuda.is_available():
             self.note("nvml", "no CUDA GPU visible: GPU sampling is off", tell=False)
-            return
+        elif sample_gpus:
+            self._start_sampler()
+        else:
+            self._monitor_pending = True
+
+    def _start_sampler(self) -> None:
+        self._monitor_pending = False
         try:
             self._nvml = Nvml()
         except NvmlUnavailable as err:
@@ -206,6 +215,12 @@ class Run:
         """Add devices a forward call uses; the first time, store their inventory."""
         new = [i for i, label in zip(devices.indices, devices.labels) if label not in self.devices]
         if new:
+            if self._monitor_pending:
+                # GPUs in use: CUDA devices, or a DDP rank that has put work on a GPU
+                if devices.type == "cuda" or (devices.type == "rank" and torch.cuda.is_initialized()):
+                    self._start_sampler()
+                elif devices.type == "cpu":
+                    self.note("nvml", "the run uses CPU workers: the GPUs here are not sampled", tell=False)
             self.devices.extend(devices.label(i) for i in new)
             self.sink.update_run(devices=list(self.devices), backend=self.backend)
             for rec in inventory(DeviceSet(devices.type, tuple(new), devices.output_index), self._nvml):
@@ -363,7 +378,7 @@ class Run:
 def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None = None,
            sync_timing: bool = False, workload: str | None = None,
            workload_args: dict[str, Any] | None = None, store: bool = True,
-           sample_hz: float | None = DEFAULT_SAMPLE_HZ) -> Iterator[Run]:
+           sample_hz: float | None = DEFAULT_SAMPLE_HZ, sample_gpus: bool | None = None) -> Iterator[Run]:
     """Record every dpprof DataParallel call made inside the block into one run.
 
     Args:
@@ -373,6 +388,9 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
         workload: what is being trained, and workload_args its settings, stored with the run.
         store: False keeps the records in memory only (run.frames() still works).
         sample_hz: how often the GPU monitor samples NVML (None or 0: off).
+        sample_gpus: None (default): sample every visible GPU from the run's first use of a GPU (CUDA
+            devices, or a DDP rank with work on a GPU), so a CPU-worker run samples none; True: from
+            the start of the block (a script whose GPU work dpprof does not wrap); False: never.
 
     Under torch.distributed with more than one rank, every rank must enter ``record`` (it is a
     collective): rank 0 names the run, and each rank writes its own file of that run.
@@ -391,7 +409,7 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
         _active.append(run)
     guard = SignalGuard(run.mark_interrupted).install()  # SIGTERM/SIGHUP: flush, mark interrupted, then end
     try:
-        run.start_monitor()
+        run.start_monitor(sample_gpus)
         yield run
     except BaseException as err:
         guard.closing = True

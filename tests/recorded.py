@@ -25,9 +25,9 @@ def record(directory: Path, name: str, workers: int = 2, steps: int = 6, batch_s
 
 def record_with_gpu_samples(directory: Path, steps: int = 6) -> StoredRun:
     """A CPU-worker run while the fake NVML (tests/fake_pynvml.py, installed by the fake_gpus fixture)
-    reports two GPUs: the recorder's own sampler stores their samples."""
+    reports two GPUs: the recorder's own sampler, asked to sample from the start, stores their samples."""
     net = dpprof.DataParallel(nn.Linear(5, 2), device_ids=dpprof.cpu_devices(2))
-    with dpprof.record(name="sampled", reports_dir=str(directory), sample_hz=50.0) as run:
+    with dpprof.record(name="sampled", reports_dir=str(directory), sample_hz=50.0, sample_gpus=True) as run:
         for _ in range(steps):
             with run.step():
                 net(torch.randn(8, 5)).sum().backward()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 import dpprof
 import dpprof.report
@@ -68,7 +69,7 @@ def test_export_writes_every_table_with_the_runs_values(tmp_path):
     assert meta.loc[0, "id"] == run.id
 
 
-def test_exit_codes_for_bad_input(capsys):
+def test_exit_codes_for_bad_input(capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_:
         main(["profile", "--devices", "gpu7", "--quiet"])
     assert exit_.value.code == 2
@@ -76,8 +77,9 @@ def test_exit_codes_for_bad_input(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["profile", "no-such-workload"])
     assert exit_.value.code == 2
-    with pytest.raises(SystemExit) as exit_:
-        main(["profile", "--devices", "cuda", "--quiet"])  # no GPU here
+    with monkeypatch.context() as no_gpu, pytest.raises(SystemExit) as exit_:
+        no_gpu.setattr(torch.cuda, "is_available", lambda: False)
+        main(["profile", "--devices", "cuda", "--quiet"])  # as on a machine with no GPU
     assert exit_.value.code == 2
     with pytest.raises(SystemExit) as exit_:
         main(["profile", "--model", "nowhere.models:make", "--input-shape", "5", "--quiet"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import dpprof
 import fake_pynvml
@@ -18,9 +19,14 @@ def _kinds(findings):
     return [(f.kind, f.device) for f in findings]
 
 
-def test_identical_gpus_and_an_even_batch_have_no_findings(fake_gpus):
+def test_identical_gpus_and_an_even_batch_have_no_findings(fake_gpus, capsys):
     fake_gpus([fake_pynvml.gpu(BUS[0]), fake_pynvml.gpu(BUS[1])])
     assert dpprof.check_balance(batch_size=64) == []
+    assert main(["check", "--batch-size", "64"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "checked cuda:0: NVIDIA A100-SXM4-40GB, 40.0 GiB, 108 SMs, compute capability 8.0",
+        "checked cuda:1: NVIDIA A100-SXM4-40GB, 40.0 GiB, 108 SMs, compute capability 8.0",
+        "no findings: these devices look balanced"]
 
 
 def test_torchs_75_percent_memory_rule_names_both_devices_and_the_ids_to_use(fake_gpus):
@@ -86,7 +92,14 @@ def test_batch_split_as_torch_chunk_makes_it(batch, n, chunks, kind, suggest):
         assert finding.value == n - len(chunks) and finding.device == f"cpu:{len(chunks)}"
 
 
-def test_no_gpu_is_a_critical_finding():
+def _no_gpu(monkeypatch):
+    """Make this process see no GPU, as on a machine without one."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+def test_no_gpu_is_a_critical_finding(monkeypatch):
+    _no_gpu(monkeypatch)
     [finding] = dpprof.check_balance()
     assert (finding.kind, finding.severity) == ("no_gpu", "critical")
 
@@ -99,12 +112,13 @@ def test_more_cpu_workers_than_threads(monkeypatch):
 @pytest.mark.parametrize("argv, code", [
     (["check", "--device-ids", "cpu:0,cpu:1", "--batch-size", "8"], 0),
     (["check", "--device-ids", "cpu:0,cpu:1,cpu:2", "--batch-size", "10"], 1),
-    (["check"], 1),  # no GPU here
+    (["check"], 1),  # no GPU (hidden below where there is one)
     (["check", "--device-ids", "cpu:0,cpu:0"], 2),
     (["check", "--device-ids", "cpu:0", "--batch-size", "0"], 2),
     (["check", "--batch-size", "many"], 2),
 ])
-def test_check_exit_codes(argv, code, capsys):
+def test_check_exit_codes(argv, code, capsys, monkeypatch):
+    _no_gpu(monkeypatch)
     try:
         assert main(argv) == code
     except SystemExit as exit_:

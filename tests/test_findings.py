@@ -127,7 +127,7 @@ def test_no_findings_from_fewer_steps_than_they_need():
 def test_gpu_findings_from_nvml_samples(fake_gpus):
     fake_gpus([fake_pynvml.gpu("00000000:1A:00.0", util=95, throttle=0x40),
                fake_pynvml.gpu("00000000:3B:00.0", util=20)])
-    run = _record(nn.Linear(5, 2), lambda i: (torch.randn(8, 5),), workers=2, steps=5, sample_hz=50)
+    run = _record(nn.Linear(5, 2), lambda i: (torch.randn(8, 5),), workers=2, steps=5, sample_hz=50, sample_gpus=True)
     findings = findings_of(run).set_index("kind")
     assert findings.loc["gpu_underused", "device"] == "cuda:1"
     assert findings.loc["throttling", "device"] == "cuda:0"

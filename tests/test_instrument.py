@@ -23,7 +23,9 @@ from dpprof.instrument import NO_PARALLEL_NOTE, instrument
 
 SCRIPTS = Path(__file__).parent / "scripts"
 ROOT = Path(__file__).parent.parent
-ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+# the scripts here are written for a machine with no GPU (--cpu-workers applies only there): hide any
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts behaviour without a GPU")
 TORCH_NAMES = {
     ("torch.nn", "DataParallel"), ("torch.nn.parallel", "DataParallel"),
     ("torch.nn.parallel.data_parallel", "DataParallel"), ("torch.nn.parallel", "data_parallel"),
@@ -253,6 +255,7 @@ def test_isinstance_holds_both_ways_and_only_for_torchs_class():
     assert isinstance(made_inside, nn.DataParallel) and type(made_inside) is not nn.DataParallel
 
 
+@needs_no_gpu
 def test_a_module_built_inside_pickles_and_copies_as_torchs_class_after_the_block():
     with instrument(store=False, cpu_workers=2):
         model = nn.DataParallel(nn.Linear(3, 2))
@@ -267,6 +270,7 @@ def test_a_module_built_inside_pickles_and_copies_as_torchs_class_after_the_bloc
     assert type(twin) is nn.DataParallel and torch.equal(twin(torch.ones(1, 3)), model(torch.ones(1, 3)))
 
 
+@needs_no_gpu
 def test_the_functional_form_records_on_cpu_workers_and_steps_follow_the_optimizer():
     net = nn.Linear(4, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -283,6 +287,7 @@ def test_the_functional_form_records_on_cpu_workers_and_steps_follow_the_optimiz
         nn.parallel.data_parallel(net, torch.randn(6, 4))  # torch's own again, with no GPU
 
 
+@needs_no_gpu
 def test_without_recording_the_stand_ins_still_run_on_cpu_workers(reports):
     from dpprof.instrument import instrumented
 

@@ -174,13 +174,13 @@ def test_memory_events_give_the_allocator_peak_per_step(reports):
     assert "running sum" in " ".join(run.notes["message"])
 
 
-def _profile_dataparallel(reports: Path, out: Path):
-    """Six steps of a dpprof.DataParallel on 2 CPU workers, recorded by dpprof and by torch.profiler at once."""
+def _profile_dataparallel(reports: Path, out: Path, workers: int = 2):
+    """Six steps of a dpprof.DataParallel on CPU workers, recorded by dpprof and by torch.profiler at once."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
     net = dpprof.DataParallel(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)),
-                              device_ids=dpprof.cpu_devices(2))
+                              device_ids=dpprof.cpu_devices(workers))
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     with dpprof.record(name="profiled", reports_dir=str(reports)) as run:
         with profile(activities=[ProfilerActivity.CPU],
@@ -195,10 +195,11 @@ def _profile_dataparallel(reports: Path, out: Path):
     return dpprof.load_run(run.path)
 
 
-def test_a_profiled_dpprof_dataparallel_round_trips_to_its_own_records(reports, tmp_path):
-    recorded = _profile_dataparallel(reports, tmp_path / "profiled.json")
+@pytest.mark.parametrize("workers", [2, 1], ids=["2-workers", "1-worker"])  # 1: no parallel_apply, as on one GPU
+def test_a_profiled_dpprof_dataparallel_round_trips_to_its_own_records(workers, reports, tmp_path):
+    recorded = _profile_dataparallel(reports, tmp_path / "profiled.json", workers)
     imported = dpprof.load_run(import_traces([tmp_path / "profiled.json"], reports).id, reports)
-    assert imported.meta["devices"] == recorded.meta["devices"] == ["cpu:0", "cpu:1"]
+    assert imported.meta["devices"] == recorded.meta["devices"] == [f"cpu:{i}" for i in range(workers)]
     key = ["step", "phase", "device"]
     a, b = recorded.phases, imported.phases
     assert sorted(map(tuple, a[key].values)) == sorted(map(tuple, b[key].values))  # same phases, devices, steps

@@ -234,8 +234,13 @@ def _dataparallel_phases(c: Collected, windows: list[tuple[int, float, float]], 
         def call_of(t: float) -> int:
             return max(0, sum(1 for s in starts if s <= t) - 1)
 
+        pas = [r for r in _in(ranges, lo, hi) if r.name == "parallel_apply"]
         for r in _in(ranges, lo, hi):
             if r.name == "apply":
+                if not any(p.start_us <= r.start_us and r.end_us <= p.end_us for p in pas):
+                    # one device (or none): DataParallel calls the module itself, no parallel_apply
+                    out.append(PhaseRecord(step=step, call=call_of(r.start_us), phase="apply", device=devices[0],
+                                           start_ms=ms(r.start_us), duration_ms=(r.end_us - r.start_us) / 1e3))
                 continue
             out.append(PhaseRecord(step=step, call=call_of(r.start_us), phase=r.name, device=devices[0],
                                    start_ms=ms(r.start_us), duration_ms=(r.end_us - r.start_us) / 1e3))
@@ -280,7 +285,8 @@ def convert(c: Collected, t0_us: float, rank: int | None) -> Converted:
     if note:
         out.notes.append(note)
     gpus = c.gpus
-    dp_exact = any(r.name == "parallel_apply" for r in c.dpprof_ranges) and rank is None
+    # a dpprof.DataParallel: parallel_apply over several devices, or scatter then apply on one
+    dp_exact = any(r.name in ("parallel_apply", "scatter") for r in c.dpprof_ranges) and rank is None
     if dp_exact:
         applies = [a for a in c.dpprof_ranges if a.name == "apply"]
         per_call = max((len(_in(applies, p.start_us, p.end_us))
