@@ -55,12 +55,33 @@ def _cuda_index(label: str) -> int | None:
     return int(index) if kind == "cuda" else None
 
 
+# Timing events are reused once read, and the current stream's object is looked up by its raw
+# handle: creating an event and building a Stream object cost more than recording an event.
+_free_events: dict[int, list[torch.cuda.Event]] = {}
+_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # in CUDA builds of torch only
+
+
 def _cuda_event(index: int | None) -> torch.cuda.Event | None:
+    """A timing event recorded now on GPU ``index``'s current stream (None for a CPU label)."""
     if index is None:
         return None
-    event = torch.cuda.Event(enable_timing=True)
-    event.record(torch.cuda.current_stream(index))
+    free = _free_events.get(index)
+    event = free.pop() if free else torch.cuda.Event(enable_timing=True)
+    raw = _raw_stream(index)
+    stream = _streams.get((index, raw))
+    if stream is None:
+        stream = _streams[(index, raw)] = torch.cuda.current_stream(index)
+    event.record(stream)
     return event
+
+
+def _release_events(index: int, *events: torch.cuda.Event) -> None:
+    """Events whose times have been read, for _cuda_event to record again."""
+    _free_events.setdefault(index, []).extend(events)
+
+
+_EVERY_DEVICE = frozenset({"scatter", "replicate", "backward"})  # phases whose end reads every device's allocator
 
 
 def _allocator_bytes(index: int) -> tuple[int, int, int]:
@@ -86,10 +107,10 @@ def _weight_storages(module: Module) -> set[int]:
 class _PendingPhase:
     """A phase whose CUDA events may still be in flight."""
 
-    __slots__ = ("fields", "start", "end")
+    __slots__ = ("fields", "index", "start", "end")
 
-    def __init__(self, fields: dict[str, Any], start: torch.cuda.Event, end: torch.cuda.Event) -> None:
-        self.fields, self.start, self.end = fields, start, end
+    def __init__(self, fields: dict[str, Any], index: int, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        self.fields, self.index, self.start, self.end = fields, index, start, end
 
     def try_emit(self, run: Run, block: bool) -> bool:
         if block:
@@ -97,6 +118,7 @@ class _PendingPhase:
         elif not self.end.query():
             return False
         run.emit(PhaseRecord(**self.fields, device_duration_ms=self.start.elapsed_time(self.end)))
+        _release_events(self.index, self.start, self.end)
         return True
 
 
@@ -219,8 +241,9 @@ class ForwardProbe:
             return
         fields = dict(step=self.step.index, call=self.call, phase=name, device=label,
                       start_ms=run.ms(t0), duration_ms=(t1 - t0) / 1e6)
-        run.defer(_PendingPhase(fields, ev0, _cuda_event(index)))
-        for i in self.cuda_indices:
+        run.defer(_PendingPhase(fields, index, ev0, _cuda_event(index)))
+        # scatter, replicate and backward move memory on every device; the other phases on their own
+        for i in self.cuda_indices if name in _EVERY_DEVICE else (index,):
             allocated, peak, reserved = _allocator_bytes(i)
             run.emit(AllocatorRecord(self.step.index, self.call, f"cuda:{i}", name, allocated, peak, reserved))
 
