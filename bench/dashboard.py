@@ -5,7 +5,8 @@
 1. Synthesise the run: records shaped like the ones `dpprof profile` emits (a step of two forward calls:
    the model's scatter, replicate, parallel_apply, one apply per device and gather, then the loss on the
    output device; backward; a memory record per device and one for the loss; with
-   --backend cuda also an allocator record per phase and device and NVML samples at 10 Hz), with
+   --backend cuda also allocator records (after each apply on its device, after backward on every
+   device) and NVML samples at 10 Hz), with
    realistic times (a straggler on the last device, noise, a slow step now and then), written through
    dpprof's own SqliteSink, then its findings stored as a run's close does.
 2. Time each page's data (dpprof.views, no cache: a first open) and figures (dpprof.charts), best of 3;
@@ -83,8 +84,8 @@ def synthesise(path: str, devices: int, steps: int, backend: str = "cpu", seed: 
         for name, label, start, ms in phases:
             sink.put(PhaseRecord(step=step, call=1 if name == "loss" else 0, phase=name, device=label,
                                  start_ms=start, duration_ms=ms, device_duration_ms=ms * 0.97 if cuda else None))
-            if cuda:
-                for d in labels:
+            if cuda and name in ("apply", "backward"):  # where the recorder reads the allocator
+                for d in labels if name == "backward" else [label]:
                     alloc[d] = 600 * 2**20 + rng.randrange(0, 64 * 2**20) + (200 * 2**20 if d == labels[0] else 0)
                     sink.put(AllocatorRecord(step=step, call=0, device=d, phase=name, allocated_bytes=alloc[d],
                                              peak_allocated_bytes=alloc[d] + 50 * 2**20,
@@ -198,7 +199,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--steps", type=int, default=50_000)
     parser.add_argument("--backend", choices=["cpu", "cuda"], default="cpu",
-                        help="cuda adds an allocator record per phase and device, and NVML samples")
+                        help="cuda adds allocator records (each apply, and backward on every device) and NVML samples")
     parser.add_argument("--runs", type=int, default=2, help="runs to synthesise (Compare shows them all)")
     parser.add_argument("--apptest", action="store_true", help="also time app.py's pages under AppTest")
     parser.add_argument("--keep", default=None, help="write the runs into this directory and keep them")

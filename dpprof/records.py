@@ -62,8 +62,8 @@ class DeviceMemoryRecord:
 
 @dataclass(frozen=True, slots=True)
 class AllocatorRecord:
-    """The CUDA caching allocator's view of one device at the end of one phase: every device at the end of
-    scatter, replicate and backward, the phase's own device at the end of the others."""
+    """The CUDA caching allocator's view of one device at the end of a phase: of each replica's apply (on its
+    device) and of backward (on every device)."""
 
     step: int
     call: int

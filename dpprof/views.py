@@ -488,8 +488,8 @@ TABLE_DESCRIPTIONS = {
     "steps": "one row per step: start, duration, batch size",
     "phases": "one row per phase of each forward call on each device",
     "memory": "what each device held in each forward call",
-    "allocator": ("the CUDA caching allocator at phase ends: every device after scatter, replicate and "
-                  "backward, the phase's own after the others (CUDA runs only)"),
+    "allocator": ("the CUDA caching allocator after each replica's apply (its device) and after backward "
+                  "(every device); peaks count from the step's start (CUDA runs only)"),
     "devices": "the run's devices",
     "gpu_samples": "NVML readings over time (CUDA runs with NVML only)",
     "findings": "the run's findings, worst first",

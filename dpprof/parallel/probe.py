@@ -81,7 +81,10 @@ def _release_events(index: int, *events: torch.cuda.Event) -> None:
     _free_events.setdefault(index, []).extend(events)
 
 
-_EVERY_DEVICE = frozenset({"scatter", "replicate", "backward"})  # phases whose end reads every device's allocator
+# Where the caching allocator is read (one read costs ~20 us): at the end of each replica's apply, on
+# its device (the forward's activations are held then), and at the end of backward, on every device.
+# Its peak counts from the step's first forward call, so these reads see every phase's peak.
+_ALLOCATOR_READS = {"apply": False, "backward": True}  # phase -> every device (else the phase's own)
 
 
 def _allocator_bytes(index: int) -> tuple[int, int, int]:
@@ -242,8 +245,10 @@ class ForwardProbe:
         fields = dict(step=self.step.index, call=self.call, phase=name, device=label,
                       start_ms=run.ms(t0), duration_ms=(t1 - t0) / 1e6)
         run.defer(_PendingPhase(fields, index, ev0, _cuda_event(index)))
-        # scatter, replicate and backward move memory on every device; the other phases on their own
-        for i in self.cuda_indices if name in _EVERY_DEVICE else (index,):
+        every = _ALLOCATOR_READS.get(name)
+        if every is None:
+            return
+        for i in self.cuda_indices if every else (index,):
             allocated, peak, reserved = _allocator_bytes(i)
             run.emit(AllocatorRecord(self.step.index, self.call, f"cuda:{i}", name, allocated, peak, reserved))
 

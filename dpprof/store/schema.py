@@ -66,7 +66,7 @@ INDEXES = {
     # per-device memory peaks (per-step sums, one device at a time) read the index alone
     "memory_device": ("memory (device, step, chunk_size, input_bytes, output_bytes, activation_bytes, "
                       "gathered_bytes, param_bytes, buffer_bytes)"),
-    # the allocator's per-device peaks are one index lookup each (a CUDA run has ~3 x devices + ~6 rows a step)
+    # the allocator's per-device peaks are one index lookup each (a CUDA run has 2 x devices rows a step)
     "allocator_peak": "allocator (device, peak_allocated_bytes)",
     "allocator_reserved": "allocator (device, reserved_bytes)",
 }
