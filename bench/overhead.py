@@ -85,7 +85,8 @@ def _on_gpu(step: Step) -> Step:
         while True:
             yield (x,), y
 
-    return Step(step.name, step.model, step.criterion, batches, step.block_steps)
+    # a GPU step is several times shorter: blocks of about a second again, so each sees the writer commit
+    return Step(step.name, step.model, step.criterion, batches, step.block_steps * (6 if step.block_steps < 100 else 2))
 
 
 def _block(net: nn.Module, step: Step, optimizer: torch.optim.Optimizer, batches, n: int, run=None) -> float:
