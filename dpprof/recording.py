@@ -103,6 +103,31 @@ class _Step:
             self.last_end_ns = end_ns
 
 
+class _StepBlock:
+    """The context manager run.step() returns (a class rather than a generator: it runs every step)."""
+
+    __slots__ = ("run", "step")
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.step: _Step | None = None
+
+    def __enter__(self) -> int:
+        run = self.run
+        with run._lock:
+            if run._explicit is not None:
+                raise RuntimeError("run.step() blocks cannot be nested")
+            run._flush_implicit()
+            self.step = run._explicit = run._new_step(explicit=True)
+        return self.step.index
+
+    def __exit__(self, *exc: object) -> None:
+        run = self.run
+        with run._lock:
+            run._explicit = None
+        run._close_step(self.step, time.perf_counter_ns())
+
+
 class Run:
     """One recording: metadata, a clock, steps, and the sink its records go to."""
 
@@ -245,20 +270,9 @@ class Run:
             explicit=step.explicit,
         ))
 
-    @contextmanager
-    def step(self) -> Iterator[int]:
-        """Mark one training step (forward, loss, backward, optimizer); yields its index."""
-        with self._lock:
-            if self._explicit is not None:
-                raise RuntimeError("run.step() blocks cannot be nested")
-            self._flush_implicit()
-            step = self._explicit = self._new_step(explicit=True)
-        try:
-            yield step.index
-        finally:
-            with self._lock:
-                self._explicit = None
-            self._close_step(step, time.perf_counter_ns())
+    def step(self) -> _StepBlock:
+        """``with run.step() as index:`` marks one training step (forward, loss, backward, optimizer)."""
+        return _StepBlock(self)
 
     def step_for_forward(self, starts_step: bool = True) -> _Step:
         """The step a forward call belongs to: the open run.step(), or a new implicit one.

@@ -35,8 +35,19 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 
 def tensor_bytes(obj: Any) -> int:
-    """Bytes of the tensors inside ``obj`` (numel × element size; views counted at their own size)."""
-    return sum(t.numel() * t.element_size() for t in iter_tensors(obj))
+    """Bytes of the tensors inside ``obj`` (numel × element size; views counted at their own size).
+
+    A plain recursion rather than a sum over iter_tensors: this runs several times a step."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()  # not .nbytes: sparse tensors refuse it
+    total = 0
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            total += tensor_bytes(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            total += tensor_bytes(item)
+    return total
 
 
 # Calls alike (same replica place, module, input shapes and modes) save the same activations in
@@ -45,9 +56,16 @@ def tensor_bytes(obj: Any) -> int:
 ACTIVATIONS_RECOUNT_EVERY = 50
 
 
-def _signature(obj: Any) -> tuple[Any, ...]:
-    """The shapes and dtypes of the tensors inside ``obj`` (what activations depend on, data aside)."""
-    return tuple((t.shape, t.dtype) for t in iter_tensors(obj))
+def _signature(obj: Any) -> Any:
+    """The shapes and dtypes of the tensors inside ``obj`` (what activations depend on, data aside), in
+    its nesting; anything else is None."""
+    if isinstance(obj, torch.Tensor):
+        return obj.shape, obj.dtype
+    if isinstance(obj, (list, tuple)):
+        return tuple(_signature(item) for item in obj)
+    if isinstance(obj, dict):
+        return tuple((k, _signature(v)) for k, v in obj.items())
+    return None
 
 
 def _cuda_index(label: str) -> int | None:
