@@ -18,7 +18,10 @@ synchronize, so the GPU's work is inside the time. One GPU cannot show DataParal
 this measures what recording costs per step on a real device (CUDA events, allocator counters,
 NVML sampling).
 
-Each arm runs a block of steps per round. Reported per arm: the mean step over its blocks
+Each arm runs a block of steps per round, after a tenth as many steps not timed: an arm pays
+there for what the arm before it left behind (seen: whichever recording arm came right after
+``off`` paid ~0.4 ms a step more on the MLP). Round by round the order rotates and, every other
+round, reverses, so no arm is always first or always after the same arm. Reported per arm: the mean step over its blocks
 (what a user pays, periodic work such as the writer's commits included), the median over
 rounds of each round's ratio to ``off`` and of the microseconds it adds per step, and the
 process CPU time per step (all threads). A recording's own start and close (creating the
@@ -89,21 +92,29 @@ def _on_gpu(step: Step) -> Step:
     return Step(step.name, step.model, step.criterion, batches, step.block_steps * (6 if step.block_steps < 100 else 2))
 
 
-def _block(net: nn.Module, step: Step, optimizer: torch.optim.Optimizer, batches, n: int, run=None) -> float:
-    """Seconds for n steps (the GPU's work included)."""
-    cuda = torch.cuda.is_available() and next(step.model.parameters()).is_cuda
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
+def _steps(net: nn.Module, step: Step, optimizer: torch.optim.Optimizer, batches, n: int, run=None) -> None:
     for _ in range(n):
         x, y = next(batches)
         with run.step() if run is not None else nullcontext():
             optimizer.zero_grad(set_to_none=True)
             step.criterion(net(*x), y).backward()
             optimizer.step()
+
+
+def _block(net: nn.Module, step: Step, optimizer: torch.optim.Optimizer, batches, n: int,
+           run=None) -> tuple[float, float, float]:
+    """(wall seconds, process CPU seconds) of n steps, the GPU's work included, after n // 10 steps not
+    timed (what the arm before left behind, caches and threads, is paid there), and those steps' seconds."""
+    cuda = torch.cuda.is_available() and next(step.model.parameters()).is_cuda
+    t_settle = time.perf_counter()
+    _steps(net, step, optimizer, batches, max(2, n // 10), run)
     if cuda:
         torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    t0, c0 = time.perf_counter(), time.process_time()
+    _steps(net, step, optimizer, batches, n, run)
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, time.process_time() - c0, t0 - t_settle
 
 
 def measure(step: Step, workers: int, rounds: int, reports_dir: str,
@@ -115,24 +126,24 @@ def measure(step: Step, workers: int, rounds: int, reports_dir: str,
     all_threads = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
 
-    def plain() -> float:
+    def plain() -> tuple[float, float, float]:
         return _block(step.model, step, optimizer, batches, n)
 
-    def off() -> float:
+    def off() -> tuple[float, float, float]:
         return _block(net, step, optimizer, batches, n)
 
     theirs = nn.DataParallel(step.model, device_ids=[0]) if cuda else None
 
-    def torch_dp() -> float:
+    def torch_dp() -> tuple[float, float, float]:
         return _block(theirs, step, optimizer, batches, n)
 
-    def recorded(store: bool) -> Callable[[], float]:
-        def arm() -> float:
+    def recorded(store: bool) -> Callable[[], tuple[float, float, float]]:
+        def arm() -> tuple[float, float, float]:
             with dpprof.record(name="bench-overhead", store=store, reports_dir=reports_dir) as run:
                 return _block(net, step, optimizer, batches, n, run)
         return arm
 
-    def profiled() -> float:
+    def profiled() -> tuple[float, float, float]:
         with profile(activities=activities, experimental_config=all_threads):
             return _block(net, step, optimizer, batches, n)
 
@@ -144,14 +155,18 @@ def measure(step: Step, workers: int, rounds: int, reports_dir: str,
         runners[arm]()  # warm-up: worker threads, allocator, the first run file
     out: dict[str, dict[str, list[float]]] = {k: {"step_s": [], "cpu_s": [], "once_s": []} for k in runners}
     for r in range(rounds):
-        order = list(runners)[r % len(runners):] + list(runners)[:r % len(runners)]  # no arm always first
+        # no arm always first, and none always after the same arm: an arm pays for what the one before
+        # it left (seen: whichever recording arm came right after `off` paid ~0.4 ms a step more)
+        order = list(runners)[r % len(runners):] + list(runners)[:r % len(runners)]
+        if r % 2:
+            order.reverse()
         for k in order:
-            t0, c0 = time.perf_counter(), time.process_time()
-            steps_s = runners[k]()
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            t0 = time.perf_counter()
+            steps_s, cpu, settle_s = runners[k]()
+            wall = time.perf_counter() - t0
             out[k]["step_s"].append(steps_s / n)
             out[k]["cpu_s"].append(cpu / n)
-            out[k]["once_s"].append(wall - steps_s)
+            out[k]["once_s"].append(wall - steps_s - settle_s)
     return out
 
 
@@ -201,10 +216,10 @@ def where_time_goes(step: Step, workers: int, reports_dir: str, cuda: bool) -> N
     optimizer = torch.optim.SGD(step.model.parameters(), lr=0.01)
     batches = step.batches()
     with dpprof.record(name="bench-cprofile", reports_dir=reports_dir) as run:
-        _block(net, step, optimizer, batches, 5, run)
+        _steps(net, step, optimizer, batches, 5, run)
         profiler = cProfile.Profile()
         profiler.enable()
-        _block(net, step, optimizer, batches, step.block_steps, run)
+        _steps(net, step, optimizer, batches, step.block_steps, run)
         profiler.disable()
     print(f"  cProfile of {step.block_steps} recorded steps (calling thread), top 25 by own time:")
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
