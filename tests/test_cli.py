@@ -77,10 +77,12 @@ def test_exit_codes_for_bad_input(capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_:
         main(["profile", "no-such-workload"])
     assert exit_.value.code == 2
-    with monkeypatch.context() as no_gpu, pytest.raises(SystemExit) as exit_:
-        no_gpu.setattr(torch.cuda, "is_available", lambda: False)
-        main(["profile", "--devices", "cuda", "--quiet"])  # as on a machine with no GPU
-    assert exit_.value.code == 2
+    for ddp in ([], ["--ddp"]):  # as on a machine with no GPU; --ddp refuses before starting torchrun
+        with monkeypatch.context() as no_gpu, pytest.raises(SystemExit) as exit_:
+            no_gpu.setattr(torch.cuda, "is_available", lambda: False)
+            main(["profile", *ddp, "--devices", "cuda", "--quiet"])
+        assert exit_.value.code == 2
+        assert "no CUDA GPU is visible here" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         main(["profile", "--model", "nowhere.models:make", "--input-shape", "5", "--quiet"])
     assert exit_.value.code == 2

@@ -86,10 +86,13 @@ def _cuda_event(index: int | None) -> torch.cuda.Event | None:
         return None
     free = _free_events.get(index)
     event = free.pop() if free else torch.cuda.Event(enable_timing=True)
-    raw = _raw_stream(index)
-    stream = _streams.get((index, raw))
-    if stream is None:
-        stream = _streams[(index, raw)] = torch.cuda.current_stream(index)
+    if _raw_stream is None:
+        stream = torch.cuda.current_stream(index)
+    else:
+        raw = _raw_stream(index)
+        stream = _streams.get((index, raw))
+        if stream is None:
+            stream = _streams[(index, raw)] = torch.cuda.current_stream(index)
     event.record(stream)
     return event
 
