@@ -22,6 +22,7 @@ import time
 from collections import deque
 from dataclasses import fields
 from datetime import datetime, timezone
+from itertools import chain
 from pathlib import Path
 from typing import Any, Callable
 
@@ -45,6 +46,19 @@ _INSERT = {
     cls: f"INSERT INTO {table} VALUES ({', '.join('?' * len(fields(cls)))})"
     for cls, table in RECORD_TABLES.items()
 }
+# A commit inserts many rows per statement: executemany steps SQLite once per row and releases the
+# GIL around every step, so each row would be a hand-off to the training threads. 999 is the fewest
+# bound variables any SQLite allows in one statement.
+_ROWS_PER_INSERT = {cls: max(1, 999 // len(fields(cls))) for cls in RECORD_TABLES}
+
+
+def _insert_many(cls: type, n: int) -> str:
+    """INSERT of ``n`` rows of ``cls``'s table in one statement."""
+    one = "(" + ", ".join("?" * len(fields(cls))) + ")"
+    return f"INSERT INTO {RECORD_TABLES[cls]} VALUES " + ", ".join([one] * n)
+
+
+_INSERT_BLOCK = {cls: _insert_many(cls, n) for cls, n in _ROWS_PER_INSERT.items()}
 _SIDE_FILES = ("-wal", "-shm", "-journal")
 _NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS}
 _WRITE_ERRORS = (sqlite3.Error, OSError)
@@ -248,7 +262,13 @@ class SqliteSink:
             batches.setdefault(type(record), []).append(_ROW_OF[type(record)](record))
         with self._con:
             for cls, rows in batches.items():
-                self._con.executemany(_INSERT[cls], rows)
+                n = _ROWS_PER_INSERT[cls]
+                full = len(rows) - len(rows) % n
+                for i in range(0, full, n):
+                    self._con.execute(_INSERT_BLOCK[cls], list(chain.from_iterable(rows[i:i + n])))
+                if full < len(rows):
+                    rest = rows[full:]
+                    self._con.execute(_insert_many(cls, len(rest)), list(chain.from_iterable(rest)))
             if updates:
                 self._con.execute(f"UPDATE runs SET {', '.join(f'{k} = ?' for k in updates)}",
                                   [_encode(v) for v in updates.values()])
