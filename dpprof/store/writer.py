@@ -42,14 +42,6 @@ MIN_KEPT_SLICE = 16  # after a failed commit, ever smaller slices of it are trie
 log = logging.getLogger("dpprof")
 
 _ROW_OF = {cls: operator.attrgetter(*(f.name for f in fields(cls))) for cls in RECORD_TABLES}
-_INSERT = {
-    cls: f"INSERT INTO {table} VALUES ({', '.join('?' * len(fields(cls)))})"
-    for cls, table in RECORD_TABLES.items()
-}
-# A commit inserts many rows per statement: executemany steps SQLite once per row and releases the
-# GIL around every step, so each row would be a hand-off to the training threads. 999 is the fewest
-# bound variables any SQLite allows in one statement.
-_ROWS_PER_INSERT = {cls: max(1, 999 // len(fields(cls))) for cls in RECORD_TABLES}
 
 
 def _insert_many(cls: type, n: int) -> str:
@@ -58,6 +50,11 @@ def _insert_many(cls: type, n: int) -> str:
     return f"INSERT INTO {RECORD_TABLES[cls]} VALUES " + ", ".join([one] * n)
 
 
+_INSERT = {cls: _insert_many(cls, 1) for cls in RECORD_TABLES}
+# A commit inserts many rows per statement: executemany steps SQLite once per row and releases the
+# GIL around every step, so each row would be a hand-off to the training threads. 999 is the fewest
+# bound variables any SQLite allows in one statement.
+_ROWS_PER_INSERT = {cls: max(1, 999 // len(fields(cls))) for cls in RECORD_TABLES}
 _INSERT_BLOCK = {cls: _insert_many(cls, n) for cls, n in _ROWS_PER_INSERT.items()}
 _SIDE_FILES = ("-wal", "-shm", "-journal")
 _NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS}
@@ -263,12 +260,10 @@ class SqliteSink:
         with self._con:
             for cls, rows in batches.items():
                 n = _ROWS_PER_INSERT[cls]
-                full = len(rows) - len(rows) % n
-                for i in range(0, full, n):
-                    self._con.execute(_INSERT_BLOCK[cls], list(chain.from_iterable(rows[i:i + n])))
-                if full < len(rows):
-                    rest = rows[full:]
-                    self._con.execute(_insert_many(cls, len(rest)), list(chain.from_iterable(rest)))
+                for i in range(0, len(rows), n):
+                    chunk = rows[i:i + n]
+                    sql = _INSERT_BLOCK[cls] if len(chunk) == n else _insert_many(cls, len(chunk))
+                    self._con.execute(sql, list(chain.from_iterable(chunk)))
             if updates:
                 self._con.execute(f"UPDATE runs SET {', '.join(f'{k} = ?' for k in updates)}",
                                   [_encode(v) for v in updates.values()])
