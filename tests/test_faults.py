@@ -261,18 +261,25 @@ def test_a_script_recording_onto_a_full_disk_trains_on_and_is_told_once(mount, m
     assert lines == [f"dpprof: disk full after step {kept}: {kept} steps kept in {run.path}, {600 - kept} not recorded"]
 
 
+def _read_only_dir(mount, monkeypatch, fallback: Path) -> Path:
+    """A read-only tmpfs; where mounting is not permitted, ``fallback`` with the writer's opens failing
+    as on a read-only file system."""
+    where = mount("64k", read_only=True)
+    if where is None:
+        def read_only(*args, **kwargs):
+            raise OSError(errno.EROFS, "Read-only file system")
+        monkeypatch.setattr("dpprof.store.writer.os.open", read_only)
+        where = fallback
+    return where
+
+
 def test_the_dashboard_check_gives_the_line_a_run_would(mount, monkeypatch, reports):
     """The New run page checks the reports directory before it starts `dpprof profile`, and shows this line."""
     from dpprof.store.writer import check_reports_dir
 
     check_reports_dir(reports)  # a writable directory: made, and nothing left in it
     assert _files(reports) == []
-    where = mount("64k", read_only=True)
-    if where is None:
-        def read_only(*args, **kwargs):
-            raise OSError(errno.EROFS, "Read-only file system")
-        monkeypatch.setattr("dpprof.store.writer.os.open", read_only)
-        where = reports
+    where = _read_only_dir(mount, monkeypatch, reports)
     with pytest.raises(RecordingError, match=f"^cannot record in {re.escape(str(where))}: read-only file system$"):
         check_reports_dir(where)
     assert _files(where) == []
@@ -285,12 +292,7 @@ def test_the_dashboard_shows_that_line_instead_of_starting_a_run(mount, monkeypa
         sys.path.insert(0, str(ROOT))
     from app_pages import common
 
-    where = mount("64k", read_only=True)
-    if where is None:
-        def read_only(*args, **kwargs):
-            raise OSError(errno.EROFS, "Read-only file system")
-        monkeypatch.setattr("dpprof.store.writer.os.open", read_only)
-        where = reports
+    where = _read_only_dir(mount, monkeypatch, reports)
     monkeypatch.setenv("DPPROF_REPORTS", str(where))
     started = set(common.processes())
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60)

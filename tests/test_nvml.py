@@ -17,10 +17,11 @@ from dpprof.parallel.devices import DeviceSet
 BUS = ["00000000:1A:00.0", "00000000:3B:00.0"]
 
 
-def _train_while_sampling(steps=6, sample_hz=50.0):
+def _train_while_sampling(steps=6, sample_hz=50.0, sample_gpus=True):
+    """A CPU-worker run. CPU workers use no GPU, so by default (sample_gpus=True) the (fake) GPUs are
+    sampled from the start, as for a script dpprof does not wrap; None is record()'s own default."""
     net = dpprof.DataParallel(nn.Linear(5, 2), device_ids=dpprof.cpu_devices(2))
-    # CPU workers use no GPU: sample the (fake) GPUs from the start, as for a script dpprof does not wrap
-    with dpprof.record(name="sampled", sample_hz=sample_hz, sample_gpus=True) as run:
+    with dpprof.record(name="sampled", sample_hz=sample_hz, sample_gpus=sample_gpus) as run:
         for _ in range(steps):
             with run.step():
                 net(torch.randn(8, 5)).sum().backward()
@@ -104,17 +105,8 @@ def test_torch_and_nvml_indices_are_joined_by_pci_bus_id(fake_gpus):
         ("cuda:0", "GPU B", 1, BUS[1]), ("cuda:1", "GPU A", 0, BUS[0])]
 
 
-def _cpu_worker_run():
-    net = dpprof.DataParallel(nn.Linear(5, 2), device_ids=dpprof.cpu_devices(2))
-    with dpprof.record(name="cpu", sample_hz=50.0) as run:
-        for _ in range(3):
-            net(torch.randn(8, 5)).sum().backward()
-            time.sleep(0.05)
-    return dpprof.load_run(run.path)
-
-
 def test_cpu_runs_store_a_cpu_inventory():
-    run = _cpu_worker_run()
+    run = _train_while_sampling(steps=3, sample_gpus=None)
     devices = run.devices
     assert devices["device"].tolist() == ["cpu:0", "cpu:1"] and (devices["kind"] == "cpu").all()
     assert (devices["threads"] > 0).all() and devices["cpu_model"].notna().all()
@@ -125,7 +117,7 @@ def test_cpu_runs_store_a_cpu_inventory():
 
 def test_a_cpu_worker_run_on_a_gpu_machine_samples_no_gpu(fake_gpus):
     fake = fake_gpus([fake_pynvml.gpu(BUS[0])])
-    run = _cpu_worker_run()
+    run = _train_while_sampling(steps=3, sample_gpus=None)
     assert run.gpu_samples.empty and fake.initialised == 0
     assert run.notes["message"].tolist() == ["the run uses CPU workers: the GPUs here are not sampled"]
 
