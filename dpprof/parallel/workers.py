@@ -3,6 +3,8 @@
 A forward call hands each replica to its worker's thread and waits for them all, as torch's
 parallel_apply does with one thread per replica; the threads outlive the call, so a step pays
 a hand-off, not a thread start and the per-thread set-up torch does on a thread's first op.
+The hand-off is a put on the worker's queue and a get on the call's: queue.SimpleQueue is one
+lock in C each way (a concurrent.futures executor costs twice the time, in Python, per task).
 
 Each worker runs its ops with its share of the intra-op threads (the caller's count divided by
 the number of workers in the call, at least one): two workers on two cores compute side by
@@ -11,9 +13,9 @@ side, like two GPUs, instead of each forking a team as large as the machine.
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -23,23 +25,43 @@ __all__ = ["run_on_workers", "on_worker_thread"]
 _local = threading.local()  # .index: set on a worker's own thread
 
 
-class _Worker:
-    """One CPU worker: a single-thread executor whose thread keeps its own intra-op thread count."""
+class _Escaped:
+    """A task's exception that the task did not catch, to be raised again in the caller."""
 
-    __slots__ = ("index", "executor", "threads")
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _serve(index: int, tasks: queue.SimpleQueue) -> None:
+    """A worker's thread: run each task it is handed, in order, and put (slot, result) on the call's queue."""
+    _local.index = index
+    while True:
+        threads, task, slot, done = tasks.get()
+        if threads:
+            # torch.set_num_threads on this thread sets this thread's count; it also sets the count
+            # new threads start with, which the caller puts back
+            torch.set_num_threads(threads)
+        try:
+            result = task()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller, who raises it
+            result = _Escaped(err)
+        del task
+        done.put((slot, result))
+        del result
+
+
+class _Worker:
+    """One CPU worker: a daemon thread serving its queue, keeping its own intra-op thread count."""
+
+    __slots__ = ("index", "tasks", "threads")
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"dpprof-cpu:{index}",
-                                           initializer=_mark_worker, initargs=(index,))
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
         self.threads = 0  # the intra-op thread count set on this worker's thread (0: not yet)
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        return self.executor.submit(fn, *args)
-
-
-def _mark_worker(index: int) -> None:
-    _local.index = index
+        threading.Thread(target=_serve, args=(index, self.tasks), name=f"dpprof-cpu:{index}", daemon=True).start()
 
 
 _workers: dict[int, _Worker] = {}
@@ -71,29 +93,31 @@ def on_worker_thread() -> bool:
     return getattr(_local, "index", None) is not None
 
 
-def _set_threads(count: int) -> None:
-    torch.set_num_threads(count)
-
-
 def run_on_workers(indices: Sequence[int], tasks: Sequence[Callable[[], Any]]) -> list[Any]:
     """Run ``tasks[i]`` on CPU worker ``indices[i]``'s thread, all at once; their results in order.
 
     A task's exception is its result's business: tasks are expected to catch and wrap their own
-    (parallel_apply's ExceptionWrapper); one that escapes is re-raised here.
+    (parallel_apply's ExceptionWrapper); one that escapes is re-raised here, after every task ended.
     """
     share = max(1, torch.get_num_threads() // max(1, len(indices)))
-    workers = [_worker(i) for i in indices]
+    done: queue.SimpleQueue = queue.SimpleQueue()
     resized = False
-    futures = []
-    for worker, task in zip(workers, tasks, strict=True):
+    n = 0
+    for slot, (index, task) in enumerate(zip(indices, tasks, strict=True)):
+        worker = _worker(index)
+        threads = 0
         if worker.threads != share:
-            # torch.set_num_threads on the worker's thread sets that thread's count; it also sets
-            # the count new threads start with, which is put back below
-            worker.submit(_set_threads, share)
-            worker.threads = share
+            threads = worker.threads = share
             resized = True
-        futures.append(worker.submit(task))
-    results = [f.result() for f in futures]
+        worker.tasks.put((threads, task, slot, done))
+        n += 1
+    results: list[Any] = [None] * n
+    for _ in range(n):
+        slot, result = done.get()
+        results[slot] = result
     if resized:
         torch.set_num_threads(torch.get_num_threads())  # the caller's own count, for threads started later
+    for result in results:
+        if isinstance(result, _Escaped):
+            raise result.error
     return results
