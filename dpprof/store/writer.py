@@ -254,16 +254,19 @@ class SqliteSink:
             self._committed.notify_all()
 
     def _write(self, records: list[Record], updates: dict[str, Any]) -> None:
-        batches: dict[type, list[tuple[Any, ...]]] = {}
+        batches: dict[type, list[Record]] = {}
         for record in records:
-            batches.setdefault(type(record), []).append(_ROW_OF[type(record)](record))
+            batches.setdefault(type(record), []).append(record)
         with self._con:
             for cls, rows in batches.items():
-                n = _ROWS_PER_INSERT[cls]
+                # each statement's rows are built just before it runs: SQLite runs it with the GIL
+                # released, so the training threads get the GIL back between chunks instead of
+                # waiting out the interpreter's switch interval behind one long Python loop
+                n, row_of = _ROWS_PER_INSERT[cls], _ROW_OF[cls]
                 for i in range(0, len(rows), n):
                     chunk = rows[i:i + n]
                     sql = _INSERT_BLOCK[cls] if len(chunk) == n else _insert_many(cls, len(chunk))
-                    self._con.execute(sql, list(chain.from_iterable(chunk)))
+                    self._con.execute(sql, list(chain.from_iterable(map(row_of, chunk))))
             if updates:
                 self._con.execute(f"UPDATE runs SET {', '.join(f'{k} = ?' for k in updates)}",
                                   [_encode(v) for v in updates.values()])
