@@ -32,6 +32,7 @@ file; the last commit and the findings at close) are outside the blocks and repo
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -175,9 +176,18 @@ def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str
     def paired(k: str, field: str, f: Callable[[float, float], float]) -> float:
         return statistics.median(f(a, b) for a, b in zip(out[k][field], out["off"][field]))
 
+    def spread(k: str) -> str:
+        """The middle half of the rounds' added microseconds: how far the machine's noise moves them."""
+        added = [(a - b) * 1e6 for a, b in zip(out[k]["step_s"], out["off"]["step_s"])]
+        if len(added) < 4:
+            return ""
+        q1, _, q3 = statistics.quantiles(added, n=4)
+        return f"  [{q1:+.0f}, {q3:+.0f}]"
+
     where = f"GPU 0 ({torch.cuda.get_device_name(0)})" if cuda else f"{workers} CPU workers"
     print(f"\n{name} on {where}: {rounds} rounds x {n} steps per arm")
-    print(f"  {'arm':18s} {'mean step':>10s} {'added':>9s} {'added/step':>11s} {'CPU/step':>10s} {'CPU added':>9s}")
+    print(f"  {'arm':18s} {'mean step':>10s} {'added':>9s} {'added/step':>11s} {'CPU/step':>10s} {'CPU added':>9s}"
+          "  added/step, middle half of rounds")
     for k in CUDA_ARMS if cuda else ARMS:
         mean_ms = statistics.fmean(out[k]["step_s"]) * 1e3
         cpu_ms = statistics.fmean(out[k]["cpu_s"]) * 1e3
@@ -187,7 +197,8 @@ def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str
         added = paired(k, "step_s", lambda a, b: a / b - 1)
         added_us = paired(k, "step_s", lambda a, b: (a - b) * 1e6)
         cpu_added = paired(k, "cpu_s", lambda a, b: a / b - 1)
-        print(f"  {k:18s} {mean_ms:8.3f}ms {added:+9.2%} {added_us:+9.1f}us {cpu_ms:8.3f}ms {cpu_added:+9.2%}")
+        print(f"  {k:18s} {mean_ms:8.3f}ms {added:+9.2%} {added_us:+9.1f}us {cpu_ms:8.3f}ms {cpu_added:+9.2%}"
+              f"{spread(k)}")
     rec = paired("dpprof", "step_s", lambda a, b: (a - b) * 1e6)
     mem = paired("memory", "step_s", lambda a, b: (a - b) * 1e6)
     prof = paired("torch.profiler", "step_s", lambda a, b: (a - b) * 1e6)
@@ -239,7 +250,9 @@ def main() -> None:
     if cuda and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU is visible here")
     steps = {"cifar-lenet": _cifar, "mlp": _mlp}
+    spin = os.environ.get("GOMP_SPINCOUNT")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads"
+          + (f", GOMP_SPINCOUNT={spin}" if spin else "")
           + (f", {torch.cuda.get_device_name(0)}" if cuda else ""))
     for key, make in steps.items():
         if args.only in (None, key):
