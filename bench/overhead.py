@@ -23,7 +23,8 @@ there for what the arm before it left behind (seen: whichever recording arm came
 ``off`` paid ~0.4 ms a step more on the MLP). Round by round the order rotates and, every other
 round, reverses, so no arm is always first or always after the same arm. Reported per arm: the mean step over its blocks
 (what a user pays, periodic work such as the writer's commits included), the median over
-rounds of each round's ratio to ``off`` and of the microseconds it adds per step, and the
+rounds of each round's ratio to ``off`` and of the microseconds it adds per step (with the middle
+half of the rounds, the machine's noise: a ratio is not printed where that spans zero), and the
 process CPU time per step (all threads). A recording's own start and close (creating the
 file; the last commit and the findings at close) are outside the blocks and reported once.
 
@@ -176,13 +177,21 @@ def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str
     def paired(k: str, field: str, f: Callable[[float, float], float]) -> float:
         return statistics.median(f(a, b) for a, b in zip(out[k][field], out["off"][field]))
 
-    def spread(k: str) -> str:
+    def quartiles(k: str) -> tuple[float, float] | None:
         """The middle half of the rounds' added microseconds: how far the machine's noise moves them."""
         added = [(a - b) * 1e6 for a, b in zip(out[k]["step_s"], out["off"]["step_s"])]
         if len(added) < 4:
-            return ""
+            return None
         q1, _, q3 = statistics.quantiles(added, n=4)
-        return f"  [{q1:+.0f}, {q3:+.0f}]"
+        return q1, q3
+
+    def spread(k: str) -> str:
+        q = quartiles(k)
+        return f"  [{q[0]:+.0f}, {q[1]:+.0f}]" if q else ""
+
+    def within_noise(k: str) -> bool:
+        q = quartiles(k)
+        return q is not None and q[0] < 0 < q[1]
 
     where = f"GPU 0 ({torch.cuda.get_device_name(0)})" if cuda else f"{workers} CPU workers"
     print(f"\n{name} on {where}: {rounds} rounds x {n} steps per arm")
@@ -211,7 +220,11 @@ def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str
         print(f"  CPU workers / plain module: {workers_ratio:.2f}x (median of rounds)")
     print(f"  dpprof per step: {rec:+.1f} us = timing and memory accounting {mem:+.1f} us"
           f" + the run file's writer {rec - mem:+.1f} us")
-    if prof > 0:
+    noisy = [k for k in ("dpprof", "torch.profiler") if within_noise(k)]
+    if noisy:
+        print(f"  dpprof / torch.profiler: not measurable here: the middle half of the rounds' added time spans"
+              f" zero for {' and '.join(noisy)}")
+    elif prof > 0:
         print(f"  dpprof / torch.profiler: {rec / prof:.2f} of the profiler's added time (aim: <= 0.5)")
     once = {k: statistics.median(out[k]["once_s"]) * 1e3 for k in ("off", "dpprof", "torch.profiler")}
     print(f"  once per recording: dpprof {once['dpprof'] - once['off']:.1f} ms (create the file; at close the last"
