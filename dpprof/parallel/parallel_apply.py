@@ -52,10 +52,13 @@ def _cpu_parallel_apply(modules: Sequence[Callable[..., Any]], inputs: Sequence[
               device: DeviceLike) -> Callable[[], Any]:
         def run() -> Any:
             torch.set_grad_enabled(grad_enabled)
+            args = input if isinstance(input, (list, tuple)) else (input,)
             try:
-                with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_enabled):
-                    args = input if isinstance(input, (list, tuple)) else (input,)
-                    return module(*args, **kwargs)
+                if autocast_enabled or torch.is_autocast_enabled("cpu"):
+                    with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_enabled):
+                        return module(*args, **kwargs)
+                # autocast off here and in the caller: entering autocast(enabled=False) would change nothing
+                return module(*args, **kwargs)
             except Exception:
                 return ExceptionWrapper(where=f"in replica {i} on device {_cpu_label(device)}")
         return run
