@@ -134,6 +134,7 @@ def _profile_ddp(args: argparse.Namespace) -> int:
         raise UsageError("--ddp runs the built-in workloads (no --model, no --balanced)")
     if args.nproc < 1:
         raise UsageError(f"--nproc must be positive, got {args.nproc}")
+    from dpprof.ddp_worker import FAILED_PREFIX
     from dpprof.parallel.devices import is_cpu_worker_list
 
     on_gpus = not is_cpu_worker_list(parse_devices(args.devices))  # --devices cuda or 0,1: each rank on a GPU
@@ -144,19 +145,23 @@ def _profile_ddp(args: argparse.Namespace) -> int:
         if value is not None:
             cmd += [flag, str(value)]
     tail: collections.deque[str] = collections.deque(maxlen=30)
+    said: list[str] = []  # ranks' one-line reasons for stopping
     bar = tqdm(total=args.steps, desc=f"{args.workload} on {args.nproc} ranks", unit="step", disable=args.quiet)
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}) as proc:
         for line in proc.stdout:
             tail.append(line.rstrip())
-            if line.startswith("rank 0 step "):
+            if line.startswith(FAILED_PREFIX):
+                said.append(line.rstrip())
+            elif line.startswith("rank 0 step "):
                 bar.update(1)
             elif line.startswith("recorded run "):
                 bar.close()
                 print(line.rstrip())
     bar.close()
     if proc.returncode != 0:
-        print("\n".join(tail), file=sys.stderr)
+        # a rank that said why it stopped is the cause; torchrun's own report of it is noise
+        print("\n".join(sorted(said)) if said else "\n".join(tail), file=sys.stderr)
         print(f"dpprof: torchrun exited with {proc.returncode}; the ranks' records so far are kept", file=sys.stderr)
         return EXIT_FAILURE
     return EXIT_OK

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from datetime import timedelta
 
@@ -15,10 +16,23 @@ import torch
 import torch.distributed as dist
 
 import dpprof
+from dpprof.store.faults import RecordingError
 from dpprof.workloads import WORKLOADS, build_workload
+
+# How a rank says in one line why it stopped (a recording that cannot start or write); the
+# `dpprof profile --ddp` process shows these lines instead of torchrun's report.
+FAILED_PREFIX = "dpprof rank "
 
 
 def main() -> None:
+    try:
+        _main()
+    except RecordingError as err:
+        print(f"{FAILED_PREFIX}{os.environ.get('RANK', '?')}: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def _main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workload", choices=list(WORKLOADS))
     parser.add_argument("--steps", type=int, default=50)

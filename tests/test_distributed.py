@@ -100,3 +100,18 @@ def test_merge_gathers_rank_files_written_to_separate_directories(tmp_path, repo
         from dpprof.store.merge import merge_rank_files
         merge_rank_files(sources, reports)
     assert len(dpprof.load_run(run.id).steps) == 8  # the merged run is untouched
+
+
+def test_a_rank_that_cannot_record_says_why_in_one_line(tmp_path, reports, capsys):
+    # the reports "directory" is a file: every rank's recording fails to start
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("kept as it was")
+    assert main(["--reports-dir", str(blocker), "profile", "tutorial-linear", "--ddp", "--nproc", "2",
+                 "--steps", "2", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    said = [line for line in lines if line.startswith("dpprof rank ")]
+    assert said and all(line.endswith(f": cannot record in {blocker}: not a directory") for line in said), err
+    assert "Traceback" not in err and "ChildFailedError" not in err, err
+    assert lines[-1].startswith("dpprof: torchrun exited with 1")
+    assert blocker.read_text() == "kept as it was" and dpprof.list_runs().empty

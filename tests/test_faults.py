@@ -352,9 +352,11 @@ def test_other_failures_at_the_start_name_the_directory_and_the_cause(err, cause
 def test_the_cli_says_why_it_cannot_record_without_a_traceback(tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
-    done = _profile(not_a_dir / "reports", 3)
-    assert done.returncode == 1
-    assert _one_line(done.stderr) == f"dpprof: cannot record in {not_a_dir / 'reports'}: not a directory"
+    for reports in (not_a_dir / "reports", not_a_dir):  # under a file, and the file itself
+        done = _profile(reports, 3)
+        assert done.returncode == 1
+        assert _one_line(done.stderr) == f"dpprof: cannot record in {reports}: not a directory"
+    assert not_a_dir.read_text() == "x"
 
 
 def test_a_half_created_run_file_is_never_listed(reports):

@@ -60,7 +60,10 @@ def is_disk_full(err: BaseException) -> bool:
 
 def start_failure(directory: str | os.PathLike[str], err: BaseException) -> RecordingError:
     """The error for a run that could not start: "cannot record in DIR: CAUSE"."""
-    return RecordingError(f"cannot record in {os.fspath(directory)}: {cause_of(err)}")
+    cause = cause_of(err)
+    if isinstance(err, FileExistsError) and not os.path.isdir(directory):
+        cause = "not a directory"  # the reports directory's own path is a file
+    return RecordingError(f"cannot record in {os.fspath(directory)}: {cause}")
 
 
 def failure_line(cause: str, path: str, steps_kept: int, steps_total: int | None) -> str:
