@@ -117,7 +117,8 @@ class _StepBlock:
         with run._lock:
             if run._explicit is not None:
                 raise RuntimeError("run.step() blocks cannot be nested")
-            run._flush_implicit()
+            if run._implicit is not None:
+                run._flush_implicit()
             self.step = run._explicit = run._new_step(explicit=True)
         return self.step.index
 
@@ -263,12 +264,11 @@ class Run:
         return step
 
     def _close_step(self, step: _Step, end_ns: int) -> None:
-        self.resolve_pending(block=False)
-        self.emit(StepRecord(
-            step=step.index, start_ms=self.ms(step.start_ns), duration_ms=(end_ns - step.start_ns) / 1e6,
-            batch_size=step.batch_size, devices_used=step.devices_used, forward_calls=step.calls,
-            explicit=step.explicit,
-        ))
+        if self._pending:
+            self.resolve_pending(block=False)
+        # positional: StepRecord(step, start_ms, duration_ms, batch_size, devices_used, forward_calls, explicit)
+        self.sink.put(StepRecord(step.index, (step.start_ns - self._t0_ns) / 1e6, (end_ns - step.start_ns) / 1e6,
+                                 step.batch_size, step.devices_used, step.calls, step.explicit))
 
     def step(self) -> _StepBlock:
         """``with run.step() as index:`` marks one training step (forward, loss, backward, optimizer)."""

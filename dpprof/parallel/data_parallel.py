@@ -8,6 +8,7 @@ CPU workers by dpprof's implementations of the same semantics. Each phase runs i
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Sequence
 from itertools import chain
 from typing import Any
@@ -52,24 +53,30 @@ def _first_misplaced(module: Module, device: torch.device) -> torch.device | Non
     return None
 
 
-class _PhaseRange:
-    """A phase's torch.profiler range and, inside a run, its timing (on every step's path: no generator)."""
+_RANGE_NAMES = {phase: f"dpprof.{phase}" for phase in ("scatter", "replicate", "parallel_apply", "gather")}
 
-    __slots__ = ("range", "timer")
+
+class _PhaseRange:
+    """A phase's torch.profiler range and, inside a run, its timing (on every step's path: one plain
+    object, no generator)."""
+
+    __slots__ = ("range", "probe", "name", "label", "t0", "ev0")
 
     def __init__(self, probe: ForwardProbe | None, name: str, label: str) -> None:
-        self.range = profiler_range(f"dpprof.{name}")
-        self.timer = probe.phase(name, label) if probe is not None else None
+        self.range = profiler_range(_RANGE_NAMES.get(name) or f"dpprof.{name}")
+        self.probe, self.name, self.label = probe, name, label
 
     def __enter__(self) -> None:
         self.range.__enter__()
-        if self.timer is not None:
-            self.timer.__enter__()
+        probe = self.probe
+        if probe is not None:
+            self.ev0 = probe.start_event(self.label)
+            self.t0 = time.perf_counter_ns()
 
     def __exit__(self, *exc: object) -> None:
         try:
-            if self.timer is not None:
-                self.timer.__exit__(*exc)
+            if self.probe is not None:
+                self.probe.finish_phase(self.name, self.label, self.t0, self.ev0)
         finally:
             self.range.__exit__(*exc)
 

@@ -50,6 +50,13 @@ def tensor_bytes(obj: Any) -> int:
     return total
 
 
+def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The first tensor of ``args`` then ``kwargs`` (iter_tensors' order); a leading tensor without a walk."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    return next(chain(iter_tensors(args), iter_tensors(kwargs)), None)
+
+
 # Calls alike (same replica place, module, input shapes and modes) save the same activations in
 # all but data-dependent models: count them with per-tensor hooks once, then once every this many
 # calls, to keep per-tensor Python off most steps while still catching a model that varies.
@@ -187,7 +194,7 @@ class _BackwardWatch:
         self.range = profiler_range("dpprof.backward")
         self.range.__enter__()
         self.t0 = time.perf_counter_ns()
-        if self.probe is not None:
+        if self.probe is not None and self.probe.cuda_indices:
             self.ev0 = _cuda_event(_cuda_index(self.label))
         torch.autograd.Variable._execution_engine.queue_callback(self.on_done)
 
@@ -220,7 +227,7 @@ class _Phase:
         self.probe, self.name, self.label = probe, name, label
 
     def __enter__(self) -> None:
-        self.ev0 = _cuda_event(_cuda_index(self.label)) if self.probe.cuda_indices else None
+        self.ev0 = self.probe.start_event(self.label)
         self.t0 = time.perf_counter_ns()
 
     def __exit__(self, *exc: object) -> None:
@@ -233,6 +240,8 @@ class ForwardProbe:
     def __init__(self, run: Run, devices: DeviceSet, output_label: str, dim: int, starts_step: bool = True,
                  root: Module | None = None) -> None:
         self.run = run
+        self.put = run.sink.put  # what run.emit calls, one call less on every record
+        self.t0_ns = run._t0_ns  # the run's clock origin (run.ms)
         self.root = root  # the module the replicas are made from
         self.step = run.step_for_forward(starts_step)
         self.call = self.step.calls - 1
@@ -253,9 +262,21 @@ class ForwardProbe:
         """``with probe.phase("scatter", "cuda:0"):`` times the block as that phase on that device."""
         return _Phase(self, name, label)
 
+    def start_event(self, label: str) -> torch.cuda.Event | None:
+        """A phase's starting CUDA event on the device ``label`` names (None on CPU workers or the host)."""
+        return _cuda_event(_cuda_index(label)) if self.cuda_indices else None
+
     def finish_phase(self, name: str, label: str, t0: int, ev0: torch.cuda.Event | None) -> None:
+        if not self.cuda_indices:  # CPU workers or the host: a host time, nothing to wait for
+            t1 = time.perf_counter_ns()
+            step = self.step
+            if t1 > step.last_end_ns:
+                step.last_end_ns = t1
+            # positional: PhaseRecord(step, call, phase, device, start_ms, duration_ms)
+            self.put(PhaseRecord(step.index, self.call, name, label, (t0 - self.t0_ns) / 1e6, (t1 - t0) / 1e6))
+            return
         run = self.run
-        index = _cuda_index(label) if self.cuda_indices else None
+        index = _cuda_index(label)
         if index is not None and run.sync_timing:
             torch.cuda.synchronize(index)
         t1 = time.perf_counter_ns()
@@ -313,13 +334,13 @@ class ForwardProbe:
 
     # bytes
     def note_batch(self, inputs: Any, kwargs: Any) -> None:
-        first = next(chain(iter_tensors(inputs), iter_tensors(kwargs)), None)
+        first = _first_tensor(inputs, kwargs)
         if first is not None and first.dim() > 0:
             self.step.batch_size = (self.step.batch_size or 0) + first.size(self.dim)
 
     def note_device(self, label: str, args: Any, kwargs: Any, output: Any, activation_bytes: int,
                     shared_args: int = 0, chunked: bool = True) -> None:
-        first = next(chain(iter_tensors(args), iter_tensors(kwargs)), None) if chunked else None
+        first = _first_tensor(args, kwargs) if chunked else None
         self.memory.setdefault(label, {}).update(
             chunk_size=first.size(self.dim) if first is not None and first.dim() > 0 else None,
             input_bytes=tensor_bytes((args[shared_args:], kwargs)), output_bytes=tensor_bytes(output),
@@ -341,14 +362,14 @@ class ForwardProbe:
         param_bytes, buffer_bytes = self.run.cached(("weight bytes", id(module)), lambda: (
             sum(p.numel() * p.element_size() for p in module.parameters()),
             sum(b.numel() * b.element_size() for b in module.buffers())))
+        step, call, put = self.step.index, self.call, self.put
         for label, m in self.memory.items():
             applied = "input_bytes" in m
-            self.run.emit(DeviceMemoryRecord(
-                step=self.step.index, call=self.call, device=label, chunk_size=m.get("chunk_size"),
-                input_bytes=m.get("input_bytes", 0), output_bytes=m.get("output_bytes", 0),
-                activation_bytes=m.get("activation_bytes", 0), gathered_bytes=m.get("gathered_bytes", 0),
-                param_bytes=param_bytes if applied else 0, buffer_bytes=buffer_bytes if applied else 0,
-            ))
+            # positional: DeviceMemoryRecord(step, call, device, chunk_size, input_bytes, output_bytes,
+            # activation_bytes, gathered_bytes, param_bytes, buffer_bytes)
+            put(DeviceMemoryRecord(step, call, label, m.get("chunk_size"), m.get("input_bytes", 0),
+                                   m.get("output_bytes", 0), m.get("activation_bytes", 0), m.get("gathered_bytes", 0),
+                                   param_bytes if applied else 0, buffer_bytes if applied else 0))
 
     def watch_backward(self, output: Any) -> None:
         watch_backward(output, self, self.output_label)
@@ -370,9 +391,18 @@ class MeasuredReplica:
             probe = self.probe
             if probe is None:
                 return self.module(*args, **kwargs)
-            with probe.phase(self.phase, self.label):
-                output, activation_bytes = probe.call_counting_activations(
-                    self.module, self.module, args, kwargs, site=(self.label, self.phase, id(probe.root)))
+            site = (self.label, self.phase, id(probe.root))
+            if probe.cuda_indices:
+                with probe.phase(self.phase, self.label):
+                    output, activation_bytes = probe.call_counting_activations(
+                        self.module, self.module, args, kwargs, site=site)
+            else:
+                t0 = time.perf_counter_ns()
+                try:
+                    output, activation_bytes = probe.call_counting_activations(
+                        self.module, self.module, args, kwargs, site=site)
+                finally:
+                    probe.finish_phase(self.phase, self.label, t0, None)
             probe.applied.append((self.label, args, kwargs, output, activation_bytes, self.shared_args,
                                   self.phase == "apply"))
             return output
