@@ -860,6 +860,37 @@ def test_grad_mode_and_autocast_reach_worker_threads(context, grad, autocast, dt
     assert torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")  # nothing leaked out
 
 
+def test_autocast_a_replica_leaves_on_its_worker_does_not_reach_the_next_call():
+    # a worker's thread outlives the call: autocast a module switched on there and did not switch off
+    # must not apply to the next call made with autocast off (the worker enters autocast(enabled=False))
+    class LeavesAutocastOn(nn.Linear):
+        def forward(self, x):
+            torch.set_autocast_enabled("cpu", True)
+            torch.set_autocast_dtype("cpu", torch.bfloat16)
+            return super().forward(x)
+
+    net = dpprof.DataParallel(nn.Linear(4, 4), W(2))
+    dpprof.DataParallel(LeavesAutocastOn(4, 4), W(2))(torch.randn(4, 4))
+    try:
+        assert net(torch.randn(4, 4)).dtype is torch.float32
+    finally:  # switch the workers' autocast off again for the tests after this one
+        def off():
+            torch.set_autocast_enabled("cpu", False)
+        dpprof.parallel_apply([off, off], [(), ()], None, W(2))
+
+
+def test_a_base_exception_in_a_replica_reaches_the_caller_and_the_workers_go_on():
+    class Exits(nn.Module):
+        def forward(self, x):
+            raise KeyboardInterrupt  # not an Exception: torch's wrapper does not catch it either
+
+    with pytest.raises(KeyboardInterrupt):
+        dpprof.DataParallel(Exits(), W(2))(torch.randn(4, 4))
+    net = nn.Linear(4, 4)
+    x = torch.randn(4, 4)
+    assert_close(dpprof.DataParallel(net, W(2))(x), net(x))
+
+
 def test_autocast_decorated_forward():
     """torch's test_autocast: a forward decorated with autocast produces low-precision outputs."""
 
