@@ -24,9 +24,10 @@ there for what the arm before it left behind (seen: whichever recording arm came
 round, reverses, so no arm is always first or always after the same arm. Reported per arm: the mean step over its blocks
 (what a user pays, periodic work such as the writer's commits included), the median over
 rounds of each round's ratio to ``off`` and of the microseconds it adds per step (with the middle
-half of the rounds, the machine's noise: a ratio is not printed where that spans zero), and the
-process CPU time per step (all threads). A recording's own start and close (creating the
-file; the last commit and the findings at close) are outside the blocks and reported once.
+half of the rounds, the machine's noise: a ratio is not printed where that spans zero), the
+process CPU time per step (all threads), and the calling thread's CPU time added per step. A
+recording's own start and close (creating the file; the last commit and the findings at close)
+are outside the blocks and reported once.
 
     python bench/overhead.py [--rounds 10] [--workers 2] [--only cifar-lenet|mlp] [--device cpu|cuda]
 """
@@ -104,19 +105,20 @@ def _steps(net: nn.Module, step: Step, optimizer: torch.optim.Optimizer, batches
 
 
 def _block(net: nn.Module, step: Step, optimizer: torch.optim.Optimizer, batches, n: int,
-           run=None) -> tuple[float, float, float]:
+           run=None) -> tuple[float, float, float, float]:
     """(wall seconds, process CPU seconds) of n steps, the GPU's work included, after n // 10 steps not
-    timed (what the arm before left behind, caches and threads, is paid there), and those steps' seconds."""
+    timed (what the arm before left behind, caches and threads, is paid there), those steps' seconds, and
+    the calling thread's CPU seconds in the n steps."""
     cuda = torch.cuda.is_available() and next(step.model.parameters()).is_cuda
     t_settle = time.perf_counter()
     _steps(net, step, optimizer, batches, max(2, n // 10), run)
     if cuda:
         torch.cuda.synchronize()
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
     _steps(net, step, optimizer, batches, n, run)
     if cuda:
         torch.cuda.synchronize()
-    return time.perf_counter() - t0, time.process_time() - c0, t0 - t_settle
+    return time.perf_counter() - t0, time.process_time() - c0, t0 - t_settle, time.thread_time() - m0
 
 
 def measure(step: Step, workers: int, rounds: int, reports_dir: str,
@@ -128,24 +130,24 @@ def measure(step: Step, workers: int, rounds: int, reports_dir: str,
     all_threads = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
 
-    def plain() -> tuple[float, float, float]:
+    def plain() -> tuple[float, float, float, float]:
         return _block(step.model, step, optimizer, batches, n)
 
-    def off() -> tuple[float, float, float]:
+    def off() -> tuple[float, float, float, float]:
         return _block(net, step, optimizer, batches, n)
 
     theirs = nn.DataParallel(step.model, device_ids=[0]) if cuda else None
 
-    def torch_dp() -> tuple[float, float, float]:
+    def torch_dp() -> tuple[float, float, float, float]:
         return _block(theirs, step, optimizer, batches, n)
 
-    def recorded(store: bool) -> Callable[[], tuple[float, float, float]]:
-        def arm() -> tuple[float, float, float]:
+    def recorded(store: bool) -> Callable[[], tuple[float, float, float, float]]:
+        def arm() -> tuple[float, float, float, float]:
             with dpprof.record(name="bench-overhead", store=store, reports_dir=reports_dir) as run:
                 return _block(net, step, optimizer, batches, n, run)
         return arm
 
-    def profiled() -> tuple[float, float, float]:
+    def profiled() -> tuple[float, float, float, float]:
         with profile(activities=activities, experimental_config=all_threads):
             return _block(net, step, optimizer, batches, n)
 
@@ -155,7 +157,7 @@ def measure(step: Step, workers: int, rounds: int, reports_dir: str,
         runners = {"plain": plain, "torch DataParallel": torch_dp, **{k: v for k, v in runners.items() if k != "plain"}}
     for arm in ("plain", "off", "dpprof"):
         runners[arm]()  # warm-up: worker threads, allocator, the first run file
-    out: dict[str, dict[str, list[float]]] = {k: {"step_s": [], "cpu_s": [], "once_s": []} for k in runners}
+    out: dict[str, dict[str, list[float]]] = {k: {"step_s": [], "cpu_s": [], "caller_s": [], "once_s": []} for k in runners}
     for r in range(rounds):
         # no arm always first, and none always after the same arm: an arm pays for what the one before
         # it left (seen: whichever recording arm came right after `off` paid ~0.4 ms a step more)
@@ -164,10 +166,11 @@ def measure(step: Step, workers: int, rounds: int, reports_dir: str,
             order.reverse()
         for k in order:
             t0 = time.perf_counter()
-            steps_s, cpu, settle_s = runners[k]()
+            steps_s, cpu, settle_s, caller = runners[k]()
             wall = time.perf_counter() - t0
             out[k]["step_s"].append(steps_s / n)
             out[k]["cpu_s"].append(cpu / n)
+            out[k]["caller_s"].append(caller / n)
             out[k]["once_s"].append(wall - steps_s - settle_s)
     return out
 
@@ -218,6 +221,9 @@ def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str
               " (medians of rounds)")
     else:
         print(f"  CPU workers / plain module: {workers_ratio:.2f}x (median of rounds)")
+    callers = {k: paired(k, "caller_s", lambda a, b: (a - b) * 1e6) for k in ("memory", "dpprof", "torch.profiler")}
+    print("  the calling thread's CPU added per step: "
+          + ", ".join(f"{k} {v:+.1f} us" for k, v in callers.items()) + " (median of rounds)")
     print(f"  dpprof per step: {rec:+.1f} us = timing and memory accounting {mem:+.1f} us"
           f" + the run file's writer {rec - mem:+.1f} us")
     noisy = [k for k in ("dpprof", "torch.profiler") if within_noise(k)]
