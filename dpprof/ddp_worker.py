@@ -19,7 +19,7 @@ import dpprof
 from dpprof.store.faults import RecordingError
 from dpprof.workloads import WORKLOADS, build_workload
 
-# How a rank says in one line why it stopped (a recording that cannot start or write); the
+# How a rank says in one line why it stopped (its recording could not start); the
 # `dpprof profile --ddp` process shows these lines instead of torchrun's report.
 FAILED_PREFIX = "dpprof rank "
 
