@@ -29,7 +29,7 @@ process CPU time per step (all threads), and the calling thread's CPU time added
 recording's own start and close (creating the file; the last commit and the findings at close)
 are outside the blocks and reported once.
 
-    python bench/overhead.py [--rounds 10] [--workers 2] [--only cifar-lenet|mlp] [--device cpu|cuda]
+    python bench/overhead.py [--rounds 16] [--workers 2] [--only cifar-lenet|mlp] [--device cpu|cuda]
 """
 from __future__ import annotations
 
@@ -257,7 +257,7 @@ def where_time_goes(step: Step, workers: int, reports_dir: str, cuda: bool) -> N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=16)  # the rounds move by +-250 us on the MLP: fewer say little
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--only", choices=["cifar-lenet", "mlp"])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
