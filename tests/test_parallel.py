@@ -1042,6 +1042,30 @@ def test_workers_are_long_lived_threads(workers):
     _assert_no_new_threads(before)
 
 
+def _forward_on_workers_in_child(conn) -> None:
+    net = nn.Linear(4, 4)
+    x = torch.randn(8, 4)
+    out = dpprof.DataParallel(net, W(2))(x)
+    conn.send(torch.allclose(out, net(x)))
+
+
+def test_a_forked_child_starts_workers_of_its_own():
+    # the parent's worker threads do not exist in a forked child (a DataLoader worker, a
+    # multiprocessing pool): a forward there must start new ones, not wait on the parent's queues
+    import multiprocessing
+
+    dpprof.DataParallel(nn.Linear(4, 4), W(2))(torch.randn(8, 4))  # the parent's workers are running
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_forward_on_workers_in_child, args=(child,))
+    proc.start()
+    proc.join(60)
+    if proc.is_alive():
+        proc.kill()
+        pytest.fail("the forked child's forward on CPU workers never returned")
+    assert proc.exitcode == 0 and parent.recv() is True
+
+
 def test_a_data_parallel_inside_a_replica_runs_on_threads_of_its_own():
     # the workers are busy with the outer call: the inner one must not wait for them
     class Outer(nn.Module):
