@@ -10,7 +10,7 @@ import torch
 from dpprof import charts
 from dpprof.devices import check_balance, chunk_sizes, cpu_info, inventory
 from dpprof.nvml import Nvml, NvmlUnavailable
-from dpprof.parallel.devices import resolve_devices
+from dpprof.device_ids import resolve_devices
 from app_pages import common
 
 st.title("Devices")

@@ -86,7 +86,7 @@ def _table(df: pd.DataFrame, float_format: str = "{:.3f}") -> str:
 def _cmd_profile(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from dpprof.parallel.devices import resolve_devices
+    from dpprof.device_ids import resolve_devices
     from dpprof.workloads import build_workload, train, user_workload
 
     if args.steps < 1:
@@ -135,7 +135,7 @@ def _profile_ddp(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise UsageError(f"--nproc must be positive, got {args.nproc}")
     from dpprof.ddp_worker import FAILED_PREFIX
-    from dpprof.parallel.devices import is_cpu_worker_list
+    from dpprof.device_ids import is_cpu_worker_list
 
     on_gpus = not is_cpu_worker_list(parse_devices(args.devices))  # --devices cuda or 0,1: each rank on a GPU
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
@@ -380,7 +380,7 @@ def _checked_devices(device_ids: list | None) -> list[str]:
     import torch
 
     from dpprof.devices import inventory
-    from dpprof.parallel.devices import resolve_devices
+    from dpprof.device_ids import resolve_devices
 
     if device_ids is None:
         if not torch.cuda.is_available() or torch.cuda.device_count() == 0:

@@ -29,7 +29,7 @@ from dpprof.nvml import DEFAULT_SAMPLE_HZ
 from dpprof.parallel import distributed as _ddp
 from dpprof.parallel.data_parallel import DataParallel as _DataParallel
 from dpprof.parallel.data_parallel import data_parallel as _data_parallel
-from dpprof.parallel.devices import cpu_devices, resolve_devices
+from dpprof.device_ids import cpu_devices, resolve_devices
 from dpprof.parallel.probe import iter_tensors
 from dpprof.recording import Run, record
 

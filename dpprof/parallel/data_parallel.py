@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.nn import Module
 
-from dpprof.parallel.devices import DeviceLike, DeviceSet, resolve_devices
+from dpprof.device_ids import DeviceLike, DeviceSet, resolve_devices
 from dpprof.parallel.parallel_apply import parallel_apply
 from dpprof.parallel.probe import ForwardProbe, MeasuredReplica, watch_backward
 from dpprof.parallel.ranges import profiler_on, profiler_range

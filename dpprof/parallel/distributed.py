@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from dpprof.parallel.devices import DeviceSet
+from dpprof.device_ids import DeviceSet
 from dpprof.parallel.probe import ForwardProbe, iter_tensors
 from dpprof.recording import Run, current_run
 from dpprof.records import CommRecord, PhaseRecord

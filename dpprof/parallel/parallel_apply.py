@@ -16,7 +16,7 @@ from torch._utils import ExceptionWrapper
 from torch.nn.parallel.parallel_apply import get_a_var
 from torch.nn.parallel.parallel_apply import parallel_apply as _torch_parallel_apply
 
-from dpprof.parallel.devices import DeviceLike, is_cpu_worker_list
+from dpprof.device_ids import DeviceLike, is_cpu_worker_list
 from dpprof.parallel.workers import on_worker_thread, run_on_workers
 
 __all__ = ["parallel_apply", "get_a_var"]

@@ -14,7 +14,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.nn import Module
 
-from dpprof.parallel.devices import DeviceSet
+from dpprof.device_ids import DeviceSet
 from dpprof.parallel.ranges import profiler_range
 from dpprof.records import AllocatorRecord, DeviceMemoryRecord, PhaseRecord
 from dpprof.recording import Run

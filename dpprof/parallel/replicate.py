@@ -21,7 +21,7 @@ from torch.jit import ScriptModule as _ScriptModule
 from torch.nn.parallel.replicate import _replicatable_module
 from torch.nn.parallel.replicate import replicate as _torch_replicate
 
-from dpprof.parallel.devices import DeviceLike, is_cpu_worker_list
+from dpprof.device_ids import DeviceLike, is_cpu_worker_list
 
 __all__ = ["replicate"]
 

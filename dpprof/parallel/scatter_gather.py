@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import scatter_gather as _torch_sg
 
-from dpprof.parallel.devices import DeviceLike, is_cpu_worker_list
+from dpprof.device_ids import DeviceLike, is_cpu_worker_list
 
 __all__ = ["scatter", "scatter_kwargs", "scatter_sized", "gather", "check_scatter_dim"]
 

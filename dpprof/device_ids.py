@@ -1,4 +1,7 @@
-"""Device ids as torch takes them, plus CPU workers, resolved into one validated form."""
+"""Device ids as torch takes them, plus CPU workers, resolved into one validated form.
+
+A leaf below recording and parallel/: a run notes the devices a call uses, and every piece of
+parallel/ takes device ids; neither needs the other to know what a device id is."""
 from __future__ import annotations
 
 from collections.abc import Sequence

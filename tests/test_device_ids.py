@@ -1,11 +1,11 @@
-"""dpprof.parallel.devices: CPU workers and the validation of device_ids / output_device."""
+"""dpprof.device_ids: CPU workers and the validation of device_ids / output_device."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import dpprof
-from dpprof.parallel.devices import DeviceSet, is_cpu_worker_list, resolve_devices
+from dpprof.device_ids import DeviceSet, is_cpu_worker_list, resolve_devices
 
 needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts that CUDA devices are absent")
 
