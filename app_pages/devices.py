@@ -7,11 +7,11 @@ import pandas as pd
 import streamlit as st
 import torch
 
+from app_pages import common
 from dpprof import charts
+from dpprof.device_ids import resolve_devices
 from dpprof.devices import check_balance, chunk_sizes, cpu_info, inventory
 from dpprof.nvml import Nvml, NvmlUnavailable
-from dpprof.device_ids import resolve_devices
-from app_pages import common
 
 st.title("Devices")
 gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -292,8 +292,8 @@ def _cmd_runs(args: argparse.Namespace) -> int:
 def _cmd_show(args: argparse.Namespace) -> int:
     import dpprof
     from dpprof.analysis import phase_table
-    from dpprof.report import SUMMARY_COLUMNS, findings_of, summary_of
     from dpprof.findings import findings_withheld
+    from dpprof.report import SUMMARY_COLUMNS, findings_of, summary_of
     from dpprof.store.queries import median_step_ms
     from dpprof.views import display_table
 
@@ -379,8 +379,8 @@ def _checked_devices(device_ids: list | None) -> list[str]:
     """One line per device `dpprof check` looked at (none when there is no GPU to default to)."""
     import torch
 
-    from dpprof.devices import inventory
     from dpprof.device_ids import resolve_devices
+    from dpprof.devices import inventory
 
     if device_ids is None:
         if not torch.cuda.is_available() or torch.cuda.device_count() == 0:

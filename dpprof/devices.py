@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from dpprof.nvml import SLOWDOWN_REASONS, Nvml, NvmlUnavailable, throttle_names
 from dpprof.device_ids import DeviceLike, DeviceSet, resolve_devices
+from dpprof.nvml import SLOWDOWN_REASONS, Nvml, NvmlUnavailable, throttle_names
 from dpprof.records import DeviceRecord, FindingRecord
 
 __all__ = ["inventory", "check_balance", "chunk_sizes", "even_batch_sizes", "cpu_info",

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from dpprof.device_ids import cpu_devices, resolve_devices
 from dpprof.nvml import DEFAULT_SAMPLE_HZ
 from dpprof.parallel import distributed as _ddp
 from dpprof.parallel.data_parallel import DataParallel as _DataParallel
 from dpprof.parallel.data_parallel import data_parallel as _data_parallel
-from dpprof.device_ids import cpu_devices, resolve_devices
 from dpprof.parallel.probe import iter_tensors
 from dpprof.recording import Run, record
 

@@ -20,9 +20,9 @@ from typing import Any, Callable, Protocol
 import pandas as pd
 import torch
 
+from dpprof.device_ids import DeviceSet
 from dpprof.devices import inventory, nvml_handles
 from dpprof.nvml import DEFAULT_SAMPLE_HZ, GpuSampler, Nvml, NvmlUnavailable
-from dpprof.device_ids import DeviceSet
 from dpprof.records import TABLE_OF, NoteRecord, Record, StepRecord
 from dpprof.signals import Interrupted, SignalGuard, signal_name
 from dpprof.store.faults import start_failure

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpprof.device_ids import DeviceLike, resolve_devices
 from dpprof.parallel import DataParallel, DataParallelCriterion, DataParallelModel
 from dpprof.parallel.balanced import MeasuredLoss
-from dpprof.device_ids import DeviceLike, resolve_devices
 from dpprof.recording import Run, record
 
 __all__ = ["Workload", "WORKLOADS", "build_workload", "user_workload", "train", "TutorialLinear", "CifarNet",

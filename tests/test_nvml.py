@@ -10,9 +10,9 @@ from torch import nn
 
 import dpprof
 import fake_pynvml
+from dpprof.device_ids import DeviceSet
 from dpprof.devices import inventory, nvml_handles
 from dpprof.nvml import GpuSampler, Nvml
-from dpprof.device_ids import DeviceSet
 
 BUS = ["00000000:1A:00.0", "00000000:3B:00.0"]
 

@@ -1,7 +1,7 @@
 """Device-generic scatter, replicate, parallel_apply, gather, and DataParallel itself."""
+from dpprof.device_ids import cpu_devices, resolve_devices
 from dpprof.parallel.balanced import DataParallelCriterion, DataParallelModel
 from dpprof.parallel.data_parallel import DataParallel, data_parallel
-from dpprof.device_ids import cpu_devices, resolve_devices
 from dpprof.parallel.distributed import DistributedDataParallel
 from dpprof.parallel.parallel_apply import parallel_apply
 from dpprof.parallel.replicate import replicate

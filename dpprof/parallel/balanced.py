@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpprof.parallel.data_parallel import _HOST_LABEL, DataParallel
 from dpprof.device_ids import DeviceLike, resolve_devices
+from dpprof.parallel.data_parallel import _HOST_LABEL, DataParallel
 from dpprof.parallel.probe import ForwardProbe, MeasuredReplica, iter_tensors
 from dpprof.parallel.scatter_gather import gather, scatter_sized
 from dpprof.recording import current_run

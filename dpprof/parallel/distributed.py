@@ -12,10 +12,10 @@ import time
 from typing import Any, Callable
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from dpprof.device_ids import DeviceSet
 from dpprof.parallel.probe import ForwardProbe, iter_tensors

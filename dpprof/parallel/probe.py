@@ -16,8 +16,8 @@ from torch.nn import Module
 
 from dpprof.device_ids import DeviceSet
 from dpprof.parallel.ranges import profiler_range
-from dpprof.records import AllocatorRecord, DeviceMemoryRecord, PhaseRecord
 from dpprof.recording import Run
+from dpprof.records import AllocatorRecord, DeviceMemoryRecord, PhaseRecord
 
 __all__ = ["ForwardProbe", "MeasuredReplica", "tensor_bytes", "iter_tensors", "watch_backward"]
 

@@ -15,9 +15,9 @@ from typing import TypeVar
 
 import torch
 from torch.autograd import Function
+from torch.jit import ScriptModule as _ScriptModule
 from torch.nn import Module
 from torch.nn.modules import module as _module_hooks
-from torch.jit import ScriptModule as _ScriptModule
 from torch.nn.parallel.replicate import _replicatable_module
 from torch.nn.parallel.replicate import replicate as _torch_replicate
 
