@@ -117,8 +117,7 @@ class _StepBlock:
         with run._lock:
             if run._explicit is not None:
                 raise RuntimeError("run.step() blocks cannot be nested")
-            if run._implicit is not None:
-                run._flush_implicit()
+            run._flush_implicit()
             self.step = run._explicit = run._new_step(explicit=True)
         return self.step.index
 
@@ -264,8 +263,7 @@ class Run:
         return step
 
     def _close_step(self, step: _Step, end_ns: int) -> None:
-        if self._pending:
-            self.resolve_pending(block=False)
+        self.resolve_pending(block=False)
         # positional: StepRecord(step, start_ms, duration_ms, batch_size, devices_used, forward_calls, explicit)
         self.sink.put(StepRecord(step.index, (step.start_ns - self._t0_ns) / 1e6, (end_ns - step.start_ns) / 1e6,
                                  step.batch_size, step.devices_used, step.calls, step.explicit))
@@ -320,6 +318,8 @@ class Run:
         self._pending.append(pending)
 
     def resolve_pending(self, block: bool) -> None:
+        if not self._pending:  # every CPU step: nothing to build a new list for
+            return
         still = []
         for item in self._pending:
             if not item.try_emit(self, block):

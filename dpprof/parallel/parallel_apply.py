@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
@@ -53,12 +54,12 @@ def _cpu_parallel_apply(modules: Sequence[Callable[..., Any]], inputs: Sequence[
         def run() -> Any:
             torch.set_grad_enabled(grad_enabled)
             args = input if isinstance(input, (list, tuple)) else (input,)
+            # autocast off here and in the caller: entering autocast(enabled=False) would change nothing
+            autocast = (torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_enabled)
+                        if autocast_enabled or torch.is_autocast_enabled("cpu") else nullcontext())
             try:
-                if autocast_enabled or torch.is_autocast_enabled("cpu"):
-                    with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_enabled):
-                        return module(*args, **kwargs)
-                # autocast off here and in the caller: entering autocast(enabled=False) would change nothing
-                return module(*args, **kwargs)
+                with autocast:
+                    return module(*args, **kwargs)
             except Exception:
                 return ExceptionWrapper(where=f"in replica {i} on device {_cpu_label(device)}")
         return run

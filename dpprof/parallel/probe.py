@@ -218,22 +218,6 @@ def watch_backward(output: Any, probe: ForwardProbe | None, label: str) -> None:
             t.register_hook(watch.on_grad)
 
 
-class _Phase:
-    """The timing of one phase: a plain context manager (this is on every step's path)."""
-
-    __slots__ = ("probe", "name", "label", "t0", "ev0")
-
-    def __init__(self, probe: ForwardProbe, name: str, label: str) -> None:
-        self.probe, self.name, self.label = probe, name, label
-
-    def __enter__(self) -> None:
-        self.ev0 = self.probe.start_event(self.label)
-        self.t0 = time.perf_counter_ns()
-
-    def __exit__(self, *exc: object) -> None:
-        self.probe.finish_phase(self.name, self.label, self.t0, self.ev0)
-
-
 class ForwardProbe:
     """Measurements of one DataParallel forward call inside a run."""
 
@@ -257,11 +241,7 @@ class ForwardProbe:
             for index in self.cuda_indices:
                 torch.cuda.reset_peak_memory_stats(index)
 
-    # time
-    def phase(self, name: str, label: str) -> _Phase:
-        """``with probe.phase("scatter", "cuda:0"):`` times the block as that phase on that device."""
-        return _Phase(self, name, label)
-
+    # time: a phase is start_event (CUDA only) and a host clock reading, then finish_phase
     def start_event(self, label: str) -> torch.cuda.Event | None:
         """A phase's starting CUDA event on the device ``label`` names (None on CPU workers or the host)."""
         return _cuda_event(_cuda_index(label)) if self.cuda_indices else None
@@ -391,18 +371,13 @@ class MeasuredReplica:
             probe = self.probe
             if probe is None:
                 return self.module(*args, **kwargs)
-            site = (self.label, self.phase, id(probe.root))
-            if probe.cuda_indices:
-                with probe.phase(self.phase, self.label):
-                    output, activation_bytes = probe.call_counting_activations(
-                        self.module, self.module, args, kwargs, site=site)
-            else:
-                t0 = time.perf_counter_ns()
-                try:
-                    output, activation_bytes = probe.call_counting_activations(
-                        self.module, self.module, args, kwargs, site=site)
-                finally:
-                    probe.finish_phase(self.phase, self.label, t0, None)
+            ev0 = probe.start_event(self.label)
+            t0 = time.perf_counter_ns()
+            try:
+                output, activation_bytes = probe.call_counting_activations(
+                    self.module, self.module, args, kwargs, site=(self.label, self.phase, id(probe.root)))
+            finally:
+                probe.finish_phase(self.phase, self.label, t0, ev0)
             probe.applied.append((self.label, args, kwargs, output, activation_bytes, self.shared_args,
                                   self.phase == "apply"))
             return output
