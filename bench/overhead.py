@@ -27,13 +27,16 @@ rounds of each round's ratio to ``off`` and of the microseconds it adds per step
 half of the rounds, the machine's noise: a ratio is not printed where that spans zero), the
 process CPU time per step (all threads), and the calling thread's CPU time added per step. A
 recording's own start and close (creating the file; the last commit and the findings at close)
-are outside the blocks and reported once.
+are outside the blocks and reported once, with the collection of the garbage the arm left (every
+arm ends with gc.collect(), so no arm's block pays for another's: torch.profiler's parsed trace is
+cyclic garbage, and the first recording block after it used to pay 70-150 ms to collect it).
 
     python bench/overhead.py [--rounds 16] [--workers 2] [--only cifar-lenet|mlp] [--device cpu|cuda]
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import tempfile
@@ -167,6 +170,11 @@ def measure(step: Step, workers: int, rounds: int, reports_dir: str,
         for k in order:
             t0 = time.perf_counter()
             steps_s, cpu, settle_s, caller = runners[k]()
+            # the arm's cyclic garbage (torch.profiler's parsed trace, a run's findings) is collected now and
+            # counted in its once-per-recording time: left alone, it is collected in whichever later block
+            # first allocates enough to start a collection (70-150 ms seen), and the recording arms, which
+            # allocate, paid for the profiler's trace while `off` did not
+            gc.collect()
             wall = time.perf_counter() - t0
             out[k]["step_s"].append(steps_s / n)
             out[k]["cpu_s"].append(cpu / n)
@@ -234,7 +242,8 @@ def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str
         print(f"  dpprof / torch.profiler: {rec / prof:.2f} of the profiler's added time (aim: <= 0.5)")
     once = {k: statistics.median(out[k]["once_s"]) * 1e3 for k in ("off", "dpprof", "torch.profiler")}
     print(f"  once per recording: dpprof {once['dpprof'] - once['off']:.1f} ms (create the file; at close the last"
-          f" commit and the findings), torch.profiler {once['torch.profiler'] - once['off']:.1f} ms")
+          f" commit and the findings; its garbage collected), torch.profiler {once['torch.profiler'] - once['off']:.1f} ms"
+          " (its trace parsed, then collected)")
 
 
 def where_time_goes(step: Step, workers: int, reports_dir: str, cuda: bool) -> None:

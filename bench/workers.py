@@ -12,13 +12,19 @@ Measures, on 2 CPU workers (no recording):
   module and for dpprof.DataParallel on the workers: the calling thread, the two workers, and the
   rest (the calling thread's OpenMP team, which spins between parallel regions). Linux only.
 
+- how long the calling thread's OpenMP helper spins after one parallel region (the process's CPU
+  time while the caller sleeps after a large add), and what that does to the tutorial's CIFAR-10
+  Net (batch 256, no grad): its two halves on the workers with nothing run on the caller before,
+  the same right after a parallel op on the caller, and dpprof.DataParallel, whose replicate copies
+  the largest weight (48,000 elements, a parallel op) just before the workers start.
+
 What it shows is the floor under bench/overhead.py's CPU-workers-vs-plain ratio on a step that
 fixed costs dominate: every torch op releases the GIL and takes it back, and with two replicas
 running Python at once each op can wait for the other thread to be woken and give the GIL up;
 and on a machine with as many cores as workers, the calling thread's OpenMP helpers compete with
 the workers for the cores.
 
-    python bench/workers.py [--calls 3000]
+    python bench/workers.py [--calls 3000] [--steps 3000] [--forwards 60]
 """
 from __future__ import annotations
 
@@ -85,10 +91,58 @@ def _cpu_by_thread(model: nn.Module, net: nn.Module, steps: int) -> None:
         print(f"    {name:14s} {wall * per:7.1f} us: {mine * per:7.1f} / {on_workers * per:7.1f} / {rest * per:7.1f} us")
 
 
+def _median_ms(fn, calls: int) -> float:
+    for _ in range(max(2, calls // 10)):
+        fn()
+    times = []
+    for _ in range(calls):
+        t0 = _now()
+        fn()
+        times.append(_now() - t0)
+    return statistics.median(times) / 1e6
+
+
+def _openmp_spin(calls: int) -> None:
+    """The calling thread's OpenMP helper spinning after a parallel region, and the cost to CPU workers."""
+    from dpprof.workloads import build_workload
+
+    big = torch.ones(4_000_000)
+    spun = []
+    for _ in range(5):
+        big.add_(1)  # a parallel region: the helper works, then spins waiting for the next one
+        c0 = time.process_time()
+        time.sleep(0.05)
+        spun.append(time.process_time() - c0)
+    print(f"  the calling thread's OpenMP helper after one parallel region: {statistics.median(spun) * 1e3:.1f} ms"
+          " of CPU spinning in the next 50 ms (the caller asleep)")
+    w = build_workload("cifar-lenet", 256)
+    (x,), _ = next(w.batches())
+    halves = [h.contiguous() for h in x.chunk(2)]
+    net = dpprof.DataParallel(w.model, dpprof.cpu_devices(2))
+    tasks = [lambda: w.model(halves[0]), lambda: w.model(halves[1])]
+
+    def after_parallel_op() -> None:
+        big.add_(1)
+        run_on_workers([0, 1], tasks)
+
+    with torch.no_grad():
+        plain = _median_ms(lambda: w.model(x), calls)
+        quiet = _median_ms(lambda: run_on_workers([0, 1], tasks), calls)
+        t_op = _median_ms(lambda: big.add_(1), calls)
+        noisy = _median_ms(after_parallel_op, calls) - t_op
+        dp = _median_ms(lambda: net(x), calls)
+    print(f"  CIFAR-10 Net forward, batch 256, no grad (medians of {calls} calls):")
+    print(f"    plain module on the caller ({torch.get_num_threads()} intra-op threads):      {plain:6.2f} ms")
+    print(f"    two halves on 2 workers, nothing run on the caller before: {quiet:6.2f} ms")
+    print(f"    the same right after a parallel op on the caller:         {noisy:6.2f} ms (the op's own time taken off)")
+    print(f"    dpprof.DataParallel (replicate's copies, then the workers): {dp:6.2f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--steps", type=int, default=3000, help="training steps for the CPU-by-thread figures")
+    parser.add_argument("--forwards", type=int, default=60, help="CIFAR-10 Net forward calls per figure")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
@@ -141,6 +195,7 @@ def main() -> None:
     print(f"    the whole call:                                        {_median_us([r[4] for r in rows]):7.1f} us"
           f" (the two replicas one after the other on the caller: {2 * _median_us(alone):.1f} us)")
     _cpu_by_thread(model, dpprof.DataParallel(model, dpprof.cpu_devices(2)), args.steps)
+    _openmp_spin(args.forwards)
 
 
 if __name__ == "__main__":

@@ -1066,6 +1066,41 @@ def test_a_forked_child_starts_workers_of_its_own():
     assert proc.exitcode == 0 and parent.recv() is True
 
 
+_THREAD_SHARE_SCRIPT = """
+import torch, dpprof
+from torch import nn
+
+torch.set_num_threads(4)
+asked = []
+
+class Counts(nn.Linear):
+    ask = False
+
+    def forward(self, x):
+        if Counts.ask:
+            asked.append(torch.get_num_threads())  # on the replica's worker
+        return super().forward(x)
+
+net = dpprof.DataParallel(Counts(4, 4), dpprof.cpu_devices(2))
+net(torch.randn(8, 4))  # the workers' first call: every op too small to run in parallel
+Counts.ask = True
+net(torch.randn(8, 4)).sum().backward()
+print(sorted(asked), torch.get_num_threads())
+"""
+
+
+def test_each_worker_keeps_its_share_of_the_intra_op_threads():
+    # two workers of a caller with 4 intra-op threads run with 2 each, also when their first call ran
+    # no op in parallel (torch would then set a worker's count to the caller's on its first parallel
+    # op), and the caller keeps its 4; a fresh process, so that no earlier test has started the workers
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _THREAD_SHARE_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "[2, 2] 4"
+
+
 def test_a_data_parallel_inside_a_replica_runs_on_threads_of_its_own():
     # the workers are busy with the outer call: the inner one must not wait for them
     class Outer(nn.Module):

@@ -37,6 +37,11 @@ class _Escaped:
 def _serve(index: int, tasks: queue.SimpleQueue) -> None:
     """A worker's thread: run each task it is handed, in order, and put (slot, result) on the call's queue."""
     _local.index = index
+    # torch sets a thread's intra-op count from its process-wide count on the thread's first parallel op
+    # (at::internal::lazy_init_num_threads); asking for the count does that now, so that the share set
+    # below is not replaced later by the caller's count (a worker whose first ops were all too small to
+    # run in parallel went on to run its larger ones with as many threads as the caller)
+    torch.get_num_threads()
     while True:
         threads, task, slot, done = tasks.get()
         if threads:
