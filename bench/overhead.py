@@ -24,20 +24,24 @@ there for what the arm before it left behind (seen: whichever recording arm came
 round, reverses, so no arm is always first or always after the same arm. Reported per arm: the mean step over its blocks
 (what a user pays, periodic work such as the writer's commits included), the median over
 rounds of each round's ratio to ``off`` and of the microseconds it adds per step (with the middle
-half of the rounds, the machine's noise: a ratio is not printed where that spans zero), the
-process CPU time per step (all threads), and the calling thread's CPU time added per step. A
+half of the rounds: how far the machine's noise moves one round), the process CPU time per step
+(all threads), and the calling thread's CPU time added per step. For dpprof's added share of a
+step and its ratio to torch.profiler's added time, a 95% interval: the rounds resampled (paired)
+2,000 times. No ratio is printed where the profiler's added time cannot be told from zero. A
 recording's own start and close (creating the file; the last commit and the findings at close)
 are outside the blocks and reported once, with the collection of the garbage the arm left (every
 arm ends with gc.collect(), so no arm's block pays for another's: torch.profiler's parsed trace is
 cyclic garbage, and the first recording block after it used to pay 70-150 ms to collect it).
 
-    python bench/overhead.py [--rounds 16] [--workers 2] [--only cifar-lenet|mlp] [--device cpu|cuda]
+    python bench/overhead.py [--rounds N] [--workers 2] [--only cifar-lenet|mlp] [--device cpu|cuda]
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -63,11 +67,12 @@ class Step:
     criterion: nn.Module
     batches: Callable[[], Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]]]
     block_steps: int  # about a second of steps on cifar-lenet: each dpprof block sees the writer commit
+    rounds: int  # default rounds: the MLP's rounds are short and move by +-250 us a step, so it gets more
 
 
 def _cifar() -> Step:
     w = build_workload("cifar-lenet", 256)
-    return Step("cifar-lenet, batch 256", w.model, w.criterion, w.batches, 40)
+    return Step("cifar-lenet, batch 256", w.model, w.criterion, w.batches, 40, 16)
 
 
 def _mlp() -> Step:
@@ -79,7 +84,7 @@ def _mlp() -> Step:
         while True:
             yield (x,), y
 
-    return Step("MLP 64-128-128-10, batch 64", model, nn.CrossEntropyLoss(), batches, 300)
+    return Step("MLP 64-128-128-10, batch 64", model, nn.CrossEntropyLoss(), batches, 300, 40)
 
 
 def _on_gpu(step: Step) -> Step:
@@ -95,7 +100,8 @@ def _on_gpu(step: Step) -> Step:
             yield (x,), y
 
     # a GPU step is several times shorter: blocks of about a second again, so each sees the writer commit
-    return Step(step.name, step.model, step.criterion, batches, step.block_steps * (6 if step.block_steps < 100 else 2))
+    return Step(step.name, step.model, step.criterion, batches, step.block_steps * (6 if step.block_steps < 100 else 2),
+                step.rounds)
 
 
 def _steps(net: nn.Module, step: Step, optimizer: torch.optim.Optimizer, batches, n: int, run=None) -> None:
@@ -183,6 +189,18 @@ def measure(step: Step, workers: int, rounds: int, reports_dir: str,
     return out
 
 
+BOOTSTRAP = 2000  # resamples of the rounds for a median's 95% interval
+
+
+def _interval(rounds: int, stat: Callable[[list[int]], float]) -> tuple[float, float]:
+    """The 95% interval of ``stat`` over the rounds resampled with replacement, a resample keeping each
+    round's arms together (the rounds are paired: noise moves a round's arms alike). Seeded: the same
+    rounds give the same interval."""
+    rng = random.Random(0)
+    values = sorted(stat(rng.choices(range(rounds), k=rounds)) for _ in range(BOOTSTRAP))
+    return values[int(0.025 * BOOTSTRAP)], values[int(0.975 * BOOTSTRAP) - 1]
+
+
 def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str, list[float]]],
            cuda: bool = False) -> None:
     def paired(k: str, field: str, f: Callable[[float, float], float]) -> float:
@@ -200,9 +218,8 @@ def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str
         q = quartiles(k)
         return f"  [{q[0]:+.0f}, {q[1]:+.0f}]" if q else ""
 
-    def within_noise(k: str) -> bool:
-        q = quartiles(k)
-        return q is not None and q[0] < 0 < q[1]
+    def added_s(k: str) -> list[float]:
+        return [a - b for a, b in zip(out[k]["step_s"], out["off"]["step_s"])]
 
     where = f"GPU 0 ({torch.cuda.get_device_name(0)})" if cuda else f"{workers} CPU workers"
     print(f"\n{name} on {where}: {rounds} rounds x {n} steps per arm")
@@ -234,12 +251,21 @@ def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str
           + ", ".join(f"{k} {v:+.1f} us" for k, v in callers.items()) + " (median of rounds)")
     print(f"  dpprof per step: {rec:+.1f} us = timing and memory accounting {mem:+.1f} us"
           f" + the run file's writer {rec - mem:+.1f} us")
-    noisy = [k for k in ("dpprof", "torch.profiler") if within_noise(k)]
-    if noisy:
-        print(f"  dpprof / torch.profiler: not measurable here: the middle half of the rounds' added time spans"
-              f" zero for {' and '.join(noisy)}")
-    elif prof > 0:
-        print(f"  dpprof / torch.profiler: {rec / prof:.2f} of the profiler's added time (aim: <= 0.5)")
+    ratios = [a / b - 1 for a, b in zip(out["dpprof"]["step_s"], out["off"]["step_s"])]
+    lo, hi = _interval(len(ratios), lambda idx: statistics.median(ratios[i] for i in idx))
+    print(f"  dpprof adds {statistics.median(ratios):+.2%} a step (95% interval of that median: {lo:+.2%} to {hi:+.2%})")
+    ours, theirs = added_s("dpprof"), added_s("torch.profiler")
+
+    def share(idx: list[int]) -> float:
+        den = statistics.median(theirs[i] for i in idx)
+        return statistics.median(ours[i] for i in idx) / den if den > 0 else math.inf
+
+    lo, hi = _interval(len(ours), share)
+    if prof <= 0 or math.isinf(hi):
+        print("  dpprof / torch.profiler: not measurable here: the profiler's added time cannot be told from zero")
+    else:
+        print(f"  dpprof / torch.profiler: {rec / prof:.2f} of the profiler's added time (95% interval {lo:.2f} to"
+              f" {hi:.2f}; aim: <= 0.5)")
     once = {k: statistics.median(out[k]["once_s"]) * 1e3 for k in ("off", "dpprof", "torch.profiler")}
     print(f"  once per recording: dpprof {once['dpprof'] - once['off']:.1f} ms (create the file; at close the last"
           f" commit and the findings; its garbage collected), torch.profiler {once['torch.profiler'] - once['off']:.1f} ms"
@@ -266,7 +292,7 @@ def where_time_goes(step: Step, workers: int, reports_dir: str, cuda: bool) -> N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=16)  # the rounds move by +-250 us on the MLP: fewer say little
+    parser.add_argument("--rounds", type=int, help="rounds per step (default: 16 on cifar-lenet, 40 on the MLP)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--only", choices=["cifar-lenet", "mlp"])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -286,8 +312,9 @@ def main() -> None:
         if args.only in (None, key):
             step = _on_gpu(make()) if cuda else make()
             with tempfile.TemporaryDirectory(prefix="dpprof-bench-") as reports_dir:  # not the user's reports/
-                out = measure(step, args.workers, args.rounds, reports_dir, cuda)
-                report(step.name, args.workers, args.rounds, step.block_steps, out, cuda)
+                rounds = args.rounds or step.rounds
+                out = measure(step, args.workers, rounds, reports_dir, cuda)
+                report(step.name, args.workers, rounds, step.block_steps, out, cuda)
                 if args.cprofile:
                     where_time_goes(step, args.workers, reports_dir, cuda)
 
