@@ -15,8 +15,9 @@ Measures, on 2 CPU workers (no recording):
 - how long the calling thread's OpenMP helper spins after one parallel region (the process's CPU
   time while the caller sleeps after a large add), and what that does to the tutorial's CIFAR-10
   Net (batch 256, no grad): its two halves on the workers with nothing run on the caller before,
-  the same right after a parallel op on the caller, and dpprof.DataParallel, whose replicate copies
-  the largest weight (48,000 elements, a parallel op) just before the workers start.
+  the same right after a parallel op on the caller, and dpprof.DataParallel, whose replicas copy
+  the largest weight (48,000 elements, a copy torch makes with several threads) on their own
+  workers (made on the caller, it left the helper spinning as the workers started).
 
 What it shows is the floor under bench/overhead.py's CPU-workers-vs-plain ratio on a step that
 fixed costs dominate: every torch op releases the GIL and takes it back, and with two replicas
@@ -135,7 +136,7 @@ def _openmp_spin(calls: int) -> None:
     print(f"    plain module on the caller ({torch.get_num_threads()} intra-op threads):      {plain:6.2f} ms")
     print(f"    two halves on 2 workers, nothing run on the caller before: {quiet:6.2f} ms")
     print(f"    the same right after a parallel op on the caller:         {noisy:6.2f} ms (the op's own time taken off)")
-    print(f"    dpprof.DataParallel (replicate's copies, then the workers): {dp:6.2f} ms")
+    print(f"    dpprof.DataParallel (its replicas copy on their workers):   {dp:6.2f} ms")
 
 
 def main() -> None:

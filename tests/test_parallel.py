@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import importlib
 import io
 import re
 import threading
@@ -15,6 +16,7 @@ import warnings
 import weakref
 from collections import OrderedDict, namedtuple
 from contextlib import contextmanager, nullcontext
+from itertools import chain
 
 import pytest
 import torch
@@ -1101,21 +1103,97 @@ def test_each_worker_keeps_its_share_of_the_intra_op_threads():
     assert done.stdout.split("\n")[0] == "[2, 2] 4"
 
 
-def test_a_data_parallel_inside_a_replica_runs_on_threads_of_its_own():
-    # the workers are busy with the outer call: the inner one must not wait for them
+@contextmanager
+def _intra_op_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("features", [4, 256])  # 256 x 256: a copy torch makes with several threads
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_data_parallel_inside_a_replica_runs_on_threads_of_its_own(features, grad):
+    # the workers are busy with the outer call: the inner one (its forward, and without grad its
+    # replicas' large copies too) must not wait for them. Run on a thread of its own, so that a
+    # deadlock fails the test rather than hanging the suite.
     class Outer(nn.Module):
         def __init__(self):
             super().__init__()
-            self.inner = nn.Linear(4, 4)
+            self.inner = nn.Linear(features, features)
+            # a replica's parameters are plain attributes, which the inner replicate does not copy;
+            # its buffers it copies
+            self.inner.register_buffer("table", torch.randn(features, features))
 
         def forward(self, x):
             return dpprof.data_parallel(self.inner, x, W(2))
 
     torch.manual_seed(0)
     outer = Outer()
-    x = torch.randn(8, 4)
-    out = dpprof.DataParallel(outer, W(2))(x)
-    torch.testing.assert_close(out, outer.inner(x))
+    x = torch.randn(8, features)
+    result = {}
+
+    def call() -> None:
+        # 4 threads: each worker's share is 2, so the inner call, on a worker, would copy in parallel
+        with _intra_op_threads(4), torch.set_grad_enabled(grad):
+            result["out"] = dpprof.DataParallel(outer, W(2))(x)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive(), "the inner DataParallel waited on the busy workers"
+    with torch.no_grad():
+        torch.testing.assert_close(result["out"], outer.inner(x))
+
+
+def _replica_tensors(replica: nn.Module) -> dict[str, torch.Tensor]:
+    """A replica's parameters (plain attributes, kept in _former_parameters) and buffers, by qualified name."""
+    out = {}
+    for prefix, m in replica.named_modules():
+        for key, t in chain(m._former_parameters.items(), m._buffers.items()):
+            if t is not None:
+                out[f"{prefix}.{key}" if prefix else key] = t
+    return out
+
+
+@pytest.mark.parametrize("features, on_workers", [(8, False), (256, True)])
+def test_no_grad_replicas_make_large_copies_on_their_own_workers(features, on_workers, monkeypatch):
+    # a parallel copy on the calling thread leaves its OpenMP helpers spinning on the cores the
+    # workers need next: without grad, a replica's copies large enough for torch to make with
+    # several threads (256 x 256 = 65,536 elements) are made on that replica's worker; small
+    # ones stay on the calling thread, where a hand-off would cost more than the copy
+    replicate_module = importlib.import_module("dpprof.parallel.replicate")
+    real = replicate_module.run_on_workers
+    made_on: list[str] = []
+
+    def noting(indices, tasks):
+        def where(task):
+            def run():
+                made_on.append(threading.current_thread().name)
+                return task()
+            return run
+        return real(indices, [where(t) for t in tasks])
+
+    monkeypatch.setattr(replicate_module, "run_on_workers", noting)
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(features, features), nn.BatchNorm1d(features))
+    x = torch.randn(6, features)
+    with _intra_op_threads(2), torch.no_grad():
+        replicas = dpprof.replicate(module, W(2), detach=True)
+    assert sorted(made_on) == (["dpprof-cpu:0", "dpprof-cpu:1"] if on_workers else [])
+    # replica 0 shares the module's tensors, replica 1 holds equal copies of its own; none takes part in autograd
+    for name, t in chain(module.named_parameters(), module.named_buffers()):
+        first, second = (_replica_tensors(r)[name] for r in replicas)
+        assert first.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+        assert second.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+        assert torch.equal(second, t)
+        assert not second.requires_grad and second.grad_fn is None
+    module.eval()
+    with _intra_op_threads(2), torch.no_grad():
+        torch.testing.assert_close(dpprof.DataParallel(module, W(2))(x), module(x))
+    assert len(made_on) == (4 if on_workers else 0)  # the forward's replicate went the same way
 
 
 # the functional form

@@ -4,7 +4,8 @@ On CPU workers replicate does what torch's Broadcast does across GPUs: replica 0
 device_ids[0], shares the module's parameters and buffers (its parameters are differentiable
 views), and every other replica holds its own copies, paid for in the replicate phase's time
 and memory as a GPU pays for them. Backward sums the replicas' gradients into the module's
-.grad (sparse ones too).
+.grad (sparse ones too). Without grad, a replica whose copies are large enough for torch to make
+with several threads makes them on its own worker (see _detached_copies).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from torch.nn.parallel.replicate import _replicatable_module
 from torch.nn.parallel.replicate import replicate as _torch_replicate
 
 from dpprof.device_ids import DeviceLike, is_cpu_worker_list
+from dpprof.parallel.workers import on_worker_thread, run_on_workers
 
 __all__ = ["replicate"]
 
@@ -57,13 +59,14 @@ class CpuBroadcast(Function):
         return (None, *sums)
 
 
-def _cpu_copies(tensors: list[torch.Tensor], num_replicas: int, detach: bool) -> list[list[torch.Tensor]]:
-    """Per-replica lists of parameter-like tensors: replica 0's views, the others' copies
-    (differentiable unless detach)."""
+# torch copies a tensor of at least this many elements with its intra-op threads (at::internal::GRAIN_SIZE)
+PARALLEL_COPY_NUMEL = 32768
+
+
+def _cpu_copies(tensors: list[torch.Tensor], num_replicas: int) -> list[list[torch.Tensor]]:
+    """Per-replica lists of parameter-like tensors: replica 0's views, the others' differentiable copies."""
     if not tensors:
         return [[] for _ in range(num_replicas)]
-    if detach:
-        return [[t.detach() if j == 0 else t.detach().clone() for t in tensors] for j in range(num_replicas)]
     flat = CpuBroadcast.apply(num_replicas, *tensors)
     n = len(tensors)
     return [list(flat[j * n:(j + 1) * n]) for j in range(num_replicas)]
@@ -72,6 +75,33 @@ def _cpu_copies(tensors: list[torch.Tensor], num_replicas: int, detach: bool) ->
 def _cpu_buffer_copies(buffers: list[torch.Tensor], num_replicas: int) -> list[list[torch.Tensor]]:
     """Replica 0 shares each buffer (in-place updates persist); the others get copies, as on GPUs."""
     return [list(buffers) if j == 0 else [b.detach().clone() for b in buffers] for j in range(num_replicas)]
+
+
+def _detached_copies(params: list[torch.Tensor], buffers: list[torch.Tensor],
+                     workers: list[int]) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """A no-grad replicate's per-replica parameters and buffers: replica 0 the module's own (parameters
+    detached), every other replica copies.
+
+    Where a copy is large enough for torch to make it with several threads, each replica's copies are
+    made on its own worker, with that worker's share of the threads, as a GPU receives its broadcast:
+    a parallel op on the calling thread leaves the calling thread's OpenMP helpers spinning for
+    milliseconds (~8 ms measured), on the cores the workers need for the forward that comes next
+    (bench/workers.py: the CIFAR-10 Net's forward on 2 workers took 17-18 ms after copies made on
+    the calling thread, 9.4-11.3 ms after copies made on the workers). With grad on, training has
+    parallel ops on the calling thread every step anyway (backward, the optimizer).
+    """
+    first = ([t.detach() for t in params], list(buffers))
+
+    def copies() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [t.detach().clone() for t in params], [b.detach().clone() for b in buffers]
+
+    n = len(workers)
+    if (n > 1 and torch.get_num_threads() > 1 and not on_worker_thread()
+            and any(t.numel() >= PARALLEL_COPY_NUMEL for t in chain(params, buffers))):
+        per_replica = run_on_workers(workers, [lambda: first] + [copies] * (n - 1))
+    else:
+        per_replica = [first] + [copies() for _ in range(n - 1)]
+    return [p for p, _ in per_replica], [b for _, b in per_replica]
 
 
 def _module_copy_by_torch(module: Module) -> Module:
@@ -103,7 +133,8 @@ def _plain_setattr(module: Module) -> bool:
             and not _module_hooks._global_buffer_registration_hooks)
 
 
-def _cpu_replicate(network: T, num_replicas: int, detach: bool) -> list[T]:
+def _cpu_replicate(network: T, workers: list[int], detach: bool) -> list[T]:
+    num_replicas = len(workers)
     # Copy the modules first: a lazy module refuses here with torch's RuntimeError, before
     # any uninitialized parameter is touched.
     modules = list(network.modules())
@@ -135,14 +166,16 @@ def _cpu_replicate(network: T, num_replicas: int, detach: bool) -> list[T]:
     for t in chain(param_list, buffers):
         if not t.is_cpu:
             raise RuntimeError(f"cannot replicate onto CPU workers: a parameter or buffer is on {t.device}")
-    param_copies = _cpu_copies(param_list, num_replicas, detach)
-
     buffers_rg = [b for b in buffers if b.requires_grad and not detach]
     buffers_not_rg = [b for b in buffers if not (b.requires_grad and not detach)]
     rg_indices = {id(b): i for i, b in enumerate(buffers_rg)}
     not_rg_indices = {id(b): i for i, b in enumerate(buffers_not_rg)}
-    rg_copies = _cpu_copies(buffers_rg, num_replicas, detach=False)
-    not_rg_copies = _cpu_buffer_copies(buffers_not_rg, num_replicas)
+    if detach:
+        param_copies, not_rg_copies = _detached_copies(param_list, buffers_not_rg, workers)
+    else:
+        param_copies = _cpu_copies(param_list, num_replicas)
+        not_rg_copies = _cpu_buffer_copies(buffers_not_rg, num_replicas)
+    rg_copies = _cpu_copies(buffers_rg, num_replicas)
 
     for i, module in enumerate(modules):
         direct = _plain_setattr(module)
@@ -192,4 +225,4 @@ def replicate(network: T, devices: Sequence[DeviceLike], detach: bool = False) -
         if not _replicatable_module(network):
             raise RuntimeError("Cannot replicate network where python modules are children of ScriptModule")
         return []
-    return _cpu_replicate(network, len(devices), detach)
+    return _cpu_replicate(network, [torch.device(d).index or 0 for d in devices], detach)
