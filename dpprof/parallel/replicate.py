@@ -86,8 +86,8 @@ def _detached_copies(params: list[torch.Tensor], buffers: list[torch.Tensor],
     made on its own worker, with that worker's share of the threads, as a GPU receives its broadcast:
     a parallel op on the calling thread leaves the calling thread's OpenMP helpers spinning for
     milliseconds (~8 ms measured), on the cores the workers need for the forward that comes next
-    (bench/workers.py: the CIFAR-10 Net's forward on 2 workers took 17-18 ms after copies made on
-    the calling thread, 9.4-11.3 ms after copies made on the workers). With grad on, training has
+    (bench/workers.py: the CIFAR-10 Net's forward on 2 workers took 17-20 ms after copies made on
+    the calling thread, 9.8-10.7 ms after copies made on the workers). With grad on, training has
     parallel ops on the calling thread every step anyway (backward, the optimizer).
     """
     first = ([t.detach() for t in params], list(buffers))
@@ -98,6 +98,8 @@ def _detached_copies(params: list[torch.Tensor], buffers: list[torch.Tensor],
     n = len(workers)
     if (n > 1 and torch.get_num_threads() > 1 and not on_worker_thread()
             and any(t.numel() >= PARALLEL_COPY_NUMEL for t in chain(params, buffers))):
+        # worker 0 too, with nothing to copy: a call over every worker gives each the share the
+        # forward gives it, where a call without worker 0 would change every worker's thread count
         per_replica = run_on_workers(workers, [lambda: first] + [copies] * (n - 1))
     else:
         per_replica = [first] + [copies() for _ in range(n - 1)]
