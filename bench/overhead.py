@@ -203,12 +203,16 @@ def _interval(rounds: int, stat: Callable[[list[int]], float]) -> tuple[float, f
 
 def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str, list[float]]],
            cuda: bool = False) -> None:
+    def per_round(k: str, field: str, f: Callable[[float, float], float]) -> list[float]:
+        """Each round's ``f(arm k, off)``: the rounds are paired, noise moves a round's arms alike."""
+        return [f(a, b) for a, b in zip(out[k][field], out["off"][field])]
+
     def paired(k: str, field: str, f: Callable[[float, float], float]) -> float:
-        return statistics.median(f(a, b) for a, b in zip(out[k][field], out["off"][field]))
+        return statistics.median(per_round(k, field, f))
 
     def quartiles(k: str) -> tuple[float, float] | None:
         """The middle half of the rounds' added microseconds: how far the machine's noise moves them."""
-        added = [(a - b) * 1e6 for a, b in zip(out[k]["step_s"], out["off"]["step_s"])]
+        added = per_round(k, "step_s", lambda a, b: (a - b) * 1e6)
         if len(added) < 4:
             return None
         q1, _, q3 = statistics.quantiles(added, n=4)
@@ -217,9 +221,6 @@ def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str
     def spread(k: str) -> str:
         q = quartiles(k)
         return f"  [{q[0]:+.0f}, {q[1]:+.0f}]" if q else ""
-
-    def added_s(k: str) -> list[float]:
-        return [a - b for a, b in zip(out[k]["step_s"], out["off"]["step_s"])]
 
     where = f"GPU 0 ({torch.cuda.get_device_name(0)})" if cuda else f"{workers} CPU workers"
     print(f"\n{name} on {where}: {rounds} rounds x {n} steps per arm")
@@ -251,13 +252,14 @@ def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str
           + ", ".join(f"{k} {v:+.1f} us" for k, v in callers.items()) + " (median of rounds)")
     print(f"  dpprof per step: {rec:+.1f} us = timing and memory accounting {mem:+.1f} us"
           f" + the run file's writer {rec - mem:+.1f} us")
-    ratios = [a / b - 1 for a, b in zip(out["dpprof"]["step_s"], out["off"]["step_s"])]
+    ratios = per_round("dpprof", "step_s", lambda a, b: a / b - 1)
     lo, hi = _interval(len(ratios), lambda idx: statistics.median(ratios[i] for i in idx))
     print(f"  dpprof adds {statistics.median(ratios):+.2%} a step (95% interval of that median: {lo:+.2%} to {hi:+.2%})")
-    ours, theirs = added_s("dpprof"), added_s("torch.profiler")
+    ours = per_round("dpprof", "step_s", lambda a, b: a - b)
+    profilers = per_round("torch.profiler", "step_s", lambda a, b: a - b)
 
     def share(idx: list[int]) -> float:
-        den = statistics.median(theirs[i] for i in idx)
+        den = statistics.median(profilers[i] for i in idx)
         return statistics.median(ours[i] for i in idx) / den if den > 0 else math.inf
 
     lo, hi = _interval(len(ours), share)
