@@ -18,7 +18,7 @@ from torch.nn.parallel.parallel_apply import get_a_var
 from torch.nn.parallel.parallel_apply import parallel_apply as _torch_parallel_apply
 
 from dpprof.device_ids import DeviceLike, is_cpu_worker_list
-from dpprof.parallel.workers import on_worker_thread, run_on_workers
+from dpprof.parallel.workers import on_worker_thread, run_on_workers, worker_index
 
 __all__ = ["parallel_apply", "get_a_var"]
 
@@ -73,15 +73,11 @@ def _cpu_parallel_apply(modules: Sequence[Callable[..., Any]], inputs: Sequence[
         # call gets threads of its own, as torch's parallel_apply always does
         outputs = _on_new_threads(tasks)
     else:
-        outputs = run_on_workers([_worker_index(d) for d in devices], tasks)
+        outputs = run_on_workers([worker_index(d) for d in devices], tasks)
     for output in outputs:
         if isinstance(output, ExceptionWrapper):
             output.reraise()
     return outputs
-
-
-def _worker_index(device: DeviceLike) -> int:
-    return device if isinstance(device, int) else torch.device(device).index or 0
 
 
 def _on_new_threads(tasks: Sequence[Callable[[], Any]]) -> list[Any]:

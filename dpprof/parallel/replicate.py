@@ -23,7 +23,7 @@ from torch.nn.parallel.replicate import _replicatable_module
 from torch.nn.parallel.replicate import replicate as _torch_replicate
 
 from dpprof.device_ids import DeviceLike, is_cpu_worker_list
-from dpprof.parallel.workers import on_worker_thread, run_on_workers
+from dpprof.parallel.workers import on_worker_thread, run_on_workers, worker_index
 
 __all__ = ["replicate"]
 
@@ -227,4 +227,4 @@ def replicate(network: T, devices: Sequence[DeviceLike], detach: bool = False) -
         if not _replicatable_module(network):
             raise RuntimeError("Cannot replicate network where python modules are children of ScriptModule")
         return []
-    return _cpu_replicate(network, [torch.device(d).index or 0 for d in devices], detach)
+    return _cpu_replicate(network, [worker_index(d) for d in devices], detach)

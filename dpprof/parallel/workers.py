@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["run_on_workers", "on_worker_thread"]
+__all__ = ["run_on_workers", "on_worker_thread", "worker_index"]
 
 _local = threading.local()  # .index: set on a worker's own thread
 
@@ -91,6 +91,11 @@ def _worker(index: int) -> _Worker:
             if worker is None:
                 worker = _workers[index] = _Worker(index)
     return worker
+
+
+def worker_index(device: int | str | torch.device) -> int:
+    """The CPU worker a device id names: N for N, "cpu:N" or torch.device("cpu", N); 0 for a bare "cpu"."""
+    return device if isinstance(device, int) else torch.device(device).index or 0
 
 
 def on_worker_thread() -> bool:
