@@ -43,6 +43,7 @@ import math
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -275,7 +276,9 @@ def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str
 
 
 def where_time_goes(step: Step, workers: int, reports_dir: str, cuda: bool) -> None:
-    """One block of the dpprof arm under cProfile (the calling thread only): the top functions by own time."""
+    """One block of the dpprof arm under cProfile: the top functions by own time. Python 3.11's cProfile sees
+    the calling thread only; from 3.12 it is built on sys.monitoring and sees every thread (the writer's
+    and NVML sampler's calls then appear beside the step's)."""
     import cProfile
     import pstats
 
@@ -288,7 +291,8 @@ def where_time_goes(step: Step, workers: int, reports_dir: str, cuda: bool) -> N
         profiler.enable()
         _steps(net, step, optimizer, batches, step.block_steps, run)
         profiler.disable()
-    print(f"  cProfile of {step.block_steps} recorded steps (calling thread), top 25 by own time:")
+    threads = "every thread" if sys.version_info >= (3, 12) else "calling thread"
+    print(f"  cProfile of {step.block_steps} recorded steps ({threads}), top 25 by own time:")
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 

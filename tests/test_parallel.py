@@ -1103,6 +1103,71 @@ def test_each_worker_keeps_its_share_of_the_intra_op_threads():
     assert done.stdout.split("\n")[0] == "[2, 2] 4"
 
 
+_RELEASE_SCRIPT = """
+import os, sys, time
+import torch
+import dpprof.parallel.workers as W
+
+if W._omp_pause is None or not os.path.isdir("/proc/self/task"):
+    print("no omp_pause_resource_all or no /proc")
+    sys.exit(0)
+torch.set_num_threads(2)
+W.PAUSE_AFTER_S = 0.05  # calls of 0.1 s count as long; hand-offs of nothing stay short on a loaded machine
+x = torch.randn(1 << 20)
+
+
+def threads(expect=None):
+    # the caller's helper leaves the process just after omp_pause_resource_all returns
+    for _ in range(100):
+        n = len(os.listdir("/proc/self/task"))
+        if expect is None or n == expect:
+            break
+        time.sleep(0.02)
+    return n
+
+
+def short():
+    return None
+
+
+def long():
+    time.sleep(0.1)
+
+
+for _ in range(3):
+    W.run_on_workers([0, 1], [short, short])  # the workers started, and three short calls
+x.add_(1.0)  # 1M elements: torch adds with both intra-op threads, the caller's OpenMP helper among them
+with_helper = threads()
+W.run_on_workers([0, 1], [short, short])
+after_short = threads()
+for _ in range(3):
+    W.run_on_workers([0, 1], [long, long])
+x.add_(1.0)
+kept = threads()
+W.run_on_workers([0, 1], [short, short])  # follows three long calls: the helper is released first
+released = threads(with_helper - 1)
+x.add_(1.0)  # and started again by the caller's next parallel op
+print(with_helper, after_short, kept, released, threads(with_helper))
+"""
+
+
+def test_the_caller_releases_its_openmp_helpers_before_a_call_that_follows_long_ones():
+    # the caller's OpenMP helper spins for milliseconds after each of the caller's parallel ops, on
+    # the cores the workers need: a call after long calls releases it, one after short calls does not
+    # (starting it again would cost more than its spin); a fresh process, so that no other thread
+    # shares the count
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _RELEASE_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    if done.stdout.startswith("no "):
+        pytest.skip(done.stdout.strip())
+    with_helper, after_short, kept, released, again = map(int, done.stdout.split())
+    assert after_short == kept == again == with_helper
+    assert released == with_helper - 1
+
+
 @contextmanager
 def _intra_op_threads(n: int):
     before = torch.get_num_threads()
@@ -1168,13 +1233,13 @@ def test_no_grad_replicas_make_large_copies_on_their_own_workers(features, on_wo
     real = replicate_module.run_on_workers
     made_on: list[str] = []
 
-    def noting(indices, tasks):
+    def noting(indices, tasks, kind=None):
         def where(task):
             def run():
                 made_on.append(threading.current_thread().name)
                 return task()
             return run
-        return real(indices, [where(t) for t in tasks])
+        return real(indices, [where(t) for t in tasks], kind)
 
     monkeypatch.setattr(replicate_module, "run_on_workers", noting)
     torch.manual_seed(0)

@@ -18,6 +18,7 @@ from torch.nn.parallel.parallel_apply import get_a_var
 from torch.nn.parallel.parallel_apply import parallel_apply as _torch_parallel_apply
 
 from dpprof.device_ids import DeviceLike, is_cpu_worker_list
+from dpprof.parallel.probe import MeasuredReplica
 from dpprof.parallel.workers import on_worker_thread, run_on_workers, worker_index
 
 __all__ = ["parallel_apply", "get_a_var"]
@@ -73,7 +74,10 @@ def _cpu_parallel_apply(modules: Sequence[Callable[..., Any]], inputs: Sequence[
         # call gets threads of its own, as torch's parallel_apply always does
         outputs = _on_new_threads(tasks)
     else:
-        outputs = run_on_workers([worker_index(d) for d in devices], tasks)
+        # calls alike in length are calls of one class of module (a model's forward, a criterion's)
+        first = modules[0]
+        kind = type(first.module) if isinstance(first, MeasuredReplica) else type(first)
+        outputs = run_on_workers([worker_index(d) for d in devices], tasks, kind)
     for output in outputs:
         if isinstance(output, ExceptionWrapper):
             output.reraise()

@@ -100,7 +100,7 @@ def _detached_copies(params: list[torch.Tensor], buffers: list[torch.Tensor],
             and any(t.numel() >= PARALLEL_COPY_NUMEL for t in chain(params, buffers))):
         # worker 0 too, with nothing to copy: a call over every worker gives each the share the
         # forward gives it, where a call without worker 0 would change every worker's thread count
-        per_replica = run_on_workers(workers, [lambda: first] + [copies] * (n - 1))
+        per_replica = run_on_workers(workers, [lambda: first] + [copies] * (n - 1), "replicate")
     else:
         per_replica = [first] + [copies() for _ in range(n - 1)]
     return [p for p, _ in per_replica], [b for _, b in per_replica]

@@ -9,13 +9,22 @@ lock in C each way (a concurrent.futures executor costs twice the time, in Pytho
 Each worker runs its ops with its share of the intra-op threads (the caller's count divided by
 the number of workers in the call, at least one): two workers on two cores compute side by
 side, like two GPUs, instead of each forking a team as large as the machine.
+
+The caller's own OpenMP helper threads spin for milliseconds after each of the caller's parallel
+ops (libgomp's default wait policy; ~8 ms on a 2-core machine), on the cores the workers need
+next: the optimizer's step, then the next forward's replicas. Before a long call the caller
+releases them (omp_pause_resource_all, OpenMP 5.0); its next parallel op starts them again,
+which costs ~0.2 ms, so a call is preceded by the release only when the calls before it took
+longer than PAUSE_AFTER_S.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +32,30 @@ import torch
 __all__ = ["run_on_workers", "on_worker_thread", "worker_index"]
 
 _local = threading.local()  # .index: set on a worker's own thread
+
+# A call that follows calls at least this long (the last PAUSE_WINDOW of them: one slow call, a hiccup
+# between short ones, does not count) releases the caller's OpenMP helper threads first: their spin
+# costs the workers up to ~8 ms of a core, starting them again ~0.2 ms of the caller's.
+PAUSE_AFTER_S = 0.002
+PAUSE_WINDOW = 3
+_OMP_PAUSE_SOFT = 1  # omp_pause_resource_t's omp_pause_soft
+
+
+def _find_omp_pause() -> Callable[[int], int] | None:
+    """omp_pause_resource_all of the OpenMP runtime torch loaded (libgomp, LLVM's or Intel's), or None."""
+    try:
+        pause = ctypes.CDLL(None).omp_pause_resource_all
+    except (AttributeError, OSError, TypeError):  # no such symbol, or no process-wide lookup (Windows)
+        return None
+    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    return pause
+
+
+_omp_pause = _find_omp_pause()
+# how long the last PAUSE_WINDOW run_on_workers calls of each kind waited, oldest first (a kind's first
+# calls release): a model's forward is judged by its forwards, not by a criterion's calls or the copies
+# made between them
+_recent_s: dict[Hashable, list[float]] = {}
 
 
 class _Escaped:
@@ -103,13 +136,22 @@ def on_worker_thread() -> bool:
     return getattr(_local, "index", None) is not None
 
 
-def run_on_workers(indices: Sequence[int], tasks: Sequence[Callable[[], Any]]) -> list[Any]:
+def run_on_workers(indices: Sequence[int], tasks: Sequence[Callable[[], Any]],
+                   kind: Hashable = None) -> list[Any]:
     """Run ``tasks[i]`` on CPU worker ``indices[i]``'s thread, all at once; their results in order.
 
     A task's exception is its result's business: tasks are expected to catch and wrap their own
     (parallel_apply's ExceptionWrapper); one that escapes is re-raised here, after every task ended.
+    ``kind`` names calls alike in length, whose last durations decide whether the caller releases its
+    OpenMP helper threads first.
     """
     share = max(1, torch.get_num_threads() // max(1, len(indices)))
+    recent = _recent_s.get(kind)
+    if recent is None:
+        recent = _recent_s.setdefault(kind, [float("inf")] * PAUSE_WINDOW)
+    if _omp_pause is not None and min(recent) >= PAUSE_AFTER_S:
+        _omp_pause(_OMP_PAUSE_SOFT)  # the caller's helper threads exit; a no-op where it has none
+    t0 = time.perf_counter()
     done: queue.SimpleQueue = queue.SimpleQueue()
     resized = False
     n = 0
@@ -125,6 +167,8 @@ def run_on_workers(indices: Sequence[int], tasks: Sequence[Callable[[], Any]]) -
     for _ in range(n):
         slot, result = done.get()
         results[slot] = result
+    recent.append(time.perf_counter() - t0)
+    del recent[0]
     if resized:
         torch.set_num_threads(torch.get_num_threads())  # the caller's own count, for threads started later
     for result in results:
