@@ -241,13 +241,17 @@ def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str
     rec = paired("dpprof", "step_s", lambda a, b: (a - b) * 1e6)
     mem = paired("memory", "step_s", lambda a, b: (a - b) * 1e6)
     prof = paired("torch.profiler", "step_s", lambda a, b: (a - b) * 1e6)
-    workers_ratio = statistics.median(o / p for o, p in zip(out["off"]["step_s"], out["plain"]["step_s"]))
+    workers_ratios = [o / p for o, p in zip(out["off"]["step_s"], out["plain"]["step_s"])]
+    workers_ratio = statistics.median(workers_ratios)
     if cuda:
         theirs = statistics.median(o / p for o, p in zip(out["off"]["step_s"], out["torch DataParallel"]["step_s"]))
         print(f"  dpprof.DataParallel off / plain module: {workers_ratio:.3f}x; / torch.nn.DataParallel: {theirs:.3f}x"
               " (medians of rounds)")
     else:
-        print(f"  CPU workers / plain module: {workers_ratio:.2f}x (median of rounds)")
+        lo, hi = _interval(len(workers_ratios), lambda idx: statistics.median(workers_ratios[i] for i in idx))
+        of_means = statistics.fmean(out["off"]["step_s"]) / statistics.fmean(out["plain"]["step_s"])
+        print(f"  CPU workers / plain module: {workers_ratio:.2f}x (median of rounds; 95% interval {lo:.2f}x to"
+              f" {hi:.2f}x); of the mean steps: {of_means:.2f}x")
     callers = {k: paired(k, "caller_s", lambda a, b: (a - b) * 1e6) for k in ("memory", "dpprof", "torch.profiler")}
     print("  the calling thread's CPU added per step: "
           + ", ".join(f"{k} {v:+.1f} us" for k, v in callers.items()) + " (median of rounds)")

@@ -15,9 +15,11 @@ Measures, on 2 CPU workers (no recording):
 - how long the calling thread's OpenMP helper spins after one parallel region (the process's CPU
   time while the caller sleeps after a large add), and what that does to the tutorial's CIFAR-10
   Net (batch 256, no grad): its two halves on the workers with nothing run on the caller before,
-  the same right after a parallel op on the caller, and dpprof.DataParallel, whose replicas copy
-  the largest weight (48,000 elements, a copy torch makes with several threads) on their own
-  workers (made on the caller, it left the helper spinning as the workers started).
+  the same right after a parallel op on the caller, with the helper left spinning and with the
+  caller releasing it first (what run_on_workers does after long calls), and dpprof.DataParallel,
+  whose replicas copy the largest weight (48,000 elements, a copy torch makes with several
+  threads) on their own workers (made on the caller, it left the helper spinning as the workers
+  started).
 
 What it shows is the floor under bench/overhead.py's CPU-workers-vs-plain ratio on a step that
 fixed costs dominate: every torch op releases the GIL and takes it back, and with two replicas
@@ -39,6 +41,7 @@ import torch
 from torch import nn
 
 import dpprof
+from dpprof.parallel import workers
 from dpprof.parallel.workers import run_on_workers
 
 _now = time.perf_counter_ns
@@ -130,12 +133,19 @@ def _openmp_spin(calls: int) -> None:
         plain = _median_ms(lambda: w.model(x), calls)
         quiet = _median_ms(lambda: run_on_workers([0, 1], tasks), calls)
         t_op = _median_ms(lambda: big.add_(1), calls)
-        noisy = _median_ms(after_parallel_op, calls) - t_op
+        released = _median_ms(after_parallel_op, calls) - t_op
+        pause_after, workers.PAUSE_AFTER_S = workers.PAUSE_AFTER_S, float("inf")
+        try:
+            noisy = _median_ms(after_parallel_op, calls) - t_op
+        finally:
+            workers.PAUSE_AFTER_S = pause_after
         dp = _median_ms(lambda: net(x), calls)
     print(f"  CIFAR-10 Net forward, batch 256, no grad (medians of {calls} calls):")
     print(f"    plain module on the caller ({torch.get_num_threads()} intra-op threads):      {plain:6.2f} ms")
     print(f"    two halves on 2 workers, nothing run on the caller before: {quiet:6.2f} ms")
     print(f"    the same right after a parallel op on the caller:         {noisy:6.2f} ms (the op's own time taken off)")
+    print(f"    the same, the caller releasing its helper first:           {released:6.2f} ms (the helper's restart"
+          " included)")
     print(f"    dpprof.DataParallel (its replicas copy on their workers):   {dp:6.2f} ms")
 
 
