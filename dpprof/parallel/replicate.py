@@ -87,8 +87,9 @@ def _detached_copies(params: list[torch.Tensor], buffers: list[torch.Tensor],
     a parallel op on the calling thread leaves the calling thread's OpenMP helpers spinning for
     milliseconds (~8 ms measured), on the cores the workers need for the forward that comes next
     (bench/workers.py: the CIFAR-10 Net's forward on 2 workers took 17-20 ms after copies made on
-    the calling thread, 9.8-10.7 ms after copies made on the workers). With grad on, training has
-    parallel ops on the calling thread every step anyway (backward, the optimizer).
+    the calling thread, 9.8-10.7 ms after copies made on the workers). With grad on, the copies are
+    autograd's broadcast on the calling thread, as are backward and the optimizer's step; the helpers
+    they leave spinning are released before the forward's hand-off (dpprof.parallel.workers).
     """
     first = ([t.detach() for t in params], list(buffers))
 
