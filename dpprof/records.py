@@ -63,7 +63,7 @@ class DeviceMemoryRecord:
 @dataclass(frozen=True, slots=True)
 class AllocatorRecord:
     """The CUDA caching allocator's view of one device at the end of a phase: of each replica's apply (on its
-    device) and of backward (on every device)."""
+    device) and of backward (on every device); of a DDP rank's forward and backward (its GPU, as "rank:N")."""
 
     step: int
     call: int

@@ -191,6 +191,17 @@ def test_two_ddp_ranks_share_one_gpu_over_gloo():
     assert set(comms["device"]) == {"rank:0", "rank:1"}
     params = 62006 * 4
     assert comms[comms["step"] == 5].groupby("device")["bucket_bytes"].sum().tolist() == [params, params]
+    # each rank's own allocator (one process each): forward and backward of every step, the peak at least
+    # the weights and their gradients, and at least what is allocated at that moment
+    alloc = run.allocator
+    assert sorted(alloc.groupby(["device", "phase"]).size().items()) == [
+        (("rank:0", "backward"), 6), (("rank:0", "forward"), 6), (("rank:1", "backward"), 6), (("rank:1", "forward"), 6)]
+    assert (alloc["peak_allocated_bytes"] >= alloc["allocated_bytes"]).all()
+    assert (alloc[alloc["phase"] == "backward"]["allocated_bytes"] >= 2 * params).all()
+    assert (alloc["reserved_bytes"] >= alloc["peak_allocated_bytes"]).all()
+    from dpprof.report import summary_of
+
+    assert summary_of(run).loc[["rank:0", "rank:1"], "peak_allocated_bytes"].gt(2 * params).all()
     if torch.cuda.device_count() < 2:
         # both ranks hold memory on the one GPU: each rank's NVML samples see the other's as another process's
         samples = run.gpu_samples

@@ -3,7 +3,9 @@
 Per rank and step: the gap before the step (data loading), forward, backward, each gradient
 bucket's all-reduce (through a communication hook that wraps the default all-reduce or the
 user's own hook, timing launch and completion), the time backward waits for the last
-all-reduce, and the optimizer step. The rank is the device axis ("rank:N").
+all-reduce, and the optimizer step. The rank is the device axis ("rank:N"). A rank whose module
+is on a GPU also records its process's caching-allocator counters at the end of forward and of
+backward, the peak counted from the step's start.
 """
 from __future__ import annotations
 
@@ -18,9 +20,9 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from dpprof.device_ids import DeviceSet
-from dpprof.parallel.probe import ForwardProbe, iter_tensors
+from dpprof.parallel.probe import ForwardProbe, allocator_bytes, iter_tensors
 from dpprof.recording import Run, current_run
-from dpprof.records import CommRecord, PhaseRecord
+from dpprof.records import AllocatorRecord, CommRecord, PhaseRecord
 
 __all__ = ["DistributedDataParallel"]
 
@@ -54,12 +56,15 @@ def _install_optimizer_hooks() -> None:
 class _RankProbe:
     """One recorded DDP step on one rank."""
 
-    def __init__(self, run: Run, rank: int, previous: _RankProbe | None) -> None:
+    def __init__(self, run: Run, rank: int, previous: _RankProbe | None, cuda_index: int | None = None) -> None:
         self.run = run
         self.devices = DeviceSet("rank", (rank,), rank)
         self.label = self.devices.label(rank)
         self.forward = ForwardProbe(run, self.devices, self.label, dim=0)
         self.step = self.forward.step
+        self.cuda_index = cuda_index  # the GPU this rank's module is on (None: on the CPU)
+        if cuda_index is not None and self.forward.call == 0:
+            torch.cuda.reset_peak_memory_stats(cuda_index)  # the step's peak, as DataParallel records it
         self.previous_end_ns = previous.last_end_ns if previous is not None else None
         self.last_end_ns = time.perf_counter_ns()
         self.optimizer_t0: int | None = None
@@ -74,6 +79,12 @@ class _RankProbe:
                                   start_ms=self.run.ms(t0), duration_ms=(t1 - t0) / 1e6))
         self.step.touch(t1)
         self.last_end_ns = max(self.last_end_ns, t1)
+
+    def read_allocator(self, phase: str) -> None:
+        """The caching allocator's allocated, peak and reserved bytes on this rank's GPU, now."""
+        if self.cuda_index is not None:
+            allocated, peak, reserved = allocator_bytes(self.cuda_index)
+            self.run.emit(AllocatorRecord(self.step.index, 0, self.label, phase, allocated, peak, reserved))
 
     def launched(self, launch_ns: int) -> None:
         with self.lock:
@@ -105,6 +116,7 @@ class _RankProbe:
         self.phase_done("backward", t0, end)
         self.phase_done("backward_compute", t0, last_launch)
         self.phase_done("comm_wait", last_launch, end)
+        self.read_allocator("backward")
 
 
 def _timed_hook(owner: DistributedDataParallel, inner: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
@@ -150,6 +162,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        first = next(self.module.parameters(), None)
+        self.__dict__["_dpprof_cuda"] = first.device.index if first is not None and first.is_cuda else None
         self.__dict__["_dpprof_probe"] = None
         self.__dict__["_dpprof_hooked"] = False
         self.__dict__["_dpprof_previous"] = None
@@ -172,7 +186,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         previous: _RankProbe | None = self.__dict__["_dpprof_previous"]
         if previous is not None and previous.run is not run:
             previous = None
-        probe = _RankProbe(run, dist.get_rank(self.process_group) if dist.is_initialized() else 0, previous)
+        probe = _RankProbe(run, dist.get_rank(self.process_group) if dist.is_initialized() else 0, previous,
+                           self.__dict__["_dpprof_cuda"])
         self.__dict__["_dpprof_probe"] = probe
         self.__dict__["_dpprof_previous"] = probe
         _latest["probe"] = probe
@@ -184,6 +199,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             output, activation_bytes = probe.forward.call_counting_activations(super().forward, self.module,
                                                                                inputs, kwargs)
         probe.phase_done("forward", t0, time.perf_counter_ns())
+        probe.read_allocator("forward")
         probe.forward.note_device(probe.label, inputs, kwargs, output, activation_bytes)
         probe.forward.end(self.module, used=1)
         self._watch_backward(probe, output)

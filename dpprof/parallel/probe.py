@@ -19,7 +19,7 @@ from dpprof.parallel.ranges import profiler_range
 from dpprof.recording import Run
 from dpprof.records import AllocatorRecord, DeviceMemoryRecord, PhaseRecord
 
-__all__ = ["ForwardProbe", "MeasuredReplica", "tensor_bytes", "iter_tensors", "watch_backward"]
+__all__ = ["ForwardProbe", "MeasuredReplica", "tensor_bytes", "iter_tensors", "watch_backward", "allocator_bytes"]
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -115,7 +115,7 @@ def _release_events(index: int, *events: torch.cuda.Event) -> None:
 _ALLOCATOR_READS = {"apply": False, "backward": True}  # phase -> every device (else the phase's own)
 
 
-def _allocator_bytes(index: int) -> tuple[int, int, int]:
+def allocator_bytes(index: int) -> tuple[int, int, int]:
     """(allocated, peak allocated, reserved) bytes of the caching allocator on one GPU, from one read
     of its counters: torch.cuda.memory_allocated and its siblings each flatten and sort every
     statistic the allocator keeps, which costs ~100 us a call."""
@@ -271,7 +271,7 @@ class ForwardProbe:
         if every is None:
             return
         for i in self.cuda_indices if every else (index,):
-            allocated, peak, reserved = _allocator_bytes(i)
+            allocated, peak, reserved = allocator_bytes(i)
             run.emit(AllocatorRecord(self.step.index, self.call, f"cuda:{i}", name, allocated, peak, reserved))
 
     def weight_storages(self, module: Module) -> set[int]:

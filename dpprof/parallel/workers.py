@@ -42,7 +42,9 @@ _OMP_PAUSE_SOFT = 1  # omp_pause_resource_t's omp_pause_soft
 
 
 def _find_omp_pause() -> Callable[[int], int] | None:
-    """omp_pause_resource_all of the OpenMP runtime torch loaded (libgomp, LLVM's or Intel's), or None."""
+    """omp_pause_resource_all of the OpenMP runtime torch loaded, or None. libgomp's releases the calling
+    thread's own helpers (its thread pool) and nothing else; LLVM's and Intel's put idle threads to sleep
+    until the next parallel region."""
     try:
         pause = ctypes.CDLL(None).omp_pause_resource_all
     except (AttributeError, OSError, TypeError):  # no such symbol, or no process-wide lookup (Windows)
