@@ -55,6 +55,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import dpprof
+from dpprof.parallel import workers as cpu_workers
 from dpprof.workloads import build_workload
 
 ARMS = ("plain", "off", "memory", "dpprof", "torch.profiler")
@@ -315,9 +316,11 @@ def main() -> None:
         parser.error("--device cuda: no CUDA GPU is visible here")
     steps = {"cifar-lenet": _cifar, "mlp": _mlp}
     spin = os.environ.get("GOMP_SPINCOUNT")
+    released = ("the caller's OpenMP helpers released before long worker calls" if cpu_workers._omp_pause is not None
+                else "no omp_pause_resource_all found: the caller's OpenMP helpers are never released")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads"
           + (f", GOMP_SPINCOUNT={spin}" if spin else "")
-          + (f", {torch.cuda.get_device_name(0)}" if cuda else ""))
+          + (f", {torch.cuda.get_device_name(0)}" if cuda else f"; {released}"))
     for key, make in steps.items():
         if args.only in (None, key):
             step = _on_gpu(make()) if cuda else make()
