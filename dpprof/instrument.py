@@ -150,7 +150,7 @@ class DistributedDataParallel(_SessionForward, _ddp.DistributedDataParallel, met
     def __getstate__(self) -> dict[str, Any]:
         """torch's DDP state: dpprof's attributes dropped, its timing hook unwrapped to the user's own."""
         state = super().__getstate__()
-        for key in ("_dpprof_probe", "_dpprof_hooked", "_dpprof_previous"):
+        for key in ("_dpprof_cuda", "_dpprof_probe", "_dpprof_hooked", "_dpprof_previous"):
             state.pop(key, None)
         hooks = []
         for hook, hook_state in state.get("_comm_hooks", []):
@@ -164,7 +164,8 @@ class DistributedDataParallel(_SessionForward, _ddp.DistributedDataParallel, met
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.__dict__.update(_dpprof_probe=None, _dpprof_hooked=False, _dpprof_previous=None)
+        self.__dict__.update(_dpprof_cuda=_ddp.gpu_of(self.module), _dpprof_probe=None, _dpprof_hooked=False,
+                             _dpprof_previous=None)
 
     __reduce_ex__ = _reduce
 

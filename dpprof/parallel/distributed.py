@@ -119,6 +119,12 @@ class _RankProbe:
         self.read_allocator("backward")
 
 
+def gpu_of(module: torch.nn.Module) -> int | None:
+    """The index of the GPU a module's parameters are on (its first parameter's), or None."""
+    first = next(module.parameters(), None)
+    return first.device.index if first is not None and first.is_cuda else None
+
+
 def _timed_hook(owner: DistributedDataParallel, inner: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     """Wrap a DDP communication hook so each bucket's launch and completion are recorded."""
 
@@ -162,8 +168,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        first = next(self.module.parameters(), None)
-        self.__dict__["_dpprof_cuda"] = first.device.index if first is not None and first.is_cuda else None
+        self.__dict__["_dpprof_cuda"] = gpu_of(self.module)
         self.__dict__["_dpprof_probe"] = None
         self.__dict__["_dpprof_hooked"] = False
         self.__dict__["_dpprof_previous"] = None
@@ -187,7 +192,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         if previous is not None and previous.run is not run:
             previous = None
         probe = _RankProbe(run, dist.get_rank(self.process_group) if dist.is_initialized() else 0, previous,
-                           self.__dict__["_dpprof_cuda"])
+                           self.__dict__.get("_dpprof_cuda"))
         self.__dict__["_dpprof_probe"] = probe
         self.__dict__["_dpprof_previous"] = probe
         _latest["probe"] = probe
