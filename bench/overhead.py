@@ -203,6 +203,11 @@ def _interval(rounds: int, stat: Callable[[list[int]], float]) -> tuple[float, f
     return values[int(0.025 * BOOTSTRAP)], values[int(0.975 * BOOTSTRAP) - 1]
 
 
+def _median_interval(values: list[float]) -> tuple[float, float]:
+    """The 95% interval of the median of per-round ``values``."""
+    return _interval(len(values), lambda idx: statistics.median(values[i] for i in idx))
+
+
 def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str, list[float]]],
            cuda: bool = False) -> None:
     def per_round(k: str, field: str, f: Callable[[float, float], float]) -> list[float]:
@@ -249,7 +254,7 @@ def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str
         print(f"  dpprof.DataParallel off / plain module: {workers_ratio:.3f}x; / torch.nn.DataParallel: {theirs:.3f}x"
               " (medians of rounds)")
     else:
-        lo, hi = _interval(len(workers_ratios), lambda idx: statistics.median(workers_ratios[i] for i in idx))
+        lo, hi = _median_interval(workers_ratios)
         of_means = statistics.fmean(out["off"]["step_s"]) / statistics.fmean(out["plain"]["step_s"])
         print(f"  CPU workers / plain module: {workers_ratio:.2f}x (median of rounds; 95% interval {lo:.2f}x to"
               f" {hi:.2f}x); of the mean steps: {of_means:.2f}x")
@@ -259,7 +264,7 @@ def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str
     print(f"  dpprof per step: {rec:+.1f} us = timing and memory accounting {mem:+.1f} us"
           f" + the run file's writer {rec - mem:+.1f} us")
     ratios = per_round("dpprof", "step_s", lambda a, b: a / b - 1)
-    lo, hi = _interval(len(ratios), lambda idx: statistics.median(ratios[i] for i in idx))
+    lo, hi = _median_interval(ratios)
     print(f"  dpprof adds {statistics.median(ratios):+.2%} a step (95% interval of that median: {lo:+.2%} to {hi:+.2%})")
     ours = per_round("dpprof", "step_s", lambda a, b: a - b)
     profilers = per_round("torch.profiler", "step_s", lambda a, b: a - b)
