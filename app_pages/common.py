@@ -19,8 +19,10 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from dpprof import views
 from dpprof.export import to_csv_bytes
+from dpprof import views
+from dpprof.views import export
+from dpprof.views.text import display_table, run_label, sentence
 from dpprof.store.faults import RecordingError
 from dpprof.store.reader import list_runs, load_run, reports_dir
 from dpprof.store.writer import check_reports_dir
@@ -81,32 +83,29 @@ def readable(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 @st.cache_data(show_spinner="Reading the run…", max_entries=128)
-def _view(name: str, path: str, signature: tuple, *args: Any) -> Any:
-    return getattr(views, name)(load_run(path), *args)
+def _view(_fn: Callable[..., Any], name: str, path: str, signature: tuple, *args: Any) -> Any:
+    return _fn(load_run(path), *args)
 
 
-def view(name: str, row: pd.Series, *args: Any) -> Any:
-    """dpprof.views.<name>(run, *args) for a run of the listing, cached by its file and modification time."""
+def view(fn: Callable[..., Any], row: pd.Series, *args: Any) -> Any:
+    """``fn(run, *args)`` (a function of dpprof.views) for a run of the listing, cached by the function, the run's
+    files and their modification times."""
     path = Path(row["path"])
-    return _view(name, str(path), _signature(path, row["id"]), *args)
+    return _view(fn, f"{fn.__module__}.{fn.__qualname__}", str(path), _signature(path, row["id"]), *args)
 
 
 def run_csv(row: pd.Series, table: str) -> Callable[[], bytes]:
     """A callable for st.download_button: the table's CSV, built when the button is clicked."""
     path = row["path"]
-    return lambda: views.table_csv(load_run(path), table)
+    return lambda: export.table_csv(load_run(path), table)
 
 
 def run_zip(row: pd.Series) -> Callable[[], bytes]:
     path = row["path"]
-    return lambda: views.run_zip(load_run(path))
+    return lambda: export.run_zip(load_run(path))
 
 
 # -- the chosen run ----------------------------------------------------------------------------
-
-def run_label(row: pd.Series) -> str:
-    return f"{row['name'] or row['id']} · {row['id'][-6:]} · {row['status']}"
-
 
 PICKER_KEY = "run_picker"  # the sidebar selectbox's own state
 
@@ -130,7 +129,7 @@ def sidebar_picker() -> None:
             return
         if state.get(PICKER_KEY) != state[RUN_KEY]:
             state[PICKER_KEY] = state[RUN_KEY]  # another page chose a run (set before the widget exists)
-        labels = dict(zip(ids, (run_label(r) for _, r in runs.iterrows())))
+        labels = dict(zip(ids, (run_label(r, status=True) for _, r in runs.iterrows())))
         st.selectbox("Run", ids, format_func=labels.get, key=PICKER_KEY, on_change=_picked)
     if st.query_params.get("run") != state[RUN_KEY]:
         st.query_params["run"] = state[RUN_KEY]
@@ -169,8 +168,11 @@ def run_header(row: pd.Series) -> None:
                      "computes its share of the loss, nothing is gathered")
     created = str(row["created_at"] or "")[:19].replace("T", " ")
     steps = int(row["steps"]) if pd.notna(row["steps"]) else 0
-    cols[1].caption(f"run `{row['id']}` · {row['workload'] or 'your model'} · {row['backend'] or '-'} · "
-                    f"devices {row['devices'] or '-'} · {steps:,} steps · started {created} UTC")
+    model = view(views.model_of, row)
+    cols[1].caption(f"run `{row['id']}` · {model.title} · {row['workload'] or 'your model'} · "
+                    f"{model.unit}s {', '.join(model.devices) or '-'} · {steps:,} steps · started {created} UTC")
+    if model.kind == "empty" and row["status"] != "running":
+        missing(model.empty_reason or "The run recorded no steps.")
     if row["status"] == "running":
         st.caption(f"Recording: this page re-reads the run every {REFRESH_S:.0f} s.")
     elif row["status"] == "disk_full":
@@ -236,7 +238,7 @@ def rerun_on_change(signature: Callable[[], Any]) -> None:
 def table(df: pd.DataFrame, name: str, index: bool = False, **kwargs: Any) -> None:
     """st.dataframe as people read it (units in the headers, MiB, two decimals) plus a CSV download of the same
     rows in machine values (formula-like cells neutralised)."""
-    shown = views.display_table(df.reset_index() if index else df)
+    shown = display_table(df.reset_index() if index else df)
     st.dataframe(shown, hide_index=True, **kwargs)
     csv_button(df, name, index)
 
@@ -250,6 +252,16 @@ def csv_button(df: pd.DataFrame, name: str, index: bool = False) -> None:
 def missing(text: str) -> None:
     """Data this run does not have, said in words (never an empty chart)."""
     st.info(text, icon="ℹ️")
+
+
+_BOX = {"critical": st.error, "warning": st.warning, "info": st.info}
+
+
+def finding_box(f: Any) -> None:
+    """One finding (a FindingRecord or a row with its fields) as a box coloured by its severity."""
+    where = f" · {f.device}" if isinstance(f.device, str) else ""
+    _BOX.get(f.severity, st.info)(f"**{f.severity.upper()}{where}: {f.title}**\n\n"
+                                  f"Evidence: {f.evidence}\n\nAdvice: {f.advice}")
 
 
 def chart(fig: Any) -> None:

@@ -7,19 +7,21 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from dpprof import charts, views
+from dpprof import charts
+from dpprof.views import compare
+from dpprof.views.text import display_table, run_label
 from app_pages import common
 
 st.title("Compare runs")
 runs = common.readable(common.listing())
 ids = runs["id"].tolist()
-labels = dict(zip(ids, (common.run_label(r) for _, r in runs.iterrows())))
+labels = dict(zip(ids, (run_label(r, status=True) for _, r in runs.iterrows())))
 state = st.session_state
 need = None
 if "compare_pick" not in state:  # first visit, or the Runs page chose the runs
     picked = [i for i in state.get(common.COMPARE_KEY, []) if i in ids]
     if not picked:  # the open run and the newest finished run of its workload
-        picked, need = views.default_compare(runs, state.get(common.RUN_KEY))
+        picked, need = compare.default_compare(runs, state.get(common.RUN_KEY))
     state["compare_pick"] = picked
 state["compare_pick"] = [i for i in state["compare_pick"] if i in ids]  # a run file may have gone
 chosen = st.multiselect("Runs (the first is the baseline)", ids, format_func=labels.get, key="compare_pick")
@@ -44,11 +46,11 @@ def body() -> None:
                                 "New run page."))
         return
     rows = [runs[runs["id"] == i].iloc[0] for i in chosen]
-    data = views.combine([common.view("compare_part", r) for r in rows])
+    data = compare.combine([common.view(compare.compare_part, r) for r in rows])
     st.subheader("What differs")
     st.caption(f"Against the baseline, {data.summary.iloc[0]['run']}.")
     st.markdown("\n".join(f"- {line}" for line in data.differences) or "Nothing to compare yet.")
-    shown = views.display_table(data.summary).set_index("run").T
+    shown = display_table(data.summary).set_index("run").T
     st.dataframe(shown.map(_cell), width="stretch")
     common.csv_button(data.summary, "compare_summary")
     empty = [r["run"] for _, r in data.summary.iterrows() if not r["steps"]]

@@ -47,6 +47,5 @@ else:
     if not found:
         st.success(f"No findings: {len(ids)} device(s) at batch size {batch} look balanced.")
     for f in found:
-        box = {"critical": st.error, "warning": st.warning}.get(f.severity, st.info)
-        box(f"**{f.severity.upper()}: {f.title}**\n\nEvidence: {f.evidence}\n\nAdvice: {f.advice}")
+        common.finding_box(f)
     common.chart(charts.check_chunks(chunk_sizes(batch, len(ids)), labels))

@@ -5,6 +5,7 @@ import pandas as pd
 import streamlit as st
 
 from app_pages import common
+from dpprof.views import export
 
 
 def body(row: pd.Series) -> None:
@@ -14,13 +15,7 @@ def body(row: pd.Series) -> None:
                "so that a spreadsheet shows it instead of running it.")
     st.download_button("⬇ The whole run (zip of CSVs)", common.run_zip(row), file_name=f"{row['id']}.zip",
                        mime="application/zip", type="primary", key="zip", on_click="ignore")
-    tables = common.view("export_tables", row)
-    extra = pd.DataFrame([
-        {"table": "run", "rows": 1, "what": "the run's metadata"},
-        {"table": "device_summary", "rows": None, "what": "per device: apply time and memory"},
-        {"table": "phase_totals", "rows": None, "what": "each phase's share of the step"},
-    ])
-    for t in pd.concat([tables, extra], ignore_index=True).itertuples():
+    for t in common.view(export.export_tables, row).itertuples():
         c1, c2, c3 = st.columns([2, 1, 4])
         c1.download_button(f"⬇ {t.table}.csv", common.run_csv(row, t.table), file_name=f"{row['id']}-{t.table}.csv",
                            mime="text/csv", key=f"export-{t.table}", on_click="ignore")

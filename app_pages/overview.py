@@ -1,62 +1,96 @@
-"""Overview of a run: each device at first glance, then step time, the phase breakdown per step, the DataParallel
-tax and the findings."""
+"""Overview of a run: each device at first glance, then step time, the phase breakdown per step, the section of
+its kind (the DataParallel tax, the gradient all-reduce, GPU time) and the findings."""
 from __future__ import annotations
 
 import pandas as pd
 import streamlit as st
 
 from dpprof import charts
+from dpprof.findings import Findings
+from dpprof.views import overview
+from dpprof.views.text import sentence
 from app_pages import common
 
-_BOX = {"critical": st.error, "warning": st.warning, "info": st.info}
 
-
-def findings(found: pd.DataFrame, scope: str) -> None:
+def findings(found: Findings) -> None:
     st.subheader("Findings")
-    if found.empty:
-        if scope.startswith("no findings") or scope.startswith("no steps"):
-            common.missing(scope[0].upper() + scope[1:] + ".")
-        else:
-            st.caption(f"Worst first; {scope}.")
-            st.success("No findings: nothing stands out in this run.")
+    if found.withheld:
+        common.missing(sentence(found.scope))
         return
-    st.caption(f"Worst first; {scope}.")
-    for f in found.itertuples():
-        where = f" · {f.device}" if isinstance(f.device, str) else ""
-        _BOX.get(f.severity, st.info)(f"**{f.severity.upper()}{where}: {f.title}**\n\n"
-                                      f"Evidence: {f.evidence}\n\nAdvice: {f.advice}")
+    st.caption(f"Worst first; {found.scope}.")
+    if found.table.empty:
+        st.success("No findings: nothing stands out in this run.")
+    for f in found.table.itertuples():
+        common.finding_box(f)
 
 
-def per_device(data) -> None:
+def per_device(data: overview.Overview) -> None:
     """The first screen: which device is the problem, in numbers and one chart."""
-    g = data.glance
+    g, unit = data.glance, data.model.unit
     c = st.columns(4)
-    if g.time_ratio is not None:
-        c[0].metric("Slowest device", g.slowest, help=f"the longest mean {g.work_phase} per step")
+    if g.time_uneven:
+        c[0].metric(f"Slowest {unit}", g.slowest, help=f"the longest median {g.work_phase} per step")
         c[1].metric(f"{g.work_phase.capitalize()} imbalance", f"{g.time_ratio:.2f}x",
-                    f"{g.time_ratio - 1:+.0%} vs {g.fastest}", delta_color="off",
-                    help="the slowest device's mean over the fastest's")
-    if g.memory_ratio is not None:
+                    f"{g.wait_ms:.2f} ms a step", delta_color="off",
+                    help=f"the slowest {unit}'s median over the others' (the first step left out); what the others "
+                    "wait for it per step")
+    if g.memory_uneven:
         c[2].metric("Most memory", g.heaviest, help=g.memory_source)
         c[3].metric("Memory imbalance", f"{g.memory_ratio:.2f}x", f"{g.memory_ratio - 1:+.0%} vs {g.lightest}",
                     delta_color="off", help="the most a device holds over the least")
-    if g.idle and g.time_ratio is None:
+    if g.idle and not g.time_uneven:
         c[0].metric("Idle devices", len(g.idle), help="devices of the run that never got a chunk")
-    if len(g.devices):
+    if len(g.devices) and g.devices["work_ms"].notna().any():
         common.chart(charts.device_glance(g.devices, g.work_phase, g.memory_source, *g.marked()))
-    for sentence in g.sentences:
-        st.markdown(f"- {sentence}")
+    for line in g.sentences:
+        st.markdown(f"- {line}")
     if len(g.devices) < 2:
-        st.caption("One device: nothing to balance.")
+        st.caption(f"One {unit}: nothing to balance.")
+
+
+def _breakdown_caption(data: overview.Overview) -> str:
+    model = data.model
+    if model.dataparallel:
+        rest = ("the optimizer step, loading the batch (each device computes its own loss inside apply)."
+                if not model.gathers else "the loss, the optimizer step, loading the batch."
+                if "loss" not in model.phases else "the optimizer step, loading the batch.")
+        return ("apply (all devices) is parallel_apply: every device's apply, side by side. The rest of the step is "
+                "what runs outside DataParallel: " + rest)
+    ranks = "Each bar is the ranks' mean. " if model.unit == "rank" and len(model.devices) > 1 else ""
+    return (f"{ranks}data is the time before the step's forward (loading the batch); backward compute ends when the "
+            "last gradient bucket is launched, the all-reduce wait after it; the rest is what no phase covers.")
+
+
+def kind_section(data: overview.Overview) -> None:
+    """The part of the Overview only some kinds of run have, in their own terms."""
+    model = data.model
+    if data.tax_pct is not None:
+        st.subheader("The DataParallel tax")
+        if model.gathers:
+            st.markdown(f"Scatter, replicate and gather take **{data.tax_pct:.1f}%** of the step "
+                        f"(**{data.tax_ms:.2f} ms** per step). DistributedDataParallel does none of this work: each "
+                        "process keeps its model replica and its own inputs.")
+        else:
+            st.markdown(f"Scatter and replicate take **{data.tax_pct:.1f}%** of the step (**{data.tax_ms:.2f} ms** per "
+                        "step). Nothing is gathered: each device keeps its outputs and computes its share of the loss "
+                        "(the balanced model and criterion).")
+    elif len(data.comms):
+        st.subheader("Gradient all-reduce")
+        st.markdown("Each rank's gradient buckets per step: how long the all-reduce was busy, and how much of that "
+                    "ran while backward was still computing.")
+        common.table(data.comms, "allreduce_per_rank")
+    elif len(data.gpu):
+        st.subheader("GPU time (from the trace)")
+        st.markdown("Each GPU's step by what it ran: computation, communication, their overlap, copies and idle time.")
 
 
 def body(row: pd.Series) -> None:
     common.run_header(row)
-    data = common.view("overview", row)
+    data = common.view(overview.overview, row)
     stats = data.stats
     if not stats["steps"]:
-        common.missing("No steps recorded yet: the run has not finished its first step.")
-        findings(data.findings, data.findings_scope)
+        if row["status"] == "running":
+            common.missing("No steps recorded yet: the run has not finished its first step.")
         return
     per_device(data)
     c = st.columns(5)
@@ -70,25 +104,20 @@ def body(row: pd.Series) -> None:
         c[4].metric("DataParallel tax", f"{data.tax_pct:.1f}%", help="scatter + replicate + gather: work only "
                     "DataParallel does (DistributedDataParallel has no replicate and no gather)")
     common.chart(charts.step_times(data.steps))
-    common.chart(charts.phase_breakdown(data.breakdown))
-    st.caption("apply (all devices) is parallel_apply: every device's apply, side by side. The rest of the step is "
-               "what runs outside DataParallel: " + ("the optimizer step, loading the batch (each device computes "
-                                                     "its own loss inside apply)." if data.balanced else
-                                                     "the loss, the optimizer step, loading the batch."))
-    left, right = st.columns([3, 2])
-    with left:
-        common.chart(charts.phase_shares(data.totals))
-    with right:
-        st.subheader("The DataParallel tax")
-        if data.tax_pct is not None:
-            work = "Scatter, replicate and gather take" if data.gathers else "Scatter and replicate take"
-            gather = "" if data.gathers else (" Nothing is gathered: each device keeps its outputs and computes its "
-                                              "share of the loss.")
-            st.markdown(f"{work} **{data.tax_pct:.1f}%** of the step (**{data.tax_ms:.2f} ms** per step).{gather} "
-                        "DistributedDataParallel does none of this work: each process keeps its model replica and "
-                        "its own inputs.")
-        common.table(data.totals, "phase_totals")
-    findings(data.findings, data.findings_scope)
+    if data.totals.empty or data.breakdown.empty:
+        common.missing("No phases recorded: the steps' time is not split into phases.")
+    else:
+        common.chart(charts.phase_breakdown(data.breakdown))
+        st.caption(_breakdown_caption(data))
+        left, right = st.columns([3, 2])
+        with left:
+            common.chart(charts.phase_shares(data.totals))
+        with right:
+            kind_section(data)
+            common.table(data.totals, "phase_totals")
+    if len(data.gpu):
+        common.chart(charts.gpu_time(data.gpu))
+    findings(data.findings)
     if len(data.breakdown) and int(data.breakdown["steps"].max()) > 1:
         st.caption(f"Charts show the mean of every {int(data.breakdown['steps'].max())} steps "
                    f"({len(data.breakdown):,} points for {stats['steps']:,} steps).")

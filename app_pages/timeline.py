@@ -4,33 +4,34 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dpprof import charts, views
+from dpprof import charts
+from dpprof.views import timeline
 from dpprof.store.queries import TIMELINE_MAX_STEPS
 from app_pages import common
 
 
 def body(row: pd.Series) -> None:
     common.run_header(row)
-    first, last = common.view("step_bounds", row)
+    first, last = common.view(timeline.step_bounds, row)
     if first is None:
         common.missing("No steps recorded yet: the run has not finished its first step.")
         return
     follow = row["status"] == "running" and st.toggle("Follow the latest steps", value=True, key="tl_follow")
     c1, c2 = st.columns(2)
-    count = c2.slider("Steps to show", 1, TIMELINE_MAX_STEPS, views.TIMELINE_DEFAULT_STEPS, key="tl_count")
+    count = c2.slider("Steps to show", 1, TIMELINE_MAX_STEPS, timeline.TIMELINE_DEFAULT_STEPS, key="tl_count")
     if follow:
         start = max(first, last - count + 1)
         c1.metric("From step", start)
     else:
         start = int(c1.number_input(f"From step ({first}–{last})", min_value=0,
-                                    value=max(first, last - views.TIMELINE_DEFAULT_STEPS + 1), step=1, key="tl_from"))
+                                    value=max(first, last - timeline.TIMELINE_DEFAULT_STEPS + 1), step=1, key="tl_from"))
         if not first <= start <= last:
             st.warning(f"This run's steps are {first}–{last}; showing from step {min(max(start, first), last)}.")
             start = min(max(start, first), last)
     end = min(last, start + count - 1)
-    phases, steps = common.view("timeline", row, start, end)
-    st.caption(f"Steps {start}–{end} of {first}–{last}. Lanes: each step; parallel_apply (every replica together); "
-               "then each device with its own phases. Hover a bar for its times.")
+    phases, steps = common.view(timeline.timeline, row, start, end)
+    st.caption(f"Steps {start}–{end} of {first}–{last}. {common.view(timeline.lanes_text, row)} "
+               "Hover a bar for its times.")
     if phases.empty:
         common.missing(f"No phases recorded in steps {start}–{end}.")
         return

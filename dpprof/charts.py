@@ -13,24 +13,26 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from dpprof.records import PHASES
+from dpprof.records import MEMORY_BYTES, device_key
+from dpprof.store.model import PHASE_ORDER
+from dpprof.store.queries import MAX_POINTS
+from dpprof.units import bytes_unit
 
-__all__ = ["MAX_POINTS", "PHASE_COLORS", "downsample", "device_glance", "bytes_unit", "step_times", "phase_breakdown", "phase_shares",
-           "apply_distribution", "memory_per_device", "chunk_sizes", "gpu_samples", "timeline",
+__all__ = ["MAX_POINTS", "PHASE_COLORS", "downsample", "device_glance", "step_times", "phase_breakdown", "phase_shares",
+           "work_distribution", "memory_per_device", "chunk_sizes", "gpu_samples", "timeline",
            "compare_step_times", "compare_phase_shares", "compare_memory", "check_chunks", "gpu_time"]
 
-MAX_POINTS = 2_000  # per series; dpprof.store.queries buckets long runs to this many points already
-
-# One colour per phase, the same on every chart (plotly's qualitative "Safe" palette, colour-blind safe).
+# One colour per phase, the same on every chart and no two phases alike, since DataParallel and DDP runs are
+# compared on one chart (plotly's colour-blind-safe "Safe" palette, then Tol's muted and light ones).
 PHASE_COLORS = {
     "scatter": "#88CCEE", "replicate": "#CC6677", "parallel_apply": "#DDCC77", "apply": "#117733",
     "gather": "#332288", "loss": "#44AA99", "reduce": "#999933", "backward": "#AA4499", "rest": "#BBBBBB",
-    "step": "#DDDDDD", "data": "#88CCEE", "forward": "#117733", "backward_compute": "#AA4499",
-    "comm_wait": "#CC6677", "optimizer": "#DDCC77",
+    "step": "#DDDDDD", "data": "#661100", "forward": "#6699CC", "backward_compute": "#882255",
+    "comm_wait": "#EE8866", "optimizer": "#E69F00",
 }
 PHASE_LABELS = {"parallel_apply": "apply (all devices)", "rest": "rest of step", "loss": "loss (output device)",
-                "reduce": "reduce (losses)"}
-_OTHER_COLORS = ["#661100", "#6699CC", "#888888", "#E69F00"]
+                "reduce": "reduce (losses)", "backward_compute": "backward compute", "comm_wait": "all-reduce wait"}
+_OTHER_COLORS = ["#888888", "#FFAABB", "#77AADD", "#AAAA00"]  # phases dpprof does not name
 
 
 def _color(phase: str) -> str:
@@ -60,35 +62,27 @@ def _label(phase: str) -> str:
     return PHASE_LABELS.get(phase, phase)
 
 
-def bytes_unit(max_bytes: float) -> tuple[str, float]:
-    """The unit a byte axis reads best in, and its scale: KiB under one MiB, GiB from one GiB, else MiB."""
-    if max_bytes >= 2**30:
-        return "GiB", 2**-30
-    if 0 < max_bytes < 2**20:
-        return "KiB", 2**-10
-    return "MiB", 2**-20
-
-
 _WORST, _DEVICE, _IDLE = "#CC6677", "#4477AA", "#BBBBBB"
 
 
-def device_glance(devices: pd.DataFrame, work_phase: str = "apply", memory_source: str = "peak held",
+def device_glance(devices: pd.DataFrame, work_phase: str = "apply", memory_source: str | None = "peak held",
                   slowest: str | None = None, heaviest: str | None = None) -> go.Figure:
-    """Each device's mean work per step and its peak memory, side by side, the worst device of each in red and
-    idle devices at zero, labelled idle.
+    """Each device's work per step and its peak memory, side by side, the worst device of each in red and idle
+    devices at zero, labelled idle. Without memory (``memory_source`` None) the work panel stands alone.
 
     Args:
-        devices: dpprof.views.Glance.devices (device, work_ms, peak_bytes, output_device, idle).
-        slowest, heaviest: the devices to mark (dpprof.views.Glance).
+        devices: dpprof.views.overview.Glance.devices (device, work_ms, peak_bytes, output_device, idle).
+        slowest, heaviest: the devices to mark (dpprof.views.overview.Glance.marked).
     """
-    unit, scale = bytes_unit(float(devices["peak_bytes"].max() or 0) if len(devices) else 0.0)
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
-                        subplot_titles=[f"{work_phase} per step (ms, mean)", f"memory ({unit}, {memory_source})"])
+    panels = [("work_ms", slowest, "{:.2f} ms", 1.0, f"{work_phase} per step (ms, median)")]
+    if memory_source is not None:
+        unit, scale = bytes_unit(float(devices["peak_bytes"].max() or 0) if len(devices) else 0.0)
+        panels.append(("peak_bytes", heaviest, "{:,.1f} " + unit, scale, f"memory ({unit}, {memory_source})"))
+    fig = make_subplots(rows=1, cols=len(panels), horizontal_spacing=0.12, subplot_titles=[p[-1] for p in panels])
     fig.update_layout(**{**_LAYOUT, "margin": dict(l=10, r=10, t=40, b=10)}, height=110 + 34 * max(2, len(devices)),
                       showlegend=False)
     ticks = [f"{d} (output)" if o else str(d) for d, o in zip(devices["device"], devices["output_device"])]
-    for col, (value_col, worst, fmt, mult) in enumerate((("work_ms", slowest, "{:.2f} ms", 1.0),
-                                                         ("peak_bytes", heaviest, "{:,.1f} " + unit, scale)), 1):
+    for col, (value_col, worst, fmt, mult, _) in enumerate(panels, 1):
         values = devices[value_col].astype(float) * mult
         text = ["idle" if i else ("" if pd.isna(v) else fmt.format(v)) for v, i in zip(values, devices["idle"])]
         colors = [_IDLE if i else _WORST if d == worst else _DEVICE for d, i in zip(devices["device"], devices["idle"])]
@@ -156,12 +150,13 @@ def phase_shares(totals: pd.DataFrame) -> go.Figure:
     return fig
 
 
-def apply_distribution(samples: pd.DataFrame, kind: str = "box", phase: str = "apply",
+def work_distribution(samples: pd.DataFrame, kind: str = "box", phase: str = "apply",
                        idle: list[str] | tuple[str, ...] = ()) -> go.Figure:
-    """Apply time per step on each device, as box plots (or violins, clipped to the data): a straggler stands out.
+    """Each device's work per step (DataParallel's apply, a rank's forward + backward compute), as box plots (or
+    violins, clipped to the data): a straggler stands out.
 
     Args:
-        samples: dpprof.store.queries.apply_samples (step, device, duration_ms).
+        samples: dpprof.store.queries.work_samples (step, device, duration_ms).
         kind: "box" or "violin".
         phase: the phase the samples are of ("forward" for DistributedDataParallel ranks).
         idle: devices of the run that did no work: drawn at zero, labelled idle.
@@ -179,10 +174,9 @@ def apply_distribution(samples: pd.DataFrame, kind: str = "box", phase: str = "a
     return fig
 
 
-_MEMORY_KINDS = {
-    "input_bytes": "inputs", "output_bytes": "outputs", "activation_bytes": "activations",
-    "gathered_bytes": "gathered outputs", "param_bytes": "parameters", "buffer_bytes": "buffers",
-}
+_MEMORY_LABELS = {"input_bytes": "inputs", "output_bytes": "outputs", "activation_bytes": "activations",
+                  "gathered_bytes": "gathered outputs", "param_bytes": "parameters", "buffer_bytes": "buffers"}
+_MEMORY_KINDS = {c: _MEMORY_LABELS[c] for c in MEMORY_BYTES}  # in the memory record's order
 _MEMORY_COLORS = ["#88CCEE", "#44AA99", "#117733", "#CC6677", "#999933", "#DDCC77"]
 
 
@@ -279,12 +273,6 @@ def gpu_samples(series: pd.DataFrame) -> go.Figure:
     return fig
 
 
-def _device_order(label: str) -> tuple[str, int, str]:
-    """cpu:2 before cpu:10: by kind, then index."""
-    kind, _, index = str(label).partition(":")
-    return (kind, int(index), "") if index.isdigit() else (kind, -1, str(label))
-
-
 def _per_step_scale(phases: pd.DataFrame, steps: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
     """Each phase's start and length in steps: step i spans [i, i + 1) of the range, whatever its duration."""
     index = {s: i for i, s in enumerate(steps["step"])}
@@ -305,7 +293,7 @@ def timeline(phases: pd.DataFrame, steps: pd.DataFrame, equal_steps: bool = Fals
         equal_steps: draw every step the same width (each phase at its share of its step), so that a few
             slow steps do not squash the others; hover still gives milliseconds.
     """
-    devices = sorted(dict.fromkeys(phases["device"]), key=_device_order)  # not by who started first
+    devices = sorted(dict.fromkeys(phases["device"]), key=device_key)  # not by who started first
     lanes = ["step", *(["parallel_apply"] if (phases["phase"] == "parallel_apply").any() else []), *devices]
     equal_steps = equal_steps and not steps.empty
     fig = _fig("Timeline (every step the same width)" if equal_steps else "Timeline (ms since the run started)",
@@ -321,7 +309,7 @@ def timeline(phases: pd.DataFrame, steps: pd.DataFrame, equal_steps: bool = Fals
                              texttemplate="%{text}" if len(steps) <= TIMELINE_LABELLED_STEPS else "",
                              textposition="inside", insidetextanchor="middle", textangle=0,
                              hovertemplate="%{text}<br>%{customdata[0]:.2f} ms<extra></extra>"))
-    rank = {p: i for i, p in enumerate(PHASES)}
+    rank = {p: i for i, p in enumerate(PHASE_ORDER)}
     for phase in sorted(dict.fromkeys(phases["phase"]), key=lambda p: rank.get(p, len(rank))):
         df = phases[phases["phase"] == phase]
         y = ["parallel_apply"] * len(df) if phase == "parallel_apply" else df["device"]

@@ -275,9 +275,9 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
 
 def _cmd_runs(args: argparse.Namespace) -> int:
-    import dpprof
+    from dpprof.store.reader import list_runs
 
-    runs = dpprof.list_runs(args.reports_dir)
+    runs = list_runs(args.reports_dir)
     if runs.empty:
         print("no runs yet: record one with `dpprof profile cifar-lenet --devices cpu:2`")
         return EXIT_OK
@@ -290,48 +290,63 @@ def _cmd_runs(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    import dpprof
-    from dpprof.analysis import phase_table
-    from dpprof.findings import findings_withheld
-    from dpprof.report import SUMMARY_COLUMNS, findings_of, summary_of
-    from dpprof.store.queries import median_step_ms
-    from dpprof.views import display_table
+    """A run's summary in its kind's terms: per device, per phase, the kind's own table, findings, what it lacks."""
+    from dpprof.findings import run_findings
+    from dpprof.report import summary_columns, summary_of
+    from dpprof.store import queries
+    from dpprof.store.reader import load_run
+    from dpprof.views.overview import comm_stats
+    from dpprof.views.text import display_table
 
-    run = dpprof.load_run(args.run, args.reports_dir)
-    m = run.meta
-    print(f"run {m['id']}  {m['name']!r}  status {m['status']}"
-          + (f" ({m['error']})" if m.get("error") else ""))
-    print(f"  workload {m.get('workload') or '-'}  backend {m.get('backend') or '-'}  devices "
-          f"{', '.join(m['devices']) or '-'}  torch {m['torch_version']}  host {m['host']}")
-    steps = run.steps
-    if steps.empty:
-        print("  no steps recorded")
-        return EXIT_OK
-    ranks = f" on each of {steps['rank'].nunique()} ranks" if "rank" in steps.columns else ""
-    count = steps.groupby("rank").size().max() if ranks else len(steps)
-    print(f"  {count} steps{ranks}, median {median_step_ms(run):.2f} ms, "
-          f"batch {int(steps['batch_size'].median()) if steps['batch_size'].notna().any() else '-'}")
+    run = load_run(args.run, args.reports_dir)
+    m, model = run.meta, run.model
+    print(f"run {m['id']}  {m['name']!r}  status {m['status']}" + (f" ({m['error']})" if m.get("error") else ""))
+    facts = [model.title, f"workload {m['workload']}" if m.get("workload") else None,
+             f"{model.unit}s {', '.join(model.devices)}" if model.devices else None,
+             f"torch {m['torch_version']}" if m.get("torch_version") else None,
+             f"host {m['host']}" if m.get("host") else None]
+    print("  " + "  ".join(f for f in facts if f))
     if m.get("dropped_records"):
         why = "the disk was full" if m["status"] == "disk_full" else "the writer fell behind"
         print(f"  warning: {m['dropped_records']} records were dropped ({why})")
-    print("\nper device:")  # units in the headers, bytes in MiB: `dpprof export` keeps the machine values
-    print(_table(display_table(summary_of(run)[SUMMARY_COLUMNS].reset_index()).set_index("device"), "{:,.2f}"))
-    print("\nmean ms per step, by phase:")
-    print(_table(display_table(phase_table(run.phases).reset_index()).set_index("device"), "{:,.2f}"))
-    from dpprof.views import gpu_time
-
-    per_gpu = gpu_time(run)
-    if not per_gpu.empty:
+    if model.kind == "empty":
+        print(f"  no steps recorded: {model.empty_reason}")
+        _print_notes(run, skip={model.empty_reason})
+        return EXIT_OK
+    stats = queries.run_stats(run)
+    ranks = f" on each of {run.ranks} ranks" if run.ranks > 1 else ""
+    print(f"  {stats['steps']:,} steps{ranks}, median {stats['median_step_ms']:.2f} ms, "
+          f"batch {stats['batch_size'] if stats['batch_size'] else '-'}")
+    summary = summary_of(run)
+    print(f"\nper {model.unit} ({model.work.label}):")  # units in the headers: `dpprof export` keeps machine values
+    print(_table(display_table(summary[summary_columns(run, summary)].reset_index()).set_index("device"), "{:,.2f}"))
+    means = queries.phase_means(run)
+    if len(means):
+        print("\nmean ms per step, by phase:")
+        print(_table(display_table(means.reset_index()).set_index("device"), "{:,.2f}"))
+    if "comms" in model.has and model.kind == "ddp":
+        print("\ngradient all-reduce per step:")
+        print(_table(display_table(comm_stats(run)).set_index("device"), "{:,.2f}"))
+    if "gpu_time" in model.has:
         print("\nGPU time, mean ms per step (from the trace):")
-        print(_table(per_gpu.set_index("device")))
-    findings = findings_of(run)
-    withheld = findings_withheld(steps)
-    print(f"\nfindings: {len(findings) or 'none'}" + (f" ({withheld})" if withheld else ""))
-    _print_findings(findings.to_dict("records"))
-    notes = run.notes
-    for message in notes["message"] if not notes.empty else []:
-        print(f"note: {message}")
+        print(_table(display_table(queries.gpu_time(run)).set_index("device"), "{:,.2f}"))
+    found = run_findings(run)
+    print(f"\nfindings: {len(found.table) or 'none'} ({found.scope})")
+    _print_findings(found.table.to_dict("records"))
+    lacks = [text for key, text in model.missing.items() if key != "work"]
+    if lacks:
+        print("\nnot in this run:")
+        for text in lacks:
+            print(f"  {text}")
+    _print_notes(run)
     return EXIT_OK
+
+
+def _print_notes(run, skip: set | None = None) -> None:
+    """The notes the recorder left (why some data is missing), each once."""
+    for message in dict.fromkeys(run.notes["message"]):
+        if not skip or not any(s and message.rstrip(".") in s for s in skip):
+            print(f"note: {message}")
 
 
 def _print_findings(findings: list[dict]) -> None:
@@ -396,10 +411,10 @@ def _checked_devices(device_ids: list | None) -> list[str]:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    import dpprof
-    from dpprof.export import export_run
+    from dpprof.store.reader import load_run
+    from dpprof.views.export import export_run
 
-    run = dpprof.load_run(args.run, args.reports_dir)
+    run = load_run(args.run, args.reports_dir)
     out = args.out or f"{run.id}-csv"
     for path in export_run(run, out):
         print(path)

@@ -1,15 +1,9 @@
-"""CSV export of a stored run: one file per table plus the per-device summary."""
+"""CSV as dpprof writes it: safe to open in a spreadsheet, floats without binary noise, metadata as one row."""
 from __future__ import annotations
-
-import os
-from pathlib import Path
 
 import pandas as pd
 
-from dpprof.report import findings_of, summary_of
-from dpprof.store.reader import TABLES, StoredRun
-
-__all__ = ["to_csv_bytes", "export_run", "neutralize_formulas", "meta_frame", "CSV_FLOAT_FORMAT"]
+__all__ = ["to_csv_bytes", "neutralize_formulas", "meta_frame", "CSV_FLOAT_FORMAT"]
 
 _FORMULA_PREFIXES = ("=", "+", "-", "@")
 # 15 significant digits: every digit a float64 holds exactly, without binary noise such as 19.649437600000006
@@ -48,17 +42,3 @@ def meta_frame(meta: dict[str, object]) -> pd.DataFrame:
     for key, value in meta.items():
         row.update(_flat(key, value))
     return pd.DataFrame([row])
-
-
-def export_run(run: StoredRun, out_dir: str | os.PathLike[str]) -> list[Path]:
-    """Write <table>.csv for every table and device_summary.csv into out_dir; returns the paths."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    meta = meta_frame(run.meta)
-    tables = [(t, findings_of(run) if t == "findings" else run.table(t), False) for t in TABLES]
-    for name, df, index in [("run", meta, False), *tables, ("device_summary", summary_of(run), True)]:
-        path = out / f"{name}.csv"
-        path.write_bytes(to_csv_bytes(df, index=index))
-        written.append(path)
-    return written

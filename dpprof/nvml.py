@@ -13,7 +13,7 @@ import time
 from types import ModuleType
 from typing import Any, Callable
 
-from dpprof.records import GpuSampleRecord
+from dpprof.records import SLOWDOWN_REASONS, GpuSampleRecord
 
 __all__ = ["Nvml", "NvmlUnavailable", "GpuSampler", "DEFAULT_SAMPLE_HZ", "THROTTLE_REASONS"]
 
@@ -32,8 +32,6 @@ THROTTLE_REASONS = {
     "hw_power_brake": 0x80,
     "display_clocks": 0x100,
 }
-# The reasons that mean "slower than it could be" (idle and app-clock settings do not).
-SLOWDOWN_REASONS = ("sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake")
 
 
 class NvmlUnavailable(Exception):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PHASES", "DDP_PHASES", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
+__all__ = ["PHASES", "DDP_PHASES", "DP_TAX_PHASES", "MEMORY_BYTES", "SEVERITIES", "SLOWDOWN_REASONS", "device_key", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
            "DeviceRecord", "NoteRecord", "FindingRecord", "CommRecord", "GpuTimeRecord", "Record",
            "TABLE_OF"]
 
@@ -16,6 +16,17 @@ PHASES = ("scatter", "replicate", "parallel_apply", "apply", "gather", "loss", "
 DDP_PHASES = ("data", "forward", "backward", "backward_compute", "comm_wait", "optimizer")
 # "loss" is a whole-batch loss measured on the output device (MeasuredLoss, after a plain gather);
 # "reduce" is DataParallelCriterion's: the per-device losses combined on the output device.
+DP_TAX_PHASES = ("scatter", "replicate", "gather")  # work only DataParallel does (DDP has none of it)
+# NVML's clock-throttle reasons that slow a GPU down (the others, such as idle or application clocks, do not).
+SLOWDOWN_REASONS = ("sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake")
+# Finding severities, worst first: the order findings are listed and graded in.
+SEVERITIES = ("critical", "warning", "info")
+
+
+def device_key(label: object) -> tuple[str, int, str]:
+    """Sort key for device labels: by kind, then index, so cpu:2 comes before cpu:10 and rank:9 before rank:10."""
+    kind, _, index = str(label).partition(":")
+    return (kind, int(index), "") if index.isdigit() else (kind, -1, str(label))
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +69,10 @@ class DeviceMemoryRecord:
     gathered_bytes: int  # gathered outputs held on this device (the output device only)
     param_bytes: int
     buffer_bytes: int
+
+
+# What a device holds in one forward call, as the memory table records it: every byte field, in field order.
+MEMORY_BYTES = tuple(name for name in DeviceMemoryRecord.__dataclass_fields__ if name.endswith("_bytes"))
 
 
 @dataclass(frozen=True, slots=True)

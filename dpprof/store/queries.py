@@ -14,24 +14,19 @@ from typing import Any
 
 import pandas as pd
 
-from dpprof.records import PHASES
+from dpprof.records import DDP_PHASES, MEMORY_BYTES, device_key
+from dpprof.store.model import distinct
 from dpprof.store.reader import StoredRun
 
-__all__ = ["MAX_POINTS", "APPLY_SAMPLE_PER_DEVICE", "TIMELINE_MAX_STEPS", "MEMORY_BYTES", "DP_TAX_PHASES",
-           "GPU_METRICS", "bucket_width", "present_phases", "stacked_phases", "run_stats", "median_step_ms",
-           "step_times", "phase_breakdown", "phase_totals", "apply_samples", "apply_stats", "memory_peaks", "chunk_counts",
-           "gpu_series", "timeline", "last_steps_frames", "devices_of", "work_phases"]
+__all__ = ["MAX_POINTS", "WORK_SAMPLE_PER_DEVICE", "TIMELINE_MAX_STEPS", "GPU_METRICS", "bucket_width",
+           "stacked_phases", "run_stats", "median_step_ms", "step_times", "phase_breakdown", "phase_totals",
+           "work_samples", "work_stats", "memory_peaks", "chunk_counts", "gpu_series", "timeline",
+           "GPU_TIME_PARTS", "gpu_time", "phase_means"]
 
 MAX_POINTS = 2_000  # points a chart draws per series; a browser stays responsive well past this
-APPLY_SAMPLE_PER_DEVICE = 4_000  # enough for box and violin shapes; exact mean, min and max come from SQL
+WORK_SAMPLE_PER_DEVICE = 4_000  # enough for box and violin shapes; exact mean, min and max come from SQL
 TIMELINE_MAX_STEPS = 100  # a Gantt of more steps than this is unreadable (and slow to draw)
 
-# What a device holds in one forward call, as the memory table records it.
-MEMORY_BYTES = ("input_bytes", "output_bytes", "activation_bytes", "gathered_bytes", "param_bytes", "buffer_bytes")
-DP_TAX_PHASES = ("scatter", "replicate", "gather")  # work only DataParallel does (DDP has none of it)
-# DistributedDataParallel's phases that follow one another within a rank's step (backward is
-# backward_compute then comm_wait, when those are recorded).
-_DDP_SEQUENCE = ("data", "forward", "backward", "backward_compute", "comm_wait", "optimizer")
 _HELD = " + ".join(MEMORY_BYTES)
 
 
@@ -40,43 +35,22 @@ def bucket_width(first: int, last: int, max_points: int) -> int:
     return max(1, math.ceil((last - first + 1) / max(1, max_points)))
 
 
-def _ranks(run: StoredRun) -> int:
-    """How many files the run has: one, or one per rank of a torch.distributed run."""
-    return len(getattr(run, "paths", None) or [run.path])
-
-
-def _one_row(df: pd.DataFrame, by: str) -> pd.Series:
+def _one_row(df: pd.DataFrame, by: str | tuple[str, ...]) -> pd.Series:
     """The row of a one-row-per-file aggregate that has data (a device lives in one rank's file)."""
     if len(df) > 1:
-        df = df.sort_values(by, ascending=False, na_position="last")
-    return df.drop(columns=["rank"], errors="ignore").iloc[0]
+        df = df.sort_values(list(by) if isinstance(by, tuple) else by, ascending=False, na_position="last")
+    return df.drop(columns=["rank"]).iloc[0]
 
 
-def _distinct(run: StoredRun, table: str, column: str) -> list[Any]:
-    """SELECT DISTINCT column FROM table, as a loose index scan: one index lookup per value when an
-    index leads with the column (dpprof.store.schema.INDEXES), where DISTINCT would read every row."""
-    return run.query(
-        f"WITH RECURSIVE v(x) AS (SELECT MIN({column}) FROM {table} UNION ALL "
-        f"SELECT (SELECT MIN({column}) FROM {table} WHERE {column} > x) FROM v WHERE x IS NOT NULL) "
-        "SELECT x FROM v WHERE x IS NOT NULL")["x"].drop_duplicates().tolist()
-
-
-def present_phases(run: StoredRun) -> list[str]:
-    """The phase names this run recorded, in the order a step runs them."""
-    names = _distinct(run, "phases", "phase")
-    order = {p: i for i, p in enumerate((*PHASES, *_DDP_SEQUENCE))}
-    return sorted(names, key=lambda p: (order.get(p, len(order)), p))
-
-
-def stacked_phases(present: list[str]) -> list[str]:
+def stacked_phases(present: list[str] | tuple[str, ...]) -> list[str]:
     """The phases that follow one another in a step (so they stack to at most the step time).
 
     For DataParallel every phase but ``apply`` (each device's apply runs inside parallel_apply);
-    for DistributedDataParallel data, forward, backward (or its parts) and optimizer.
+    for a process's steps (DDP ranks, imported traces) data, forward, backward (or its parts) and optimizer.
     """
-    if "forward" in present:
+    if "forward" in present and "apply" not in present:
         parts = "backward_compute" in present
-        return [p for p in _DDP_SEQUENCE if p in present and not (parts and p == "backward")]
+        return [p for p in DDP_PHASES if p in present and not (parts and p == "backward")]
     return [p for p in present if p != "apply"]
 
 
@@ -100,7 +74,7 @@ def median_step_ms(run: StoredRun) -> float | None:
     """The median of every recorded step's duration_ms (the mean of the middle two of an even count): the one
     definition the dashboard and ``dpprof show`` share. Equals ``load_run(...).steps["duration_ms"].median()``.
     A distributed run's rows of every rank count, as its steps table holds them."""
-    if _ranks(run) > 1:  # rank files are separate databases: the rows come to pandas
+    if run.ranks > 1:  # rank files are separate databases: the rows come to pandas
         durations = run.query("SELECT duration_ms FROM steps")["duration_ms"]
         return float(durations.median()) if len(durations) else None
     middle = run.query("SELECT AVG(duration_ms) AS ms FROM (SELECT duration_ms FROM steps ORDER BY duration_ms "
@@ -124,11 +98,11 @@ def step_times(run: StoredRun, max_points: int = MAX_POINTS) -> pd.DataFrame:
         "SELECT (step - ?) / ? AS bucket, MIN(step) AS step, COUNT(*) AS steps, AVG(duration_ms) AS duration_ms, "
         "MIN(duration_ms) AS min_duration_ms, MAX(duration_ms) AS max_duration_ms "
         "FROM steps GROUP BY bucket ORDER BY bucket", (first, width))
-    if "rank" in out:  # ranks step together: one point per bucket, the ranks' mean and their extremes
+    if run.ranks > 1:  # ranks step together: one point per bucket, the ranks' mean and their extremes
         out = out.groupby("bucket", as_index=False).agg(
             step=("step", "min"), steps=("steps", "max"), duration_ms=("duration_ms", "mean"),
             min_duration_ms=("min_duration_ms", "min"), max_duration_ms=("max_duration_ms", "max"))
-    return out.drop(columns="bucket")
+    return out.drop(columns=["bucket", "rank"], errors="ignore")
 
 
 def _span(run: StoredRun) -> tuple[int | None, int | None]:
@@ -147,7 +121,7 @@ def phase_breakdown(run: StoredRun, max_points: int = MAX_POINTS) -> pd.DataFram
     Returns:
         columns step (first of the bucket), steps, step_ms, one ``<phase>_ms`` per stacked phase, rest_ms.
     """
-    phases = stacked_phases(present_phases(run))
+    phases = stacked_phases(run.model.phases)
     cols = ["step", "steps", "step_ms", *[f"{p}_ms" for p in phases], "rest_ms"]
     steps = step_times(run, max_points)
     if steps.empty:
@@ -162,7 +136,7 @@ def phase_breakdown(run: StoredRun, max_points: int = MAX_POINTS) -> pd.DataFram
             f"WHERE phase IN ({', '.join('?' * len(phases))}) AND step BETWEEN ? AND ? GROUP BY bucket, phase",
             (first, width, *phases, first, last))
         sums = sums.groupby(["bucket", "phase"], as_index=False)["ms"].sum()
-        sums["ms"] /= _ranks(run)  # a distributed run: the ranks' mean
+        sums["ms"] /= run.ranks  # a distributed run: the ranks' mean
         table = sums.pivot(index="bucket", columns="phase", values="ms").reindex(columns=phases)
         per_step = table.reindex(out.index).fillna(0.0).div(out["steps"], axis=0)
     else:
@@ -187,13 +161,13 @@ def phase_totals(run: StoredRun, stats: dict[str, Any] | None = None) -> pd.Data
     cols = ["phase", "total_ms", "per_step_ms", "share_pct"]
     if not stats["steps"]:
         return pd.DataFrame(columns=cols)
-    phases = stacked_phases(present_phases(run))
+    phases = stacked_phases(run.model.phases)
     sums = pd.Series(dtype=float)
     if phases:
         sums = run.query(
             f"SELECT phase, SUM(duration_ms) AS total_ms FROM phases WHERE phase IN ({', '.join('?' * len(phases))}) "
             "AND step BETWEEN ? AND ? GROUP BY phase",
-            (*phases, stats["first_step"], stats["last_step"])).groupby("phase")["total_ms"].sum() / _ranks(run)
+            (*phases, stats["first_step"], stats["last_step"])).groupby("phase")["total_ms"].sum() / run.ranks
     totals = sums.reindex(phases).fillna(0.0)
     totals["rest"] = max(0.0, stats["total_ms"] - totals.sum())
     out = totals.rename("total_ms").rename_axis("phase").reset_index()
@@ -202,67 +176,57 @@ def phase_totals(run: StoredRun, stats: dict[str, Any] | None = None) -> pd.Data
     return out[cols]
 
 
-def work_phases(present: list[str]) -> tuple[str, ...]:
-    """The phases that are each device's own share of the work: DataParallel's apply; a DDP rank's
-    forward and backward compute."""
-    if "apply" in present or "forward" not in present:
-        return ("apply",)
-    return ("forward", "backward_compute") if "backward_compute" in present else ("forward",)
-
-
 def _phase_in(phases: tuple[str, ...]) -> str:
     return f"phase IN ({', '.join('?' * len(phases))})"
 
 
-def devices_of(run: StoredRun) -> list[str]:
-    """The devices that did work in the run, in device_ids order (others after)."""
-    seen = _distinct(run, "memory", "device") or _distinct(run, "phases", "device")
-    listed = [d for d in run.meta.get("devices") or [] if d in seen]
-    return listed + sorted((d for d in seen if d not in listed), key=lambda d: (len(d), d))
+def work_samples(run: StoredRun, per_device: int = WORK_SAMPLE_PER_DEVICE, skip_first: bool = False) -> pd.DataFrame:
+    """Each device's work (run.model.work: DataParallel's apply, a rank's forward and backward compute) in ms per
+    step, forward calls summed; past per_device steps, every k-th step only, so each device has about
+    per_device values.
 
-
-def apply_samples(run: StoredRun, per_device: int = APPLY_SAMPLE_PER_DEVICE) -> pd.DataFrame:
-    """Apply milliseconds per step on each device (forward calls summed); past per_device steps,
-    every k-th step only, so each device has about per_device values.
+    Args:
+        skip_first: leave the run's first step out (its one-time costs), as the imbalance and the findings do.
 
     Returns:
-        columns step, device, duration_ms.
+        columns step, device, duration_ms, devices in the run's order.
     """
     first, last = _span(run)
     if first is None:
         return pd.DataFrame(columns=["step", "device", "duration_ms"])
     stride = bucket_width(first, last, per_device)
-    phases = work_phases(present_phases(run))
+    phases = run.model.work.phases
     out = run.query("SELECT step, device, SUM(duration_ms) AS duration_ms FROM phases "
-                    f"WHERE {_phase_in(phases)} AND step % ? = 0 GROUP BY device, step", (*phases, stride))
-    out = out.drop(columns=["rank"], errors="ignore")
-    order = {d: i for i, d in enumerate(devices_of(run))}
+                    f"WHERE {_phase_in(phases)} AND step % ? = 0 AND step > ? GROUP BY device, step",
+                    (*phases, stride, first if skip_first else first - 1))
+    out = out.drop(columns=["rank"])
+    order = {d: i for i, d in enumerate(run.model.devices)}
     return out.sort_values(["device", "step"], key=lambda s: s.map(order) if s.name == "device" else s,
                            kind="stable").reset_index(drop=True)
 
 
-def apply_stats(run: StoredRun, samples: pd.DataFrame | None = None, percentiles: bool = True,
-                stats: dict[str, Any] | None = None) -> pd.DataFrame:
-    """Per device: apply steps, mean, min and max over every step (forward calls summed), p50 and p95
-    (of ``samples``, default apply_samples(run): exact up to APPLY_SAMPLE_PER_DEVICE steps, from every
-    k-th step beyond), and the mean apply's share of the mean step.
+def work_stats(run: StoredRun, samples: pd.DataFrame | None = None, percentiles: bool = True,
+               stats: dict[str, Any] | None = None) -> pd.DataFrame:
+    """Per device: work steps, mean, min and max over every step (forward calls summed), p50 and p95 (of
+    ``samples``, default work_samples(run): exact up to WORK_SAMPLE_PER_DEVICE steps, from every k-th step
+    beyond), and the mean's share of the mean step. The work is run.model.work (DataParallel's apply).
 
     Args:
-        samples: apply_samples(run), if the caller has it already.
+        samples: work_samples(run), if the caller has it already.
         percentiles: False leaves p50 and p95 out (NaN), which saves reading the samples.
         stats: run_stats(run), if the caller has it already.
 
     Returns:
-        columns device, steps, apply_mean_ms, apply_min_ms, apply_max_ms, apply_p50_ms, apply_p95_ms,
-        apply_share_of_step_pct, sampled (True when the percentiles come from every k-th step).
+        columns device, steps, work_mean_ms, work_min_ms, work_max_ms, work_p50_ms, work_p95_ms,
+        work_share_of_step_pct, sampled (True when the percentiles come from every k-th step).
     """
-    cols = ["device", "steps", "apply_mean_ms", "apply_min_ms", "apply_max_ms", "apply_p50_ms", "apply_p95_ms",
-            "apply_share_of_step_pct", "sampled"]
+    cols = ["device", "steps", "work_mean_ms", "work_min_ms", "work_max_ms", "work_p50_ms", "work_p95_ms",
+            "work_share_of_step_pct", "sampled"]
     rows = []
-    phases = work_phases(present_phases(run))
-    for device in devices_of(run):  # one device at a time: SQLite walks the index, never sorts
-        r = _one_row(run.query("SELECT COUNT(*) AS steps, AVG(ms) AS apply_mean_ms, MIN(ms) AS apply_min_ms, "
-                               "MAX(ms) AS apply_max_ms FROM (SELECT SUM(duration_ms) AS ms FROM phases "
+    phases = run.model.work.phases
+    for device in run.model.devices:  # one device at a time: SQLite walks the index, never sorts
+        r = _one_row(run.query("SELECT COUNT(*) AS steps, AVG(ms) AS work_mean_ms, MIN(ms) AS work_min_ms, "
+                               "MAX(ms) AS work_max_ms FROM (SELECT SUM(duration_ms) AS ms FROM phases "
                                f"WHERE {_phase_in(phases)} AND device = ? GROUP BY step)", (*phases, device)),
                      "steps")
         if r["steps"]:
@@ -271,16 +235,16 @@ def apply_stats(run: StoredRun, samples: pd.DataFrame | None = None, percentiles
         return pd.DataFrame(columns=cols)
     out = pd.DataFrame(rows)
     out["steps"] = out["steps"].astype(int)
-    out["apply_p50_ms"] = out["apply_p95_ms"] = float("nan")
+    out["work_p50_ms"] = out["work_p95_ms"] = float("nan")
     out["sampled"] = False
     if percentiles:
-        samples = apply_samples(run) if samples is None else samples
+        samples = work_samples(run) if samples is None else samples
         q = samples.groupby("device")["duration_ms"].quantile([0.5, 0.95]).unstack()
-        out["apply_p50_ms"] = out["device"].map(q[0.5])
-        out["apply_p95_ms"] = out["device"].map(q[0.95])
+        out["work_p50_ms"] = out["device"].map(q[0.5])
+        out["work_p95_ms"] = out["device"].map(q[0.95])
         out["sampled"] = out["device"].map(samples.groupby("device").size()).fillna(0) < out["steps"]
     mean_step = (run_stats(run) if stats is None else stats)["mean_step_ms"]
-    out["apply_share_of_step_pct"] = 100 * out["apply_mean_ms"] / mean_step if mean_step else float("nan")
+    out["work_share_of_step_pct"] = 100 * out["work_mean_ms"] / mean_step if mean_step else float("nan")
     return out[cols]
 
 
@@ -292,11 +256,11 @@ def chunk_counts(run: StoredRun) -> pd.DataFrame:
         columns device, chunk_size, calls.
     """
     parts = [run.query("SELECT ? AS device, chunk_size, COUNT(*) AS calls FROM memory WHERE device = ? "
-                       "GROUP BY chunk_size ORDER BY chunk_size", (device, device)) for device in devices_of(run)]
+                       "GROUP BY chunk_size ORDER BY chunk_size", (device, device)) for device in run.model.devices]
     parts = [p for p in parts if len(p)]
     if not parts:
         return pd.DataFrame(columns=["device", "chunk_size", "calls"])
-    out = pd.concat(parts, ignore_index=True).drop(columns=["rank"], errors="ignore")
+    out = pd.concat(parts, ignore_index=True).drop(columns=["rank"])
     return out.astype({"chunk_size": float, "calls": int})
 
 
@@ -311,28 +275,35 @@ def memory_peaks(run: StoredRun, chunks: pd.DataFrame | None = None, detail: boo
     Returns:
         columns device, output_device (True for the device gathered outputs landed on), peak_step,
         peak_held_bytes, one column per MEMORY_BYTES (at the peak step), chunk_size_mean,
-        chunk_size_min, chunk_size_max, peak_allocated_bytes and peak_reserved_bytes (NaN without
-        allocator records: CPU workers).
+        chunk_size_min, chunk_size_max (NaN without dpprof's accounting: imported traces),
+        peak_allocated_bytes and peak_reserved_bytes (NaN without allocator records: CPU workers).
+        A device with allocator figures only (an imported trace's GPU) has a row too.
     """
     cols = ["device", "output_device", "peak_step", "peak_held_bytes", *MEMORY_BYTES, "chunk_size_mean",
             "chunk_size_min", "chunk_size_max", "peak_allocated_bytes", "peak_reserved_bytes"]
     rows = []
-    for device in devices_of(run):
-        # SQLite gives the bare column (step) of the row holding the one MAX(): the peak step
-        peak = _one_row(run.query(
-            f"SELECT step, MAX(held) AS held, SUM(gathered) AS gathered FROM (SELECT step, SUM({_HELD}) AS held, "
-            "SUM(gathered_bytes) AS gathered FROM memory WHERE device = ? GROUP BY step)", (device,)), "held")
-        if pd.isna(peak["held"]):
-            continue
-        kinds = (_one_row(run.query(f"SELECT {', '.join(f'SUM({c}) AS {c}' for c in MEMORY_BYTES)} FROM memory "
-                                    "WHERE device = ? AND step = ?", (device, int(peak["step"]))), MEMORY_BYTES[0])
-                 if detail else dict.fromkeys(MEMORY_BYTES, float("nan")))
-        gathered = peak["gathered"]
-        alloc = run.query("SELECT MAX(peak_allocated_bytes) AS b FROM allocator WHERE device = ?", (device,))["b"].max()
-        reserved = run.query("SELECT MAX(reserved_bytes) AS b FROM allocator WHERE device = ?", (device,))["b"].max()
-        rows.append({"device": device, "peak_step": int(peak["step"]), "peak_held_bytes": float(peak["held"]),
-                     **{c: float(kinds[c]) for c in MEMORY_BYTES}, "_gathered": gathered or 0,
-                     "peak_allocated_bytes": alloc, "peak_reserved_bytes": reserved})
+    accounted = "memory" in run.model.has
+    for device in run.model.devices:
+        row: dict[str, Any] = {"device": device, "peak_step": None, "peak_held_bytes": float("nan"),
+                               **dict.fromkeys(MEMORY_BYTES, float("nan")), "_gathered": 0}
+        if accounted:
+            # SQLite gives the bare column (step) of the row holding the one MAX(): the peak step
+            peak = _one_row(run.query(
+                f"SELECT step, MAX(held) AS held, SUM(gathered) AS gathered FROM (SELECT step, SUM({_HELD}) AS held, "
+                "SUM(gathered_bytes) AS gathered FROM memory WHERE device = ? GROUP BY step)", (device,)), "held")
+            if pd.notna(peak["held"]):
+                kinds = (_one_row(run.query(f"SELECT {', '.join(f'SUM({c}) AS {c}' for c in MEMORY_BYTES)} "
+                                            "FROM memory WHERE device = ? AND step = ?", (device, int(peak["step"]))),
+                                  MEMORY_BYTES[0])
+                         if detail else dict.fromkeys(MEMORY_BYTES, float("nan")))
+                row.update({"peak_step": int(peak["step"]), "peak_held_bytes": float(peak["held"]),
+                            **{c: float(kinds[c]) for c in MEMORY_BYTES}, "_gathered": peak["gathered"] or 0})
+        alloc = _one_row(run.query("SELECT MAX(peak_allocated_bytes) AS peak_allocated_bytes, MAX(reserved_bytes) "
+                                   "AS peak_reserved_bytes FROM allocator WHERE device = ?", (device,)),
+                         "peak_allocated_bytes")
+        if row["peak_step"] is None and pd.isna(alloc["peak_allocated_bytes"]):
+            continue  # nothing measured on this device (an idle device of a DataParallel run)
+        rows.append({**row, **alloc.to_dict()})
     if not rows:
         return pd.DataFrame(columns=cols)
     out = pd.DataFrame(rows)
@@ -344,7 +315,8 @@ def memory_peaks(run: StoredRun, chunks: pd.DataFrame | None = None, detail: boo
     out["chunk_size_mean"] = out["device"].map(weighted["total"].sum() / weighted["calls"].sum())
     out["chunk_size_min"] = out["device"].map(sized.groupby("device")["chunk_size"].min())
     out["chunk_size_max"] = out["device"].map(sized.groupby("device")["chunk_size"].max())
-    out = out.astype({"peak_allocated_bytes": float, "peak_reserved_bytes": float})
+    out = out.astype({"peak_held_bytes": float, "peak_allocated_bytes": float, "peak_reserved_bytes": float})
+    out["peak_step"] = out["peak_step"].astype("Int64")
     return out[cols]
 
 
@@ -367,12 +339,11 @@ def gpu_series(run: StoredRun, max_points: int = MAX_POINTS) -> pd.DataFrame:
     out = run.query(f"SELECT MIN(t_ms) AS t_ms, device, COUNT(*) AS samples, {means} FROM gpu_samples "
                     "GROUP BY device, CAST((t_ms - ?) / ? AS INTEGER) ORDER BY device, t_ms",
                     (float(span["a"].min()), float(width)))
-    if "rank" in out:  # each rank samples its own GPUs
+    if run.ranks > 1:  # each rank samples its own GPUs
         out["device"] = out["device"] + " (rank " + out["rank"].astype(str) + ")"
-        out = out.drop(columns="rank")
-    order = {d: i for i, d in enumerate(run.meta.get("devices") or [])}
-    out = out.sort_values(["device", "t_ms"], key=lambda s: s.map(lambda d: (order.get(d, len(order)), len(d), d))
-                          if s.name == "device" else s, kind="stable").reset_index(drop=True)
+    out = out.drop(columns="rank")
+    out = out.sort_values(["device", "t_ms"], key=lambda s: s.map(device_key) if s.name == "device" else s,
+                          kind="stable").reset_index(drop=True)
     return out.astype({m: float for m in GPU_METRICS})
 
 
@@ -388,26 +359,53 @@ def timeline(run: StoredRun, first_step: int, last_step: int) -> tuple[pd.DataFr
                        "WHERE step BETWEEN ? AND ? ORDER BY start_ms", (first_step, last_step))
     steps = run.query("SELECT step, start_ms, duration_ms FROM steps WHERE step BETWEEN ? AND ? ORDER BY step",
                       (first_step, last_step))
-    if "rank" in steps:  # ranks step together: each step from the first rank's start to the last's end
+    if run.ranks > 1:  # ranks step together: each step from the first rank's start to the last's end
         steps["end_ms"] = steps["start_ms"] + steps["duration_ms"]
         steps = steps.groupby("step", as_index=False).agg(start_ms=("start_ms", "min"), end_ms=("end_ms", "max"))
         steps["duration_ms"] = steps["end_ms"] - steps["start_ms"]
-        phases = phases.drop(columns="rank").sort_values("start_ms", kind="stable").reset_index(drop=True)
+        phases = phases.sort_values("start_ms", kind="stable").reset_index(drop=True)
+    phases = phases.drop(columns="rank")
     phases["end_ms"] = phases["start_ms"] + phases["duration_ms"]
     steps["end_ms"] = steps["start_ms"] + steps["duration_ms"]
     return phases, steps[["step", "start_ms", "duration_ms", "end_ms"]]
 
 
-def last_steps_frames(run: StoredRun, last: int) -> dict[str, pd.DataFrame]:
-    """The run's step-indexed tables restricted to its last ``last`` steps (and the GPU samples of that time).
+GPU_TIME_PARTS = ("computation_ms", "overlapping_ms", "communication_ms", "memcpy_ms", "memset_ms", "idle_ms")
 
-    For findings on a large run that is still recording, when reading every table would be slow.
+
+def gpu_time(run: StoredRun) -> pd.DataFrame:
+    """Mean ms per step of each GPU (or rank's GPU) by what it ran, from an imported trace's gpu_time table:
+    the TensorBoard plugin's Distributed view (computation and communication without their overlap, the
+    overlap, copies, memsets, idle). Empty for recorded runs.
+
+    Returns:
+        columns device, steps, step_ms, one column per GPU_TIME_PARTS, busy_ms (step_ms - idle_ms), idle_pct.
     """
-    _, bounds = _span(run)
-    lo = -1 if bounds is None else bounds - last + 1
-    frames = {t: run.query(f"SELECT * FROM {t} WHERE step >= ?", (lo,))
-              for t in ("steps", "phases", "memory", "allocator", "comms")}
-    t0 = frames["steps"]["start_ms"].min() if not frames["steps"].empty else 0.0
-    frames["gpu_samples"] = run.query("SELECT * FROM gpu_samples WHERE t_ms >= ?", (float(t0),))
-    frames["steps"]["explicit"] = frames["steps"]["explicit"].astype(bool)
-    return frames
+    cols = ["device", "steps", "step_ms", *GPU_TIME_PARTS, "busy_ms", "idle_pct"]
+    if "gpu_time" not in run.model.has:
+        return pd.DataFrame(columns=cols)
+    table = run.query("SELECT step, device, window_ms, compute_ms, communication_ms, overlap_ms, memcpy_ms, memset_ms, "
+                      "idle_ms FROM gpu_time")  # one row per step and GPU: small
+    t = table.assign(computation_ms=table["compute_ms"] - table["overlap_ms"], overlapping_ms=table["overlap_ms"],
+                     communication_ms=table["communication_ms"] - table["overlap_ms"])
+    per = t.groupby("device", as_index=False).agg(
+        steps=("step", "count"), step_ms=("window_ms", "mean"), **{c: (c, "mean") for c in GPU_TIME_PARTS})
+    order = {d: i for i, d in enumerate(run.model.devices)}
+    per = per.sort_values("device", key=lambda s: s.map(lambda d: (order.get(d, len(order)), device_key(d))))
+    per["busy_ms"] = per["step_ms"] - per["idle_ms"]
+    per["idle_pct"] = 100 * per["idle_ms"] / per["step_ms"]
+    return per.reset_index(drop=True)[cols]
+
+
+def phase_means(run: StoredRun) -> pd.DataFrame:
+    """Mean milliseconds per step of each phase on each device (devices as rows in the run's order, phases as
+    ``<phase>_ms`` columns in step order); a phase run several times in one step is summed within the step.
+    NaN where a device does not run a phase (only the output device scatters)."""
+    per = run.query("SELECT device, phase, AVG(ms) AS ms FROM (SELECT device, phase, step, SUM(duration_ms) AS ms "
+                    "FROM phases GROUP BY device, phase, step) GROUP BY device, phase")
+    table = per.pivot_table(index="device", columns="phase", values="ms", aggfunc="sum")
+    table = table.reindex(index=[d for d in run.model.devices if d in table.index],
+                          columns=[p for p in run.model.phases if p in table.columns])
+    table.columns = [f"{c}_ms" for c in table.columns]
+    table.index.name = "device"
+    return table

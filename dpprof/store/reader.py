@@ -14,11 +14,14 @@ import sqlite3
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
 from dpprof.store.schema import FORMAT, RECORD_TABLES, RUN_COLUMNS, SCHEMA_VERSION, columns_of
+
+if TYPE_CHECKING:
+    from dpprof.store.model import RunModel
 
 __all__ = ["RUN_SUFFIX", "list_runs", "load_run", "StoredRun", "RunFileError", "reports_dir",
            "HEARTBEAT_TIMEOUT_S", "FULL_DISK_FREE_BYTES"]
@@ -122,12 +125,15 @@ def _read_meta(con: sqlite3.Connection, path: Path | None = None) -> dict[str, A
 @dataclass
 class StoredRun:
     """A run read from its file (or, for a torch.distributed run, its rank files): ``meta`` and one
-    DataFrame per table, read on first use. A multi-rank run's tables carry a ``rank`` column."""
+    DataFrame per table, read on first use. Every table and query result carries a ``rank`` column (the
+    file's rank; 0 for a one-file run), so the same columns come back whatever the kind of run. ``model``
+    says what kind of run it is and what it holds."""
 
     path: Path  # the run's file; for a multi-rank run, the lowest rank's
     meta: dict[str, Any]
     _frames: dict[str, pd.DataFrame] = field(default_factory=dict, repr=False)
     paths: list[Path] = field(default_factory=list)  # every file of the run, by rank
+    _model: RunModel | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.paths:
@@ -152,10 +158,23 @@ class StoredRun:
                 raise RunFileError(f"{path.name}: corrupt {what}: {err}") from None
             finally:
                 con.close()
-            if len(self.paths) > 1:
-                df["rank"] = _rank_of(path)
+            df["rank"] = self._file_rank(path)
             frames.append(df)
         return frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
+
+    def _file_rank(self, path: Path) -> int:
+        """The rank a file holds: from its name (<id>.rank<N>.sqlite), else the run's rank, else 0."""
+        rank = _rank_of(path)
+        return rank if rank is not None else int(self.meta.get("rank") or 0)
+
+    @property
+    def model(self) -> RunModel:
+        """What the run is and holds (its kind, device axis, measurements), read once: dpprof.store.model."""
+        if self._model is None:
+            from dpprof.store.model import describe
+
+            self._model = describe(self)
+        return self._model
 
     @staticmethod
     def _has_table(path: Path, name: str) -> bool:
@@ -176,15 +195,20 @@ class StoredRun:
                 self._frames[name] = self._read(f"SELECT * FROM {name}", (), f"table {name}")
             else:  # a table added to the schema since the file was written: it holds no rows
                 cls = next(c for c, t in RECORD_TABLES.items() if t == name)
-                self._frames[name] = pd.DataFrame(columns=list(columns_of(cls)))
+                self._frames[name] = pd.DataFrame(columns=[*columns_of(cls), "rank"])
             if name == "steps":
                 self._frames[name]["explicit"] = self._frames[name]["explicit"].astype(bool)
         return self._frames[name]
 
     def query(self, sql: str, params: tuple[Any, ...] = ()) -> pd.DataFrame:
-        """An SQL query against the run file (for aggregates over large runs); over a multi-rank run,
-        the rows of each rank's file, with a ``rank`` column."""
+        """An SQL query against the run file (for aggregates over large runs): the rows of each rank's file,
+        with a ``rank`` column."""
         return self._read(sql, params, "query")
+
+    @property
+    def ranks(self) -> int:
+        """How many files the run has: one, or one per rank of a torch.distributed run."""
+        return len(self.paths)
 
     def frames(self) -> dict[str, pd.DataFrame]:
         return {name: self.table(name) for name in TABLES}

@@ -18,18 +18,17 @@ from typing import Any
 
 import pandas as pd
 
-from dpprof.findings import FINDING_COLUMNS, run_findings
 from dpprof.records import NoteRecord, StepRecord
+from dpprof.store.model import TRACE_SOURCE
 from dpprof.store.reader import RUN_SUFFIX, load_run, reports_dir as resolve_reports_dir
 from dpprof.store.writer import SqliteSink, replace_findings
 from dpprof.trace.collect import Collected, collect
 from dpprof.trace.convert import Converted, convert
-from dpprof.trace.findings import trace_findings
 from dpprof.trace.reader import TraceError, TraceFile, is_trace_name
 
 __all__ = ["ImportedRun", "import_traces", "trace_files", "pending_traces", "SOURCE"]
 
-SOURCE = "trace"  # runs.source of an imported run
+SOURCE = TRACE_SOURCE  # runs.source of an imported run
 _RANK_IN_NAME = re.compile(r"rank[_\-.]?(\d+)", re.IGNORECASE)
 
 
@@ -161,7 +160,7 @@ def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | 
     try:
         written = _write(staging, run_id, name or files[0].name, files, ranks if distributed else [None],
                          converted, t0_abs, distributed)
-        _store_findings(written, converted)
+        _store_findings(written)
         for path in written:
             if (directory / path.name).exists():
                 raise TraceError(f"{directory / path.name}: already exists; nothing was imported")
@@ -196,7 +195,9 @@ def _write(staging: Path, run_id: str, name: str, files: list[Collected], ranks:
             "host": f.meta.get("host_name"), "pid": None, "torch_version": None, "cuda_version": None,
             "backend": "cuda" if f.gpus else "cpu", "devices": conv.devices, "workload": "torch.profiler trace",
             "workload_args": {"trace_files": listing, "trace_file": f.name,
-                              "distributedInfo": f.meta.get("distributedInfo")},
+                              "distributedInfo": f.meta.get("distributedInfo"),
+                              # torch's DataParallel.forward driving GPUs ("torch"), or dpprof's ranges ("exact")
+                              "dataparallel": next((c.dataparallel for c in converted if c.dataparallel), None)},
             "status": "finished", "error": None, "rank": rank, "world_size": world, "source": SOURCE,
         }
         steps = [x for x in conv.records if isinstance(x, StepRecord)]
@@ -218,19 +219,12 @@ def _write(staging: Path, run_id: str, name: str, files: list[Collected], ranks:
     return written
 
 
-def _store_findings(written: list[Path], converted: list[Converted]) -> None:
-    """The shared rules on the run's tables plus the trace-only ones, stored in the first file."""
-    run = load_run(written[0])
-    tables = {t: run.table(t) for t in ("steps", "phases", "memory", "allocator", "gpu_samples", "comms", "gpu_time")}
-    found = run_findings(tables["steps"], tables["phases"], tables["memory"], tables["allocator"],
-                         tables["gpu_samples"], list(run.meta["devices"]), comms=tables["comms"])
-    kinds = set(found["kind"]) if not found.empty else set()
-    dataparallel = next((c.dataparallel for c in converted if c.dataparallel), None)
-    extra = pd.DataFrame(trace_findings(tables["gpu_time"], tables["allocator"], list(run.meta["devices"]),
-                                        dataparallel, kinds), columns=FINDING_COLUMNS)
-    every = pd.concat([found, extra], ignore_index=True) if not extra.empty else found
-    rows = [tuple(None if pd.isna(v) else v for v in row)
-            for row in every[FINDING_COLUMNS].itertuples(index=False)]
+def _store_findings(written: list[Path]) -> None:
+    """The findings of the imported run's kind (dpprof.findings), stored in its first file."""
+    from dpprof.findings import FINDING_COLUMNS, findings_from, tables_of
+
+    found = findings_from(tables_of(load_run(written[0])))
+    rows = [tuple(None if pd.isna(v) else v for v in row) for row in found[FINDING_COLUMNS].itertuples(index=False)]
     replace_findings(str(written[0]), rows)
 
 

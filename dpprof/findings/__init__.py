@@ -1,0 +1,151 @@
+"""Findings: what stands out in a run, the numbers that show it, what it costs, and what to do.
+
+One entry point, ``run_findings(run)``, takes a run opened for reading (dpprof.store.StoredRun) and runs the
+rules of its kind (``rules_for``) on its tables:
+
+| kind (run.model.kind) | rules |
+| --- | --- |
+| dataparallel, balanced | DATAPARALLEL_RULES: straggler, memory skew, the DataParallel tax, uneven and idle chunks, under-used and throttled GPUs, backward's share, outlier steps |
+| ddp | PROCESS_RULES: straggler rank, all-reduce share and buckets, uneven inputs, under-used and throttled GPUs, outlier steps |
+| trace_gpu, trace_cpu | DATAPARALLEL_RULES for a trace of dpprof.DataParallel, else PROCESS_RULES; with GPUs also TRACE_GPU_RULES (idle GPUs, DataParallel on several GPUs) and, where the shared rules found nothing of their kind, the GPU-side communication share and the allocator's skew |
+| empty | none |
+
+Each finding is raised and graded only above named floors (dpprof.findings.floors and each rule module's
+thresholds, with their reasons). Pure functions of the tables: no plotting, no I/O but reading the run.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pandas as pd
+
+from dpprof.findings.base import FINDING_COLUMNS, Tables, finding
+from dpprof.findings.dataparallel import (BACKWARD_SHARE_INFO, DP_TAX_WARN, MEMORY_SKEW_CRITICAL_RATIO,
+                                          MEMORY_SKEW_RATIO, STRAGGLER_CONSISTENCY, STRAGGLER_CRITICAL_RATIO,
+                                          STRAGGLER_RATIO, STRAGGLER_RATIO_CPU, UNEVEN_STEPS_SHARE, backward_share,
+                                          dataparallel_tax, memory_skew, straggler, uneven_chunks)
+from dpprof.findings.ddp import (COMM_SHARE_WARN, FEW_BUCKETS, MANY_BUCKETS, SMALL_BUCKET_BYTES, communication,
+                                 straggler_rank, uneven_inputs)
+from dpprof.findings.floors import (CRITICAL_STEP_SHARE, MEMORY_FLOOR_BYTES, STEP_SHARE_FLOOR, TIME_FLOOR_MS,
+                                    Imbalance, imbalance, worth_bytes, worth_time)
+from dpprof.findings.gpu import (GPU_IDLE_WARN, THROTTLED_SAMPLES_SHARE, UNDERUSED_UTIL_RATIO, allocator_skew,
+                                 gpu_communication, gpu_idle, gpu_underused, throttling, use_ddp)
+from dpprof.findings.steps import OUTLIER_STEP_RATIO, OUTLIER_TIME_SHARE, outlier_steps
+from dpprof.records import SEVERITIES
+from dpprof.store.model import RunModel
+from dpprof.store.reader import StoredRun
+
+__all__ = ["FINDING_COLUMNS", "FINDINGS_MIN_STEPS", "FINDINGS_FULL_STEPS", "Findings", "Tables", "Rule",
+           "DATAPARALLEL_RULES", "PROCESS_RULES", "TRACE_GPU_RULES", "FALLBACK_RULES", "rules_for", "run_findings",
+           "findings_from", "tables_of", "findings_withheld", "finding", "imbalance", "Imbalance", "worth_time",
+           "worth_bytes", "TIME_FLOOR_MS", "STEP_SHARE_FLOOR", "MEMORY_FLOOR_BYTES", "CRITICAL_STEP_SHARE",
+           "STRAGGLER_RATIO", "STRAGGLER_RATIO_CPU", "STRAGGLER_CONSISTENCY", "STRAGGLER_CRITICAL_RATIO",
+           "MEMORY_SKEW_RATIO", "MEMORY_SKEW_CRITICAL_RATIO", "DP_TAX_WARN", "UNEVEN_STEPS_SHARE",
+           "BACKWARD_SHARE_INFO", "COMM_SHARE_WARN", "FEW_BUCKETS", "MANY_BUCKETS", "SMALL_BUCKET_BYTES",
+           "GPU_IDLE_WARN", "UNDERUSED_UTIL_RATIO", "THROTTLED_SAMPLES_SHARE", "OUTLIER_STEP_RATIO",
+           "OUTLIER_TIME_SHARE"]
+
+Rule = Callable[[Tables], list[dict]]
+
+# No findings from fewer steps than this: the first step carries one-time costs (threads started,
+# memory allocated, lazy initialisation), and the straggler rule needs three steps to call a device
+# consistently slow. A run that failed after one step says nothing about balance.
+FINDINGS_MIN_STEPS = 3
+# Up to this many steps, findings come from every record (well under a second); beyond it a finished
+# run gives the findings stored when it closed, and a running one those of its last this-many steps.
+FINDINGS_FULL_STEPS = 5_000
+
+DATAPARALLEL_RULES: tuple[Rule, ...] = (straggler, memory_skew, dataparallel_tax, uneven_chunks, gpu_underused,
+                                        throttling, backward_share, outlier_steps)
+PROCESS_RULES: tuple[Rule, ...] = (straggler_rank, communication, uneven_inputs, gpu_underused, throttling,
+                                   outlier_steps)
+TRACE_GPU_RULES: tuple[Rule, ...] = (gpu_idle, use_ddp)
+# Rules of an imported trace's GPUs that say what a shared rule may already have said from the host's view:
+# each runs only when no finding of the kind named was raised.
+FALLBACK_RULES: tuple[tuple[Rule, str], ...] = ((gpu_communication, "communication_share"),
+                                                (allocator_skew, "memory_skew"))
+
+
+@dataclass
+class Findings:
+    """A run's findings, worst first, and where they come from in words."""
+
+    table: pd.DataFrame  # FINDING_COLUMNS
+    scope: str  # "from all 20 steps", "stored when the run finished, ...", or why there are none
+    withheld: bool = False  # True when the run has too few steps (scope says so)
+
+
+def rules_for(model: RunModel) -> tuple[tuple[Rule, ...], tuple[tuple[Rule, str], ...]]:
+    """The rules a run of this kind runs, and its fallback rules (see the module's table)."""
+    if model.kind == "empty":
+        return (), ()
+    base = DATAPARALLEL_RULES if model.dataparallel else PROCESS_RULES
+    if model.kind == "trace_gpu":
+        return base + TRACE_GPU_RULES, FALLBACK_RULES
+    return base, ()
+
+
+def tables_of(run: StoredRun, last_steps: int | None = None) -> Tables:
+    """The run's tables for the rules: every row, or those of its last ``last_steps`` steps."""
+    names = ("steps", "phases", "memory", "allocator", "comms", "gpu_time")
+    if last_steps is None:
+        frames = {t: run.table(t) for t in (*names, "gpu_samples")}
+    else:
+        last = run.query("SELECT MAX(step) AS s FROM steps")["s"].max()
+        lo = -1 if pd.isna(last) else int(last) - last_steps + 1
+        frames = {t: run.query(f"SELECT * FROM {t} WHERE step >= ?", (lo,)) for t in names}
+        t0 = frames["steps"]["start_ms"].min() if not frames["steps"].empty else 0.0
+        frames["gpu_samples"] = run.query("SELECT * FROM gpu_samples WHERE t_ms >= ?", (float(t0),))
+    return Tables(model=run.model, traced_dataparallel=(run.meta.get("workload_args") or {}).get("dataparallel"),
+                  **frames)
+
+
+def findings_from(tables: Tables) -> pd.DataFrame:
+    """Every rule of the run's kind on these tables: the findings, worst first (severity, then value)."""
+    rules, fallbacks = rules_for(tables.model)
+    rows = [row for rule in rules for row in rule(tables)]
+    for rule, kind in fallbacks:
+        if not any(r["kind"] == kind for r in rows):
+            rows += rule(tables)
+    df = pd.DataFrame(rows, columns=FINDING_COLUMNS)
+    if df.empty:
+        return df
+    df["_rank"] = df["severity"].map({s: i for i, s in enumerate(SEVERITIES)})
+    return df.sort_values(["_rank", "value"], ascending=[True, False]).drop(columns="_rank").reset_index(drop=True)
+
+
+def findings_withheld(steps: int) -> str | None:
+    """Why a run of ``steps`` steps gives no findings (too few), or None when findings can be computed."""
+    if steps >= FINDINGS_MIN_STEPS:
+        return None
+    return (f"no findings from {steps} step{'s' if steps != 1 else ''}: they need at least {FINDINGS_MIN_STEPS} "
+            "(the first step carries one-time costs, and a device is called slow only when it is slow step "
+            "after step)")
+
+
+def run_findings(run: StoredRun, fresh: bool = False) -> Findings:
+    """The run's findings and where they come from: computed from every step up to FINDINGS_FULL_STEPS steps
+    (or when ``fresh``); beyond, those stored when a finished run closed, or those of a running run's last
+    FINDINGS_FULL_STEPS steps.
+
+    Example:
+        >>> found = run_findings(dpprof.load_run("20261122-080557"))
+        >>> found.table[["severity", "title"]], found.scope
+    """
+    model = run.model
+    empty = pd.DataFrame(columns=FINDING_COLUMNS)
+    if model.kind == "empty":
+        return Findings(empty, model.empty_reason or "no steps recorded", withheld=True)
+    withheld = findings_withheld(model.steps)
+    if withheld:
+        return Findings(empty, withheld, withheld=True)
+    running = run.meta["status"] == "running"
+    if fresh or model.steps <= FINDINGS_FULL_STEPS:
+        return Findings(findings_from(tables_of(run)),
+                        f"from all {model.steps:,} steps" + (" so far" if running else ""))
+    if run.meta["status"] == "finished":
+        stored = run.findings.drop(columns=["rank"]).reset_index(drop=True)
+        return Findings(stored, f"stored when the run finished, from all {model.steps:,} steps")
+    return Findings(findings_from(tables_of(run, FINDINGS_FULL_STEPS)),
+                    f"from the last {FINDINGS_FULL_STEPS:,} of {model.steps:,} steps")

@@ -1,0 +1,64 @@
+"""What every rule takes (a run's tables and its model) and gives (finding rows)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import pandas as pd
+
+from dpprof.records import FindingRecord
+from dpprof.store.model import RunModel
+
+__all__ = ["FINDING_COLUMNS", "Tables", "finding", "per_step"]
+
+FINDING_COLUMNS = [f.name for f in fields(FindingRecord)]
+
+
+@dataclass
+class Tables:
+    """The tables the rules read (every step's, or the last steps' of a long running run) and the run's model.
+
+    Every table has a ``rank`` column (0 for a one-file run), as dpprof.store.reader reads them.
+    """
+
+    model: RunModel
+    steps: pd.DataFrame
+    phases: pd.DataFrame
+    memory: pd.DataFrame
+    allocator: pd.DataFrame
+    gpu_samples: pd.DataFrame
+    comms: pd.DataFrame
+    gpu_time: pd.DataFrame
+    traced_dataparallel: str | None = None  # an imported trace's DataParallel: "torch" or "exact" (dpprof ranges)
+
+    @property
+    def step_durations_ms(self) -> pd.Series:
+        """Milliseconds per step, in step order (a distributed run's ranks step together: the slowest rank's)."""
+        return self.steps.groupby("step")["duration_ms"].max().sort_index()
+
+    @property
+    def later_steps(self) -> pd.Series:
+        """step_durations_ms without the first step, whose one-time costs no rule counts."""
+        return self.step_durations_ms.iloc[1:]
+
+    @property
+    def median_step_ms(self) -> float:
+        later = self.later_steps
+        return float(later.median()) if len(later) else float("nan")
+
+    @property
+    def first_step(self) -> int | None:
+        return int(self.steps["step"].min()) if len(self.steps) else None
+
+
+def finding(kind: str, severity: str, device: str | None, title: str, evidence: str, advice: str,
+            value: float | None) -> dict:
+    """One finding row (FindingRecord's fields)."""
+    return dict(kind=kind, severity=severity, device=device, title=title, evidence=evidence, advice=advice,
+                value=None if value is None else float(value))
+
+
+def per_step(t: Tables, names: tuple[str, ...] | list[str]) -> pd.DataFrame:
+    """Milliseconds of the named phases per step (rows, the first step left out) and device (columns), forward
+    calls summed."""
+    sel = t.phases[t.phases["phase"].isin(names) & (t.phases["step"] != t.first_step)]
+    return sel.groupby(["step", "device"])["duration_ms"].sum().unstack("device")

@@ -1,0 +1,41 @@
+"""Rules over the steps alone, for every kind of run: steps that stall far beyond the median."""
+from __future__ import annotations
+
+from dpprof.findings.base import Tables, finding
+from dpprof.findings.floors import worth_time
+
+__all__ = ["OUTLIER_STEP_RATIO", "OUTLIER_TIME_SHARE", "OUTLIER_WARN_SHARE", "OUTLIER_STEPS_LISTED", "outlier_steps"]
+
+# A step (past the first) over 2x the run's median step is an outlier: a stall or contention from
+# outside the step (another process on the same cores or GPU, data loading, swapping), not the
+# model's own variation, which stays well within 2x on a steady machine ...
+OUTLIER_STEP_RATIO = 2.0
+# ... worth a finding when the outliers' time beyond the median is over 5% of the run's step time ...
+OUTLIER_TIME_SHARE = 0.05
+# ... and a warning from 20%: a fifth of the run then went to stalls, enough to distort every other figure.
+OUTLIER_WARN_SHARE = 0.20
+# Outlier steps listed in the evidence (the slowest first).
+OUTLIER_STEPS_LISTED = 8
+
+
+def outlier_steps(t: Tables) -> list[dict]:
+    """Steps far beyond the run's median (stalls, contention from other load), named with their times."""
+    per = t.later_steps  # the first step's one-time costs are no stall
+    if len(per) < 3:
+        return []
+    median = float(per.median())
+    slow = per[per > OUTLIER_STEP_RATIO * median]
+    excess = float((slow - median).sum())
+    share = excess / float(per.sum()) if per.sum() else 0.0
+    if slow.empty or share < OUTLIER_TIME_SHARE or not worth_time(excess / len(per), median):
+        return []
+    worst = slow.sort_values(ascending=False)
+    listed = ", ".join(f"{s} ({ms:.0f} ms)" for s, ms in worst.head(OUTLIER_STEPS_LISTED).items())
+    more = f" and {len(worst) - OUTLIER_STEPS_LISTED} more" if len(worst) > OUTLIER_STEPS_LISTED else ""
+    return [finding("outlier_steps", "warning" if share >= OUTLIER_WARN_SHARE else "info", None,
+                    f"{len(slow)} of {len(per)} steps took over {OUTLIER_STEP_RATIO:g}x the median step",
+                    f"median step {median:.2f} ms; steps {listed}{more}; {excess / 1e3:.2f} s beyond the median, "
+                    f"{share:.0%} of the run's step time (the first step is left out)",
+                    "Steps that stall like this come from outside the model: another process on the same cores or "
+                    "GPU (another run started alongside), data loading, swapping or garbage collection. Check what "
+                    "else ran at those steps; the per-device findings of such a run are less certain.", share)]

@@ -1,0 +1,234 @@
+"""What a stored run is and what it holds, read once: its kind, its device axis, its measurements.
+
+Every reader of a run (the findings, the views, ``dpprof show`` and ``dpprof export``) asks this object
+instead of guessing from phase names or table shapes. ``StoredRun.model`` builds it on first use with a
+few index lookups (the phase names present, whether each table has a row), never a scan of a long run.
+
+Kinds:
+
+| kind | what | its terms |
+| --- | --- | --- |
+| ``dataparallel`` | dpprof.DataParallel on CPU workers or GPUs | apply per device, the DataParallel tax |
+| ``balanced`` | DataParallelModel + DataParallelCriterion | apply per device, nothing gathered |
+| ``ddp`` | DistributedDataParallel, one file per rank | forward + backward compute per rank, all-reduce |
+| ``trace_gpu`` | an imported torch.profiler trace with GPU activity | host phases, GPU time per GPU |
+| ``trace_cpu`` | an imported trace of a CPU-only process | host phases only |
+| ``empty`` | no step recorded; ``empty_reason`` says why | |
+"""
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from dpprof.records import DDP_PHASES, PHASES, device_key
+
+if TYPE_CHECKING:
+    from dpprof.store.reader import StoredRun
+
+__all__ = ["KINDS", "KIND_TITLES", "MEASUREMENTS", "TRACE_SOURCE", "Work", "RunModel", "describe",
+           "present_phases", "distinct"]
+
+KINDS = ("dataparallel", "balanced", "ddp", "trace_gpu", "trace_cpu", "empty")
+KIND_TITLES = {
+    "dataparallel": "DataParallel", "balanced": "DataParallel, balanced (DataParallelModel + DataParallelCriterion)",
+    "ddp": "DistributedDataParallel", "trace_gpu": "imported torch.profiler trace",
+    "trace_cpu": "imported torch.profiler trace (CPU only)", "empty": "no steps",
+}
+# What a run can hold besides its steps, each a table (dpprof.records.TABLE_OF) but "work": the phases that
+# are each device's own share of a step (DataParallel's apply; a rank's forward and backward compute).
+MEASUREMENTS = ("phases", "work", "memory", "allocator", "gpu_samples", "comms", "gpu_time")
+TRACE_SOURCE = "trace"  # runs.source of a run imported from torch.profiler traces (dpprof import)
+# Phases in the order a step runs them: DataParallel's, then a process's (DDP ranks, imported traces).
+PHASE_ORDER = (*PHASES, *DDP_PHASES)
+
+
+@dataclass(frozen=True)
+class Work:
+    """Each device's own share of a step: the phases summed, and how pages and columns name them."""
+
+    phases: tuple[str, ...]  # ("apply",), or a process's ("forward", "backward_compute")
+    label: str  # "apply", "forward + backward compute"
+    column: str  # prefix of the per-device summary's columns: "apply_mean_ms", "compute_mean_ms"
+
+
+DATAPARALLEL_WORK = Work(("apply",), "apply", "apply")
+
+
+@dataclass(frozen=True)
+class RunModel:
+    """One run's kind, device axis and measurements (see the module's table of kinds)."""
+
+    kind: str
+    imported: bool  # read from a torch.profiler trace (dpprof import), not recorded live
+    backend: str | None  # "cpu", "cuda", "rank" (DDP ranks), None before the first forward call
+    steps: int
+    phases: tuple[str, ...]  # the phase names recorded, in the order a step runs them
+    work: Work
+    devices: tuple[str, ...]  # the device axis: every device of the run, in device_ids (or rank) order
+    idle: tuple[str, ...]  # devices of a DataParallel run that never got a chunk
+    has: frozenset[str]  # the MEASUREMENTS with at least one row
+    missing: dict[str, str] = field(default_factory=dict)  # measurement -> why this run has none, in one sentence
+    empty_reason: str | None = None  # why a run has no steps
+
+    @property
+    def dataparallel(self) -> bool:
+        """Whether the steps are DataParallel's phases (scatter, replicate, apply per device, ...): recorded or
+        imported from a trace of dpprof.DataParallel."""
+        return "apply" in self.phases
+
+    @property
+    def gathers(self) -> bool:
+        """Whether outputs were gathered onto one device (DataParallel without the balanced criterion)."""
+        return "gather" in self.phases
+
+    @property
+    def unit(self) -> str:
+        """What one lane of the device axis is called: "rank" for DDP ranks, else "device"."""
+        return "rank" if self.devices and all(d.startswith("rank:") for d in self.devices) else "device"
+
+    @property
+    def title(self) -> str:
+        """The kind in words, with where it ran: "DataParallel on 2 CPU workers"."""
+        n = len(self.devices)
+        where = {"cpu": "CPU worker", "cuda": "GPU"}.get(self.backend or "", "device") + ("s" if n != 1 else "")
+        if self.kind in ("dataparallel", "balanced") and self.devices:
+            return f"{KIND_TITLES[self.kind]} on {n} {where}"
+        if self.kind == "ddp":
+            return f"{KIND_TITLES[self.kind]}, {len(self.devices)} ranks"
+        return KIND_TITLES[self.kind]
+
+
+def distinct(run: StoredRun, table: str, column: str) -> list[object]:
+    """SELECT DISTINCT column FROM table, as a loose index scan: one index lookup per value when an index leads
+    with the column (dpprof.store.schema.INDEXES), where DISTINCT would read every row."""
+    return run.query(
+        f"WITH RECURSIVE v(x) AS (SELECT MIN({column}) FROM {table} UNION ALL "
+        f"SELECT (SELECT MIN({column}) FROM {table} WHERE {column} > x) FROM v WHERE x IS NOT NULL) "
+        "SELECT x FROM v WHERE x IS NOT NULL")["x"].drop_duplicates().tolist()
+
+
+def present_phases(run: StoredRun) -> list[str]:
+    """The phase names this run recorded, in the order a step runs them."""
+    order = {p: i for i, p in enumerate(PHASE_ORDER)}
+    return sorted(map(str, distinct(run, "phases", "phase")), key=lambda p: (order.get(p, len(order)), p))
+
+
+def _nonempty_tables(run: StoredRun) -> set[str]:
+    """The record tables with at least one row in any of the run's files (one EXISTS lookup each)."""
+    from dpprof.store.reader import TABLES, RunFileError, _connect_ro
+
+    found: set[str] = set()
+    for path in run.paths:
+        con = _connect_ro(path)
+        try:
+            names = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            found |= {t for t in TABLES if t in names and con.execute(f"SELECT EXISTS(SELECT 1 FROM {t})").fetchone()[0]}
+        except sqlite3.DatabaseError as err:
+            raise RunFileError(f"{path.name}: corrupt: {err}") from None
+        finally:
+            con.close()
+    return found
+
+
+def _work(phases: list[str]) -> Work:
+    if "apply" in phases or "forward" not in phases:
+        return DATAPARALLEL_WORK
+    if "backward_compute" in phases:
+        return Work(("forward", "backward_compute"), "forward + backward compute", "compute")
+    return Work(("forward",), "forward", "compute")
+
+
+def _kind(run: StoredRun, steps: int, phases: list[str]) -> str:
+    if not steps:
+        return "empty"
+    if run.meta.get("source") == TRACE_SOURCE:
+        return "trace_gpu" if run.meta.get("backend") == "cuda" else "trace_cpu"
+    if run.meta.get("backend") == "rank" or ("forward" in phases and "apply" not in phases):
+        return "ddp"
+    if "reduce" in phases or (run.meta.get("workload_args") or {}).get("balanced"):
+        return "balanced"
+    return "dataparallel"
+
+
+def _notes(run: StoredRun, source: str) -> list[str]:
+    notes = run.query("SELECT DISTINCT message FROM notes WHERE source = ? ORDER BY t_ms", (source,))
+    return list(dict.fromkeys(notes["message"]))
+
+
+def _empty_reason(run: StoredRun) -> str:
+    said = _notes(run, "dpprof")
+    if said:
+        return said[0][0].upper() + said[0][1:] + "."
+    status = run.meta.get("status")
+    if status == "running":
+        return "No step has finished yet: the run is recording."
+    if run.meta.get("error"):
+        return f"The run {status} before its first step finished: {str(run.meta['error']).splitlines()[-1]}"
+    return "The run recorded no steps."
+
+
+def _missing(run: StoredRun, kind: str, has: set[str], backend: str | None, work: Work) -> dict[str, str]:
+    """Why the run lacks each measurement its kind could have, in one sentence each."""
+    out: dict[str, str] = {}
+    trace = kind.startswith("trace")
+    if "memory" not in has:
+        out["memory"] = ("An imported torch.profiler trace has no dpprof accounting of what each device holds (its "
+                         "share of the batch, outputs, activations)." if trace else
+                         "No memory records yet: no forward call has finished.")
+    if "allocator" not in has:
+        if trace:
+            out["allocator"] = ("The trace has no [memory] events for a GPU (recorded without profile_memory=True, "
+                                "or with no GPU), so there are no CUDA allocator figures.")
+        elif backend == "cpu":
+            out["allocator"] = ("CPU workers have no CUDA caching allocator: memory is what dpprof accounts to each "
+                                "device (chunk, outputs, activations, gathered outputs, weights).")
+        elif kind == "ddp":
+            out["allocator"] = ("Ranks on CPUs have no CUDA caching allocator: memory is what dpprof accounts to "
+                                "each rank.")
+        else:
+            out["allocator"] = "No CUDA allocator figures were recorded for this run."
+    if "gpu_samples" not in has:
+        noted = "; ".join(_notes(run, "nvml"))
+        base = {"trace_gpu": "torch.profiler traces carry no NVML samples of the GPUs.",
+                "trace_cpu": "A CPU-only trace has no GPUs to sample.",
+                "ddp": "No GPU samples were recorded for these ranks." if backend != "cpu" else ""}.get(kind)
+        if base is None:
+            base = ("This run used CPU workers: there are no GPUs to sample." if backend == "cpu"
+                    else "No GPU samples were recorded for this run.")
+        out["gpu_samples"] = (base or "No GPU samples were recorded for these ranks.") + (
+            f" The recorder noted: {noted}." if noted and not trace else "")
+    if kind == "trace_cpu":
+        out["gpu_time"] = "A CPU-only trace has no GPU activity: no kernel, copy or idle time per GPU."
+    elif kind == "trace_gpu" and "gpu_time" not in has:
+        out["gpu_time"] = "The trace has no GPU kernels inside its steps."
+    if kind == "ddp" and "comms" not in has:
+        out["comms"] = "No gradient all-reduce was recorded (one rank, or no backward yet)."
+    if "work" not in has and kind != "empty":
+        out["work"] = f"No {work.label} phases recorded yet: no forward call has finished."
+    return out
+
+
+def describe(run: StoredRun) -> RunModel:
+    """Read what a run is and holds (StoredRun.model calls this once per opened run)."""
+    counts = run.query("SELECT COUNT(*) AS n FROM steps")["n"]
+    steps = int(counts.max()) if len(counts) else 0  # ranks step together: each rank's file has every step
+    phases = present_phases(run)
+    kind = _kind(run, steps, phases)
+    tables = _nonempty_tables(run)
+    work = _work(phases)
+    has = (tables - {"steps", "devices", "notes", "findings"}) | ({"work"} if set(work.phases) & set(phases) else set())
+    seen = [str(d) for d in (distinct(run, "memory", "device") or distinct(run, "phases", "device"))]
+    seen += [str(d) for d in distinct(run, "allocator", "device") if d not in seen]
+    listed = [str(d) for d in run.meta.get("devices") or []]
+    if run.ranks > 1 or kind == "ddp" or any(d.startswith("rank:") for d in listed):
+        listed = sorted(listed, key=device_key)  # a rank's files list its own devices: order them by rank
+    devices = listed + sorted((d for d in seen if d not in listed), key=device_key)
+    worked = set(seen)
+    idle = (tuple(d for d in listed if d not in worked)
+            if kind in ("dataparallel", "balanced") and worked and run.ranks == 1 else ())
+    backend = run.meta.get("backend")
+    return RunModel(kind=kind, imported=run.meta.get("source") == TRACE_SOURCE, backend=backend, steps=steps,
+                    phases=tuple(phases), work=work, devices=tuple(devices), idle=idle, has=frozenset(has),
+                    missing=_missing(run, kind, has, backend, work) if steps else {},
+                    empty_reason=_empty_reason(run) if kind == "empty" else None)

@@ -1,0 +1,20 @@
+"""Units as people read them: bytes in KiB, MiB or GiB by size. Shared by findings, views and charts."""
+from __future__ import annotations
+
+__all__ = ["mib", "bytes_unit"]
+
+
+def mib(value: float) -> str:
+    """Bytes in words: "512.0 KiB" under one MiB, "12.3 MiB", "1.50 GiB" from one GiB."""
+    if value >= 2**30:
+        return f"{value / 2**30:,.2f} GiB"
+    return f"{value / 2**20:,.1f} MiB" if value >= 2**20 else f"{value / 2**10:,.1f} KiB"
+
+
+def bytes_unit(max_bytes: float) -> tuple[str, float]:
+    """The unit a byte axis reads best in, and its scale: KiB under one MiB, GiB from one GiB, else MiB."""
+    if max_bytes >= 2**30:
+        return "GiB", 2**-30
+    if 0 < max_bytes < 2**20:
+        return "KiB", 2**-10
+    return "MiB", 2**-20

@@ -1,0 +1,96 @@
+"""The Export page of one run: every table as CSV, the summaries, and the whole run as a zip of CSVs."""
+from __future__ import annotations
+
+import io
+import os
+import zipfile
+from pathlib import Path
+
+import pandas as pd
+
+from dpprof.export import meta_frame, to_csv_bytes
+from dpprof.findings import run_findings
+from dpprof.report import summary_of
+from dpprof.store import queries
+from dpprof.store.reader import TABLES, StoredRun
+
+__all__ = ["TABLE_DESCRIPTIONS", "EXTRA_TABLES", "export_tables", "table_csv", "run_zip", "export_table", "export_run", "EXPORTED"]
+
+TABLE_DESCRIPTIONS = {
+    "steps": "one row per step: start, duration, batch size",
+    "phases": "one row per phase of each forward call on each device",
+    "memory": "what each device held in each forward call",
+    "allocator": ("the CUDA caching allocator after each replica's apply (its device) and after backward "
+                  "(every device); peaks count from the step's start (CUDA runs only)"),
+    "devices": "the run's devices",
+    "gpu_samples": "NVML readings over time (CUDA runs with NVML only)",
+    "findings": "the run's findings, worst first",
+    "notes": "why some data is missing",
+    "comms": "each gradient bucket's all-reduce (DistributedDataParallel runs), or each collective (imported traces)",
+    "gpu_time": "per step and GPU: compute, communication, overlap, memcpy, memset and idle time (imported traces)",
+}
+# The same tables described in the terms of a run that is not DataParallel (DDP ranks, imported traces).
+PROCESS_DESCRIPTIONS = {
+    "phases": "one row per phase of each step on each rank or process: data, forward, backward, optimizer",
+    "memory": "what each rank held in each step (its batch, outputs, activations, weights)",
+    "allocator": "the CUDA caching allocator of each rank's (or the trace's) GPU, per step",
+    "devices": "the run's ranks or devices",
+}
+# Tables made from the run rather than stored in it.
+EXTRA_TABLES = {"run": "the run's metadata", "device_summary": "per device or rank: its work's time and its memory",
+                "phase_totals": "each phase's share of the step"}
+
+
+def export_tables(run: StoredRun) -> pd.DataFrame:
+    """The run's tables and their row counts (what the Export page offers), then the made ones."""
+    counts = {t: int(run.query(f"SELECT COUNT(*) AS n FROM {t}")["n"].sum()) for t in TABLES if t != "findings"}
+    counts["findings"] = None  # computed (or stored) when asked for
+    words = TABLE_DESCRIPTIONS if run.model.dataparallel else {**TABLE_DESCRIPTIONS, **PROCESS_DESCRIPTIONS}
+    rows = [{"table": t, "rows": counts[t], "what": words.get(t, "")} for t in TABLES]
+    rows += [{"table": t, "rows": 1 if t == "run" else None, "what": what} for t, what in EXTRA_TABLES.items()]
+    return pd.DataFrame(rows)
+
+
+def export_table(run: StoredRun, name: str) -> pd.DataFrame:
+    """One table of the run as exported: a stored table (findings as run_findings gives them), or a made one."""
+    if name == "findings":
+        return run_findings(run).table
+    if name == "run":
+        return meta_frame(run.meta)
+    if name == "device_summary":
+        return summary_of(run).reset_index()
+    if name == "phase_totals":
+        return queries.phase_totals(run)
+    if name in TABLES:
+        return run.query(f"SELECT * FROM {name}")
+    raise KeyError(f"no table {name!r}")
+
+
+def table_csv(run: StoredRun, name: str) -> bytes:
+    """One table of the run as CSV bytes (formula-like cells neutralised)."""
+    return to_csv_bytes(export_table(run, name))
+
+
+# What an export writes, in order: the metadata, every stored table, the made summaries.
+EXPORTED = ("run", *TABLES, "device_summary", "phase_totals")
+
+
+def export_run(run: StoredRun, out_dir: str | os.PathLike[str]) -> list[Path]:
+    """Write <table>.csv for every table and summary (EXPORTED) into out_dir; returns the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in EXPORTED:
+        path = out / f"{name}.csv"
+        path.write_bytes(table_csv(run, name))
+        written.append(path)
+    return written
+
+
+def run_zip(run: StoredRun) -> bytes:
+    """The whole run as a zip of CSVs: run.csv, one per table, device_summary.csv, phase_totals.csv."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for name in EXPORTED:
+            z.writestr(f"{run.id}/{name}.csv", table_csv(run, name))
+    return buf.getvalue()

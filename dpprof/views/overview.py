@@ -1,0 +1,187 @@
+"""The Overview page of one run: each device at a glance, step time, the phase breakdown, the DataParallel tax
+(DataParallel runs), the gradient all-reduce (DDP ranks), GPU time (imported traces) and the findings."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from dpprof.findings import Findings, imbalance, run_findings, worth_bytes, worth_time
+from dpprof.findings.ddp import union_ms
+from dpprof.findings.floors import MEMORY_FLOOR_BYTES, STEP_SHARE_FLOOR, TIME_FLOOR_MS
+from dpprof.records import DP_TAX_PHASES
+from dpprof.store import queries
+from dpprof.store.model import RunModel
+from dpprof.store.reader import StoredRun
+from dpprof.units import mib
+
+__all__ = ["EVEN_RATIO", "Glance", "Overview", "glance", "overview", "comm_stats"]
+
+# Devices within 5% of each other are even: no device is marked as the worst (thread scheduling on CPU
+# workers alone moves apply times by a few percent). Above it, a device is named only when what it costs
+# clears the findings' floors (dpprof.findings.floors).
+EVEN_RATIO = 1.05
+
+
+@dataclass
+class Glance:
+    """Each device's work and memory side by side: which device is the problem, at first glance.
+
+    ``devices`` has one row per device of the run, idle ones included (zero, ``idle`` True): device, work_ms
+    (median per step of the run's work, the first step left out: the definition the straggler finding uses),
+    peak_bytes (the allocator's peak allocated where recorded, else what dpprof accounts to the device in its
+    peak step; NaN where the run has neither), output_device, idle.
+    """
+
+    devices: pd.DataFrame
+    work_phase: str  # the run's work in words: "apply", "forward + backward compute"
+    memory_source: str | None  # "peak allocated (CUDA allocator)", "peak held in one step (dpprof's accounting)", None
+    slowest: str | None  # the device the others wait for, when two or more devices worked
+    fastest: str | None
+    time_ratio: float | None  # the slowest device's median over the others' (dpprof.findings.imbalance)
+    wait_ms: float | None  # how long the others wait for the slowest, per step
+    time_uneven: bool  # the wait clears the findings' floors: worth a headline
+    heaviest: str | None  # the device holding the most memory
+    lightest: str | None
+    memory_ratio: float | None  # heaviest / lightest peak
+    memory_uneven: bool  # the difference clears the findings' memory floor: worth a headline
+    idle: list[str]  # devices of the run that never got a chunk
+    sentences: list[str]  # the above, in words
+
+    def marked(self) -> tuple[str | None, str | None]:
+        """The slowest and the heaviest device to mark, each None where the devices read as even."""
+        return (self.slowest if self.time_uneven else None, self.heaviest if self.memory_uneven else None)
+
+
+@dataclass
+class Overview:
+    """The Overview page of one run."""
+
+    model: RunModel
+    glance: Glance
+    stats: dict[str, Any]
+    steps: pd.DataFrame  # queries.step_times
+    breakdown: pd.DataFrame  # queries.phase_breakdown
+    totals: pd.DataFrame  # queries.phase_totals
+    findings: Findings
+    tax_pct: float | None = None  # scatter + replicate (+ gather), % of step time: DataParallel runs only
+    tax_ms: float | None = None  # ... in ms per step
+    comms: pd.DataFrame = field(default_factory=pd.DataFrame)  # comm_stats: DDP ranks
+    gpu: pd.DataFrame = field(default_factory=pd.DataFrame)  # queries.gpu_time: imported traces with GPUs
+
+
+def _nan_to_none(value: Any) -> Any:
+    return None if value is None or (isinstance(value, float) and pd.isna(value)) else value
+
+
+def glance(run: StoredRun, stats: dict[str, Any] | None = None) -> Glance:
+    """Each device's median work per step and peak memory, idle devices as zero, and the device to blame named
+    only where what it costs clears the findings' floors."""
+    model = run.model
+    stats = queries.run_stats(run) if stats is None else stats
+    samples = queries.work_samples(run, skip_first=True)
+    table = samples.pivot_table(index="step", columns="device", values="duration_ms") if len(samples) else pd.DataFrame()
+    order = list(model.devices)
+    by_device = pd.DataFrame(index=pd.Index(order, name="device"))
+    by_device["work_ms"] = table.median().reindex(order) if len(table) else float("nan")
+    memory = queries.memory_peaks(run, detail=False)
+    use_alloc = bool(len(memory) and memory["peak_allocated_bytes"].notna().any())
+    col = "peak_allocated_bytes" if use_alloc else "peak_held_bytes"
+    by_device["peak_bytes"] = memory.set_index("device")[col].reindex(order) if len(memory) else float("nan")
+    by_device["output_device"] = (memory.set_index("device")["output_device"].reindex(order).fillna(False).astype(bool)
+                                  if len(memory) else False)
+    idle = list(model.idle)
+    by_device["idle"] = by_device.index.isin(idle)
+    by_device.loc[by_device["idle"], ["work_ms", "peak_bytes"]] = 0.0
+    has_memory = bool(by_device["peak_bytes"].fillna(0).gt(0).any())
+    source = (("peak allocated (CUDA allocator)" if use_alloc else "peak held in one step (dpprof's accounting)")
+              if has_memory else None)
+    work = model.work.label
+    sentences: list[str] = []
+    found = imbalance(table) if len(table) else None
+    slowest = fastest = None
+    ratio = wait = None
+    uneven = False
+    if found is not None:
+        slowest, fastest, ratio, wait = found.slowest, found.fastest, found.ratio, found.wait_ms_per_step
+        uneven = ratio >= EVEN_RATIO and worth_time(wait, stats.get("median_step_ms"))
+        if uneven:
+            sentences.append(f"{slowest} is the slowest: {work} {found.medians[slowest]:.2f} ms per step, "
+                             f"{ratio:.2f}x the others' {found.medians.drop(slowest).median():.2f} ms; they wait "
+                             f"{wait:.2f} ms per step for it.")
+        else:
+            sentences.append(f"{work.capitalize()} time is even: the slowest {model.unit}, {slowest}, holds the others "
+                             f"up {wait:.2f} ms per step ({ratio:.2f}x their median), under the {TIME_FLOOR_MS} ms and "
+                             f"{STEP_SHARE_FLOOR:.0%}-of-the-step floor a finding needs.")
+    heaviest = lightest = None
+    memory_ratio = None
+    memory_uneven = False
+    peaks = by_device.loc[~by_device["idle"], "peak_bytes"].dropna()
+    peaks = peaks[peaks > 0]
+    if len(peaks) >= 2:
+        heaviest, lightest = str(peaks.idxmax()), str(peaks.idxmin())
+        memory_ratio = float(peaks.max() / peaks.min())
+        memory_uneven = memory_ratio >= EVEN_RATIO and worth_bytes(peaks.max() - peaks.min())
+        if memory_uneven:
+            sentences.append(f"{heaviest} holds the most: {mib(peaks.max())}, {memory_ratio:.2f}x {lightest}'s "
+                             f"{mib(peaks.min())}" + (" (the output device: gathered outputs and the loss live there)."
+                                                      if by_device.at[heaviest, "output_device"] else "."))
+        else:
+            sentences.append(f"Memory is even: {mib(peaks.min())} to {mib(peaks.max())} per {model.unit}, a "
+                             f"difference under the {mib(MEMORY_FLOOR_BYTES)} a finding needs.")
+    elif not has_memory and model.missing.get("memory") and model.kind != "empty":
+        sentences.append(model.missing.get("allocator") if model.imported else model.missing["memory"])
+    if idle:
+        sentences.append(f"{', '.join(idle)} got no chunk in any step: idle (the batch is smaller than the devices "
+                         "times torch.chunk's chunk).")
+    return Glance(devices=by_device.reset_index(), work_phase=work, memory_source=source, slowest=slowest,
+                  fastest=fastest, time_ratio=ratio, wait_ms=wait, time_uneven=uneven, heaviest=heaviest,
+                  lightest=lightest, memory_ratio=memory_ratio, memory_uneven=memory_uneven, idle=idle,
+                  sentences=sentences)
+
+
+def comm_stats(run: StoredRun) -> pd.DataFrame:
+    """Per rank: the gradient all-reduce per step (buckets, bytes, busy ms: the union of the buckets' spans)
+    and the share of it that overlapped backward compute. Empty without all-reduce records.
+
+    Returns:
+        columns device, steps, buckets_per_step, bytes_per_step, busy_ms, overlap_pct.
+    """
+    cols = ["device", "steps", "buckets_per_step", "bytes_per_step", "busy_ms", "overlap_pct"]
+    if "comms" not in run.model.has:
+        return pd.DataFrame(columns=cols)
+    comms = run.query("SELECT step, device, bucket, bucket_bytes, launch_ms, duration_ms FROM comms")
+    ends = run.query("SELECT step, device, start_ms + duration_ms AS end_ms FROM phases WHERE phase = 'backward_compute'")
+    compute_end = ends.set_index(["step", "device"])["end_ms"].to_dict()
+    rows = []
+    for (step, device), c in comms.groupby(["step", "device"]):
+        spans = list(zip(c["launch_ms"], c["launch_ms"] + c["duration_ms"]))
+        end = compute_end.get((step, device))
+        rows.append({"device": device, "step": step, "buckets": c["bucket"].nunique(),
+                     "bytes": c["bucket_bytes"].sum(), "busy": union_ms(spans),
+                     "overlap": union_ms([(a, min(b, end)) for a, b in spans if a < end]) if end is not None else 0.0})
+    per = pd.DataFrame(rows).groupby("device").agg(steps=("step", "count"), buckets_per_step=("buckets", "mean"),
+                                                   bytes_per_step=("bytes", "mean"), busy_ms=("busy", "mean"),
+                                                   overlap=("overlap", "mean"))
+    per["overlap_pct"] = 100 * per["overlap"] / per["busy_ms"].where(per["busy_ms"] > 0)
+    per = per.reindex([d for d in run.model.devices if d in per.index])
+    return per.reset_index()[cols]
+
+
+def overview(run: StoredRun) -> Overview:
+    """The per-device picture, step time, the phase breakdown per step, the sections of the run's kind and its
+    findings."""
+    model = run.model
+    stats = queries.run_stats(run)
+    totals = queries.phase_totals(run, stats)
+    data = Overview(model=model, glance=glance(run, stats), stats=stats, steps=queries.step_times(run),
+                    breakdown=queries.phase_breakdown(run), totals=totals, findings=run_findings(run))
+    if model.dataparallel and not totals.empty:
+        tax = totals[totals["phase"].isin(DP_TAX_PHASES)]
+        data.tax_pct, data.tax_ms = _nan_to_none(float(tax["share_pct"].sum())), float(tax["per_step_ms"].sum())
+    if "comms" in model.has:
+        data.comms = comm_stats(run)
+    if "gpu_time" in model.has:
+        data.gpu = queries.gpu_time(run)
+    return data

@@ -1,0 +1,53 @@
+"""Tables and labels as people read them: units in headers, bytes in MiB, two decimals; a run's short label."""
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+__all__ = ["DISPLAY_DECIMALS", "display_table", "run_label", "sentence"]
+
+# Column-name endings and the unit people read them in: (ending, unit, scale).
+_UNITS = (("_bytes_per_s", "MiB/s", 2**-20), ("_bytes", "MiB", 2**-20), ("_ms", "ms", 1.0), ("_pct", "%", 1.0),
+          ("_per_s", "per s", 1.0),
+          ("_s", "s", 1.0), ("_w", "W", 1.0), ("_c", "°C", 1.0), ("_mhz", "MHz", 1.0))
+DISPLAY_DECIMALS = 2  # a table shows hundredths of a millisecond, a MiB or a percent; CSVs keep every digit
+
+
+def display_table(df: pd.DataFrame) -> pd.DataFrame:
+    """A table as people read it: headers in words with their unit ("apply mean (ms)"), bytes in MiB (GiB
+    where a column reaches one), numbers to DISPLAY_DECIMALS places, whole-number columns as integers."""
+    out = pd.DataFrame(index=df.index)
+    for col in df.columns:
+        values, name = df[col], str(col)
+        if values.dtype == object and values.map(lambda v: v is None or isinstance(v, (int, float))).all():
+            values = pd.to_numeric(values)  # a column of None and numbers (an all-missing measurement) is numeric
+        for ending, unit, scale in _UNITS:
+            if name.endswith(ending) and pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_bool_dtype(values):
+                if unit == "MiB" and values.abs().max() >= 2**30:
+                    unit, scale = "GiB", 2**-30
+                values, name = values * scale, f"{name[: -len(ending)]} ({unit})"
+                break
+        if pd.api.types.is_float_dtype(values):
+            finite = values.dropna()
+            whole = len(finite) and (finite == finite.round()).all() and finite.abs().max() < 2**53
+            values = values.round().astype("Int64") if whole and _unit_free(name) else values.round(DISPLAY_DECIMALS)
+        out[name.replace("_", " ")] = values
+    return out
+
+
+def _unit_free(header: str) -> bool:
+    """Whether a display header is a count (no unit in parentheses): such columns show as integers."""
+    return not header.endswith(")")
+
+
+def run_label(meta: dict[str, Any] | pd.Series, status: bool = False) -> str:
+    """A short, unique label for a run: its name and the random end of its id (and its status, for pickers)."""
+    label = f"{meta.get('name') or meta['id']} · {meta['id'][-6:]}"
+    return f"{label} · {meta['status']}" if status else label
+
+
+def sentence(text: str) -> str:
+    """Text as a sentence: a capital first letter and a full stop."""
+    text = text.strip()
+    return (text[:1].upper() + text[1:]).rstrip(".") + "." if text else text

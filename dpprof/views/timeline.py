@@ -1,0 +1,43 @@
+"""The Timeline page of one run: a per-device Gantt of the phases over a chosen range of steps."""
+from __future__ import annotations
+
+import pandas as pd
+
+from dpprof.store import queries
+from dpprof.store.reader import StoredRun
+
+__all__ = ["TIMELINE_DEFAULT_STEPS", "step_bounds", "default_timeline_range", "timeline", "lanes_text"]
+
+TIMELINE_DEFAULT_STEPS = 5  # a few steps show each phase wide enough to read
+
+
+def step_bounds(run: StoredRun) -> tuple[int | None, int | None]:
+    """The run's first and last recorded step (None, None before its first step)."""
+    stats = queries.run_stats(run)
+    if not stats["steps"]:
+        return None, None
+    return int(stats["first_step"]), int(stats["last_step"])
+
+
+def default_timeline_range(run: StoredRun) -> tuple[int, int]:
+    """The last TIMELINE_DEFAULT_STEPS steps (all steps of a shorter run)."""
+    first, last = step_bounds(run)
+    if first is None or last is None:
+        return 0, 0
+    return max(first, last - TIMELINE_DEFAULT_STEPS + 1), last
+
+
+def timeline(run: StoredRun, first_step: int, last_step: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The phases and steps of a range of steps (see dpprof.store.queries.timeline)."""
+    return queries.timeline(run, first_step, last_step)
+
+
+def lanes_text(run: StoredRun) -> str:
+    """What the Timeline's lanes are, in the run's terms."""
+    model = run.model
+    if model.dataparallel:
+        return ("Lanes: each step; parallel_apply (every replica together); then each device with its own phases "
+                "(scatter, replicate and gather on the output device, each replica's apply on its own).")
+    unit = "rank" if model.unit == "rank" else "process"
+    return (f"Lanes: each step; then each {unit} with its phases in order: loading the batch (data), forward, "
+            "backward (its compute, then the wait for the gradient all-reduce where recorded) and the optimizer step.")

@@ -1,0 +1,175 @@
+"""Every kind of run reads right: DataParallel on CPU workers, balanced, DDP ranks, a failed run, a script that
+built no DataParallel, and imported traces (the real ones in ../shared/traces, and a CPU-only one recorded
+here). Each run's pages open without an exception, draw no chart without data, use no DataParallel-only
+wording on a run that is not DataParallel, and `dpprof show` / `dpprof export` exit 0 without a traceback."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+import dpprof
+from dpprof.cli import main
+from dpprof.trace import import_traces
+from recorded import record, record_failed
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = ROOT / "app.py"
+TRACES = ROOT.parent / "shared" / "traces"
+RUN_PAGES = ["overview", "load", "timeline", "export"]
+# Words that only describe DataParallel (one process scattering a batch to replicas and gathering their
+# outputs): on a run of another kind they would misdescribe it.
+DATAPARALLEL_WORDS = ["DataParallel tax", "parallel_apply", "apply (all devices)", "Nothing is gathered", "replica",
+                      "scatter", "gathered outputs", "output device", "CPU workers", "chunk"]
+
+
+def _cpu_only_trace(path: Path) -> Path:
+    """A torch.profiler trace of a CPU-only training loop, recorded here in a fresh process."""
+    code = f"""
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, schedule
+m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)); opt = torch.optim.SGD(m.parameters(), 0.1)
+with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=5),
+             on_trace_ready=lambda p: p.export_chrome_trace({str(path)!r})) as p:
+    for _ in range(6):
+        loss = m(torch.randn(16, 32)).sum(); opt.zero_grad(); loss.backward(); opt.step(); p.step()
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
+    return path
+
+
+@pytest.fixture(scope="module")
+def kinds(tmp_path_factory):
+    """One run of each kind the code makes, in one reports directory: name -> (run id, expected kind)."""
+    directory = tmp_path_factory.mktemp("kinds")
+    runs = {"dataparallel": (record(directory, "dp", workers=2, steps=4, batch_size=16).id, "dataparallel"),
+            "balanced": (record(directory, "bal", workers=3, steps=4, batch_size=33, balanced=True).id, "balanced"),
+            "failed": (record_failed(directory).id, "dataparallel")}
+    assert main(["--reports-dir", str(directory), "profile", "tutorial-linear", "--ddp", "--nproc", "2", "--steps",
+                 "4", "--quiet"]) == 0
+    listing = dpprof.list_runs(directory)
+    runs["ddp"] = (listing[listing["ranks"] == 2]["id"].iloc[0], "ddp")
+    done = subprocess.run([sys.executable, "-m", "dpprof", "--reports-dir", str(directory), "run",
+                           str(ROOT / "tests" / "scripts" / "no_parallel.py")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 3, done.stderr
+    listing = dpprof.list_runs(directory)
+    runs["no_parallel"] = (listing[listing["name"] == "no_parallel.py"]["id"].iloc[0], "empty")
+    for trace in sorted(TRACES.glob("*.json.gz")):
+        runs[trace.name] = (import_traces([trace], directory).id, "trace_gpu")
+    cpu_trace = _cpu_only_trace(tmp_path_factory.mktemp("trace") / "cpu_only.pt.trace.json")
+    runs["trace_cpu"] = (import_traces([cpu_trace], directory).id, "trace_cpu")
+    return SimpleNamespace(dir=directory, runs=runs)
+
+
+KINDS = ["dataparallel", "balanced", "failed", "ddp", "no_parallel", "trace_cpu",
+         *sorted(p.name for p in TRACES.glob("*.json.gz"))]
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_the_run_model_knows_each_kind(kinds, name):
+    run_id, kind = kinds.runs[name]
+    run = dpprof.load_run(run_id, kinds.dir)
+    model = run.model
+    assert model.kind == kind
+    for table in ("steps", "phases", "memory", "allocator", "comms", "gpu_time"):
+        assert "rank" in run.table(table).columns  # the same columns whatever the kind
+    if kind == "empty":
+        assert "built no DataParallel" in model.empty_reason
+    else:
+        assert model.devices and set(model.work.phases) <= set(model.phases)
+        assert model.dataparallel == (kind in ("dataparallel", "balanced"))
+
+
+def _chart_data(at: AppTest) -> list[dict]:
+    return [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+
+
+def _numbers(values) -> list[float]:
+    if isinstance(values, dict):  # plotly's packed arrays: {"dtype": ..., "bdata": ...}
+        import base64
+
+        import numpy as np
+
+        return np.frombuffer(base64.b64decode(values["bdata"]), dtype=values["dtype"]).tolist()
+    return [v for v in values if isinstance(v, (int, float))]
+
+
+def _empty_traces(figures: list[dict]) -> list[str]:
+    """Traces (or subplot panels) that draw nothing: no number but zero and no label saying why."""
+    empty = []
+    for fig in figures:
+        title = (fig["layout"].get("title") or {}).get("text", "")
+        for trace in fig["data"]:
+            values = [v for key in ("x", "y") for v in _numbers(trace.get(key) or [])]
+            labelled = any(str(t).strip() for t in (trace.get("text") or []))
+            if not any(v == v and v != 0 for v in values) and not labelled:
+                empty.append(f"{title}: {trace.get('name')}")
+    return empty
+
+
+def _page_text(at: AppTest) -> str:
+    parts = [e.value for kind in ("markdown", "caption", "info", "warning", "error", "success", "subheader", "title")
+             for e in at.get(kind) if isinstance(getattr(e, "value", None), str)]
+    parts += [str(m.label) + " " + str(m.value) for m in at.get("metric")]
+    return "\n".join(parts)
+
+
+@pytest.mark.parametrize("page", RUN_PAGES)
+@pytest.mark.parametrize("name", KINDS)
+def test_every_run_page_reads_right_for_every_kind(kinds, monkeypatch, name, page):
+    monkeypatch.setenv("DPPROF_REPORTS", str(kinds.dir))
+    run_id, kind = kinds.runs[name]
+    at = AppTest.from_file(str(APP), default_timeout=90)
+    at.query_params["run"] = run_id
+    at.run()
+    assert not at.exception, [e.message for e in at.exception]
+    at.switch_page(f"app_pages/{page}.py").run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert at.sidebar.selectbox[0].value == run_id
+    assert not _empty_traces(_chart_data(at)), _empty_traces(_chart_data(at))
+    text = _page_text(at)
+    if kind not in ("dataparallel", "balanced"):
+        said = [w for w in DATAPARALLEL_WORDS if w.lower() in text.lower()]
+        assert not said, (said, text)
+    if kind == "empty":
+        assert "built no DataParallel" in text and not at.get("plotly_chart")
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_show_and_export_read_every_kind(kinds, name, tmp_path, capsys):
+    run_id, kind = kinds.runs[name]
+    assert main(["--reports-dir", str(kinds.dir), "show", run_id]) == 0
+    out = capsys.readouterr()
+    # no traceback of dpprof's own (a failed run's stored error may quote its script's)
+    assert not re.search(r"^Traceback", out.out + out.err, re.M) and " None" not in out.out and "nan" not in out.out
+    if kind == "empty":
+        assert "built no DataParallel" in out.out
+    elif kind == "ddp":
+        assert "per rank (forward + backward compute)" in out.out and "apply" not in out.out
+    elif kind.startswith("trace"):
+        assert "apply" not in out.out and "chunk" not in out.out
+    assert main(["--reports-dir", str(kinds.dir), "export", run_id, "--out", str(tmp_path / "csv")]) == 0
+    assert (tmp_path / "csv" / "device_summary.csv").is_file() and (tmp_path / "csv" / "steps.csv").is_file()
+
+
+def test_an_imported_traces_allocator_peak_is_in_show_and_the_device_summary(kinds, tmp_path, capsys):
+    run_id, _ = kinds.runs["resnet50-1gpu-tb-sample.pt.trace.json.gz"]
+    import pandas as pd
+
+    run = dpprof.load_run(run_id, kinds.dir)
+    peak = run.allocator["peak_allocated_bytes"].max()
+    assert main(["--reports-dir", str(kinds.dir), "export", run_id, "--out", str(tmp_path)]) == 0
+    summary = pd.read_csv(tmp_path / "device_summary.csv").set_index("device")
+    assert summary.loc["cuda:0", "peak_allocated_bytes"] == peak
+    main(["--reports-dir", str(kinds.dir), "show", run_id])
+    shown = f"peak allocated (GiB)" if peak >= 2**30 else "peak allocated (MiB)"
+    out = capsys.readouterr().out
+    assert shown in out and f"{peak / (2**30 if peak >= 2**30 else 2**20):,.2f}" in out

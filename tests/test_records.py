@@ -1,0 +1,36 @@
+"""Record types: the field order the hot path builds records in positionally, and the shared names."""
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+
+from dpprof.records import (MEMORY_BYTES, AllocatorRecord, DeviceMemoryRecord, PhaseRecord, StepRecord,
+                            device_key)
+
+# Records built positionally on the hot path (dpprof/recording.py, dpprof/parallel/probe.py,
+# dpprof/parallel/distributed.py): a field moved in records.py would store wrong data silently, so the order
+# those call sites assume is pinned here. Change both together.
+POSITIONAL = [
+    (StepRecord, ["step", "start_ms", "duration_ms", "batch_size", "devices_used", "forward_calls", "explicit"]),
+    (PhaseRecord, ["step", "call", "phase", "device", "start_ms", "duration_ms", "device_duration_ms"]),
+    (DeviceMemoryRecord, ["step", "call", "device", "chunk_size", "input_bytes", "output_bytes", "activation_bytes",
+                          "gathered_bytes", "param_bytes", "buffer_bytes"]),
+    (AllocatorRecord, ["step", "call", "device", "phase", "allocated_bytes", "peak_allocated_bytes",
+                       "reserved_bytes"]),
+]
+
+
+@pytest.mark.parametrize("record_type, order", POSITIONAL, ids=[t.__name__ for t, _ in POSITIONAL])
+def test_positional_records_keep_their_field_order(record_type, order):
+    assert [f.name for f in fields(record_type)] == order
+
+
+def test_memory_bytes_are_the_memory_records_byte_fields():
+    assert MEMORY_BYTES == ("input_bytes", "output_bytes", "activation_bytes", "gathered_bytes", "param_bytes",
+                            "buffer_bytes")
+
+
+def test_devices_sort_by_kind_then_index():
+    labels = ["cpu:10", "cpu:2", "rank:10", "cuda:1", "rank:9", "cpu:0"]
+    assert sorted(labels, key=device_key) == ["cpu:0", "cpu:2", "cpu:10", "cuda:1", "rank:9", "rank:10"]
