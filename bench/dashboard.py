@@ -127,7 +127,12 @@ def _best_of(fn, repeat: int = 3) -> tuple[float, object]:
 
 def page_builders(paths: list[str]) -> dict[str, object]:
     """Each page's data and figures, as the pages build them (dpprof.views, then dpprof.charts)."""
-    from dpprof import charts, views
+    from dpprof import charts
+    from dpprof.views import compare as compare_view
+    from dpprof.views import export as export_view
+    from dpprof.views import load as load_view
+    from dpprof.views import overview as overview_view
+    from dpprof.views import timeline as timeline_view
     from dpprof.store.reader import list_runs, load_run
 
     path = paths[0]
@@ -136,33 +141,33 @@ def page_builders(paths: list[str]) -> dict[str, object]:
         return list_runs(Path(path).parent)
 
     def overview():
-        data = views.overview(load_run(path))
+        data = overview_view.overview(load_run(path))
         g = data.glance
         return [charts.device_glance(g.devices, g.work_phase, g.memory_source, *g.marked()),
                 charts.step_times(data.steps), charts.phase_breakdown(data.breakdown), charts.phase_shares(data.totals)]
 
     def load():
-        data = views.load(load_run(path))
-        figs = [charts.apply_distribution(data.apply_samples), charts.memory_per_device(data.memory),
+        data = load_view.load(load_run(path))
+        figs = [charts.work_distribution(data.work_samples), charts.memory_per_device(data.memory),
                 charts.chunk_sizes(data.chunks)]
         return figs + ([charts.gpu_samples(data.gpu)] if not data.gpu.empty else [])
 
     def timeline():
         run = load_run(path)
-        return [charts.timeline(*views.timeline(run, *views.default_timeline_range(run)))]
+        return [charts.timeline(*timeline_view.timeline(run, *timeline_view.default_timeline_range(run)))]
 
     def timeline_100():
         run = load_run(path)
-        last = views.step_bounds(run)[1]
-        return [charts.timeline(*views.timeline(run, last - 99, last))]
+        last = timeline_view.step_bounds(run)[1]
+        return [charts.timeline(*timeline_view.timeline(run, last - 99, last))]
 
     def compare():
-        data = views.compare([load_run(p) for p in paths])
+        data = compare_view.compare([load_run(p) for p in paths])
         return [charts.compare_step_times(data.steps), charts.compare_phase_shares(data.shares),
                 charts.compare_memory(data.memory)]
 
     def export():
-        return views.export_tables(load_run(path))
+        return export_view.export_tables(load_run(path))
 
     return {"Runs": runs, "Overview": overview, "Per-GPU load": load, "Timeline (5 steps)": timeline,
             "Timeline (100 steps)": timeline_100, f"Compare ({len(paths)} runs)": compare, "Export": export}

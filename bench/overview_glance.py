@@ -20,7 +20,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dashboard import PAGE_BUDGET_S, synthesise  # noqa: E402
 
-from dpprof import charts, views  # noqa: E402
+from dpprof import charts  # noqa: E402
+from dpprof.findings import run_findings  # noqa: E402
+from dpprof.views import overview  # noqa: E402
 from dpprof.store import queries  # noqa: E402
 from dpprof.store.reader import load_run  # noqa: E402
 
@@ -29,14 +31,14 @@ def before(path: str) -> None:
     run = load_run(path)
     stats = queries.run_stats(run)
     totals = queries.phase_totals(run, stats)
-    views.findings(run, stats["steps"])
+    run_findings(run)
     charts.step_times(queries.step_times(run))
     charts.phase_breakdown(queries.phase_breakdown(run))
     charts.phase_shares(totals)
 
 
 def after(path: str) -> None:
-    data = views.overview(load_run(path))
+    data = overview.overview(load_run(path))
     g = data.glance
     charts.device_glance(g.devices, g.work_phase, g.memory_source, *g.marked())
     charts.step_times(data.steps)

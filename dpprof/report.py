@@ -50,13 +50,13 @@ def summary_columns(run: StoredRun, summary: pd.DataFrame) -> list[str]:
 
 def store_findings(run: object) -> None:
     """Close hook: compute a finished run's findings from every step and store them in its file."""
-    from dpprof.findings import FINDING_COLUMNS, findings_from, tables_of
+    from dpprof.findings import FINDING_COLUMNS, run_findings
 
     path = getattr(run, "path", None)
     if path is None or getattr(run, "rank", None) is not None:
         return  # a rank cannot read the other ranks' files while they close; their findings are computed on read
     try:
-        findings = findings_from(tables_of(load_run(path)))
+        findings = run_findings(load_run(path), fresh=True).table
         replace_findings(path, [tuple(row) for row in findings[FINDING_COLUMNS].itertuples(index=False)])
     except Exception as err:  # the run itself is safe on disk; only its findings table is missing
         log.warning("dpprof: could not store findings for %s: %s", path, err)

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 import dpprof
-from dpprof import views
-from dpprof.report import findings_of
+import dpprof.findings
+from dpprof.findings import FINDING_COLUMNS, run_findings
 from dpprof.store.reader import TABLES
+from dpprof.views import compare, export, load, overview
+from dpprof.views.text import display_table, run_label
 from recorded import RunningRun, record
 
 
@@ -24,50 +26,46 @@ def runs(tmp_path_factory):
 
 def test_overview_has_the_tax_and_the_findings_of_all_steps(runs):
     run = runs["plain"]
-    data = views.overview(run)
+    data = overview.overview(run)
     assert data.stats["steps"] == 6 and len(data.steps) == 6 and len(data.breakdown) == 6
     tax = data.totals.set_index("phase").loc[["scatter", "replicate", "gather"], "share_pct"].sum()
     assert data.tax_pct == pytest.approx(tax)
-    pd.testing.assert_frame_equal(data.findings, findings_of(run))
-    assert data.findings_scope == "from all 6 steps"
+    pd.testing.assert_frame_equal(data.findings.table, run_findings(run).table)
+    assert data.findings.scope == "from all 6 steps"
 
 
 def test_findings_of_a_large_finished_run_are_the_stored_ones(runs, monkeypatch):
-    monkeypatch.setattr(views, "FINDINGS_FULL_STEPS", 3)
-    found, scope = views.findings(runs["plain"])
-    assert scope == "stored when the run finished, from all 6 steps"
-    pd.testing.assert_frame_equal(found, runs["plain"].findings)
+    monkeypatch.setattr(dpprof.findings, "FINDINGS_FULL_STEPS", 3)
+    found = run_findings(runs["plain"])
+    assert found.scope == "stored when the run finished, from all 6 steps"
+    pd.testing.assert_frame_equal(found.table, runs["plain"].findings.drop(columns="rank"))
 
 
 def test_findings_of_a_large_running_run_use_its_last_steps(reports, monkeypatch):
-    monkeypatch.setattr(views, "FINDINGS_FULL_STEPS", 3)
+    monkeypatch.setattr(dpprof.findings, "FINDINGS_FULL_STEPS", 3)
     with RunningRun(reports) as live:
         run = dpprof.load_run(live.path)
         assert run.meta["status"] == "running"
-        found, scope = views.findings(run)
-    assert scope.startswith("from the last 3 of ") and list(found.columns) == list(runs_columns())
-
-
-def runs_columns():
-    from dpprof.findings import FINDING_COLUMNS
-    return FINDING_COLUMNS
+        found = run_findings(run)
+    assert found.scope.startswith("from the last 3 of ") and list(found.table.columns) == FINDING_COLUMNS
 
 
 def test_load_says_in_words_what_a_cpu_run_does_not_have(runs):
-    data = views.load(runs["plain"])
-    assert set(data.missing) == {"allocator", "gpu"}
-    assert "CPU workers" in data.missing["allocator"] and "CPU workers" in data.missing["gpu"]
+    data = load.load(runs["plain"])
+    assert set(data.missing) == {"allocator", "gpu_samples"}
+    assert "CPU workers" in data.missing["allocator"] and "CPU workers" in data.missing["gpu_samples"]
     why = "the GPUs here are not sampled" if torch.cuda.is_available() else "no CUDA GPU visible"
-    assert why in data.missing["gpu"]  # the recorder's own note
-    assert data.gpu.empty and not data.apply_stats.empty and not data.memory.empty
+    assert why in data.missing["gpu_samples"]  # the recorder's own note
+    assert data.gpu.empty and not data.work_stats.empty and not data.memory.empty
 
 
 def test_compare_states_the_differences_against_the_first_run(runs):
-    data = views.compare([runs["plain"], runs["balanced"]])
+    data = compare.compare([runs["plain"], runs["balanced"]])
     assert data.summary["devices"].tolist() == [2, 3]
     text = "\n".join(data.differences)
-    b, a = views.run_label(runs["balanced"].meta), views.run_label(runs["plain"].meta)
-    assert f"{b} runs on 3 cpu device(s), {a} on 2 cpu device(s)." in text
+    b, a = run_label(runs["balanced"].meta), run_label(runs["plain"].meta)
+    assert (f"{b} is DataParallel, balanced (DataParallelModel + DataParallelCriterion) on 3 CPU workers, {a} "
+            "DataParallel on 2 CPU workers.") in text
     assert f"Batch size: {b} 33, {a} 32." in text
     assert "Median step:" in text and "DataParallel tax" in text
     assert set(data.shares["run"]) == {a, b} and set(data.memory["run"]) == {a, b}
@@ -77,22 +75,22 @@ def test_compare_states_the_differences_against_the_first_run(runs):
 
 def test_table_csv_is_the_table_with_formulas_neutralised(runs):
     run = runs["plain"]
-    steps = pd.read_csv(io.BytesIO(views.table_csv(run, "steps")))
+    steps = pd.read_csv(io.BytesIO(export.table_csv(run, "steps")))
     pd.testing.assert_frame_equal(steps, run.steps, check_dtype=False)
-    meta = pd.read_csv(io.BytesIO(views.table_csv(run, "run")))
+    meta = pd.read_csv(io.BytesIO(export.table_csv(run, "run")))
     assert meta.loc[0, "name"] == "'=plain"  # a spreadsheet shows it instead of running it
     with pytest.raises(KeyError):
-        views.table_csv(run, "sqlite_master")
+        export.table_csv(run, "sqlite_master")
 
 
 def test_the_run_zip_holds_every_table(runs):
     run = runs["plain"]
-    z = zipfile.ZipFile(io.BytesIO(views.run_zip(run)))
+    z = zipfile.ZipFile(io.BytesIO(export.run_zip(run)))
     names = {n.split("/")[-1][:-4] for n in z.namelist()}
     assert names == {*TABLES, "run", "device_summary", "phase_totals"}
     phases = pd.read_csv(z.open(f"{run.id}/phases.csv"))
     assert len(phases) == len(run.phases)
-    listing = views.export_tables(run).set_index("table")
+    listing = export.export_tables(run).set_index("table")
     assert listing.loc["phases", "rows"] == len(run.phases) and listing.loc["memory", "rows"] == len(run.memory)
 
 
@@ -100,23 +98,23 @@ def test_display_tables_put_units_in_words_and_bytes_in_mib(runs):
     from dpprof.report import summary_of
 
     summary = summary_of(runs["plain"]).reset_index()
-    shown = views.display_table(summary)
+    shown = display_table(summary)
     assert "apply mean (ms)" in shown and "peak held (MiB)" in shown and "apply share of step (%)" in shown
     assert not [c for c in shown.columns if "_" in c]  # no snake_case header left
     assert shown["peak held (MiB)"].tolist() == (summary["peak_held_bytes"] / 2**20).round(2).tolist()
     assert shown["steps"].dtype.kind == "i" and str(shown["chunk size min"].dtype) == "Int64"  # counts as integers
     assert shown["apply mean (ms)"].tolist() == summary["apply_mean_ms"].round(2).tolist()
-    big = views.display_table(pd.DataFrame({"reserved_bytes": [3 * 2**30, 2**29]}))
+    big = display_table(pd.DataFrame({"reserved_bytes": [3 * 2**30, 2**29]}))
     assert big["reserved (GiB)"].tolist() == [3.0, 0.5]
 
 
 def test_compare_opens_on_the_open_run_and_the_newest_finished_one_of_its_workload(runs):
     listing = dpprof.list_runs(runs["plain"].path.parent)
     plain, balanced = runs["plain"].id, runs["balanced"].id
-    assert views.default_compare(listing, balanced) == ([plain, balanced], None)  # the older is the baseline
+    assert compare.default_compare(listing, balanced) == ([plain, balanced], None)  # the older is the baseline
     failed = listing.assign(status=["failed", "finished"] if listing.loc[0, "id"] == balanced else
                             ["finished", "failed"])
-    ids, need = views.default_compare(failed, plain)
+    ids, need = compare.default_compare(failed, plain)
     assert ids == [] and "needs a second finished run of cifar-lenet" in need
-    ids, need = views.default_compare(listing, None)
+    ids, need = compare.default_compare(listing, None)
     assert ids == [] and "Choose a run" in need

@@ -221,9 +221,9 @@ def _write(staging: Path, run_id: str, name: str, files: list[Collected], ranks:
 
 def _store_findings(written: list[Path]) -> None:
     """The findings of the imported run's kind (dpprof.findings), stored in its first file."""
-    from dpprof.findings import FINDING_COLUMNS, findings_from, tables_of
+    from dpprof.findings import FINDING_COLUMNS, run_findings
 
-    found = findings_from(tables_of(load_run(written[0])))
+    found = run_findings(load_run(written[0]), fresh=True).table
     rows = [tuple(None if pd.isna(v) else v for v in row) for row in found[FINDING_COLUMNS].itertuples(index=False)]
     replace_findings(str(written[0]), rows)
 
