@@ -4,7 +4,9 @@ from __future__ import annotations
 import plotly.graph_objects as go
 import pytest
 
-from dpprof import charts, views
+from dpprof import charts
+from dpprof.units import bytes_unit
+from dpprof.views import compare, load, overview
 from dpprof.devices import chunk_sizes
 from dpprof.store import queries
 from recorded import BUS, record, record_with_gpu_samples
@@ -44,8 +46,8 @@ def test_phase_shares_label_each_bar_with_its_share(runs):
 
 
 @pytest.mark.parametrize("kind, trace", [("box", go.Box), ("violin", go.Violin)])
-def test_apply_distribution_is_one_shape_per_device(runs, kind, trace):
-    fig = charts.apply_distribution(queries.apply_samples(runs["three"]), kind)
+def test_work_distribution_is_one_shape_per_device(runs, kind, trace):
+    fig = charts.work_distribution(queries.work_samples(runs["three"]), kind)
     assert _names(fig) == ["cpu:0", "cpu:1", "cpu:2"] and all(isinstance(t, trace) for t in fig.data)
     assert all(len(t.y) == 4 for t in fig.data)
 
@@ -87,7 +89,7 @@ def test_timeline_has_a_lane_per_device_and_the_steps(runs):
 
 
 def test_compare_charts_have_one_series_per_run(runs):
-    data = views.compare([runs["plain"], runs["three"]])
+    data = compare.compare([runs["plain"], runs["three"]])
     labels = data.summary["run"].tolist()
     assert _names(charts.compare_step_times(data.steps)) == labels
     shares = charts.compare_phase_shares(data.shares)
@@ -104,13 +106,13 @@ def test_downsample_keeps_at_most_max_points_and_the_last_row(runs):
 
 
 def test_the_violin_is_clipped_to_the_data(runs):
-    samples = queries.apply_samples(runs["plain"])
-    fig = charts.apply_distribution(samples, "violin")
+    samples = queries.work_samples(runs["plain"])
+    fig = charts.work_distribution(samples, "violin")
     assert [t.spanmode for t in fig.data] == ["hard", "hard"]  # no tail drawn below the fastest step
 
 
 def test_the_per_device_glance_marks_the_worst_device_and_idle_ones(runs, reports):
-    glance = views.glance(runs["three"])
+    glance = overview.glance(runs["three"])
     fig = charts.device_glance(glance.devices, glance.work_phase, glance.memory_source, glance.slowest,
                                glance.heaviest)
     work, memory = fig.data
@@ -118,18 +120,18 @@ def test_the_per_device_glance_marks_the_worst_device_and_idle_ones(runs, report
     assert list(work.x) == devices["work_ms"].tolist()
     red = [y for y, c in zip(work.y, work.marker.color) if c == "#CC6677"]
     assert red == [glance.slowest] or red == [f"{glance.slowest} (output)"]
-    idle = views.glance(record(reports, "idle", workers=2, steps=3, batch_size=1, workload="tutorial-linear"))
+    idle = overview.glance(record(reports, "idle", workers=2, steps=3, batch_size=1, workload="tutorial-linear"))
     fig = charts.device_glance(idle.devices, idle.work_phase, idle.memory_source, idle.slowest, idle.heaviest)
     assert [t for t in fig.data[0].text][-1] == "idle" and fig.data[0].x[-1] == 0
 
 
 def test_byte_axes_read_in_a_unit_that_fits(runs):
-    assert charts.bytes_unit(120.0) == ("KiB", 2**-10)  # not "120μ" MiB
-    assert charts.bytes_unit(47_503_964.0) == ("MiB", 2**-20)
-    assert charts.bytes_unit(3 * 2**30) == ("GiB", 2**-30)
+    assert bytes_unit(120.0) == ("KiB", 2**-10)  # not "120μ" MiB
+    assert bytes_unit(47_503_964.0) == ("MiB", 2**-20)
+    assert bytes_unit(3 * 2**30) == ("GiB", 2**-30)
     memory = queries.memory_peaks(runs["plain"])
     fig = charts.memory_per_device(memory)
-    unit, scale = charts.bytes_unit(memory["peak_held_bytes"].max())
+    unit, scale = bytes_unit(memory["peak_held_bytes"].max())
     assert fig.layout.yaxis.title.text == unit and fig.layout.yaxis.tickformat == ",.3~f"
 
 
@@ -138,7 +140,7 @@ def test_two_devices_sit_apart_on_the_chunk_chart_without_a_row_for_calls_withou
     assert chunks["chunk_size"].isna().any()  # the whole-batch loss on the output device has no chunk
     fig = charts.chunk_sizes(chunks)
     assert list(fig.layout.xaxis.range) == [-0.75, 1.75] and list(fig.data[0].x) == ["cpu:0", "cpu:1"]
-    assert views.load(runs["plain"]).chunks["chunk_size"].notna().all()
+    assert load.load(runs["plain"]).chunks["chunk_size"].notna().all()
 
 
 def test_the_timeline_can_draw_every_step_the_same_width(runs):

@@ -55,7 +55,8 @@ def test_export_writes_every_table_with_the_runs_values(tmp_path):
     assert main(["export", run.id, "--out", str(out)]) == 0
     phases = pd.read_csv(out / "phases.csv")
     assert list(phases.columns) == ["step", "call", "phase", "device", "start_ms", "duration_ms",
-                                    "device_duration_ms"]
+                                    "device_duration_ms", "rank"]  # rank: 0 for a one-file run
+    assert (phases["rank"] == 0).all()
     pd.testing.assert_series_equal(phases["duration_ms"], run.phases["duration_ms"])
     memory = pd.read_csv(out / "memory.csv")
     pd.testing.assert_series_equal(memory["chunk_size"], run.memory["chunk_size"], check_dtype=False)

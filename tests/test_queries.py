@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 import dpprof
+from dpprof.records import MEMORY_BYTES
 from dpprof.store import queries
 from dpprof.store.schema import INDEXES
 from recorded import record, record_with_gpu_samples
@@ -80,31 +81,32 @@ def test_phase_totals_are_shares_of_the_step_that_add_up_to_100(runs):
 
 
 @pytest.mark.parametrize("name", ["plain", "balanced", "uneven"])
-def test_apply_stats_are_per_step_sums_of_every_device(runs, name):
+def test_work_stats_are_per_step_sums_of_every_device(runs, name):
     run = runs[name]
-    stats = queries.apply_stats(run).set_index("device")
+    assert run.model.work.phases == ("apply",)  # a DataParallel run's work is each device's apply
+    stats = queries.work_stats(run).set_index("device")
     per_step = _per_step(run, "apply").groupby("device")
     assert stats.index.tolist() == sorted(per_step.groups, key=run.meta["devices"].index)
-    assert np.allclose(stats["apply_mean_ms"], per_step.mean()[stats.index])
-    assert np.allclose(stats["apply_max_ms"], per_step.max()[stats.index])
-    assert np.allclose(stats["apply_p95_ms"], per_step.quantile(0.95)[stats.index])
+    assert np.allclose(stats["work_mean_ms"], per_step.mean()[stats.index])
+    assert np.allclose(stats["work_max_ms"], per_step.max()[stats.index])
+    assert np.allclose(stats["work_p95_ms"], per_step.quantile(0.95)[stats.index])
     assert (stats["steps"] == per_step.size()[stats.index]).all() and not stats["sampled"].any()
 
 
-def test_apply_samples_take_every_kth_step_past_the_limit(runs):
+def test_work_samples_take_every_kth_step_past_the_limit(runs):
     run = runs["plain"]
-    samples = queries.apply_samples(run, per_device=3)  # 7 steps, at most ~3 per device: steps 0, 3, 6
+    samples = queries.work_samples(run, per_device=3)  # 7 steps, at most ~3 per device: steps 0, 3, 6
     assert sorted(set(samples["step"])) == [0, 3, 6]
-    stats = queries.apply_stats(run, samples)
+    stats = queries.work_stats(run, samples)
     assert stats["sampled"].all()
     exact = _per_step(run, "apply").groupby("device")
-    assert np.allclose(stats.set_index("device")["apply_mean_ms"], exact.mean()[stats["device"]])  # still exact
+    assert np.allclose(stats.set_index("device")["work_mean_ms"], exact.mean()[stats["device"]])  # still exact
 
 
 def test_memory_peaks_are_the_largest_per_step_sums_with_the_output_device_marked(runs):
     run = runs["plain"]
     peaks = queries.memory_peaks(run).set_index("device")
-    cols = list(queries.MEMORY_BYTES)
+    cols = list(MEMORY_BYTES)
     per = run.memory.groupby(["device", "step"])[cols].sum()
     held = per.sum(axis=1)
     assert np.allclose(peaks["peak_held_bytes"], held.groupby("device").max()[peaks.index])
@@ -166,7 +168,7 @@ def test_a_file_without_the_dashboard_indices_reads_the_same(runs, tmp_path):
     con.commit()
     con.close()
     bare = dpprof.load_run(copy)
-    for fn in (queries.phase_breakdown, queries.apply_stats, queries.memory_peaks, queries.chunk_counts,
+    for fn in (queries.phase_breakdown, queries.work_stats, queries.memory_peaks, queries.chunk_counts,
                queries.phase_totals):
         pd.testing.assert_frame_equal(fn(bare), fn(run), check_dtype=False)
 
@@ -179,7 +181,8 @@ def test_a_new_run_file_has_the_dashboard_indices(runs):
 
 
 def test_the_read_side_never_imports_streamlit():
-    code = ("import sys, dpprof.store.queries, dpprof.views, dpprof.charts; "
-            "print('streamlit' in sys.modules)")
+    code = ("import sys, dpprof.store.queries, dpprof.store.model, dpprof.views, dpprof.views.overview, "
+            "dpprof.views.load, dpprof.views.timeline, dpprof.views.compare, dpprof.views.export, "
+            "dpprof.views.text, dpprof.charts; print('streamlit' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr

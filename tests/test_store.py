@@ -46,7 +46,9 @@ def test_records_written_equal_records_read(reports):
     for table, df in expected.items():
         got = stored.table(table)
         assert len(got) == len(df)
-        pd.testing.assert_frame_equal(got.reset_index(drop=True), df.reset_index(drop=True),
+        # every table read carries the file's rank: 0 for a one-file run
+        assert list(got.columns) == [*df.columns, "rank"] and (got["rank"] == 0).all()
+        pd.testing.assert_frame_equal(got.drop(columns="rank").reset_index(drop=True), df.reset_index(drop=True),
                                       check_dtype=False)
 
 
@@ -205,6 +207,6 @@ def test_a_file_older_than_a_table_or_column_the_schema_added_still_reads(report
     stored = dpprof.load_run(old)
     assert stored.meta["world_size"] is None and stored.meta["source"] is None and stored.meta["name"] == "older"
     assert stored.comms.empty and list(stored.comms.columns) == [
-        "step", "device", "bucket", "bucket_bytes", "launch_ms", "duration_ms", "collective"]
+        "step", "device", "bucket", "bucket_bytes", "launch_ms", "duration_ms", "collective", "rank"]
     assert stored.gpu_time.empty
     assert len(stored.steps) == 2

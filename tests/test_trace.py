@@ -293,10 +293,10 @@ def test_the_trace_package_needs_no_streamlit():
 
 
 def test_the_gpu_time_view_is_the_distributed_view_of_the_table(reports):
-    from dpprof import views
+    from dpprof.store import queries
 
     run = dpprof.load_run(import_traces([DDP2], reports).id, reports)
-    per = views.gpu_time(run).set_index("device")
+    per = queries.gpu_time(run).set_index("device")
     table = run.gpu_time.groupby("device").mean(numeric_only=True)
     assert list(per.index) == ["rank:0"] and per.loc["rank:0", "steps"] == 3
     for device, row in per.iterrows():
