@@ -184,13 +184,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.module:
         import importlib.util
 
+        sys.path[0] = os.getcwd()  # as python -m does, before looking the module up there
         try:
             found = importlib.util.find_spec(target) is not None
         except (ImportError, ValueError):
             found = False
         if not found:
+            sys.path[0] = saved_path0
             raise UsageError(f"-m {target}: no module named {target!r}")
-        sys.path[0] = os.getcwd()  # as python -m does
     else:
         if not os.path.exists(target):
             raise UsageError(f"{target}: no such file")

@@ -192,6 +192,32 @@ def test_the_script_sees_what_python_would_show_it(module):
     assert _only_run().meta["name"] == ("-m argv_echo a --b" if module else "argv_echo.py a --b")
 
 
+_SHOWS_ITSELF = ("import os, sys\n"
+                 "print('file', __file__)\n"
+                 "print('argv0', sys.argv[0])\n"
+                 "print('path0', sys.path[0])\n"
+                 "print('name', __name__)\n")
+
+
+def _console_dpprof(tmp_path, *args, cwd, env=None):
+    """dpprof as its console script starts it: sys.path[0] is the script's folder (bin/), not the current one."""
+    entry = tmp_path / "bin" / "dpprof_entry.py"
+    entry.parent.mkdir(exist_ok=True)
+    entry.write_text("import sys\nfrom dpprof.cli import main\nsys.exit(main())\n")
+    return _python(entry, *args, cwd=cwd, env=env)
+
+
+def test_a_module_in_the_current_directory_runs_with_dash_m_as_python_runs_it(tmp_path):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "mymodule.py").write_text(_SHOWS_ITSELF)
+    plain = _python("-m", "mymodule", cwd=folder)
+    out = _console_dpprof(tmp_path, "run", "-m", "mymodule", cwd=folder)
+    assert plain.returncode == out.returncode == 0, out.stderr
+    assert out.stdout == plain.stdout and f"path0 {folder}\n" in out.stdout
+    assert _only_run().meta["name"] == "-m mymodule"
+
+
 def test_an_unwritable_reports_directory_is_said_once_and_the_script_goes_on(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     out = _dpprof_run("--cpu-workers", "2", SCRIPTS / "evaluate.py",
