@@ -210,7 +210,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             if args.module:
                 runpy.run_module(target, run_name="__main__", alter_sys=True)
             else:
-                runpy.run_path(target, run_name="__main__")
+                _run_path(target)
     except SystemExit:
         _tell_recorded(session)
         raise  # the script's exit code
@@ -223,6 +223,33 @@ def _cmd_run(args: argparse.Namespace) -> int:
         sys.argv, sys.path[0] = saved_argv, saved_path0
     _tell_recorded(session)
     return EXIT_OK
+
+
+def _run_path(target: str) -> None:
+    """Run a script as python 3.9+ does: in a fresh __main__, __file__ absolute, sys.argv[0] as given
+    (runpy.run_path sets both to the path it is handed). A directory or zip goes to runpy.run_path."""
+    import io
+    import runpy
+    import types
+    from pkgutil import read_code
+
+    if not os.path.isfile(target) or target.endswith(".zip"):  # a directory or zip with a __main__.py
+        runpy.run_path(target, run_name="__main__")
+        return
+    filename = os.path.abspath(target)
+    with io.open_code(filename) as f:
+        code = read_code(f)  # a compiled .pyc runs as python runs one
+    if code is None:
+        with io.open_code(filename) as f:
+            code = compile(f.read(), filename, "exec", dont_inherit=True)
+    module = types.ModuleType("__main__")
+    module.__dict__.update(__file__=filename, __cached__=None, __loader__=None, __package__=None, __spec__=None)
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = module  # what the script pickles as __main__ resolves to its own module
+    try:
+        exec(code, module.__dict__)
+    finally:
+        sys.modules["__main__"] = saved
 
 
 def _script_frames(tb):

@@ -218,6 +218,18 @@ def test_a_module_in_the_current_directory_runs_with_dash_m_as_python_runs_it(tm
     assert _only_run().meta["name"] == "-m mymodule"
 
 
+def test_a_script_named_by_a_relative_path_gets_an_absolute_file_as_from_python(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "shows.py").write_text(_SHOWS_ITSELF + "raise ValueError('the end')\n")
+    plain = _python("sub/shows.py", cwd=tmp_path)
+    out = _dpprof_run("sub/shows.py", cwd=tmp_path)
+    assert plain.returncode == out.returncode == 1
+    assert out.stdout == plain.stdout and f"file {tmp_path}/sub/shows.py\n" in out.stdout
+    assert "argv0 sub/shows.py\n" in out.stdout
+    traceback = out.stderr[out.stderr.index("Traceback"):]
+    assert traceback == plain.stderr[plain.stderr.index("Traceback"):]
+
+
 def test_an_unwritable_reports_directory_is_said_once_and_the_script_goes_on(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     out = _dpprof_run("--cpu-workers", "2", SCRIPTS / "evaluate.py",
