@@ -118,7 +118,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         if os.path.exists(run.path):
             print(f"  dpprof show {run.id}")
         return EXIT_FAILURE
-    print(f"recorded run {run.id} ({args.steps} steps) in {run.path}")
+    print(f"recorded run {run.id} ({args.steps} steps) in {os.path.abspath(run.path)}")
     print(f"  dpprof show {run.id}")
     return EXIT_OK
 
@@ -173,6 +173,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import runpy
 
     from dpprof.instrument import instrumented
+    from dpprof.store.reader import reports_dir
 
     if not args.target:
         raise UsageError("run needs a script (dpprof run train.py ARGS...) or a module (dpprof run -m MODULE ARGS...)")
@@ -202,8 +203,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     sys.argv = [target, *script_args]
     run_args = {"command": "dpprof run", "argv": [shown, *script_args], "cpu_workers": args.cpu_workers,
                 "steps": args.steps}
-    record_args = None if args.no_record else dict(name=name, reports_dir=args.reports_dir, workload=shown,
-                                                   workload_args=run_args)
+    # the reports directory made absolute before the script runs: a script that changes directory records
+    # into the same place, and the line on stderr names it whole
+    record_args = None if args.no_record else dict(name=name, reports_dir=reports_dir(args.reports_dir).absolute(),
+                                                   workload=shown, workload_args=run_args)
     session = None
     try:
         with instrumented(record_args, args.cpu_workers, args.steps) as session:

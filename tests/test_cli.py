@@ -48,6 +48,14 @@ def test_profile_records_a_run_that_runs_and_show_describe(capsys):
     assert stored.meta["workload_args"]["batch_size"] == 30
 
 
+def test_profile_names_the_run_by_its_absolute_path(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DPPROF_REPORTS", "reports")  # relative: ./reports
+    assert _profile() == 0
+    run_id = dpprof.list_runs().loc[0, "id"]
+    assert f"recorded run {run_id} (6 steps) in {tmp_path}/reports/{run_id}.sqlite\n" in capsys.readouterr().out
+
+
 def test_export_writes_every_table_with_the_runs_values(tmp_path):
     assert _profile() == 0
     run = dpprof.load_run(dpprof.list_runs().loc[0, "id"])

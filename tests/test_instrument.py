@@ -230,6 +230,20 @@ def test_a_script_named_by_a_relative_path_gets_an_absolute_file_as_from_python(
     assert traceback == plain.stderr[plain.stderr.index("Traceback"):]
 
 
+def test_the_line_on_stderr_names_the_run_by_its_absolute_path(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    script = tmp_path / "moves.py"
+    script.write_text("import os, torch\nos.chdir('elsewhere')\n"
+                      "torch.nn.DataParallel(torch.nn.Linear(2, 2))(torch.ones(3, 2)).sum().backward()\n")
+    out = _dpprof_run("moves.py", cwd=tmp_path, env={"DPPROF_REPORTS": "reports"})  # relative: ./reports
+    assert out.returncode == 0, out.stderr
+    [run_id] = [p.name.removesuffix(".sqlite") for p in (tmp_path / "reports").glob("*.sqlite")]
+    said = [line for line in out.stderr.splitlines() if line.startswith("dpprof: recorded run")]
+    assert said == [f"dpprof: recorded run {run_id} (1 steps) in {tmp_path}/reports/{run_id}.sqlite; "
+                    f"dpprof show {run_id}"], out.stderr
+    assert not (tmp_path / "elsewhere" / "reports").exists()  # the script's chdir moved nothing
+
+
 def test_an_unwritable_reports_directory_is_said_once_and_the_script_goes_on(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     out = _dpprof_run("--cpu-workers", "2", SCRIPTS / "evaluate.py",
