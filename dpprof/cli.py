@@ -426,10 +426,27 @@ def _checked_devices(device_ids: list | None) -> list[str]:
             f"compute capability {r.capability}" for r in records]
 
 
+def _out_dir_problem(out: str | None) -> str | None:
+    """Why --out cannot be the directory export writes into (a file there or above it), or None."""
+    if out is None:
+        return None
+    path = os.path.abspath(out)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)  # the nearest part of --out that exists
+    if os.path.isdir(path):
+        return None
+    what = f"--out {out}" if path == os.path.abspath(out) else f"--out {out}: {path}"
+    return f"{what} is an existing file, not a directory; nothing was written"
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     import dpprof
     from dpprof.export import export_run
 
+    problem = _out_dir_problem(args.out)
+    if problem:
+        print(f"dpprof: {problem}", file=sys.stderr)
+        return EXIT_FAILURE
     run = dpprof.load_run(args.run, args.reports_dir)
     out = args.out or f"{run.id}-csv"
     for path in export_run(run, out):

@@ -77,6 +77,23 @@ def test_export_writes_every_table_with_the_runs_values(tmp_path):
     assert meta.loc[0, "id"] == run.id
 
 
+@pytest.mark.parametrize("out, file, says", [
+    ("report.csv", "report.csv", "--out {out} is an existing file, not a directory"),
+    ("report.csv/csv", "report.csv", "--out {out}: {file} is an existing file, not a directory"),
+], ids=["the-file", "inside-a-file"])
+def test_export_into_an_existing_file_says_so_in_one_line_and_writes_nothing(out, file, says, tmp_path, capsys):
+    assert _profile() == 0
+    run_id = dpprof.list_runs().loc[0, "id"]
+    (tmp_path / file).write_text("the user's own file")
+    before = sorted(tmp_path.rglob("*"))
+    capsys.readouterr()
+    assert main(["export", run_id, "--out", str(tmp_path / out)]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"dpprof: {says.format(out=tmp_path / out, file=tmp_path / file)}; nothing was "
+                                "written"], err
+    assert sorted(tmp_path.rglob("*")) == before and (tmp_path / file).read_text() == "the user's own file"
+
+
 def test_exit_codes_for_bad_input(capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_:
         main(["profile", "--devices", "gpu7", "--quiet"])
