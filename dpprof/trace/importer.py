@@ -27,7 +27,7 @@ from dpprof.trace.convert import Converted, convert
 from dpprof.trace.findings import trace_findings
 from dpprof.trace.reader import TraceError, TraceFile, is_trace_name
 
-__all__ = ["ImportedRun", "import_traces", "trace_files", "pending_traces", "SOURCE"]
+__all__ = ["ImportedRun", "import_traces", "trace_files", "imported_traces", "pending_traces", "SOURCE"]
 
 SOURCE = "trace"  # runs.source of an imported run
 _RANK_IN_NAME = re.compile(r"rank[_\-.]?(\d+)", re.IGNORECASE)
@@ -234,14 +234,33 @@ def _store_findings(written: list[Path], converted: list[Converted]) -> None:
     replace_findings(str(written[0]), rows)
 
 
+def imported_traces(reports_dir: str | os.PathLike[str] | None = None) -> dict[tuple[str, int], list[str]]:
+    """The trace files the runs in the reports directory were imported from: (file name, size in bytes) ->
+    the ids of those runs, sorted (an id begins with the time it was made, to the second)."""
+    from dpprof.store.reader import list_runs
+
+    directory = resolve_reports_dir(reports_dir)
+    if not directory.is_dir():
+        return {}
+    runs = list_runs(directory)
+    imported: dict[tuple[str, int], list[str]] = {}
+    trace_runs = runs[runs["reason"].isna() & (runs["workload"] == "torch.profiler trace")]
+    for run_id, path in sorted(zip(trace_runs["id"], trace_runs["path"])):
+        try:
+            listing = load_run(path).meta["workload_args"].get("trace_files") or []
+        except Exception:  # a run file that went or broke since listing: it imported nothing we can see
+            continue
+        for f in listing:
+            imported.setdefault((f.get("file"), f.get("bytes")), []).append(run_id)
+    return imported
+
+
 def pending_traces(reports_dir: str | os.PathLike[str] | None = None) -> pd.DataFrame:
     """Trace files in the reports directory that no run there was imported from (same name and size).
 
     Returns:
         columns file, size_bytes, modified (UTC, ISO), oldest first.
     """
-    from dpprof.store.reader import list_runs
-
     directory = resolve_reports_dir(reports_dir)
     cols = ["file", "size_bytes", "modified"]
     if not directory.is_dir():
@@ -249,14 +268,7 @@ def pending_traces(reports_dir: str | os.PathLike[str] | None = None) -> pd.Data
     files = [p for p in directory.iterdir() if p.is_file() and is_trace_name(p.name) and not p.name.startswith(".")]
     if not files:
         return pd.DataFrame(columns=cols)
-    runs = list_runs(directory)
-    imported: set[tuple[str, int]] = set()
-    for path in runs.loc[runs["reason"].isna() & (runs["workload"] == "torch.profiler trace"), "path"]:
-        try:
-            listing = load_run(path).meta["workload_args"].get("trace_files") or []
-        except Exception:  # a run file that went or broke since listing: it imported nothing we can see
-            continue
-        imported |= {(f.get("file"), f.get("bytes")) for f in listing}
+    imported = imported_traces(directory)
     rows = []
     for p in files:
         stat = p.stat()
