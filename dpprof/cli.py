@@ -295,7 +295,8 @@ def _cmd_import(args: argparse.Namespace) -> int:
         total = sum(p.stat().st_size for p in trace_files(args.sources))
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reading traces",
                   disable=args.quiet or not sys.stderr.isatty()) as bar:
-            run = import_traces(args.sources, args.reports_dir, name=args.name, progress=bar.update)
+            run = import_traces(args.sources, args.reports_dir, name=args.name, progress=bar.update,
+                                again=args.again)
     except TraceError as err:
         print(f"dpprof: {err}", file=sys.stderr)
         return EXIT_FAILURE
@@ -525,9 +526,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("import", help="read torch.profiler traces (.json, .json.gz) as one run",
                        description="Several files of one job become one run with one rank per file (rank from "
                        "distributedInfo, else from the file name, else the order given). Exit 1, with nothing "
-                       "written, when a file is not a readable trace or the files are of different jobs.")
+                       "written, when a file is not a readable trace, the files are of different jobs, or a run "
+                       "in the reports directory was imported from one of them (same name and size) without "
+                       "--again.")
     p.add_argument("sources", nargs="+", metavar="TRACE_OR_DIR", help="trace files, or directories of them")
     p.add_argument("--name", default=None, help="a name for the run (default: the first file's name)")
+    p.add_argument("--again", action="store_true",
+                   help="import files a run in the reports directory was imported from already, as another run")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_import, parser=p)
 
