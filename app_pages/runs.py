@@ -47,8 +47,13 @@ if good.empty:
     st.code("python -m dpprof profile cifar-lenet --steps 30 --devices cpu:2", language="bash")
     st.markdown("or wrap your own model in `dpprof.DataParallel` inside `with dpprof.record():` (see the README), "
                 "or start one here:")
-    if st.button("Record a demo run on 2 CPU workers", type="primary", key="demo"):
-        common.start_run(**common.DEMO_ARGS)
+    busy = common.running_processes()
+    # a click sent before the button was drawn disabled (a double click, another tab) starts nothing either
+    # (Streamlit discards such clicks itself only since streamlit/streamlit#16209, mid-2026)
+    if st.button("Record a demo run on 2 CPU workers", type="primary", key="demo", disabled=bool(busy),
+                 help="A run started from this dashboard is still going" if busy else None) and not busy:
+        if common.start_run(**common.DEMO_ARGS):
+            st.rerun()  # drawn again with the run going: the button disabled, the run's Stop button below
     common.watch_started_run()
 else:
     shown = good[["status", "name", "workload", "balanced", "backend", "devices", "steps", "duration_s", "created_at",
