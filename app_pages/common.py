@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -274,6 +275,12 @@ def chart(fig: Any) -> None:
 def processes() -> dict[int, dict[str, Any]]:
     """Runs started from this dashboard: pid -> Popen and what it was asked to do (one per server)."""
     return {}
+
+
+@st.cache_resource
+def import_lock() -> threading.Lock:
+    """Held while a trace import started from this dashboard runs (one per server)."""
+    return threading.Lock()
 
 
 def start_run(workload: str, devices: str, steps: int, batch_size: int | None = None,

@@ -1,37 +1,74 @@
 """Runs: every file in the reports directory with its status and what it ran; open one, compare several."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import streamlit as st
 
 from app_pages import common
 from dpprof.store.reader import reports_dir
-from dpprof.trace import TraceError, import_traces, pending_traces
+from dpprof.trace import AlreadyImported, TraceError, import_traces, pending_traces
+
+IMPORT_ASKED = "trace_import_asked"  # session state: the file names the Import button was pressed on
+IMPORT_SAID = "trace_import_said"  # session state: what the last import said, shown once: (kind, text)
+
+
+def ask_import(names: list[str]) -> None:
+    """The Import button's click: the files selected when it was pressed, whatever the listing holds by the rerun."""
+    st.session_state[IMPORT_ASKED] = names
+
+
+def import_asked(directory: Path) -> None:
+    """Import the files the button was pressed on, one import at a time on this server; what it did is kept for
+    the rerun that shows it."""
+    state = st.session_state
+    names = state.pop(IMPORT_ASKED)
+    state.pop("traces_table", None)  # the rows selected were of the listing before this import: none selected after
+    with common.import_lock():  # a second press waits for the first import, then finds its run
+        try:
+            run = import_traces([directory / name for name in names], directory)
+        except AlreadyImported as err:
+            state[common.RUN_KEY] = max(max(ids) for ids in err.runs.values())
+            state[IMPORT_SAID] = ("warning", "Nothing imported: " + "; ".join(
+                [f"{name} is already imported as run {', '.join(ids)}" for name, ids in err.runs.items()]
+                + [f"{name} is not" for name in err.others]) + ".")
+            return
+        except TraceError as err:
+            state[IMPORT_SAID] = ("error", f"Not imported: {err}")
+            return
+    state[common.RUN_KEY] = run.id
+    state[IMPORT_SAID] = ("success", f"Imported run {run.id}: {run.steps} steps on {', '.join(run.devices)}.")
 
 
 def traces_to_import() -> None:
     """Trace files in the reports directory not imported yet, imported on a click. The browser only picks
     rows of this listing: the files imported are the listing's, never a path it sends."""
     directory = reports_dir()
+    asked = st.session_state.get(IMPORT_ASKED)
     pending = pending_traces(directory)
-    if pending.empty:
-        return
-    st.subheader("torch.profiler traces to import")
-    st.caption(f"Trace files (.json, .json.gz) in `{directory}` that no run was imported from. Select one, or the "
-               "files of one job's ranks, and import them as one run (`dpprof import` does the same from a shell).")
-    shown = pending.assign(size_mb=pending["size_bytes"] / 2**20)[["file", "size_mb", "modified"]]
-    event = st.dataframe(shown, hide_index=True, on_select="rerun", selection_mode="multi-row", key="traces_table",
-                         column_config={"size_mb": st.column_config.NumberColumn("size (MiB)", format="%.1f")})
-    rows = list(event.selection.rows) if event.selection.rows else []
-    if st.button("Import", disabled=not rows, key="import_traces", help="Select trace files in the table"):
-        files = [directory / name for name in pending.iloc[rows]["file"]]
-        with st.spinner(f"Importing {len(files)} trace file(s)…"):
-            try:
-                run = import_traces(files, directory)
-            except TraceError as err:
-                st.error(f"Not imported: {err}")
-                return
-        st.session_state[common.RUN_KEY] = run.id
-        st.success(f"Imported run {run.id}: {run.steps} steps on {', '.join(run.devices)}.")
+    if not pending.empty:
+        st.subheader("torch.profiler traces to import")
+        st.caption(f"Trace files (.json, .json.gz) in `{directory}` that no run was imported from. Select one, or "
+                   "the files of one job's ranks, and import them as one run (`dpprof import` does the same from a "
+                   "shell).")
+        shown = pending.assign(size_mb=pending["size_bytes"] / 2**20)[["file", "size_mb", "modified"]]
+        event = st.dataframe(shown, hide_index=True, on_select="rerun", selection_mode="multi-row",
+                             key="traces_table",
+                             column_config={"size_mb": st.column_config.NumberColumn("size (MiB)", format="%.1f")})
+        rows = [r for r in event.selection.rows or [] if r < len(pending)]  # not past a listing that shrank
+        names = pending.iloc[rows]["file"].tolist()
+        importing = asked is not None or common.import_lock().locked()
+        hint = f"Import {', '.join(names)} as one run" if names else "Select trace files in the table"
+        st.button("Import", disabled=not names or importing, key="import_traces", on_click=ask_import,
+                  args=(names,), help="An import is under way" if importing else hint)
+    if asked is not None:
+        with st.spinner(f"Importing {len(asked)} trace file(s)…"):
+            import_asked(directory)
+        st.rerun()  # the listings drawn again with the new run, and what the import said
+    said = st.session_state.pop(IMPORT_SAID, None)
+    if said is not None:
+        kind, text = said
+        {"success": st.success, "warning": st.warning, "error": st.error}[kind](text)
 
 
 st.title("Runs")
@@ -47,8 +84,13 @@ if good.empty:
     st.code("python -m dpprof profile cifar-lenet --steps 30 --devices cpu:2", language="bash")
     st.markdown("or wrap your own model in `dpprof.DataParallel` inside `with dpprof.record():` (see the README), "
                 "or start one here:")
-    if st.button("Record a demo run on 2 CPU workers", type="primary", key="demo"):
-        common.start_run(**common.DEMO_ARGS)
+    busy = common.running_processes()
+    # a click sent before the button was drawn disabled (a double click, another tab) starts nothing either
+    # (Streamlit discards such clicks itself only since streamlit/streamlit#16209, mid-2026)
+    if st.button("Record a demo run on 2 CPU workers", type="primary", key="demo", disabled=bool(busy),
+                 help="A run started from this dashboard is still going" if busy else None) and not busy:
+        if common.start_run(**common.DEMO_ARGS):
+            st.rerun()  # drawn again with the run going: the button disabled, the run's Stop button below
     common.watch_started_run()
 else:
     shown = good[["status", "name", "workload", "balanced", "backend", "devices", "steps", "duration_s", "created_at",

@@ -118,7 +118,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         if os.path.exists(run.path):
             print(f"  dpprof show {run.id}")
         return EXIT_FAILURE
-    print(f"recorded run {run.id} ({args.steps} steps) in {run.path}")
+    print(f"recorded run {run.id} ({args.steps} steps) in {os.path.abspath(run.path)}")
     print(f"  dpprof show {run.id}")
     return EXIT_OK
 
@@ -173,6 +173,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import runpy
 
     from dpprof.instrument import instrumented
+    from dpprof.store.reader import reports_dir
 
     if not args.target:
         raise UsageError("run needs a script (dpprof run train.py ARGS...) or a module (dpprof run -m MODULE ARGS...)")
@@ -184,13 +185,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.module:
         import importlib.util
 
+        sys.path[0] = os.getcwd()  # as python -m does, before looking the module up there
         try:
             found = importlib.util.find_spec(target) is not None
         except (ImportError, ValueError):
             found = False
         if not found:
+            sys.path[0] = saved_path0
             raise UsageError(f"-m {target}: no module named {target!r}")
-        sys.path[0] = os.getcwd()  # as python -m does
     else:
         if not os.path.exists(target):
             raise UsageError(f"{target}: no such file")
@@ -201,15 +203,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
     sys.argv = [target, *script_args]
     run_args = {"command": "dpprof run", "argv": [shown, *script_args], "cpu_workers": args.cpu_workers,
                 "steps": args.steps}
-    record_args = None if args.no_record else dict(name=name, reports_dir=args.reports_dir, workload=shown,
-                                                   workload_args=run_args)
+    # the reports directory made absolute before the script runs: a script that changes directory records
+    # into the same place, and the line on stderr names it whole
+    record_args = None if args.no_record else dict(name=name, reports_dir=reports_dir(args.reports_dir).absolute(),
+                                                   workload=shown, workload_args=run_args)
     session = None
     try:
         with instrumented(record_args, args.cpu_workers, args.steps) as session:
             if args.module:
                 runpy.run_module(target, run_name="__main__", alter_sys=True)
             else:
-                runpy.run_path(target, run_name="__main__")
+                _run_path(target)
     except SystemExit:
         _tell_recorded(session)
         raise  # the script's exit code
@@ -222,6 +226,33 @@ def _cmd_run(args: argparse.Namespace) -> int:
         sys.argv, sys.path[0] = saved_argv, saved_path0
     _tell_recorded(session)
     return EXIT_OK
+
+
+def _run_path(target: str) -> None:
+    """Run a script as python 3.9+ does: in a fresh __main__, __file__ absolute, sys.argv[0] as given
+    (runpy.run_path sets both to the path it is handed). A directory or zip goes to runpy.run_path."""
+    import io
+    import runpy
+    import types
+    from pkgutil import read_code
+
+    if not os.path.isfile(target) or target.endswith(".zip"):  # a directory or zip with a __main__.py
+        runpy.run_path(target, run_name="__main__")
+        return
+    filename = os.path.abspath(target)
+    with io.open_code(filename) as f:
+        code = read_code(f)  # a compiled .pyc runs as python runs one
+    if code is None:
+        with io.open_code(filename) as f:
+            code = compile(f.read(), filename, "exec", dont_inherit=True)
+    module = types.ModuleType("__main__")
+    module.__dict__.update(__file__=filename, __cached__=None, __loader__=None, __package__=None, __spec__=None)
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = module  # what the script pickles as __main__ resolves to its own module
+    try:
+        exec(code, module.__dict__)
+    finally:
+        sys.modules["__main__"] = saved
 
 
 def _script_frames(tb):
@@ -264,7 +295,8 @@ def _cmd_import(args: argparse.Namespace) -> int:
         total = sum(p.stat().st_size for p in trace_files(args.sources))
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reading traces",
                   disable=args.quiet or not sys.stderr.isatty()) as bar:
-            run = import_traces(args.sources, args.reports_dir, name=args.name, progress=bar.update)
+            run = import_traces(args.sources, args.reports_dir, name=args.name, progress=bar.update,
+                                again=args.again)
     except TraceError as err:
         print(f"dpprof: {err}", file=sys.stderr)
         return EXIT_FAILURE
@@ -410,10 +442,27 @@ def _checked_devices(device_ids: list | None) -> list[str]:
             f"compute capability {r.capability}" for r in records]
 
 
+def _out_dir_problem(out: str | None) -> str | None:
+    """Why --out cannot be the directory export writes into (a file there or above it), or None."""
+    if out is None:
+        return None
+    path = os.path.abspath(out)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)  # the nearest part of --out that exists
+    if os.path.isdir(path):
+        return None
+    what = f"--out {out}" if path == os.path.abspath(out) else f"--out {out}: {path}"
+    return f"{what} is an existing file, not a directory; nothing was written"
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from dpprof.store.reader import load_run
     from dpprof.views.export import export_run
 
+    problem = _out_dir_problem(args.out)
+    if problem:
+        print(f"dpprof: {problem}", file=sys.stderr)
+        return EXIT_FAILURE
     run = load_run(args.run, args.reports_dir)
     out = args.out or f"{run.id}-csv"
     for path in export_run(run, out):
@@ -492,9 +541,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("import", help="read torch.profiler traces (.json, .json.gz) as one run",
                        description="Several files of one job become one run with one rank per file (rank from "
                        "distributedInfo, else from the file name, else the order given). Exit 1, with nothing "
-                       "written, when a file is not a readable trace or the files are of different jobs.")
+                       "written, when a file is not a readable trace, the files are of different jobs, or a run "
+                       "in the reports directory was imported from one of them (same name and size) without "
+                       "--again.")
     p.add_argument("sources", nargs="+", metavar="TRACE_OR_DIR", help="trace files, or directories of them")
     p.add_argument("--name", default=None, help="a name for the run (default: the first file's name)")
+    p.add_argument("--again", action="store_true",
+                   help="import files a run in the reports directory was imported from already, as another run")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_import, parser=p)
 

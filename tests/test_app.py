@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -277,6 +278,26 @@ def test_the_empty_state_says_what_to_do_and_records_a_demo_run(reports, monkeyp
     runs = dpprof.list_runs()
     assert runs["name"].tolist() == ["demo"] and runs["status"].tolist() == ["finished"]
     assert at.session_state[common.RUN_KEY] == runs.loc[0, "id"]  # the page follows the new run
+
+
+def test_the_demo_button_starts_one_run_however_often_it_is_pressed(reports, monkeypatch):
+    monkeypatch.setitem(common.DEMO_ARGS, "steps", 100_000)
+    monkeypatch.setitem(common.DEMO_ARGS, "workload", "tutorial-linear")
+    first, second = _app(), _app()  # two tabs on the empty Runs page, the button enabled in both
+    assert not second.button(key="demo").disabled
+    first.button(key="demo").click().run()
+    pid = first.session_state["watch"]
+    os.kill(pid, signal.SIGSTOP)  # held before its run file appears, so both tabs stay on the empty page
+    try:
+        assert not first.exception and first.button(key="demo").disabled
+        assert f"Process {pid} is running" in _texts(first.info)
+        second.button(key="demo").click().run()  # sent before this tab drew the button disabled
+        assert not second.exception and second.button(key="demo").disabled
+        assert "started" not in second.session_state and common.running_processes() == [pid]
+    finally:
+        common.stop_run(pid)  # never leave it running, whatever failed above
+        os.kill(pid, signal.SIGCONT)
+    _wait_for_exit(pid, timeout=60)
 
 
 def _wait_for_exit(pid: int, timeout: float = 120) -> None:

@@ -1,13 +1,16 @@
 """The dashboard in a real browser: Debian's chromium, driven by playwright, against `streamlit run app.py`.
 
-Opens a recorded run, switches runs and pages, and downloads a CSV whose content it checks against the run.
+Opens a recorded run, switches runs and pages, and downloads a CSV whose content it checks against the run;
+on an empty reports directory, presses the demo button a second time while its run goes.
 Skips only when /usr/bin/chromium or the playwright package is missing (.ci/run installs both).
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -38,12 +41,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """Two recorded runs, and `streamlit run app.py` on a free loopback port reading them."""
-    reports = tmp_path_factory.mktemp("reports")
-    first = record(reports, "=first", workers=2, steps=5, batch_size=32)
-    second = record(reports, "second", workers=3, steps=6, batch_size=33)
+@contextlib.contextmanager
+def _streamlit(reports: Path):
+    """`streamlit run app.py` on a free loopback port reading ``reports``; yields its address."""
     port = _free_port()
     log = open(reports.parent / "streamlit.log", "wb")
     proc = subprocess.Popen(
@@ -62,7 +62,7 @@ def server(tmp_path_factory):
             assert proc.poll() is None, (reports.parent / "streamlit.log").read_text()
             assert time.monotonic() < deadline, "streamlit did not start in 60 s"
             time.sleep(0.3)
-        yield {"base": base, "first": first, "second": second}
+        yield base
     finally:
         proc.terminate()
         try:
@@ -71,6 +71,16 @@ def server(tmp_path_factory):
             proc.kill()
             proc.wait()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """Two recorded runs, and `streamlit run app.py` on a free loopback port reading them."""
+    reports = tmp_path_factory.mktemp("reports")
+    first = record(reports, "=first", workers=2, steps=5, batch_size=32)
+    second = record(reports, "second", workers=3, steps=6, batch_size=33)
+    with _streamlit(reports) as base:
+        yield {"base": base, "first": first, "second": second}
 
 
 @pytest.fixture(scope="module")
@@ -205,3 +215,31 @@ def test_new_run_starts_only_from_start_and_stops(server, browser, tmp_path):
     assert new["name"].tolist() == ["from the browser"]  # one run, from the one click
     assert new["status"].iloc[0] != "running" and new["steps"].iloc[0] >= 1  # ended, its steps kept
     page.close()
+
+
+def test_the_demo_button_starts_one_run_when_pressed_again(browser, tmp_path):
+    import dpprof
+
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    with _streamlit(reports) as base:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(TIMEOUT_MS)
+        page.goto(base)
+        _heading(page, "No runs yet")
+        demo = page.get_by_role("button", name="Record a demo run on 2 CPU workers")
+        demo.click()
+        page.get_by_text(re.compile(r"Process \d+ is running")).first.wait_for()
+        demo.click(force=True)  # the second press of an impatient user, while the first run goes
+        page.wait_for_timeout(2_000)
+        try:
+            assert demo.is_disabled()
+            assert len(list((reports / ".logs").glob("*.log"))) == 1  # one start_run, one process
+        finally:
+            main = page.locator('[data-testid="stMain"]')
+            for stop in main.get_by_role("button", name="Stop", exact=True).all():
+                stop.click()  # the demo's own process: never left running after the test
+            page.get_by_text(re.compile(r"Process \d+ (was stopped|finished)")).first.wait_for(timeout=60_000)
+            for path in dpprof.list_runs(reports).query("status == 'running'")["path"]:  # one with no Stop button
+                os.kill(dpprof.load_run(path).meta["pid"], signal.SIGTERM)
+        page.close()

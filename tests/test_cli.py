@@ -48,6 +48,14 @@ def test_profile_records_a_run_that_runs_and_show_describe(capsys):
     assert stored.meta["workload_args"]["batch_size"] == 30
 
 
+def test_profile_names_the_run_by_its_absolute_path(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DPPROF_REPORTS", "reports")  # relative: ./reports
+    assert _profile() == 0
+    run_id = dpprof.list_runs().loc[0, "id"]
+    assert f"recorded run {run_id} (6 steps) in {tmp_path}/reports/{run_id}.sqlite\n" in capsys.readouterr().out
+
+
 def test_export_writes_every_table_with_the_runs_values(tmp_path):
     assert _profile() == 0
     run = dpprof.load_run(dpprof.list_runs().loc[0, "id"])
@@ -68,6 +76,23 @@ def test_export_writes_every_table_with_the_runs_values(tmp_path):
     assert summary["chunk_size_mean"].tolist() == pytest.approx(run.memory.groupby("device")["chunk_size"].mean().tolist(), rel=1e-14)
     meta = pd.read_csv(out / "run.csv")
     assert meta.loc[0, "id"] == run.id
+
+
+@pytest.mark.parametrize("out, file, says", [
+    ("report.csv", "report.csv", "--out {out} is an existing file, not a directory"),
+    ("report.csv/csv", "report.csv", "--out {out}: {file} is an existing file, not a directory"),
+], ids=["the-file", "inside-a-file"])
+def test_export_into_an_existing_file_says_so_in_one_line_and_writes_nothing(out, file, says, tmp_path, capsys):
+    assert _profile() == 0
+    run_id = dpprof.list_runs().loc[0, "id"]
+    (tmp_path / file).write_text("the user's own file")
+    before = sorted(tmp_path.rglob("*"))
+    capsys.readouterr()
+    assert main(["export", run_id, "--out", str(tmp_path / out)]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"dpprof: {says.format(out=tmp_path / out, file=tmp_path / file)}; nothing was "
+                                "written"], err
+    assert sorted(tmp_path.rglob("*")) == before and (tmp_path / file).read_text() == "the user's own file"
 
 
 def test_exit_codes_for_bad_input(capsys, monkeypatch):

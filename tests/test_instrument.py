@@ -192,6 +192,58 @@ def test_the_script_sees_what_python_would_show_it(module):
     assert _only_run().meta["name"] == ("-m argv_echo a --b" if module else "argv_echo.py a --b")
 
 
+_SHOWS_ITSELF = ("import os, sys\n"
+                 "print('file', __file__)\n"
+                 "print('argv0', sys.argv[0])\n"
+                 "print('path0', sys.path[0])\n"
+                 "print('name', __name__)\n")
+
+
+def _console_dpprof(tmp_path, *args, cwd, env=None):
+    """dpprof as its console script starts it: sys.path[0] is the script's folder (bin/), not the current one."""
+    entry = tmp_path / "bin" / "dpprof_entry.py"
+    entry.parent.mkdir(exist_ok=True)
+    entry.write_text("import sys\nfrom dpprof.cli import main\nsys.exit(main())\n")
+    return _python(entry, *args, cwd=cwd, env=env)
+
+
+def test_a_module_in_the_current_directory_runs_with_dash_m_as_python_runs_it(tmp_path):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "mymodule.py").write_text(_SHOWS_ITSELF)
+    plain = _python("-m", "mymodule", cwd=folder)
+    out = _console_dpprof(tmp_path, "run", "-m", "mymodule", cwd=folder)
+    assert plain.returncode == out.returncode == 0, out.stderr
+    assert out.stdout == plain.stdout and f"path0 {folder}\n" in out.stdout
+    assert _only_run().meta["name"] == "-m mymodule"
+
+
+def test_a_script_named_by_a_relative_path_gets_an_absolute_file_as_from_python(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "shows.py").write_text(_SHOWS_ITSELF + "raise ValueError('the end')\n")
+    plain = _python("sub/shows.py", cwd=tmp_path)
+    out = _dpprof_run("sub/shows.py", cwd=tmp_path)
+    assert plain.returncode == out.returncode == 1
+    assert out.stdout == plain.stdout and f"file {tmp_path}/sub/shows.py\n" in out.stdout
+    assert "argv0 sub/shows.py\n" in out.stdout
+    traceback = out.stderr[out.stderr.index("Traceback"):]
+    assert traceback == plain.stderr[plain.stderr.index("Traceback"):]
+
+
+def test_the_line_on_stderr_names_the_run_by_its_absolute_path(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    script = tmp_path / "moves.py"
+    script.write_text("import os, torch\nos.chdir('elsewhere')\n"
+                      "torch.nn.DataParallel(torch.nn.Linear(2, 2))(torch.ones(3, 2)).sum().backward()\n")
+    out = _dpprof_run("moves.py", cwd=tmp_path, env={"DPPROF_REPORTS": "reports"})  # relative: ./reports
+    assert out.returncode == 0, out.stderr
+    [run_id] = [p.name.removesuffix(".sqlite") for p in (tmp_path / "reports").glob("*.sqlite")]
+    said = [line for line in out.stderr.splitlines() if line.startswith("dpprof: recorded run")]
+    assert said == [f"dpprof: recorded run {run_id} (1 steps) in {tmp_path}/reports/{run_id}.sqlite; "
+                    f"dpprof show {run_id}"], out.stderr
+    assert not (tmp_path / "elsewhere" / "reports").exists()  # the script's chdir moved nothing
+
+
 def test_an_unwritable_reports_directory_is_said_once_and_the_script_goes_on(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     out = _dpprof_run("--cpu-workers", "2", SCRIPTS / "evaluate.py",

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import dpprof
-from dpprof.trace import TraceError, TraceFile, import_traces, pending_traces
+from dpprof.trace import AlreadyImported, TraceError, TraceFile, import_traces, pending_traces
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT.parent / "shared" / "traces"
@@ -264,6 +264,55 @@ def test_the_command_imports_and_show_prints_the_run(reports):
                           capture_output=True, text=True, timeout=120)
     assert show.returncode == 0 and "rank:0" in show.stdout and "rank:1" in show.stdout
     assert "idle" in show.stdout  # a trace-only finding: the GPU idle share
+
+
+def test_a_trace_imported_already_is_refused_naming_its_run_until_asked_again(reports):
+    first = import_traces([DDP2], reports).id
+    before = sorted(reports.iterdir())
+    with pytest.raises(AlreadyImported) as refused:
+        import_traces([DDP2], reports)
+    assert str(refused.value) == (f"{DDP2.name} was imported already as run {first} (dpprof show {first}); "
+                                  "--again imports it once more")
+    assert sorted(reports.iterdir()) == before  # nothing written
+    second = import_traces([DDP2], reports, again=True).id
+    assert second != first and sorted(dpprof.list_runs(reports)["id"]) == sorted([first, second])
+    with pytest.raises(AlreadyImported) as twice:
+        import_traces([DDP2], reports)
+    last = max(first, second)  # ids sort by the second they were made in, then at random
+    assert f"was imported already as runs {min(first, second)}, {last} (dpprof show {last})" in str(twice.value)
+
+
+def test_files_of_one_job_imported_already_all_or_some_are_refused_naming_which(reports):
+    rank0 = import_traces(DDP128[:1], reports).id
+    with pytest.raises(AlreadyImported) as some:
+        import_traces(DDP128, reports)
+    assert str(some.value) == (f"{DDP128[0].name} was imported already as run {rank0} (dpprof show {rank0}); "
+                               f"{DDP128[1].name} was not; --again imports them once more")
+    both = import_traces(DDP128, reports, again=True).id
+    with pytest.raises(AlreadyImported) as every:
+        import_traces([TRACES], reports)  # the directory: every trace in it, two of them imported as one run
+    assert f"{DDP128[1].name} was imported already as run {both} (dpprof show {both})" in str(every.value)
+    assert f"{DDP128[0].name} was imported already as runs {', '.join(sorted([rank0, both]))}" in str(every.value)
+    assert f"{DDP2.name}, {RESNET.name} were not" in str(every.value)
+    with pytest.raises(AlreadyImported) as whole:
+        import_traces([DDP128[1]], reports)
+    assert str(whole.value) == (f"{DDP128[1].name} was imported already as run {both} (dpprof show {both}); "
+                                "--again imports it once more")
+
+
+def test_the_command_refuses_a_trace_imported_already_in_one_line_and_imports_it_with_again(reports, capsys):
+    from dpprof.cli import main
+
+    assert main(["--reports-dir", str(reports), "import", "--quiet", *map(str, DDP128)]) == 0
+    first = dpprof.list_runs(reports).loc[0, "id"]
+    capsys.readouterr()
+    assert main(["--reports-dir", str(reports), "import", "--quiet", *map(str, DDP128)]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"dpprof: {DDP128[0].name}, {DDP128[1].name} were imported already as run {first} "
+                                f"(dpprof show {first}); --again imports them once more"]
+    assert len(dpprof.list_runs(reports)) == 1
+    assert main(["--reports-dir", str(reports), "import", "--quiet", "--again", *map(str, DDP128)]) == 0
+    assert len(dpprof.list_runs(reports)) == 2
 
 
 def test_pending_traces_lists_trace_files_not_yet_imported(reports):

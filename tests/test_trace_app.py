@@ -4,14 +4,18 @@ directory on a click."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from dpprof.trace import import_traces
+import dpprof
+from dpprof.trace import import_traces, pending_traces
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "app.py"
@@ -93,3 +97,79 @@ def test_the_runs_page_lists_a_trace_file_and_imports_it_on_a_click(tmp_path, mo
     runs = at.dataframe[0].value
     assert runs["workload"].tolist() == ["torch.profiler trace"] and runs["devices"].tolist() == ["rank:0"]
     assert not any("traces to import" in s.value for s in at.subheader)  # imported: no longer listed
+
+
+def _runs_page(monkeypatch, directory: Path, rows: list[int] | None = None) -> AppTest:
+    """The Runs page on ``directory``, with these rows of the trace listing selected."""
+    monkeypatch.setenv("DPPROF_REPORTS", str(directory))
+    at = AppTest.from_file(str(APP), default_timeout=90)
+    at.run()
+    at.switch_page("app_pages/runs.py").run()
+    if rows is not None:
+        at.session_state["traces_table"] = {"selection": {"rows": rows, "columns": [], "cells": []}}
+        at.run()
+    assert not at.exception, [e.message for e in at.exception]
+    return at
+
+
+def _copy(name: str, directory: Path, age_s: float) -> None:
+    """A shared trace dropped into the reports directory, modified age_s ago (the listing is oldest first)."""
+    path = directory / name
+    shutil.copyfile(TRACES / name, path)
+    when = time.time() - age_s
+    os.utime(path, (when, when))
+
+
+def test_import_takes_the_files_selected_when_it_was_pressed_though_the_listing_changed(tmp_path, monkeypatch):
+    _copy("resnet50-1gpu-tb-sample.pt.trace.json.gz", tmp_path, age_s=200)
+    _copy("ddp-2ranks-rank0-nccl.json.gz", tmp_path, age_s=100)
+    at = _runs_page(monkeypatch, tmp_path, rows=[1])  # the second row: the DDP rank
+    assert at.dataframe[-1].value["file"].tolist()[1] == "ddp-2ranks-rank0-nccl.json.gz"
+    _copy("ddp-128ranks-rank0-sampled.json.gz", tmp_path, age_s=300)  # dropped in before the click: now first
+    at.button(key="import_traces").click().run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert "Imported run" in "\n".join(s.value for s in at.success)
+    [run_id] = dpprof.list_runs(tmp_path)["id"]
+    assert dpprof.load_run(run_id, tmp_path).meta["workload_args"]["trace_file"] == "ddp-2ranks-rank0-nccl.json.gz"
+    assert sorted(pending_traces(tmp_path)["file"]) == ["ddp-128ranks-rank0-sampled.json.gz",
+                                                        "resnet50-1gpu-tb-sample.pt.trace.json.gz"]
+    assert at.button(key="import_traces").disabled  # the selection went with the listing it was made in
+
+
+def test_a_second_press_on_a_trace_imported_meanwhile_says_which_run_it_is(tmp_path, monkeypatch):
+    _copy("ddp-2ranks-rank0-nccl.json.gz", tmp_path, age_s=100)
+    first, second = (_runs_page(monkeypatch, tmp_path, rows=[0]) for _ in range(2))  # two tabs, the same row
+    first.button(key="import_traces").click().run()
+    [run_id] = dpprof.list_runs(tmp_path)["id"]
+    second.button(key="import_traces").click().run()  # pressed before that tab saw the import
+    assert not second.exception, [e.message for e in second.exception]
+    assert (f"ddp-2ranks-rank0-nccl.json.gz is already imported as run {run_id}"
+            in "\n".join(w.value for w in second.warning))
+    assert dpprof.list_runs(tmp_path)["id"].tolist() == [run_id]  # no second run
+    assert second.session_state[common.RUN_KEY] == run_id
+
+
+def test_the_import_button_is_disabled_while_an_import_is_under_way(tmp_path, monkeypatch):
+    _copy("ddp-2ranks-rank0-nccl.json.gz", tmp_path, age_s=100)
+    with common.import_lock():  # another tab's import
+        at = _runs_page(monkeypatch, tmp_path, rows=[0])
+        assert at.button(key="import_traces").disabled
+    at.run()
+    assert not at.button(key="import_traces").disabled
+
+
+def test_two_tabs_pressing_import_at_once_make_one_run(tmp_path, monkeypatch):
+    _copy("ddp-2ranks-rank0-nccl.json.gz", tmp_path, age_s=100)
+    tabs = [_runs_page(monkeypatch, tmp_path, rows=[0]) for _ in range(2)]
+    for at in tabs:
+        at.button(key="import_traces").click()
+    presses = [threading.Thread(target=at.run) for at in tabs]
+    for press in presses:
+        press.start()
+    for press in presses:
+        press.join(120)
+    assert not any(at.exception for at in tabs), [e.message for at in tabs for e in at.exception]
+    [run_id] = dpprof.list_runs(tmp_path)["id"]  # the second import waited for the first, then found its run
+    said = sorted(m.value for at in tabs for m in [*at.success, *at.warning])
+    assert said == [f"Imported run {run_id}: 3 steps on rank:0.",
+                    f"Nothing imported: ddp-2ranks-rank0-nccl.json.gz is already imported as run {run_id}."]

@@ -26,10 +26,28 @@ from dpprof.trace.collect import Collected, collect
 from dpprof.trace.convert import Converted, convert
 from dpprof.trace.reader import TraceError, TraceFile, is_trace_name
 
-__all__ = ["ImportedRun", "import_traces", "trace_files", "pending_traces", "SOURCE"]
+__all__ = ["AlreadyImported", "ImportedRun", "import_traces", "trace_files", "imported_traces", "pending_traces",
+           "SOURCE"]
 
 SOURCE = TRACE_SOURCE  # runs.source of an imported run
 _RANK_IN_NAME = re.compile(r"rank[_\-.]?(\d+)", re.IGNORECASE)
+
+
+class AlreadyImported(TraceError):
+    """Trace files that runs in the reports directory were imported from already (same name and size)."""
+
+    def __init__(self, runs: dict[str, list[str]], others: list[str]) -> None:
+        self.runs = runs  # file name -> ids of the runs imported from it, in order of their ids
+        self.others = others  # the files given with them that were not imported yet
+        said = []
+        for ids in dict.fromkeys(map(tuple, runs.values())):  # files imported as the same run(s) said together
+            files = [f for f, of in runs.items() if tuple(of) == ids]
+            said.append(f"{', '.join(files)} {'was' if len(files) == 1 else 'were'} imported already as "
+                        f"run{'s' if len(ids) > 1 else ''} {', '.join(ids)} (dpprof show {ids[-1]})")
+        if others:
+            said.append(f"{', '.join(others)} {'was' if len(others) == 1 else 'were'} not")
+        many = len(runs) + len(others) > 1
+        super().__init__(f"{'; '.join(said)}; --again imports {'them' if many else 'it'} once more")
 
 
 @dataclass
@@ -113,7 +131,8 @@ def _created_at(c: Collected, first_us: float) -> str:
 
 
 def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | os.PathLike[str] | None = None,
-                  name: str | None = None, progress: Callable[[int], None] | None = None) -> ImportedRun:
+                  name: str | None = None, progress: Callable[[int], None] | None = None,
+                  again: bool = False) -> ImportedRun:
     """Read torch.profiler traces and write them as one dpprof run into the reports directory.
 
     Args:
@@ -122,11 +141,14 @@ def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | 
         reports_dir: where the run goes (default: $DPPROF_REPORTS, else ./reports).
         name: the run's name (default: the first file's name).
         progress: called with bytes read from disk as the files are read (for a progress bar).
+        again: import files that a run in the reports directory was imported from already.
 
     Returns:
         the new run's id, files, step count and devices.
 
     Raises:
+        AlreadyImported: without ``again``, a run in the reports directory was imported from one of the
+            files (same name and size); nothing is read or written.
         TraceError: a file is missing, not a trace, truncated, empty, or the files are of different jobs
             (nothing is written).
 
@@ -139,6 +161,11 @@ def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | 
     paths = trace_files(sources)
     if not paths:
         raise TraceError("no trace files given")
+    if not again:
+        imported = imported_traces(reports_dir)
+        runs = {p.name: imported[key] for p in paths if (key := (p.name, p.stat().st_size)) in imported}
+        if runs:
+            raise AlreadyImported(runs, [p.name for p in paths if p.name not in runs])
     files = [collect(TraceFile(p, progress)) for p in paths]
     _check_one_job(files)
     ranks = _ranks(files)
@@ -228,14 +255,33 @@ def _store_findings(written: list[Path]) -> None:
     replace_findings(str(written[0]), rows)
 
 
+def imported_traces(reports_dir: str | os.PathLike[str] | None = None) -> dict[tuple[str, int], list[str]]:
+    """The trace files the runs in the reports directory were imported from: (file name, size in bytes) ->
+    the ids of those runs, sorted (an id begins with the time it was made, to the second)."""
+    from dpprof.store.reader import list_runs
+
+    directory = resolve_reports_dir(reports_dir)
+    if not directory.is_dir():
+        return {}
+    runs = list_runs(directory)
+    imported: dict[tuple[str, int], list[str]] = {}
+    trace_runs = runs[runs["reason"].isna() & (runs["workload"] == "torch.profiler trace")]
+    for run_id, path in sorted(zip(trace_runs["id"], trace_runs["path"])):
+        try:
+            listing = load_run(path).meta["workload_args"].get("trace_files") or []
+        except Exception:  # a run file that went or broke since listing: it imported nothing we can see
+            continue
+        for f in listing:
+            imported.setdefault((f.get("file"), f.get("bytes")), []).append(run_id)
+    return imported
+
+
 def pending_traces(reports_dir: str | os.PathLike[str] | None = None) -> pd.DataFrame:
     """Trace files in the reports directory that no run there was imported from (same name and size).
 
     Returns:
         columns file, size_bytes, modified (UTC, ISO), oldest first.
     """
-    from dpprof.store.reader import list_runs
-
     directory = resolve_reports_dir(reports_dir)
     cols = ["file", "size_bytes", "modified"]
     if not directory.is_dir():
@@ -243,14 +289,7 @@ def pending_traces(reports_dir: str | os.PathLike[str] | None = None) -> pd.Data
     files = [p for p in directory.iterdir() if p.is_file() and is_trace_name(p.name) and not p.name.startswith(".")]
     if not files:
         return pd.DataFrame(columns=cols)
-    runs = list_runs(directory)
-    imported: set[tuple[str, int]] = set()
-    for path in runs.loc[runs["reason"].isna() & (runs["workload"] == "torch.profiler trace"), "path"]:
-        try:
-            listing = load_run(path).meta["workload_args"].get("trace_files") or []
-        except Exception:  # a run file that went or broke since listing: it imported nothing we can see
-            continue
-        imported |= {(f.get("file"), f.get("bytes")) for f in listing}
+    imported = imported_traces(directory)
     rows = []
     for p in files:
         stat = p.stat()
