@@ -9,7 +9,7 @@ from dataclasses import fields
 
 import pandas as pd
 
-from dpprof.nvml import SLOWDOWN_REASONS
+from dpprof.records import SLOWDOWN_REASONS
 from dpprof.records import FindingRecord
 
 __all__ = ["run_findings", "findings_withheld", "FINDING_COLUMNS", "FINDINGS_MIN_STEPS", "OUTLIER_STEP_RATIO",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PHASES", "DDP_PHASES", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
+__all__ = ["PHASES", "DDP_PHASES", "SLOWDOWN_REASONS", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
            "DeviceRecord", "NoteRecord", "FindingRecord", "CommRecord", "GpuTimeRecord", "Record",
            "TABLE_OF"]
 
@@ -72,6 +72,12 @@ class AllocatorRecord:
     allocated_bytes: int
     peak_allocated_bytes: int  # peak since the step started
     reserved_bytes: int
+
+
+# Clock-throttle reasons that mean "slower than it could be" (idle and application-clock settings do not), by
+# the names GpuSampleRecord.throttle_reasons holds (dpprof.nvml.THROTTLE_REASONS maps NVML's bits to them).
+# Here, below both, because the findings read them and the NVML monitor writes them.
+SLOWDOWN_REASONS = ("sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake")
 
 
 @dataclass(frozen=True, slots=True)

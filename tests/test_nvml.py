@@ -12,7 +12,8 @@ import dpprof
 import fake_pynvml
 from dpprof.device_ids import DeviceSet
 from dpprof.devices import inventory, nvml_handles
-from dpprof.nvml import GpuSampler, Nvml
+from dpprof.nvml import THROTTLE_REASONS, GpuSampler, Nvml
+from dpprof.records import SLOWDOWN_REASONS
 
 BUS = ["00000000:1A:00.0", "00000000:3B:00.0"]
 
@@ -127,3 +128,8 @@ def test_sampling_rate_out_of_range_is_refused(fake_gpus, hz):
     fake_gpus([fake_pynvml.gpu(BUS[0])])
     with Nvml() as nv, pytest.raises(ValueError, match="sampling rate"):
         GpuSampler(nv, {}, lambda s: None, lambda: 0.0, hz=hz)
+
+
+def test_the_slowdown_reasons_the_findings_read_are_names_nvml_reports():
+    assert set(SLOWDOWN_REASONS) < set(THROTTLE_REASONS)
+    assert dpprof.nvml.SLOWDOWN_REASONS is SLOWDOWN_REASONS  # one definition, also readable from dpprof.nvml
