@@ -14,14 +14,11 @@ from dpprof.parallel import (
 )
 from dpprof.devices import check_balance
 from dpprof.instrument import instrument
-from dpprof.recording import CLOSE_HOOKS, Run, current_run, record
-from dpprof.report import store_findings
+from dpprof.recording import Run, current_run, record
 from dpprof.store import RunFileError, StoredRun, list_runs, load_run
 from dpprof.store.faults import RecordingError
 
 __version__ = "0.1.0"
-
-CLOSE_HOOKS.append(store_findings)  # every stored run gets its findings when it closes
 
 __all__ = ["DataParallel", "data_parallel", "DataParallelModel", "DataParallelCriterion",
            "DistributedDataParallel", "cpu_devices", "scatter", "scatter_kwargs", "replicate",

@@ -34,9 +34,16 @@ __all__ = ["Run", "record", "current_run", "MemorySink", "Sink", "CLOSE_HOOKS"]
 
 log = logging.getLogger("dpprof")
 
-# Called with each stored run after it closes (dpprof registers its findings here; the
-# recording layer itself never imports analysis).
-CLOSE_HOOKS: list[Callable[[Run], None]] = []
+
+def _store_findings(run: Run) -> None:
+    """Close hook: store the run's findings in its file (dpprof.report.store_findings)."""
+    from dpprof.report import store_findings  # here, not at the top: recording never loads analysis to record
+
+    store_findings(run)
+
+
+# Called with each stored run after it closes; every stored run gets its findings.
+CLOSE_HOOKS: list[Callable[[Run], None]] = [_store_findings]
 
 _active: list[Run] = []
 _active_lock = threading.Lock()
