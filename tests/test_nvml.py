@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,3 +137,11 @@ def test_sampling_rate_out_of_range_is_refused(fake_gpus, hz):
 def test_the_slowdown_reasons_the_findings_read_are_names_nvml_reports():
     assert set(SLOWDOWN_REASONS) < set(THROTTLE_REASONS)
     assert dpprof.nvml.SLOWDOWN_REASONS is SLOWDOWN_REASONS  # one definition, also readable from dpprof.nvml
+
+
+def test_pynvml_is_imported_only_when_nvml_is_used():
+    code = "import sys; from dpprof.nvml import throttle_names; throttle_names(0x24); print('pynvml' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
