@@ -8,10 +8,17 @@ from __future__ import annotations
 import importlib
 import sys
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpprof.store import RunFileError, StoredRun, list_runs, load_run
 from dpprof.store.faults import RecordingError
+
+if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__ below imports these
+    from dpprof.devices import check_balance
+    from dpprof.instrument import instrument
+    from dpprof.parallel import (DataParallel, DataParallelCriterion, DataParallelModel, DistributedDataParallel,
+                                 cpu_devices, data_parallel, gather, parallel_apply, replicate, scatter, scatter_kwargs)
+    from dpprof.recording import Run, current_run, record
 
 __version__ = "0.1.0"
 
