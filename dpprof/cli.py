@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import pandas as pd
 
+from dpprof.workload_names import WORKLOAD_NAMES
+
 __all__ = ["main", "parse_devices"]
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -477,10 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where runs are kept (default: $DPPROF_REPORTS, else ./reports)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    from dpprof.workloads import WORKLOADS
-
     p = sub.add_parser("profile", help="train a built-in workload (or your model) and record it")
-    p.add_argument("workload", nargs="?", default=None, choices=list(WORKLOADS),
+    p.add_argument("workload", nargs="?", default=None, choices=list(WORKLOAD_NAMES),
                    help=f"built-in workload (default: {DEFAULT_WORKLOAD}); not with --model")
     p.add_argument("--devices", default="cpu:2", help="cpu:N (N CPU workers), cpu:0,cpu:1 (those workers), cuda "
                    "(every GPU) or 0,1,2 (default: cpu:2)")

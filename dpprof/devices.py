@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from dpprof.device_ids import DeviceLike, DeviceSet, resolve_devices
-from dpprof.nvml import SLOWDOWN_REASONS, Nvml, NvmlUnavailable, throttle_names
-from dpprof.records import DeviceRecord, FindingRecord
+from dpprof.nvml import Nvml, NvmlUnavailable, throttle_names
+from dpprof.records import SLOWDOWN_REASONS, DeviceRecord, FindingRecord
 
 __all__ = ["inventory", "check_balance", "chunk_sizes", "even_batch_sizes", "cpu_info",
            "MEMORY_RATIO_WARN", "MULTIPROCESSOR_RATIO_WARN", "FREE_MEMORY_RATIO_WARN"]

@@ -13,14 +13,15 @@ import time
 from types import ModuleType
 from typing import Any, Callable
 
-from dpprof.records import SLOWDOWN_REASONS, GpuSampleRecord
+from dpprof.records import SLOWDOWN_REASONS, GpuSampleRecord  # noqa: F401 (SLOWDOWN_REASONS: also read from here)
 
 __all__ = ["Nvml", "NvmlUnavailable", "GpuSampler", "DEFAULT_SAMPLE_HZ", "THROTTLE_REASONS"]
 
 DEFAULT_SAMPLE_HZ = 10.0  # NVML's utilisation window is 1/6 s to 1 s: sampling faster adds nothing
 MAX_SAMPLE_HZ = 50.0
 
-# Clock-throttle reason bits (nvmlClocksThrottleReason*), by the name dpprof reports.
+# Clock-throttle reason bits (nvmlClocksThrottleReason*), by the name dpprof reports (those that slow the GPU
+# down: dpprof.records.SLOWDOWN_REASONS).
 THROTTLE_REASONS = {
     "gpu_idle": 0x1,
     "applications_clocks": 0x2,

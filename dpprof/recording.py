@@ -10,7 +10,6 @@ import os
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, fields
@@ -26,6 +25,7 @@ from dpprof.nvml import DEFAULT_SAMPLE_HZ, GpuSampler, Nvml, NvmlUnavailable
 from dpprof.records import TABLE_OF, NoteRecord, Record, StepRecord
 from dpprof.signals import Interrupted, SignalGuard, signal_name
 from dpprof.store.faults import start_failure
+from dpprof.store.ids import new_run_id
 from dpprof.store.reader import RUN_SUFFIX, load_run
 from dpprof.store.reader import reports_dir as resolve_reports_dir
 from dpprof.store.writer import SqliteSink, fold_leftover_logs
@@ -34,9 +34,16 @@ __all__ = ["Run", "record", "current_run", "MemorySink", "Sink", "CLOSE_HOOKS"]
 
 log = logging.getLogger("dpprof")
 
-# Called with each stored run after it closes (dpprof registers its findings here; the
-# recording layer itself never imports analysis).
-CLOSE_HOOKS: list[Callable[[Run], None]] = []
+
+def _store_findings(run: Run) -> None:
+    """Close hook: store the run's findings in its file (dpprof.report.store_findings)."""
+    from dpprof.report import store_findings  # here, not at the top: recording never loads analysis to record
+
+    store_findings(run)
+
+
+# Called with each stored run after it closes; every stored run gets its findings.
+CLOSE_HOOKS: list[Callable[[Run], None]] = [_store_findings]
 
 _active: list[Run] = []
 _active_lock = threading.Lock()
@@ -67,12 +74,6 @@ class MemorySink:
 
     def close(self, steps_total: int | None = None) -> None:
         pass
-
-
-def new_run_id(now: datetime | None = None) -> str:
-    """A run id: UTC time to the second and six random hex digits (sortable, unique across processes)."""
-    now = now or datetime.now(timezone.utc)
-    return f"{now:%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
 
 
 def _distributed_identity(name: str | None) -> tuple[str | None, str | None, int | None, int | None]:

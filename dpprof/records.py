@@ -17,8 +17,6 @@ DDP_PHASES = ("data", "forward", "backward", "backward_compute", "comm_wait", "o
 # "loss" is a whole-batch loss measured on the output device (MeasuredLoss, after a plain gather);
 # "reduce" is DataParallelCriterion's: the per-device losses combined on the output device.
 DP_TAX_PHASES = ("scatter", "replicate", "gather")  # work only DataParallel does (DDP has none of it)
-# NVML's clock-throttle reasons that slow a GPU down (the others, such as idle or application clocks, do not).
-SLOWDOWN_REASONS = ("sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake")
 # Finding severities, worst first: the order findings are listed and graded in.
 SEVERITIES = ("critical", "warning", "info")
 
@@ -87,6 +85,12 @@ class AllocatorRecord:
     allocated_bytes: int
     peak_allocated_bytes: int  # peak since the step started
     reserved_bytes: int
+
+
+# Clock-throttle reasons that mean "slower than it could be" (idle and application-clock settings do not), by
+# the names GpuSampleRecord.throttle_reasons holds (dpprof.nvml.THROTTLE_REASONS maps NVML's bits to them).
+# Here, below both, because the findings read them and the NVML monitor writes them.
+SLOWDOWN_REASONS = ("sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake")
 
 
 @dataclass(frozen=True, slots=True)

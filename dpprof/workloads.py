@@ -162,6 +162,7 @@ def _seg_fcn(batch_size: int | None, seed: int) -> Workload:
                     {"batch_size": batch_size, "image": f"3x{size}x{size}", "classes": classes})
 
 
+# Their names are also in dpprof.workload_names (for the CLI, without torch); a test checks the two agree.
 WORKLOADS: dict[str, Callable[[int | None, int], Workload]] = {
     "tutorial-linear": _tutorial_linear,
     "cifar-lenet": _cifar_lenet,

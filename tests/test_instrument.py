@@ -59,7 +59,8 @@ def _torch_names():
 # (a) a plain loop with gradient accumulation, on CPU workers
 REFERENCE = """
 import runpy, sys, torch, dpprof
-torch.nn.DataParallel = lambda module: dpprof.DataParallel(module, device_ids=dpprof.cpu_devices(2))
+DataParallel = dpprof.DataParallel  # loaded (subclassing torch's) before torch's name is replaced
+torch.nn.DataParallel = lambda module: DataParallel(module, device_ids=dpprof.cpu_devices(2))
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +16,8 @@ import dpprof
 import fake_pynvml
 from dpprof.device_ids import DeviceSet
 from dpprof.devices import inventory, nvml_handles
-from dpprof.nvml import GpuSampler, Nvml
+from dpprof.nvml import THROTTLE_REASONS, GpuSampler, Nvml
+from dpprof.records import SLOWDOWN_REASONS
 
 BUS = ["00000000:1A:00.0", "00000000:3B:00.0"]
 
@@ -127,3 +132,16 @@ def test_sampling_rate_out_of_range_is_refused(fake_gpus, hz):
     fake_gpus([fake_pynvml.gpu(BUS[0])])
     with Nvml() as nv, pytest.raises(ValueError, match="sampling rate"):
         GpuSampler(nv, {}, lambda s: None, lambda: 0.0, hz=hz)
+
+
+def test_the_slowdown_reasons_the_findings_read_are_names_nvml_reports():
+    assert set(SLOWDOWN_REASONS) < set(THROTTLE_REASONS)
+    assert dpprof.nvml.SLOWDOWN_REASONS is SLOWDOWN_REASONS  # one definition, also readable from dpprof.nvml
+
+
+def test_pynvml_is_imported_only_when_nvml_is_used():
+    code = "import sys; from dpprof.nvml import throttle_names; throttle_names(0x24); print('pynvml' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

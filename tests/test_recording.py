@@ -1,6 +1,11 @@
 """What a recorded run holds: phases, steps, chunk sizes and bytes, profiler ranges."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -121,6 +126,34 @@ def test_a_failing_step_closes_the_run_as_failed():
     assert run.status == "failed" and "boom" in run.error
     assert len(run.frames()["steps"]) == 1  # the step before the crash is kept
     assert dpprof.current_run() is None
+
+
+# a run recorded through dpprof.recording itself, never touching dpprof's lazy names until it has closed
+_RECORD_THROUGH_RECORDING = r"""
+import sys
+import torch
+from torch import nn
+from dpprof.parallel import DataParallel, cpu_devices
+from dpprof.recording import CLOSE_HOOKS, record
+net = DataParallel(nn.Linear(5, 2), device_ids=cpu_devices(2))
+with record(name="hooked") as run:
+    for _ in range(4):
+        with run.step():
+            net(torch.randn(63, 5)).sum().backward()  # 63 splits 32 + 31: uneven chunks
+        loaded = "dpprof.report" in sys.modules
+import dpprof
+dpprof.record, dpprof.DataParallel  # the collect side through dpprof's lazy names: no second hook
+print(loaded, len(CLOSE_HOOKS), run.path)
+"""
+
+
+def test_a_run_recorded_through_dpprof_recording_stores_its_findings_at_close_once(reports):
+    out = subprocess.run([sys.executable, "-c", _RECORD_THROUGH_RECORDING], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert out.returncode == 0, out.stderr
+    loaded, hooks, path = out.stdout.split()
+    assert loaded == "False" and hooks == "1"  # no analysis loaded while recording; one close hook
+    assert "uneven_chunks" in dpprof.load_run(path).findings["kind"].tolist()  # stored when it closed
 
 
 def _all_threads_profile():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import signal
 import sqlite3
@@ -63,6 +64,17 @@ def test_a_recorded_run_lands_in_reports_with_its_metadata(reports):
     assert stored.meta["devices"] == ["cpu:0", "cpu:1"] and stored.meta["ended_at"]
     assert not any(p.name.endswith(("-wal", "-shm")) for p in reports.iterdir())  # one file per run
     assert dpprof.load_run(run.id[:12]).id == run.id  # a unique prefix is enough
+
+
+def test_run_ids_sort_by_time_and_differ_within_a_second():
+    from datetime import datetime, timezone
+
+    from dpprof.store.ids import new_run_id
+
+    now = datetime(2026, 11, 23, 9, 5, 7, tzinfo=timezone.utc)
+    ids = {new_run_id(now) for _ in range(50)}
+    assert len(ids) == 50 and all(re.fullmatch(r"20261123-090507-[0-9a-f]{6}", i) for i in ids)
+    assert new_run_id(now) < new_run_id(now.replace(second=8))
 
 
 _KILLED_CHILD = r"""

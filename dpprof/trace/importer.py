@@ -20,6 +20,7 @@ import pandas as pd
 
 from dpprof.records import NoteRecord, StepRecord
 from dpprof.store.model import TRACE_SOURCE
+from dpprof.store.ids import new_run_id  # the same ids as recorded runs
 from dpprof.store.reader import RUN_SUFFIX, load_run, reports_dir as resolve_reports_dir
 from dpprof.store.writer import SqliteSink, replace_findings
 from dpprof.trace.collect import Collected, collect
@@ -156,8 +157,6 @@ def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | 
         >>> run = import_traces(["rank0.pt.trace.json.gz", "rank1.pt.trace.json.gz"], name="baseline")
         >>> dpprof.load_run(run.id).comms
     """
-    from dpprof.recording import new_run_id  # the same ids as recorded runs
-
     paths = trace_files(sources)
     if not paths:
         raise TraceError("no trace files given")
