@@ -11,7 +11,7 @@ import pytest
 
 import dpprof
 from dpprof.cli import main
-from dpprof.report import findings_of
+from dpprof.findings import run_findings
 from dpprof.store.reader import RunFileError
 
 pytestmark = pytest.mark.slow
@@ -54,7 +54,7 @@ def test_a_two_rank_run_records_every_step_and_one_allreduce_per_bucket_per_step
 def test_a_slowed_rank_is_found_as_the_straggler():
     _torchrun("tutorial-linear", "--steps", "8", "--delay-rank", "1:40")
     run = dpprof.load_run(dpprof.list_runs().loc[0, "id"])
-    findings = findings_of(run).set_index("kind")
+    findings = run_findings(run).table.set_index("kind")
     assert findings.loc["straggler_rank", "device"] == "rank:1"
     waits = run.phases[run.phases["phase"] == "comm_wait"].groupby("device")["duration_ms"].median()
     assert waits["rank:0"] > 30 > waits["rank:1"]  # rank 0 waits ~40 ms at every all-reduce
@@ -83,7 +83,7 @@ def test_a_rank_killed_mid_run_leaves_the_other_ranks_data_whole(reports):
     # each rank holds its committed steps, in order, from step 0 (at most the last 0.5 s is lost)
     assert steps.loc[0, "count"] == steps.loc[0, "max"] + 1 >= 10
     assert steps.loc[1, "count"] == steps.loc[1, "max"] + 1 >= 10
-    assert findings_of(run) is not None  # a killed run still analyses
+    assert run_findings(run).table is not None  # a killed run still analyses
 
 
 def test_merge_gathers_rank_files_written_to_separate_directories(tmp_path, reports):
