@@ -146,20 +146,25 @@ def _shot(page, tmp_path, name: str) -> Path:
 
 def test_the_first_screen_shows_each_device_and_the_worst_one(server, browser, tmp_path):
     from dpprof.report import summary_of
+    from dpprof.views.overview import glance
 
     second = server["second"]
     summary = summary_of(second)
-    slowest = summary["apply_mean_ms"].idxmax()
+    seen = glance(second)  # the slowest device is named as such only where what it costs clears the floors
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(TIMEOUT_MS)
     page.goto(server["base"])
     _heading(page, "second")
-    metric = page.locator('[data-testid="stMetric"]').filter(has_text="Slowest device").first
-    metric.wait_for()
-    assert slowest in metric.inner_text()
+    if seen.time_uneven:
+        metric = page.locator('[data-testid="stMetric"]').filter(has_text="Slowest device").first
+        metric.wait_for()
+        assert seen.slowest in metric.inner_text()
+    else:
+        metric = page.locator('[data-testid="stMetric"]').filter(has_text="Median step").first
+        page.get_by_text("Apply time is even").first.wait_for()
     chart = page.locator('[data-testid="stPlotlyChart"]').first
     chart.locator(".main-svg").first.wait_for()
-    page.get_by_text("apply per step (ms, mean)").first.wait_for()
+    page.get_by_text("apply per step (ms, median)").first.wait_for()
     page.wait_for_timeout(500)  # let plotly finish its layout
     _shot(page, tmp_path, "first-screen")
     for element in (metric, chart):  # above the fold, without scrolling
