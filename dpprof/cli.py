@@ -115,7 +115,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     progress = lambda it: tqdm(it, total=args.steps, desc=f"{workload.name} on {args.devices}",  # noqa: E731
                                unit="step", disable=args.quiet)
     run = train(workload, devices, args.steps, name=args.name, reports_dir=args.reports_dir, progress=progress,
-                balanced=args.balanced)
+                balanced=args.balanced, detail=args.detail)
     if run.recording_failed:  # training finished; the one line on stderr said what was not recorded
         if os.path.exists(run.path):
             print(f"  dpprof show {run.id}")
@@ -142,7 +142,7 @@ def _profile_ddp(args: argparse.Namespace) -> int:
     on_gpus = not is_cpu_worker_list(parse_devices(args.devices))  # --devices cuda or 0,1: each rank on a GPU
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            "-m", "dpprof.ddp_worker", args.workload, "--steps", str(args.steps),
-           "--device", "cuda" if on_gpus else "cpu"]
+           "--device", "cuda" if on_gpus else "cpu", "--detail", args.detail]
     for flag, value in (("--batch-size", args.batch_size), ("--name", args.name), ("--reports-dir", args.reports_dir)):
         if value is not None:
             cmd += [flag, str(value)]
@@ -208,7 +208,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # the reports directory made absolute before the script runs: a script that changes directory records
     # into the same place, and the line on stderr names it whole
     record_args = None if args.no_record else dict(name=name, reports_dir=reports_dir(args.reports_dir).absolute(),
-                                                   workload=shown, workload_args=run_args)
+                                                   workload=shown, workload_args=run_args, detail=args.detail)
     session = None
     try:
         with instrumented(record_args, args.cpu_workers, args.steps) as session:
@@ -499,6 +499,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "CPU over gloo, or with --devices cuda on GPU local_rank %% GPUs (NCCL; gloo when ranks "
                    "share GPUs)")
     p.add_argument("--nproc", type=int, default=2, help="with --ddp: ranks to start (default: 2)")
+    p.add_argument("--detail", choices=["bounded", "all"], default="bounded",
+                   help="bounded (default): every step's time and per-block aggregates, full detail for the first and "
+                   "last 1,000 steps, one step in 100 and outliers, so a day-long run stays small; all: every record")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_profile, parser=p)
 
@@ -513,7 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_check, parser=p)
 
     p = sub.add_parser("run", help="run a training script unchanged, its DataParallel and DDP recorded",
-                       usage="dpprof run [-h] [--name NAME] [--cpu-workers N] [--steps N] [--no-record] "
+                       usage="dpprof run [-h] [--name NAME] [--cpu-workers N] [--steps N] [--no-record] [--detail bounded|all] "
                        "(SCRIPT.py | -m MODULE) [ARGS...]",
                        description="Runs SCRIPT.py (or -m MODULE) as python would: same sys.argv, __main__, "
                        "working directory, exit code and exceptions, with torch.nn.DataParallel, "
@@ -528,6 +531,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-record", action="store_true",
                    help="record nothing: torch's classes are still dpprof's and --cpu-workers still applies "
                    "(what bench/run_overhead.py compares recording against)")
+    p.add_argument("--detail", choices=["bounded", "all"], default="bounded",
+                   help="bounded (default): every step's time and per-block aggregates, full detail for the first and "
+                   "last 1,000 steps, one step in 100 and outliers, so a day-long run stays small; all: every record")
     p.add_argument("-m", dest="module", action="store_true", help="run a module, as python -m does")
     p.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT.py|MODULE [ARGS...]",
                    help="the script (or, with -m, the module) and its own arguments")

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import dpprof
+from dpprof.store.retention import DETAIL_MODES
 from dpprof.store.faults import RecordingError
 from dpprof.workloads import WORKLOADS, build_workload
 
@@ -44,6 +45,7 @@ def _main() -> None:
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket_cap_mb")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="collective timeout")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where each rank trains")
+    parser.add_argument("--detail", choices=list(DETAIL_MODES), default="bounded", help="as dpprof.record's detail")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                         help="default: gloo on the CPU or when ranks share GPUs, else NCCL")
     args = parser.parse_args()
@@ -75,7 +77,8 @@ def _main() -> None:
         run_args = {**workload.args, "ddp": True, "world_size": dist.get_world_size(), "steps": args.steps,
                     "bucket_cap_mb": args.bucket_cap_mb, "backend": backend,
                     "device": f"cuda:{gpu}" if cuda else "cpu"}
-        with dpprof.record(name=name, reports_dir=reports, workload=workload.name, workload_args=run_args) as run:
+        with dpprof.record(name=name, reports_dir=reports, workload=workload.name, workload_args=run_args,
+                           detail=args.detail) as run:
             for step in range(args.steps):
                 inputs, target = next(batches)
                 if cuda:

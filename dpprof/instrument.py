@@ -373,7 +373,8 @@ def instrumented(record_args: dict[str, Any] | None, cpu_workers: int | None = N
 def instrument(name: str | None = None, reports_dir: str | os.PathLike[str] | None = None,
                cpu_workers: int | None = None, steps: int | None = None, sync_timing: bool = False,
                workload: str | None = None, workload_args: dict[str, Any] | None = None, store: bool = True,
-               sample_hz: float | None = DEFAULT_SAMPLE_HZ, sample_gpus: bool | None = None) -> Iterator[Run | None]:
+               sample_hz: float | None = DEFAULT_SAMPLE_HZ, sample_gpus: bool | None = None,
+               detail: str = "bounded") -> Iterator[Run | None]:
     """Record every DataParallel and DDP that code inside the block builds with torch's own names.
 
     Args:
@@ -382,7 +383,7 @@ def instrument(name: str | None = None, reports_dir: str | os.PathLike[str] | No
         cpu_workers: a DataParallel built with no device_ids on a machine with no GPU runs on this
             many CPU workers instead of torch's pass-through (default: torch's behaviour).
         steps: stop recording after this many steps; the code goes on, unrecorded.
-        sync_timing, workload, workload_args, store, sample_hz, sample_gpus: as for ``dpprof.record``.
+        sync_timing, workload, workload_args, store, sample_hz, sample_gpus, detail: as for ``dpprof.record``.
 
     Returns:
         the run, or None when it could not start (said once on stderr) or, in one of several
@@ -396,6 +397,7 @@ def instrument(name: str | None = None, reports_dir: str | os.PathLike[str] | No
         >>> run.frames()["steps"]
     """
     record_args = dict(name=name, reports_dir=reports_dir, sync_timing=sync_timing, workload=workload,
-                       workload_args=workload_args, store=store, sample_hz=sample_hz, sample_gpus=sample_gpus)
+                       workload_args=workload_args, store=store, sample_hz=sample_hz, sample_gpus=sample_gpus,
+                       detail=detail)
     with instrumented(record_args, cpu_workers, steps) as session:
         yield session.run

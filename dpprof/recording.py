@@ -28,6 +28,7 @@ from dpprof.store.faults import start_failure
 from dpprof.store.ids import new_run_id
 from dpprof.store.reader import RUN_SUFFIX, load_run
 from dpprof.store.reader import reports_dir as resolve_reports_dir
+from dpprof.store.retention import Retention, retention_of
 from dpprof.store.writer import SqliteSink, fold_leftover_logs
 
 __all__ = ["Run", "record", "current_run", "MemorySink", "Sink", "CLOSE_HOOKS"]
@@ -136,8 +137,10 @@ class Run:
                  sync_timing: bool = False, workload: str | None = None,
                  workload_args: dict[str, Any] | None = None, store: bool = True,
                  sample_hz: float | None = DEFAULT_SAMPLE_HZ, run_id: str | None = None,
-                 rank: int | None = None, world_size: int | None = None) -> None:
+                 rank: int | None = None, world_size: int | None = None,
+                 detail: str | Retention = "bounded") -> None:
         now = datetime.now(timezone.utc)
+        self.retention = retention_of(detail)
         self.id = run_id or new_run_id(now)
         self.rank, self.world_size = rank, world_size
         self.name = name or self.id
@@ -166,7 +169,7 @@ class Run:
             fold_leftover_logs(directory)  # runs that closed on a full disk: one file again, if there is room now
             rank_part = f".rank{rank}" if rank is not None else ""  # one file per rank: a dead rank loses only its own
             self.path = str(directory / f"{self.id}{rank_part}{RUN_SUFFIX}")
-            self.sink = SqliteSink(self.path, self.metadata())
+            self.sink = SqliteSink(self.path, self.metadata(), retention=self.retention)
             self.sink.clock_ms = self.now_ms
         else:
             self.sink = MemorySink()
@@ -393,7 +396,8 @@ class Run:
 def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None = None,
            sync_timing: bool = False, workload: str | None = None,
            workload_args: dict[str, Any] | None = None, store: bool = True,
-           sample_hz: float | None = DEFAULT_SAMPLE_HZ, sample_gpus: bool | None = None) -> Iterator[Run]:
+           sample_hz: float | None = DEFAULT_SAMPLE_HZ, sample_gpus: bool | None = None,
+           detail: str | Retention = "bounded") -> Iterator[Run]:
     """Record every dpprof DataParallel call made inside the block into one run.
 
     Args:
@@ -406,6 +410,10 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
         sample_gpus: None (default): sample every visible GPU from the run's first use of a GPU (CUDA
             devices, or a DDP rank with work on a GPU), so a CPU-worker run samples none; True: from
             the start of the block (a script whose GPU work dpprof does not wrap); False: never.
+        detail: "bounded" (default): every step's duration and per-block aggregates of everything, with full
+            detail for the first and last 1,000 steps, one step in 100, outlier steps and their neighbours
+            and each device's peak step (dpprof.store.retention), so a day-long run keeps a small file;
+            "all": every record of every step.
 
     Under torch.distributed with more than one rank, every rank must enter ``record`` (it is a
     collective): rank 0 names the run, and each rank writes its own file of that run.
@@ -419,7 +427,7 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
     run_id, name, rank, world_size = _distributed_identity(name)
     run = Run(name=name, reports_dir=reports_dir, sync_timing=sync_timing, workload=workload,
               workload_args=workload_args, store=store, sample_hz=sample_hz, run_id=run_id, rank=rank,
-              world_size=world_size)
+              world_size=world_size, detail=detail)
     with _active_lock:
         _active.append(run)
     guard = SignalGuard(run.mark_interrupted).install()  # SIGTERM/SIGHUP: flush, mark interrupted, then end

@@ -221,7 +221,7 @@ def build_workload(name: str, batch_size: int | None = None, seed: int = 0) -> W
 
 def train(workload: Workload, device_ids: Sequence[DeviceLike], steps: int, name: str | None = None,
           reports_dir: str | None = None, progress: Callable[[Iterator[int]], Iterator[int]] | None = None,
-          balanced: bool = False) -> Run:
+          balanced: bool = False, detail: str = "bounded") -> Run:
     """Train ``workload`` for ``steps`` steps under dpprof.DataParallel and record it; returns the run.
 
     With ``balanced``, the model runs as DataParallelModel and the loss as DataParallelCriterion on
@@ -249,7 +249,7 @@ def train(workload: Workload, device_ids: Sequence[DeviceLike], steps: int, name
     default_name = f"{workload.name} (balanced)" if balanced else workload.name
     args = {**workload.args, "devices": [str(d) for d in device_ids], "steps": steps, "balanced": balanced}
     with record(name=name or default_name, reports_dir=reports_dir, workload=workload.name,
-                workload_args=args) as run:
+                workload_args=args, detail=detail) as run:
         for _ in step_ids:
             inputs, target = next(batches)
             if on_gpus and not balanced:

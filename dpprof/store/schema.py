@@ -5,11 +5,14 @@ import types
 import typing
 from dataclasses import fields
 
-from dpprof.records import TABLE_OF
+from dpprof.records import MEMORY_BYTES, TABLE_OF
 
-__all__ = ["SCHEMA_VERSION", "FORMAT", "RECORD_TABLES", "RUN_COLUMNS", "INDEXES", "ddl", "columns_of"]
+__all__ = ["SCHEMA_VERSION", "FORMAT", "RECORD_TABLES", "RUN_COLUMNS", "INDEXES", "AGGREGATE_TABLES", "ddl",
+           "columns_of"]
 
-SCHEMA_VERSION = 1
+# 2: per-block aggregates (dpprof.store.blocks) and bounded detail (dpprof.store.retention); a version-1 file
+# holds every row and no aggregates, and reads as before.
+SCHEMA_VERSION = 2
 FORMAT = "dpprof-run"  # meta.format: tells a dpprof run from any other SQLite file
 
 RECORD_TABLES = TABLE_OF
@@ -24,6 +27,8 @@ RUN_COLUMNS = {
     "error": "TEXT", "dropped_records": "INTEGER",
     "rank": "INTEGER", "world_size": "INTEGER",  # torch.distributed runs: one file per rank
     "source": "TEXT",  # "trace": imported from torch.profiler traces (dpprof import); None: recorded live
+    "detail": "TEXT",  # JSON of the dpprof.store.retention.Retention the run was written with (None: version 1)
+    "detail_from": "INTEGER",  # every step from here on still has all its detail rows
 }
 
 _SQL_TYPES = {int: "INTEGER", float: "REAL", str: "TEXT", bool: "INTEGER"}
@@ -51,6 +56,10 @@ def ddl() -> list[str]:
     statements = ["CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)",
                   _create("runs", RUN_COLUMNS)]
     statements += [_create(t, columns_of(cls)) for cls, t in RECORD_TABLES.items()]
+    for table, (columns, key) in AGGREGATE_TABLES.items():
+        cols = ", ".join(f'"{name}" {kind}' for name, kind in columns.items())
+        tail = f", PRIMARY KEY ({', '.join(key)})) WITHOUT ROWID" if key else ")"
+        statements.append(f"CREATE TABLE IF NOT EXISTS {table} ({cols}{tail}")
     statements += [f"CREATE INDEX IF NOT EXISTS {name} ON {spec}" for name, spec in INDEXES.items()]
     return statements
 
@@ -69,4 +78,29 @@ INDEXES = {
     # the allocator's per-device peaks are one index lookup each (a CUDA run has 2 x devices rows a step)
     "allocator_peak": "allocator (device, peak_allocated_bytes)",
     "allocator_reserved": "allocator (device, reserved_bytes)",
+    # the retention's deletions of detail (dpprof.store.retention) find a chunk's rows by step
+    "allocator_step": "allocator (step)",
+    "comms_step": "comms (step)",
+}
+
+
+_STAT = {"first_step": "INTEGER", "last_step": "INTEGER", "steps": "INTEGER"}
+_MS = {"sum_ms": "REAL", "min_ms": "REAL", "max_ms": "REAL"}
+# What the writer adds up per block of steps as records arrive (dpprof.store.blocks): table -> (columns, primary
+# key). The read side's pages read these for a long run instead of its rows (dpprof.store.queries).
+AGGREGATE_TABLES: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
+    "step_blocks": ({"block": "INTEGER", **_STAT, **_MS, "batch_size": "INTEGER", "devices_used": "INTEGER",
+                     "sketch": "BLOB"}, ("block",)),
+    # per-step sums of each phase on each device (forward calls summed); phase "work" is each device's own share
+    "phase_blocks": ({"phase": "TEXT", "device": "TEXT", "block": "INTEGER", **_STAT, "calls": "INTEGER", **_MS,
+                      "device_sum_ms": "REAL", "slowest_steps": "INTEGER", "wait_sum_ms": "REAL", "sketch": "BLOB"},
+                     ("phase", "device", "block")),
+    "memory_blocks": ({"device": "TEXT", "block": "INTEGER", **_STAT, "calls": "INTEGER", "held_sum_bytes": "INTEGER",
+                       "peak_step": "INTEGER", "peak_held_bytes": "INTEGER",
+                       **{c: "INTEGER" for c in MEMORY_BYTES}}, ("device", "block")),
+    "allocator_blocks": ({"device": "TEXT", "phase": "TEXT", "block": "INTEGER", "rows": "INTEGER",
+                          "allocated_max_bytes": "INTEGER", "peak_allocated_bytes": "INTEGER",
+                          "reserved_max_bytes": "INTEGER", "peak_step": "INTEGER"}, ("device", "phase", "block")),
+    "chunk_counts": ({"device": "TEXT", "chunk_size": "INTEGER", "calls": "INTEGER"}, ()),
+    "outlier_steps": ({"step": "INTEGER", "duration_ms": "REAL", "median_ms": "REAL"}, ("step",)),
 }

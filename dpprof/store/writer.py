@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dpprof.records import FindingRecord, NoteRecord, Record, StepRecord
+from dpprof.store.blocks import Aggregator
 from dpprof.store.faults import cause_of, failure_line, is_disk_full, start_failure
+from dpprof.store.retention import BOUNDED, Retention
 from dpprof.store.schema import FORMAT, RECORD_TABLES, RUN_COLUMNS, SCHEMA_VERSION, ddl
 
 __all__ = ["SqliteSink", "FLUSH_INTERVAL_S", "MAX_BUFFERED_RECORDS", "create_run_file", "replace_findings",
@@ -149,6 +151,9 @@ def _encode(value: Any) -> Any:
 class SqliteSink:
     """A Sink that writes one run file from a background thread.
 
+    Every commit also brings the run's per-block aggregates up to date and thins the detail of steps the
+    retention does not keep (dpprof.store.blocks, dpprof.store.retention), in the same transaction.
+
     Attributes:
         failure: why writing stopped ("disk full", ...), or None while every commit succeeds.
         steps_kept: step records committed to the file.
@@ -159,10 +164,13 @@ class SqliteSink:
     """
 
     def __init__(self, path: str, run_row: dict[str, Any], max_buffered: int = MAX_BUFFERED_RECORDS,
-                 flush_interval_s: float = FLUSH_INTERVAL_S) -> None:
+                 flush_interval_s: float = FLUSH_INTERVAL_S, retention: Retention = BOUNDED) -> None:
         self.path = path
+        self._aggregator = Aggregator(retention)
+        self._detail_from = 0
         try:
-            self._con = create_run_file(path, {**run_row, "heartbeat_at": _now(), "dropped_records": 0})
+            self._con = create_run_file(path, {**run_row, "heartbeat_at": _now(), "dropped_records": 0,
+                                               "detail": retention.to_json(), "detail_from": 0})
         except _WRITE_ERRORS as err:
             raise start_failure(os.path.dirname(path) or ".", err) from None
         self._buffer: deque[Record] = deque()
@@ -242,7 +250,7 @@ class SqliteSink:
         else:
             updates.update(heartbeat_at=_now(), dropped_records=self.dropped)
             try:
-                self._write(records, updates)
+                self._write(records, updates, aggregate=True, final=self._stop.is_set())
             except _WRITE_ERRORS as err:
                 self._keep_run_updates(updates)
                 self._stop_writing(err, records)
@@ -253,10 +261,19 @@ class SqliteSink:
             self._commits += 1
             self._committed.notify_all()
 
-    def _write(self, records: list[Record], updates: dict[str, Any]) -> None:
+    def _write(self, records: list[Record], updates: dict[str, Any], aggregate: bool = False,
+               final: bool = False) -> None:
+        """Insert ``records`` and apply ``updates`` to the runs row in one transaction; with ``aggregate``, also
+        the aggregates' statements for them (a retried slice of a failed commit is not counted again)."""
         batches: dict[type, list[Record]] = {}
         for record in records:
             batches.setdefault(type(record), []).append(record)
+        statements: list[tuple[str, Any]] = []
+        if aggregate:
+            self._aggregator.add(records)
+            statements = self._aggregator.statements(final)
+            if self._aggregator.detail_from != self._detail_from:
+                updates = {**updates, "detail_from": self._aggregator.detail_from}
         with self._con:
             for cls, rows in batches.items():
                 # each statement's rows are built just before it runs: SQLite runs it with the GIL
@@ -267,10 +284,13 @@ class SqliteSink:
                     chunk = rows[i:i + n]
                     sql = _INSERT_BLOCK[cls] if len(chunk) == n else _insert_many(cls, len(chunk))
                     self._con.execute(sql, list(chain.from_iterable(map(row_of, chunk))))
+            for sql, params in statements:
+                self._con.execute(sql, params)
             if updates:
                 self._con.execute(f"UPDATE runs SET {', '.join(f'{k} = ?' for k in updates)}",
                                   [_encode(v) for v in updates.values()])
         self.steps_kept += len(batches.get(StepRecord, ()))
+        self._detail_from = self._aggregator.detail_from
 
     def _stop_writing(self, err: BaseException, records: list[Record]) -> None:
         """A commit failed: keep what of it still fits, in the order it was recorded, then stop writing."""

@@ -22,6 +22,7 @@ from dpprof.records import NoteRecord, StepRecord
 from dpprof.store.model import TRACE_SOURCE
 from dpprof.store.ids import new_run_id  # the same ids as recorded runs
 from dpprof.store.reader import RUN_SUFFIX, load_run, reports_dir as resolve_reports_dir
+from dpprof.store.retention import ALL
 from dpprof.store.writer import SqliteSink, replace_findings
 from dpprof.trace.collect import Collected, collect
 from dpprof.trace.convert import Converted, convert
@@ -231,7 +232,8 @@ def _write(staging: Path, run_id: str, name: str, files: list[Collected], ranks:
             end_ms = max(s.start_ms + s.duration_ms for s in steps)
             start = datetime.fromisoformat(row["created_at"])
             row["ended_at"] = (start + pd.Timedelta(milliseconds=end_ms)).isoformat()
-        sink = SqliteSink(str(path), row, max_buffered=len(conv.records) + len(conv.notes) + 16)
+        sink = SqliteSink(str(path), row, max_buffered=len(conv.records) + len(conv.notes) + 16,
+                          retention=ALL)  # a trace is as long as its profiler schedule made it: keep it whole
         written.append(path)
         try:
             for record in conv.records:

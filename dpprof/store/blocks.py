@@ -1,0 +1,443 @@
+"""Per-block aggregates of a run, built by the writer as records arrive, never by re-reading the file.
+
+A block is ``Retention.block_steps`` consecutive steps. For each block the writer keeps:
+
+- ``step_blocks``: the steps' count, sum, min, max and a quantile sketch of their durations, the largest
+  batch and the most devices a step used;
+- ``phase_blocks``: per device and phase, the per-step sums (forward calls summed): steps, calls, sum, min,
+  max, the CUDA event sum; and a ``work`` row per device, with a sketch (the pages show quantiles of the work
+  alone) (DataParallel's apply, a rank's forward
+  + backward compute: dpprof.store.model.Work) with, across devices, how often each device was the
+  slowest and how long the others waited for it (the imbalance's figures, dpprof.findings.floors);
+- ``memory_blocks``: per device, the mean held and the peak step with what it held by kind;
+- ``allocator_blocks``: per device and phase, the CUDA allocator's maxima;
+- ``chunk_counts``: per device and chunk size, the forward calls (whole run);
+- ``outlier_steps``: the outlier steps the retention keeps (dpprof.store.retention).
+
+A step's records are added up once the step is settled: ``SETTLE_STEPS`` newer steps have been seen
+(a CUDA phase's record arrives when its events complete, a step or two late), or at close. Open blocks
+live in memory and are rewritten whole at each commit, in the commit's transaction, so a killed process
+leaves aggregates that match its committed rows. A record for a block already written and let go (later
+than SETTLE_STEPS: rare) is merged into the stored row in SQL.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from itertools import combinations
+from typing import Any
+
+from dpprof.records import (AllocatorRecord, CommRecord, DeviceMemoryRecord, MEMORY_BYTES, PhaseRecord, Record,
+                            StepRecord)
+from dpprof.store.retention import DETAIL_TABLES, OUTLIER_RATIO, Retention
+from dpprof.store.sketch import Sketch
+
+__all__ = ["SETTLE_STEPS", "WORK", "WORK_PHASES", "Aggregator"]
+
+SETTLE_STEPS = 8  # CUDA phase records arrive when their events complete: a step or two late, seldom more
+WORK = "work"  # the pseudo-phase of each device's own share of a step in phase_blocks
+WORK_PHASES = ("apply", "forward", "backward_compute")  # summed per device and step: dpprof.store.model._work
+_MEDIAN_EVERY = 64  # settled steps between recomputations of the running median step (the outlier rule's)
+
+Statement = tuple[str, Any]
+
+
+class _Stat:
+    """count, sum, min, max and a sketch of per-step values; the work row's imbalance sums."""
+
+    __slots__ = ("first_step", "last_step", "steps", "calls", "sum", "min", "max", "device_sum", "sketch",
+                 "slowest", "wait_sum", "late", "batch", "devices_used")
+
+    def __init__(self, late: bool = False, sketched: bool = True) -> None:
+        self.first_step = self.last_step = None
+        self.steps = self.calls = 0
+        self.sum = 0.0
+        self.min = math.inf
+        self.max = -math.inf
+        self.device_sum: float | None = None
+        self.sketch = Sketch() if sketched else None
+        self.slowest = 0
+        self.wait_sum = 0.0
+        self.late = late
+        self.batch: int | None = None  # step blocks: the largest batch and most devices used
+        self.devices_used = 0
+
+    def add(self, step: int, value: float, calls: int = 1, device_value: float | None = None) -> None:
+        if self.first_step is None or step < self.first_step:
+            self.first_step = step
+        if self.last_step is None or step > self.last_step:
+            self.last_step = step
+        self.steps += 1
+        self.calls += calls
+        self.sum += value
+        if value < self.min:
+            self.min = value
+        if value > self.max:
+            self.max = value
+        if device_value is not None:
+            self.device_sum = (self.device_sum or 0.0) + device_value
+        if self.sketch is not None:
+            self.sketch.add(value)
+
+    def sketch_bytes(self) -> bytes | None:
+        return self.sketch.to_bytes() if self.sketch is not None else None
+
+
+class _Memory:
+    __slots__ = ("first_step", "last_step", "steps", "calls", "held_sum", "peak_step", "peak", "kinds", "late")
+
+    def __init__(self, late: bool = False) -> None:
+        self.first_step = self.last_step = self.peak_step = None
+        self.steps = self.calls = 0
+        self.held_sum = 0
+        self.peak = -1
+        self.kinds: list[int] = [0] * len(MEMORY_BYTES)
+        self.late = late
+
+
+class _Allocator:
+    __slots__ = ("rows", "allocated", "peak", "reserved", "peak_step", "late")
+
+    def __init__(self, late: bool = False) -> None:
+        self.rows = 0
+        self.allocated = self.peak = self.reserved = -1
+        self.peak_step: int | None = None
+        self.late = late
+
+
+class _StepAcc:
+    """What one step's records add up to, until the step settles."""
+
+    __slots__ = ("duration", "batch", "devices_used", "phases", "memory", "allocator")
+
+    def __init__(self) -> None:
+        self.duration: float | None = None
+        self.batch: int | None = None
+        self.devices_used = 0
+        self.phases: dict[tuple[str, str], list[Any]] = {}  # (phase, device) -> [ms, calls, device ms or None]
+        self.memory: dict[str, list[int]] = {}  # device -> [calls, *MEMORY_BYTES summed]
+        self.allocator: dict[tuple[str, str], list[int]] = {}  # (device, phase) -> [rows, allocated, peak, reserved]
+
+
+def _upsert(table: str, key: tuple[str, ...], columns: tuple[str, ...], merge: dict[str, str]) -> tuple[str, str]:
+    """(replace, merge) INSERT statements for one aggregate table: an open block is written whole; a late one
+    is merged into the stored row with ``merge``'s expressions (``old`` is the stored row, ``excluded`` the new)."""
+    names = (*key, *columns)
+    insert = f"INTO {table} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})"
+    sets = ", ".join(f"{c} = {merge.get(c, f'excluded.{c}')}" for c in columns)
+    return f"INSERT OR REPLACE {insert}", f"INSERT {insert} ON CONFLICT ({', '.join(key)}) DO UPDATE SET {sets}"
+
+
+_ADD = "{c} + excluded.{c}"
+_STAT_COLUMNS = ("first_step", "last_step", "steps", "calls", "sum_ms", "min_ms", "max_ms", "device_sum_ms",
+                 "slowest_steps", "wait_sum_ms", "sketch")
+_STAT_MERGE = {"first_step": "MIN(first_step, excluded.first_step)", "last_step": "MAX(last_step, excluded.last_step)",
+               "steps": "steps + excluded.steps", "calls": "calls + excluded.calls",
+               "sum_ms": "sum_ms + excluded.sum_ms", "min_ms": "MIN(min_ms, excluded.min_ms)",
+               "max_ms": "MAX(max_ms, excluded.max_ms)",
+               "device_sum_ms": "COALESCE(device_sum_ms, 0) + COALESCE(excluded.device_sum_ms, 0)",
+               "slowest_steps": "slowest_steps + excluded.slowest_steps",
+               "wait_sum_ms": "wait_sum_ms + excluded.wait_sum_ms",
+               "sketch": "sketch || excluded.sketch"}  # a sketch is a list of (bucket, count) pairs: concatenation merges
+_STEP_SQL = _upsert("step_blocks", ("block",), ("first_step", "last_step", "steps", "sum_ms", "min_ms", "max_ms",
+                                               "batch_size", "devices_used", "sketch"),
+                    {**_STAT_MERGE, "batch_size": "MAX(batch_size, excluded.batch_size)",
+                     "devices_used": "MAX(devices_used, excluded.devices_used)"})
+_PHASE_SQL = _upsert("phase_blocks", ("phase", "device", "block"), _STAT_COLUMNS, _STAT_MERGE)
+_PEAK_IS_NEW = "excluded.peak_held_bytes > peak_held_bytes"
+_MEMORY_COLUMNS = ("first_step", "last_step", "steps", "calls", "held_sum_bytes", "peak_step", "peak_held_bytes",
+                   *MEMORY_BYTES)
+_MEMORY_SQL = _upsert("memory_blocks", ("device", "block"), _MEMORY_COLUMNS, {
+    **{c: _STAT_MERGE[c] for c in ("first_step", "last_step", "steps", "calls")},
+    "held_sum_bytes": "held_sum_bytes + excluded.held_sum_bytes",
+    **{c: f"CASE WHEN {_PEAK_IS_NEW} THEN excluded.{c} ELSE {c} END" for c in ("peak_step", *MEMORY_BYTES)},
+    "peak_held_bytes": "MAX(peak_held_bytes, excluded.peak_held_bytes)"})
+_ALLOCATOR_COLUMNS = ("rows", "allocated_max_bytes", "peak_allocated_bytes", "reserved_max_bytes", "peak_step")
+_ALLOCATOR_SQL = _upsert("allocator_blocks", ("device", "phase", "block"), _ALLOCATOR_COLUMNS, {
+    "rows": "rows + excluded.rows", "allocated_max_bytes": "MAX(allocated_max_bytes, excluded.allocated_max_bytes)",
+    "peak_step": "CASE WHEN excluded.peak_allocated_bytes > peak_allocated_bytes THEN excluded.peak_step "
+                 "ELSE peak_step END",
+    "peak_allocated_bytes": "MAX(peak_allocated_bytes, excluded.peak_allocated_bytes)",
+    "reserved_max_bytes": "MAX(reserved_max_bytes, excluded.reserved_max_bytes)"})
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+class Aggregator:
+    """Adds up a run's records into blocks and decides which steps keep their detail (see the module's
+    docstring and dpprof.store.retention). Used by the writer thread only."""
+
+    def __init__(self, retention: Retention) -> None:
+        self.retention = retention
+        self._pending: dict[int, _StepAcc] = {}
+        self._newest = -1  # the newest step whose StepRecord arrived
+        self._settled_to = 0  # steps below this are settled
+        self._first_step: int | None = None
+        self._steps: dict[int, _Stat] = {}
+        self._phases: dict[tuple[str, str, int], _Stat] = {}
+        self._memory: dict[tuple[str, int], _Memory] = {}
+        self._allocator: dict[tuple[str, str, int], _Allocator] = {}
+        self._dirty: set[tuple[str, Any]] = set()
+        self._chunks: dict[tuple[str, int | None], int] = {}
+        self._chunks_dirty = False
+        self._run_sketch = Sketch()  # every settled step's duration but the first: the outlier rule's median
+        self._median: float | None = None
+        self._since_median = 0
+        self._outliers: dict[int, list[tuple[float, int, float]]] = {}  # chunk -> [(ms, step, median)], slowest first
+        self._outlier_sql: list[Statement] = []
+        self._peaks: dict[str, tuple[int, int]] = {}  # device -> (held bytes, step): the current peak step
+        self._alloc_peaks: dict[str, tuple[int, int]] = {}
+        self._evicted_to = 0  # chunks below this step have had their detail thinned
+        self.detail_from = 0  # every step from here on still has all its detail
+
+    # records in
+    def add(self, records: Iterable[Record]) -> None:
+        pending = self._pending
+        settled = self._settled_to
+        for r in records:
+            cls = type(r)
+            if cls is PhaseRecord:
+                acc = pending.get(r.step) if r.step >= settled else None
+                if acc is None:
+                    acc = self._acc(r.step)
+                key = (r.phase, r.device)
+                cell = acc.phases.get(key)
+                if cell is None:
+                    acc.phases[key] = [r.duration_ms, 1, r.device_duration_ms]
+                else:
+                    cell[0] += r.duration_ms
+                    cell[1] += 1
+                    if r.device_duration_ms is not None:
+                        cell[2] = (cell[2] or 0.0) + r.device_duration_ms
+            elif cls is StepRecord:
+                acc = self._acc(r.step)
+                acc.duration, acc.batch, acc.devices_used = r.duration_ms, r.batch_size, r.devices_used
+                if r.step > self._newest:
+                    self._newest = r.step
+            elif cls is DeviceMemoryRecord:
+                cell = self._acc(r.step).memory.get(r.device)
+                values = (r.input_bytes, r.output_bytes, r.activation_bytes, r.gathered_bytes, r.param_bytes,
+                          r.buffer_bytes)
+                if cell is None:
+                    self._acc(r.step).memory[r.device] = [1, *values]
+                else:
+                    cell[0] += 1
+                    for i, v in enumerate(values, 1):
+                        cell[i] += v
+                key = (r.device, r.chunk_size)
+                self._chunks[key] = self._chunks.get(key, 0) + 1
+                self._chunks_dirty = True
+            elif cls is AllocatorRecord:
+                acc = self._acc(r.step)
+                cell = acc.allocator.get((r.device, r.phase))
+                if cell is None:
+                    acc.allocator[(r.device, r.phase)] = [1, r.allocated_bytes, r.peak_allocated_bytes, r.reserved_bytes]
+                else:
+                    cell[0] += 1
+                    cell[1] = max(cell[1], r.allocated_bytes)
+                    cell[2] = max(cell[2], r.peak_allocated_bytes)
+                    cell[3] = max(cell[3], r.reserved_bytes)
+        self._settle(self._newest - SETTLE_STEPS + 1)
+
+    def _acc(self, step: int) -> _StepAcc:
+        acc = self._pending.get(step)
+        if acc is None:
+            acc = self._pending[step] = _StepAcc()
+        return acc
+
+    # settling: a step's values into its block
+    def _settle(self, below: int) -> None:
+        """Fold every pending step below ``below`` into its block."""
+        if below <= self._settled_to and not any(s < below for s in self._pending):
+            return
+        for step in sorted(s for s in self._pending if s < below):
+            self._fold(step, self._pending.pop(step))
+        self._settled_to = max(self._settled_to, below)
+
+    def _block(self, step: int) -> int:
+        return step // self.retention.block_steps
+
+    def _late(self, block: int) -> bool:
+        """Whether a block was written whole and let go (a record arrived for it later than SETTLE_STEPS)."""
+        return block < self._retired_below
+
+    @property
+    def _retired_below(self) -> int:
+        return max(0, self._settled_to // self.retention.block_steps - 1)
+
+    def _stat(self, table: dict, key: Any, block: int) -> Any:
+        stat = table.get(key)
+        if stat is None:
+            late = self._late(block)
+            if table is self._steps:
+                stat = _Stat(late)
+            elif table is self._phases:  # the pages show quantiles of the work only: other phases keep no sketch
+                stat = _Stat(late, sketched=key[0] == WORK)
+            else:
+                stat = (_Memory if table is self._memory else _Allocator)(late)
+            table[key] = stat
+        return stat
+
+    def _fold(self, step: int, acc: _StepAcc) -> None:
+        block = self._block(step)
+        first = self._first_step is None
+        if first:
+            self._first_step = step
+        if acc.duration is not None:
+            s = self._stat(self._steps, block, block)
+            s.add(step, acc.duration)
+            if acc.batch is not None and (s.batch is None or acc.batch > s.batch):
+                s.batch = acc.batch
+            s.devices_used = max(s.devices_used, acc.devices_used or 0)
+            self._dirty.add(("step", block))
+            if not first:
+                self._outlier(step, acc.duration)
+        work: dict[str, float] = {}
+        for (phase, device), (ms, calls, device_ms) in acc.phases.items():
+            self._stat(self._phases, (phase, device, block), block).add(step, ms, calls, device_ms)
+            self._dirty.add(("phase", (phase, device, block)))
+            if phase in WORK_PHASES:
+                work[device] = work.get(device, 0.0) + ms
+        for device, ms in work.items():
+            self._stat(self._phases, (WORK, device, block), block).add(step, ms)
+            self._dirty.add(("phase", (WORK, device, block)))
+        if len(work) > 1 and step != self._first_step:  # the imbalance leaves the first step out
+            self._imbalance(work, block)
+        for device, (calls, *kinds) in acc.memory.items():
+            m = self._stat(self._memory, (device, block), block)
+            held = sum(kinds)
+            m.first_step = step if m.first_step is None else min(m.first_step, step)
+            m.last_step = step if m.last_step is None else max(m.last_step, step)
+            m.steps += 1
+            m.calls += calls
+            m.held_sum += held
+            if held > m.peak:
+                m.peak, m.peak_step, m.kinds = held, step, kinds
+            if held > self._peaks.get(device, (-1, 0))[0]:
+                self._peaks[device] = (held, step)
+            self._dirty.add(("memory", (device, block)))
+        for (device, phase), (rows, allocated, peak, reserved) in acc.allocator.items():
+            a = self._stat(self._allocator, (device, phase, block), block)
+            a.rows += rows
+            a.allocated = max(a.allocated, allocated)
+            a.reserved = max(a.reserved, reserved)
+            if peak > a.peak:
+                a.peak, a.peak_step = peak, step
+            if peak > self._alloc_peaks.get(device, (-1, 0))[0]:
+                self._alloc_peaks[device] = (peak, step)
+            self._dirty.add(("allocator", (device, phase, block)))
+
+    def _imbalance(self, work: dict[str, float], block: int) -> None:
+        """Per step: which device was slowest, and for each device how long, on average, the others waited
+        for it (its time minus each other's, at least 0): dpprof.findings.floors.imbalance's figures."""
+        n = len(work) - 1
+        waits = dict.fromkeys(work, 0.0)
+        for (a, ta), (b, tb) in combinations(work.items(), 2):
+            if ta > tb:
+                waits[a] += ta - tb
+            elif tb > ta:
+                waits[b] += tb - ta
+        slowest = max(work, key=work.__getitem__)
+        for device, wait in waits.items():
+            stat = self._phases[(WORK, device, block)]
+            stat.wait_sum += wait / n
+            if device == slowest:
+                stat.slowest += 1
+
+    # outliers and retention
+    def _outlier(self, step: int, ms: float) -> None:
+        sketch = self._run_sketch
+        sketch.add(ms)
+        self._since_median += 1
+        if self._median is None or self._since_median >= _MEDIAN_EVERY:
+            self._median, self._since_median = sketch.quantile(0.5), 0
+        if not self._median or ms <= OUTLIER_RATIO * self._median:
+            return
+        chunk = step // self.retention.chunk_steps
+        kept = self._outliers.setdefault(chunk, [])
+        if len(kept) >= self.retention.outliers_per_chunk:
+            if ms <= kept[-1][0]:
+                return
+            _, dropped, _ = kept.pop()
+            self._outlier_sql.append(("DELETE FROM outlier_steps WHERE step = ?", (dropped,)))
+        kept.append((ms, step, self._median))
+        kept.sort(reverse=True)
+        self._outlier_sql.append(("INSERT OR REPLACE INTO outlier_steps (step, duration_ms, median_ms) VALUES (?, ?, ?)",
+                                  (step, ms, self._median)))
+
+    def _kept(self, lo: int, hi: int) -> set[int]:
+        """Steps in [lo, hi) kept for a reason other than the sample: outliers and their neighbours, peaks."""
+        keep: set[int] = set()
+        chunk_steps = self.retention.chunk_steps
+        for chunk in range((lo - 1) // chunk_steps, (hi + 1) // chunk_steps + 1):
+            for _, step, _ in self._outliers.get(chunk, ()):
+                keep.update((step - 1, step, step + 1))
+        keep.update(step for _, step in self._peaks.values())
+        keep.update(step for _, step in self._alloc_peaks.values())
+        return {s for s in keep if lo <= s < hi}
+
+    def _evictions(self, final: bool) -> list[Statement]:
+        """Deletions of the detail no reason keeps, chunk by chunk, once a chunk is last_steps behind."""
+        r = self.retention
+        if not r.bounded:
+            return []
+        out: list[Statement] = []
+        horizon = (self._newest + 1 if final else self._settled_to) - r.last_steps
+        while True:
+            lo = max(self._evicted_to, r.first_steps)
+            hi = (lo // r.chunk_steps + 1) * r.chunk_steps
+            if hi > horizon:
+                break
+            kept = sorted(self._kept(lo, hi))
+            extra = f" AND step NOT IN ({', '.join('?' * len(kept))})" if kept else ""
+            for table in DETAIL_TABLES:
+                out.append((f"DELETE FROM {table} WHERE step >= ? AND step < ? AND step % ? != 0{extra}",
+                            (lo, hi, r.every, *kept)))
+            self._evicted_to = hi
+            self.detail_from = hi
+        return out
+
+    # statements out
+    def statements(self, final: bool = False) -> list[Statement]:
+        """The SQL that brings the file's aggregates up to the records added so far (and thins the detail),
+        to run in the same transaction as those records. ``final``: the run is closing, settle everything."""
+        if final:
+            self._settle(max([self._newest + 1, *(s + 1 for s in self._pending)]))
+        out: list[Statement] = self._outlier_sql
+        self._outlier_sql = []
+        for kind, key in self._dirty:
+            if kind == "step":
+                s = self._steps[key]
+                out.append((_STEP_SQL[s.late], (key, s.first_step, s.last_step, s.steps, s.sum, _finite(s.min),
+                                                _finite(s.max), s.batch, s.devices_used, s.sketch_bytes())))
+            elif kind == "phase":
+                s = self._phases[key]
+                out.append((_PHASE_SQL[s.late], (*key, s.first_step, s.last_step, s.steps, s.calls, s.sum,
+                                                 _finite(s.min), _finite(s.max), s.device_sum, s.slowest, s.wait_sum,
+                                                 s.sketch_bytes())))
+            elif kind == "memory":
+                m = self._memory[key]
+                out.append((_MEMORY_SQL[m.late], (*key, m.first_step, m.last_step, m.steps, m.calls, m.held_sum,
+                                                  m.peak_step, m.peak, *m.kinds)))
+            else:
+                a = self._allocator[key]
+                out.append((_ALLOCATOR_SQL[a.late], (*key, a.rows, a.allocated, a.peak, a.reserved, a.peak_step)))
+        self._dirty.clear()
+        if self._chunks_dirty:
+            out.append(("DELETE FROM chunk_counts", ()))
+            out.append(("INSERT INTO chunk_counts (device, chunk_size, calls) VALUES " +
+                        ", ".join(["(?, ?, ?)"] * len(self._chunks)),
+                        tuple(v for (device, size), n in self._chunks.items() for v in (device, size, n))))
+            self._chunks_dirty = False
+        out += self._evictions(final)
+        self._retire()
+        return out
+
+    def _retire(self) -> None:
+        """Let go of blocks no settled step can reach any more (written whole already); late ones always."""
+        below = self._retired_below
+        for table in (self._steps, self._phases, self._memory, self._allocator):
+            for key in [k for k, v in table.items() if v.late or (k if isinstance(k, int) else k[-1]) < below]:
+                del table[key]
