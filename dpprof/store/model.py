@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dpprof.records import DDP_PHASES, PHASES, device_key
+from dpprof.store.retention import Retention, stored_retention
 
 if TYPE_CHECKING:
     from dpprof.store.reader import StoredRun
 
-__all__ = ["KINDS", "KIND_TITLES", "MEASUREMENTS", "TRACE_SOURCE", "Work", "RunModel", "describe",
+__all__ = ["KINDS", "KIND_TITLES", "MEASUREMENTS", "TRACE_SOURCE", "ROWS_READ_STEPS", "Work", "RunModel", "describe",
            "present_phases", "distinct"]
 
 KINDS = ("dataparallel", "balanced", "ddp", "trace_gpu", "trace_cpu", "empty")
@@ -41,6 +42,9 @@ MEASUREMENTS = ("phases", "work", "memory", "allocator", "gpu_samples", "comms",
 TRACE_SOURCE = "trace"  # runs.source of a run imported from torch.profiler traces (dpprof import)
 # Phases in the order a step runs them: DataParallel's, then a process's (DDP ranks, imported traces).
 PHASE_ORDER = (*PHASES, *DDP_PHASES)
+# Up to this many steps, a run with every row of detail is read from its rows (exact, and fast at this size);
+# beyond, or once its detail has been thinned (dpprof.store.retention), from its per-block aggregates.
+ROWS_READ_STEPS = 5_000
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,32 @@ class RunModel:
     has: frozenset[str]  # the MEASUREMENTS with at least one row
     missing: dict[str, str] = field(default_factory=dict)  # measurement -> why this run has none, in one sentence
     empty_reason: str | None = None  # why a run has no steps
+    retention: Retention | None = None  # the detail the run keeps; None: a file of schema 1, every row, no aggregates
+    detail_from: int = 0  # every step from here on has all its detail rows (before it, only those retention keeps)
+    aggregated: bool = False  # pages read the per-block aggregates (dpprof.store.blocks), not the rows
+
+    @property
+    def thinned(self) -> bool:
+        """Whether some steps' detail rows were let go (a long run of detail "bounded")."""
+        return self.retention is not None and self.retention.bounded and self.detail_from > 0
+
+    def sampled_steps_sql(self) -> str:
+        """An SQL condition on ``step`` that holds for the steps whose detail stands for the run without bias:
+        every step, or (thinned) the first steps, the one-in-``every`` sample and those not thinned yet, but
+        not the outliers and peaks kept for their own sake."""
+        if not self.thinned:
+            return "1"
+        r = self.retention
+        return f"(step < {int(r.first_steps)} OR step % {int(r.every)} = 0 OR step >= {int(self.detail_from)})"
+
+    def detail_text(self) -> str | None:
+        """What detail the run keeps, in one sentence; None for a run that keeps every row."""
+        if not self.thinned:
+            return None
+        r = self.retention
+        return (f"Full detail is kept for the first {r.first_steps:,} steps, one step in {r.every}, outlier steps "
+                f"and their neighbours, each device's peak step and steps {self.detail_from:,} on; every step's "
+                f"time and per-block aggregates of everything else.")
 
     @property
     def dataparallel(self) -> bool:
@@ -108,10 +138,16 @@ def distinct(run: StoredRun, table: str, column: str) -> list[object]:
         "SELECT x FROM v WHERE x IS NOT NULL")["x"].drop_duplicates().tolist()
 
 
-def present_phases(run: StoredRun) -> list[str]:
-    """The phase names this run recorded, in the order a step runs them."""
+def present_phases(run: StoredRun, aggregates: bool = False) -> list[str]:
+    """The phase names this run recorded, in the order a step runs them (with ``aggregates``, also those of
+    steps whose rows were thinned away)."""
     order = {p: i for i, p in enumerate(PHASE_ORDER)}
-    return sorted(map(str, distinct(run, "phases", "phase")), key=lambda p: (order.get(p, len(order)), p))
+    names = set(map(str, distinct(run, "phases", "phase")))
+    if aggregates:
+        from dpprof.store.blocks import WORK
+
+        names |= {str(p) for p in distinct(run, "phase_blocks", "phase") if p != WORK}
+    return sorted(names, key=lambda p: (order.get(p, len(order)), p))
 
 
 def _nonempty_tables(run: StoredRun) -> set[str]:
@@ -211,14 +247,19 @@ def _missing(run: StoredRun, kind: str, has: set[str], backend: str | None, work
 
 def describe(run: StoredRun) -> RunModel:
     """Read what a run is and holds (StoredRun.model calls this once per opened run)."""
-    counts = run.query("SELECT COUNT(*) AS n FROM steps")["n"]
+    # steps are never deleted, so the last rowid is the count: one lookup where COUNT(*) reads the table
+    counts = run.query("SELECT COALESCE(MAX(rowid), 0) AS n FROM steps")["n"]
     steps = int(counts.max()) if len(counts) else 0  # ranks step together: each rank's file has every step
-    phases = present_phases(run)
+    detail_from = int(run.meta.get("detail_from") or 0)
+    retention = stored_retention(run.meta.get("detail"))
+    phases = present_phases(run, aggregates=retention is not None)
     kind = _kind(run, steps, phases)
     tables = _nonempty_tables(run)
     work = _work(phases)
     has = (tables - {"steps", "devices", "notes", "findings"}) | ({"work"} if set(work.phases) & set(phases) else set())
     seen = [str(d) for d in (distinct(run, "memory", "device") or distinct(run, "phases", "device"))]
+    if retention is not None:  # a device whose rows were all thinned away is still in the aggregates
+        seen += [str(d) for d in (distinct(run, "memory_blocks", "device") or []) if str(d) not in seen]
     seen += [str(d) for d in distinct(run, "allocator", "device") if d not in seen]
     listed = [str(d) for d in run.meta.get("devices") or []]
     if run.ranks > 1 or kind == "ddp" or any(d.startswith("rank:") for d in listed):
@@ -231,4 +272,6 @@ def describe(run: StoredRun) -> RunModel:
     return RunModel(kind=kind, imported=run.meta.get("source") == TRACE_SOURCE, backend=backend, steps=steps,
                     phases=tuple(phases), work=work, devices=tuple(devices), idle=idle, has=frozenset(has),
                     missing=_missing(run, kind, has, backend, work) if steps else {},
-                    empty_reason=_empty_reason(run) if kind == "empty" else None)
+                    empty_reason=_empty_reason(run) if kind == "empty" else None, retention=retention,
+                    detail_from=detail_from, aggregated=retention is not None and not run.from_rows and (
+                        (retention.bounded and detail_from > 0) or steps > ROWS_READ_STEPS))

@@ -6,6 +6,11 @@ sums, per-device peaks, a sample of apply times, one range of steps) and returns
 The run file's indices (dpprof.store.schema.INDEXES) let most of these read an index alone; files
 written without them give the same answers, more slowly. Missing data is an empty DataFrame with
 the documented columns, never an exception.
+
+A long run (run.model.aggregated) is read from the per-block aggregates its writer built
+(dpprof.store.blocks): sums, extremes and quantile sketches per block of steps, never a scan of its rows;
+what needs rows (a sample of work times, a Timeline range) reads the detail the run kept
+(dpprof.store.retention). Both ways give the same columns; ``load_run(..., from_rows=True)`` forces rows.
 """
 from __future__ import annotations
 
@@ -15,19 +20,21 @@ from typing import Any
 import pandas as pd
 
 from dpprof.records import DDP_PHASES, MEMORY_BYTES, device_key
-from dpprof.store.model import distinct
+from dpprof.store.blocks import WORK
 from dpprof.store.reader import StoredRun
+from dpprof.store.sketch import quantiles
 
 __all__ = ["MAX_POINTS", "WORK_SAMPLE_PER_DEVICE", "TIMELINE_MAX_STEPS", "GPU_METRICS", "bucket_width",
            "stacked_phases", "run_stats", "median_step_ms", "step_times", "phase_breakdown", "phase_totals",
            "work_samples", "work_stats", "memory_peaks", "chunk_counts", "gpu_series", "timeline",
-           "GPU_TIME_PARTS", "gpu_time", "phase_means"]
+           "GPU_TIME_PARTS", "gpu_time", "phase_means", "outlier_steps", "detail_steps"]
 
 MAX_POINTS = 2_000  # points a chart draws per series; a browser stays responsive well past this
 WORK_SAMPLE_PER_DEVICE = 4_000  # enough for box and violin shapes; exact mean, min and max come from SQL
 TIMELINE_MAX_STEPS = 100  # a Gantt of more steps than this is unreadable (and slow to draw)
 
 _HELD = " + ".join(MEMORY_BYTES)
+_MEDIAN_ROWS = 200_000  # a run read from its rows gets each bucket's median from pandas up to this many steps
 
 
 def bucket_width(first: int, last: int, max_points: int) -> int:
@@ -56,9 +63,14 @@ def stacked_phases(present: list[str] | tuple[str, ...]) -> list[str]:
 
 def run_stats(run: StoredRun) -> dict[str, Any]:
     """Step count, first and last step, mean, median and total step time, batch size and devices used."""
-    per = run.query("SELECT COUNT(*) AS steps, MIN(step) AS first_step, MAX(step) AS last_step, "
-                    "AVG(duration_ms) AS mean_step_ms, SUM(duration_ms) AS total_ms, "
-                    "MAX(batch_size) AS batch_size, MAX(devices_used) AS devices_used FROM steps")
+    if run.model.aggregated:
+        per = run.query("SELECT SUM(steps) AS steps, MIN(first_step) AS first_step, MAX(last_step) AS last_step, "
+                        "SUM(sum_ms) / SUM(steps) AS mean_step_ms, SUM(sum_ms) AS total_ms, MAX(batch_size) AS batch_size, "
+                        "MAX(devices_used) AS devices_used FROM step_blocks")
+    else:
+        per = run.query("SELECT COUNT(*) AS steps, MIN(step) AS first_step, MAX(step) AS last_step, "
+                        "AVG(duration_ms) AS mean_step_ms, SUM(duration_ms) AS total_ms, "
+                        "MAX(batch_size) AS batch_size, MAX(devices_used) AS devices_used FROM steps")
     # ranks of a distributed run step together: their steps are the same steps, their batches add up
     row = per.agg({"steps": "max", "first_step": "min", "last_step": "max", "mean_step_ms": "mean",
                    "total_ms": "mean", "batch_size": "sum" if len(per) > 1 else "max", "devices_used": "sum"})
@@ -73,7 +85,11 @@ def run_stats(run: StoredRun) -> dict[str, Any]:
 def median_step_ms(run: StoredRun) -> float | None:
     """The median of every recorded step's duration_ms (the mean of the middle two of an even count): the one
     definition the dashboard and ``dpprof show`` share. Equals ``load_run(...).steps["duration_ms"].median()``.
-    A distributed run's rows of every rank count, as its steps table holds them."""
+    A distributed run's rows of every rank count, as its steps table holds them. A long run's median comes from its
+    blocks' quantile sketches, within 1% (dpprof.store.sketch)."""
+    if run.model.aggregated:
+        value = quantiles(run.query("SELECT sketch FROM step_blocks")["sketch"], (0.5,))[0]
+        return None if pd.isna(value) else float(value)
     if run.ranks > 1:  # rank files are separate databases: the rows come to pandas
         durations = run.query("SELECT duration_ms FROM steps")["duration_ms"]
         return float(durations.median()) if len(durations) else None
@@ -84,15 +100,19 @@ def median_step_ms(run: StoredRun) -> float | None:
 
 
 def step_times(run: StoredRun, max_points: int = MAX_POINTS) -> pd.DataFrame:
-    """Step time over the run, one row per step or per bucket of consecutive steps.
+    """Step time over the run, one row per step or per bucket of consecutive steps: a band of min, median and
+    max with the mean.
 
     Returns:
-        columns step (first step of the bucket), steps (in the bucket), duration_ms (mean),
-        min_duration_ms, max_duration_ms.
+        columns step (first step of the bucket), steps (in the bucket), duration_ms (mean), min_duration_ms,
+        median_duration_ms, max_duration_ms.
     """
+    cols = ["step", "steps", "duration_ms", "min_duration_ms", "median_duration_ms", "max_duration_ms"]
     first, last = _span(run)
     if first is None:
-        return pd.DataFrame(columns=["step", "steps", "duration_ms", "min_duration_ms", "max_duration_ms"])
+        return pd.DataFrame(columns=cols)
+    if run.model.aggregated:
+        return _step_band(run, first, last, max_points)[cols]
     width = bucket_width(first, last, max_points)
     out = run.query(
         "SELECT (step - ?) / ? AS bucket, MIN(step) AS step, COUNT(*) AS steps, AVG(duration_ms) AS duration_ms, "
@@ -102,11 +122,53 @@ def step_times(run: StoredRun, max_points: int = MAX_POINTS) -> pd.DataFrame:
         out = out.groupby("bucket", as_index=False).agg(
             step=("step", "min"), steps=("steps", "max"), duration_ms=("duration_ms", "mean"),
             min_duration_ms=("min_duration_ms", "min"), max_duration_ms=("max_duration_ms", "max"))
-    return out.drop(columns=["bucket", "rank"], errors="ignore")
+    if width == 1:
+        out["median_duration_ms"] = out["duration_ms"]
+    elif run.model.steps <= _MEDIAN_ROWS:
+        rows = run.query("SELECT step, duration_ms FROM steps")
+        out["median_duration_ms"] = out["bucket"].map(rows.groupby((rows["step"] - first) // width)["duration_ms"].median())
+    else:  # a long run of schema 1 (no sketches): the mean stands in
+        out["median_duration_ms"] = out["duration_ms"]
+    return out.reset_index(drop=True)[cols]
+
+
+def _step_band(run: StoredRun, first: int, last: int, max_points: int) -> pd.DataFrame:
+    """step_times from the step blocks: whole blocks per bucket, the median from their merged sketches."""
+    blocks = run.query("SELECT block, first_step, steps, sum_ms, min_ms, max_ms, sketch FROM step_blocks")
+    if run.ranks > 1:  # ranks step together: one band over every rank's steps
+        blocks = blocks.sort_values("block", kind="stable")
+    blocks["bucket"] = blocks["block"] // _blocks_per_bucket(run, first, last, max_points)
+    rows = []
+    for bucket, b in blocks.groupby("bucket", sort=True):
+        rows.append({"step": int(b["first_step"].min()), "steps": int(b["steps"].sum()) // run.ranks,
+                     "duration_ms": float(b["sum_ms"].sum() / b["steps"].sum()),
+                     "min_duration_ms": float(b["min_ms"].min()),
+                     "median_duration_ms": quantiles(b["sketch"], (0.5,))[0],
+                     "max_duration_ms": float(b["max_ms"].max())})
+    return pd.DataFrame(rows)
+
+
+def _blocks_per_bucket(run: StoredRun, first: int, last: int, max_points: int) -> int:
+    """Whole blocks per plotted point so that [first, last] fits in max_points points."""
+    return max(1, math.ceil((last - first + 1) / run.model.retention.block_steps / max(1, max_points)))
+
+
+def outlier_steps(run: StoredRun) -> pd.DataFrame:
+    """The outlier steps the run kept in full (over twice the median step so far; dpprof.store.retention), for a
+    step-time chart to mark. Empty for a run read from its rows (its chart shows every step).
+
+    Returns:
+        columns step, duration_ms, median_ms.
+    """
+    if not run.model.aggregated:
+        return pd.DataFrame(columns=["step", "duration_ms", "median_ms"])
+    out = run.query("SELECT step, duration_ms, median_ms FROM outlier_steps ORDER BY step")
+    return out.drop(columns="rank").sort_values("step", kind="stable").reset_index(drop=True)
 
 
 def _span(run: StoredRun) -> tuple[int | None, int | None]:
-    span = run.query("SELECT MIN(step) AS a, MAX(step) AS b FROM steps")
+    span = run.query("SELECT MIN(first_step) AS a, MAX(last_step) AS b FROM step_blocks" if run.model.aggregated
+                     else "SELECT MIN(step) AS a, MAX(step) AS b FROM steps")
     if span["a"].isna().all():
         return None, None
     return int(span["a"].min()), int(span["b"].max())
@@ -127,14 +189,20 @@ def phase_breakdown(run: StoredRun, max_points: int = MAX_POINTS) -> pd.DataFram
     if steps.empty:
         return pd.DataFrame(columns=cols)
     first, last = _span(run)
-    width = bucket_width(first, last, max_points)
     out = steps.rename(columns={"duration_ms": "step_ms"})[["step", "steps", "step_ms"]].copy()
-    out.index = (out["step"] - first) // width
-    if phases:
+    if run.model.aggregated:  # buckets of whole blocks, as step_times makes them
+        per_bucket = _blocks_per_bucket(run, first, last, max_points)
+        out.index = out["step"] // run.model.retention.block_steps // per_bucket
+        sums = run.query(f"SELECT block / ? AS bucket, phase, SUM(sum_ms) AS ms FROM phase_blocks WHERE {_phase_in(phases)} "
+                         "GROUP BY bucket, phase", (per_bucket, *phases)) if phases else None
+    else:
+        width = bucket_width(first, last, max_points)
+        out.index = (out["step"] - first) // width
         sums = run.query(
             "SELECT (step - ?) / ? AS bucket, phase, SUM(duration_ms) AS ms FROM phases "
             f"WHERE phase IN ({', '.join('?' * len(phases))}) AND step BETWEEN ? AND ? GROUP BY bucket, phase",
-            (first, width, *phases, first, last))
+            (first, width, *phases, first, last)) if phases else None
+    if phases:
         sums = sums.groupby(["bucket", "phase"], as_index=False)["ms"].sum()
         sums["ms"] /= run.ranks  # a distributed run: the ranks' mean
         table = sums.pivot(index="bucket", columns="phase", values="ms").reindex(columns=phases)
@@ -163,7 +231,10 @@ def phase_totals(run: StoredRun, stats: dict[str, Any] | None = None) -> pd.Data
         return pd.DataFrame(columns=cols)
     phases = stacked_phases(run.model.phases)
     sums = pd.Series(dtype=float)
-    if phases:
+    if phases and run.model.aggregated:
+        sums = run.query(f"SELECT phase, SUM(sum_ms) AS total_ms FROM phase_blocks WHERE {_phase_in(phases)} GROUP BY phase",
+                         tuple(phases)).groupby("phase")["total_ms"].sum() / run.ranks
+    elif phases:
         sums = run.query(
             f"SELECT phase, SUM(duration_ms) AS total_ms FROM phases WHERE phase IN ({', '.join('?' * len(phases))}) "
             "AND step BETWEEN ? AND ? GROUP BY phase",
@@ -194,11 +265,19 @@ def work_samples(run: StoredRun, per_device: int = WORK_SAMPLE_PER_DEVICE, skip_
     first, last = _span(run)
     if first is None:
         return pd.DataFrame(columns=["step", "device", "duration_ms"])
-    stride = bucket_width(first, last, per_device)
     phases = run.model.work.phases
-    out = run.query("SELECT step, device, SUM(duration_ms) AS duration_ms FROM phases "
-                    f"WHERE {_phase_in(phases)} AND step % ? = 0 AND step > ? GROUP BY device, step",
-                    (*phases, stride, first if skip_first else first - 1))
+    if run.model.aggregated:  # the steps whose detail stands for the run: first steps, the sample, the newest
+        out = run.query("SELECT step, device, SUM(duration_ms) AS duration_ms FROM phases "
+                        f"WHERE {_phase_in(phases)} AND {run.model.sampled_steps_sql()} AND step > ? "
+                        "GROUP BY device, step", (*phases, first if skip_first else first - 1))
+        counts = out.groupby("device")["step"].transform("size")
+        keep = out.groupby("device").cumcount() % (counts // per_device + 1).clip(lower=1) == 0
+        out = out[keep]
+    else:
+        stride = bucket_width(first, last, per_device)
+        out = run.query("SELECT step, device, SUM(duration_ms) AS duration_ms FROM phases "
+                        f"WHERE {_phase_in(phases)} AND step % ? = 0 AND step > ? GROUP BY device, step",
+                        (*phases, stride, first if skip_first else first - 1))
     out = out.drop(columns=["rank"])
     order = {d: i for i, d in enumerate(run.model.devices)}
     return out.sort_values(["device", "step"], key=lambda s: s.map(order) if s.name == "device" else s,
@@ -209,7 +288,8 @@ def work_stats(run: StoredRun, samples: pd.DataFrame | None = None, percentiles:
                stats: dict[str, Any] | None = None) -> pd.DataFrame:
     """Per device: work steps, mean, min and max over every step (forward calls summed), p50 and p95 (of
     ``samples``, default work_samples(run): exact up to WORK_SAMPLE_PER_DEVICE steps, from every k-th step
-    beyond), and the mean's share of the mean step. The work is run.model.work (DataParallel's apply).
+    beyond; a long run's from its blocks' quantile sketches, within 1%), and the mean's share of the mean step.
+    The work is run.model.work (DataParallel's apply).
 
     Args:
         samples: work_samples(run), if the caller has it already.
@@ -218,10 +298,13 @@ def work_stats(run: StoredRun, samples: pd.DataFrame | None = None, percentiles:
 
     Returns:
         columns device, steps, work_mean_ms, work_min_ms, work_max_ms, work_p50_ms, work_p95_ms,
-        work_share_of_step_pct, sampled (True when the percentiles come from every k-th step).
+        work_share_of_step_pct, sampled (True when the percentiles are not exact: from every k-th step, or
+        from the sketches).
     """
     cols = ["device", "steps", "work_mean_ms", "work_min_ms", "work_max_ms", "work_p50_ms", "work_p95_ms",
             "work_share_of_step_pct", "sampled"]
+    if run.model.aggregated:
+        return _work_stats_of_blocks(run, percentiles, stats)[cols]
     rows = []
     phases = run.model.work.phases
     for device in run.model.devices:  # one device at a time: SQLite walks the index, never sorts
@@ -248,6 +331,25 @@ def work_stats(run: StoredRun, samples: pd.DataFrame | None = None, percentiles:
     return out[cols]
 
 
+def _work_stats_of_blocks(run: StoredRun, percentiles: bool, stats: dict[str, Any] | None) -> pd.DataFrame:
+    """work_stats from the work rows of phase_blocks (sums, extremes and sketches per block)."""
+    blocks = run.query("SELECT device, steps, sum_ms, min_ms, max_ms, sketch FROM phase_blocks WHERE phase = ?", (WORK,))
+    rows = []
+    for device in run.model.devices:
+        b = blocks[blocks["device"] == device]
+        if not len(b) or not b["steps"].sum():
+            continue
+        p50, p95 = quantiles(b["sketch"], (0.5, 0.95)) if percentiles else (float("nan"), float("nan"))
+        rows.append({"device": device, "steps": int(b["steps"].sum()), "work_mean_ms": b["sum_ms"].sum() / b["steps"].sum(),
+                     "work_min_ms": float(b["min_ms"].min()), "work_max_ms": float(b["max_ms"].max()),
+                     "work_p50_ms": p50, "work_p95_ms": p95, "sampled": percentiles})
+    out = pd.DataFrame(rows, columns=["device", "steps", "work_mean_ms", "work_min_ms", "work_max_ms", "work_p50_ms",
+                                      "work_p95_ms", "sampled"])
+    mean_step = (run_stats(run) if stats is None else stats)["mean_step_ms"]
+    out["work_share_of_step_pct"] = 100 * out["work_mean_ms"] / mean_step if mean_step else float("nan")
+    return out
+
+
 def chunk_counts(run: StoredRun) -> pd.DataFrame:
     """How many forward calls gave each device each chunk size (None: a call without a batch
     dimension, such as a whole-batch loss).
@@ -255,6 +357,13 @@ def chunk_counts(run: StoredRun) -> pd.DataFrame:
     Returns:
         columns device, chunk_size, calls.
     """
+    if run.model.aggregated:
+        out = run.query("SELECT device, chunk_size, SUM(calls) AS calls FROM chunk_counts GROUP BY device, chunk_size")
+        order = {d: i for i, d in enumerate(run.model.devices)}
+        out = out.drop(columns=["rank"]).groupby(["device", "chunk_size"], as_index=False, dropna=False)["calls"].sum()
+        out = out.sort_values(["device", "chunk_size"], key=lambda c: c.map(order) if c.name == "device" else c,
+                              kind="stable").reset_index(drop=True)
+        return out.astype({"chunk_size": float, "calls": int})
     parts = [run.query("SELECT ? AS device, chunk_size, COUNT(*) AS calls FROM memory WHERE device = ? "
                        "GROUP BY chunk_size ORDER BY chunk_size", (device, device)) for device in run.model.devices]
     parts = [p for p in parts if len(p)]
@@ -286,7 +395,16 @@ def memory_peaks(run: StoredRun, chunks: pd.DataFrame | None = None, detail: boo
     for device in run.model.devices:
         row: dict[str, Any] = {"device": device, "peak_step": None, "peak_held_bytes": float("nan"),
                                **dict.fromkeys(MEMORY_BYTES, float("nan")), "_gathered": 0}
-        if accounted:
+        if accounted and run.model.aggregated:
+            # the block whose peak is the run's: its peak step and what was held then, by kind
+            peak = _one_row(run.query(f"SELECT peak_step AS step, MAX(peak_held_bytes) AS held, {', '.join(MEMORY_BYTES)}, "
+                                      "(SELECT MAX(gathered_bytes) FROM memory_blocks WHERE device = ?) AS gathered "
+                                      "FROM memory_blocks WHERE device = ?", (device, device)), "held")
+            if pd.notna(peak["held"]):
+                row.update({"peak_step": int(peak["step"]), "peak_held_bytes": float(peak["held"]),
+                            **{c: float(peak[c]) if detail else float("nan") for c in MEMORY_BYTES},
+                            "_gathered": peak["gathered"] or 0})
+        elif accounted:
             # SQLite gives the bare column (step) of the row holding the one MAX(): the peak step
             peak = _one_row(run.query(
                 f"SELECT step, MAX(held) AS held, SUM(gathered) AS gathered FROM (SELECT step, SUM({_HELD}) AS held, "
@@ -298,9 +416,11 @@ def memory_peaks(run: StoredRun, chunks: pd.DataFrame | None = None, detail: boo
                          if detail else dict.fromkeys(MEMORY_BYTES, float("nan")))
                 row.update({"peak_step": int(peak["step"]), "peak_held_bytes": float(peak["held"]),
                             **{c: float(kinds[c]) for c in MEMORY_BYTES}, "_gathered": peak["gathered"] or 0})
-        alloc = _one_row(run.query("SELECT MAX(peak_allocated_bytes) AS peak_allocated_bytes, MAX(reserved_bytes) "
-                                   "AS peak_reserved_bytes FROM allocator WHERE device = ?", (device,)),
-                         "peak_allocated_bytes")
+        alloc = _one_row(run.query(
+            "SELECT MAX(peak_allocated_bytes) AS peak_allocated_bytes, MAX(reserved_max_bytes) AS peak_reserved_bytes "
+            "FROM allocator_blocks WHERE device = ?" if run.model.aggregated else
+            "SELECT MAX(peak_allocated_bytes) AS peak_allocated_bytes, MAX(reserved_bytes) "
+            "AS peak_reserved_bytes FROM allocator WHERE device = ?", (device,)), "peak_allocated_bytes")
         if row["peak_step"] is None and pd.isna(alloc["peak_allocated_bytes"]):
             continue  # nothing measured on this device (an idle device of a DataParallel run)
         rows.append({**row, **alloc.to_dict()})
@@ -401,8 +521,12 @@ def phase_means(run: StoredRun) -> pd.DataFrame:
     """Mean milliseconds per step of each phase on each device (devices as rows in the run's order, phases as
     ``<phase>_ms`` columns in step order); a phase run several times in one step is summed within the step.
     NaN where a device does not run a phase (only the output device scatters)."""
-    per = run.query("SELECT device, phase, AVG(ms) AS ms FROM (SELECT device, phase, step, SUM(duration_ms) AS ms "
-                    "FROM phases GROUP BY device, phase, step) GROUP BY device, phase")
+    if run.model.aggregated:
+        per = run.query("SELECT device, phase, SUM(sum_ms) / SUM(steps) AS ms FROM phase_blocks WHERE phase != ? "
+                        "GROUP BY device, phase", (WORK,))
+    else:
+        per = run.query("SELECT device, phase, AVG(ms) AS ms FROM (SELECT device, phase, step, SUM(duration_ms) AS ms "
+                        "FROM phases GROUP BY device, phase, step) GROUP BY device, phase")
     table = per.pivot_table(index="device", columns="phase", values="ms", aggfunc="sum")
     table = table.reindex(index=[d for d in run.model.devices if d in table.index],
                           columns=[p for p in run.model.phases if p in table.columns])

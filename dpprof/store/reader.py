@@ -134,6 +134,9 @@ class StoredRun:
     _frames: dict[str, pd.DataFrame] = field(default_factory=dict, repr=False)
     paths: list[Path] = field(default_factory=list)  # every file of the run, by rank
     _model: RunModel | None = field(default=None, repr=False)
+    # read every figure from the detail rows, never the per-block aggregates (a run recorded with detail="all"
+    # then gives full detail's figures: what the aggregates are checked against)
+    from_rows: bool = False
 
     def __post_init__(self) -> None:
         if not self.paths:
@@ -270,6 +273,7 @@ def _combine(metas: list[dict[str, Any]]) -> dict[str, Any]:
     meta["status"] = min((m["status"] for m in metas), key=lambda s: _STATUS_RANK.get(s, _STATUS_RANK["unknown"]))
     meta["error"] = next((m["error"] for m in metas if m.get("error")), None)
     meta["dropped_records"] = sum(m.get("dropped_records") or 0 for m in metas)
+    meta["detail_from"] = max((m.get("detail_from") or 0 for m in metas), default=0)
     meta["ranks"] = [m.get("rank") for m in metas]
     ends = [m.get("ended_at") for m in metas]
     meta["ended_at"] = max(ends) if all(ends) else None
@@ -332,10 +336,12 @@ def _resolve(run: str | os.PathLike[str], directory: Path) -> Path:
     raise RunFileError(f"no run {run!r} in {directory} (dpprof runs lists them)")
 
 
-def load_run(run: str | os.PathLike[str], reports_dir_: str | os.PathLike[str] | None = None) -> StoredRun:
+def load_run(run: str | os.PathLike[str], reports_dir_: str | os.PathLike[str] | None = None,
+             from_rows: bool = False) -> StoredRun:
     """Open one run by id (or a unique id prefix) in the reports directory, or by path.
 
-    A torch.distributed run is read from every rank file of it beside the one named.
+    A torch.distributed run is read from every rank file of it beside the one named. ``from_rows`` reads
+    every figure from the detail rows, never the per-block aggregates (StoredRun.from_rows).
 
     Raises:
         RunFileError: no such run, or the file is not a readable dpprof run (the message says why).
@@ -346,7 +352,7 @@ def load_run(run: str | os.PathLike[str], reports_dir_: str | os.PathLike[str] |
     except RunFileError as err:
         raise RunFileError(f"{path.name}: {err}") from None
     if meta.get("rank") is None:
-        return StoredRun(path=path, meta=meta)
+        return StoredRun(path=path, meta=meta, from_rows=from_rows)
     files = sorted(path.parent.glob(f"{meta['id']}.rank*{RUN_SUFFIX}"), key=lambda p: _rank_of(p) or 0)
     metas = []
     for f in files:
@@ -354,4 +360,4 @@ def load_run(run: str | os.PathLike[str], reports_dir_: str | os.PathLike[str] |
             metas.append(_open(f)[0])
         except RunFileError as err:
             raise RunFileError(f"{f.name}: {err}") from None
-    return StoredRun(path=files[0], meta=_combine(metas), paths=files)
+    return StoredRun(path=files[0], meta=_combine(metas), paths=files, from_rows=from_rows)
