@@ -103,7 +103,7 @@ def body(row: pd.Series) -> None:
     if data.tax_pct is not None:
         c[4].metric("DataParallel tax", f"{data.tax_pct:.1f}%", help="scatter + replicate + gather: work only "
                     "DataParallel does (DistributedDataParallel has no replicate and no gather)")
-    common.chart(charts.step_times(data.steps))
+    common.chart(charts.step_times(data.steps, data.outliers))
     if data.totals.empty or data.breakdown.empty:
         common.missing("No phases recorded: the steps' time is not split into phases.")
     else:
@@ -119,8 +119,12 @@ def body(row: pd.Series) -> None:
         common.chart(charts.gpu_time(data.gpu))
     findings(data.findings)
     if len(data.breakdown) and int(data.breakdown["steps"].max()) > 1:
-        st.caption(f"Charts show the mean of every {int(data.breakdown['steps'].max())} steps "
-                   f"({len(data.breakdown):,} points for {stats['steps']:,} steps).")
+        st.caption(f"Charts show every {int(data.breakdown['steps'].max()):,} steps as one point "
+                   f"({len(data.breakdown):,} points for {stats['steps']:,} steps): the step time's median and "
+                   "min-max band, each phase's mean.")
+    detail = data.model.detail_text()
+    if detail:
+        st.caption(f"{detail} These pages read the aggregates; the Timeline shows the kept detail.")
 
 
 common.live(body)

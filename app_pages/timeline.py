@@ -32,6 +32,9 @@ def body(row: pd.Series) -> None:
     phases, steps = common.view(timeline.timeline, row, start, end)
     st.caption(f"Steps {start}–{end} of {first}–{last}. {common.view(timeline.lanes_text, row)} "
                "Hover a bar for its times.")
+    gaps = common.view(timeline.detail_gaps, row, start, end)
+    if gaps:
+        st.info(gaps)
     if phases.empty:
         common.missing(f"No phases recorded in steps {start}–{end}.")
         return

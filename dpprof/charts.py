@@ -94,23 +94,35 @@ def device_glance(devices: pd.DataFrame, work_phase: str = "apply", memory_sourc
     return fig
 
 
-def step_times(steps: pd.DataFrame) -> go.Figure:
-    """Step time over the steps; bucketed points show the bucket's mean with its min-max band.
+def step_times(steps: pd.DataFrame, outliers: pd.DataFrame | None = None) -> go.Figure:
+    """Step time over the steps; bucketed points show a band: each bucket's min to max shaded, its median as the
+    line (its mean on hover), and the outlier steps the run kept marked.
 
     Args:
-        steps: dpprof.store.queries.step_times (step, steps, duration_ms, min_duration_ms, max_duration_ms).
+        steps: dpprof.store.queries.step_times (step, steps, duration_ms, min_duration_ms, median_duration_ms,
+            max_duration_ms).
+        outliers: dpprof.store.queries.outlier_steps (step, duration_ms, median_ms), if any.
     """
     df = downsample(steps)
     bucketed = "steps" in df and (df["steps"] > 1).any()
-    fig = _fig("Step time" + (f" (mean of every {int(df['steps'].max())} steps, min-max shaded)" if bucketed else ""),
-               xaxis_title="step", yaxis_title="ms", hovermode="x unified")
+    title = (f"Step time (every {int(df['steps'].max()):,} steps: median, min-max shaded)" if bucketed else "Step time")
+    fig = _fig(title, xaxis_title="step", yaxis_title="ms", hovermode="x unified")
     if bucketed:
         fig.add_trace(go.Scatter(x=df["step"], y=df["max_duration_ms"], mode="lines", line=dict(width=0),
                                  showlegend=False, hoverinfo="skip"))
         fig.add_trace(go.Scatter(x=df["step"], y=df["min_duration_ms"], mode="lines", line=dict(width=0),
                                  fill="tonexty", fillcolor="rgba(68,119,170,0.2)", name="min-max", hoverinfo="skip"))
-    fig.add_trace(go.Scatter(x=df["step"], y=df["duration_ms"], mode="lines" if len(df) > 60 else "lines+markers",
-                             name="step time", line=dict(color="#4477AA")))
+        middle = df["median_duration_ms"] if "median_duration_ms" in df else df["duration_ms"]
+        fig.add_trace(go.Scatter(x=df["step"], y=middle, mode="lines", name="median", line=dict(color="#4477AA"),
+                                 customdata=df["duration_ms"], hovertemplate="median %{y:.3f} ms, mean %{customdata:.3f} ms"))
+    else:
+        fig.add_trace(go.Scatter(x=df["step"], y=df["duration_ms"], mode="lines" if len(df) > 60 else "lines+markers",
+                                 name="step time", line=dict(color="#4477AA")))
+    if outliers is not None and len(outliers):
+        fig.add_trace(go.Scatter(x=outliers["step"], y=outliers["duration_ms"], mode="markers", name="outlier step",
+                                 marker=dict(color="#CC3311", size=7, symbol="x"),
+                                 customdata=outliers["median_ms"],
+                                 hovertemplate="step %{x}: %{y:.2f} ms (median then %{customdata:.2f} ms)"))
     return fig
 
 

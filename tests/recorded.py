@@ -95,3 +95,39 @@ def record_failed(directory: Path, name: str = "failed") -> StoredRun:
     except ValueError:
         pass
     return dpprof.load_run(run.path)
+
+
+STALL_S = 0.3  # a stalled step: over twice the median step even on a loaded machine
+
+
+class _Flagged(nn.Module):
+    """A small MLP whose forward sleeps on a chunk flagged in its first column: the device given it straggles."""
+
+    def __init__(self, sleep_s: float) -> None:
+        super().__init__()
+        self.sleep_s = sleep_s
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if float(x[0, 0]) > 0.5:
+            time.sleep(self.sleep_s)
+        return self.net(x)
+
+
+def record_straggler(directory: Path | None, steps: int, detail: object = "bounded", stall_steps: tuple[int, ...] = (),
+                     name: str = "straggler", sleep_s: float = 0.002):
+    """A run on 2 CPU workers whose cpu:0 sleeps ``sleep_s`` in every apply (a straggler by construction), with
+    ``stall_steps`` stalled STALL_S more; ``directory`` None keeps it in memory. Returns the closed Run."""
+    torch.manual_seed(0)
+    net = dpprof.DataParallel(_Flagged(sleep_s), device_ids=dpprof.cpu_devices(2))
+    x = torch.randn(16, 8)
+    x[:, 0] = 0.0
+    x[:8, 0] = 1.0  # torch.chunk gives cpu:0 the first 8 rows: the flagged chunk
+    with dpprof.record(name=name, reports_dir=str(directory) if directory else None, detail=detail,
+                       store=directory is not None) as run:
+        for i in range(steps):
+            with run.step():
+                net(x).sum().backward()
+                if i in stall_steps:
+                    time.sleep(STALL_S)
+    return run

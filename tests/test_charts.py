@@ -23,12 +23,15 @@ def _names(fig: go.Figure) -> list[str]:
     return [t.name for t in fig.data]
 
 
-def test_step_times_is_one_line_or_a_mean_with_its_band(runs):
+def test_step_times_is_one_line_or_a_median_with_its_band(runs):
     run = runs["plain"]
     fig = charts.step_times(queries.step_times(run))
     assert _names(fig) == ["step time"] and list(fig.data[0].y) == run.steps["duration_ms"].tolist()
     fig = charts.step_times(queries.step_times(run, max_points=2))
-    assert _names(fig) == [None, "min-max", "step time"] and "mean of every 3 steps" in fig.layout.title.text
+    assert _names(fig) == [None, "min-max", "median"] and "every 3 steps: median" in fig.layout.title.text
+    durations = run.steps.sort_values("step")["duration_ms"]
+    assert list(fig.data[2].y) == [durations.iloc[i:i + 3].median() for i in range(0, len(durations), 3)]
+    assert list(fig.data[0].y) == [durations.iloc[i:i + 3].max() for i in range(0, len(durations), 3)]
 
 
 def test_phase_breakdown_stacks_each_phase_and_the_rest(runs):

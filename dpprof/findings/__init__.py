@@ -87,14 +87,25 @@ def rules_for(model: RunModel) -> tuple[tuple[Rule, ...], tuple[tuple[Rule, str]
 
 
 def tables_of(run: StoredRun, last_steps: int | None = None) -> Tables:
-    """The run's tables for the rules: every row, or those of its last ``last_steps`` steps."""
+    """The run's tables for the rules: every row, or those of its last ``last_steps`` steps.
+
+    A long run whose detail was thinned (dpprof.store.retention) gives every step's time, and the phases and
+    all-reduces of the steps whose detail stands for the run without bias (RunModel.sampled_steps_sql: the
+    first steps, one in ``every``, the newest), not the outliers kept for their own sake, with those steps'
+    times; every step's time is ``all_steps``; its memory and allocator rows include each device's peak step."""
     names = ("steps", "phases", "memory", "allocator", "comms", "gpu_time")
-    if last_steps is None:
+    sampled = run.model.sampled_steps_sql()
+    if last_steps is None and not run.model.thinned:
         frames = {t: run.table(t) for t in (*names, "gpu_samples")}
+    elif last_steps is None:
+        frames = {t: run.query(f"SELECT * FROM {t}" + (f" WHERE {sampled}" if t in ("steps", "phases", "comms") else ""))
+                  for t in (*names, "gpu_samples")}
+        frames["all_steps"] = run.table("steps")
     else:
         last = run.query("SELECT MAX(step) AS s FROM steps")["s"].max()
         lo = -1 if pd.isna(last) else int(last) - last_steps + 1
-        frames = {t: run.query(f"SELECT * FROM {t} WHERE step >= ?", (lo,)) for t in names}
+        frames = {t: run.query(f"SELECT * FROM {t} WHERE step >= ?" + (f" AND {sampled}" if t in ("phases", "comms")
+                                                                        else ""), (lo,)) for t in names}
         t0 = frames["steps"]["start_ms"].min() if not frames["steps"].empty else 0.0
         frames["gpu_samples"] = run.query("SELECT * FROM gpu_samples WHERE t_ms >= ?", (float(t0),))
     return Tables(model=run.model, traced_dataparallel=(run.meta.get("workload_args") or {}).get("dataparallel"),

@@ -29,6 +29,19 @@ class Tables:
     comms: pd.DataFrame
     gpu_time: pd.DataFrame
     traced_dataparallel: str | None = None  # an imported trace's DataParallel: "torch" or "exact" (dpprof ranges)
+    # a thinned run (dpprof.store.retention): ``steps`` are those whose detail stands for the run, like its phases;
+    # every step's time is here, for the rules over step times alone (outliers) and for costs over the whole run
+    all_steps: pd.DataFrame | None = None
+
+    @property
+    def every_step(self) -> pd.DataFrame:
+        """Every step of the run (``steps`` unless the run was thinned)."""
+        return self.steps if self.all_steps is None else self.all_steps
+
+    @property
+    def later_step_count(self) -> int:
+        """How many steps the run has past its first: what a per-step cost is paid over."""
+        return max(0, int(self.every_step["step"].nunique()) - 1)
 
     @property
     def step_durations_ms(self) -> pd.Series:

@@ -56,7 +56,7 @@ def straggler(t: Tables) -> list[dict]:
                     f"{slow} is the straggler: its apply takes {found.ratio:.2f}x the others'",
                     f"median apply {found.medians[slow]:.2f} ms on {slow} vs {found.medians.drop(slow).median():.2f} ms "
                     f"on the others; slowest in {found.slowest_share:.0%} of {found.steps} steps; the others wait "
-                    f"{wait:.2f} ms per step, {found.wait_ms.sum() / 1e3:.2f} s over the run "
+                    f"{wait:.2f} ms per step, {wait * t.later_step_count / 1e3:.2f} s over the run "
                     f"({wait / step_ms:.0%} of the median step)",
                     f"Every step waits for {slow}. If its chunk is bigger or its inputs longer (sorted or bucketed "
                     f"batches), shuffle within the batch or balance by cost; if it is a slower or busier device, "
@@ -115,7 +115,7 @@ def dataparallel_tax(t: Tables) -> list[dict]:
     parts = ", ".join(f"{p} {by_phase.get(p, 0):.2f} ms" for p in DP_TAX_PHASES)
     return [finding("dataparallel_tax", "critical" if share >= CRITICAL_STEP_SHARE else "warning", None,
                     f"scatter, replicate and gather take {share:.0%} of the step",
-                    f"per step: {parts} of a {step_ms:.2f} ms step; it {cost_text(tax_ms, len(steps))}",
+                    f"per step: {parts} of a {step_ms:.2f} ms step; it {cost_text(tax_ms, t.later_step_count)}",
                     "This is work only DataParallel does: DistributedDataParallel runs one process per GPU with the "
                     "model resident there, so it has no replicate and no gather, and overlaps the gradient all-reduce "
                     "with backward. A larger batch per step also spreads this cost.", share)]

@@ -36,7 +36,7 @@ def straggler_rank(t: Tables) -> list[dict]:
                     f"median time to gradients ready (data + forward + backward compute): {slow} "
                     f"{found.medians[slow]:.2f} ms, the others {found.medians.drop(slow).median():.2f} ms; slowest in "
                     f"{found.slowest_share:.0%} of {found.steps} steps; the other ranks wait {others_wait.mean():.2f} ms "
-                    f"per step at the all-reduce, {others_wait.sum() / 1e3:.2f} s over the run",
+                    f"per step at the all-reduce, {others_wait.mean() * t.later_step_count / 1e3:.2f} s over the run",
                     f"Look at {slow}'s data phase (input pipeline, its share of the data) and its device (slower or "
                     f"shared GPU, throttling). DDP steps at the pace of the slowest rank.", found.ratio)]
 
@@ -75,7 +75,7 @@ def communication(t: Tables) -> list[dict]:
                                 f"gradient all-reduce is busy {share:.0%} of the step, {overlap:.0%} of it overlapped",
                                 f"all-reduce busy {comm_ms:.2f} ms per step per rank of a {step_ms:.2f} ms step; "
                                 f"{overlap:.0%} of it ran while backward was still computing; the rest "
-                                f"{cost_text(exposed_ms, t.steps['step'].nunique())}",
+                                f"{cost_text(exposed_ms, t.later_step_count + 1)}",
                                 "Raise the per-rank batch (communication is per step, compute per sample), or compress "
                                 "gradients with a communication hook (fp16/bf16 compress, PowerSGD).", share))
     later = comms[comms["step"] > comms["step"].min()] if comms["step"].nunique() > 1 else comms  # DDP rebuilds buckets after step 0
@@ -85,7 +85,7 @@ def communication(t: Tables) -> list[dict]:
         findings.append(finding("bucket_size", "info", None, "all gradients travel in one bucket",
                                 f"{per_step_buckets:.0f} bucket per step of {mean_bytes / 2**20:.2f} MiB; "
                                 f"{overlap:.0%} overlap; the all-reduce after backward "
-                                f"{cost_text(exposed_ms, t.steps['step'].nunique())}",
+                                f"{cost_text(exposed_ms, t.later_step_count + 1)}",
                                 "With one bucket the all-reduce starts only when backward has finished: lower "
                                 "bucket_cap_mb (DDP's default is 25) to below "
                                 f"{max(mean_bytes / 2**20 / 4, 0.01):.2f} so it overlaps.", per_step_buckets))

@@ -20,7 +20,7 @@ OUTLIER_STEPS_LISTED = 8
 
 def outlier_steps(t: Tables) -> list[dict]:
     """Steps far beyond the run's median (stalls, contention from other load), named with their times."""
-    per = t.later_steps  # the first step's one-time costs are no stall
+    per = t.every_step.groupby("step")["duration_ms"].max().sort_index().iloc[1:]  # the first step's costs are no stall
     if len(per) < 3:
         return []
     median = float(per.median())

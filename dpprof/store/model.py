@@ -273,5 +273,5 @@ def describe(run: StoredRun) -> RunModel:
                     phases=tuple(phases), work=work, devices=tuple(devices), idle=idle, has=frozenset(has),
                     missing=_missing(run, kind, has, backend, work) if steps else {},
                     empty_reason=_empty_reason(run) if kind == "empty" else None, retention=retention,
-                    detail_from=detail_from, aggregated=retention is not None and not run.from_rows and (
-                        (retention.bounded and detail_from > 0) or steps > ROWS_READ_STEPS))
+                    detail_from=detail_from, aggregated=retention is not None and run.read != "rows" and (
+                        run.read == "aggregates" or (retention.bounded and detail_from > 0) or steps > ROWS_READ_STEPS))

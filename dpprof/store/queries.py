@@ -10,7 +10,7 @@ the documented columns, never an exception.
 A long run (run.model.aggregated) is read from the per-block aggregates its writer built
 (dpprof.store.blocks): sums, extremes and quantile sketches per block of steps, never a scan of its rows;
 what needs rows (a sample of work times, a Timeline range) reads the detail the run kept
-(dpprof.store.retention). Both ways give the same columns; ``load_run(..., from_rows=True)`` forces rows.
+(dpprof.store.retention). Both ways give the same columns; ``load_run(..., read="rows")`` forces rows.
 """
 from __future__ import annotations
 
@@ -488,6 +488,16 @@ def timeline(run: StoredRun, first_step: int, last_step: int) -> tuple[pd.DataFr
     phases["end_ms"] = phases["start_ms"] + phases["duration_ms"]
     steps["end_ms"] = steps["start_ms"] + steps["duration_ms"]
     return phases, steps[["step", "start_ms", "duration_ms", "end_ms"]]
+
+
+def detail_steps(run: StoredRun, first_step: int, last_step: int) -> list[int]:
+    """The steps of first_step..last_step that kept their detail rows (every step of a run not thinned)."""
+    if not run.model.thinned:
+        return list(range(first_step, last_step + 1))
+    kept = run.query("SELECT DISTINCT step FROM phases WHERE step BETWEEN ? AND ? UNION "
+                     "SELECT DISTINCT step FROM memory WHERE step BETWEEN ? AND ?",
+                     (first_step, last_step, first_step, last_step))
+    return sorted(int(s) for s in kept["step"].unique())
 
 
 GPU_TIME_PARTS = ("computation_ms", "overlapping_ms", "communication_ms", "memcpy_ms", "memset_ms", "idle_ms")

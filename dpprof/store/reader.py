@@ -37,6 +37,7 @@ HEARTBEAT_TIMEOUT_S = 30.0  # the writer commits every 0.5 s; 60 missed commits 
 # free, was cut short by the full disk: one commit of a busy run is hundreds of KB of log.
 FULL_DISK_FREE_BYTES = 1 << 20
 TABLES = tuple(RECORD_TABLES.values())
+READS = ("auto", "rows", "aggregates")  # load_run's read: where a run's figures come from
 
 
 class RunFileError(Exception):
@@ -116,6 +117,7 @@ def _read_meta(con: sqlite3.Connection, path: Path | None = None) -> dict[str, A
     row = {c: stored.get(c) for c in RUN_COLUMNS}  # a column added since the file was written reads as None
     for key in ("devices", "workload_args"):
         row[key] = json.loads(row[key]) if row[key] else ([] if key == "devices" else {})
+    row["detail"] = json.loads(row["detail"]) if row["detail"] else None  # dpprof.store.retention.Retention's fields
     row["stored_status"] = row["status"]
     row["status"] = _effective_status(row, path)
     row["schema_version"] = version
@@ -134,9 +136,9 @@ class StoredRun:
     _frames: dict[str, pd.DataFrame] = field(default_factory=dict, repr=False)
     paths: list[Path] = field(default_factory=list)  # every file of the run, by rank
     _model: RunModel | None = field(default=None, repr=False)
-    # read every figure from the detail rows, never the per-block aggregates (a run recorded with detail="all"
-    # then gives full detail's figures: what the aggregates are checked against)
-    from_rows: bool = False
+    # where figures are read from: "auto" (RunModel.aggregated decides), "rows" (the detail rows, never the
+    # per-block aggregates: a run recorded with detail="all" then gives full detail's figures) or "aggregates"
+    read: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.paths:
@@ -337,22 +339,25 @@ def _resolve(run: str | os.PathLike[str], directory: Path) -> Path:
 
 
 def load_run(run: str | os.PathLike[str], reports_dir_: str | os.PathLike[str] | None = None,
-             from_rows: bool = False) -> StoredRun:
+             read: str = "auto") -> StoredRun:
     """Open one run by id (or a unique id prefix) in the reports directory, or by path.
 
-    A torch.distributed run is read from every rank file of it beside the one named. ``from_rows`` reads
-    every figure from the detail rows, never the per-block aggregates (StoredRun.from_rows).
+    A torch.distributed run is read from every rank file of it beside the one named. ``read`` says where
+    figures come from: "auto" (a long run's aggregates, a short run's rows), "rows" or "aggregates" (a run of
+    schema 1 has rows only).
 
     Raises:
         RunFileError: no such run, or the file is not a readable dpprof run (the message says why).
     """
+    if read not in READS:
+        raise ValueError(f"read must be one of {', '.join(READS)}, got {read!r}")
     path = _resolve(run, reports_dir(reports_dir_))
     try:
         meta, _ = _open(path)
     except RunFileError as err:
         raise RunFileError(f"{path.name}: {err}") from None
     if meta.get("rank") is None:
-        return StoredRun(path=path, meta=meta, from_rows=from_rows)
+        return StoredRun(path=path, meta=meta, read=read)
     files = sorted(path.parent.glob(f"{meta['id']}.rank*{RUN_SUFFIX}"), key=lambda p: _rank_of(p) or 0)
     metas = []
     for f in files:
@@ -360,4 +365,4 @@ def load_run(run: str | os.PathLike[str], reports_dir_: str | os.PathLike[str] |
             metas.append(_open(f)[0])
         except RunFileError as err:
             raise RunFileError(f"{f.name}: {err}") from None
-    return StoredRun(path=files[0], meta=_combine(metas), paths=files, from_rows=from_rows)
+    return StoredRun(path=files[0], meta=_combine(metas), paths=files, read=read)

@@ -69,6 +69,7 @@ class Overview:
     tax_ms: float | None = None  # ... in ms per step
     comms: pd.DataFrame = field(default_factory=pd.DataFrame)  # comm_stats: DDP ranks
     gpu: pd.DataFrame = field(default_factory=pd.DataFrame)  # queries.gpu_time: imported traces with GPUs
+    outliers: pd.DataFrame = field(default_factory=pd.DataFrame)  # queries.outlier_steps: a long run's, marked
 
 
 def _nan_to_none(value: Any) -> Any:
@@ -143,7 +144,8 @@ def glance(run: StoredRun, stats: dict[str, Any] | None = None) -> Glance:
 
 def comm_stats(run: StoredRun) -> pd.DataFrame:
     """Per rank: the gradient all-reduce per step (buckets, bytes, busy ms: the union of the buckets' spans)
-    and the share of it that overlapped backward compute. Empty without all-reduce records.
+    and the share of it that overlapped backward compute, over the steps whose detail stands for the run (every
+    step, or a long run's sample: RunModel.sampled_steps_sql). Empty without all-reduce records.
 
     Returns:
         columns device, steps, buckets_per_step, bytes_per_step, busy_ms, overlap_pct.
@@ -151,8 +153,10 @@ def comm_stats(run: StoredRun) -> pd.DataFrame:
     cols = ["device", "steps", "buckets_per_step", "bytes_per_step", "busy_ms", "overlap_pct"]
     if "comms" not in run.model.has:
         return pd.DataFrame(columns=cols)
-    comms = run.query("SELECT step, device, bucket, bucket_bytes, launch_ms, duration_ms FROM comms")
-    ends = run.query("SELECT step, device, start_ms + duration_ms AS end_ms FROM phases WHERE phase = 'backward_compute'")
+    sampled = run.model.sampled_steps_sql()  # a long run: the steps whose detail stands for it
+    comms = run.query(f"SELECT step, device, bucket, bucket_bytes, launch_ms, duration_ms FROM comms WHERE {sampled}")
+    ends = run.query("SELECT step, device, start_ms + duration_ms AS end_ms FROM phases "
+                     f"WHERE phase = 'backward_compute' AND {sampled}")
     compute_end = ends.set_index(["step", "device"])["end_ms"].to_dict()
     rows = []
     for (step, device), c in comms.groupby(["step", "device"]):
@@ -176,7 +180,8 @@ def overview(run: StoredRun) -> Overview:
     stats = queries.run_stats(run)
     totals = queries.phase_totals(run, stats)
     data = Overview(model=model, glance=glance(run, stats), stats=stats, steps=queries.step_times(run),
-                    breakdown=queries.phase_breakdown(run), totals=totals, findings=run_findings(run))
+                    breakdown=queries.phase_breakdown(run), totals=totals, findings=run_findings(run),
+                    outliers=queries.outlier_steps(run))
     if model.dataparallel and not totals.empty:
         tax = totals[totals["phase"].isin(DP_TAX_PHASES)]
         data.tax_pct, data.tax_ms = _nan_to_none(float(tax["share_pct"].sum())), float(tax["per_step_ms"].sum())

@@ -6,7 +6,8 @@ import pandas as pd
 from dpprof.store import queries
 from dpprof.store.reader import StoredRun
 
-__all__ = ["TIMELINE_DEFAULT_STEPS", "step_bounds", "default_timeline_range", "timeline", "lanes_text"]
+__all__ = ["TIMELINE_DEFAULT_STEPS", "step_bounds", "default_timeline_range", "timeline", "lanes_text",
+           "detail_gaps"]
 
 TIMELINE_DEFAULT_STEPS = 5  # a few steps show each phase wide enough to read
 
@@ -30,6 +31,24 @@ def default_timeline_range(run: StoredRun) -> tuple[int, int]:
 def timeline(run: StoredRun, first_step: int, last_step: int) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The phases and steps of a range of steps (see dpprof.store.queries.timeline)."""
     return queries.timeline(run, first_step, last_step)
+
+
+def detail_gaps(run: StoredRun, first_step: int, last_step: int) -> str | None:
+    """Where a range of steps holds only aggregates (a long run's thinned detail), in one sentence; None when
+    every step of the range kept its detail."""
+    model = run.model
+    if not model.thinned:
+        return None
+    last_step = min(last_step, first_step + queries.TIMELINE_MAX_STEPS - 1)
+    kept = set(queries.detail_steps(run, first_step, last_step))
+    missing = [s for s in range(first_step, last_step + 1) if s not in kept]
+    if not missing:
+        return None
+    shown = len(kept)
+    return (f"Steps {first_step}–{last_step}: {len(missing)} of {last_step - first_step + 1} hold only their step "
+            f"time and the aggregates (this run keeps full detail for the first {model.retention.first_steps:,} steps, "
+            f"one in {model.retention.every}, outliers and their neighbours, peaks and steps "
+            f"{model.detail_from:,} on); {shown} shown in full.")
 
 
 def lanes_text(run: StoredRun) -> str:

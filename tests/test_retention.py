@@ -1,0 +1,164 @@
+"""dpprof.store.retention: which steps keep their detail, what findings read from a thinned run, and a killed
+run's aggregates. Every run here is recorded by the CPU backend; the rules are checked on what it stored."""
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+import dpprof
+from dpprof.findings import findings_from, tables_of
+from dpprof.store.blocks import SETTLE_STEPS
+from dpprof.store.retention import ALL, Retention
+from dpprof.store.writer import SqliteSink
+from dpprof.views import overview
+from recorded import record_straggler
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = Retention(first_steps=30, last_steps=30, every=10, chunk_steps=50, outliers_per_chunk=2, block_steps=10)
+STALLS = (137, 212)
+
+
+def _steps_with(path: str, table: str) -> set[int]:
+    con = sqlite3.connect(path)
+    try:
+        return {r[0] for r in con.execute(f"SELECT DISTINCT step FROM {table}")}
+    finally:
+        con.close()
+
+
+@pytest.fixture(scope="module")
+def bounded(tmp_path_factory):
+    return record_straggler(tmp_path_factory.mktemp("bounded"), 300, detail=SMALL, stall_steps=STALLS).path
+
+
+def test_every_step_time_is_kept_and_the_detail_follows_the_rules(bounded):
+    run = dpprof.load_run(bounded)
+    assert run.steps["step"].tolist() == list(range(300))  # the steps table stays whole
+    model = run.model
+    assert model.thinned and model.aggregated and model.detail_from == 250  # chunks of 50 up to 300 - 30 thinned
+    outliers = run.query("SELECT step, duration_ms, median_ms FROM outlier_steps")
+    peaks = run.query("SELECT device, peak_step FROM memory_blocks m WHERE peak_held_bytes = "
+                      "(SELECT MAX(peak_held_bytes) FROM memory_blocks WHERE device = m.device) ORDER BY block")
+    peak_steps = set(peaks.groupby("device")["peak_step"].first())
+    expected = ({s for s in range(300) if s < 30 or s % 10 == 0 or s >= 250} | peak_steps
+                | {n for s in outliers["step"] for n in (s - 1, s, s + 1)})
+    assert _steps_with(bounded, "phases") == expected
+    assert _steps_with(bounded, "memory") == expected
+
+
+def test_outliers_are_the_slowest_steps_over_twice_the_median_a_few_per_chunk(bounded):
+    run = dpprof.load_run(bounded)
+    outliers = run.query("SELECT step, duration_ms, median_ms FROM outlier_steps")
+    durations = run.steps.set_index("step")["duration_ms"]
+    assert (outliers["duration_ms"] > 2 * outliers["median_ms"]).all()
+    assert (outliers["duration_ms"].to_numpy() == durations[outliers["step"]].to_numpy()).all()
+    chunks = outliers.groupby(outliers["step"] // SMALL.chunk_steps)
+    assert chunks.size().max() <= SMALL.outliers_per_chunk
+    for stall in STALLS:  # a stalled step is kept, unless its chunk's quota went to steps slower still
+        chunk = outliers[outliers["step"] // SMALL.chunk_steps == stall // SMALL.chunk_steps]
+        assert stall in set(chunk["step"]) or (
+            len(chunk) == SMALL.outliers_per_chunk and (chunk["duration_ms"] >= durations[stall]).all())
+
+
+def test_the_timeline_says_where_a_range_holds_only_aggregates(bounded):
+    from dpprof.views import timeline
+
+    run = dpprof.load_run(bounded)
+    said = timeline.detail_gaps(run, 101, 109)
+    kept = set(_steps_with(bounded, "phases")) & set(range(101, 110))
+    assert said is not None and f"{9 - len(kept)} of 9 hold only their step time" in said
+    assert timeline.detail_gaps(run, 260, 290) is None  # the newest steps are whole
+    phases, steps = timeline.timeline(run, 101, 109)
+    assert set(phases["step"]) == kept and steps["step"].tolist() == list(range(101, 110))
+
+
+def _replay(run, directory: Path, retention: Retention) -> str:
+    """Write a run kept in memory through the real writer again, step by step as it was recorded."""
+    tables = run.sink.tables
+    by_step: dict[int, list] = defaultdict(list)
+    for table in ("phases", "memory", "allocator", "comms"):
+        for r in tables[table]:
+            by_step[r.step].append(r)
+    directory.mkdir()
+    sink = SqliteSink(str(directory / f"{run.id}.sqlite"), run.metadata(), retention=retention, max_buffered=10**7)
+    for r in tables["devices"] + tables["notes"]:
+        sink.put(r)
+    for step in tables["steps"]:
+        for r in by_step[step.step]:
+            sink.put(r)
+        sink.put(step)
+    sink.close()
+    assert sink.dropped == 0
+    return sink.path
+
+
+def test_findings_and_the_glance_of_a_thinned_run_agree_with_full_detail(tmp_path):
+    """The same records written whole and with bounded detail give the same findings (kinds, severities,
+    devices; the straggler's ratio within 10%) and the same device at a glance."""
+    run = record_straggler(None, 400, stall_steps=(120, 250))
+    small = Retention(first_steps=30, last_steps=30, every=5, chunk_steps=50, outliers_per_chunk=2, block_steps=10)
+    whole = dpprof.load_run(_replay(run, tmp_path / "all", ALL), read="rows")
+    thin = dpprof.load_run(_replay(run, tmp_path / "bounded", small))
+    assert not whole.model.thinned and thin.model.thinned
+    a, b = findings_from(tables_of(whole)), findings_from(tables_of(thin))
+    key = ["kind", "severity", "device"]
+    assert sorted(map(tuple, a[key].values)) == sorted(map(tuple, b[key].values))
+    assert "straggler" in set(a["kind"])
+    va = a.set_index("kind").loc["straggler", "value"]
+    vb = b.set_index("kind").loc["straggler", "value"]
+    assert abs(vb - va) <= 0.10 * va
+    ga, gb = overview.glance(whole), overview.glance(thin)
+    assert (ga.slowest, ga.heaviest, ga.time_uneven) == (gb.slowest, gb.heaviest, gb.time_uneven)
+
+
+_KILLED = r"""
+import time, torch, dpprof
+from dpprof.store.retention import Retention
+net = dpprof.DataParallel(torch.nn.Linear(5, 2), device_ids=dpprof.cpu_devices(2))
+detail = Retention(first_steps=20, last_steps=20, every=10, chunk_steps=20, block_steps=10)
+with dpprof.record(name="killed", detail=detail) as run:
+    print(run.path, flush=True)
+    i = 0
+    while True:
+        with run.step():
+            net(torch.randn(8, 5)).sum().backward()
+        print(i, flush=True)
+        i += 1
+        time.sleep(0.002)
+"""
+
+
+def test_a_killed_runs_aggregates_match_its_committed_rows(reports):
+    """SIGKILL: the aggregates cover every committed step but the last few not yet settled, never more; the
+    thinning went as far as the steps committed allowed; the pages open."""
+    child = subprocess.Popen([sys.executable, "-c", _KILLED], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "DPPROF_REPORTS": str(reports), "PYTHONPATH": str(ROOT)})
+    try:
+        path = child.stdout.readline().strip()
+        while int(child.stdout.readline()) < 150:
+            pass
+        time.sleep(1.2)  # > 2 commit intervals
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    run = dpprof.load_run(path)
+    assert run.meta["status"] == "incomplete"
+    committed = len(run.steps)
+    assert run.steps["step"].tolist() == list(range(committed)) and committed >= 150
+    counted = int(run.query("SELECT SUM(steps) AS n FROM step_blocks")["n"].iloc[0])
+    assert committed - SETTLE_STEPS - 1 <= counted <= committed
+    work = run.query("SELECT device, SUM(steps) AS n FROM phase_blocks WHERE phase = 'work' GROUP BY device")
+    assert (work["n"] == counted).all() and len(work) == 2
+    assert 0 < run.model.detail_from <= committed - 20
+    assert max(_steps_with(path, "phases")) <= committed  # no row of a step the steps table lacks but the last
+    data = overview.overview(run)
+    assert data.stats["steps"] == counted and len(data.steps) and not data.breakdown.empty
