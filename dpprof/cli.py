@@ -351,6 +351,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
     ranks = f" on each of {run.ranks} ranks" if run.ranks > 1 else ""
     print(f"  {stats['steps']:,} steps{ranks}, median {stats['median_step_ms']:.2f} ms, "
           f"batch {stats['batch_size'] if stats['batch_size'] else '-'}")
+    if model.detail_text():
+        print(f"  {model.detail_text()}")
     summary = summary_of(run)
     print(f"\nper {model.unit} ({model.work.label}):")  # units in the headers: `dpprof export` keeps machine values
     print(_table(display_table(summary[summary_columns(run, summary)].reset_index()).set_index("device"), "{:,.2f}"))

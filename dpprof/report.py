@@ -19,8 +19,8 @@ def summary_of(run: StoredRun) -> pd.DataFrame:
 
     Columns, with ``<work>`` the run's work (run.model.work.column: "apply" for DataParallel, "compute" for a
     process's forward and backward compute): steps, <work>_mean_ms, <work>_min_ms, <work>_max_ms,
-    <work>_p50_ms, <work>_p95_ms, <work>_share_of_step_pct, sampled (percentiles from every k-th step of a
-    long run), output_device, peak_step, peak_held_bytes and what was held then by kind, chunk_size_mean/
+    <work>_p50_ms, <work>_p95_ms, <work>_share_of_step_pct, sampled (percentiles from every k-th step, or a
+    long run's quantile sketches), output_device, peak_step, peak_held_bytes and what was held then by kind, chunk_size_mean/
     min/max, peak_allocated_bytes and peak_reserved_bytes (CUDA allocator; NaN without one); for an imported
     trace with GPUs, gpu_step_ms, gpu_busy_ms and gpu_idle_pct too.
     """

@@ -162,3 +162,21 @@ def test_a_killed_runs_aggregates_match_its_committed_rows(reports):
     assert max(_steps_with(path, "phases")) <= committed  # no row of a step the steps table lacks but the last
     data = overview.overview(run)
     assert data.stats["steps"] == counted and len(data.steps) and not data.breakdown.empty
+
+
+def test_a_fault_in_the_aggregates_costs_no_row(reports, monkeypatch, caplog):
+    """If the aggregates cannot take a record, the writer keeps every row, says so once, and the run reads from
+    its rows."""
+    def broken(self, final=False):
+        raise RuntimeError("no room for this block")
+
+    monkeypatch.setattr("dpprof.store.blocks.Aggregator.statements", broken)
+    with caplog.at_level("WARNING", logger="dpprof"):
+        run = record_straggler(reports, 12, sleep_s=0.0)
+    stored = dpprof.load_run(run.path)
+    assert stored.steps["step"].tolist() == list(range(12)) and stored.meta["status"] == "finished"
+    assert _steps_with(run.path, "phases") == set(range(12))
+    assert stored.model.retention is None and not stored.model.aggregated
+    assert any("per-block aggregates stopped" in m for m in stored.notes["message"])
+    assert [r.getMessage() for r in caplog.records if "aggregates stopped" in r.getMessage()]
+    assert overview.overview(stored).stats["steps"] == 12

@@ -161,6 +161,14 @@ _ALLOCATOR_SQL = _upsert("allocator_blocks", ("device", "phase", "block"), _ALLO
     "reserved_max_bytes": "MAX(reserved_max_bytes, excluded.reserved_max_bytes)"})
 
 
+def _or(value: int | None, none: int = -1) -> int:
+    return none if value is None else value
+
+
+def _none_below_zero(value: int) -> int | None:
+    return None if value < 0 else value
+
+
 def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
@@ -218,8 +226,8 @@ class Aggregator:
                     self._newest = r.step
             elif cls is DeviceMemoryRecord:
                 cell = self._acc(r.step).memory.get(r.device)
-                values = (r.input_bytes, r.output_bytes, r.activation_bytes, r.gathered_bytes, r.param_bytes,
-                          r.buffer_bytes)
+                values = (_or(r.input_bytes, 0), _or(r.output_bytes, 0), _or(r.activation_bytes, 0),
+                          _or(r.gathered_bytes, 0), _or(r.param_bytes, 0), _or(r.buffer_bytes, 0))
                 if cell is None:
                     self._acc(r.step).memory[r.device] = [1, *values]
                 else:
@@ -229,16 +237,17 @@ class Aggregator:
                 key = (r.device, r.chunk_size)
                 self._chunks[key] = self._chunks.get(key, 0) + 1
                 self._chunks_dirty = True
-            elif cls is AllocatorRecord:
+            elif cls is AllocatorRecord:  # an imported trace may lack a figure: -1 stands for none
                 acc = self._acc(r.step)
+                values = (_or(r.allocated_bytes), _or(r.peak_allocated_bytes), _or(r.reserved_bytes))
                 cell = acc.allocator.get((r.device, r.phase))
                 if cell is None:
-                    acc.allocator[(r.device, r.phase)] = [1, r.allocated_bytes, r.peak_allocated_bytes, r.reserved_bytes]
+                    acc.allocator[(r.device, r.phase)] = [1, *values]
                 else:
                     cell[0] += 1
-                    cell[1] = max(cell[1], r.allocated_bytes)
-                    cell[2] = max(cell[2], r.peak_allocated_bytes)
-                    cell[3] = max(cell[3], r.reserved_bytes)
+                    cell[1] = max(cell[1], values[0])
+                    cell[2] = max(cell[2], values[1])
+                    cell[3] = max(cell[3], values[2])
         self._settle(self._newest - SETTLE_STEPS + 1)
 
     def _acc(self, step: int) -> _StepAcc:
@@ -423,7 +432,9 @@ class Aggregator:
                                                   m.peak_step, m.peak, *m.kinds)))
             else:
                 a = self._allocator[key]
-                out.append((_ALLOCATOR_SQL[a.late], (*key, a.rows, a.allocated, a.peak, a.reserved, a.peak_step)))
+                out.append((_ALLOCATOR_SQL[a.late], (*key, a.rows, _none_below_zero(a.allocated),
+                                                     _none_below_zero(a.peak), _none_below_zero(a.reserved),
+                                                     a.peak_step if a.peak >= 0 else None)))
         self._dirty.clear()
         if self._chunks_dirty:
             out.append(("DELETE FROM chunk_counts", ()))

@@ -22,7 +22,7 @@ import pandas as pd
 from dpprof.records import DDP_PHASES, MEMORY_BYTES, device_key
 from dpprof.store.blocks import WORK
 from dpprof.store.reader import StoredRun
-from dpprof.store.sketch import quantiles
+from dpprof.store.sketch import grouped_quantile, quantiles
 
 __all__ = ["MAX_POINTS", "WORK_SAMPLE_PER_DEVICE", "TIMELINE_MAX_STEPS", "GPU_METRICS", "bucket_width",
            "stacked_phases", "run_stats", "median_step_ms", "step_times", "phase_breakdown", "phase_totals",
@@ -138,14 +138,14 @@ def _step_band(run: StoredRun, first: int, last: int, max_points: int) -> pd.Dat
     if run.ranks > 1:  # ranks step together: one band over every rank's steps
         blocks = blocks.sort_values("block", kind="stable")
     blocks["bucket"] = blocks["block"] // _blocks_per_bucket(run, first, last, max_points)
-    rows = []
-    for bucket, b in blocks.groupby("bucket", sort=True):
-        rows.append({"step": int(b["first_step"].min()), "steps": int(b["steps"].sum()) // run.ranks,
-                     "duration_ms": float(b["sum_ms"].sum() / b["steps"].sum()),
-                     "min_duration_ms": float(b["min_ms"].min()),
-                     "median_duration_ms": quantiles(b["sketch"], (0.5,))[0],
-                     "max_duration_ms": float(b["max_ms"].max())})
-    return pd.DataFrame(rows)
+    out = blocks.groupby("bucket", sort=True).agg(step=("first_step", "min"), steps=("steps", "sum"),
+                                                  sum_ms=("sum_ms", "sum"), min_duration_ms=("min_ms", "min"),
+                                                  max_duration_ms=("max_ms", "max"))
+    out["steps"] //= run.ranks
+    out["duration_ms"] = out["sum_ms"] / (out["steps"] * run.ranks)
+    found, medians = grouped_quantile(blocks["sketch"].tolist(), blocks["bucket"].to_numpy(), 0.5)
+    out["median_duration_ms"] = pd.Series(medians, index=found).reindex(out.index)
+    return out.reset_index(drop=True)
 
 
 def _blocks_per_bucket(run: StoredRun, first: int, last: int, max_points: int) -> int:
@@ -174,7 +174,7 @@ def _span(run: StoredRun) -> tuple[int | None, int | None]:
     return int(span["a"].min()), int(span["b"].max())
 
 
-def phase_breakdown(run: StoredRun, max_points: int = MAX_POINTS) -> pd.DataFrame:
+def phase_breakdown(run: StoredRun, max_points: int = MAX_POINTS, steps: pd.DataFrame | None = None) -> pd.DataFrame:
     """Mean milliseconds per step of each phase that follows another (stacked_phases), and the rest.
 
     ``parallel_apply`` is the wall time of every device's apply together; ``rest_ms`` is the part of
@@ -182,10 +182,11 @@ def phase_breakdown(run: StoredRun, max_points: int = MAX_POINTS) -> pd.DataFram
 
     Returns:
         columns step (first of the bucket), steps, step_ms, one ``<phase>_ms`` per stacked phase, rest_ms.
+        ``steps``: step_times(run, max_points), if the caller has it already.
     """
     phases = stacked_phases(run.model.phases)
     cols = ["step", "steps", "step_ms", *[f"{p}_ms" for p in phases], "rest_ms"]
-    steps = step_times(run, max_points)
+    steps = step_times(run, max_points) if steps is None else steps
     if steps.empty:
         return pd.DataFrame(columns=cols)
     first, last = _span(run)

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-__all__ = ["RELATIVE_ACCURACY", "GAMMA", "ZERO_BUCKET", "Sketch", "decode", "quantiles"]
+__all__ = ["RELATIVE_ACCURACY", "GAMMA", "ZERO_BUCKET", "Sketch", "decode", "quantiles", "grouped_quantile"]
 
 RELATIVE_ACCURACY = 0.01  # a quantile read back is within 1% of the exact one
 GAMMA = (1 + RELATIVE_ACCURACY) / (1 - RELATIVE_ACCURACY)
@@ -92,3 +92,32 @@ def quantiles(blobs: Iterable[bytes | None], qs: Iterable[float]) -> list[float]
         rank = int(math.floor(min(max(q, 0.0), 1.0) * (n - 1)))
         out.append(_value(int(keys[np.searchsorted(cumulative, rank, side="right")])))
     return out
+
+
+def grouped_quantile(blobs: list[bytes | None], groups: np.ndarray, q: float) -> tuple[np.ndarray, np.ndarray]:
+    """The quantile ``q`` of each group's merged sketches at once (a band's median per bucket of blocks).
+
+    Args:
+        blobs: one sketch per row; groups: each row's group (integers).
+
+    Returns:
+        (the groups that hold values, sorted; their quantiles), read as ``quantiles`` reads them.
+    """
+    sizes = np.fromiter((len(b) // _PAIR.itemsize if b else 0 for b in blobs), dtype=np.int64, count=len(blobs))
+    if not sizes.sum():
+        return np.empty(0, dtype=np.int64), np.empty(0)
+    pairs = np.frombuffer(b"".join(b for b in blobs if b), dtype=_PAIR)
+    group = np.repeat(np.asarray(groups, dtype=np.int64), sizes)
+    order = np.lexsort((pairs["bucket"], group))
+    group, keys, counts = group[order], pairs["bucket"][order].astype(np.int64), pairs["count"][order].astype(np.int64)
+    found, start = np.unique(group, return_index=True)
+    ends = np.append(start[1:], len(group))
+    cumulative = np.cumsum(counts)
+    before = cumulative[start] - counts[start]
+    within = cumulative - np.repeat(before, ends - start)  # counts so far inside each group
+    totals = cumulative[ends - 1] - before
+    rank = np.floor(min(max(q, 0.0), 1.0) * (totals - 1)).astype(np.int64)
+    hits = np.flatnonzero(within > np.repeat(rank, ends - start))
+    chosen = keys[hits[np.searchsorted(hits, start)]]
+    values = np.where(chosen == ZERO_BUCKET, 0.0, 2 * GAMMA ** chosen.astype(float) / (GAMMA + 1))
+    return found, values

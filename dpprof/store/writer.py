@@ -269,11 +269,15 @@ class SqliteSink:
         for record in records:
             batches.setdefault(type(record), []).append(record)
         statements: list[tuple[str, Any]] = []
-        if aggregate:
-            self._aggregator.add(records)
-            statements = self._aggregator.statements(final)
-            if self._aggregator.detail_from != self._detail_from:
-                updates = {**updates, "detail_from": self._aggregator.detail_from}
+        if aggregate and self._aggregator is not None:
+            try:
+                self._aggregator.add(records)
+                statements = self._aggregator.statements(final)
+            except Exception as err:  # noqa: BLE001 - a fault in the aggregates never costs a row
+                statements, updates = self._stop_aggregating(err, updates)
+            else:
+                if self._aggregator.detail_from != self._detail_from:
+                    updates = {**updates, "detail_from": self._aggregator.detail_from}
         with self._con:
             for cls, rows in batches.items():
                 # each statement's rows are built just before it runs: SQLite runs it with the GIL
@@ -290,7 +294,18 @@ class SqliteSink:
                 self._con.execute(f"UPDATE runs SET {', '.join(f'{k} = ?' for k in updates)}",
                                   [_encode(v) for v in updates.values()])
         self.steps_kept += len(batches.get(StepRecord, ()))
-        self._detail_from = self._aggregator.detail_from
+        if self._aggregator is not None:
+            self._detail_from = self._aggregator.detail_from
+
+    def _stop_aggregating(self, err: Exception, updates: dict[str, Any]) -> tuple[list[tuple[str, Any]], dict[str, Any]]:
+        """The aggregates could not take a record: keep every row from now on, and read the run from its rows
+        (runs.detail cleared), with a note saying why."""
+        self._aggregator = None
+        log.warning("dpprof: %s: per-block aggregates stopped (%s: %s); the run keeps every row from here on",
+                    self.path, type(err).__name__, err)
+        note = self._note(f"per-block aggregates stopped after step {self.steps_kept} ({type(err).__name__}: {err}); "
+                          "the run keeps every row from there on and is read from its rows")
+        return [note], {**updates, "detail": None}
 
     def _stop_writing(self, err: BaseException, records: list[Record]) -> None:
         """A commit failed: keep what of it still fits, in the order it was recorded, then stop writing."""

@@ -13,8 +13,11 @@ from dpprof.findings import run_findings
 from dpprof.report import summary_of
 from dpprof.store import queries
 from dpprof.store.reader import TABLES, StoredRun
+from dpprof.store.schema import AGGREGATE_TABLES
+from dpprof.store.sketch import grouped_quantile
 
-__all__ = ["TABLE_DESCRIPTIONS", "EXTRA_TABLES", "export_tables", "table_csv", "run_zip", "export_table", "export_run", "EXPORTED"]
+__all__ = ["TABLE_DESCRIPTIONS", "AGGREGATE_DESCRIPTIONS", "EXTRA_TABLES", "export_tables", "table_csv", "run_zip",
+           "export_table", "export_run", "EXPORTED", "exported"]
 
 TABLE_DESCRIPTIONS = {
     "steps": "one row per step: start, duration, batch size",
@@ -36,6 +39,17 @@ PROCESS_DESCRIPTIONS = {
     "allocator": "the CUDA caching allocator of each rank's (or the trace's) GPU, per step",
     "devices": "the run's ranks or devices",
 }
+# The per-block aggregates the writer keeps (dpprof.store.blocks), in a run file of schema 2 and later; each
+# quantile sketch is exported as the block's p50 and p95.
+AGGREGATE_DESCRIPTIONS = {
+    "step_blocks": "per block of steps: count, sum, min, max, p50 and p95 of the step time",
+    "phase_blocks": ("per block, device and phase: the per-step sums' count, sum, min and max; the work rows also "
+                     "p50, p95, how often the device was the slowest and how long the others waited for it"),
+    "memory_blocks": "per block and device: the mean held, the peak step and what was held then",
+    "allocator_blocks": "per block, device and phase: the CUDA allocator's maxima",
+    "chunk_counts": "per device and chunk size: the forward calls",
+    "outlier_steps": "the outlier steps kept in full, with the median step when each came",
+}
 # Tables made from the run rather than stored in it.
 EXTRA_TABLES = {"run": "the run's metadata", "device_summary": "per device or rank: its work's time and its memory",
                 "phase_totals": "each phase's share of the step"}
@@ -47,8 +61,27 @@ def export_tables(run: StoredRun) -> pd.DataFrame:
     counts["findings"] = None  # computed (or stored) when asked for
     words = TABLE_DESCRIPTIONS if run.model.dataparallel else {**TABLE_DESCRIPTIONS, **PROCESS_DESCRIPTIONS}
     rows = [{"table": t, "rows": counts[t], "what": words.get(t, "")} for t in TABLES]
+    rows += [{"table": t, "rows": int(run.query(f"SELECT COUNT(*) AS n FROM {t}")["n"].sum()),
+              "what": AGGREGATE_DESCRIPTIONS[t]} for t in _aggregates(run)]
     rows += [{"table": t, "rows": 1 if t == "run" else None, "what": what} for t, what in EXTRA_TABLES.items()]
     return pd.DataFrame(rows)
+
+
+def _aggregates(run: StoredRun) -> tuple[str, ...]:
+    """The aggregate tables a run file holds (none before schema 2)."""
+    return tuple(AGGREGATE_TABLES) if run.model.retention is not None else ()
+
+
+def _with_quantiles(table: pd.DataFrame) -> pd.DataFrame:
+    """A table with a sketch column, each row's sketch as its p50_ms and p95_ms."""
+    if "sketch" not in table:
+        return table
+    out = table.drop(columns="sketch")
+    rows = range(len(table))
+    for q, col in ((0.5, "p50_ms"), (0.95, "p95_ms")):
+        found, values = grouped_quantile(table["sketch"].tolist(), list(rows), q)
+        out[col] = pd.Series(values, index=found).reindex(rows).to_numpy()
+    return out
 
 
 def export_table(run: StoredRun, name: str) -> pd.DataFrame:
@@ -63,6 +96,8 @@ def export_table(run: StoredRun, name: str) -> pd.DataFrame:
         return queries.phase_totals(run)
     if name in TABLES:
         return run.query(f"SELECT * FROM {name}")
+    if name in _aggregates(run):
+        return _with_quantiles(run.query(f"SELECT * FROM {name}"))
     raise KeyError(f"no table {name!r}")
 
 
@@ -71,16 +106,22 @@ def table_csv(run: StoredRun, name: str) -> bytes:
     return to_csv_bytes(export_table(run, name))
 
 
-# What an export writes, in order: the metadata, every stored table, the made summaries.
+# What an export writes, in order: the metadata, every stored table, the made summaries (and, for a run file of
+# schema 2, the aggregates: ``exported``).
 EXPORTED = ("run", *TABLES, "device_summary", "phase_totals")
 
 
+def exported(run: StoredRun) -> tuple[str, ...]:
+    """The tables an export of this run writes: EXPORTED, then its aggregate tables."""
+    return (*EXPORTED, *_aggregates(run))
+
+
 def export_run(run: StoredRun, out_dir: str | os.PathLike[str]) -> list[Path]:
-    """Write <table>.csv for every table and summary (EXPORTED) into out_dir; returns the paths."""
+    """Write <table>.csv for every table and summary (``exported``) into out_dir; returns the paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for name in EXPORTED:
+    for name in exported(run):
         path = out / f"{name}.csv"
         path.write_bytes(table_csv(run, name))
         written.append(path)
@@ -91,6 +132,6 @@ def run_zip(run: StoredRun) -> bytes:
     """The whole run as a zip of CSVs: run.csv, one per table, device_summary.csv, phase_totals.csv."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-        for name in EXPORTED:
+        for name in exported(run):
             z.writestr(f"{run.id}/{name}.csv", table_csv(run, name))
     return buf.getvalue()

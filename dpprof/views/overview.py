@@ -179,8 +179,9 @@ def overview(run: StoredRun) -> Overview:
     model = run.model
     stats = queries.run_stats(run)
     totals = queries.phase_totals(run, stats)
-    data = Overview(model=model, glance=glance(run, stats), stats=stats, steps=queries.step_times(run),
-                    breakdown=queries.phase_breakdown(run), totals=totals, findings=run_findings(run),
+    steps = queries.step_times(run)
+    data = Overview(model=model, glance=glance(run, stats), stats=stats, steps=steps,
+                    breakdown=queries.phase_breakdown(run, steps=steps), totals=totals, findings=run_findings(run),
                     outliers=queries.outlier_steps(run))
     if model.dataparallel and not totals.empty:
         tax = totals[totals["phase"].isin(DP_TAX_PHASES)]
