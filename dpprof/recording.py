@@ -29,7 +29,8 @@ from dpprof.store.ids import new_run_id
 from dpprof.store.reader import RUN_SUFFIX, load_run
 from dpprof.store.reader import reports_dir as resolve_reports_dir
 from dpprof.store.retention import Retention, retention_of
-from dpprof.store.writer import SqliteSink, fold_leftover_logs
+from dpprof.store.staging import open_sink
+from dpprof.store.writer import fold_leftover_logs
 
 __all__ = ["Run", "record", "current_run", "MemorySink", "Sink", "CLOSE_HOOKS"]
 
@@ -168,8 +169,10 @@ class Run:
                 raise start_failure(directory, err) from None  # one line, and nothing left behind
             fold_leftover_logs(directory)  # runs that closed on a full disk: one file again, if there is room now
             rank_part = f".rank{rank}" if rank is not None else ""  # one file per rank: a dead rank loses only its own
-            self.path = str(directory / f"{self.id}{rank_part}{RUN_SUFFIX}")
-            self.sink = SqliteSink(self.path, self.metadata(), retention=self.retention)
+            # on a network or FUSE filesystem the file is recorded on local disk and moved there at close
+            self.sink = open_sink(str(directory / f"{self.id}{rank_part}{RUN_SUFFIX}"), self.metadata(),
+                                  retention=self.retention)
+            self.path = self.sink.path
             self.sink.clock_ms = self.now_ms
         else:
             self.sink = MemorySink()
@@ -344,6 +347,7 @@ class Run:
         self.ended_at = datetime.now(timezone.utc)
         self.sink.update_run(status=status, error=error, ended_at=self.ended_at.isoformat())
         self.sink.close(steps_total=self._next_step)
+        self.path = getattr(self.sink, "path", self.path)  # a staged run's file, moved into the reports directory
         self._tell()
 
     def _tell(self) -> None:
@@ -354,6 +358,9 @@ class Run:
         self.recording_failed = getattr(self.sink, "failure", None) is not None
         if self.problem is None and self.status == "interrupted":
             self.problem = f"{self.error}: {getattr(self.sink, 'steps_kept', self._next_step)} steps kept in {self.path}"
+        stays = getattr(self.sink, "stays", None)  # a staged run that could not be moved into the reports directory
+        if stays is not None:
+            self.problem = f"{self.problem}; {stays}" if self.problem else stays
         if self.problem is not None:
             log.warning("dpprof: %s", self.problem)
 

@@ -6,9 +6,12 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def reports(tmp_path, monkeypatch):
-    """A fresh reports directory, also set as $DPPROF_REPORTS for code under test."""
+    """A fresh reports directory, also set as $DPPROF_REPORTS for code under test, and a staging directory
+    of its own (for a reports directory on a network filesystem), never another test's or the user's."""
     path = tmp_path / "reports"
     monkeypatch.setenv("DPPROF_REPORTS", str(path))
+    monkeypatch.setenv("DPPROF_STAGING_DIR", str(tmp_path / "staging"))
+    monkeypatch.delenv("DPPROF_NETWORK_FS", raising=False)
     return path
 
 

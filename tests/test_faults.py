@@ -417,6 +417,7 @@ def test_a_removed_directory_that_cannot_be_made_again_is_said_to_be_lost(report
 _CHILD = r"""
 import signal, sys, time, torch, dpprof
 signal.signal(signal.SIGINT, signal.default_int_handler)  # a test runner may have started us ignoring it
+signal.signal(signal.SIGHUP, signal.SIG_DFL)  # and nohup, SIGHUP (an ignored signal stays ignored while recording)
 stop = []
 if sys.argv[1] == "own":  # the program's own SIGTERM handler: finish the step, then stop
     signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))

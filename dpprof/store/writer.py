@@ -465,15 +465,34 @@ def check_reports_dir(directory: str | os.PathLike[str]) -> None:
 
     For a caller that starts a recording elsewhere (the dashboard starting ``dpprof profile``): it
     makes the directory and an empty run file under a hidden name, the way a run does, then removes it.
+    On a network or FUSE filesystem the run file is made in the staging directory (dpprof.store.staging)
+    and only a plain file in ``directory``, where the run is moved at close.
     """
+    from dpprof.store.staging import staging_for  # here: staging builds on this module
+
     directory = os.fspath(directory)
-    probe = os.path.join(directory, f"probe-{os.getpid()}-{threading.get_ident()}.sqlite")
     try:
         os.makedirs(directory, exist_ok=True)
+    except OSError as err:
+        raise start_failure(directory, err) from None
+    staging = staging_for(directory)  # raises where runs must be staged and cannot be
+    where = str(staging.directory) if staging is not None else directory
+    probe = os.path.join(where, f"probe-{os.getpid()}-{threading.get_ident()}.sqlite")
+    try:
         create_run_file(_hidden(probe), {"id": "probe", "status": "probe"}).close()
     except _WRITE_ERRORS as err:
+        if staging is not None:
+            raise staging.refusal(f"cannot be used ({cause_of(err)})") from None
         raise start_failure(directory, err) from None
-    _remove(_hidden(probe), *(_hidden(probe) + s for s in _SIDE_FILES))
+    finally:
+        _remove(_hidden(probe), *(_hidden(probe) + s for s in _SIDE_FILES))
+    if staging is not None:  # where the run is moved at close: a plain file, as the move makes
+        moved = _hidden(os.path.join(directory, os.path.basename(probe)))
+        try:
+            os.close(os.open(moved, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except OSError as err:
+            raise start_failure(directory, err) from None
+        _remove(moved)
 
 
 def fold_leftover_logs(directory: str | os.PathLike[str]) -> list[Path]:

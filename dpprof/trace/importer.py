@@ -2,11 +2,13 @@
 
 Several files of one job are one run with one rank per file, stored the way dpprof's own DDP runs are
 (one ``<run id>.rank<N>.sqlite`` per rank). Files are checked and converted first, the run is written
-under a hidden temporary directory in the reports directory and moved into place only when whole, so
-a bad file or an interrupted import leaves nothing behind.
+under a hidden temporary directory in the reports directory (on local disk where that is on a network or
+FUSE filesystem: dpprof.store.staging) and moved into place only when whole, so a bad file or an
+interrupted import leaves nothing behind.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -19,10 +21,12 @@ from typing import Any
 import pandas as pd
 
 from dpprof.records import NoteRecord, StepRecord
+from dpprof.store.faults import RecordingError
 from dpprof.store.model import TRACE_SOURCE
 from dpprof.store.ids import new_run_id  # the same ids as recorded runs
 from dpprof.store.reader import RUN_SUFFIX, load_run, reports_dir as resolve_reports_dir
 from dpprof.store.retention import ALL
+from dpprof.store.staging import move_into_place, staging_for
 from dpprof.store.writer import SqliteSink, replace_findings
 from dpprof.trace.collect import Collected, collect
 from dpprof.trace.convert import Converted, convert
@@ -33,6 +37,8 @@ __all__ = ["AlreadyImported", "ImportedRun", "import_traces", "trace_files", "im
 
 SOURCE = TRACE_SOURCE  # runs.source of an imported run
 _RANK_IN_NAME = re.compile(r"rank[_\-.]?(\d+)", re.IGNORECASE)
+
+log = logging.getLogger("dpprof")
 
 
 class AlreadyImported(TraceError):
@@ -152,7 +158,8 @@ def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | 
         AlreadyImported: without ``again``, a run in the reports directory was imported from one of the
             files (same name and size); nothing is read or written.
         TraceError: a file is missing, not a trace, truncated, empty, or the files are of different jobs
-            (nothing is written).
+            (nothing is written); or the reports directory is on a network filesystem and the local staging
+            directory cannot be used.
 
     Example:
         >>> run = import_traces(["rank0.pt.trace.json.gz", "rank1.pt.trace.json.gz"], name="baseline")
@@ -181,8 +188,15 @@ def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | 
     run_id = new_run_id()
     directory = resolve_reports_dir(reports_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    staging = directory / f".import-{run_id}"
+    try:
+        local = staging_for(directory)  # a network or FUSE filesystem: the run is written on local disk first
+    except RecordingError as err:  # it must be and cannot be: one line, as for a bad file
+        raise TraceError(str(err)) from None
+    staging = (local.directory if local is not None else directory) / f".import-{run_id}"
     staging.mkdir()
+    if local is not None:
+        log.warning("dpprof: %s: writing the run in %s on local disk and moving it into %s whole", local.why(),
+                    staging, directory)
     moved: list[Path] = []
     try:
         written = _write(staging, run_id, name or files[0].name, files, ranks if distributed else [None],
@@ -192,7 +206,7 @@ def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | 
             if (directory / path.name).exists():
                 raise TraceError(f"{directory / path.name}: already exists; nothing was imported")
         for path in written:
-            os.replace(path, directory / path.name)
+            move_into_place(path, directory / path.name)  # never over a file that appeared meanwhile
             moved.append(directory / path.name)
         staging.rmdir()
     except BaseException:
