@@ -102,7 +102,7 @@ def _replay(run, directory: Path, retention: Retention) -> str:
 
 def test_findings_and_the_glance_of_a_thinned_run_agree_with_full_detail(tmp_path):
     """The same records written whole and with bounded detail give the same findings (kinds, severities,
-    devices; the straggler's ratio within 10%) and the same device at a glance."""
+    devices; the straggler's figures close) and the same device at a glance."""
     run = record_straggler(None, 400, stall_steps=(120, 250))
     small = Retention(first_steps=30, last_steps=30, every=5, chunk_steps=50, outliers_per_chunk=2, block_steps=10)
     whole = dpprof.load_run(_replay(run, tmp_path / "all", ALL), read="rows")
@@ -112,9 +112,14 @@ def test_findings_and_the_glance_of_a_thinned_run_agree_with_full_detail(tmp_pat
     key = ["kind", "severity", "device"]
     assert sorted(map(tuple, a[key].values)) == sorted(map(tuple, b[key].values))
     assert "straggler" in set(a["kind"])
+    # the ratio's denominator is cpu:1's apply of a few tens of µs, whose median moves with the sample (about one
+    # step in three here; one in a hundred of a long run's thousands): within a quarter; cpu:0's own within 10%
     va = a.set_index("kind").loc["straggler", "value"]
     vb = b.set_index("kind").loc["straggler", "value"]
-    assert abs(vb - va) <= 0.10 * va
+    assert abs(vb - va) <= 0.25 * va
+    slow_a, slow_b = (float(t.set_index("kind").loc["straggler", "evidence"].split(" ms on cpu:0")[0].split()[-1])
+                      for t in (a, b))
+    assert abs(slow_b - slow_a) <= 0.10 * slow_a
     ga, gb = overview.glance(whole), overview.glance(thin)
     assert (ga.slowest, ga.heaviest, ga.time_uneven) == (gb.slowest, gb.heaviest, gb.time_uneven)
 

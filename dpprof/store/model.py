@@ -142,11 +142,12 @@ def present_phases(run: StoredRun, aggregates: bool = False) -> list[str]:
     """The phase names this run recorded, in the order a step runs them (with ``aggregates``, also those of
     steps whose rows were thinned away)."""
     order = {p: i for i, p in enumerate(PHASE_ORDER)}
-    names = set(map(str, distinct(run, "phases", "phase")))
-    if aggregates:
+    if aggregates:  # every phase recorded has its block rows (whose key leads with the phase)
         from dpprof.store.blocks import WORK
 
-        names |= {str(p) for p in distinct(run, "phase_blocks", "phase") if p != WORK}
+        names = {str(p) for p in distinct(run, "phase_blocks", "phase") if p != WORK}
+    else:
+        names = set(map(str, distinct(run, "phases", "phase")))
     return sorted(names, key=lambda p: (order.get(p, len(order)), p))
 
 
@@ -257,9 +258,11 @@ def describe(run: StoredRun) -> RunModel:
     tables = _nonempty_tables(run)
     work = _work(phases)
     has = (tables - {"steps", "devices", "notes", "findings"}) | ({"work"} if set(work.phases) & set(phases) else set())
-    seen = [str(d) for d in (distinct(run, "memory", "device") or distinct(run, "phases", "device"))]
-    if retention is not None:  # a device whose rows were all thinned away is still in the aggregates
-        seen += [str(d) for d in (distinct(run, "memory_blocks", "device") or []) if str(d) not in seen]
+    if retention is not None:  # the aggregates name every device, whose rows may have been thinned away
+        seen = [str(d) for d in (distinct(run, "memory_blocks", "device") or
+                                 run.query("SELECT DISTINCT device FROM phase_blocks")["device"].tolist())]
+    else:
+        seen = [str(d) for d in (distinct(run, "memory", "device") or distinct(run, "phases", "device"))]
     seen += [str(d) for d in distinct(run, "allocator", "device") if d not in seen]
     listed = [str(d) for d in run.meta.get("devices") or []]
     if run.ranks > 1 or kind == "ddp" or any(d.startswith("rank:") for d in listed):

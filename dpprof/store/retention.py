@@ -42,7 +42,7 @@ class Retention:
     last_steps: int = 1000
     every: int = 100  # one step in every this many keeps full detail
     chunk_steps: int = 1000  # steps decided together: the outlier quota's unit, and the unit of deletion
-    outliers_per_chunk: int = 5
+    outliers_per_chunk: int = 2  # a stall every few hundred steps is told; a noisy machine's many are not all kept
     block_steps: int = 100  # steps per aggregate block (dpprof.store.blocks)
 
     def __post_init__(self) -> None:

@@ -7,8 +7,8 @@ from dataclasses import fields
 
 from dpprof.records import MEMORY_BYTES, TABLE_OF
 
-__all__ = ["SCHEMA_VERSION", "FORMAT", "RECORD_TABLES", "RUN_COLUMNS", "INDEXES", "AGGREGATE_TABLES", "ddl",
-           "columns_of"]
+__all__ = ["SCHEMA_VERSION", "FORMAT", "RECORD_TABLES", "RUN_COLUMNS", "INDEXES", "LEGACY_INDEXES",
+           "AGGREGATE_TABLES", "ddl", "columns_of"]
 
 # 2: per-block aggregates (dpprof.store.blocks) and bounded detail (dpprof.store.retention); a version-1 file
 # holds every row and no aggregates, and reads as before.
@@ -53,7 +53,8 @@ def _create(table: str, columns: dict[str, str]) -> str:
 
 def ddl() -> list[str]:
     """Statements that create an empty run file of this schema version."""
-    statements = ["CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)",
+    statements = ["PRAGMA auto_vacuum = INCREMENTAL",  # pages the retention frees are given back at close
+                  "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)",
                   _create("runs", RUN_COLUMNS)]
     statements += [_create(t, columns_of(cls)) for cls, t in RECORD_TABLES.items()]
     for table, (columns, key) in AGGREGATE_TABLES.items():
@@ -64,25 +65,25 @@ def ddl() -> list[str]:
     return statements
 
 
-# Indices the read side needs to open a large run fast (dpprof.store.queries). Each costs the
-# background writer a little per record, never the training step. A file without them still
-# reads, only more slowly (run files written before they existed).
+# Indices the read side needs to find a range of steps in a run's detail rows (the Timeline, a long run's sample,
+# the retention's deletions: dpprof.store.retention). Each costs the background writer a little per record,
+# never the training step. Whole-run figures come from the per-block aggregates (AGGREGATE_TABLES), so the
+# covering indices schema 1 kept for them (LEGACY_INDEXES) are no longer made: they doubled the detail's size.
 INDEXES = {
     "phases_step": "phases (step)",  # the timeline: WHERE step BETWEEN a AND b
     "memory_step": "memory (step)",
-    # per-device apply statistics and per-phase sums read the index alone, never the table
-    "phases_phase": "phases (phase, device, step, duration_ms)",
-    # per-device memory peaks (per-step sums, one device at a time) read the index alone
-    "memory_device": ("memory (device, step, chunk_size, input_bytes, output_bytes, activation_bytes, "
-                      "gathered_bytes, param_bytes, buffer_bytes)"),
-    # the allocator's per-device peaks are one index lookup each (a CUDA run has 2 x devices rows a step)
+    # the allocator's per-device peaks of a short run are one index lookup each (a CUDA run has 2 x devices rows a step)
     "allocator_peak": "allocator (device, peak_allocated_bytes)",
     "allocator_reserved": "allocator (device, reserved_bytes)",
-    # the retention's deletions of detail (dpprof.store.retention) find a chunk's rows by step
     "allocator_step": "allocator (step)",
     "comms_step": "comms (step)",
 }
-
+# Made in schema-1 files (read as they are): per-device apply statistics and memory peaks read from the index alone.
+LEGACY_INDEXES = {
+    "phases_phase": "phases (phase, device, step, duration_ms)",
+    "memory_device": ("memory (device, step, chunk_size, input_bytes, output_bytes, activation_bytes, "
+                      "gathered_bytes, param_bytes, buffer_bytes)"),
+}
 
 _STAT = {"first_step": "INTEGER", "last_step": "INTEGER", "steps": "INTEGER"}
 _MS = {"sum_ms": "REAL", "min_ms": "REAL", "max_ms": "REAL"}

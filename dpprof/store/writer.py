@@ -442,6 +442,7 @@ class SqliteSink:
         deadline = time.monotonic() + FOLD_RETRY_S
         while True:
             try:
+                self._con.execute("PRAGMA incremental_vacuum").fetchall()  # free pages given back: the file shrinks
                 self._con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
                 self._con.execute("PRAGMA journal_mode=DELETE")
                 self.folded = True

@@ -68,8 +68,11 @@ def export_tables(run: StoredRun) -> pd.DataFrame:
 
 
 def _aggregates(run: StoredRun) -> tuple[str, ...]:
-    """The aggregate tables a run file holds (none before schema 2)."""
-    return tuple(AGGREGATE_TABLES) if run.model.retention is not None else ()
+    """The aggregate tables a run file holds (none before schema 2); chunk counts for DataParallel runs only
+    (a rank's or a trace's calls have no chunks)."""
+    if run.model.retention is None:
+        return ()
+    return tuple(t for t in AGGREGATE_TABLES if t != "chunk_counts" or run.model.dataparallel)
 
 
 def _with_quantiles(table: pd.DataFrame) -> pd.DataFrame:
