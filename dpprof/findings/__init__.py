@@ -89,13 +89,13 @@ def rules_for(model: RunModel) -> tuple[tuple[Rule, ...], tuple[tuple[Rule, str]
 def tables_of(run: StoredRun, last_steps: int | None = None) -> Tables:
     """The run's tables for the rules: every row, or those of its last ``last_steps`` steps.
 
-    A long run whose detail was thinned (dpprof.store.retention) gives every step's time, and the phases and
-    all-reduces of the steps whose detail stands for the run without bias (RunModel.sampled_steps_sql: the
+    A run read from its aggregates (a long one, or one whose detail was thinned: dpprof.store.retention) gives
+    every step's time, and the phases and all-reduces of the steps whose detail stands for the run without bias (RunModel.sampled_steps_sql: the
     first steps, one in ``every``, the newest), not the outliers kept for their own sake, with those steps'
     times; every step's time is ``all_steps``; its memory and allocator rows include each device's peak step."""
     names = ("steps", "phases", "memory", "allocator", "comms", "gpu_time")
     sampled = run.model.sampled_steps_sql()
-    if last_steps is None and not run.model.thinned:
+    if last_steps is None and not run.model.aggregated:
         frames = {t: run.table(t) for t in (*names, "gpu_samples")}
     elif last_steps is None:
         frames = {t: run.query(f"SELECT * FROM {t}" + (f" WHERE {sampled}" if t in ("steps", "phases", "comms") else ""))

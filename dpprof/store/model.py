@@ -84,13 +84,15 @@ class RunModel:
         return self.retention is not None and self.retention.bounded and self.detail_from > 0
 
     def sampled_steps_sql(self) -> str:
-        """An SQL condition on ``step`` that holds for the steps whose detail stands for the run without bias:
-        every step, or (thinned) the first steps, the one-in-``every`` sample and those not thinned yet, but
-        not the outliers and peaks kept for their own sake."""
-        if not self.thinned:
+        """An SQL condition on ``step`` that holds for the steps whose detail stands for the run without bias: every
+        step of a run read from its rows; of one read from its aggregates, the first steps, the one-in-``every``
+        sample and the newest (those not thinned yet), never the outliers and peaks kept for their own sake (a long
+        run kept whole is read the same way: its rows are too many to read at once)."""
+        if not self.aggregated or self.retention is None:
             return "1"
         r = self.retention
-        return f"(step < {int(r.first_steps)} OR step % {int(r.every)} = 0 OR step >= {int(self.detail_from)})"
+        whole = self.detail_from if self.thinned else max(r.first_steps, self.steps - r.last_steps)
+        return f"(step < {int(r.first_steps)} OR step % {int(r.every)} = 0 OR step >= {int(whole)})"
 
     def detail_text(self) -> str | None:
         """What detail the run keeps, in one sentence; None for a run that keeps every row."""
