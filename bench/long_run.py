@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import logging
 import os
 import sqlite3
 import statistics
@@ -108,6 +109,7 @@ def main() -> None:
                         help="where the two runs are kept (and found again by name)")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
+    logging.getLogger("streamlit").setLevel(logging.ERROR)  # AppTest outside a server warns on every run
     reports = Path(args.reports).absolute()
     reports.mkdir(parents=True, exist_ok=True)
     os.environ["DPPROF_REPORTS"] = str(reports)

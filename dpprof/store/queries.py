@@ -27,7 +27,7 @@ from dpprof.store.sketch import grouped_quantile, quantiles
 __all__ = ["MAX_POINTS", "WORK_SAMPLE_PER_DEVICE", "TIMELINE_MAX_STEPS", "GPU_METRICS", "bucket_width",
            "stacked_phases", "run_stats", "median_step_ms", "step_times", "phase_breakdown", "phase_totals",
            "work_samples", "work_stats", "memory_peaks", "chunk_counts", "gpu_series", "timeline",
-           "GPU_TIME_PARTS", "gpu_time", "phase_means", "outlier_steps", "detail_steps"]
+           "GPU_TIME_PARTS", "gpu_time", "phase_means", "outlier_steps", "detail_steps", "step_span"]
 
 MAX_POINTS = 2_000  # points a chart draws per series; a browser stays responsive well past this
 WORK_SAMPLE_PER_DEVICE = 4_000  # enough for box and violin shapes; exact mean, min and max come from SQL
@@ -166,8 +166,15 @@ def outlier_steps(run: StoredRun) -> pd.DataFrame:
     return out.drop(columns="rank").sort_values("step", kind="stable").reset_index(drop=True)
 
 
+def step_span(run: StoredRun) -> tuple[int | None, int | None]:
+    """The run's first and last step (None, None before its first step): a lookup, not a scan."""
+    return _span(run)
+
+
 def _span(run: StoredRun) -> tuple[int | None, int | None]:
-    span = run.query("SELECT MIN(first_step) AS a, MAX(last_step) AS b FROM step_blocks" if run.model.aggregated
+    # a long run's steps were written in order: its first and last rows are its first and last steps (two lookups)
+    span = run.query("SELECT (SELECT step FROM steps ORDER BY rowid LIMIT 1) AS a, "
+                     "(SELECT step FROM steps ORDER BY rowid DESC LIMIT 1) AS b" if run.model.aggregated
                      else "SELECT MIN(step) AS a, MAX(step) AS b FROM steps")
     if span["a"].isna().all():
         return None, None

@@ -238,7 +238,12 @@ def _candidates(directory: Path) -> list[Path]:
 
 
 def _summary(con: sqlite3.Connection) -> dict[str, Any]:
-    steps, duration = con.execute("SELECT COUNT(*), SUM(duration_ms) FROM steps").fetchone()
+    """Steps and their total time, from lookups: steps are never deleted (the last rowid counts them), and a file of
+    schema 2 sums its step blocks (dpprof.store.blocks) rather than every step's row."""
+    steps = con.execute("SELECT COALESCE(MAX(rowid), 0) FROM steps").fetchone()[0]
+    blocks = con.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'step_blocks'").fetchone()
+    duration = con.execute("SELECT SUM(sum_ms) FROM step_blocks" if blocks else
+                           "SELECT SUM(duration_ms) FROM steps").fetchone()[0]
     return {"steps": steps, "steps_duration_ms": duration}
 
 

@@ -14,10 +14,7 @@ TIMELINE_DEFAULT_STEPS = 5  # a few steps show each phase wide enough to read
 
 def step_bounds(run: StoredRun) -> tuple[int | None, int | None]:
     """The run's first and last recorded step (None, None before its first step)."""
-    stats = queries.run_stats(run)
-    if not stats["steps"]:
-        return None, None
-    return int(stats["first_step"]), int(stats["last_step"])
+    return queries.step_span(run)
 
 
 def default_timeline_range(run: StoredRun) -> tuple[int, int]:
