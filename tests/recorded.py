@@ -23,11 +23,12 @@ def record(directory: Path, name: str, workers: int = 2, steps: int = 6, batch_s
     return dpprof.load_run(run.path)
 
 
-def record_with_gpu_samples(directory: Path, steps: int = 6) -> StoredRun:
+def record_with_gpu_samples(directory: Path, steps: int = 6, detail: object = "bounded") -> StoredRun:
     """A CPU-worker run while the fake NVML (tests/fake_pynvml.py, installed by the fake_gpus fixture)
     reports two GPUs: the recorder's own sampler, asked to sample from the start, stores their samples."""
     net = dpprof.DataParallel(nn.Linear(5, 2), device_ids=dpprof.cpu_devices(2))
-    with dpprof.record(name="sampled", reports_dir=str(directory), sample_hz=50.0, sample_gpus=True) as run:
+    with dpprof.record(name="sampled", reports_dir=str(directory), sample_hz=50.0, sample_gpus=True,
+                       detail=detail) as run:
         for _ in range(steps):
             with run.step():
                 net(torch.randn(8, 5)).sum().backward()

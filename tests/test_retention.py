@@ -185,3 +185,24 @@ def test_a_fault_in_the_aggregates_costs_no_row(reports, monkeypatch, caplog):
     assert any("per-block aggregates stopped" in m for m in stored.notes["message"])
     assert [r.getMessage() for r in caplog.records if "aggregates stopped" in r.getMessage()]
     assert overview.overview(stored).stats["steps"] == 12
+
+
+def test_gpu_samples_past_the_first_minutes_are_kept_as_windows(reports, fake_gpus):
+    """NVML at 50 Hz (the fake NVML's two GPUs): whole for the first 0.3 s, then one row per GPU per 0.2 s
+    window, holding the window's means and maxima."""
+    import fake_pynvml
+    from recorded import BUS, record_with_gpu_samples
+
+    fake_gpus([fake_pynvml.gpu(BUS[0]), fake_pynvml.gpu(BUS[1], util=30)])
+    detail = Retention(samples_full_s=0.3, sample_window_s=0.2)
+    run = record_with_gpu_samples(reports, steps=20, detail=detail)
+    samples = run.gpu_samples
+    late = samples[samples["t_ms"] >= 300]
+    assert len(samples[samples["t_ms"] < 300]) >= 4 and len(late) >= 4
+    for _, rows in late.groupby("device"):
+        windows = ((rows["t_ms"] - 300) // 200).astype(int)
+        assert windows.is_unique  # one row per window
+    assert samples.groupby("device")["gpu_util_pct"].mean().to_dict() == {"cuda:0": 90.0, "cuda:1": 30.0}
+    sampled_rate = len(samples[samples["t_ms"] < 300]) / 0.3 / 2  # rows a second per GPU while whole
+    span_s = (late["t_ms"].max() - 300) / 1e3
+    assert len(late) / 2 <= span_s / 0.2 + 2 < sampled_rate * span_s  # windows, far fewer rows than samples

@@ -27,12 +27,12 @@ from collections.abc import Iterable
 from itertools import combinations
 from typing import Any
 
-from dpprof.records import (AllocatorRecord, CommRecord, DeviceMemoryRecord, MEMORY_BYTES, PhaseRecord, Record,
+from dpprof.records import (AllocatorRecord, DeviceMemoryRecord, GpuSampleRecord, MEMORY_BYTES, PhaseRecord, Record,
                             StepRecord)
 from dpprof.store.retention import DETAIL_TABLES, OUTLIER_RATIO, Retention
 from dpprof.store.sketch import Sketch
 
-__all__ = ["SETTLE_STEPS", "WORK", "WORK_PHASES", "Aggregator"]
+__all__ = ["SETTLE_STEPS", "WORK", "WORK_PHASES", "Aggregator", "SampleWindows"]
 
 SETTLE_STEPS = 8  # CUDA phase records arrive when their events complete: a step or two late, seldom more
 WORK = "work"  # the pseudo-phase of each device's own share of a step in phase_blocks
@@ -452,3 +452,60 @@ class Aggregator:
         for table in (self._steps, self._phases, self._memory, self._allocator):
             for key in [k for k, v in table.items() if v.late or (k if isinstance(k, int) else k[-1]) < below]:
                 del table[key]
+
+
+_SAMPLE_MAX = ("memory_used_bytes", "memory_total_bytes", "power_limit_w", "other_process_memory_bytes")
+_SAMPLE_MEAN = tuple(f for f in GpuSampleRecord.__dataclass_fields__
+                     if f not in ("t_ms", "device", "throttle_reasons", *_SAMPLE_MAX))
+
+
+class SampleWindows:
+    """NVML samples past ``Retention.samples_full_s`` as one record per GPU per ``sample_window_s``: the window's
+    means, the maxima of the memory figures and the union of the throttle reasons, timed at the window's first
+    sample. A window is written once the next one starts (or at close): a killed run loses at most one."""
+
+    def __init__(self, retention: Retention) -> None:
+        self.full_ms = retention.samples_full_s * 1e3
+        self.window_ms = retention.sample_window_s * 1e3
+        self._open: dict[str, tuple[int, list[GpuSampleRecord]]] = {}
+
+    def thin(self, records: list[Record], final: bool = False) -> list[Record]:
+        """``records`` with the samples past the first minutes replaced by their windows' records."""
+        if not any(type(r) is GpuSampleRecord for r in records) and not (final and self._open):
+            return records
+        out: list[Record] = []
+        for r in records:
+            if type(r) is not GpuSampleRecord or r.t_ms < self.full_ms:
+                out.append(r)
+                continue
+            window = int((r.t_ms - self.full_ms) // self.window_ms)
+            current = self._open.get(r.device)
+            if current is not None and current[0] != window:
+                out.append(_merge(current[1]))
+                current = None
+            if current is None:
+                current = self._open[r.device] = (window, [])
+            current[1].append(r)
+        if final:
+            out += [_merge(samples) for _, samples in self._open.values()]
+            self._open.clear()
+        return out
+
+
+def _merge(samples: list[GpuSampleRecord]) -> GpuSampleRecord:
+    def values(name: str) -> list[Any]:
+        return [v for v in (getattr(s, name) for s in samples) if v is not None]
+
+    fields: dict[str, Any] = {"t_ms": samples[0].t_ms, "device": samples[0].device}
+    for name in _SAMPLE_MEAN:
+        v = values(name)
+        fields[name] = sum(v) / len(v) if v else None
+    for name in _SAMPLE_MAX:
+        v = values(name)
+        fields[name] = max(v) if v else None
+    reasons = sorted({x for s in values("throttle_reasons") for x in s.split(",") if x})
+    fields["throttle_reasons"] = ",".join(reasons) if reasons else None
+    for name in ("memory_used_bytes", "memory_total_bytes", "other_process_memory_bytes"):
+        if fields[name] is not None:
+            fields[name] = int(fields[name])
+    return GpuSampleRecord(**fields)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dpprof.records import FindingRecord, NoteRecord, Record, StepRecord
-from dpprof.store.blocks import Aggregator
+from dpprof.store.blocks import Aggregator, SampleWindows
 from dpprof.store.faults import cause_of, failure_line, is_disk_full, start_failure
 from dpprof.store.retention import BOUNDED, Retention
 from dpprof.store.schema import FORMAT, RECORD_TABLES, RUN_COLUMNS, SCHEMA_VERSION, ddl
@@ -167,6 +167,7 @@ class SqliteSink:
                  flush_interval_s: float = FLUSH_INTERVAL_S, retention: Retention = BOUNDED) -> None:
         self.path = path
         self._aggregator = Aggregator(retention)
+        self._samples = SampleWindows(retention) if retention.bounded else None
         self._detail_from = 0
         try:
             self._con = create_run_file(path, {**run_row, "heartbeat_at": _now(), "dropped_records": 0,
@@ -265,6 +266,8 @@ class SqliteSink:
                final: bool = False) -> None:
         """Insert ``records`` and apply ``updates`` to the runs row in one transaction; with ``aggregate``, also
         the aggregates' statements for them (a retried slice of a failed commit is not counted again)."""
+        if aggregate and self._samples is not None:
+            records = self._samples.thin(records, final)
         batches: dict[type, list[Record]] = {}
         for record in records:
             batches.setdefault(type(record), []).append(record)
