@@ -48,6 +48,20 @@ def test_profile_records_a_run_that_runs_and_show_describe(capsys):
     assert stored.meta["workload_args"]["batch_size"] == 30
 
 
+@pytest.mark.parametrize("flags, mode", [((), "bounded"), (("--detail", "all"), "all")])
+def test_profile_records_with_the_detail_asked_for(flags, mode):
+    assert _profile(*flags) == 0
+    run = dpprof.load_run(dpprof.list_runs().loc[0, "id"])
+    assert run.meta["detail"]["mode"] == mode and run.model.retention.mode == mode
+    assert run.query("SELECT SUM(steps) AS n FROM step_blocks")["n"].iloc[0] == 6  # the aggregates either way
+
+
+def test_profile_refuses_an_unknown_detail(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _profile("--detail", "some")
+    assert exit_.value.code == 2 and "--detail: invalid choice: 'some'" in capsys.readouterr().err
+
+
 def test_profile_names_the_run_by_its_absolute_path(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("DPPROF_REPORTS", "reports")  # relative: ./reports
