@@ -23,7 +23,12 @@ def body(row: pd.Series) -> None:
     else:
         kind = st.segmented_control("Draw as", ["box", "violin"], default="box", key="apply_kind") or "box"
         common.chart(charts.work_distribution(data.work_samples, kind, work, data.idle))
-        if data.work_stats["sampled"].any():
+        if model.aggregated:
+            per = int(data.work_samples.groupby("device").size().max()) if len(data.work_samples) else 0
+            st.caption(f"The distributions use {per:,} steps per {model.unit}: the first steps, one step in "
+                       f"{model.retention.every} and the newest. Mean, min and max are over every step, from the "
+                       "per-block aggregates; p50 and p95 from their quantile sketches (within 1%).")
+        elif data.work_stats["sampled"].any():
             per = int(data.work_samples.groupby("device").size().max())
             st.caption(f"The distributions and percentiles use every k-th step ({per:,} per device); mean, min and "
                        "max are over every step.")
