@@ -5,8 +5,9 @@
 1. Record both runs as a user would, with the real command line (unless DIR already holds them, by name):
    ``dpprof profile tutorial-linear --devices cpu:2 --steps N --quiet`` (bounded detail, the default).
 2. Print each file's size, how many step durations it holds, and how many steps kept full detail.
-3. In this one process, taking turns run by run, --repeat times: each page of app.py under streamlit's
-   AppTest with its caches emptied first, and ``dpprof show`` (the CLI's main, output discarded). Print
+3. In this one process, taking turns run by run (each first every other round), --repeat times: each page of
+   app.py under streamlit's AppTest with its caches emptied first, and ``dpprof show`` (the CLI's main, output
+   discarded). Print
    the median seconds of each on each run and the long run's over the short run's (aim: at most 2x).
 
 Exits 1 when the long run's file is over LONG_FILE_BUDGET_BYTES or any ratio is over RATIO_BUDGET.
@@ -117,9 +118,10 @@ def main() -> None:
     for arm, run_id in ids.items():
         print(f"{arm:5s} {getattr(args, arm):>9,} steps ({run_id}): {_describe(reports, run_id)}")
     seconds: dict[tuple[str, str], list[float]] = {}
-    for _ in range(args.repeat):
+    for rep in range(args.repeat):
         for what in (*PAGES, "dpprof show"):
-            for arm in ("short", "long"):  # side by side, turn by turn
+            # side by side, turn by turn, each arm first every other time (the first open of a page pays more)
+            for arm in ("short", "long") if rep % 2 == 0 else ("long", "short"):
                 other = ids["long" if arm == "short" else "short"]
                 took = (_show_seconds(reports, ids[arm]) if what == "dpprof show"
                         else _page_seconds(reports, ids[arm], other, what))
