@@ -12,6 +12,8 @@ A block is ``Retention.block_steps`` consecutive steps. For each block the write
 - ``memory_blocks``: per device, the mean held and the peak step with what it held by kind;
 - ``allocator_blocks``: per device and phase, the CUDA allocator's maxima;
 - ``chunk_counts``: per device and chunk size, the forward calls (whole run);
+- ``run_sketches``: the whole run's sketches of the step time and of each device's work (what a page's
+  median and percentiles read);
 - ``outlier_steps``: the outlier steps the retention keeps (dpprof.store.retention).
 
 A step's records are added up once the step is settled: ``SETTLE_STEPS`` newer steps have been seen
@@ -197,6 +199,8 @@ class Aggregator:
         self._outlier_sql: list[Statement] = []
         self._peaks: dict[str, tuple[int, int]] = {}  # device -> (held bytes, step): the current peak step
         self._alloc_peaks: dict[str, tuple[int, int]] = {}
+        self._totals: dict[tuple[str, str], Sketch] = {}  # run_sketches: ("step", "") and ("work", device)
+        self._totals_dirty = False
         self._evicted_to = 0  # chunks below this step have had their detail thinned
         self.detail_from = 0  # every step from here on still has all its detail
 
@@ -300,6 +304,7 @@ class Aggregator:
             if acc.batch is not None and (s.batch is None or acc.batch > s.batch):
                 s.batch = acc.batch
             s.devices_used = max(s.devices_used, acc.devices_used or 0)
+            self._total("step", "").add(acc.duration)
             self._dirty.add(("step", block))
             if not first:
                 self._outlier(step, acc.duration)
@@ -311,6 +316,7 @@ class Aggregator:
                 work[device] = work.get(device, 0.0) + ms
         for device, ms in work.items():
             self._stat(self._phases, (WORK, device, block), block).add(step, ms)
+            self._total(WORK, device).add(ms)
             self._dirty.add(("phase", (WORK, device, block)))
         if len(work) > 1 and step != self._first_step:  # the imbalance leaves the first step out
             self._imbalance(work, block)
@@ -337,6 +343,13 @@ class Aggregator:
             if peak > self._alloc_peaks.get(device, (-1, 0))[0]:
                 self._alloc_peaks[device] = (peak, step)
             self._dirty.add(("allocator", (device, phase, block)))
+
+    def _total(self, kind: str, device: str) -> Sketch:
+        self._totals_dirty = True
+        sketch = self._totals.get((kind, device))
+        if sketch is None:
+            sketch = self._totals[(kind, device)] = Sketch()
+        return sketch
 
     def _imbalance(self, work: dict[str, float], block: int) -> None:
         """Per step: which device was slowest, and for each device how long, on average, the others waited
@@ -436,6 +449,10 @@ class Aggregator:
                                                      _none_below_zero(a.peak), _none_below_zero(a.reserved),
                                                      a.peak_step if a.peak >= 0 else None)))
         self._dirty.clear()
+        if self._totals_dirty:
+            out += [("INSERT OR REPLACE INTO run_sketches (kind, device, sketch) VALUES (?, ?, ?)",
+                     (kind, device, sketch.to_bytes())) for (kind, device), sketch in self._totals.items()]
+            self._totals_dirty = False
         if self._chunks_dirty:
             out.append(("DELETE FROM chunk_counts", ()))
             out.append(("INSERT INTO chunk_counts (device, chunk_size, calls) VALUES " +

@@ -88,7 +88,7 @@ def median_step_ms(run: StoredRun) -> float | None:
     A distributed run's rows of every rank count, as its steps table holds them. A long run's median comes from its
     blocks' quantile sketches, within 1% (dpprof.store.sketch)."""
     if run.model.aggregated:
-        value = quantiles(run.query("SELECT sketch FROM step_blocks")["sketch"], (0.5,))[0]
+        value = quantiles(run.query("SELECT sketch FROM run_sketches WHERE kind = 'step'")["sketch"], (0.5,))[0]
         return None if pd.isna(value) else float(value)
     if run.ranks > 1:  # rank files are separate databases: the rows come to pandas
         durations = run.query("SELECT duration_ms FROM steps")["duration_ms"]
@@ -341,15 +341,21 @@ def work_stats(run: StoredRun, samples: pd.DataFrame | None = None, percentiles:
 
 def _work_stats_of_blocks(run: StoredRun, percentiles: bool, stats: dict[str, Any] | None) -> pd.DataFrame:
     """work_stats from the work rows of phase_blocks (sums, extremes and sketches per block)."""
-    blocks = run.query("SELECT device, steps, sum_ms, min_ms, max_ms, sketch FROM phase_blocks WHERE phase = ?", (WORK,))
+    blocks = run.query("SELECT device, SUM(steps) AS steps, SUM(sum_ms) AS sum_ms, MIN(min_ms) AS min_ms, "
+                       "MAX(max_ms) AS max_ms FROM phase_blocks WHERE phase = ? GROUP BY device", (WORK,))
+    blocks = blocks.groupby("device").agg(steps=("steps", "sum"), sum_ms=("sum_ms", "sum"), min_ms=("min_ms", "min"),
+                                          max_ms=("max_ms", "max"))
+    sketches = (run.query("SELECT device, sketch FROM run_sketches WHERE kind = ?", (WORK,))
+                if percentiles else pd.DataFrame(columns=["device", "sketch"]))
     rows = []
     for device in run.model.devices:
-        b = blocks[blocks["device"] == device]
-        if not len(b) or not b["steps"].sum():
+        if device not in blocks.index or not blocks.at[device, "steps"]:
             continue
-        p50, p95 = quantiles(b["sketch"], (0.5, 0.95)) if percentiles else (float("nan"), float("nan"))
-        rows.append({"device": device, "steps": int(b["steps"].sum()), "work_mean_ms": b["sum_ms"].sum() / b["steps"].sum(),
-                     "work_min_ms": float(b["min_ms"].min()), "work_max_ms": float(b["max_ms"].max()),
+        b = blocks.loc[device]
+        p50, p95 = (quantiles(sketches.loc[sketches["device"] == device, "sketch"], (0.5, 0.95)) if percentiles
+                    else (float("nan"), float("nan")))
+        rows.append({"device": device, "steps": int(b["steps"]), "work_mean_ms": float(b["sum_ms"] / b["steps"]),
+                     "work_min_ms": float(b["min_ms"]), "work_max_ms": float(b["max_ms"]),
                      "work_p50_ms": p50, "work_p95_ms": p95, "sampled": percentiles})
     out = pd.DataFrame(rows, columns=["device", "steps", "work_mean_ms", "work_min_ms", "work_max_ms", "work_p50_ms",
                                       "work_p95_ms", "sampled"])

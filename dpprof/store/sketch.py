@@ -61,12 +61,25 @@ class Sketch:
 
 def decode(blobs: Iterable[bytes | None]) -> tuple[np.ndarray, np.ndarray]:
     """(buckets, counts) of the merged sketches ``blobs``: bucket keys sorted, their summed counts."""
-    parts = [np.frombuffer(b, dtype=_PAIR) for b in blobs if b]
-    if not parts:
+    joined = b"".join(b for b in blobs if b)
+    if not joined:
         return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
-    pairs = np.concatenate(parts)
-    keys, inverse = np.unique(pairs["bucket"].astype(np.int64), return_inverse=True)
-    return keys, np.bincount(inverse, weights=pairs["count"]).astype(np.int64)
+    pairs = np.frombuffer(joined, dtype=_PAIR)
+    keys, counts = pairs["bucket"].astype(np.int64), pairs["count"].astype(np.int64)
+    zero = keys == ZERO_BUCKET
+    zeros = int(counts[zero].sum())
+    keys, counts = keys[~zero], counts[~zero]
+    out_keys, out_counts = [], []
+    if zeros:
+        out_keys.append(np.array([ZERO_BUCKET], dtype=np.int64))
+        out_counts.append(np.array([zeros], dtype=np.int64))
+    if len(keys):  # buckets span a few hundred keys: count them densely, no sort
+        low = int(keys.min())
+        dense = np.bincount(keys - low, weights=counts).astype(np.int64)
+        present = np.flatnonzero(dense)
+        out_keys.append(present + low)
+        out_counts.append(dense[present])
+    return np.concatenate(out_keys), np.concatenate(out_counts)
 
 
 def _value(key: int) -> float:
