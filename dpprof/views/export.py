@@ -49,6 +49,7 @@ AGGREGATE_DESCRIPTIONS = {
     "allocator_blocks": "per block, device and phase: the CUDA allocator's maxima",
     "chunk_counts": "per device and chunk size: the forward calls",
     "outlier_steps": "the outlier steps kept in full, with the median step when each came",
+    "run_sketches": "the whole run's step time and each device's work: p50 and p95",
 }
 # Tables made from the run rather than stored in it.
 EXTRA_TABLES = {"run": "the run's metadata", "device_summary": "per device or rank: its work's time and its memory",
