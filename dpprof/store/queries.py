@@ -406,18 +406,26 @@ def memory_peaks(run: StoredRun, chunks: pd.DataFrame | None = None, detail: boo
             "chunk_size_min", "chunk_size_max", "peak_allocated_bytes", "peak_reserved_bytes"]
     rows = []
     accounted = "memory" in run.model.has
+    aggregated = run.model.aggregated
+    if aggregated:  # every device's peak block in one query (SQLite's bare columns come from the MAX() row)
+        peaks = run.query(f"SELECT device, peak_step AS step, MAX(peak_held_bytes) AS held, {', '.join(MEMORY_BYTES)} "
+                          "FROM memory_blocks GROUP BY device").sort_values("held", ascending=False, kind="stable")
+        peaks = peaks.drop_duplicates("device").set_index("device")
+        gathered = run.query("SELECT device, MAX(gathered_bytes) AS gathered FROM memory_blocks GROUP BY device")
+        gathered = gathered.groupby("device")["gathered"].max()
+        allocs = run.query("SELECT device, MAX(peak_allocated_bytes) AS peak_allocated_bytes, MAX(reserved_max_bytes) "
+                           "AS peak_reserved_bytes FROM allocator_blocks GROUP BY device")
+        allocs = allocs.groupby("device")[["peak_allocated_bytes", "peak_reserved_bytes"]].max()
     for device in run.model.devices:
         row: dict[str, Any] = {"device": device, "peak_step": None, "peak_held_bytes": float("nan"),
                                **dict.fromkeys(MEMORY_BYTES, float("nan")), "_gathered": 0}
-        if accounted and run.model.aggregated:
+        if accounted and aggregated:
             # the block whose peak is the run's: its peak step and what was held then, by kind
-            peak = _one_row(run.query(f"SELECT peak_step AS step, MAX(peak_held_bytes) AS held, {', '.join(MEMORY_BYTES)}, "
-                                      "(SELECT MAX(gathered_bytes) FROM memory_blocks WHERE device = ?) AS gathered "
-                                      "FROM memory_blocks WHERE device = ?", (device, device)), "held")
-            if pd.notna(peak["held"]):
+            if device in peaks.index and pd.notna(peaks.at[device, "held"]):
+                peak = peaks.loc[device]
                 row.update({"peak_step": int(peak["step"]), "peak_held_bytes": float(peak["held"]),
                             **{c: float(peak[c]) if detail else float("nan") for c in MEMORY_BYTES},
-                            "_gathered": peak["gathered"] or 0})
+                            "_gathered": gathered.get(device) or 0})
         elif accounted:
             # SQLite gives the bare column (step) of the row holding the one MAX(): the peak step
             peak = _one_row(run.query(
@@ -430,11 +438,13 @@ def memory_peaks(run: StoredRun, chunks: pd.DataFrame | None = None, detail: boo
                          if detail else dict.fromkeys(MEMORY_BYTES, float("nan")))
                 row.update({"peak_step": int(peak["step"]), "peak_held_bytes": float(peak["held"]),
                             **{c: float(kinds[c]) for c in MEMORY_BYTES}, "_gathered": peak["gathered"] or 0})
-        alloc = _one_row(run.query(
-            "SELECT MAX(peak_allocated_bytes) AS peak_allocated_bytes, MAX(reserved_max_bytes) AS peak_reserved_bytes "
-            "FROM allocator_blocks WHERE device = ?" if run.model.aggregated else
-            "SELECT MAX(peak_allocated_bytes) AS peak_allocated_bytes, MAX(reserved_bytes) "
-            "AS peak_reserved_bytes FROM allocator WHERE device = ?", (device,)), "peak_allocated_bytes")
+        if aggregated:
+            alloc = (allocs.loc[device] if device in allocs.index else
+                     pd.Series({"peak_allocated_bytes": float("nan"), "peak_reserved_bytes": float("nan")}))
+        else:
+            alloc = _one_row(run.query("SELECT MAX(peak_allocated_bytes) AS peak_allocated_bytes, MAX(reserved_bytes) "
+                                       "AS peak_reserved_bytes FROM allocator WHERE device = ?", (device,)),
+                             "peak_allocated_bytes")
         if row["peak_step"] is None and pd.isna(alloc["peak_allocated_bytes"]):
             continue  # nothing measured on this device (an idle device of a DataParallel run)
         rows.append({**row, **alloc.to_dict()})
