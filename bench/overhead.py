@@ -7,8 +7,11 @@ Arms, interleaved round by round in one process so that machine noise hits them 
 
 - plain: the bare module, no DataParallel (for the CPU-workers-vs-plain ratio);
 - off: dpprof.DataParallel on the workers, nothing recording;
-- memory: recording into memory only (``dpprof.record(store=False)``): timing and memory accounting;
-- dpprof: recording as users do, into a run file (the writer thread included);
+- memory: recording into memory only (``dpprof.record(store=False)``), ``with run.step():`` around each
+  step: timing and memory accounting;
+- dpprof explicit: recording into a run file (the writer thread included), ``with run.step():`` around
+  each step, as the README's "Wrap a model" shows;
+- dpprof implicit: the same run file, no run.step(): each forward call starts a step;
 - torch.profiler: CPU activities on every thread (it sees no replica otherwise), nothing recording.
 
 With ``--device cuda`` the same steps run on GPU 0 instead: the module on cuda:0 (plain),
@@ -25,9 +28,9 @@ round, reverses, so no arm is always first or always after the same arm. Reporte
 (what a user pays, periodic work such as the writer's commits included), the median over
 rounds of each round's ratio to ``off`` and of the microseconds it adds per step (with the middle
 half of the rounds: how far the machine's noise moves one round), the process CPU time per step
-(all threads), and the calling thread's CPU time added per step. For dpprof's added share of a
-step and its ratio to torch.profiler's added time, a 95% interval: the rounds resampled (paired)
-2,000 times. No ratio is printed where the profiler's added time cannot be told from zero. A
+(all threads), and the calling thread's CPU time added per step. For each dpprof arm's added share
+of a step and its ratio to torch.profiler's added time, and for what explicit steps add over implicit
+ones, a 95% interval: the rounds resampled (paired) 2,000 times. No ratio is printed where the profiler's added time cannot be told from zero. A
 recording's own start and close (creating the file; the last commit and the findings at close)
 are outside the blocks and reported once, with the collection of the garbage the arm left (every
 arm ends with gc.collect(), so no arm's block pays for another's: torch.profiler's parsed trace is
@@ -58,8 +61,9 @@ import dpprof
 from dpprof.parallel import workers as cpu_workers
 from dpprof.workloads import build_workload
 
-ARMS = ("plain", "off", "memory", "dpprof", "torch.profiler")
-CUDA_ARMS = ("plain", "torch DataParallel", "off", "memory", "dpprof", "torch.profiler")
+ARMS = ("plain", "off", "memory", "dpprof explicit", "dpprof implicit", "torch.profiler")
+CUDA_ARMS = ("plain", "torch DataParallel", "off", "memory", "dpprof explicit", "dpprof implicit", "torch.profiler")
+RECORDED = ("dpprof explicit", "dpprof implicit")  # recording into a run file, as users do
 
 
 @dataclass
@@ -107,6 +111,8 @@ def _on_gpu(step: Step) -> Step:
 
 
 def _steps(net: nn.Module, step: Step, optimizer: torch.optim.Optimizer, batches, n: int, run=None) -> None:
+    """n training steps, each in ``with run.step():`` when a run is given (else each forward call starts one
+    inside a recording)."""
     for _ in range(n):
         x, y = next(batches)
         with run.step() if run is not None else nullcontext():
@@ -152,21 +158,21 @@ def measure(step: Step, workers: int, rounds: int, reports_dir: str,
     def torch_dp() -> tuple[float, float, float, float]:
         return _block(theirs, step, optimizer, batches, n)
 
-    def recorded(store: bool) -> Callable[[], tuple[float, float, float, float]]:
+    def recorded(store: bool, explicit: bool) -> Callable[[], tuple[float, float, float, float]]:
         def arm() -> tuple[float, float, float, float]:
             with dpprof.record(name="bench-overhead", store=store, reports_dir=reports_dir) as run:
-                return _block(net, step, optimizer, batches, n, run)
+                return _block(net, step, optimizer, batches, n, run if explicit else None)
         return arm
 
     def profiled() -> tuple[float, float, float, float]:
         with profile(activities=activities, experimental_config=all_threads):
             return _block(net, step, optimizer, batches, n)
 
-    runners = {"plain": plain, "off": off, "memory": recorded(False), "dpprof": recorded(True),
-               "torch.profiler": profiled}
+    runners = {"plain": plain, "off": off, "memory": recorded(False, True), "dpprof explicit": recorded(True, True),
+               "dpprof implicit": recorded(True, False), "torch.profiler": profiled}
     if cuda:
         runners = {"plain": plain, "torch DataParallel": torch_dp, **{k: v for k, v in runners.items() if k != "plain"}}
-    for arm in ("plain", "off", "dpprof"):
+    for arm in ("plain", "off", *RECORDED):
         runners[arm]()  # warm-up: worker threads, allocator, the first run file
     out: dict[str, dict[str, list[float]]] = {k: {"step_s": [], "cpu_s": [], "caller_s": [], "once_s": []} for k in runners}
     for r in range(rounds):
@@ -244,7 +250,6 @@ def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str
         cpu_added = paired(k, "cpu_s", lambda a, b: a / b - 1)
         print(f"  {k:18s} {mean_ms:8.3f}ms {added:+9.2%} {added_us:+9.1f}us {cpu_ms:8.3f}ms {cpu_added:+9.2%}"
               f"{spread(k)}")
-    rec = paired("dpprof", "step_s", lambda a, b: (a - b) * 1e6)
     mem = paired("memory", "step_s", lambda a, b: (a - b) * 1e6)
     prof = paired("torch.profiler", "step_s", lambda a, b: (a - b) * 1e6)
     workers_ratios = [o / p for o, p in zip(out["off"]["step_s"], out["plain"]["step_s"])]
@@ -258,52 +263,66 @@ def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str
         of_means = statistics.fmean(out["off"]["step_s"]) / statistics.fmean(out["plain"]["step_s"])
         print(f"  CPU workers / plain module: {workers_ratio:.2f}x (median of rounds; 95% interval {lo:.2f}x to"
               f" {hi:.2f}x); of the mean steps: {of_means:.2f}x")
-    callers = {k: paired(k, "caller_s", lambda a, b: (a - b) * 1e6) for k in ("memory", "dpprof", "torch.profiler")}
+    callers = {k: paired(k, "caller_s", lambda a, b: (a - b) * 1e6) for k in ("memory", *RECORDED, "torch.profiler")}
     print("  the calling thread's CPU added per step: "
           + ", ".join(f"{k} {v:+.1f} us" for k, v in callers.items()) + " (median of rounds)")
-    print(f"  dpprof per step: {rec:+.1f} us = timing and memory accounting {mem:+.1f} us"
-          f" + the run file's writer {rec - mem:+.1f} us")
-    ratios = per_round("dpprof", "step_s", lambda a, b: a / b - 1)
-    lo, hi = _median_interval(ratios)
-    print(f"  dpprof adds {statistics.median(ratios):+.2%} a step (95% interval of that median: {lo:+.2%} to {hi:+.2%})")
-    ours = per_round("dpprof", "step_s", lambda a, b: a - b)
+    explicit = paired("dpprof explicit", "step_s", lambda a, b: (a - b) * 1e6)
+    print(f"  dpprof explicit per step: {explicit:+.1f} us = timing and memory accounting {mem:+.1f} us"
+          f" + the run file's writer {explicit - mem:+.1f} us")
     profilers = per_round("torch.profiler", "step_s", lambda a, b: a - b)
+    for k in RECORDED:
+        ratios = per_round(k, "step_s", lambda a, b: a / b - 1)
+        lo, hi = _median_interval(ratios)
+        print(f"  {k} adds {statistics.median(ratios):+.2%} a step (95% interval of that median: {lo:+.2%} to"
+              f" {hi:+.2%})")
+        ours = per_round(k, "step_s", lambda a, b: a - b)
 
-    def share(idx: list[int]) -> float:
-        den = statistics.median(profilers[i] for i in idx)
-        return statistics.median(ours[i] for i in idx) / den if den > 0 else math.inf
+        def share(idx: list[int]) -> float:
+            den = statistics.median(profilers[i] for i in idx)
+            return statistics.median(ours[i] for i in idx) / den if den > 0 else math.inf
 
-    lo, hi = _interval(len(ours), share)
-    if prof <= 0 or math.isinf(hi):
-        print("  dpprof / torch.profiler: not measurable here: the profiler's added time cannot be told from zero")
-    else:
-        print(f"  dpprof / torch.profiler: {rec / prof:.2f} of the profiler's added time (95% interval {lo:.2f} to"
-              f" {hi:.2f}; aim: <= 0.5)")
-    once = {k: statistics.median(out[k]["once_s"]) * 1e3 for k in ("off", "dpprof", "torch.profiler")}
-    print(f"  once per recording: dpprof {once['dpprof'] - once['off']:.1f} ms (create the file; at close the last"
-          f" commit and the findings; its garbage collected), torch.profiler {once['torch.profiler'] - once['off']:.1f} ms"
+        lo, hi = _interval(len(ours), share)
+        if prof <= 0 or math.isinf(hi):
+            print(f"  {k} / torch.profiler: not measurable here: the profiler's added time cannot be told from zero")
+        else:
+            print(f"  {k} / torch.profiler: {statistics.median(ours) * 1e6 / prof:.2f} of the profiler's added time"
+                  f" (95% interval {lo:.2f} to {hi:.2f}; aim: <= 0.5)")
+    # paired per round like every figure here: the two arms ran in the same round, each beside `off`
+    over = [(a - b) * 1e6 for a, b in zip(out["dpprof explicit"]["step_s"], out["dpprof implicit"]["step_s"])]
+    lo, hi = _median_interval(over)
+    print(f"  explicit steps over implicit ones: {statistics.median(over):+.1f} us a step (95% interval {lo:+.1f} to"
+          f" {hi:+.1f}; aim: <= 0)")
+    once = {k: statistics.median(out[k]["once_s"]) * 1e3 for k in ("off", *RECORDED, "torch.profiler")}
+    print(f"  once per recording: dpprof {once['dpprof explicit'] - once['off']:.1f} ms explicit,"
+          f" {once['dpprof implicit'] - once['off']:.1f} ms implicit (create the file; at close the last commit and"
+          f" the findings; its garbage collected), torch.profiler {once['torch.profiler'] - once['off']:.1f} ms"
           " (its trace parsed, then collected)")
 
 
 def where_time_goes(step: Step, workers: int, reports_dir: str, cuda: bool) -> None:
-    """One block of the dpprof arm under cProfile: the top functions by own time. Python 3.11's cProfile sees
-    the calling thread only; from 3.12 it is built on sys.monitoring and sees every thread (the writer's
-    and NVML sampler's calls then appear beside the step's)."""
+    """One block of each dpprof arm (explicit steps, then implicit ones) under cProfile: the function calls
+    per step and the top functions by own time. Python 3.11's cProfile sees the calling thread only; from
+    3.12 it is built on sys.monitoring and sees every thread (the writer's and NVML sampler's calls then
+    appear beside the step's)."""
     import cProfile
     import pstats
 
     net = dpprof.DataParallel(step.model, device_ids=[0] if cuda else dpprof.cpu_devices(workers))
     optimizer = torch.optim.SGD(step.model.parameters(), lr=0.01)
     batches = step.batches()
-    with dpprof.record(name="bench-cprofile", reports_dir=reports_dir) as run:
-        _steps(net, step, optimizer, batches, 5, run)
-        profiler = cProfile.Profile()
-        profiler.enable()
-        _steps(net, step, optimizer, batches, step.block_steps, run)
-        profiler.disable()
     threads = "every thread" if sys.version_info >= (3, 12) else "calling thread"
-    print(f"  cProfile of {step.block_steps} recorded steps ({threads}), top 25 by own time:")
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    for k in RECORDED:
+        with dpprof.record(name="bench-cprofile", reports_dir=reports_dir) as run:
+            steps_run = run if k == "dpprof explicit" else None
+            _steps(net, step, optimizer, batches, 5, steps_run)
+            profiler = cProfile.Profile()
+            profiler.enable()
+            _steps(net, step, optimizer, batches, step.block_steps, steps_run)
+            profiler.disable()
+        stats = pstats.Stats(profiler)
+        print(f"  cProfile of {step.block_steps} steps of {k} ({threads}): {stats.total_calls / step.block_steps:.1f}"
+              f" function calls a step; top 20 by own time:")
+        stats.sort_stats("tottime").print_stats(20)
 
 
 def main() -> None:

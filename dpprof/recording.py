@@ -107,7 +107,10 @@ class _Step:
 
 
 class _StepBlock:
-    """The context manager run.step() returns (a class rather than a generator: it runs every step)."""
+    """The context manager run.step() returns (a class rather than a generator: it runs every step).
+
+    It does no more than an implicit step does at a forward call: one lock to open the step, one
+    clock reading and one record to close it."""
 
     __slots__ = ("run", "step")
 
@@ -120,15 +123,17 @@ class _StepBlock:
         with run._lock:
             if run._explicit is not None:
                 raise RuntimeError("run.step() blocks cannot be nested")
-            run._flush_implicit()
-            self.step = run._explicit = run._new_step(explicit=True)
-        return self.step.index
+            if run._implicit is not None:  # forward calls before the block, in a step of their own
+                run._flush_implicit()
+            step = self.step = run._explicit = run._new_step(explicit=True)
+        return step.index
 
     def __exit__(self, *exc: object) -> None:
+        end_ns = time.perf_counter_ns()
         run = self.run
-        with run._lock:
-            run._explicit = None
-        run._close_step(self.step, time.perf_counter_ns())
+        # one store, no lock: every reader of _explicit (step_for_forward, forward_starts_step) reads it once
+        run._explicit = None
+        run._close_step(self.step, end_ns)
 
 
 class Run:
@@ -270,7 +275,8 @@ class Run:
         return step
 
     def _close_step(self, step: _Step, end_ns: int) -> None:
-        self.resolve_pending(block=False)
+        if self._pending:  # CUDA timings only: a CPU step has none
+            self.resolve_pending(block=False)
         # positional: StepRecord(step, start_ms, duration_ms, batch_size, devices_used, forward_calls, explicit)
         self.sink.put(StepRecord(step.index, (step.start_ns - self._t0_ns) / 1e6, (end_ns - step.start_ns) / 1e6,
                                  step.batch_size, step.devices_used, step.calls, step.explicit))
@@ -286,13 +292,12 @@ class Run:
         the current implicit step.
         """
         with self._lock:
-            if self._explicit is not None:
-                step = self._explicit
-            elif self._implicit is not None and (not starts_step or self._rule_joins()):
+            step = self._explicit  # read once: run.step()'s exit clears it without the lock
+            if step is None:
                 step = self._implicit
-            else:
-                self._flush_implicit()
-                step = self._implicit = self._new_step(explicit=False)
+                if step is None or (starts_step and not self._rule_joins()):
+                    self._flush_implicit()
+                    step = self._implicit = self._new_step(explicit=False)
             step.calls += 1
             return step
 

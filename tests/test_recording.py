@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -90,6 +92,57 @@ def test_two_forward_calls_in_one_step_are_two_calls():
     frames = run.frames()
     assert frames["steps"].iloc[0][["batch_size", "forward_calls"]].tolist() == [10, 2]
     assert sorted(frames["memory"]["call"].unique().tolist()) == [0, 1]
+
+
+def test_explicit_and_implicit_steps_mix_in_one_run():
+    """Forward calls before a run.step() block are a step of their own, closed when the block opens; a
+    forward on another thread inside the block joins it; one block object can be entered again."""
+    net = _linear_net(2)
+    with dpprof.record(name="mixed") as run:
+        net(torch.randn(4, 5)).sum().backward()  # step 0, implicit
+        with run.step() as index:
+            assert index == 1
+            other = threading.Thread(target=lambda: net(torch.randn(6, 5)))
+            other.start()
+            other.join()
+            net(torch.randn(2, 5)).sum().backward()
+        block = run.step()
+        for expected in (2, 3):
+            with block as index:
+                assert index == expected
+                net(torch.randn(3, 5)).sum().backward()
+        with pytest.raises(RuntimeError, match="cannot be nested"):
+            with run.step(), run.step():
+                pass
+        net(torch.randn(5, 5)).sum().backward()  # implicit again, closed with the run
+    steps = run.frames()["steps"]
+    columns = ["step", "explicit", "forward_calls", "batch_size"]  # no batch: -1
+    assert steps[columns].fillna(-1).astype(int).values.tolist() == [
+        [0, 0, 1, 4], [1, 1, 2, 8], [2, 1, 1, 3], [3, 1, 1, 3], [4, 1, 0, -1], [5, 0, 1, 5]]
+
+
+def test_explicit_and_implicit_steps_record_the_same_values():
+    """The same training steps with run.step() and without it: every record alike, but for the step's
+    `explicit` flag, its span and the times."""
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2))
+    net = dpprof.DataParallel(model, device_ids=dpprof.cpu_devices(2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    timed = {"start_ms", "duration_ms", "device_duration_ms"}
+    frames = {}
+    for explicit in (True, False):
+        torch.manual_seed(0)
+        with dpprof.record(name=f"explicit={explicit}") as run:
+            for _ in range(3):
+                with run.step() if explicit else nullcontext():
+                    optimizer.zero_grad()
+                    net(torch.randn(7, 5)).sum().backward()
+                    optimizer.step()
+        frames[explicit] = run.frames()
+    for table in ("steps", "phases", "memory"):
+        a, b = (frames[e][table].drop(columns=[c for c in frames[e][table] if c in timed | {"explicit"}])
+                for e in (True, False))
+        assert sorted(a.values.tolist()) == sorted(b.values.tolist()), table  # the replicas' records race
+    assert frames[True]["steps"]["explicit"].all() and not frames[False]["steps"]["explicit"].any()
 
 
 def test_no_grad_forward_records_no_backward_and_no_activations():
