@@ -12,6 +12,7 @@ import dpprof
 import dpprof.findings
 from dpprof.findings import FINDING_COLUMNS, run_findings
 from dpprof.store.reader import TABLES
+from dpprof.store.schema import AGGREGATE_TABLES
 from dpprof.views import compare, export, load, overview
 from dpprof.views.text import display_table, run_label
 from recorded import RunningRun, record
@@ -87,7 +88,9 @@ def test_the_run_zip_holds_every_table(runs):
     run = runs["plain"]
     z = zipfile.ZipFile(io.BytesIO(export.run_zip(run)))
     names = {n.split("/")[-1][:-4] for n in z.namelist()}
-    assert names == {*TABLES, "run", "device_summary", "phase_totals"}
+    assert names == {*TABLES, "run", "device_summary", "phase_totals", *AGGREGATE_TABLES}  # a schema-2 file's
+    steps = pd.read_csv(z.open(f"{run.id}/step_blocks.csv"))
+    assert steps["steps"].sum() == len(run.steps) and {"p50_ms", "p95_ms"} <= set(steps.columns)
     phases = pd.read_csv(z.open(f"{run.id}/phases.csv"))
     assert len(phases) == len(run.phases)
     listing = export.export_tables(run).set_index("table")

@@ -83,6 +83,15 @@ class RunModel:
         """Whether some steps' detail rows were let go (a long run of detail "bounded")."""
         return self.retention is not None and self.retention.bounded and self.detail_from > 0
 
+    @property
+    def whole_from(self) -> int:
+        """The step from which the sample (sampled_steps_sql) takes every step: where thinning stopped, or a long
+        run kept whole's newest ``last_steps``."""
+        r = self.retention
+        if r is None:
+            return 0
+        return self.detail_from if self.thinned else max(r.first_steps, self.steps - r.last_steps)
+
     def sampled_steps_sql(self) -> str:
         """An SQL condition on ``step`` that holds for the steps whose detail stands for the run without bias: every
         step of a run read from its rows; of one read from its aggregates, the first steps, the one-in-``every``
@@ -91,8 +100,12 @@ class RunModel:
         if not self.aggregated or self.retention is None:
             return "1"
         r = self.retention
-        whole = self.detail_from if self.thinned else max(r.first_steps, self.steps - r.last_steps)
-        return f"(step < {int(r.first_steps)} OR step % {int(r.every)} = 0 OR step >= {int(whole)})"
+        whole = self.whole_from
+        # three terms SQLite answers from the step index (its OR optimisation), never a scan of every row: two
+        # ranges, and the one-in-``every`` steps generated between them
+        every = (f"WITH RECURSIVE k(s) AS (SELECT {int(r.first_steps + -r.first_steps % r.every)} UNION ALL "
+                 f"SELECT s + {int(r.every)} FROM k WHERE s + {int(r.every)} < {int(whole)}) SELECT s FROM k")
+        return f"(step < {int(r.first_steps)} OR step >= {int(whole)} OR step IN ({every}))"
 
     def detail_text(self) -> str | None:
         """What detail the run keeps, in one sentence; None for a run that keeps every row."""

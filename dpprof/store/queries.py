@@ -14,9 +14,11 @@ what needs rows (a sample of work times, a Timeline range) reads the detail the 
 """
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from dpprof.records import DDP_PHASES, MEMORY_BYTES, device_key
@@ -274,13 +276,12 @@ def work_samples(run: StoredRun, per_device: int = WORK_SAMPLE_PER_DEVICE, skip_
     if first is None:
         return pd.DataFrame(columns=["step", "device", "duration_ms"])
     phases = run.model.work.phases
-    if run.model.aggregated:  # the steps whose detail stands for the run: first steps, the sample, the newest
+    if run.model.aggregated:  # the steps whose detail stands for the run, every m-th of them: index lookups
+        steps = _sampled_steps(run, first, last, per_device)
+        steps = steps[steps > first] if skip_first else steps
         out = run.query("SELECT step, device, SUM(duration_ms) AS duration_ms FROM phases "
-                        f"WHERE {_phase_in(phases)} AND {run.model.sampled_steps_sql()} AND step > ? "
-                        "GROUP BY device, step", (*phases, first if skip_first else first - 1))
-        counts = out.groupby("device")["step"].transform("size")
-        keep = out.groupby("device").cumcount() % (counts // per_device + 1).clip(lower=1) == 0
-        out = out[keep]
+                        f"WHERE {_phase_in(phases)} AND step IN (SELECT value FROM json_each(?)) GROUP BY device, step",
+                        (*phases, json.dumps(steps.tolist())))
     else:
         stride = bucket_width(first, last, per_device)
         out = run.query("SELECT step, device, SUM(duration_ms) AS duration_ms FROM phases "
@@ -290,6 +291,16 @@ def work_samples(run: StoredRun, per_device: int = WORK_SAMPLE_PER_DEVICE, skip_
     order = {d: i for i, d in enumerate(run.model.devices)}
     return out.sort_values(["device", "step"], key=lambda s: s.map(order) if s.name == "device" else s,
                            kind="stable").reset_index(drop=True)
+
+
+def _sampled_steps(run: StoredRun, first: int, last: int, per_device: int) -> np.ndarray:
+    """About per_device steps, evenly through the steps whose detail stands for a long run (the first steps, one
+    in ``every``, the newest: RunModel.sampled_steps_sql)."""
+    r, whole = run.model.retention, run.model.whole_from
+    start = r.first_steps + -r.first_steps % r.every
+    steps = np.concatenate([np.arange(first, min(r.first_steps, last + 1)), np.arange(start, whole, r.every),
+                            np.arange(max(whole, first), last + 1)])
+    return steps[::max(1, math.ceil(len(steps) / max(1, per_device)))]
 
 
 def work_stats(run: StoredRun, samples: pd.DataFrame | None = None, percentiles: bool = True,
