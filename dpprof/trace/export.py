@@ -60,6 +60,7 @@ MAX_EVENTS = 1_000_000
 MAX_BYTES = 256 * 2**20
 CHUNK_STEPS = 1_000  # steps read from the run file at a time: what the writer holds in memory
 PROBE_STEPS = 200  # steps counted at each end of the selection to estimate the events a step makes
+METADATA_EVENTS = 12  # per device: its process's name and order, and its lanes' (with a spare)
 EVENT_BYTES = 190  # mean JSON bytes of one event as written (measured on recorded runs: 150-210)
 SAMPLE_ROWS_PER_QUERY = 200_000  # NVML samples read at a time
 # Lanes of a device's process, in the order they are listed; a phase runs on the host lane but for apply.
@@ -148,11 +149,12 @@ class TracePlan:
             return (f"the newest {n:,} of the {self.held:,} steps held in full (steps {which}): all of them would "
                     f"make about {self._full_events:,} events, over what a trace viewer opens "
                     f"({MAX_EVENTS:,} events or {MAX_BYTES >> 20} MB); --steps A:B picks others")
-        held = (f"the {n:,} steps this run holds in full of its {self.run_steps:,} (its detail was thinned: the "
-                f"others have only their step time and the aggregates)" if self.thinned else
-                f"{'all ' if n == self.run_steps else ''}{n:,} step{'s' if n != 1 else ''}")
         asked = f" of --steps {_asked_text(self.asked)}" if self.asked else ""
-        return f"{held}{asked}: {which}" if n else f"no step{asked}: the run holds none in full there"
+        said = f"{n:,} step{'s' if n != 1 else ''}{asked}: {which}" if n else f"no step{asked}"
+        if self.thinned:
+            said += (f" (the run holds {self.held:,} of its {self.run_steps:,} steps in full: its detail was thinned, "
+                     "the others keep only their step time and the aggregates)")
+        return said
 
     _full_events: int = field(default=0, repr=False)
 
@@ -199,10 +201,10 @@ def _sample_events(run: StoredRun, share: float) -> int:
     return int(rows * len(SAMPLE_COUNTERS) * share)
 
 
-def plan_trace(run: StoredRun, steps: tuple[int | None, int | None] | None = None, max_events: int = MAX_EVENTS,
-               max_bytes: int = MAX_BYTES) -> TracePlan:
+def plan_trace(run: StoredRun, steps: tuple[int | None, int | None] | None = None, max_events: int | None = None,
+               max_bytes: int | None = None) -> TracePlan:
     """Which steps a trace of ``run`` holds: those held in full (of ``steps``, ``--steps A:B``), the newest that
-    fit in ``max_events`` and ``max_bytes`` when ``steps`` is None and they would not.
+    fit in ``max_events`` and ``max_bytes`` (MAX_EVENTS, MAX_BYTES) when ``steps`` is None and they would not.
 
     Returns:
         the plan: steps, their rows, estimated events and bytes, and ``why()`` in words.
@@ -222,13 +224,17 @@ def plan_trace(run: StoredRun, steps: tuple[int | None, int | None] | None = Non
     total_ms = float(rows["duration_ms"].sum()) or 1.0
     durations = rows.groupby("step")["duration_ms"].max()
 
+    named = METADATA_EVENTS * (len(run.model.devices) + 1)  # processes and lanes named, a GPU or two sampled
+
     def estimate(chosen_steps: np.ndarray) -> int:
         share = float(durations.reindex(chosen_steps).sum()) * run.ranks / total_ms
-        return int(per_step * len(chosen_steps)) + _sample_events(run, min(1.0, share))
+        return int(per_step * len(chosen_steps)) + _sample_events(run, min(1.0, share)) + named
 
     events = estimate(chosen)
     plan = TracePlan(run_steps=run.model.steps, held=len(held), steps=chosen, step_rows=rows, asked=steps,
                      events=events, bytes=events * EVENT_BYTES, thinned=run.model.thinned)
+    max_events = MAX_EVENTS if max_events is None else max_events
+    max_bytes = MAX_BYTES if max_bytes is None else max_bytes
     limit = min(max_events, max_bytes // EVENT_BYTES)
     if events > limit:
         if steps is None:
