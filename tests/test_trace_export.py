@@ -6,7 +6,9 @@ memory, each phase a dpprof.* slice with its step and call, steps as ProfilerSte
 from __future__ import annotations
 
 import gzip
+import io
 import json
+import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +22,7 @@ from dpprof.cli import main
 from dpprof.store.retention import Retention
 from dpprof.trace import TraceError, import_traces
 from dpprof.trace.export import MEMORY_COUNTER, export_trace, parse_steps, plan_trace, rank_path
+from dpprof.views import export as export_view
 from recorded import BUS, record, record_straggler, record_with_gpu_samples
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -292,3 +295,20 @@ def test_export_writes_csv_only_with_out_and_the_trace_with_it(runs, tmp_path, c
                  str(tmp_path / "t.json.gz"), "--out", str(tmp_path / "csv")]) == 0
     out = capsys.readouterr().out.split()
     assert str(tmp_path / "t.json.gz") in out and any(p.endswith("steps.csv") for p in out)
+
+
+def test_the_export_pages_downloads_are_the_same_trace(runs, tmp_path):
+    """The dashboard's Export page: the trace as .json.gz (a distributed run's ranks side by side) and, for a
+    distributed run, a zip of one file per rank that dpprof import reads back as ranks."""
+    run = dpprof.load_run(runs.ids["ddp"], runs.dir)
+    doc = json.loads(gzip.decompress(export_view.run_trace(run)))
+    check_format(run, plan_trace(run), [doc])
+    text = export_view.trace_text(run)
+    assert "all 4 steps" in text and "ui.perfetto.dev" in text and "per-rank files" in text
+    with zipfile.ZipFile(io.BytesIO(export_view.rank_traces_zip(run))) as z:
+        names = sorted(z.namelist())
+        assert names == [f"{run.id}/{run.id}.pt.trace.rank{r}.json.gz" for r in (0, 1)]
+        z.extractall(tmp_path)
+    files = [tmp_path / n for n in names]
+    check_format(run, plan_trace(run), [read_trace(f) for f in files])
+    check_round_trip(run, plan_trace(run), files, tmp_path / "back")
