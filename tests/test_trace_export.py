@@ -304,7 +304,7 @@ def test_the_export_pages_downloads_are_the_same_trace(runs, tmp_path):
     doc = json.loads(gzip.decompress(export_view.run_trace(run)))
     check_format(run, plan_trace(run), [doc])
     text = export_view.trace_text(run)
-    assert "all 4 steps" in text and "ui.perfetto.dev" in text and "per-rank files" in text
+    assert "4 steps: 0:4" in text and "ui.perfetto.dev" in text and "per-rank files" in text
     with zipfile.ZipFile(io.BytesIO(export_view.rank_traces_zip(run))) as z:
         names = sorted(z.namelist())
         assert names == [f"{run.id}/{run.id}.pt.trace.rank{r}.json.gz" for r in (0, 1)]

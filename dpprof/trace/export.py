@@ -317,6 +317,20 @@ def _epoch_ns(iso: str) -> int:
     return (t - datetime(1970, 1, 1, tzinfo=timezone.utc)) // timedelta(microseconds=1) * 1000
 
 
+def _columns(df: pd.DataFrame, *names: str) -> list[list[Any]]:
+    """Columns as Python lists (ints, floats, str, None): what a loop over rows reads fastest."""
+    return [df[n].tolist() for n in names]
+
+
+def _int(v: Any) -> int | None:
+    return None if v is None or v != v else int(v)
+
+
+def _json(args: dict[str, Any]) -> str:
+    """Args as dense JSON, without missing values."""
+    return json.dumps(_clean(args), separators=_DENSE)
+
+
 def _clean(args: dict[str, Any]) -> dict[str, Any]:
     """Args without missing values, numpy scalars as Python numbers (json writes them)."""
     out = {}
@@ -466,9 +480,6 @@ class _TraceWriter:
             self._chunk(chunk, rows[rows["step"].isin(chunk)])
         self._samples()
 
-    def _ts(self, rank: int, ms: float) -> int:
-        return _ns(ms) + self.offset_ns.get(int(rank), 0)
-
     def _chunk(self, chunk: np.ndarray, steps: pd.DataFrame) -> None:
         lo, hi = int(chunk[0]), int(chunk[-1])
         q = self.view.query
@@ -483,72 +494,72 @@ class _TraceWriter:
         allocator = allocator[allocator["step"].isin(chunk)]
         comms = q("SELECT * FROM comms WHERE step BETWEEN ? AND ?", (lo, hi))
         comms = comms[comms["step"].isin(chunk)]
-        # slices: (pid, device, lane, start_ns, end_ns, name, args)
-        slices: list[tuple[int, str, str, int, int, str, dict[str, Any]]] = []
+        # slices: (start_ns, -end_ns, pid, device, lane, end_ns, name as JSON, args as JSON)
+        slices: list[tuple[int, int, int, str, str, int, str, str]] = []
         step_start: dict[tuple[int, int], int] = {}
         step_end: dict[tuple[int, int], int] = {}
-        for r in steps.itertuples(index=False):
-            device = self.step_device.get(int(r.rank))
-            start = self._ts(r.rank, r.start_ms)
-            end = self._ts(r.rank, r.start_ms + r.duration_ms)
-            step_start[(int(r.rank), int(r.step))] = start
-            step_end[(int(r.rank), int(r.step))] = end
+        offset = self.offset_ns
+        for rank, step, start_ms, ms, batch, calls, used in zip(*_columns(
+                steps, "rank", "step", "start_ms", "duration_ms", "batch_size", "forward_calls", "devices_used")):
+            start = _ns(start_ms) + offset[rank]
+            end = _ns(start_ms + ms) + offset[rank]
+            step_start[(rank, step)] = start
+            step_end[(rank, step)] = end
+            device = self.step_device.get(rank)
             if device is None:
                 continue
-            args = {"step": int(r.step), "batch_size": r.batch_size, "forward_calls": r.forward_calls,
-                    "devices_used": r.devices_used}
-            slices.append((self.pid_of[device], device, "steps", start, end, f"ProfilerStep#{int(r.step)}", args))
+            args = _json({"step": step, "batch_size": _int(batch), "forward_calls": _int(calls), "devices_used": _int(used)})
+            slices.append((start, -end, self.pid_of[device], device, "steps", end, f'"ProfilerStep#{step}"', args))
         ends: dict[tuple[int, int, int, str, str], int] = {}
-        for r in phases.itertuples(index=False):
-            device = str(r.device)
-            start = self._ts(r.rank, r.start_ms)
-            end = self._ts(r.rank, r.start_ms + r.duration_ms)
-            ends[(int(r.rank), int(r.step), int(r.call), str(r.phase), device)] = end
-            args = {"step": int(r.step), "call": int(r.call), "device_duration_ms": r.device_duration_ms}
-            slices.append((self.process(device), device, "replica" if r.phase == "apply" else "host", start, end,
-                           f"dpprof.{r.phase}", args))
-        for r in comms.itertuples(index=False):
-            device = str(r.device)
-            start = self._ts(r.rank, r.launch_ms)
-            end = self._ts(r.rank, r.launch_ms + r.duration_ms)
-            named = isinstance(r.collective, str) and r.collective
-            name = r.collective if named else self.collective
-            args = {"step": int(r.step), "bucket": int(r.bucket), "bucket_bytes": r.bucket_bytes}
-            if ":" in name and pd.notna(r.bucket_bytes):  # Kineto's collective args: bytes as Byte elements
-                args.update({"In msg nelems": int(r.bucket_bytes), "dtype": "Byte"})
-            slices.append((self.process(device), device, "all-reduce", start, end, name, args))
-        slices.sort(key=lambda s: (s[3], -s[4]))
-        out = self.out
-        for pid, device, lane, start, end, name, args in slices:
-            tid = self.lanes.place(pid, device, lane, start, end)
-            out.event(f'{{"ph":"X","cat":"user_annotation","name":{json.dumps(name)},"pid":{pid},"tid":{tid},'
-                      f'"ts":{_us(start)},"dur":{_us(end - start)},"args":{json.dumps(_clean(args), separators=_DENSE)}}}')
-        for r in memory.itertuples(index=False):
-            ts = step_start.get((int(r.rank), int(r.step)))
+        for rank, step, call, phase, device, start_ms, ms, cuda_ms in zip(*_columns(
+                phases, "rank", "step", "call", "phase", "device", "start_ms", "duration_ms", "device_duration_ms")):
+            start = _ns(start_ms) + offset[rank]
+            end = _ns(start_ms + ms) + offset[rank]
+            ends[(rank, step, call, phase, device)] = end
+            args = (f'{{"step":{step},"call":{call},"device_duration_ms":{cuda_ms!r}}}' if cuda_ms == cuda_ms
+                    and cuda_ms is not None else f'{{"step":{step},"call":{call}}}')
+            slices.append((start, -end, self.process(device), device, "replica" if phase == "apply" else "host", end,
+                           f'"dpprof.{phase}"', args))
+        for rank, step, device, bucket, nbytes, launch_ms, ms, collective in zip(*_columns(
+                comms, "rank", "step", "device", "bucket", "bucket_bytes", "launch_ms", "duration_ms", "collective")):
+            start = _ns(launch_ms) + offset[rank]
+            end = _ns(launch_ms + ms) + offset[rank]
+            name = collective if isinstance(collective, str) and collective else self.collective
+            args = {"step": step, "bucket": _int(bucket), "bucket_bytes": _int(nbytes)}
+            if ":" in name and args["bucket_bytes"] is not None:  # Kineto's collective args: bytes as Byte elements
+                args.update({"In msg nelems": args["bucket_bytes"], "dtype": "Byte"})
+            slices.append((start, -end, self.process(device), device, "all-reduce", end, json.dumps(name), _json(args)))
+        slices.sort(key=lambda x: (x[0], x[1]))
+        event, place = self.out.event, self.lanes.place
+        for start, _, pid, device, lane, end, name, args in slices:
+            tid = place(pid, device, lane, start, end)
+            event(f'{{"ph":"X","cat":"user_annotation","name":{name},"pid":{pid},"tid":{tid},"ts":{_us(start)},'
+                  f'"dur":{_us(end - start)},"args":{args}}}')
+        columns = _columns(memory, "rank", "step", "device", *MEMORY_BYTES)
+        for rank, step, device, *held in zip(*columns):
+            ts = step_start.get((rank, step))
             if ts is None:
                 continue
-            args = _clean({c: getattr(r, c) for c in MEMORY_BYTES})
-            out.event(f'{{"ph":"C","name":"{MEMORY_COUNTER}","pid":{self.process(str(r.device))},"ts":{_us(ts)},'
-                      f'"args":{json.dumps(args, separators=_DENSE)}}}')
-        for r in allocator.itertuples(index=False):
-            device = str(r.device)
-            ts = ends.get((int(r.rank), int(r.step), int(r.call), str(r.phase), device),
-                          step_end.get((int(r.rank), int(r.step))))
+            args = ",".join(f'"{c}":{int(v)}' for c, v in zip(MEMORY_BYTES, held) if v == v and v is not None)
+            event(f'{{"ph":"C","name":"{MEMORY_COUNTER}","pid":{self.process(device)},"ts":{_us(ts)},"args":{{{args}}}}}')
+        for rank, step, call, phase, device, allocated, peak, reserved in zip(*_columns(
+                allocator, "rank", "step", "call", "phase", "device", "allocated_bytes", "peak_allocated_bytes",
+                "reserved_bytes")):
+            ts = ends.get((rank, step, call, phase, device), step_end.get((rank, step)))
             if ts is None:
                 continue
             pid = self.process(device)
+            values = {"allocated_bytes": allocated, "reserved_bytes": reserved, "peak_allocated_bytes": peak}
             for counter, column in ALLOCATOR_COUNTERS.items():
-                value = getattr(r, column)
-                if pd.notna(value):
-                    out.event(f'{{"ph":"C","name":"{counter}","pid":{pid},"ts":{_us(ts)},'
-                              f'"args":{{"{column}":{int(value)}}}}}')
+                value = values[column]
+                if value == value and value is not None:
+                    event(f'{{"ph":"C","name":"{counter}","pid":{pid},"ts":{_us(ts)},"args":{{"{column}":{int(value)}}}}}')
             if device.startswith("cuda:") and device[5:].isdigit():  # Kineto's form, for torch's tools and the importer
                 tid = self.lanes.instant_lane(pid, device, "allocator")
-                args = _clean({"Device Type": 1, "Device Id": int(device[5:]), "Total Allocated": r.allocated_bytes,
-                               "Total Reserved": r.reserved_bytes})
-                args = {k: int(v) for k, v in args.items()}
-                out.event(f'{{"ph":"i","s":"t","cat":"cpu_instant_event","name":"[memory]","pid":{pid},"tid":{tid},'
-                          f'"ts":{_us(ts)},"args":{json.dumps(args, separators=_DENSE)}}}')
+                args = _json({"Device Type": 1, "Device Id": int(device[5:]), "Total Allocated": _int(allocated),
+                              "Total Reserved": _int(reserved)})
+                event(f'{{"ph":"i","s":"t","cat":"cpu_instant_event","name":"[memory]","pid":{pid},"tid":{tid},'
+                      f'"ts":{_us(ts)},"args":{args}}}')
 
     def _segments(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Per rank: the time spans (ms) of the runs of consecutive steps written, where samples are written."""
@@ -581,14 +592,17 @@ class _TraceWriter:
                 t = part["t_ms"].to_numpy(dtype=float)
                 i = np.searchsorted(starts, t, "right") - 1
                 inside = (i >= 0) & (t <= ends[np.maximum(i, 0)])
-                for r in part[inside].itertuples(index=False):
-                    pid = self.process(str(r.device))
-                    ts = _us(self._ts(rank, r.t_ms))
-                    for counter, cols in SAMPLE_COUNTERS.items():
-                        args = _clean({c: getattr(r, c) for c in cols})
+                kept = part[inside]
+                counters = [(counter, [(c, kept[c].tolist()) for c in cols]) for counter, cols in SAMPLE_COUNTERS.items()]
+                offset = self.offset_ns.get(int(rank), 0)
+                for i, (t_ms, device) in enumerate(zip(kept["t_ms"].tolist(), kept["device"].tolist())):
+                    pid = self.process(device)
+                    ts = _us(_ns(t_ms) + offset)
+                    for counter, cols in counters:
+                        args = ",".join(f'"{c}":{values[i]!r}' for c, values in cols
+                                        if values[i] is not None and values[i] == values[i])
                         if args:
-                            self.out.event(f'{{"ph":"C","name":"{counter}","pid":{pid},"ts":{ts},'
-                                           f'"args":{json.dumps(args, separators=_DENSE)}}}')
+                            self.out.event(f'{{"ph":"C","name":"{counter}","pid":{pid},"ts":{ts},"args":{{{args}}}}}')
 
 
 def _distributed_info(run: StoredRun, ranks: list[int]) -> dict[str, Any] | None:
