@@ -1,8 +1,8 @@
 """dpprof runs as trace files (``dpprof export RUN --trace``): what Holistic Trace Analysis reads of them, and what a
 long run's file costs.
 
-    python bench/trace_export.py [--steps 4000,50000] [--devices 8] [--hta-python .hta-venv/bin/python]
-                                 [--parts hta,long] [--keep DIR]
+    python bench/trace_export.py [--steps 4000,50000] [--details all,bounded] [--devices 8]
+                                 [--hta-python .hta-venv/bin/python] [--parts hta,long] [--keep DIR]
 
 1. ``hta``: records cifar-lenet on 2 CPU workers (30 steps) and tutorial-linear under DDP (2 ranks, 10 steps),
    exports each (the DDP run as a file per rank), reads each file back with ``dpprof import`` (the largest
@@ -10,7 +10,7 @@ long run's file costs.
    (both its json and ijson back-ends) in HTA's own environment, printing its rows per event name, and loads the
    DDP run's directory with HTA's ``TraceAnalysis`` (rank files).
 2. ``long``: synthesises CUDA-shaped runs of 8 devices (bench/dashboard.py's records: a step of two forward
-   calls, allocator readings, NVML at 10 Hz) of each --steps, with detail "all" and "bounded", and exports each
+   calls, allocator readings, NVML at 10 Hz) of each --steps, with each of --details, and exports each
    in a fresh process (no torch loaded): the steps written, events, JSON and .gz bytes, seconds and the
    process's peak RSS; a run over the viewers' limit writes its newest steps that fit (the line it prints is
    shown). The files are read back with ``dpprof import`` (seconds; phase totals).
@@ -140,7 +140,7 @@ def part_hta(hta_python: Path, work: Path) -> None:
             print(f"HTA TraceAnalysis(trace_dir): {done.stdout.strip().splitlines()[-1]}")
 
 
-def part_long(steps_list: list[int], devices: int, work: Path) -> None:
+def part_long(steps_list: list[int], details: list[str], devices: int, work: Path) -> None:
     from dashboard import synthesise
 
     import dpprof
@@ -150,7 +150,7 @@ def part_long(steps_list: list[int], devices: int, work: Path) -> None:
     print("| run | steps written | events | JSON | .json.gz | export s | export peak RSS | dpprof import s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for steps in steps_list:
-        for detail in ("all", "bounded"):
+        for detail in details:
             path = work / f"long-{steps}-{detail}.sqlite"
             t = time.perf_counter()
             synthesise(str(path), devices, steps, backend="cuda", detail=detail)
@@ -177,6 +177,7 @@ def part_long(steps_list: list[int], devices: int, work: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", default="4000,50000")
+    parser.add_argument("--details", default="all,bounded")
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--hta-python", default=str(DEFAULT_HTA))
     parser.add_argument("--parts", default="hta,long")
@@ -190,7 +191,7 @@ def main() -> None:
         if "hta" in parts:
             part_hta(Path(args.hta_python), work)
         if "long" in parts:
-            part_long([int(s) for s in args.steps.split(",")], args.devices, work)
+            part_long([int(s) for s in args.steps.split(",")], args.details.split(","), args.devices, work)
 
 
 if __name__ == "__main__":

@@ -499,7 +499,7 @@ def _export_trace(run: object, path: str, steps: tuple[int | None, int | None] |
     for w in written:
         print(w.path)
     events = max(w.events for w in written)
-    if plan.cut or plan.thinned:
+    if plan.cut or plan.thinned or not len(plan.steps):
         print(f"dpprof: the trace holds {plan.why()}", file=sys.stderr)
     elif plan.over:
         print(f"dpprof: --steps {args_steps} made {events:,} events{' in a file' if len(written) > 1 else ''}, more than "

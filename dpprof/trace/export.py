@@ -62,7 +62,7 @@ CHUNK_STEPS = 1_000  # steps read from the run file at a time: what the writer h
 PROBE_STEPS = 200  # steps counted at each end of the selection to estimate the events a step makes
 METADATA_EVENTS = 12  # per device: its process's name and order, and its lanes' (with a spare)
 EVENT_BYTES = 190  # mean JSON bytes of one event as written (measured on recorded runs: 150-210)
-SAMPLE_ROWS_PER_QUERY = 200_000  # NVML samples read at a time
+SAMPLE_ROWS_PER_QUERY = 50_000  # NVML samples read at a time
 # Lanes of a device's process, in the order they are listed; a phase runs on the host lane but for apply.
 LANES = ("steps", "host", "replica", "all-reduce", "allocator")
 TID_STRIDE = 1_000  # thread ids are pid * TID_STRIDE + lane: unique in the file (dpprofThreads maps them)
@@ -442,6 +442,9 @@ class _TraceWriter:
         for rank, devices in zip(metas["rank"], metas["devices"]):
             for d in json.loads(devices) if devices else []:
                 listed.setdefault(str(d), int(rank))
+        if run.ranks == 1:  # one file: every device of the run's axis, those that recorded before the run row said
+            for d in self.model.devices:
+                listed.setdefault(str(d), self.ranks[0])
         order = list(self.model.devices)
         self.devices = sorted(listed, key=lambda d: (order.index(d) if d in order else len(order), device_key(d)))
         self.rank_of = listed
