@@ -148,7 +148,7 @@ class TracePlan:
         if self.cut:
             return (f"the newest {n:,} of the {self.held:,} steps held in full (steps {which}): all of them would "
                     f"make about {self._full_events:,} events, over what a trace viewer opens "
-                    f"({MAX_EVENTS:,} events or {MAX_BYTES >> 20} MB); --steps A:B picks others")
+                    f"({self._limits[0]:,} events or {self._limits[1] >> 20} MB); --steps A:B picks others")
         asked = f" of --steps {_asked_text(self.asked)}" if self.asked else ""
         said = f"{n:,} step{'s' if n != 1 else ''}{asked}: {which}" if n else f"no step{asked}"
         if self.thinned:
@@ -156,7 +156,8 @@ class TracePlan:
                      "the others keep only their step time and the aggregates)")
         return said
 
-    _full_events: int = field(default=0, repr=False)
+    _full_events: int = field(default=0, repr=False)  # what every step asked for would have made
+    _limits: tuple[int, int] = field(default=(MAX_EVENTS, MAX_BYTES), repr=False)  # (events, bytes) a file may hold
 
 
 def _asked_text(asked: tuple[int | None, int | None] | None) -> str:
@@ -236,6 +237,7 @@ def plan_trace(run: StoredRun, steps: tuple[int | None, int | None] | None = Non
     max_events = MAX_EVENTS if max_events is None else max_events
     max_bytes = MAX_BYTES if max_bytes is None else max_bytes
     limit = min(max_events, max_bytes // EVENT_BYTES)
+    plan._limits = (max_events, max_bytes)
     if events > limit:
         if steps is None:
             fit = max(1, int(len(chosen) * limit / events * 0.95))  # a margin for the estimate's error
