@@ -648,7 +648,10 @@ def write_trace(run: StoredRun, target: str | os.PathLike[str] | IO[bytes], plan
     path = None if hasattr(target, "write") else Path(target)
     if gz is None:
         gz = path is not None and path.name.endswith(".gz")
-    stream = open(path, "wb") if path is not None else target
+    # a path is written under a hidden name and takes its own only whole: a failed export leaves no half file
+    part = path.with_name(f".{path.name}.part") if path is not None else None
+    stream = open(part, "wb") if part is not None else target
+    done = False
     try:
         out = _Out(stream, gz)
         writer = _TraceWriter(run, view, plan, out)
@@ -677,9 +680,14 @@ def write_trace(run: StoredRun, target: str | os.PathLike[str] | IO[bytes], plan
         writer.write()
         out.text(f"\n],\n{json.dumps(THREADS_KEY)}: {json.dumps(writer.lanes.device_of)}\n}}\n")
         out.close()
+        done = True
     finally:
-        if path is not None:
+        if part is not None:
             stream.close()
+            if done:
+                os.replace(part, path)
+            else:
+                part.unlink(missing_ok=True)
     size = path.stat().st_size if path is not None else out.bytes
     return TraceWritten(path=path, events=out.events, json_bytes=out.bytes, file_bytes=size,
                         seconds=time.perf_counter() - t0, ranks=writer.ranks)
