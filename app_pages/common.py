@@ -106,6 +106,12 @@ def run_zip(row: pd.Series) -> Callable[[], bytes]:
     return lambda: export.run_zip(load_run(path))
 
 
+def run_trace(row: pd.Series, per_rank: bool = False) -> Callable[[], bytes]:
+    """A callable for st.download_button: the run's trace (.json.gz), or a zip of one per rank, built when clicked."""
+    path = row["path"]
+    return lambda: (export.rank_traces_zip if per_rank else export.run_trace)(load_run(path))
+
+
 # -- the chosen run ----------------------------------------------------------------------------
 
 PICKER_KEY = "run_picker"  # the sidebar selectbox's own state

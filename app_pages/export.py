@@ -1,4 +1,4 @@
-"""Export: every table of the run as CSV, and the whole run as a zip of CSVs."""
+"""Export: every table of the run as CSV, the whole run as a zip of CSVs, and the run as a trace file."""
 from __future__ import annotations
 
 import pandas as pd
@@ -15,6 +15,15 @@ def body(row: pd.Series) -> None:
                "so that a spreadsheet shows it instead of running it.")
     st.download_button("⬇ The whole run (zip of CSVs)", common.run_zip(row), file_name=f"{row['id']}.zip",
                        mime="application/zip", type="primary", key="zip", on_click="ignore")
+    c1, c2 = st.columns([2, 5])
+    c1.download_button("⬇ Trace for Perfetto (.json.gz)", common.run_trace(row),
+                       file_name=f"{row['id']}.pt.trace.json.gz", mime="application/gzip", key="trace",
+                       on_click="ignore")
+    if int(row.get("ranks") or 1) > 1:
+        c1.download_button("⬇ A trace per rank (zip)", common.run_trace(row, per_rank=True),
+                           file_name=f"{row['id']}-traces.zip", mime="application/zip", key="trace-ranks",
+                           on_click="ignore")
+    c2.caption(common.view(export.trace_text, row))
     for t in common.view(export.export_tables, row).itertuples():
         c1, c2, c3 = st.columns([2, 1, 4])
         c1.download_button(f"⬇ {t.table}.csv", common.run_csv(row, t.table), file_name=f"{row['id']}-{t.table}.csv",

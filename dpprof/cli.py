@@ -467,11 +467,43 @@ def _cmd_export(args: argparse.Namespace) -> int:
     if problem:
         print(f"dpprof: {problem}", file=sys.stderr)
         return EXIT_FAILURE
+    if (args.steps is not None or args.one_file) and args.trace is None:
+        raise UsageError("--steps and --one-file choose what --trace FILE writes: give --trace")
+    if args.trace is not None and not args.trace.endswith((".json", ".json.gz")):
+        raise UsageError(f"--trace {args.trace}: the name must end in .json or .json.gz (gzip'd)")
+    from dpprof.trace.export import parse_steps
+
+    try:
+        steps = parse_steps(args.steps)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     run = load_run(args.run, args.reports_dir)
-    out = args.out or f"{run.id}-csv"
-    for path in export_run(run, out):
-        print(path)
+    if args.trace is None or args.out is not None:
+        for path in export_run(run, args.out or f"{run.id}-csv"):
+            print(path)
+    if args.trace is not None:
+        _export_trace(run, args.trace, steps, args.one_file, args.steps)
     return EXIT_OK
+
+
+def _export_trace(run: object, path: str, steps: tuple[int | None, int | None] | None, one_file: bool,
+                  args_steps: str | None) -> None:
+    """--trace: the trace file(s), their paths on stdout; on stderr one line when the file holds less than every
+    step (a thinned run's steps held in full, a range cut to fit a viewer) or more than a viewer opens."""
+    from dpprof.trace.export import MAX_EVENTS, export_trace
+
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise UsageError(f"--trace {path}: no directory {directory}")
+    plan, written = export_trace(run, path, steps, one_file=one_file)
+    for w in written:
+        print(w.path)
+    events = max(w.events for w in written)
+    if plan.cut or plan.thinned or not len(plan.steps):
+        print(f"dpprof: the trace holds {plan.why()}", file=sys.stderr)
+    elif plan.over:
+        print(f"dpprof: --steps {args_steps} made {events:,} events{' in a file' if len(written) > 1 else ''}, more than "
+              f"chrome://tracing opens ({MAX_EVENTS:,}); the Perfetto UI (ui.perfetto.dev) opens more", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -566,9 +598,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="run id (or a unique prefix) or path to a run file")
     p.set_defaults(func=_cmd_show, parser=p)
 
-    p = sub.add_parser("export", help="write a run's tables as CSV files")
+    p = sub.add_parser("export", help="write a run's tables as CSV files, or the run as a trace for Perfetto",
+                       description="Without --trace: every table as CSV in --out. With --trace FILE.json[.gz]: the run "
+                       "as a Chrome Trace Event file in torch.profiler's form, for Perfetto, chrome://tracing and "
+                       "Holistic Trace Analysis (and dpprof import); a distributed run as a file per rank, "
+                       "FILE.rank<N>.json[.gz]. It holds the steps the run keeps in full (a thinned run's say "
+                       "which in the file), at most what a viewer opens: a run over ~1M events exports its newest "
+                       "steps that fit and says which on one line.")
     p.add_argument("run", help="run id (or a unique prefix) or path to a run file")
-    p.add_argument("--out", default=None, help="output directory (default: ./<run id>-csv)")
+    p.add_argument("--out", default=None, help="output directory for the CSV files (default: ./<run id>-csv; "
+                   "with --trace, CSV files only when given)")
+    p.add_argument("--trace", default=None, metavar="FILE.json[.gz]",
+                   help="write the run as a trace file (gzip'd when the name ends in .gz)")
+    p.add_argument("--steps", default=None, metavar="A:B",
+                   help="with --trace: steps A to B-1 (A: or :B open at one end; N: step N) instead of every step held "
+                   "in full, or the newest that fit")
+    p.add_argument("--one-file", action="store_true",
+                   help="with --trace, for a distributed run: every rank in FILE, side by side (for viewing; "
+                   "dpprof import and HTA's TraceAnalysis read the per-rank files)")
     p.set_defaults(func=_cmd_export, parser=p)
     return parser
 

@@ -146,6 +146,9 @@ class Run:
                  rank: int | None = None, world_size: int | None = None,
                  detail: str | Retention = "bounded") -> None:
         now = datetime.now(timezone.utc)
+        # the ms clock starts with created_at (not after the run file is opened, which can take tens of ms): so
+        # created_at + start_ms is when a record happened, and the ranks of a distributed run line up on it
+        self._t0_ns = time.perf_counter_ns()
         self.retention = retention_of(detail)
         self.id = run_id or new_run_id(now)
         self.rank, self.world_size = rank, world_size
@@ -181,7 +184,6 @@ class Run:
             self.sink.clock_ms = self.now_ms
         else:
             self.sink = MemorySink()
-        self._t0_ns = time.perf_counter_ns()
         self._lock = threading.Lock()
         self._next_step = 0
         self._explicit: _Step | None = None

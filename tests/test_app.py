@@ -257,6 +257,8 @@ def test_export_offers_every_table_and_the_whole_run(reports_with_runs):
     at = _page(_app(), "export")
     labels = [b.label for b in at.download_button]
     assert labels[0] == "⬇ The whole run (zip of CSVs)"
+    assert "⬇ Trace for Perfetto (.json.gz)" in labels
+    assert any("The trace holds" in c.value and "ui.perfetto.dev" in c.value for c in at.caption)
     assert {f"⬇ {t}.csv" for t in (*TABLES, "run", "device_summary", "phase_totals")} <= set(labels)
 
 

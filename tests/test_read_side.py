@@ -63,8 +63,10 @@ for run in opened:
     with contextlib.redirect_stdout(shown):
         show_code = main(["--reports-dir", directory, "show", run.id])
     with contextlib.redirect_stdout(exported):
-        export_code = main(["--reports-dir", directory, "export", run.id, "--out", f"{out_dir}/{run.id}"])
-    assert show_code == export_code == 0 and run.id in shown.getvalue() and exported.getvalue()
+        export_code = main(["--reports-dir", directory, "export", run.id, "--out", f"{out_dir}/{run.id}",
+                            "--trace", f"{out_dir}/{run.id}.json.gz"])
+    assert show_code == export_code == 0 and run.id in shown.getvalue() and ".json.gz" in exported.getvalue()
+    assert export.run_trace(run)[:2] == b"\x1f\x8b"  # a gzip stream, for the dashboard's download
     read[run.meta["name"]] = {"steps": rows["steps"], "gpu_samples": rows["gpu_samples"], "devices": len(summary),
                               "findings": len(findings), "compared": len(comparison.summary),
                               "tables": len(tables), "zip_bytes": len(zipped), "status": run.meta["status"]}

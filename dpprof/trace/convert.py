@@ -26,6 +26,7 @@ import numpy as np
 from dpprof.records import (PHASES, AllocatorRecord, CommRecord, DeviceRecord, GpuTimeRecord, NoteRecord,
                             PhaseRecord, Record, StepRecord)
 from dpprof.trace.collect import GPU_KINDS, Collected, Range
+from dpprof.trace.exported import export_info, exported_phases
 
 __all__ = ["Converted", "convert", "process_label"]
 
@@ -287,7 +288,17 @@ def convert(c: Collected, t0_us: float, rank: int | None) -> Converted:
     gpus = c.gpus
     # a dpprof.DataParallel: parallel_apply over several devices, or scatter then apply on one
     dp_exact = any(r.name in ("parallel_apply", "scatter") for r in c.dpprof_ranges) and rank is None
-    if dp_exact:
+    if export_info(c.meta) is not None:  # a file dpprof export wrote: it names each thread's device
+        devices, phases = exported_phases(c, windows, ms)
+        label_of = {g: f"cuda:{g}" for g in gpus}
+        out.records += phases
+        if any(isinstance(p, PhaseRecord) and p.phase == "apply" for p in phases):
+            out.dataparallel = "exact"
+        out.notes.append("written by dpprof export: each dpprof.<phase> range is that phase on the device its "
+                         "thread belongs to (the file's dpprofThreads); forward calls and dpprof's memory "
+                         "accounting are not in the file")
+        dp_exact = True  # the device axis is the file's: collectives go to its first device
+    elif dp_exact:
         applies = [a for a in c.dpprof_ranges if a.name == "apply"]
         per_call = max((len(_in(applies, p.start_us, p.end_us))
                         for p in c.dpprof_ranges if p.name == "parallel_apply"), default=1)

@@ -1,4 +1,5 @@
-"""The Export page of one run: every table as CSV, the summaries, and the whole run as a zip of CSVs."""
+"""The Export page of one run: every table as CSV, the summaries, the whole run as a zip of CSVs, and the run as
+a trace file for Perfetto, chrome://tracing and Holistic Trace Analysis (dpprof.trace.export)."""
 from __future__ import annotations
 
 import io
@@ -15,9 +16,10 @@ from dpprof.store import queries
 from dpprof.store.reader import TABLES, StoredRun
 from dpprof.store.schema import AGGREGATE_TABLES
 from dpprof.store.sketch import grouped_quantile
+from dpprof.trace.export import plan_trace, rank_path, trace_bytes, write_trace
 
 __all__ = ["TABLE_DESCRIPTIONS", "AGGREGATE_DESCRIPTIONS", "EXTRA_TABLES", "export_tables", "table_csv", "run_zip",
-           "export_table", "export_run", "EXPORTED", "exported"]
+           "export_table", "export_run", "EXPORTED", "exported", "trace_text", "run_trace", "rank_traces_zip"]
 
 TABLE_DESCRIPTIONS = {
     "steps": "one row per step: start, duration, batch size",
@@ -138,4 +140,31 @@ def run_zip(run: StoredRun) -> bytes:
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
         for name in exported(run):
             z.writestr(f"{run.id}/{name}.csv", table_csv(run, name))
+    return buf.getvalue()
+
+
+def trace_text(run: StoredRun) -> str:
+    """What the run's trace download holds, in one sentence: its steps and about how many events."""
+    plan = plan_trace(run)
+    ranks = f" Every rank is in the file, side by side; the per-rank files are what `dpprof import` and HTA's " \
+            f"TraceAnalysis read as ranks." if run.ranks > 1 else ""
+    return (f"The trace holds {plan.why()}, about {plan.events:,} events. Open it at ui.perfetto.dev or in "
+            f"chrome://tracing; `dpprof export {run.id} --trace FILE.json.gz --steps A:B` picks other steps.{ranks}")
+
+
+def run_trace(run: StoredRun) -> bytes:
+    """The run as one gzip'd trace file (a distributed run's ranks side by side): the steps ``plan_trace`` picks."""
+    return trace_bytes(run)
+
+
+def rank_traces_zip(run: StoredRun) -> bytes:
+    """A distributed run as a zip of one gzip'd trace per rank (as torch.profiler writes them)."""
+    plan = plan_trace(run)
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:  # each file is gzip'd already
+        for path in run.paths:
+            rank = run._file_rank(path)
+            name = rank_path(f"{run.id}.pt.trace.json.gz", rank).name
+            with z.open(f"{run.id}/{name}", "w") as f:
+                write_trace(run, f, plan, ranks=[rank], gz=True)
     return buf.getvalue()

@@ -1,0 +1,726 @@
+"""A dpprof run as a Chrome Trace Event file, in the form torch.profiler (Kineto) writes: for Perfetto,
+chrome://tracing and Holistic Trace Analysis (``dpprof export RUN --trace FILE.json[.gz]``).
+
+What the file holds:
+
+- Kineto's top-level fields: ``schemaVersion``, ``deviceProperties`` (the run's GPUs), ``distributedInfo`` (a
+  rank's file), ``traceEvents``, ``traceName``, ``displayTimeUnit``, ``baseTimeNanoseconds`` (when the run
+  started: ``ts`` and ``dur`` are microseconds since then); and dpprof's: ``dpprofExport`` (the run, its kind and
+  devices, which steps the file holds and why) and, after the events, ``dpprofThreads`` (the device of each
+  thread id, so that ``dpprof import`` reads the file back exactly: dpprof.trace.exported).
+- A process per device (or rank), named by ``process_name`` metadata and ordered by ``process_sort_index`` in
+  the run's device order. Its threads are lanes: ``steps`` (``ProfilerStep#N``, on the device that drives the
+  steps), ``host`` (the phases the calling thread runs: scatter, replicate, parallel_apply, gather, loss, reduce,
+  backward; a rank's data, forward, backward and its parts, optimizer), ``replica`` (the replica's apply),
+  ``all-reduce`` (DDP's bucket all-reduces from launch to completion; an imported trace's collectives) and
+  ``allocator`` (the CUDA allocator's readings as Kineto's ``[memory]`` events). Slices of one lane either nest
+  or are disjoint: one that would cross another goes to a lane of its own (``host #2``), since Perfetto drops
+  slices that cross.
+- Every phase as a complete event (``"ph": "X"``) named as its profiler range (``dpprof.scatter``,
+  ``dpprof.apply``, ...), with ``step`` and ``call`` in ``args``; its host time is the slice, its CUDA event time
+  ``args.device_duration_ms`` (CUDA runs).
+- Counters (``"ph": "C"``): dpprof's memory accounting per device and step (``dpprof memory (bytes)``, what it
+  held by kind, forward calls summed, at the step's start), the CUDA allocator's allocated, reserved and peak
+  bytes (at the end of the phase they were read after), and NVML's samples, a counter per metric.
+
+Which steps: every step the run holds in full (a thinned run's, dpprof.store.retention: its first steps, one in
+``every``, outliers, peaks and its newest), or those of ``--steps A:B``. A viewer has limits (chrome://tracing
+struggles above ~1M events and ~256 MB of JSON; the Perfetto UI above ~2 GB of browser memory): without
+``--steps``, a run whose steps would make more exports its newest steps that fit, and says so in one line.
+
+Events are written as they are made, a chunk of steps at a time, one JSON object per line (gzip when the name
+ends in ``.gz``): memory stays that of a chunk however long the run.
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import pandas as pd
+
+from dpprof.records import MEMORY_BYTES, device_key
+from dpprof.store.reader import StoredRun
+from dpprof.trace.exported import EXPORT_KEY, EXPORT_VERSION, THREADS_KEY
+
+__all__ = ["MAX_EVENTS", "MAX_BYTES", "TracePlan", "TraceWritten", "parse_steps", "plan_trace", "write_trace",
+           "export_trace", "rank_path", "trace_bytes"]
+
+# What a trace viewer opens: chrome://tracing slows to a crawl above about a million events and fails on JSON
+# above about 256 MB; the Perfetto UI holds about 2 GB of browser memory (some 10x a file's JSON). The lower wins.
+MAX_EVENTS = 1_000_000
+MAX_BYTES = 256 * 2**20
+CHUNK_STEPS = 1_000  # steps read from the run file at a time: what the writer holds in memory
+PROBE_STEPS = 200  # steps counted at each end of the selection to estimate the events a step makes
+METADATA_EVENTS = 12  # per device: its process's name and order, and its lanes' (with a spare)
+EVENT_BYTES = 190  # mean JSON bytes of one event as written (measured on recorded runs: 150-210)
+SAMPLE_ROWS_PER_QUERY = 50_000  # NVML samples read at a time
+# Lanes of a device's process, in the order they are listed; a phase runs on the host lane but for apply.
+LANES = ("steps", "host", "replica", "all-reduce", "allocator")
+TID_STRIDE = 1_000  # thread ids are pid * TID_STRIDE + lane: unique in the file (dpprofThreads maps them)
+# NVML's metrics as counters: the counter's name (its unit in it) -> the gpu_samples columns it shows.
+SAMPLE_COUNTERS = {
+    "GPU utilization (%)": ("gpu_util_pct",),
+    "GPU memory utilization (%)": ("memory_util_pct",),
+    "GPU memory used (bytes)": ("memory_used_bytes",),
+    "GPU memory of other processes (bytes)": ("other_process_memory_bytes",),
+    "power (W)": ("power_w",),
+    "temperature (C)": ("temperature_c",),
+    "SM clock (MHz)": ("sm_clock_mhz",),
+    "PCIe (bytes/s)": ("pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s"),
+}
+ALLOCATOR_COUNTERS = {"CUDA allocated (bytes)": "allocated_bytes", "CUDA reserved (bytes)": "reserved_bytes",
+                      "CUDA peak allocated in step (bytes)": "peak_allocated_bytes"}
+MEMORY_COUNTER = "dpprof memory (bytes)"
+_DENSE = (",", ":")
+
+
+def parse_steps(text: str | None) -> tuple[int | None, int | None] | None:
+    """``--steps A:B``: steps A to B-1 (Python's slice; ``A:`` or ``:B`` open at one end), or ``N``: step N alone.
+
+    Raises:
+        ValueError: not of that form, or B not after A.
+    """
+    if text is None:
+        return None
+    head, colon, tail = text.strip().partition(":")
+    try:
+        lo = int(head) if head.strip() else None
+        hi = int(tail) if tail.strip() else None
+    except ValueError:
+        raise ValueError(f"--steps {text!r}: expected A:B (steps A to B-1), A:, :B or N") from None
+    if not colon:
+        if lo is None:
+            raise ValueError(f"--steps {text!r}: expected A:B (steps A to B-1), A:, :B or N")
+        hi = lo + 1
+    if lo is not None and hi is not None and hi <= lo:
+        raise ValueError(f"--steps {text!r}: B must be after A (A:B is steps A to B-1)")
+    return lo, hi
+
+
+def _ranges(steps: np.ndarray) -> list[list[int]]:
+    """Sorted step numbers as half-open [start, stop) ranges of consecutive steps."""
+    if not len(steps):
+        return []
+    breaks = np.flatnonzero(np.diff(steps) != 1)
+    starts = np.concatenate([[0], breaks + 1])
+    stops = np.concatenate([breaks, [len(steps) - 1]])
+    return [[int(steps[a]), int(steps[b]) + 1] for a, b in zip(starts, stops)]
+
+
+def _ranges_text(ranges: list[list[int]], most: int = 4) -> str:
+    said = [f"{a}:{b}" if b - a > 1 else str(a) for a, b in ranges[:most]]
+    return ", ".join(said) + (f" and {len(ranges) - most:,} more ranges" if len(ranges) > most else "")
+
+
+@dataclass
+class TracePlan:
+    """Which steps a trace of the run holds, and what they will make (events and bytes, estimated)."""
+
+    run_steps: int  # the steps the run recorded
+    held: int  # of them, those held in full (every step of a run whose detail was not thinned)
+    steps: np.ndarray  # the steps to write, sorted
+    step_rows: pd.DataFrame  # their rows of the steps table (every rank's), with "rank"
+    asked: tuple[int | None, int | None] | None  # --steps A:B
+    events: int  # estimated events
+    bytes: int  # estimated JSON bytes, uncompressed
+    cut: bool = False  # over the viewers' limit without --steps: the newest steps that fit
+    over: bool = False  # what --steps asked for is over the limit (written all the same)
+    thinned: bool = False
+
+    @property
+    def ranges(self) -> list[list[int]]:
+        """The steps written, as half-open ranges [start, stop)."""
+        return _ranges(self.steps)
+
+    def why(self) -> str:
+        """Which steps the file holds and why, in one sentence (the file's metadata says it too)."""
+        n = len(self.steps)
+        which = _ranges_text(self.ranges)
+        if self.cut:
+            return (f"the newest {n:,} of the {self.held:,} steps held in full (steps {which}): all of them would "
+                    f"make about {self._full_events:,} events, over what a trace viewer opens "
+                    f"({self._limits[0]:,} events or {self._limits[1] >> 20} MB); --steps A:B picks others")
+        asked = f" of --steps {_asked_text(self.asked)}" if self.asked else ""
+        said = f"{n:,} step{'s' if n != 1 else ''}{asked}: {which}" if n else f"no step{asked}"
+        if self.thinned:
+            said += (f" (the run holds {self.held:,} of its {self.run_steps:,} steps in full: its detail was thinned, "
+                     "the others keep only their step time and the aggregates)")
+        return said
+
+    _full_events: int = field(default=0, repr=False)  # what every step asked for would have made
+    _limits: tuple[int, int] = field(default=(MAX_EVENTS, MAX_BYTES), repr=False)  # (events, bytes) a file may hold
+
+
+def _asked_text(asked: tuple[int | None, int | None] | None) -> str:
+    if not asked:
+        return ""
+    lo, hi = asked
+    return f"{'' if lo is None else lo}:{'' if hi is None else hi}"
+
+
+def _held_steps(run: StoredRun, steps: np.ndarray) -> np.ndarray:
+    """Of the run's steps, those that keep their detail rows (dpprof.store.queries.detail_steps' rule)."""
+    model = run.model
+    if not model.thinned:
+        return steps
+    kept = run.query("SELECT DISTINCT step FROM phases UNION SELECT DISTINCT step FROM memory")["step"]
+    return steps[(steps >= model.detail_from) | np.isin(steps, kept.to_numpy(dtype=np.int64))]
+
+
+def _events_per_step(run: StoredRun, steps: np.ndarray, cuda: bool) -> float:
+    """Events a step makes, counted on up to PROBE_STEPS steps at each end of ``steps`` (every rank's)."""
+    blocks = [steps[:PROBE_STEPS], steps[-PROBE_STEPS:]] if len(steps) > 2 * PROBE_STEPS else [steps]
+    events = counted = 0
+    for block in blocks:
+        if not len(block):
+            continue
+        lo, hi = int(block[0]), int(block[-1])
+        n = run.query(
+            "SELECT (SELECT COUNT(*) FROM phases WHERE step BETWEEN ?1 AND ?2) AS phases, "
+            "(SELECT COUNT(*) FROM (SELECT 1 FROM memory WHERE step BETWEEN ?1 AND ?2 GROUP BY step, device)) AS memory, "
+            "(SELECT COUNT(*) FROM allocator WHERE step BETWEEN ?1 AND ?2) AS allocator, "
+            "(SELECT COUNT(*) FROM comms WHERE step BETWEEN ?1 AND ?2) AS comms", (lo, hi)).sum()
+        ranks = run.ranks
+        events += (int(n["phases"]) + int(n["memory"]) + (4 if cuda else 3) * int(n["allocator"]) + int(n["comms"])
+                   + len(block) * ranks)
+        counted += len(block)
+    return events / counted if counted else 0.0
+
+
+def _sample_events(run: StoredRun, share: float) -> int:
+    """Counter events NVML's samples make over ``share`` of the run's time (every metric of every sample)."""
+    rows = run.query("SELECT COALESCE(MAX(rowid), 0) AS n FROM gpu_samples")["n"].sum()  # never deleted: the count
+    return int(rows * len(SAMPLE_COUNTERS) * share)
+
+
+def plan_trace(run: StoredRun, steps: tuple[int | None, int | None] | None = None, max_events: int | None = None,
+               max_bytes: int | None = None) -> TracePlan:
+    """Which steps a trace of ``run`` holds: those held in full (of ``steps``, ``--steps A:B``), the newest that
+    fit in ``max_events`` and ``max_bytes`` (MAX_EVENTS, MAX_BYTES) when ``steps`` is None and they would not.
+
+    Returns:
+        the plan: steps, their rows, estimated events and bytes, and ``why()`` in words.
+    """
+    rows = run.query("SELECT step, start_ms, duration_ms, batch_size, devices_used, forward_calls FROM steps")
+    all_steps = np.unique(rows["step"].to_numpy(dtype=np.int64))
+    held = _held_steps(run, all_steps)
+    chosen = held
+    if steps is not None:
+        lo, hi = steps
+        if lo is not None:
+            chosen = chosen[chosen >= lo]
+        if hi is not None:
+            chosen = chosen[chosen < hi]
+    cuda = any(str(d).startswith("cuda:") for d in run.model.devices)
+    per_step = _events_per_step(run, chosen, cuda)
+    total_ms = float(rows["duration_ms"].sum()) or 1.0
+    durations = rows.groupby("step")["duration_ms"].max()
+
+    named = METADATA_EVENTS * (len(run.model.devices) + 1)  # processes and lanes named, a GPU or two sampled
+
+    def estimate(chosen_steps: np.ndarray) -> int:
+        share = float(durations.reindex(chosen_steps).sum()) * run.ranks / total_ms
+        return int(per_step * len(chosen_steps)) + _sample_events(run, min(1.0, share)) + named
+
+    events = estimate(chosen)
+    plan = TracePlan(run_steps=run.model.steps, held=len(held), steps=chosen, step_rows=rows, asked=steps,
+                     events=events, bytes=events * EVENT_BYTES, thinned=run.model.thinned)
+    max_events = MAX_EVENTS if max_events is None else max_events
+    max_bytes = MAX_BYTES if max_bytes is None else max_bytes
+    limit = min(max_events, max_bytes // EVENT_BYTES)
+    plan._limits = (max_events, max_bytes)
+    if events > limit:
+        if steps is None:
+            fit = max(1, int(len(chosen) * limit / events * 0.95))  # a margin for the estimate's error
+            plan._full_events = events
+            plan.steps = chosen[-fit:]
+            plan.events = estimate(plan.steps)
+            plan.bytes = plan.events * EVENT_BYTES
+            plan.cut = True
+        else:
+            plan.over = True
+    plan.step_rows = rows[rows["step"].isin(plan.steps)].reset_index(drop=True)
+    return plan
+
+
+@dataclass
+class TraceWritten:
+    """One trace file written: where, how many events and bytes (uncompressed JSON and on disk), how long."""
+
+    path: Path | None
+    events: int
+    json_bytes: int
+    file_bytes: int
+    seconds: float
+    ranks: list[int]
+
+
+class _Out:
+    """The file being written: JSON text in UTF-8, gzip'd when asked; counts what it writes."""
+
+    def __init__(self, stream: IO[bytes], gz: bool) -> None:
+        self._raw = stream
+        # mtime 0: the same run gives the same bytes; level 6: most of 9's size at a third of its time
+        self._gz = gzip.GzipFile(fileobj=stream, mode="wb", compresslevel=6, mtime=0) if gz else None
+        self._out = self._gz if self._gz is not None else stream
+        self._buf: list[str] = []
+        self._pending = 0
+        self.events = 0
+        self.bytes = 0
+        self._first = True
+
+    def text(self, s: str) -> None:
+        self._buf.append(s)
+        self._pending += len(s)
+        if self._pending > 1 << 20:
+            self.flush()
+
+    def event(self, s: str) -> None:
+        self.text(s if self._first else ",\n" + s)
+        self._first = False
+        self.events += 1
+
+    def flush(self) -> None:
+        data = "".join(self._buf).encode()
+        self._buf.clear()
+        self._pending = 0
+        self.bytes += len(data)
+        self._out.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        if self._gz is not None:
+            self._gz.close()
+
+
+def _us(ns: int) -> str:
+    """Integer nanoseconds as microseconds with three decimals, as Kineto writes ts and dur."""
+    sign, ns = ("-", -ns) if ns < 0 else ("", ns)
+    return f"{sign}{ns // 1000}.{ns % 1000:03d}"
+
+
+def _ns(ms: float) -> int:
+    return int(round(ms * 1e6))
+
+
+def _epoch_ns(iso: str) -> int:
+    t = datetime.fromisoformat(iso)
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=timezone.utc)
+    return (t - datetime(1970, 1, 1, tzinfo=timezone.utc)) // timedelta(microseconds=1) * 1000
+
+
+def _columns(df: pd.DataFrame, *names: str) -> list[list[Any]]:
+    """Columns as Python lists (ints, floats, str, None): what a loop over rows reads fastest."""
+    return [df[n].tolist() for n in names]
+
+
+def _int(v: Any) -> int | None:
+    return None if v is None or v != v else int(v)
+
+
+def _json(args: dict[str, Any]) -> str:
+    """Args as dense JSON, without missing values."""
+    return json.dumps(_clean(args), separators=_DENSE)
+
+
+def _clean(args: dict[str, Any]) -> dict[str, Any]:
+    """Args without missing values, numpy scalars as Python numbers (json writes them)."""
+    out = {}
+    for k, v in args.items():
+        if v is None or (isinstance(v, float) and v != v):
+            continue
+        out[k] = v.item() if isinstance(v, np.generic) else v
+    return out
+
+
+class _Lanes:
+    """Each device's lanes (threads), made as slices need them so that no two slices of one lane cross."""
+
+    def __init__(self, out: _Out) -> None:
+        self._out = out
+        self._lanes: dict[tuple[int, str], list[list[Any]]] = {}  # (pid, kind) -> [tid, last start, open stack]
+        self.device_of: dict[str, str] = {}  # tid -> device
+        self._count: dict[int, int] = {}
+
+    def place(self, pid: int, device: str, kind: str, start: int, end: int) -> int:
+        """The thread id of a lane of ``kind`` where [start, end] nests in or follows what it holds (slices come
+        in order of start, longer first: then a lane's open slices are a chain, each inside the one before)."""
+        lanes = self._lanes.setdefault((pid, kind), [])
+        for lane in lanes:
+            tid, last, stack = lane
+            if start < last:  # out of order for this lane: it could cross a slice closed already
+                continue
+            while stack and stack[-1] <= start:
+                stack.pop()
+            if not stack or end <= stack[-1]:
+                stack.append(end)
+                lane[1] = start
+                return tid
+        n = self._count.get(pid, 0)
+        self._count[pid] = n + 1
+        tid = pid * TID_STRIDE + n
+        lanes.append([tid, start, [end]])
+        name = kind if len(lanes) == 1 else f"{kind} #{len(lanes)}"
+        self.device_of[str(tid)] = device
+        self._out.event(f'{{"ph":"M","name":"thread_name","pid":{pid},"tid":{tid},"args":{{"name":"{name}"}}}}')
+        self._out.event(f'{{"ph":"M","name":"thread_sort_index","pid":{pid},"tid":{tid},'
+                        f'"args":{{"sort_index":{LANES.index(kind) * 100 + len(lanes)}}}}}')
+        return tid
+
+    def instant_lane(self, pid: int, device: str, kind: str) -> int:
+        """The lane of instant events of ``kind`` (they take no time: one lane holds them all)."""
+        lanes = self._lanes.get((pid, kind))
+        if lanes:
+            return lanes[0][0]
+        return self.place(pid, device, kind, 0, 0)
+
+
+def _file_rows(view: StoredRun, table: str) -> pd.DataFrame:
+    return view.query(f"SELECT * FROM {table}")
+
+
+def _device_names(run: StoredRun) -> dict[str, str]:
+    """What each device is, from the run's inventory: "NVIDIA A100", "CPU worker thread", "on host-3"."""
+    names = {}
+    for row in run.devices.itertuples():
+        name = getattr(row, "name", None)
+        if isinstance(name, str) and name:
+            names[str(row.device)] = name[len("rank "):] if name.startswith("rank on ") else name
+    return names
+
+
+def _device_properties(run: StoredRun, devices: list[str]) -> list[dict[str, Any]]:
+    """Kineto's deviceProperties for the run's CUDA devices, from its device inventory."""
+    out = []
+    for row in run.devices.drop_duplicates("device").itertuples():
+        label = str(row.device)
+        if not label.startswith("cuda:") or label not in devices or not label[5:].isdigit():
+            continue
+        props: dict[str, Any] = {"id": int(label[5:]), "name": row.name}
+        if pd.notna(row.total_memory_bytes):
+            props["totalGlobalMem"] = int(row.total_memory_bytes)
+        if isinstance(row.capability, str) and "." in row.capability:
+            major, minor = row.capability.split(".", 1)
+            if major.isdigit() and minor.isdigit():
+                props["computeMajor"], props["computeMinor"] = int(major), int(minor)
+        if pd.notna(row.multiprocessor_count):
+            props["numSms"] = int(row.multiprocessor_count)
+        out.append(_clean(props))
+    return sorted(out, key=lambda p: p["id"])
+
+
+def _file_meta(view: StoredRun) -> pd.DataFrame:
+    """Each file's own run row: rank, created_at, devices."""
+    return view.query("SELECT created_at, devices FROM runs")
+
+
+def _chunks(steps: np.ndarray, size: int) -> Iterator[np.ndarray]:
+    for i in range(0, len(steps), size):
+        yield steps[i:i + size]
+
+
+class _TraceWriter:
+    """Writes the events of one file: the given files (ranks) of the run, the plan's steps."""
+
+    def __init__(self, run: StoredRun, view: StoredRun, plan: TracePlan, out: _Out) -> None:
+        self.run, self.view, self.plan, self.out = run, view, plan, out
+        self.model = run.model
+        metas = _file_meta(view)
+        self.ranks = sorted(int(r) for r in metas["rank"])
+        created = {int(r): _epoch_ns(c) for r, c in zip(metas["rank"], metas["created_at"])}
+        self.base_ns = min(created.values())
+        self.offset_ns = {r: created[r] - self.base_ns for r in created}  # each rank's clock on the file's
+        listed: dict[str, int] = {}
+        for rank, devices in zip(metas["rank"], metas["devices"]):
+            for d in json.loads(devices) if devices else []:
+                listed.setdefault(str(d), int(rank))
+        if run.ranks == 1:  # one file: every device of the run's axis, those that recorded before the run row said
+            for d in self.model.devices:
+                listed.setdefault(str(d), self.ranks[0])
+        order = list(self.model.devices)
+        self.devices = sorted(listed, key=lambda d: (order.index(d) if d in order else len(order), device_key(d)))
+        self.rank_of = listed
+        self.pid_of: dict[str, int] = {d: (order.index(d) if d in order else len(order) + i) + 1
+                                       for i, d in enumerate(self.devices)}
+        # the device each rank's steps go on: the first of its devices (DataParallel's device_ids[0])
+        self.step_device = {}
+        for d in self.devices:
+            self.step_device.setdefault(self.rank_of[d], d)
+        self.lanes = _Lanes(out)
+        self.names = _device_names(run)
+        backend = (run.meta.get("workload_args") or {}).get("backend")
+        self.collective = f"{backend}:all_reduce" if backend in ("gloo", "nccl", "mpi", "ucc") else "dpprof.allreduce"
+
+    def process(self, device: str) -> int:
+        """The pid of a device, naming its process the first time."""
+        pid = self.pid_of.get(device)
+        if pid is None:  # a GPU NVML sampled that is not on the device axis (a rank's "cuda:N")
+            pid = self.pid_of[device] = max(self.pid_of.values(), default=0) + 1
+            self.devices.append(device)
+            self._name(device, pid)
+        return pid
+
+    def _name(self, device: str, pid: int) -> None:
+        label = device.replace("rank:", "rank ") if device.startswith("rank:") else device
+        name = f"{label} ({self.names[device]})" if self.names.get(device) else label
+        self.out.event(f'{{"ph":"M","name":"process_name","pid":{pid},"tid":0,"args":{{"name":{json.dumps(name)}}}}}')
+        self.out.event(f'{{"ph":"M","name":"process_sort_index","pid":{pid},"tid":0,"args":{{"sort_index":{pid}}}}}')
+
+    def write(self) -> None:
+        for device in list(self.devices):
+            self._name(device, self.pid_of[device])
+        rows = self.plan.step_rows
+        rows = rows[rows["rank"].isin(self.ranks)]
+        for chunk in _chunks(self.plan.steps, CHUNK_STEPS):
+            self._chunk(chunk, rows[rows["step"].isin(chunk)])
+        self._samples()
+
+    def _chunk(self, chunk: np.ndarray, steps: pd.DataFrame) -> None:
+        lo, hi = int(chunk[0]), int(chunk[-1])
+        q = self.view.query
+        phases = q("SELECT step, call, phase, device, start_ms, duration_ms, device_duration_ms FROM phases "
+                   "WHERE step BETWEEN ? AND ?", (lo, hi))
+        phases = phases[phases["step"].isin(chunk)]
+        sums = ", ".join(f"SUM({c}) AS {c}" for c in MEMORY_BYTES)
+        memory = q(f"SELECT step, device, {sums} FROM memory WHERE step BETWEEN ? AND ? GROUP BY step, device",
+                   (lo, hi))
+        memory = memory[memory["step"].isin(chunk)]
+        allocator = q("SELECT * FROM allocator WHERE step BETWEEN ? AND ?", (lo, hi))
+        allocator = allocator[allocator["step"].isin(chunk)]
+        comms = q("SELECT * FROM comms WHERE step BETWEEN ? AND ?", (lo, hi))
+        comms = comms[comms["step"].isin(chunk)]
+        # slices: (start_ns, -end_ns, pid, device, lane, end_ns, name as JSON, args as JSON)
+        slices: list[tuple[int, int, int, str, str, int, str, str]] = []
+        step_start: dict[tuple[int, int], int] = {}
+        step_end: dict[tuple[int, int], int] = {}
+        offset = self.offset_ns
+        for rank, step, start_ms, ms, batch, calls, used in zip(*_columns(
+                steps, "rank", "step", "start_ms", "duration_ms", "batch_size", "forward_calls", "devices_used")):
+            start = _ns(start_ms) + offset[rank]
+            end = _ns(start_ms + ms) + offset[rank]
+            step_start[(rank, step)] = start
+            step_end[(rank, step)] = end
+            device = self.step_device.get(rank)
+            if device is None:
+                continue
+            args = _json({"step": step, "batch_size": _int(batch), "forward_calls": _int(calls), "devices_used": _int(used)})
+            slices.append((start, -end, self.pid_of[device], device, "steps", end, f'"ProfilerStep#{step}"', args))
+        ends: dict[tuple[int, int, int, str, str], int] = {}
+        for rank, step, call, phase, device, start_ms, ms, cuda_ms in zip(*_columns(
+                phases, "rank", "step", "call", "phase", "device", "start_ms", "duration_ms", "device_duration_ms")):
+            start = _ns(start_ms) + offset[rank]
+            end = _ns(start_ms + ms) + offset[rank]
+            ends[(rank, step, call, phase, device)] = end
+            args = (f'{{"step":{step},"call":{call},"device_duration_ms":{cuda_ms!r}}}' if cuda_ms == cuda_ms
+                    and cuda_ms is not None else f'{{"step":{step},"call":{call}}}')
+            slices.append((start, -end, self.process(device), device, "replica" if phase == "apply" else "host", end,
+                           f'"dpprof.{phase}"', args))
+        for rank, step, device, bucket, nbytes, launch_ms, ms, collective in zip(*_columns(
+                comms, "rank", "step", "device", "bucket", "bucket_bytes", "launch_ms", "duration_ms", "collective")):
+            start = _ns(launch_ms) + offset[rank]
+            end = _ns(launch_ms + ms) + offset[rank]
+            name = collective if isinstance(collective, str) and collective else self.collective
+            args = {"step": step, "bucket": _int(bucket), "bucket_bytes": _int(nbytes)}
+            if ":" in name and args["bucket_bytes"] is not None:  # Kineto's collective args: bytes as Byte elements
+                args.update({"In msg nelems": args["bucket_bytes"], "dtype": "Byte"})
+            slices.append((start, -end, self.process(device), device, "all-reduce", end, json.dumps(name), _json(args)))
+        slices.sort(key=lambda x: (x[0], x[1]))
+        event, place = self.out.event, self.lanes.place
+        for start, _, pid, device, lane, end, name, args in slices:
+            tid = place(pid, device, lane, start, end)
+            event(f'{{"ph":"X","cat":"user_annotation","name":{name},"pid":{pid},"tid":{tid},"ts":{_us(start)},'
+                  f'"dur":{_us(end - start)},"args":{args}}}')
+        columns = _columns(memory, "rank", "step", "device", *MEMORY_BYTES)
+        for rank, step, device, *held in zip(*columns):
+            ts = step_start.get((rank, step))
+            if ts is None:
+                continue
+            args = ",".join(f'"{c}":{int(v)}' for c, v in zip(MEMORY_BYTES, held) if v == v and v is not None)
+            event(f'{{"ph":"C","name":"{MEMORY_COUNTER}","pid":{self.process(device)},"ts":{_us(ts)},"args":{{{args}}}}}')
+        for rank, step, call, phase, device, allocated, peak, reserved in zip(*_columns(
+                allocator, "rank", "step", "call", "phase", "device", "allocated_bytes", "peak_allocated_bytes",
+                "reserved_bytes")):
+            ts = ends.get((rank, step, call, phase, device), step_end.get((rank, step)))
+            if ts is None:
+                continue
+            pid = self.process(device)
+            values = {"allocated_bytes": allocated, "reserved_bytes": reserved, "peak_allocated_bytes": peak}
+            for counter, column in ALLOCATOR_COUNTERS.items():
+                value = values[column]
+                if value == value and value is not None:
+                    event(f'{{"ph":"C","name":"{counter}","pid":{pid},"ts":{_us(ts)},"args":{{"{column}":{int(value)}}}}}')
+            if device.startswith("cuda:") and device[5:].isdigit():  # Kineto's form, for torch's tools and the importer
+                tid = self.lanes.instant_lane(pid, device, "allocator")
+                args = _json({"Device Type": 1, "Device Id": int(device[5:]), "Total Allocated": _int(allocated),
+                              "Total Reserved": _int(reserved)})
+                event(f'{{"ph":"i","s":"t","cat":"cpu_instant_event","name":"[memory]","pid":{pid},"tid":{tid},'
+                      f'"ts":{_us(ts)},"args":{args}}}')
+
+    def _segments(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Per rank: the time spans (ms) of the runs of consecutive steps written, where samples are written."""
+        rows = self.plan.step_rows
+        out = {}
+        for rank, df in rows[rows["rank"].isin(self.ranks)].groupby("rank"):
+            df = df.sort_values("step")
+            steps = df["step"].to_numpy(dtype=np.int64)
+            new = np.concatenate([[True], np.diff(steps) != 1])
+            group = np.cumsum(new)
+            starts = df.groupby(group)["start_ms"].min().to_numpy()
+            ends = (df["start_ms"] + df["duration_ms"]).groupby(group).max().to_numpy()
+            out[int(rank)] = (starts, ends)
+        return out
+
+    def _samples(self) -> None:
+        """NVML's samples inside the steps written, a counter per metric (one pass over the table)."""
+        last = self.view.query("SELECT COALESCE(MAX(rowid), 0) AS n FROM gpu_samples")["n"].max()
+        if not last:
+            return
+        segments = self._segments()
+        columns = sorted({c for cols in SAMPLE_COUNTERS.values() for c in cols})
+        for first in range(1, int(last) + 1, SAMPLE_ROWS_PER_QUERY):
+            df = self.view.query(f"SELECT t_ms, device, {', '.join(columns)} FROM gpu_samples "
+                                 "WHERE rowid BETWEEN ? AND ?", (first, first + SAMPLE_ROWS_PER_QUERY - 1))
+            for rank, part in df.groupby("rank"):
+                if int(rank) not in segments:
+                    continue
+                starts, ends = segments[int(rank)]
+                t = part["t_ms"].to_numpy(dtype=float)
+                i = np.searchsorted(starts, t, "right") - 1
+                inside = (i >= 0) & (t <= ends[np.maximum(i, 0)])
+                kept = part[inside]
+                counters = [(counter, [(c, kept[c].tolist()) for c in cols]) for counter, cols in SAMPLE_COUNTERS.items()]
+                offset = self.offset_ns.get(int(rank), 0)
+                for i, (t_ms, device) in enumerate(zip(kept["t_ms"].tolist(), kept["device"].tolist())):
+                    pid = self.process(device)
+                    ts = _us(_ns(t_ms) + offset)
+                    for counter, cols in counters:
+                        args = ",".join(f'"{c}":{values[i]!r}' for c, values in cols
+                                        if values[i] is not None and values[i] == values[i])
+                        if args:
+                            self.out.event(f'{{"ph":"C","name":"{counter}","pid":{pid},"ts":{ts},"args":{{{args}}}}}')
+
+
+def _distributed_info(run: StoredRun, ranks: list[int]) -> dict[str, Any] | None:
+    """Kineto's distributedInfo for a rank's file (every rank's, without ``rank``, for a file of several)."""
+    if run.meta.get("rank") is None and run.ranks == 1:
+        return None
+    args = run.meta.get("workload_args") or {}
+    info = dict(args.get("distributedInfo") or {}) if isinstance(args.get("distributedInfo"), dict) else {}
+    if not info:
+        info = {"backend": args.get("backend"), "world_size": run.meta.get("world_size") or run.ranks}
+    info.pop("rank", None)
+    if len(ranks) == 1:
+        info["rank"] = ranks[0]
+    else:
+        info["ranks"] = ranks
+    return _clean(info)
+
+
+def write_trace(run: StoredRun, target: str | os.PathLike[str] | IO[bytes], plan: TracePlan | None = None,
+                ranks: list[int] | None = None, gz: bool | None = None) -> TraceWritten:
+    """Write one trace file of ``run``: the plan's steps (``plan_trace(run)`` by default) of the given ranks' files
+    (every file by default: a distributed run's ranks side by side).
+
+    Args:
+        run: the run, as ``load_run`` opened it.
+        target: a path (gzip when it ends in ``.gz``), or a binary stream (``gz`` says whether to gzip).
+        plan: which steps (``plan_trace``).
+        ranks: the ranks whose files go in (a distributed run; None: all).
+        gz: gzip the stream; by default, when the path ends in ``.gz``.
+
+    Returns:
+        what was written: events, bytes, seconds.
+    """
+    t0 = time.perf_counter()
+    plan = plan if plan is not None else plan_trace(run)
+    paths = [p for p in run.paths if ranks is None or run._file_rank(p) in ranks]
+    view = run if len(paths) == len(run.paths) else StoredRun(path=paths[0], meta=run.meta, paths=paths, read=run.read)
+    path = None if hasattr(target, "write") else Path(target)
+    if gz is None:
+        gz = path is not None and path.name.endswith(".gz")
+    # a path is written under a hidden name and takes its own only whole: a failed export leaves no half file
+    part = path.with_name(f".{path.name}.part") if path is not None else None
+    stream = open(part, "wb") if part is not None else target
+    done = False
+    try:
+        out = _Out(stream, gz)
+        writer = _TraceWriter(run, view, plan, out)
+        model = run.model
+        head: dict[str, Any] = {"schemaVersion": 1}
+        props = _device_properties(run, writer.devices)
+        if props:
+            head["deviceProperties"] = props
+        info = _distributed_info(run, writer.ranks)
+        if info:
+            head["distributedInfo"] = info
+        head[EXPORT_KEY] = {
+            "version": EXPORT_VERSION, "run": run.id, "name": run.meta.get("name"), "kind": model.kind,
+            "title": model.title, "devices": writer.devices, "ranks": writer.ranks if info else [],
+            "steps": {"recorded": plan.run_steps, "held_in_full": plan.held, "written": int(len(plan.steps)),
+                      "ranges": plan.ranges, "asked": _asked_text(plan.asked) or None, "cut_to_fit": plan.cut,
+                      "why": plan.why()},
+            "detail": model.detail_text() or "every step keeps its detail",
+            "clock": ("ts and dur are microseconds since baseTimeNanoseconds, when the run (its first rank) started"
+                      + ("; each rank's clock is placed by its file's created_at" if len(writer.ranks) > 1 else "")),
+            "threads": f"the device of each thread id: {THREADS_KEY}, after traceEvents",
+        }
+        head.update({"traceName": f"dpprof run {run.id}", "displayTimeUnit": "ms", "baseTimeNanoseconds": writer.base_ns})
+        out.text("{\n" + "".join(f"{json.dumps(k)}: {json.dumps(v, separators=(', ', ': '))},\n"
+                                  for k, v in head.items()) + '"traceEvents": [\n')
+        writer.write()
+        out.text(f"\n],\n{json.dumps(THREADS_KEY)}: {json.dumps(writer.lanes.device_of)}\n}}\n")
+        out.close()
+        done = True
+    finally:
+        if part is not None:
+            stream.close()
+            if done:
+                os.replace(part, path)
+            else:
+                part.unlink(missing_ok=True)
+    size = path.stat().st_size if path is not None else out.bytes
+    return TraceWritten(path=path, events=out.events, json_bytes=out.bytes, file_bytes=size,
+                        seconds=time.perf_counter() - t0, ranks=writer.ranks)
+
+
+def rank_path(path: str | os.PathLike[str], rank: int) -> Path:
+    """A rank's file beside ``path``: trace.json.gz -> trace.rank1.json.gz (the name dpprof import reads a rank from)."""
+    p = Path(path)
+    name = p.name
+    for suffix in (".json.gz", ".json"):
+        if name.endswith(suffix):
+            return p.with_name(f"{name[:-len(suffix)]}.rank{rank}{suffix}")
+    return p.with_name(f"{name}.rank{rank}")
+
+
+def export_trace(run: StoredRun, path: str | os.PathLike[str], steps: tuple[int | None, int | None] | None = None,
+                 one_file: bool = False) -> tuple[TracePlan, list[TraceWritten]]:
+    """``dpprof export RUN --trace FILE``: the run as a trace file, or a distributed run as a file per rank (as
+    torch.profiler writes them: ``FILE.rank<N>.json[.gz]``; ``one_file`` puts every rank in ``FILE``, for viewing).
+
+    Example:
+        >>> plan, written = export_trace(dpprof.load_run("20261123-215701-2e76d9"), "run.json.gz")
+        >>> plan.why(), written[0].events
+    """
+    plan = plan_trace(run, steps)
+    if run.ranks == 1 or one_file:
+        return plan, [write_trace(run, path, plan)]
+    ranks = [run._file_rank(p) for p in run.paths]
+    return plan, [write_trace(run, rank_path(path, r), plan, ranks=[r]) for r in ranks]
+
+
+def trace_bytes(run: StoredRun, plan: TracePlan | None = None) -> bytes:
+    """The run's trace (every rank in one file) as gzip'd bytes, for a download."""
+    buf = io.BytesIO()
+    write_trace(run, buf, plan, gz=True)
+    return buf.getvalue()

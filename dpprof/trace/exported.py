@@ -1,0 +1,63 @@
+"""dpprof's own trace files read back exactly (``dpprof import`` of a file ``dpprof export --trace`` wrote).
+
+A trace torch.profiler writes says nothing of which device a thread served, so the importer infers it (the k-th
+``dpprof.apply`` in a ``parallel_apply`` is device k; a DDP rank's phases come from torch's own ranges). A file
+dpprof wrote names it: its metadata (``dpprofExport``, and ``dpprofThreads`` at the end of the file) lists the
+run's devices and the device each thread id belongs to. Read back, each ``dpprof.<phase>`` slice is that phase on
+that device, in the step whose ``ProfilerStep#N`` holds its end (a DDP rank's ``data`` phase begins in the gap
+before its step); forward calls are not in the file (every phase reads as call 0), nor is dpprof's memory
+accounting (its counters), so the run read back has its steps, phases, allocator figures and collectives.
+"""
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from typing import Any
+
+from dpprof.records import DDP_PHASES, PHASES, PhaseRecord, Record
+from dpprof.trace.collect import Collected
+from dpprof.trace.reader import TraceError
+
+__all__ = ["EXPORT_KEY", "THREADS_KEY", "EXPORT_VERSION", "export_info", "exported_phases"]
+
+EXPORT_KEY = "dpprofExport"  # top-level field of a trace dpprof wrote: the run, its devices, the steps it holds
+THREADS_KEY = "dpprofThreads"  # top-level field after traceEvents: thread id -> device (lanes are made as written)
+EXPORT_VERSION = 1
+_PHASE_NAMES = frozenset(PHASES) | frozenset(DDP_PHASES)
+
+
+def export_info(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The metadata dpprof wrote into a trace it exported, or None for a trace dpprof did not write."""
+    info = meta.get(EXPORT_KEY)
+    if not isinstance(info, dict) or not isinstance(meta.get(THREADS_KEY), dict):
+        return None
+    return info
+
+
+def exported_phases(c: Collected, windows: list[tuple[int, float, float]],
+                    ms: Callable[[float], float]) -> tuple[list[str], list[Record]]:
+    """The devices (in the run's order) and phases of a trace dpprof exported.
+
+    Raises:
+        TraceError: the file holds several ranks of a distributed run (``--one-file``, for viewing): their
+            steps would be counted once per rank; the per-rank files import as ranks.
+    """
+    info = c.meta[EXPORT_KEY]
+    ranks = info.get("ranks") or []
+    if len(ranks) > 1:
+        raise TraceError(f"{c.name}: holds {len(ranks)} ranks of a distributed run in one file (dpprof export "
+                         "--one-file, for viewing): import the per-rank files dpprof export writes without --one-file")
+    device_of = {str(tid): str(device) for tid, device in c.meta[THREADS_KEY].items()}
+    devices = [str(d) for d in info.get("devices") or []]
+    starts = [w[1] for w in windows]
+    out: list[Record] = []
+    for r in c.dpprof_ranges:
+        device = device_of.get(str(r.tid))
+        if device is None or r.name not in _PHASE_NAMES or not windows:
+            continue
+        i = max(0, bisect.bisect_left(starts, r.end_us) - 1)  # the last step to begin before the phase ended
+        out.append(PhaseRecord(step=windows[i][0], call=0, phase=r.name, device=device, start_ms=ms(r.start_us),
+                               duration_ms=(r.end_us - r.start_us) / 1e3))
+        if device not in devices:
+            devices.append(device)
+    return devices, out

@@ -1,0 +1,314 @@
+"""dpprof.trace.export: every kind of run the code records (DataParallel on CPU workers, balanced, DDP ranks, a
+run with NVML samples, imported torch.profiler traces re-exported, a thinned run) written as a trace file, checked
+against the format's rules (metadata names every device, no two slices of a track cross, counters where the run has
+memory, each phase a dpprof.* slice with its step and call, steps as ProfilerStep#N) and read back through
+``dpprof import`` (the same steps; each device's phase totals within 1%)."""
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+
+import dpprof
+import dpprof.trace.export as trace_export
+import fake_pynvml
+from dpprof.cli import main
+from dpprof.store.retention import Retention
+from dpprof.trace import TraceError, import_traces
+from dpprof.trace.export import MEMORY_COUNTER, export_trace, parse_steps, plan_trace, rank_path
+from dpprof.views import export as export_view
+from recorded import BUS, record, record_straggler, record_with_gpu_samples
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACES = ROOT.parent / "shared" / "traces"
+TOTALS_REL = 0.01  # the round trip keeps each device's phase totals within 1%
+THIN = Retention(first_steps=20, last_steps=20, every=10, chunk_steps=20, block_steps=10)
+IMPORTED = {"resnet trace": ["resnet50-1gpu-tb-sample.pt.trace.json.gz"],
+            "ddp trace": ["ddp-2ranks-rank0-nccl.json.gz"],
+            "128-rank trace": ["ddp-128ranks-rank0-sampled.json.gz", "ddp-128ranks-rank1-sampled.json.gz"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One run of each kind in one reports directory: name -> run id."""
+    directory = tmp_path_factory.mktemp("runs")
+    ids = {"dataparallel": record(directory, "dp", workers=2, steps=4, batch_size=16).id,
+           "balanced": record(directory, "bal", workers=3, steps=4, batch_size=33, balanced=True).id,
+           "thinned": dpprof.load_run(record_straggler(directory, 110, detail=THIN, name="thinned").path).id}
+    assert main(["--reports-dir", str(directory), "profile", "tutorial-linear", "--ddp", "--nproc", "2", "--steps",
+                 "4", "--quiet"]) == 0
+    listing = dpprof.list_runs(directory)
+    ids["ddp"] = listing[listing["ranks"] == 2]["id"].iloc[0]
+    for name, files in IMPORTED.items():
+        ids[name] = import_traces([TRACES / f for f in files], directory).id
+    return SimpleNamespace(dir=directory, ids=ids)
+
+
+def read_trace(path: Path) -> dict:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def _ns(us: float) -> int:
+    return round(us * 1000)
+
+
+def crossed(events: list[dict]) -> list[tuple]:
+    """Slices ("ph": "X") of one track, (pid, tid), that overlap without nesting (Perfetto drops them)."""
+    tracks: dict[tuple, list[tuple[int, int, str]]] = {}
+    for e in events:
+        if e.get("ph") == "X":
+            start = _ns(e["ts"])
+            tracks.setdefault((e["pid"], e["tid"]), []).append((start, start + _ns(e["dur"]), e["name"]))
+    bad = []
+    for track, slices in tracks.items():
+        stack: list[tuple[int, int, str]] = []
+        for s in sorted(slices, key=lambda x: (x[0], -x[1])):
+            while stack and stack[-1][1] <= s[0]:
+                stack.pop()
+            if stack and s[1] > stack[-1][1]:
+                bad.append((track, stack[-1], s))
+            stack.append(s)
+    return bad
+
+
+def _devices_of(doc: dict) -> dict[int, str]:
+    """pid -> the device its process is (process_name: "cpu:1 (...)", "rank 0 (...)")."""
+    names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "process_name"}
+    return {pid: name.split(" (")[0].replace("rank ", "rank:") for pid, name in names.items()}
+
+
+def _phase_totals(run) -> pd.Series:
+    return run.phases.groupby(["device", "phase"])["duration_ms"].sum()
+
+
+def _export(run, tmp_path: Path, name: str = "trace.json.gz", **kw):
+    plan, written = export_trace(run, tmp_path / name, **kw)
+    return plan, written, [read_trace(w.path) for w in written]
+
+
+def check_format(run, plan, docs: list[dict]) -> None:
+    """The rules every exported file keeps (see the module docstring)."""
+    model = run.model
+    named: dict[str, int] = {}
+    for doc in docs:
+        assert doc["schemaVersion"] == 1 and isinstance(doc["baseTimeNanoseconds"], int)
+        info = doc["dpprofExport"]
+        assert info["run"] == run.id and info["steps"]["ranges"] == plan.ranges
+        events = doc["traceEvents"]
+        assert crossed(events) == []
+        devices = _devices_of(doc)
+        sort = {e["pid"]: e["args"]["sort_index"] for e in events if e.get("name") == "process_sort_index"}
+        assert set(sort) == set(devices)
+        ordered = [devices[p] for p in sorted(devices, key=sort.get)]
+        # in the run's device order (GPUs NVML sampled that are not on the device axis after them)
+        assert [d for d in ordered if d in model.devices] == [d for d in model.devices if d in ordered]
+        named.update({d: p for p, d in devices.items()})
+        if run.ranks > 1 and len(docs) > 1:  # a rank's file says its rank, as torch.profiler's do
+            assert doc["distributedInfo"]["rank"] == info["ranks"][0]
+        # every thread id belongs to a device of the file
+        threads = {e["tid"] for e in events if e.get("ph") in ("X", "i")}
+        assert {str(t) for t in threads} <= set(doc["dpprofThreads"])
+        assert set(doc["dpprofThreads"].values()) <= set(devices.values())
+    assert set(model.devices) <= set(named)  # metadata names every device
+    events = [e for doc in docs for e in doc["traceEvents"]]
+    written = set(int(s) for s in plan.steps)
+    # steps: one ProfilerStep#N per step written and rank
+    steps = [int(e["name"].split("#")[1]) for e in events if e.get("ph") == "X" and e["name"].startswith("ProfilerStep#")]
+    assert sorted(steps) == sorted(s for s in run.steps["step"] if s in written)
+    # phases: one dpprof.<phase> slice per phase row, on its device, with its step and call
+    rows = run.phases[run.phases["step"].isin(written)]
+    expected = sorted(zip(rows["device"], "dpprof." + rows["phase"], rows["step"], rows["call"]))
+    devices = {p: d for doc in docs for p, d in _devices_of(doc).items()}
+    got = sorted((devices[e["pid"]], e["name"], e["args"]["step"], e["args"]["call"]) for e in events
+                 if e.get("ph") == "X" and e["name"].startswith("dpprof.") and e["name"] != "dpprof.allreduce")
+    assert got == expected
+    # counters where the run has memory: dpprof's accounting on each device that has it; the allocator's
+    memory = run.memory[run.memory["step"].isin(written)]
+    counted = {devices[e["pid"]] for e in events if e.get("ph") == "C" and e["name"] == MEMORY_COUNTER}
+    assert counted == set(memory["device"])
+    allocator = run.allocator[run.allocator["step"].isin(written)]
+    alloc = {devices[e["pid"]] for e in events if e.get("ph") == "C" and e["name"] == "CUDA allocated (bytes)"}
+    assert alloc == set(allocator["device"])
+
+
+def check_round_trip(run, plan, paths: list[Path], reports: Path) -> None:
+    """dpprof import of the files: the same steps, each device's phase totals within 1%, the same device axis."""
+    back = dpprof.load_run(import_traces(paths, reports).id, reports)
+    written = set(int(s) for s in plan.steps)
+    assert sorted(set(back.steps["step"])) == sorted(written)
+    original = run.phases[run.phases["step"].isin(written)].groupby(["device", "phase"])["duration_ms"].sum()
+    got = _phase_totals(back)
+    assert list(got.index) == list(original.index)
+    assert ((got - original).abs() <= TOTALS_REL * original.abs() + 1e-6).all(), pd.concat([original, got], axis=1)
+    assert list(back.model.devices) == list(run.model.devices)
+    assert back.model.dataparallel == run.model.dataparallel  # DataParallel's phases read back as DataParallel's
+
+
+KINDS = ["dataparallel", "balanced", "ddp", *IMPORTED]
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_each_kind_exports_a_trace_that_keeps_the_rules_and_imports_back(runs, name, tmp_path):
+    run = dpprof.load_run(runs.ids[name], runs.dir)
+    plan, written, docs = _export(run, tmp_path)
+    assert len(written) == run.ranks  # a distributed run: a file per rank, as torch.profiler writes them
+    if run.ranks > 1:
+        assert [w.path.name for w in written] == [f"trace.rank{r}.json.gz" for r in range(run.ranks)]
+    assert len(plan.steps) == run.model.steps and not plan.cut
+    check_format(run, plan, docs)
+    check_round_trip(run, plan, [w.path for w in written], tmp_path / "back")
+
+
+def test_the_checker_finds_slices_that_cross(runs, tmp_path):
+    """The rule is not empty: a DDP rank's data phase starts before its step (in the gap after the last one), so on
+    one track with the steps it would cross them; the writer keeps them on lanes of their own."""
+    run = dpprof.load_run(runs.ids["ddp"], runs.dir)
+    _, _, docs = _export(run, tmp_path)
+    events = [dict(e, tid=0) for e in docs[0]["traceEvents"] if e.get("ph") == "X"]
+    assert any(s[2] == "dpprof.data" or s[1][2] == "dpprof.data" for s in crossed(events))
+
+
+def test_a_ddp_run_in_one_file_holds_every_rank_on_one_clock_and_refuses_to_import_as_one_process(runs, tmp_path):
+    run = dpprof.load_run(runs.ids["ddp"], runs.dir)
+    plan, written, docs = _export(run, tmp_path, one_file=True)
+    assert len(written) == 1 and docs[0]["distributedInfo"]["ranks"] == [0, 1]
+    check_format(run, plan, docs)
+    # ranks step together: each rank's all-reduce of a step ends at about the same time on the file's clock
+    ends = {}
+    for e in docs[0]["traceEvents"]:
+        if e.get("ph") == "X" and e["name"] == "dpprof.comm_wait":
+            ends.setdefault(e["args"]["step"], []).append(e["ts"] + e["dur"])
+    assert all(max(v) - min(v) < 50_000 for v in ends.values()), ends  # within 50 ms (the machine is shared)
+    with pytest.raises(TraceError, match="2 ranks of a distributed run in one file"):
+        import_traces([written[0].path], tmp_path / "back")
+
+
+def test_nvml_samples_are_counters_on_their_gpus(fake_gpus, tmp_path):
+    fake_gpus([fake_pynvml.gpu(bus) for bus in BUS])
+    run = record_with_gpu_samples(tmp_path / "reports", steps=4)
+    assert len(run.gpu_samples)
+    plan, _, docs = _export(run, tmp_path)
+    check_format(run, plan, docs)
+    devices = _devices_of(docs[0])
+    counters = {(devices[e["pid"]], e["name"]) for e in docs[0]["traceEvents"] if e.get("ph") == "C"}
+    assert {("cuda:0", "GPU utilization (%)"), ("cuda:1", "GPU utilization (%)"),
+            ("cuda:0", "GPU memory used (bytes)")} <= counters
+    assert all(e["name"] != "GPU utilization (%)" or set(e["args"]) == {"gpu_util_pct"}
+               for e in docs[0]["traceEvents"] if e.get("ph") == "C")
+
+
+def test_a_thinned_run_exports_the_steps_it_holds_in_full_and_says_which(runs, tmp_path, capsys):
+    run = dpprof.load_run(runs.ids["thinned"], runs.dir)
+    model = run.model
+    assert model.thinned and model.detail_from > 0
+    held = sorted(set(run.phases["step"]) | set(run.memory["step"]))
+    assert len(held) < model.steps
+    assert main(["--reports-dir", str(runs.dir), "export", run.id, "--trace", str(tmp_path / "thin.json")]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == str(tmp_path / "thin.json")
+    assert len(err.strip().splitlines()) == 1 and f"holds {len(held)} of its {model.steps:,} steps in full" in err
+    doc = read_trace(tmp_path / "thin.json")
+    steps = doc["dpprofExport"]["steps"]
+    assert [s for a, b in steps["ranges"] for s in range(a, b)] == held
+    assert steps["recorded"] == model.steps and steps["held_in_full"] == len(held) and not steps["cut_to_fit"]
+    assert "one step in 10" in doc["dpprofExport"]["detail"]
+    plan = plan_trace(run)
+    check_format(run, plan, [doc])
+    check_round_trip(run, plan, [tmp_path / "thin.json"], tmp_path / "back")
+
+
+def test_steps_picks_a_range(runs, tmp_path, capsys):
+    run = dpprof.load_run(runs.ids["thinned"], runs.dir)
+    assert main(["--reports-dir", str(runs.dir), "export", run.id, "--trace", str(tmp_path / "r.json.gz"),
+                 "--steps", "5:12"]) == 0
+    doc = read_trace(tmp_path / "r.json.gz")
+    assert doc["dpprofExport"]["steps"]["ranges"] == [[5, 12]] and doc["dpprofExport"]["steps"]["asked"] == "5:12"
+    steps = {e["name"] for e in doc["traceEvents"] if e["name"].startswith("ProfilerStep#")}
+    assert steps == {f"ProfilerStep#{s}" for s in range(5, 12)}
+    plan = plan_trace(run, (5, 12))
+    check_format(run, plan, [doc])
+    check_round_trip(run, plan, [tmp_path / "r.json.gz"], tmp_path / "back")
+    # steps thinned away are not there: of 40:60, 40 and 50 are held in full (one in 10), and the ranges say so
+    assert main(["--reports-dir", str(runs.dir), "export", run.id, "--trace", str(tmp_path / "s.json"),
+                 "--steps", "40:60"]) == 0
+    held = sorted(s for s in set(run.phases["step"]) if 40 <= s < 60)
+    assert {40, 50} <= set(held) and len(held) < 20
+    ranges = read_trace(tmp_path / "s.json")["dpprofExport"]["steps"]["ranges"]
+    assert [s for a, b in ranges for s in range(a, b)] == held and len(ranges) > 1
+
+
+@pytest.mark.parametrize("text, steps", [("5:12", (5, 12)), ("5:", (5, None)), (":12", (None, 12)), ("7", (7, 8))])
+def test_parse_steps(text, steps):
+    assert parse_steps(text) == steps
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--steps", "9:3"], "B must be after A"), (["--steps", "a:b"], "expected A:B"),
+    (["--trace", "{tmp}/t.txt"], "must end in .json or .json.gz"), (["--one-file"], "give --trace")])
+def test_bad_trace_arguments_are_usage_errors(runs, argv, says, tmp_path, capsys):
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    if "--trace" not in argv:
+        argv += ["--trace", str(tmp_path / "t.json")] if argv[0] == "--steps" else []
+    with pytest.raises(SystemExit) as exit_:
+        main(["--reports-dir", str(runs.dir), "export", runs.ids["dataparallel"], *argv])
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+    assert not list(tmp_path.glob("t.*"))
+
+
+def test_a_run_over_the_viewers_limit_exports_the_newest_steps_that_fit_and_says_which(runs, tmp_path, capsys,
+                                                                                      monkeypatch):
+    run = dpprof.load_run(runs.ids["thinned"], runs.dir)
+    whole = plan_trace(run)
+    monkeypatch.setattr(trace_export, "MAX_EVENTS", whole.events // 3)  # a viewer a third the size
+    assert main(["--reports-dir", str(runs.dir), "export", run.id, "--trace", str(tmp_path / "cut.json.gz")]) == 0
+    out, err = capsys.readouterr()
+    doc = read_trace(tmp_path / "cut.json.gz")
+    steps = doc["dpprofExport"]["steps"]
+    kept = [s for a, b in steps["ranges"] for s in range(a, b)]
+    assert steps["cut_to_fit"] and kept == [int(s) for s in whole.steps[-len(kept):]] and len(kept) < len(whole.steps)
+    assert len(doc["traceEvents"]) <= whole.events // 3
+    assert len(err.strip().splitlines()) == 1 and "newest" in err and f"{kept[0]}:{kept[-1] + 1}" in err
+    assert "--steps A:B picks others" in err
+    # --steps is obeyed as asked, over the limit or not, and said in one line
+    assert main(["--reports-dir", str(runs.dir), "export", run.id, "--trace", str(tmp_path / "all.json"),
+                 "--steps", "0:"]) == 0
+    err = capsys.readouterr().err
+    assert read_trace(tmp_path / "all.json")["dpprofExport"]["steps"]["written"] == len(whole.steps)
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_rank_path_names_each_ranks_file_as_dpprof_import_reads_it(tmp_path):
+    assert rank_path(tmp_path / "t.json.gz", 3).name == "t.rank3.json.gz"
+    assert rank_path(tmp_path / "t.json", 0).name == "t.rank0.json"
+
+
+def test_export_writes_csv_only_with_out_and_the_trace_with_it(runs, tmp_path, capsys):
+    assert main(["--reports-dir", str(runs.dir), "export", runs.ids["dataparallel"], "--trace",
+                 str(tmp_path / "t.json.gz"), "--out", str(tmp_path / "csv")]) == 0
+    out = capsys.readouterr().out.split()
+    assert str(tmp_path / "t.json.gz") in out and any(p.endswith("steps.csv") for p in out)
+
+
+def test_the_export_pages_downloads_are_the_same_trace(runs, tmp_path):
+    """The dashboard's Export page: the trace as .json.gz (a distributed run's ranks side by side) and, for a
+    distributed run, a zip of one file per rank that dpprof import reads back as ranks."""
+    run = dpprof.load_run(runs.ids["ddp"], runs.dir)
+    doc = json.loads(gzip.decompress(export_view.run_trace(run)))
+    check_format(run, plan_trace(run), [doc])
+    text = export_view.trace_text(run)
+    assert "4 steps: 0:4" in text and "ui.perfetto.dev" in text and "per-rank files" in text
+    with zipfile.ZipFile(io.BytesIO(export_view.rank_traces_zip(run))) as z:
+        names = sorted(z.namelist())
+        assert names == [f"{run.id}/{run.id}.pt.trace.rank{r}.json.gz" for r in (0, 1)]
+        z.extractall(tmp_path)
+    files = [tmp_path / n for n in names]
+    check_format(run, plan_trace(run), [read_trace(f) for f in files])
+    check_round_trip(run, plan_trace(run), files, tmp_path / "back")
