@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 import dpprof
-from dpprof.findings import findings_from, tables_of
+from dpprof.findings import (BACKWARD_SHARE_INFO, DP_TAX_WARN, MEMORY_SKEW_RATIO, OUTLIER_TIME_SHARE,
+                             STRAGGLER_RATIO_CPU, findings_from, tables_of)
 from dpprof.store.blocks import SETTLE_STEPS
 from dpprof.store.retention import ALL, Retention
 from dpprof.store.writer import SqliteSink
@@ -109,9 +110,13 @@ def test_findings_and_the_glance_of_a_thinned_run_agree_with_full_detail(tmp_pat
     thin = dpprof.load_run(_replay(run, tmp_path / "bounded", small))
     assert not whole.model.thinned and thin.model.thinned
     a, b = findings_from(tables_of(whole)), findings_from(tables_of(thin))
+    # a finding whose figure is within a quarter of its rule's threshold may go either way on a sample (on a loaded
+    # machine the backward's or the tax's share of the step wanders around its line): those kinds are left out
+    near = {k for df in (a, b) for k, v in zip(df["kind"], df["value"])
+            if k in THRESHOLDS and abs(v / THRESHOLDS[k] - 1) <= 0.25}
     key = ["kind", "severity", "device"]
-    assert sorted(map(tuple, a[key].values)) == sorted(map(tuple, b[key].values))
-    assert "straggler" in set(a["kind"])
+    decided = [sorted(tuple(r) for r in df[key].values if r[0] not in near) for df in (a, b)]
+    assert decided[0] == decided[1] and "straggler" in {r[0] for r in decided[0]}
     # the ratio's denominator is cpu:1's apply of a few tens of µs, whose median moves with the sample (about one
     # step in three here; one in a hundred of a long run's thousands): within a quarter; cpu:0's own within 10%
     va = a.set_index("kind").loc["straggler", "value"]
@@ -122,6 +127,11 @@ def test_findings_and_the_glance_of_a_thinned_run_agree_with_full_detail(tmp_pat
     assert abs(slow_b - slow_a) <= 0.10 * slow_a
     ga, gb = overview.glance(whole), overview.glance(thin)
     assert (ga.slowest, ga.heaviest, ga.time_uneven) == (gb.slowest, gb.heaviest, gb.time_uneven)
+
+
+# each kind's threshold, in the unit of its finding's value
+THRESHOLDS = {"straggler": STRAGGLER_RATIO_CPU, "memory_skew": MEMORY_SKEW_RATIO, "dataparallel_tax": DP_TAX_WARN,
+              "backward_share": BACKWARD_SHARE_INFO, "outlier_steps": OUTLIER_TIME_SHARE}
 
 
 _KILLED = r"""
