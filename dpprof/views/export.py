@@ -146,8 +146,8 @@ def run_zip(run: StoredRun) -> bytes:
 def trace_text(run: StoredRun) -> str:
     """What the run's trace download holds, in one sentence: its steps and about how many events."""
     plan = plan_trace(run)
-    ranks = f" Every rank is in the file, side by side; the per-rank files are what `dpprof import` and HTA's " \
-            f"TraceAnalysis read as ranks." if run.ranks > 1 else ""
+    ranks = (" Every rank is in the file, side by side; the per-rank files are what `dpprof import` and HTA's "
+             "TraceAnalysis read as ranks." if run.ranks > 1 else "")
     return (f"The trace holds {plan.why()}, about {plan.events:,} events. Open it at ui.perfetto.dev or in "
             f"chrome://tracing; `dpprof export {run.id} --trace FILE.json.gz --steps A:B` picks other steps.{ranks}")
 
