@@ -49,6 +49,8 @@ KINETO_CATEGORIES = frozenset({
 _SPACE = re.compile(rb"[ \t\n\r]*")
 _SEPARATORS = re.compile(rb"[ \t\n\r,]*")  # between events
 _BOUNDARY = re.compile(rb"}[ \t\n\r]*(?:,[ \t\n\r]*{|])")  # an event's end, then the next one or the list's, guessed
+_AT_BYTE = re.compile(r"\(byte (\d+)\)$")  # where msgspec says it stopped
+GUESSES = 4  # event boundaries tried in a chunk before its events are read one by one
 _scan = json.JSONDecoder().scan_once  # the stdlib's C scanner: (value, end), or StopIteration / JSONDecodeError
 
 
@@ -296,32 +298,29 @@ class TraceFile:
             if buf[pos] == 0x5D:  # "]"
                 text.pos = pos + 1
                 return
-            cut = _last_boundary(buf, pos)
+            cut = _last_boundary(buf, pos, len(buf))
             if cut is None and not text.eof:  # the buffer ends inside its first event: read on
                 text.more(len(buf) - pos)
                 continue
-            if cut is not None:
-                try:
-                    batch = decode(b"[" + buf[pos:cut] + b"]")
-                except _MSGSPEC_ERRORS:
-                    pass  # a wrong guess or something only the stdlib reads: one by one, below
-                else:
-                    text.pos = cut
-                    yield self._counted(batch, cat)
-                    continue
-            yield self._counted(self._one_by_one(text, cut, from_dict), cat)
+            batch, end = _in_one_call(buf, pos, cut, decode)
+            if batch is not None:
+                text.pos = end
+                yield self._counted(batch, cat)
+            else:
+                yield self._counted(self._one_by_one(text, end, from_dict), cat)
 
     def _one_by_one(self, text: _Buffer, until: int | None, from_dict: Callable[[dict], Any]) -> list:
         """The events from the cursor up to byte ``until`` (None: one event), by the stdlib's C scanner, which
         reads what msgspec refuses (NaN, lone surrogates) and says what is wrong where neither can read."""
+        window = max(1 << 16, 0 if until is None else until - text.pos)
         while True:
             buf, pos = text.buf, text.pos
-            stop = pos + 1 if until is None else until  # no boundary: one event, then batches again
-            chunk, _ = codecs.utf_8_decode(buf[pos:], "strict", False)
+            stop = pos + 1 if until is None else until
+            end_window = min(len(buf), pos + window)
+            whole = end_window == len(buf)
+            chunk, _ = codecs.utf_8_decode(buf[pos:end_window], "strict", False)  # a character cut at the end waits
             out: list = []
-            at = 0
-            ascii_ = chunk.isascii()
-            done = 0  # bytes of buf[pos:] consumed
+            at = done_chars = done = 0  # characters scanned; of them, those whose bytes are counted in done
             while True:
                 at = _SEPARATORS_STR.match(chunk, at).end()
                 if out and (pos + done >= stop or at >= len(chunk) or chunk[at] == "]"):
@@ -333,30 +332,59 @@ class TraceFile:
                     if out:  # what was read is handed on; the rest is tried again from there
                         text.pos = pos + done
                         return out
+                    if not whole:  # perhaps only the window's end: a wider one
+                        window *= 2
+                        break
                     if text.eof or len(buf) - pos > MAX_VALUE_BYTES:
                         at_char = err.pos if isinstance(err, json.JSONDecodeError) else at
                         raise _Broken(getattr(err, "msg", "expecting a value"),
                                       text.consumed + pos + len(chunk[:at_char].encode())) from None
-                    break  # the event runs past the buffer: read on and decode it again
+                    text.more(len(buf) - pos)  # the event runs past the buffer: read on and decode it again
+                    window = max(window, len(text.buf) - text.pos)
+                    break
                 if not isinstance(event, dict):
                     raise self._error("traceEvents holds something other than event objects")
                 out.append(from_dict(event))
-                at = end
-                done = end if ascii_ else len(chunk[:end].encode())
-            text.more(len(text.buf) - text.pos)
+                done += len(chunk[done_chars:end].encode())
+                at = done_chars = end
 
 
 _SEPARATORS_STR = re.compile(r"[ \t\n\r,]*")
 
 
-def _last_boundary(buf: bytes, pos: int) -> int | None:
-    """The end of the last whole event in buf[pos:], as guessed from the bytes (a ``}``, then ``,`` and ``{``
+def _in_one_call(buf: bytes, pos: int, cut: int | None, decode: Callable[[bytes], list]) -> tuple[list | None, int | None]:
+    """(the events of buf[pos:cut], cut), decoded in one msgspec call; where that fails, from an earlier boundary:
+    before the byte where msgspec stopped, or where it does not say (a string cut open, a lone surrogate) the
+    boundary before, ``GUESSES`` tries in all. Else (None, how far to read one by one; None: one event)."""
+    until = cut
+    for _ in range(GUESSES):
+        if cut is None:
+            break
+        try:
+            return decode(b"[" + buf[pos:cut] + b"]"), cut
+        except _MSGSPEC_ERRORS as err:
+            at = _error_byte(err)
+            if at is not None:
+                at += pos - 1  # in buf: the decoded bytes begin with the "[" put before buf[pos]
+            until = cut if at is None else at + 1
+            cut = _last_boundary(buf, pos, cut - 1 if at is None else at)
+    return None, until
+
+
+def _last_boundary(buf: bytes, pos: int, end: int) -> int | None:
+    """The end of the last whole event in buf[pos:end], as guessed from the bytes (a ``}``, then ``,`` and ``{``
     or the ``]`` that ends traceEvents; decoding checks the guess); None if there is none."""
-    k = len(buf)
+    k = end
     while (k := buf.rfind(b"}", pos, k)) >= 0:
         if _BOUNDARY.match(buf, k):
             return k + 1
     return None
+
+
+def _error_byte(err: Exception) -> int | None:
+    """The byte of msgspec's input where it found the JSON malformed, if it says."""
+    m = _AT_BYTE.search(str(err)) if type(err) is msgspec.DecodeError else None
+    return int(m.group(1)) if m else None
 
 
 def _cat_of(e: Any) -> Any:
