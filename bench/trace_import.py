@@ -20,8 +20,8 @@ fresh process of its own; arms take turns round by round, a different one first 
 Each arm prints its seconds (from the start of its process's imports to the end) and its peak RSS
 (``ru_maxrss``: the whole process, interpreter and imports included, whose share alone is printed first;
 for the jobs arms also the largest worker's, which counts the pages a forked worker shares with its parent).
-The load average is printed beside each figure: the machine may be shared. Before the rounds, one process
-times dpprof's stages on the one file: reading the bytes, decoding the events, collecting them, converting,
+The load average is printed beside each figure, and the CPU seconds (the process's and its workers'), which a
+shared machine moves less than the wall clock. Before the rounds, one process times dpprof's stages on the one file: reading the bytes, decoding the events, collecting them, converting,
 writing the run file and its findings. HTA runs in its own virtual environment (it pins other versions);
 without one its arms are skipped with a message.
 """
@@ -136,9 +136,10 @@ logging.disable(logging.WARNING)
 PATHS = sys.argv[1:]
 t = time.perf_counter()
 {body}
-print(json.dumps({{"seconds": time.perf_counter() - t,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "workers_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+seconds = time.perf_counter() - t
+me, workers = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+print(json.dumps({{"seconds": seconds, "cpu_s": me.ru_utime + me.ru_stime + workers.ru_utime + workers.ru_stime,
+                  "peak_rss_mb": me.ru_maxrss / 1024, "workers_peak_rss_mb": workers.ru_maxrss / 1024,
                   "result": RESULT}}))
 """
 STAGES = """
@@ -146,35 +147,41 @@ import json, os, sys, tempfile, time
 from pathlib import Path
 path = Path(sys.argv[1])
 out = {}
-t = time.perf_counter()
-from dpprof.trace import importer
-from dpprof.trace.collect import collect
-from dpprof.trace.convert import convert
-from dpprof.trace.reader import CHUNK_BYTES, TraceFile
-out["import dpprof.trace"] = time.perf_counter() - t
-t = time.perf_counter()
-with open(path, "rb") as f:
-    while f.read(CHUNK_BYTES):
-        pass
-out["read the bytes (OS file cache)"] = time.perf_counter() - t
-t = time.perf_counter()
-n = sum(len(batch) for batch in TraceFile(path).batches())
-out["decode the events (reader alone)"] = time.perf_counter() - t
-t = time.perf_counter()
-c = collect(TraceFile(path))
-out["decode + collect"] = time.perf_counter() - t
-t = time.perf_counter()
-t0 = min([s[1] for s in c.steps] or [c.first_us])
-conv = convert(c, t0, c.rank)
-out["convert"] = time.perf_counter() - t
+
+
+class stage:
+    def __init__(self, name):
+        self.name = name
+
+    def __enter__(self):
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def __exit__(self, *exc):
+        out[self.name] = (time.perf_counter() - self.wall, time.process_time() - self.cpu)
+
+
+with stage("import dpprof.trace"):
+    from dpprof.trace import importer
+    from dpprof.trace.collect import collect
+    from dpprof.trace.convert import convert
+    from dpprof.trace.reader import CHUNK_BYTES, TraceFile
+with stage("read the bytes (OS file cache)"):
+    with open(path, "rb") as f:
+        while f.read(CHUNK_BYTES):
+            pass
+with stage("decode the events (reader alone)"):
+    n = sum(len(batch) for batch in TraceFile(path).batches())
+with stage("decode + collect"):
+    c = collect(TraceFile(path))
+with stage("convert"):
+    t0 = min([s[1] for s in c.steps] or [c.first_us])
+    conv = convert(c, t0, c.rank)
 with tempfile.TemporaryDirectory() as d:
-    t = time.perf_counter()
-    written = importer._write(Path(d), "bench", "bench", [c], [c.rank], [conv], t0 + importer._abs_offset_us(c),
-                              c.rank is not None)
-    out["write the run file"] = time.perf_counter() - t
-    t = time.perf_counter()
-    importer._store_findings(written)
-    out["findings"] = time.perf_counter() - t
+    with stage("write the run file"):
+        written = importer._write(Path(d), "bench", "bench", [c], [c.rank], [conv],
+                                  t0 + importer._abs_offset_us(c), c.rank is not None)
+    with stage("findings"):
+        importer._store_findings(written)
 print(json.dumps({"stages": out, "events": n}))
 """
 
@@ -259,9 +266,11 @@ def main() -> None:
         if "error" in stages:
             print(f"stages: failed: {stages['error']}")
         else:
-            print(f"dpprof's stages on the one file ({stages['events']:,} events; load average {stages['load']:.1f}):")
-            for stage, s in stages["stages"].items():
-                print(f"  {stage:34s} {s:6.2f} s" + (f"  {size_mb / s:6.0f} MiB/s" if s > 0.5 else ""))
+            print(f"dpprof's stages on the one file ({stages['events']:,} events; load average {stages['load']:.1f}), "
+                  "seconds and MiB/s of the file, wall clock and CPU (the process's threads):")
+            for stage, (wall, cpu) in stages["stages"].items():
+                rate = (f"  {size_mb / wall:6.0f} MiB/s wall, {size_mb / cpu:6.0f} MiB/s CPU" if wall > 0.5 else "")
+                print(f"  {stage:34s} {wall:6.2f} s, CPU {cpu:6.2f} s{rate}")
 
         timed = [*single, *(["jobs-1", "jobs-default"] if "jobs" in arms else [])]
         paths = {a: ([one] if a in single else ranks) for a in timed}
@@ -287,9 +296,9 @@ def main() -> None:
                     else:
                         workers = (f", largest worker {res['workers_peak_rss_mb']:,.0f} MiB"
                                    if arm == "jobs-default" and res["workers_peak_rss_mb"] else "")
-                        print(f"round {r + 1} {arm}: {res['seconds']:.1f} s, {mb / res['seconds']:.1f} MiB/s, "
-                              f"peak RSS {res['peak_rss_mb']:,.0f} MiB{workers} ({res['result']}; "
-                              f"load average {res['load']:.1f})")
+                        print(f"round {r + 1} {arm}: {res['seconds']:.1f} s (CPU {res['cpu_s']:.1f} s), "
+                              f"{mb / res['seconds']:.1f} MiB/s, peak RSS {res['peak_rss_mb']:,.0f} MiB{workers} "
+                              f"({res['result']}; load average {res['load']:.1f})")
 
         print("\nmean over rounds:")
         means = {}
@@ -300,15 +309,17 @@ def main() -> None:
                 continue
             s = _mean([x["seconds"] for x in ok])
             rss = max(x["peak_rss_mb"] for x in ok)
-            means[arm] = (s, rss)
+            cpu = _mean([x["cpu_s"] for x in ok])
+            means[arm] = (s, rss, cpu)
             mb = size_mb if arm in single else ranks_mb
             spread = f"{min(x['seconds'] for x in ok):.1f} to {max(x['seconds'] for x in ok):.1f} s"
-            print(f"  {arm}: {s:.1f} s ({spread}), {mb / s:.1f} MiB/s, peak RSS {rss:,.0f} MiB ({len(ok)} runs, "
-                  f"load average {min(x['load'] for x in ok):.1f} to {max(x['load'] for x in ok):.1f})")
+            print(f"  {arm}: {s:.1f} s ({spread}), {mb / s:.1f} MiB/s, CPU {cpu:.1f} s, peak RSS {rss:,.0f} MiB "
+                  f"({len(ok)} runs, load average {min(x['load'] for x in ok):.1f} to {max(x['load'] for x in ok):.1f})")
         if "dpprof" in means:
             for arm in ("hta-json", "hta-ijson"):
                 if arm in means:
-                    print(f"  dpprof against {arm}: {means[arm][0] / means['dpprof'][0]:.1f}x its speed, "
+                    print(f"  dpprof against {arm}: {means[arm][0] / means['dpprof'][0]:.1f}x its speed "
+                          f"({means[arm][2] / means['dpprof'][2]:.1f}x in CPU time), "
                           f"{means['dpprof'][1] / means[arm][1]:.2f}x its peak RSS")
         if "jobs-1" in means and "jobs-default" in means:
             ones = [x["seconds"] for x in results["jobs-1"] if "error" not in x]

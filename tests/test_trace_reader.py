@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from dpprof.trace.reader import CHUNK_BYTES, TraceError, TraceFile
+from dpprof.trace.reader import CHUNK_BYTES, Event, Flow, OddEvent, TraceError, TraceFile
 
 EVENTS = 30_000  # about 4 MB: several of the reader's 1 MiB chunks
 
@@ -34,6 +34,10 @@ CASES = {
     "events larger than a chunk": lambda: [_event(0, args={"big": "y" * (3 * CHUNK_BYTES)}),
                                            *(_event(i) for i in range(1, EVENTS)),
                                            _event(EVENTS, args={"big": list(range(400_000))})],
+    # flows keep only their category; a phase the Trace Event Format does not have, or none, reads its chunk
+    # without the dispatch on phases
+    "flows and odd phases": lambda: [_event(i, ph={0: "s", 1: "f", 2: "X", 3: "i", 4: "M"}[i % 5]
+                                            if i % 9000 else ("Z" if i % 2 else None)) for i in range(EVENTS)],
     "odd field types": lambda: [_event(i, ts="soon" if i % 5000 == 0 else i, name=i if i % 3000 == 0 else "n",
                                        args=["not", "a", "dict"] if i % 4000 == 0 else {"a": 1})
                                 for i in range(EVENTS)],
@@ -56,7 +60,13 @@ def test_batches_and_events_read_as_json_load_does(case, layout, tmp_path):
     trace = TraceFile(path)
     got = [e for batch in trace.batches() for e in batch]
     assert len(got) == len(events) == trace.events_read
+    odd = [e for e, want in zip(got, events) if want["ph"] not in ("X", "i", "M", "s", "f")]
+    assert all(isinstance(e, OddEvent) for e in odd)  # and the other events of their chunks too
+    assert sum(isinstance(e, OddEvent) for e in got) <= len(odd) * 2 * CHUNK_BYTES / (len(path.read_bytes()) / EVENTS)
     for e, want in zip(got, events):
+        if isinstance(e, Flow):
+            assert (e.ph, e.cat) == (want["ph"], want["cat"])
+            continue
         assert (e.ph, e.cat, e.name, e.ts, e.pid, e.tid) == tuple(want[k] for k in ("ph", "cat", "name", "ts", "pid",
                                                                                       "tid"))
         if case not in ("NaN", "lone surrogate"):  # their args are what msgspec cannot decode, and not read

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from dpprof.trace.reader import Event, TraceFile
+from dpprof.trace.reader import Event, OddEvent, TraceFile
 
 __all__ = ["Range", "Collective", "Collected", "collect", "DTYPE_BYTES", "gpu_kind", "Args", "args_of"]
 
@@ -141,7 +141,7 @@ NO_ARGS = Args()
 _decode_args = msgspec.json.Decoder(Args).decode
 
 
-def args_of(event: Event) -> Args:
+def args_of(event: Event | OddEvent) -> Args:
     """The event's args as far as dpprof reads them; ``NO_ARGS`` where there are none or they are not an object."""
     try:
         return _decode_args(event.args)
@@ -171,7 +171,7 @@ def _message_bytes(args: Args) -> int | None:
     return None
 
 
-def _gpu_of(event: Event, args: Args) -> int | None:
+def _gpu_of(event: Event | OddEvent, args: Args) -> int | None:
     device = args.device
     if isinstance(device, (int, float)):
         return int(device)
@@ -289,7 +289,7 @@ def collect(trace: TraceFile) -> Collected:
     return out
 
 
-def _memory(out: Collected, event: Event) -> None:
+def _memory(out: Collected, event: Event | OddEvent) -> None:
     args = args_of(event)
     if args.device_type != 1:  # 0: CPU memory; 1: CUDA
         return

@@ -28,10 +28,11 @@ from dpprof.trace.reader import TraceError, TraceFile
 __all__ = ["default_jobs", "collect_files", "usable_cores", "available_memory_bytes", "worker_bytes"]
 
 # What one worker may hold at its peak, to choose how many fit in memory (measured on the bench's traces:
-# a spawned worker's interpreter and imports take ~110 MiB and a 1 GiB trace adds ~60 MiB of collected
-# arrays and buffers; a forked worker shares the first part with its parent). Twice the measure, for margin.
+# a spawned worker's interpreter and imports take ~106 MiB, and collecting a 252 MiB trace adds ~22 MiB of
+# collected arrays and read buffers; a forked worker shares the first part with its parent). Over twice the
+# measure, for margin.
 WORKER_BASE_BYTES = 256 << 20
-COLLECTED_PER_JSON_BYTE = 1 / 8  # collected arrays and buffers per byte of JSON read, with that margin
+COLLECTED_PER_JSON_BYTE = 1 / 8  # collected arrays and buffers per byte of JSON read (~1/11 measured), with margin
 GZIP_RATIO = 12  # JSON bytes per byte of a .json.gz, for the estimate (Kineto traces compress 8-12x)
 MEMORY_SHARE = 0.5  # the workers together take at most half the memory available: the caller holds the results
 

@@ -1,21 +1,28 @@
-"""A streaming reader of torch.profiler (Kineto) trace files: events a batch at a time, in bounded memory.
+"""A streaming reader of torch.profiler (Kineto) trace files: events a chunk at a time, in bounded memory.
 
-``.json`` and ``.json.gz`` files are read in 1 MiB chunks (decompressed on a thread of their own, which
-zlib lets run beside the decoding) and walked at their top two levels: the top-level object's fields,
-and inside ``traceEvents`` the events. Only a few chunks are in memory, never the file, and fields such
-as ``distributedInfo`` are read wherever they are: before ``traceEvents`` or, in on-demand traces, after
-it.
+``.json`` and ``.json.gz`` files are read in 1 MiB chunks (on a thread of their own, which reads and
+gunzips while the caller decodes: zlib and file reads let go of the GIL) and walked at their top two
+levels: the top-level object's fields, and inside ``traceEvents`` the events. Only a few chunks are in
+memory, never the file, and fields such as ``distributedInfo`` are read wherever they are: before
+``traceEvents`` or, in on-demand traces, after it.
 
-The events of a chunk are decoded in one call: the chunk up to its last event boundary (a ``}`` followed
-by ``,`` and the next ``{``) is decoded as one JSON array by msgspec into ``Event`` structs that keep
-the seven fields dpprof reads and leave ``args`` as raw bytes, decoded only for the few events that need
-them. A boundary guessed wrong (inside a string, or between objects nested in an event) cannot decode as
-an array of objects, so it only costs a retry: such a stretch, anything msgspec refuses (``NaN``, a lone
-surrogate, an event that is not an object) and the last event of ``traceEvents`` are decoded one event
-at a time by the standard library's C decoder, which also words the errors.
+The events of a chunk are decoded in one call: the chunk up to its last event boundary, as guessed from
+the bytes (a ``}``, then ``,`` and the next ``{``), is decoded as one JSON array by msgspec into structs,
+one class per phase (``ph``, a tagged union). ``Event`` keeps the seven fields dpprof reads and leaves
+``args`` as raw bytes, decoded only for the few events that need them (``dpprof.trace.collect.args_of``);
+``Flow`` (a third of a Kineto trace's events) keeps its category alone; a chunk holding an event of no
+phase the Trace Event Format has reads as ``OddEvent``s, whose ``ph`` is a field.
 
-Speed, on the 2-core build machine: the standard library's decoder per event read 34 MiB/s of events;
-ijson's yajl2_c a third of that; msgspec into typed structs with raw ``args`` about 250 MiB/s.
+A guess that is wrong (a ``},{`` inside a string, or between objects nested in an event) cannot decode as
+an array of objects: the chunk is decoded again up to an earlier boundary, before the byte where msgspec
+stopped. What msgspec refuses (``NaN``, a lone surrogate, an entry that is not an object) and the last
+event of ``traceEvents`` are decoded one event at a time by the standard library's C scanner, which also
+words the errors. Fields dpprof never reads are skipped, not checked: bytes that are not UTF-8 inside one
+are not an error.
+
+Speed, in CPU time on the 2-core build machine: decoding every field of every event with the standard
+library's decoder (as this reader did until 2026-11) ran at 34-45 MiB/s of JSON, ijson's yajl2_c at a third
+of that; this reader decodes and collects (``dpprof.trace.collect``) about 280 MiB/s (bench/trace_import.py).
 """
 from __future__ import annotations
 
@@ -29,11 +36,13 @@ import threading
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+import types
+from typing import Any, ClassVar, Union
 
 import msgspec
 
-__all__ = ["TraceError", "TraceFile", "Event", "TRACE_SUFFIXES", "is_trace_name", "CHUNK_BYTES", "MAX_VALUE_BYTES"]
+__all__ = ["TraceError", "TraceFile", "Event", "Flow", "OddEvent", "TRACE_SUFFIXES", "is_trace_name", "CHUNK_BYTES",
+           "MAX_VALUE_BYTES", "PHASES"]
 
 TRACE_SUFFIXES = (".json", ".json.gz")
 CHUNK_BYTES = 1 << 20  # 1 MiB per read: large enough that per-read and per-batch costs vanish, small next to the import
@@ -54,9 +63,36 @@ GUESSES = 4  # event boundaries tried in a chunk before its events are read one 
 _scan = json.JSONDecoder().scan_once  # the stdlib's C scanner: (value, end), or StopIteration / JSONDecodeError
 
 
-class Event(msgspec.Struct, gc=False):
+class _Tagged(msgspec.Struct, gc=False, tag_field="ph"):
+    """An event decoded by its phase (``ph``, msgspec's tagged union: one look at a field Kineto writes first)
+    into a struct of the phase's class, which says its ``ph`` as a class attribute. ``gc=False``: millions are
+    made and dropped, and none holds a cycle."""
+
+
+class Event(_Tagged):
     """One trace event: the fields dpprof reads, any JSON type each (odd values are data, not errors); ``args``
-    undecoded (``decode_args``). ``gc=False``: millions are made and dropped, and they hold no cycles."""
+    undecoded (``dpprof.trace.collect.args_of``). ``ph`` is its class's."""
+
+    ph: ClassVar[str]
+    cat: Any = None
+    name: Any = None
+    ts: Any = None
+    dur: Any = None
+    pid: Any = None
+    tid: Any = None
+    args: msgspec.Raw = msgspec.Raw()
+
+
+class Flow(_Tagged):
+    """A flow event (``s``, ``t``, ``f``: a third of a Kineto trace's events, the links from CPU ops to their
+    kernels), of which dpprof reads nothing but the category (a Kineto one, for telling Kineto traces)."""
+
+    ph: ClassVar[str]
+    cat: Any = None
+
+
+class OddEvent(msgspec.Struct, gc=False):
+    """An event whose ``ph`` is missing or is none of the Trace Event Format's: the same fields, ``ph`` with them."""
 
     ph: Any = None
     cat: Any = None
@@ -68,7 +104,18 @@ class Event(msgspec.Struct, gc=False):
     args: msgspec.Raw = msgspec.Raw()
 
 
-_decode_events = msgspec.json.Decoder(list[Event]).decode
+# The Trace Event Format's phases: duration, complete, instant, counter, async, flow, sample, object, metadata,
+# memory dump, mark, clock sync, context, linked id.
+PHASES = ("B", "E", "X", "i", "I", "C", "b", "n", "e", "S", "T", "p", "F", "s", "t", "f", "P", "N", "O", "D", "M",
+          "V", "v", "R", "c", "(", ")", "=")
+FLOW_PHASES = frozenset({"s", "t", "f"})
+_PHASE_CLASS: dict[str, type] = {
+    ph: types.new_class(f"Event_{ord(ph)}", (Flow if ph in FLOW_PHASES else Event,), {"tag": ph},
+                        lambda ns, ph=ph: ns.update({"ph": ph}))
+    for ph in PHASES
+}
+_decode_events = msgspec.json.Decoder(list[Union[tuple(_PHASE_CLASS.values())]]).decode  # noqa: UP007
+_decode_odd_events = msgspec.json.Decoder(list[OddEvent]).decode  # a chunk with an event of no known phase
 _encode = msgspec.json.encode
 _MSGSPEC_ERRORS = (msgspec.DecodeError, UnicodeDecodeError)  # ValidationError is a DecodeError
 
@@ -217,10 +264,10 @@ class TraceFile:
     def _error(self, what: str) -> TraceError:
         return TraceError(f"{self.name}: {what}")
 
-    def batches(self) -> Iterator[list[Event]]:
-        """The entries of ``traceEvents`` as ``Event`` structs, in file order, a chunk's worth at a time;
-        fills ``meta`` as it goes."""
-        return self._read(_decode_events, _event_of)
+    def batches(self) -> Iterator[list[Event | Flow | OddEvent]]:
+        """The entries of ``traceEvents`` as structs (``Event``, ``Flow``, ``OddEvent``: ``ph`` says which),
+        in file order, a chunk's worth at a time; fills ``meta`` as it goes."""
+        return self._read(_decode_structs, _event_of)
 
     def events(self) -> Iterator[dict[str, Any]]:
         """Every entry of ``traceEvents`` as a dict with all its fields, in file order; fills ``meta``."""
@@ -361,7 +408,7 @@ def _in_one_call(buf: bytes, pos: int, cut: int | None, decode: Callable[[bytes]
         if cut is None:
             break
         try:
-            return decode(b"[" + buf[pos:cut] + b"]"), cut
+            return decode(b"".join((b"[", memoryview(buf)[pos:cut], b"]"))), cut  # one copy of the chunk
         except _MSGSPEC_ERRORS as err:
             at = _error_byte(err)
             if at is not None:
@@ -388,15 +435,26 @@ def _error_byte(err: Exception) -> int | None:
 
 
 def _cat_of(e: Any) -> Any:
-    return e.cat if type(e) is Event else e.get("cat")
+    return e.get("cat") if type(e) is dict else e.cat
 
 
-def _event_of(d: dict[str, Any]) -> Event:
+def _decode_structs(data: bytes) -> list[Event | Flow | OddEvent]:
+    """A chunk's events by their phase; with an event of no known phase among them, all as ``OddEvent``."""
+    try:
+        return _decode_events(data)
+    except msgspec.ValidationError:
+        return _decode_odd_events(data)
+
+
+def _event_of(d: dict[str, Any]) -> Event | Flow | OddEvent:
     """An event the stdlib decoded, as the struct msgspec would have made."""
-    args = d.get("args")
-    return Event(ph=d.get("ph"), cat=d.get("cat"), name=d.get("name"), ts=d.get("ts"), dur=d.get("dur"),
-                 pid=d.get("pid"), tid=d.get("tid"),
-                 args=msgspec.Raw(_encode_lenient(args)) if "args" in d else msgspec.Raw())
+    ph = d.get("ph")
+    cls = _PHASE_CLASS.get(ph) if isinstance(ph, str) else None
+    if cls is not None and issubclass(cls, Flow):
+        return cls(cat=d.get("cat"))
+    fields = {"cat": d.get("cat"), "name": d.get("name"), "ts": d.get("ts"), "dur": d.get("dur"), "pid": d.get("pid"),
+              "tid": d.get("tid"), "args": msgspec.Raw(_encode_lenient(d["args"])) if "args" in d else msgspec.Raw()}
+    return cls(**fields) if cls is not None else OddEvent(ph=ph, **fields)
 
 
 def _encode_lenient(value: Any) -> bytes:
