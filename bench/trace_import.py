@@ -1,7 +1,7 @@
 """Importing torch.profiler traces: one ~1 GB file, dpprof against Holistic Trace Analysis's parser; and the four
 rank files of one job, read one after another (``--jobs 1``) and at once (the default).
 
-    python bench/trace_import.py [--size-mb 1024] [--rank-size-mb 256] [--ranks 4] [--rounds 2] [--pairs 2]
+    python bench/trace_import.py [--size-mb 1024] [--rank-size-mb 1024] [--ranks 4] [--rounds 2] [--pairs 2]
                                  [--arms dpprof,hta-json,jobs] [--hta-python .hta-venv/bin/python] [--keep DIR]
 
 Traces are made in a temporary directory (or ``--keep DIR``, reused when the files are there) by repeating
@@ -20,9 +20,10 @@ fresh process of its own; arms take turns round by round, a different one first 
 Each arm prints its seconds (from the start of its process's imports to the end) and its peak RSS
 (``ru_maxrss``: the whole process, interpreter and imports included, whose share alone is printed first;
 for the jobs arms also the largest worker's, which counts the pages a forked worker shares with its parent).
-The load average is printed beside each figure, and the CPU seconds (the process's and its workers'), which a
-shared machine moves less than the wall clock. Before the rounds, one process times dpprof's stages on the one file: reading the bytes, decoding the events, collecting them, converting,
-writing the run file and its findings. HTA runs in its own virtual environment (it pins other versions);
+The load average is printed beside each figure, and the CPU seconds (the process's and its
+workers'), which a shared machine moves less than the wall clock. Before the rounds, one process times
+dpprof's stages on the one file, wall clock and CPU: reading the bytes, decoding the events, collecting
+them, converting, writing the run file and its findings. HTA runs in its own virtual environment (it pins other versions);
 without one its arms are skipped with a message.
 """
 from __future__ import annotations
@@ -221,7 +222,7 @@ def _mean(xs: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=float, default=1024, help="the one file's size")
-    parser.add_argument("--rank-size-mb", type=float, default=256, help="each rank file's size")
+    parser.add_argument("--rank-size-mb", type=float, default=1024, help="each rank file's size")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--pairs", type=int, default=2, help="jobs 1 / default pairs a round")
