@@ -60,6 +60,16 @@ def _input_shape(text: str) -> list[int]:
     return [int(p) for p in parts]
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return value
+
+
 def _check_input_shape(workload: object, spec: str, shape: list[int]) -> None:
     """One forward pass of the user's model on a batch of two samples of ``shape``, before any run is created:
     a model that cannot take the shape is a usage error, said in one line."""
@@ -288,17 +298,29 @@ def _cmd_merge(args: argparse.Namespace) -> int:
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
-    """Import torch.profiler traces as one run, with a progress bar of bytes read on a terminal."""
+    """Import torch.profiler traces as one run, with a progress bar of bytes read per file on a terminal."""
     from tqdm import tqdm
 
     from dpprof.trace import TraceError, import_traces, trace_files
 
+    bars: dict[object, tqdm] = {}
+    quiet = args.quiet or not sys.stderr.isatty()
+
+    def read(path: object, nbytes: int) -> None:
+        bar = bars.get(path)
+        if bar is None:  # made at the file's first bytes: the files read at once have a bar each
+            bar = bars[path] = tqdm(total=path.stat().st_size, unit="B", unit_scale=True, unit_divisor=1024,
+                                    desc=path.name, position=len(bars), leave=True)
+        bar.update(nbytes)
+
     try:
-        total = sum(p.stat().st_size for p in trace_files(args.sources))
-        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reading traces",
-                  disable=args.quiet or not sys.stderr.isatty()) as bar:
-            run = import_traces(args.sources, args.reports_dir, name=args.name, progress=bar.update,
-                                again=args.again)
+        trace_files(args.sources)  # a missing file is said before any bar
+        try:
+            run = import_traces(args.sources, args.reports_dir, name=args.name, again=args.again, jobs=args.jobs,
+                                file_progress=None if quiet else read)
+        finally:
+            for bar in bars.values():
+                bar.close()
     except TraceError as err:
         print(f"dpprof: {err}", file=sys.stderr)
         return EXIT_FAILURE
@@ -588,7 +610,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="a name for the run (default: the first file's name)")
     p.add_argument("--again", action="store_true",
                    help="import files a run in the reports directory was imported from already, as another run")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--jobs", type=_positive_int, default=None, metavar="N",
+                   help="files read at once, each in a process of its own (default: one per core, fewer where "
+                        "memory would not hold them; 1: one after another)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_import, parser=p)
 
     p = sub.add_parser("runs", help="list the recorded runs")

@@ -11,9 +11,11 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-from dpprof.trace.reader import TraceFile
+import msgspec
 
-__all__ = ["Range", "Collective", "Collected", "collect", "DTYPE_BYTES", "gpu_kind"]
+from dpprof.trace.reader import Event, OddEvent, TraceFile
+
+__all__ = ["Range", "Collective", "Collected", "collect", "DTYPE_BYTES", "gpu_kind", "Args", "args_of"]
 
 # Bytes per element of the dtypes collectives name ("dtype": "Float"; "Input type": "float").
 DTYPE_BYTES = {
@@ -119,12 +121,40 @@ def gpu_kind(cat: str, name: str) -> str | None:
     return None
 
 
-def _message_bytes(args: dict[str, Any]) -> int | None:
+class Args(msgspec.Struct, gc=False):
+    """The fields of an event's ``args`` that dpprof reads (any JSON type each); the rest are skipped unread."""
+
+    device: Any = None
+    in_msg_nelems: Any = msgspec.field(default=None, name="In msg nelems")
+    dtype: Any = None
+    input_dims: Any = msgspec.field(default=None, name="Input Dims")
+    input_type: Any = msgspec.field(default=None, name="Input type")
+    device_type: Any = msgspec.field(default=None, name="Device Type")
+    device_id: Any = msgspec.field(default=None, name="Device Id")
+    total_allocated: Any = msgspec.field(default=None, name="Total Allocated")
+    total_reserved: Any = msgspec.field(default=None, name="Total Reserved")
+    bytes: Any = msgspec.field(default=None, name="Bytes")
+    labels: Any = None
+
+
+NO_ARGS = Args()
+_decode_args = msgspec.json.Decoder(Args).decode
+
+
+def args_of(event: Event | OddEvent) -> Args:
+    """The event's args as far as dpprof reads them; ``NO_ARGS`` where there are none or they are not an object."""
+    try:
+        return _decode_args(event.args)
+    except msgspec.DecodeError:
+        return NO_ARGS
+
+
+def _message_bytes(args: Args) -> int | None:
     """Bytes a collective moves: In msg nelems x dtype size, else its input's dims x type size."""
-    nelems, dtype = args.get("In msg nelems"), args.get("dtype")
+    nelems, dtype = args.in_msg_nelems, args.dtype
     if isinstance(nelems, (int, float)) and isinstance(dtype, str) and dtype.lower() in DTYPE_BYTES:
         return int(nelems) * DTYPE_BYTES[dtype.lower()]
-    dims, types = args.get("Input Dims"), args.get("Input type")
+    dims, types = args.input_dims, args.input_type
     if isinstance(dims, list) and isinstance(types, list) and dims and types:
         total = 0
         for shape, kind in zip(dims, types):
@@ -141,11 +171,11 @@ def _message_bytes(args: dict[str, Any]) -> int | None:
     return None
 
 
-def _gpu_of(event: dict[str, Any], args: dict[str, Any]) -> int | None:
-    device = args.get("device")
+def _gpu_of(event: Event | OddEvent, args: Args) -> int | None:
+    device = args.device
     if isinstance(device, (int, float)):
         return int(device)
-    pid = event.get("pid")
+    pid = event.pid
     return int(pid) if isinstance(pid, (int, float)) else None
 
 
@@ -177,66 +207,75 @@ def collect(trace: TraceFile) -> Collected:
     gpu = out.gpu
     backward = out.backward
     kinds: dict[str, tuple[str, int] | None] = {}  # name -> _name_kind(name): names repeat, step after step
+    gpu_kinds: dict[tuple[str, str], str | None] = {}  # (cat, name) -> gpu_kind(cat, name): kernels repeat too
     first_us, last_us = float("inf"), float("-inf")
     cpu_cats, gpu_cats = _CPU_CATS, _GPU_CATS
-    for event in trace.events():
-        ph = event.get("ph")
-        if ph == "X":
-            cat = event.get("cat")
-            if cat in cpu_cats:
-                ts, dur = event.get("ts"), event.get("dur")
-                if not isinstance(ts, (int, float)):
-                    continue
-                end = ts + dur if isinstance(dur, (int, float)) else ts
-                if ts < first_us:
-                    first_us = ts
-                if end > last_us:
-                    last_us = end
-                name = event.get("name")
-                if not isinstance(name, str):  # odd fields are data, not errors: such an event is not one we need
-                    continue
-                kind = kinds.get(name, ())
-                if kind == ():
-                    kind = kinds[name] = _name_kind(name)
-                if kind is None:
-                    continue
-                what = kind[0]
-                if what == "backward":
-                    backward.add(ts, end)
-                elif what == "step":
-                    out.steps.append((kind[1], float(ts), float(end)))
-                elif what == "forward":
-                    out.forwards.append(Range(name, float(ts), float(end), event.get("tid")))
-                elif what == "dpprof":
-                    out.dpprof_ranges.append(Range(name[len("dpprof."):], float(ts), float(end), event.get("tid")))
-                elif what == "optimizer":
-                    out.optimizer.append(Range(name, float(ts), float(end), event.get("tid")))
-                elif what == "data":
-                    out.data.append(Range(name, float(ts), float(end), event.get("tid")))
-                else:
-                    out.collectives.append(Collective(name, float(ts), float(end), _message_bytes(_args(event))))
-            elif cat in gpu_cats:
-                ts, dur = event.get("ts"), event.get("dur")
-                if not isinstance(ts, (int, float)):
-                    continue
-                end = ts + dur if isinstance(dur, (int, float)) else ts
-                kind = gpu_kind(cat, str(event.get("name", "")))
-                args = _args(event)
-                index = _gpu_of(event, args)
-                if index is None:
-                    continue
-                key = (index, kind)
-                if key not in gpu:
-                    gpu[key] = _Intervals()
-                gpu[key].add(ts, end)
-                if kind == "communication":
-                    out.comm_kernels.append((index, float(ts), float(end), _message_bytes(args)))
-        elif ph == "i" and event.get("name") == "[memory]":
-            _memory(out, event)
-        elif ph == "M" and event.get("name") == "process_labels":
-            labels = _args(event).get("labels")
-            if isinstance(labels, str) and labels.startswith("GPU") and isinstance(event.get("pid"), (int, float)):
-                out.gpu_labels[int(event["pid"])] = labels
+    number = (int, float)
+    for batch in trace.batches():
+        for event in batch:
+            ph = event.ph
+            if ph == "X":
+                cat = event.cat
+                if cat in cpu_cats:
+                    ts, dur = event.ts, event.dur
+                    if not isinstance(ts, number):
+                        continue
+                    end = ts + dur if isinstance(dur, number) else ts
+                    if ts < first_us:
+                        first_us = ts
+                    if end > last_us:
+                        last_us = end
+                    name = event.name
+                    if not isinstance(name, str):  # odd fields are data, not errors: such an event is not one we need
+                        continue
+                    kind = kinds.get(name, ())
+                    if kind == ():
+                        kind = kinds[name] = _name_kind(name)
+                    if kind is None:
+                        continue
+                    what = kind[0]
+                    if what == "backward":
+                        backward.add(ts, end)
+                    elif what == "step":
+                        out.steps.append((kind[1], float(ts), float(end)))
+                    elif what == "forward":
+                        out.forwards.append(Range(name, float(ts), float(end), event.tid))
+                    elif what == "dpprof":
+                        out.dpprof_ranges.append(Range(name[len("dpprof."):], float(ts), float(end), event.tid))
+                    elif what == "optimizer":
+                        out.optimizer.append(Range(name, float(ts), float(end), event.tid))
+                    elif what == "data":
+                        out.data.append(Range(name, float(ts), float(end), event.tid))
+                    else:
+                        out.collectives.append(Collective(name, float(ts), float(end),
+                                                          _message_bytes(args_of(event))))
+                elif cat in gpu_cats:
+                    ts, dur = event.ts, event.dur
+                    if not isinstance(ts, number):
+                        continue
+                    end = ts + dur if isinstance(dur, number) else ts
+                    name = event.name
+                    if not isinstance(name, str):
+                        name = "" if name is None else str(name)
+                    kind = gpu_kinds.get((cat, name), ())
+                    if kind == ():
+                        kind = gpu_kinds[(cat, name)] = gpu_kind(cat, name)
+                    args = args_of(event)
+                    index = _gpu_of(event, args)
+                    if index is None:
+                        continue
+                    key = (index, kind)
+                    if key not in gpu:
+                        gpu[key] = _Intervals()
+                    gpu[key].add(ts, end)
+                    if kind == "communication":
+                        out.comm_kernels.append((index, float(ts), float(end), _message_bytes(args)))
+            elif ph == "i" and event.name == "[memory]":
+                _memory(out, event)
+            elif ph == "M" and event.name == "process_labels":
+                labels = args_of(event).labels
+                if isinstance(labels, str) and labels.startswith("GPU") and isinstance(event.pid, number):
+                    out.gpu_labels[int(event.pid)] = labels
     out.first_us, out.last_us = float(first_us), float(last_us)
     out.events = trace.events_read
     out.steps.sort(key=lambda s: s[1])
@@ -250,33 +289,28 @@ def collect(trace: TraceFile) -> Collected:
     return out
 
 
-def _args(event: dict[str, Any]) -> dict[str, Any]:
-    args = event.get("args")
-    return args if isinstance(args, dict) else {}
-
-
-def _memory(out: Collected, event: dict[str, Any]) -> None:
-    args = _args(event)
-    if args.get("Device Type") != 1:  # 0: CPU memory; 1: CUDA
+def _memory(out: Collected, event: Event | OddEvent) -> None:
+    args = args_of(event)
+    if args.device_type != 1:  # 0: CPU memory; 1: CUDA
         return
-    device = args.get("Device Id")
-    ts = event.get("ts")
+    device = args.device_id
+    ts = event.ts
     if not isinstance(device, (int, float)) or not isinstance(ts, (int, float)):
         return
     device = int(device)
     if device not in out.memory:
         out.memory[device] = (array("d"), array("d"), array("d"))
     times, allocated, reserved = out.memory[device]
-    total = args.get("Total Allocated")
+    total = args.total_allocated
     if not isinstance(total, (int, float)):  # the 2021 format: only each allocation's Bytes: allocated is their sum
-        nbytes = args.get("Bytes")
+        nbytes = args.bytes
         if not isinstance(nbytes, (int, float)):
             return
         out.memory_cumulative.add(device)
         total = (allocated[-1] if allocated else 0.0) + nbytes
     times.append(float(ts))
     allocated.append(float(total))
-    res = args.get("Total Reserved")
+    res = args.total_reserved
     reserved.append(float(res) if isinstance(res, (int, float)) else float("nan"))
 
 

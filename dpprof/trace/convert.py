@@ -91,19 +91,13 @@ def _union_ms(starts: np.ndarray, ends: np.ndarray, lo: float, hi: float) -> tup
 
 
 def _intersection_ms(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> float:
-    """Overlap in ms of two sorted, disjoint interval lists."""
+    """Overlap in ms of two lists of disjoint intervals: what each covers, less what both together cover
+    (vectorised: the pairwise walk it replaces cost two thirds of converting a 1 GiB trace)."""
     (sa, ea), (sb, eb) = a, b
-    i = j = 0
-    total = 0.0
-    while i < len(sa) and j < len(sb):
-        lo, hi = max(sa[i], sb[j]), min(ea[i], eb[j])
-        if hi > lo:
-            total += hi - lo
-        if ea[i] < eb[j]:
-            i += 1
-        else:
-            j += 1
-    return total / 1e3
+    if not len(sa) or not len(sb):
+        return 0.0
+    both, _, _ = _union_ms(np.concatenate([sa, sb]), np.concatenate([ea, eb]), -np.inf, np.inf)
+    return max(0.0, float((ea - sa).sum() + (eb - sb).sum()) / 1e3 - both)
 
 
 def _in(ranges: list[Any], lo: float, hi: float) -> list[Any]:

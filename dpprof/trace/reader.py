@@ -1,14 +1,28 @@
-"""A streaming reader of torch.profiler (Kineto) trace files: events one at a time, in bounded memory.
+"""A streaming reader of torch.profiler (Kineto) trace files: events a chunk at a time, in bounded memory.
 
-``.json`` and ``.json.gz`` files are read in 1 MiB chunks and walked at their top two levels: the
-top-level object's fields, and inside ``traceEvents`` one event at a time, each decoded by the
-standard library's C decoder (``json.JSONDecoder.raw_decode``). Only the chunk being read and the
-event being decoded are in memory, never the file, and fields such as ``distributedInfo`` are read
-wherever they are: before ``traceEvents`` or, in on-demand traces, after it.
+``.json`` and ``.json.gz`` files are read in 1 MiB chunks (on a thread of their own, which reads and
+gunzips while the caller decodes: zlib and file reads let go of the GIL) and walked at their top two
+levels: the top-level object's fields, and inside ``traceEvents`` the events. Only a few chunks are in
+memory, never the file, and fields such as ``distributedInfo`` are read wherever they are: before
+``traceEvents`` or, in on-demand traces, after it.
 
-Why not ijson: on this project's machine its fastest back-end (yajl2_c) decoded a trace's events at
-about a third of the speed of the C decoder used here (ijson items: 3.5 s, raw_decode: 1.3 s, for the
-same 162,000 events), and the speed of a large import is the decoding.
+The events of a chunk are decoded in one call: the chunk up to its last event boundary, as guessed from
+the bytes (a ``}``, then ``,`` and the next ``{``), is decoded as one JSON array by msgspec into structs,
+one class per phase (``ph``, a tagged union). ``Event`` keeps the seven fields dpprof reads and leaves
+``args`` as raw bytes, decoded only for the few events that need them (``dpprof.trace.collect.args_of``);
+``Flow`` (a third of a Kineto trace's events) keeps its category alone; a chunk holding an event of no
+phase the Trace Event Format has reads as ``OddEvent``s, whose ``ph`` is a field.
+
+A guess that is wrong (a ``},{`` inside a string, or between objects nested in an event) cannot decode as
+an array of objects: the chunk is decoded again up to an earlier boundary, before the byte where msgspec
+stopped. What msgspec refuses (``NaN``, a lone surrogate, an entry that is not an object) and the last
+event of ``traceEvents`` are decoded one event at a time by the standard library's C scanner, which also
+words the errors. Fields dpprof never reads are skipped, not checked: bytes that are not UTF-8 inside one
+are not an error.
+
+Speed, in CPU time on the 2-core build machine: decoding every field of every event with the standard
+library's decoder (as this reader did until 2026-11) ran at 34-45 MiB/s of JSON, ijson's yajl2_c at a third
+of that; this reader decodes and collects (``dpprof.trace.collect``) about 280 MiB/s (bench/trace_import.py).
 """
 from __future__ import annotations
 
@@ -16,17 +30,24 @@ import codecs
 import gzip
 import json
 import os
+import queue
 import re
+import threading
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+import types
+from typing import Any, ClassVar, Union
 
-__all__ = ["TraceError", "TraceFile", "TRACE_SUFFIXES", "is_trace_name", "CHUNK_BYTES", "MAX_VALUE_CHARS"]
+import msgspec
+
+__all__ = ["TraceError", "TraceFile", "Event", "Flow", "OddEvent", "TRACE_SUFFIXES", "is_trace_name", "CHUNK_BYTES",
+           "MAX_VALUE_BYTES", "PHASES"]
 
 TRACE_SUFFIXES = (".json", ".json.gz")
-CHUNK_BYTES = 1 << 20  # 1 MiB per read: large enough that per-read costs vanish, small next to the import's memory
-MAX_VALUE_CHARS = 64 << 20  # one event (or top-level field) larger than this is not a trace event: a broken file
+CHUNK_BYTES = 1 << 20  # 1 MiB per read: large enough that per-read and per-batch costs vanish, small next to the import
+READ_AHEAD_CHUNKS = 4  # chunks the reading thread may hold ahead of the decoder (bounded memory)
+MAX_VALUE_BYTES = 64 << 20  # one event (or top-level field) larger than this is not a trace event: a broken file
 # Event categories only Kineto writes: a JSON trace without any of them (and without Kineto's
 # schemaVersion) is a Chrome trace from some other tool.
 KINETO_CATEGORIES = frozenset({
@@ -34,10 +55,69 @@ KINETO_CATEGORIES = frozenset({
     "gpu_memset", "gpu_user_annotation", "ac2g", "Operator", "Runtime", "Kernel", "Memcpy", "Memset",
     "Trace", "fwdbwd", "cpu_instant_event",
 })
-_SPACE = re.compile(r"\s*")
-_SEPARATORS = re.compile(r"[\s,]*")  # between events
-_decode = json.JSONDecoder().raw_decode
-_scan = json.JSONDecoder().scan_once  # the C scanner raw_decode wraps: (value, end), or StopIteration
+_SPACE = re.compile(rb"[ \t\n\r]*")
+_SEPARATORS = re.compile(rb"[ \t\n\r,]*")  # between events
+_BOUNDARY = re.compile(rb"}[ \t\n\r]*(?:,[ \t\n\r]*{|])")  # an event's end, then the next one or the list's, guessed
+_AT_BYTE = re.compile(r"\(byte (\d+)\)$")  # where msgspec says it stopped
+GUESSES = 4  # event boundaries tried in a chunk before its events are read one by one
+_scan = json.JSONDecoder().scan_once  # the stdlib's C scanner: (value, end), or StopIteration / JSONDecodeError
+
+
+class _Tagged(msgspec.Struct, gc=False, tag_field="ph"):
+    """An event decoded by its phase (``ph``, msgspec's tagged union: one look at a field Kineto writes first)
+    into a struct of the phase's class, which says its ``ph`` as a class attribute. ``gc=False``: millions are
+    made and dropped, and none holds a cycle."""
+
+
+class Event(_Tagged):
+    """One trace event: the fields dpprof reads, any JSON type each (odd values are data, not errors); ``args``
+    undecoded (``dpprof.trace.collect.args_of``). ``ph`` is its class's."""
+
+    ph: ClassVar[str]
+    cat: Any = None
+    name: Any = None
+    ts: Any = None
+    dur: Any = None
+    pid: Any = None
+    tid: Any = None
+    args: msgspec.Raw = msgspec.Raw()
+
+
+class Flow(_Tagged):
+    """A flow event (``s``, ``t``, ``f``: a third of a Kineto trace's events, the links from CPU ops to their
+    kernels), of which dpprof reads nothing but the category (a Kineto one, for telling Kineto traces)."""
+
+    ph: ClassVar[str]
+    cat: Any = None
+
+
+class OddEvent(msgspec.Struct, gc=False):
+    """An event whose ``ph`` is missing or is none of the Trace Event Format's: the same fields, ``ph`` with them."""
+
+    ph: Any = None
+    cat: Any = None
+    name: Any = None
+    ts: Any = None
+    dur: Any = None
+    pid: Any = None
+    tid: Any = None
+    args: msgspec.Raw = msgspec.Raw()
+
+
+# The Trace Event Format's phases: duration, complete, instant, counter, async, flow, sample, object, metadata,
+# memory dump, mark, clock sync, context, linked id.
+PHASES = ("B", "E", "X", "i", "I", "C", "b", "n", "e", "S", "T", "p", "F", "s", "t", "f", "P", "N", "O", "D", "M",
+          "V", "v", "R", "c", "(", ")", "=")
+FLOW_PHASES = frozenset({"s", "t", "f"})
+_PHASE_CLASS: dict[str, type] = {
+    ph: types.new_class(f"Event_{ord(ph)}", (Flow if ph in FLOW_PHASES else Event,), {"tag": ph},
+                        lambda ns, ph=ph: ns.update({"ph": ph}))
+    for ph in PHASES
+}
+_decode_events = msgspec.json.Decoder(list[Union[tuple(_PHASE_CLASS.values())]]).decode  # noqa: UP007
+_decode_odd_events = msgspec.json.Decoder(list[OddEvent]).decode  # a chunk with an event of no known phase
+_encode = msgspec.json.encode
+_MSGSPEC_ERRORS = (msgspec.DecodeError, UnicodeDecodeError)  # ValidationError is a DecodeError
 
 
 class TraceError(Exception):
@@ -48,70 +128,119 @@ def is_trace_name(name: str) -> bool:
     return name.endswith(TRACE_SUFFIXES)
 
 
-class _Text:
-    """The file's text, decoded chunk by chunk, with a cursor; only the unread part is kept."""
-
-    def __init__(self, stream: Any, raw: Any, progress: Callable[[int], None] | None) -> None:
-        self.stream, self.raw, self.progress = stream, raw, progress
-        self.decoder = codecs.getincrementaldecoder("utf-8")()
-        self.buf = ""
-        self.pos = 0
-        self.eof = False
-        self.consumed = 0  # characters dropped before buf (for error positions)
-        self._read_before = 0
-
-    def more(self) -> bool:
-        """Append the next chunk (dropping what was read); False at the end of the file."""
-        if self.eof:
-            return False
-        chunk = self.stream.read(CHUNK_BYTES)
-        if self.progress is not None:
-            position = self.raw.tell()
-            self.progress(position - self._read_before)
-            self._read_before = position
-        self.consumed += self.pos
-        self.buf = self.buf[self.pos:] + self.decoder.decode(chunk, final=not chunk)
-        self.pos = 0
-        if not chunk:
-            self.eof = True
-        return True
-
-    def peek(self) -> str:
-        """The next character that is not white space ('' at the end of the file)."""
-        while True:
-            self.pos = _SPACE.match(self.buf, self.pos).end()
-            if self.pos < len(self.buf) or not self.more():
-                return self.buf[self.pos:self.pos + 1]
-
-    def value(self) -> Any:
-        """Decode the JSON value at the cursor, reading more of the file until it is whole."""
-        self.peek()  # raw_decode takes no white space before the value
-        while True:
-            try:
-                value, self.pos = _decode(self.buf, self.pos)
-                return value
-            except json.JSONDecodeError as err:
-                if self.eof or len(self.buf) - self.pos > MAX_VALUE_CHARS:
-                    raise _Broken(err.msg, self.consumed + err.pos) from None
-                self.more()
-
-
 class _Broken(Exception):
     def __init__(self, msg: str, at: int) -> None:
         super().__init__(msg)
         self.msg, self.at = msg, at
 
 
-def _open_bytes(path: Path) -> tuple[Any, Any]:
-    """(stream of the JSON bytes, the raw file whose position is the bytes read from disk)."""
-    raw = open(path, "rb")
-    if path.name.endswith(".gz"):
-        return gzip.GzipFile(fileobj=raw, mode="rb"), raw
-    return raw, raw
+class _Chunks:
+    """The file's bytes in chunks, read (and decompressed) by a thread ahead of the caller: zlib and file
+    reads let go of the GIL, so on two cores decompression costs the decoder little. Errors are raised
+    in the caller, at the chunk where they happened."""
+
+    def __init__(self, path: Path, progress: Callable[[int], None] | None) -> None:
+        self.progress = progress
+        self._queue: queue.Queue = queue.Queue(maxsize=READ_AHEAD_CHUNKS)
+        self._stop = threading.Event()
+        raw = open(path, "rb")  # an OSError here is the caller's (cannot read)
+        stream = gzip.GzipFile(fileobj=raw, mode="rb") if path.name.endswith(".gz") else raw
+        self._thread = threading.Thread(target=self._read, args=(raw, stream), name=f"dpprof-read-{path.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _put(self, item: tuple[Any, int]) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _read(self, raw: Any, stream: Any) -> None:
+        before = 0
+        try:
+            with raw, stream:
+                while True:
+                    chunk = stream.read(CHUNK_BYTES)
+                    position = raw.tell()
+                    if not self._put((chunk, position - before)) or not chunk:
+                        return
+                    before = position
+        except BaseException as err:  # handed to the caller, raised there
+            self._put((err, 0))
+
+    def next(self) -> bytes:
+        """The next chunk; b"" at the end of the file."""
+        item, read = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        if self.progress is not None and read:
+            self.progress(read)
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class _Buffer:
+    """The unread part of the file's bytes, with a cursor."""
+
+    def __init__(self, chunks: _Chunks) -> None:
+        self.chunks = chunks
+        self.buf = b""
+        self.pos = 0
+        self.eof = False
+        self.consumed = 0  # bytes dropped before buf (for error positions)
+
+    def more(self, at_least: int = 1) -> bool:
+        """Append at least ``at_least`` bytes more (dropping what was read); False at the end of the file."""
+        if self.eof:
+            return False
+        parts = [self.buf[self.pos:]]
+        got = 0
+        while got < at_least:
+            chunk = self.chunks.next()
+            if not chunk:
+                self.eof = True
+                break
+            parts.append(chunk)
+            got += len(chunk)
+        self.consumed += self.pos
+        self.buf = b"".join(parts)
+        self.pos = 0
+        return True
+
+    def peek(self) -> bytes:
+        """The next byte that is not white space (b"" at the end of the file)."""
+        while True:
+            self.pos = _SPACE.match(self.buf, self.pos).end()
+            if self.pos < len(self.buf) or not self.more():
+                return self.buf[self.pos:self.pos + 1]
+
+    def value(self) -> Any:
+        """Decode the JSON value at the cursor with the stdlib's scanner, reading on until it is whole."""
+        self.peek()
+        while True:
+            text, _ = codecs.utf_8_decode(self.buf[self.pos:], "strict", False)  # a character cut at the end waits
+            try:
+                value, end = _scan(text, 0)
+            except (json.JSONDecodeError, StopIteration) as err:
+                if self.eof or len(self.buf) - self.pos > MAX_VALUE_BYTES:
+                    at = err.pos if isinstance(err, json.JSONDecodeError) else 0
+                    raise _Broken(getattr(err, "msg", "expecting a value"),
+                                  self.consumed + self.pos + len(text[:at].encode())) from None
+                self.more(len(self.buf) - self.pos)  # twice as much each time: a large value is decoded a few times
+                continue
+            self.pos += end if text.isascii() else len(text[:end].encode())
+            return value
 
 
 class TraceFile:
-    """One trace file, read once: iterate ``events()``, then ``meta`` holds its top-level fields.
+    """One trace file, read once: iterate ``events()`` (dicts) or ``batches()`` (lists of ``Event``), then
+    ``meta`` holds its top-level fields.
 
     Args:
         path: a ``.json`` or ``.json.gz`` Kineto trace.
@@ -119,7 +248,7 @@ class TraceFile:
 
     Example:
         >>> trace = TraceFile("rank0.pt.trace.json.gz")
-        >>> kernels = sum(1 for e in trace.events() if e.get("cat") == "kernel")
+        >>> kernels = sum(1 for batch in trace.batches() for e in batch if e.cat == "kernel")
         >>> trace.meta.get("distributedInfo")
     """
 
@@ -130,89 +259,214 @@ class TraceFile:
         self.progress = progress
         self.meta: dict[str, Any] = {}
         self.events_read = 0
-        self.kineto_events = 0
+        self.kineto_events = 0  # counted until the first is seen: all that is asked of it is whether there is one
 
     def _error(self, what: str) -> TraceError:
         return TraceError(f"{self.name}: {what}")
 
+    def batches(self) -> Iterator[list[Event | Flow | OddEvent]]:
+        """The entries of ``traceEvents`` as structs (``Event``, ``Flow``, ``OddEvent``: ``ph`` says which),
+        in file order, a chunk's worth at a time; fills ``meta`` as it goes."""
+        return self._read(_decode_structs, _event_of)
+
     def events(self) -> Iterator[dict[str, Any]]:
-        """Every entry of ``traceEvents`` as a dict, in file order; fills ``meta`` as it goes."""
+        """Every entry of ``traceEvents`` as a dict with all its fields, in file order; fills ``meta``."""
+        for batch in self._read(_decode_dicts, lambda d: d):
+            yield from batch
+
+    def _read(self, decode: Callable[[bytes], list], from_dict: Callable[[dict], Any]) -> Iterator[list]:
         try:
-            stream, raw = _open_bytes(self.path)
+            chunks = _Chunks(self.path, self.progress)
         except OSError as err:
             raise self._error(f"cannot read: {err.strerror or err}") from None
         try:
-            with raw, stream:
-                yield from self._walk(_Text(stream, raw, self.progress))
+            yield from self._walk(_Buffer(chunks), decode, from_dict)
+        except OSError as err:
+            raise self._error(f"cannot read: {err.strerror or err}") from None
         except (EOFError, zlib.error, gzip.BadGzipFile) as err:
             raise self._error(f"truncated or corrupt gzip ({err})") from None
         except UnicodeDecodeError:
             raise self._error("not JSON (not UTF-8 text)") from None
         except _Broken as err:
             if self.events_read:
-                raise self._error(f"truncated or corrupt JSON after {self.events_read:,} events ({err.msg} at "
-                                  f"character {err.at:,})") from None
-            raise self._error(f"not JSON ({err.msg} at character {err.at:,})") from None
+                raise self._error(f"truncated or corrupt JSON after {self.events_read:,} events (byte {err.at:,}: "
+                                  f"{err.msg})") from None
+            raise self._error(f"not JSON (byte {err.at:,}: {err.msg})") from None
+        finally:
+            chunks.close()
         if not self.events_read:
             raise self._error("no events (traceEvents is empty or missing)")
         if not self.kineto_events and "schemaVersion" not in self.meta:
             raise self._error("a Chrome trace from another tool, not a torch.profiler trace (no Kineto "
                               "event categories, no schemaVersion)")
 
-    def _walk(self, text: _Text) -> Iterator[dict[str, Any]]:
+    def _walk(self, text: _Buffer, decode: Callable[[bytes], list], from_dict: Callable[[dict], Any]) -> Iterator[list]:
         first = text.peek()
-        if first == "[":
+        if first == b"[":
             raise self._error("a JSON array of events (a Chrome trace from another tool), not a torch.profiler trace")
-        if first != "{":
-            raise self._error("empty file" if first == "" else "not JSON (a torch.profiler trace is a JSON object)")
+        if first != b"{":
+            raise self._error("empty file" if first == b"" else "not JSON (a torch.profiler trace is a JSON object)")
         text.pos += 1
         while True:
             c = text.peek()
-            if c == "}":
+            if c == b"}":
                 return
-            if c == ",":
+            if c == b",":
                 text.pos += 1
                 continue
             key = text.value()
-            if not isinstance(key, str) or text.peek() != ":":
+            if not isinstance(key, str) or text.peek() != b":":
                 raise _Broken("expecting a field name and ':'", text.consumed + text.pos)
             text.pos += 1
-            if key == "traceEvents" and text.peek() == "[":
+            if key == "traceEvents" and text.peek() == b"[":
                 text.pos += 1
-                yield from self._events(text)
+                yield from self._events(text, decode, from_dict)
             else:
                 self.meta[key] = text.value()
 
-    def _events(self, text: _Text) -> Iterator[dict[str, Any]]:
-        """The events of traceEvents, decoded one by one straight from the buffer (the hot loop)."""
-        kineto = KINETO_CATEGORIES
+    def _counted(self, batch: list, cat: Callable[[Any], Any]) -> list:
+        self.events_read += len(batch)
+        if not self.kineto_events:
+            kineto = KINETO_CATEGORIES
+            self.kineto_events = sum(1 for e in batch if cat(e) in kineto)
+        return batch
+
+    def _events(self, text: _Buffer, decode: Callable[[bytes], list], from_dict: Callable[[dict], Any]) -> Iterator[list]:
+        """The events of traceEvents: a chunk's worth per msgspec call, one by one where that cannot be."""
         skip = _SEPARATORS.match
-        scan = _scan
-        buf, pos = text.buf, text.pos
+        cat = _cat_of
         while True:
-            pos = skip(buf, pos).end()
+            buf = text.buf
+            pos = text.pos = skip(buf, text.pos).end()
             if pos >= len(buf):
-                text.pos = pos
                 if not text.more():
                     raise _Broken("the file ends inside traceEvents", text.consumed + pos)
-                buf, pos = text.buf, text.pos
                 continue
-            if buf[pos] == "]":
+            if buf[pos] == 0x5D:  # "]"
                 text.pos = pos + 1
                 return
-            try:
-                event, pos = scan(buf, pos)
-            except (json.JSONDecodeError, StopIteration) as err:
-                text.pos = pos
-                if text.eof or len(buf) - pos > MAX_VALUE_CHARS:
-                    at = err.pos if isinstance(err, json.JSONDecodeError) else pos
-                    raise _Broken(getattr(err, "msg", "expecting a value"), text.consumed + at) from None
-                text.more()  # the event runs past the buffer: read on and decode it again
-                buf, pos = text.buf, text.pos
+            cut = _last_boundary(buf, pos, len(buf))
+            if cut is None and not text.eof:  # the buffer ends inside its first event: read on
+                text.more(len(buf) - pos)
                 continue
-            if not isinstance(event, dict):
-                raise self._error("traceEvents holds something other than event objects")
-            self.events_read += 1
-            if event.get("cat") in kineto:
-                self.kineto_events += 1
-            yield event
+            batch, end = _in_one_call(buf, pos, cut, decode)
+            if batch is not None:
+                text.pos = end
+                yield self._counted(batch, cat)
+            else:
+                yield self._counted(self._one_by_one(text, end, from_dict), cat)
+
+    def _one_by_one(self, text: _Buffer, until: int | None, from_dict: Callable[[dict], Any]) -> list:
+        """The events from the cursor up to byte ``until`` (None: one event), by the stdlib's C scanner, which
+        reads what msgspec refuses (NaN, lone surrogates) and says what is wrong where neither can read."""
+        window = max(1 << 16, 0 if until is None else until - text.pos)
+        while True:
+            buf, pos = text.buf, text.pos
+            stop = pos + 1 if until is None else until
+            end_window = min(len(buf), pos + window)
+            whole = end_window == len(buf)
+            chunk, _ = codecs.utf_8_decode(buf[pos:end_window], "strict", False)  # a character cut at the end waits
+            out: list = []
+            at = done_chars = done = 0  # characters scanned; of them, those whose bytes are counted in done
+            while True:
+                at = _SEPARATORS_STR.match(chunk, at).end()
+                if out and (pos + done >= stop or at >= len(chunk) or chunk[at] == "]"):
+                    text.pos = pos + done
+                    return out
+                try:
+                    event, end = _scan(chunk, at)
+                except (json.JSONDecodeError, StopIteration) as err:
+                    if out:  # what was read is handed on; the rest is tried again from there
+                        text.pos = pos + done
+                        return out
+                    if not whole:  # perhaps only the window's end: a wider one
+                        window *= 2
+                        break
+                    if text.eof or len(buf) - pos > MAX_VALUE_BYTES:
+                        at_char = err.pos if isinstance(err, json.JSONDecodeError) else at
+                        raise _Broken(getattr(err, "msg", "expecting a value"),
+                                      text.consumed + pos + len(chunk[:at_char].encode())) from None
+                    text.more(len(buf) - pos)  # the event runs past the buffer: read on and decode it again
+                    window = max(window, len(text.buf) - text.pos)
+                    break
+                if not isinstance(event, dict):
+                    raise self._error("traceEvents holds something other than event objects")
+                out.append(from_dict(event))
+                done += len(chunk[done_chars:end].encode())
+                at = done_chars = end
+
+
+_SEPARATORS_STR = re.compile(r"[ \t\n\r,]*")
+
+
+def _in_one_call(buf: bytes, pos: int, cut: int | None, decode: Callable[[bytes], list]) -> tuple[list | None, int | None]:
+    """(the events of buf[pos:cut], cut), decoded in one msgspec call; where that fails, from an earlier boundary:
+    before the byte where msgspec stopped, or where it does not say (a string cut open, a lone surrogate) the
+    boundary before, ``GUESSES`` tries in all. Else (None, how far to read one by one; None: one event)."""
+    until = cut
+    for _ in range(GUESSES):
+        if cut is None:
+            break
+        try:
+            return decode(b"".join((b"[", memoryview(buf)[pos:cut], b"]"))), cut  # one copy of the chunk
+        except _MSGSPEC_ERRORS as err:
+            at = _error_byte(err)
+            if at is not None:
+                at += pos - 1  # in buf: the decoded bytes begin with the "[" put before buf[pos]
+            until = cut if at is None else at + 1
+            cut = _last_boundary(buf, pos, cut - 1 if at is None else at)
+    return None, until
+
+
+def _last_boundary(buf: bytes, pos: int, end: int) -> int | None:
+    """The end of the last whole event in buf[pos:end], as guessed from the bytes (a ``}``, then ``,`` and ``{``
+    or the ``]`` that ends traceEvents; decoding checks the guess); None if there is none."""
+    k = end
+    while (k := buf.rfind(b"}", pos, k)) >= 0:
+        if _BOUNDARY.match(buf, k):
+            return k + 1
+    return None
+
+
+def _error_byte(err: Exception) -> int | None:
+    """The byte of msgspec's input where it found the JSON malformed, if it says."""
+    m = _AT_BYTE.search(str(err)) if type(err) is msgspec.DecodeError else None
+    return int(m.group(1)) if m else None
+
+
+def _cat_of(e: Any) -> Any:
+    return e.get("cat") if type(e) is dict else e.cat
+
+
+def _decode_structs(data: bytes) -> list[Event | Flow | OddEvent]:
+    """A chunk's events by their phase; with an event of no known phase among them, all as ``OddEvent``."""
+    try:
+        return _decode_events(data)
+    except msgspec.ValidationError:
+        return _decode_odd_events(data)
+
+
+def _event_of(d: dict[str, Any]) -> Event | Flow | OddEvent:
+    """An event the stdlib decoded, as the struct msgspec would have made."""
+    ph = d.get("ph")
+    cls = _PHASE_CLASS.get(ph) if isinstance(ph, str) else None
+    if cls is not None and issubclass(cls, Flow):
+        return cls(cat=d.get("cat"))
+    fields = {"cat": d.get("cat"), "name": d.get("name"), "ts": d.get("ts"), "dur": d.get("dur"), "pid": d.get("pid"),
+              "tid": d.get("tid"), "args": msgspec.Raw(_encode_lenient(d["args"])) if "args" in d else msgspec.Raw()}
+    return cls(**fields) if cls is not None else OddEvent(ph=ph, **fields)
+
+
+def _encode_lenient(value: Any) -> bytes:
+    try:
+        return _encode(value)
+    except Exception:  # a lone surrogate, say: what msgspec could not decode, it cannot encode; args unread
+        return b""
+
+
+def _decode_dicts(data: bytes) -> list[dict[str, Any]]:
+    """A batch as dicts (``TraceFile.events``); an entry that is not an object sends it to the stdlib path."""
+    batch = msgspec.json.decode(data)
+    if not all(type(e) is dict for e in batch):
+        raise msgspec.DecodeError("an entry that is not an object")
+    return batch

@@ -1,0 +1,180 @@
+"""dpprof.trace.jobs: the files of one job read in worker processes give the run that reading them one after
+another gives, table for table; a file that fails among several leaves nothing behind and no worker running;
+how many files are read at once by default."""
+from __future__ import annotations
+
+import gzip
+import multiprocessing
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpprof.trace import TraceError, import_traces
+from dpprof.trace import jobs as jobs_module
+from dpprof.trace.collect import collect
+from dpprof.trace.convert import convert
+from dpprof.trace.importer import jobs_for
+from dpprof.trace.jobs import GZIP_RATIO, WORKER_BASE_BYTES, collect_files, default_jobs, worker_bytes
+from dpprof.trace.reader import TraceFile
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACES = ROOT.parent / "shared" / "traces"
+DDP128 = [TRACES / "ddp-128ranks-rank0-sampled.json.gz", TRACES / "ddp-128ranks-rank1-sampled.json.gz"]
+DDP2 = TRACES / "ddp-2ranks-rank0-nccl.json.gz"
+MiB = 2**20
+
+pytestmark = pytest.mark.skipif(not DDP2.exists(), reason="../shared/traces is not beside the project")
+
+
+def _tables(path: Path) -> dict[str, list]:
+    """Every table of a run file, its rows sorted; the runs row without what differs between two imports of the
+    same files (the run's id, and when the file was last written)."""
+    con = sqlite3.connect(path)
+    try:
+        out = {}
+        for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name"):
+            cols = [r[1] for r in con.execute(f"PRAGMA table_info({name})")]
+            keep = [c for c in cols if not (name == "runs" and c in ("id", "heartbeat_at"))]
+            out[name] = sorted(map(repr, con.execute(f"SELECT {', '.join(keep)} FROM {name}")))
+        return out
+    finally:
+        con.close()
+
+
+@pytest.mark.parametrize("jobs", [2, 3])
+def test_jobs_give_the_run_tables_of_one_after_another(jobs, reports):
+    one = import_traces(DDP128, reports, jobs=1)
+    many = import_traces(DDP128, reports, jobs=jobs, again=True)
+    assert [p.name.split(".", 1)[1] for p in many.paths] == [p.name.split(".", 1)[1] for p in one.paths]
+    assert (many.steps, many.devices) == (one.steps, one.devices) == (2, ["rank:0", "rank:1"])
+    for a, b in zip(one.paths, many.paths):
+        ta, tb = _tables(a), _tables(b)
+        assert ta.keys() == tb.keys() and {"steps", "phases", "gpu_time", "comms", "findings", "runs"} <= set(ta)
+        for table in ta:
+            assert ta[table] == tb[table], table
+        assert ta["steps"] and ta["gpu_time"] and ta["comms"]
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_each_start_method_collects_what_this_process_does(start_method):
+    if start_method not in multiprocessing.get_all_start_methods():
+        pytest.skip(f"no {start_method} here")
+    files = [*DDP128, DDP2]
+    here = collect_files(files, jobs=1)
+    there = collect_files(files, jobs=2, start_method=start_method)
+    assert [c.name for c in there] == [f.name for f in files]
+    for a, b in zip(here, there):
+        assert (a.events, a.meta, a.steps, a.collectives) == (b.events, b.meta, b.steps, b.collectives)
+        t0 = min(s[1] for s in a.steps)
+        assert convert(a, t0, a.rank).records == convert(b, t0, b.rank).records
+    assert not multiprocessing.active_children()
+
+
+def _truncated(source: Path, out: Path) -> Path:
+    out.write_bytes(source.read_bytes()[: source.stat().st_size // 2])
+    return out
+
+
+@pytest.mark.parametrize("bad_at", [0, 2])
+@pytest.mark.parametrize("jobs", [2, 3])
+def test_a_file_that_fails_among_several_leaves_nothing_behind(bad_at, jobs, tmp_path, reports):
+    files = [tmp_path / "job-rank0.json.gz", tmp_path / "job-rank1.json.gz"]
+    for src, dst in zip(DDP128, files):
+        dst.write_bytes(src.read_bytes())
+    bad = _truncated(DDP128[1], tmp_path / "job-rank2.json.gz")
+    files.insert(bad_at, bad)
+    reports.mkdir(parents=True)
+    with pytest.raises(TraceError, match=r"^job-rank2\.json\.gz: truncated or corrupt gzip"):
+        import_traces(files, reports, jobs=jobs)
+    assert not list(reports.iterdir())  # no run, no staging directory
+    staging = tmp_path / "staging"
+    assert not staging.exists() or not list(staging.iterdir())
+    assert not multiprocessing.active_children()
+
+
+def test_the_command_with_jobs_says_the_failing_file_in_one_line_and_writes_nothing(tmp_path, reports):
+    bad = _truncated(DDP128[1], tmp_path / "rank1.json.gz")
+    reports.mkdir(parents=True)
+    proc = subprocess.run([sys.executable, "-m", "dpprof", "--reports-dir", str(reports), "import", "--jobs", "2",
+                           str(DDP128[0]), str(bad)], capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"dpprof: {bad.name}: truncated or corrupt gzip"), proc.stderr
+    assert not list(reports.iterdir())
+
+
+def test_the_command_imports_with_jobs(reports):
+    proc = subprocess.run([sys.executable, "-m", "dpprof", "--reports-dir", str(reports), "import", "--jobs", "2",
+                           *map(str, DDP128)], capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr
+    assert "imported run" in proc.stdout and len(list(reports.glob("*.rank*.sqlite"))) == 2
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_jobs_must_be_a_whole_number_of_at_least_one(value, capsys):
+    from dpprof.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["import", "--jobs", value, str(DDP2)])
+    assert done.value.code == 2 and "at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_progress_is_told_per_file_every_byte_read(jobs, reports):
+    per_file: dict[str, int] = {}
+    total: list[int] = []
+    import_traces(DDP128, reports, jobs=jobs, progress=total.append,
+                  file_progress=lambda path, n: per_file.__setitem__(path.name, per_file.get(path.name, 0) + n))
+    assert per_file == {p.name: p.stat().st_size for p in DDP128}
+    assert sum(total) == sum(p.stat().st_size for p in DDP128)
+
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize("sizes, cores, available, expected", [
+    ([300 * MiB] * 4, 2, None, 2),  # one per core
+    ([300 * MiB] * 4, 8, None, 4),  # no more than the files
+    ([300 * MiB], 8, None, 1),  # one file: read here, no worker
+    ([], 4, None, 1),
+    ([300 * MiB] * 4, 1, None, 1),
+    ([300 * MiB] * 4, 4, 2 * 1200 * MiB, 4),  # half the memory available holds all four
+    ([300 * MiB] * 4, 4, 2 * 900 * MiB, 3),  # three
+    ([300 * MiB] * 4, 4, 2 * 599 * MiB, 1),  # not two
+    ([300 * MiB] * 4, 4, 0, 1),  # at least one, always
+    ([2 * GiB, 300 * MiB, 300 * MiB], 4, 2 * 2600 * MiB, 2),  # the largest files are counted first
+])
+def test_default_jobs_one_per_core_fewer_where_memory_would_not_hold_them(sizes, cores, available, expected):
+    assert default_jobs(sizes, cores=cores, available_bytes=available) == expected
+
+
+def test_a_worker_estimate_grows_with_the_json_it_reads(tmp_path):
+    plain, packed = tmp_path / "a.json", tmp_path / "a.json.gz"
+    plain.write_bytes(b" " * MiB)
+    packed.write_bytes(gzip.compress(b" " * MiB))
+    assert worker_bytes(plain) == WORKER_BASE_BYTES + MiB // 8
+    assert worker_bytes(packed) == WORKER_BASE_BYTES + packed.stat().st_size * GZIP_RATIO // 8
+
+
+def test_the_default_uses_this_machines_cores_and_memory(monkeypatch):
+    monkeypatch.setattr(jobs_module, "usable_cores", lambda: 2)
+    monkeypatch.setattr(jobs_module, "available_memory_bytes", lambda: 64 * GiB)
+    assert jobs_for(DDP128) == 2 and jobs_for([*DDP128, DDP2]) == 2 and jobs_for([DDP2]) == 1
+    monkeypatch.setattr(jobs_module, "available_memory_bytes", lambda: WORKER_BASE_BYTES)
+    assert jobs_for(DDP128) == 1
+    monkeypatch.setattr(jobs_module, "available_memory_bytes", lambda: None)  # unknown: the cores decide
+    assert jobs_for(DDP128) == 2
+    assert 1 <= jobs_module.usable_cores()
+    found = jobs_module.available_memory_bytes()
+    assert found is None or found > 0
+
+
+def test_one_file_or_one_job_reads_in_this_process(monkeypatch):
+    monkeypatch.setattr(jobs_module, "_Workers", None)  # any worker would fail
+    assert [c.name for c in collect_files(DDP128, jobs=1)] == [p.name for p in DDP128]
+    assert [c.name for c in collect_files(DDP128[:1], jobs=4)] == [DDP128[0].name]
+    assert collect_files([DDP2], jobs=1)[0].events == collect(TraceFile(DDP2)).events
