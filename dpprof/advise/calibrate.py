@@ -11,6 +11,8 @@ read side. Measures, each as the median of repeated timings:
 - what a recorded dpprof.DistributedDataParallel step costs beyond its compute and its all-reduce (a small MLP
   stepped plain and under DDP in those processes);
 - with more than one intra-op thread, a conv's forward + backward on all of them against one;
+- the cores this process gets now: the work of one single-threaded CPU worker per core at once over one alone
+  (fewer than the host's where other jobs run);
 - DataParallel's own costs on k = 1 .. 2n CPU workers, plain and balanced: a model with no compute to speak of
   trained and recorded in memory, each phase's median per step (scatter, replicate, the dispatch beyond the
   slowest apply, gather, loss, backward; the balanced criterion's scatter, replicate, dispatch and reduce).
@@ -29,7 +31,7 @@ import torch
 
 from dpprof.advise.calibration import Calibration, save_calibration
 
-__all__ = ["calibrate", "ALLREDUCE_SIZES_BYTES"]
+__all__ = ["calibrate", "effective_cores", "refresh_cores", "ALLREDUCE_SIZES_BYTES"]
 
 ALLREDUCE_SIZES_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)  # small buckets to DDP's first bucket and beyond
 _GLOO_ATTEMPTS = 2  # a port taken between choosing and binding it, or a rank lost at start-up: try once more
@@ -231,6 +233,61 @@ def _gloo(world: int) -> dict:
     raise AssertionError("unreachable")
 
 
+CORES_ROUNDS = 9  # rounds of one worker against all of them, alternating: the median rides out other jobs' bursts
+_CORES_MATMUL = 160  # a product of this size takes about 1 ms on one thread: GIL-free work for a burst of ~10 ms
+_CORES_BURST = 10
+
+
+def effective_cores() -> tuple[float, float]:
+    """How many cores this process gets now: the work k single-threaded CPU workers do at once (k = the host's
+    cores) over what one does alone, the median of CORES_ROUNDS alternating rounds. On an idle host it is the core
+    count; where other jobs run (other sessions get their fair share first: Linux's autogroup), fewer.
+
+    Returns:
+        (cores, spread: the interquartile range of the rounds over their median).
+    """
+    from dpprof.parallel.workers import run_on_workers
+
+    k = os.cpu_count() or 1
+    if k < 2:
+        return 1.0, 0.0
+    a = torch.randn(_CORES_MATMUL, _CORES_MATMUL)
+
+    def burst() -> None:
+        for _ in range(_CORES_BURST):
+            torch.mm(a, a)
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)  # each worker's share: one thread
+    try:
+        run_on_workers(list(range(k)), [burst] * k, kind="cores")  # start the workers, warm their caches
+        ratios = []
+        for _ in range(CORES_ROUNDS):
+            one = min(_times_ms(lambda: run_on_workers([0], [burst], kind="cores"), 2, 0))
+            many = min(_times_ms(lambda: run_on_workers(list(range(k)), [burst] * k, kind="cores"), 2, 0))
+            ratios.append(k * one / many if many > 0 else float(k))
+    finally:
+        torch.set_num_threads(saved)
+    cores, spread = _median_spread(ratios)
+    return min(float(k), max(0.1, cores)), spread
+
+
+def refresh_cores(calibration: Calibration, save: bool = True) -> Calibration:
+    """The calibration with its effective cores measured again (about a second): the machine's load now."""
+    from dataclasses import replace
+
+    cores, spread = effective_cores()
+    fresh = replace(calibration, effective_cores=round(cores, 3), cores_measured_at=_now(),
+                    spread={**calibration.spread, "cores": round(spread, 3)})
+    if save:
+        save_calibration(fresh)
+    return fresh
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
 def _thread_speedup(threads: int) -> tuple[float | None, float]:
     if threads <= 1:
         return None, 0.0
@@ -267,13 +324,14 @@ def calibrate(devices: int, save: bool = True) -> Calibration:
     small = torch.ones(4)
     op_ms, spread["small op"] = _median_spread(_times_ms(lambda: small.add(1.0), 500, 50))
     speedup, spread["threads"] = _thread_speedup(threads)
+    cores, spread["cores"] = effective_cores()
     dataparallel = {k: _machinery_ms(k, False) for k in range(1, 2 * devices + 1)}
     balanced = {k: _machinery_ms(k, True) for k in range(1, 2 * devices + 1)}
     gloo = _gloo(max(2, devices))
     spread["all-reduce"], spread["ddp step"] = gloo["allreduce_spread"], gloo["ddp_spread"]
     calibration = Calibration(
         host=socket.gethostname(), backend="cpu", devices=devices, threads=threads, cores=os.cpu_count() or 1,
-        measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), torch_version=torch.__version__,
+        measured_at=_now(), torch_version=torch.__version__, effective_cores=round(cores, 3), cores_measured_at=_now(),
         handoff_ms=handoff, copy_ms_per_mib=copy_ms / (_COPY_BYTES / 2**20), op_ms=op_ms,
         allreduce_latency_ms=gloo["latency"], allreduce_ms_per_mib=gloo["per_mib"],
         allreduce_points=[(int(b), float(ms)) for b, ms in gloo["points"]], ddp_overhead_ms=gloo["ddp_overhead"],

@@ -16,7 +16,7 @@ from typing import Any
 __all__ = ["Calibration", "cache_dir", "cache_path", "load_calibration", "save_calibration", "device_set_key",
            "CALIBRATION_VERSION"]
 
-CALIBRATION_VERSION = 1  # bumped when what is measured changes: an older file is measured again
+CALIBRATION_VERSION = 2  # bumped when what is measured changes: an older file is measured again
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,10 @@ class Calibration:
     # slowest apply, gather, loss, backward), and the balanced pair's (criterion_scatter, criterion_replicate,
     # criterion_dispatch, reduce, backward)
     dataparallel_ms: dict[int, dict[str, float]] = field(default_factory=dict)
+    # the cores this process got when measured: k single-threaded workers' work at once over one's alone (the
+    # host's cores when idle; fewer where other jobs hold them), and when
+    effective_cores: float | None = None
+    cores_measured_at: str | None = None
     balanced_ms: dict[int, dict[str, float]] = field(default_factory=dict)
     spread: dict[str, float] = field(default_factory=dict)  # measurement -> relative spread (IQR / median)
     version: int = CALIBRATION_VERSION
@@ -106,6 +110,9 @@ class Calibration:
                 out.append(f"  {title}'s own costs on {k} worker(s), a model with no compute (ms): {shown}")
         if self.thread_speedup is not None:
             out.append(f"  a conv's forward + backward on {self.threads} threads: {self.thread_speedup:.2f}x one thread")
+        if self.effective_cores is not None:
+            out.append(f"  cores this job gets: {self.effective_cores:.2f} of {self.cores} (one single-threaded worker "
+                       f"per core at once against one alone), measured {self.cores_measured_at}")
         noisy = [f"{k} {v:.0%}" for k, v in self.spread.items() if v > 0.25]
         if noisy:
             out.append(f"  noisy (interquartile range over median above 25%): {', '.join(noisy)}")

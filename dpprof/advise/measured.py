@@ -75,7 +75,9 @@ class Measured:
     step_ms: float  # the median step (dpprof's one definition: every recorded step)
     typical_step_ms: float  # the mean of the typical steps: what the parts add up to
     median_interval: tuple[float, float]  # the 90% interval of the median step over the median, by resampling
-    parts_ms: dict[str, float]  # scatter, replicate, parallel_apply, gather, loss, reduce, backward, rest (typical)
+    step_quartiles: tuple[float, float]  # the 25th and 75th percentile of the steps past the first, over the median
+    parts_ms: dict[str, float]  # scatter, replicate, apply (one device), parallel_apply, gather, loss, reduce, backward,
+    # rest: the typical step's, adding up to it
     apply_ms: dict[str, float]  # each device's apply of the model (call 0)
     loss_apply_ms: dict[str, float]  # each device's apply of the balanced criterion (its share of the loss)
     loss_parts_ms: dict[str, float]  # the balanced criterion's own scatter, replicate, parallel_apply
@@ -133,13 +135,13 @@ def _refuse(run: StoredRun) -> None:
     if model.kind == "empty":
         raise NotAdvisable(f"run {run.id} recorded no steps: {model.empty_reason}")
     if model.imported:
-        raise NotAdvisable(f"run {run.id} is an imported torch.profiler trace: it has no dpprof accounting of each "
-                           "device's chunk, memory and phases to predict from; record the training with dpprof "
-                           "(dpprof run or dpprof profile) and advise on that run")
+        raise NotAdvisable(f"run {run.id} is an imported torch.profiler trace: it holds no dpprof accounting of what "
+                           "each device computes per sample and holds to predict from; record the training with "
+                           "dpprof (dpprof run or dpprof profile) and advise on that run")
     if model.kind == "ddp":
-        raise NotAdvisable(f"run {run.id} is a DistributedDataParallel run: the advisor predicts from a "
-                           "DataParallel run (its scatter, replicate, apply per device, gather and backward); "
-                           "record the model with DataParallel to compare the two")
+        raise NotAdvisable(f"run {run.id} is a DistributedDataParallel run: the advisor predicts other set-ups "
+                           "from a DataParallel run; record the model with DataParallel (dpprof profile, or dpprof "
+                           "run on a script that uses it) and advise on that run")
     if model.kind not in ("dataparallel", "balanced"):
         raise NotAdvisable(f"run {run.id} is a {model.kind} run: the advisor predicts from DataParallel runs")
     if model.steps < MIN_STEPS:
@@ -192,6 +194,8 @@ def measure(run: StoredRun) -> Measured:
 
     devices = tuple(d for d in model.devices if d not in model.idle)
     parts = {p: mean(p) for p in ("scatter", "replicate", "parallel_apply", "gather")}
+    # one device: the module runs on the caller, its apply a part of the step; else inside parallel_apply
+    parts["apply"] = mean("apply") if not parts["parallel_apply"] else 0.0
     loss_parts = {}
     if criterion_call is not None and model.kind == "balanced":
         loss_parts = {p: mean(p, criterion_call) for p in ("scatter", "replicate", "parallel_apply")}
@@ -233,7 +237,9 @@ def measure(run: StoredRun) -> Measured:
         run_id=run.id, name=str(run.meta.get("name") or run.id), kind=model.kind, backend=str(model.backend),
         devices=devices, batch_size=batch, chunks=chunks, steps=model.steps, typical_steps=count,
         step_ms=float(queries.median_step_ms(run) or typical_ms), typical_step_ms=typical_ms,
-        median_interval=_median_interval([float(d) for d in durations]), parts_ms=parts, apply_ms=apply_ms,
+        median_interval=_median_interval([float(d) for d in durations]),
+        step_quartiles=(float(durations.quantile(0.25) / durations.median()),
+                        float(durations.quantile(0.75) / durations.median())), parts_ms=parts, apply_ms=apply_ms,
         loss_apply_ms=loss_apply, loss_parts_ms=loss_parts, fixed_apply_ms=fixed, fixed_apply_source=fixed_source,
         threads=threads, threads_source=threads_source, cores=cores, memory=memory,
         param_bytes=int(first.fixed_bytes),

@@ -10,15 +10,17 @@ step; what changes with the set-up is added on top:
 - DataParallel's own machinery (scatter, the dispatch around parallel_apply, gather, the backward's per-replica
   work, the balanced criterion's scatter, replicate and reduce) changes by what the calibration measured for a
   model with no compute on k workers against n; replicate by its per-replica share of the recorded replicate;
-- CPU workers share the host's cores: k workers of t threads each on C cores run at most C threads' worth at a
-  time, so each apply takes max(1, k t / C) times its time alone;
+- CPU workers share the cores this job gets (the calibration measures them: the host's on an idle machine, fewer
+  where other jobs run): k workers of t threads each on C cores run at most C threads' worth at a time, so each
+  apply takes max(1, k t / C) times its time alone, and the recorded times are taken at that speed too;
 - DDP ranks (``dpprof profile --ddp``: one process, one intra-op thread each) run their forward, loss and
   backward on their own chunk, then all-reduce the gradients bucket by bucket at the calibrated gloo cost, the
   buckets launched as backward reaches them; the step waits for the slowest rank.
 
-**Intervals.** The recorded median's 90% interval (by resampling its steps), widened for comparing two runs'
-medians (x sqrt 2), scaled to the prediction; plus EXTRAPOLATION_SHARE of the change the prediction makes
-from the recorded step (what the model assumed rather than measured).
+**Intervals.** The middle half of the recorded steps (the machine's noise while it ran), or the recorded median's
+90% interval widened for comparing two runs' medians (x sqrt 2) where that is wider, scaled to the prediction;
+plus EXTRAPOLATION_SHARE of the change the prediction makes from the recorded step (what the model assumed
+rather than measured).
 """
 from __future__ import annotations
 
@@ -162,10 +164,21 @@ def _speedup(threads: int, t: int, measured: float | None) -> float:
 # -- the scenarios -----------------------------------------------------------------------------------------
 
 
+def _present(used: int, balanced: bool) -> tuple[str, ...]:
+    """The parts a step of DataParallel on ``used`` devices has."""
+    if used == 1:
+        return ("scatter", "apply", "loss", "backward", "rest")
+    if balanced:
+        return ("scatter", "replicate", "parallel_apply", "loss", "reduce", "backward", "rest")
+    return ("scatter", "replicate", "parallel_apply", "gather", "loss", "backward", "rest")
+
+
 class _Model:
     def __init__(self, m: Measured, cal: Calibration | None) -> None:
         self.m, self.cal = m, cal
-        n, T, C = m.n, m.threads, max(1, m.cores)
+        n, T = m.n, m.threads
+        # the cores this job gets: the calibration's measure of them (fewer than the host's where other jobs run)
+        C = cal.effective_cores if cal is not None and cal.effective_cores else float(max(1, m.cores))
         self.n, self.T, self.C = n, T, C
         self.cpu = m.backend == "cpu"
         self.share_n = self._share(n)
@@ -185,22 +198,21 @@ class _Model:
         # backward on the caller: each replica's graph (in proportion to its compute) plus the gradients' sum
         graphs = self.forward.chunks_ms(m.batch_size, n)
         self.reduce_n = self._grad_sum(n)
-        caller = _speedup(T, T, cal.thread_speedup if cal else None) if self.cpu else 1.0
-        self.caller_speed = caller
-        denominator = sum(graphs) / caller
+        # the caller's time per ms of one thread's work alone: its T threads' speed-up, the cores it gets
+        self.caller_factor = (self._oversubscribed(1, T) / _speedup(T, T, cal.thread_speedup if cal else None)
+                              if self.cpu else 1.0)
+        denominator = sum(graphs) * self.caller_factor
         self.backward_per_compute = max(0.0, self.parts["backward"] - self.reduce_n - self._machinery("backward", n)) / (
             denominator) if denominator > 0 else 0.0
-        loss_fixed = self._machinery("loss", n) if not self.balanced else 0.0
         if self.balanced:  # the whole batch's loss, were it computed on the caller
             per_device = sum(max(0.0, v - self._machinery("criterion_apply", n)) for v in self.loss_apply.values())
-            self.loss_compute = per_device * self.speed_n / self.over_n / caller
+            self.loss_compute = per_device * self.speed_n / self.over_n * self.caller_factor
         else:
-            self.loss_compute = max(0.0, self.parts["loss"] - loss_fixed)
-        self.dispatch_extra = max(0.0, self.parts["parallel_apply"] - max(self.apply.values(), default=0.0)
-                                  - self._machinery("dispatch", n)) if n > 1 else 0.0
-        out_bytes = m.output_bytes_per_sample * m.batch_size
-        self.gather_fixed = max(0.0, self.parts["gather"] - out_bytes / 2**20 * self.copy_ms_per_mib
-                                - self._machinery("gather", n))
+            self.loss_compute = max(0.0, self.parts["loss"] - self._machinery("loss", n))
+        # level from the run: what the recorded parts hold beyond the model's own figure for the recorded set-up
+        # (DataParallel's machinery as the calibration measured it, on this run's model), added to every prediction
+        raw = self._raw(n, m.batch_size, self.balanced)
+        self.offsets = {p: self.parts.get(p, 0.0) - v for p, v in raw.items()}
 
     # threads and cores
     def _share(self, k: int) -> int:
@@ -221,7 +233,9 @@ class _Model:
         return max(0, k - 1) * self.grad_mib * self.copy_ms_per_mib
 
     # DataParallel and balanced on k devices, batch B
-    def dataparallel(self, k: int, batch: int, balanced: bool) -> dict[str, float]:
+    def _raw(self, k: int, batch: int, balanced: bool) -> dict[str, float]:
+        """The parts from the model's rates alone: compute from the run's per-sample figures, DataParallel's own
+        machinery from the calibration, replicate in proportion to its recorded copies."""
         m = self.m
         used = len(chunk_sizes(batch, k))
         share = self._share(used)
@@ -229,54 +243,56 @@ class _Model:
         speed = _speedup(self.T, share, self.cal.thread_speedup if self.cal else None) if self.cpu else 1.0
         compute = self.forward.chunks_ms(batch, k)
         apply = [c / speed * over for c in compute]
-        parts: dict[str, float] = {}
-        parts["scatter"] = max(0.0, self.parts["scatter"] + self._machinery("scatter", used, balanced)
-                               - self._machinery("scatter", self.n))
-        if used == 1:
-            parts["replicate"] = 0.0
-            parts["apply"] = apply[0]
-            parts["parallel_apply"] = 0.0
+        parts: dict[str, float] = {"scatter": self._machinery("scatter", used, balanced)}
+        if used == 1:  # the module runs on the caller: no replicate, no workers, nothing to gather
+            parts.update(replicate=0.0, apply=apply[0], parallel_apply=0.0, gather=0.0)
         else:
             if self.n > 1:
                 parts["replicate"] = self.parts["replicate"] * (used - 1) / (self.n - 1)
             else:
-                parts["replicate"] = self._machinery("replicate", used, balanced) + (used - 1) * self.grad_mib * self.copy_ms_per_mib
+                parts["replicate"] = (self._machinery("replicate", used, balanced)
+                                      + (used - 1) * self.grad_mib * self.copy_ms_per_mib)
             parts["apply"] = 0.0
-            parts["parallel_apply"] = max(apply) + self.dispatch_extra + self._machinery("dispatch", used, balanced)
-        out_mib = m.output_bytes_per_sample * batch / 2**20
-        if balanced or used == 1:
-            parts["gather"] = 0.0
-        else:
-            parts["gather"] = self.gather_fixed + out_mib * self.copy_ms_per_mib + self._machinery("gather", used, False)
-        if balanced and used > 1:
-            losses = [self.loss_compute * self.caller_speed * (c / batch) / speed * over
-                      for c in chunk_sizes(batch, k)]
-            parts["loss"] = (max(losses) + self._machinery("criterion_scatter", used, True)
-                             + self._machinery("criterion_replicate", used, True)
-                             + self._machinery("criterion_dispatch", used, True)
-                             + self._machinery("criterion_apply", used, True))
+            parts["parallel_apply"] = max(apply) + self._machinery("dispatch", used, balanced)
+            parts["gather"] = 0.0 if balanced else (m.output_bytes_per_sample * batch / 2**20 * self.copy_ms_per_mib
+                                                    + self._machinery("gather", used, False))
+        if balanced and used > 1:  # each device's share of the loss, on its worker
+            losses = [self.loss_compute / self.caller_factor * (c / batch) / speed * over for c in chunk_sizes(batch, k)]
+            parts["loss"] = max(losses) + sum(self._machinery(p, used, True) for p in (
+                "criterion_scatter", "criterion_replicate", "criterion_dispatch", "criterion_apply"))
             parts["reduce"] = self._machinery("reduce", used, True)
-        else:
+        else:  # the whole batch's loss on the caller
             parts["loss"] = self.loss_compute * batch / m.batch_size + self._machinery(
                 "criterion_apply" if balanced else "loss", used, balanced)
             parts["reduce"] = 0.0
-        graphs = sum(compute) / self.caller_speed
-        parts["backward"] = (self.backward_per_compute * graphs + self._grad_sum(used)
+        parts["backward"] = (self.backward_per_compute * sum(compute) * self.caller_factor + self._grad_sum(used)
                              + self._machinery("backward", used, balanced))
         parts["rest"] = self.parts["rest"]
+        return parts
+
+    def dataparallel(self, k: int, batch: int, balanced: bool) -> dict[str, float]:
+        """The model's parts plus the run's level (``offsets``): at the recorded set-up, exactly the recorded
+        parts. The loss's and the gather's levels carry only to the same kind (plain or balanced); at one device
+        the dispatch's level goes with the workers."""
+        parts = self._raw(k, batch, balanced)
+        same_kind = balanced == self.balanced
+        present = set(_present(len(chunk_sizes(batch, k)), balanced))
+        for part, offset in self.offsets.items():
+            if part in present and (same_kind or part not in ("loss", "reduce", "gather")):
+                parts[part] = max(0.0, parts[part] + offset)
         return parts
 
     # DDP on the recorded devices, the same global batch
     def ddp(self) -> tuple[dict[str, float], list[dict[str, float]]]:
         m = self.m
         n = self.n
-        over = max(1.0, n / self.C) if self.cpu else 1.0  # each rank one intra-op thread
+        over = self._oversubscribed(n, 1)  # each rank one intra-op thread, all at once on the cores this job gets
         ranks = []
         forwards = self.forward.chunks_ms(m.batch_size, n)
         for c, fwd in zip(chunk_sizes(m.batch_size, n), forwards):
             backward = self.backward_per_compute * fwd  # the caller's backward per compute, on one thread
             rank = {"forward": fwd * over,
-                    "loss": self.loss_compute * self.caller_speed * c / m.batch_size * over,
+                    "loss": self.loss_compute / self.caller_factor * c / m.batch_size * over,
                     "backward_compute": backward * over}
             ranks.append(rank)
         slowest = max(ranks, key=lambda r: sum(r.values()))
@@ -383,8 +399,11 @@ class _Density:
 
 
 def _interval(m: Measured, step: float, recorded: float) -> tuple[float, float]:
+    """The middle half of the recorded steps (or the 90% interval of their median, for two runs' medians, if
+    wider) scaled to the prediction, widened by EXTRAPOLATION_SHARE of its change from the recorded median."""
     lo, hi = m.median_interval
     lo, hi = 1 - math.sqrt(2) * (1 - lo), 1 + math.sqrt(2) * (hi - 1)
+    lo, hi = min(lo, m.step_quartiles[0]), max(hi, m.step_quartiles[1])
     extra = EXTRAPOLATION_SHARE * abs(step - recorded)
     return max(0.0, step * lo - extra), step * hi + extra
 
@@ -470,7 +489,7 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
         same = k == n and not recorded_kind_balanced
         notes = []
         if m.backend == "cpu" and k * model._share(k) > model.C:
-            notes.append(f"{k} workers share {model.C} cores: each apply runs "
+            notes.append(f"{k} workers share the {model.C:.2f} cores this job gets: each apply runs "
                          f"{model._oversubscribed(k, model._share(k)):.1f}x its time alone")
         if k == 1:
             notes.append("one device: no replicate, no parallel apply, no gather; the model runs on the caller")
@@ -543,8 +562,11 @@ def _assumptions(m: Measured, cal: Calibration | None) -> list[str]:
            "Backward is each replica's graph in proportion to its forward compute, plus the sum of the replicas' "
            "gradients on the first device; the loss scales with the samples it sees."]
     if m.backend == "cpu":
-        out.append(f"CPU workers share {m.cores} cores: k workers of t intra-op threads each run at most "
-                   f"{m.cores} threads' worth at once (the recording ran {m.threads} intra-op thread(s), "
+        cores = (f"{cal.effective_cores:.2f} of the host's {m.cores} cores (the calibration's measure of what this "
+                 f"job gets, {cal.cores_measured_at}: other jobs hold the rest)" if cal is not None and
+                 cal.effective_cores else f"the host's {m.cores} cores")
+        out.append(f"CPU workers share {cores}: k threads at once each run at most cores/k of a core, and the recorded "
+                   f"times are taken at that speed too (the recording ran {m.threads} intra-op thread(s), "
                    f"{m.threads_source}); DDP ranks run one intra-op thread each, as dpprof profile --ddp starts them.")
     if cal is None:
         out.append("No calibration of this machine: DataParallel's machinery, the hand-off and the all-reduce are "
