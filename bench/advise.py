@@ -2,8 +2,9 @@
 
 For each built-in workload and a user's model (``--model bench.advise_model:mlp``), recorded as DataParallel on
 2 CPU workers: calibrate once, predict every scenario from the recorded run (DDP on 2 ranks, DataParallel on 1 to
-4 workers, balanced, half and twice the batch), run each scenario's own command (``dpprof advise --check``'s
-machinery: ``dpprof profile ...`` in its own process), and print predicted against measured in one table with
+4 workers, balanced, half and twice the batch), run each scenario's own command (the ``dpprof profile ...`` line
+dpprof advise prints, run by ``dpprof.cli.main`` in this process so that a run costs its steps rather than a
+Python start-up; DDP starts torchrun and its ranks as ever), and print predicted against measured in one table with
 
 - the median relative error of the step time over every scenario (aim: at most 10%; never above 15%),
 - how many measured medians fall inside their predicted interval (aim: at least 2 of 3),
@@ -11,15 +12,22 @@ machinery: ``dpprof profile ...`` in its own process), and print predicted again
 
 Every process runs with OMP_NUM_THREADS=1 by default (``--threads``): on the shared 2-core machine an OpenMP team
 of 2 threads runs many times slower whenever another job holds a core, which no model of the run predicts.
-Rounds (``--rounds``) interleave the workloads' arms, the order of the scenarios rotating each round and reversing
-every other; with several rounds each scenario's prediction and measurement are the medians over rounds.
+Before each base run the calibration's cores are measured again (dpprof.advise.calibrate.refresh_cores), as
+``dpprof advise --calibrate`` run beside a recording would.
+Each round (``--rounds``, default 3) records every workload's base run again and predicts from it; the order of
+the scenarios rotates each round and reverses every other. Each scenario's prediction and measurement are the
+medians over rounds.
 
     .venv/bin/python bench/advise.py                 # [--rounds N] [--steps N] [--only cifar-lenet,...] [--keep DIR]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import io
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -33,8 +41,8 @@ MODEL = ["--model", "bench.advise_model:mlp", "--input-shape", "256", "--batch-s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=20, help="steps of every run (the first is left out)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30, help="steps of every run (the first is left out)")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process (default 1)")
     parser.add_argument("--only", default=None, help="comma-separated workloads (model: the user's model)")
     parser.add_argument("--keep", default=None, help="record into this directory and keep it")
@@ -45,8 +53,9 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import pandas as pd
 
-    from dpprof.advise.calibrate import calibrate
-    from dpprof.advise.check import measured, run_scenario
+    from dpprof.advise.calibrate import calibrate, refresh_cores
+    from dpprof.advise.check import _argv, measured
+    from dpprof.cli import main
     from dpprof.advise.measured import measure
     from dpprof.advise.model import advise
     from dpprof.store.reader import load_run
@@ -56,21 +65,37 @@ def main() -> None:
     t_start = time.perf_counter()
     cal = calibrate(2)
     print("\n".join(cal.lines()), flush=True)
+
+    def run(command: str, name: str) -> str:
+        """A scenario's command, in this process (torch imported once: a run costs its steps, not a start-up);
+        DDP's still starts torchrun and its ranks."""
+        _, argv = _argv(command)
+        with contextlib.redirect_stdout(io.StringIO()) as said:
+            code = main(["--reports-dir", str(out), *argv, "--quiet", "--name", name])
+        gc.collect()  # no run pays for collecting another's garbage
+        found = re.search(r"recorded run (\S+) ", said.getvalue())
+        if code != 0 or not found:
+            raise RuntimeError(f"{command}: exit {code}: {said.getvalue()[-500:]}")
+        return found.group(1)
+
     rows = []  # one per workload, scenario and round
     memory_rows = []
+    cores = []  # the effective cores measured before each base run
     for r in range(args.rounds):
         for w in workloads:
             what = MODEL if w == "model" else [w]
-            base_cmd = "dpprof profile " + " ".join(what) + f" --devices cpu:2 --steps {args.steps}"
-            base_id = run_scenario(base_cmd, out, f"base {w} round {r}")
-            advice = advise(measure(load_run(base_id, out)), cal)
+            cal = refresh_cores(cal)  # the cores this job gets now, as dpprof advise --calibrate right after a run
+            cores.append(cal.effective_cores)
+            base_id = run("dpprof profile " + " ".join(what) + f" --devices cpu:2 --steps {args.steps}",
+                          f"base {w} round {r}")
+            advice = advise(measure(load_run(base_id, out)), cal, steps=args.steps)
             order = list(advice.scenarios)
             shift = (r * 3) % len(order)
             order = order[shift:] + order[:shift]
             if r % 2:
                 order.reverse()
             for s in order:
-                run_id = run_scenario(s.command, out, f"{w}: {s.label} round {r}")
+                run_id = run(s.command, f"{w}: {s.label} round {r}")
                 step, held = measured(run_id, out)
                 rows.append({"workload": w, "scenario": s.label.replace(" (recorded)", " (recorded, again)"),
                              "kind": s.scenario, "devices": s.devices, "batch": s.batch_size, "round": r,
@@ -111,10 +136,10 @@ def main() -> None:
     print(f"measured inside the predicted interval: {int(per['inside'].sum())} of {len(per)} (aim at least 2 of 3)")
     if len(mem):
         print(f"peak memory at twice the batch: largest |error| {mem['error'].abs().max():.3%} (aim within 5%)")
-    if args.rounds > 1:
-        drift = df[df["scenario"].str.contains("recorded, again")]
-        print(f"the recorded set-up run again / its base, by round: "
-              + ", ".join(f"{m / b:.2f}" for m, b in zip(drift["measured_ms"], drift["base_ms"])))
+    again = per[per["scenario"].str.contains("recorded, again")]
+    print("the recorded set-up run again against its own base (the machine's drift between two runs): "
+          + ", ".join(f"{w} {e:+.1%}" for w, e in zip(again["workload"], again["measured_ms"] / again["base_ms"] - 1)))
+    print("cores this job got, measured before each base run: " + ", ".join(f"{c:.2f}" for c in cores))
     print(f"runs in {out}" if args.keep else "")
 
 

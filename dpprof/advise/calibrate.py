@@ -205,6 +205,10 @@ def _machinery_ms(k: int, balanced: bool) -> dict[str, float]:
         out.update(gather=median(0, "gather"), loss=median(1, "loss"))
     steps = frames["steps"]
     out["step"] = float(steps[steps["step"] >= MACHINERY_SKIP]["duration_ms"].median())
+    # what the step spends outside its phases (the recording's own bookkeeping per device, Python between phases)
+    stacked = [p for p in out if p not in ("apply", "criterion_apply", "step", "dispatch", "criterion_dispatch")]
+    out["rest"] = max(0.0, out["step"] - sum(out[p] for p in stacked) - out["apply"] - out["dispatch"]
+                      - (out.get("criterion_apply", 0.0) + out.get("criterion_dispatch", 0.0)))
     return {p: round(ms, 5) for p, ms in out.items()}
 
 

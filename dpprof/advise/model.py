@@ -7,9 +7,10 @@ step; what changes with the set-up is added on top:
 
 - compute (each device's apply, backward) scales with the samples it gets, device by device along the batch
   (a sorted batch keeps its long samples at the end), less a per-chunk part where the run shows one;
-- DataParallel's own machinery (scatter, the dispatch around parallel_apply, gather, the backward's per-replica
-  work, the balanced criterion's scatter, replicate and reduce) changes by what the calibration measured for a
-  model with no compute on k workers against n; replicate by its per-replica share of the recorded replicate;
+- DataParallel's own machinery (scatter, replicate, the dispatch around parallel_apply, gather, the backward's
+  per-replica work, the recording's bookkeeping outside the phases, the balanced criterion's scatter, replicate
+  and reduce) changes by what the calibration measured for a model with no compute on k workers against n, plus
+  a copy of the weights per replica;
 - CPU workers share the cores this job gets (the calibration measures them: the host's on an idle machine, fewer
   where other jobs run): k workers of t threads each on C cores run at most C threads' worth at a time, so each
   apply takes max(1, k t / C) times its time alone, and the recorded times are taken at that speed too;
@@ -44,6 +45,11 @@ EXTRAPOLATION_SHARE = 0.25
 # bucket in backward order holds up to 1 MiB, the others up to 25 MiB
 DDP_FIRST_BUCKET_BYTES = 1 << 20
 DDP_BUCKET_BYTES = 25 << 20
+# GPUs only (not checked against GPU runs: no GPU where this was built). Where a run recorded no transfer to measure
+# the link by, a PCIe 3.0 x16 link's ~12 GB/s as a host measures it; and the latency of one NCCL all-reduce on one
+# host, a few tens of microseconds in NCCL's own tests.
+ASSUMED_LINK_MS_PER_MIB = 2**20 / 12e9 * 1e3
+NCCL_LATENCY_MS = 0.03
 # Parts of a step, in the order they run; each scenario's parts_ms add up to its step_ms.
 PART_ORDER = ("scatter", "replicate", "apply", "parallel_apply", "gather", "loss", "reduce", "forward",
               "backward_compute", "backward", "comm_wait", "rest")
@@ -195,6 +201,9 @@ class _Model:
         self.balanced = m.kind == "balanced"
         self.grad_mib = m.param_bytes / 2**20
         self.copy_ms_per_mib = cal.copy_ms_per_mib if cal else 0.0
+        self.link_ms_per_mib, self.link_source = self._link(m)
+        if not self.cpu:  # between GPUs, copies and sums of gradients cross the link
+            self.copy_ms_per_mib = self.link_ms_per_mib
         # backward on the caller: each replica's graph (in proportion to its compute) plus the gradients' sum
         graphs = self.forward.chunks_ms(m.batch_size, n)
         self.reduce_n = self._grad_sum(n)
@@ -202,6 +211,8 @@ class _Model:
         self.caller_factor = (self._oversubscribed(1, T) / _speedup(T, T, cal.thread_speedup if cal else None)
                               if self.cpu else 1.0)
         denominator = sum(graphs) * self.caller_factor
+        if not self.cpu:  # GPUs run their replicas' backward at once: the slowest device's sets the time
+            denominator = max(graphs, default=0.0)
         self.backward_per_compute = max(0.0, self.parts["backward"] - self.reduce_n - self._machinery("backward", n)) / (
             denominator) if denominator > 0 else 0.0
         if self.balanced:  # the whole batch's loss, were it computed on the caller
@@ -228,6 +239,17 @@ class _Model:
             return 0.0
         return self.cal.machinery(self.balanced if balanced is None else balanced, k, phase)
 
+    def _link(self, m: Measured) -> tuple[float, str]:
+        """ms per MiB between devices: on GPUs from the run's own transfers (gathered outputs, else the scattered
+        inputs), else assumed; unused on CPU workers."""
+        if self.cpu:
+            return 0.0, ""
+        for part, per_sample in (("gather", m.output_bytes_per_sample), ("scatter", m.input_bytes_per_sample)):
+            mib = per_sample * m.batch_size / 2**20
+            if m.parts_ms.get(part, 0.0) > 0 and mib >= 1:
+                return m.parts_ms[part] / mib, f"measured from the run's {part} ({mib:.1f} MiB a step)"
+        return ASSUMED_LINK_MS_PER_MIB, "assumed at 12 GB/s (PCIe 3.0 x16): the run moved too little to measure it"
+
     def _grad_sum(self, k: int) -> float:
         """Summing k replicas' gradients onto device_ids[0] in backward: k - 1 additions of the weights' size."""
         return max(0, k - 1) * self.grad_mib * self.copy_ms_per_mib
@@ -247,11 +269,10 @@ class _Model:
         if used == 1:  # the module runs on the caller: no replicate, no workers, nothing to gather
             parts.update(replicate=0.0, apply=apply[0], parallel_apply=0.0, gather=0.0)
         else:
-            if self.n > 1:
-                parts["replicate"] = self.parts["replicate"] * (used - 1) / (self.n - 1)
-            else:
-                parts["replicate"] = (self._machinery("replicate", used, balanced)
-                                      + (used - 1) * self.grad_mib * self.copy_ms_per_mib)
+            # the call's own cost and the per-replica machinery (the calibration's), and a copy of the weights for
+            # each replica but the first
+            parts["replicate"] = (self._machinery("replicate", used, balanced)
+                                  + (used - 1) * self.grad_mib * self.copy_ms_per_mib)
             parts["apply"] = 0.0
             parts["parallel_apply"] = max(apply) + self._machinery("dispatch", used, balanced)
             parts["gather"] = 0.0 if balanced else (m.output_bytes_per_sample * batch / 2**20 * self.copy_ms_per_mib
@@ -265,9 +286,10 @@ class _Model:
             parts["loss"] = self.loss_compute * batch / m.batch_size + self._machinery(
                 "criterion_apply" if balanced else "loss", used, balanced)
             parts["reduce"] = 0.0
-        parts["backward"] = (self.backward_per_compute * sum(compute) * self.caller_factor + self._grad_sum(used)
+        graphs = sum(compute) * self.caller_factor if self.cpu else max(compute)
+        parts["backward"] = (self.backward_per_compute * graphs + self._grad_sum(used)
                              + self._machinery("backward", used, balanced))
-        parts["rest"] = self.parts["rest"]
+        parts["rest"] = self.parts["rest"] - self._machinery("rest", self.n) + self._machinery("rest", used, balanced)
         return parts
 
     def dataparallel(self, k: int, batch: int, balanced: bool) -> dict[str, float]:
@@ -298,7 +320,9 @@ class _Model:
         slowest = max(ranks, key=lambda r: sum(r.values()))
         wait = self._allreduce_wait(slowest["backward_compute"])
         parts = {**slowest, "comm_wait": wait,
-                 "rest": self.parts["rest"] + (self.cal.ddp_overhead_ms if self.cal else 0.0)}
+                 # the step's own work (optimizer, Python) without DataParallel's bookkeeping, with DDP's
+                 "rest": max(0.0, self.parts["rest"] - self._machinery("rest", n)) + (
+                     self.cal.ddp_overhead_ms if self.cal else 0.0)}
         return parts, ranks
 
     def buckets(self) -> list[int]:
@@ -314,15 +338,22 @@ class _Model:
     def _allreduce_wait(self, backward_ms: float) -> float:
         """How long backward's end waits for the last bucket's all-reduce: each bucket is launched when backward
         has computed its share of the gradients (taken as even over backward), all-reduces run one at a time."""
-        if self.cal is None or not self.m.param_bytes:
+        if not self.m.param_bytes or (self.cpu and self.cal is None):
             return 0.0
         total = self.m.param_bytes
         done_ms, filled = 0.0, 0
         for size in self.buckets():
             filled += size
             launch = backward_ms * filled / total
-            done_ms = max(done_ms, launch) + self.cal.allreduce_ms(size)
+            done_ms = max(done_ms, launch) + self.allreduce_ms(size)
         return max(0.0, done_ms - backward_ms)
+
+    def allreduce_ms(self, nbytes: int) -> float:
+        """One bucket's all-reduce: gloo at the calibrated cost on CPU workers; on GPUs NCCL's ring, each rank
+        sending and receiving 2 (n - 1) / n of the bucket over the link, plus NCCL_LATENCY_MS."""
+        if self.cpu:
+            return self.cal.allreduce_ms(nbytes) if self.cal is not None else 0.0
+        return NCCL_LATENCY_MS + 2 * (self.n - 1) / self.n * nbytes / 2**20 * self.link_ms_per_mib
 
     # memory
     def memory(self, k: int, batch: int, balanced: bool) -> dict[str, int]:
@@ -476,8 +507,8 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
                  f"each rank's forward {ddp_parts['forward']:.2f} ms and backward compute "
                  f"{ddp_parts['backward_compute']:.2f} ms on its own chunk (the slowest rank's), one intra-op thread each",
                  f"{len(buckets)} gradient bucket(s) of {', '.join(f'{b / 2**20:.2f} MiB' for b in buckets)} all-reduced "
-                 f"({cal.allreduce_ms(buckets[0]) if cal and buckets else 0:.2f} ms for the first at the calibrated "
-                 f"cost); what backward does not hide is the wait, {ddp_parts['comm_wait']:.2f} ms"]
+                 f"({model.allreduce_ms(buckets[0]) if buckets else 0:.2f} ms for the first); what backward does not "
+                 f"hide is the wait, {ddp_parts['comm_wait']:.2f} ms"]
     if B % n:
         ddp_notes.append(f"{B} does not split evenly: the command gives each rank {B // n} samples "
                          f"({B // n * n} a step)")
@@ -568,12 +599,14 @@ def _assumptions(m: Measured, cal: Calibration | None) -> list[str]:
         out.append(f"CPU workers share {cores}: k threads at once each run at most cores/k of a core, and the recorded "
                    f"times are taken at that speed too (the recording ran {m.threads} intra-op thread(s), "
                    f"{m.threads_source}); DDP ranks run one intra-op thread each, as dpprof profile --ddp starts them.")
-    if cal is None:
+    if m.backend == "cuda":
+        out.append("GPUs: this model has not been checked against GPU runs (it was built where there is none). Times "
+                   "are the recorded host times; each GPU runs its replica's backward at once with the others; the "
+                   f"link between GPUs is {_Model(m, None).link_source}; DDP's all-reduce is NCCL's ring over it plus "
+                   f"{NCCL_LATENCY_MS} ms (assumed).")
+    elif cal is None:
         out.append("No calibration of this machine: DataParallel's machinery, the hand-off and the all-reduce are "
                    "taken as free (run dpprof advise --calibrate).")
-    elif m.backend == "cuda":
-        out.append("The calibration is of CPU workers and gloo: on GPUs the NCCL all-reduce is taken at the gloo "
-                   "figures, an assumption (no GPU on the calibrating machine).")
     if m.source == "script":
         out.append("The run was recorded from a script: the commands that run each scenario for real cannot be "
                    "built from it.")

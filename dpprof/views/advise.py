@@ -10,7 +10,7 @@ import pandas as pd
 from dpprof.advise import NotAdvisable
 from dpprof.advise.calibration import Calibration, cache_dir, cache_path, load_calibration
 from dpprof.advise.measured import Measured, measure
-from dpprof.advise.model import PART_ORDER, PART_WORDS, Advice, advise
+from dpprof.advise.model import PART_ORDER, Advice, advise
 from dpprof.store.reader import StoredRun
 from dpprof.units import mib
 
@@ -105,8 +105,12 @@ def memory_table(advice: Advice) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["label", "device", "peak_held_bytes"])
 
 
+_SHORT = {"apply": "apply on the caller", "parallel_apply": "apply (all devices)", "backward_compute": "backward compute",
+          "comm_wait": "all-reduce wait"}
+
+
 def _parts(parts: dict[str, float]) -> str:
-    return ", ".join(f"{PART_WORDS[p].split(' (')[0]} {v:.2f}" for p, v in parts.items() if v > 0.0005)
+    return ", ".join(f"{_SHORT.get(p, p)} {v:.2f}" for p, v in parts.items() if v > 0.0005)
 
 
 def text_lines(view: AdvisorView) -> list[str]:
