@@ -8,8 +8,8 @@ read side. Measures, each as the median of repeated timings:
   one small tensor op;
 - the gloo all-reduce across n ranks on this host at 4 KiB .. 4 MiB (n processes, one intra-op thread each, as
   ``dpprof profile --ddp`` runs them), fitted as latency + MiB x ms per MiB;
-- what a recorded dpprof.DistributedDataParallel step costs beyond its compute and its all-reduce (a small MLP
-  stepped plain and under DDP in those processes);
+- a real ``dpprof profile tutorial-linear --ddp`` on n ranks (torchrun, as users start it): how long a rank waits
+  at the end of backward for its one small all-reduce, and what a step holds beyond its phases;
 - with more than one intra-op thread, a conv's forward + backward on all of them against one;
 - the cores this process gets now: the work of one single-threaded CPU worker per core at once over one alone
   (fewer than the host's where other jobs run);
@@ -81,7 +81,6 @@ def _rank_main(rank: int, world: int, port: int, out_path: str) -> None:
     import json
 
     import torch.distributed as dist
-    from torch import nn
 
     torch.set_num_threads(1)  # as dpprof profile --ddp runs each rank (OMP_NUM_THREADS=1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -103,54 +102,16 @@ def _rank_main(rank: int, world: int, port: int, out_path: str) -> None:
             points.append((nbytes, med))
             spreads.append(spread)
         latency, per_mib = _fit(points)
-        ddp_overhead, ddp_spread = _ddp_overhead_ms(latency, per_mib)
         if rank == 0:
             with open(out_path, "w") as f:
-                json.dump({"points": points, "latency": latency, "per_mib": per_mib, "ddp_overhead": ddp_overhead,
-                           "allreduce_spread": statistics.median(spreads), "ddp_spread": ddp_spread}, f)
+                json.dump({"points": points, "latency": latency, "per_mib": per_mib,
+                           "allreduce_spread": statistics.median(spreads)}, f)
         dist.barrier()  # no rank leaves while another still talks to it
     finally:
         dist.destroy_process_group()
     # gloo's threads and DDP's reducer, torn down at interpreter exit after the group is gone, abort the process
     # now and then ("terminate called without an active exception"): the measurement is written, leave at once
     os._exit(0)
-
-
-def _ddp_overhead_ms(latency: float, per_mib: float) -> tuple[float, float]:
-    """A small MLP's training step under dpprof's recorded DDP, less the plain step and the all-reduce of its
-    gradients (one bucket): what DDP and its recording add per step."""
-    import torch.distributed as dist
-    from torch import nn
-
-    import dpprof
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
-    loss_fn = nn.CrossEntropyLoss()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def plain() -> None:
-        opt.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
-        opt.step()
-
-    ddp = dpprof.DistributedDataParallel(model)
-    opt_ddp = torch.optim.SGD(ddp.parameters(), lr=0.01)
-
-    def distributed() -> None:
-        opt_ddp.zero_grad(set_to_none=True)
-        loss_fn(ddp(x), y).backward()
-        opt_ddp.step()
-
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    plain_ms, _ = _median_spread(_times_ms(plain, 60, 10))
-    dist.barrier()
-    with dpprof.record(name="calibration", store=False):
-        ddp_times = _times_ms(distributed, 60, 10)
-    ddp_ms, spread = _median_spread(ddp_times)
-    dist.barrier()
-    return max(0.0, ddp_ms - plain_ms - (latency + per_mib * grad_bytes / 2**20)), spread
 
 
 MACHINERY_STEPS = 40  # steps of the tiny model per k: medians settle, and all k together take about a second
@@ -210,6 +171,40 @@ def _machinery_ms(k: int, balanced: bool) -> dict[str, float]:
     out["rest"] = max(0.0, out["step"] - sum(out[p] for p in stacked) - out["apply"] - out["dispatch"]
                       - (out.get("criterion_apply", 0.0) + out.get("criterion_dispatch", 0.0)))
     return {p: round(ms, 5) for p, ms in out.items()}
+
+
+DDP_STEPS = 25  # steps of the real DDP run: 24 past the first, 48 rank-steps for the medians
+
+
+def _ddp_step(world: int) -> tuple[float, float, float]:
+    """A real ``dpprof profile tutorial-linear --ddp`` (a model with no compute to speak of, 15 samples a rank) run
+    as users start it (torchrun, its ranks, the progress read from their output): the median time a rank waits at
+    the end of backward for its one small all-reduce, and what a step holds beyond its phases. On a host where
+    the ranks share cores, the wait is a scheduler's turn, not the wire.
+
+    Returns:
+        (sync_ms, overhead_ms, spread of the waits)
+    """
+    import contextlib
+    import io
+
+    from dpprof.cli import main
+    from dpprof.store.reader import list_runs, load_run
+
+    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
+        code = main(["--reports-dir", tmp, "profile", "tutorial-linear", "--ddp", "--nproc", str(world), "--steps",
+                     str(DDP_STEPS), "--batch-size", "15", "--quiet", "--name", "calibration"])
+        if code != 0:
+            raise RuntimeError("the calibration's DDP run failed (dpprof profile tutorial-linear --ddp)")
+        run = load_run(list_runs(tmp)["id"].iloc[0], tmp)
+        phases = run.query("SELECT step, phase, duration_ms FROM phases WHERE step > 0")
+        steps = run.query("SELECT step, duration_ms FROM steps WHERE step > 0")
+    per = phases.pivot_table(index=["rank", "step"], columns="phase", values="duration_ms", aggfunc="sum")
+    step = steps.set_index(["rank", "step"])["duration_ms"]
+    waits = per["comm_wait"].dropna().tolist()
+    beyond = (step - per["forward"] - per["backward"] - per.get("optimizer", 0.0)).dropna().clip(lower=0).tolist()
+    sync, spread = _median_spread(waits)
+    return sync, statistics.median(beyond) if beyond else 0.0, spread
 
 
 def _free_port() -> int:
@@ -332,13 +327,14 @@ def calibrate(devices: int, save: bool = True) -> Calibration:
     dataparallel = {k: _machinery_ms(k, False) for k in range(1, 2 * devices + 1)}
     balanced = {k: _machinery_ms(k, True) for k in range(1, 2 * devices + 1)}
     gloo = _gloo(max(2, devices))
-    spread["all-reduce"], spread["ddp step"] = gloo["allreduce_spread"], gloo["ddp_spread"]
+    spread["all-reduce"] = gloo["allreduce_spread"]
+    sync, overhead, spread["ddp wait"] = _ddp_step(max(2, devices))
     calibration = Calibration(
         host=socket.gethostname(), backend="cpu", devices=devices, threads=threads, cores=os.cpu_count() or 1,
         measured_at=_now(), torch_version=torch.__version__, effective_cores=round(cores, 3), cores_measured_at=_now(),
         handoff_ms=handoff, copy_ms_per_mib=copy_ms / (_COPY_BYTES / 2**20), op_ms=op_ms,
         allreduce_latency_ms=gloo["latency"], allreduce_ms_per_mib=gloo["per_mib"],
-        allreduce_points=[(int(b), float(ms)) for b, ms in gloo["points"]], ddp_overhead_ms=gloo["ddp_overhead"],
+        allreduce_points=[(int(b), float(ms)) for b, ms in gloo["points"]], ddp_sync_ms=sync, ddp_overhead_ms=overhead,
         thread_speedup=speedup, dataparallel_ms=dataparallel, balanced_ms=balanced, spread={k: round(v, 3) for k, v in spread.items()})
     if save:
         save_calibration(calibration)

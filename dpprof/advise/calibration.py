@@ -16,7 +16,7 @@ from typing import Any
 __all__ = ["Calibration", "cache_dir", "cache_path", "load_calibration", "save_calibration", "device_set_key",
            "CALIBRATION_VERSION"]
 
-CALIBRATION_VERSION = 2  # bumped when what is measured changes: an older file is measured again
+CALIBRATION_VERSION = 3  # bumped when what is measured changes: an older file is measured again
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,8 @@ class Calibration:
     allreduce_latency_ms: float  # gloo all-reduce across ``devices`` ranks on this host: ms = latency + MiB x per_mib
     allreduce_ms_per_mib: float
     allreduce_points: list[tuple[int, float]]  # (bytes, median ms) the fit is made from
-    ddp_overhead_ms: float  # what a recorded dpprof DDP step costs beyond its compute and all-reduce
+    ddp_sync_ms: float  # a real DDP run's wait at the end of backward for one small bucket (ranks meeting, not the wire)
+    ddp_overhead_ms: float  # what that run's steps held beyond their forward, backward and optimizer
     thread_speedup: float | None  # a conv's forward + backward on ``threads`` threads against one; None at 1 thread
     # k -> phase -> median ms per step of a tiny model (no compute to speak of) recorded on k CPU workers: what
     # DataParallel's own machinery costs at each k (scatter, replicate, dispatch = parallel_apply beyond the
@@ -103,7 +104,9 @@ class Calibration:
                f"{self.op_ms * 1e3:.1f} us",
                f"  gloo all-reduce across {self.devices} ranks: {points} -> {self.allreduce_latency_ms:.3f} ms + "
                f"{self.allreduce_ms_per_mib:.3f} ms per MiB",
-               f"  a recorded DDP step beyond its compute and all-reduce: {self.ddp_overhead_ms:.3f} ms"]
+               f"  a real DDP run of a model with no compute (dpprof profile tutorial-linear --ddp): each step waits "
+               f"{self.ddp_sync_ms:.3f} ms for its one small all-reduce, and holds {self.ddp_overhead_ms:.3f} ms beyond "
+               "its phases"]
         for title, table in (("DataParallel", self.dataparallel_ms), ("balanced", self.balanced_ms)):
             for k, parts in sorted(table.items()):
                 shown = ", ".join(f"{p} {ms:.3f}" for p, ms in parts.items())

@@ -15,8 +15,9 @@ step; what changes with the set-up is added on top:
   where other jobs run): k workers of t threads each on C cores run at most C threads' worth at a time, so each
   apply takes max(1, k t / C) times its time alone, and the recorded times are taken at that speed too;
 - DDP ranks (``dpprof profile --ddp``: one process, one intra-op thread each) run their forward, loss and
-  backward on their own chunk, then all-reduce the gradients bucket by bucket at the calibrated gloo cost, the
-  buckets launched as backward reaches them; the step waits for the slowest rank.
+  backward on their own chunk, then all-reduce the gradients bucket by bucket (each as long as a real DDP run's
+  wait for one small bucket, plus its bytes at the calibrated gloo rate), the buckets launched as backward reaches
+  them; the step waits for the slowest rank.
 
 **Intervals.** The middle half of the recorded steps (the machine's noise while it ran), or the recorded median's
 90% interval widened for comparing two runs' medians (x sqrt 2) where that is wider, scaled to the prediction;
@@ -351,8 +352,8 @@ class _Model:
     def allreduce_ms(self, nbytes: int) -> float:
         """One bucket's all-reduce: gloo at the calibrated cost on CPU workers; on GPUs NCCL's ring, each rank
         sending and receiving 2 (n - 1) / n of the bucket over the link, plus NCCL_LATENCY_MS."""
-        if self.cpu:
-            return self.cal.allreduce_ms(nbytes) if self.cal is not None else 0.0
+        if self.cpu:  # the ranks' meeting, as a real DDP run waits for it, and the bytes at the burst's rate
+            return self.cal.ddp_sync_ms + self.cal.allreduce_ms_per_mib * nbytes / 2**20 if self.cal is not None else 0.0
         return NCCL_LATENCY_MS + 2 * (self.n - 1) / self.n * nbytes / 2**20 * self.link_ms_per_mib
 
     # memory
