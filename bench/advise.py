@@ -12,7 +12,7 @@ Python start-up; DDP starts torchrun and its ranks as ever), and print predicted
 
 Every process runs with OMP_NUM_THREADS=1 by default (``--threads``): on the shared 2-core machine an OpenMP team
 of 2 threads runs many times slower whenever another job holds a core, which no model of the run predicts.
-Before each base run the calibration's cores are measured again (dpprof.advise.calibrate.refresh_cores), as
+Before each base run the calibration's cores are measured again (dpprof.advise.calibrate.refresh_load), as
 ``dpprof advise --calibrate`` run beside a recording would.
 Each round (``--rounds``, default 3) records every workload's base run again and predicts from it; the order of
 the scenarios rotates each round and reverses every other. Each scenario's prediction and measurement are the
@@ -53,7 +53,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import pandas as pd
 
-    from dpprof.advise.calibrate import calibrate, refresh_cores
+    from dpprof.advise.calibrate import calibrate, refresh_load
     from dpprof.advise.check import _argv, measured
     from dpprof.cli import main
     from dpprof.advise.measured import measure
@@ -81,11 +81,13 @@ def main() -> None:
     rows = []  # one per workload, scenario and round
     memory_rows = []
     cores = []  # the effective cores measured before each base run
+    waits = []  # and DDP's wait
     for r in range(args.rounds):
         for w in workloads:
             what = MODEL if w == "model" else [w]
-            cal = refresh_cores(cal)  # the cores this job gets now, as dpprof advise --calibrate right after a run
+            cal = refresh_load(cal)  # the cores and DDP's wait now, as dpprof advise --calibrate right after a run
             cores.append(cal.effective_cores)
+            waits.append(cal.ddp_sync_ms)
             base_id = run("dpprof profile " + " ".join(what) + f" --devices cpu:2 --steps {args.steps}",
                           f"base {w} round {r}")
             advice = advise(measure(load_run(base_id, out)), cal, steps=args.steps)
@@ -140,6 +142,7 @@ def main() -> None:
     print("the recorded set-up run again against its own base (the machine's drift between two runs): "
           + ", ".join(f"{w} {e:+.1%}" for w, e in zip(again["workload"], again["measured_ms"] / again["base_ms"] - 1)))
     print("cores this job got, measured before each base run: " + ", ".join(f"{c:.2f}" for c in cores))
+    print("a real DDP run's wait at its all-reduce, ms, before each base run: " + ", ".join(f"{w:.2f}" for w in waits))
     print(f"runs in {out}" if args.keep else "")
 
 

@@ -90,7 +90,9 @@ def test_ddp_is_each_ranks_own_chunk_and_the_allreduce_backward_does_not_hide(ru
     # the step's own work outside DataParallel (its bookkeeping, as the calibration measured it, left out), and
     # what a recorded DDP step adds
     own = max(0.0, m.parts_ms["rest"] * scale - calibrated.machinery(False, 2, "rest"))
-    assert ddp.parts_ms["rest"] == pytest.approx(own + calibrated.ddp_overhead_ms, rel=1e-9)
+    # and, where the two ranks share fewer than 2 cores, the other rank's loading of its batch (half the recorded gap)
+    others = (max(1.0, 2 / calibrated.effective_cores) - 1) * m.gap_ms / 2
+    assert m.gap_ms > 0 and ddp.parts_ms["rest"] == pytest.approx(own + calibrated.ddp_overhead_ms + others, rel=1e-9)
     assert ddp.peak_bytes == {f"rank:{i}": m.memory[d].held_bytes - m.memory[d].gathered_bytes - m.memory[d].loss_bytes
                               for i, d in enumerate(m.devices)}  # as dpprof accounts a rank: no gather, no loss
     assert ddp.command == f"dpprof profile cifar-lenet --ddp --nproc 2 --batch-size 16 --steps 6"

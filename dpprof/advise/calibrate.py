@@ -31,7 +31,7 @@ import torch
 
 from dpprof.advise.calibration import Calibration, save_calibration
 
-__all__ = ["calibrate", "effective_cores", "refresh_cores", "ALLREDUCE_SIZES_BYTES"]
+__all__ = ["calibrate", "effective_cores", "refresh_load", "ALLREDUCE_SIZES_BYTES"]
 
 ALLREDUCE_SIZES_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)  # small buckets to DDP's first bucket and beyond
 _GLOO_ATTEMPTS = 2  # a port taken between choosing and binding it, or a rank lost at start-up: try once more
@@ -271,13 +271,16 @@ def effective_cores() -> tuple[float, float]:
     return min(float(k), max(0.1, cores)), spread
 
 
-def refresh_cores(calibration: Calibration, save: bool = True) -> Calibration:
-    """The calibration with its effective cores measured again (about a second): the machine's load now."""
+def refresh_load(calibration: Calibration, save: bool = True) -> Calibration:
+    """The calibration with what the machine's load changes measured again (a few seconds): the cores this job
+    gets and a real DDP run's wait at its all-reduce."""
     from dataclasses import replace
 
     cores, spread = effective_cores()
-    fresh = replace(calibration, effective_cores=round(cores, 3), cores_measured_at=_now(),
-                    spread={**calibration.spread, "cores": round(spread, 3)})
+    sync, overhead, sync_spread = _ddp_step(max(2, calibration.devices))
+    fresh = replace(calibration, effective_cores=round(cores, 3), cores_measured_at=_now(), ddp_sync_ms=sync,
+                    ddp_overhead_ms=overhead,
+                    spread={**calibration.spread, "cores": round(spread, 3), "ddp wait": round(sync_spread, 3)})
     if save:
         save_calibration(fresh)
     return fresh

@@ -76,6 +76,7 @@ class Measured:
     typical_step_ms: float  # the mean of the typical steps: what the parts add up to
     median_interval: tuple[float, float]  # the 90% interval of the median step over the median, by resampling
     step_quartiles: tuple[float, float]  # the 25th and 75th percentile of the steps past the first, over the median
+    gap_ms: float  # the median time between one step's end and the next one's start: loading the batch, the loop
     parts_ms: dict[str, float]  # scatter, replicate, apply (one device), parallel_apply, gather, loss, reduce, backward,
     # rest: the typical step's, adding up to it
     apply_ms: dict[str, float]  # each device's apply of the model (call 0)
@@ -238,6 +239,7 @@ def measure(run: StoredRun) -> Measured:
         devices=devices, batch_size=batch, chunks=chunks, steps=model.steps, typical_steps=count,
         step_ms=float(queries.median_step_ms(run) or typical_ms), typical_step_ms=typical_ms,
         median_interval=_median_interval([float(d) for d in durations]),
+        gap_ms=_gap_ms(run),
         step_quartiles=(float(durations.quantile(0.25) / durations.median()),
                         float(durations.quantile(0.75) / durations.median())), parts_ms=parts, apply_ms=apply_ms,
         loss_apply_ms=loss_apply, loss_parts_ms=loss_parts, fixed_apply_ms=fixed, fixed_apply_source=fixed_source,
@@ -247,6 +249,15 @@ def measure(run: StoredRun) -> Measured:
         output_bytes_per_sample=float(inputs["o"].sum() or 0) / samples if samples else 0.0,
         target_bytes_per_sample=float(targets["t"].sum() or 0) / (batch * count) if batch else 0.0,
         total_memory_bytes=total, workload=workload, workload_args=dict(args), source=source)
+
+
+def _gap_ms(run: StoredRun) -> float:
+    """The median gap between consecutive steps (the next start less this one's end), the first step left out."""
+    steps = run.query("SELECT step, start_ms, duration_ms FROM steps ORDER BY step")
+    steps = steps[steps["step"] > steps["step"].min()]
+    gaps = (steps["start_ms"].shift(-1) - steps["start_ms"] - steps["duration_ms"])[steps["step"].diff().shift(-1) == 1]
+    gaps = gaps.dropna().clip(lower=0)
+    return float(gaps.median()) if len(gaps) else 0.0
 
 
 # Fewer steps than this at a second chunk size do not separate a per-chunk cost from a per-sample one.

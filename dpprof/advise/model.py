@@ -19,10 +19,10 @@ step; what changes with the set-up is added on top:
   wait for one small bucket, plus its bytes at the calibrated gloo rate), the buckets launched as backward reaches
   them; the step waits for the slowest rank.
 
-**Intervals.** The middle half of the recorded steps (the machine's noise while it ran), or the recorded median's
-90% interval widened for comparing two runs' medians (x sqrt 2) where that is wider, scaled to the prediction;
-plus EXTRAPOLATION_SHARE of the change the prediction makes from the recorded step (what the model assumed
-rather than measured).
+**Intervals.** The widest of: the middle half of the recorded steps (the machine's noise while it ran), the
+recorded median's 90% interval widened for comparing two runs' medians (x sqrt 2), and RUN_TO_RUN_SHARE (how far
+two runs of one set-up land apart on a shared machine); scaled to the prediction; plus EXTRAPOLATION_SHARE of the
+change the prediction makes from the recorded step (what the model assumed rather than measured).
 """
 from __future__ import annotations
 
@@ -42,6 +42,10 @@ __all__ = ["Scenario", "Advice", "advise", "EXTRAPOLATION_SHARE", "DDP_FIRST_BUC
 # of compute, the cores model and DDP's overlap are assumptions, not measurements of the scenario (the README's
 # table of predicted against measured shows how far they were off).
 EXTRAPOLATION_SHARE = 0.25
+# How far the median of one run lands from another's of the same set-up minutes later on a machine shared with
+# other jobs: a median of 15% over bench/advise.py's re-runs of the recorded set-ups (3 rounds, 5 workloads, the
+# shared 2-core build machine, 2026-11-23). An interval is never narrower than this either side of its step.
+RUN_TO_RUN_SHARE = 0.15
 # DistributedDataParallel's buckets (torch: dist._DEFAULT_FIRST_BUCKET_BYTES, bucket_cap_mb=25): the first
 # bucket in backward order holds up to 1 MiB, the others up to 25 MiB
 DDP_FIRST_BUCKET_BYTES = 1 << 20
@@ -321,10 +325,20 @@ class _Model:
         slowest = max(ranks, key=lambda r: sum(r.values()))
         wait = self._allreduce_wait(slowest["backward_compute"])
         parts = {**slowest, "comm_wait": wait,
-                 # the step's own work (optimizer, Python) without DataParallel's bookkeeping, with DDP's
-                 "rest": max(0.0, self.parts["rest"] - self._machinery("rest", n)) + (
-                     self.cal.ddp_overhead_ms if self.cal else 0.0)}
+                 # the step's own work (optimizer, Python) without DataParallel's bookkeeping, with DDP's, and while
+                 # the ranks share cores, the other ranks' loading of their next batch (between their steps, on the
+                 # cores this rank's step needs)
+                 "rest": max(0.0, self.parts["rest"] - self._machinery("rest", n))
+                 + (self.cal.ddp_overhead_ms if self.cal else 0.0) + self.ddp_data_ms()}
         return parts, ranks
+
+    def ddp_data_ms(self) -> float:
+        """What a DDP step waits out of the other ranks' batch loading while they share the cores: each rank loads
+        its share of the recorded gap between steps; k ranks on C cores overlap (k / C - 1) of it with a step."""
+        if not self.cpu:
+            return 0.0
+        over = self._oversubscribed(self.n, 1)
+        return (over - 1.0) * self.m.gap_ms * max(chunk_sizes(self.m.batch_size, self.n)) / self.m.batch_size
 
     def buckets(self) -> list[int]:
         """DDP's gradient buckets in the order backward fills them (bytes): 1 MiB first, then up to 25 MiB."""
@@ -431,11 +445,13 @@ class _Density:
 
 
 def _interval(m: Measured, step: float, recorded: float) -> tuple[float, float]:
-    """The middle half of the recorded steps (or the 90% interval of their median, for two runs' medians, if
-    wider) scaled to the prediction, widened by EXTRAPOLATION_SHARE of its change from the recorded median."""
+    """The widest of: the middle half of the recorded steps, the 90% interval of their median (x sqrt 2, for two
+    runs' medians), RUN_TO_RUN_SHARE either side; scaled to the prediction, widened by EXTRAPOLATION_SHARE of its
+    change from the recorded median."""
     lo, hi = m.median_interval
     lo, hi = 1 - math.sqrt(2) * (1 - lo), 1 + math.sqrt(2) * (hi - 1)
-    lo, hi = min(lo, m.step_quartiles[0]), max(hi, m.step_quartiles[1])
+    lo = min(lo, m.step_quartiles[0], 1 - RUN_TO_RUN_SHARE)
+    hi = max(hi, m.step_quartiles[1], 1 + RUN_TO_RUN_SHARE)
     extra = EXTRAPOLATION_SHARE * abs(step - recorded)
     return max(0.0, step * lo - extra), step * hi + extra
 
@@ -510,6 +526,9 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
                  f"{len(buckets)} gradient bucket(s) of {', '.join(f'{b / 2**20:.2f} MiB' for b in buckets)} all-reduced "
                  f"({model.allreduce_ms(buckets[0]) if buckets else 0:.2f} ms for the first); what backward does not "
                  f"hide is the wait, {ddp_parts['comm_wait']:.2f} ms"]
+    if model.ddp_data_ms() > 0.0005:
+        ddp_notes.append(f"the ranks share the {model.C:.2f} cores this job gets: each step also waits out the other "
+                         f"ranks' loading of their next batch, {model.ddp_data_ms():.2f} ms (in the rest)")
     if B % n:
         ddp_notes.append(f"{B} does not split evenly: the command gives each rank {B // n} samples "
                          f"({B // n * n} a step)")
