@@ -35,6 +35,7 @@ st.navigation({
         st.Page("app_pages/overview.py", title="Overview", url_path="overview"),
         st.Page("app_pages/load.py", title="Per-GPU load", url_path="load"),
         st.Page("app_pages/timeline.py", title="Timeline", url_path="timeline"),
+        st.Page("app_pages/advise.py", title="Advisor", url_path="advise"),
         st.Page("app_pages/export.py", title="Export", url_path="export"),
     ],
     "Runs side by side": [st.Page("app_pages/compare.py", title="Compare", url_path="compare")],

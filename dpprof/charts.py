@@ -20,7 +20,8 @@ from dpprof.units import bytes_unit
 
 __all__ = ["MAX_POINTS", "PHASE_COLORS", "downsample", "device_glance", "step_times", "phase_breakdown", "phase_shares",
            "work_distribution", "memory_per_device", "chunk_sizes", "gpu_samples", "timeline",
-           "compare_step_times", "compare_phase_shares", "compare_memory", "check_chunks", "gpu_time"]
+           "compare_step_times", "compare_phase_shares", "compare_memory", "check_chunks", "gpu_time",
+           "advice_parts"]
 
 # One colour per phase, the same on every chart and no two phases alike, since DataParallel and DDP runs are
 # compared on one chart (plotly's colour-blind-safe "Safe" palette, then Tol's muted and light ones).
@@ -414,4 +415,27 @@ def gpu_time(per_device: pd.DataFrame) -> go.Figure:
         if col in per_device and per_device[col].fillna(0).any():
             fig.add_trace(go.Bar(x=per_device["device"].tolist(), y=per_device[col].astype(float).tolist(),
                                  name=col[:-3], marker_color=color))
+    return fig
+
+
+def advice_parts(parts: pd.DataFrame, scenarios: pd.DataFrame) -> go.Figure:
+    """Each scenario's predicted step, stacked by part, with its interval as an error bar on the total.
+
+    Args:
+        parts: dpprof.views.advise.parts_table (label, one ``<part>_ms`` column per part).
+        scenarios: dpprof.views.advise.scenario_table (label, step_ms, step_ms_low, step_ms_high, recorded).
+    """
+    fig = _fig("Predicted step by scenario (ms), stacked by part; the bar's line is its interval",
+               xaxis_title="ms per step", barmode="stack", height=max(320, 48 * len(parts) + 120))
+    labels = [f"{label} *" if rec else label for label, rec in zip(scenarios["label"], scenarios["recorded"])]
+    for col in [c for c in parts.columns if c.endswith("_ms")]:
+        phase = col[:-3]
+        fig.add_trace(go.Bar(y=labels, x=parts[col].astype(float).tolist(), name=_label(phase), orientation="h",
+                             marker_color=_color(phase)))
+    fig.add_trace(go.Scatter(
+        y=labels, x=scenarios["step_ms"].astype(float).tolist(), mode="markers", name="step (interval)",
+        marker=dict(color="black", size=6), error_x=dict(
+            type="data", symmetric=False, array=(scenarios["step_ms_high"] - scenarios["step_ms"]).tolist(),
+            arrayminus=(scenarios["step_ms"] - scenarios["step_ms_low"]).tolist())))
+    fig.update_yaxes(autorange="reversed")
     return fig

@@ -1,4 +1,4 @@
-"""The dpprof command: profile, run, check, merge, import, runs, show, export.
+"""The dpprof command: profile, run, check, merge, import, runs, show, advise, export.
 
 Exit codes: 0 ok, 1 failure (or findings, for commands that report them), 2 usage error.
 """
@@ -142,23 +142,35 @@ def _profile_ddp(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    if args.model or args.balanced:
-        raise UsageError("--ddp runs the built-in workloads (no --model, no --balanced)")
+    if args.balanced:
+        raise UsageError("--ddp computes each rank's loss on its own outputs already: no --balanced")
     if args.nproc < 1:
         raise UsageError(f"--nproc must be positive, got {args.nproc}")
+    if args.model:  # the shape checked here, in one line, before torchrun starts any rank
+        if not args.input_shape:
+            raise UsageError("--model needs --input-shape (the shape of one sample, e.g. 3,224,224)")
+        from dpprof.workloads import user_workload
+
+        try:
+            _check_input_shape(user_workload(args.model, args.input_shape, 2), args.model, args.input_shape)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
     from dpprof.ddp_worker import FAILED_PREFIX
     from dpprof.device_ids import is_cpu_worker_list
 
     on_gpus = not is_cpu_worker_list(parse_devices(args.devices))  # --devices cuda or 0,1: each rank on a GPU
+    what = (["--model", args.model, "--input-shape", ",".join(map(str, args.input_shape))] if args.model
+            else [args.workload])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "-m", "dpprof.ddp_worker", args.workload, "--steps", str(args.steps),
+           "-m", "dpprof.ddp_worker", *what, "--steps", str(args.steps),
            "--device", "cuda" if on_gpus else "cpu", "--detail", args.detail]
     for flag, value in (("--batch-size", args.batch_size), ("--name", args.name), ("--reports-dir", args.reports_dir)):
         if value is not None:
             cmd += [flag, str(value)]
     tail: collections.deque[str] = collections.deque(maxlen=30)
     said: list[str] = []  # ranks' one-line reasons for stopping
-    bar = tqdm(total=args.steps, desc=f"{args.workload} on {args.nproc} ranks", unit="step", disable=args.quiet)
+    bar = tqdm(total=args.steps, desc=f"{args.model or args.workload} on {args.nproc} ranks", unit="step",
+               disable=args.quiet)
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}) as proc:
         for line in proc.stdout:
@@ -528,6 +540,84 @@ def _export_trace(run: object, path: str, steps: tuple[int | None, int | None] |
               f"chrome://tracing opens ({MAX_EVENTS:,}); the Perfetto UI (ui.perfetto.dev) opens more", file=sys.stderr)
 
 
+def _batch_sizes(text: str) -> list[int]:
+    """--batch-sizes: positive global batch sizes separated by commas."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of positive batch sizes like 128,512")
+    return [int(p) for p in parts]
+
+
+def _cmd_advise(args: argparse.Namespace) -> int:
+    """Predict other set-ups from one recorded DataParallel run; --calibrate measures this machine first, --check
+    runs every scenario for real."""
+    import json
+
+    from dpprof.advise import NotAdvisable
+    from dpprof.advise.measured import measure
+    from dpprof.store.reader import load_run, reports_dir
+    from dpprof.views.advise import advisor, calibration_for, text_lines
+
+    if args.memory_gib is not None and args.memory_gib <= 0:
+        raise UsageError(f"--memory-gib must be positive, got {args.memory_gib}")
+    if args.run is None:
+        if not args.calibrate:
+            raise UsageError("advise needs a run (dpprof advise RUN), or --calibrate to measure this machine")
+        match = re.fullmatch(r"cpu:(\d+)", args.devices.strip())
+        if not match or int(match.group(1)) < 1:
+            raise UsageError(f"--devices {args.devices!r}: the calibration is of CPU workers, cpu:N")
+        from dpprof.advise.calibrate import calibrate
+        from dpprof.advise.calibration import cache_path
+
+        calibration = calibrate(int(match.group(1)))
+        print("\n".join(calibration.lines()))
+        print(f"cached in {cache_path(calibration.backend, calibration.devices, calibration.threads)}")
+        return EXIT_OK
+    run = load_run(args.run, args.reports_dir)
+    try:
+        m = measure(run)
+    except NotAdvisable as err:
+        print(f"dpprof: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    calibration, _ = calibration_for(m)
+    if m.backend == "cpu" and (args.calibrate or calibration is None):
+        import torch
+
+        from dpprof.advise.calibrate import calibrate
+        from dpprof.advise.calibration import cache_path
+
+        torch.set_num_threads(m.threads)  # the calibration of the run's own thread count
+        print(f"dpprof: calibrating this machine for {m.n} CPU workers at {m.threads} intra-op thread(s) (a few "
+              f"seconds, once; cached in {cache_path('cpu', m.n, m.threads)})", file=sys.stderr, flush=True)
+        calibration = calibrate(m.n)
+        if args.calibrate:
+            print("\n".join(calibration.lines()), file=sys.stderr if args.json else sys.stdout)
+    view = advisor(run, args.memory_gib, args.batch_sizes, calibration=calibration)
+    if view.advice is None:
+        print(f"dpprof: {view.reason}", file=sys.stderr)
+        return EXIT_FAILURE
+    checked = None
+    if args.check:
+        from dpprof.advise.check import check
+
+        out_dir = args.check_dir or reports_dir(args.reports_dir)
+        progress = (lambda s: print(f"dpprof: running {s.label}: {s.command}", file=sys.stderr, flush=True))
+        checked = check(view.advice, out_dir, progress=None if args.quiet else progress)
+    if args.json:
+        data = view.advice.to_json()
+        if checked is not None:
+            data["check"] = [c.to_json() for c in checked]
+        print(json.dumps(data, indent=1))
+        return EXIT_OK
+    print("\n".join(text_lines(view)))
+    if checked is not None:
+        from dpprof.views.advise import check_lines
+
+        print()
+        print("\n".join(check_lines(checked)))
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpprof", description="Profile PyTorch data-parallel training, "
                                      "device by device and phase by phase.")
@@ -622,6 +712,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("show", help="the per-device phase summary of one run")
     p.add_argument("run", help="run id (or a unique prefix) or path to a run file")
     p.set_defaults(func=_cmd_show, parser=p)
+
+    p = sub.add_parser("advise", help="predict DDP, other device counts, the balanced criterion and other batch sizes "
+                       "from one DataParallel run", description="Predicts, from one recorded DataParallel run and a "
+                       "short calibration of this machine (cached per host and device set), each scenario's median "
+                       "step with an interval, its parts and each device's peak held memory, and prints the command "
+                       "that runs it. Exit 1, in one line, for a run it cannot predict from (DDP runs, imported "
+                       "traces, runs of fewer than 3 steps).")
+    p.add_argument("run", nargs="?", default=None, help="run id (or a unique prefix) or path to a run file")
+    p.add_argument("--json", action="store_true", help="print the prediction (and the check) as JSON")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine first (without RUN: for --devices); cached in "
+                   "$XDG_CACHE_HOME/dpprof/advise (default ~/.cache/dpprof/advise)")
+    p.add_argument("--devices", default="cpu:2", help="with --calibrate and no RUN: the CPU workers to calibrate for")
+    p.add_argument("--check", action="store_true",
+                   help="run every scenario's command on this machine and print predicted against measured")
+    p.add_argument("--check-dir", default=None, help="where --check records its runs (default: the reports directory)")
+    p.add_argument("--memory-gib", type=float, default=None,
+                   help="each CPU worker's memory, for the largest batch that fits (a GPU's is its own)")
+    p.add_argument("--batch-sizes", type=_batch_sizes, default=None, metavar="B1,B2",
+                   help="other global batch sizes to predict (default: half and twice the recorded one)")
+    p.add_argument("--quiet", action="store_true", help="with --check, no line per scenario on stderr")
+    p.set_defaults(func=_cmd_advise, parser=p)
 
     p = sub.add_parser("export", help="write a run's tables as CSV files, or the run as a trace for Perfetto",
                        description="Without --trace: every table as CSV in --out. With --trace FILE.json[.gz]: the run "

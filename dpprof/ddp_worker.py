@@ -1,5 +1,5 @@
-"""One rank of ``dpprof profile --ddp``: run under torchrun, trains a built-in workload with
-dpprof.DistributedDataParallel and records it.
+"""One rank of ``dpprof profile --ddp``: run under torchrun, trains a built-in workload (or a user's model,
+``--model``) with dpprof.DistributedDataParallel and records it.
 
 On the CPU the ranks talk over gloo. With ``--device cuda`` each rank takes GPU
 ``local_rank % GPUs``: NCCL when every rank has a GPU of its own, gloo when ranks share GPUs
@@ -18,7 +18,7 @@ import torch.distributed as dist
 import dpprof
 from dpprof.store.retention import DETAIL_MODES
 from dpprof.store.faults import RecordingError
-from dpprof.workloads import WORKLOADS, build_workload
+from dpprof.workloads import WORKLOADS, build_workload, user_workload
 
 # How a rank says in one line why it stopped (its recording could not start); the
 # `dpprof profile --ddp` process shows these lines instead of torchrun's report.
@@ -35,7 +35,10 @@ def main() -> None:
 
 def _main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("workload", choices=list(WORKLOADS))
+    parser.add_argument("workload", nargs="?", default=None, choices=list(WORKLOADS))
+    parser.add_argument("--model", default=None, metavar="PKG.MODULE:FACTORY",
+                        help="your own model instead of a built-in workload (as dpprof profile --model)")
+    parser.add_argument("--input-shape", default=None, metavar="D1,D2,...", help="with --model: one sample's shape")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--batch-size", type=int, default=None, help="per-rank batch size")
     parser.add_argument("--name", default=None)
@@ -49,6 +52,10 @@ def _main() -> None:
     parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                         help="default: gloo on the CPU or when ranks share GPUs, else NCCL")
     args = parser.parse_args()
+    if (args.workload is None) == (args.model is None):
+        parser.error("give a built-in workload or --model")
+    if args.model and not args.input_shape:
+        parser.error("--model needs --input-shape")
 
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -62,7 +69,11 @@ def _main() -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
     rank = dist.get_rank()
     try:
-        workload = build_workload(args.workload, args.batch_size, seed=rank)  # each rank its own batches
+        if args.model:  # each rank its own batches
+            shape = [int(d) for d in args.input_shape.replace("x", ",").split(",")]
+            workload = user_workload(args.model, shape, args.batch_size, seed=rank)
+        else:
+            workload = build_workload(args.workload, args.batch_size, seed=rank)
         torch.manual_seed(0)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
         model = workload.model
         if cuda:
@@ -74,7 +85,7 @@ def _main() -> None:
         batches = workload.batches()
         reports = args.reports_dir.format(rank=rank) if args.reports_dir else None
         name = args.name or f"{workload.name} (ddp x{dist.get_world_size()})"
-        run_args = {**workload.args, "ddp": True, "world_size": dist.get_world_size(), "steps": args.steps,
+        run_args = {**workload.args, "ddp": True, "threads": torch.get_num_threads(), "world_size": dist.get_world_size(), "steps": args.steps,
                     "bucket_cap_mb": args.bucket_cap_mb, "backend": backend,
                     "device": f"cuda:{gpu}" if cuda else "cpu"}
         with dpprof.record(name=name, reports_dir=reports, workload=workload.name, workload_args=run_args,

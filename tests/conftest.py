@@ -12,7 +12,30 @@ def reports(tmp_path, monkeypatch):
     monkeypatch.setenv("DPPROF_REPORTS", str(path))
     monkeypatch.setenv("DPPROF_STAGING_DIR", str(tmp_path / "staging"))
     monkeypatch.delenv("DPPROF_NETWORK_FS", raising=False)
+    # dpprof advise caches its calibration under $XDG_CACHE_HOME: never the user's from a test
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
     return path
+
+
+@pytest.fixture(scope="session")
+def calibration_home(tmp_path_factory):
+    """An $XDG_CACHE_HOME holding a real calibration of this machine (dpprof advise --calibrate's) for 2 CPU
+    workers at this process's intra-op threads, measured once per session: point XDG_CACHE_HOME here."""
+    import os
+
+    from dpprof.advise.calibrate import calibrate
+
+    home = tmp_path_factory.mktemp("xdg-cache")
+    saved = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(home)
+    try:
+        calibrate(2)
+    finally:
+        if saved is None:
+            del os.environ["XDG_CACHE_HOME"]
+        else:
+            os.environ["XDG_CACHE_HOME"] = saved
+    return home
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from app_pages import common  # noqa: E402  (the same module object the app's pages use)
 
-PAGES = ["runs", "overview", "load", "timeline", "compare", "devices", "new_run", "export"]
+PAGES = ["runs", "overview", "load", "timeline", "advise", "compare", "devices", "new_run", "export"]
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from recorded import record, record_failed
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "app.py"
 TRACES = ROOT.parent / "shared" / "traces"
-RUN_PAGES = ["overview", "load", "timeline", "export"]
+RUN_PAGES = ["overview", "load", "timeline", "advise", "export"]
 # Words that only describe DataParallel (one process scattering a batch to replicas and gathering their
 # outputs): on a run of another kind they would misdescribe it.
 DATAPARALLEL_WORDS = ["DataParallel tax", "parallel_apply", "apply (all devices)", "Nothing is gathered", "replica",

@@ -40,7 +40,7 @@ import dpprof
 import dpprof.charts
 import dpprof.report
 from dpprof.findings import run_findings
-from dpprof.views import compare, export, load as load_view, overview as overview_view, timeline
+from dpprof.views import advise as advise_view, compare, export, load as load_view, overview as overview_view, timeline
 from dpprof.cli import main
 from dpprof.store.reader import TABLES
 
@@ -59,6 +59,7 @@ for run in opened:
     comparison = compare.compare([opened[0], run])
     tables = export.export_tables(run)
     zipped = export.run_zip(run)
+    advised = advise_view.advisor(run)  # no calibration cached here: predicted with the machinery taken as free
     shown, exported = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(shown):
         show_code = main(["--reports-dir", directory, "show", run.id])
@@ -69,7 +70,8 @@ for run in opened:
     assert export.run_trace(run)[:2] == b"\x1f\x8b"  # a gzip stream, for the dashboard's download
     read[run.meta["name"]] = {"steps": rows["steps"], "gpu_samples": rows["gpu_samples"], "devices": len(summary),
                               "findings": len(findings), "compared": len(comparison.summary),
-                              "tables": len(tables), "zip_bytes": len(zipped), "status": run.meta["status"]}
+                              "tables": len(tables), "zip_bytes": len(zipped), "status": run.meta["status"],
+                              "scenarios": len(advised.advice.scenarios) if advised.advice else advised.reason}
 print(json.dumps(read))
 """ + LOADED
 
@@ -110,6 +112,8 @@ def test_every_kind_of_run_is_read_shown_and_exported_without_the_collect_side(r
     assert read["ddp"]["steps"] == 6 and read["ddp"]["devices"] == 2  # 3 steps on each of 2 ranks
     assert read["failed"]["status"] == "failed" and read["no_parallel.py"]["steps"] == 0
     assert all(r["zip_bytes"] > 0 and r["compared"] == 2 for r in read.values())
+    assert read["plain"]["scenarios"] == read["balanced"]["scenarios"] == 8  # DDP, 1-4 devices, balanced, 2 batches
+    assert "DistributedDataParallel run" in read["ddp"]["scenarios"] and "at least 3" in read["failed"]["scenarios"]
     assert loaded == []
 
 
@@ -142,12 +146,28 @@ import sys
 from streamlit.testing.v1 import AppTest
 at = AppTest.from_file("app.py", default_timeout=120)
 at.run()
-for page in ("overview", "load", "timeline", "export", "runs", "compare"):
+for page in ("overview", "load", "timeline", "advise", "export", "runs", "compare"):
     at.switch_page(f"app_pages/{page}.py").run()
     assert not at.exception, [e.message for e in at.exception]
     if page == "overview":
         assert "Median step" in [m.label for m in at.metric]
 """ + LOADED
+
+
+def test_advise_reads_a_cached_calibration_without_torch(runs, calibration_home):
+    # the calibration measures (torch); advising from it is the read side: the run, the cache, the arithmetic
+    code = """
+import contextlib, io, json, sys
+from dpprof.cli import main
+with contextlib.redirect_stdout(io.StringIO()) as text:
+    assert main(sys.argv[1:]) == 0
+with contextlib.redirect_stdout(io.StringIO()) as js:
+    assert main([*sys.argv[1:], "--json", "--memory-gib", "2"]) == 0
+print(json.dumps(["Calibration of" in text.getvalue(), len(json.loads(js.getvalue())["scenarios"])]))
+""" + LOADED
+    said, loaded = _python(code, "--reports-dir", runs.dir, "advise", runs.ids["plain"],
+                           env={"XDG_CACHE_HOME": str(calibration_home)})
+    assert said == [True, 8] and loaded == []
 
 
 def test_the_dashboard_pages_of_a_run_load_no_torch(runs):

@@ -1,0 +1,64 @@
+"""Advisor: what switching would buy, predicted from this run and this machine's cached calibration (DDP, other
+device counts, the balanced criterion, other batch sizes), each with the command that runs it for real."""
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from app_pages import common
+from dpprof import charts
+from dpprof.units import mib
+from dpprof.views import advise
+
+
+def body(row: pd.Series) -> None:
+    common.run_header(row)
+    st.subheader("What would switching buy")
+    memory_gib = None
+    if row.get("backend") == "cpu":
+        memory_gib = st.number_input("Memory per CPU worker (GiB), for the largest batch that fits", min_value=0.0,
+                                     value=0.0, step=1.0, key="advise-memory") or None
+    data = common.view(advise.page_advisor, row, memory_gib, advise.calibration_files())
+    if data.advice is None:
+        common.missing(data.reason)
+        return
+    a = data.advice
+    st.caption(data.calibration_note)
+    c = st.columns(3)
+    c[0].metric("Measured median step", f"{a.measured_step_ms:.2f} ms")
+    best = min((s for s in a.scenarios if s.batch_size == a.measured.batch_size), key=lambda s: s.step_ms)
+    c[1].metric("Fastest at this batch", f"{best.step_ms:.2f} ms", f"{best.step_ms / a.measured_step_ms - 1:+.0%}",
+                delta_color="inverse", help=best.label)
+    if a.max_batch_size:
+        c[2].metric("Largest batch that fits", f"{min(a.max_batch_size.values()):,}", help=a.max_batch_note)
+    table = advise.scenario_table(a)
+    common.chart(charts.advice_parts(advise.parts_table(a), table))
+    st.caption("* the recorded set-up. Each interval is the recorded median's 90% interval (both runs' sampling) "
+               "widened by a quarter of the change the prediction makes.")
+    common.table(table.drop(columns=["scenario"]), "advice")
+    st.subheader("Each scenario")
+    for s in a.scenarios:
+        with st.expander(f"{s.label}: {s.step_ms:.2f} ms ({s.step_ms_low:.2f}–{s.step_ms_high:.2f})",
+                         expanded=s.scenario == "ddp"):
+            for change in s.changes:
+                st.markdown(f"- {change}")
+            st.markdown("Peak held: " + ", ".join(f"{d} **{mib(b)}**" for d, b in s.peak_bytes.items()))
+            if s.command:
+                st.code(s.command, language="bash")
+            else:
+                st.caption("Recorded from a script: change the script to run it.")
+    st.subheader("Memory per device")
+    common.table(advise.memory_table(a), "advice_memory")
+    if a.max_batch_size:
+        st.markdown("Largest global batch that fits: " + ", ".join(f"{d} **{b:,}**" for d, b in a.max_batch_size.items())
+                    + f" ({a.max_batch_note}).")
+    else:
+        common.missing(a.max_batch_note)
+    st.subheader("Assumptions")
+    for line in a.assumptions:
+        st.markdown(f"- {line}")
+    st.caption(f"`dpprof advise {a.run_id}` prints the same; `--check` runs every scenario for real and sets the "
+               "measured step beside the prediction.")
+
+
+common.live(body)

@@ -1,0 +1,161 @@
+"""This machine's measured costs, as the advisor's model reads them: cached per host and device set, never
+measured here (dpprof.advise.calibrate measures; this module only reads and writes the cache, without torch).
+
+The cache lives in ``$XDG_CACHE_HOME/dpprof/advise/`` (default ``~/.cache/dpprof/advise/``), one JSON file per
+host, backend, device count and intra-op thread count: ``vm-cpu2-t2.json``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Calibration", "cache_dir", "cache_path", "load_calibration", "save_calibration", "device_set_key",
+           "CALIBRATION_VERSION"]
+
+CALIBRATION_VERSION = 3  # bumped when what is measured changes: an older file is measured again
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a short calibration measured on one host for one device set (medians of repeated timings)."""
+
+    host: str
+    backend: str  # "cpu": CPU workers and gloo ranks
+    devices: int  # the device set's size: n CPU workers, n gloo ranks
+    threads: int  # torch's intra-op threads in the calibrating process (OMP_NUM_THREADS)
+    cores: int  # os.cpu_count() of the host
+    measured_at: str  # ISO time
+    torch_version: str
+    handoff_ms: dict[int, float]  # k -> a no-op task handed to each of k CPU workers and back (0 for k = 1)
+    copy_ms_per_mib: float  # cloning a tensor on the calling thread (replicate's copies, gather's cat)
+    op_ms: float  # one small tensor op from Python (dispatch and the op's fixed cost)
+    allreduce_latency_ms: float  # gloo all-reduce across ``devices`` ranks on this host: ms = latency + MiB x per_mib
+    allreduce_ms_per_mib: float
+    allreduce_points: list[tuple[int, float]]  # (bytes, median ms) the fit is made from
+    ddp_sync_ms: float  # a real DDP run's wait at the end of backward for one small bucket (ranks meeting, not the wire)
+    ddp_overhead_ms: float  # what that run's steps held beyond their forward, backward and optimizer
+    thread_speedup: float | None  # a conv's forward + backward on ``threads`` threads against one; None at 1 thread
+    # k -> phase -> median ms per step of a tiny model (no compute to speak of) recorded on k CPU workers: what
+    # DataParallel's own machinery costs at each k (scatter, replicate, dispatch = parallel_apply beyond the
+    # slowest apply, gather, loss, backward), and the balanced pair's (criterion_scatter, criterion_replicate,
+    # criterion_dispatch, reduce, backward)
+    dataparallel_ms: dict[int, dict[str, float]] = field(default_factory=dict)
+    # the cores this process got when measured: k single-threaded workers' work at once over one's alone (the
+    # host's cores when idle; fewer where other jobs hold them), and when
+    effective_cores: float | None = None
+    cores_measured_at: str | None = None
+    balanced_ms: dict[int, dict[str, float]] = field(default_factory=dict)
+    spread: dict[str, float] = field(default_factory=dict)  # measurement -> relative spread (IQR / median)
+    version: int = CALIBRATION_VERSION
+
+    def machinery(self, balanced: bool, k: int, phase: str) -> float:
+        """DataParallel's own cost of ``phase`` on k workers (dataparallel_ms or balanced_ms), extrapolated
+        linearly in k beyond what was measured; 0 where not measured."""
+        table = self.balanced_ms if balanced else self.dataparallel_ms
+        if not table:
+            return 0.0
+        if k in table:
+            return table[k].get(phase, 0.0)
+        top = max(table)
+        below = table.get(top - 1, table[top])
+        return max(0.0, table[top].get(phase, 0.0) + (table[top].get(phase, 0.0) - below.get(phase, 0.0)) * (k - top))
+
+    def handoff(self, k: int) -> float:
+        """The hand-off to k workers: measured for k up to twice the device count, extrapolated linearly beyond."""
+        if k <= 1:
+            return 0.0
+        if k in self.handoff_ms:
+            return self.handoff_ms[k]
+        top = max(self.handoff_ms)
+        per = (self.handoff_ms[top] - self.handoff_ms.get(2, self.handoff_ms[top])) / max(1, top - 2)
+        return self.handoff_ms[top] + per * (k - top)
+
+    def allreduce_ms(self, nbytes: float) -> float:
+        return self.allreduce_latency_ms + self.allreduce_ms_per_mib * nbytes / 2**20
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        for name in ("handoff_ms", "dataparallel_ms", "balanced_ms"):
+            out[name] = {str(k): v for k, v in getattr(self, name).items()}
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Calibration:
+        known = {f.name for f in fields(cls)}
+        data = {k: v for k, v in data.items() if k in known}
+        data["handoff_ms"] = {int(k): float(v) for k, v in data["handoff_ms"].items()}
+        for name in ("dataparallel_ms", "balanced_ms"):
+            data[name] = {int(k): {p: float(ms) for p, ms in v.items()} for k, v in data.get(name, {}).items()}
+        data["allreduce_points"] = [(int(b), float(ms)) for b, ms in data.get("allreduce_points", [])]
+        return cls(**data)
+
+    def lines(self) -> list[str]:
+        """What was measured, in words (``dpprof advise --calibrate`` prints these)."""
+        hand = ", ".join(f"{k} workers {ms * 1e3:.0f} us" for k, ms in sorted(self.handoff_ms.items()) if k > 1)
+        points = ", ".join(f"{b / 1024:,.0f} KiB {ms:.3f} ms" for b, ms in self.allreduce_points)
+        out = [f"calibration of {self.host}, {self.backend} x{self.devices}, {self.threads} intra-op thread(s), "
+               f"{self.cores} cores, torch {self.torch_version}, measured {self.measured_at}",
+               f"  hand-off of a no-op task to k CPU workers and back: {hand}",
+               f"  copy on the calling thread: {self.copy_ms_per_mib:.3f} ms per MiB; one small tensor op: "
+               f"{self.op_ms * 1e3:.1f} us",
+               f"  gloo all-reduce across {self.devices} ranks: {points} -> {self.allreduce_latency_ms:.3f} ms + "
+               f"{self.allreduce_ms_per_mib:.3f} ms per MiB",
+               f"  a real DDP run of a model with no compute (dpprof profile tutorial-linear --ddp): each step waits "
+               f"{self.ddp_sync_ms:.3f} ms for its one small all-reduce, and holds {self.ddp_overhead_ms:.3f} ms beyond "
+               "its phases"]
+        for title, table in (("DataParallel", self.dataparallel_ms), ("balanced", self.balanced_ms)):
+            for k, parts in sorted(table.items()):
+                shown = ", ".join(f"{p} {ms:.3f}" for p, ms in parts.items())
+                out.append(f"  {title}'s own costs on {k} worker(s), a model with no compute (ms): {shown}")
+        if self.thread_speedup is not None:
+            out.append(f"  a conv's forward + backward on {self.threads} threads: {self.thread_speedup:.2f}x one thread")
+        if self.effective_cores is not None:
+            out.append(f"  cores this job gets: {self.effective_cores:.2f} of {self.cores} (one single-threaded worker "
+                       f"per core at once against one alone), measured {self.cores_measured_at}")
+        noisy = [f"{k} {v:.0%}" for k, v in self.spread.items() if v > 0.25]
+        if noisy:
+            out.append(f"  noisy (interquartile range over median above 25%): {', '.join(noisy)}")
+        return out
+
+
+def device_set_key(backend: str, devices: int, threads: int, host: str | None = None) -> str:
+    """The cache key of one device set on one host: ``vm-cpu2-t2``."""
+    host = host or socket.gethostname()
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in host)
+    return f"{safe}-{backend}{devices}-t{threads}"
+
+
+def cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/dpprof/advise``, default ``~/.cache/dpprof/advise``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dpprof" / "advise"
+
+
+def cache_path(backend: str, devices: int, threads: int, host: str | None = None) -> Path:
+    return cache_dir() / f"{device_set_key(backend, devices, threads, host)}.json"
+
+
+def load_calibration(backend: str, devices: int, threads: int, host: str | None = None) -> Calibration | None:
+    """The cached calibration of this device set on ``host`` (default: this host), or None (none, unreadable, older)."""
+    path = cache_path(backend, devices, threads, host)
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") != CALIBRATION_VERSION:
+            return None
+        return Calibration.from_json(data)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_calibration(calibration: Calibration) -> Path:
+    """Write the calibration to its cache file (whole, through a temporary name); returns the path."""
+    path = cache_path(calibration.backend, calibration.devices, calibration.threads, calibration.host)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(calibration.to_json(), indent=1))
+    os.replace(tmp, path)
+    return path

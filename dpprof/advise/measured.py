@@ -1,0 +1,323 @@
+"""The recorded run's figures the advisor's model starts from, read once (torch-free).
+
+**The typical step.** Steps past the first (its one-time costs: first calls, allocations), at the run's most
+common batch size, whose time lies between the 25th and 75th percentile: each phase is averaged over these
+steps, so the parts add up exactly to their mean step, which stands for the median step without the stalls a
+shared machine adds. A long run (read from its aggregates) uses the steps whose detail stands for the run
+(RunModel.sampled_steps_sql).
+
+**Memory** is what dpprof accounts to each device in its peak step, split into what scales with the batch
+(its input chunk, outputs, saved activations, gathered outputs, the loss's tensors) and what does not (weights,
+buffers), and the CUDA allocator's peak where the run recorded it.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from dpprof.advise import NotAdvisable
+from dpprof.store import queries
+from dpprof.store.reader import StoredRun
+from dpprof.workload_names import WORKLOAD_NAMES
+
+__all__ = ["MIN_STEPS", "Measured", "DeviceMemory", "measure", "chunk_sizes"]
+
+# As the findings (dpprof.findings): the first step carries one-time costs, so a run needs at least two more
+# to say anything about a typical step.
+MIN_STEPS = 3
+TYPICAL_QUANTILES = (0.25, 0.75)  # the middle half of the steps: stalls from other jobs left out
+BOOTSTRAP_RESAMPLES = 400  # enough for a 90% interval of the median to settle within a percent
+MEDIAN_INTERVAL = (0.05, 0.95)  # the 90% interval of the median step, by resampling the steps
+
+
+def chunk_sizes(batch: int, devices: int) -> list[int]:
+    """torch.chunk's split of ``batch`` samples over ``devices``: chunks of ceil(batch / devices), the last
+    smaller; fewer chunks than devices when the batch is small (10 on 8 -> five chunks of 2)."""
+    if batch <= 0 or devices <= 0:
+        return []
+    size = -(-batch // devices)
+    full, rest = divmod(batch, size)
+    return [size] * full + ([rest] if rest else [])
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What dpprof accounts to one device in its peak step, by what it scales with."""
+
+    device: str
+    chunk: int  # samples of the model's input chunk in that step
+    model_bytes: int  # the model call's input chunk, outputs and saved activations: scale with the chunk
+    fixed_bytes: int  # weights and buffers (a replica's copies on the other devices): do not scale
+    gathered_bytes: int  # gathered outputs (the output device): scale with the global batch
+    loss_bytes: int  # the loss's targets, output and saved tensors on this device
+    loss_scales_with: str  # "batch": a whole-batch loss on the output device; "chunk": the balanced criterion's share
+    held_bytes: int  # all of it: the peak held
+    allocator_peak_bytes: int | None  # the CUDA allocator's peak allocated; None on CPU workers
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One recorded DataParallel run, in the terms of the advisor's model (times are ms per typical step)."""
+
+    run_id: str
+    name: str
+    kind: str  # "dataparallel" or "balanced"
+    backend: str  # "cpu" (CPU workers) or "cuda"
+    devices: tuple[str, ...]  # in device_ids order; the first is the output device
+    batch_size: int  # the typical step's global batch
+    chunks: tuple[int, ...]  # each device's chunk in the typical step (torch.chunk's split)
+    steps: int  # steps in the run
+    typical_steps: int  # steps the parts are averaged over
+    step_ms: float  # the median step (dpprof's one definition: every recorded step)
+    typical_step_ms: float  # the mean of the typical steps: what the parts add up to
+    median_interval: tuple[float, float]  # the 90% interval of the median step over the median, by resampling
+    step_quartiles: tuple[float, float]  # the 25th and 75th percentile of the steps past the first, over the median
+    gap_ms: float  # the median time between one step's end and the next one's start: loading the batch, the loop
+    parts_ms: dict[str, float]  # scatter, replicate, apply (one device), parallel_apply, gather, loss, reduce, backward,
+    # rest: the typical step's, adding up to it
+    apply_ms: dict[str, float]  # each device's apply of the model (call 0)
+    loss_apply_ms: dict[str, float]  # each device's apply of the balanced criterion (its share of the loss)
+    loss_parts_ms: dict[str, float]  # the balanced criterion's own scatter, replicate, parallel_apply
+    fixed_apply_ms: float  # the part of an apply that does not scale with its chunk (per chunk)
+    fixed_apply_source: str  # how fixed_apply_ms was found, in words
+    threads: int  # intra-op threads of the recording process
+    threads_source: str
+    cores: int
+    memory: dict[str, DeviceMemory]
+    param_bytes: int  # the model's weights (its gradients are as large)
+    input_bytes_per_sample: float
+    output_bytes_per_sample: float
+    target_bytes_per_sample: float
+    total_memory_bytes: dict[str, int]  # a GPU's memory (devices table); empty on CPU workers
+    workload: str | None
+    workload_args: dict[str, Any] = field(default_factory=dict)
+    source: str = "script"  # "builtin" (dpprof profile WORKLOAD), "model" (dpprof profile --model), "script"
+
+    @property
+    def n(self) -> int:
+        return len(self.devices)
+
+    @property
+    def output_device(self) -> str:
+        return self.devices[0]
+
+
+def _typical(steps: pd.DataFrame) -> pd.DataFrame:
+    """The steps past the first at the most common batch size, in the middle half by time."""
+    later = steps[steps["step"] > steps["step"].min()]
+    if later["batch_size"].notna().any():
+        mode = later["batch_size"].mode()
+        later = later[later["batch_size"] == mode.max()]
+    lo, hi = later["duration_ms"].quantile(list(TYPICAL_QUANTILES))
+    middle = later[(later["duration_ms"] >= lo) & (later["duration_ms"] <= hi)]
+    return middle if len(middle) >= 2 else later
+
+
+def _median_interval(durations: list[float]) -> tuple[float, float]:
+    """The 90% interval of the median of ``durations`` over the median, by resampling them (seeded: the same
+    run gives the same interval)."""
+    med = statistics.median(durations)
+    if len(durations) < 2 or med <= 0:
+        return 1.0, 1.0
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(durations, k=len(durations))) for _ in range(BOOTSTRAP_RESAMPLES))
+    lo = meds[int(MEDIAN_INTERVAL[0] * (len(meds) - 1))]
+    hi = meds[int(MEDIAN_INTERVAL[1] * (len(meds) - 1))]
+    return lo / med, hi / med
+
+
+def _refuse(run: StoredRun) -> None:
+    """NotAdvisable, in one line, for a run the model cannot start from."""
+    model = run.model
+    if model.kind == "empty":
+        raise NotAdvisable(f"run {run.id} recorded no steps: {model.empty_reason}")
+    if model.imported:
+        raise NotAdvisable(f"run {run.id} is an imported torch.profiler trace: it holds no dpprof accounting of what "
+                           "each device computes per sample and holds to predict from; record the training with "
+                           "dpprof (dpprof run or dpprof profile) and advise on that run")
+    if model.kind == "ddp":
+        raise NotAdvisable(f"run {run.id} is a DistributedDataParallel run: the advisor predicts other set-ups "
+                           "from a DataParallel run; record the model with DataParallel (dpprof profile, or dpprof "
+                           "run on a script that uses it) and advise on that run")
+    if model.kind not in ("dataparallel", "balanced"):
+        raise NotAdvisable(f"run {run.id} is a {model.kind} run: the advisor predicts from DataParallel runs")
+    if model.steps < MIN_STEPS:
+        raise NotAdvisable(f"run {run.id} has {model.steps} step(s): the advisor needs at least {MIN_STEPS} (the "
+                           "first step carries one-time costs, and a typical step needs two more)")
+    if model.backend not in ("cpu", "cuda"):
+        raise NotAdvisable(f"run {run.id} ran on no device ({model.backend}): DataParallel without device_ids")
+
+
+def measure(run: StoredRun) -> Measured:
+    """The run's typical step, its parts, its chunks and its memory, for dpprof.advise.model.
+
+    Raises:
+        NotAdvisable: a DDP run, an imported trace, an empty run or one of fewer than MIN_STEPS steps, or a step
+            the model does not cover (several DataParallel forward calls); the message says why in one line.
+    """
+    _refuse(run)
+    model = run.model
+    sampled = model.sampled_steps_sql()
+    steps = run.query(f"SELECT step, duration_ms, batch_size, devices_used, forward_calls FROM steps WHERE {sampled} "
+                      "ORDER BY step")
+    durations = run.query("SELECT duration_ms FROM steps WHERE step > (SELECT MIN(step) FROM steps)")["duration_ms"]
+    if len(steps) < MIN_STEPS or len(durations) < MIN_STEPS - 1:
+        raise NotAdvisable(f"run {run.id} keeps the detail of {len(steps)} step(s): the advisor needs {MIN_STEPS}")
+    typical = _typical(steps)
+    ids = tuple(int(s) for s in typical["step"])
+    where = f"step IN ({', '.join(map(str, ids))})"
+    phases = run.query(f"SELECT step, call, phase, device, duration_ms FROM phases WHERE {where}")
+    if phases.empty:
+        raise NotAdvisable(f"run {run.id} has no phases in its typical steps: nothing to predict from")
+    calls = sorted(int(c) for c in phases["call"].unique())
+    criterion_call = None
+    for c in calls[1:]:
+        names = set(phases.loc[phases["call"] == c, "phase"])
+        if names & {"loss", "reduce"}:
+            criterion_call = c
+        elif names:
+            raise NotAdvisable(f"run {run.id} runs DataParallel {len(calls)} times a step: the advisor models one "
+                               "DataParallel forward per step and its loss")
+    per_step = typical["duration_ms"]
+    count = len(ids)
+
+    def mean(phase: str, call: int | None = 0, device: str | None = None) -> float:
+        rows = phases[phases["phase"] == phase]
+        if call is not None:
+            rows = rows[rows["call"] == call]
+        if device is not None:
+            rows = rows[rows["device"] == device]
+        return float(rows["duration_ms"].sum()) / count
+
+    devices = tuple(d for d in model.devices if d not in model.idle)
+    parts = {p: mean(p) for p in ("scatter", "replicate", "parallel_apply", "gather")}
+    # one device: the module runs on the caller, its apply a part of the step; else inside parallel_apply
+    parts["apply"] = mean("apply") if not parts["parallel_apply"] else 0.0
+    loss_parts = {}
+    if criterion_call is not None and model.kind == "balanced":
+        loss_parts = {p: mean(p, criterion_call) for p in ("scatter", "replicate", "parallel_apply")}
+        parts["loss"] = sum(loss_parts.values())
+        parts["reduce"] = mean("reduce", criterion_call)
+    else:
+        parts["loss"] = mean("loss", criterion_call) if criterion_call is not None else 0.0
+        parts["reduce"] = 0.0
+    parts["backward"] = mean("backward", None)
+    typical_ms = float(per_step.mean())
+    parts["rest"] = typical_ms - sum(parts.values())
+    apply_ms = {d: mean("apply", 0, d) for d in devices}
+    loss_apply = {d: mean("apply", criterion_call, d) for d in devices} if loss_parts else {}
+
+    chunks_seen = run.query(f"SELECT step, device, chunk_size FROM memory WHERE call = 0 AND {where}")
+    batch = int(typical["batch_size"].max()) if typical["batch_size"].notna().any() else 0
+    by_device = chunks_seen.groupby("device")["chunk_size"].median()
+    chunks = tuple(int(by_device.get(d, 0) or 0) for d in devices)
+    if not batch or sum(chunks) != batch:
+        split = chunk_sizes(batch, len(devices))
+        chunks = tuple(split + [0] * (len(devices) - len(split))) if batch else chunks
+    fixed, fixed_source = _fixed_apply_ms(run, sampled, devices)
+    threads, threads_source, cores = _threads(run)
+    memory = _memory(run, devices, batch, model.kind)
+    first = memory[devices[0]]
+    inputs = run.query("SELECT SUM(input_bytes) AS i, SUM(output_bytes) AS o, SUM(chunk_size) AS c FROM memory "
+                       f"WHERE call = 0 AND {where}")
+    samples = float(inputs["c"].sum() or 0)
+    targets = (run.query(f"SELECT SUM(input_bytes) AS t FROM memory WHERE call = ? AND {where}", (criterion_call,))
+               if criterion_call is not None else pd.DataFrame({"t": [0]}))
+    totals = run.table("devices")
+    total = {str(r["device"]): int(r["total_memory_bytes"]) for _, r in totals.iterrows()
+             if pd.notna(r.get("total_memory_bytes")) and r.get("kind") == "cuda"}
+    workload = run.meta.get("workload")
+    args = run.meta.get("workload_args") or {}
+    source = ("builtin" if workload in WORKLOAD_NAMES and "steps" in args else
+              "model" if "input_shape" in args and "steps" in args else "script")
+    return Measured(
+        run_id=run.id, name=str(run.meta.get("name") or run.id), kind=model.kind, backend=str(model.backend),
+        devices=devices, batch_size=batch, chunks=chunks, steps=model.steps, typical_steps=count,
+        step_ms=float(queries.median_step_ms(run) or typical_ms), typical_step_ms=typical_ms,
+        median_interval=_median_interval([float(d) for d in durations]),
+        gap_ms=_gap_ms(run),
+        step_quartiles=(float(durations.quantile(0.25) / durations.median()),
+                        float(durations.quantile(0.75) / durations.median())), parts_ms=parts, apply_ms=apply_ms,
+        loss_apply_ms=loss_apply, loss_parts_ms=loss_parts, fixed_apply_ms=fixed, fixed_apply_source=fixed_source,
+        threads=threads, threads_source=threads_source, cores=cores, memory=memory,
+        param_bytes=int(first.fixed_bytes),
+        input_bytes_per_sample=float(inputs["i"].sum() or 0) / samples if samples else 0.0,
+        output_bytes_per_sample=float(inputs["o"].sum() or 0) / samples if samples else 0.0,
+        target_bytes_per_sample=float(targets["t"].sum() or 0) / (batch * count) if batch else 0.0,
+        total_memory_bytes=total, workload=workload, workload_args=dict(args), source=source)
+
+
+def _gap_ms(run: StoredRun) -> float:
+    """The median gap between consecutive steps (the next start less this one's end), the first step left out."""
+    steps = run.query("SELECT step, start_ms, duration_ms FROM steps ORDER BY step")
+    steps = steps[steps["step"] > steps["step"].min()]
+    gaps = (steps["start_ms"].shift(-1) - steps["start_ms"] - steps["duration_ms"])[steps["step"].diff().shift(-1) == 1]
+    gaps = gaps.dropna().clip(lower=0)
+    return float(gaps.median()) if len(gaps) else 0.0
+
+
+# Fewer steps than this at a second chunk size do not separate a per-chunk cost from a per-sample one.
+MIN_STEPS_PER_CHUNK_SIZE = 3
+
+
+def _fixed_apply_ms(run: StoredRun, sampled: str, devices: tuple[str, ...]) -> tuple[float, str]:
+    """The per-chunk part of an apply: the intercept of apply time against chunk size, where the run's chunks came
+    in at least two sizes (an epoch's last, smaller batch); else 0 (every apply scales with its chunk)."""
+    rows = run.query("SELECT p.step, p.device, SUM(p.duration_ms) AS ms, m.chunk_size AS chunk FROM phases p "
+                     "JOIN memory m ON m.step = p.step AND m.device = p.device AND m.call = 0 "
+                     f"WHERE p.phase = 'apply' AND p.call = 0 AND p.step > (SELECT MIN(step) FROM steps) "
+                     f"AND {sampled.replace('step', 'p.step')} GROUP BY p.step, p.device")
+    rows = rows.dropna(subset=["chunk"])
+    sizes = rows.groupby("chunk")["step"].nunique()
+    sizes = sizes[sizes >= MIN_STEPS_PER_CHUNK_SIZE]
+    if len(sizes) < 2:
+        return 0.0, ("the run's chunks all had one size, so an apply is taken to scale with its chunk (no per-chunk "
+                     "part; the hand-off to a worker is measured apart)")
+    rows = rows[rows["chunk"].isin(sizes.index)]
+    # per chunk size, the median apply (robust to stalls), then the line through them
+    med = rows.groupby("chunk")["ms"].median()
+    xs, ys = [float(x) for x in med.index], [float(y) for y in med.values]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    slope = max(0.0, slope)
+    fixed = min(max(0.0, my - slope * mx), min(ys))
+    shown = ", ".join(f"{int(x)} samples {y:.3f} ms" for x, y in zip(xs, ys))
+    return fixed, f"from the run's chunks of {len(xs)} sizes (median apply: {shown}): {fixed:.3f} ms per chunk"
+
+
+def _threads(run: StoredRun) -> tuple[int, str, int]:
+    devices = run.table("devices")
+    cores = int(devices["cores"].dropna().max()) if "cores" in devices and devices["cores"].notna().any() else 1
+    recorded = (run.meta.get("workload_args") or {}).get("threads")
+    if recorded:
+        return int(recorded), "recorded by dpprof profile", cores
+    return cores, "not recorded: taken as the cores (torch's default)", cores
+
+
+def _memory(run: StoredRun, devices: tuple[str, ...], batch: int, kind: str) -> dict[str, DeviceMemory]:
+    peaks = queries.memory_peaks(run, detail=False)
+    out = {}
+    for device in devices:
+        row = peaks[peaks["device"] == device]
+        if row.empty or pd.isna(row["peak_step"].iloc[0]):
+            raise NotAdvisable(f"run {run.id} has no memory records for {device}: nothing to predict memory from")
+        step = int(row["peak_step"].iloc[0])
+        calls = run.query("SELECT call, chunk_size, input_bytes, output_bytes, activation_bytes, gathered_bytes, "
+                          "param_bytes, buffer_bytes FROM memory WHERE device = ? AND step = ?", (device, step))
+        model_rows = calls[calls["call"] == 0]
+        other = calls[calls["call"] != 0]
+        alloc = row["peak_allocated_bytes"].iloc[0]
+        out[device] = DeviceMemory(
+            device=device, chunk=int(model_rows["chunk_size"].sum() or 0),
+            model_bytes=int((model_rows["input_bytes"] + model_rows["output_bytes"] + model_rows["activation_bytes"]).sum()),
+            fixed_bytes=int((calls["param_bytes"] + calls["buffer_bytes"]).sum()),
+            gathered_bytes=int(calls["gathered_bytes"].sum()),
+            loss_bytes=int((other["input_bytes"] + other["output_bytes"] + other["activation_bytes"]).sum()),
+            loss_scales_with="chunk" if kind == "balanced" else "batch",
+            held_bytes=int(row["peak_held_bytes"].iloc[0]),
+            allocator_peak_bytes=None if pd.isna(alloc) else int(alloc))
+    return out

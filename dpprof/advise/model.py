@@ -1,0 +1,633 @@
+"""The advisor's arithmetic: from one recorded DataParallel run (dpprof.advise.measured) and this machine's
+calibration (dpprof.advise.calibration), each scenario's step time with its parts and interval, and each
+device's peak held memory. Torch-free; every figure here can be checked by hand (docs/advise.md walks one run).
+
+**Level from the run, shape from the machine.** Every part starts from what the run measured in its typical
+step; what changes with the set-up is added on top:
+
+- compute (each device's apply, backward) scales with the samples it gets, device by device along the batch
+  (a sorted batch keeps its long samples at the end), less a per-chunk part where the run shows one;
+- DataParallel's own machinery (scatter, replicate, the dispatch around parallel_apply, gather, the backward's
+  per-replica work, the recording's bookkeeping outside the phases, the balanced criterion's scatter, replicate
+  and reduce) changes by what the calibration measured for a model with no compute on k workers against n, plus
+  a copy of the weights per replica;
+- CPU workers share the cores this job gets (the calibration measures them: the host's on an idle machine, fewer
+  where other jobs run): k workers of t threads each on C cores run at most C threads' worth at a time, so each
+  apply takes max(1, k t / C) times its time alone, and the recorded times are taken at that speed too;
+- DDP ranks (``dpprof profile --ddp``: one process, one intra-op thread each) run their forward, loss and
+  backward on their own chunk, then all-reduce the gradients bucket by bucket (each as long as a real DDP run's
+  wait for one small bucket, plus its bytes at the calibrated gloo rate), the buckets launched as backward reaches
+  them; the step waits for the slowest rank.
+
+**Intervals.** The widest of: the middle half of the recorded steps (the machine's noise while it ran), the
+recorded median's 90% interval widened for comparing two runs' medians (x sqrt 2), and RUN_TO_RUN_SHARE (how far
+two runs of one set-up land apart on a shared machine); scaled to the prediction; plus EXTRAPOLATION_SHARE of the
+change the prediction makes from the recorded step (what the model assumed rather than measured).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from dpprof.advise import NotAdvisable
+from dpprof.advise.calibration import Calibration
+from dpprof.advise.commands import command_for
+from dpprof.advise.measured import Measured, chunk_sizes
+
+__all__ = ["Scenario", "Advice", "advise", "EXTRAPOLATION_SHARE", "DDP_FIRST_BUCKET_BYTES", "DDP_BUCKET_BYTES",
+           "PART_ORDER"]
+
+# The share of a prediction's change from the recorded step that its interval allows for: the per-sample split
+# of compute, the cores model and DDP's overlap are assumptions, not measurements of the scenario (the README's
+# table of predicted against measured shows how far they were off).
+EXTRAPOLATION_SHARE = 0.25
+# How far the median of one run lands from another's of the same set-up minutes later on a machine shared with
+# other jobs: a median of 15% over bench/advise.py's re-runs of the recorded set-ups (3 rounds, 5 workloads, the
+# shared 2-core build machine, 2026-11-23). An interval is never narrower than this either side of its step.
+RUN_TO_RUN_SHARE = 0.15
+# DistributedDataParallel's buckets (torch: dist._DEFAULT_FIRST_BUCKET_BYTES, bucket_cap_mb=25): the first
+# bucket in backward order holds up to 1 MiB, the others up to 25 MiB
+DDP_FIRST_BUCKET_BYTES = 1 << 20
+DDP_BUCKET_BYTES = 25 << 20
+# GPUs only (not checked against GPU runs: no GPU where this was built). Where a run recorded no transfer to measure
+# the link by, a PCIe 3.0 x16 link's ~12 GB/s as a host measures it; and the latency of one NCCL all-reduce on one
+# host, a few tens of microseconds in NCCL's own tests.
+ASSUMED_LINK_MS_PER_MIB = 2**20 / 12e9 * 1e3
+NCCL_LATENCY_MS = 0.03
+# Parts of a step, in the order they run; each scenario's parts_ms add up to its step_ms.
+PART_ORDER = ("scatter", "replicate", "apply", "parallel_apply", "gather", "loss", "reduce", "forward",
+              "backward_compute", "backward", "comm_wait", "rest")
+PART_WORDS = {"scatter": "scatter", "replicate": "replicate", "apply": "apply (one device, on the caller)",
+              "parallel_apply": "apply (all devices)", "gather": "gather", "loss": "loss", "reduce": "reduce",
+              "forward": "forward", "backward_compute": "backward compute", "backward": "backward",
+              "comm_wait": "all-reduce wait", "rest": "rest (optimizer, zero_grad, Python)"}
+
+
+@dataclass
+class Scenario:
+    """One predicted set-up."""
+
+    scenario: str  # "ddp" | "dataparallel" | "balanced"
+    devices: int
+    batch_size: int
+    step_ms: float
+    step_ms_low: float
+    step_ms_high: float
+    peak_bytes: dict[str, int]  # per device (ranks as rank:N): dpprof's accounting of what it holds
+    parts_ms: dict[str, float]  # add up to step_ms
+    label: str  # "DDP on 2 ranks (gloo)", "DataParallel on 3 CPU workers, batch 512"
+    changes: list[str]  # what changes and why, with each part's predicted ms
+    command: str | None  # the command that runs it for real; None for a run recorded from a script
+    recorded: bool = False  # the recorded set-up itself (its step is the measured median)
+    allocator_peak_bytes: dict[str, int] | None = None  # the CUDA allocator's peak, where the run recorded it
+    device_labels: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"scenario": self.scenario, "devices": self.devices, "batch_size": self.batch_size,
+               "step_ms": round(self.step_ms, 4), "step_ms_low": round(self.step_ms_low, 4),
+               "step_ms_high": round(self.step_ms_high, 4), "peak_bytes": dict(self.peak_bytes),
+               "parts_ms": {k: round(v, 4) for k, v in self.parts_ms.items()}, "label": self.label,
+               "changes": list(self.changes), "command": self.command, "recorded": self.recorded}
+        if self.allocator_peak_bytes is not None:
+            out["allocator_peak_bytes"] = dict(self.allocator_peak_bytes)
+        return out
+
+
+@dataclass
+class Advice:
+    """Every scenario predicted from one run."""
+
+    run_id: str
+    measured: Measured
+    calibration: Calibration | None
+    scenarios: list[Scenario]
+    max_batch_size: dict[str, int]  # per device: the largest global batch at which it still fits
+    max_batch_note: str  # where the capacity came from, or why there is none
+    assumptions: list[str]  # what the model assumed rather than measured, in sentences
+
+    @property
+    def measured_step_ms(self) -> float:
+        return self.measured.step_ms
+
+    def to_json(self) -> dict[str, Any]:
+        m = self.measured
+        return {"run": self.run_id, "measured_step_ms": round(m.step_ms, 4),
+                "scenarios": [s.to_json() for s in self.scenarios], "max_batch_size": dict(self.max_batch_size),
+                "max_batch_note": self.max_batch_note, "batch_size": m.batch_size, "devices": list(m.devices),
+                "kind": m.kind, "backend": m.backend, "recorded_parts_ms": {k: round(v, 4) for k, v in self._recorded().items()},
+                "assumptions": list(self.assumptions),
+                "calibration": self.calibration.to_json() if self.calibration is not None else None}
+
+    def _recorded(self) -> dict[str, float]:
+        return next((s.parts_ms for s in self.scenarios if s.recorded), {})
+
+
+# -- compute along the batch -------------------------------------------------------------------------------
+
+
+class _Compute:
+    """Each recorded device's compute per sample, by its place in the batch, and the per-chunk part."""
+
+    def __init__(self, m: Measured, per_device_ms: dict[str, float], fixed_ms: float, share: float) -> None:
+        self.batch = m.batch_size
+        self.fixed = fixed_ms
+        self.spans: list[tuple[float, float, float]] = []  # (start, end) as fractions of the batch, ms per sample
+        start = 0
+        for device, chunk in zip(m.devices, m.chunks):
+            if chunk <= 0:
+                continue
+            alone = per_device_ms.get(device, 0.0) / share
+            per_sample = max(0.0, alone - fixed_ms) / chunk
+            self.spans.append((start / self.batch, (start + chunk) / self.batch, per_sample))
+            start += chunk
+
+    def chunk_ms(self, begin: int, end: int, batch: int, per_chunk: bool = True) -> float:
+        """Compute of samples [begin, end) of a batch of ``batch``, each sample costing what the recorded device at
+        the same place in the batch paid per sample, plus the per-chunk part."""
+        if end <= begin:
+            return 0.0
+        lo, hi = begin / batch, end / batch
+        ms = 0.0
+        for a, b, per_sample in self.spans:
+            overlap = max(0.0, min(hi, b) - max(lo, a))
+            ms += overlap * batch * per_sample
+        return ms + (self.fixed if per_chunk else 0.0)
+
+    def chunks_ms(self, batch: int, devices: int, per_chunk: bool = True) -> list[float]:
+        out, start = [], 0
+        for size in chunk_sizes(batch, devices):
+            out.append(self.chunk_ms(start, start + size, batch, per_chunk))
+            start += size
+        return out
+
+
+def _speedup(threads: int, t: int, measured: float | None) -> float:
+    """How much faster a per-sample computation runs on t intra-op threads than on one: linear between 1 (one
+    thread) and the calibration's speedup at the recorded count; ``threads`` (ideal) where not measured."""
+    if t <= 1 or threads <= 1:
+        return 1.0
+    top = measured if measured is not None else float(threads)
+    t = min(t, threads)
+    return 1.0 + (top - 1.0) * (t - 1) / (threads - 1)
+
+
+# -- the scenarios -----------------------------------------------------------------------------------------
+
+
+def _present(used: int, balanced: bool) -> tuple[str, ...]:
+    """The parts a step of DataParallel on ``used`` devices has."""
+    if used == 1:
+        return ("scatter", "apply", "loss", "backward", "rest")
+    if balanced:
+        return ("scatter", "replicate", "parallel_apply", "loss", "reduce", "backward", "rest")
+    return ("scatter", "replicate", "parallel_apply", "gather", "loss", "backward", "rest")
+
+
+class _Model:
+    def __init__(self, m: Measured, cal: Calibration | None) -> None:
+        self.m, self.cal = m, cal
+        n, T = m.n, m.threads
+        # the cores this job gets: the calibration's measure of them (fewer than the host's where other jobs run)
+        C = cal.effective_cores if cal is not None and cal.effective_cores else float(max(1, m.cores))
+        self.n, self.T, self.C = n, T, C
+        self.cpu = m.backend == "cpu"
+        self.share_n = self._share(n)
+        self.over_n = self._oversubscribed(n, self.share_n)
+        scale = m.step_ms / m.typical_step_ms if m.typical_step_ms > 0 else 1.0
+        # the typical step's parts, scaled to add up to the median step
+        self.parts = {p: v * scale for p, v in m.parts_ms.items()}
+        self.apply = {d: v * scale for d, v in m.apply_ms.items()}
+        self.loss_apply = {d: v * scale for d, v in m.loss_apply_ms.items()}
+        self.fixed = m.fixed_apply_ms * scale
+        # per-sample compute at one thread, alone on its cores
+        self.speed_n = _speedup(T, self.share_n, cal.thread_speedup if cal else None)
+        self.forward = _Compute(m, self.apply, self.fixed, self.over_n / self.speed_n if self.cpu else 1.0)
+        self.balanced = m.kind == "balanced"
+        self.grad_mib = m.param_bytes / 2**20
+        self.copy_ms_per_mib = cal.copy_ms_per_mib if cal else 0.0
+        self.link_ms_per_mib, self.link_source = self._link(m)
+        if not self.cpu:  # between GPUs, copies and sums of gradients cross the link
+            self.copy_ms_per_mib = self.link_ms_per_mib
+        # backward on the caller: each replica's graph (in proportion to its compute) plus the gradients' sum
+        graphs = self.forward.chunks_ms(m.batch_size, n)
+        self.reduce_n = self._grad_sum(n)
+        # the caller's time per ms of one thread's work alone: its T threads' speed-up, the cores it gets
+        self.caller_factor = (self._oversubscribed(1, T) / _speedup(T, T, cal.thread_speedup if cal else None)
+                              if self.cpu else 1.0)
+        denominator = sum(graphs) * self.caller_factor
+        if not self.cpu:  # GPUs run their replicas' backward at once: the slowest device's sets the time
+            denominator = max(graphs, default=0.0)
+        self.backward_per_compute = max(0.0, self.parts["backward"] - self.reduce_n - self._machinery("backward", n)) / (
+            denominator) if denominator > 0 else 0.0
+        if self.balanced:  # the whole batch's loss, were it computed on the caller
+            per_device = sum(max(0.0, v - self._machinery("criterion_apply", n)) for v in self.loss_apply.values())
+            self.loss_compute = per_device * self.speed_n / self.over_n * self.caller_factor
+        else:
+            self.loss_compute = max(0.0, self.parts["loss"] - self._machinery("loss", n))
+        # level from the run: what the recorded parts hold beyond the model's own figure for the recorded set-up
+        # (DataParallel's machinery as the calibration measured it, on this run's model), added to every prediction
+        raw = self._raw(n, m.batch_size, self.balanced)
+        self.offsets = {p: self.parts.get(p, 0.0) - v for p, v in raw.items()}
+
+    # threads and cores
+    def _share(self, k: int) -> int:
+        """Intra-op threads each of k workers runs with (the caller's count split among them, at least one); the
+        caller's own count at k = 1, where the apply runs on the caller."""
+        return self.T if k <= 1 else max(1, self.T // k)
+
+    def _oversubscribed(self, k: int, share: int) -> float:
+        return max(1.0, k * share / self.C) if self.cpu else 1.0
+
+    def _machinery(self, phase: str, k: int, balanced: bool | None = None) -> float:
+        if self.cal is None:
+            return 0.0
+        return self.cal.machinery(self.balanced if balanced is None else balanced, k, phase)
+
+    def _link(self, m: Measured) -> tuple[float, str]:
+        """ms per MiB between devices: on GPUs from the run's own transfers (gathered outputs, else the scattered
+        inputs), else assumed; unused on CPU workers."""
+        if self.cpu:
+            return 0.0, ""
+        for part, per_sample in (("gather", m.output_bytes_per_sample), ("scatter", m.input_bytes_per_sample)):
+            mib = per_sample * m.batch_size / 2**20
+            if m.parts_ms.get(part, 0.0) > 0 and mib >= 1:
+                return m.parts_ms[part] / mib, f"measured from the run's {part} ({mib:.1f} MiB a step)"
+        return ASSUMED_LINK_MS_PER_MIB, "assumed at 12 GB/s (PCIe 3.0 x16): the run moved too little to measure it"
+
+    def _grad_sum(self, k: int) -> float:
+        """Summing k replicas' gradients onto device_ids[0] in backward: k - 1 additions of the weights' size."""
+        return max(0, k - 1) * self.grad_mib * self.copy_ms_per_mib
+
+    # DataParallel and balanced on k devices, batch B
+    def _raw(self, k: int, batch: int, balanced: bool) -> dict[str, float]:
+        """The parts from the model's rates alone: compute from the run's per-sample figures, DataParallel's own
+        machinery from the calibration, replicate in proportion to its recorded copies."""
+        m = self.m
+        used = len(chunk_sizes(batch, k))
+        share = self._share(used)
+        over = self._oversubscribed(used, share)
+        speed = _speedup(self.T, share, self.cal.thread_speedup if self.cal else None) if self.cpu else 1.0
+        compute = self.forward.chunks_ms(batch, k)
+        apply = [c / speed * over for c in compute]
+        parts: dict[str, float] = {"scatter": self._machinery("scatter", used, balanced)}
+        if used == 1:  # the module runs on the caller: no replicate, no workers, nothing to gather
+            parts.update(replicate=0.0, apply=apply[0], parallel_apply=0.0, gather=0.0)
+        else:
+            # the call's own cost and the per-replica machinery (the calibration's), and a copy of the weights for
+            # each replica but the first
+            parts["replicate"] = (self._machinery("replicate", used, balanced)
+                                  + (used - 1) * self.grad_mib * self.copy_ms_per_mib)
+            parts["apply"] = 0.0
+            parts["parallel_apply"] = max(apply) + self._machinery("dispatch", used, balanced)
+            parts["gather"] = 0.0 if balanced else (m.output_bytes_per_sample * batch / 2**20 * self.copy_ms_per_mib
+                                                    + self._machinery("gather", used, False))
+        if balanced and used > 1:  # each device's share of the loss, on its worker
+            losses = [self.loss_compute / self.caller_factor * (c / batch) / speed * over for c in chunk_sizes(batch, k)]
+            parts["loss"] = max(losses) + sum(self._machinery(p, used, True) for p in (
+                "criterion_scatter", "criterion_replicate", "criterion_dispatch", "criterion_apply"))
+            parts["reduce"] = self._machinery("reduce", used, True)
+        else:  # the whole batch's loss on the caller
+            parts["loss"] = self.loss_compute * batch / m.batch_size + self._machinery(
+                "criterion_apply" if balanced else "loss", used, balanced)
+            parts["reduce"] = 0.0
+        graphs = sum(compute) * self.caller_factor if self.cpu else max(compute)
+        parts["backward"] = (self.backward_per_compute * graphs + self._grad_sum(used)
+                             + self._machinery("backward", used, balanced))
+        parts["rest"] = self.parts["rest"] - self._machinery("rest", self.n) + self._machinery("rest", used, balanced)
+        return parts
+
+    def dataparallel(self, k: int, batch: int, balanced: bool) -> dict[str, float]:
+        """The model's parts plus the run's level (``offsets``): at the recorded set-up, exactly the recorded
+        parts. The loss's and the gather's levels carry only to the same kind (plain or balanced); at one device
+        the dispatch's level goes with the workers."""
+        parts = self._raw(k, batch, balanced)
+        same_kind = balanced == self.balanced
+        present = set(_present(len(chunk_sizes(batch, k)), balanced))
+        for part, offset in self.offsets.items():
+            if part in present and (same_kind or part not in ("loss", "reduce", "gather")):
+                parts[part] = max(0.0, parts[part] + offset)
+        return parts
+
+    # DDP on the recorded devices, the same global batch
+    def ddp(self) -> tuple[dict[str, float], list[dict[str, float]]]:
+        m = self.m
+        n = self.n
+        over = self._oversubscribed(n, 1)  # each rank one intra-op thread, all at once on the cores this job gets
+        ranks = []
+        forwards = self.forward.chunks_ms(m.batch_size, n)
+        for c, fwd in zip(chunk_sizes(m.batch_size, n), forwards):
+            backward = self.backward_per_compute * fwd  # the caller's backward per compute, on one thread
+            rank = {"forward": fwd * over,
+                    "loss": self.loss_compute / self.caller_factor * c / m.batch_size * over,
+                    "backward_compute": backward * over}
+            ranks.append(rank)
+        slowest = max(ranks, key=lambda r: sum(r.values()))
+        wait = self._allreduce_wait(slowest["backward_compute"])
+        parts = {**slowest, "comm_wait": wait,
+                 # the step's own work (optimizer, Python) without DataParallel's bookkeeping, with DDP's, and while
+                 # the ranks share cores, the other ranks' loading of their next batch (between their steps, on the
+                 # cores this rank's step needs)
+                 "rest": max(0.0, self.parts["rest"] - self._machinery("rest", n))
+                 + (self.cal.ddp_overhead_ms if self.cal else 0.0) + self.ddp_data_ms()}
+        return parts, ranks
+
+    def ddp_data_ms(self) -> float:
+        """What a DDP step waits out of the other ranks' batch loading while they share the cores: each rank loads
+        its share of the recorded gap between steps; k ranks on C cores overlap (k / C - 1) of it with a step."""
+        if not self.cpu:
+            return 0.0
+        over = self._oversubscribed(self.n, 1)
+        return (over - 1.0) * self.m.gap_ms * max(chunk_sizes(self.m.batch_size, self.n)) / self.m.batch_size
+
+    def buckets(self) -> list[int]:
+        """DDP's gradient buckets in the order backward fills them (bytes): 1 MiB first, then up to 25 MiB."""
+        left, out = self.m.param_bytes, []
+        cap = DDP_FIRST_BUCKET_BYTES
+        while left > 0:
+            out.append(min(left, cap))
+            left -= out[-1]
+            cap = DDP_BUCKET_BYTES
+        return out
+
+    def _allreduce_wait(self, backward_ms: float) -> float:
+        """How long backward's end waits for the last bucket's all-reduce: each bucket is launched when backward
+        has computed its share of the gradients (taken as even over backward), all-reduces run one at a time."""
+        if not self.m.param_bytes or (self.cpu and self.cal is None):
+            return 0.0
+        total = self.m.param_bytes
+        done_ms, filled = 0.0, 0
+        for size in self.buckets():
+            filled += size
+            launch = backward_ms * filled / total
+            done_ms = max(done_ms, launch) + self.allreduce_ms(size)
+        return max(0.0, done_ms - backward_ms)
+
+    def allreduce_ms(self, nbytes: int) -> float:
+        """One bucket's all-reduce: gloo at the calibrated cost on CPU workers; on GPUs NCCL's ring, each rank
+        sending and receiving 2 (n - 1) / n of the bucket over the link, plus NCCL_LATENCY_MS."""
+        if self.cpu:  # the ranks' meeting, as a real DDP run waits for it, and the bytes at the burst's rate
+            return self.cal.ddp_sync_ms + self.cal.allreduce_ms_per_mib * nbytes / 2**20 if self.cal is not None else 0.0
+        return NCCL_LATENCY_MS + 2 * (self.n - 1) / self.n * nbytes / 2**20 * self.link_ms_per_mib
+
+    # memory
+    def memory(self, k: int, batch: int, balanced: bool) -> dict[str, int]:
+        m = self.m
+        devices = _labels(m, k)
+        sizes = chunk_sizes(batch, k)
+        per_sample = _Density(m, "model_bytes")
+        fixed = m.memory[m.devices[0]].fixed_bytes
+        out: dict[str, int] = {}
+        start = 0
+        first = m.memory[m.devices[0]]
+        peak_batch = first_batch(m)
+        loss_per_sample = sum(d.loss_bytes for d in m.memory.values()) / peak_batch
+        gathered_per_sample = (first.gathered_bytes / peak_batch if m.kind != "balanced"
+                               else m.output_bytes_per_sample)
+        for i, device in enumerate(devices):
+            size = sizes[i] if i < len(sizes) else 0
+            if not size:
+                out[device] = 0
+                continue
+            held = fixed + per_sample.bytes(start, start + size, batch)
+            if balanced and len(sizes) > 1:
+                held += loss_per_sample * size
+            elif i == 0:
+                held += loss_per_sample * batch
+                if len(sizes) > 1:
+                    held += gathered_per_sample * batch
+            out[device] = int(round(held))
+            start += size
+        return out
+
+    def ddp_memory(self) -> dict[str, int]:
+        m = self.m
+        per_sample = _Density(m, "model_bytes")
+        fixed = m.memory[m.devices[0]].fixed_bytes
+        out, start = {}, 0
+        for i, size in enumerate(chunk_sizes(m.batch_size, m.n)):
+            out[f"rank:{i}"] = int(round(fixed + per_sample.bytes(start, start + size, m.batch_size)))
+            start += size
+        return out
+
+
+def _labels(m: Measured, k: int) -> list[str]:
+    """k devices' labels: the recorded ones first, then the next indices of the same kind."""
+    prefix = m.devices[0].split(":")[0]
+    top = max(int(d.split(":")[1]) for d in m.devices)
+    extra = [f"{prefix}:{top + 1 + i}" for i in range(max(0, k - m.n))]
+    return (list(m.devices) + extra)[:k]
+
+
+def first_batch(m: Measured) -> int:
+    """The global batch of the output device's peak step (its gathered outputs are that batch's)."""
+    return sum(d.chunk for d in m.memory.values()) or m.batch_size
+
+
+class _Density:
+    """Bytes per sample of each recorded device at its place in the batch (its peak step's chunk)."""
+
+    def __init__(self, m: Measured, what: str) -> None:
+        total = sum(d.chunk for d in m.memory.values())
+        self.spans, start = [], 0
+        for device in m.devices:
+            d = m.memory[device]
+            if d.chunk > 0 and total:
+                self.spans.append((start / total, (start + d.chunk) / total, getattr(d, what) / d.chunk))
+                start += d.chunk
+
+    def bytes(self, begin: int, end: int, batch: int) -> float:
+        lo, hi = begin / batch, end / batch
+        return sum(max(0.0, min(hi, b) - max(lo, a)) * batch * per for a, b, per in self.spans)
+
+
+# -- putting it together -----------------------------------------------------------------------------------
+
+
+def _interval(m: Measured, step: float, recorded: float) -> tuple[float, float]:
+    """The widest of: the middle half of the recorded steps, the 90% interval of their median (x sqrt 2, for two
+    runs' medians), RUN_TO_RUN_SHARE either side; scaled to the prediction, widened by EXTRAPOLATION_SHARE of its
+    change from the recorded median."""
+    lo, hi = m.median_interval
+    lo, hi = 1 - math.sqrt(2) * (1 - lo), 1 + math.sqrt(2) * (hi - 1)
+    lo = min(lo, m.step_quartiles[0], 1 - RUN_TO_RUN_SHARE)
+    hi = max(hi, m.step_quartiles[1], 1 + RUN_TO_RUN_SHARE)
+    extra = EXTRAPOLATION_SHARE * abs(step - recorded)
+    return max(0.0, step * lo - extra), step * hi + extra
+
+
+def _changes(parts: dict[str, float], base: dict[str, float], ranks: list[dict[str, float]] | None = None) -> list[str]:
+    """What changes against the recorded step, part by part, in sentences with the predicted ms."""
+    out = []
+    for part in PART_ORDER:
+        new, old = parts.get(part, 0.0), base.get(part, 0.0)
+        words = PART_WORDS[part]
+        if new <= 0 and old <= 0:
+            continue
+        if new <= 0.0005 and old > 0:
+            out.append(f"{words} vanishes ({old:.2f} ms -> 0)")
+        elif old <= 0.0005:
+            out.append(f"{words} appears: {new:.2f} ms")
+        elif abs(new - old) >= max(0.01, 0.02 * old):
+            verb = "shrinks" if new < old else "grows"
+            out.append(f"{words} {verb}: {old:.2f} -> {new:.2f} ms")
+    return out
+
+
+def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None = None,
+           memory_bytes: int | None = None, steps: int | None = None) -> Advice:
+    """Every scenario of one run: DDP on its devices, DataParallel on 1 .. 2n devices, balanced, other batch sizes.
+
+    Args:
+        m: the run's figures (dpprof.advise.measured.measure).
+        cal: this machine's calibration for the run's device set (None: DataParallel's machinery, the hand-off and
+            the all-reduce count as nothing, said in the assumptions).
+        batch_sizes: other global batch sizes (default: half and twice the recorded one).
+        memory_bytes: each device's capacity for the largest batch that fits (CPU workers; a GPU's is its own).
+        steps: steps for each scenario's command (default: the run's own).
+    """
+    if m.batch_size < 1:
+        raise NotAdvisable(f"run {m.run_id} has no batch size in its steps: nothing to split over devices")
+    model = _Model(m, cal)
+    n, B = m.n, m.batch_size
+    where = "CPU workers" if m.backend == "cpu" else "GPUs"
+    recorded_kind_balanced = m.kind == "balanced"
+    base_parts = model.dataparallel(n, B, recorded_kind_balanced)
+    recorded_step = sum(base_parts.values())
+    scenarios: list[Scenario] = []
+
+    def add(scenario: str, k: int, batch: int, parts: dict[str, float], memory: dict[str, int], label: str,
+            extra: list[str] | None = None, recorded: bool = False) -> None:
+        step = sum(parts.values())
+        lo, hi = _interval(m, step, recorded_step)
+        changes = (extra or []) + _changes(parts, base_parts)
+        alloc = None
+        if any(d.allocator_peak_bytes is not None for d in m.memory.values()) and scenario != "ddp":
+            base_memory = model.memory(n, B, recorded_kind_balanced)
+            alloc = {}
+            for device, held in memory.items():
+                recorded_dev = m.memory.get(device)
+                if recorded_dev is not None and recorded_dev.allocator_peak_bytes is not None and held:
+                    alloc[device] = int(recorded_dev.allocator_peak_bytes + held - base_memory.get(device, 0))
+        scenarios.append(Scenario(
+            scenario=scenario, devices=k, batch_size=batch, step_ms=step, step_ms_low=lo, step_ms_high=hi,
+            peak_bytes=memory, parts_ms={p: parts[p] for p in PART_ORDER if p in parts}, label=label,
+            changes=changes, command=command_for(m, scenario, k, batch, steps), recorded=recorded,
+            allocator_peak_bytes=alloc))
+
+    # DDP on the same devices, the same global batch
+    ddp_parts, ranks = model.ddp()
+    per_rank = chunk_sizes(B, n)
+    ddp_label = f"DDP on {n} ranks ({'gloo' if m.backend == 'cpu' else 'NCCL'}), {per_rank[0]} samples each"
+    buckets = model.buckets()
+    ddp_notes = [f"no scatter, replicate or gather: each rank keeps its model and its own {per_rank[0]} samples",
+                 f"each rank's forward {ddp_parts['forward']:.2f} ms and backward compute "
+                 f"{ddp_parts['backward_compute']:.2f} ms on its own chunk (the slowest rank's), one intra-op thread each",
+                 f"{len(buckets)} gradient bucket(s) of {', '.join(f'{b / 2**20:.2f} MiB' for b in buckets)} all-reduced "
+                 f"({model.allreduce_ms(buckets[0]) if buckets else 0:.2f} ms for the first); what backward does not "
+                 f"hide is the wait, {ddp_parts['comm_wait']:.2f} ms"]
+    if model.ddp_data_ms() > 0.0005:
+        ddp_notes.append(f"the ranks share the {model.C:.2f} cores this job gets: each step also waits out the other "
+                         f"ranks' loading of their next batch, {model.ddp_data_ms():.2f} ms (in the rest)")
+    if B % n:
+        ddp_notes.append(f"{B} does not split evenly: the command gives each rank {B // n} samples "
+                         f"({B // n * n} a step)")
+    add("ddp", n, B, ddp_parts, model.ddp_memory(), ddp_label, ddp_notes)
+
+    # DataParallel on 1 .. 2n devices (the recorded kind for a balanced run is balanced: plain here)
+    for k in range(1, 2 * n + 1):
+        parts = model.dataparallel(k, B, False)
+        same = k == n and not recorded_kind_balanced
+        notes = []
+        if m.backend == "cpu" and k * model._share(k) > model.C:
+            notes.append(f"{k} workers share the {model.C:.2f} cores this job gets: each apply runs "
+                         f"{model._oversubscribed(k, model._share(k)):.1f}x its time alone")
+        if k == 1:
+            notes.append("one device: no replicate, no parallel apply, no gather; the model runs on the caller")
+        add("dataparallel", k, B, parts, model.memory(k, B, False),
+            f"DataParallel on {k} {where if k != 1 else where[:-1]}" + (" (recorded)" if same else ""), notes,
+            recorded=same)
+
+    # balanced on the recorded devices
+    parts = model.dataparallel(n, B, True)
+    notes = ([] if recorded_kind_balanced else
+             ["nothing is gathered: each device keeps its outputs and computes its share of the loss"])
+    add("balanced", n, B, parts, model.memory(n, B, True),
+        f"DataParallelModel + DataParallelCriterion on {n} {where}" + (" (recorded)" if recorded_kind_balanced else ""),
+        notes, recorded=recorded_kind_balanced)
+
+    # other batch sizes, at the recorded device count and kind (DataParallel entries with their batch size)
+    for batch in batch_sizes or sorted({max(1, B // 2), B * 2}):
+        if batch == B:
+            continue
+        parts = model.dataparallel(n, batch, recorded_kind_balanced)
+        add("balanced" if recorded_kind_balanced else "dataparallel", n, batch, parts,
+            model.memory(n, batch, recorded_kind_balanced), f"batch {batch} on {n} {where}")
+
+    fits, note = _max_batch(m, model, memory_bytes)
+    return Advice(run_id=m.run_id, measured=m, calibration=cal, scenarios=scenarios, max_batch_size=fits,
+                  max_batch_note=note, assumptions=_assumptions(m, cal))
+
+
+def _max_batch(m: Measured, model: _Model, memory_bytes: int | None) -> tuple[dict[str, int], str]:
+    """Per device, the largest global batch (at the recorded device count and kind) whose predicted peak fits."""
+    balanced = m.kind == "balanced"
+    if m.backend == "cuda" and m.total_memory_bytes:
+        caps = {d: m.total_memory_bytes.get(d) for d in m.devices}
+        source = "each GPU's total memory"
+    elif memory_bytes:
+        caps = dict.fromkeys(m.devices, memory_bytes)
+        source = f"{memory_bytes / 2**30:g} GiB per device (--memory-gib)"
+    else:
+        return {}, ("CPU workers share the host's memory: give --memory-gib for each worker's share to get the "
+                    "largest batch that fits")
+    base = model.memory(m.n, m.batch_size, balanced)
+    alloc_extra = {d: (m.memory[d].allocator_peak_bytes - base[d]) if m.memory[d].allocator_peak_bytes else 0
+                   for d in m.devices if d in m.memory}
+    out = {}
+    for device in m.devices:
+        cap = caps.get(device)
+        if not cap:
+            continue
+
+        def held(batch: int) -> int:
+            return model.memory(m.n, batch, balanced).get(device, 0) + alloc_extra.get(device, 0)
+
+        if held(1) > cap:
+            out[device] = 0
+            continue
+        lo, hi = 1, 2
+        while held(hi) <= cap and hi < 1 << 40:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if held(mid) <= cap else (lo, mid)
+        out[device] = lo
+    what = "the allocator's peak" if any(alloc_extra.values()) else "dpprof's accounting of what each device holds"
+    return out, f"from {what} against {source}"
+
+
+def _assumptions(m: Measured, cal: Calibration | None) -> list[str]:
+    out = [f"Compute per sample from each device's apply in the typical step ({m.typical_steps} steps past the "
+           f"first, the middle half by time); per chunk: {m.fixed_apply_source}.",
+           "Backward is each replica's graph in proportion to its forward compute, plus the sum of the replicas' "
+           "gradients on the first device; the loss scales with the samples it sees."]
+    if m.backend == "cpu":
+        cores = (f"{cal.effective_cores:.2f} of the host's {m.cores} cores (the calibration's measure of what this "
+                 f"job gets, {cal.cores_measured_at}: other jobs hold the rest)" if cal is not None and
+                 cal.effective_cores else f"the host's {m.cores} cores")
+        out.append(f"CPU workers share {cores}: k threads at once each run at most cores/k of a core, and the recorded "
+                   f"times are taken at that speed too (the recording ran {m.threads} intra-op thread(s), "
+                   f"{m.threads_source}); DDP ranks run one intra-op thread each, as dpprof profile --ddp starts them.")
+    if m.backend == "cuda":
+        out.append("GPUs: this model has not been checked against GPU runs (it was built where there is none). Times "
+                   "are the recorded host times; each GPU runs its replica's backward at once with the others; the "
+                   f"link between GPUs is {_Model(m, None).link_source}; DDP's all-reduce is NCCL's ring over it plus "
+                   f"{NCCL_LATENCY_MS} ms (assumed).")
+    elif cal is None:
+        out.append("No calibration of this machine: DataParallel's machinery, the hand-off and the all-reduce are "
+                   "taken as free (run dpprof advise --calibrate).")
+    if m.source == "script":
+        out.append("The run was recorded from a script: the commands that run each scenario for real cannot be "
+                   "built from it.")
+    return out

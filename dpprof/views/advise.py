@@ -1,0 +1,181 @@
+"""The Advisor page of one run (and ``dpprof advise``'s text): what each other set-up would take, predicted from
+the run and this machine's cached calibration (dpprof.advise). Torch-free: the page never measures; without a
+calibration it says how to make one and predicts with DataParallel's machinery taken as free."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+from dpprof.advise import NotAdvisable
+from dpprof.advise.calibration import Calibration, cache_dir, cache_path, load_calibration
+from dpprof.advise.measured import Measured, measure
+from dpprof.advise.model import PART_ORDER, Advice, advise
+from dpprof.store.reader import StoredRun
+from dpprof.units import mib
+
+__all__ = ["AdvisorView", "advisor", "page_advisor", "calibration_files", "calibration_for", "check_lines", "scenario_table", "parts_table", "memory_table", "text_lines", "GIB"]
+
+GIB = 2**30
+
+
+@dataclass
+class AdvisorView:
+    """The advisor's answer for one run, or why there is none."""
+
+    advice: Advice | None
+    reason: str | None  # why the run cannot be advised on (one line)
+    calibration_note: str  # which calibration the predictions use, or how to make one
+
+
+def calibration_for(m: Measured) -> tuple[Calibration | None, str]:
+    """The cached calibration of the run's device set on this host, and a sentence saying which (or how to make
+    one). The run's own intra-op thread count picks the file: a run recorded with OMP_NUM_THREADS=1 is predicted
+    with a calibration at one thread."""
+    if m.backend != "cpu":
+        return None, "GPU runs are not calibrated on this machine (it has no GPU): costs come from the run alone."
+    cal = load_calibration("cpu", m.n, m.threads)
+    if cal is None:
+        return None, (f"No calibration of this machine for {m.n} CPU workers at {m.threads} thread(s) "
+                      f"({cache_path('cpu', m.n, m.threads)}): run `dpprof advise {m.run_id} --calibrate` once; until "
+                      "then DataParallel's machinery, the hand-off and the all-reduce count as nothing.")
+    return cal, (f"Calibration of {cal.host} for {cal.devices} CPU workers at {cal.threads} thread(s), measured "
+                 f"{cal.measured_at} (`dpprof advise --calibrate` measures again).")
+
+
+def advisor(run: StoredRun, memory_gib: float | None = None, batch_sizes: list[int] | None = None,
+            calibration: Calibration | None = None) -> AdvisorView:
+    """Every scenario for ``run``, from the cached calibration (or ``calibration``); the reason where it has none."""
+    try:
+        m = measure(run)
+        if calibration is None:
+            calibration, note = calibration_for(m)
+        else:
+            note = (f"Calibration of {calibration.host} for {calibration.devices} CPU workers at "
+                    f"{calibration.threads} thread(s), measured {calibration.measured_at}.")
+        advice = advise(m, calibration, batch_sizes=batch_sizes,
+                        memory_bytes=int(memory_gib * GIB) if memory_gib else None)
+    except NotAdvisable as err:
+        return AdvisorView(None, str(err), "")
+    return AdvisorView(advice, None, note)
+
+
+def calibration_files() -> tuple[tuple[str, int], ...]:
+    """The cached calibrations' names and modification times: what the page's cached answer depends on besides
+    the run."""
+    try:
+        return tuple(sorted((p.name, p.stat().st_mtime_ns) for p in cache_dir().glob("*.json")))
+    except OSError:
+        return ()
+
+
+def page_advisor(run: StoredRun, memory_gib: float | None, calibrations: tuple = ()) -> AdvisorView:
+    """The Advisor page's call: advisor(run, memory_gib). ``calibrations`` (calibration_files()) only keys the
+    page's cache, so that a new calibration is read."""
+    return advisor(run, memory_gib)
+
+
+def scenario_table(advice: Advice) -> pd.DataFrame:
+    """One row per scenario: its step with interval, the change against the recorded median, the most any device
+    holds.
+
+    Returns:
+        columns scenario, label, devices, batch_size, step_ms, step_ms_low, step_ms_high, vs_recorded_pct,
+        peak_held_bytes (the fullest device), recorded.
+    """
+    rows = []
+    for s in advice.scenarios:
+        rows.append({"scenario": s.scenario, "label": s.label, "devices": s.devices, "batch_size": s.batch_size,
+                     "step_ms": s.step_ms, "step_ms_low": s.step_ms_low, "step_ms_high": s.step_ms_high,
+                     "vs_recorded_pct": 100 * (s.step_ms / advice.measured_step_ms - 1),
+                     "peak_held_bytes": max(s.peak_bytes.values(), default=float("nan")), "recorded": s.recorded})
+    return pd.DataFrame(rows)
+
+
+def parts_table(advice: Advice) -> pd.DataFrame:
+    """Each scenario's predicted ms per part (columns ``<part>_ms`` in step order; parts no scenario has left out)."""
+    used = [p for p in PART_ORDER if any(s.parts_ms.get(p, 0.0) > 0 for s in advice.scenarios)]
+    rows = [{"label": s.label, **{f"{p}_ms": s.parts_ms.get(p, 0.0) for p in used}} for s in advice.scenarios]
+    return pd.DataFrame(rows)
+
+
+def memory_table(advice: Advice) -> pd.DataFrame:
+    """Predicted peak held bytes per device (rank) and scenario, long form: label, device, peak_held_bytes."""
+    rows = [{"label": s.label, "device": d, "peak_held_bytes": b} for s in advice.scenarios for d, b in s.peak_bytes.items()]
+    return pd.DataFrame(rows, columns=["label", "device", "peak_held_bytes"])
+
+
+_SHORT = {"apply": "apply on the caller", "parallel_apply": "apply (all devices)", "backward_compute": "backward compute",
+          "comm_wait": "all-reduce wait"}
+
+
+def _parts(parts: dict[str, float]) -> str:
+    return ", ".join(f"{_SHORT.get(p, p)} {v:.2f}" for p, v in parts.items() if v > 0.0005)
+
+
+def text_lines(view: AdvisorView) -> list[str]:
+    """``dpprof advise RUN``'s report: the run, each scenario (step, interval, parts, memory, what changes, the
+    command), the largest batch that fits, the assumptions."""
+    a = view.advice
+    m = a.measured
+    where = "CPU workers" if m.backend == "cpu" else "GPUs"
+    out = [f"run {m.run_id}  {m.name!r}: {'balanced ' if m.kind == 'balanced' else ''}DataParallel on {m.n} {where}, "
+           f"batch {m.batch_size}, {m.threads} intra-op thread(s)",
+           f"measured: median step {m.step_ms:.2f} ms over {m.steps} steps (90% interval of the median "
+           f"{m.step_ms * m.median_interval[0]:.2f}-{m.step_ms * m.median_interval[1]:.2f} ms)",
+           view.calibration_note, ""]
+    recorded = next((s for s in a.scenarios if s.recorded), None)
+    if recorded is not None:
+        out.insert(2, f"its parts, from the typical step (ms): {_parts(recorded.parts_ms)}")
+    table = scenario_table(a)
+    shown = pd.DataFrame({
+        "scenario": table["label"],
+        "step (ms)": table["step_ms"].map("{:,.2f}".format),
+        "interval (ms)": [f"{lo:,.2f}-{hi:,.2f}" for lo, hi in zip(table["step_ms_low"], table["step_ms_high"])],
+        "vs recorded": table["vs_recorded_pct"].map("{:+.0f}%".format),
+        "peak held, fullest": table["peak_held_bytes"].map(mib),
+    })
+    out += shown.to_string(index=False).splitlines() + [""]
+    for s in a.scenarios:
+        out.append(f"{s.label}: {s.step_ms:.2f} ms ({s.step_ms_low:.2f}-{s.step_ms_high:.2f})")
+        out.append(f"  parts (ms): {_parts(s.parts_ms)}")
+        out.append("  peak held: " + ", ".join(f"{d} {mib(b)}" for d, b in s.peak_bytes.items()))
+        if s.allocator_peak_bytes:
+            out.append("  allocator peak: " + ", ".join(f"{d} {mib(b)}" for d, b in s.allocator_peak_bytes.items()))
+        for change in s.changes:
+            out.append(f"  - {change}")
+        out.append(f"  run it: {s.command}" if s.command else "  run it: (recorded from a script: change the script)")
+    out.append("")
+    if a.max_batch_size:
+        fits = ", ".join(f"{d} {b:,}" for d, b in a.max_batch_size.items())
+        out.append(f"largest global batch that fits on {m.n} {where}: {fits} ({a.max_batch_note})")
+    else:
+        out.append(f"largest batch that fits: {a.max_batch_note}")
+    out.append("assumptions:")
+    out += [f"  {line}" for line in a.assumptions]
+    return out
+
+
+def check_lines(checked: list) -> list[str]:
+    """``dpprof advise RUN --check``'s table: each scenario predicted against what its run measured."""
+    rows = []
+    for c in checked:
+        s = c.scenario
+        fullest = max(c.measured_peak_bytes, key=c.measured_peak_bytes.get, default=None)
+        rows.append({
+            "scenario": s.label, "predicted (ms)": f"{s.step_ms:,.2f}",
+            "interval (ms)": f"{s.step_ms_low:,.2f}-{s.step_ms_high:,.2f}",
+            "measured (ms)": f"{c.measured_step_ms:,.2f}" if c.measured_step_ms else "-",
+            "error": f"{c.step_error:+.1%}" if c.step_error is not None else "-",
+            "inside": {True: "yes", False: "no", None: "-"}[c.inside],
+            "peak held, fullest: predicted / measured": (
+                f"{mib(s.peak_bytes.get(fullest, 0))} / {mib(c.measured_peak_bytes[fullest])}" if fullest else "-"),
+            "check run": c.run_id or (c.error or "-")})
+    out = ["predicted against measured (each scenario's command run on this machine):"]
+    out += pd.DataFrame(rows).to_string(index=False).splitlines()
+    errors = [abs(c.step_error) for c in checked if c.step_error is not None]
+    if errors:
+        inside = sum(1 for c in checked if c.inside)
+        out.append(f"median |error| of the step time {pd.Series(errors).median():.1%}; {inside} of {len(errors)} "
+                   "measured inside their interval")
+    return out

@@ -1,0 +1,340 @@
+"""dpprof advise on runs the CPU backend records: each scenario's arithmetic, the memory split, the commands, the
+JSON, the runs it cannot predict from, --check on one scenario, and the Advisor page."""
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+import dpprof
+from dpprof.advise import NotAdvisable
+from dpprof.advise.calibration import load_calibration
+from dpprof.advise.check import check
+from dpprof.advise.measured import MIN_STEPS, chunk_sizes, measure
+from dpprof.advise.model import advise
+from dpprof.cli import build_parser, main
+from dpprof.store import queries
+from dpprof.trace import import_traces
+from recorded import record
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT.parent / "shared" / "traces" / "resnet50-1gpu-tb-sample.pt.trace.json.gz"
+MODEL_FILE = "import torch\ndef make():\n    return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))\n"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """DataParallel runs on CPU workers: plain (cifar-lenet, 2 workers), balanced (3 workers, batch 33),
+    tutorial-linear (its epoch's last batch of 10 gives a second chunk size), and one of 2 steps."""
+    directory = tmp_path_factory.mktemp("advise")
+    return SimpleNamespace(
+        dir=directory,
+        plain=record(directory, "plain", workers=2, steps=6, batch_size=32),
+        balanced=record(directory, "balanced", workers=3, steps=6, batch_size=33, balanced=True),
+        linear=record(directory, "linear", workers=2, steps=14, batch_size=30, workload="tutorial-linear"),
+        short=record(directory, "short", workers=2, steps=MIN_STEPS - 1, batch_size=16))
+
+
+@pytest.fixture
+def calibrated(calibration_home, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(calibration_home))
+    cal = load_calibration("cpu", 2, __import__("torch").get_num_threads())
+    assert cal is not None
+    return cal
+
+
+def _advice(run, **kwargs):
+    m = measure(run)
+    return advise(m, load_calibration("cpu", m.n, m.threads), **kwargs)
+
+
+ADVISABLE = ["plain", "balanced", "linear"]
+
+
+@pytest.mark.parametrize("name", ADVISABLE)
+def test_every_scenario_is_the_sum_of_its_parts_inside_its_interval(runs, calibrated, name):
+    advice = _advice(getattr(runs, name))
+    kinds = {(s.scenario, s.devices, s.batch_size) for s in advice.scenarios}
+    n, batch = advice.measured.n, advice.measured.batch_size
+    assert ("ddp", n, batch) in kinds and ("balanced", n, batch) in kinds
+    assert {k for kind, k, b in kinds if kind == "dataparallel" and b == batch} == set(range(1, 2 * n + 1))
+    assert {b for kind, k, b in kinds if k == n and b != batch} == {batch // 2, batch * 2}
+    for s in advice.scenarios:
+        assert math.isclose(s.step_ms, sum(s.parts_ms.values()), rel_tol=1e-12), s.label
+        assert all(v >= 0 for v in s.parts_ms.values()), (s.label, s.parts_ms)
+        assert s.step_ms_low <= s.step_ms <= s.step_ms_high, s.label
+
+
+def test_ddp_is_each_ranks_own_chunk_and_the_allreduce_backward_does_not_hide(runs, calibrated):
+    advice = _advice(runs.plain)
+    m = advice.measured
+    [ddp] = [s for s in advice.scenarios if s.scenario == "ddp"]
+    assert set(ddp.parts_ms) == {"forward", "loss", "backward_compute", "comm_wait", "rest"}  # no scatter, ...
+    assert math.isclose(ddp.step_ms, sum(ddp.parts_ms.values()), rel_tol=1e-12)
+    # each rank runs the chunk its device ran, one intra-op thread, alone on its core: its forward is that
+    # device's apply (the typical step's, scaled to the median step); the step waits for the slowest rank
+    scale = m.step_ms / m.typical_step_ms
+    if m.threads // m.n == 1 and m.cores >= m.n:
+        assert math.isclose(ddp.parts_ms["forward"], max(m.apply_ms.values()) * scale, rel_tol=1e-9)
+    # one bucket (the gradients of cifar-lenet's 62k weights, under DDP's 1 MiB first bucket), launched when
+    # backward ends: nothing hides its all-reduce
+    assert m.param_bytes < 1 << 20
+    wait = calibrated.ddp_sync_ms + calibrated.allreduce_ms_per_mib * m.param_bytes / 2**20
+    assert math.isclose(ddp.parts_ms["comm_wait"], wait, rel_tol=1e-9)
+    # the step's own work outside DataParallel (its bookkeeping, as the calibration measured it, left out), and
+    # what a recorded DDP step adds
+    own = max(0.0, m.parts_ms["rest"] * scale - calibrated.machinery(False, 2, "rest"))
+    # and, where the two ranks share fewer than 2 cores, the other rank's loading of its batch (half the recorded gap)
+    others = (max(1.0, 2 / calibrated.effective_cores) - 1) * m.gap_ms / 2
+    assert m.gap_ms > 0 and ddp.parts_ms["rest"] == pytest.approx(own + calibrated.ddp_overhead_ms + others, rel=1e-9)
+    assert ddp.peak_bytes == {f"rank:{i}": m.memory[d].held_bytes - m.memory[d].gathered_bytes - m.memory[d].loss_bytes
+                              for i, d in enumerate(m.devices)}  # as dpprof accounts a rank: no gather, no loss
+    assert ddp.command == f"dpprof profile cifar-lenet --ddp --nproc 2 --batch-size 16 --steps 6"
+
+
+@pytest.mark.parametrize("name", ADVISABLE)
+def test_the_recorded_set_up_reproduces_the_measured_step_and_peaks(runs, calibrated, name):
+    run = getattr(runs, name)
+    advice = _advice(run)
+    [same] = [s for s in advice.scenarios if s.recorded]
+    assert same.scenario == ("balanced" if name == "balanced" else "dataparallel")
+    measured = queries.median_step_ms(run)
+    assert advice.measured_step_ms == measured
+    assert math.isclose(same.step_ms, measured, rel_tol=1e-9)
+    assert same.step_ms_low <= measured <= same.step_ms_high
+    peaks = queries.memory_peaks(run)
+    assert same.peak_bytes == {d: int(b) for d, b in zip(peaks["device"], peaks["peak_held_bytes"])}
+
+
+def test_memory_splits_into_what_scales_with_the_batch_and_what_does_not(runs, calibrated):
+    advice = _advice(runs.plain)
+    m = advice.measured
+    worker = m.devices[1]  # not the output device: its chunk, outputs and activations, and its weights
+    fixed = m.memory[worker].fixed_bytes
+    recorded = m.memory[worker].held_bytes
+    twice = next(s for s in advice.scenarios if s.batch_size == 2 * m.batch_size)
+    half = next(s for s in advice.scenarios if s.batch_size == m.batch_size // 2)
+    assert twice.peak_bytes[worker] - fixed == 2 * (recorded - fixed)
+    assert half.peak_bytes[worker] - fixed == (recorded - fixed) // 2
+    out = m.output_device  # plus the gathered outputs and the whole batch's loss, both with the batch
+    grows = m.memory[out].gathered_bytes + m.memory[out].loss_bytes
+    assert twice.peak_bytes[out] == pytest.approx(recorded + (recorded - fixed) + 2 * grows, abs=4)
+    [one] = [s for s in advice.scenarios if s.scenario == "dataparallel" and s.devices == 1]
+    assert set(one.peak_bytes) == {out} and one.parts_ms["replicate"] == one.parts_ms["gather"] == 0
+    assert one.parts_ms["apply"] > 0 and one.parts_ms["parallel_apply"] == 0
+    [balanced] = [s for s in advice.scenarios if s.scenario == "balanced"]
+    assert balanced.parts_ms["gather"] == 0 and balanced.parts_ms["reduce"] > 0
+    assert balanced.peak_bytes[out] < m.memory[out].held_bytes  # no gathered outputs on the output device
+    assert any("gather vanishes" in c for c in balanced.changes)
+
+
+def test_chunks_follow_torch_chunk():
+    assert chunk_sizes(10, 3) == [4, 4, 2] and chunk_sizes(10, 8) == [2, 2, 2, 2, 2] and chunk_sizes(5, 4) == [2, 2, 1]
+
+
+def test_a_per_chunk_cost_is_measured_where_the_run_had_two_chunk_sizes(runs):
+    linear = measure(runs.linear)  # batches of 30, 30, 30, 10: chunks of 15 and 5
+    assert linear.fixed_apply_ms > 0 and "2 sizes" in linear.fixed_apply_source
+    plain = measure(runs.plain)
+    assert plain.fixed_apply_ms == 0 and "one size" in plain.fixed_apply_source
+
+
+def test_largest_batch_that_fits_is_the_last_whose_peak_fits(runs, calibrated):
+    cap = 64 * 2**20
+    advice = _advice(runs.plain, memory_bytes=cap)
+    m = advice.measured
+    from dpprof.advise.model import _Model
+
+    model = _Model(m, calibrated)
+    for device, batch in advice.max_batch_size.items():
+        assert model.memory(m.n, batch, False)[device] <= cap < model.memory(m.n, batch + 1, False)[device]
+    assert advice.max_batch_size[m.output_device] <= advice.max_batch_size[m.devices[1]]
+    assert "--memory-gib" in _advice(runs.plain).max_batch_note
+
+
+def test_json_holds_every_scenario(runs, calibrated, capsys):
+    assert main(["--reports-dir", str(runs.dir), "advise", runs.plain.id, "--json", "--memory-gib", "1"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["run"] == runs.plain.id
+    assert data["measured_step_ms"] == pytest.approx(queries.median_step_ms(runs.plain), abs=1e-4)  # 4 decimals
+    assert {s["scenario"] for s in data["scenarios"]} == {"ddp", "dataparallel", "balanced"}
+    for s in data["scenarios"]:
+        assert set(s) >= {"scenario", "devices", "batch_size", "step_ms", "step_ms_low", "step_ms_high", "peak_bytes",
+                          "parts_ms"}
+        assert s["step_ms"] == pytest.approx(sum(s["parts_ms"].values()), abs=1e-3)
+    assert set(data["max_batch_size"]) == {"cpu:0", "cpu:1"} and all(b > 32 for b in data["max_batch_size"].values())
+
+
+def test_text_names_each_scenario_its_changes_and_command(runs, calibrated, capsys):
+    assert main(["--reports-dir", str(runs.dir), "advise", runs.plain.id]) == 0
+    out = capsys.readouterr().out
+    for words in ("DDP on 2 ranks (gloo)", "DataParallel on 1 CPU worker", "DataParallel on 4 CPU workers",
+                  "DataParallelModel + DataParallelCriterion", "batch 64 on 2 CPU workers", "gather vanishes",
+                  "run it: dpprof profile cifar-lenet --ddp --nproc 2 --batch-size 16", "4 workers share",
+                  "assumptions:", "Calibration of"):
+        assert words in out, words
+
+
+def test_every_command_is_one_dpprof_profile_can_run(runs, calibrated):
+    for name in ADVISABLE:
+        for s in _advice(getattr(runs, name)).scenarios:
+            argv = shlex.split(s.command)
+            while "=" in argv[0]:
+                argv = argv[1:]
+            assert argv[0] == "dpprof"
+            args = build_parser().parse_args(argv[1:])
+            assert args.command == "profile" and args.ddp == (s.scenario == "ddp")
+            assert args.balanced == (s.scenario == "balanced")
+            per_rank = s.batch_size // s.devices if s.scenario == "ddp" else s.batch_size
+            assert args.batch_size == per_rank
+
+
+def test_without_a_calibration_the_page_says_how_to_make_one_and_still_predicts(runs):
+    from dpprof.views.advise import advisor
+
+    view = advisor(runs.plain)
+    assert view.advice is not None and "dpprof advise" in view.calibration_note and "--calibrate" in view.calibration_note
+    assert any("No calibration" in a for a in view.advice.assumptions)
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory, runs):
+    """Runs the advisor cannot predict from: a DDP run, an imported trace, a run of 2 steps."""
+    directory = runs.dir
+    assert main(["--reports-dir", str(directory), "profile", "tutorial-linear", "--ddp", "--nproc", "2", "--steps", "3",
+                 "--quiet"]) == 0
+    listing = dpprof.list_runs(directory)
+    out = {"ddp": (listing[listing["ranks"] == 2]["id"].iloc[0], "DistributedDataParallel run"),
+           "short": (runs.short.id, f"at least {MIN_STEPS}")}
+    if TRACE.exists():
+        out["trace"] = (import_traces([TRACE], directory).id, "imported torch.profiler trace")
+    return out
+
+
+@pytest.mark.parametrize("kind", ["ddp", "trace", "short"])
+def test_runs_it_cannot_predict_from_say_why_in_one_line_and_exit_1(runs, refused, kind, capsys):
+    if kind not in refused:
+        pytest.skip(f"no {TRACE}")
+    run_id, words = refused[kind]
+    assert main(["--reports-dir", str(runs.dir), "advise", run_id]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    [line] = captured.err.strip().splitlines()
+    assert line.startswith(f"dpprof: run {run_id}") and words in line
+    with pytest.raises(NotAdvisable):
+        measure(dpprof.load_run(run_id, runs.dir))
+
+
+def test_advise_without_a_run_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["advise"])
+    assert exit_.value.code == 2 and "advise needs a run" in capsys.readouterr().err
+
+
+def test_calibrate_measures_this_machine_says_what_and_caches_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert main(["advise", "--calibrate", "--devices", "cpu:1"]) == 0
+    out = capsys.readouterr().out
+    assert "hand-off of a no-op task" in out and "gloo all-reduce across" in out and "cached in" in out
+    [path] = (tmp_path / "cache" / "dpprof" / "advise").glob("*-cpu1-t*.json")
+    cal = load_calibration("cpu", 1, __import__("torch").get_num_threads())
+    assert cal is not None and cal.allreduce_points and set(cal.handoff_ms) == {1, 2}
+    assert set(cal.dataparallel_ms) == {1, 2} and cal.dataparallel_ms[2]["replicate"] > 0
+
+
+def test_check_runs_a_scenario_and_reads_what_it_measured(runs, calibrated, tmp_path):
+    advice = _advice(runs.linear, steps=4)
+    [one] = [s for s in advice.scenarios if s.scenario == "dataparallel" and s.devices == 1]
+    [checked] = check(advice, tmp_path / "checks", scenarios=[one])
+    assert checked.error is None and checked.measured_step_ms > 0 and checked.step_error is not None
+    run = dpprof.load_run(checked.run_id, tmp_path / "checks")
+    assert run.meta["name"] == f"check of {runs.linear.id}: {one.label}" and run.model.devices == ("cpu:0",)
+    assert checked.measured_peak_bytes == {"cpu:0": int(queries.memory_peaks(run)["peak_held_bytes"].iloc[0])}
+    # tutorial-linear's memory is all of its batch's size or none of it: the prediction is the accounting
+    assert checked.peak_errors()["cpu:0"] == pytest.approx(0, abs=0.01)
+
+
+def test_profile_ddp_runs_a_users_model_and_advise_runs_it_too(tmp_path, monkeypatch, calibrated):
+    (tmp_path / "advisemodels.py").write_text(MODEL_FILE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reports = tmp_path / "reports"
+    assert main(["--reports-dir", str(reports), "profile", "--model", "advisemodels:make", "--input-shape", "12", "--ddp",
+                 "--nproc", "2", "--steps", "3", "--batch-size", "8", "--quiet"]) == 0
+    [ddp] = dpprof.list_runs(reports)["id"]
+    run = dpprof.load_run(ddp, reports)
+    assert run.model.kind == "ddp" and run.meta["workload"] == "advisemodels:make"
+    assert run.meta["workload_args"]["input_shape"] == [12] and len(run.paths) == 2
+    assert main(["--reports-dir", str(reports), "profile", "--model", "advisemodels:make", "--input-shape", "12",
+                 "--devices", "cpu:2", "--steps", "4", "--batch-size", "16", "--quiet"]) == 0
+    plain = dpprof.list_runs(reports)
+    plain_id = plain[plain["ranks"] == 1]["id"].iloc[0]
+    [command] = [s.command for s in _advice(dpprof.load_run(plain_id, reports)).scenarios if s.scenario == "ddp"]
+    assert command == ("dpprof profile --model advisemodels:make --input-shape 12 --ddp --nproc 2 --batch-size 8 "
+                       "--steps 4")
+
+
+def test_profile_ddp_with_a_model_that_cannot_take_the_shape_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    (tmp_path / "advisemodels.py").write_text(MODEL_FILE)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["profile", "--model", "advisemodels:make", "--input-shape", "5", "--ddp", "--quiet"])
+    assert exit_.value.code == 2 and "fails on --input-shape 5" in capsys.readouterr().err
+
+
+# -- the Advisor page -----------------------------------------------------------------------------------------
+
+APP = ROOT / "app.py"
+
+
+def _page(run_id: str) -> AppTest:
+    at = AppTest.from_file(str(APP), default_timeout=120)
+    at.session_state["chosen_run"] = run_id
+    at.run()
+    at.switch_page("app_pages/advise.py").run()
+    assert not at.exception, [e.message for e in at.exception]
+    return at
+
+
+def test_the_advisor_page_shows_every_scenario_with_its_command(runs, calibrated, monkeypatch):
+    monkeypatch.setenv("DPPROF_REPORTS", str(runs.dir))
+    at = _page(runs.plain.id)
+    advice = _advice(runs.plain)
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Measured median step"] == f"{advice.measured_step_ms:.2f} ms"
+    assert len(at.get("plotly_chart")) == 1
+    labels = [e.label for e in at.expander]
+    assert labels == [f"{s.label}: {s.step_ms:.2f} ms ({s.step_ms_low:.2f}–{s.step_ms_high:.2f})"
+                      for s in advice.scenarios]
+    codes = [c.value for c in at.code]
+    assert [s.command for s in advice.scenarios] == codes
+    assert any("Calibration of" in c.value for c in at.caption)
+
+
+def test_the_advisor_page_says_why_for_a_run_it_cannot_predict_from(runs, refused, monkeypatch):
+    monkeypatch.setenv("DPPROF_REPORTS", str(runs.dir))
+    run_id, words = refused["ddp"]
+    at = _page(run_id)
+    assert any(words in i.value for i in at.info) and not at.get("plotly_chart")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(__import__("torch").cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_a_run_on_gpus_is_predicted_from_its_own_transfers(tmp_path):
+    """Not run where this was built (no GPU): the GPU arithmetic's own checks, for a machine that has two."""
+    from dpprof.workloads import build_workload, train
+
+    run = dpprof.load_run(train(build_workload("cifar-lenet", 64), [0, 1], 6, reports_dir=str(tmp_path)).path)
+    advice = advise(measure(run), None, memory_bytes=None)
+    [same] = [s for s in advice.scenarios if s.recorded]
+    assert math.isclose(same.step_ms, queries.median_step_ms(run), rel_tol=1e-9)
+    for s in advice.scenarios:
+        assert math.isclose(s.step_ms, sum(s.parts_ms.values()), rel_tol=1e-12)
+    assert set(advice.max_batch_size) == {"cuda:0", "cuda:1"} and "total memory" in advice.max_batch_note
+    assert any("not been checked against GPU runs" in a for a in advice.assumptions)
