@@ -456,10 +456,30 @@ def _interval(m: Measured, step: float, recorded: float) -> tuple[float, float]:
     return max(0.0, step * lo - extra), step * hi + extra
 
 
-def _changes(parts: dict[str, float], base: dict[str, float], ranks: list[dict[str, float]] | None = None) -> list[str]:
-    """What changes against the recorded step, part by part, in sentences with the predicted ms."""
-    out = []
+# Parts that move rather than vanish: (from, to, where to) -> said as one move
+MOVES = (("parallel_apply", "forward", "into each rank's forward, on its own chunk"),
+         ("apply", "forward", "into each rank's forward, on its own chunk"),
+         ("parallel_apply", "apply", "onto the caller, the whole batch in one call"),
+         ("backward", "backward_compute", "onto each rank, for its own chunk (no replicas' gradients to sum)"))
+
+
+def _changes(parts: dict[str, float], base: dict[str, float], balanced_from_plain: bool = False) -> list[str]:
+    """What changes against the recorded step, part by part, in sentences with the predicted ms: parts that
+    move (DataParallel's apply and backward into DDP's ranks, the loss onto every device), vanish, appear, shrink
+    or grow."""
+    out, said = [], set()
+    for src, dst, where in MOVES:
+        new, old = parts.get(dst, 0.0), base.get(src, 0.0)
+        if old > 0.0005 and new > 0.0005 and parts.get(src, 0.0) <= 0.0005 and base.get(dst, 0.0) <= 0.0005:
+            out.append(f"{PART_WORDS[src]} moves {where}: {old:.2f} -> {new:.2f} ms")
+            said |= {src, dst}
+    if balanced_from_plain and base.get("loss", 0.0) > 0:
+        out.append(f"the loss moves from the output device onto every device, each its share with the criterion's "
+                   f"scatter, replicate and dispatch: {base['loss']:.2f} -> {parts.get('loss', 0.0):.2f} ms")
+        said.add("loss")
     for part in PART_ORDER:
+        if part in said:
+            continue
         new, old = parts.get(part, 0.0), base.get(part, 0.0)
         words = PART_WORDS[part]
         if new <= 0 and old <= 0:
@@ -500,7 +520,7 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
             extra: list[str] | None = None, recorded: bool = False) -> None:
         step = sum(parts.values())
         lo, hi = _interval(m, step, recorded_step)
-        changes = (extra or []) + _changes(parts, base_parts)
+        changes = (extra or []) + _changes(parts, base_parts, scenario == "balanced" and not recorded_kind_balanced)
         alloc = None
         if any(d.allocator_peak_bytes is not None for d in m.memory.values()) and scenario != "ddp":
             base_memory = model.memory(n, B, recorded_kind_balanced)
@@ -520,9 +540,9 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
     per_rank = chunk_sizes(B, n)
     ddp_label = f"DDP on {n} ranks ({'gloo' if m.backend == 'cpu' else 'NCCL'}), {per_rank[0]} samples each"
     buckets = model.buckets()
-    ddp_notes = [f"no scatter, replicate or gather: each rank keeps its model and its own {per_rank[0]} samples",
-                 f"each rank's forward {ddp_parts['forward']:.2f} ms and backward compute "
-                 f"{ddp_parts['backward_compute']:.2f} ms on its own chunk (the slowest rank's), one intra-op thread each",
+    ddp_notes = [f"no scatter, replicate or gather: each rank keeps its model and its own {per_rank[0]} samples; "
+                 + ("one intra-op thread a rank; " if m.backend == "cpu" else "")
+                 + "the step waits for the slowest rank, whose parts these are",
                  f"{len(buckets)} gradient bucket(s) of {', '.join(f'{b / 2**20:.2f} MiB' for b in buckets)} all-reduced "
                  f"({model.allreduce_ms(buckets[0]) if buckets else 0:.2f} ms for the first); what backward does not "
                  f"hide is the wait, {ddp_parts['comm_wait']:.2f} ms"]
@@ -540,7 +560,7 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
         same = k == n and not recorded_kind_balanced
         notes = []
         if m.backend == "cpu" and k * model._share(k) > model.C:
-            notes.append(f"{k} workers share the {model.C:.2f} cores this job gets: each apply runs "
+            notes.append(f"{k} worker{'s share' if k != 1 else ' shares'} the {model.C:.2f} cores this job gets: each apply runs "
                          f"{model._oversubscribed(k, model._share(k)):.1f}x its time alone")
         if k == 1:
             notes.append("one device: no replicate, no parallel apply, no gather; the model runs on the caller")
