@@ -524,12 +524,17 @@ def _export_trace(run: object, path: str, steps: tuple[int | None, int | None] |
                   args_steps: str | None) -> None:
     """--trace: the trace file(s), their paths on stdout; on stderr one line when the file holds less than every
     step (a thinned run's steps held in full, a range cut to fit a viewer) or more than a viewer opens."""
-    from dpprof.trace.export import MAX_EVENTS, export_trace
+    from dpprof.trace.export import MAX_EVENTS, export_trace, plan_trace
 
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise UsageError(f"--trace {path}: no directory {directory}")
-    plan, written = export_trace(run, path, steps, one_file=one_file)
+    plan = plan_trace(run, steps)
+    if steps is not None and not len(plan.steps):  # a run with no step at all still gets its devices and samples
+        held = f"steps {plan.held_ranges}" if plan.held_ranges else "no step"
+        raise UsageError(f"--steps {args_steps} picks no step run {run.id} holds in full (it holds {held}); "
+                         "nothing written")
+    plan, written = export_trace(run, path, steps, one_file=one_file, plan=plan)
     for w in written:
         print(w.path)
     events = max(w.events for w in written)

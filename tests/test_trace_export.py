@@ -252,7 +252,8 @@ def test_parse_steps(text, steps):
 
 @pytest.mark.parametrize("argv, says", [
     (["--steps", "9:3"], "B must be after A"), (["--steps", "a:b"], "expected A:B"),
-    (["--trace", "{tmp}/t.txt"], "must end in .json or .json.gz"), (["--one-file"], "give --trace")])
+    (["--trace", "{tmp}/t.txt"], "must end in .json or .json.gz"), (["--one-file"], "give --trace"),
+    (["--steps", "100000:"], "picks no step run")])
 def test_bad_trace_arguments_are_usage_errors(runs, argv, says, tmp_path, capsys):
     argv = [a.format(tmp=tmp_path) for a in argv]
     if "--trace" not in argv:

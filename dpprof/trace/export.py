@@ -135,6 +135,7 @@ class TracePlan:
     cut: bool = False  # over the viewers' limit without --steps: the newest steps that fit
     over: bool = False  # what --steps asked for is over the limit (written all the same)
     thinned: bool = False
+    held_ranges: str = ""  # the steps held in full, as ranges: what --steps can pick from
 
     @property
     def ranges(self) -> list[list[int]]:
@@ -233,7 +234,8 @@ def plan_trace(run: StoredRun, steps: tuple[int | None, int | None] | None = Non
 
     events = estimate(chosen)
     plan = TracePlan(run_steps=run.model.steps, held=len(held), steps=chosen, step_rows=rows, asked=steps,
-                     events=events, bytes=events * EVENT_BYTES, thinned=run.model.thinned)
+                     events=events, bytes=events * EVENT_BYTES, thinned=run.model.thinned,
+                     held_ranges=_ranges_text(_ranges(held)))
     max_events = MAX_EVENTS if max_events is None else max_events
     max_bytes = MAX_BYTES if max_bytes is None else max_bytes
     limit = min(max_events, max_bytes // EVENT_BYTES)
@@ -704,7 +706,7 @@ def rank_path(path: str | os.PathLike[str], rank: int) -> Path:
 
 
 def export_trace(run: StoredRun, path: str | os.PathLike[str], steps: tuple[int | None, int | None] | None = None,
-                 one_file: bool = False) -> tuple[TracePlan, list[TraceWritten]]:
+                 one_file: bool = False, plan: TracePlan | None = None) -> tuple[TracePlan, list[TraceWritten]]:
     """``dpprof export RUN --trace FILE``: the run as a trace file, or a distributed run as a file per rank (as
     torch.profiler writes them: ``FILE.rank<N>.json[.gz]``; ``one_file`` puts every rank in ``FILE``, for viewing).
 
@@ -712,7 +714,7 @@ def export_trace(run: StoredRun, path: str | os.PathLike[str], steps: tuple[int 
         >>> plan, written = export_trace(dpprof.load_run("20261123-215701-2e76d9"), "run.json.gz")
         >>> plan.why(), written[0].events
     """
-    plan = plan_trace(run, steps)
+    plan = plan or plan_trace(run, steps)
     if run.ranks == 1 or one_file:
         return plan, [write_trace(run, path, plan)]
     ranks = [run._file_rank(p) for p in run.paths]
