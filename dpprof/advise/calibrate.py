@@ -233,8 +233,8 @@ def _gloo(world: int) -> dict:
 
 
 CORES_ROUNDS = 9  # rounds of one worker against all of them, alternating: the median rides out other jobs' bursts
-_CORES_MATMUL = 160  # a product of this size takes about 1 ms on one thread: GIL-free work for a burst of ~10 ms
-_CORES_BURST = 10
+_CORES_MATMUL = 160  # a product of this size: GIL-free work, repeated to make a burst
+_CORES_BURST_MS = 10.0  # a burst's length on one thread: the rounds span about half a second, not one blip
 
 
 def effective_cores() -> tuple[float, float]:
@@ -252,14 +252,18 @@ def effective_cores() -> tuple[float, float]:
         return 1.0, 0.0
     a = torch.randn(_CORES_MATMUL, _CORES_MATMUL)
 
+    reps = 1
+
     def burst() -> None:
-        for _ in range(_CORES_BURST):
+        for _ in range(reps):
             torch.mm(a, a)
 
     saved = torch.get_num_threads()
     torch.set_num_threads(1)  # each worker's share: one thread
     try:
         run_on_workers(list(range(k)), [burst] * k, kind="cores")  # start the workers, warm their caches
+        one_mm = min(_times_ms(lambda: torch.mm(a, a), 20, 5))
+        reps = max(1, round(_CORES_BURST_MS / max(one_mm, 1e-3)))
         ratios = []
         for _ in range(CORES_ROUNDS):
             one = min(_times_ms(lambda: run_on_workers([0], [burst], kind="cores"), 2, 0))
