@@ -96,6 +96,10 @@ class Measured:
     workload: str | None
     workload_args: dict[str, Any] = field(default_factory=dict)
     source: str = "script"  # "builtin" (dpprof profile WORKLOAD), "model" (dpprof profile --model), "script"
+    # each device's apply in each step past the first over that device's mean apply, pooled over the devices and
+    # clipped to their 5th-95th percentiles (a stall is not the spread of one rank's step): how much one step's
+    # compute moves from the next, by its batch (lengths, content) and the machine
+    apply_ratios: tuple[float, ...] = ()
 
     @property
     def n(self) -> int:
@@ -219,6 +223,7 @@ def measure(run: StoredRun) -> Measured:
         split = chunk_sizes(batch, len(devices))
         chunks = tuple(split + [0] * (len(devices) - len(split))) if batch else chunks
     fixed, fixed_source = _fixed_apply_ms(run, sampled, devices)
+    ratios = _apply_ratios(run, sampled)
     threads, threads_source, cores = _threads(run)
     memory = _memory(run, devices, batch, model.kind)
     first = memory[devices[0]]
@@ -248,7 +253,23 @@ def measure(run: StoredRun) -> Measured:
         input_bytes_per_sample=float(inputs["i"].sum() or 0) / samples if samples else 0.0,
         output_bytes_per_sample=float(inputs["o"].sum() or 0) / samples if samples else 0.0,
         target_bytes_per_sample=float(targets["t"].sum() or 0) / (batch * count) if batch else 0.0,
-        total_memory_bytes=total, workload=workload, workload_args=dict(args), source=source)
+        total_memory_bytes=total, workload=workload, workload_args=dict(args), source=source, apply_ratios=ratios)
+
+
+RATIO_CLIP = (0.05, 0.95)  # apply_ratios' percentiles kept: a stall of the machine is not a rank's spread
+
+
+def _apply_ratios(run: StoredRun, sampled: str) -> tuple[float, ...]:
+    """Each device's model apply (call 0) in each step past the first over that device's mean, pooled, clipped
+    to RATIO_CLIP's percentiles; empty where the run has fewer than MIN_STEPS such steps."""
+    rows = run.query(f"SELECT device, duration_ms FROM phases WHERE phase = 'apply' AND call = 0 AND {sampled} "
+                     "AND step > (SELECT MIN(step) FROM steps)")
+    if len(rows) < MIN_STEPS:
+        return ()
+    means = rows.groupby("device")["duration_ms"].transform("mean")
+    ratios = (rows["duration_ms"] / means)[means > 0]
+    lo, hi = ratios.quantile(list(RATIO_CLIP))
+    return tuple(float(r) for r in ratios.clip(lo, hi))
 
 
 def _gap_ms(run: StoredRun) -> float:

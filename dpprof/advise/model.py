@@ -17,7 +17,8 @@ step; what changes with the set-up is added on top:
 - DDP ranks (``dpprof profile --ddp``: one process, one intra-op thread each) run their forward, loss and
   backward on their own chunk, then all-reduce the gradients bucket by bucket (each as long as a real DDP run's
   wait for one small bucket, plus its bytes at the calibrated gloo rate), the buckets launched as backward reaches
-  them; the step waits for the slowest rank.
+  them; the step waits for the slowest rank, and since each rank has its own batch, for the slowest of n ranks'
+  steps as they move from step to step: the largest of n draws of the recorded applies' spread about their mean.
 
 **Intervals.** The widest of: the middle half of the recorded steps (the machine's noise while it ran), the
 recorded median's 90% interval widened for comparing two runs' medians (x sqrt 2), and RUN_TO_RUN_SHARE (how far
@@ -323,7 +324,7 @@ class _Model:
                     "backward_compute": backward * over}
             ranks.append(rank)
         slowest = max(ranks, key=lambda r: sum(r.values()))
-        wait = self._allreduce_wait(slowest["backward_compute"])
+        wait = self._allreduce_wait(slowest["backward_compute"]) + self.rank_skew_ms(slowest)
         parts = {**slowest, "comm_wait": wait,
                  # the step's own work (optimizer, Python) without DataParallel's bookkeeping, with DDP's, and while
                  # the ranks share cores, the other ranks' loading of their next batch (between their steps, on the
@@ -331,6 +332,23 @@ class _Model:
                  "rest": max(0.0, self.parts["rest"] - self._machinery("rest", n))
                  + (self.cal.ddp_overhead_ms if self.cal else 0.0) + self.ddp_data_ms()}
         return parts, ranks
+
+    def rank_skew(self) -> float:
+        """How much longer the slowest of n ranks' compute is in a step than one rank's on average, as a share:
+        each rank's step moves as the recorded applies did (apply_ratios), independently of the others' (each rank
+        has its own batch), and every step waits for the slowest at the all-reduce. E[max of n draws] of the
+        recorded ratios, exactly: the i-th smallest of m is the largest of n draws with ((i/m)^n - ((i-1)/m)^n)."""
+        ratios = sorted(self.m.apply_ratios)
+        m, n = len(ratios), self.n
+        if m < 2 or n < 2:
+            return 0.0
+        mean = sum(ratios) / m
+        top = sum(r * ((i / m) ** n - ((i - 1) / m) ** n) for i, r in enumerate(ratios, 1))
+        return max(0.0, top / mean - 1.0) if mean > 0 else 0.0
+
+    def rank_skew_ms(self, rank: dict[str, float]) -> float:
+        """The wait the ranks' step-to-step spread adds: rank_skew of the slowest rank's forward, loss and backward."""
+        return self.rank_skew() * sum(rank.values())
 
     def ddp_data_ms(self) -> float:
         """What a DDP step waits out of the other ranks' batch loading while they share the cores: each rank loads
@@ -537,6 +555,7 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
 
     # DDP on the same devices, the same global batch
     ddp_parts, ranks = model.ddp()
+    skew_ms = model.rank_skew_ms({p: ddp_parts[p] for p in ("forward", "loss", "backward_compute")})
     per_rank = chunk_sizes(B, n)
     ddp_label = f"DDP on {n} ranks ({'gloo' if m.backend == 'cpu' else 'NCCL'}), {per_rank[0]} samples each"
     buckets = model.buckets()
@@ -545,7 +564,13 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
                  + "the step waits for the slowest rank, whose parts these are",
                  f"{len(buckets)} gradient bucket(s) of {', '.join(f'{b / 2**20:.2f} MiB' for b in buckets)} all-reduced "
                  f"({model.allreduce_ms(buckets[0]) if buckets else 0:.2f} ms for the first); what backward does not "
-                 f"hide is the wait, {ddp_parts['comm_wait']:.2f} ms"]
+                 f"hide is the wait, {ddp_parts['comm_wait'] - skew_ms:.2f} ms"]
+    if model.rank_skew() > 0.0005:
+        ddp_notes.append(f"each rank's step moves as the recorded applies did (their 5th-95th percentiles "
+                         f"{min(m.apply_ratios):.2f}-{max(m.apply_ratios):.2f}x their mean), each rank with its own "
+                         f"batch: at the all-reduce each step waits for the slowest of {n}, on average "
+                         f"{model.rank_skew():.1%} over one rank's compute, {skew_ms:.2f} ms "
+                         "(in the all-reduce wait)")
     if model.ddp_data_ms() > 0.0005:
         ddp_notes.append(f"the ranks share the {model.C:.2f} cores this job gets: each step also waits out the other "
                          f"ranks' loading of their next batch, {model.ddp_data_ms():.2f} ms (in the rest)")
