@@ -6,6 +6,7 @@ import json
 import math
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -96,9 +97,16 @@ def test_ddp_is_each_ranks_own_chunk_and_the_allreduce_backward_does_not_hide(ru
     assert sorted(m.apply_ratios) == pytest.approx(sorted(ratios), rel=1e-12)
     r = ratios.to_numpy()
     skew = np.maximum.outer(r, r).mean() / r.mean() - 1  # E[max of 2 draws] over every pair, against the model's sum
+    assert skew > 0 and any("slowest of 2" in c for c in ddp.changes)
+    # all of it where each rank has a core of its own, none where the two share one (the shared core takes both
+    # ranks' work whatever its order), linear between
+    for cores, weight in ((2.0, 1.0), (1.0, 0.0), (4 / 3, 0.5)):
+        [shared] = [s for s in advise(m, replace(calibrated, effective_cores=cores)).scenarios if s.scenario == "ddp"]
+        compute = shared.parts_ms["forward"] + shared.parts_ms["loss"] + shared.parts_ms["backward_compute"]
+        assert shared.parts_ms["comm_wait"] - wait == pytest.approx(weight * skew * compute, rel=1e-9, abs=1e-12)
+    weight = min(1.0, max(0.0, 2 - max(1.0, 2 / calibrated.effective_cores)))
     compute = ddp.parts_ms["forward"] + ddp.parts_ms["loss"] + ddp.parts_ms["backward_compute"]
-    assert skew > 0 and ddp.parts_ms["comm_wait"] - wait == pytest.approx(skew * compute, rel=1e-9)
-    assert any("slowest of 2" in c for c in ddp.changes)
+    assert ddp.parts_ms["comm_wait"] - wait == pytest.approx(weight * skew * compute, rel=1e-9, abs=1e-12)
     # the step's own work outside DataParallel (its bookkeeping, as the calibration measured it, left out), and
     # what a recorded DDP step adds
     own = max(0.0, m.parts_ms["rest"] * scale - calibrated.machinery(False, 2, "rest"))

@@ -333,7 +333,7 @@ class _Model:
                  + (self.cal.ddp_overhead_ms if self.cal else 0.0) + self.ddp_data_ms()}
         return parts, ranks
 
-    def rank_skew(self) -> float:
+    def raw_skew(self) -> float:
         """How much longer the slowest of n ranks' compute is in a step than one rank's on average, as a share:
         each rank's step moves as the recorded applies did (apply_ratios), independently of the others' (each rank
         has its own batch), and every step waits for the slowest at the all-reduce. E[max of n draws] of the
@@ -345,6 +345,17 @@ class _Model:
         mean = sum(ratios) / m
         top = sum(r * ((i / m) ** n - ((i - 1) / m) ** n) for i, r in enumerate(ratios, 1))
         return max(0.0, top / mean - 1.0) if mean > 0 else 0.0
+
+    def skew_weight(self) -> float:
+        """How much of the skew a DDP step pays: all of it where each rank has a core (or a GPU) of its own, none
+        where the ranks time-share cores (each step then takes every rank's work on the shared cores, over(n),
+        however it falls; and the recorded applies' spread is mostly the scheduler's order within the step),
+        linear between: 2 - over(n), within 0 and 1."""
+        return min(1.0, max(0.0, 2.0 - self._oversubscribed(self.n, 1)))
+
+    def rank_skew(self) -> float:
+        """The share of a rank's compute a DDP step waits for the slowest rank: raw_skew x skew_weight."""
+        return self.raw_skew() * self.skew_weight()
 
     def rank_skew_ms(self, rank: dict[str, float]) -> float:
         """The wait the ranks' step-to-step spread adds: rank_skew of the slowest rank's forward, loss and backward."""
@@ -565,12 +576,15 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
                  f"{len(buckets)} gradient bucket(s) of {', '.join(f'{b / 2**20:.2f} MiB' for b in buckets)} all-reduced "
                  f"({model.allreduce_ms(buckets[0]) if buckets else 0:.2f} ms for the first); what backward does not "
                  f"hide is the wait, {ddp_parts['comm_wait'] - skew_ms:.2f} ms"]
-    if model.rank_skew() > 0.0005:
+    if model.raw_skew() > 0.0005:
+        weight = model.skew_weight()
+        shared = (f"; the ranks share the {model.C:.2f} cores this job gets, which take every rank's work whatever "
+                  f"its order, so {weight:.0%} of it counts" if weight < 0.95 else "")
         ddp_notes.append(f"each rank's step moves as the recorded applies did (their 5th-95th percentiles "
                          f"{min(m.apply_ratios):.2f}-{max(m.apply_ratios):.2f}x their mean), each rank with its own "
                          f"batch: at the all-reduce each step waits for the slowest of {n}, on average "
-                         f"{model.rank_skew():.1%} over one rank's compute, {skew_ms:.2f} ms "
-                         "(in the all-reduce wait)")
+                         f"{model.raw_skew():.1%} over one rank's compute{shared}: {skew_ms:.2f} ms (in the all-reduce "
+                         "wait)")
     if model.ddp_data_ms() > 0.0005:
         ddp_notes.append(f"the ranks share the {model.C:.2f} cores this job gets: each step also waits out the other "
                          f"ranks' loading of their next batch, {model.ddp_data_ms():.2f} ms (in the rest)")
