@@ -714,7 +714,7 @@ def export_trace(run: StoredRun, path: str | os.PathLike[str], steps: tuple[int 
         >>> plan, written = export_trace(dpprof.load_run("20261123-215701-2e76d9"), "run.json.gz")
         >>> plan.why(), written[0].events
     """
-    plan = plan or plan_trace(run, steps)
+    plan = plan if plan is not None else plan_trace(run, steps)
     if run.ranks == 1 or one_file:
         return plan, [write_trace(run, path, plan)]
     ranks = [run._file_rank(p) for p in run.paths]
