@@ -585,7 +585,7 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
                          f"batch: at the all-reduce each step waits for the slowest of {n}, on average "
                          f"{model.raw_skew():.1%} over one rank's compute{shared}: {skew_ms:.2f} ms (in the all-reduce "
                          "wait)")
-    if model.ddp_data_ms() > 0.0005:
+    if model.ddp_data_ms() >= 0.005:  # said where it shows in two decimals
         ddp_notes.append(f"the ranks share the {model.C:.2f} cores this job gets: each step also waits out the other "
                          f"ranks' loading of their next batch, {model.ddp_data_ms():.2f} ms (in the rest)")
     if B % n:
