@@ -1,6 +1,10 @@
-"""Runs the CPU backend really records, for the dashboard's tests (queries, views, charts, app, browser)."""
+"""Runs the CPU backend really records, for the dashboard's tests (queries, views, charts, app, browser), and a
+recording child process killed mid-run, for the crash tests."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -132,3 +136,44 @@ def record_straggler(directory: Path | None, steps: int, detail: object = "bound
                 if i in stall_steps:
                     time.sleep(STALL_S)
     return run
+
+
+def killed_child(setup: str = "", record_args: str = "", pause_s: float = 0.01) -> str:
+    """A script for ``python -c``: ``setup``, then a step of a Linear on 2 CPU workers recorded in a loop
+    (``dpprof.record(name="killed"{record_args})``) until the process is killed. It prints its run's path, then
+    each step's number once the step is done."""
+    return f"""
+import os, sys, time, torch, dpprof
+{setup}
+net = dpprof.DataParallel(torch.nn.Linear(5, 2), device_ids=dpprof.cpu_devices(2))
+with dpprof.record(name="killed"{record_args}) as run:
+    print(run.path, flush=True)
+    i = 0
+    while True:
+        with run.step():
+            net(torch.randn(8, 5)).sum().backward()
+        print(i, flush=True)
+        i += 1
+        time.sleep({pause_s})
+"""
+
+
+def record_until_killed(script: str, step: int, env: dict[str, str]) -> tuple[str, int, str, int]:
+    """Run ``script`` (killed_child's) with ``env`` added to this process's, read its first line, wait until it has
+    done step ``step`` and two commit intervals more (so that step is on disk), then SIGKILL it.
+
+    Returns:
+        (its first line, the last step it printed, its stderr, its exit code)
+    """
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env={**os.environ, **env})
+    try:
+        first = child.stdout.readline().strip()
+        last = -1
+        while last < step:
+            last = int(child.stdout.readline())
+        time.sleep(1.5)  # > 2 commit intervals: step `last` is on disk
+    finally:
+        child.kill()
+        _, err = child.communicate(timeout=60)
+    return first, last, err, child.returncode

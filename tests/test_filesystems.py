@@ -13,7 +13,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from dpprof.store import filesystems, staging
 from dpprof.store.faults import RecordingError
 from dpprof.store.filesystems import Filesystem, classify, mount_type
 from dpprof.store.writer import check_reports_dir
+from recorded import killed_child, record_until_killed
 
 ROOT = Path(__file__).resolve().parents[1]
 NFS = Filesystem("nfs", True)
@@ -277,41 +277,21 @@ def test_direct_records_in_place_and_stage_stages_anywhere(reports, staged_dir, 
 
 # -- nothing is lost: a staged run left behind is moved by the next recording ---------------------
 
-_CHILD = r"""
-import os, sys, time, torch, dpprof
+_CHILD = killed_child(setup="""
 from dpprof.store import filesystems
 reports, real = os.path.realpath(os.environ["DPPROF_REPORTS"]), filesystems.filesystem_of
 def faked(p):  # the reports directory is on NFS
     p = os.path.realpath(p)
     return filesystems.Filesystem("nfs", True) if p == reports or p.startswith(reports + os.sep) else real(p)
 filesystems.filesystem_of = faked
-net = dpprof.DataParallel(torch.nn.Linear(5, 2), device_ids=dpprof.cpu_devices(2))
-with dpprof.record(name="killed") as run:
-    print(run.path, flush=True)
-    i = 0
-    while True:
-        with run.step():
-            net(torch.randn(8, 5)).sum().backward()
-        print(i, flush=True)
-        i += 1
-        time.sleep(0.01)
-"""
+""")
 
 
 def test_a_sigkilled_staged_run_stays_on_local_disk_and_the_next_recording_moves_it(on_nfs, staged_dir, caplog):
     reports = on_nfs
-    child = subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    try:
-        staged = Path(child.stdout.readline().strip())
-        last = -1
-        while last < 20:
-            last = int(child.stdout.readline())
-        time.sleep(1.5)  # > 2 commit intervals: step `last` is on disk
-    finally:
-        child.kill()
-        _, err = child.communicate(timeout=60)
-    assert child.returncode == -signal.SIGKILL
+    first, last, err, code = record_until_killed(_CHILD, 20, {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    staged = Path(first)
+    assert code == -signal.SIGKILL
     assert err.splitlines() == [_start_line(reports, str(staged))]  # where the run is, said before the kill
     assert staged.parent == staged_dir and staged.exists() and dpprof.list_runs(reports).empty
     assert Path(str(staged) + staging.DESTINATION_SUFFIX).exists()

@@ -2,12 +2,7 @@
 run's aggregates. Every run here is recorded by the CPU backend; the rules are checked on what it stored."""
 from __future__ import annotations
 
-import os
-import signal
 import sqlite3
-import subprocess
-import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,7 +15,7 @@ from dpprof.store.blocks import SETTLE_STEPS
 from dpprof.store.retention import ALL, Retention
 from dpprof.store.writer import SqliteSink
 from dpprof.views import overview
-from recorded import record_straggler
+from recorded import killed_child, record_straggler, record_until_killed
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = Retention(first_steps=30, last_steps=30, every=10, chunk_steps=50, outliers_per_chunk=2, block_steps=10)
@@ -134,37 +129,16 @@ THRESHOLDS = {"straggler": STRAGGLER_RATIO_CPU, "memory_skew": MEMORY_SKEW_RATIO
               "backward_share": BACKWARD_SHARE_INFO, "outlier_steps": OUTLIER_TIME_SHARE}
 
 
-_KILLED = r"""
-import time, torch, dpprof
+_KILLED = killed_child(setup="""
 from dpprof.store.retention import Retention
-net = dpprof.DataParallel(torch.nn.Linear(5, 2), device_ids=dpprof.cpu_devices(2))
 detail = Retention(first_steps=20, last_steps=20, every=10, chunk_steps=20, block_steps=10)
-with dpprof.record(name="killed", detail=detail) as run:
-    print(run.path, flush=True)
-    i = 0
-    while True:
-        with run.step():
-            net(torch.randn(8, 5)).sum().backward()
-        print(i, flush=True)
-        i += 1
-        time.sleep(0.002)
-"""
+""", record_args=", detail=detail", pause_s=0.002)
 
 
 def test_a_killed_runs_aggregates_match_its_committed_rows(reports):
     """SIGKILL: the aggregates cover every committed step but the last few not yet settled, never more; the
     thinning went as far as the steps committed allowed; the pages open."""
-    child = subprocess.Popen([sys.executable, "-c", _KILLED], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "DPPROF_REPORTS": str(reports), "PYTHONPATH": str(ROOT)})
-    try:
-        path = child.stdout.readline().strip()
-        while int(child.stdout.readline()) < 150:
-            pass
-        time.sleep(1.2)  # > 2 commit intervals
-        child.send_signal(signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait()
+    path, _, _, _ = record_until_killed(_KILLED, 150, {"DPPROF_REPORTS": str(reports), "PYTHONPATH": str(ROOT)})
     run = dpprof.load_run(path)
     assert run.meta["status"] == "incomplete"
     committed = len(run.steps)

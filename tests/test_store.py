@@ -5,7 +5,6 @@ import hashlib
 import os
 import re
 import shutil
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from torch import nn
 import dpprof
 from dpprof.store.reader import RunFileError
 from dpprof.store.writer import SqliteSink
+from recorded import killed_child, record_until_killed
 
 
 def _record(steps=4, store=True, workers=2, name="run"):
@@ -77,31 +77,10 @@ def test_run_ids_sort_by_time_and_differ_within_a_second():
     assert new_run_id(now) < new_run_id(now.replace(second=8))
 
 
-_KILLED_CHILD = r"""
-import sys, time, torch, dpprof
-net = dpprof.DataParallel(torch.nn.Linear(5, 2), device_ids=dpprof.cpu_devices(2))
-with dpprof.record(name="killed") as run:
-    print(run.path, flush=True)
-    i = 0
-    while True:
-        with run.step():
-            net(torch.randn(8, 5)).sum().backward()
-        print(i, flush=True)
-        i += 1
-        time.sleep(0.01)
-"""
 
 
 def test_sigkill_leaves_an_incomplete_run_holding_every_committed_step(reports):
-    child = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "DPPROF_REPORTS": str(reports)})
-    path = child.stdout.readline().strip()
-    last = -1
-    while last < 30:
-        last = int(child.stdout.readline())
-    time.sleep(1.5)  # > 2 commit intervals: step `last` is on disk
-    os.kill(child.pid, signal.SIGKILL)
-    child.wait()
+    path, last, _, _ = record_until_killed(killed_child(), 30, {"DPPROF_REPORTS": str(reports)})
     stored = dpprof.load_run(path)
     assert stored.meta["status"] == "incomplete"
     steps = stored.steps["step"].tolist()
