@@ -193,6 +193,7 @@ class _Model:
         C = cal.effective_cores if cal is not None and cal.effective_cores else float(max(1, m.cores))
         self.n, self.T, self.C = n, T, C
         self.cpu = m.backend == "cpu"
+        self._raw_skew = _max_of_draws(m.apply_ratios, n)  # see raw_skew
         self.share_n = self._share(n)
         self.over_n = self._oversubscribed(n, self.share_n)
         scale = m.step_ms / m.typical_step_ms if m.typical_step_ms > 0 else 1.0
@@ -336,15 +337,9 @@ class _Model:
     def raw_skew(self) -> float:
         """How much longer the slowest of n ranks' compute is in a step than one rank's on average, as a share:
         each rank's step moves as the recorded applies did (apply_ratios), independently of the others' (each rank
-        has its own batch), and every step waits for the slowest at the all-reduce. E[max of n draws] of the
-        recorded ratios, exactly: the i-th smallest of m is the largest of n draws with ((i/m)^n - ((i-1)/m)^n)."""
-        ratios = sorted(self.m.apply_ratios)
-        m, n = len(ratios), self.n
-        if m < 2 or n < 2:
-            return 0.0
-        mean = sum(ratios) / m
-        top = sum(r * ((i / m) ** n - ((i - 1) / m) ** n) for i, r in enumerate(ratios, 1))
-        return max(0.0, top / mean - 1.0) if mean > 0 else 0.0
+        has its own batch), and every step waits for the slowest at the all-reduce (_max_of_draws, worked out once
+        per model)."""
+        return self._raw_skew
 
     def skew_weight(self) -> float:
         """How much of the skew a DDP step pays: all of it where each rank has a core (or a GPU) of its own, none
@@ -438,6 +433,18 @@ class _Model:
             out[f"rank:{i}"] = int(round(fixed + per_sample.bytes(start, start + size, m.batch_size)))
             start += size
         return out
+
+
+def _max_of_draws(ratios: tuple[float, ...], n: int) -> float:
+    """E[max of n independent draws] of ``ratios`` over their mean, less 1, exactly: the i-th smallest of m is the
+    largest of n draws with probability (i/m)^n - ((i-1)/m)^n. 0 for fewer than 2 ratios or draws."""
+    ordered = sorted(ratios)
+    m = len(ordered)
+    if m < 2 or n < 2:
+        return 0.0
+    mean = sum(ordered) / m
+    top = sum(r * ((i / m) ** n - ((i - 1) / m) ** n) for i, r in enumerate(ordered, 1))
+    return max(0.0, top / mean - 1.0) if mean > 0 else 0.0
 
 
 def _labels(m: Measured, k: int) -> list[str]:
