@@ -580,8 +580,8 @@ def _cmd_advise(args: argparse.Namespace) -> int:
         calibration = calibrate(int(match.group(1)), progress=sys.stderr.isatty())
         print("\n".join(calibration.lines()))
         if calibration.loaded_reason():
-            print(f"dpprof: {calibration.loaded_reason()}: dpprof advise predicts nothing with it, and measures "
-                  "again once the machine is quieter", file=sys.stderr)
+            print(f"dpprof: {calibration.loaded_reason()}: dpprof advise predicts nothing with it; measure again "
+                  "(dpprof advise --calibrate) once the machine is quieter", file=sys.stderr)
         print(f"cached in {cache_path(calibration.backend, calibration.devices, calibration.threads)}")
         return EXIT_OK
     run = load_run(args.run, args.reports_dir)
@@ -591,19 +591,17 @@ def _cmd_advise(args: argparse.Namespace) -> int:
         print(f"dpprof: {err}", file=sys.stderr)
         return EXIT_FAILURE
     calibration, _ = calibration_for(m)
-    if m.backend == "cpu" and (args.calibrate or calibration is None or calibration.loaded_reason()):
+    if m.backend == "cpu" and (args.calibrate or calibration is None):
         import torch
 
-        from dpprof.advise.calibrate import calibration_to_use
+        from dpprof.advise.calibrate import calibrate
         from dpprof.advise.calibration import cache_path
 
         torch.set_num_threads(m.threads)  # the calibration of the run's own thread count
-        if calibration is None or args.calibrate:
-            print(f"dpprof: calibrating this machine for {m.n} CPU workers at {m.threads} intra-op thread(s) (half "
-                  f"a minute, once; cached in {cache_path('cpu', m.n, m.threads)})", file=sys.stderr, flush=True)
+        print(f"dpprof: calibrating this machine for {m.n} CPU workers at {m.threads} intra-op thread(s) (half a "
+              f"minute, once; cached in {cache_path('cpu', m.n, m.threads)})", file=sys.stderr, flush=True)
         # a bar where someone watches: not under --json, nor into a file or a pipe
-        calibration, fresh = calibration_to_use(m.n, fresh=args.calibrate,
-                                                progress=not args.json and sys.stderr.isatty())
+        calibration = calibrate(m.n, progress=not args.json and sys.stderr.isatty())
         if args.calibrate:
             print("\n".join(calibration.lines()), file=sys.stderr if args.json else sys.stdout)
     view = advisor(run, args.memory_gib, args.batch_sizes, calibration=calibration)

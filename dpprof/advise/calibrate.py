@@ -30,9 +30,9 @@ from datetime import datetime, timezone
 
 import torch
 
-from dpprof.advise.calibration import LOADED_THREAD_SPEEDUP, Calibration, load_calibration, save_calibration
+from dpprof.advise.calibration import Calibration, save_calibration
 
-__all__ = ["calibrate", "calibration_to_use", "effective_cores", "refresh_load", "ALLREDUCE_SIZES_BYTES"]
+__all__ = ["calibrate", "effective_cores", "refresh_load", "ALLREDUCE_SIZES_BYTES"]
 
 ALLREDUCE_SIZES_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)  # small buckets to DDP's first bucket and beyond
 _GLOO_ATTEMPTS = 2  # a port taken between choosing and binding it, or a rank lost at start-up: try once more
@@ -377,25 +377,3 @@ def calibrate(devices: int, save: bool = True, progress: bool = False) -> Calibr
         save_calibration(calibration)
     return calibration
 
-
-def calibration_to_use(devices: int, fresh: bool = False, progress: bool = False) -> tuple[Calibration, bool]:
-    """The calibration ``dpprof advise`` predicts with, for ``devices`` CPU workers at this process's intra-op
-    threads: the cached one; else (none cached, ``fresh``, or a cached one whose figures say the machine was loaded
-    while the machine is quieter now) one measured now and cached.
-
-    A cached calibration taken under load (Calibration.loaded_reason) is checked against the machine as it is now
-    by its load-sensitive figure alone, the thread speed-up (a second): where that is still under
-    LOADED_THREAD_SPEEDUP, measuring everything again would measure the same load, so the cached one is returned and
-    the advice built on it says so and predicts nothing.
-
-    Returns:
-        (calibration, whether it was measured now)
-    """
-    cached = None if fresh else load_calibration("cpu", devices, torch.get_num_threads())
-    if cached is not None:
-        if cached.loaded_reason() is None:
-            return cached, False
-        probe, _ = _thread_speedup(cached.threads)
-        if probe is not None and probe < LOADED_THREAD_SPEEDUP:
-            return cached, False
-    return calibrate(devices, progress=progress), True

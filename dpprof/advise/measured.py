@@ -101,8 +101,9 @@ class Measured:
     # clipped to their 5th-95th percentiles (a stall is not the spread of one rank's step): how much one step's
     # compute moves from the next, by its batch (lengths, content) and the machine
     apply_ratios: tuple[float, ...] = ()
-    # the fastest and slowest step past the first (ms): the run's spread, said where it is too wide to predict from
-    step_range_ms: tuple[float, float] = (0.0, 0.0)
+    # the steps past the first: the fastest, 25th and 75th percentile and slowest (ms), said where their spread is
+    # too wide to predict from
+    step_spread_ms: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     # the stall finding's sentence where the run's steps stall (dpprof.findings.steps.stalls), said before any
     # prediction; None where they do not
     stall_note: str | None = None
@@ -260,7 +261,8 @@ def measure(run: StoredRun) -> Measured:
         output_bytes_per_sample=float(inputs["o"].sum() or 0) / samples if samples else 0.0,
         target_bytes_per_sample=float(targets["t"].sum() or 0) / (batch * count) if batch else 0.0,
         total_memory_bytes=total, workload=workload, workload_args=dict(args), source=source, apply_ratios=ratios,
-        step_range_ms=(float(durations.min()), float(durations.max())), stall_note=_stall_note(run))
+        step_spread_ms=tuple(float(q) for q in durations.quantile([0, 0.25, 0.75, 1])),  # type: ignore[arg-type]
+        stall_note=_stall_note(run))
 
 
 def _stall_note(run: StoredRun) -> str | None:

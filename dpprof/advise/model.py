@@ -673,15 +673,14 @@ def _withheld(m: Measured, cal: Calibration | None, scenarios: list[Scenario]) -
     loaded = cal.loaded_reason() if cal is not None else None
     recorded = next((s for s in scenarios if s.recorded), None)
     if loaded is not None:
-        withheld = (f"No predictions: {loaded}. `dpprof advise {m.run_id}` measures the machine again once it is "
-                    "quieter.")
+        withheld = (f"No predictions: {loaded}. `dpprof advise {m.run_id} --calibrate` measures it again (once the "
+                    "machine is quieter).")
     elif recorded is not None and recorded.interval_ratio > MAX_INTERVAL_RATIO:
-        lo, hi = m.step_range_ms
-        q25, q75 = (m.step_ms * q for q in m.step_quartiles)
+        lo, q25, q75, hi = m.step_spread_ms
         ratio = recorded.interval_ratio
         withheld = (f"No predictions: run {m.run_id} is too noisy to predict from. Its steps past the first took "
-                    f"{lo:,.2f} to {hi:,.2f} ms, the middle half {q25:,.2f}-{q75:,.2f} ms around a median of "
-                    f"{m.step_ms:,.2f} ms, so even the recorded set-up's interval spans "
+                    f"{lo:,.2f} to {hi:,.2f} ms, the middle half {q25:,.2f} to {q75:,.2f} ms, so even the recorded "
+                    "set-up's interval spans "
                     + (f"{ratio:,.0f}x" if math.isfinite(ratio) else "down to 0")
                     + f" (over {MAX_INTERVAL_RATIO:g}x, where no two set-ups can be told apart). Record it again "
                     "while nothing else runs on this machine.")
