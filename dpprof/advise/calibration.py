@@ -133,6 +133,8 @@ class Calibration:
         if self.effective_cores is not None:
             out.append(f"  cores this job gets: {self.effective_cores:.2f} of {self.cores} (one single-threaded worker "
                        f"per core at once against one alone), measured {self.cores_measured_at}")
+        if self.loaded_reason() is not None:
+            out.append(f"  rejected: {self.loaded_reason()}")
         noisy = [f"{k} {v:.0%}" for k, v in self.spread.items() if v > 0.25]
         if noisy:
             out.append(f"  noisy (interquartile range over median above 25%): {', '.join(noisy)}")
