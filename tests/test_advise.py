@@ -259,9 +259,11 @@ def test_without_a_calibration_the_read_side_predicts_nothing_and_gives_the_comm
 def test_advise_calibrates_itself_the_first_time_and_then_reads_the_cache(runs, tmp_path, monkeypatch, capsys):
     one = record(tmp_path / "reports", "one", workers=1, steps=4, batch_size=16)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # someone watching: the progress bar (tqdm) is drawn
     assert main(["--reports-dir", str(tmp_path / "reports"), "advise", one.id]) == 0
     first = capsys.readouterr()
     assert "calibrating this machine for 1 CPU workers" in first.err
+    assert "calibrating for 1 CPU worker(s)" in first.err and "/11 [" in first.err  # 11 measurements at n = 1
     cal = load_calibration("cpu", 1, torch.get_num_threads())
     assert cal is not None and set(cal.dataparallel_ms) == {1, 2}  # measured and cached
     assert f"Calibration of {cal.host}" in first.out and "taken as free" not in first.out
