@@ -140,6 +140,8 @@ def text_lines(view: AdvisorView) -> list[str]:
     """``dpprof advise RUN``'s report: the run, each scenario (step, interval, parts, memory, what changes, the
     command), the largest batch that fits, the assumptions."""
     a = view.advice
+    if a is None:
+        raise ValueError(f"no advice to print: {view.reason}")
     m = a.measured
     where = "CPU workers" if m.backend == "cpu" else "GPUs"
     out = [f"run {m.run_id}  {m.name!r}: {'balanced ' if m.kind == 'balanced' else ''}DataParallel on {m.n} {where}, "
