@@ -10,7 +10,8 @@ import pytest
 
 import dpprof
 from dpprof.findings import (BACKWARD_SHARE_INFO, DP_TAX_WARN, MEMORY_SKEW_RATIO, OUTLIER_TIME_SHARE,
-                             STRAGGLER_RATIO_CPU, findings_from, straggler_verdict, tables_of)
+                             STEP_SHARE_FLOOR, STRAGGLER_RATIO_CPU, TIME_FLOOR_MS, findings_from,
+                             straggler_verdict, tables_of)
 from dpprof.store.blocks import SETTLE_STEPS
 from dpprof.store.retention import ALL, Retention
 from dpprof.store.writer import SqliteSink
@@ -105,27 +106,33 @@ def test_findings_and_the_glance_of_a_thinned_run_agree_with_full_detail(tmp_pat
     thin = dpprof.load_run(_replay(run, tmp_path / "bounded", small))
     assert not whole.model.thinned and thin.model.thinned
     a, b = findings_from(tables_of(whole)), findings_from(tables_of(thin))
+    va, vb = straggler_verdict(tables_of(whole)), straggler_verdict(tables_of(thin))
     # a finding whose figure is within a quarter of its rule's threshold may go either way on a sample (on a loaded
-    # machine the backward's or the tax's share of the step wanders around its line): those kinds are left out
+    # machine the backward's or the tax's share of the step wanders around its line): those kinds are left out; so is
+    # the straggler where its wait is within a quarter of a floor (a loaded machine's steps grow, its 2 ms do not)
     near = {k for df in (a, b) for k, v in zip(df["kind"], df["value"])
             if k in THRESHOLDS and abs(v / THRESHOLDS[k] - 1) <= 0.25}
+    if any(abs(v.wait_ms / v.step_ms / STEP_SHARE_FLOOR - 1) <= 0.25 or abs(v.wait_ms / TIME_FLOOR_MS - 1) <= 0.25
+           for v in (va, vb)):
+        near.add("straggler")
     key = ["kind", "severity", "device"]
     decided = [sorted(tuple(r) for r in df[key].values if r[0] not in near) for df in (a, b)]
-    assert decided[0] == decided[1] and "straggler" in {r[0] for r in decided[0]}
+    assert decided[0] == decided[1]
+    assert "straggler" in near or "straggler" in {r[0] for r in decided[0]}
     # the ratio's denominator is cpu:1's apply of a few tens of µs, whose median moves with the sample (about one
     # step in three here; one in a hundred of a long run's thousands), more so on a loaded machine: the thinned run's
     # ratio is the one definition's over the steps it sampled, exactly; cpu:0's own median within 10% of the whole's
-    vb = b.set_index("kind").loc["straggler", "value"]
+    assert va.slowest == vb.slowest == "cpu:0"
     sampled = tables_of(thin)
     kept = tables_of(whole)
     kept.phases = kept.phases[kept.phases["step"].isin(sampled.phases["step"])]
     kept.steps = kept.steps[kept.steps["step"].isin(sampled.steps["step"])]
-    assert vb == pytest.approx(straggler_verdict(kept).ratio, rel=1e-9)
-    slow_a, slow_b = (float(t.set_index("kind").loc["straggler", "evidence"].split(" ms on cpu:0")[0].split()[-1])
-                      for t in (a, b))
+    assert vb.ratio == pytest.approx(straggler_verdict(kept).ratio, rel=1e-9)
+    slow_a, slow_b = va.found.medians["cpu:0"], vb.found.medians["cpu:0"]
     assert abs(slow_b - slow_a) <= 0.10 * slow_a
     ga, gb = overview.glance(whole), overview.glance(thin)
-    assert (ga.slowest, ga.heaviest, ga.time_uneven) == (gb.slowest, gb.heaviest, gb.time_uneven)
+    assert (ga.slowest, ga.heaviest) == (gb.slowest, gb.heaviest)
+    assert "straggler" in near or ga.time_uneven == gb.time_uneven
 
 
 # each kind's threshold, in the unit of its finding's value
