@@ -6,6 +6,7 @@ from pathlib import Path
 import streamlit as st
 
 from app_pages import common
+from dpprof.outputs import OutputError
 from dpprof.store.reader import reports_dir
 from dpprof.trace import AlreadyImported, TraceError, import_traces, pending_traces
 
@@ -33,7 +34,7 @@ def import_asked(directory: Path) -> None:
                 [f"{name} is already imported as run {', '.join(ids)}" for name, ids in err.runs.items()]
                 + [f"{name} is not" for name in err.others]) + ".")
             return
-        except TraceError as err:
+        except (TraceError, OutputError) as err:  # a bad file; a reports directory read-only or full
             state[IMPORT_SAID] = ("error", f"Not imported: {err}")
             return
     state[common.RUN_KEY] = run.id

@@ -480,27 +480,11 @@ def _checked_devices(device_ids: list | None) -> list[str]:
             f"compute capability {r.capability}" for r in records]
 
 
-def _out_dir_problem(out: str | None) -> str | None:
-    """Why --out cannot be the directory export writes into (a file there or above it), or None."""
-    if out is None:
-        return None
-    path = os.path.abspath(out)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)  # the nearest part of --out that exists
-    if os.path.isdir(path):
-        return None
-    what = f"--out {out}" if path == os.path.abspath(out) else f"--out {out}: {path}"
-    return f"{what} is an existing file, not a directory; nothing was written"
-
-
 def _cmd_export(args: argparse.Namespace) -> int:
+    from dpprof.outputs import Outputs
     from dpprof.store.reader import load_run
     from dpprof.views.export import export_run
 
-    problem = _out_dir_problem(args.out)
-    if problem:
-        print(f"dpprof: {problem}", file=sys.stderr)
-        return EXIT_FAILURE
     if (args.steps is not None or args.one_file) and args.trace is None:
         raise UsageError("--steps and --one-file choose what --trace FILE writes: give --trace")
     if args.trace is not None and not args.trace.endswith((".json", ".json.gz")):
@@ -512,37 +496,38 @@ def _cmd_export(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UsageError(str(err)) from None
     run = load_run(args.run, args.reports_dir)
-    if args.trace is None or args.out is not None:
-        for path in export_run(run, args.out or f"{run.id}-csv"):
-            print(path)
-    if args.trace is not None:
-        _export_trace(run, args.trace, steps, args.one_file, args.steps)
+    # the CSV files and the trace file(s) whole, or nothing at all (an OutputError: one line, exit 1)
+    with Outputs() as files:
+        csvs = export_run(run, args.out or f"{run.id}-csv", files) if args.trace is None or args.out else []
+        traces, note = (_export_trace(run, args.trace, steps, args.one_file, args.steps, files) if args.trace
+                        else ([], None))
+    for path in [*csvs, *traces]:
+        print(path)
+    if note:
+        print(f"dpprof: {note}", file=sys.stderr)
     return EXIT_OK
 
 
 def _export_trace(run: object, path: str, steps: tuple[int | None, int | None] | None, one_file: bool,
-                  args_steps: str | None) -> None:
-    """--trace: the trace file(s), their paths on stdout; on stderr one line when the file holds less than every
-    step (a thinned run's steps held in full, a range cut to fit a viewer) or more than a viewer opens."""
+                  args_steps: str | None, files: object) -> tuple[list[object], str | None]:
+    """--trace: the trace file(s) into ``files``: their paths, and the line for stderr when the file holds less than
+    every step (a thinned run's steps held in full, a range cut to fit a viewer) or more than a viewer opens."""
     from dpprof.trace.export import MAX_EVENTS, export_trace, plan_trace
 
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise UsageError(f"--trace {path}: no directory {directory}")
     plan = plan_trace(run, steps)
     if steps is not None and not len(plan.steps):  # a run with no step at all still gets its devices and samples
         held = f"steps {plan.held_ranges}" if plan.held_ranges else "no step"
         raise UsageError(f"--steps {args_steps} picks no step run {run.id} holds in full (it holds {held}); "
                          "nothing written")
-    plan, written = export_trace(run, path, steps, one_file=one_file, plan=plan)
-    for w in written:
-        print(w.path)
+    plan, written = export_trace(run, path, steps, one_file=one_file, plan=plan, files=files)
     events = max(w.events for w in written)
+    note = None
     if plan.cut or plan.thinned or not len(plan.steps):
-        print(f"dpprof: the trace holds {plan.why()}", file=sys.stderr)
+        note = f"the trace holds {plan.why()}"
     elif plan.over:
-        print(f"dpprof: --steps {args_steps} made {events:,} events{' in a file' if len(written) > 1 else ''}, more than "
-              f"chrome://tracing opens ({MAX_EVENTS:,}); the Perfetto UI (ui.perfetto.dev) opens more", file=sys.stderr)
+        note = (f"--steps {args_steps} made {events:,} events{' in a file' if len(written) > 1 else ''}, more than "
+                f"chrome://tracing opens ({MAX_EVENTS:,}); the Perfetto UI (ui.perfetto.dev) opens more")
+    return [w.path for w in written], note
 
 
 def _batch_sizes(text: str) -> list[int]:
@@ -765,6 +750,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 on usage errors, 0 on --help
+    from dpprof.outputs import OutputError
     from dpprof.store.faults import RecordingError
     from dpprof.store.reader import RunFileError
 
@@ -782,7 +768,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `dpprof runs | head`: the reader has what it wanted
         _quiet_stdout()
         return EXIT_OK
-    except (RunFileError, RecordingError) as err:
+    except (RunFileError, RecordingError, OutputError) as err:  # one line: what could not be read or written, why
         print(f"dpprof: {err}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:  # a run being recorded said what it kept
