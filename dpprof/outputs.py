@@ -56,12 +56,12 @@ def why_not_written(path: str | os.PathLike[str], err: OSError) -> str:
             return f"{found} is an existing file, not a directory"
         if code == errno.EEXIST and found == path and not path.is_dir():
             return "it is an existing file, not a directory"
-        if code == errno.ENOENT and found == path.parent:  # the directory is there and takes no new entry
+        if code == errno.ENOENT and found != path and found.is_dir():
             kind = filesystems.filesystem_of(found).type
-            if kind in KERNEL_FILESYSTEMS:
+            if kind in KERNEL_FILESYSTEMS:  # the directory is there and takes no new entry, whoever asks
                 return f"nothing can be made in {found} (a {kind} filesystem)"
-        if code == errno.ENOENT and found != path.parent:
-            return f"no such directory {path.parent}"
+            if found != path.parent:
+                return f"no such directory {path.parent}"
     if code == errno.EISDIR:
         return "it is a directory"
     return cause_of(err)
@@ -95,7 +95,10 @@ class Outputs:
             missing.append(at)
             at = at.parent
         for d in reversed(missing):
-            os.mkdir(d)
+            try:
+                os.mkdir(d)
+            except OSError as err:  # about the directory the user named
+                raise OSError(err.errno, err.strerror, str(path)) from None
             self._made.append(d)
         if not path.is_dir():  # there already, as a file
             raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path))

@@ -36,31 +36,6 @@ def _row(fault: str, trained: int | str, kept: int | str, status: str, line: str
     ROWS[fault] = {"trained": trained, "kept": kept, "status": status, "line": line}
 
 
-@pytest.fixture
-def mount(tmp_path):
-    """mount("260k") or mount("64k", read_only=True): a fresh tmpfs, unmounted after the test; None
-    where mounting is not permitted (the test then fakes the filesystem error)."""
-    mounted = []
-
-    def make(size: str, read_only: bool = False) -> Path | None:
-        point = tmp_path / f"mnt{len(mounted)}"
-        point.mkdir()
-        options = f"size={size}" + (",ro" if read_only else "")
-        try:
-            done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
-                                  capture_output=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        if done.returncode != 0:
-            return None
-        mounted.append(point)
-        return point
-
-    yield make
-    for point in mounted:
-        subprocess.run(["umount", "-l", str(point)], capture_output=True, timeout=30)
-
-
 def _profile(reports: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "dpprof", "--reports-dir", str(reports), "profile", "tutorial-linear",
            "--devices", "cpu:2", "--steps", str(steps), "--batch-size", "8", "--quiet", *extra]
