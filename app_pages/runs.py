@@ -9,6 +9,7 @@ from app_pages import common
 from dpprof.outputs import OutputError
 from dpprof.store.reader import reports_dir
 from dpprof.trace import AlreadyImported, TraceError, import_traces, pending_traces
+from dpprof.units import plural
 
 IMPORT_ASKED = "trace_import_asked"  # session state: the file names the Import button was pressed on
 IMPORT_SAID = "trace_import_said"  # session state: what the last import said, shown once: (kind, text)
@@ -38,7 +39,7 @@ def import_asked(directory: Path) -> None:
             state[IMPORT_SAID] = ("error", f"Not imported: {err}")
             return
     state[common.RUN_KEY] = run.id
-    state[IMPORT_SAID] = ("success", f"Imported run {run.id}: {run.steps} steps on {', '.join(run.devices)}.")
+    state[IMPORT_SAID] = ("success", f"Imported run {run.id}: {plural(run.steps, 'step')} on {', '.join(run.devices)}.")
 
 
 def traces_to_import() -> None:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
+from dpprof.units import plural
 from dpprof.workload_names import WORKLOAD_NAMES
 
 __all__ = ["main", "parse_devices"]
@@ -130,7 +131,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         if os.path.exists(run.path):
             print(f"  dpprof show {run.id}")
         return EXIT_FAILURE
-    print(f"recorded run {run.id} ({args.steps} steps) in {os.path.abspath(run.path)}")
+    print(f"recorded run {run.id} ({plural(args.steps, 'step')}) in {os.path.abspath(run.path)}")
     print(f"  dpprof show {run.id}")
     return EXIT_OK
 
@@ -295,7 +296,7 @@ def _tell_recorded(session) -> None:
     run = session.run if session is not None else None
     if run is None or run.path is None or run.rank not in (None, 0):
         return
-    print(f"dpprof: recorded run {run.id} ({run.steps_started} steps) in {run.path}; dpprof show {run.id}",
+    print(f"dpprof: recorded run {run.id} ({plural(run.steps_started, 'step')}) in {run.path}; dpprof show {run.id}",
           file=sys.stderr, flush=True)
 
 
@@ -336,7 +337,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
     except TraceError as err:
         print(f"dpprof: {err}", file=sys.stderr)
         return EXIT_FAILURE
-    print(f"imported run {run.id} ({run.steps} steps, {', '.join(run.devices)}) in "
+    print(f"imported run {run.id} ({plural(run.steps, 'step')}, {', '.join(run.devices)}) in "
           f"{', '.join(str(p) for p in run.paths)}")
     print(f"  dpprof show {run.id}")
     return EXIT_OK
@@ -383,7 +384,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
         return EXIT_OK
     stats = queries.run_stats(run)
     ranks = f" on each of {run.ranks} ranks" if run.ranks > 1 else ""
-    print(f"  {stats['steps']:,} steps{ranks}, median {stats['median_step_ms']:.2f} ms, "
+    print(f"  {plural(stats['steps'], 'step')}{ranks}, median {stats['median_step_ms']:.2f} ms, "
           f"batch {stats['batch_size'] if stats['batch_size'] else '-'}")
     if model.detail_text():
         print(f"  {model.detail_text()}")
@@ -420,9 +421,10 @@ def _print_notes(run, skip: set | None = None) -> None:
 
 
 def _print_findings(findings: list[dict]) -> None:
+    from dpprof.views.text import finding_heading
+
     for f in findings:
-        where = f" [{f['device']}]" if isinstance(f.get("device"), str) else ""
-        print(f"  {f['severity'].upper()}{where} {f['title']}")
+        print(f"  {finding_heading(f['severity'], f.get('device'), f['title'])}")
         print(f"    evidence: {f['evidence']}")
         print(f"    advice:   {f['advice']}")
 

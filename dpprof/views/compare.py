@@ -111,17 +111,17 @@ def default_compare(runs: pd.DataFrame, chosen: str | None) -> tuple[list[str], 
     """
     match = runs[runs["id"] == chosen]
     if match.empty:
-        return [], "Choose a run in the sidebar (or two or more below) to compare."
+        return [], "Choose a run in the sidebar (or two or more above) to compare."
     row = match.iloc[0]
     if not row["steps"] or pd.isna(row["steps"]):
         return [], (f"The open run, {row['name'] or row['id']}, recorded no steps: there is nothing to compare. "
-                    "Choose another run in the sidebar, or runs below.")
+                    "Choose another run in the sidebar, or runs above.")
     others = runs[(runs["id"] != chosen) & (runs["status"] == "finished") & (runs["steps"].fillna(0) > 0)
                   & (runs["workload"].fillna("") == (row["workload"] or ""))]
     if others.empty:
         return [], (f"Comparing needs a second finished run of {row['workload'] or 'the same model'} besides "
                     f"{row['name'] or row['id']}: record one on the New run page (for example with --balanced or "
-                    "another number of devices), or choose runs below.")
+                    "another number of devices), or choose runs above.")
     pair = pd.concat([match, others.iloc[[0]]]).sort_values("created_at")
     return pair["id"].tolist(), None
 
