@@ -59,13 +59,13 @@ def _fake_full_disk(monkeypatch, after_commits: int) -> None:
 
     real, seen = writer.SqliteSink._write, []
 
-    def write(self, records, updates):
+    def write(self, *args, **kwargs):  # whatever the writer passes besides the records and the run's updates
         seen.append(1)
         if len(seen) > after_commits:
             err = sqlite3.OperationalError("database or disk is full")
             err.sqlite_errorcode = 13  # SQLITE_FULL
             raise err
-        return real(self, records, updates)
+        return real(self, *args, **kwargs)
 
     monkeypatch.setattr(writer.SqliteSink, "_write", write)
 

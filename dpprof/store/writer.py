@@ -311,7 +311,10 @@ class SqliteSink:
         return [note], {**updates, "detail": None}
 
     def _stop_writing(self, err: BaseException, records: list[Record]) -> None:
-        """A commit failed: keep what of it still fits, in the order it was recorded, then stop writing."""
+        """A commit failed: keep the run's own columns it carried (its devices: a few bytes the pages cannot do
+        without), then what of its records still fits, in the order they were recorded, then stop writing."""
+        if self._unwritten and self._store((self._run_row(self._unwritten),)):
+            self._unwritten.clear()  # before the records: on a full disk, they would take the last room
         kept, size = 0, len(records) // 2
         while size >= MIN_KEPT_SLICE and kept < len(records):
             try:
@@ -337,8 +340,13 @@ class SqliteSink:
         """Store the failure in the run (its status, error and a note) if that still fits; True if it did."""
         values = {**self._unwritten, "status": "disk_full" if self.disk_full else "failed", "error": message,
                   "dropped_records": self.dropped}
-        row = (f"UPDATE runs SET {', '.join(f'{k} = ?' for k in values)}", tuple(_encode(v) for v in values.values()))
+        row = self._run_row(values)
         return self._store((row, self._note(message)), (row,))  # a note if it fits; the status alone if only that does
+
+    @staticmethod
+    def _run_row(values: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
+        """The statement setting these columns of the runs row."""
+        return f"UPDATE runs SET {', '.join(f'{k} = ?' for k in values)}", tuple(_encode(v) for v in values.values())
 
     def _note(self, message: str) -> tuple[str, tuple[Any, ...]]:
         t_ms = self.clock_ms() if self.clock_ms is not None else float("nan")
