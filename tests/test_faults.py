@@ -137,6 +137,48 @@ def test_a_disk_that_fills_mid_run_keeps_every_committed_step_and_says_how_many(
     _row("disk full mid-run", steps, kept, "disk_full", line)
 
 
+def _fill(path: Path, nbytes: int) -> None:
+    """A file of up to ``nbytes`` (less if the disk fills first: a full disk is what the test wants)."""
+    with open(path, "wb") as f:
+        try:
+            f.write(b"\0" * max(nbytes, 0))
+            f.flush()
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+
+
+def test_whatever_room_the_full_disk_leaves_the_run_keeps_its_devices_status_and_steps_together(mount, monkeypatch):
+    """A busy machine's writer commits late: the commit that fills the disk carries the run's devices and many
+    steps. However little room it leaves (a filler file takes all but 8 to 96 KB), the run file says disk_full,
+    names its devices and gives the count of the steps it holds (the records of the failed commit alone would
+    take the last room: on main, with 48 KB left, devices [] and status 'running')."""
+    from dpprof.store import writer
+
+    where = mount("2m")
+    if where is None:
+        pytest.skip("mounting a tmpfs is not permitted here: the room a full disk leaves needs a real one")
+    monkeypatch.setattr(writer, "FLUSH_INTERVAL_S", 600.0)  # one commit at the end: a writer starved by load
+    net = dpprof.DataParallel(nn.Linear(5, 2), device_ids=dpprof.cpu_devices(2))
+    for left_kb in range(8, 97, 8):
+        reports = where / f"r{left_kb}"
+        with dpprof.record(name="fills", reports_dir=str(reports)) as run:
+            _linear_steps(run, net, 300)
+            _fill(where / "filler", shutil.disk_usage(where).free - left_kb * 1024)
+        assert run.recording_failed
+        if not os.path.exists(run.path):  # not even its first step fitted: no run, and the line says so
+            assert "before the first step was stored: no run file kept" in run.problem, run.problem
+            (where / "filler").unlink()
+            continue
+        stored = dpprof.load_run(run.path)
+        kept = len(stored.steps)
+        assert (stored.meta["stored_status"], stored.meta["devices"]) == ("disk_full", ["cpu:0", "cpu:1"]), left_kb
+        assert re.match(rf"disk full after step {kept}: ", stored.meta["error"]), (left_kb, kept, stored.meta["error"])
+        assert stored.steps["step"].tolist() == list(range(kept))
+        (where / "filler").unlink()
+        shutil.rmtree(reports)
+
+
 def test_a_live_recording_folds_its_log_back_once_the_full_disk_has_room_again(mount, monkeypatch):
     """The writer stops writing on a full disk and its write-ahead log is left unfolded; while the run
     goes on, it tries every REFOLD_INTERVAL_S to fold the log back, and does once there is room."""
