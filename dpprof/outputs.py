@@ -82,7 +82,7 @@ class Outputs:
         self._asked: list[Path] = []  # paths asked for, the last one being worked on last
         self._done = False
 
-    def __enter__(self) -> Outputs:
+    def __enter__(self) -> Outputs:  # noqa: PYI034 - typing.Self is 3.11+, dpprof runs on 3.10
         return self
 
     def directory(self, path: str | os.PathLike[str]) -> Path:

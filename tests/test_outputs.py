@@ -15,12 +15,12 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from recorded import record
 
 import dpprof
 from dpprof.cli import main
 from dpprof.outputs import OutputError, Outputs
 from dpprof.trace import import_traces
-from recorded import record
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT.parent / "shared" / "traces"
@@ -215,14 +215,12 @@ def test_an_import_that_cannot_be_written_is_one_line_and_leaves_the_users_runs_
 
 
 def test_a_block_that_fails_otherwise_leaves_nothing_and_says_its_own_error(tmp_path):
-    with pytest.raises(KeyError, match="no table"):
-        with Outputs() as out:
-            out.open(out.directory(tmp_path / "a" / "b") / "x.csv").write(b"half")
-            raise KeyError("no table")
+    with pytest.raises(KeyError, match="no table"), Outputs() as out:
+        out.open(out.directory(tmp_path / "a" / "b") / "x.csv").write(b"half")
+        raise KeyError("no table")
     assert list(tmp_path.iterdir()) == []
-    with pytest.raises(OutputError, match="it is a directory"):
-        with Outputs() as out:
-            out.open(tmp_path)
+    with pytest.raises(OutputError, match="it is a directory"), Outputs() as out:
+        out.open(tmp_path)
 
 
 # -- on real filesystems, where mounting is permitted ---------------------------------------------
