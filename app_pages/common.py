@@ -23,10 +23,11 @@ import streamlit as st
 from dpprof.export import to_csv_bytes
 from dpprof import views
 from dpprof.views import export
-from dpprof.views.text import display_table, run_label, sentence
+from dpprof.views.text import display_table, finding_heading, run_label, sentence
 from dpprof.store.faults import RecordingError
 from dpprof.store.reader import list_runs, load_run, reports_dir
 from dpprof.store.writer import check_reports_dir
+from dpprof.units import plural
 
 REFRESH_S = 2.0  # a running run's pages re-read it this often (its writer commits every 0.5 s)
 LISTING_TTL_S = 5.0  # "running" turns "incomplete" by time alone (heartbeat age), not by file changes
@@ -179,7 +180,7 @@ def run_header(row: pd.Series) -> None:
     steps = int(row["steps"]) if pd.notna(row["steps"]) else 0
     model = view(views.model_of, row)
     cols[1].caption(f"run `{row['id']}` · {model.title} · {row['workload'] or 'your model'} · "
-                    f"{model.unit}s {', '.join(model.devices) or '-'} · {steps:,} steps · started {created} UTC")
+                    f"{model.unit}s {', '.join(model.devices) or '-'} · {plural(steps, 'step')} · started {created} UTC")
     if model.kind == "empty" and row["status"] != "running":
         missing(model.empty_reason or "The run recorded no steps.")
     if row["status"] == "running":
@@ -268,8 +269,7 @@ _BOX = {"critical": st.error, "warning": st.warning, "info": st.info}
 
 def finding_box(f: Any) -> None:
     """One finding (a FindingRecord or a row with its fields) as a box coloured by its severity."""
-    where = f" · {f.device}" if isinstance(f.device, str) else ""
-    _BOX.get(f.severity, st.info)(f"**{f.severity.upper()}{where}: {f.title}**\n\n"
+    _BOX.get(f.severity, st.info)(f"**{finding_heading(f.severity, f.device, f.title)}**\n\n"
                                   f"Evidence: {f.evidence}\n\nAdvice: {f.advice}")
 
 

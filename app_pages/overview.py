@@ -30,10 +30,10 @@ def per_device(data: overview.Overview) -> None:
     c = st.columns(4)
     if g.time_uneven:
         c[0].metric(f"Slowest {unit}", g.slowest, help=f"the longest median {g.work_phase} per step")
-        c[1].metric(f"{g.work_phase.capitalize()} imbalance", f"{g.time_ratio:.2f}x",
+        c[1].metric(f"{data.model.work.column.capitalize()} imbalance", f"{g.time_ratio:.2f}x",
                     f"{g.wait_ms:.2f} ms a step", delta_color="off",
-                    help=f"the slowest {unit}'s median over the others' (the first step left out); what the others "
-                    "wait for it per step")
+                    help=f"the slowest {unit}'s median {g.work_phase} over the others' (the first step left out); "
+                    "what the others wait for it per step")
     if g.memory_uneven:
         c[2].metric("Most memory", g.heaviest, help=g.memory_source)
         c[3].metric("Memory imbalance", f"{g.memory_ratio:.2f}x", f"{g.memory_ratio - 1:+.0%} vs {g.lightest}",
@@ -113,8 +113,8 @@ def body(row: pd.Series) -> None:
         with left:
             common.chart(charts.phase_shares(data.totals))
         with right:
-            kind_section(data)
             common.table(data.totals, "phase_totals")
+        kind_section(data)
     if len(data.gpu):
         common.chart(charts.gpu_time(data.gpu))
     findings(data.findings)

@@ -6,8 +6,10 @@ from pathlib import Path
 import streamlit as st
 
 from app_pages import common
+from dpprof.outputs import OutputError
 from dpprof.store.reader import checks_under_their_runs, reports_dir
 from dpprof.trace import AlreadyImported, TraceError, import_traces, pending_traces
+from dpprof.units import plural
 
 IMPORT_ASKED = "trace_import_asked"  # session state: the file names the Import button was pressed on
 IMPORT_SAID = "trace_import_said"  # session state: what the last import said, shown once: (kind, text)
@@ -33,11 +35,11 @@ def import_asked(directory: Path) -> None:
                 [f"{name} is already imported as run {', '.join(ids)}" for name, ids in err.runs.items()]
                 + [f"{name} is not" for name in err.others]) + ".")
             return
-        except TraceError as err:
+        except (TraceError, OutputError) as err:  # a bad file; a reports directory read-only or full
             state[IMPORT_SAID] = ("error", f"Not imported: {err}")
             return
     state[common.RUN_KEY] = run.id
-    state[IMPORT_SAID] = ("success", f"Imported run {run.id}: {run.steps} steps on {', '.join(run.devices)}.")
+    state[IMPORT_SAID] = ("success", f"Imported run {run.id}: {plural(run.steps, 'step')} on {', '.join(run.devices)}.")
 
 
 def traces_to_import() -> None:

@@ -48,6 +48,19 @@ def _fig(title: str, **layout: object) -> go.Figure:
     return fig
 
 
+STEP_TICKS_EVERY_STEP = 20  # up to this many steps on an axis, a tick at every step; past it plotly's, whole
+
+
+def _step_axis(fig: go.Figure, steps: pd.Series) -> None:
+    """A step axis with whole-step ticks only (no 4.5 or 550.5): a tick at every step over a short span (one step
+    alone too), plotly's own spacing, as whole numbers, over a long one."""
+    span = float(steps.max() - steps.min()) if len(steps) else 0.0
+    if span <= STEP_TICKS_EVERY_STEP:
+        fig.update_xaxes(tickformat="d", tick0=0, dtick=1)
+    else:  # plotly spaces ticks 1, 2 or 5 x 10^k apart: at least 1 over more than 20 steps
+        fig.update_xaxes(tickformat="d")
+
+
 def downsample(df: pd.DataFrame, max_points: int = MAX_POINTS) -> pd.DataFrame:
     """Every k-th row, so that at most max_points remain (the last row always kept)."""
     if len(df) <= max_points:
@@ -124,6 +137,7 @@ def step_times(steps: pd.DataFrame, outliers: pd.DataFrame | None = None) -> go.
                                  marker=dict(color="#CC3311", size=7, symbol="x"),
                                  customdata=outliers["median_ms"],
                                  hovertemplate="step %{x}: %{y:.2f} ms (median then %{customdata:.2f} ms)"))
+    _step_axis(fig, df["step"])
     return fig
 
 
@@ -145,6 +159,7 @@ def phase_breakdown(breakdown: pd.DataFrame) -> go.Figure:
         else:
             fig.add_trace(go.Scatter(**kwargs, mode="lines", stackgroup="phases",
                                      line=dict(width=0.5, color=_color(phase))))
+    _step_axis(fig, df["step"])
     return fig
 
 
@@ -350,6 +365,7 @@ def compare_step_times(steps: pd.DataFrame) -> go.Figure:
     for run, df in steps.groupby("run", sort=False):
         df = downsample(df)
         fig.add_trace(go.Scatter(x=df["step"], y=df["duration_ms"], mode="lines", name=str(run)))
+    _step_axis(fig, steps["step"])
     return fig
 
 

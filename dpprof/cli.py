@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
+from dpprof.units import plural
 from dpprof.workload_names import WORKLOAD_NAMES
 
 __all__ = ["main", "parse_devices"]
@@ -130,7 +131,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         if os.path.exists(run.path):
             print(f"  dpprof show {run.id}")
         return EXIT_FAILURE
-    print(f"recorded run {run.id} ({args.steps} steps) in {os.path.abspath(run.path)}")
+    print(f"recorded run {run.id} ({plural(args.steps, 'step')}) in {os.path.abspath(run.path)}")
     print(f"  dpprof show {run.id}")
     return EXIT_OK
 
@@ -295,7 +296,7 @@ def _tell_recorded(session) -> None:
     run = session.run if session is not None else None
     if run is None or run.path is None or run.rank not in (None, 0):
         return
-    print(f"dpprof: recorded run {run.id} ({run.steps_started} steps) in {run.path}; dpprof show {run.id}",
+    print(f"dpprof: recorded run {run.id} ({plural(run.steps_started, 'step')}) in {run.path}; dpprof show {run.id}",
           file=sys.stderr, flush=True)
 
 
@@ -336,7 +337,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
     except TraceError as err:
         print(f"dpprof: {err}", file=sys.stderr)
         return EXIT_FAILURE
-    print(f"imported run {run.id} ({run.steps} steps, {', '.join(run.devices)}) in "
+    print(f"imported run {run.id} ({plural(run.steps, 'step')}, {', '.join(run.devices)}) in "
           f"{', '.join(str(p) for p in run.paths)}")
     print(f"  dpprof show {run.id}")
     return EXIT_OK
@@ -386,7 +387,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
         return EXIT_OK
     stats = queries.run_stats(run)
     ranks = f" on each of {run.ranks} ranks" if run.ranks > 1 else ""
-    print(f"  {stats['steps']:,} steps{ranks}, median {stats['median_step_ms']:.2f} ms, "
+    print(f"  {plural(stats['steps'], 'step')}{ranks}, median {stats['median_step_ms']:.2f} ms, "
           f"batch {stats['batch_size'] if stats['batch_size'] else '-'}")
     if model.detail_text():
         print(f"  {model.detail_text()}")
@@ -423,9 +424,10 @@ def _print_notes(run, skip: set | None = None) -> None:
 
 
 def _print_findings(findings: list[dict]) -> None:
+    from dpprof.views.text import finding_heading
+
     for f in findings:
-        where = f" [{f['device']}]" if isinstance(f.get("device"), str) else ""
-        print(f"  {f['severity'].upper()}{where} {f['title']}")
+        print(f"  {finding_heading(f['severity'], f.get('device'), f['title'])}")
         print(f"    evidence: {f['evidence']}")
         print(f"    advice:   {f['advice']}")
 
@@ -483,27 +485,11 @@ def _checked_devices(device_ids: list | None) -> list[str]:
             f"compute capability {r.capability}" for r in records]
 
 
-def _out_dir_problem(out: str | None) -> str | None:
-    """Why --out cannot be the directory export writes into (a file there or above it), or None."""
-    if out is None:
-        return None
-    path = os.path.abspath(out)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)  # the nearest part of --out that exists
-    if os.path.isdir(path):
-        return None
-    what = f"--out {out}" if path == os.path.abspath(out) else f"--out {out}: {path}"
-    return f"{what} is an existing file, not a directory; nothing was written"
-
-
 def _cmd_export(args: argparse.Namespace) -> int:
+    from dpprof.outputs import Outputs
     from dpprof.store.reader import load_run
     from dpprof.views.export import export_run
 
-    problem = _out_dir_problem(args.out)
-    if problem:
-        print(f"dpprof: {problem}", file=sys.stderr)
-        return EXIT_FAILURE
     if (args.steps is not None or args.one_file) and args.trace is None:
         raise UsageError("--steps and --one-file choose what --trace FILE writes: give --trace")
     if args.trace is not None and not args.trace.endswith((".json", ".json.gz")):
@@ -515,37 +501,38 @@ def _cmd_export(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UsageError(str(err)) from None
     run = load_run(args.run, args.reports_dir)
-    if args.trace is None or args.out is not None:
-        for path in export_run(run, args.out or f"{run.id}-csv"):
-            print(path)
-    if args.trace is not None:
-        _export_trace(run, args.trace, steps, args.one_file, args.steps)
+    # the CSV files and the trace file(s) whole, or nothing at all (an OutputError: one line, exit 1)
+    with Outputs() as files:
+        csvs = export_run(run, args.out or f"{run.id}-csv", files) if args.trace is None or args.out else []
+        traces, note = (_export_trace(run, args.trace, steps, args.one_file, args.steps, files) if args.trace
+                        else ([], None))
+    for path in [*csvs, *traces]:
+        print(path)
+    if note:
+        print(f"dpprof: {note}", file=sys.stderr)
     return EXIT_OK
 
 
 def _export_trace(run: object, path: str, steps: tuple[int | None, int | None] | None, one_file: bool,
-                  args_steps: str | None) -> None:
-    """--trace: the trace file(s), their paths on stdout; on stderr one line when the file holds less than every
-    step (a thinned run's steps held in full, a range cut to fit a viewer) or more than a viewer opens."""
+                  args_steps: str | None, files: object) -> tuple[list[object], str | None]:
+    """--trace: the trace file(s) into ``files``: their paths, and the line for stderr when the file holds less than
+    every step (a thinned run's steps held in full, a range cut to fit a viewer) or more than a viewer opens."""
     from dpprof.trace.export import MAX_EVENTS, export_trace, plan_trace
 
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise UsageError(f"--trace {path}: no directory {directory}")
     plan = plan_trace(run, steps)
     if steps is not None and not len(plan.steps):  # a run with no step at all still gets its devices and samples
         held = f"steps {plan.held_ranges}" if plan.held_ranges else "no step"
         raise UsageError(f"--steps {args_steps} picks no step run {run.id} holds in full (it holds {held}); "
                          "nothing written")
-    plan, written = export_trace(run, path, steps, one_file=one_file, plan=plan)
-    for w in written:
-        print(w.path)
+    plan, written = export_trace(run, path, steps, one_file=one_file, plan=plan, files=files)
     events = max(w.events for w in written)
+    note = None
     if plan.cut or plan.thinned or not len(plan.steps):
-        print(f"dpprof: the trace holds {plan.why()}", file=sys.stderr)
+        note = f"the trace holds {plan.why()}"
     elif plan.over:
-        print(f"dpprof: --steps {args_steps} made {events:,} events{' in a file' if len(written) > 1 else ''}, more than "
-              f"chrome://tracing opens ({MAX_EVENTS:,}); the Perfetto UI (ui.perfetto.dev) opens more", file=sys.stderr)
+        note = (f"--steps {args_steps} made {events:,} events{' in a file' if len(written) > 1 else ''}, more than "
+                f"chrome://tracing opens ({MAX_EVENTS:,}); the Perfetto UI (ui.perfetto.dev) opens more")
+    return [w.path for w in written], note
 
 
 def _batch_sizes(text: str) -> list[int]:
@@ -772,6 +759,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 on usage errors, 0 on --help
+    from dpprof.outputs import OutputError
     from dpprof.store.faults import RecordingError
     from dpprof.store.reader import RunFileError
 
@@ -789,7 +777,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `dpprof runs | head`: the reader has what it wanted
         _quiet_stdout()
         return EXIT_OK
-    except (RunFileError, RecordingError) as err:
+    except (RunFileError, RecordingError, OutputError) as err:  # one line: what could not be read or written, why
         print(f"dpprof: {err}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:  # a run being recorded said what it kept

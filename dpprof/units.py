@@ -1,7 +1,7 @@
 """Units as people read them: bytes in KiB, MiB or GiB by size. Shared by findings, views and charts."""
 from __future__ import annotations
 
-__all__ = ["mib", "bytes_unit"]
+__all__ = ["mib", "bytes_unit", "plural"]
 
 
 def mib(value: float) -> str:
@@ -18,3 +18,8 @@ def bytes_unit(max_bytes: float) -> tuple[str, float]:
     if 0 < max_bytes < 2**20:
         return "KiB", 2**-10
     return "MiB", 2**-20
+
+
+def plural(count: int, noun: str) -> str:
+    """A count and its noun, singular for one: "1 step", "2 steps", "1,000 steps"."""
+    return f"{count:,} {noun}" if count == 1 else f"{count:,} {noun}s"

@@ -1,6 +1,9 @@
 """Shared fixtures: every test records into its own reports directory, never the checkout's."""
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import pytest
 
 
@@ -15,6 +18,31 @@ def reports(tmp_path, monkeypatch):
     # dpprof advise caches its calibration under $XDG_CACHE_HOME: never the user's from a test
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
     return path
+
+
+@pytest.fixture
+def mount(tmp_path):
+    """mount("260k") or mount("64k", read_only=True): a fresh tmpfs, unmounted after the test; None
+    where mounting is not permitted (the test then fakes the filesystem error)."""
+    mounted = []
+
+    def make(size: str, read_only: bool = False) -> Path | None:
+        point = tmp_path / f"mnt{len(mounted)}"
+        point.mkdir()
+        options = f"size={size}" + (",ro" if read_only else "")
+        try:
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
+                                  capture_output=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if done.returncode != 0:
+            return None
+        mounted.append(point)
+        return point
+
+    yield make
+    for point in mounted:
+        subprocess.run(["umount", "-l", str(point)], capture_output=True, timeout=30)
 
 
 @pytest.fixture(scope="session")

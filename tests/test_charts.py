@@ -91,6 +91,22 @@ def test_timeline_has_a_lane_per_device_and_the_steps(runs):
     assert len(apply.x) == 6 and list(apply.base) == phases.loc[phases["phase"] == "apply", "start_ms"].tolist()
 
 
+def test_step_axes_tick_whole_steps_only(runs):
+    """A step is a whole number: every chart over steps ticks 0, 1, 2 (never 4.5), one step alone (a step 550 of
+    a trace) too, and a long run's axis prints its ticks as whole numbers."""
+    run = runs["plain"]
+    steps = queries.step_times(run)
+    one = steps[steps["step"] == steps["step"].max()].assign(step=550)
+    figs = [charts.step_times(steps), charts.step_times(one), charts.phase_breakdown(queries.phase_breakdown(run)),
+            charts.compare_step_times(compare.compare([runs["plain"], runs["three"]]).steps)]
+    for fig in figs:
+        axis = fig.layout.xaxis
+        assert axis.title.text == "step" and axis.tickformat == "d" and axis.dtick == 1 and axis.tick0 == 0
+    long = steps.loc[steps.index.repeat(10)].reset_index(drop=True).assign(step=lambda d: d.index)
+    axis = charts.step_times(long).layout.xaxis
+    assert axis.tickformat == "d" and axis.dtick is None  # plotly's own spacing over 60 steps: 1, 2 or 5 apart
+
+
 def test_compare_charts_have_one_series_per_run(runs):
     data = compare.compare([runs["plain"], runs["three"]])
     labels = data.summary["run"].tolist()

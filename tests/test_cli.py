@@ -93,8 +93,8 @@ def test_export_writes_every_table_with_the_runs_values(tmp_path):
 
 
 @pytest.mark.parametrize("out, file, says", [
-    ("report.csv", "report.csv", "--out {out} is an existing file, not a directory"),
-    ("report.csv/csv", "report.csv", "--out {out}: {file} is an existing file, not a directory"),
+    ("report.csv", "report.csv", "cannot write {out}: it is an existing file, not a directory"),
+    ("report.csv/csv", "report.csv", "cannot write {out}: {file} is an existing file, not a directory"),
 ], ids=["the-file", "inside-a-file"])
 def test_export_into_an_existing_file_says_so_in_one_line_and_writes_nothing(out, file, says, tmp_path, capsys):
     assert _profile() == 0

@@ -36,31 +36,6 @@ def _row(fault: str, trained: int | str, kept: int | str, status: str, line: str
     ROWS[fault] = {"trained": trained, "kept": kept, "status": status, "line": line}
 
 
-@pytest.fixture
-def mount(tmp_path):
-    """mount("260k") or mount("64k", read_only=True): a fresh tmpfs, unmounted after the test; None
-    where mounting is not permitted (the test then fakes the filesystem error)."""
-    mounted = []
-
-    def make(size: str, read_only: bool = False) -> Path | None:
-        point = tmp_path / f"mnt{len(mounted)}"
-        point.mkdir()
-        options = f"size={size}" + (",ro" if read_only else "")
-        try:
-            done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
-                                  capture_output=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        if done.returncode != 0:
-            return None
-        mounted.append(point)
-        return point
-
-    yield make
-    for point in mounted:
-        subprocess.run(["umount", "-l", str(point)], capture_output=True, timeout=30)
-
-
 def _profile(reports: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "dpprof", "--reports-dir", str(reports), "profile", "tutorial-linear",
            "--devices", "cpu:2", "--steps", str(steps), "--batch-size", "8", "--quiet", *extra]
@@ -84,13 +59,13 @@ def _fake_full_disk(monkeypatch, after_commits: int) -> None:
 
     real, seen = writer.SqliteSink._write, []
 
-    def write(self, records, updates):
+    def write(self, *args, **kwargs):  # whatever the writer passes besides the records and the run's updates
         seen.append(1)
         if len(seen) > after_commits:
             err = sqlite3.OperationalError("database or disk is full")
             err.sqlite_errorcode = 13  # SQLITE_FULL
             raise err
-        return real(self, records, updates)
+        return real(self, *args, **kwargs)
 
     monkeypatch.setattr(writer.SqliteSink, "_write", write)
 
@@ -160,6 +135,48 @@ def test_a_disk_that_fills_mid_run_keeps_every_committed_step_and_says_how_many(
     listed = dpprof.list_runs(directory)
     assert listed[["status", "steps"]].values.tolist() == [["disk_full", kept]]
     _row("disk full mid-run", steps, kept, "disk_full", line)
+
+
+def _fill(path: Path, nbytes: int) -> None:
+    """A file of up to ``nbytes`` (less if the disk fills first: a full disk is what the test wants)."""
+    with open(path, "wb") as f:
+        try:
+            f.write(b"\0" * max(nbytes, 0))
+            f.flush()
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+
+
+def test_whatever_room_the_full_disk_leaves_the_run_keeps_its_devices_status_and_steps_together(mount, monkeypatch):
+    """A busy machine's writer commits late: the commit that fills the disk carries the run's devices and many
+    steps. However little room it leaves (a filler file takes all but 8 to 96 KB), the run file says disk_full,
+    names its devices and gives the count of the steps it holds (the records of the failed commit alone would
+    take the last room: on main, with 48 KB left, devices [] and status 'running')."""
+    from dpprof.store import writer
+
+    where = mount("2m")
+    if where is None:
+        pytest.skip("mounting a tmpfs is not permitted here: the room a full disk leaves needs a real one")
+    monkeypatch.setattr(writer, "FLUSH_INTERVAL_S", 600.0)  # one commit at the end: a writer starved by load
+    net = dpprof.DataParallel(nn.Linear(5, 2), device_ids=dpprof.cpu_devices(2))
+    for left_kb in range(8, 97, 8):
+        reports = where / f"r{left_kb}"
+        with dpprof.record(name="fills", reports_dir=str(reports)) as run:
+            _linear_steps(run, net, 300)
+            _fill(where / "filler", shutil.disk_usage(where).free - left_kb * 1024)
+        assert run.recording_failed
+        if not os.path.exists(run.path):  # not even its first step fitted: no run, and the line says so
+            assert "before the first step was stored: no run file kept" in run.problem, run.problem
+            (where / "filler").unlink()
+            continue
+        stored = dpprof.load_run(run.path)
+        kept = len(stored.steps)
+        assert (stored.meta["stored_status"], stored.meta["devices"]) == ("disk_full", ["cpu:0", "cpu:1"]), left_kb
+        assert re.match(rf"disk full after step {kept}: ", stored.meta["error"]), (left_kb, kept, stored.meta["error"])
+        assert stored.steps["step"].tolist() == list(range(kept))
+        (where / "filler").unlink()
+        shutil.rmtree(reports)
 
 
 def test_a_live_recording_folds_its_log_back_once_the_full_disk_has_room_again(mount, monkeypatch):

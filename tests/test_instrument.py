@@ -240,7 +240,7 @@ def test_the_line_on_stderr_names_the_run_by_its_absolute_path(tmp_path):
     assert out.returncode == 0, out.stderr
     [run_id] = [p.name.removesuffix(".sqlite") for p in (tmp_path / "reports").glob("*.sqlite")]
     said = [line for line in out.stderr.splitlines() if line.startswith("dpprof: recorded run")]
-    assert said == [f"dpprof: recorded run {run_id} (1 steps) in {tmp_path}/reports/{run_id}.sqlite; "
+    assert said == [f"dpprof: recorded run {run_id} (1 step) in {tmp_path}/reports/{run_id}.sqlite; "
                     f"dpprof show {run_id}"], out.stderr
     assert not (tmp_path / "elsewhere" / "reports").exists()  # the script's chdir moved nothing
 

@@ -111,6 +111,33 @@ def test_display_tables_put_units_in_words_and_bytes_in_mib(runs):
     assert big["reserved (GiB)"].tolist() == [3.0, 0.5]
 
 
+def test_bytes_per_step_read_in_a_unit_and_a_finding_names_its_device_once(tmp_path):
+    """An imported NCCL trace: its all-reduce table's bytes per step in MiB (the CSV keeps bytes), and its GPU's
+    idle finding headed "WARNING: rank:0's GPU is idle ...", not "rank:0: rank:0's GPU ..."."""
+    from pathlib import Path
+
+    from dpprof.cli import main
+    from dpprof.trace import import_traces
+    from dpprof.views.text import finding_heading
+
+    trace = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "ddp-2ranks-rank0-nccl.json.gz"
+    run = dpprof.load_run(import_traces([trace], tmp_path).id, tmp_path)
+    comms = overview.overview(run).comms
+    shown = display_table(comms)
+    assert "bytes per step" not in shown  # no raw bytes under a bare header
+    unit = "GiB" if comms["bytes_per_step"].max() >= 2**30 else "MiB" if comms["bytes_per_step"].max() >= 2**20 else "KiB"
+    scale = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+    assert shown[f"bytes per step ({unit})"].tolist() == (comms["bytes_per_step"] / scale).round(2).tolist()
+    assert (comms["bytes_per_step"] > 2**20).all()  # the test's point: a figure worth a unit
+    found = run_findings(run).table
+    assert len(found) and found["device"].notna().any()
+    for f in found.itertuples():
+        heading = finding_heading(f.severity, f.device, f.title)
+        assert heading.count(f.device) == f.title.count(f.device) and heading.endswith(f.title)
+        assert heading.startswith(f.severity.upper()) and f"{f.device}: {f.device}" not in heading
+    assert main(["--reports-dir", str(tmp_path), "show", run.id]) == 0
+
+
 def test_compare_opens_on_the_open_run_and_the_newest_finished_one_of_its_workload(runs):
     listing = dpprof.list_runs(runs["plain"].path.parent)
     plain, balanced = runs["plain"].id, runs["balanced"].id
@@ -120,4 +147,4 @@ def test_compare_opens_on_the_open_run_and_the_newest_finished_one_of_its_worklo
     ids, need = compare.default_compare(failed, plain)
     assert ids == [] and "needs a second finished run of cifar-lenet" in need
     ids, need = compare.default_compare(listing, None)
-    assert ids == [] and "Choose a run" in need
+    assert ids == [] and "Choose a run" in need and "above" in need  # the picker is above the message

@@ -7,6 +7,7 @@ from dpprof.findings.dataparallel import MEMORY_SKEW_CRITICAL_RATIO, MEMORY_SKEW
 from dpprof.findings.ddp import COMM_SHARE_WARN
 from dpprof.findings.floors import cost_text, mib, worth_bytes, worth_time
 from dpprof.records import SLOWDOWN_REASONS
+from dpprof.units import plural
 
 __all__ = ["UNDERUSED_UTIL_RATIO", "UNDERUSED_BUSY_PCT", "THROTTLED_SAMPLES_SHARE", "GPU_IDLE_WARN",
            "GPU_IDLE_CRITICAL", "gpu_underused", "throttling", "gpu_idle", "gpu_communication", "allocator_skew",
@@ -68,7 +69,7 @@ def gpu_idle(t: Tables) -> list[dict]:
             out.append(finding("gpu_idle", "critical" if share >= GPU_IDLE_CRITICAL else "warning", device,
                                f"{device}'s GPU is idle {share:.0%} of the step",
                                f"no kernel, copy or memset ran for {idle_ms:.2f} ms of a {window_ms:.2f} ms step on "
-                               f"average ({steps} steps): idle time {cost_text(idle_ms, steps)}",
+                               f"average ({plural(steps, 'step')}): idle time {cost_text(idle_ms, steps)}",
                                "The GPU waits on the host: look at data loading (more DataLoader workers, pinned "
                                "memory), host-side Python between kernels, and synchronising calls (.item(), .cpu()).",
                                share))

@@ -37,7 +37,17 @@ _SQLITE_CAUSES = {
 
 
 class RecordingError(Exception):
-    """A run could not be recorded in its reports directory; the message says where and why, in one line."""
+    """A run could not be recorded in its reports directory; the message says where and why, in one line.
+
+    Attributes:
+        path: the directory (or file) it could not write, where known.
+        cause: why, in a few words (``cause_of``), where known.
+    """
+
+    def __init__(self, message: str, path: str | None = None, cause: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.cause = cause
 
 
 def cause_of(err: BaseException) -> str:
@@ -63,7 +73,7 @@ def start_failure(directory: str | os.PathLike[str], err: BaseException) -> Reco
     cause = cause_of(err)
     if isinstance(err, FileExistsError) and not os.path.isdir(directory):
         cause = "not a directory"  # the reports directory's own path is a file
-    return RecordingError(f"cannot record in {os.fspath(directory)}: {cause}")
+    return RecordingError(f"cannot record in {os.fspath(directory)}: {cause}", os.fspath(directory), cause)
 
 
 def failure_line(cause: str, path: str, steps_kept: int, steps_total: int | None) -> str:

@@ -311,20 +311,29 @@ class SqliteSink:
         return [note], {**updates, "detail": None}
 
     def _stop_writing(self, err: BaseException, records: list[Record]) -> None:
-        """A commit failed: keep what of it still fits, in the order it was recorded, then stop writing."""
+        """A commit failed: store the failure with the run's columns the commit carried (its devices), then what
+        of its records still fits, in the order they were recorded, each slice with the failure's line for the
+        steps then kept; then stop writing. Whatever fits last on a full disk, the run says its status, its
+        devices and the steps it holds (its records alone would take the last room)."""
+        self.failure = cause_of(err)
+        self.disk_full = is_disk_full(err)
+        self._store((self._run_row(self._failure_columns(self._stopped_line(self.steps_kept))),))
         kept, size = 0, len(records) // 2
         while size >= MIN_KEPT_SLICE and kept < len(records):
+            part = records[kept:kept + size]
+            steps = self.steps_kept + sum(isinstance(r, StepRecord) for r in part)
             try:
-                self._write(records[kept:kept + size], {})
+                self._write(part, self._failure_columns(self._stopped_line(steps)))
                 kept += size
             except _WRITE_ERRORS:
                 size //= 2
         self._count_dropped(len(records) - kept)
-        self.failure = cause_of(err)
-        self.disk_full = is_disk_full(err)
         self.folded = False
         self._last_fold_try = time.monotonic()
-        self.record_failure(f"{self.failure} after step {self.steps_kept}: the steps after it were not recorded")
+        self.record_failure(self._stopped_line(self.steps_kept))
+
+    def _stopped_line(self, steps_kept: int) -> str:
+        return f"{self.failure} after step {steps_kept}: the steps after it were not recorded"
 
     def _keep_run_updates(self, updates: dict[str, Any]) -> None:
         """Run columns that could not be written (the devices seen, ...), for the failure's own update;
@@ -335,10 +344,18 @@ class SqliteSink:
 
     def record_failure(self, message: str) -> bool:
         """Store the failure in the run (its status, error and a note) if that still fits; True if it did."""
-        values = {**self._unwritten, "status": "disk_full" if self.disk_full else "failed", "error": message,
-                  "dropped_records": self.dropped}
-        row = (f"UPDATE runs SET {', '.join(f'{k} = ?' for k in values)}", tuple(_encode(v) for v in values.values()))
+        row = self._run_row(self._failure_columns(message))
         return self._store((row, self._note(message)), (row,))  # a note if it fits; the status alone if only that does
+
+    def _failure_columns(self, message: str) -> dict[str, Any]:
+        """The runs row's columns for a failure: the status, the line, what was dropped, the columns not written."""
+        return {**self._unwritten, "status": "disk_full" if self.disk_full else "failed", "error": message,
+                "dropped_records": self.dropped}
+
+    @staticmethod
+    def _run_row(values: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
+        """The statement setting these columns of the runs row."""
+        return f"UPDATE runs SET {', '.join(f'{k} = ?' for k in values)}", tuple(_encode(v) for v in values.values())
 
     def _note(self, message: str) -> tuple[str, tuple[Any, ...]]:
         t_ms = self.clock_ms() if self.clock_ms is not None else float("nan")

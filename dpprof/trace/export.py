@@ -33,6 +33,7 @@ ends in ``.gz``): memory stays that of a chunk however long the run.
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import json
@@ -47,6 +48,7 @@ from typing import IO, Any
 import numpy as np
 import pandas as pd
 
+from dpprof.outputs import Outputs
 from dpprof.records import MEMORY_BYTES, device_key
 from dpprof.store.reader import StoredRun
 from dpprof.trace.exported import EXPORT_KEY, EXPORT_VERSION, THREADS_KEY
@@ -629,7 +631,7 @@ def _distributed_info(run: StoredRun, ranks: list[int]) -> dict[str, Any] | None
 
 
 def write_trace(run: StoredRun, target: str | os.PathLike[str] | IO[bytes], plan: TracePlan | None = None,
-                ranks: list[int] | None = None, gz: bool | None = None) -> TraceWritten:
+                ranks: list[int] | None = None, gz: bool | None = None, files: Outputs | None = None) -> TraceWritten:
     """Write one trace file of ``run``: the plan's steps (``plan_trace(run)`` by default) of the given ranks' files
     (every file by default: a distributed run's ranks side by side).
 
@@ -639,9 +641,14 @@ def write_trace(run: StoredRun, target: str | os.PathLike[str] | IO[bytes], plan
         plan: which steps (``plan_trace``).
         ranks: the ranks whose files go in (a distributed run; None: all).
         gz: gzip the stream; by default, when the path ends in ``.gz``.
+        files: where a path is written (dpprof.outputs: whole, or not at all), given its name when ``files``
+            ends well; by default its own, ending here.
 
     Returns:
         what was written: events, bytes, seconds.
+
+    Raises:
+        OutputError: the path cannot be written (one line: the path and why); nothing was left.
     """
     t0 = time.perf_counter()
     plan = plan if plan is not None else plan_trace(run)
@@ -651,10 +658,9 @@ def write_trace(run: StoredRun, target: str | os.PathLike[str] | IO[bytes], plan
     if gz is None:
         gz = path is not None and path.name.endswith(".gz")
     # a path is written under a hidden name and takes its own only whole: a failed export leaves no half file
-    part = path.with_name(f".{path.name}.part") if path is not None else None
-    stream = open(part, "wb") if part is not None else target
-    done = False
-    try:
+    own = Outputs() if path is not None and files is None else contextlib.nullcontext(files)
+    with own as files:
+        stream = files.open(path) if path is not None else target
         out = _Out(stream, gz)
         writer = _TraceWriter(run, view, plan, out)
         model = run.model
@@ -682,15 +688,7 @@ def write_trace(run: StoredRun, target: str | os.PathLike[str] | IO[bytes], plan
         writer.write()
         out.text(f"\n],\n{json.dumps(THREADS_KEY)}: {json.dumps(writer.lanes.device_of)}\n}}\n")
         out.close()
-        done = True
-    finally:
-        if part is not None:
-            stream.close()
-            if done:
-                os.replace(part, path)
-            else:
-                part.unlink(missing_ok=True)
-    size = path.stat().st_size if path is not None else out.bytes
+        size = stream.tell() if path is not None else out.bytes
     return TraceWritten(path=path, events=out.events, json_bytes=out.bytes, file_bytes=size,
                         seconds=time.perf_counter() - t0, ranks=writer.ranks)
 
@@ -706,19 +704,24 @@ def rank_path(path: str | os.PathLike[str], rank: int) -> Path:
 
 
 def export_trace(run: StoredRun, path: str | os.PathLike[str], steps: tuple[int | None, int | None] | None = None,
-                 one_file: bool = False, plan: TracePlan | None = None) -> tuple[TracePlan, list[TraceWritten]]:
+                 one_file: bool = False, plan: TracePlan | None = None,
+                 files: Outputs | None = None) -> tuple[TracePlan, list[TraceWritten]]:
     """``dpprof export RUN --trace FILE``: the run as a trace file, or a distributed run as a file per rank (as
     torch.profiler writes them: ``FILE.rank<N>.json[.gz]``; ``one_file`` puts every rank in ``FILE``, for viewing).
+    Every file whole or none (``files``, dpprof.outputs; by default its own).
 
     Example:
         >>> plan, written = export_trace(dpprof.load_run("20261123-215701-2e76d9"), "run.json.gz")
         >>> plan.why(), written[0].events
     """
     plan = plan if plan is not None else plan_trace(run, steps)
+    if files is None:  # every rank's file whole, or none
+        with Outputs() as own:
+            return export_trace(run, path, steps, one_file, plan, own)
     if run.ranks == 1 or one_file:
-        return plan, [write_trace(run, path, plan)]
+        return plan, [write_trace(run, path, plan, files=files)]
     ranks = [run._file_rank(p) for p in run.paths]
-    return plan, [write_trace(run, rank_path(path, r), plan, ranks=[r]) for r in ranks]
+    return plan, [write_trace(run, rank_path(path, r), plan, ranks=[r], files=files) for r in ranks]
 
 
 def trace_bytes(run: StoredRun, plan: TracePlan | None = None) -> bytes:

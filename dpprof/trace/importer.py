@@ -22,6 +22,7 @@ from typing import Any
 
 import pandas as pd
 
+from dpprof.outputs import Outputs
 from dpprof.records import NoteRecord, StepRecord
 from dpprof.store.faults import RecordingError
 from dpprof.store.model import TRACE_SOURCE
@@ -205,33 +206,36 @@ def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | 
         raise TraceError(f"{files[0].name}: no CPU ranges to make steps of (a trace with GPU activity only)")
     run_id = new_run_id()
     directory = resolve_reports_dir(reports_dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    try:
-        local = staging_for(directory)  # a network or FUSE filesystem: the run is written on local disk first
-    except RecordingError as err:  # it must be and cannot be: one line, as for a bad file
-        raise TraceError(str(err)) from None
-    staging = (local.directory if local is not None else directory) / f".import-{run_id}"
-    staging.mkdir()
-    if local is not None:
-        log.warning("dpprof: %s: writing the run in %s on local disk and moving it into %s whole", local.why(),
-                    staging, directory)
-    moved: list[Path] = []
-    try:
-        written = _write(staging, run_id, name or files[0].name, files, ranks if distributed else [None],
-                         converted, t0_abs, distributed)
-        _store_findings(written)
-        for path in written:
-            if (directory / path.name).exists():
-                raise TraceError(f"{directory / path.name}: already exists; nothing was imported")
-        for path in written:
-            move_into_place(path, directory / path.name)  # never over a file that appeared meanwhile
-            moved.append(directory / path.name)
-        staging.rmdir()
-    except BaseException:
-        for path in moved:  # files this import created, never a user's run
-            path.unlink(missing_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    # the run files whole or none; the reports directory, if this made it, goes again with nothing in it; an
+    # OSError (read-only, full, ...) is one OutputError line naming the directory
+    with Outputs() as out:
+        out.directory(directory)
+        try:
+            local = staging_for(directory)  # a network or FUSE filesystem: the run is written on local disk first
+        except RecordingError as err:  # it must be and cannot be: one line, as for a bad file
+            raise TraceError(str(err)) from None
+        staging = (local.directory if local is not None else directory) / f".import-{run_id}"
+        staging.mkdir()
+        if local is not None:
+            log.warning("dpprof: %s: writing the run in %s on local disk and moving it into %s whole", local.why(),
+                        staging, directory)
+        moved: list[Path] = []
+        try:
+            written = _write(staging, run_id, name or files[0].name, files, ranks if distributed else [None],
+                             converted, t0_abs, distributed)
+            _store_findings(written)
+            for path in written:
+                if (directory / path.name).exists():
+                    raise TraceError(f"{directory / path.name}: already exists; nothing was imported")
+            for path in written:
+                move_into_place(path, directory / path.name)  # never over a file that appeared meanwhile
+                moved.append(directory / path.name)
+            staging.rmdir()
+        except BaseException:
+            for path in moved:  # files this import created, never a user's run
+                path.unlink(missing_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     final = moved
     devices = [d for c in converted for d in c.devices]
     steps = max(sum(1 for x in c.records if isinstance(x, StepRecord)) for c in converted)
@@ -276,6 +280,8 @@ def _write(staging: Path, run_id: str, name: str, files: list[Collected], ranks:
                 sink.put(NoteRecord(t_ms=0.0, source="trace", message=f"{f.name}: {message}"))
         finally:
             sink.close()
+        if sink.failure is not None:  # a full disk, say: the import's outputs say where and why in one line
+            raise RecordingError(sink.message or sink.failure, str(staging), sink.failure)
         if sink.dropped:
             raise TraceError(f"{f.name}: {sink.dropped} records could not be written")
 

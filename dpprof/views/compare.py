@@ -138,21 +138,21 @@ def default_compare(runs: pd.DataFrame, chosen: str | None) -> tuple[list[str], 
     """
     match = runs[runs["id"] == chosen]
     if match.empty:
-        return [], "Choose a run in the sidebar (or two or more in the picker above) to compare."
+        return [], "Choose a run in the sidebar (or two or more above) to compare."
     row = match.iloc[0]
     if not row["steps"] or pd.isna(row["steps"]):
         return [], (f"The open run, {row['name'] or row['id']}, recorded no steps: there is nothing to compare. "
-                    "Choose another run in the sidebar, or runs in the picker above.")
+                    "Choose another run in the sidebar, or runs above.")
     if (row["workload"] or "") in UNNAMED_WORKLOADS:
         return [], (f"{row['name'] or row['id']} does not say what job it was (an imported trace of no known job): "
-                    "choose the runs to compare in the picker above.")
+                    "choose the runs to compare above.")
     others = runs[(runs["id"] != chosen) & (runs["status"] == "finished") & (runs["steps"].fillna(0) > 0)
                   & (runs["workload"].fillna("") == (row["workload"] or ""))
                   & runs["check_of"].isna()]  # not a run dpprof advise --check recorded
     if others.empty:
         return [], (f"Comparing needs a second finished run of {row['workload'] or 'the same model'} besides "
                     f"{row['name'] or row['id']}: record one on the New run page (for example with --balanced or "
-                    "another number of devices), or choose runs in the picker above.")
+                    "another number of devices), or choose runs above.")
     pair = pd.concat([match, others.iloc[[0]]]).sort_values("created_at")
     return pair["id"].tolist(), None
 

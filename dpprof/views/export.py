@@ -11,6 +11,7 @@ import pandas as pd
 
 from dpprof.export import meta_frame, to_csv_bytes
 from dpprof.findings import run_findings
+from dpprof.outputs import Outputs
 from dpprof.report import summary_of
 from dpprof.store import queries
 from dpprof.store.reader import TABLES, StoredRun
@@ -122,14 +123,22 @@ def exported(run: StoredRun) -> tuple[str, ...]:
     return (*EXPORTED, *_aggregates(run))
 
 
-def export_run(run: StoredRun, out_dir: str | os.PathLike[str]) -> list[Path]:
-    """Write <table>.csv for every table and summary (``exported``) into out_dir; returns the paths."""
+def export_run(run: StoredRun, out_dir: str | os.PathLike[str], files: Outputs | None = None) -> list[Path]:
+    """Write <table>.csv for every table and summary (``exported``) into out_dir (made if missing); returns the
+    paths. Whole or not at all: into ``files`` (dpprof.outputs), given their names when it ends well.
+
+    Raises:
+        OutputError: out_dir or a file in it cannot be written (one line: the path and why); nothing was left.
+    """
+    if files is None:
+        with Outputs() as own:
+            return export_run(run, out_dir, own)
+    files.directory(out_dir)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     written = []
     for name in exported(run):
         path = out / f"{name}.csv"
-        path.write_bytes(table_csv(run, name))
+        files.open(path).write(table_csv(run, name))
         written.append(path)
     return written
 

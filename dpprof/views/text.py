@@ -1,17 +1,22 @@
 """Tables and labels as people read them: units in headers, bytes in MiB, two decimals; a run's short label."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pandas as pd
 
-__all__ = ["DISPLAY_DECIMALS", "display_table", "run_label", "sentence"]
+from dpprof.units import bytes_unit
+
+__all__ = ["DISPLAY_DECIMALS", "display_table", "finding_heading", "run_label", "sentence"]
 
 # Column-name endings and the unit people read them in: (ending, unit, scale).
 _UNITS = (("_bytes_per_s", "MiB/s", 2**-20), ("_bytes", "MiB", 2**-20), ("_ms", "ms", 1.0), ("_pct", "%", 1.0),
           ("_per_s", "per s", 1.0),
           ("_s", "s", 1.0), ("_w", "W", 1.0), ("_c", "°C", 1.0), ("_mhz", "MHz", 1.0))
 DISPLAY_DECIMALS = 2  # a table shows hundredths of a millisecond, a MiB or a percent; CSVs keep every digit
+# Bytes per something (a step, a call): in KiB, MiB or GiB by size (dpprof.units.bytes_unit), "bytes per step (KiB)".
+_BYTES_PER = re.compile(r"(?:.*_)?bytes_per_(?!s$)[a-z]+")
 
 
 def display_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -22,7 +27,10 @@ def display_table(df: pd.DataFrame) -> pd.DataFrame:
         values, name = df[col], str(col)
         if values.dtype == object and values.map(lambda v: v is None or isinstance(v, (int, float))).all():
             values = pd.to_numeric(values)  # a column of None and numbers (an all-missing measurement) is numeric
-        for ending, unit, scale in _UNITS:
+        if _BYTES_PER.fullmatch(name) and pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_bool_dtype(values):
+            unit, scale = bytes_unit(float(values.abs().max()) if values.notna().any() else 0.0)
+            values, name = values * scale, f"{name} ({unit})"
+        for ending, unit, scale in _UNITS if not name.endswith(")") else ():
             if name.endswith(ending) and pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_bool_dtype(values):
                 if unit == "MiB" and values.abs().max() >= 2**30:
                     unit, scale = "GiB", 2**-30
@@ -39,6 +47,14 @@ def display_table(df: pd.DataFrame) -> pd.DataFrame:
 def _unit_free(header: str) -> bool:
     """Whether a display header is a count (no unit in parentheses): such columns show as integers."""
     return not header.endswith(")")
+
+
+def finding_heading(severity: str, device: object, title: str) -> str:
+    """A finding's heading: its severity, its device where it has one that the title does not begin with, and
+    the title: "WARNING · cpu:2: apply is slow", "WARNING: cpu:2 is the straggler" (not "cpu:2: cpu:2 is ...")."""
+    if isinstance(device, str) and device and not title.startswith(device):
+        return f"{severity.upper()} · {device}: {title}"
+    return f"{severity.upper()}: {title}"
 
 
 def run_label(meta: dict[str, Any] | pd.Series, status: bool = False) -> str:
