@@ -76,7 +76,7 @@ def body(row: pd.Series) -> None:
             common.chart(charts.gpu_time(data.gpu_time))
             common.table(data.gpu_time, "gpu_time_per_device")
     if "gpus" in data.missing:
-        st.caption(data.missing["gpus"])
+        common.missing(data.missing["gpus"])
 
 
 common.live(body)

@@ -28,7 +28,7 @@ def summary_of(run: StoredRun) -> pd.DataFrame:
     peak_step, peak_held_bytes and what was held then by kind (and output_device where outputs are gathered,
     chunk_size_mean/min/max for DataParallel); with the CUDA allocator, peak_allocated_bytes and
     peak_reserved_bytes; for an imported trace with GPUs, gpu_step_ms, gpu_busy_ms and gpu_idle_pct. Every device
-    of the run has a row, with at least its steps.
+    of the run has a row, with at least its steps; a column no device has a value in is left out.
     """
     model = run.model
     stats = queries.work_stats(run).set_index("device")
@@ -52,7 +52,7 @@ def summary_of(run: StoredRun) -> pd.DataFrame:
     if len(gpu):
         out = pd.concat([out, gpu.reindex(devices)], axis=1)
     out.index.name = "device"
-    return out
+    return out.dropna(axis=1, how="all")  # a figure no device has (a 2021 trace's reserved bytes) is no column
 
 
 def summary_columns(run: StoredRun, summary: pd.DataFrame) -> list[str]:

@@ -330,8 +330,7 @@ def _missing(run: StoredRun, kind: str, has: set[str], backend: str | None, work
         out["gpu_samples"] = (base or "No GPU samples were recorded for these ranks.") + (
             f" The recorder noted: {noted}." if noted and not trace else "")
     if kind == "trace_cpu":  # one sentence for the GPU it never had: its samples and its time alike
-        out["gpu_samples"] = ("A CPU-only trace has no GPU: no GPU samples, and no kernel, copy or idle time per "
-                              "GPU.")
+        out["gpu_samples"] = "A CPU-only trace has no GPU: no GPU samples, kernels, copies or idle time."
     elif kind == "trace_gpu" and "gpu_time" not in has:
         out["gpu_time"] = "The trace has no GPU kernels inside its steps."
     if kind == "ddp" and "comms" not in has:
