@@ -11,6 +11,7 @@ stated priority, whose kinds are all running then; an instant where none runs is
 | --- | --- | --- |
 | DataParallel (dpprof's phases) | scatter, replicate, parallel_apply, gather, loss, reduce, backward | rest |
 | a process (DDP ranks, imported traces) | forward, backward_compute, comm_wait, optimizer, data | rest |
+|   (a process whose backward is not split) | forward, backward, optimizer, data | rest |
 | a GPU (imported traces) | overlap (kernel + collective), computation, communication, memcpy, memset | idle |
 
 Every figure that says "N% of the step" or stacks parts of a step is read from ``partition``; nothing sums
@@ -37,9 +38,9 @@ DATAPARALLEL_PARTS: tuple[Part, ...] = tuple((p, (p,)) for p in (
 # A process's step (a DDP rank, an imported trace): computing first, then the all-reduce it waits for (what
 # overlapped backward compute is counted as compute: only the exposed wait is communication), the optimizer, and
 # loading data last (a DataLoader range that runs beside forward is not time the step spent waiting for data).
-# "backward" is backward_compute + comm_wait (its parent), never a part of its own.
+# "backward" is backward_compute + comm_wait (its parent): a part of its own only in a run without its parts.
 PROCESS_PARTS: tuple[Part, ...] = tuple((p, (p,)) for p in (
-    "forward", "backward_compute", "comm_wait", "optimizer", "data"))
+    "forward", "backward_compute", "comm_wait", "backward", "optimizer", "data"))
 # A GPU: kernels over copies over memsets (the plugin's kernel > memcpy > memset > communication order); a
 # compute kernel and a collective kernel running together are the overlap, a part of its own.
 GPU_PARTS: tuple[Part, ...] = (("overlap", ("compute", "communication")), ("computation", ("compute",)),
@@ -61,8 +62,10 @@ SHARED_OF = {
 def parts_for(phases: Sequence[str]) -> tuple[Part, ...]:
     """The host parts of a run with these phases: a process's when it has forward but no apply, else
     DataParallel's; only the parts whose phase the run recorded."""
-    table = PROCESS_PARTS if "forward" in phases and "apply" not in phases else DATAPARALLEL_PARTS
-    return tuple(p for p in table if set(p[1]) <= set(phases))
+    process = "forward" in phases and "apply" not in phases
+    table = PROCESS_PARTS if process else DATAPARALLEL_PARTS
+    split = process and "backward_compute" in phases  # backward is its parts
+    return tuple(p for p in table if set(p[1]) <= set(phases) and not (split and p[0] == "backward"))
 
 
 def part_names(parts: Sequence[Part], rest: str = REST) -> list[str]:

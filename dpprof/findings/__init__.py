@@ -23,8 +23,9 @@ import pandas as pd
 from dpprof.findings.base import FINDING_COLUMNS, Tables, finding
 from dpprof.findings.dataparallel import (BACKWARD_SHARE_INFO, DP_TAX_WARN, MEMORY_SKEW_CRITICAL_RATIO,
                                           MEMORY_SKEW_RATIO, STRAGGLER_CONSISTENCY, STRAGGLER_CRITICAL_RATIO,
-                                          STRAGGLER_RATIO, STRAGGLER_RATIO_CPU, UNEVEN_STEPS_SHARE, backward_share,
-                                          dataparallel_tax, memory_skew, straggler, uneven_chunks)
+                                          STRAGGLER_RATIO, STRAGGLER_RATIO_CPU, UNEVEN_STEPS_SHARE, Straggler,
+                                          backward_share, dataparallel_tax, memory_skew, straggler, straggler_verdict,
+                                          uneven_chunks)
 from dpprof.findings.ddp import (COMM_SHARE_WARN, FEW_BUCKETS, MANY_BUCKETS, SMALL_BUCKET_BYTES, communication,
                                  straggler_rank, uneven_inputs)
 from dpprof.findings.floors import (CRITICAL_STEP_SHARE, MEMORY_FLOOR_BYTES, STEP_SHARE_FLOOR, TIME_FLOOR_MS,
@@ -38,7 +39,8 @@ from dpprof.store.reader import StoredRun
 
 __all__ = ["FINDING_COLUMNS", "FINDINGS_MIN_STEPS", "FINDINGS_FULL_STEPS", "Findings", "Tables", "Rule",
            "DATAPARALLEL_RULES", "PROCESS_RULES", "TRACE_GPU_RULES", "FALLBACK_RULES", "rules_for", "run_findings",
-           "findings_from", "tables_of", "findings_withheld", "finding", "imbalance", "Imbalance", "worth_time",
+           "findings_from", "tables_of", "findings_withheld", "finding", "imbalance", "Imbalance", "Straggler",
+           "straggler_verdict", "worth_time",
            "worth_bytes", "TIME_FLOOR_MS", "STEP_SHARE_FLOOR", "MEMORY_FLOOR_BYTES", "CRITICAL_STEP_SHARE",
            "STRAGGLER_RATIO", "STRAGGLER_RATIO_CPU", "STRAGGLER_CONSISTENCY", "STRAGGLER_CRITICAL_RATIO",
            "MEMORY_SKEW_RATIO", "MEMORY_SKEW_CRITICAL_RATIO", "DP_TAX_WARN", "UNEVEN_STEPS_SHARE",
@@ -74,6 +76,9 @@ class Findings:
     table: pd.DataFrame  # FINDING_COLUMNS
     scope: str  # "from all 20 steps", "stored when the run finished, ...", or why there are none
     withheld: bool = False  # True when the run has too few steps (scope says so)
+    # the verdict on the slowest device, from the tables the rules read (None: one device, or under 3 steps): the
+    # straggler finding is raised from it, and the Overview's headline says it
+    straggler: Straggler | None = None
 
 
 def rules_for(model: RunModel) -> tuple[tuple[Rule, ...], tuple[tuple[Rule, str], ...]]:
@@ -86,15 +91,27 @@ def rules_for(model: RunModel) -> tuple[tuple[Rule, ...], tuple[tuple[Rule, str]
     return base, ()
 
 
-def tables_of(run: StoredRun, last_steps: int | None = None) -> Tables:
+def tables_of(run: StoredRun, last_steps: int | None = None, work_only: bool = False) -> Tables:
     """The run's tables for the rules: every row, or those of its last ``last_steps`` steps.
 
     A run read from its aggregates (a long one, or one whose detail was thinned: dpprof.store.retention) gives
     every step's time, and the phases and all-reduces of the steps whose detail stands for the run without bias (RunModel.sampled_steps_sql: the
     first steps, one in ``every``, the newest), not the outliers kept for their own sake, with those steps'
-    times; every step's time is ``all_steps``; its memory and allocator rows include each device's peak step."""
+    times; every step's time is ``all_steps``; its memory and allocator rows include each device's peak step.
+    ``work_only``: the steps and the work phases (run.model.work) alone, the rest empty: what straggler_verdict reads.
+    """
     names = ("steps", "phases", "memory", "allocator", "comms", "gpu_time")
     sampled = run.model.sampled_steps_sql()
+    if work_only and last_steps is None:
+        work = run.model.work.phases
+        frames = {t: run.query(f"SELECT * FROM {t} WHERE 0") for t in (*names, "gpu_samples")}
+        frames["steps"] = run.query(f"SELECT * FROM steps WHERE {sampled}")
+        frames["phases"] = run.query(f"SELECT * FROM phases WHERE phase IN ({', '.join('?' * len(work))}) AND "
+                                     f"{sampled}", tuple(work))
+        if run.model.aggregated:
+            frames["all_steps"] = run.table("steps")
+        return Tables(model=run.model, traced_dataparallel=(run.meta.get("workload_args") or {}).get("dataparallel"),
+                      **frames)
     if last_steps is None and not run.model.aggregated:
         frames = {t: run.table(t) for t in (*names, "gpu_samples")}
     elif last_steps is None:
@@ -153,10 +170,14 @@ def run_findings(run: StoredRun, fresh: bool = False) -> Findings:
         return Findings(empty, withheld, withheld=True)
     running = run.meta["status"] == "running"
     if fresh or model.steps <= FINDINGS_FULL_STEPS:
-        return Findings(findings_from(tables_of(run)),
-                        f"from all {model.steps:,} steps" + (" so far" if running else ""))
+        tables = tables_of(run)
+        return Findings(findings_from(tables), f"from all {model.steps:,} steps" + (" so far" if running else ""),
+                        straggler=straggler_verdict(tables))
     if run.meta["status"] == "finished":
         stored = run.findings.drop(columns=["rank"]).reset_index(drop=True)
-        return Findings(stored, f"stored when the run finished, from all {model.steps:,} steps")
-    return Findings(findings_from(tables_of(run, FINDINGS_FULL_STEPS)),
-                    f"from the last {FINDINGS_FULL_STEPS:,} of {model.steps:,} steps")
+        # the verdict from the same steps and phases the stored findings read (tables_of), the work phases alone
+        return Findings(stored, f"stored when the run finished, from all {model.steps:,} steps",
+                        straggler=straggler_verdict(tables_of(run, work_only=True)))
+    tables = tables_of(run, FINDINGS_FULL_STEPS)
+    return Findings(findings_from(tables), f"from the last {FINDINGS_FULL_STEPS:,} of {model.steps:,} steps",
+                    straggler=straggler_verdict(tables))

@@ -2,15 +2,18 @@
 output device's memory, the DataParallel tax, uneven and idle chunks, backward's share."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pandas as pd
 
 from dpprof.findings.base import Tables, finding, per_step
-from dpprof.findings.floors import (CRITICAL_STEP_SHARE, cost_text, imbalance, mib, worth_bytes, worth_time)
+from dpprof.findings.floors import (CRITICAL_STEP_SHARE, STEP_SHARE_FLOOR, TIME_FLOOR_MS, Imbalance, cost_text,
+                                    imbalance, mib, worth_bytes, worth_time)
 from dpprof.records import DP_TAX_PHASES, MEMORY_BYTES
 
 __all__ = ["STRAGGLER_RATIO", "STRAGGLER_RATIO_CPU", "STRAGGLER_CONSISTENCY", "STRAGGLER_CRITICAL_RATIO",
            "MEMORY_SKEW_RATIO", "MEMORY_SKEW_CRITICAL_RATIO", "DP_TAX_WARN", "UNEVEN_STEPS_SHARE",
-           "BACKWARD_SHARE_INFO", "straggler_threshold", "straggler", "memory_skew", "dataparallel_tax",
+           "BACKWARD_SHARE_INFO", "Straggler", "straggler_threshold", "straggler_verdict", "straggler_row", "straggler", "memory_skew", "dataparallel_tax",
            "uneven_chunks", "backward_share"]
 
 # A device is a straggler when its median apply time is 15% above the others' (smaller gaps are
@@ -44,23 +47,89 @@ def straggler_threshold(t: Tables) -> float:
     return STRAGGLER_RATIO if on_gpus else STRAGGLER_RATIO_CPU
 
 
+@dataclass(frozen=True)
+class Straggler:
+    """The one verdict on the slowest device (or rank): the straggler finding, the Overview's headline and every page
+    read it, so they name the same device with the same wait, and a device not called a straggler is said to be
+    one short of it for the reason the rule used."""
+
+    found: Imbalance
+    work: str  # the run's work in words: "apply", "forward + backward compute"
+    unit: str  # "device" or "rank"
+    threshold: float  # the ratio a straggler needs here (straggler_threshold)
+    step_ms: float  # the median step the wait is weighed against (the first step left out)
+    later_steps: int  # the steps the wait is paid over (the run's, less its first)
+    reason: str | None  # None for a straggler; else the first of the rule's tests it failed, in words
+
+    @property
+    def slowest(self) -> str:
+        return self.found.slowest
+
+    @property
+    def ratio(self) -> float:
+        return self.found.ratio
+
+    @property
+    def wait_ms(self) -> float:
+        return self.found.wait_ms_per_step
+
+    @property
+    def reported(self) -> bool:
+        return self.reason is None
+
+    def sentence(self) -> str:
+        """The verdict in one sentence, with its figures: the Overview's headline."""
+        f, slow = self.found, self.slowest
+        if self.reported:
+            return (f"{slow} is the slowest: {self.work} {f.medians[slow]:.2f} ms per step, {self.ratio:.2f}x the "
+                    f"others' {f.others_ms:.2f} ms; they wait {self.wait_ms:.2f} ms per step for it.")
+        return (f"No straggler: the slowest {self.unit}, {slow}, takes {self.ratio:.2f}x the others' median "
+                f"{self.work} ({self.wait_ms:.2f} ms per step more), but {self.reason}.")
+
+
+def straggler_verdict(t: Tables) -> Straggler | None:
+    """The slowest device's imbalance over the run's work (run.model.work, the first step left out) and whether it
+    is a straggler: ratio at least straggler_threshold, the slowest in STRAGGLER_CONSISTENCY of steps, and a wait
+    that clears the findings' floors. None with fewer than two devices or three steps."""
+    found = imbalance(per_step(t, list(t.model.work.phases)))
+    if found is None:
+        return None
+    threshold, step_ms, wait = straggler_threshold(t), t.median_step_ms, found.wait_ms_per_step
+    reason = None
+    if found.ratio < threshold:
+        shared = " where devices share the host's cores" if threshold == STRAGGLER_RATIO_CPU else ""
+        reason = f"{found.ratio:.2f}x is under the {threshold:.2f}x a straggler needs{shared}"
+    elif found.slowest_share < STRAGGLER_CONSISTENCY:
+        reason = (f"it was the slowest in only {found.slowest_share:.0%} of {found.steps} steps, under the "
+                  f"{STRAGGLER_CONSISTENCY:.0%} a straggler needs")
+    elif not worth_time(wait, step_ms):
+        reason = (f"{wait:.2f} ms a step is under the {TIME_FLOOR_MS} ms floor a finding needs"
+                  if wait < TIME_FLOOR_MS or not step_ms or pd.isna(step_ms) else
+                  f"{wait / step_ms:.1%} of the {step_ms:.2f} ms median step is under the {STEP_SHARE_FLOOR:.0%} "
+                  "floor a finding needs")
+    return Straggler(found=found, work=t.model.work.label, unit=t.model.unit, threshold=threshold, step_ms=step_ms,
+                     later_steps=t.later_step_count, reason=reason)
+
+
+def straggler_row(v: Straggler, kind: str, title: str, measure: str, advice: str) -> dict:
+    """The straggler finding of a verdict: its figures, as the headline states them."""
+    f, slow = v.found, v.slowest
+    return finding(kind, "critical" if v.ratio >= STRAGGLER_CRITICAL_RATIO else "warning", slow, title,
+                   f"{measure} {f.medians[slow]:.2f} ms on {slow} vs {f.others_ms:.2f} ms on the others; slowest in "
+                   f"{f.slowest_share:.0%} of {f.steps} steps; the others wait {v.wait_ms:.2f} ms per step, "
+                   f"{v.wait_ms * v.later_steps / 1e3:.2f} s over the run ({v.wait_ms / v.step_ms:.0%} of the median "
+                   "step)", advice, v.ratio)
+
+
 def straggler(t: Tables) -> list[dict]:
-    found = imbalance(per_step(t, ["apply"]))
-    if found is None or found.ratio < straggler_threshold(t) or found.slowest_share < STRAGGLER_CONSISTENCY:
+    v = straggler_verdict(t)
+    if v is None or not v.reported:
         return []
-    wait, step_ms = found.wait_ms_per_step, t.median_step_ms
-    if not worth_time(wait, step_ms):
-        return []
-    slow = found.slowest
-    return [finding("straggler", "critical" if found.ratio >= STRAGGLER_CRITICAL_RATIO else "warning", slow,
-                    f"{slow} is the straggler: its apply takes {found.ratio:.2f}x the others'",
-                    f"median apply {found.medians[slow]:.2f} ms on {slow} vs {found.medians.drop(slow).median():.2f} ms "
-                    f"on the others; slowest in {found.slowest_share:.0%} of {found.steps} steps; the others wait "
-                    f"{wait:.2f} ms per step, {wait * t.later_step_count / 1e3:.2f} s over the run "
-                    f"({wait / step_ms:.0%} of the median step)",
-                    f"Every step waits for {slow}. If its chunk is bigger or its inputs longer (sorted or bucketed "
-                    f"batches), shuffle within the batch or balance by cost; if it is a slower or busier device, "
-                    f"leave it out of device_ids.", found.ratio)]
+    slow = v.slowest
+    return [straggler_row(v, "straggler", f"{slow} is the straggler: its apply takes {v.ratio:.2f}x the others'", "median apply",
+                          f"Every step waits for {slow}. If its chunk is bigger or its inputs longer (sorted or bucketed "
+                          f"batches), shuffle within the batch or balance by cost; if it is a slower or busier device, "
+                          f"leave it out of device_ids.")]
 
 
 def _held(memory: pd.DataFrame) -> pd.DataFrame:

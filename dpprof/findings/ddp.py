@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pandas as pd
 
-from dpprof.findings.base import Tables, finding, per_step
-from dpprof.findings.dataparallel import STRAGGLER_CONSISTENCY, STRAGGLER_CRITICAL_RATIO, straggler_threshold
-from dpprof.findings.floors import cost_text, imbalance, worth_time
+from dpprof.findings.base import Tables, finding
+from dpprof.findings.dataparallel import straggler_row, straggler_verdict
+from dpprof.findings.floors import cost_text, worth_time
 
 __all__ = ["COMM_SHARE_WARN", "FEW_BUCKETS", "MANY_BUCKETS", "SMALL_BUCKET_BYTES", "straggler_rank",
            "communication", "uneven_inputs", "union_ms"]
@@ -21,24 +21,16 @@ SMALL_BUCKET_BYTES = 2**20
 
 
 def straggler_rank(t: Tables) -> list[dict]:
-    """The rank that reaches the all-reduce last, step after step, and the time the others wait for it."""
-    busy = per_step(t, ["data", "forward", "backward_compute"]).dropna()
-    found = imbalance(busy)
-    if found is None or found.ratio < straggler_threshold(t) or found.slowest_share < STRAGGLER_CONSISTENCY:
+    """The rank whose gradients are ready last, step after step, and the time the others wait for it at the
+    all-reduce (straggler_verdict: the one verdict the Overview's headline reads too)."""
+    v = straggler_verdict(t)
+    if v is None or not v.reported:
         return []
-    slow = found.slowest
-    wait = per_step(t, ["comm_wait"]).reindex(busy.index)
-    others_wait = wait.drop(columns=slow, errors="ignore").mean(axis=1)
-    if not worth_time(float(others_wait.mean()), t.median_step_ms):
-        return []
-    return [finding("straggler_rank", "critical" if found.ratio >= STRAGGLER_CRITICAL_RATIO else "warning", slow,
-                    f"{slow} is the straggler: the others wait for it at every all-reduce",
-                    f"median time to gradients ready (data + forward + backward compute): {slow} "
-                    f"{found.medians[slow]:.2f} ms, the others {found.medians.drop(slow).median():.2f} ms; slowest in "
-                    f"{found.slowest_share:.0%} of {found.steps} steps; the other ranks wait {others_wait.mean():.2f} ms "
-                    f"per step at the all-reduce, {others_wait.mean() * t.later_step_count / 1e3:.2f} s over the run",
-                    f"Look at {slow}'s data phase (input pipeline, its share of the data) and its device (slower or "
-                    f"shared GPU, throttling). DDP steps at the pace of the slowest rank.", found.ratio)]
+    slow = v.slowest
+    return [straggler_row(v, "straggler_rank", f"{slow} is the straggler: the others wait for it at every all-reduce",
+                          f"median time to gradients ready ({v.work})",
+                          f"Look at {slow}'s forward and backward (its device: slower or shared GPU, throttling) and its "
+                          "data (input pipeline, its share of the data). DDP steps at the pace of the slowest rank.")]
 
 
 def union_ms(intervals: list[tuple[float, float]]) -> float:

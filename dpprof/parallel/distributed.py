@@ -1,6 +1,7 @@
 """dpprof.DistributedDataParallel: torch's DDP, each rank's step recorded phase by phase.
 
-Per rank and step: the gap before the step (data loading), forward, backward, each gradient
+Per rank and step: the gap since the previous step ended (data loading; an implicit step starts there, so it is
+inside the step), forward, backward, each gradient
 bucket's all-reduce (through a communication hook that wraps the default all-reduce or the
 user's own hook, timing launch and completion), the time backward waits for the last
 all-reduce, and the optimizer step. The rank is the device axis ("rank:N"). A rank whose module
@@ -198,7 +199,14 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         _latest["probe"] = probe
         t0 = time.perf_counter_ns()
         if probe.previous_end_ns is not None:
-            probe.phase_done("data", probe.previous_end_ns, t0)
+            # data is inside its step (dpprof.stepmodel): an implicit step this forward starts begins where the
+            # previous one ended; an explicit run.step() keeps its start, and data before it is not this step's
+            step, data_start = probe.step, probe.previous_end_ns
+            if not step.explicit and probe.forward.call == 0:
+                step.start_ns = min(step.start_ns, data_start)
+            data_start = max(data_start, step.start_ns)
+            if t0 > data_start:
+                probe.phase_done("data", data_start, t0)
         probe.forward.note_batch(inputs, kwargs)
         with record_function("dpprof.forward"):
             output, activation_bytes = probe.forward.call_counting_activations(super().forward, self.module,

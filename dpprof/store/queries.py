@@ -21,13 +21,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dpprof.records import DDP_PHASES, MEMORY_BYTES, device_key
+from dpprof.records import DDP_PHASES, MEMORY_BYTES, PHASES, device_key
 from dpprof.store.blocks import WORK
 from dpprof.store.reader import StoredRun
 from dpprof.store.sketch import grouped_quantile, quantiles
+from dpprof.stepmodel import REST, partition, parts_for
 
 __all__ = ["MAX_POINTS", "WORK_SAMPLE_PER_DEVICE", "TIMELINE_MAX_STEPS", "GPU_METRICS", "bucket_width",
-           "stacked_phases", "run_stats", "median_step_ms", "step_times", "phase_breakdown", "phase_totals",
+           "stacked_phases", "step_parts", "run_stats", "median_step_ms", "step_times", "phase_breakdown", "phase_totals",
            "work_samples", "work_stats", "memory_peaks", "chunk_counts", "gpu_series", "timeline",
            "GPU_TIME_PARTS", "gpu_time", "phase_means", "outlier_steps", "detail_steps", "step_span"]
 
@@ -52,15 +53,14 @@ def _one_row(df: pd.DataFrame, by: str | tuple[str, ...]) -> pd.Series:
 
 
 def stacked_phases(present: list[str] | tuple[str, ...]) -> list[str]:
-    """The phases that follow one another in a step (so they stack to at most the step time).
+    """The parts of this run's steps (dpprof.stepmodel.parts_for), in the order a step runs them.
 
     For DataParallel every phase but ``apply`` (each device's apply runs inside parallel_apply);
     for a process's steps (DDP ranks, imported traces) data, forward, backward (or its parts) and optimizer.
     """
-    if "forward" in present and "apply" not in present:
-        parts = "backward_compute" in present
-        return [p for p in DDP_PHASES if p in present and not (parts and p == "backward")]
-    return [p for p in present if p != "apply"]
+    names = {name for name, _ in parts_for(present)}
+    order = {p: i for i, p in enumerate((*PHASES, *DDP_PHASES))}
+    return sorted(names, key=lambda p: order.get(p, len(order)))
 
 
 def run_stats(run: StoredRun) -> dict[str, Any]:
@@ -183,11 +183,35 @@ def _span(run: StoredRun) -> tuple[int | None, int | None]:
     return int(span["a"].min()), int(span["b"].max())
 
 
+def step_parts(run: StoredRun, first: int | None = None, last: int | None = None) -> pd.DataFrame:
+    """Each step of each rank split into its parts (dpprof.stepmodel: the phases by priority, clipped to the step,
+    and the rest), in ms, from the run's rows: the parts of a step sum to its duration_ms.
+
+    Returns:
+        columns rank, step, window_ms (the step's duration_ms), one per part (stacked_phases' order), rest.
+    """
+    parts = parts_for(run.model.phases)
+    names = [p for p in stacked_phases(run.model.phases)]
+    lo, hi = (first, last) if first is not None else _span(run)
+    if lo is None:
+        return pd.DataFrame(columns=["rank", "step", "window_ms", *names, REST])
+    steps = run.query("SELECT step, start_ms AS lo, start_ms + duration_ms AS hi FROM steps WHERE step BETWEEN ? AND ?",
+                      (lo, hi))
+    kinds = [k for _, ks in parts for k in ks]
+    rows = run.query(f"SELECT step, phase AS kind, start_ms AS start, start_ms + duration_ms AS end FROM phases "
+                     f"WHERE {_phase_in(kinds)} AND step BETWEEN ? AND ?", (*kinds, lo, hi)) if kinds else None
+    if rows is None or rows.empty:
+        rows = pd.DataFrame(columns=["rank", "step", "kind", "start", "end"])
+    out = partition(steps, rows, parts, ["rank", "step"])
+    return out[["rank", "step", "window_ms", *names, REST]]
+
+
 def phase_breakdown(run: StoredRun, max_points: int = MAX_POINTS, steps: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Mean milliseconds per step of each phase that follows another (stacked_phases), and the rest.
+    """Mean milliseconds per step of each part of the step (dpprof.stepmodel: the phases that follow one another,
+    overlaps counted once, by priority) and the rest: the columns of a row sum to its step_ms.
 
     ``parallel_apply`` is the wall time of every device's apply together; ``rest_ms`` is the part of
-    the step outside the recorded phases (the optimizer step, loading the batch, Python in between).
+    the step no recorded phase covers (the optimizer step, loading the batch, Python in between).
 
     Returns:
         columns step (first of the bucket), steps, step_ms, one ``<phase>_ms`` per stacked phase, rest_ms.
@@ -200,34 +224,39 @@ def phase_breakdown(run: StoredRun, max_points: int = MAX_POINTS, steps: pd.Data
         return pd.DataFrame(columns=cols)
     first, last = _span(run)
     out = steps.rename(columns={"duration_ms": "step_ms"})[["step", "steps", "step_ms"]].copy()
-    if run.model.aggregated:  # buckets of whole blocks, as step_times makes them
+    if run.model.aggregated:  # buckets of whole blocks, as step_times makes them; recorded phases never overlap
         per_bucket = _blocks_per_bucket(run, first, last, max_points)
         out.index = out["step"] // run.model.retention.block_steps // per_bucket
         sums = run.query(f"SELECT block / ? AS bucket, phase, SUM(sum_ms) AS ms FROM phase_blocks WHERE {_phase_in(phases)} "
                          "GROUP BY bucket, phase", (per_bucket, *phases)) if phases else None
-    else:
-        width = bucket_width(first, last, max_points)
-        out.index = (out["step"] - first) // width
-        sums = run.query(
-            "SELECT (step - ?) / ? AS bucket, phase, SUM(duration_ms) AS ms FROM phases "
-            f"WHERE phase IN ({', '.join('?' * len(phases))}) AND step BETWEEN ? AND ? GROUP BY bucket, phase",
-            (first, width, *phases, first, last)) if phases else None
-    if phases:
-        sums = sums.groupby(["bucket", "phase"], as_index=False)["ms"].sum()
-        sums["ms"] /= run.ranks  # a distributed run: the ranks' mean
-        table = sums.pivot(index="bucket", columns="phase", values="ms").reindex(columns=phases)
-        per_step = table.reindex(out.index).fillna(0.0).div(out["steps"], axis=0)
-    else:
-        per_step = pd.DataFrame(index=out.index)
+        if phases:
+            sums = sums.groupby(["bucket", "phase"], as_index=False)["ms"].sum()
+            sums["ms"] /= run.ranks  # a distributed run: the ranks' mean
+            table = sums.pivot(index="bucket", columns="phase", values="ms").reindex(columns=phases)
+            per_step = table.reindex(out.index).fillna(0.0).div(out["steps"], axis=0)
+        else:
+            per_step = pd.DataFrame(index=out.index)
+        for phase in phases:
+            out[f"{phase}_ms"] = per_step[phase]
+        out["rest_ms"] = (out["step_ms"] - per_step.sum(axis=1)).clip(lower=0.0)
+        return out.reset_index(drop=True)[cols]
+    width = bucket_width(first, last, max_points)
+    out.index = (out["step"] - first) // width
+    parts = step_parts(run, first, last)
+    parts["bucket"] = (parts["step"] - first) // width
+    # each bucket's mean step, as step_times gives it: the ranks' mean of their steps' mean
+    means = parts.groupby(["bucket", "rank"])[["window_ms", *phases, REST]].mean().groupby("bucket").mean()
+    means = means.reindex(out.index)
+    out["step_ms"] = means["window_ms"].fillna(out["step_ms"])
     for phase in phases:
-        out[f"{phase}_ms"] = per_step[phase]
-    out["rest_ms"] = (out["step_ms"] - per_step.sum(axis=1)).clip(lower=0.0)
+        out[f"{phase}_ms"] = means[phase].fillna(0.0)
+    out["rest_ms"] = means[REST].fillna(0.0)
     return out.reset_index(drop=True)[cols]
 
 
 def phase_totals(run: StoredRun, stats: dict[str, Any] | None = None) -> pd.DataFrame:
-    """Each phase that follows another: its total, its mean per step and its share of the step time,
-    and the rest of the step.
+    """Each part of the step (dpprof.stepmodel): its total, its mean per step and its share of the step time; the
+    parts and the rest sum to the run's step time, their shares to 100%.
 
     Args:
         stats: run_stats(run), if the caller has it already.
@@ -240,17 +269,17 @@ def phase_totals(run: StoredRun, stats: dict[str, Any] | None = None) -> pd.Data
     if not stats["steps"]:
         return pd.DataFrame(columns=cols)
     phases = stacked_phases(run.model.phases)
-    sums = pd.Series(dtype=float)
-    if phases and run.model.aggregated:
-        sums = run.query(f"SELECT phase, SUM(sum_ms) AS total_ms FROM phase_blocks WHERE {_phase_in(phases)} GROUP BY phase",
-                         tuple(phases)).groupby("phase")["total_ms"].sum() / run.ranks
-    elif phases:
-        sums = run.query(
-            f"SELECT phase, SUM(duration_ms) AS total_ms FROM phases WHERE phase IN ({', '.join('?' * len(phases))}) "
-            "AND step BETWEEN ? AND ? GROUP BY phase",
-            (*phases, stats["first_step"], stats["last_step"])).groupby("phase")["total_ms"].sum() / run.ranks
-    totals = sums.reindex(phases).fillna(0.0)
-    totals["rest"] = max(0.0, stats["total_ms"] - totals.sum())
+    if run.model.aggregated:  # recorded phases never overlap: their block sums are their parts
+        sums = pd.Series(dtype=float)
+        if phases:
+            sums = run.query(f"SELECT phase, SUM(sum_ms) AS total_ms FROM phase_blocks WHERE {_phase_in(phases)} "
+                             "GROUP BY phase", tuple(phases)).groupby("phase")["total_ms"].sum() / run.ranks
+        totals = sums.reindex(phases).fillna(0.0)
+        totals[REST] = max(0.0, stats["total_ms"] - totals.sum())
+    else:
+        parts = step_parts(run, stats["first_step"], stats["last_step"])
+        totals = parts[[*phases, REST]].sum() / run.ranks  # a distributed run: the ranks' mean
+        totals.index.name = None
     out = totals.rename("total_ms").rename_axis("phase").reset_index()
     out["per_step_ms"] = out["total_ms"] / stats["steps"]
     out["share_pct"] = 100 * out["total_ms"] / stats["total_ms"] if stats["total_ms"] else float("nan")

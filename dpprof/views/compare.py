@@ -7,12 +7,14 @@ from typing import Any
 
 import pandas as pd
 
-from dpprof.findings import imbalance
-from dpprof.records import DP_TAX_PHASES
+from dpprof.findings import run_findings
+from dpprof.stepmodel import SHARED_OF, SHARED_PARTS
 from dpprof.store import queries
 from dpprof.store.reader import StoredRun
 from dpprof.units import mib
 from dpprof.views.text import run_label
+
+TAX = SHARED_OF["scatter"]  # "DataParallel tax": scatter + replicate + gather (records.DP_TAX_PHASES)
 
 __all__ = ["Comparison", "ComparePart", "compare_part", "combine", "compare", "default_compare"]
 
@@ -22,8 +24,10 @@ class Comparison:
     """Two or more runs side by side, and what differs, in sentences."""
 
     summary: pd.DataFrame  # one row per run
-    steps: pd.DataFrame  # run, step, duration_ms
-    shares: pd.DataFrame  # run, phase, share_pct, per_step_ms
+    steps: pd.DataFrame  # run, step (its position in the run, from 0), duration_ms
+    # run, phase, share_pct, per_step_ms: each run's parts of the step (dpprof.stepmodel), in its kind's phases
+    # when every run is of one kind, else in the vocabulary every kind shares (stepmodel.SHARED_PARTS)
+    shares: pd.DataFrame
     memory: pd.DataFrame  # run, device, output_device, peak_held_bytes, peak_allocated_bytes
     differences: list[str]
 
@@ -33,9 +37,11 @@ class ComparePart:
     """One run's share of a comparison (cached per run by the app)."""
 
     row: dict[str, Any]
-    shares: pd.DataFrame
+    shares: pd.DataFrame  # its kind's parts of the step
+    shared: pd.DataFrame  # the same in the vocabulary every kind shares
     memory: pd.DataFrame
     steps: pd.DataFrame
+    parts: tuple[str, ...] = ()  # its kind's part names: runs compare by these when all have the same
 
 
 def _value(x: Any) -> Any:
@@ -52,10 +58,10 @@ def compare_part(run: StoredRun, max_points: int = 1_000) -> ComparePart:
     totals = queries.phase_totals(run, stats)
     memory = queries.memory_peaks(run, detail=False)
     held = memory.dropna(subset=["peak_held_bytes"])
-    samples = queries.work_samples(run, skip_first=True)
-    found = imbalance(samples.pivot_table(index="step", columns="device", values="duration_ms")) if len(samples) else None
+    found = run_findings(run).straggler  # the one verdict on the slowest device (its ratio, as the Overview says it)
     label = run_label(run.meta)
-    share = totals.set_index("phase")["share_pct"] if not totals.empty else pd.Series(dtype=float)
+    shared = _shared(totals)
+    share = shared.set_index("phase")["share_pct"] if not shared.empty else pd.Series(dtype=float)
     median, batch = stats["median_step_ms"], stats["batch_size"]
     is_out = held["output_device"].astype(bool)
     row = {
@@ -63,8 +69,7 @@ def compare_part(run: StoredRun, max_points: int = 1_000) -> ComparePart:
         "backend": model.backend_label, "devices": len(model.devices), "workload": run.meta.get("workload"),
         "steps": stats["steps"], "batch_size": batch, "median_step_ms": median, "mean_step_ms": stats["mean_step_ms"],
         "samples_per_s": batch / median * 1e3 if batch and median else None,
-        "dp_tax_pct": (float(share.reindex(list(DP_TAX_PHASES)).fillna(0).sum())
-                       if model.dataparallel and len(share) else None),
+        "dp_tax_pct": (float(share.get(TAX, 0.0)) if model.dataparallel and len(share) else None),
         "work": model.work.label,
         "imbalance_ratio": found.ratio if found is not None else None,
         "balanced": model.kind == "balanced",
@@ -77,18 +82,35 @@ def compare_part(run: StoredRun, max_points: int = 1_000) -> ComparePart:
     }
     for phase, value in share.items():
         row[f"{phase}_share_pct"] = _value(float(value))
+    steps = queries.step_times(run, max_points)
+    # runs compare step by step by position: the first step each recorded is 0 (a trace's may be ProfilerStep#550)
+    steps = steps.assign(step=steps["step"] - (stats["first_step"] or 0), run=label)
+    cols = ["run", "phase", "share_pct", "per_step_ms"]
     return ComparePart(
-        row=row, shares=totals.assign(run=label)[["run", "phase", "share_pct", "per_step_ms"]],
+        row=row, shares=totals.assign(run=label)[cols], shared=shared.assign(run=label)[cols],
         memory=held.assign(run=label)[["run", "device", "output_device", "peak_held_bytes", "peak_allocated_bytes"]],
-        steps=queries.step_times(run, max_points).assign(run=label)[["run", "step", "duration_ms"]])
+        steps=steps[["run", "step", "duration_ms"]], parts=tuple(totals["phase"]) if len(totals) else ())
+
+
+def _shared(totals: pd.DataFrame) -> pd.DataFrame:
+    """A run's parts of the step (queries.phase_totals) in the vocabulary every kind shares (stepmodel.SHARED_OF),
+    in SHARED_PARTS' order; parts sum as they did, so the shares still add up to the step."""
+    cols = ["phase", "total_ms", "per_step_ms", "share_pct"]
+    if totals.empty:
+        return pd.DataFrame(columns=cols)
+    named = totals.assign(phase=totals["phase"].map(lambda p: SHARED_OF.get(p, "compute")))
+    out = named.groupby("phase", sort=False)[["total_ms", "per_step_ms", "share_pct"]].sum()
+    return out.reindex([p for p in SHARED_PARTS if p in out.index]).reset_index()[cols]
 
 
 def combine(parts: list[ComparePart]) -> Comparison:
-    """Runs side by side, the differences stated against the first run (the baseline)."""
+    """Runs side by side, the differences stated against the first run (the baseline): their parts of the step
+    in their own phases when every run has the same, else in the vocabulary every kind shares."""
     summary = pd.DataFrame([p.row for p in parts])
     summary["batch_size"] = summary["batch_size"].astype("Int64")  # a batch is a count, also beside a run without one
+    alike = len({p.parts for p in parts}) == 1
     return Comparison(summary=summary, steps=pd.concat([p.steps for p in parts], ignore_index=True),
-                      shares=pd.concat([p.shares for p in parts], ignore_index=True),
+                      shares=pd.concat([p.shares if alike else p.shared for p in parts], ignore_index=True),
                       memory=pd.concat([p.memory for p in parts], ignore_index=True),
                       differences=_differences([p.row for p in parts]))
 
@@ -101,6 +123,10 @@ def compare(runs: list[StoredRun]) -> Comparison:
     return combine([compare_part(run) for run in runs])
 
 
+# Workloads that name no job: two runs of one of these are not runs of the same thing (any two imported traces).
+UNNAMED_WORKLOADS = frozenset({"", "torch.profiler trace"})
+
+
 def default_compare(runs: pd.DataFrame, chosen: str | None) -> tuple[list[str], str | None]:
     """The pair Compare opens on: the run open in the sidebar and the newest finished run of the same workload
     (the older first, as the baseline); or no pair and what is needed, in words.
@@ -111,17 +137,20 @@ def default_compare(runs: pd.DataFrame, chosen: str | None) -> tuple[list[str], 
     """
     match = runs[runs["id"] == chosen]
     if match.empty:
-        return [], "Choose a run in the sidebar (or two or more below) to compare."
+        return [], "Choose a run in the sidebar (or two or more in the picker above) to compare."
     row = match.iloc[0]
     if not row["steps"] or pd.isna(row["steps"]):
         return [], (f"The open run, {row['name'] or row['id']}, recorded no steps: there is nothing to compare. "
-                    "Choose another run in the sidebar, or runs below.")
+                    "Choose another run in the sidebar, or runs in the picker above.")
+    if (row["workload"] or "") in UNNAMED_WORKLOADS:
+        return [], (f"{row['name'] or row['id']} does not say what job it was (an imported trace of no known job): "
+                    "choose the runs to compare in the picker above.")
     others = runs[(runs["id"] != chosen) & (runs["status"] == "finished") & (runs["steps"].fillna(0) > 0)
                   & (runs["workload"].fillna("") == (row["workload"] or ""))]
     if others.empty:
         return [], (f"Comparing needs a second finished run of {row['workload'] or 'the same model'} besides "
                     f"{row['name'] or row['id']}: record one on the New run page (for example with --balanced or "
-                    "another number of devices), or choose runs below.")
+                    "another number of devices), or choose runs in the picker above.")
     pair = pd.concat([match, others.iloc[[0]]]).sort_values("created_at")
     return pair["id"].tolist(), None
 
@@ -139,8 +168,8 @@ def _bytes_text(a: float, b: float) -> str:
     return f"{r:.2f}x" + (f" ({1 - r:.0%} less)" if r < 0.995 else f" ({r - 1:.0%} more)" if r > 1.005 else "")
 
 
-_PHASE_NAMES = {"parallel_apply": "apply (all devices)", "rest": "the rest of the step",
-                "backward_compute": "backward compute", "comm_wait": "the wait for the all-reduce"}
+_PHASE_NAMES = {"rest": "the rest of the step", "exposed communication": "exposed communication (the wait for it)",
+                "DataParallel tax": "the DataParallel tax (scatter + replicate + gather)"}
 
 
 def _differences(rows: list[dict[str, Any]]) -> list[str]:
@@ -175,7 +204,8 @@ def _differences(rows: list[dict[str, Any]]) -> list[str]:
                 name = _PHASE_NAMES.get(phase, phase)
                 out.append(f"{name[0].upper() + name[1:]}: {y:.1f}% of {b}'s step, {x:.1f}% of {a}'s "
                            f"({y - x:+.1f} points).")
-        if base["dp_tax_pct"] is not None and other["dp_tax_pct"] is not None:
+        taxed = any(d[1] == TAX for d in sorted(deltas, reverse=True)[:2] if abs(d[3] - d[2]) >= 1.0)
+        if base["dp_tax_pct"] is not None and other["dp_tax_pct"] is not None and not taxed:
             out.append(f"DataParallel tax (scatter + replicate + gather): {b} {other['dp_tax_pct']:.1f}%, "
                        f"{a} {base['dp_tax_pct']:.1f}% of the step.")
         x, y = base["output_device_peak_held_bytes"], other["output_device_peak_held_bytes"]

@@ -7,9 +7,9 @@ from typing import Any
 
 import pandas as pd
 
-from dpprof.findings import Findings, imbalance, run_findings, worth_bytes, worth_time
+from dpprof.findings import Findings, run_findings, worth_bytes
 from dpprof.findings.ddp import union_ms
-from dpprof.findings.floors import MEMORY_FLOOR_BYTES, STEP_SHARE_FLOOR, TIME_FLOOR_MS
+from dpprof.findings.floors import MEMORY_FLOOR_BYTES
 from dpprof.records import DP_TAX_PHASES
 from dpprof.store import queries
 from dpprof.store.model import RunModel
@@ -18,9 +18,9 @@ from dpprof.units import mib
 
 __all__ = ["EVEN_RATIO", "Glance", "Overview", "glance", "overview", "comm_stats"]
 
-# Devices within 5% of each other are even: no device is marked as the worst (thread scheduling on CPU
-# workers alone moves apply times by a few percent). Above it, a device is named only when what it costs
-# clears the findings' floors (dpprof.findings.floors).
+# Memory within 5% across devices is even: no device is marked as the fullest. Above it, a device is named only when
+# the difference clears the findings' memory floor (dpprof.findings.floors). Time has no such ratio of its own: the
+# slowest device is named exactly when the straggler finding names it (dpprof.findings.straggler_verdict).
 EVEN_RATIO = 1.05
 
 
@@ -40,8 +40,8 @@ class Glance:
     slowest: str | None  # the device the others wait for, when two or more devices worked
     fastest: str | None
     time_ratio: float | None  # the slowest device's median over the others' (dpprof.findings.imbalance)
-    wait_ms: float | None  # how long the others wait for the slowest, per step
-    time_uneven: bool  # the wait clears the findings' floors: worth a headline
+    wait_ms: float | None  # how long the others wait for the slowest, per step: its median less theirs
+    time_uneven: bool  # the straggler finding names it: the headline's device, with the finding's wait
     heaviest: str | None  # the device holding the most memory
     lightest: str | None
     memory_ratio: float | None  # heaviest / lightest peak
@@ -76,16 +76,25 @@ def _nan_to_none(value: Any) -> Any:
     return None if value is None or (isinstance(value, float) and pd.isna(value)) else value
 
 
-def glance(run: StoredRun, stats: dict[str, Any] | None = None) -> Glance:
+def glance(run: StoredRun, stats: dict[str, Any] | None = None, found: Findings | None = None) -> Glance:
     """Each device's median work per step and peak memory, idle devices as zero, and the device to blame named
-    only where what it costs clears the findings' floors."""
+    exactly where the straggler finding names it (the findings' verdict, ``found.straggler``: its medians are the
+    bars, its wait the headline's).
+
+    Args:
+        found: run_findings(run), if the caller has it already.
+    """
     model = run.model
     stats = queries.run_stats(run) if stats is None else stats
-    samples = queries.work_samples(run, skip_first=True)
-    table = samples.pivot_table(index="step", columns="device", values="duration_ms") if len(samples) else pd.DataFrame()
+    verdict = (run_findings(run) if found is None else found).straggler
     order = list(model.devices)
     by_device = pd.DataFrame(index=pd.Index(order, name="device"))
-    by_device["work_ms"] = table.median().reindex(order) if len(table) else float("nan")
+    if verdict is not None:
+        by_device["work_ms"] = verdict.found.medians.reindex(order)
+    else:  # one device, or under three steps: its medians without a verdict
+        samples = queries.work_samples(run, skip_first=True)
+        table = samples.pivot_table(index="step", columns="device", values="duration_ms") if len(samples) else None
+        by_device["work_ms"] = table.median().reindex(order) if table is not None and len(table) else float("nan")
     memory = queries.memory_peaks(run, detail=False)
     use_alloc = bool(len(memory) and memory["peak_allocated_bytes"].notna().any())
     col = "peak_allocated_bytes" if use_alloc else "peak_held_bytes"
@@ -100,21 +109,13 @@ def glance(run: StoredRun, stats: dict[str, Any] | None = None) -> Glance:
               if has_memory else None)
     work = model.work.label
     sentences: list[str] = []
-    found = imbalance(table) if len(table) else None
     slowest = fastest = None
     ratio = wait = None
     uneven = False
-    if found is not None:
-        slowest, fastest, ratio, wait = found.slowest, found.fastest, found.ratio, found.wait_ms_per_step
-        uneven = ratio >= EVEN_RATIO and worth_time(wait, stats.get("median_step_ms"))
-        if uneven:
-            sentences.append(f"{slowest} is the slowest: {work} {found.medians[slowest]:.2f} ms per step, "
-                             f"{ratio:.2f}x the others' {found.medians.drop(slowest).median():.2f} ms; they wait "
-                             f"{wait:.2f} ms per step for it.")
-        else:
-            sentences.append(f"{work.capitalize()} time is even: the slowest {model.unit}, {slowest}, holds the others "
-                             f"up {wait:.2f} ms per step ({ratio:.2f}x their median), under the {TIME_FLOOR_MS} ms and "
-                             f"{STEP_SHARE_FLOOR:.0%}-of-the-step floor a finding needs.")
+    if verdict is not None:
+        slowest, fastest, ratio, wait = verdict.slowest, verdict.found.fastest, verdict.ratio, verdict.wait_ms
+        uneven = verdict.reported
+        sentences.append(verdict.sentence())
     heaviest = lightest = None
     memory_ratio = None
     memory_uneven = False
@@ -128,9 +129,11 @@ def glance(run: StoredRun, stats: dict[str, Any] | None = None) -> Glance:
             sentences.append(f"{heaviest} holds the most: {mib(peaks.max())}, {memory_ratio:.2f}x {lightest}'s "
                              f"{mib(peaks.min())}" + (" (the output device: gathered outputs and the loss live there)."
                                                       if by_device.at[heaviest, "output_device"] else "."))
-        else:
-            sentences.append(f"Memory is even: {mib(peaks.min())} to {mib(peaks.max())} per {model.unit}, a "
-                             f"difference under the {mib(MEMORY_FLOOR_BYTES)} a finding needs.")
+        else:  # the test that failed, as it was made
+            why = (f"{memory_ratio:.2f}x from the emptiest to the fullest, under the {EVEN_RATIO:.2f}x that marks one"
+                   if memory_ratio < EVEN_RATIO else
+                   f"a difference under the {mib(MEMORY_FLOOR_BYTES)} a finding needs")
+            sentences.append(f"Memory is even: {mib(peaks.min())} to {mib(peaks.max())} per {model.unit}, {why}.")
     elif not has_memory and model.missing.get("memory") and model.kind != "empty":
         sentences.append(model.missing.get("allocator") if model.imported else model.missing["memory"])
     if idle:
@@ -180,8 +183,9 @@ def overview(run: StoredRun) -> Overview:
     stats = queries.run_stats(run)
     totals = queries.phase_totals(run, stats)
     steps = queries.step_times(run)
-    data = Overview(model=model, glance=glance(run, stats), stats=stats, steps=steps,
-                    breakdown=queries.phase_breakdown(run, steps=steps), totals=totals, findings=run_findings(run),
+    found = run_findings(run)
+    data = Overview(model=model, glance=glance(run, stats, found), stats=stats, steps=steps,
+                    breakdown=queries.phase_breakdown(run, steps=steps), totals=totals, findings=found,
                     outliers=queries.outlier_steps(run))
     if model.dataparallel and not totals.empty:
         tax = totals[totals["phase"].isin(DP_TAX_PHASES)]
