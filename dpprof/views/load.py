@@ -83,10 +83,9 @@ def load(run: StoredRun) -> Load:
     data = Load(model=model, work_samples=samples, work_stats=queries.work_stats(run, samples), memory=memory,
                 chunks=chunks.dropna(subset=["chunk_size"]).reset_index(drop=True), gpu=queries.gpu_series(run),
                 gpu_time=queries.gpu_time(run), gpus=gpus)
-    wanted = ("work", "gpu_samples", "gpu_time") if gpus else ("work",)
+    # without GPUs, gpu_samples is the one sentence that says why the GPU sections are absent
+    wanted = ("work", "gpu_samples", "gpu_time") if gpus else ("work", "gpu_samples")
     missing = {k: v for k, v in model.missing.items() if k in wanted}
-    if not gpus and model.missing.get("gpu_samples"):
-        missing["gpus"] = model.missing["gpu_samples"]  # the GPU sections' absence, said once
     if memory.empty:
         missing["memory"] = " ".join(v for k, v in model.missing.items() if k in ("memory", "allocator"))
     elif "allocator" in model.missing and "memory" in model.has:
