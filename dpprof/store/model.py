@@ -66,7 +66,8 @@ def distributed_backend(meta: dict) -> str | None:
     workload_args (dpprof.record under torch.distributed, ``dpprof profile --ddp``), an imported trace's
     distributedInfo; None for a run that was not distributed or did not say."""
     args = meta.get("workload_args") or {}
-    info = args.get("distributedInfo") if isinstance(args.get("distributedInfo"), dict) else {}
+    info = args.get("distributedInfo")
+    info = info if isinstance(info, dict) else {}
     found = args.get("backend") if meta.get("backend") == "rank" else None
     found = found or info.get("backend")
     return str(found).lower() if found else None

@@ -57,10 +57,8 @@ class Load:
         """One device's CUDA allocator peaks in words (where ``memory_chart`` is False)."""
         out = []
         for row in self.memory.itertuples():
-            alloc, reserved = getattr(row, "peak_allocated_bytes", None), getattr(row, "peak_reserved_bytes", None)
-            figures = [f"{mib(alloc)} allocated" if pd.notna(alloc) else None,
-                       f"{mib(reserved)} reserved" if reserved is not None and pd.notna(reserved) else None]
-            figures = [f for f in figures if f]
+            figures = [f"{mib(float(value))} {what}" for what in ("allocated", "reserved")
+                       if (value := getattr(row, f"peak_{what}_bytes", None)) is not None and pd.notna(value)]
             if figures:
                 out.append(f"{row.device}'s CUDA allocator peaked at {' and '.join(figures)}.")
         return " ".join(out)
