@@ -21,25 +21,33 @@ def body(row: pd.Series) -> None:
     data = common.view(advise.page_advisor, row, memory_gib, advise.calibration_files())
     if data.advice is None:
         common.missing(data.reason)
+        if data.command:  # no calibration: the page never measures, the command does (once)
+            st.code(data.command, language="bash")
         return
     a = data.advice
+    for line in a.said_first:  # stalls, a too noisy run, a loaded calibration: before any figure
+        st.warning(line)
     st.caption(data.calibration_note)
     c = st.columns(3)
     c[0].metric("Measured median step", f"{a.measured_step_ms:.2f} ms")
-    best = min((s for s in a.scenarios if s.batch_size == a.measured.batch_size), key=lambda s: s.step_ms)
-    c[1].metric("Fastest at this batch", f"{best.step_ms:.2f} ms", f"{best.step_ms / a.measured_step_ms - 1:+.0%}",
-                delta_color="inverse", help=best.label)
+    best = a.headline()
+    if best is not None:
+        c[1].metric("Fastest at this batch", f"{best.step_ms:.2f} ms", f"{best.step_ms / a.measured_step_ms - 1:+.0%}",
+                    delta_color="inverse", help=best.label)
     if a.max_batch_size:
         c[2].metric("Largest batch that fits", f"{min(a.max_batch_size.values()):,}", help=a.max_batch_note)
     table = advise.scenario_table(a)
-    common.chart(charts.advice_parts(advise.parts_table(a), table))
+    if table["predicted"].any():
+        common.chart(charts.advice_parts(advise.parts_table(a), table[table["predicted"]].reset_index(drop=True)))
     st.caption("* the recorded set-up. Each interval is the recorded median's 90% interval (both runs' sampling) "
-               "widened by a quarter of the change the prediction makes.")
+               "widened by a quarter of the change the prediction makes; one spanning over "
+               f"{advise.MAX_INTERVAL_RATIO:g}x is no prediction.")
     common.table(table.drop(columns=["scenario"]), "advice")
     st.subheader("Each scenario")
     for s in a.scenarios:
-        with st.expander(f"{s.label}: {s.step_ms:.2f} ms ({s.step_ms_low:.2f}–{s.step_ms_high:.2f})",
-                         expanded=s.scenario == "ddp"):
+        with st.expander(advise.scenario_title(s), expanded=s.scenario == "ddp"):
+            if s.withheld is not None and a.withheld is None:
+                st.caption(f"No prediction: {s.withheld}.")
             for change in s.changes:
                 st.markdown(f"- {change}")
             st.markdown("Peak held: " + ", ".join(f"{d} **{mib(b)}**" for d, b in s.peak_bytes.items()))

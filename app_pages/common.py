@@ -145,7 +145,9 @@ def sidebar_picker() -> None:
 
 def default_run(runs: pd.DataFrame) -> str | None:
     """The run the dashboard opens on: the newest that finished or is recording (a failed or killed one only
-    when there is no other)."""
+    when there is no other), never a run ``dpprof advise --check`` recorded while another run is there."""
+    own = runs[runs["check_of"].isna()]
+    runs = own if len(own) else runs
     good = runs[runs["status"].isin(["finished", "running"])]
     return (good if len(good) else runs)["id"].iloc[0] if len(runs) else None
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import streamlit as st
 
 from app_pages import common
-from dpprof.store.reader import reports_dir
+from dpprof.store.reader import checks_under_their_runs, reports_dir
 from dpprof.trace import AlreadyImported, TraceError, import_traces, pending_traces
 
 IMPORT_ASKED = "trace_import_asked"  # session state: the file names the Import button was pressed on
@@ -93,8 +93,9 @@ if good.empty:
             st.rerun()  # drawn again with the run going: the button disabled, the run's Stop button below
     common.watch_started_run()
 else:
+    good = checks_under_their_runs(good)  # the runs dpprof advise --check recorded, under the run they check
     shown = good[["status", "name", "workload", "balanced", "backend", "devices", "steps", "duration_s", "created_at",
-                  "id"]].copy()
+                  "id", "check_of"]].copy()
     shown["created_at"] = shown["created_at"].str.slice(0, 19).str.replace("T", " ")
     st.caption("Select one run to open it, or several to compare them.")
     event = st.dataframe(
@@ -102,7 +103,10 @@ else:
         column_config={"duration_s": st.column_config.NumberColumn("duration (s)", format="%.1f"),
                        "created_at": "started (UTC)", "steps": st.column_config.NumberColumn(format="%d"),
                        "balanced": st.column_config.CheckboxColumn(
-                           "balanced", help="DataParallelModel + DataParallelCriterion: nothing gathered")})
+                           "balanced", help="DataParallelModel + DataParallelCriterion: nothing gathered"),
+                       "check_of": st.column_config.TextColumn(
+                           "check of", help="recorded by dpprof advise RUN --check: a scenario of that run, run for "
+                           "real; listed under it")})
     selected = shown.iloc[list(event.selection.rows)]["id"].tolist() if event.selection.rows else []
     c1, c2, c3, _ = st.columns([1, 1, 1, 5])
     if c1.button("Open", disabled=len(selected) != 1, type="primary", key="open_run",

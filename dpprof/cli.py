@@ -343,15 +343,18 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
 
 def _cmd_runs(args: argparse.Namespace) -> int:
-    from dpprof.store.reader import list_runs
+    from dpprof.store.reader import checks_under_their_runs, list_runs
 
     runs = list_runs(args.reports_dir)
     if runs.empty:
         print("no runs yet: record one with `dpprof profile cifar-lenet --devices cpu:2`")
         return EXIT_OK
-    readable = runs[runs["reason"].isna()]
+    readable = checks_under_their_runs(runs[runs["reason"].isna()])
     cols = ["id", "name", "status", "workload", "backend", "devices", "steps", "duration_s", "created_at"]
-    print(_table(readable[cols].set_index("id"), "{:.1f}"))
+    shown = readable[cols].copy()
+    # the runs dpprof advise --check recorded, under the run they check
+    shown["id"] = [f"└ {i}" if pd.notna(of) else i for i, of in zip(readable["id"], readable["check_of"])]
+    print(_table(shown.set_index("id"), "{:.1f}"))
     for _, bad in runs[runs["reason"].notna()].iterrows():
         print(f"unreadable: {bad['path']}: {bad['reason']}")
     return EXIT_OK
@@ -583,8 +586,11 @@ def _cmd_advise(args: argparse.Namespace) -> int:
         from dpprof.advise.calibrate import calibrate
         from dpprof.advise.calibration import cache_path
 
-        calibration = calibrate(int(match.group(1)))
+        calibration = calibrate(int(match.group(1)), progress=sys.stderr.isatty())
         print("\n".join(calibration.lines()))
+        if calibration.loaded_reason():
+            print(f"dpprof: {calibration.loaded_reason()}: dpprof advise predicts nothing with it; measure again "
+                  "(dpprof advise --calibrate) once the machine is quieter", file=sys.stderr)
         print(f"cached in {cache_path(calibration.backend, calibration.devices, calibration.threads)}")
         return EXIT_OK
     run = load_run(args.run, args.reports_dir)
@@ -601,9 +607,10 @@ def _cmd_advise(args: argparse.Namespace) -> int:
         from dpprof.advise.calibration import cache_path
 
         torch.set_num_threads(m.threads)  # the calibration of the run's own thread count
-        print(f"dpprof: calibrating this machine for {m.n} CPU workers at {m.threads} intra-op thread(s) (a few "
-              f"seconds, once; cached in {cache_path('cpu', m.n, m.threads)})", file=sys.stderr, flush=True)
-        calibration = calibrate(m.n)
+        print(f"dpprof: calibrating this machine for {m.n} CPU workers at {m.threads} intra-op thread(s) (half a "
+              f"minute, once; cached in {cache_path('cpu', m.n, m.threads)})", file=sys.stderr, flush=True)
+        # a bar where someone watches: not under --json, nor into a file or a pipe
+        calibration = calibrate(m.n, progress=not args.json and sys.stderr.isatty())
         if args.calibrate:
             print("\n".join(calibration.lines()), file=sys.stderr if args.json else sys.stdout)
     view = advisor(run, args.memory_gib, args.batch_sizes, calibration=calibration)

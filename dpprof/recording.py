@@ -22,7 +22,7 @@ import torch
 from dpprof.device_ids import DeviceSet
 from dpprof.devices import inventory, nvml_handles
 from dpprof.nvml import DEFAULT_SAMPLE_HZ, GpuSampler, Nvml, NvmlUnavailable
-from dpprof.records import TABLE_OF, NoteRecord, Record, StepRecord
+from dpprof.records import CHECK_OF_ENV, TABLE_OF, NoteRecord, Record, StepRecord
 from dpprof.signals import Interrupted, SignalGuard, signal_name
 from dpprof.store.faults import start_failure
 from dpprof.store.ids import new_run_id
@@ -155,6 +155,8 @@ class Run:
         self.name = name or self.id
         self.workload = workload
         self.workload_args = dict(workload_args or {})
+        if os.environ.get(CHECK_OF_ENV):  # a run dpprof advise --check records: marked as a check of that run
+            self.workload_args.setdefault("check_of", os.environ[CHECK_OF_ENV])
         self.sync_timing = sync_timing
         self.created_at = now
         self.ended_at: datetime | None = None

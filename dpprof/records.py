@@ -5,7 +5,12 @@ from dataclasses import dataclass
 
 __all__ = ["PHASES", "DDP_PHASES", "DP_TAX_PHASES", "MEMORY_BYTES", "SEVERITIES", "SLOWDOWN_REASONS", "device_key", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
            "DeviceRecord", "NoteRecord", "FindingRecord", "CommRecord", "GpuTimeRecord", "Record",
-           "TABLE_OF"]
+           "TABLE_OF", "CHECK_OF_ENV"]
+
+# ``dpprof advise RUN --check`` sets this in the environment of the runs it records (one per scenario): a run
+# recorded under it stores the id of the run it checks as ``check_of`` in its workload_args, so that listings
+# group it under that run and no page opens on it by default.
+CHECK_OF_ENV = "DPPROF_CHECK_OF"
 
 # Phase names, in the order a step runs them; record_function ranges are "dpprof.<phase>".
 PHASES = ("scatter", "replicate", "parallel_apply", "apply", "gather", "loss", "reduce", "backward")

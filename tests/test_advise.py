@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import math
 import shlex
+import shutil
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from streamlit.testing.v1 import AppTest
 
 import dpprof
@@ -23,6 +26,7 @@ from dpprof.advise.model import advise
 from dpprof.cli import build_parser, main
 from dpprof.store import queries
 from dpprof.trace import import_traces
+from dpprof.views.advise import scenario_title
 from recorded import record
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,15 +36,41 @@ MODEL_FILE = "import torch\ndef make():\n    return torch.nn.Sequential(torch.nn
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """DataParallel runs on CPU workers: plain (cifar-lenet, 2 workers), balanced (3 workers, batch 33),
-    tutorial-linear (its epoch's last batch of 10 gives a second chunk size), and one of 2 steps."""
+    """DataParallel runs on CPU workers: plain (cifar-lenet, 2 workers, batch 32) and half (the same at batch 16),
+    balanced (3 workers, batch 33), uneven (3 workers, batch 32: chunks of 11, 11 and 10), tutorial-linear (its
+    epoch's last batch of 10 gives a second chunk size), and one of 2 steps."""
     directory = tmp_path_factory.mktemp("advise")
     return SimpleNamespace(
         dir=directory,
         plain=record(directory, "plain", workers=2, steps=6, batch_size=32),
+        half=record(directory, "half", workers=2, steps=6, batch_size=16),
         balanced=record(directory, "balanced", workers=3, steps=6, batch_size=33, balanced=True),
+        uneven=record(directory, "uneven", workers=3, steps=6, batch_size=32),
         linear=record(directory, "linear", workers=2, steps=14, batch_size=30, workload="tutorial-linear"),
         short=record(directory, "short", workers=2, steps=MIN_STEPS - 1, batch_size=16))
+
+
+def _record_with_pauses(directory: Path, name: str, pauses_s: list[float]) -> dpprof.StoredRun:
+    """DataParallel of a Linear on 2 CPU workers, recorded, each step also sleeping its pause inside the step:
+    another job holding the machine, made to order (a sleep lasts at least its time however loaded the machine)."""
+    torch.manual_seed(0)
+    net = dpprof.DataParallel(torch.nn.Linear(16, 4), device_ids=dpprof.cpu_devices(2))
+    with dpprof.record(name=name, reports_dir=str(directory)) as run:
+        for pause in pauses_s:
+            with run.step():
+                net(torch.randn(32, 16)).sum().backward()
+                time.sleep(pause)
+    return dpprof.load_run(run.path)
+
+
+@pytest.fixture(scope="module")
+def paused(tmp_path_factory):
+    """Two runs whose steps pause: stalled (2 of 15 steps past the first take 0.5 s, the rest 20 ms) and noisy
+    (every other step 0.5 s, the others 5 ms: the middle half of its steps spans 5 ms to 0.5 s)."""
+    directory = tmp_path_factory.mktemp("advise-paused")
+    return SimpleNamespace(
+        stalled=_record_with_pauses(directory, "stalled", [0.02] * 5 + [0.5] + [0.02] * 5 + [0.5] + [0.02] * 4),
+        noisy=_record_with_pauses(directory, "noisy", [0.005, 0.5] * 8))
 
 
 @pytest.fixture
@@ -215,12 +245,127 @@ def test_every_command_is_one_dpprof_profile_can_run(runs, calibrated):
             assert args.batch_size == per_rank
 
 
-def test_without_a_calibration_the_page_says_how_to_make_one_and_still_predicts(runs):
+def test_without_a_calibration_the_read_side_predicts_nothing_and_gives_the_command(runs, tmp_path, monkeypatch):
     from dpprof.views.advise import advisor
 
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty-cache"))
     view = advisor(runs.plain)
-    assert view.advice is not None and "dpprof advise" in view.calibration_note and "--calibrate" in view.calibration_note
-    assert any("No calibration" in a for a in view.advice.assumptions)
+    assert view.advice is None and view.command == f"dpprof advise {runs.plain.id}"
+    assert view.reason.startswith("No calibration of this machine for 2 CPU workers") and "nothing is predicted" in view.reason
+    # the arithmetic itself still runs without one (a GPU run's, or a caller's choice), and says what it left out
+    assert any("taken as free" in a for a in advise(measure(runs.plain), None).assumptions)
+
+
+def test_advise_calibrates_itself_the_first_time_and_then_reads_the_cache(runs, tmp_path, monkeypatch, capsys):
+    one = record(tmp_path / "reports", "one", workers=1, steps=4, batch_size=16)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # someone watching: the progress bar (tqdm) is drawn
+    assert main(["--reports-dir", str(tmp_path / "reports"), "advise", one.id]) == 0
+    first = capsys.readouterr()
+    assert "calibrating this machine for 1 CPU workers" in first.err
+    assert "calibrating for 1 CPU worker(s)" in first.err and "/11 [" in first.err  # 11 measurements at n = 1
+    cal = load_calibration("cpu", 1, torch.get_num_threads())
+    assert cal is not None and set(cal.dataparallel_ms) == {1, 2}  # measured and cached
+    assert f"Calibration of {cal.host}" in first.out and "taken as free" not in first.out
+    assert main(["--reports-dir", str(tmp_path / "reports"), "advise", one.id, "--json"]) == 0
+    second = capsys.readouterr()
+    assert "calibrating" not in second.err  # the cache, not a second measurement
+    assert json.loads(second.out)["calibration"]["measured_at"] == cal.measured_at
+
+
+def test_a_calibration_measured_under_load_predicts_nothing_and_says_why_first(runs, calibrated, tmp_path, monkeypatch):
+    from dpprof.advise.calibration import LOADED_THREAD_SPEEDUP, save_calibration
+    from dpprof.views.advise import advisor, text_lines
+
+    assert (calibrated.loaded_reason() is None) == (calibrated.thread_speedup >= LOADED_THREAD_SPEEDUP)
+    # the calibration behind issue 35: a conv at 0.19x its one-thread speed on 2 threads
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    save_calibration(replace(calibrated, thread_speedup=0.19))
+    view = advisor(runs.plain)
+    a = view.advice
+    assert a.headline() is None and a.withheld.startswith("No predictions: this machine was loaded")
+    assert "0.19x as fast on" in a.withheld and f"dpprof advise {runs.plain.id} --calibrate" in a.withheld
+    assert all(s.withheld for s in a.scenarios if not s.recorded)
+    lines = text_lines(view)
+    assert lines[0] == a.withheld and "fastest at batch" not in "\n".join(lines)
+    assert sum("no prediction" in line for line in lines) >= len(a.scenarios) - 1
+
+
+def test_stalled_steps_are_said_before_the_prediction(paused):
+    from dpprof.findings import run_findings
+    from dpprof.views.advise import AdvisorView, text_lines
+
+    m = measure(paused.stalled)
+    found = run_findings(paused.stalled).table
+    assert "outlier_steps" in set(found["kind"])  # the stall finding fires: the advisor uses its rule
+    assert m.stall_note.startswith("2 of 15 steps stalled (over 2x the median step")
+    a = advise(m, None)
+    assert a.said_first == [m.stall_note] and a.withheld is None  # predicted, the stalls said first
+    assert text_lines(AdvisorView(a, None, ""))[0] == m.stall_note
+    # the typical step the parts come from leaves the two 0.5 s steps out
+    assert m.typical_step_ms < 250 and a.headline() is not None
+
+
+def test_a_run_too_noisy_to_predict_from_headlines_nothing_and_says_its_spread(paused):
+    from dpprof.advise.model import MAX_INTERVAL_RATIO
+    from dpprof.views.advise import AdvisorView, scenario_table, text_lines
+
+    m = measure(paused.noisy)
+    lo, q25, q75, hi = m.step_spread_ms
+    assert q75 / q25 > MAX_INTERVAL_RATIO  # every other step pauses 0.5 s, the others 5 ms
+    a = advise(m, None)
+    [recorded] = [s for s in a.scenarios if s.recorded]
+    assert recorded.interval_ratio > MAX_INTERVAL_RATIO
+    assert a.withheld.startswith(f"No predictions: run {m.run_id} is too noisy to predict from")
+    assert f"the middle half {q25:,.2f} to {q75:,.2f} ms" in a.withheld and a.headline() is None
+    table = scenario_table(a)
+    assert table["predicted"].tolist() == table["recorded"].tolist()  # only the measured set-up has a figure
+    assert table.loc[~table["predicted"], "step_ms"].isna().all()
+    lines = text_lines(AdvisorView(a, None, ""))
+    assert a.withheld in lines[:3]
+
+
+def test_an_interval_over_ten_times_its_low_end_is_no_prediction(runs, calibrated):
+    from dpprof.advise.model import MAX_INTERVAL_RATIO
+
+    a = _advice(runs.plain)
+    for s in a.scenarios:
+        wide = not s.recorded and s.interval_ratio > MAX_INTERVAL_RATIO
+        assert (s.withheld is not None) == (wide or (a.withheld is not None and not s.recorded)), s.label
+    best = a.headline()
+    if a.withheld is None:
+        assert best is not None and best.withheld is None and best.batch_size == a.measured.batch_size
+        assert best.step_ms == min(s.step_ms for s in a.scenarios
+                                   if s.batch_size == best.batch_size and s.withheld is None)
+
+
+def test_batch_size_moves_the_compute_that_scales_with_samples(runs, calibrated):
+    # chunks of 11, 11 and 10 on three devices: a line through different devices' applies is no per-chunk cost
+    m = measure(runs.uneven)
+    assert m.chunks == (11, 11, 10) and m.fixed_apply_ms == 0 and "one size" in m.fixed_apply_source
+    a = advise(m, calibrated, batch_sizes=[16, 64])
+    by_batch = {s.batch_size: s for s in a.scenarios if s.scenario == "dataparallel" and s.devices == 3}
+    apply = {b: by_batch[b].parts_ms["parallel_apply"] for b in (16, 32, 64)}
+    # each device's compute is per sample: at 64 each device gets twice its samples (22, 22, 20), so the slowest
+    # apply gains once more what the recorded one took (the dispatch around it and the run's own level stay)
+    assert apply[64] - apply[32] == pytest.approx(max(m.apply_ms.values()) * m.step_ms / m.typical_step_ms, rel=1e-9)
+    assert apply[16] < apply[32] < apply[64]
+    assert by_batch[64].step_ms > by_batch[32].step_ms > by_batch[16].step_ms
+    # a run recorded at B / 2 predicts B: up, by what its compute (apply, backward, loss) is, at most twice its step
+    half = measure(runs.half)
+    assert half.batch_size == 16 and half.fixed_apply_ms == 0
+    a = advise(half, calibrated, batch_sizes=[32])
+    [at32] = [s for s in a.scenarios if s.batch_size == 32 and s.scenario == "dataparallel"]
+    [at16] = [s for s in a.scenarios if s.recorded]
+    grows = {p: at32.parts_ms[p] - at16.parts_ms[p] for p in at16.parts_ms}
+    assert half.step_ms < at32.step_ms <= 2 * half.step_ms
+    assert grows["parallel_apply"] > 0 and grows["backward"] > 0 and grows["scatter"] == grows["rest"] == 0
+    # the slowest device's apply, once more: its chunk doubles (8 -> 16), the dispatch around it does not
+    assert grows["parallel_apply"] == pytest.approx(max(half.apply_ms.values()) * half.step_ms / half.typical_step_ms,
+                                                    rel=1e-9)
+    # and what it holds, against the run really recorded at 32: each worker's activations scale with its chunk
+    measured = queries.memory_peaks(runs.plain).set_index("device")["peak_held_bytes"]
+    assert at32.peak_bytes["cpu:1"] == pytest.approx(int(measured["cpu:1"]), rel=0.01)
 
 
 @pytest.fixture(scope="module")
@@ -268,16 +413,33 @@ def test_calibrate_measures_this_machine_says_what_and_caches_it(tmp_path, monke
     assert set(cal.dataparallel_ms) == {1, 2} and cal.dataparallel_ms[2]["replicate"] > 0
 
 
-def test_check_runs_a_scenario_and_reads_what_it_measured(runs, calibrated, tmp_path):
+def test_check_runs_a_scenario_and_reads_what_it_measured(runs, calibrated, tmp_path, capsys):
     advice = _advice(runs.linear, steps=4)
     [one] = [s for s in advice.scenarios if s.scenario == "dataparallel" and s.devices == 1]
     [checked] = check(advice, tmp_path / "checks", scenarios=[one])
     assert checked.error is None and checked.measured_step_ms > 0 and checked.step_error is not None
     run = dpprof.load_run(checked.run_id, tmp_path / "checks")
     assert run.meta["name"] == f"check of {runs.linear.id}: {one.label}" and run.model.devices == ("cpu:0",)
+    assert run.meta["workload_args"]["check_of"] == runs.linear.id  # marked as a check of the run it checks
     assert checked.measured_peak_bytes == {"cpu:0": int(queries.memory_peaks(run)["peak_held_bytes"].iloc[0])}
     # tutorial-linear's memory is all of its batch's size or none of it: the prediction is the accounting
     assert checked.peak_errors()["cpu:0"] == pytest.approx(0, abs=0.01)
+    # beside the run it checks: listed under it, never the run the dashboard or Compare opens on
+    from app_pages.common import default_run
+    from dpprof.views.compare import default_compare
+
+    for path in runs.linear.paths:
+        shutil.copy(path, tmp_path / "checks")
+    listing = dpprof.list_runs(tmp_path / "checks")
+    assert listing["id"].tolist() == [checked.run_id, runs.linear.id]  # newest first: the check
+    assert listing.set_index("id")["check_of"].dropna().to_dict() == {checked.run_id: runs.linear.id}
+    assert default_run(listing) == runs.linear.id
+    ids, need = default_compare(listing, runs.linear.id)
+    assert ids == [] and "needs a second finished run of tutorial-linear" in need
+    capsys.readouterr()
+    assert main(["--reports-dir", str(tmp_path / "checks"), "runs"]) == 0
+    rows = [line.split()[0:2] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert rows == [[runs.linear.id, "linear"], ["└", checked.run_id]]
 
 
 def test_profile_ddp_runs_a_users_model_and_advise_runs_it_too(tmp_path, monkeypatch, calibrated):
@@ -330,11 +492,25 @@ def test_the_advisor_page_shows_every_scenario_with_its_command(runs, calibrated
     assert metrics["Measured median step"] == f"{advice.measured_step_ms:.2f} ms"
     assert len(at.get("plotly_chart")) == 1
     labels = [e.label for e in at.expander]
-    assert labels == [f"{s.label}: {s.step_ms:.2f} ms ({s.step_ms_low:.2f}–{s.step_ms_high:.2f})"
-                      for s in advice.scenarios]
+    assert labels == [scenario_title(s) for s in advice.scenarios]
     codes = [c.value for c in at.code]
     assert [s.command for s in advice.scenarios] == codes
     assert any("Calibration of" in c.value for c in at.caption)
+    best = advice.headline()  # none where the fixture's calibration was measured under load (then said first)
+    assert ("Fastest at this batch" in metrics) == (best is not None)
+    if best is None:
+        assert advice.withheld in [w.value for w in at.warning]
+    else:
+        assert metrics["Fastest at this batch"] == f"{best.step_ms:.2f} ms"
+
+
+def test_the_advisor_page_without_a_calibration_headlines_nothing_and_shows_the_command(runs, tmp_path, monkeypatch):
+    monkeypatch.setenv("DPPROF_REPORTS", str(runs.dir))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty-cache"))
+    at = _page(runs.plain.id)
+    assert not at.metric and not at.get("plotly_chart") and not at.expander
+    assert any("No calibration of this machine" in i.value for i in at.info)
+    assert [c.value for c in at.code] == [f"dpprof advise {runs.plain.id}"]
 
 
 def test_the_advisor_page_says_why_for_a_run_it_cannot_predict_from(runs, refused, monkeypatch):

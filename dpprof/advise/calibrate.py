@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -316,26 +317,55 @@ def _thread_speedup(threads: int) -> tuple[float | None, float]:
     return one / many, max(s1, s2)
 
 
-def calibrate(devices: int, save: bool = True) -> Calibration:
-    """Measure this machine for ``devices`` CPU workers / gloo ranks (a few seconds) and cache the result."""
+def calibrate(devices: int, save: bool = True, progress: bool = False) -> Calibration:
+    """Measure this machine for ``devices`` CPU workers / gloo ranks (half a minute or so) and cache the result.
+
+    Args:
+        devices: the device set's size.
+        save: write it to the cache (dpprof.advise.calibration.save_calibration).
+        progress: a progress bar on stderr (tqdm), one tick per measurement.
+    """
     if devices < 1:
         raise ValueError(f"devices must be positive, got {devices}")
+    from tqdm import tqdm
+
     threads = torch.get_num_threads()
     spread: dict[str, float] = {}
     handoff = {1: 0.0}
-    for k in range(2, 2 * devices + 1):
-        handoff[k], spread[f"hand-off x{k}"] = _handoff_ms(k)
-    src = torch.randn(_COPY_BYTES // 4)
-    copy_ms, spread["copy"] = _median_spread(_times_ms(src.clone, 200, 20))
-    small = torch.ones(4)
-    op_ms, spread["small op"] = _median_spread(_times_ms(lambda: small.add(1.0), 500, 50))
-    speedup, spread["threads"] = _thread_speedup(threads)
-    cores, spread["cores"] = effective_cores()
-    dataparallel = {k: _machinery_ms(k, False) for k in range(1, 2 * devices + 1)}
-    balanced = {k: _machinery_ms(k, True) for k in range(1, 2 * devices + 1)}
-    gloo = _gloo(max(2, devices))
-    spread["all-reduce"] = gloo["allreduce_spread"]
-    sync, overhead, spread["ddp wait"] = _ddp_step(max(2, devices))
+    ks = range(1, 2 * devices + 1)
+    bar = tqdm(total=(2 * devices - 1) + 4 + 2 * len(ks) + 2, desc=f"calibrating for {devices} CPU worker(s)",
+               unit="measurement", file=sys.stderr, disable=not progress, leave=False)
+
+    def tick(what: str) -> None:
+        bar.set_postfix_str(what, refresh=False)
+        bar.update(1)
+
+    with bar:
+        for k in range(2, 2 * devices + 1):
+            handoff[k], spread[f"hand-off x{k}"] = _handoff_ms(k)
+            tick(f"hand-off x{k}")
+        src = torch.randn(_COPY_BYTES // 4)
+        copy_ms, spread["copy"] = _median_spread(_times_ms(src.clone, 200, 20))
+        tick("copy")
+        small = torch.ones(4)
+        op_ms, spread["small op"] = _median_spread(_times_ms(lambda: small.add(1.0), 500, 50))
+        tick("small op")
+        speedup, spread["threads"] = _thread_speedup(threads)
+        tick("threads")
+        cores, spread["cores"] = effective_cores()
+        tick("cores")
+        dataparallel, balanced = {}, {}
+        for k in ks:
+            dataparallel[k] = _machinery_ms(k, False)
+            tick(f"DataParallel x{k}")
+        for k in ks:
+            balanced[k] = _machinery_ms(k, True)
+            tick(f"balanced x{k}")
+        gloo = _gloo(max(2, devices))
+        tick("gloo all-reduce")
+        spread["all-reduce"] = gloo["allreduce_spread"]
+        sync, overhead, spread["ddp wait"] = _ddp_step(max(2, devices))
+        tick("DDP step")
     calibration = Calibration(
         host=socket.gethostname(), backend="cpu", devices=devices, threads=threads, cores=os.cpu_count() or 1,
         measured_at=_now(), torch_version=torch.__version__, effective_cores=round(cores, 3), cores_measured_at=_now(),
@@ -346,3 +376,4 @@ def calibrate(devices: int, save: bool = True) -> Calibration:
     if save:
         save_calibration(calibration)
     return calibration
+

@@ -14,9 +14,16 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Calibration", "cache_dir", "cache_path", "load_calibration", "save_calibration", "device_set_key",
-           "CALIBRATION_VERSION"]
+           "CALIBRATION_VERSION", "LOADED_THREAD_SPEEDUP"]
 
 CALIBRATION_VERSION = 3  # bumped when what is measured changes: an older file is measured again
+# A calibration whose conv ran at under half its one-thread speed on its T intra-op threads was measured on a
+# loaded machine: on cores of their own, more threads never make a conv's forward + backward slower than one
+# thread by that much (they speed it up, towards T x). It happens when OpenMP's threads wait at their barriers for
+# a sibling another job has descheduled: 0.13-0.42 on this 2-core machine while two other test runs held it, 0.19
+# in the calibration behind issue 35, whose predictions were 4x off once the machine was quiet. Every predicted
+# figure that moves with threads (each worker's share of them, the caller's backward) carries that factor.
+LOADED_THREAD_SPEEDUP = 0.5
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,16 @@ class Calibration:
         top = max(table)
         below = table.get(top - 1, table[top])
         return max(0.0, table[top].get(phase, 0.0) + (table[top].get(phase, 0.0) - below.get(phase, 0.0)) * (k - top))
+
+    def loaded_reason(self) -> str | None:
+        """Why this calibration's own figures say the machine was loaded while it measured (LOADED_THREAD_SPEEDUP),
+        in a sentence; None where they do not."""
+        if self.thread_speedup is None or self.thread_speedup >= LOADED_THREAD_SPEEDUP:
+            return None
+        return (f"this machine was loaded while it was calibrated ({self.measured_at}): a conv ran "
+                f"{self.thread_speedup:.2f}x as fast on {self.threads} threads as on one (on cores of its own, at "
+                f"least {LOADED_THREAD_SPEEDUP:g}x; under that, the threads waited on each other while other jobs "
+                "held the cores), so every figure that moves with threads would be off by that factor")
 
     def handoff(self, k: int) -> float:
         """The hand-off to k workers: measured for k up to twice the device count, extrapolated linearly beyond."""
@@ -116,6 +133,8 @@ class Calibration:
         if self.effective_cores is not None:
             out.append(f"  cores this job gets: {self.effective_cores:.2f} of {self.cores} (one single-threaded worker "
                        f"per core at once against one alone), measured {self.cores_measured_at}")
+        if self.loaded_reason() is not None:
+            out.append(f"  rejected: {self.loaded_reason()}")
         noisy = [f"{k} {v:.0%}" for k, v in self.spread.items() if v > 0.25]
         if noisy:
             out.append(f"  noisy (interquartile range over median above 25%): {', '.join(noisy)}")

@@ -1,6 +1,7 @@
 """``dpprof advise RUN --check``: run each scenario's command on this machine and set what it measured beside the
 prediction. Torch-free itself: each scenario runs as ``python -m dpprof profile ...`` in its own process (its
-runs go into the reports directory, named after the run they check), and is read back as any run is."""
+runs go into the reports directory, named after the run they check and marked as its checks: ``check_of`` in their
+workload_args, dpprof.records.CHECK_OF_ENV), and is read back as any run is."""
 from __future__ import annotations
 
 import os
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dpprof.advise.model import Advice, Scenario
+from dpprof.records import CHECK_OF_ENV
 from dpprof.store import queries
 from dpprof.store.reader import load_run
 
@@ -106,8 +108,10 @@ def check(advice: Advice, reports_dir: str | os.PathLike[str], scenarios: Sequen
     """Run each scenario (default: every one of ``advice``) for real, one after another; what each measured.
 
     A scenario without a command (a run recorded from a script) or whose command fails is kept with its error.
+    Every run recorded carries ``check_of``: the id of ``advice``'s run (dpprof.records.CHECK_OF_ENV).
     """
     out = []
+    env = {**(env or {}), CHECK_OF_ENV: advice.run_id}  # each run recorded is marked as a check of this one
     Path(reports_dir).mkdir(parents=True, exist_ok=True)
     for scenario in scenarios if scenarios is not None else advice.scenarios:
         if progress is not None:

@@ -20,6 +20,7 @@ from typing import Any
 import pandas as pd
 
 from dpprof.advise import NotAdvisable
+from dpprof.findings.steps import OUTLIER_STEP_RATIO, stalls
 from dpprof.store import queries
 from dpprof.store.reader import StoredRun
 from dpprof.workload_names import WORKLOAD_NAMES
@@ -100,6 +101,12 @@ class Measured:
     # clipped to their 5th-95th percentiles (a stall is not the spread of one rank's step): how much one step's
     # compute moves from the next, by its batch (lengths, content) and the machine
     apply_ratios: tuple[float, ...] = ()
+    # the steps past the first: the fastest, 25th and 75th percentile and slowest (ms), said where their spread is
+    # too wide to predict from
+    step_spread_ms: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    # the stall finding's sentence where the run's steps stall (dpprof.findings.steps.stalls), said before any
+    # prediction; None where they do not
+    stall_note: str | None = None
 
     @property
     def n(self) -> int:
@@ -253,7 +260,28 @@ def measure(run: StoredRun) -> Measured:
         input_bytes_per_sample=float(inputs["i"].sum() or 0) / samples if samples else 0.0,
         output_bytes_per_sample=float(inputs["o"].sum() or 0) / samples if samples else 0.0,
         target_bytes_per_sample=float(targets["t"].sum() or 0) / (batch * count) if batch else 0.0,
-        total_memory_bytes=total, workload=workload, workload_args=dict(args), source=source, apply_ratios=ratios)
+        total_memory_bytes=total, workload=workload, workload_args=dict(args), source=source, apply_ratios=ratios,
+        step_spread_ms=tuple(float(q) for q in durations.quantile([0, 0.25, 0.75, 1])),  # type: ignore[arg-type]
+        stall_note=_stall_note(run))
+
+
+def _stall_note(run: StoredRun) -> str | None:
+    """The stall finding's rule (dpprof.findings.steps.stalls) over every step past the first, in a sentence said
+    before the predictions; None where the steps do not stall.
+
+    Stalls do not stop a prediction: a stall is a step over OUTLIER_STEP_RATIO x the median, so stalls are always
+    fewer than half the steps; the median step is not moved by them and the typical step the parts come from
+    (the middle half) never holds one. What they say is that the machine was shared while the run recorded.
+    """
+    per = run.query("SELECT step, MAX(duration_ms) AS ms FROM steps GROUP BY step ORDER BY step")
+    found = stalls(per.set_index("step")["ms"].iloc[1:])
+    if found is None:
+        return None
+    worst = ", ".join(f"{int(s)} ({ms:,.0f} ms)" for s, ms in found.slow_ms.head(3).items())
+    return (f"{len(found.slow_ms)} of {found.steps} steps stalled (over {OUTLIER_STEP_RATIO:g}x the median step of "
+            f"{found.median_ms:,.2f} ms: steps {worst}; {found.share:.0%} of the run's step time): something else ran "
+            "on this machine. The predictions start from the median and the typical step, which leave the stalls "
+            "out, and hold for a machine as quiet as the run's other steps.")
 
 
 RATIO_CLIP = (0.05, 0.95)  # apply_ratios' percentiles kept: a stall of the machine is not a rank's spread
@@ -286,28 +314,41 @@ MIN_STEPS_PER_CHUNK_SIZE = 3
 
 
 def _fixed_apply_ms(run: StoredRun, sampled: str, devices: tuple[str, ...]) -> tuple[float, str]:
-    """The per-chunk part of an apply: the intercept of apply time against chunk size, where the run's chunks came
-    in at least two sizes (an epoch's last, smaller batch); else 0 (every apply scales with its chunk)."""
+    """The per-chunk part of an apply: the intercept of one device's apply time against its chunk size, where
+    that device's chunks came in at least two sizes (an epoch's last, smaller batch), the median over such
+    devices; else 0 (every apply scales with its chunk).
+
+    Only one device's own chunks are compared: across devices the chunk sizes differ by a sample or two (torch.chunk
+    gives the last device fewer) while the samples themselves differ far more (a sorted batch puts its longest
+    sequences on the last device), so a line through different devices' applies measures where a chunk sits in
+    the batch, not what a chunk costs, and can call most of the compute "per chunk": batch size then moves nothing.
+    """
     rows = run.query("SELECT p.step, p.device, SUM(p.duration_ms) AS ms, m.chunk_size AS chunk FROM phases p "
                      "JOIN memory m ON m.step = p.step AND m.device = p.device AND m.call = 0 "
                      f"WHERE p.phase = 'apply' AND p.call = 0 AND p.step > (SELECT MIN(step) FROM steps) "
                      f"AND {sampled.replace('step', 'p.step')} GROUP BY p.step, p.device")
     rows = rows.dropna(subset=["chunk"])
-    sizes = rows.groupby("chunk")["step"].nunique()
-    sizes = sizes[sizes >= MIN_STEPS_PER_CHUNK_SIZE]
-    if len(sizes) < 2:
-        return 0.0, ("the run's chunks all had one size, so an apply is taken to scale with its chunk (no per-chunk "
+    rows = rows[rows["device"].isin(devices)]
+    # per device and chunk size, the median apply (robust to stalls) over the steps that had it
+    per = rows.groupby(["device", "chunk"])["ms"].agg(["median", "count"])
+    per = per[per["count"] >= MIN_STEPS_PER_CHUNK_SIZE]
+    fits: list[tuple[str, float, list[tuple[float, float]]]] = []
+    for device, group in per.groupby(level="device"):
+        if len(group) < 2:
+            continue
+        xs = [float(c) for c in group.index.get_level_values("chunk")]
+        ys = [float(y) for y in group["median"]]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs))
+        fits.append((str(device), min(max(0.0, my - slope * mx), min(ys)), list(zip(xs, ys))))
+    if not fits:
+        return 0.0, ("each device's chunks had one size, so an apply is taken to scale with its chunk (no per-chunk "
                      "part; the hand-off to a worker is measured apart)")
-    rows = rows[rows["chunk"].isin(sizes.index)]
-    # per chunk size, the median apply (robust to stalls), then the line through them
-    med = rows.groupby("chunk")["ms"].median()
-    xs, ys = [float(x) for x in med.index], [float(y) for y in med.values]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    slope = max(0.0, slope)
-    fixed = min(max(0.0, my - slope * mx), min(ys))
-    shown = ", ".join(f"{int(x)} samples {y:.3f} ms" for x, y in zip(xs, ys))
-    return fixed, f"from the run's chunks of {len(xs)} sizes (median apply: {shown}): {fixed:.3f} ms per chunk"
+    fixed = statistics.median(f for _, f, _ in fits)
+    device, _, points = fits[0]
+    shown = ", ".join(f"{int(x)} samples {y:.3f} ms" for x, y in points)
+    return fixed, (f"from each device's own chunks of 2 sizes or more ({len(fits)} device(s); {device}'s median "
+                   f"apply: {shown}): {fixed:.3f} ms per chunk")
 
 
 def _threads(run: StoredRun) -> tuple[int, str, int]:

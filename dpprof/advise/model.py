@@ -36,7 +36,8 @@ from dpprof.advise.calibration import Calibration
 from dpprof.advise.commands import command_for
 from dpprof.advise.measured import Measured, chunk_sizes
 
-__all__ = ["Scenario", "Advice", "advise", "EXTRAPOLATION_SHARE", "DDP_FIRST_BUCKET_BYTES", "DDP_BUCKET_BYTES",
+__all__ = ["Scenario", "Advice", "advise", "EXTRAPOLATION_SHARE", "MAX_INTERVAL_RATIO", "RUN_TO_RUN_SHARE",
+           "DDP_FIRST_BUCKET_BYTES", "DDP_BUCKET_BYTES",
            "PART_ORDER"]
 
 # The share of a prediction's change from the recorded step that its interval allows for: the per-sample split
@@ -47,6 +48,10 @@ EXTRAPOLATION_SHARE = 0.25
 # other jobs: a median of 15% over bench/advise.py's re-runs of the recorded set-ups (3 rounds, 5 workloads, the
 # shared 2-core build machine, 2026-11-23). An interval is never narrower than this either side of its step.
 RUN_TO_RUN_SHARE = 0.15
+# An interval whose high end is over this many times its low end (or whose low end is 0) is no prediction: the
+# set-ups the advisor weighs differ from the recorded one by a few times at most (half or twice the devices or the
+# batch), so a range over 10x cannot order any two of them, and the figure in its middle is nothing to act on.
+MAX_INTERVAL_RATIO = 10.0
 # DistributedDataParallel's buckets (torch: dist._DEFAULT_FIRST_BUCKET_BYTES, bucket_cap_mb=25): the first
 # bucket in backward order holds up to 1 MiB, the others up to 25 MiB
 DDP_FIRST_BUCKET_BYTES = 1 << 20
@@ -83,13 +88,20 @@ class Scenario:
     recorded: bool = False  # the recorded set-up itself (its step is the measured median)
     allocator_peak_bytes: dict[str, int] | None = None  # the CUDA allocator's peak, where the run recorded it
     device_labels: list[str] = field(default_factory=list)
+    withheld: str | None = None  # why its step is no prediction (too wide an interval, a loaded calibration)
+
+    @property
+    def interval_ratio(self) -> float:
+        """The interval's high end over its low end (inf where the low end is 0)."""
+        return self.step_ms_high / self.step_ms_low if self.step_ms_low > 0 else math.inf
 
     def to_json(self) -> dict[str, Any]:
         out = {"scenario": self.scenario, "devices": self.devices, "batch_size": self.batch_size,
                "step_ms": round(self.step_ms, 4), "step_ms_low": round(self.step_ms_low, 4),
                "step_ms_high": round(self.step_ms_high, 4), "peak_bytes": dict(self.peak_bytes),
                "parts_ms": {k: round(v, 4) for k, v in self.parts_ms.items()}, "label": self.label,
-               "changes": list(self.changes), "command": self.command, "recorded": self.recorded}
+               "changes": list(self.changes), "command": self.command, "recorded": self.recorded,
+               "withheld": self.withheld}
         if self.allocator_peak_bytes is not None:
             out["allocator_peak_bytes"] = dict(self.allocator_peak_bytes)
         return out
@@ -106,10 +118,20 @@ class Advice:
     max_batch_size: dict[str, int]  # per device: the largest global batch at which it still fits
     max_batch_note: str  # where the capacity came from, or why there is none
     assumptions: list[str]  # what the model assumed rather than measured, in sentences
+    said_first: list[str] = field(default_factory=list)  # said before any figure: stalls, a loaded calibration
+    withheld: str | None = None  # why no scenario is predicted (a run too noisy, a calibration under load)
 
     @property
     def measured_step_ms(self) -> float:
         return self.measured.step_ms
+
+    def headline(self) -> Scenario | None:
+        """The fastest predicted set-up at the recorded batch (the recorded one where none is faster); None where
+        the predictions are withheld."""
+        if self.withheld is not None:
+            return None
+        at_batch = [s for s in self.scenarios if s.batch_size == self.measured.batch_size and s.withheld is None]
+        return min(at_batch, key=lambda s: s.step_ms, default=None)
 
     def to_json(self) -> dict[str, Any]:
         m = self.measured
@@ -117,8 +139,8 @@ class Advice:
                 "scenarios": [s.to_json() for s in self.scenarios], "max_batch_size": dict(self.max_batch_size),
                 "max_batch_note": self.max_batch_note, "batch_size": m.batch_size, "devices": list(m.devices),
                 "kind": m.kind, "backend": m.backend, "recorded_parts_ms": {k: round(v, 4) for k, v in self._recorded().items()},
-                "assumptions": list(self.assumptions),
-                "calibration": self.calibration.to_json() if self.calibration is not None else None}
+                "assumptions": list(self.assumptions), "said_first": list(self.said_first),
+                "withheld": self.withheld, "calibration": self.calibration.to_json() if self.calibration is not None else None}
 
     def _recorded(self) -> dict[str, float]:
         return next((s.parts_ms for s in self.scenarios if s.recorded), {})
@@ -570,6 +592,11 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
             peak_bytes=memory, parts_ms={p: parts[p] for p in PART_ORDER if p in parts}, label=label,
             changes=changes, command=command_for(m, scenario, k, batch, steps), recorded=recorded,
             allocator_peak_bytes=alloc))
+        if not recorded and scenarios[-1].interval_ratio > MAX_INTERVAL_RATIO:
+            ratio = scenarios[-1].interval_ratio
+            scenarios[-1].withheld = (f"its interval, {lo:,.2f}-{hi:,.2f} ms, spans "
+                                      + (f"{ratio:,.0f}x" if math.isfinite(ratio) else "down to 0")
+                                      + f" (over {MAX_INTERVAL_RATIO:g}x): too wide to tell it from the other set-ups")
 
     # DDP on the same devices, the same global batch
     ddp_parts, ranks = model.ddp()
@@ -631,8 +658,38 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
             model.memory(n, batch, recorded_kind_balanced), f"batch {batch} on {n} {where}")
 
     fits, note = _max_batch(m, model, memory_bytes)
+    said_first, withheld = _withheld(m, cal, scenarios)
     return Advice(run_id=m.run_id, measured=m, calibration=cal, scenarios=scenarios, max_batch_size=fits,
-                  max_batch_note=note, assumptions=_assumptions(m, cal))
+                  max_batch_note=note, assumptions=_assumptions(m, cal), said_first=said_first, withheld=withheld)
+
+
+def _withheld(m: Measured, cal: Calibration | None, scenarios: list[Scenario]) -> tuple[list[str], str | None]:
+    """What is said before any figure (the run's stalls, a calibration measured under load) and why no scenario is
+    predicted, where none is: a calibration whose own figures say the machine was loaded
+    (Calibration.loaded_reason), or a run whose own spread makes even the recorded set-up's interval span over
+    MAX_INTERVAL_RATIO. Marks every scenario but the recorded one withheld then."""
+    said = [m.stall_note] if m.stall_note else []
+    withheld = None
+    loaded = cal.loaded_reason() if cal is not None else None
+    recorded = next((s for s in scenarios if s.recorded), None)
+    if loaded is not None:
+        withheld = (f"No predictions: {loaded}. `dpprof advise {m.run_id} --calibrate` measures it again (once the "
+                    "machine is quieter).")
+    elif recorded is not None and recorded.interval_ratio > MAX_INTERVAL_RATIO:
+        lo, q25, q75, hi = m.step_spread_ms
+        ratio = recorded.interval_ratio
+        withheld = (f"No predictions: run {m.run_id} is too noisy to predict from. Its steps past the first took "
+                    f"{lo:,.2f} to {hi:,.2f} ms, the middle half {q25:,.2f} to {q75:,.2f} ms, so even the recorded "
+                    "set-up's interval spans "
+                    + (f"{ratio:,.0f}x" if math.isfinite(ratio) else "down to 0")
+                    + f" (over {MAX_INTERVAL_RATIO:g}x, where no two set-ups can be told apart). Record it again "
+                    "while nothing else runs on this machine.")
+    if withheld is not None:
+        said.append(withheld)
+        for s in scenarios:
+            if not s.recorded:
+                s.withheld = s.withheld or withheld.removeprefix("No predictions: ")
+    return said, withheld
 
 
 def _max_batch(m: Measured, model: _Model, memory_bytes: int | None) -> tuple[dict[str, int], str]:
@@ -692,7 +749,7 @@ def _assumptions(m: Measured, cal: Calibration | None) -> list[str]:
                    f"{NCCL_LATENCY_MS} ms (assumed).")
     elif cal is None:
         out.append("No calibration of this machine: DataParallel's machinery, the hand-off and the all-reduce are "
-                   "taken as free (run dpprof advise --calibrate).")
+                   f"taken as free (dpprof advise {m.run_id} calibrates this machine first).")
     if m.source == "script":
         out.append("The run was recorded from a script: the commands that run each scenario for real cannot be "
                    "built from it.")

@@ -23,7 +23,7 @@ from dpprof.store.schema import FORMAT, RECORD_TABLES, RUN_COLUMNS, SCHEMA_VERSI
 if TYPE_CHECKING:
     from dpprof.store.model import RunModel
 
-__all__ = ["RUN_SUFFIX", "list_runs", "load_run", "StoredRun", "RunFileError", "reports_dir",
+__all__ = ["RUN_SUFFIX", "list_runs", "checks_under_their_runs", "load_run", "StoredRun", "RunFileError", "reports_dir",
            "HEARTBEAT_TIMEOUT_S", "FULL_DISK_FREE_BYTES"]
 
 RUN_SUFFIX = ".sqlite"
@@ -296,7 +296,8 @@ def list_runs(reports_dir_: str | os.PathLike[str] | None = None) -> pd.DataFram
         a DataFrame with id, name, status, created_at, ended_at, duration_s, backend (in words:
         dpprof.store.model.backend_label: "gloo" for a DDP recording on gloo, never "rank"), devices,
         workload, steps, ranks, dropped_records, error, balanced (recorded with the balanced model and
-        criterion), source ("trace" for an imported trace, else None), path and reason (None for readable runs),
+        criterion), check_of (the run it checks, for a run ``dpprof advise --check`` recorded; else None), source
+        ("trace" for an imported trace, else None), path and reason (None for readable runs),
         newest first.
     """
     from dpprof.store.model import backend_label
@@ -317,11 +318,29 @@ def list_runs(reports_dir_: str | os.PathLike[str] | None = None) -> pd.DataFram
                      "devices": ",".join(meta["devices"]), "steps": max(s["steps"] for _, _, s in files),
                      "ranks": len(files), "duration_s": _duration_s(meta), "path": str(files[0][0]),
                      "balanced": bool((meta.get("workload_args") or {}).get("balanced")),
+                     "check_of": (meta.get("workload_args") or {}).get("check_of"),
                      "source": meta.get("source"), "reason": None})
     columns = ["id", "name", "status", "created_at", "ended_at", "duration_s", "backend", "devices",
-               "workload", "steps", "ranks", "dropped_records", "error", "balanced", "source", "path", "reason"]
+               "workload", "steps", "ranks", "dropped_records", "error", "balanced", "check_of", "source", "path",
+               "reason"]
     df = pd.DataFrame(rows, columns=columns)
     return df.sort_values("created_at", ascending=False, na_position="last", kind="stable").reset_index(drop=True)
+
+
+def checks_under_their_runs(runs: pd.DataFrame) -> pd.DataFrame:
+    """list_runs' rows with each run's checks (the runs ``dpprof advise --check`` recorded of it, ``check_of``)
+    right after it, newest first among them; a check whose run is not in the listing stays where it was."""
+    if runs.empty or runs["check_of"].isna().all():
+        return runs
+    present = set(runs["id"])
+    checks = runs[runs["check_of"].notna() & runs["check_of"].isin(present)]
+    order: list[int] = []
+    for index, row in runs.iterrows():
+        if index in checks.index:
+            continue
+        order.append(index)
+        order.extend(checks.index[checks["check_of"] == row["id"]])
+    return runs.loc[order]
 
 
 def _duration_s(meta: dict[str, Any]) -> float | None:

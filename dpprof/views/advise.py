@@ -1,6 +1,7 @@
 """The Advisor page of one run (and ``dpprof advise``'s text): what each other set-up would take, predicted from
 the run and this machine's cached calibration (dpprof.advise). Torch-free: the page never measures; without a
-calibration it says how to make one and predicts with DataParallel's machinery taken as free."""
+calibration of a CPU run's device set it predicts nothing and gives the command that calibrates
+(``dpprof advise RUN`` does, the first time)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,11 +11,12 @@ import pandas as pd
 from dpprof.advise import NotAdvisable
 from dpprof.advise.calibration import Calibration, cache_dir, cache_path, load_calibration
 from dpprof.advise.measured import Measured, measure
-from dpprof.advise.model import PART_ORDER, Advice, advise
+from dpprof.advise.model import MAX_INTERVAL_RATIO, PART_ORDER, Advice, Scenario, advise
 from dpprof.store.reader import StoredRun
 from dpprof.units import mib
 
-__all__ = ["AdvisorView", "advisor", "page_advisor", "calibration_files", "calibration_for", "check_lines", "scenario_table", "parts_table", "memory_table", "text_lines", "GIB"]
+__all__ = ["AdvisorView", "advisor", "page_advisor", "calibration_files", "calibration_for", "check_lines",
+           "scenario_table", "scenario_title", "MAX_INTERVAL_RATIO", "parts_table", "memory_table", "text_lines", "GIB"]
 
 GIB = 2**30
 
@@ -26,6 +28,7 @@ class AdvisorView:
     advice: Advice | None
     reason: str | None  # why the run cannot be advised on (one line)
     calibration_note: str  # which calibration the predictions use, or how to make one
+    command: str | None = None  # the command that makes the advice possible where it is not (a calibration)
 
 
 def calibration_for(m: Measured) -> tuple[Calibration | None, str]:
@@ -36,11 +39,17 @@ def calibration_for(m: Measured) -> tuple[Calibration | None, str]:
         return None, "GPU runs are not calibrated on this machine (it has no GPU): costs come from the run alone."
     cal = load_calibration("cpu", m.n, m.threads)
     if cal is None:
-        return None, (f"No calibration of this machine for {m.n} CPU workers at {m.threads} thread(s) "
-                      f"({cache_path('cpu', m.n, m.threads)}): run `dpprof advise {m.run_id} --calibrate` once; until "
-                      "then DataParallel's machinery, the hand-off and the all-reduce count as nothing.")
-    return cal, (f"Calibration of {cal.host} for {cal.devices} CPU workers at {cal.threads} thread(s), measured "
-                 f"{cal.measured_at} (`dpprof advise --calibrate` measures again).")
+        return None, (f"No calibration of this machine for {m.n} CPU workers at {m.threads} intra-op thread(s) "
+                      f"({cache_path('cpu', m.n, m.threads)}): without one, DataParallel's own machinery, the hand-off "
+                      f"to the workers and the all-reduce would count as free, so nothing is predicted. "
+                      f"`dpprof advise {m.run_id}` calibrates this machine first (about half a minute, once) and "
+                      "caches it.")
+    return cal, _note(cal)
+
+
+def _note(cal: Calibration) -> str:
+    return (f"Calibration of {cal.host} for {cal.devices} CPU workers at {cal.threads} thread(s), measured "
+            f"{cal.measured_at} (`dpprof advise RUN --calibrate` measures again).")
 
 
 def advisor(run: StoredRun, memory_gib: float | None = None, batch_sizes: list[int] | None = None,
@@ -50,9 +59,10 @@ def advisor(run: StoredRun, memory_gib: float | None = None, batch_sizes: list[i
         m = measure(run)
         if calibration is None:
             calibration, note = calibration_for(m)
+            if calibration is None and m.backend == "cpu":  # the read side never measures: say how to
+                return AdvisorView(None, note, note, f"dpprof advise {m.run_id}")
         else:
-            note = (f"Calibration of {calibration.host} for {calibration.devices} CPU workers at "
-                    f"{calibration.threads} thread(s), measured {calibration.measured_at}.")
+            note = _note(calibration)
         advice = advise(m, calibration, batch_sizes=batch_sizes,
                         memory_bytes=int(memory_gib * GIB) if memory_gib else None)
     except NotAdvisable as err:
@@ -81,21 +91,34 @@ def scenario_table(advice: Advice) -> pd.DataFrame:
 
     Returns:
         columns scenario, label, devices, batch_size, step_ms, step_ms_low, step_ms_high, vs_recorded_pct,
-        peak_held_bytes (the fullest device), recorded.
+        peak_held_bytes (the fullest device), recorded, predicted (False where the scenario's step is withheld:
+        its step_ms and vs_recorded_pct are then NaN, its interval kept).
     """
     rows = []
     for s in advice.scenarios:
+        shown = s.withheld is None
         rows.append({"scenario": s.scenario, "label": s.label, "devices": s.devices, "batch_size": s.batch_size,
-                     "step_ms": s.step_ms, "step_ms_low": s.step_ms_low, "step_ms_high": s.step_ms_high,
-                     "vs_recorded_pct": 100 * (s.step_ms / advice.measured_step_ms - 1),
-                     "peak_held_bytes": max(s.peak_bytes.values(), default=float("nan")), "recorded": s.recorded})
+                     "step_ms": s.step_ms if shown else float("nan"), "step_ms_low": s.step_ms_low,
+                     "step_ms_high": s.step_ms_high,
+                     "vs_recorded_pct": 100 * (s.step_ms / advice.measured_step_ms - 1) if shown else float("nan"),
+                     "peak_held_bytes": max(s.peak_bytes.values(), default=float("nan")), "recorded": s.recorded,
+                     "predicted": shown})
     return pd.DataFrame(rows)
 
 
+def scenario_title(s: Scenario) -> str:
+    """One scenario in a line: "DDP on 2 ranks (gloo): 12.34 ms (10.00–15.00)", or "…: no prediction (…)"."""
+    if s.withheld is not None:
+        return f"{s.label}: no prediction ({s.step_ms_low:,.2f}–{s.step_ms_high:,.2f} ms)"
+    return f"{s.label}: {s.step_ms:.2f} ms ({s.step_ms_low:.2f}–{s.step_ms_high:.2f})"
+
+
 def parts_table(advice: Advice) -> pd.DataFrame:
-    """Each scenario's predicted ms per part (columns ``<part>_ms`` in step order; parts no scenario has left out)."""
-    used = [p for p in PART_ORDER if any(s.parts_ms.get(p, 0.0) > 0 for s in advice.scenarios)]
-    rows = [{"label": s.label, **{f"{p}_ms": s.parts_ms.get(p, 0.0) for p in used}} for s in advice.scenarios]
+    """Each predicted scenario's ms per part (columns ``<part>_ms`` in step order; parts no scenario has left out);
+    scenarios without a prediction (Scenario.withheld) left out, as in scenario_table's rows with ``predicted``."""
+    shown = [s for s in advice.scenarios if s.withheld is None]
+    used = [p for p in PART_ORDER if any(s.parts_ms.get(p, 0.0) > 0 for s in shown)]
+    rows = [{"label": s.label, **{f"{p}_ms": s.parts_ms.get(p, 0.0) for p in used}} for s in shown]
     return pd.DataFrame(rows)
 
 
@@ -117,6 +140,8 @@ def text_lines(view: AdvisorView) -> list[str]:
     """``dpprof advise RUN``'s report: the run, each scenario (step, interval, parts, memory, what changes, the
     command), the largest batch that fits, the assumptions."""
     a = view.advice
+    if a is None:
+        raise ValueError(f"no advice to print: {view.reason}")
     m = a.measured
     where = "CPU workers" if m.backend == "cpu" else "GPUs"
     out = [f"run {m.run_id}  {m.name!r}: {'balanced ' if m.kind == 'balanced' else ''}DataParallel on {m.n} {where}, "
@@ -127,17 +152,23 @@ def text_lines(view: AdvisorView) -> list[str]:
     recorded = next((s for s in a.scenarios if s.recorded), None)
     if recorded is not None:
         out.insert(2, f"its parts, from the typical step (ms): {_parts(recorded.parts_ms)}")
+    out[:0] = [*a.said_first, ""] if a.said_first else []  # before any figure
     table = scenario_table(a)
     shown = pd.DataFrame({
         "scenario": table["label"],
-        "step (ms)": table["step_ms"].map("{:,.2f}".format),
+        "step (ms)": table["step_ms"].map(lambda v: "no prediction" if pd.isna(v) else f"{v:,.2f}"),
         "interval (ms)": [f"{lo:,.2f}-{hi:,.2f}" for lo, hi in zip(table["step_ms_low"], table["step_ms_high"])],
-        "vs recorded": table["vs_recorded_pct"].map("{:+.0f}%".format),
+        "vs recorded": table["vs_recorded_pct"].map(lambda v: "-" if pd.isna(v) else f"{v:+.0f}%"),
         "peak held, fullest": table["peak_held_bytes"].map(mib),
     })
     out += shown.to_string(index=False).splitlines() + [""]
+    best = a.headline()
+    if best is not None and not best.recorded:
+        out += [f"fastest at batch {m.batch_size}: {scenario_title(best)}", ""]
     for s in a.scenarios:
-        out.append(f"{s.label}: {s.step_ms:.2f} ms ({s.step_ms_low:.2f}-{s.step_ms_high:.2f})")
+        out.append(scenario_title(s).replace("–", "-"))
+        if s.withheld is not None and a.withheld is None:
+            out.append(f"  no prediction: {s.withheld}")
         out.append(f"  parts (ms): {_parts(s.parts_ms)}")
         out.append("  peak held: " + ", ".join(f"{d} {mib(b)}" for d, b in s.peak_bytes.items()))
         if s.allocator_peak_bytes:
@@ -163,19 +194,24 @@ def check_lines(checked: list) -> list[str]:
         s = c.scenario
         fullest = max(c.measured_peak_bytes, key=c.measured_peak_bytes.get, default=None)
         rows.append({
-            "scenario": s.label, "predicted (ms)": f"{s.step_ms:,.2f}",
+            "scenario": s.label, "predicted (ms)": f"{s.step_ms:,.2f}" if s.withheld is None else "none",
             "interval (ms)": f"{s.step_ms_low:,.2f}-{s.step_ms_high:,.2f}",
             "measured (ms)": f"{c.measured_step_ms:,.2f}" if c.measured_step_ms else "-",
-            "error": f"{c.step_error:+.1%}" if c.step_error is not None else "-",
-            "inside": {True: "yes", False: "no", None: "-"}[c.inside],
+            "error": f"{c.step_error:+.1%}" if c.step_error is not None and s.withheld is None else "-",
+            "inside": {True: "yes", False: "no", None: "-"}[c.inside if s.withheld is None else None],
             "peak held, fullest: predicted / measured": (
                 f"{mib(s.peak_bytes.get(fullest, 0))} / {mib(c.measured_peak_bytes[fullest])}" if fullest else "-"),
             "check run": c.run_id or (c.error or "-")})
     out = ["predicted against measured (each scenario's command run on this machine):"]
     out += pd.DataFrame(rows).to_string(index=False).splitlines()
-    errors = [abs(c.step_error) for c in checked if c.step_error is not None]
+    predicted = [c for c in checked if c.step_error is not None and c.scenario.withheld is None]
+    errors = [abs(c.step_error) for c in predicted]
+    withheld = sum(1 for c in checked if c.scenario.withheld is not None)
+    said = f"; {withheld} scenario(s) had no prediction and are left out" if withheld else ""
     if errors:
-        inside = sum(1 for c in checked if c.inside)
+        inside = sum(1 for c in predicted if c.inside)
         out.append(f"median |error| of the step time {pd.Series(errors).median():.1%}; {inside} of {len(errors)} "
-                   "measured inside their interval")
+                   f"measured inside their interval{said}")
+    elif withheld:
+        out.append(f"no scenario had a prediction to check: {withheld} withheld")
     return out

@@ -129,7 +129,8 @@ UNNAMED_WORKLOADS = frozenset({"", "torch.profiler trace"})
 
 def default_compare(runs: pd.DataFrame, chosen: str | None) -> tuple[list[str], str | None]:
     """The pair Compare opens on: the run open in the sidebar and the newest finished run of the same workload
-    (the older first, as the baseline); or no pair and what is needed, in words.
+    that is not a check ``dpprof advise --check`` recorded (the older first, as the baseline); or no pair and what
+    is needed, in words.
 
     Args:
         runs: the readable runs of dpprof.list_runs, newest first.
@@ -146,7 +147,8 @@ def default_compare(runs: pd.DataFrame, chosen: str | None) -> tuple[list[str], 
         return [], (f"{row['name'] or row['id']} does not say what job it was (an imported trace of no known job): "
                     "choose the runs to compare in the picker above.")
     others = runs[(runs["id"] != chosen) & (runs["status"] == "finished") & (runs["steps"].fillna(0) > 0)
-                  & (runs["workload"].fillna("") == (row["workload"] or ""))]
+                  & (runs["workload"].fillna("") == (row["workload"] or ""))
+                  & runs["check_of"].isna()]  # not a run dpprof advise --check recorded
     if others.empty:
         return [], (f"Comparing needs a second finished run of {row['workload'] or 'the same model'} besides "
                     f"{row['name'] or row['id']}: record one on the New run page (for example with --balanced or "
