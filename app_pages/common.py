@@ -27,6 +27,7 @@ from dpprof.views.text import display_table, finding_heading, run_label, sentenc
 from dpprof.store.faults import RecordingError
 from dpprof.store.reader import list_runs, load_run, reports_dir
 from dpprof.store.writer import check_reports_dir
+from dpprof.trace.importer import LEGACY_WORKLOAD
 from dpprof.units import plural
 
 REFRESH_S = 2.0  # a running run's pages re-read it this often (its writer commits every 0.5 s)
@@ -179,8 +180,12 @@ def run_header(row: pd.Series) -> None:
     created = str(row["created_at"] or "")[:19].replace("T", " ")
     steps = int(row["steps"]) if pd.notna(row["steps"]) else 0
     model = view(views.model_of, row)
-    cols[1].caption(f"run `{row['id']}` · {model.title} · {row['workload'] or 'your model'} · "
-                    f"{model.unit}s {', '.join(model.devices) or '-'} · {plural(steps, 'step')} · started {created} UTC")
+    # an imported trace's workload is its job (dpprof.trace.importer.job_name); one imported before that had none
+    workload = row["workload"] if isinstance(row["workload"], str) and row["workload"] else None
+    workload = None if model.imported and workload == LEGACY_WORKLOAD else workload
+    what = [f"run `{row['id']}`", model.title, workload or (None if model.imported else "your model"),
+            f"{model.unit}s {', '.join(model.devices) or '-'}", plural(steps, "step"), f"started {created} UTC"]
+    cols[1].caption(" · ".join(w for w in what if w))
     if model.kind == "empty" and row["status"] != "running":
         missing(model.empty_reason or "The run recorded no steps.")
     if row["status"] == "running":

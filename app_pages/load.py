@@ -37,38 +37,46 @@ def body(row: pd.Series) -> None:
         common.table(stats, f"{model.work.column}_per_{model.unit}")
     if data.idle:
         st.caption(f"{', '.join(data.idle)} got no chunk in any step: idle, drawn at zero.")
+    if model.nothing_to_balance and not data.work_stats.empty:
+        st.caption(model.nothing_to_balance)
 
     st.subheader(f"Memory per {model.unit}")
     if data.memory.empty:
         common.missing(data.missing["memory"])
     else:
-        common.chart(charts.memory_per_device(data.memory, data.idle))
+        if data.memory_chart:
+            common.chart(charts.memory_per_device(data.memory, data.idle))
+        else:  # one device's allocator peaks: words, not a chart of one marker
+            st.markdown(data.memory_text)
         for key in ("allocator", "memory_accounting"):
             if key in data.missing:
                 common.missing(data.missing[key])
-        out = data.memory.loc[data.memory["output_device"].astype(bool), "device"].tolist()
+        out = data.memory.loc[data.memory["output_device"].astype(bool), "device"].tolist() if model.gathers else []
         if out:
             st.caption(f"{out[0]} is the output device: the gathered outputs (and the loss) live there.")
-        common.table(data.memory.dropna(axis=1, how="all"), f"memory_per_{model.unit}")
+        common.table(data.memory_table, f"memory_per_{model.unit}")
     if len(data.chunks):
         st.subheader("Chunk sizes")
         common.chart(charts.chunk_sizes(data.chunks, data.idle))
         common.table(data.chunks, "chunk_sizes")
 
-    st.subheader("GPUs over time")
-    if data.gpu.empty:
-        common.missing(data.missing.get("gpu_samples") or "No GPU samples were recorded for this run.")
-    else:
-        common.chart(charts.gpu_samples(data.gpu))
-        common.table(data.gpu, "gpu_samples_bucketed")
+    if data.gpus:  # the GPU sections belong to runs with GPUs; a CPU run's page says once that it has none
+        st.subheader("GPUs over time")
+        if data.gpu.empty:
+            common.missing(data.missing.get("gpu_samples") or "No GPU samples were recorded for this run.")
+        else:
+            common.chart(charts.gpu_samples(data.gpu))
+            common.table(data.gpu, "gpu_samples_bucketed")
 
-    if model.imported:
+    if data.gpus and model.imported:
         st.subheader("GPU time per device (from the trace)")
         if data.gpu_time.empty:
             common.missing(data.missing.get("gpu_time") or "The trace has no GPU activity.")
         else:
             common.chart(charts.gpu_time(data.gpu_time))
             common.table(data.gpu_time, "gpu_time_per_device")
+    if not data.gpus and "gpu_samples" in data.missing:  # the GPU sections' absence, said once
+        common.missing(data.missing["gpu_samples"])
 
 
 common.live(body)

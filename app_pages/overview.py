@@ -44,8 +44,8 @@ def per_device(data: overview.Overview) -> None:
         common.chart(charts.device_glance(g.devices, g.work_phase, g.memory_source, *g.marked()))
     for line in g.sentences:
         st.markdown(f"- {line}")
-    if len(g.devices) < 2:
-        st.caption(f"One {unit}: nothing to balance.")
+    if data.model.nothing_to_balance:  # said once, in this run's terms (one GPU, a rank of a bigger job)
+        st.caption(data.model.nothing_to_balance)
 
 
 def _breakdown_caption(data: overview.Overview) -> str:
@@ -57,8 +57,18 @@ def _breakdown_caption(data: overview.Overview) -> str:
         return ("apply (all devices) is parallel_apply: every device's apply, side by side. The rest of the step is "
                 "what runs outside DataParallel: " + rest)
     ranks = "Each bar is the ranks' mean. " if model.unit == "rank" and len(model.devices) > 1 else ""
-    return (f"{ranks}data is the time before the step's forward (loading the batch); backward compute ends when the "
-            "last gradient bucket is launched, the all-reduce wait after it; the rest is what no phase covers.")
+    said = []  # only the phases this run has, each in its own kind's terms
+    if "data" in model.phases:
+        said.append("data is the time before the step's forward (loading the batch)")
+    if "comm_wait" in model.phases:
+        said.append("backward compute ends when the last gradient bucket is launched, the all-reduce wait after it"
+                    if model.kind == "ddp" else
+                    "backward compute ends when the step's last collective is launched, the wait for the "
+                    "collectives to finish after it")
+    elif "backward_compute" in model.phases:  # no collective: nothing to wait for after backward
+        said.append("backward compute is the span of the step's autograd ops")
+    said.append("the rest is what no phase covers")
+    return ranks + sentence("; ".join(said))
 
 
 def kind_section(data: overview.Overview) -> None:

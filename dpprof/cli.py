@@ -373,7 +373,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
     run = load_run(args.run, args.reports_dir)
     m, model = run.meta, run.model
     print(f"run {m['id']}  {m['name']!r}  status {m['status']}" + (f" ({m['error']})" if m.get("error") else ""))
-    facts = [model.title, f"workload {m['workload']}" if m.get("workload") else None,
+    from dpprof.trace.importer import LEGACY_WORKLOAD
+
+    shown = m.get("workload") if not (model.imported and m.get("workload") == LEGACY_WORKLOAD) else None
+    facts = [model.title, f"workload {shown}" if shown else None,
              f"{model.unit}s {', '.join(model.devices)}" if model.devices else None,
              f"torch {m['torch_version']}" if m.get("torch_version") else None,
              f"host {m['host']}" if m.get("host") else None]
@@ -391,15 +394,21 @@ def _cmd_show(args: argparse.Namespace) -> int:
           f"batch {stats['batch_size'] if stats['batch_size'] else '-'}")
     if model.detail_text():
         print(f"  {model.detail_text()}")
+    if model.nothing_to_balance:
+        print(f"  {model.nothing_to_balance}")
     summary = summary_of(run)
-    print(f"\nper {model.unit} ({model.work.label}):")  # units in the headers: `dpprof export` keeps machine values
-    print(_table(display_table(summary[summary_columns(run, summary)].reset_index()).set_index("device"), "{:,.2f}"))
+    columns = summary_columns(run, summary)
+    if columns:  # units in the headers: `dpprof export` keeps machine values
+        print(f"\nper {model.unit} ({model.work.label}):")
+        print(_table(display_table(summary[columns].reset_index()).set_index("device"), "{:,.2f}"))
+    else:  # no figure per device: why, once, in words (never a table of nothing)
+        print(f"\nper {model.unit}: {model.missing.get('work') or 'no figures per ' + model.unit + ' recorded.'}")
     means = queries.phase_means(run)
     if len(means):
         print("\nmean ms per step, by phase:")
         print(_table(display_table(means.reset_index()).set_index("device"), "{:,.2f}"))
-    if "comms" in model.has and model.kind == "ddp":
-        print("\ngradient all-reduce per step:")
+    if "comms" in model.has and not model.dataparallel:  # a DDP recording's buckets, or a trace's collectives
+        print("\ngradient all-reduce per step:" if model.kind == "ddp" else "\ncollectives per step (from the trace):")
         print(_table(display_table(comm_stats(run)).set_index("device"), "{:,.2f}"))
     if "gpu_time" in model.has:
         print("\nGPU time, mean ms per step (from the trace):")
@@ -407,7 +416,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     found = run_findings(run)
     print(f"\nfindings: {len(found.table) or 'none'} ({found.scope})")
     _print_findings(found.table.to_dict("records"))
-    lacks = [text for key, text in model.missing.items() if key != "work"]
+    lacks = [text for key, text in model.missing.items() if key != "work"]  # work: said where its table would be
     if lacks:
         print("\nnot in this run:")
         for text in lacks:

@@ -441,6 +441,10 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
         ...             loss = criterion(net(x), y); loss.backward(); opt.step()
     """
     run_id, name, rank, world_size = _distributed_identity(name)
+    if rank is not None:  # the torch.distributed backend (gloo, nccl), for the pages and listings to name
+        import torch.distributed as dist
+
+        workload_args = {"backend": dist.get_backend(), **(workload_args or {})}
     run = Run(name=name, reports_dir=reports_dir, sync_timing=sync_timing, workload=workload,
               workload_args=workload_args, store=store, sample_hz=sample_hz, run_id=run_id, rank=rank,
               world_size=world_size, detail=detail)

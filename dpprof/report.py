@@ -5,6 +5,7 @@ import logging
 
 import pandas as pd
 
+from dpprof.records import MEMORY_BYTES
 from dpprof.store import queries
 from dpprof.store.reader import StoredRun, load_run
 from dpprof.store.writer import replace_findings
@@ -15,29 +16,48 @@ log = logging.getLogger("dpprof")
 
 
 def summary_of(run: StoredRun) -> pd.DataFrame:
-    """The per-device summary of a stored run, indexed by device in the run's order, aggregated in SQL.
+    """The per-device summary of a stored run, indexed by device in the run's order, aggregated in SQL: the
+    columns of what the run measured, in its kind's terms, never a column of another kind's (an imported trace
+    has no output device, a rank no chunk sizes) nor one of a measurement the run lacks (run.model.missing
+    says why it lacks it).
 
     Columns, with ``<work>`` the run's work (run.model.work.column: "apply" for DataParallel, "compute" for a
-    process's forward and backward compute): steps, <work>_mean_ms, <work>_min_ms, <work>_max_ms,
-    <work>_p50_ms, <work>_p95_ms, <work>_share_of_step_pct, sampled (percentiles from every k-th step, or a
-    long run's quantile sketches), output_device, peak_step, peak_held_bytes and what was held then by kind, chunk_size_mean/
-    min/max, peak_allocated_bytes and peak_reserved_bytes (CUDA allocator; NaN without one); for an imported
-    trace with GPUs, gpu_step_ms, gpu_busy_ms and gpu_idle_pct too.
+    process's forward and backward compute): steps; where the run has its work, <work>_mean_ms,
+    <work>_min_ms, <work>_max_ms, <work>_p50_ms, <work>_p95_ms, <work>_share_of_step_pct and sampled
+    (percentiles from every k-th step, or a long run's quantile sketches); with dpprof's memory accounting,
+    peak_step, peak_held_bytes and what was held then by kind (and output_device where outputs are gathered,
+    chunk_size_mean/min/max for DataParallel); with the CUDA allocator, peak_allocated_bytes and
+    peak_reserved_bytes; for an imported trace with GPUs, gpu_step_ms, gpu_busy_ms and gpu_idle_pct. Every device
+    of the run has a row, with at least its steps; a column no device has a value in is left out.
     """
+    model = run.model
     stats = queries.work_stats(run).set_index("device")
-    stats.columns = [c.replace("work_", f"{run.model.work.column}_", 1) for c in stats.columns]
+    stats.columns = [c.replace("work_", f"{model.work.column}_", 1) for c in stats.columns]
     memory = queries.memory_peaks(run).set_index("device")
     gpu = queries.gpu_time(run).set_index("device")[["step_ms", "busy_ms", "idle_pct"]].add_prefix("gpu_")
-    devices = [d for d in run.model.devices if d in stats.index or d in memory.index or d in gpu.index]
+    devices = [d for d in model.devices if d in stats.index or d in memory.index or d in gpu.index] or list(model.devices)
+    if stats.empty:  # no work recorded: each device still has the run's steps
+        stats = pd.DataFrame({"steps": model.steps}, index=pd.Index(devices, name="device"))
+    drop = []
+    if "memory" not in model.has:
+        drop += ["output_device", "peak_step", "peak_held_bytes", *MEMORY_BYTES]
+    if not model.gathers:
+        drop += ["output_device"]
+    if "memory" not in model.has or not model.dataparallel:
+        drop += ["chunk_size_mean", "chunk_size_min", "chunk_size_max"]
+    if "allocator" not in model.has:
+        drop += ["peak_allocated_bytes", "peak_reserved_bytes"]
+    memory = memory.drop(columns=[c for c in dict.fromkeys(drop) if c in memory.columns])
     out = pd.concat([stats.reindex(devices), memory.reindex(devices)], axis=1)
     if len(gpu):
         out = pd.concat([out, gpu.reindex(devices)], axis=1)
     out.index.name = "device"
-    return out
+    return out.dropna(axis=1, how="all")  # a figure no device has (a 2021 trace's reserved bytes) is no column
 
 
 def summary_columns(run: StoredRun, summary: pd.DataFrame) -> list[str]:
-    """The summary's headline columns for ``dpprof show``, those the run has (exports carry every column)."""
+    """The summary's headline columns for ``dpprof show``, those the run has (exports carry every column); none
+    where the run has no figure per device (``dpprof show`` then says why, from run.model.missing)."""
     work = run.model.work.column
     wanted = [f"{work}_mean_ms", f"{work}_p50_ms", f"{work}_p95_ms", f"{work}_share_of_step_pct"]
     if "memory" in run.model.has:

@@ -95,7 +95,7 @@ def test_the_runs_page_lists_a_trace_file_and_imports_it_on_a_click(tmp_path, mo
     assert "Imported run" in "\n".join(s.value for s in at.success)
     at.run()
     runs = at.dataframe[0].value
-    assert runs["workload"].tolist() == ["torch.profiler trace"] and runs["devices"].tolist() == ["rank:0"]
+    assert runs["workload"].tolist() == ["job"] and runs["devices"].tolist() == ["rank:0"]  # the file's job
     assert not any("traces to import" in s.value for s in at.subheader)  # imported: no longer listed
 
 

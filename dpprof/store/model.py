@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from dpprof.store.reader import StoredRun
 
 __all__ = ["KINDS", "KIND_TITLES", "MEASUREMENTS", "TRACE_SOURCE", "ROWS_READ_STEPS", "Work", "RunModel", "describe",
-           "present_phases", "distinct"]
+           "present_phases", "distinct", "distributed_backend", "backend_label"]
 
 KINDS = ("dataparallel", "balanced", "ddp", "trace_gpu", "trace_cpu", "empty")
 KIND_TITLES = {
@@ -57,6 +57,30 @@ class Work:
 
 
 DATAPARALLEL_WORK = Work(("apply",), "apply", "apply")
+# A process's work (a DDP rank, an imported trace): what it computes, whichever of the two it recorded.
+PROCESS_WORK = Work(("forward", "backward_compute"), "forward + backward compute", "compute")
+
+
+def distributed_backend(meta: dict) -> str | None:
+    """The torch.distributed backend of a run ("gloo", "nccl"), where it was stored: a DDP recording's
+    workload_args (dpprof.record under torch.distributed, ``dpprof profile --ddp``), an imported trace's
+    distributedInfo; None for a run that was not distributed or did not say."""
+    args = meta.get("workload_args") or {}
+    info = args.get("distributedInfo")
+    info = info if isinstance(info, dict) else {}
+    found = args.get("backend") if meta.get("backend") == "rank" else None
+    found = found or info.get("backend")
+    return str(found).lower() if found else None
+
+
+def backend_label(meta: dict) -> str | None:
+    """What a run ran on, in a listing's words: "cpu", "cuda", "mixed"; for a DDP recording, whose device axis
+    is its ranks, the torch.distributed backend ("gloo", "nccl"), or "DDP ranks" where it was not stored,
+    never the axis' name "rank"."""
+    backend = meta.get("backend")
+    if backend == "rank":
+        return distributed_backend(meta) or "DDP ranks"
+    return backend
 
 
 @dataclass(frozen=True)
@@ -77,6 +101,9 @@ class RunModel:
     retention: Retention | None = None  # the detail the run keeps; None: a file of schema 1, every row, no aggregates
     detail_from: int = 0  # every step from here on has all its detail rows (before it, only those retention keeps)
     aggregated: bool = False  # pages read the per-block aggregates (dpprof.store.blocks), not the rows
+    world_size: int | None = None  # ranks in the torch.distributed job (None: not distributed, or not said)
+    ranks: tuple[int, ...] = ()  # the job's ranks this run holds (a file each); () for one process
+    dist_backend: str | None = None  # "gloo", "nccl" (distributed_backend); None where not distributed or not said
 
     @property
     def thinned(self) -> bool:
@@ -134,14 +161,64 @@ class RunModel:
 
     @property
     def title(self) -> str:
-        """The kind in words, with where it ran: "DataParallel on 2 CPU workers"."""
+        """The kind in words, with where it ran: "DataParallel on 2 CPU workers", "DistributedDataParallel (gloo),
+        2 ranks", "imported torch.profiler trace of DDP (nccl), rank 0 of 2"."""
         n = len(self.devices)
         where = {"cpu": "CPU worker", "cuda": "GPU"}.get(self.backend or "", "device") + ("s" if n != 1 else "")
         if self.kind in ("dataparallel", "balanced") and self.devices:
             return f"{KIND_TITLES[self.kind]} on {n} {where}"
+        dist = f" ({self.dist_backend})" if self.dist_backend else ""
         if self.kind == "ddp":
-            return f"{KIND_TITLES[self.kind]}, {len(self.devices)} ranks"
+            return f"{KIND_TITLES[self.kind]}{dist}, {n} rank{'s' if n != 1 else ''}"
+        if self.imported:
+            what = ("DataParallel" if self.dataparallel else
+                    f"DDP{dist}, {self.scope}" if self.ranks else
+                    f"one process on {n} GPU{'s' if n != 1 else ''}" if self.kind == "trace_gpu" else
+                    "one CPU process")
+            return f"imported torch.profiler trace of {what}" + (", CPU only" if self.kind == "trace_cpu" and self.ranks
+                                                                  else "")
         return KIND_TITLES[self.kind]
+
+    @property
+    def backend_label(self) -> str | None:
+        """What the run ran on, in words (``backend_label`` of its meta): "cpu", "cuda", "gloo", "DDP ranks"."""
+        if self.backend == "rank":
+            return self.dist_backend or "DDP ranks"
+        return self.backend
+
+    @property
+    def scope(self) -> str:
+        """Which ranks of its job a distributed run holds: "rank 0 of 16", "ranks 0 and 1 of 128", "ranks 0-3"
+        (no world size stored); "" for one process."""
+        if not self.ranks:
+            return ""
+        r = sorted(self.ranks)
+        listed = (f"rank {r[0]}" if len(r) == 1 else f"ranks {r[0]} and {r[1]}" if len(r) == 2 else
+                  f"ranks {r[0]}-{r[-1]}" if r == list(range(r[0], r[-1] + 1)) else f"ranks {', '.join(map(str, r))}")
+        if self.world_size and len(r) == self.world_size:
+            return f"{len(r)} ranks" if len(r) > 1 else listed
+        return f"{listed} of {self.world_size}" if self.world_size else listed
+
+    @property
+    def partial_job(self) -> bool:
+        """Whether the run holds only some ranks of a distributed job (the others' traces were not imported)."""
+        return bool(self.ranks) and (self.world_size is None or len(self.ranks) < self.world_size)
+
+    @property
+    def nothing_to_balance(self) -> str | None:
+        """For a run of one device, rank or process, why it has nothing to balance, in one sentence; else None."""
+        if len(self.devices) > 1 or self.kind == "empty":
+            return None
+        if self.partial_job:
+            of = f"a {self.world_size}-rank job" if self.world_size else "a distributed job"
+            held = self.scope.split(" of ")[0]
+            return (f"{held[:1].upper()}{held[1:]} of {of}; the other ranks were not imported, so there is nothing to "
+                    "balance it against (import the ranks' files together to compare them).")
+        if self.kind == "trace_cpu":
+            return "One process: nothing to balance."
+        if self.kind == "trace_gpu":
+            return "One GPU: nothing to balance."
+        return f"One {self.unit}: nothing to balance."
 
 
 def distinct(run: StoredRun, table: str, column: str) -> list[object]:
@@ -183,12 +260,14 @@ def _nonempty_tables(run: StoredRun) -> set[str]:
     return found
 
 
-def _work(phases: list[str]) -> Work:
-    if "apply" in phases or "forward" not in phases:
+def _work(phases: list[str], kind: str) -> Work:
+    """Each device's own share of a step in this kind's terms: DataParallel's apply; a process's forward and
+    backward compute (whichever of the two it recorded; both where it recorded neither, said in ``missing``)."""
+    if "apply" in phases or kind in ("dataparallel", "balanced") or (kind == "empty" and "forward" not in phases):
         return DATAPARALLEL_WORK
-    if "backward_compute" in phases:
-        return Work(("forward", "backward_compute"), "forward + backward compute", "compute")
-    return Work(("forward",), "forward", "compute")
+    if "forward" in phases and "backward_compute" not in phases:
+        return Work(("forward",), "forward", "compute")
+    return PROCESS_WORK
 
 
 def _kind(run: StoredRun, steps: int, phases: list[str]) -> str:
@@ -244,20 +323,24 @@ def _missing(run: StoredRun, kind: str, has: set[str], backend: str | None, work
         noted = "; ".join(_notes(run, "nvml"))
         base = {"trace_gpu": "torch.profiler traces carry no NVML samples of the GPUs.",
                 "trace_cpu": "A CPU-only trace has no GPUs to sample.",
-                "ddp": "No GPU samples were recorded for these ranks." if backend != "cpu" else ""}.get(kind)
+                "ddp": ("No GPU samples were recorded for these ranks." if "allocator" in has else
+                        "These ranks ran on CPUs (no CUDA allocator records): there are no GPUs to sample.")}.get(kind)
         if base is None:
             base = ("This run used CPU workers: there are no GPUs to sample." if backend == "cpu"
                     else "No GPU samples were recorded for this run.")
         out["gpu_samples"] = (base or "No GPU samples were recorded for these ranks.") + (
             f" The recorder noted: {noted}." if noted and not trace else "")
-    if kind == "trace_cpu":
-        out["gpu_time"] = "A CPU-only trace has no GPU activity: no kernel, copy or idle time per GPU."
+    if kind == "trace_cpu":  # one sentence for the GPU it never had: its samples and its time alike
+        out["gpu_samples"] = "A CPU-only trace has no GPU: no GPU samples, kernels, copies or idle time."
     elif kind == "trace_gpu" and "gpu_time" not in has:
         out["gpu_time"] = "The trace has no GPU kernels inside its steps."
     if kind == "ddp" and "comms" not in has:
         out["comms"] = "No gradient all-reduce was recorded (one rank, or no backward yet)."
     if "work" not in has and kind != "empty":
-        out["work"] = f"No {work.label} phases recorded yet: no forward call has finished."
+        out["work"] = (f"The trace's steps have no {work.label}: no forward range (DataParallel.forward, "
+                       "DistributedDataParallel.forward) and no backward op in them, so there is no compute per "
+                       f"{'rank' if kind == 'ddp' or run.ranks > 1 or run.meta.get('rank') is not None else 'device'}."
+                       if trace else f"No {work.label} phases recorded yet: no forward call has finished.")
     return out
 
 
@@ -271,7 +354,7 @@ def describe(run: StoredRun) -> RunModel:
     phases = present_phases(run, aggregates=retention is not None)
     kind = _kind(run, steps, phases)
     tables = _nonempty_tables(run)
-    work = _work(phases)
+    work = _work(phases, kind)
     has = (tables - {"steps", "devices", "notes", "findings"}) | ({"work"} if set(work.phases) & set(phases) else set())
     if retention is not None:  # the aggregates name every device, whose rows may have been thinned away
         seen = [str(d) for d in (distinct(run, "memory_blocks", "device") or
@@ -292,4 +375,7 @@ def describe(run: StoredRun) -> RunModel:
                     missing=_missing(run, kind, has, backend, work) if steps else {},
                     empty_reason=_empty_reason(run) if kind == "empty" else None, retention=retention,
                     detail_from=detail_from, aggregated=retention is not None and run.read != "rows" and (
-                        run.read == "aggregates" or (retention.bounded and detail_from > 0) or steps > ROWS_READ_STEPS))
+                        run.read == "aggregates" or (retention.bounded and detail_from > 0) or steps > ROWS_READ_STEPS),
+                    world_size=int(run.meta["world_size"]) if run.meta.get("world_size") else None,
+                    ranks=tuple(sorted(int(r) for r in run.meta.get("ranks") or [] if r is not None)),
+                    dist_backend=distributed_backend(run.meta))

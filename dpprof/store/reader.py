@@ -293,12 +293,15 @@ def list_runs(reports_dir_: str | os.PathLike[str] | None = None) -> pd.DataFram
     A torch.distributed run's rank files are one row (``ranks`` says how many).
 
     Returns:
-        a DataFrame with id, name, status, created_at, ended_at, duration_s, backend, devices,
+        a DataFrame with id, name, status, created_at, ended_at, duration_s, backend (in words:
+        dpprof.store.model.backend_label: "gloo" for a DDP recording on gloo, never "rank"), devices,
         workload, steps, ranks, dropped_records, error, balanced (recorded with the balanced model and
-        criterion), check_of (the run it checks, for a run ``dpprof advise --check`` recorded; else None), path
-        and reason (None for readable runs),
+        criterion), check_of (the run it checks, for a run ``dpprof advise --check`` recorded; else None), source
+        ("trace" for an imported trace, else None), path and reason (None for readable runs),
         newest first.
     """
+    from dpprof.store.model import backend_label
+
     rows, by_id = [], {}
     for path in _candidates(reports_dir(reports_dir_)):
         try:
@@ -309,15 +312,17 @@ def list_runs(reports_dir_: str | os.PathLike[str] | None = None) -> pd.DataFram
         by_id.setdefault(meta["id"], []).append((path, meta, summary))
     for run_id, files in by_id.items():
         meta = _combine([m for _, m, _ in files])
-        rows.append({**{k: meta[k] for k in ("id", "name", "status", "created_at", "ended_at", "backend",
+        rows.append({**{k: meta[k] for k in ("id", "name", "status", "created_at", "ended_at",
                                               "workload", "error", "dropped_records")},
+                     "backend": backend_label(meta),
                      "devices": ",".join(meta["devices"]), "steps": max(s["steps"] for _, _, s in files),
                      "ranks": len(files), "duration_s": _duration_s(meta), "path": str(files[0][0]),
                      "balanced": bool((meta.get("workload_args") or {}).get("balanced")),
                      "check_of": (meta.get("workload_args") or {}).get("check_of"),
-                     "reason": None})
+                     "source": meta.get("source"), "reason": None})
     columns = ["id", "name", "status", "created_at", "ended_at", "duration_s", "backend", "devices",
-               "workload", "steps", "ranks", "dropped_records", "error", "balanced", "check_of", "path", "reason"]
+               "workload", "steps", "ranks", "dropped_records", "error", "balanced", "check_of", "source", "path",
+               "reason"]
     df = pd.DataFrame(rows, columns=columns)
     return df.sort_values("created_at", ascending=False, na_position="last", kind="stable").reset_index(drop=True)
 

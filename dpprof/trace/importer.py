@@ -37,6 +37,7 @@ from dpprof.trace.jobs import collect_files, default_jobs, worker_bytes
 from dpprof.trace.reader import TraceError, is_trace_name
 
 __all__ = ["AlreadyImported", "ImportedRun", "import_traces", "trace_files", "imported_traces", "pending_traces",
+           "job_name",
            "jobs_for", "SOURCE"]
 
 SOURCE = TRACE_SOURCE  # runs.source of an imported run
@@ -136,6 +137,33 @@ def _check_one_job(files: list[Collected]) -> None:
             when = datetime.fromtimestamp(lo / 1e6, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
             raise TraceError(f"{f.name}: recorded at {when} UTC, at no time the other files were: files of two "
                              "different jobs")
+
+
+# What a trace file's name carries besides its job: the extensions torch.profiler writes, the rank of one file of
+# several ("-rank3", "_rank_3", ".rank3"), and the "<host>_<pid>.<ms since 1970>" torch.profiler's
+# tensorboard_trace_handler names each worker's file with (the pid and time differ between the ranks of one job).
+_TRACE_EXTENSIONS = re.compile(r"(\.pt)?(\.trace)?\.json(\.gz)?$", re.IGNORECASE)
+_RANK_TOKEN = re.compile(r"[-_.]?rank[-_.]?\d+(?=$|[-_.])", re.IGNORECASE)
+_HANDLER_SUFFIX = re.compile(r"_\d+\.\d{10,}$")  # _<pid>.<epoch ms>
+LEGACY_WORKLOAD = "torch.profiler trace"  # every imported run's workload before job_name (and a nameless file's)
+
+
+def job_name(names: Sequence[str]) -> str:
+    """The workload of an imported run: the job its files are of, from their names, the same for every rank's
+    file of one job ("ddp-2ranks-rank0-nccl.json.gz" -> "ddp-2ranks-nccl"; "host_123.1700000000000.pt.trace.json"
+    -> "host"), so that runs of one job are the same workload and unrelated traces are not.
+
+    Example:
+        >>> job_name(["resnet-rank0.pt.trace.json.gz", "resnet-rank1.pt.trace.json.gz"])
+        'resnet'
+    """
+    stems = []
+    for name in names:
+        stem = _TRACE_EXTENSIONS.sub("", Path(str(name)).name)
+        stem = _HANDLER_SUFFIX.sub("", stem)
+        stems.append(_RANK_TOKEN.sub("", stem).strip("-_. "))
+    common = os.path.commonprefix(stems).rstrip("-_. ") if len(set(stems)) > 1 else stems[0] if stems else ""
+    return common or LEGACY_WORKLOAD
 
 
 def _created_at(c: Collected, first_us: float) -> str:
@@ -247,6 +275,7 @@ def _write(staging: Path, run_id: str, name: str, files: list[Collected], ranks:
     """One run file per trace file in ``staging``, several at once: threads, whatever ``jobs`` is, as a new run
     file's cost is mostly waiting for the disk to sync it, which sqlite does without the GIL."""
     listing = [{"file": f.name, "bytes": f.size_bytes, "events": f.events} for f in files]
+    workload = job_name([f.name for f in files])
     world = None
     if distributed:
         info = files[0].meta.get("distributedInfo") or {}
@@ -261,7 +290,7 @@ def _write(staging: Path, run_id: str, name: str, files: list[Collected], ranks:
         row: dict[str, Any] = {
             "id": run_id, "name": name, "created_at": _created_at(f, t0_abs - _abs_offset_us(f)),
             "host": f.meta.get("host_name"), "pid": None, "torch_version": None, "cuda_version": None,
-            "backend": "cuda" if f.gpus else "cpu", "devices": conv.devices, "workload": "torch.profiler trace",
+            "backend": "cuda" if f.gpus else "cpu", "devices": conv.devices, "workload": workload,
             "workload_args": {"trace_files": listing, "trace_file": f.name,
                               "distributedInfo": f.meta.get("distributedInfo"), "dataparallel": dataparallel},
             "status": "finished", "error": None, "rank": rank, "world_size": world, "source": SOURCE,
@@ -319,7 +348,7 @@ def imported_traces(reports_dir: str | os.PathLike[str] | None = None) -> dict[t
         return {}
     runs = list_runs(directory)
     imported: dict[tuple[str, int], list[str]] = {}
-    trace_runs = runs[runs["reason"].isna() & (runs["workload"] == "torch.profiler trace")]
+    trace_runs = runs[runs["reason"].isna() & (runs["source"] == SOURCE)]
     for run_id, path in sorted(zip(trace_runs["id"], trace_runs["path"])):
         try:
             listing = load_run(path).meta["workload_args"].get("trace_files") or []

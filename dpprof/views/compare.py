@@ -66,7 +66,7 @@ def compare_part(run: StoredRun, max_points: int = 1_000) -> ComparePart:
     is_out = held["output_device"].astype(bool)
     row = {
         "run": label, "id": run.meta["id"], "kind": model.title, "status": run.meta["status"],
-        "backend": model.backend, "devices": len(model.devices), "workload": run.meta.get("workload"),
+        "backend": model.backend_label, "devices": len(model.devices), "workload": run.meta.get("workload"),
         "steps": stats["steps"], "batch_size": batch, "median_step_ms": median, "mean_step_ms": stats["mean_step_ms"],
         "samples_per_s": batch / median * 1e3 if batch and median else None,
         "dp_tax_pct": (float(share.get(TAX, 0.0)) if model.dataparallel and len(share) else None),

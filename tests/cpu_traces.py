@@ -1,0 +1,82 @@
+"""Real torch.profiler traces of CPU-only processes, made here for tests: a tiny model trained under
+DistributedDataParallel on 2 gloo ranks (torch.multiprocessing), each rank profiled with a schedule (so its
+steps are ProfilerStep#N ranges) and exported with ``prof.export_chrome_trace``, and one plain process with
+no torch.distributed at all (training, or an inference loop: steps with neither a forward range nor backward)."""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, schedule
+
+__all__ = ["gloo_ddp_traces", "single_process_trace", "inference_trace"]
+
+
+def _train(model: nn.Module, steps: int, out: Path) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    # the trace is written when the schedule's cycle ends, as torch.profiler.tensorboard_trace_handler does
+    with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
+                 on_trace_ready=lambda p: p.export_chrome_trace(str(out))) as prof:
+        for _ in range(steps + 1):
+            loss = model(torch.randn(32, 64)).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            prof.step()
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def _rank(rank: int, world: int, port: int, directory: str, stem: str, steps: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = nn.parallel.DistributedDataParallel(_net())
+        _train(model, steps, Path(directory) / f"{stem}-rank{rank}.pt.trace.json")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def gloo_ddp_traces(directory: Path, stem: str = "tinyddp", steps: int = 3, world: int = 2) -> list[Path]:
+    """Each rank's trace of a DDP job on ``world`` gloo ranks, ``steps`` profiled steps: the files, by rank."""
+    directory.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_rank, args=(world, _free_port(), str(directory), stem, steps), nprocs=world, join=True)
+    return [directory / f"{stem}-rank{r}.pt.trace.json" for r in range(world)]
+
+
+def single_process_trace(directory: Path, stem: str = "tinycpu", steps: int = 1) -> Path:
+    """A trace of one CPU process with no torch.distributed, ``steps`` profiled steps."""
+    directory.mkdir(parents=True, exist_ok=True)
+    out = directory / f"{stem}.pt.trace.json"
+    _train(_net(), steps, out)
+    return out
+
+
+def inference_trace(directory: Path, stem: str = "tinyinfer", steps: int = 3) -> Path:
+    """A trace of one CPU process running its model under torch.no_grad: steps with no DataParallel or
+    DistributedDataParallel forward range and no backward op."""
+    directory.mkdir(parents=True, exist_ok=True)
+    out = directory / f"{stem}.pt.trace.json"
+    net = _net()
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU],
+                                  schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
+                                  on_trace_ready=lambda p: p.export_chrome_trace(str(out))) as prof:
+        for _ in range(steps + 1):
+            net(torch.randn(32, 64))
+            prof.step()
+    return out
