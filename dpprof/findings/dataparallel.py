@@ -88,10 +88,14 @@ class Straggler:
 
 
 def straggler_verdict(t: Tables) -> Straggler | None:
-    """The slowest device's imbalance over the run's work (run.model.work, the first step left out) and whether it
+    """The slowest device's imbalance over the run's work (run.model.work, the first step left out; a process's data
+    too: a rank that loads slowly holds the all-reduce up as one that computes slowly) and whether it
     is a straggler: ratio at least straggler_threshold, the slowest in STRAGGLER_CONSISTENCY of steps, and a wait
     that clears the findings' floors. None with fewer than two devices or three steps."""
-    found = imbalance(per_step(t, list(t.model.work.phases)))
+    phases, work = list(t.model.work.phases), t.model.work.label
+    if not t.model.dataparallel and "data" in t.model.phases:  # a rank's gradients are ready after its data too
+        phases, work = ["data", *phases], f"data + {work}"
+    found = imbalance(per_step(t, phases))
     if found is None:
         return None
     threshold, step_ms, wait = straggler_threshold(t), t.median_step_ms, found.wait_ms_per_step
@@ -107,7 +111,7 @@ def straggler_verdict(t: Tables) -> Straggler | None:
                   if wait < TIME_FLOOR_MS or not step_ms or pd.isna(step_ms) else
                   f"{wait / step_ms:.1%} of the {step_ms:.2f} ms median step is under the {STEP_SHARE_FLOOR:.0%} "
                   "floor a finding needs")
-    return Straggler(found=found, work=t.model.work.label, unit=t.model.unit, threshold=threshold, step_ms=step_ms,
+    return Straggler(found=found, work=work, unit=t.model.unit, threshold=threshold, step_ms=step_ms,
                      later_steps=t.later_step_count, reason=reason)
 
 

@@ -107,7 +107,7 @@ def glance(run: StoredRun, stats: dict[str, Any] | None = None, found: Findings 
     has_memory = bool(by_device["peak_bytes"].fillna(0).gt(0).any())
     source = (("peak allocated (CUDA allocator)" if use_alloc else "peak held in one step (dpprof's accounting)")
               if has_memory else None)
-    work = model.work.label
+    work = verdict.work if verdict is not None else model.work.label  # what the bars are the medians of
     sentences: list[str] = []
     slowest = fastest = None
     ratio = wait = None
