@@ -532,6 +532,8 @@ class _TraceWriter:
             start = _ns(launch_ms) + offset[rank]
             end = _ns(launch_ms + ms) + offset[rank]
             name = collective if isinstance(collective, str) and collective else self.collective
+            if ":" not in name and ":" in self.collective:  # an imported trace's "all-reduce": Kineto's nccl:all_reduce
+                name = f"{self.collective.split(':')[0]}:{name.replace('-', '_').replace('/', '_')}"
             args = {"step": step, "bucket": _int(bucket), "bucket_bytes": _int(nbytes)}
             if ":" in name and args["bucket_bytes"] is not None:  # Kineto's collective args: bytes as Byte elements
                 args.update({"In msg nelems": args["bucket_bytes"], "dtype": "Byte"})
