@@ -176,8 +176,10 @@ def run_header(row: pd.Series) -> None:
     created = str(row["created_at"] or "")[:19].replace("T", " ")
     steps = int(row["steps"]) if pd.notna(row["steps"]) else 0
     model = view(views.model_of, row)
+    job = view(views.job_of, row)  # an imported rank's job: "rank 0 of a 128-rank job (nccl)"
     cols[1].caption(f"run `{row['id']}` · {model.title} · {row['workload'] or 'your model'} · "
-                    f"{model.unit}s {', '.join(model.devices) or '-'} · {steps:,} steps · started {created} UTC")
+                    f"{model.unit}s {', '.join(model.devices) or '-'}" + (f" · {job}" if job else "")
+                    + f" · {steps:,} steps · started {created} UTC")
     if model.kind == "empty" and row["status"] != "running":
         missing(model.empty_reason or "The run recorded no steps.")
     if row["status"] == "running":

@@ -363,6 +363,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from dpprof.report import summary_columns, summary_of
     from dpprof.store import queries
     from dpprof.store.reader import load_run
+    from dpprof.views import job_of
     from dpprof.views.overview import comm_stats
     from dpprof.views.text import display_table
 
@@ -370,7 +371,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     m, model = run.meta, run.model
     print(f"run {m['id']}  {m['name']!r}  status {m['status']}" + (f" ({m['error']})" if m.get("error") else ""))
     facts = [model.title, f"workload {m['workload']}" if m.get("workload") else None,
-             f"{model.unit}s {', '.join(model.devices)}" if model.devices else None,
+             f"{model.unit}s {', '.join(model.devices)}" if model.devices else None, job_of(run),
              f"torch {m['torch_version']}" if m.get("torch_version") else None,
              f"host {m['host']}" if m.get("host") else None]
     print("  " + "  ".join(f for f in facts if f))
@@ -394,8 +395,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if len(means):
         print("\nmean ms per step, by phase:")
         print(_table(display_table(means.reset_index()).set_index("device"), "{:,.2f}"))
-    if "comms" in model.has and model.kind == "ddp":
-        print("\ngradient all-reduce per step:")
+    if "comms" in model.has and (model.kind == "ddp" or model.imported):
+        print("\ncollectives per step (from the trace):" if model.imported else "\ngradient all-reduce per step:")
         print(_table(display_table(comm_stats(run)).set_index("device"), "{:,.2f}"))
     if "gpu_time" in model.has:
         print("\nGPU time, mean ms per step (from the trace):")
