@@ -154,7 +154,8 @@ class FindingRecord:
 
 @dataclass(frozen=True, slots=True)
 class CommRecord:
-    """One gradient bucket's all-reduce in one step on one rank (DistributedDataParallel)."""
+    """One collective in one step on one rank: a DistributedDataParallel gradient bucket's all-reduce (recorded),
+    or an imported trace's collective kernel on the GPU (its host op where the trace has no collective kernels)."""
 
     step: int
     device: str  # "rank:N"
@@ -162,7 +163,8 @@ class CommRecord:
     bucket_bytes: int
     launch_ms: float  # since the run started: when the bucket was ready and its all-reduce launched
     duration_ms: float  # launch to completion (the future's callback)
-    collective: str | None = None  # the op, where known: "nccl:all_reduce" (imported traces); None: DDP's bucket all-reduce
+    collective: str | None = None  # what it is (imported traces): all-reduce, reduce-scatter, all-gather, all-to-all,
+    # broadcast, send/recv (dpprof.trace.collect.collective_name); None: DDP's bucket all-reduce
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -424,3 +425,81 @@ def test_unknown_categories_and_odd_fields_are_data_not_errors(tmp_path, reports
     run = dpprof.load_run(import_traces([path], reports).id, reports)
     assert sorted(run.steps["step"]) == sorted(_steps(_load(DDP2)))
     assert run.meta["workload_args"]["trace_files"][0]["events"] == len(base) + len(odd)
+
+
+# -- the GPU partition and the collectives' busy time, driven by random interval sets ------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from dpprof.findings.ddp import collective_busy  # noqa: E402
+from dpprof.trace.collect import Collected, _Intervals  # noqa: E402
+from dpprof.trace.convert import _gpu_time  # noqa: E402
+
+_KIND = st.sampled_from(["compute", "communication", "memcpy", "memset"])
+# (gpu, kind, start µs, length µs): starting before the first step, overlapping each other, running past a step's
+# end or the last one
+_ACTIVITY = st.tuples(st.integers(0, 1), _KIND, st.floats(-50, 1_050, allow_nan=False), st.floats(0, 400))
+
+
+@st.composite
+def _steps_and_activity(draw):
+    bounds = sorted(draw(st.lists(st.floats(0, 1_000, allow_nan=False), min_size=2, max_size=6, unique=True)))
+    contiguous = draw(st.booleans())  # ProfilerStep ranges follow one another; a step may also end before the next
+    windows = [(i, lo, hi if contiguous else lo + (hi - lo) * draw(st.floats(0.3, 1.0)))
+               for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
+    return windows, draw(st.lists(_ACTIVITY, max_size=40))
+
+
+def _clipped_union(intervals, lo, hi) -> float:
+    return _union_us([(max(a, lo), min(b, hi)) for a, b in intervals if a < hi and b > lo])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_steps_and_activity())
+def test_gpu_parts_sum_to_each_step_whatever_the_intervals(case):
+    windows, activity = case
+    c = Collected(name="random", size_bytes=0, meta={})
+    for gpu, kind, start, length in activity:
+        c.gpu.setdefault((gpu, kind), _Intervals()).add(start, start + length)
+    records = _gpu_time(c, windows, {0: "cuda:0", 1: "cuda:1"})
+    assert len(records) == len(windows) * len({g for g, _ in c.gpu})
+    bounds = {step: (lo, hi) for step, lo, hi in windows}
+    for r in records:
+        lo, hi = bounds[r.step]
+        gpu = int(r.device[-1])
+        of = lambda *kinds: [(s, s + n) for g, k, s, n in activity if g == gpu and k in kinds]  # noqa: E731
+        parts = [r.compute_ms - r.overlap_ms, r.overlap_ms, r.communication_ms - r.overlap_ms, r.memcpy_ms,
+                 r.memset_ms, r.idle_ms]
+        assert min(parts) >= -1e-9
+        assert sum(parts) == pytest.approx(r.window_ms, abs=1e-9) and r.window_ms == pytest.approx((hi - lo) / 1e3)
+        # each part independently: kernels, then copies under no kernel, memsets under neither, the rest idle
+        kernels = _clipped_union(of("compute", "communication"), lo, hi)
+        assert r.compute_ms * 1e3 == pytest.approx(_clipped_union(of("compute"), lo, hi), abs=1e-6)
+        assert r.communication_ms * 1e3 == pytest.approx(_clipped_union(of("communication"), lo, hi), abs=1e-6)
+        assert r.memcpy_ms * 1e3 == pytest.approx(
+            _clipped_union(of("compute", "communication", "memcpy"), lo, hi) - kernels, abs=1e-6)
+        busy = _clipped_union(of("compute", "communication", "memcpy", "memset"), lo, hi)
+        assert r.idle_ms * 1e3 == pytest.approx(hi - lo - busy, abs=1e-6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_steps_and_activity(), st.lists(st.sampled_from(["all-reduce", "reduce-scatter", "all-to-all", None]),
+                                        min_size=40, max_size=40))
+def test_collectives_busy_is_their_union_in_the_step_never_more_than_it(case, names):
+    windows, activity = case
+    steps = pd.DataFrame({"step": [w[0] for w in windows], "start_ms": [w[1] for w in windows],
+                          "duration_ms": [w[2] - w[1] for w in windows], "rank": 0})
+    spans = [(s, s + n) for _, _, s, n in activity]
+    comms = pd.DataFrame({"step": 0, "device": "rank:0", "launch_ms": [a for a, _ in spans],
+                          "duration_ms": [b - a for a, b in spans], "collective": names[:len(spans)], "rank": 0})
+    busy = collective_busy(comms, steps)
+    kinds = [k for k in busy.columns if k not in ("step", "device", "window_ms", "busy_ms")]
+    for row in busy.itertuples():
+        lo, hi = next((w[1], w[2]) for w in windows if w[0] == row.step)
+        assert row.busy_ms == pytest.approx(_clipped_union(spans, lo, hi), abs=1e-6)
+        assert row.busy_ms <= row.window_ms + 1e-9
+        assert sum(busy.at[row.Index, k] for k in kinds) == \
+            pytest.approx(row.busy_ms, abs=1e-6)
+    expected = sum(_clipped_union(spans, lo, hi) > 0 for _, lo, hi in windows)
+    assert len(busy) == expected

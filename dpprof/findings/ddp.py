@@ -134,7 +134,8 @@ def communication(t: Tables) -> list[dict]:
     findings = []
     if share >= COMM_SHARE_WARN and worth_time(comm_ms, step_ms):
         findings.append(finding("communication_share", "warning", None,
-                                f"{what} busy {share:.0%} of the step, {overlap:.0%} of it overlapped",
+                                f"{what} {'are' if named else 'is'} busy {share:.0%} of the step, {overlap:.0%} of "
+                                "it overlapped",
                                 f"{what} busy {comm_ms:.2f} ms per step per rank of a {step_ms:.2f} ms step{each}; "
                                 f"{overlap:.0%} of it ran while backward was still computing; the rest "
                                 f"{cost_text(exposed_ms, t.later_step_count + 1)}",
