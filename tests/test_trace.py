@@ -4,6 +4,7 @@ dpprof.DataParallel profiled on CPU workers round-trips; bad input is refused wi
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import re
 import subprocess
@@ -13,11 +14,16 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import dpprof
+from dpprof.findings.ddp import collective_busy
 from dpprof.store import queries
 from dpprof.trace import AlreadyImported, TraceError, TraceFile, import_traces, pending_traces
+from dpprof.trace.collect import Collected, _Intervals
+from dpprof.trace.convert import _gpu_time
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT.parent / "shared" / "traces"
@@ -120,10 +126,9 @@ def test_gpu_busy_and_communication_per_step_match_the_raw_events_within_1pct(pa
     assert len(table) == len(steps)  # one GPU in each of these files
     for row in table.itertuples():
         lo, hi = steps[row.step]
-        clip = lambda es: [(max(e["ts"], lo), min(e["ts"] + e["dur"], hi)) for e in es  # noqa: E731
-                           if e["ts"] < hi and e["ts"] + e["dur"] > lo]
-        busy_ms = _union_us(clip(active)) / 1e3
-        comm_ms = _union_us(clip([e for e in active if collective.match(e["name"])])) / 1e3
+        spans = [(e["ts"], e["ts"] + e["dur"]) for e in active]
+        busy_ms = _clipped_union(spans, lo, hi) / 1e3
+        comm_ms = _clipped_union([s for s, e in zip(spans, active) if collective.match(e["name"])], lo, hi) / 1e3
         assert row.window_ms - row.idle_ms == pytest.approx(busy_ms, rel=0.01, abs=1e-3)
         assert row.communication_ms == pytest.approx(comm_ms, rel=0.01, abs=1e-3)
         assert comm_ms <= row.window_ms + 1e-6
@@ -429,12 +434,6 @@ def test_unknown_categories_and_odd_fields_are_data_not_errors(tmp_path, reports
 
 # -- the GPU partition and the collectives' busy time, driven by random interval sets ------------------------------
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from dpprof.findings.ddp import collective_busy  # noqa: E402
-from dpprof.trace.collect import Collected, _Intervals  # noqa: E402
-from dpprof.trace.convert import _gpu_time  # noqa: E402
 
 _KIND = st.sampled_from(["compute", "communication", "memcpy", "memset"])
 # (gpu, kind, start µs, length µs): starting before the first step, overlapping each other, running past a step's
@@ -447,7 +446,7 @@ def _steps_and_activity(draw):
     bounds = sorted(draw(st.lists(st.floats(0, 1_000, allow_nan=False), min_size=2, max_size=6, unique=True)))
     contiguous = draw(st.booleans())  # ProfilerStep ranges follow one another; a step may also end before the next
     windows = [(i, lo, hi if contiguous else lo + (hi - lo) * draw(st.floats(0.3, 1.0)))
-               for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
+               for i, (lo, hi) in enumerate(itertools.pairwise(bounds))]
     return windows, draw(st.lists(_ACTIVITY, max_size=40))
 
 
@@ -468,7 +467,9 @@ def test_gpu_parts_sum_to_each_step_whatever_the_intervals(case):
     for r in records:
         lo, hi = bounds[r.step]
         gpu = int(r.device[-1])
-        of = lambda *kinds: [(s, s + n) for g, k, s, n in activity if g == gpu and k in kinds]  # noqa: E731
+
+        def of(*kinds: str, gpu: int = gpu) -> list[tuple[float, float]]:
+            return [(s, s + n) for g, k, s, n in activity if g == gpu and k in kinds]
         parts = [r.compute_ms - r.overlap_ms, r.overlap_ms, r.communication_ms - r.overlap_ms, r.memcpy_ms,
                  r.memset_ms, r.idle_ms]
         assert min(parts) >= -1e-9

@@ -72,9 +72,8 @@ def collective_busy(comms: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     """
     if comms.empty or steps.empty:
         return pd.DataFrame(columns=["step", "device", "window_ms", "busy_ms"])
-    comms = comms.assign(collective=comms["collective"].fillna(BUCKETS),
-                         rank=comms["rank"] if "rank" in comms else 0)
-    steps = steps.assign(rank=steps["rank"] if "rank" in steps else 0).sort_values(["rank", "start_ms"])
+    comms = comms.assign(collective=comms["collective"].fillna(BUCKETS), rank=comms.get("rank", 0))
+    steps = steps.assign(rank=steps.get("rank", 0)).sort_values(["rank", "start_ms"])
     kinds = comms.assign(ms=comms["duration_ms"]).groupby("collective")["ms"].sum().sort_values(
         ascending=False, kind="stable").index.tolist()
     windows, intervals = [], []

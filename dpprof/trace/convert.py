@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dpprof.records import (PHASES, AllocatorRecord, CommRecord, DeviceRecord, GpuTimeRecord, NoteRecord,
-                            PhaseRecord, Record, StepRecord)
+from dpprof.records import (PHASES, AllocatorRecord, CommRecord, DeviceRecord, GpuTimeRecord, PhaseRecord, Record,
+                            StepRecord)
 from dpprof.stepmodel import GPU_PARTS, IDLE, part_names, partition
-from dpprof.trace.collect import GPU_KINDS, Collected, Range, collective_name
+from dpprof.trace.collect import GPU_KINDS, Collected, collective_name
 from dpprof.trace.exported import export_info, exported_phases
 
 __all__ = ["Converted", "convert", "process_label"]

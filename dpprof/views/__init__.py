@@ -22,7 +22,7 @@ from __future__ import annotations
 from dpprof.store.model import RunModel
 from dpprof.store.reader import StoredRun
 
-__all__ = ["model_of", "job_of"]
+__all__ = ["job_of", "model_of"]
 
 
 def model_of(run: StoredRun) -> RunModel:
