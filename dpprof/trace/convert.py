@@ -15,6 +15,9 @@ Rules (each said in the run's notes when it applies):
 - GPU time per step: each GPU's step window partitioned (``dpprof.stepmodel``, GPU_PARTS): a compute kernel
   and a collective kernel together are overlap, then computation, communication, memcpy (not under a kernel),
   memset (not under a kernel or copy), and idle: the parts sum to the window.
+- Collectives: one comms row per collective kernel on the GPU (every NCCL / RCCL naming), named what it is
+  (all-reduce, reduce-scatter, all-gather, all-to-all, broadcast, send/recv); the host ops only where the trace
+  has no collective kernels.
 """
 from __future__ import annotations
 
