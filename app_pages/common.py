@@ -183,8 +183,9 @@ def run_header(row: pd.Series) -> None:
     # an imported trace's workload is its job (dpprof.trace.importer.job_name); one imported before that had none
     workload = row["workload"] if isinstance(row["workload"], str) and row["workload"] else None
     workload = None if model.imported and workload == LEGACY_WORKLOAD else workload
+    job = view(views.job_of, row)  # an imported rank's job: "rank 0 of a 128-rank job (nccl)"
     what = [f"run `{row['id']}`", model.title, workload or (None if model.imported else "your model"),
-            f"{model.unit}s {', '.join(model.devices) or '-'}", plural(steps, "step"), f"started {created} UTC"]
+            f"{model.unit}s {', '.join(model.devices) or '-'}", job, plural(steps, "step"), f"started {created} UTC"]
     cols[1].caption(" · ".join(w for w in what if w))
     if model.kind == "empty" and row["status"] != "running":
         missing(model.empty_reason or "The run recorded no steps.")

@@ -84,6 +84,12 @@ def kind_section(data: overview.Overview) -> None:
             st.markdown(f"Scatter and replicate take **{data.tax_pct:.1f}%** of the step (**{data.tax_ms:.2f} ms** per "
                         "step). Nothing is gathered: each device keeps its outputs and computes its share of the loss "
                         "(the balanced model and criterion).")
+    elif len(data.comms) and model.imported:
+        st.subheader("Collectives (from the trace)")
+        st.markdown("Each rank's collective kernels per step, named by what they are: how long they were busy "
+                    "(several in flight count once, clipped to the step), the bytes they sent, and how much of that "
+                    "ran while backward was still computing.")
+        common.table(data.comms, "collectives_per_rank")
     elif len(data.comms):
         st.subheader("Gradient all-reduce")
         st.markdown("Each rank's gradient buckets per step: how long the all-reduce was busy, and how much of that "

@@ -367,6 +367,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from dpprof.report import summary_columns, summary_of
     from dpprof.store import queries
     from dpprof.store.reader import load_run
+    from dpprof.views import job_of
     from dpprof.views.overview import comm_stats
     from dpprof.views.text import display_table
 
@@ -377,7 +378,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
     shown = m.get("workload") if not (model.imported and m.get("workload") == LEGACY_WORKLOAD) else None
     facts = [model.title, f"workload {shown}" if shown else None,
-             f"{model.unit}s {', '.join(model.devices)}" if model.devices else None,
+             f"{model.unit}s {', '.join(model.devices)}" if model.devices else None, job_of(run),
              f"torch {m['torch_version']}" if m.get("torch_version") else None,
              f"host {m['host']}" if m.get("host") else None]
     print("  " + "  ".join(f for f in facts if f))
@@ -407,8 +408,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if len(means):
         print("\nmean ms per step, by phase:")
         print(_table(display_table(means.reset_index()).set_index("device"), "{:,.2f}"))
-    if "comms" in model.has and not model.dataparallel:  # a DDP recording's buckets, or a trace's collectives
-        print("\ngradient all-reduce per step:" if model.kind == "ddp" else "\ncollectives per step (from the trace):")
+    if "comms" in model.has and (model.kind == "ddp" or model.imported):
+        print("\ncollectives per step (from the trace):" if model.imported else "\ngradient all-reduce per step:")
         print(_table(display_table(comm_stats(run)).set_index("device"), "{:,.2f}"))
     if "gpu_time" in model.has:
         print("\nGPU time, mean ms per step (from the trace):")

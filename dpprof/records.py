@@ -159,7 +159,8 @@ class FindingRecord:
 
 @dataclass(frozen=True, slots=True)
 class CommRecord:
-    """One gradient bucket's all-reduce in one step on one rank (DistributedDataParallel)."""
+    """One collective in one step on one rank: a DistributedDataParallel gradient bucket's all-reduce (recorded),
+    or an imported trace's collective kernel on the GPU (its host op where the trace has no collective kernels)."""
 
     step: int
     device: str  # "rank:N"
@@ -167,26 +168,29 @@ class CommRecord:
     bucket_bytes: int
     launch_ms: float  # since the run started: when the bucket was ready and its all-reduce launched
     duration_ms: float  # launch to completion (the future's callback)
-    collective: str | None = None  # the op, where known: "nccl:all_reduce" (imported traces); None: DDP's bucket all-reduce
+    collective: str | None = None  # what it is (imported traces): all-reduce, reduce-scatter, all-gather, all-to-all,
+    # broadcast, send/recv (dpprof.trace.collect.collective_name); None: DDP's bucket all-reduce
 
 
 @dataclass(frozen=True, slots=True)
 class GpuTimeRecord:
     """How one GPU (or one rank's GPU) spent one step, from a torch.profiler trace's GPU activity.
 
-    Times are unions of the activities' intervals inside the step's window, so streams that run at
-    the same time count once: the Distributed view's computation is compute_ms - overlap_ms, its
-    communication communication_ms - overlap_ms, its overlapping overlap_ms.
+    The step's window is partitioned (``dpprof.stepmodel.partition`` with GPU_PARTS): every instant goes to the
+    first of overlap (a compute and a collective kernel both running), computation, communication, memcpy,
+    memset, else idle. Stored so that the Distributed view's derivation gives the parts: computation is
+    compute_ms - overlap_ms, communication communication_ms - overlap_ms, overlapping overlap_ms; with memcpy_ms,
+    memset_ms and idle_ms they sum to window_ms.
     """
 
     step: int
     device: str
     window_ms: float  # the step's length
-    compute_ms: float  # kernels other than communication
-    communication_ms: float  # NCCL / Gloo kernels
-    overlap_ms: float  # communication while compute kernels ran
-    memcpy_ms: float
-    memset_ms: float
+    compute_ms: float  # union of the kernels other than collectives, in the window
+    communication_ms: float  # union of the collective kernels (NCCL, RCCL, Gloo), in the window
+    overlap_ms: float  # collective kernels while compute kernels ran
+    memcpy_ms: float  # copies while no kernel ran
+    memset_ms: float  # memsets while no kernel or copy ran
     idle_ms: float  # nothing running on the GPU
 
 

@@ -2,14 +2,16 @@
 gradient all-reduce's share and overlap, bucket sizes, uneven inputs."""
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from dpprof.findings.base import Tables, finding
 from dpprof.findings.dataparallel import straggler_row, straggler_verdict
 from dpprof.findings.floors import cost_text, worth_time
+from dpprof.stepmodel import partition
 
 __all__ = ["COMM_SHARE_WARN", "FEW_BUCKETS", "MANY_BUCKETS", "SMALL_BUCKET_BYTES", "straggler_rank",
-           "communication", "uneven_inputs", "union_ms"]
+           "communication", "uneven_inputs", "union_ms", "collective_busy", "BUCKETS"]
 
 # All-reduce busy more than 20% of the step is worth acting on.
 COMM_SHARE_WARN = 0.20
@@ -43,29 +45,89 @@ def union_ms(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+BUCKETS = "all-reduce"  # what a recorded DDP run's comms are (collective None): its gradient buckets' all-reduce
+
+
+def collective_busy(comms: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """The time collectives were in flight in each step of each device, in ms: the union of their spans clipped
+    to the step's window (several in flight count once; one still running when the next step starts counts in
+    each step it reaches), split by collective with ``stepmodel.partition`` (an instant where two kinds run goes
+    to the one with more time in the run), so the kinds' columns sum to ``busy_ms``.
+
+    Args:
+        comms: the comms table (step, device, launch_ms, duration_ms, collective, rank).
+        steps: the steps table (step, start_ms, duration_ms, rank): each rank's windows.
+
+    Returns:
+        columns step, device, window_ms, busy_ms and one ``<collective>`` column (ms) per kind, most time first;
+        a recorded DDP run's bucket all-reduces are "all-reduce".
+    """
+    if comms.empty or steps.empty:
+        return pd.DataFrame(columns=["step", "device", "window_ms", "busy_ms"])
+    comms = comms.assign(collective=comms["collective"].fillna(BUCKETS), rank=comms.get("rank", 0))
+    steps = steps.assign(rank=steps.get("rank", 0)).sort_values(["rank", "start_ms"])
+    kinds = comms.assign(ms=comms["duration_ms"]).groupby("collective")["ms"].sum().sort_values(
+        ascending=False, kind="stable").index.tolist()
+    windows, intervals = [], []
+    for (rank, device), c in comms.groupby(["rank", "device"], sort=False):
+        s = steps[steps["rank"] == rank]
+        lo = s["start_ms"].to_numpy(dtype=float)
+        hi = lo + s["duration_ms"].to_numpy(dtype=float)
+        base = sum(len(w) for w in windows)
+        windows.append(pd.DataFrame({"key": base + np.arange(len(lo)), "step": s["step"].to_numpy(),
+                                     "device": device, "lo": lo, "hi": hi}))
+        start = c["launch_ms"].to_numpy(dtype=float)
+        end = start + c["duration_ms"].to_numpy(dtype=float)
+        first = np.searchsorted(np.maximum.accumulate(hi), start, "right")  # the first window ending after it starts
+        count = np.maximum(np.searchsorted(lo, end, "left") - first, 0)  # the windows it reaches
+        which = np.repeat(np.arange(len(start)), count)
+        offset = np.arange(len(which)) - np.repeat(np.cumsum(count) - count, count)
+        intervals.append(pd.DataFrame({"key": base + np.repeat(first, count) + offset, "start": start[which],
+                                       "end": end[which], "kind": c["collective"].to_numpy()[which]}))
+    table = pd.concat(windows, ignore_index=True)
+    parts = partition(table, pd.concat(intervals, ignore_index=True), [(k, (k,)) for k in kinds], ["key"])
+    out = table[["step", "device"]].reset_index(drop=True).assign(window_ms=parts["window_ms"],
+                                                                  busy_ms=parts[kinds].sum(axis=1))
+    for k in kinds:
+        out[k] = parts[k]
+    return out[out["busy_ms"] > 0].reset_index(drop=True) if len(out) else out
+
+
 def communication(t: Tables) -> list[dict]:
-    """All-reduce share of the step and how much of it overlaps backward compute; bucket-size advice."""
+    """Collectives' share of the step (their union, clipped to the step: never over 100%) and how much of it
+    overlaps backward compute; bucket-size advice. A recorded DDP run's collectives are its gradient buckets'
+    all-reduce; an imported trace's are what its GPU ran (all-reduce, reduce-scatter, all-to-all...), each named."""
     comms, phases = t.comms, t.phases
     if comms.empty:
         return []
+    busy_table = collective_busy(comms, t.steps)
+    if busy_table.empty:
+        return []
     compute_end = phases[phases["phase"] == "backward_compute"].assign(
         end_ms=lambda d: d["start_ms"] + d["duration_ms"]).set_index(["step", "device"])["end_ms"]
-    busy, overlapped = [], []
+    windows = busy_table.set_index(["step", "device"])
+    overlapped = []
     for (step, device), c in comms.groupby(["step", "device"]):
+        if (step, device) not in windows.index:
+            continue
         spans = list(zip(c["launch_ms"], c["launch_ms"] + c["duration_ms"]))
-        busy.append(union_ms(spans))
         end = compute_end.get((step, device))
         overlapped.append(union_ms([(a, min(b, end)) for a, b in spans if a < end]) if end is not None else 0.0)
-    comm_ms = sum(busy) / len(busy)
-    step_ms = float(t.steps["duration_ms"].mean())
-    share = comm_ms / step_ms
-    overlap = sum(overlapped) / sum(busy) if sum(busy) else 0.0
+    comm_ms = float(busy_table["busy_ms"].mean())
+    step_ms = float(busy_table["window_ms"].mean())
+    share = comm_ms / step_ms if step_ms else 0.0
+    overlap = min(1.0, sum(overlapped) / busy_table["busy_ms"].sum()) if busy_table["busy_ms"].sum() else 0.0
     exposed_ms = comm_ms * (1 - overlap)
+    kinds = [k for k in busy_table.columns if k not in ("step", "device", "window_ms", "busy_ms")]
+    named = comms["collective"].notna().any()  # an imported trace: say what its collectives are
+    what = "collectives" if named else "gradient all-reduce"
+    each = ": " + ", ".join(f"{k} {busy_table[k].mean():.2f} ms" for k in kinds) if named else ""
     findings = []
     if share >= COMM_SHARE_WARN and worth_time(comm_ms, step_ms):
         findings.append(finding("communication_share", "warning", None,
-                                f"gradient all-reduce is busy {share:.0%} of the step, {overlap:.0%} of it overlapped",
-                                f"all-reduce busy {comm_ms:.2f} ms per step per rank of a {step_ms:.2f} ms step; "
+                                f"{what} {'are' if named else 'is'} busy {share:.0%} of the step, {overlap:.0%} of "
+                                "it overlapped",
+                                f"{what} busy {comm_ms:.2f} ms per step per rank of a {step_ms:.2f} ms step{each}; "
                                 f"{overlap:.0%} of it ran while backward was still computing; the rest "
                                 f"{cost_text(exposed_ms, t.later_step_count + 1)}",
                                 "Raise the per-rank batch (communication is per step, compute per sample), or compress "

@@ -88,8 +88,10 @@ def gpu_communication(t: Tables) -> list[dict]:
     exposed_ms = (comm - overlap) / len(per) / steps
     if share < COMM_SHARE_WARN or not worth_time(comm / len(per) / steps, window / len(per) / steps):
         return []
+    names = sorted(set(t.comms["collective"].dropna())) if "collective" in t.comms else []
+    what = f"collective kernels ({', '.join(names)})" if names else "communication kernels"
     return [finding("gpu_communication", "warning", None,
-                    f"communication kernels run {share:.0%} of the step, {overlapped:.0%} of it overlapped with compute",
+                    f"{what} run {share:.0%} of the step, {overlapped:.0%} of it overlapped with compute",
                     "per device: " + "; ".join(f"{d} {r['communication_ms'] / r['window_ms']:.0%} communication, "
                                                f"{r['overlap_ms'] / r['communication_ms'] if r['communication_ms'] else 0:.0%} "
                                                "overlapped" for d, r in per.iterrows())

@@ -569,8 +569,9 @@ GPU_TIME_PARTS = ("computation_ms", "overlapping_ms", "communication_ms", "memcp
 
 def gpu_time(run: StoredRun) -> pd.DataFrame:
     """Mean ms per step of each GPU (or rank's GPU) by what it ran, from an imported trace's gpu_time table:
-    the TensorBoard plugin's Distributed view (computation and communication without their overlap, the
-    overlap, copies, memsets, idle). Empty for recorded runs.
+    the TensorBoard plugin's Distributed view, a partition of the step (dpprof.stepmodel's GPU_PARTS):
+    computation and communication without their overlap, the overlap, copies under no kernel, memsets under no
+    kernel or copy, idle; the parts sum to step_ms. Empty for recorded runs.
 
     Returns:
         columns device, steps, step_ms, one column per GPU_TIME_PARTS, busy_ms (step_ms - idle_ms), idle_pct.

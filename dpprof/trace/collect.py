@@ -15,7 +15,8 @@ import msgspec
 
 from dpprof.trace.reader import Event, OddEvent, TraceFile
 
-__all__ = ["Range", "Collective", "Collected", "collect", "DTYPE_BYTES", "gpu_kind", "Args", "args_of"]
+__all__ = ["Range", "Collective", "Collected", "collect", "DTYPE_BYTES", "gpu_kind", "Args", "args_of",
+           "collective_name", "COLLECTIVES"]
 
 # Bytes per element of the dtypes collectives name ("dtype": "Float"; "Input type": "float").
 DTYPE_BYTES = {
@@ -34,6 +35,14 @@ _COLLECTIVE = re.compile(r"^(nccl|gloo|mpi|ucc|xccl):")
 # the backward functions themselves (the 2021 format: "CudnnConvolutionBackward").
 _BACKWARD = re.compile(r"^autograd::engine::evaluate_function|Backward\d*$|^torch::autograd::AccumulateGrad$")
 WRAPPER_FORWARDS = ("DataParallel.forward", "DistributedDataParallel.forward")
+# What a collective is, from its op's name (nccl:_reduce_scatter_base), its kernel's (ncclDevKernel_AllGather_RING_LL,
+# RCCL's the same) or the kernel's "Collective name" arg (allreduce): the first pattern found in the name, once
+# lower-cased and stripped of "_", "-" and " ", wins (reduce-scatter before all-reduce's "reduce").
+COLLECTIVES = (("reducescatter", "reduce-scatter"), ("allreduce", "all-reduce"), ("allgather", "all-gather"),
+               ("alltoall", "all-to-all"), ("broadcast", "broadcast"), ("sendrecv", "send/recv"),
+               ("send", "send/recv"), ("recv", "send/recv"), ("barrier", "barrier"), ("reduce", "reduce"),
+               ("gather", "gather"), ("scatter", "scatter"))
+_KERNEL_PREFIX = re.compile(r"^(?:void\s+)?(?:nccl|rccl)(?:dev)?kernel_?", re.IGNORECASE)
 GPU_KINDS = ("compute", "communication", "memcpy", "memset")
 
 
@@ -91,7 +100,8 @@ class Collected:
     data: list[Range] = field(default_factory=list)  # enumerate(DataLoader)#...
     backward: _Intervals = field(default_factory=_Intervals)  # autograd ops
     collectives: list[Collective] = field(default_factory=list)
-    comm_kernels: list[tuple[int, float, float, int | None]] = field(default_factory=list)  # (gpu, start, end, bytes)
+    # (gpu, start, end, bytes, what: collective_name of its "Collective name" arg or its kernel's name)
+    comm_kernels: list[tuple[int, float, float, int | None, str]] = field(default_factory=list)
     gpu: dict[tuple[int, str], _Intervals] = field(default_factory=dict)  # (gpu, kind) -> intervals
     memory: dict[int, tuple[array, array, array]] = field(default_factory=dict)  # gpu -> ts, allocated, reserved
     memory_cumulative: set[int] = field(default_factory=set)  # GPUs whose allocated bytes are summed from Bytes
@@ -107,6 +117,19 @@ class Collected:
     def rank(self) -> int | None:
         info = self.meta.get("distributedInfo")
         return int(info["rank"]) if isinstance(info, dict) and info.get("rank") is not None else None
+
+
+def collective_name(name: str) -> str:
+    """all-reduce, reduce-scatter, all-gather, all-to-all, broadcast, send/recv, ... for a collective's op name
+    (``nccl:all_reduce``), kernel name (``ncclKernel_AllReduce_RING_LL_Sum_float``) or "Collective name" arg;
+    "collective" when none of COLLECTIVES is in it (NCCL's ``ncclDevKernel_Generic``)."""
+    text = name.split("(", 1)[0]
+    text = text.split(":", 1)[1] if ":" in text and not text.startswith("void") else text
+    match = _KERNEL_PREFIX.match(text)
+    if match:  # a kernel: its first word is the collective (ncclKernel_AllReduce_RING_LL_Sum_float)
+        text = text[match.end():].split("_", 1)[0]
+    flat = text.lower().replace("_", "").replace("-", "").replace(" ", "")
+    return next((canonical for key, canonical in COLLECTIVES if key in flat), "collective")
 
 
 def gpu_kind(cat: str, name: str) -> str | None:
@@ -135,6 +158,7 @@ class Args(msgspec.Struct, gc=False):
     total_reserved: Any = msgspec.field(default=None, name="Total Reserved")
     bytes: Any = msgspec.field(default=None, name="Bytes")
     labels: Any = None
+    collective_name: Any = msgspec.field(default=None, name="Collective name")
 
 
 NO_ARGS = Args()
@@ -269,7 +293,9 @@ def collect(trace: TraceFile) -> Collected:
                         gpu[key] = _Intervals()
                     gpu[key].add(ts, end)
                     if kind == "communication":
-                        out.comm_kernels.append((index, float(ts), float(end), _message_bytes(args)))
+                        what = args.collective_name if isinstance(args.collective_name, str) else name
+                        out.comm_kernels.append((index, float(ts), float(end), _message_bytes(args),
+                                                 collective_name(what)))
             elif ph == "i" and event.name == "[memory]":
                 _memory(out, event)
             elif ph == "M" and event.name == "process_labels":
@@ -324,7 +350,7 @@ def _pair_collectives(out: Collected) -> None:
             k += 1
         if k >= len(kernels):
             break
-        _, start, end, nbytes = kernels[k]
+        _, start, end, nbytes, _ = kernels[k]
         op.kernel_start_us, op.kernel_end_us = start, end
         if op.bytes is None:
             op.bytes = nbytes

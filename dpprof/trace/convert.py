@@ -12,7 +12,12 @@ Rules (each said in the run's notes when it applies):
   backward op), ``backward`` (first autograd op to the last op or collective done), inside it
   ``backward_compute`` (until the last collective was launched) and ``comm_wait`` (from then until it
   completed on the GPU), and ``optimizer`` (``Optimizer.step#`` ranges).
-- GPU time per step: unions of kernel, memcpy and memset intervals inside the step's window.
+- GPU time per step: each GPU's step window partitioned (``dpprof.stepmodel``, GPU_PARTS): a compute kernel
+  and a collective kernel together are overlap, then computation, communication, memcpy (not under a kernel),
+  memset (not under a kernel or copy), and idle: the parts sum to the window.
+- Collectives: one comms row per collective kernel on the GPU (every NCCL / RCCL naming), named what it is
+  (all-reduce, reduce-scatter, all-gather, all-to-all, broadcast, send/recv); the host ops only where the trace
+  has no collective kernels.
 """
 from __future__ import annotations
 
@@ -22,10 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
-from dpprof.records import (PHASES, AllocatorRecord, CommRecord, DeviceRecord, GpuTimeRecord, NoteRecord,
-                            PhaseRecord, Record, StepRecord)
-from dpprof.trace.collect import GPU_KINDS, Collected, Range
+from dpprof.records import (PHASES, AllocatorRecord, CommRecord, DeviceRecord, GpuTimeRecord, PhaseRecord, Record,
+                            StepRecord)
+from dpprof.stepmodel import GPU_PARTS, IDLE, part_names, partition
+from dpprof.trace.collect import GPU_KINDS, Collected, collective_name
 from dpprof.trace.exported import export_info, exported_phases
 
 __all__ = ["Converted", "convert", "process_label"]
@@ -68,82 +75,64 @@ def _windows(c: Collected) -> tuple[list[tuple[int, float, float]], str | None]:
     return [], None
 
 
-def _union_ms(starts: np.ndarray, ends: np.ndarray, lo: float, hi: float) -> tuple[float, np.ndarray, np.ndarray]:
-    """Length in ms of the union of the intervals clipped to [lo, hi], and the merged intervals (µs)."""
-    if not len(starts):
-        return 0.0, starts, ends
-    s = np.clip(starts, lo, hi)
-    e = np.clip(ends, lo, hi)
-    keep = e > s
-    s, e = s[keep], e[keep]
-    if not len(s):
-        return 0.0, s, e
-    order = np.argsort(s, kind="stable")
-    s, e = s[order], e[order]
-    reach = np.maximum.accumulate(e)
-    new = np.empty(len(s), dtype=bool)
-    new[0] = True
-    new[1:] = s[1:] > reach[:-1]
-    starts_m = s[new]
-    idx = np.flatnonzero(new)
-    ends_m = np.maximum.reduceat(e, idx)
-    return float((ends_m - starts_m).sum()) / 1e3, starts_m, ends_m
-
-
-def _intersection_ms(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> float:
-    """Overlap in ms of two lists of disjoint intervals: what each covers, less what both together cover
-    (vectorised: the pairwise walk it replaces cost two thirds of converting a 1 GiB trace)."""
-    (sa, ea), (sb, eb) = a, b
-    if not len(sa) or not len(sb):
-        return 0.0
-    both, _, _ = _union_ms(np.concatenate([sa, sb]), np.concatenate([ea, eb]), -np.inf, np.inf)
-    return max(0.0, float((ea - sa).sum() + (eb - sb).sum()) / 1e3 - both)
-
-
 def _in(ranges: list[Any], lo: float, hi: float) -> list[Any]:
     """The ranges (sorted by start_us) that start in [lo, hi): two bisections, never a scan of them all."""
     key = lambda r: r.start_us  # noqa: E731
     return ranges[bisect.bisect_left(ranges, lo, key=key):bisect.bisect_left(ranges, hi, key=key)]
 
 
-class _Sorted:
-    """One GPU's intervals of one kind, sorted by start, sliced per step window without scanning them all."""
+def _spread(starts: np.ndarray, ends: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Each interval once per step window it reaches (windows sorted by start): (window index, start, end).
 
-    def __init__(self, starts: np.ndarray, ends: np.ndarray) -> None:
-        order = np.argsort(starts, kind="stable")
-        self.starts, self.ends = starts[order], ends[order]
-        self.longest = float((self.ends - self.starts).max()) if len(starts) else 0.0
-
-    def window(self, lo: float, hi: float) -> tuple[np.ndarray, np.ndarray]:
-        """The intervals that may overlap [lo, hi]: started before hi, and after lo minus the longest one."""
-        i = int(np.searchsorted(self.starts, lo - self.longest, "left"))
-        j = int(np.searchsorted(self.starts, hi, "left"))
-        return self.starts[i:j], self.ends[i:j]
+    Most intervals lie in one window; one that runs past a step's end (a collective still in flight) is repeated
+    for each window it reaches, and ``stepmodel.partition`` clips each copy to its window."""
+    reach = np.maximum.accumulate(hi)  # windows do not overlap: their ends rise with their starts
+    first = np.searchsorted(reach, starts, "right")  # the first window ending after the interval starts
+    last = np.searchsorted(lo, ends, "left") - 1  # the last window starting before it ends
+    count = np.maximum(last - first + 1, 0)
+    which = np.repeat(np.arange(len(starts)), count)
+    offset = np.arange(len(which)) - np.repeat(np.cumsum(count) - count, count)
+    return np.repeat(first, count) + offset, starts[which], ends[which]
 
 
 def _gpu_time(c: Collected, windows: list[tuple[int, float, float]], label_of: dict[int, str]) -> list[Record]:
+    """Each GPU's step windows split by ``stepmodel.partition`` into GPU_PARTS (kernel + collective overlap,
+    computation, communication, memcpy, memset) and idle, for every step and GPU at once; stored so that
+    ``queries.gpu_time``'s derivation gives the parts (see GpuTimeRecord)."""
+    gpus = sorted({g for g, _ in c.gpu})
+    if not gpus or not windows:
+        return []
+    order = np.argsort([w[1] for w in windows], kind="stable")
+    steps = np.array([windows[i][0] for i in order], dtype=np.int64)
+    lo = np.array([windows[i][1] for i in order], dtype=float)
+    hi = np.maximum(np.array([windows[i][2] for i in order], dtype=float), lo)
+    n = len(lo)
+    # one integer key per (GPU, step) window and the kinds as a categorical: partition's lookups stay numeric
+    keys, kinds, starts, ends = [], [], [], []
+    for g, gpu in enumerate(gpus):
+        for k, kind in enumerate(GPU_KINDS):
+            if (gpu, kind) not in c.gpu:
+                continue
+            iv = c.gpu[(gpu, kind)]
+            w, s, e = _spread(np.frombuffer(iv.starts, dtype=float), np.frombuffer(iv.ends, dtype=float), lo, hi)
+            keys.append(g * n + w)
+            kinds.append(np.full(len(w), k, dtype=np.int8))
+            starts.append(s)
+            ends.append(e)
+    intervals = pd.DataFrame({"key": np.concatenate(keys), "kind": pd.Categorical.from_codes(
+        np.concatenate(kinds), categories=list(GPU_KINDS)), "start": np.concatenate(starts), "end": np.concatenate(ends)})
+    table = pd.DataFrame({"key": np.arange(n * len(gpus)), "lo": np.tile(lo, len(gpus)), "hi": np.tile(hi, len(gpus))})
+    parts = partition(table, intervals, GPU_PARTS, ["key"], rest=IDLE)
     out: list[Record] = []
-    empty = _Sorted(np.empty(0), np.empty(0))
-    for gpu in sorted({g for g, _ in c.gpu}):
-        kinds = {k: _Sorted(np.frombuffer(c.gpu[(gpu, k)].starts, dtype=float),
-                            np.frombuffer(c.gpu[(gpu, k)].ends, dtype=float)) if (gpu, k) in c.gpu else empty
-                 for k in GPU_KINDS}
-        for step, lo, hi in windows:
-            ms, merged = {}, {}
-            parts_s, parts_e = [], []
-            for kind in GPU_KINDS:
-                s, e = kinds[kind].window(lo, hi)
-                ms[kind], merged_s, merged_e = _union_ms(s, e, lo, hi)
-                merged[kind] = (merged_s, merged_e)
-                parts_s.append(merged_s)
-                parts_e.append(merged_e)
-            busy, _, _ = _union_ms(np.concatenate(parts_s), np.concatenate(parts_e), lo, hi)
-            window = (hi - lo) / 1e3
-            out.append(GpuTimeRecord(
-                step=step, device=label_of[gpu], window_ms=window, compute_ms=ms["compute"],
-                communication_ms=ms["communication"],
-                overlap_ms=_intersection_ms(merged["compute"], merged["communication"]),
-                memcpy_ms=ms["memcpy"], memset_ms=ms["memset"], idle_ms=max(0.0, window - busy)))
+    us = 1e3  # the trace's times are µs; the records' ms
+    for key, window, overlap, computation, communication, memcpy, memset, idle in zip(
+            parts["key"].tolist(), (parts["window_ms"] / us).tolist(),
+            *[(parts[p] / us).tolist() for p in part_names(GPU_PARTS, IDLE)]):
+        gpu, w = gpus[key // n], key % n
+        out.append(GpuTimeRecord(
+            step=int(steps[w]), device=label_of[gpu], window_ms=window, compute_ms=overlap + computation,
+            communication_ms=overlap + communication, overlap_ms=overlap, memcpy_ms=memcpy, memset_ms=memset,
+            idle_ms=idle))
     return out
 
 
@@ -333,23 +322,56 @@ def convert(c: Collected, t0_us: float, rank: int | None) -> Converted:
                          "not in this trace")
     if not gpus:
         out.notes.append("no GPU activity in this trace (a CPU-only process): no kernel, idle or overlap times")
-    step_of = _stepper(windows)
-    counts: dict[int, int] = {}
     label = process_label(c, rank) if not dp_exact else devices[0]
-    for x in c.collectives:
-        step = step_of(x.start_us)
-        if step is None:
-            continue
-        k = counts[step] = counts.get(step, -1) + 1
-        end = x.kernel_end_us if x.kernel_end_us is not None else x.end_us
-        out.records.append(CommRecord(step=step, device=label, bucket=k, bucket_bytes=x.bytes,
-                                      launch_ms=ms(x.start_us), duration_ms=(end - x.start_us) / 1e3,
-                                      collective=x.name))
+    out.records += _comms(c, windows, label, label_of, ms)
     for step, lo, hi in windows:
         fw = len(_in(c.forwards, lo, hi))
         out.records.append(StepRecord(step=step, start_ms=ms(lo), duration_ms=(hi - lo) / 1e3, batch_size=None,
                                       devices_used=len(devices), forward_calls=fw, explicit=bool(c.steps)))
     out.records += _device_records(c, devices, gpu_of)
+    return out
+
+
+_P2P = frozenset({"all-to-all", "send/recv", "gather", "scatter"})  # what NCCL runs as SendRecv kernels
+
+
+def _comms(c: Collected, windows: list[tuple[int, float, float]], label: str, label_of: dict[int, str],
+           ms: Any) -> list[Record]:
+    """One CommRecord per collective, named what it is (collect.collective_name): each collective kernel on the
+    GPU (its start and length) where the trace has any, else each host op (``nccl:all_reduce``: its launch to its
+    kernel's end, else its own end). A kernel's name comes from its "Collective name" arg, else its own name; a
+    SendRecv kernel takes the name of the latest all-to-all, send, recv, gather or scatter op launched before it
+    (NCCL runs those as SendRecv), an unnamed one that of the latest op of any kind. Bytes: the kernel's message,
+    else its op's."""
+    step_of = _stepper(windows)
+    counts: dict[tuple[int, str], int] = {}
+    out: list[Record] = []
+
+    def record(step: int | None, device: str, nbytes: int | None, start: float, end: float, what: str) -> None:
+        if step is None:
+            return
+        k = counts[(step, device)] = counts.get((step, device), -1) + 1
+        out.append(CommRecord(step=step, device=device, bucket=k, bucket_bytes=nbytes, launch_ms=ms(start),
+                              duration_ms=(end - start) / 1e3, collective=what))
+
+    ops = c.collectives  # sorted by start
+    if c.comm_kernels:
+        op_starts = [o.start_us for o in ops]
+        op_names = [collective_name(o.name) for o in ops]
+        op_bytes = {o.kernel_start_us: o.bytes for o in ops if o.kernel_start_us is not None}
+        for gpu, start, end, nbytes, what in c.comm_kernels:
+            if what in ("send/recv", "collective"):
+                i = bisect.bisect_right(op_starts, start) - 1
+                while i >= 0 and what == "send/recv" and op_names[i] not in _P2P:
+                    i -= 1
+                if i >= 0:
+                    what = op_names[i]
+            record(step_of(start), label_of.get(gpu, label), nbytes if nbytes is not None else op_bytes.get(start),
+                   start, end, what)
+    else:
+        for x in ops:
+            end = x.kernel_end_us if x.kernel_end_us is not None else x.end_us
+            record(step_of(x.start_us), label, x.bytes, x.start_us, end, collective_name(x.name))
     return out
 
 

@@ -462,7 +462,12 @@ class _TraceWriter:
             self.step_device.setdefault(self.rank_of[d], d)
         self.lanes = _Lanes(out)
         self.names = _device_names(run)
-        backend = (run.meta.get("workload_args") or {}).get("backend")
+        args = run.meta.get("workload_args") or {}
+        info = args.get("distributedInfo") if isinstance(args.get("distributedInfo"), dict) else {}
+        backend = args.get("backend") or info.get("backend")  # a recorded DDP run's, else an imported trace's
+        self.cuda = {str(d) for d, k in zip(run.devices["device"], run.devices["kind"]) if k == "cuda"} \
+            if len(run.devices) else set()  # the devices the run's inventory says are GPUs
+        self.allocated: dict[str, int] = {}  # device -> the Total Allocated of its last [memory] event written
         self.collective = f"{backend}:all_reduce" if backend in ("gloo", "nccl", "mpi", "ucc") else "dpprof.allreduce"
 
     def process(self, device: str) -> int:
@@ -534,6 +539,8 @@ class _TraceWriter:
             start = _ns(launch_ms) + offset[rank]
             end = _ns(launch_ms + ms) + offset[rank]
             name = collective if isinstance(collective, str) and collective else self.collective
+            if ":" not in name and ":" in self.collective:  # an imported trace's "all-reduce": Kineto's nccl:all_reduce
+                name = f"{self.collective.split(':')[0]}:{name.replace('-', '_').replace('/', '_')}"
             args = {"step": step, "bucket": _int(bucket), "bucket_bytes": _int(nbytes)}
             if ":" in name and args["bucket_bytes"] is not None:  # Kineto's collective args: bytes as Byte elements
                 args.update({"In msg nelems": args["bucket_bytes"], "dtype": "Byte"})
@@ -563,12 +570,32 @@ class _TraceWriter:
                 value = values[column]
                 if value == value and value is not None:
                     event(f'{{"ph":"C","name":"{counter}","pid":{pid},"ts":{_us(ts)},"args":{{"{column}":{int(value)}}}}}')
-            if device.startswith("cuda:") and device[5:].isdigit():  # Kineto's form, for torch's tools and the importer
-                tid = self.lanes.instant_lane(pid, device, "allocator")
-                args = _json({"Device Type": 1, "Device Id": int(device[5:]), "Total Allocated": _int(allocated),
-                              "Total Reserved": _int(reserved)})
-                event(f'{{"ph":"i","s":"t","cat":"cpu_instant_event","name":"[memory]","pid":{pid},"tid":{tid},'
-                      f'"ts":{_us(ts)},"args":{args}}}')
+            gpu = self._gpu_index(device)
+            if gpu is not None:  # Kineto's form, for torch's tools and the importer
+                self._memory_events(pid, device, gpu, step_start.get((rank, step), ts), ts, allocated, peak, reserved)
+
+    def _gpu_index(self, device: str) -> int | None:
+        """The CUDA index of a device ("cuda:1"; an imported trace's "rank:3" names its rank's GPU, its only one)."""
+        if device.startswith("cuda:") and device[5:].isdigit():
+            return int(device[5:])
+        return 0 if device.startswith("rank:") and device in self.cuda else None
+
+    def _memory_events(self, pid: int, device: str, gpu: int, start: int, end: int, allocated: Any, peak: Any,
+                       reserved: Any) -> None:
+        """One allocator reading as Kineto's ``[memory]`` events: the peak inside the span (halfway through it),
+        then what stayed allocated at its end, each with its Total Allocated, Total Reserved and Bytes (the change
+        from the device's previous event), so that the importer reads back the peak, the end and the reserved."""
+        tid = self.lanes.instant_lane(pid, device, "allocator")
+        at_end = _int(allocated)
+        readings = [((start + end) // 2, _int(peak)), (end, at_end)] if _int(peak) is not None else [(end, at_end)]
+        for ts, total in readings:
+            if total is None:
+                continue
+            args = _json({"Device Type": 1, "Device Id": gpu, "Bytes": total - self.allocated.get(device, total),
+                          "Total Allocated": total, "Total Reserved": _int(reserved)})
+            self.allocated[device] = total
+            self.out.event(f'{{"ph":"i","s":"t","cat":"cpu_instant_event","name":"[memory]","pid":{pid},"tid":{tid},'
+                           f'"ts":{_us(ts)},"args":{args}}}')
 
     def _segments(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Per rank: the time spans (ms) of the runs of consecutive steps written, where samples are written."""

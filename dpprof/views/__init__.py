@@ -22,9 +22,25 @@ from __future__ import annotations
 from dpprof.store.model import RunModel
 from dpprof.store.reader import StoredRun
 
-__all__ = ["model_of"]
+__all__ = ["job_of", "model_of"]
 
 
 def model_of(run: StoredRun) -> RunModel:
     """The run's model (its kind, devices, measurements): what every page's header and sections start from."""
     return run.model
+
+
+def job_of(run: StoredRun) -> str | None:
+    """The distributed job an imported trace belongs to, from its ``distributedInfo``: "rank 0 of 128 (nccl)",
+    "ranks 0, 1 of 128 (nccl)"; None for a run that is no part of one (a recorded run, a one-process trace)."""
+    meta = run.meta
+    args = meta.get("workload_args") or {}
+    info = args.get("distributedInfo") if isinstance(args, dict) else None
+    world = meta.get("world_size") or (info.get("world_size") if isinstance(info, dict) else None)
+    if not model_of(run).imported or not world:
+        return None
+    ranks = meta.get("ranks") or ([meta["rank"]] if meta.get("rank") is not None else [])
+    backend = info.get("backend") if isinstance(info, dict) else None
+    which = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in ranks)} of " if ranks else ""
+    return f"{which}a {int(world):,}-rank job" + (f" ({backend})" if backend else "")
+

@@ -8,7 +8,7 @@ from typing import Any
 import pandas as pd
 
 from dpprof.findings import Findings, run_findings, worth_bytes
-from dpprof.findings.ddp import union_ms
+from dpprof.findings.ddp import BUCKETS, collective_busy, union_ms
 from dpprof.findings.floors import MEMORY_FLOOR_BYTES
 from dpprof.records import DP_TAX_PHASES
 from dpprof.store import queries
@@ -146,32 +146,41 @@ def glance(run: StoredRun, stats: dict[str, Any] | None = None, found: Findings 
 
 
 def comm_stats(run: StoredRun) -> pd.DataFrame:
-    """Per rank: the gradient all-reduce per step (buckets, bytes, busy ms: the union of the buckets' spans)
-    and the share of it that overlapped backward compute, over the steps whose detail stands for the run (every
-    step, or a long run's sample: RunModel.sampled_steps_sql). Empty without all-reduce records.
+    """Per rank: its collectives per step (a recorded DDP run's gradient buckets' all-reduce; an imported trace's
+    collective kernels, named: all-reduce, reduce-scatter, all-to-all...), the bytes they sent, the time they were
+    busy (ddp.collective_busy: their union clipped to the step, never over the step) and the share of it that
+    overlapped backward compute, over the steps whose detail stands for the run (every step, or a long run's
+    sample: RunModel.sampled_steps_sql). Empty without collective records.
 
     Returns:
-        columns device, steps, buckets_per_step, bytes_per_step, busy_ms, overlap_pct.
+        columns device, collectives (their names, most time first), steps, buckets_per_step, sent_per_step_bytes,
+        busy_ms, overlap_pct.
     """
-    cols = ["device", "steps", "buckets_per_step", "bytes_per_step", "busy_ms", "overlap_pct"]
+    cols = ["device", "collectives", "steps", "buckets_per_step", "sent_per_step_bytes", "busy_ms", "overlap_pct"]
     if "comms" not in run.model.has:
         return pd.DataFrame(columns=cols)
     sampled = run.model.sampled_steps_sql()  # a long run: the steps whose detail stands for it
-    comms = run.query(f"SELECT step, device, bucket, bucket_bytes, launch_ms, duration_ms FROM comms WHERE {sampled}")
+    comms = run.query("SELECT step, device, bucket, bucket_bytes, launch_ms, duration_ms, collective FROM comms "
+                      f"WHERE {sampled}")
+    steps = run.query(f"SELECT step, start_ms, duration_ms FROM steps WHERE {sampled}")
     ends = run.query("SELECT step, device, start_ms + duration_ms AS end_ms FROM phases "
                      f"WHERE phase = 'backward_compute' AND {sampled}")
     compute_end = ends.set_index(["step", "device"])["end_ms"].to_dict()
+    busy = collective_busy(comms, steps).set_index(["step", "device"])
+    kinds = [k for k in busy.columns if k not in ("window_ms", "busy_ms")]
     rows = []
     for (step, device), c in comms.groupby(["step", "device"]):
         spans = list(zip(c["launch_ms"], c["launch_ms"] + c["duration_ms"]))
         end = compute_end.get((step, device))
         rows.append({"device": device, "step": step, "buckets": c["bucket"].nunique(),
-                     "bytes": c["bucket_bytes"].sum(), "busy": union_ms(spans),
+                     "bytes": c["bucket_bytes"].sum(), "busy": busy["busy_ms"].get((step, device), 0.0),
                      "overlap": union_ms([(a, min(b, end)) for a, b in spans if a < end]) if end is not None else 0.0})
     per = pd.DataFrame(rows).groupby("device").agg(steps=("step", "count"), buckets_per_step=("buckets", "mean"),
-                                                   bytes_per_step=("bytes", "mean"), busy_ms=("busy", "mean"),
+                                                   sent_per_step_bytes=("bytes", "mean"), busy_ms=("busy", "mean"),
                                                    overlap=("overlap", "mean"))
-    per["overlap_pct"] = 100 * per["overlap"] / per["busy_ms"].where(per["busy_ms"] > 0)
+    per["overlap_pct"] = (100 * per["overlap"] / per["busy_ms"].where(per["busy_ms"] > 0)).clip(upper=100)
+    names = comms.assign(collective=comms["collective"].fillna(BUCKETS)).groupby("device")["collective"].agg(set)
+    per["collectives"] = [", ".join(k for k in kinds if k in names.get(d, set())) for d in per.index]
     per = per.reindex([d for d in run.model.devices if d in per.index])
     return per.reset_index()[cols]
 
