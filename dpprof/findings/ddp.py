@@ -135,14 +135,17 @@ def communication(t: Tables) -> list[dict]:
     later = comms[comms["step"] > comms["step"].min()] if comms["step"].nunique() > 1 else comms  # DDP rebuilds buckets after step 0
     per_step_buckets = later.groupby(["step", "device"])["bucket"].nunique().median()
     mean_bytes = later["bucket_bytes"].mean()
+    sized = pd.notna(mean_bytes)  # a gloo trace's collectives may name no size
     if per_step_buckets <= FEW_BUCKETS and share >= COMM_SHARE_WARN / 2 and worth_time(exposed_ms, step_ms):
         findings.append(finding("bucket_size", "info", None, "all gradients travel in one bucket",
-                                f"{per_step_buckets:.0f} bucket per step of {mean_bytes / 2**20:.2f} MiB; "
-                                f"{overlap:.0%} overlap; the all-reduce after backward "
+                                f"{per_step_buckets:.0f} bucket per step"
+                                + (f" of {mean_bytes / 2**20:.2f} MiB" if sized else " (its size is not in the trace)")
+                                + f"; {overlap:.0%} overlap; the all-reduce after backward "
                                 f"{cost_text(exposed_ms, t.later_step_count + 1)}",
                                 "With one bucket the all-reduce starts only when backward has finished: lower "
-                                "bucket_cap_mb (DDP's default is 25) to below "
-                                f"{max(mean_bytes / 2**20 / 4, 0.01):.2f} so it overlaps.", per_step_buckets))
+                                "bucket_cap_mb (DDP's default is 25)"
+                                + (f" to below {max(mean_bytes / 2**20 / 4, 0.01):.2f}" if sized else "")
+                                + " so it overlaps.", per_step_buckets))
     elif per_step_buckets > MANY_BUCKETS and mean_bytes < SMALL_BUCKET_BYTES and worth_time(comm_ms, step_ms):
         findings.append(finding("bucket_size", "info", None, f"{per_step_buckets:.0f} small buckets per step",
                                 f"{per_step_buckets:.0f} buckets of {mean_bytes / 2**10:.0f} KiB on average; the "
