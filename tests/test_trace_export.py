@@ -185,12 +185,20 @@ def test_each_kind_exports_a_trace_that_keeps_the_rules_and_imports_back(runs, n
 
 
 def test_the_checker_finds_slices_that_cross(runs, tmp_path):
-    """The rule is not empty: a DDP rank's data phase starts before its step (in the gap after the last one), so on
-    one track with the steps it would cross them; the writer keeps them on lanes of their own."""
+    """The rule is not empty: a DDP rank's data phase is inside its step (the step starts where the previous one
+    ended), so the export crosses nothing; moved to start a millisecond before its step, as recordings before the
+    step model put it, it crosses the step before on one track, and the checker says so."""
     run = dpprof.load_run(runs.ids["ddp"], runs.dir)
     _, _, docs = _export(run, tmp_path)
-    events = [dict(e, tid=0) for e in docs[0]["traceEvents"] if e.get("ph") == "X"]
-    assert any(s[2] == "dpprof.data" or s[1][2] == "dpprof.data" for s in crossed(events))
+    events = [dict(e, tid=0) for e in docs[0]["traceEvents"] if e.get("ph") == "X"]  # the steps' track too
+
+    def data_crosses(found: list[tuple]) -> bool:
+        return any(s[2] == "dpprof.data" or s[1][2] == "dpprof.data" for s in found)
+
+    assert not data_crosses(crossed(events))
+    data = next(e for e in events if e["name"] == "dpprof.data")
+    early = dict(data, ts=data["ts"] - 1_000, dur=data["dur"] + 1_000)  # 1 ms into the step before
+    assert data_crosses(crossed([*[e for e in events if e is not data], early]))
 
 
 def test_a_ddp_run_in_one_file_holds_every_rank_on_one_clock_and_refuses_to_import_as_one_process(runs, tmp_path):

@@ -112,7 +112,7 @@ def test_display_tables_put_units_in_words_and_bytes_in_mib(runs):
 
 
 def test_bytes_per_step_read_in_a_unit_and_a_finding_names_its_device_once(tmp_path):
-    """An imported NCCL trace: its all-reduce table's bytes per step in MiB (the CSV keeps bytes), and its GPU's
+    """An imported NCCL trace: its collectives table's bytes sent per step in MiB (the CSV keeps bytes), and its GPU's
     idle finding headed "WARNING: rank:0's GPU is idle ...", not "rank:0: rank:0's GPU ..."."""
     from pathlib import Path
 
@@ -124,11 +124,12 @@ def test_bytes_per_step_read_in_a_unit_and_a_finding_names_its_device_once(tmp_p
     run = dpprof.load_run(import_traces([trace], tmp_path).id, tmp_path)
     comms = overview.overview(run).comms
     shown = display_table(comms)
-    assert "bytes per step" not in shown  # no raw bytes under a bare header
-    unit = "GiB" if comms["bytes_per_step"].max() >= 2**30 else "MiB" if comms["bytes_per_step"].max() >= 2**20 else "KiB"
+    sent = comms["sent_per_step_bytes"]
+    assert "sent per step" not in shown and "sent_per_step_bytes" not in shown  # no raw bytes under a bare header
+    unit = "GiB" if sent.max() >= 2**30 else "MiB" if sent.max() >= 2**20 else "KiB"
     scale = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
-    assert shown[f"bytes per step ({unit})"].tolist() == (comms["bytes_per_step"] / scale).round(2).tolist()
-    assert (comms["bytes_per_step"] > 2**20).all()  # the test's point: a figure worth a unit
+    assert shown[f"sent per step ({unit})"].tolist() == (sent / scale).round(2).tolist()
+    assert (sent > 2**20).all()  # the test's point: a figure worth a unit
     found = run_findings(run).table
     assert len(found) and found["device"].notna().any()
     for f in found.itertuples():

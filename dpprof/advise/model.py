@@ -664,7 +664,7 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
 
 
 def _withheld(m: Measured, cal: Calibration | None, scenarios: list[Scenario]) -> tuple[list[str], str | None]:
-    """What is said before any figure (the run's stalls, a calibration measured under load) and why no scenario is
+    """What is said before any figure (why no scenario is predicted, first; the run's stalls) and why no scenario is
     predicted, where none is: a calibration whose own figures say the machine was loaded
     (Calibration.loaded_reason), or a run whose own spread makes even the recorded set-up's interval span over
     MAX_INTERVAL_RATIO. Marks every scenario but the recorded one withheld then."""
@@ -684,8 +684,8 @@ def _withheld(m: Measured, cal: Calibration | None, scenarios: list[Scenario]) -
                     + (f"{ratio:,.0f}x" if math.isfinite(ratio) else "down to 0")
                     + f" (over {MAX_INTERVAL_RATIO:g}x, where no two set-ups can be told apart). Record it again "
                     "while nothing else runs on this machine.")
-    if withheld is not None:
-        said.append(withheld)
+    if withheld is not None:  # why nothing is predicted comes first: it decides every figure below it
+        said.insert(0, withheld)
         for s in scenarios:
             if not s.recorded:
                 s.withheld = s.withheld or withheld.removeprefix("No predictions: ")
