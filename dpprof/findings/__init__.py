@@ -108,10 +108,8 @@ def tables_of(run: StoredRun, last_steps: int | None = None, work_only: bool = F
         frames["steps"] = run.query(f"SELECT * FROM steps WHERE {sampled}")
         frames["phases"] = run.query(f"SELECT * FROM phases WHERE phase IN ({', '.join('?' * len(work))}) AND "
                                      f"{sampled}", tuple(work))
-        if run.model.aggregated:
-            frames["all_steps"] = run.table("steps")
         return Tables(model=run.model, traced_dataparallel=(run.meta.get("workload_args") or {}).get("dataparallel"),
-                      **frames)
+                      step_count=run.model.steps, **frames)
     if last_steps is None and not run.model.aggregated:
         frames = {t: run.table(t) for t in (*names, "gpu_samples")}
     elif last_steps is None:

@@ -32,6 +32,7 @@ class Tables:
     # a thinned run (dpprof.store.retention): ``steps`` are those whose detail stands for the run, like its phases;
     # every step's time is here, for the rules over step times alone (outliers) and for costs over the whole run
     all_steps: pd.DataFrame | None = None
+    step_count: int | None = None  # how many steps the run has, where every step's time was not read (all_steps None)
 
     @property
     def every_step(self) -> pd.DataFrame:
@@ -41,6 +42,8 @@ class Tables:
     @property
     def later_step_count(self) -> int:
         """How many steps the run has past its first: what a per-step cost is paid over."""
+        if self.step_count is not None:
+            return max(0, self.step_count - 1)
         return max(0, int(self.every_step["step"].nunique()) - 1)
 
     @property
