@@ -23,7 +23,7 @@ import streamlit as st
 from dpprof.export import to_csv_bytes
 from dpprof import views
 from dpprof.views import export
-from dpprof.views.text import display_table, finding_heading, run_label, sentence
+from dpprof.views.text import display_table, finding_heading, run_label
 from dpprof.store.faults import RecordingError
 from dpprof.store.reader import list_runs, load_run, reports_dir
 from dpprof.store.writer import check_reports_dir

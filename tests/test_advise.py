@@ -145,7 +145,7 @@ def test_ddp_is_each_ranks_own_chunk_and_the_allreduce_backward_does_not_hide(ru
     assert m.gap_ms > 0 and ddp.parts_ms["rest"] == pytest.approx(own + calibrated.ddp_overhead_ms + others, rel=1e-9)
     assert ddp.peak_bytes == {f"rank:{i}": m.memory[d].held_bytes - m.memory[d].gathered_bytes - m.memory[d].loss_bytes
                               for i, d in enumerate(m.devices)}  # as dpprof accounts a rank: no gather, no loss
-    assert ddp.command == f"dpprof profile cifar-lenet --ddp --nproc 2 --batch-size 16 --steps 6"
+    assert ddp.command == "dpprof profile cifar-lenet --ddp --nproc 2 --batch-size 16 --steps 6"
 
 
 @pytest.mark.parametrize("name", ADVISABLE)

@@ -170,6 +170,6 @@ def test_an_imported_traces_allocator_peak_is_in_show_and_the_device_summary(kin
     summary = pd.read_csv(tmp_path / "device_summary.csv").set_index("device")
     assert summary.loc["cuda:0", "peak_allocated_bytes"] == peak
     main(["--reports-dir", str(kinds.dir), "show", run_id])
-    shown = f"peak allocated (GiB)" if peak >= 2**30 else "peak allocated (MiB)"
+    shown = "peak allocated (GiB)" if peak >= 2**30 else "peak allocated (MiB)"
     out = capsys.readouterr().out
     assert shown in out and f"{peak / (2**30 if peak >= 2**30 else 2**20):,.2f}" in out
