@@ -36,8 +36,8 @@ def per_device(data: overview.Overview) -> None:
                     "what the others wait for it per step")
     if g.memory_uneven:
         c[2].metric("Most memory", g.heaviest, help=g.memory_source)
-        c[3].metric("Memory imbalance", f"{g.memory_ratio:.2f}x", f"{g.memory_ratio - 1:+.0%} vs {g.lightest}",
-                    delta_color="off", help="the most a device holds over the least")
+        c[3].metric("Memory imbalance", f"{g.memory_ratio:.2f}x", f"{g.memory_ratio - 1:+.0%} vs the others",
+                    delta_color="off", help="what it holds over the others' average (the memory-skew finding)")
     if g.idle and not g.time_uneven:
         c[0].metric("Idle devices", len(g.idle), help="devices of the run that never got a chunk")
     if len(g.devices) and g.devices["work_ms"].notna().any():

@@ -19,8 +19,10 @@ from types import SimpleNamespace
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 import dpprof
 from dpprof.cli import main
@@ -47,6 +49,13 @@ def runs(tmp_path_factory):
            "balanced": record(directory, "bal", workers=2, steps=6, balanced=True).id,
            "failed": record_failed(directory).id,
            "thinned": Path(record_straggler(directory, 300, detail=SMALL, stall_steps=STALLS).path).name.split(".")[0]}
+    # decoder-sized outputs (63 x 50,000 logits) gathered onto cpu:0: a run whose memory skews
+    net = dpprof.DataParallel(nn.Linear(16, 50_000), device_ids=dpprof.cpu_devices(2))
+    with dpprof.record(name="wide", reports_dir=str(directory)) as wide:
+        for _ in range(4):
+            with wide.step():
+                net(torch.randn(63, 16)).sum().backward()
+    out["wide outputs"] = wide.id
     assert main(["--reports-dir", str(directory), "profile", "cifar-lenet", "--ddp", "--nproc", "2", "--steps", "6",
                  "--batch-size", "32", "--quiet"]) == 0
     listing = dpprof.list_runs(directory)
@@ -60,7 +69,7 @@ def runs(tmp_path_factory):
     return SimpleNamespace(dir=directory, ids=out)
 
 
-NAMES = ["dataparallel", "balanced", "failed", "thinned", "ddp", *sorted(p.name for p in TRACES.glob("*.json.gz"))]
+NAMES = ["dataparallel", "balanced", "wide outputs", "failed", "thinned", "ddp", *sorted(p.name for p in TRACES.glob("*.json.gz"))]
 ALL = NAMES + [f"{n} (round trip)" for n in NAMES if n.endswith(".json.gz")] + ["dataparallel (round trip)"]
 
 
@@ -154,7 +163,7 @@ def test_no_figure_says_more_than_a_whole_step(runs, name, capsys):
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_the_headline_and_the_findings_name_the_same_straggler_and_wait(runs, name):
+def test_the_headline_and_the_findings_name_the_same_straggler_and_wait_and_fullest_device(runs, name):
     run = _load(runs, name)
     data = overview.overview(run)
     g, found = data.glance, data.findings.table
@@ -166,6 +175,10 @@ def test_the_headline_and_the_findings_name_the_same_straggler_and_wait(runs, na
         assert g.slowest == row["device"]
         wait = float(re.search(r"the others wait ([\d.]+) ms per step", row["evidence"]).group(1))
         assert f"they wait {wait:.2f} ms per step" in " ".join(g.sentences)
+    skews = found[found["kind"] == "memory_skew"]  # the memory headline is the memory-skew finding, or nothing
+    assert g.memory_uneven == (len(skews) == 1) and (not len(skews) or g.heaviest == skews.iloc[0]["device"])
+    if name == "wide outputs":  # the case the mark is for: gathered logits on the output device
+        assert g.memory_uneven and g.heaviest == "cpu:0"
     if g.slowest is not None:  # the bars are the verdict's medians, the wait their difference
         bars = g.devices.set_index("device")["work_ms"]
         others = bars.drop(g.slowest).dropna()

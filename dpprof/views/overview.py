@@ -7,8 +7,9 @@ from typing import Any
 
 import pandas as pd
 
-from dpprof.findings import Findings, run_findings, worth_bytes
+from dpprof.findings import Findings, run_findings
 from dpprof.findings.ddp import BUCKETS, collective_busy, union_ms
+from dpprof.findings.dataparallel import MEMORY_SKEW_RATIO
 from dpprof.findings.floors import MEMORY_FLOOR_BYTES
 from dpprof.records import DP_TAX_PHASES
 from dpprof.store import queries
@@ -16,12 +17,10 @@ from dpprof.store.model import RunModel
 from dpprof.store.reader import StoredRun
 from dpprof.units import mib
 
-__all__ = ["EVEN_RATIO", "Glance", "Overview", "glance", "overview", "comm_stats"]
+__all__ = ["Glance", "Overview", "glance", "overview", "comm_stats"]
 
-# Memory within 5% across devices is even: no device is marked as the fullest. Above it, a device is named only when
-# the difference clears the findings' memory floor (dpprof.findings.floors). Time has no such ratio of its own: the
-# slowest device is named exactly when the straggler finding names it (dpprof.findings.straggler_verdict).
-EVEN_RATIO = 1.05
+# Devices are marked exactly where a finding names them: the slowest where the straggler finding does
+# (dpprof.findings.straggler_verdict), the fullest where the memory-skew finding does, each with the finding's figures.
 
 
 @dataclass
@@ -44,8 +43,8 @@ class Glance:
     time_uneven: bool  # the straggler finding names it: the headline's device, with the finding's wait
     heaviest: str | None  # the device holding the most memory
     lightest: str | None
-    memory_ratio: float | None  # heaviest / lightest peak
-    memory_uneven: bool  # the difference clears the findings' memory floor: worth a headline
+    memory_ratio: float | None  # the skewed device's peak over the others' average (the finding's); else fullest / emptiest
+    memory_uneven: bool  # the memory-skew finding names ``heaviest``: the headline marks it
     idle: list[str]  # devices of the run that never got a chunk
     sentences: list[str]  # the above, in words
 
@@ -86,7 +85,8 @@ def glance(run: StoredRun, stats: dict[str, Any] | None = None, found: Findings 
     """
     model = run.model
     stats = queries.run_stats(run) if stats is None else stats
-    verdict = (run_findings(run) if found is None else found).straggler
+    found = run_findings(run) if found is None else found
+    verdict = found.straggler
     order = list(model.devices)
     by_device = pd.DataFrame(index=pd.Index(order, name="device"))
     if verdict is not None:
@@ -121,19 +121,24 @@ def glance(run: StoredRun, stats: dict[str, Any] | None = None, found: Findings 
     memory_uneven = False
     peaks = by_device.loc[~by_device["idle"], "peak_bytes"].dropna()
     peaks = peaks[peaks > 0]
+    # the memory-skew finding is the one verdict on memory: the headline marks its device with its figures, or says
+    # why no device is marked; the fullest and the emptiest are facts beside it
+    table = found.table if found is not None else pd.DataFrame(columns=["kind"])
+    skew = table[table["kind"] == "memory_skew"]
     if len(peaks) >= 2:
         heaviest, lightest = str(peaks.idxmax()), str(peaks.idxmin())
         memory_ratio = float(peaks.max() / peaks.min())
-        memory_uneven = memory_ratio >= EVEN_RATIO and worth_bytes(peaks.max() - peaks.min())
-        if memory_uneven:
-            sentences.append(f"{heaviest} holds the most: {mib(peaks.max())}, {memory_ratio:.2f}x {lightest}'s "
-                             f"{mib(peaks.min())}" + (" (the output device: gathered outputs and the loss live there)."
-                                                      if by_device.at[heaviest, "output_device"] else "."))
-        else:  # the test that failed, as it was made
-            why = (f"{memory_ratio:.2f}x from the emptiest to the fullest, under the {EVEN_RATIO:.2f}x that marks one"
-                   if memory_ratio < EVEN_RATIO else
-                   f"a difference under the {mib(MEMORY_FLOOR_BYTES)} a finding needs")
-            sentences.append(f"Memory is even: {mib(peaks.min())} to {mib(peaks.max())} per {model.unit}, {why}.")
+        if len(skew):
+            row = skew.iloc[0]
+            memory_uneven, heaviest = True, str(row["device"])
+            memory_ratio = float(row["value"])  # over the others' average, as the finding measures it
+            title = str(row["title"])
+            sentences.append(f"{title[0].upper()}{title[1:]}: {str(row['evidence']).split(';')[0]}.")
+        else:  # the rule, as it was made
+            sentences.append(f"Memory: {mib(peaks.min())} to {mib(peaks.max())} per {model.unit} ({heaviest} the "
+                             f"fullest, {memory_ratio:.2f}x {lightest}); no memory skew: the output device (the "
+                             f"fullest where nothing is gathered) holds under {MEMORY_SKEW_RATIO:.2f}x the others' "
+                             f"average, or under {mib(MEMORY_FLOOR_BYTES)} more.")
     elif not has_memory and model.missing.get("memory") and model.kind != "empty":
         sentences.append(model.missing.get("allocator") if model.imported else model.missing["memory"])
     if idle:
