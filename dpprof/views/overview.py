@@ -134,11 +134,13 @@ def glance(run: StoredRun, stats: dict[str, Any] | None = None, found: Findings 
             memory_ratio = float(row["value"])  # over the others' average, as the finding measures it
             title = str(row["title"])
             sentences.append(f"{title[0].upper()}{title[1:]}: {str(row['evidence']).split(';')[0]}.")
-        else:  # the rule, as it was made
-            sentences.append(f"Memory: {mib(peaks.min())} to {mib(peaks.max())} per {model.unit} ({heaviest} the "
-                             f"fullest, {memory_ratio:.2f}x {lightest}); no memory skew: the output device (the "
-                             f"fullest where nothing is gathered) holds under {MEMORY_SKEW_RATIO:.2f}x the others' "
-                             f"average, or under {mib(MEMORY_FLOOR_BYTES)} more.")
+        else:
+            said = (f"Memory: {mib(peaks.min())} to {mib(peaks.max())} per {model.unit} ({heaviest} the fullest, "
+                    f"{memory_ratio:.2f}x {lightest})")
+            if model.dataparallel:  # the memory-skew rule, as it was made (other kinds have no such rule to miss)
+                said += (f"; no memory skew: the output device (the fullest where nothing is gathered) holds under "
+                         f"{MEMORY_SKEW_RATIO:.2f}x the others' average, or under {mib(MEMORY_FLOOR_BYTES)} more")
+            sentences.append(said + ".")
     elif not has_memory and model.missing.get("memory") and model.kind != "empty":
         sentences.append(model.missing.get("allocator") if model.imported else model.missing["memory"])
     if idle:
