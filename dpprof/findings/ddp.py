@@ -2,6 +2,8 @@
 gradient all-reduce's share and overlap, bucket sizes, uneven inputs."""
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pandas as pd
 
@@ -11,7 +13,7 @@ from dpprof.findings.floors import cost_text, worth_time
 from dpprof.stepmodel import partition
 
 __all__ = ["COMM_SHARE_WARN", "FEW_BUCKETS", "MANY_BUCKETS", "SMALL_BUCKET_BYTES", "straggler_rank",
-           "communication", "uneven_inputs", "union_ms", "collective_busy", "BUCKETS"]
+           "communication", "uneven_inputs", "union_ms", "overlapped_ms", "collective_busy", "BUCKETS"]
 
 # All-reduce busy more than 20% of the step is worth acting on.
 COMM_SHARE_WARN = 0.20
@@ -43,6 +45,17 @@ def union_ms(intervals: list[tuple[float, float]]) -> float:
             total += b - max(a, end)
             end = b
     return total
+
+
+def overlapped_ms(comms: pd.DataFrame, compute_end: Any) -> dict[tuple[Any, Any], float]:
+    """Per (step, device): how long its collectives ran while backward was still computing (the union of their spans
+    cut at backward compute's end, ``compute_end.get((step, device))``; 0 where the step has none)."""
+    out = {}
+    for (step, device), c in comms.groupby(["step", "device"]):
+        end = compute_end.get((step, device))
+        spans = zip(c["launch_ms"], c["launch_ms"] + c["duration_ms"])
+        out[(step, device)] = union_ms([(a, min(b, end)) for a, b in spans if a < end]) if end is not None else 0.0
+    return out
 
 
 BUCKETS = "all-reduce"  # what a recorded DDP run's comms are (collective None): its gradient buckets' all-reduce
@@ -106,13 +119,7 @@ def communication(t: Tables) -> list[dict]:
     compute_end = phases[phases["phase"] == "backward_compute"].assign(
         end_ms=lambda d: d["start_ms"] + d["duration_ms"]).set_index(["step", "device"])["end_ms"]
     windows = busy_table.set_index(["step", "device"])
-    overlapped = []
-    for (step, device), c in comms.groupby(["step", "device"]):
-        if (step, device) not in windows.index:
-            continue
-        spans = list(zip(c["launch_ms"], c["launch_ms"] + c["duration_ms"]))
-        end = compute_end.get((step, device))
-        overlapped.append(union_ms([(a, min(b, end)) for a, b in spans if a < end]) if end is not None else 0.0)
+    overlapped = [ms for key, ms in overlapped_ms(comms, compute_end).items() if key in windows.index]
     comm_ms = float(busy_table["busy_ms"].mean())
     step_ms = float(busy_table["window_ms"].mean())
     share = comm_ms / step_ms if step_ms else 0.0

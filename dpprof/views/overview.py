@@ -8,7 +8,7 @@ from typing import Any
 import pandas as pd
 
 from dpprof.findings import Findings, run_findings
-from dpprof.findings.ddp import BUCKETS, collective_busy, union_ms
+from dpprof.findings.ddp import BUCKETS, collective_busy, overlapped_ms
 from dpprof.findings.dataparallel import MEMORY_SKEW_RATIO
 from dpprof.findings.floors import MEMORY_FLOOR_BYTES
 from dpprof.records import DP_TAX_PHASES
@@ -123,8 +123,7 @@ def glance(run: StoredRun, stats: dict[str, Any] | None = None, found: Findings 
     peaks = peaks[peaks > 0]
     # the memory-skew finding is the one verdict on memory: the headline marks its device with its figures, or says
     # why no device is marked; the fullest and the emptiest are facts beside it
-    table = found.table if found is not None else pd.DataFrame(columns=["kind"])
-    skew = table[table["kind"] == "memory_skew"]
+    skew = found.table[found.table["kind"] == "memory_skew"]
     if len(peaks) >= 2:
         heaviest, lightest = str(peaks.idxmax()), str(peaks.idxmin())
         memory_ratio = float(peaks.max() / peaks.min())
@@ -175,13 +174,12 @@ def comm_stats(run: StoredRun) -> pd.DataFrame:
     compute_end = ends.set_index(["step", "device"])["end_ms"].to_dict()
     busy = collective_busy(comms, steps).set_index(["step", "device"])
     kinds = [k for k in busy.columns if k not in ("window_ms", "busy_ms")]
+    overlap = overlapped_ms(comms, compute_end)
     rows = []
     for (step, device), c in comms.groupby(["step", "device"]):
-        spans = list(zip(c["launch_ms"], c["launch_ms"] + c["duration_ms"]))
-        end = compute_end.get((step, device))
         rows.append({"device": device, "step": step, "buckets": c["bucket"].nunique(),
                      "bytes": c["bucket_bytes"].sum(), "busy": busy["busy_ms"].get((step, device), 0.0),
-                     "overlap": union_ms([(a, min(b, end)) for a, b in spans if a < end]) if end is not None else 0.0})
+                     "overlap": overlap[(step, device)]})
     per = pd.DataFrame(rows).groupby("device").agg(steps=("step", "count"), buckets_per_step=("buckets", "mean"),
                                                    sent_per_step_bytes=("bytes", "mean"), busy_ms=("busy", "mean"),
                                                    overlap=("overlap", "mean"))
