@@ -8,23 +8,30 @@
 #   5. bench/overhead.py --device cuda: recording against torch.profiler with CUDA activities.
 # One GPU cannot show DataParallel over several GPUs: the two-GPU parity tests skip.
 #
-#   bench/cuda_checks.sh [--no-dashboard] [--rounds N] [OUTDIR]     (python: $PYTHON, else python3)
+# The rest of the suite runs last and gets what is left of --budget SECONDS (a GPU lease is short);
+# a step that would start with under 20 s left is skipped and named.
+#
+#   bench/cuda_checks.sh [--no-dashboard] [--rounds N] [--budget SECONDS] [OUTDIR]   (python: $PYTHON, else python3)
 set -u
-dashboard=1 rounds=8
+dashboard=1 rounds=8 budget=100000
 while [ $# -gt 0 ]; do
   case $1 in
     --no-dashboard) dashboard=0; shift ;;
     --rounds) rounds=$2; shift 2 ;;
+    --budget) budget=$2; shift 2 ;;
     *) break ;;
   esac
 done
 out=$(mkdir -p "${1:-cuda-checks}" && cd "${1:-cuda-checks}" && pwd)
 py=${PYTHON:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 DPPROF_REPORTS=$out/reports
-failed=()
-step() {  # step NAME SECONDS CMD...: run, log to $out/NAME.log, remember a failure
+failed=() skipped=()
+step() {  # step NAME SECONDS CMD...: run, log to $out/NAME.log, remember a failure; bounded by what is left of the budget
   local name=$1 limit=$2; shift 2
-  echo "== $name: $*"
+  local left=$((budget - SECONDS))
+  if [ $left -lt 20 ]; then echo "== $name: skipped, ${left} s of the budget left"; skipped+=("$name"); return; fi
+  [ $left -lt $limit ] && limit=$left
+  echo "== $name (at most $limit s): $*"
   local t0=$SECONDS
   timeout "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?
@@ -37,14 +44,6 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$py" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "GPUs", torch.cuda.device_count(), torch.cuda.get_device_name(0))'
 
 step cuda-tests 300 "$py" -m pytest tests/test_cuda.py -v -rs -p no:cacheprovider
-ignore=()
-if [ $dashboard -eq 0 ]; then
-  ignore=(--ignore=tests/test_app.py --ignore=tests/test_browser.py --ignore=tests/test_trace_app.py
-          --ignore=tests/test_charts.py --deselect=tests/test_queries.py::test_the_read_side_never_imports_streamlit
-          --deselect=tests/test_faults.py::test_the_dashboard_shows_that_line_instead_of_starting_a_run)
-fi
-"$py" -c 'import xdist' 2>/dev/null && ignore+=(-n 8)  # pytest-xdist, where installed
-step suite 420 "$py" -m pytest tests -q -p no:cacheprovider "${ignore[@]}" --ignore=tests/test_cuda.py
 step cuda-run 180 "$py" -m dpprof profile cifar-lenet --devices cuda --steps 200 --name "cifar-lenet on cuda:0" --quiet
 newest='import dpprof; print(dpprof.list_runs().loc[0, "id"])'
 run_id=$("$py" -c "$newest")
@@ -54,7 +53,17 @@ step ddp-gloo 300 "$py" -m dpprof profile cifar-lenet --ddp --nproc 2 --devices 
   --name "cifar-lenet, 2 DDP ranks sharing cuda:0 over gloo" --quiet
 ddp_id=$("$py" -c "$newest")
 step ddp-show 120 "$py" -m dpprof show "$ddp_id"
-step overhead 420 nice -n -5 "$py" -u bench/overhead.py --device cuda --rounds "$rounds" --cprofile
+step overhead 200 nice -n -5 "$py" -u bench/overhead.py --device cuda --rounds "$rounds" --cprofile
+
+ignore=()
+if [ $dashboard -eq 0 ]; then
+  ignore=(--ignore=tests/test_app.py --ignore=tests/test_browser.py --ignore=tests/test_trace_app.py
+          --ignore=tests/test_charts.py --deselect=tests/test_queries.py::test_the_read_side_never_imports_streamlit
+          --deselect=tests/test_faults.py::test_the_dashboard_shows_that_line_instead_of_starting_a_run)
+fi
+"$py" -c 'import xdist' 2>/dev/null && ignore+=(-n 8)  # pytest-xdist, where installed
+step suite 900 "$py" -m pytest tests -q -p no:cacheprovider "${ignore[@]}" --ignore=tests/test_cuda.py
 
 echo
+[ ${#skipped[@]} -eq 0 ] || echo "SKIPPED (budget): ${skipped[*]}"
 if [ ${#failed[@]} -eq 0 ]; then echo "all steps passed; logs in $out"; else echo "FAILED: ${failed[*]}; logs in $out"; exit 1; fi
