@@ -4,7 +4,7 @@ user reads one true line.
 The disk and read-only cases run on a small tmpfs or a read-only mount (root, as in CI); where
 mounting is not permitted they fall back to a fake filesystem error at the same place. Every case
 adds its row (fault, steps trained, steps kept, status) to ROWS; the last test prints the table the
-README's "Runs on disk" section shows and checks that the README says the same statuses.
+docs' "Runs on disk and faults" page (docs/runs-on-disk.md) shows and checks that the page says the same statuses.
 """
 from __future__ import annotations
 
@@ -535,8 +535,8 @@ FAULT_ORDER = ["disk full at the start", "disk full mid-run", "read-only directo
                "SIGTERM", "SIGHUP", "SIGINT (Ctrl-C)", "SIGKILL"]
 
 
-def test_the_readme_table_says_what_these_tests_saw():
-    """Print the README's fault table from this session's rows; the README must give the same statuses."""
+def test_the_docs_fault_table_says_what_these_tests_saw():
+    """Print the docs' fault table from this session's rows; docs/runs-on-disk.md must give the same statuses."""
     if not ROWS:
         pytest.skip("no fault test ran in this session")
     print("\n| fault | steps trained | steps kept | status | what the user reads |")
@@ -545,7 +545,7 @@ def test_the_readme_table_says_what_these_tests_saw():
         if fault in ROWS:
             r = ROWS[fault]
             print(f"| {fault} | {r['trained']} | {r['kept']} | {r['status']} | {r['line']} |")
-    readme = (ROOT / "README.md").read_text()
-    table = {m.group(1): m.group(2) for m in re.finditer(r"^\| ([^|]+?) \| [^|]+ \| [^|]+ \| ([^|]+?) \|", readme, re.M)}
+    page = (ROOT / "docs" / "runs-on-disk.md").read_text()
+    table = {m.group(1): m.group(2) for m in re.finditer(r"^\| ([^|]+?) \| [^|]+ \| [^|]+ \| ([^|]+?) \|", page, re.M)}
     for fault, row in ROWS.items():
-        assert table.get(fault) == row["status"], f"README's fault table: {fault!r} should read {row['status']!r}"
+        assert table.get(fault) == row["status"], f"docs/runs-on-disk.md's fault table: {fault!r} should read {row['status']!r}"

@@ -1,0 +1,194 @@
+"""Remake the dashboard's pictures in docs/img/ from runs this script records.
+
+Records a few short runs with the CPU backend into a temporary reports directory (``dpprof profile ...
+--devices cpu:2``, as a user would), calibrates the advisor there, starts ``streamlit run app.py`` headless on a
+free loopback port reading them, and saves a PNG of each dashboard page with Debian's chromium driven by
+playwright (the same browser tests/test_browser.py uses). Nothing outside the temporary directory and
+docs/img/ is touched: your own reports/ and ~/.cache stay as they are.
+
+Usage, from the checkout after set-up (about two minutes on two cores)::
+
+    .venv/bin/python docs/screenshots.py            # [--out docs/img] [--steps 40]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+VIEWPORT = {"width": 1280, "height": 900}
+MAX_PNG_BYTES = 300 * 1024  # the docs' pictures are committed: each stays under 300 KB
+SETTLE_S = 2.5  # plotly draws after streamlit's script ends; this is what its charts took here, with margin
+TIMEOUT_MS = 60_000
+
+# (file name, address path, text that shows the page has drawn its content)
+PAGES = [
+    ("runs.png", "runs", "Runs"),
+    ("overview.png", "overview", "Step time"),
+    ("load.png", "load", "Apply time per device"),
+    ("timeline.png", "timeline", None),
+    ("advisor.png", "advise", None),
+    ("export.png", "export", "Download"),
+    ("compare.png", "compare", None),
+    ("devices.png", "devices", None),
+    ("new_run.png", "new-run", None),
+]
+
+
+def _dpprof(reports: Path, cache: Path, *args: str) -> None:
+    """Run ``python -m dpprof ARGS`` against ``reports``, as a user would; stop on failure with its output."""
+    env = {**os.environ, "DPPROF_REPORTS": str(reports), "XDG_CACHE_HOME": str(cache)}
+    done = subprocess.run([sys.executable, "-m", "dpprof", *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode not in (0, 1):  # 1: findings, which a screenshot wants
+        sys.exit(f"dpprof {' '.join(args)} failed ({done.returncode}):\n{done.stdout}{done.stderr}")
+
+
+def _run_id(reports: Path, name: str) -> str:
+    """The id of the run named ``name`` in ``reports`` (read from the store, not from printed text)."""
+    sys.path.insert(0, str(ROOT))
+    import dpprof
+
+    runs = dpprof.list_runs(reports)
+    ids = runs.loc[runs["name"] == name, "id"].tolist()
+    if len(ids) != 1:
+        sys.exit(f"expected one run named {name!r} in {reports}, found {len(ids)}")
+    return str(ids[0])
+
+
+def record_runs(reports: Path, cache: Path, steps: int) -> str:
+    """Record the runs the pictures show; return the id of the run the run pages open on."""
+    _dpprof(reports, cache, "profile", "seg-fcn", "--devices", "cpu:3", "--steps", str(steps),
+            "--name", "seg-fcn on 3 workers", "--quiet")
+    _dpprof(reports, cache, "profile", "sorted-gru", "--devices", "cpu:2", "--steps", str(steps),
+            "--name", "sorted-gru on 2 workers", "--quiet")
+    _dpprof(reports, cache, "profile", "seg-fcn", "--devices", "cpu:2", "--steps", str(steps),
+            "--name", "seg-fcn on 2 workers", "--quiet")
+    shown = _run_id(reports, "seg-fcn on 2 workers")
+    _dpprof(reports, cache, "advise", shown)  # calibrates this machine once (cached in the temporary cache)
+    return shown
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def streamlit(reports: Path, cache: Path, log: Path) -> Iterator[str]:
+    """``streamlit run app.py`` headless on a free loopback port reading ``reports``; yields its address."""
+    port = _free_port()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.port", str(port),
+             "--server.address", "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false"],
+            cwd=ROOT, env={**os.environ, "DPPROF_REPORTS": str(reports), "XDG_CACHE_HOME": str(cache)},
+            stdout=out, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                with contextlib.suppress(OSError):
+                    if urllib.request.urlopen(f"{base}/_stcore/health", timeout=2).read() == b"ok":
+                        break
+                if proc.poll() is not None:
+                    sys.exit(f"streamlit ended: {log.read_text()}")
+                if time.monotonic() > deadline:
+                    sys.exit("streamlit did not start in 60 s")
+                time.sleep(0.3)
+            yield base
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _settle(page) -> None:
+    """Wait until streamlit has finished running the page's script, then for plotly to draw."""
+    page.wait_for_selector('[data-testid="stMain"]', timeout=TIMEOUT_MS)
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    quiet_since = None
+    while time.monotonic() < deadline:
+        running = page.locator('[data-testid="stStatusWidget"]').count() > 0
+        if running:
+            quiet_since = None
+        elif quiet_since is None:
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since > 1.0:
+            break
+        time.sleep(0.2)
+    time.sleep(SETTLE_S)
+
+
+def _small_png(data: bytes) -> bytes:
+    """The PNG as it is when under MAX_PNG_BYTES, else quantised to 256 colours (Pillow comes with streamlit)."""
+    if len(data) <= MAX_PNG_BYTES:
+        return data
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(data)).convert("RGB").quantize(colors=256)
+    out = io.BytesIO()
+    img.save(out, format="PNG", optimize=True)
+    if out.tell() > MAX_PNG_BYTES:
+        sys.exit(f"a screenshot stays at {out.tell():,} bytes after quantising: over {MAX_PNG_BYTES:,}")
+    return out.getvalue()
+
+
+def shoot(base: str, run_id: str, out: Path) -> list[Path]:
+    """Save one PNG per dashboard page into ``out``."""
+    from playwright.sync_api import sync_playwright
+
+    out.mkdir(parents=True, exist_ok=True)
+    saved = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport=VIEWPORT)
+        page.set_default_timeout(TIMEOUT_MS)
+        for name, path, marker in PAGES:
+            page.goto(f"{base}/{path}?run={run_id}")
+            if marker:
+                page.get_by_text(marker, exact=True).first.wait_for()
+            _settle(page)
+            target = out / name
+            target.write_bytes(_small_png(page.screenshot()))
+            saved.append(target)
+            print(f"{target.relative_to(ROOT) if target.is_relative_to(ROOT) else target}: "
+                  f"{target.stat().st_size / 1024:.0f} KB")
+        browser.close()
+    return saved
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img", help="where the PNGs go (default: docs/img)")
+    parser.add_argument("--steps", type=int, default=40, help="steps per recorded run (default: 40)")
+    args = parser.parse_args(argv)
+    if not Path(CHROMIUM).exists():
+        sys.exit(f"{CHROMIUM} is missing: apt-get install chromium")
+    with tempfile.TemporaryDirectory(prefix="dpprof-screenshots-") as tmp:
+        reports, cache = Path(tmp) / "reports", Path(tmp) / "cache"
+        reports.mkdir()
+        run_id = record_runs(reports, cache, args.steps)
+        with streamlit(reports, cache, Path(tmp) / "streamlit.log") as base:
+            shoot(base, run_id, args.out.resolve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
