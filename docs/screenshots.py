@@ -33,6 +33,10 @@ VIEWPORT = {"width": 1280, "height": 900}
 MAX_PNG_BYTES = 300 * 1024  # the docs' pictures are committed: each stays under 300 KB
 SETTLE_S = 2.5  # plotly draws after streamlit's script ends; this is what its charts took here, with margin
 TIMEOUT_MS = 60_000
+# One intra-op thread for the runs, the calibration and the dashboard (which reads the calibration kept for this
+# thread count): on a small shared machine an OpenMP team of 2 runs 10 to 30 times slower whenever another job holds
+# a core (docs/advisor.md), and the Advisor then rightly refuses to predict from a calibration measured under load.
+ENV = {"OMP_NUM_THREADS": "1"}
 
 # (file name, address path, text that shows the page has drawn its content)
 PAGES = [
@@ -50,7 +54,7 @@ PAGES = [
 
 def _dpprof(reports: Path, cache: Path, *args: str) -> None:
     """Run ``python -m dpprof ARGS`` against ``reports``, as a user would; stop on failure with its output."""
-    env = {**os.environ, "DPPROF_REPORTS": str(reports), "XDG_CACHE_HOME": str(cache)}
+    env = {**os.environ, **ENV, "DPPROF_REPORTS": str(reports), "XDG_CACHE_HOME": str(cache)}
     done = subprocess.run([sys.executable, "-m", "dpprof", *args], cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode not in (0, 1):  # 1: findings, which a screenshot wants
         sys.exit(f"dpprof {' '.join(args)} failed ({done.returncode}):\n{done.stdout}{done.stderr}")
@@ -95,7 +99,7 @@ def streamlit(reports: Path, cache: Path, log: Path) -> Iterator[str]:
         proc = subprocess.Popen(
             [sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.port", str(port),
              "--server.address", "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false"],
-            cwd=ROOT, env={**os.environ, "DPPROF_REPORTS": str(reports), "XDG_CACHE_HOME": str(cache)},
+            cwd=ROOT, env={**os.environ, **ENV, "DPPROF_REPORTS": str(reports), "XDG_CACHE_HOME": str(cache)},
             stdout=out, stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{port}"
         try:
