@@ -1,11 +1,11 @@
 """The README and the docs site: the site builds with ``mkdocs build --strict``, the README stays short, the dashboard's
 pages are shown as pictures, and every shell command in the README and docs/ runs as written after the set-up line.
 
-Shell commands are the lines of the fenced ``bash`` blocks. The fast ones (reading and exporting a run, the pre-flight
-check, the shell lines that set ``RUN``) run in bash, in order, from a directory laid out as a checkout after set-up
+Shell commands are the lines of the fenced ``bash`` blocks. The fast ones (listing, showing and exporting a run, and the
+shell lines that activate the environment and set ``RUN``) run in bash, in order, from a directory laid out as a checkout after set-up
 (``.venv`` is this interpreter's environment, ``reports/`` holds a run the CPU backend recorded), with the
 environment's ``bin`` on ``PATH`` as ``source .venv/bin/activate`` leaves it. The slow ones (installs, ``streamlit
-run``, training, calibrating, benchmarks, files a user brings) are checked without being run: a ``dpprof`` command
+run``, training, the pre-flight check, calibrating, benchmarks, files a user brings) are checked without being run: a ``dpprof`` command
 parses under the CLI's own argparse parser, and a script, requirements file or app it names exists.
 """
 from __future__ import annotations
@@ -26,11 +26,10 @@ DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 MAX_README_LINES = 300  # issue 32: a README a newcomer reads in a few screens; the rest is the docs site
 MAX_PNG_BYTES = 300 * 1024  # the pictures are committed: docs/screenshots.py keeps each under this
-# dpprof subcommands that read or write a stored run in about a second (no training, no calibration, no files a
-# user must bring): these run as written
-FAST_SUBCOMMANDS = {"runs", "show", "export", "check"}
-# exit status 1 is a result, not a failure, for these: check exits 1 when it has findings
-FINDINGS_EXIT_1 = {"check"}
+# dpprof subcommands that read or write a stored run without loading torch, in about a second on an idle machine
+# (no training, no calibration, no files a user must bring): these run as written. `dpprof check` imports torch
+# (over 20 s under a load average of 8 here), so it is parsed, like the commands that train.
+FAST_SUBCOMMANDS = {"runs", "show", "export"}
 SHELL_LANGS = {"bash", "sh", "shell"}
 
 
@@ -158,7 +157,7 @@ def test_the_set_up_lines_are_the_ones_ci_runs():
 
 def test_the_docs_show_every_dashboard_page_as_a_picture():
     """Each page app.py registers has a section in docs/dashboard.md with its picture, committed and small."""
-    titles = [t for t in re.findall(r'title="([^"]+)"', (ROOT / "app.py").read_text()) if t != "Home"]
+    titles = [t for t in re.findall(r'st\.Page\([^)]*title="([^"]+)"', (ROOT / "app.py").read_text()) if t != "Home"]
     assert len(titles) >= 9, titles
     page = (DOCS / "dashboard.md").read_text()
     for title in titles:
@@ -182,8 +181,9 @@ def test_mkdocs_builds_the_site_strictly(tmp_path):
         built = site / ("index.html" if page.stem == "index" else f"{page.stem}/index.html")
         assert built.is_file(), f"{page.name} was not built"
     api = (site / "api" / "index.html").read_text()
-    for name in ("cpu_devices", "record", "load_run", "list_runs", "instrument"):
-        assert f'id="dpprof.' in api and name in api, f"the API page does not render {name} from its docstring"
+    for name in ("parallel.DataParallel", "parallel.cpu_devices", "recording.record", "instrument.instrument",
+                 "store.load_run", "store.list_runs", "devices.check_balance"):
+        assert f'id="dpprof.{name}"' in api, f"the API page does not render dpprof.{name} from its docstring"
 
 
 def test_every_command_that_is_not_run_parses():
@@ -218,10 +218,8 @@ def test_the_fast_commands_run_as_written(tmp_path):
                 continue
             seen.add(key)
             fast += 1
-            argv = _dpprof_argv(_segments(command)[0]) or []
-            allowed = "0 1" if _subcommand(argv) in FINDINGS_EXIT_1 else "0"
             where = shlex.quote(f"{path.name}:{number}: {command}")
-            lines.append(f"{command}\nrc=$?; case \" {allowed} \" in *\" $rc \"*) ;; *) echo FAILED $rc: {where} >&2; exit 1;; esac")
+            lines.append(f"{command}\nrc=$?; [ $rc -eq 0 ] || {{ echo FAILED $rc: {where} >&2; exit 1; }}")
     assert fast >= 10, f"only {fast} fast commands found"
     env = {k: v for k, v in os.environ.items() if k not in ("DPPROF_REPORTS", "VIRTUAL_ENV")}
     env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(ROOT),
