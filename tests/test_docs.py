@@ -137,10 +137,19 @@ def test_the_readme_fits_on_a_few_screens():
     assert len(lines) <= MAX_README_LINES, f"README.md has {len(lines)} lines, over {MAX_README_LINES}: move detail to docs/"
 
 
-def test_the_readmes_links_reach_files_of_the_checkout():
-    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README.read_text()):
-        if not re.match(r"[a-z]+://", target):
-            assert (ROOT / target).exists(), f"README.md links to {target}, which is missing"
+def test_the_readmes_links_reach_files_and_headings_of_the_checkout():
+    """README.md is not part of the site, so mkdocs does not check its links: each reaches a file, and its #anchor a
+    heading of that page (slugged as the site's table of contents slugs them)."""
+    from markdown.extensions.toc import slugify
+
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", README.read_text()):
+        if re.match(r"[a-z]+://", target):
+            continue
+        page = ROOT / target if target else README
+        assert page.exists(), f"README.md links to {target}, which is missing"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", page.read_text(), re.M)
+            assert anchor in {slugify(h, "-") for h in headings}, f"README.md links to {target}#{anchor}: no such heading"
 
 
 def test_the_set_up_lines_are_the_ones_ci_runs():
