@@ -24,12 +24,16 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from playwright.sync_api import ViewportSize
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
-VIEWPORT = {"width": 1280, "height": 900}
+VIEWPORT: ViewportSize = {"width": 1280, "height": 900}
 MAX_PNG_BYTES = 300 * 1024  # the docs' pictures are committed: each stays under 300 KB
 SETTLE_S = 2.5  # plotly draws after streamlit's script ends; this is what its charts took here, with margin
 TIMEOUT_MS = 60_000
@@ -55,7 +59,8 @@ PAGES = [
 def _dpprof(reports: Path, cache: Path, *args: str) -> None:
     """Run ``python -m dpprof ARGS`` against ``reports``, as a user would; stop on failure with its output."""
     env = {**os.environ, **ENV, "DPPROF_REPORTS": str(reports), "XDG_CACHE_HOME": str(cache)}
-    done = subprocess.run([sys.executable, "-m", "dpprof", *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "dpprof", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          check=False)
     if done.returncode not in (0, 1):  # 1: findings, which a screenshot wants
         sys.exit(f"dpprof {' '.join(args)} failed ({done.returncode}):\n{done.stdout}{done.stderr}")
 
