@@ -356,8 +356,10 @@ def _cmd_runs(args: argparse.Namespace) -> int:
     # the runs dpprof advise --check recorded, under the run they check
     shown["id"] = [f"└ {i}" if pd.notna(of) else i for i, of in zip(readable["id"], readable["check_of"])]
     print(_table(shown.set_index("id"), "{:.1f}"))
-    for _, bad in runs[runs["reason"].notna()].iterrows():
-        print(f"unreadable: {bad['path']}: {bad['reason']}")
+    for _, short in readable[(readable["status"] == "incomplete") & readable["error"].notna()].iterrows():
+        print(f"incomplete: {short['id']}: {short['error']}")
+    for _, bad in runs[runs["reason"].notna()].iterrows():  # "unreadable", "interrupted import" (a staging directory)
+        print(f"{bad['status']}: {bad['path']}: {bad['reason']}")
     return EXIT_OK
 
 
