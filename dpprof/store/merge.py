@@ -7,6 +7,7 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
+from dpprof.store.faults import cause_of
 from dpprof.store.publish import Stage, recover
 from dpprof.store.reader import _RANK_FILE, RUN_SUFFIX, RunFileError, _open
 
@@ -39,7 +40,8 @@ def merge_rank_files(sources: Iterable[str | Path], out_dir: str | Path) -> dict
         run id -> the ranks now in ``out_dir``.
 
     Raises:
-        RunFileError: a source is missing, unreadable, or conflicts with another (nothing copied).
+        RunFileError: a source is missing, unreadable, or conflicts with another (nothing copied); or ``out_dir``
+            cannot take the copies (a full disk: nothing of them is left).
     """
     out = Path(out_dir)
     chosen: dict[tuple[str, int], Path] = {}
@@ -62,12 +64,15 @@ def merge_rank_files(sources: Iterable[str | Path], out_dir: str | Path) -> dict
     merged: dict[str, list[int]] = {}
     # copied into a staging directory, then published together (dpprof.store.publish): a kill mid-copy leaves no
     # half file, and one mid-publish a run listed as incomplete until the next command publishes the rest
-    with Stage(out, f".merge-{secrets.token_hex(6)}") as stage:
-        copies = []
-        for (run_id, rank), path in sorted(chosen.items()):
-            if not (out / path.name).exists():
-                shutil.copyfile(path, stage.path / path.name)
-                copies.append(stage.path / path.name)
-            merged.setdefault(run_id, []).append(rank)
-        stage.publish(copies)
+    try:
+        with Stage(out, f".merge-{secrets.token_hex(6)}") as stage:
+            copies = []
+            for (run_id, rank), path in sorted(chosen.items()):
+                if not (out / path.name).exists():
+                    shutil.copyfile(path, stage.path / path.name)
+                    copies.append(stage.path / path.name)
+                merged.setdefault(run_id, []).append(rank)
+            stage.publish(copies)
+    except OSError as err:  # a full disk, say: one line, and nothing of the merge is left
+        raise RunFileError(f"cannot write {out}: {cause_of(err, out)}; nothing was merged") from None
     return merged

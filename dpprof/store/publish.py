@@ -34,7 +34,7 @@ try:
 except ImportError:  # Windows: no flock; a staging directory's process is then judged by its pid
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["Stage", "recover", "interrupted", "STAGE_KINDS", "OWNER_FILE", "READY_FILE", "UNCLAIMED_GRACE_S"]
+__all__ = ["OWNER_FILE", "READY_FILE", "STAGE_KINDS", "UNCLAIMED_GRACE_S", "Stage", "interrupted", "recover"]
 
 STAGE_KINDS = {".import-": "import", ".merge-": "merge"}  # staging directory name prefix -> the command
 OWNER_FILE = "owner.json"  # who builds the staging directory; locked while that process lives
@@ -96,7 +96,9 @@ class Stage:
             FileExistsError: a file of that name is in the reports directory (what was published is taken back).
             OSError: a file could not be moved (the same).
         """
-        from dpprof.store.staging import move_into_place  # here: staging builds on the writer, as this does not
+        from dpprof.store.staging import (
+            move_into_place,  # here: staging builds on the writer, as this does not
+        )
 
         _write_json(self.path / READY_FILE, {"files": [f.name for f in files], "reports": str(self.reports)})
         for f in files:
@@ -223,7 +225,9 @@ def _take_over(stage: Path) -> int | None:
 def _stages(reports: Path) -> list[Path]:
     """The staging directories for ``reports``: in it, and in the local staging directory those of its imports
     written there (their owner file names ``reports``)."""
-    from dpprof.store.staging import staging_dir  # no I/O on import: staging's module only defines names
+    from dpprof.store.staging import (
+        staging_dir,  # no I/O on import: staging's module only defines names
+    )
 
     found: list[Path] = []
     for directory in dict.fromkeys((reports, staging_dir())):
@@ -240,6 +244,14 @@ def _stages(reports: Path) -> list[Path]:
                     continue
             found.append(entry)
     return found
+
+
+def _run_files(stage: Path) -> list[Path]:
+    """The run files a staging directory holds (not its bookkeeping, nor SQLite's side files)."""
+    try:
+        return [p for p in stage.iterdir() if p.name.endswith(".sqlite") and not p.name.startswith(".")]
+    except OSError:
+        return []
 
 
 def _kind(stage: Path) -> str:
@@ -266,8 +278,9 @@ def interrupted(reports: str | os.PathLike[str]) -> list[dict[str, Any]]:
             reason = (f"{kind} stopped while publishing ({who} is gone): {published} of {len(names)} run files "
                       f"published, the rest in {stage}; {nxt} publishes them")
         else:
-            reason = (f"{kind} stopped before its files were whole ({who} is gone): nothing of it was published; "
-                      f"{nxt} removes {stage}")
+            held = len(_run_files(stage))
+            reason = (f"{kind} stopped before its files were whole ({who} is gone): nothing of it was published "
+                      f"({held} unfinished run file{'s' if held != 1 else ''} there); {nxt} removes {stage}")
         rows.append({"id": stage.name, "status": f"interrupted {kind}", "path": str(stage),
                      "reason": reason})
     return rows
@@ -305,16 +318,19 @@ def _recover(stage: Path, reports: Path) -> str | None:
     kind = _kind(stage)
     ready = _read_json(stage / READY_FILE)
     if ready is None:  # its files were never published: they go, with the directory
+        held = len(_run_files(stage))
         _remove_stage(stage, everything=True)
-        return f"dpprof: removed {stage}, left by an interrupted {kind} before its files were whole (none was published)"
+        return (f"dpprof: removed {stage}, left by an interrupted {kind} before its files were whole ({held} "
+                f"unfinished run file{'s' if held != 1 else ''}, none published)")
     names = [str(n) for n in ready.get("files") or [] if str(n) == os.path.basename(str(n))]
-    kept = []
+    kept, moved = [], 0
     for name in names:
         staged, target = stage / name, reports / name
         if not staged.exists():
             continue  # published before the kill
         try:
             move_into_place(staged, target)
+            moved += 1
         except FileExistsError:
             if filecmp.cmp(staged, target, shallow=False):
                 staged.unlink()  # published, and killed before its staged name went
@@ -324,7 +340,8 @@ def _recover(stage: Path, reports: Path) -> str | None:
         return (f"dpprof: {stage}, left by an interrupted {kind}, stays: {', '.join(kept)} "
                 f"{'is' if len(kept) == 1 else 'are'} in {reports} already as other files")
     _remove_stage(stage)
-    return f"dpprof: published {len(names)} run file(s) an interrupted {kind} left in {stage} into {reports}"
+    return (f"dpprof: published the {moved} run file{'s' if moved != 1 else ''} of {len(names)} that an interrupted "
+            f"{kind} left in {stage} into {reports}; the run is whole")
 
 
 def _remove_stage(stage: Path, everything: bool = False) -> None:

@@ -291,7 +291,7 @@ def _combine(metas: list[dict[str, Any]]) -> dict[str, Any]:
     ends = [m.get("ended_at") for m in metas]
     meta["ended_at"] = max(ends) if all(ends) else None
     missing = _missing_files(metas)
-    if missing is not None and _STATUS_RANK.get(meta["status"], _STATUS_RANK["unknown"]) > _STATUS_RANK["incomplete"]:
+    if missing is not None and meta["status"] == "finished":  # never finished with some of its files
         meta["status"], meta["error"] = "incomplete", missing
     return meta
 
