@@ -33,7 +33,8 @@ RESNET = TRACES / "resnet50-1gpu-tb-sample.pt.trace.json.gz"
 pytestmark = pytest.mark.skipif(not RESNET.exists(), reason="../shared/traces is not beside the project")
 
 # The child: dpprof's CLI with one step wrapped to SIGKILL itself (``after`` is "publish": right after the first
-# file is given its name in the reports directory; "write": once the run files are written, before any is).
+# file is given its name in the reports directory; "published": after the last, before the staging directory
+# goes; "write": once the run files are written, before any is published; "pause": wait there until killed).
 _KILLED_CHILD = """
 import os, signal, sys
 import dpprof.store.staging as staging
@@ -51,6 +52,11 @@ elif after == "write":
     def findings(written):
         os.kill(os.getpid(), signal.SIGKILL)
     importer._store_findings = findings
+elif after == "published":
+    import dpprof.store.publish as publish
+    def stop(stage, everything=False):
+        os.kill(os.getpid(), signal.SIGKILL)
+    publish._remove_stage = stop
 elif after == "pause":
     def findings(written):
         open(os.environ["PAUSED"], "w").close()
@@ -116,6 +122,69 @@ def test_a_multi_rank_import_killed_as_it_publishes_is_never_listed_finished_and
     assert listing["reason"].isna().all()
     whole = dpprof.load_run(run_id, reports)
     assert whole.meta["status"] == "finished" and len(whole.steps) == 4  # 2 steps on each of the 2 ranks
+
+
+def _ranks_of_one_job(directory: Path, world: int) -> list[Path]:
+    """``world`` rank files of one job: the shared trace of rank 0 of a 128-rank job, its distributedInfo.rank
+    set to each rank (the same time span, as the ranks of one job have)."""
+    import gzip
+    import json
+
+    doc = json.loads(gzip.decompress(DDP128[0].read_bytes()))
+    directory.mkdir()
+    files = []
+    for rank in range(world):
+        doc["distributedInfo"]["rank"] = rank
+        files.append(directory / f"job-rank{rank}.json.gz")
+        files[-1].write_bytes(gzip.compress(json.dumps(doc).encode(), compresslevel=1))
+    return files
+
+
+def test_an_import_killed_after_publishing_every_file_is_listed_whole_and_its_staging_directory_goes(reports):
+    done = _child("published", reports, *DDP128)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    [stage] = _stages(reports)
+    listing = dpprof.list_runs(reports)
+    assert listing[listing["reason"].isna()][["status", "ranks"]].values.tolist() == [["finished", 2]]
+    [left] = listing[listing["reason"].notna()]["reason"].tolist()
+    assert "after publishing all 2 run files" in left
+    [line] = recover(reports)
+    assert line == f"dpprof: removed {stage}: every run file an interrupted import left there was published already"
+    assert _stages(reports) == [] and dpprof.list_runs(reports)[["status", "ranks"]].values.tolist() == [["finished", 2]]
+
+
+def test_an_import_whose_process_group_is_killed_when_its_first_rank_file_appears_never_lists_a_finished_part(
+        reports, tmp_path):
+    """As the issue measured it: the process group (the import and its reading workers) SIGKILLed the moment the
+    first rank file appears. Wherever that lands, the run is listed incomplete or not at all, never finished with
+    some ranks; the next command writing there makes it whole, or removes what was never published."""
+    world = 8
+    traces = _ranks_of_one_job(tmp_path / "job", world)
+    child = subprocess.Popen([sys.executable, "-m", "dpprof", "--reports-dir", str(reports), "import",
+                              str(tmp_path / "job"), "--jobs", "2", "--quiet"],
+                             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (reports.is_dir() and any(reports.glob("*.rank*.sqlite"))):
+            assert child.poll() is None, child.communicate()
+            assert time.monotonic() < deadline, "no rank file appeared"
+            time.sleep(0.002)
+        os.killpg(child.pid, signal.SIGKILL)  # the group this test started: the import and its workers
+    finally:
+        child.communicate(timeout=60)
+    listing = dpprof.list_runs(reports)
+    runs = listing[listing["reason"].isna()]
+    assert len(runs) <= 1, listing
+    for _, run in runs.iterrows():  # the rank files published before the kill, if any
+        assert run["status"] == "finished" if run["ranks"] == world else (
+            run["status"] == "incomplete" and run["error"].startswith(f"{run['ranks']} of the {world} run files")), run
+    assert main(["--reports-dir", str(reports), "import", str(RESNET), "--quiet"]) == 0  # the next command writing
+    listing = dpprof.list_runs(reports)
+    assert listing["reason"].isna().all() and not [p for p in reports.iterdir() if p.name.startswith(".")]
+    ddp = listing[listing["workload"] != "resnet50-1gpu-tb-sample"]
+    assert ddp[["status", "ranks"]].values.tolist() in ([], [["finished", world]]), ddp
+    assert len(traces) == world and not runs.empty  # the kill came after the first rank file was published
 
 
 def test_an_import_killed_before_its_files_are_whole_leaves_nothing_listed_as_a_run_and_a_recording_removes_it(

@@ -276,11 +276,16 @@ def interrupted(reports: str | os.PathLike[str]) -> list[dict[str, Any]]:
             names = [str(n) for n in ready.get("files") or []]
             published = sum(1 for n in names if (reports / n).exists() and not (stage / n).exists())
             reason = (f"{kind} stopped while publishing ({who} is gone): {published} of {len(names)} run files "
-                      f"published, the rest in {stage}; {nxt} publishes them")
+                      f"published, the rest in {stage}; {nxt} publishes them" if published < len(names) else
+                      f"{kind} stopped ({who} is gone) after publishing all {len(names)} run files; {nxt} removes "
+                      f"{stage}")
         else:
             held = len(_run_files(stage))
-            reason = (f"{kind} stopped before its files were whole ({who} is gone): nothing of it was published "
-                      f"({held} unfinished run file{'s' if held != 1 else ''} there); {nxt} removes {stage}")
+            if held:
+                reason = (f"{kind} stopped before its files were whole ({who} is gone): nothing of it was published "
+                          f"({held} unfinished run file{'s' if held != 1 else ''} there); {nxt} removes {stage}")
+            else:  # killed before writing any, or as it removed the directory after publishing every file
+                reason = f"{kind} stopped ({who} is gone), leaving no run file in {stage}; {nxt} removes it"
         rows.append({"id": stage.name, "status": f"interrupted {kind}", "path": str(stage),
                      "reason": reason})
     return rows
@@ -320,6 +325,8 @@ def _recover(stage: Path, reports: Path) -> str | None:
     if ready is None:  # its files were never published: they go, with the directory
         held = len(_run_files(stage))
         _remove_stage(stage, everything=True)
+        if not held:
+            return f"dpprof: removed {stage}, which an interrupted {kind} left with no run file in it"
         return (f"dpprof: removed {stage}, left by an interrupted {kind} before its files were whole ({held} "
                 f"unfinished run file{'s' if held != 1 else ''}, none published)")
     names = [str(n) for n in ready.get("files") or [] if str(n) == os.path.basename(str(n))]
@@ -340,6 +347,8 @@ def _recover(stage: Path, reports: Path) -> str | None:
         return (f"dpprof: {stage}, left by an interrupted {kind}, stays: {', '.join(kept)} "
                 f"{'is' if len(kept) == 1 else 'are'} in {reports} already as other files")
     _remove_stage(stage)
+    if not moved:
+        return f"dpprof: removed {stage}: every run file an interrupted {kind} left there was published already"
     return (f"dpprof: published the {moved} run file{'s' if moved != 1 else ''} of {len(names)} that an interrupted "
             f"{kind} left in {stage} into {reports}; the run is whole")
 
