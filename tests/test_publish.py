@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from cpu_traces import single_process_trace
 from recorded import record
+from streamlit.testing.v1 import AppTest
 
 import dpprof
 from dpprof.cli import main
@@ -75,11 +76,11 @@ def _child(after: str, reports: Path, *args: str, paused: Path | None = None, wa
            *(["--quiet"] if command == "import" else [])]
     if not wait:
         return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
 def _dpprof(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dpprof", *args], capture_output=True, text=True, timeout=300,
+    return subprocess.run([sys.executable, "-m", "dpprof", *args], capture_output=True, text=True, timeout=300, check=False,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
 
 
@@ -111,6 +112,14 @@ def test_a_multi_rank_import_killed_as_it_publishes_is_never_listed_finished_and
     assert not re.search(rf"^{run_id}\s.*\bfinished\b", shown.stdout, re.MULTILINE)
     assert f"incomplete: {run_id}: 1 of the 2 run files" in shown.stdout
     assert f"interrupted import: {stage}: import stopped while publishing" in shown.stdout
+
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60)  # the dashboard's Runs page says the same
+    at.run()
+    at.switch_page("app_pages/runs.py").run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert at.dataframe[0].value["status"].tolist() == ["incomplete"]
+    left = at.dataframe[-1].value
+    assert left[["file", "status"]].values.tolist() == [[stage.name, "interrupted import"]]
 
     again = _dpprof("--reports-dir", str(reports), "import", str(RESNET), "--quiet")  # the next command writing here
     assert again.returncode == 0, again.stderr
