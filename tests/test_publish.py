@@ -395,3 +395,20 @@ def test_a_value_sqlite_cannot_store_names_the_trace_file_never_a_staging_path(r
     assert code == 1 and len(err.splitlines()) == 1, err
     assert err.startswith("dpprof: huge-step.json.gz: ") and ".import-" not in err and "PosixPath" not in err
     assert not reports.exists() or list(reports.iterdir()) == []
+
+
+def test_a_ddp_recording_with_a_ranks_file_elsewhere_is_incomplete_until_merged(reports, tmp_path):
+    """A DDP run whose rank 1 file is on another machine (moved out here) is listed incomplete with the count, never
+    finished with one rank; ``dpprof merge`` of the other machine's directory makes it whole."""
+    assert main(["--reports-dir", str(reports), "profile", "tutorial-linear", "--ddp", "--nproc", "2", "--steps", "3",
+                 "--quiet"]) == 0
+    [rank1] = reports.glob("*.rank1.sqlite")
+    other = tmp_path / "machine-b"
+    other.mkdir()
+    rank1.rename(other / rank1.name)
+    listing = dpprof.list_runs(reports)
+    assert listing[["status", "ranks"]].values.tolist() == [["incomplete", 1]]
+    assert listing["error"].iloc[0].startswith("1 of the 2 run files of its ranks are here (rank 0)")
+    assert main(["--reports-dir", str(reports), "merge", str(other)]) == 0
+    listing = dpprof.list_runs(reports)
+    assert listing[["status", "ranks", "error"]].values.tolist() == [["finished", 2, None]]
