@@ -412,3 +412,23 @@ def test_a_ddp_recording_with_a_ranks_file_elsewhere_is_incomplete_until_merged(
     assert main(["--reports-dir", str(reports), "merge", str(other)]) == 0
     listing = dpprof.list_runs(reports)
     assert listing[["status", "ranks", "error"]].values.tolist() == [["finished", 2, None]]
+
+
+def test_an_import_staged_on_local_disk_and_killed_as_it_publishes_is_finished_from_there(reports, monkeypatch,
+                                                                                          tmp_path):
+    """A reports directory on a network filesystem has its imports built on local disk ($DPPROF_STAGING_DIR):
+    the staging directory a kill leaves there is listed with the reports directory it was for, and published
+    into it by the next command writing there."""
+    monkeypatch.setenv("DPPROF_NETWORK_FS", "stage")  # as on NFS
+    done = _child("publish", reports, *DDP128)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    [stage] = (tmp_path / "staging").glob(".import-*")
+    assert _stages(reports) == []
+    listing = dpprof.list_runs(reports)
+    assert listing[listing["reason"].isna()][["status", "ranks"]].values.tolist() == [["incomplete", 1]]
+    assert listing[listing["reason"].notna()]["path"].tolist() == [str(stage)]
+    assert dpprof.list_runs(tmp_path / "elsewhere").empty  # another reports directory's staging is not its own
+    [line] = recover(reports)
+    assert line.startswith(f"dpprof: published the 1 run file of 2 that an interrupted import left in {stage}")
+    assert not stage.exists()
+    assert dpprof.list_runs(reports)[["status", "ranks"]].values.tolist() == [["finished", 2]]
