@@ -3,9 +3,10 @@
 Several files of one job are one run with one rank per file, stored the way dpprof's own DDP runs are
 (one ``<run id>.rank<N>.sqlite`` per rank), read several at once in worker processes (dpprof.trace.jobs).
 Files are checked and converted first, the run is written
-under a hidden temporary directory in the reports directory (on local disk where that is on a network or
-FUSE filesystem: dpprof.store.staging) and moved into place only when whole, so a bad file or an
-interrupted import leaves nothing behind.
+under a hidden staging directory in the reports directory (on local disk where that is on a network or
+FUSE filesystem: dpprof.store.staging), checked whole, and published only then (dpprof.store.publish), so a bad
+file, a full disk or Ctrl-C leaves nothing behind, and a kill leaves a staging directory that the next command
+writing there finishes or removes.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from dpprof.records import NoteRecord, StepRecord
 from dpprof.store.faults import DISK_FULL, STORAGE_CAUSES, RecordingError, cause_of
 from dpprof.store.model import TRACE_SOURCE
 from dpprof.store.ids import new_run_id  # the same ids as recorded runs
-from dpprof.store.reader import FULL_DISK_FREE_BYTES, RUN_SUFFIX, RunFileError, load_run, read_run_file, reports_dir as resolve_reports_dir
+from dpprof.store.reader import FULL_DISK_FREE_BYTES, RUN_SUFFIX, RunFileError, load_run, read_run_file
+from dpprof.store.reader import reports_dir as resolve_reports_dir
 from dpprof.store.retention import ALL
 from dpprof.store.publish import Stage, recover
 from dpprof.store.staging import staging_for
