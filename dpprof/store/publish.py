@@ -96,9 +96,8 @@ class Stage:
             FileExistsError: a file of that name is in the reports directory (what was published is taken back).
             OSError: a file could not be moved (the same).
         """
-        from dpprof.store.staging import (
-            move_into_place,  # here: staging builds on the writer, as this does not
-        )
+        # imported here: staging builds on the writer, which this module (read by the listing) does not need
+        from dpprof.store.staging import move_into_place
 
         _write_json(self.path / READY_FILE, {"files": [f.name for f in files], "reports": str(self.reports)})
         for f in files:
@@ -107,8 +106,8 @@ class Stage:
             self.published.append(target)
         try:
             _remove_stage(self.path)
-        except OSError as err:  # the run is whole and listed; the directory's bookkeeping goes at the next recovery
-            log.warning("dpprof: %s stays until the next command writing in %s: %s", self.path, self.reports, err)
+        except OSError:  # the run is whole and listed; what bookkeeping is left goes when the block ends
+            pass
         return list(self.published)
 
     def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None) -> None:
@@ -225,9 +224,7 @@ def _take_over(stage: Path) -> int | None:
 def _stages(reports: Path) -> list[Path]:
     """The staging directories for ``reports``: in it, and in the local staging directory those of its imports
     written there (their owner file names ``reports``)."""
-    from dpprof.store.staging import (
-        staging_dir,  # no I/O on import: staging's module only defines names
-    )
+    from dpprof.store.staging import staging_dir  # importing it does no I/O: the module only defines names
 
     found: list[Path] = []
     for directory in dict.fromkeys((reports, staging_dir())):
