@@ -224,7 +224,8 @@ def _take_over(stage: Path) -> int | None:
 def _stages(reports: Path) -> list[Path]:
     """The staging directories for ``reports``: in it, and in the local staging directory those of its imports
     written there (their owner file names ``reports``)."""
-    from dpprof.store.staging import staging_dir  # importing it does no I/O: the module only defines names
+    # imported here, as in Stage.publish; importing it does no I/O
+    from dpprof.store.staging import staging_dir
 
     found: list[Path] = []
     for directory in dict.fromkeys((reports, staging_dir())):
