@@ -432,3 +432,18 @@ def test_an_import_staged_on_local_disk_and_killed_as_it_publishes_is_finished_f
     assert line.startswith(f"dpprof: published the 1 run file of 2 that an interrupted import left in {stage}")
     assert not stage.exists()
     assert dpprof.list_runs(reports)[["status", "ranks"]].values.tolist() == [["finished", 2]]
+
+
+def test_ctrl_c_during_an_import_leaves_nothing(reports, monkeypatch):
+    """Interrupted in the process (Ctrl-C, not a kill), the import removes its staging directory itself: nothing is
+    listed, and nothing is left for the next command."""
+    from dpprof.trace import importer
+
+    def interrupt(written):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importer, "_store_findings", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        import_traces(DDP128, reports)
+    assert not reports.exists() or list(reports.iterdir()) == []
+    assert dpprof.list_runs(reports).empty

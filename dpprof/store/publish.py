@@ -228,7 +228,7 @@ def _stages(reports: Path) -> list[Path]:
     from dpprof.store.staging import staging_dir
 
     found: list[Path] = []
-    for directory in dict.fromkeys((reports, staging_dir())):
+    for directory in dict.fromkeys((reports, Path(os.path.abspath(staging_dir())))):
         try:
             entries = sorted(directory.iterdir())
         except OSError:
