@@ -131,6 +131,7 @@ traces_to_import()
 
 if not bad.empty:
     st.subheader("Unreadable files")
-    st.caption("Files in the reports directory that are not runs this dpprof can read, and why.")
-    unreadable = bad.assign(file=bad["path"].map(lambda p: p.rsplit("/", 1)[-1]))[["file", "reason"]]
+    st.caption("Files in the reports directory that are not runs this dpprof can read, and what imports or merges "
+               "interrupted before they finished left (status \"interrupted import\"), and why.")
+    unreadable = bad.assign(file=bad["path"].map(lambda p: p.rsplit("/", 1)[-1]))[["file", "status", "reason"]]
     st.dataframe(unreadable, hide_index=True)

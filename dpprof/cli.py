@@ -356,8 +356,10 @@ def _cmd_runs(args: argparse.Namespace) -> int:
     # the runs dpprof advise --check recorded, under the run they check
     shown["id"] = [f"└ {i}" if pd.notna(of) else i for i, of in zip(readable["id"], readable["check_of"])]
     print(_table(shown.set_index("id"), "{:.1f}"))
-    for _, bad in runs[runs["reason"].notna()].iterrows():
-        print(f"unreadable: {bad['path']}: {bad['reason']}")
+    for _, short in readable[(readable["status"] == "incomplete") & readable["error"].notna()].iterrows():
+        print(f"incomplete: {short['id']}: {short['error']}")
+    for _, bad in runs[runs["reason"].notna()].iterrows():  # "unreadable", "interrupted import" (a staging directory)
+        print(f"{bad['status']}: {bad['path']}: {bad['reason']}")
     return EXIT_OK
 
 
@@ -711,7 +713,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="import files a run in the reports directory was imported from already, as another run")
     p.add_argument("--jobs", type=_positive_int, default=None, metavar="N",
                    help="files read at once, each in a process of its own (default: one per core, fewer where "
-                        "memory would not hold them; 1: one after another)")
+                        "memory would not hold them; 1: one after another; never more than the cores or the files, "
+                        "said in a warning line)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_import, parser=p)
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import sqlite3
 
-__all__ = ["RecordingError", "cause_of", "is_disk_full", "start_failure", "failure_line", "DISK_FULL"]
+__all__ = ["RecordingError", "cause_of", "is_disk_full", "start_failure", "failure_line", "DISK_FULL", "STORAGE_CAUSES"]
 
 DISK_FULL = "disk full"
 
@@ -34,6 +35,12 @@ _SQLITE_CAUSES = {
     3: "permission denied",  # SQLITE_PERM
     23: "permission denied",  # SQLITE_AUTH
 }
+SQLITE_IOERR = 10  # sqlite3.h: "some kind of disk I/O error occurred"
+# Less than this free beside a file whose write failed with SQLITE_IOERR: the disk is full (one commit of a busy run
+# is hundreds of KB; dpprof.store.reader's FULL_DISK_FREE_BYTES infers a full disk the same way)
+NEARLY_FULL_BYTES = 1 << 20
+# What ``cause_of`` says of a storage failure (the disk, the filesystem); anything else is about the data written
+STORAGE_CAUSES = frozenset({*_ERRNO_CAUSES.values(), *_SQLITE_CAUSES.values()})
 
 
 class RecordingError(Exception):
@@ -50,27 +57,47 @@ class RecordingError(Exception):
         self.cause = cause
 
 
-def cause_of(err: BaseException) -> str:
-    """A storage error in a few words: "disk full", "read-only file system", "permission denied", ..."""
+def cause_of(err: BaseException, where: str | os.PathLike[str] | None = None) -> str:
+    """A storage error in a few words: "disk full", "read-only file system", "permission denied", ...
+
+    SQLite says "disk I/O error" when a full disk stops a write it makes through a mapping (its write-ahead log's
+    index, a file's growth on tmpfs): with ``where`` (the file or directory written), that error on a disk with
+    less than NEARLY_FULL_BYTES free is "disk full", the actual problem.
+    """
     if isinstance(err, OSError) and err.errno in _ERRNO_CAUSES:
         return _ERRNO_CAUSES[err.errno]
     if isinstance(err, sqlite3.Error):
         code = getattr(err, "sqlite_errorcode", None)
         if code is not None and code & 0xFF in _SQLITE_CAUSES:
             return _SQLITE_CAUSES[code & 0xFF]
+        if code is not None and code & 0xFF == SQLITE_IOERR and where is not None and _nearly_full(where):
+            return DISK_FULL
         return str(err) or type(err).__name__
     if isinstance(err, OSError) and err.strerror:
         return err.strerror.lower()
     return str(err) or type(err).__name__
 
 
-def is_disk_full(err: BaseException) -> bool:
-    return cause_of(err) in (DISK_FULL, QUOTA_EXCEEDED)
+def _nearly_full(where: str | os.PathLike[str]) -> bool:
+    path = os.fspath(where)
+    while path and not os.path.isdir(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    try:
+        return shutil.disk_usage(path or ".").free < NEARLY_FULL_BYTES
+    except OSError:
+        return False
+
+
+def is_disk_full(err: BaseException, where: str | os.PathLike[str] | None = None) -> bool:
+    return cause_of(err, where) in (DISK_FULL, QUOTA_EXCEEDED)
 
 
 def start_failure(directory: str | os.PathLike[str], err: BaseException) -> RecordingError:
     """The error for a run that could not start: "cannot record in DIR: CAUSE"."""
-    cause = cause_of(err)
+    cause = cause_of(err, directory)
     if isinstance(err, FileExistsError) and not os.path.isdir(directory):
         cause = "not a directory"  # the reports directory's own path is a file
     return RecordingError(f"cannot record in {os.fspath(directory)}: {cause}", os.fspath(directory), cause)

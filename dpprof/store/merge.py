@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import filecmp
+import secrets
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
+from dpprof.store.faults import cause_of
+from dpprof.store.publish import Stage, recover
 from dpprof.store.reader import _RANK_FILE, RUN_SUFFIX, RunFileError, _open
 
 __all__ = ["merge_rank_files"]
@@ -30,13 +33,15 @@ def merge_rank_files(sources: Iterable[str | Path], out_dir: str | Path) -> dict
 
     Files are checked before anything is copied: each must be a readable dpprof rank file, and a
     (run, rank) found twice must be the same file. Nothing in ``out_dir`` is ever overwritten
-    (an identical file already there is left as it is).
+    (an identical file already there is left as it is). The copies are made in a staging directory and
+    published together (dpprof.store.publish).
 
     Returns:
         run id -> the ranks now in ``out_dir``.
 
     Raises:
-        RunFileError: a source is missing, unreadable, or conflicts with another (nothing copied).
+        RunFileError: a source is missing, unreadable, or conflicts with another (nothing copied); or ``out_dir``
+            cannot take the copies (a full disk: nothing of them is left).
     """
     out = Path(out_dir)
     chosen: dict[tuple[str, int], Path] = {}
@@ -55,12 +60,19 @@ def merge_rank_files(sources: Iterable[str | Path], out_dir: str | Path) -> dict
     if not chosen:
         raise RunFileError("no rank files found in the sources")
     out.mkdir(parents=True, exist_ok=True)
+    recover(out)  # what an import or merge killed here left: published whole, or removed
     merged: dict[str, list[int]] = {}
-    for (run_id, rank), path in sorted(chosen.items()):
-        target = out / path.name
-        if not target.exists():
-            tmp = target.with_name(f".{target.name}.part")
-            shutil.copyfile(path, tmp)
-            tmp.replace(target)  # a crash mid-copy never leaves a half file under the run's name
-        merged.setdefault(run_id, []).append(rank)
+    # copied into a staging directory, then published together (dpprof.store.publish): a kill mid-copy leaves no
+    # half file, and one mid-publish a run listed as incomplete until the next command publishes the rest
+    try:
+        with Stage(out, f".merge-{secrets.token_hex(6)}") as stage:
+            copies = []
+            for (run_id, rank), path in sorted(chosen.items()):
+                if not (out / path.name).exists():
+                    shutil.copyfile(path, stage.path / path.name)
+                    copies.append(stage.path / path.name)
+                merged.setdefault(run_id, []).append(rank)
+            stage.publish(copies)
+    except OSError as err:  # a full disk, say: one line, and nothing of the merge is left
+        raise RunFileError(f"cannot write {out}: {cause_of(err, out)}; nothing was merged") from None
     return merged

@@ -23,7 +23,7 @@ from dpprof.store.schema import FORMAT, RECORD_TABLES, RUN_COLUMNS, SCHEMA_VERSI
 if TYPE_CHECKING:
     from dpprof.store.model import RunModel
 
-__all__ = ["RUN_SUFFIX", "list_runs", "checks_under_their_runs", "load_run", "StoredRun", "RunFileError", "reports_dir",
+__all__ = ["RUN_SUFFIX", "list_runs", "read_run_file", "checks_under_their_runs", "load_run", "StoredRun", "RunFileError", "reports_dir",
            "HEARTBEAT_TIMEOUT_S", "FULL_DISK_FREE_BYTES"]
 
 RUN_SUFFIX = ".sqlite"
@@ -252,6 +252,12 @@ def _rank_of(path: Path) -> int | None:
     return int(match.group(2)) if match else None
 
 
+def read_run_file(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One run file's metadata and summary (steps, their total time) as the listing reads them; RunFileError
+    saying why not."""
+    return _open(Path(path))
+
+
 def _open(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """A run file's metadata and summary, or RunFileError saying why not."""
     try:
@@ -284,13 +290,41 @@ def _combine(metas: list[dict[str, Any]]) -> dict[str, Any]:
     meta["ranks"] = [m.get("rank") for m in metas]
     ends = [m.get("ended_at") for m in metas]
     meta["ended_at"] = max(ends) if all(ends) else None
+    missing = _missing_files(metas)
+    if missing is not None and meta["status"] == "finished":  # never finished with some of its files
+        meta["status"], meta["error"] = "incomplete", missing
     return meta
+
+
+def _missing_files(metas: list[dict[str, Any]]) -> str | None:
+    """Why a distributed run's files are fewer than it says it has, in one sentence; None where none is missing.
+
+    Each rank file says how many the run has: an imported run, its trace files (``workload_args.trace_files``);
+    a recording, its ``world_size``. A run being published (dpprof.store.publish), or left by a kill while it was,
+    holds fewer, as does a recording whose other ranks' files are on other machines (``dpprof merge``)."""
+    first = metas[0]
+    if first.get("rank") is None:
+        return None
+    if first.get("source") == "trace":  # dpprof.store.model.TRACE_SOURCE (model imports this module)
+        listing = (first.get("workload_args") or {}).get("trace_files")
+        expected, what = (len(listing) if isinstance(listing, list) else None), "its trace files"
+    else:
+        size = first.get("world_size")
+        expected, what = (size if isinstance(size, int) and not isinstance(size, bool) else None), "its ranks"
+    held = sorted({m.get("rank") for m in metas}, key=lambda r: (r is None, r))
+    if expected is None or len(held) >= expected:
+        return None
+    return (f"{len(held)} of the {expected} run files of {what} are here (rank{'s' if len(held) != 1 else ''} "
+            f"{', '.join(map(str, held))}): the others were not written, gathered (dpprof merge) or published yet")
 
 
 def list_runs(reports_dir_: str | os.PathLike[str] | None = None) -> pd.DataFrame:
     """Every run in the reports directory, one row each, and every unreadable file with its ``reason``.
 
-    A torch.distributed run's rank files are one row (``ranks`` says how many).
+    A torch.distributed run's rank files are one row (``ranks`` says how many); one holding fewer files than it
+    says it has is ``incomplete``, its ``error`` saying how many. A staging directory that an import or merge killed
+    before it finished left (dpprof.store.publish) is a row of status "interrupted import" or "interrupted merge"
+    with its ``reason``.
 
     Returns:
         a DataFrame with id, name, status, created_at, ended_at, duration_s, backend (in words:
@@ -320,6 +354,9 @@ def list_runs(reports_dir_: str | os.PathLike[str] | None = None) -> pd.DataFram
                      "balanced": bool((meta.get("workload_args") or {}).get("balanced")),
                      "check_of": (meta.get("workload_args") or {}).get("check_of"),
                      "source": meta.get("source"), "reason": None})
+    from dpprof.store.publish import interrupted
+
+    rows += interrupted(reports_dir(reports_dir_))  # imports and merges killed before they finished, with why
     columns = ["id", "name", "status", "created_at", "ended_at", "duration_s", "backend", "devices",
                "workload", "steps", "ranks", "dropped_records", "error", "balanced", "check_of", "source", "path",
                "reason"]
@@ -363,7 +400,7 @@ def _resolve(run: str | os.PathLike[str], directory: Path) -> Path:
         return min(matches, key=lambda p: _rank_of(p) or 0)
     if len(ids) > 1:
         raise RunFileError(f"{run!r} matches {len(ids)} runs in {directory}: {', '.join(sorted(ids)[:5])}")
-    raise RunFileError(f"no run {run!r} in {directory} (dpprof runs lists them)")
+    raise RunFileError(f"no run {os.fspath(run)!r} in {directory} (dpprof runs lists them)")
 
 
 def load_run(run: str | os.PathLike[str], reports_dir_: str | os.PathLike[str] | None = None,

@@ -27,6 +27,7 @@ from typing import Any
 
 from dpprof.store import filesystems
 from dpprof.store.faults import RecordingError, cause_of
+from dpprof.store.publish import recover
 from dpprof.store.writer import _SIDE_FILES, SqliteSink, _hidden, _publish, _remove
 
 try:
@@ -173,8 +174,10 @@ class StagedSink(SqliteSink):
 
 def open_sink(path: str, run_row: dict[str, Any], **kwargs: Any) -> SqliteSink:
     """The sink for a new run file at ``path``: staged on local disk, saying so in one line, where its
-    directory is on a network or FUSE filesystem; first, staged runs left behind are moved into place."""
+    directory is on a network or FUSE filesystem; first, staged runs left behind are moved into place, and what
+    imports and merges killed in the directory left is finished (dpprof.store.publish.recover)."""
     move_leftover_runs()
+    recover(os.path.dirname(path) or ".")  # imports and merges killed here: their runs published whole, or removed
     staging = staging_for(os.path.dirname(path) or ".")
     if staging is None:
         return SqliteSink(path, run_row, **kwargs)

@@ -226,7 +226,7 @@ class SqliteSink:
             self._commit()
         except BaseException as err:  # nothing the disk does may take the training loop down
             if self.failure is None:
-                self.failure = cause_of(err)
+                self.failure = cause_of(err, self.path)
         finally:
             with self._committed:
                 self._committed.notify_all()
@@ -315,8 +315,8 @@ class SqliteSink:
         of its records still fits, in the order they were recorded, each slice with the failure's line for the
         steps then kept; then stop writing. Whatever fits last on a full disk, the run says its status, its
         devices and the steps it holds (its records alone would take the last room)."""
-        self.failure = cause_of(err)
-        self.disk_full = is_disk_full(err)
+        self.failure = cause_of(err, self.path)
+        self.disk_full = is_disk_full(err, self.path)
         self._store((self._run_row(self._failure_columns(self._stopped_line(self.steps_kept))),))
         kept, size = 0, len(records) // 2
         while size >= MIN_KEPT_SLICE and kept < len(records):
@@ -324,7 +324,7 @@ class SqliteSink:
             steps = self.steps_kept + sum(isinstance(r, StepRecord) for r in part)
             try:
                 self._write(part, self._failure_columns(self._stopped_line(steps)))
-                kept += size
+                kept += len(part)  # the last slice may be shorter than ``size``
             except _WRITE_ERRORS:
                 size //= 2
         self._count_dropped(len(records) - kept)
@@ -468,7 +468,7 @@ class SqliteSink:
                 self.folded = True
                 return
             except sqlite3.OperationalError as err:
-                if is_disk_full(err):
+                if is_disk_full(err, self.path):
                     self.folded = False
                     if self.failure is None:  # a failed run's one line says it; a whole run's log must go with it
                         log.warning("dpprof: %s is whole but the disk is full: it keeps its write-ahead log "

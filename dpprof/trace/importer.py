@@ -3,9 +3,10 @@
 Several files of one job are one run with one rank per file, stored the way dpprof's own DDP runs are
 (one ``<run id>.rank<N>.sqlite`` per rank), read several at once in worker processes (dpprof.trace.jobs).
 Files are checked and converted first, the run is written
-under a hidden temporary directory in the reports directory (on local disk where that is on a network or
-FUSE filesystem: dpprof.store.staging) and moved into place only when whole, so a bad file or an
-interrupted import leaves nothing behind.
+under a hidden staging directory in the reports directory (on local disk where that is on a network or
+FUSE filesystem: dpprof.store.staging), checked whole, and published only then (dpprof.store.publish), so a bad
+file, a full disk or Ctrl-C leaves nothing behind, and a kill leaves a staging directory that the next command
+writing there finishes or removes.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import logging
 import os
 import re
 import shutil
+import sqlite3
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,16 +26,18 @@ import pandas as pd
 
 from dpprof.outputs import Outputs
 from dpprof.records import NoteRecord, StepRecord
-from dpprof.store.faults import RecordingError
+from dpprof.store.faults import DISK_FULL, STORAGE_CAUSES, RecordingError, cause_of
 from dpprof.store.model import TRACE_SOURCE
 from dpprof.store.ids import new_run_id  # the same ids as recorded runs
-from dpprof.store.reader import RUN_SUFFIX, load_run, reports_dir as resolve_reports_dir
+from dpprof.store.reader import FULL_DISK_FREE_BYTES, RUN_SUFFIX, RunFileError, load_run, read_run_file
+from dpprof.store.reader import reports_dir as resolve_reports_dir
 from dpprof.store.retention import ALL
-from dpprof.store.staging import move_into_place, staging_for
+from dpprof.store.publish import Stage, recover
+from dpprof.store.staging import staging_for
 from dpprof.store.writer import SqliteSink, replace_findings
 from dpprof.trace.collect import Collected
 from dpprof.trace.convert import Converted, convert
-from dpprof.trace.jobs import collect_files, default_jobs, worker_bytes
+from dpprof.trace.jobs import capped_jobs, collect_files, default_jobs, worker_bytes
 from dpprof.trace.reader import TraceError, is_trace_name
 
 __all__ = ["AlreadyImported", "ImportedRun", "import_traces", "trace_files", "imported_traces", "pending_traces",
@@ -207,12 +211,15 @@ def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | 
     paths = trace_files(sources)
     if not paths:
         raise TraceError("no trace files given")
+    directory = resolve_reports_dir(reports_dir)
+    if directory.is_dir():
+        recover(directory)  # what an import or merge killed here left: published whole, or removed
     if not again:
         imported = imported_traces(reports_dir)
         runs = {p.name: imported[key] for p in paths if (key := (p.name, p.stat().st_size)) in imported}
         if runs:
             raise AlreadyImported(runs, [p.name for p in paths if p.name not in runs])
-    jobs = jobs_for(paths) if jobs is None else max(1, jobs)
+    jobs = jobs_for(paths) if jobs is None else capped_jobs(jobs, len(paths))
 
     def read(index: int, nbytes: int) -> None:
         if progress is not None:
@@ -233,38 +240,28 @@ def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | 
     if not any(any(isinstance(x, StepRecord) for x in c.records) for c in converted):
         raise TraceError(f"{files[0].name}: no CPU ranges to make steps of (a trace with GPU activity only)")
     run_id = new_run_id()
-    directory = resolve_reports_dir(reports_dir)
-    # the run files whole or none; the reports directory, if this made it, goes again with nothing in it; an
-    # OSError (read-only, full, ...) is one OutputError line naming the directory
+    # the run files whole or none (dpprof.store.publish: built in a staging directory, published once whole; a kill
+    # leaves the directory for the next command to finish or remove); the reports directory, if this made it, goes
+    # again with nothing in it; an OSError (read-only, full, ...) is one OutputError line naming the directory
     with Outputs() as out:
         out.directory(directory)
         try:
             local = staging_for(directory)  # a network or FUSE filesystem: the run is written on local disk first
         except RecordingError as err:  # it must be and cannot be: one line, as for a bad file
             raise TraceError(str(err)) from None
-        staging = (local.directory if local is not None else directory) / f".import-{run_id}"
-        staging.mkdir()
-        if local is not None:
-            log.warning("dpprof: %s: writing the run in %s on local disk and moving it into %s whole", local.why(),
-                        staging, directory)
-        moved: list[Path] = []
-        try:
-            written = _write(staging, run_id, name or files[0].name, files, ranks if distributed else [None],
+        with Stage(directory, f".import-{run_id}", local.directory if local is not None else None) as stage:
+            if local is not None:
+                log.warning("dpprof: %s: writing the run in %s on local disk and moving it into %s whole",
+                            local.why(), stage.path, directory)
+            written = _write(stage.path, run_id, name or files[0].name, files, ranks if distributed else [None],
                              converted, t0_abs, distributed)
             _store_findings(written)
             for path in written:
                 if (directory / path.name).exists():
                     raise TraceError(f"{directory / path.name}: already exists; nothing was imported")
-            for path in written:
-                move_into_place(path, directory / path.name)  # never over a file that appeared meanwhile
-                moved.append(directory / path.name)
-            staging.rmdir()
-        except BaseException:
-            for path in moved:  # files this import created, never a user's run
-                path.unlink(missing_ok=True)
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-    final = moved
+            # the other ranks first, the run's first file (whose row the listing shows) last
+            published = stage.publish([*written[1:], written[0]])
+    final = [*published[-1:], *published[:-1]]
     devices = [d for c in converted for d in c.devices]
     steps = max(sum(1 for x in c.records if isinstance(x, StepRecord)) for c in converted)
     return ImportedRun(id=run_id, paths=final, steps=steps, devices=devices)
@@ -309,10 +306,7 @@ def _write(staging: Path, run_id: str, name: str, files: list[Collected], ranks:
                 sink.put(NoteRecord(t_ms=0.0, source="trace", message=f"{f.name}: {message}"))
         finally:
             sink.close()
-        if sink.failure is not None:  # a full disk, say: the import's outputs say where and why in one line
-            raise RecordingError(sink.message or sink.failure, str(staging), sink.failure)
-        if sink.dropped:
-            raise TraceError(f"{f.name}: {sink.dropped} records could not be written")
+        _check_written(f.name, path, sink, len(steps))
 
     if len(files) == 1:
         write(0)
@@ -323,13 +317,43 @@ def _write(staging: Path, run_id: str, name: str, files: list[Collected], ranks:
     return paths
 
 
+def _check_written(source: str, path: Path, sink: SqliteSink, steps: int) -> None:
+    """Raise unless the run file at ``path`` is whole: every record stored, its log folded back into it, and, read
+    back, finished with every step. A full disk is a RecordingError (one line naming the directory, exit 1),
+    a value SQLite cannot store (a number past 64 bits) a TraceError naming the trace file."""
+    staging = str(path.parent)
+    if sink.failure is not None:
+        if sink.disk_full or sink.failure in STORAGE_CAUSES:  # a full disk, say: the outputs say where and why
+            raise RecordingError(sink.message or sink.failure, staging, sink.failure)
+        raise TraceError(f"{source}: a value could not be stored ({sink.failure}); nothing was imported")
+    if sink.dropped:
+        raise TraceError(f"{source}: {sink.dropped} records could not be written; nothing was imported")
+    if not sink.folded:  # the file alone is not the whole run: its write-ahead log could not be folded back
+        full = shutil.disk_usage(staging).free < FULL_DISK_FREE_BYTES
+        cause = DISK_FULL if full else "its write-ahead log could not be folded back into the run file"
+        raise RecordingError(cause, staging, cause)
+    try:
+        meta, summary = read_run_file(path)
+    except RunFileError as err:
+        raise RecordingError(f"{path.name}: {err}", staging, str(err)) from None
+    if meta["status"] != "finished" or summary["steps"] != steps:
+        cause = DISK_FULL if meta["status"] == "disk_full" else (
+            f"the run file reads {meta['status']} with {summary['steps']} of {steps} steps")
+        raise RecordingError(cause, staging, cause)
+
+
 def _store_findings(written: list[Path]) -> None:
     """The findings of the imported run's kind (dpprof.findings), stored in its first file."""
     from dpprof.findings import FINDING_COLUMNS, run_findings
 
-    found = run_findings(load_run(written[0]), fresh=True).table
-    rows = [tuple(None if pd.isna(v) else v for v in row) for row in found[FINDING_COLUMNS].itertuples(index=False)]
-    replace_findings(str(written[0]), rows)
+    try:
+        found = run_findings(load_run(written[0]), fresh=True).table
+        rows = [tuple(None if pd.isna(v) else v for v in row)
+                for row in found[FINDING_COLUMNS].itertuples(index=False)]
+        replace_findings(str(written[0]), rows)
+    except (sqlite3.Error, OSError) as err:  # a full disk as the findings are stored: one line, exit 1
+        cause = cause_of(err, written[0])
+        raise RecordingError(cause, str(written[0].parent), cause) from None
 
 
 def jobs_for(paths: Sequence[str | os.PathLike[str]]) -> int:

@@ -11,6 +11,7 @@ Elsewhere they are fresh interpreters (spawn), which import dpprof first (about 
 """
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
@@ -25,7 +26,7 @@ from typing import Any
 from dpprof.trace.collect import Collected, collect
 from dpprof.trace.reader import TraceError, TraceFile
 
-__all__ = ["default_jobs", "collect_files", "usable_cores", "available_memory_bytes", "worker_bytes"]
+__all__ = ["default_jobs", "capped_jobs", "collect_files", "usable_cores", "available_memory_bytes", "worker_bytes"]
 
 # What one worker may hold at its peak, to choose how many fit in memory (measured on the bench's traces:
 # a spawned worker's interpreter and imports take ~106 MiB, and collecting a 252 MiB trace adds ~22 MiB of
@@ -35,6 +36,8 @@ WORKER_BASE_BYTES = 256 << 20
 COLLECTED_PER_JSON_BYTE = 1 / 8  # collected arrays and buffers per byte of JSON read (~1/11 measured), with margin
 GZIP_RATIO = 12  # JSON bytes per byte of a .json.gz, for the estimate (Kineto traces compress 8-12x)
 MEMORY_SHARE = 0.5  # the workers together take at most half the memory available: the caller holds the results
+
+log = logging.getLogger("dpprof")
 
 
 def usable_cores() -> int:
@@ -93,6 +96,26 @@ def default_jobs(sizes_bytes: Sequence[int], cores: int | None = None, available
         largest = sorted(sizes_bytes, reverse=True)
         while jobs > 1 and sum(largest[:jobs]) > budget:
             jobs -= 1
+    return jobs
+
+
+def capped_jobs(requested: int, files: int, cores: int | None = None) -> int:
+    """How many files to read at once when ``requested`` were asked for (``--jobs``): no more than the usable cores
+    (more workers only take turns on them, each holding its memory) nor the files, at least one; one warning line
+    on the dpprof logger when that is fewer than asked.
+
+    Args:
+        requested: the number asked for.
+        files: how many files there are to read.
+        cores: default ``usable_cores()``.
+    """
+    cores = usable_cores() if cores is None else cores
+    jobs = max(1, min(requested, cores, files))
+    if jobs < requested:
+        limits = [f"{cores} usable core{'s' if cores != 1 else ''}"] if cores < requested else []
+        if files < requested:
+            limits.append(f"{files} file{'s' if files != 1 else ''}")
+        log.warning("dpprof: --jobs %d capped at %d (%s)", requested, jobs, " and ".join(limits))
     return jobs
 
 
