@@ -72,7 +72,9 @@ def markdown_code(value: object) -> str:
     text = one_line(value)
     longest = max((len(m) for m in re.findall(r"`+", text)), default=0)
     fence = "`" * (longest + 1)
-    pad = " " if text.startswith("`") or text.endswith("`") or not text else ""
+    if not text:
+        return "` `"
+    pad = " " if text.startswith("`") or text.endswith("`") else ""  # CommonMark strips one space each side
     return f"{fence}{pad}{text}{pad}{fence}"
 
 
