@@ -18,7 +18,7 @@ import re
 import string
 import unicodedata
 
-__all__ = ["JOINER", "markdown_text", "markdown_code", "plotly_text", "one_line"]
+__all__ = ["JOINER", "markdown_text", "markdown_code", "markdown_words", "plotly_text", "one_line"]
 
 # CommonMark lets a backslash escape every ASCII punctuation character, and an escaped one is always literal text:
 # no emphasis, link, image, code, HTML, entity, heading or list marker. Escaping all of them (not only those
@@ -56,7 +56,11 @@ def markdown_text(value: object) -> str:
     Returns:
         Markdown source whose rendering is the text itself, safe to interpolate into a markdown template.
     """
-    text = _WWW_DOT.sub(JOINER, one_line(value))
+    return _escaped(one_line(value))
+
+
+def _escaped(text: str) -> str:
+    text = _WWW_DOT.sub(JOINER, text)
     out = []
     for ch, after in zip(text, text[1:] + " "):
         if ch in _ESCAPED:
@@ -76,6 +80,16 @@ def markdown_code(value: object) -> str:
         return "` `"
     pad = " " if text.startswith("`") or text.endswith("`") else ""  # CommonMark strips one space each side
     return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def markdown_words(value: object) -> str:
+    """dpprof's own sentences, whose commands are in backticks ("`dpprof advise RUN --calibrate` measures..."),
+    as markdown: each backticked part a code span (markdown_code), the rest plain text (markdown_text). Whatever
+    names the sentence holds, nothing in it becomes markup: a stray backtick only moves where code starts."""
+    parts = one_line(value).split("`")
+    if len(parts) % 2 == 0:  # an odd number of backticks: no pairs to trust
+        return markdown_text(value)
+    return "".join(markdown_code(p) if i % 2 else _escaped(p) for i, p in enumerate(parts))
 
 
 def plotly_text(value: object) -> str:

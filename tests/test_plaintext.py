@@ -14,7 +14,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from dpprof.plaintext import JOINER, markdown_code, markdown_text, one_line, plotly_text
+from dpprof.plaintext import JOINER, markdown_code, markdown_text, markdown_words, one_line, plotly_text
 
 markdown_it = pytest.importorskip("markdown_it", reason="markdown-it-py is missing (requirements-dev.txt)")
 
@@ -101,3 +101,15 @@ def test_plotly_text_has_no_markup_and_decodes_to_the_text(text):
 def test_one_line_turns_control_characters_into_spaces():
     assert one_line("a\nb\r\tc\x00d\u2028e") == "a b  c d e"
     assert one_line(None) == "" and one_line(12) == "12"
+
+
+@settings(max_examples=300, deadline=None)
+@given(TEXT, TEXT)
+def test_markdown_words_makes_code_of_backticks_and_nothing_else(name, command):
+    """dpprof's sentence with a command in backticks and a name anywhere: code spans and text, no other element."""
+    source = markdown_words(f"Run {name} has no calibration: `dpprof advise {command} --calibrate` measures it.")
+    tokens = MD.parse(source)
+    assert [t.type for t in tokens] == ["paragraph_open", "inline", "paragraph_close"]
+    assert {c.type for c in tokens[1].children} <= {"text", "code_inline"}
+    if "`" not in name + command:
+        assert any(c.type == "code_inline" and c.content.startswith("dpprof advise") for c in tokens[1].children)
