@@ -12,8 +12,9 @@ from dpprof.views import export
 def body(row: pd.Series) -> None:
     common.run_header(row)
     st.subheader("Download")
-    st.caption("CSV files are built when you click. A text cell that begins with = + - or @ is prefixed with ' "
-               "so that a spreadsheet shows it instead of running it.")
+    st.caption("CSV files are built when you click. A text cell that begins with = + - or @ (after any spaces or "
+               "control characters), or with a tab or a line break, is prefixed with ' so that a spreadsheet shows "
+               "it instead of running it.")
     st.download_button("⬇ The whole run (zip of CSVs)", common.run_zip(row), file_name=f"{row['id']}.zip",
                        mime="application/zip", type="primary", key="zip", on_click="ignore")
     c1, c2 = st.columns([2, 5])

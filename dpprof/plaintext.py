@@ -18,7 +18,7 @@ import re
 import string
 import unicodedata
 
-__all__ = ["JOINER", "markdown_text", "markdown_code", "markdown_words", "plotly_text", "one_line"]
+__all__ = ["JOINER", "markdown_text", "markdown_code", "markdown_words", "shown_text", "plotly_text", "one_line"]
 
 # CommonMark lets a backslash escape every ASCII punctuation character, and an escaped one is always literal text:
 # no emphasis, link, image, code, HTML, entity, heading or list marker. Escaping all of them (not only those
@@ -90,6 +90,12 @@ def markdown_words(value: object) -> str:
     if len(parts) % 2 == 0:  # an odd number of backticks: no pairs to trust
         return markdown_text(value)
     return "".join(markdown_code(p) if i % 2 else _escaped(p) for i, p in enumerate(parts))
+
+
+def shown_text(source: str) -> str:
+    """The characters markdown_text's output shows (its backslashes and joiners gone): what a reader sees, for
+    checks on the markdown source a page sends (Streamlit's AppTest)."""
+    return re.sub(r"\\(.)", r"\1", source).replace(JOINER, "")
 
 
 def plotly_text(value: object) -> str:

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from dpprof.plaintext import JOINER, markdown_code, markdown_text, markdown_words, one_line, plotly_text
+from dpprof.plaintext import JOINER, markdown_code, markdown_text, markdown_words, one_line, plotly_text, shown_text
 
 markdown_it = pytest.importorskip("markdown_it", reason="markdown-it-py is missing (requirements-dev.txt)")
 
@@ -59,6 +59,7 @@ def test_markdown_text_renders_as_the_text_itself(text):
     shown = _shown(markdown_text(text))
     assert shown is not None, (text, MD.parse(markdown_text(text)))  # no element: only text
     assert shown.replace(JOINER, "") == one_line(text).replace(JOINER, "")
+    assert shown_text(markdown_text(text)) == one_line(text).replace(JOINER, "")  # what the AppTest checks read
 
 
 @settings(max_examples=400, deadline=None)
