@@ -477,3 +477,52 @@ def test_a_failed_run_is_not_opened_first_shows_its_error_as_code_and_gives_no_f
     at = _page(_app(), "compare")  # a new session: the newest finished run is open
     assert at.multiselect[0].value == [finished.id, second.id]  # the older first, as the baseline
     assert _charts(at) == 3
+
+
+# A run named with markdown: bold, a javascript: link, an image on an unroutable address (TEST-NET-2), raw HTML,
+# Streamlit's colour directive and LaTeX. Every page shows the characters; none becomes an element.
+HOSTILE_NAME = ("**x** [y](javascript:alert(1)) beacon ![t](http://198.51.100.7/p.png?who=viewer) "
+                "<img src=http://198.51.100.7/i.png> :red[z] $a$ www.example.com")
+_MARKUP = {"link_open", "image", "html_inline", "html_block", "em_open"}
+
+
+def _markup_in(at: AppTest) -> list[tuple[str, str]]:
+    """Elements whose markdown (as CommonMark parses it) holds a link, an image, HTML, emphasis, or bold around
+    part of the name: (element kind, its markdown)."""
+    from markdown_it import MarkdownIt
+
+    md = MarkdownIt("commonmark")
+    sources = [(kind, e.value) for kind in ("title", "header", "subheader", "markdown", "caption", "info", "warning",
+                                            "error", "success") for e in at.get(kind)]
+    sources += [("metric", m.label) for m in at.metric] + [("expander", e.label) for e in at.expander]
+    found = []
+    for kind, source in sources:
+        tokens = [t for block in md.parse(str(source)) for t in (block.children or [])]
+        bold = [b.content for a, b in zip(tokens, tokens[1:]) if a.type == "strong_open"]
+        if _MARKUP & {t.type for t in tokens} or any(part in ("x", "z") for part in bold):
+            found.append((kind, source))
+    return found
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("hostile-reports")
+    first = record(directory, HOSTILE_NAME, workers=2, steps=4, batch_size=16, workload="tutorial-linear")
+    second = record(directory, HOSTILE_NAME + " again", workers=3, steps=4, batch_size=16, workload="tutorial-linear")
+    return SimpleNamespace(dir=directory, first=first, second=second)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_a_run_named_with_markdown_shows_its_name_as_text_on_every_page(hostile, monkeypatch, page):
+    monkeypatch.setenv("DPPROF_REPORTS", str(hostile.dir))
+    at = _app()
+    at.session_state[common.COMPARE_KEY] = [hostile.first.id, hostile.second.id]
+    at = _page(at, page)
+    assert not _markup_in(at), _markup_in(at)
+    if page in ("overview", "load", "timeline", "advise", "export"):  # a run's page: its name is the title
+        assert shown_text(at.title[0].value) == HOSTILE_NAME + " again"
+    picker = at.sidebar.selectbox[0]  # options are plain text: the label as it is
+    assert run_label(hostile.first.meta, status=True) in picker.options
+    if page == "compare":
+        shown = _texts(at.caption) + _texts(at.markdown)
+        assert f"Against the baseline, {run_label(hostile.first.meta)}." in shown

@@ -174,3 +174,32 @@ def test_two_tabs_pressing_import_at_once_make_one_run(tmp_path, monkeypatch):
     said = sorted(shown_text(m.value) for at in tabs for m in [*at.success, *at.warning])
     assert said == [f"Imported run {run_id}: 3 steps on rank:0.",
                     f"Nothing imported: ddp-2ranks-rank0-nccl.json.gz is already imported as run {run_id}."]
+
+
+# A trace file's name is the default run name and is shown in the messages: markdown and an image in it stay text.
+HOSTILE_FILE = "**bad** [y](javascript:alert(1)) ![t](https:198.51.100.7) :red[z] $a$.pt.trace.json"
+
+
+@pytest.mark.parametrize("content", [
+    b'{"schemaVersion": 1, "traceEvents": [',  # cut off mid-file
+    b'{"schemaVersion": 1}',  # no events at all
+    b'{"traceEvents": [{"ph": "X", "name": "a\\nb", "ts": 1, "dur": 2}]}\n' + b"\x00" * 8,  # a NUL after the JSON
+])
+def test_a_refused_trace_is_one_line_of_text_on_the_runs_page(tmp_path, monkeypatch, content):
+    from markdown_it import MarkdownIt
+
+    from dpprof.trace import TraceError
+
+    (tmp_path / HOSTILE_FILE).write_bytes(content)
+    with pytest.raises(TraceError) as refused:  # what `dpprof import` says for the file, in one line
+        import_traces([tmp_path / HOSTILE_FILE], tmp_path / "elsewhere")
+    at = _runs_page(monkeypatch, tmp_path, rows=[0])
+    at.button(key="import_traces").click().run()
+    assert not at.exception, [e.message for e in at.exception]
+    [error] = at.error
+    assert "\n" not in error.value
+    assert shown_text(error.value) == f"Not imported: {' '.join(str(refused.value).split())}"
+    assert HOSTILE_FILE in shown_text(error.value)
+    tokens = MarkdownIt("commonmark").parse(error.value)[1].children
+    assert {t.type for t in tokens} == {"text"}  # no link, image, emphasis or HTML from the file's name
+    assert dpprof.list_runs(tmp_path).empty and (tmp_path / HOSTILE_FILE).read_bytes() == content
