@@ -18,7 +18,7 @@ import re
 import string
 import unicodedata
 
-__all__ = ["JOINER", "markdown_text", "markdown_code", "markdown_words", "shown_text", "plotly_text", "one_line"]
+__all__ = ["JOINER", "markdown_code", "markdown_text", "markdown_words", "one_line", "plotly_text", "shown_text"]
 
 # CommonMark lets a backslash escape every ASCII punctuation character, and an escaped one is always literal text:
 # no emphasis, link, image, code, HTML, entity, heading or list marker. Escaping all of them (not only those

@@ -5,6 +5,7 @@ and choosing runs only from the listing.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -498,7 +499,7 @@ def _markup_in(at: AppTest) -> list[tuple[str, str]]:
     found = []
     for kind, source in sources:
         tokens = [t for block in md.parse(str(source)) for t in (block.children or [])]
-        bold = [b.content for a, b in zip(tokens, tokens[1:]) if a.type == "strong_open"]
+        bold = [b.content for a, b in itertools.pairwise(tokens) if a.type == "strong_open"]
         if _MARKUP & {t.type for t in tokens} or any(part in ("x", "z") for part in bold):
             found.append((kind, source))
     return found

@@ -5,7 +5,13 @@ import pytest
 import torch
 
 import dpprof
-from dpprof.device_ids import MAX_CPU_WORKERS, MAX_DEVICE_INDEX, DeviceSet, is_cpu_worker_list, resolve_devices
+from dpprof.device_ids import (
+    MAX_CPU_WORKERS,
+    MAX_DEVICE_INDEX,
+    DeviceSet,
+    is_cpu_worker_list,
+    resolve_devices,
+)
 
 needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts that CUDA devices are absent")
 

