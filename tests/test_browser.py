@@ -304,6 +304,12 @@ def test_names_with_markdown_and_images_fetch_nothing_and_make_no_element(hostil
             page.wait_for_timeout(1_500)  # the page's last elements and charts drawn
             _no_element_from_a_name(page, path)
             visited += 1
+    page.locator('[data-testid="stSidebar"] [data-testid="stSelectbox"]').click()  # the picker's options open
+    page.get_by_role("option").first.wait_for()
+    options = page.get_by_role("option").all_inner_texts()
+    assert any(o.startswith(HOSTILE_NAME) for o in options), options  # each run's label, as text
+    _no_element_from_a_name(page, "run picker")
+    page.keyboard.press("Escape")
     page.goto(f"{base}/runs")
     _heading(page, "Runs")
     page.get_by_text("torch.profiler traces to import").wait_for()
