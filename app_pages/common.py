@@ -308,7 +308,7 @@ def start_run(workload: str, devices: str, steps: int, batch_size: int | None = 
     try:  # a read-only, full or missing reports directory: the one line `dpprof profile` would print
         check_reports_dir(directory)
     except RecordingError as err:
-        st.error(f"dpprof: {err}")
+        st.error(markdown_text(f"dpprof: {err}"))  # the path is the user's
         return None
     logs = directory / ".logs"  # a dot-directory: list_runs never lists it
     logs.mkdir(parents=True, exist_ok=True)
