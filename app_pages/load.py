@@ -18,7 +18,7 @@ def body(row: pd.Series) -> None:
     if model.kind == "empty":
         return
     work = model.work.label
-    st.subheader(markdown_text(f"{work.capitalize()} time per {model.unit}"), anchor=False)
+    st.subheader(markdown_text(f"{work.capitalize()} time per {model.unit}"))
     if data.work_stats.empty:
         common.missing(data.missing.get("work") or f"No {work} phases recorded.")
     else:
