@@ -423,7 +423,7 @@ def watch_started_run() -> None:
             st.error(f"Process {pid} exited with code {code}: {markdown_code(command)}")
         if row is not None:
             st.session_state[RUN_KEY] = row["id"]
-            st.markdown(f"Run **{markdown_text(row['name'])}** ({markdown_code(row['id'])}) is "
+            st.markdown(f"Run **{markdown_text(row['name'] or row['id'])}** ({markdown_code(row['id'])}) is "
                         f"{markdown_text(row['status'])}.")
             st.page_link("app_pages/overview.py", label="Open it on Overview →")
         elif status == "running":
