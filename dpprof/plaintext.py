@@ -1,4 +1,4 @@
-"""Strings from users and files (run names, trace file names, job, event, device and host names, error messages)
+r"""Strings from users and files (run names, trace file names, job, event, device and host names, error messages)
 as plain text inside markup: Streamlit's markdown and plotly's subset of HTML.
 
 A run named ``beacon ![t](http://198.51.100.7/p.png)`` must show those characters, not fetch that image; one
@@ -7,8 +7,10 @@ such string through ``markdown_text`` (or ``markdown_code``) before it is part o
 label, and dpprof.charts passes them through ``plotly_text`` before they are part of a figure.
 
 Example:
-    >>> markdown_text("**x** [y](javascript:alert(1))")
-    '\\\\*\\\\*x\\\\*\\\\* \\\\[y\\\\]\\\\(javascript\\\\:alert\\\\(1\\\\)\\\\)'
+    >>> markdown_text("a_b*c [y](z)")
+    'a\\_b\\*c \\[y\\]\u2060\\(z\\)'
+    >>> shown_text(markdown_text("**x** ![t](http://198.51.100.7/p.png)"))
+    '**x** ![t](http://198.51.100.7/p.png)'
     >>> plotly_text("<a href='x'>y</a>")
     "&lt;a href='x'&gt;y&lt;/a&gt;"
 """
