@@ -7,6 +7,7 @@ import streamlit as st
 
 from app_pages import common
 from dpprof import charts
+from dpprof.plaintext import markdown_code, markdown_text, markdown_words
 from dpprof.units import mib
 from dpprof.views import advise
 
@@ -26,16 +27,16 @@ def body(row: pd.Series) -> None:
         return
     a = data.advice
     for line in a.said_first:  # stalls, a too noisy run, a loaded calibration: before any figure
-        st.warning(line)
-    st.caption(data.calibration_note)
+        st.warning(markdown_text(line))
+    st.caption(markdown_words(data.calibration_note))
     c = st.columns(3)
     c[0].metric("Measured median step", f"{a.measured_step_ms:.2f} ms")
     best = a.headline()
     if best is not None:
         c[1].metric("Fastest at this batch", f"{best.step_ms:.2f} ms", f"{best.step_ms / a.measured_step_ms - 1:+.0%}",
-                    delta_color="inverse", help=best.label)
+                    delta_color="inverse", help=markdown_text(best.label))
     if a.max_batch_size:
-        c[2].metric("Largest batch that fits", f"{min(a.max_batch_size.values()):,}", help=a.max_batch_note)
+        c[2].metric("Largest batch that fits", f"{min(a.max_batch_size.values()):,}", help=markdown_text(a.max_batch_note))
     table = advise.scenario_table(a)
     if table["predicted"].any():
         common.chart(charts.advice_parts(advise.parts_table(a), table[table["predicted"]].reset_index(drop=True)))
@@ -45,12 +46,12 @@ def body(row: pd.Series) -> None:
     common.table(table.drop(columns=["scenario"]), "advice")
     st.subheader("Each scenario")
     for s in a.scenarios:
-        with st.expander(advise.scenario_title(s), expanded=s.scenario == "ddp"):
+        with st.expander(markdown_text(advise.scenario_title(s)), expanded=s.scenario == "ddp"):
             if s.withheld is not None and a.withheld is None:
-                st.caption(f"No prediction: {s.withheld}.")
+                st.caption(f"No prediction: {markdown_text(s.withheld)}.")
             for change in s.changes:
-                st.markdown(f"- {change}")
-            st.markdown("Peak held: " + ", ".join(f"{d} **{mib(b)}**" for d, b in s.peak_bytes.items()))
+                st.markdown(f"- {markdown_text(change)}")
+            st.markdown("Peak held: " + ", ".join(f"{markdown_text(d)} **{mib(b)}**" for d, b in s.peak_bytes.items()))
             if s.command:
                 st.code(s.command, language="bash")
             else:
@@ -58,14 +59,15 @@ def body(row: pd.Series) -> None:
     st.subheader("Memory per device")
     common.table(advise.memory_table(a), "advice_memory")
     if a.max_batch_size:
-        st.markdown("Largest global batch that fits: " + ", ".join(f"{d} **{b:,}**" for d, b in a.max_batch_size.items())
-                    + f" ({a.max_batch_note}).")
+        st.markdown("Largest global batch that fits: " + ", ".join(f"{markdown_text(d)} **{b:,}**"
+                                                                   for d, b in a.max_batch_size.items())
+                    + f" ({markdown_text(a.max_batch_note)}).")
     else:
         common.missing(a.max_batch_note)
     st.subheader("Assumptions")
     for line in a.assumptions:
-        st.markdown(f"- {line}")
-    st.caption(f"`dpprof advise {a.run_id}` prints the same; `--check` runs every scenario for real and sets the "
+        st.markdown(f"- {markdown_text(line)}")
+    st.caption(f"{markdown_code(f'dpprof advise {a.run_id}')} prints the same; `--check` runs every scenario for real and sets the "
                "measured step beside the prediction.")
 
 

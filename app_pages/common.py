@@ -22,6 +22,7 @@ import streamlit as st
 
 from dpprof.export import to_csv_bytes
 from dpprof import views
+from dpprof.plaintext import markdown_code, markdown_text, markdown_words
 from dpprof.views import export
 from dpprof.views.text import display_table, finding_heading, run_label
 from dpprof.store.faults import RecordingError
@@ -132,7 +133,7 @@ def sidebar_picker() -> None:
         wanted = st.query_params.get("run")
         state[RUN_KEY] = wanted if wanted in ids else default_run(runs)
     with st.sidebar:
-        st.caption(f"Runs in `{reports_dir()}`")
+        st.caption(f"Runs in {markdown_code(reports_dir())}")
         if not ids:
             st.write("No runs yet.")
             return
@@ -169,11 +170,11 @@ def chosen_run() -> pd.Series | None:
 
 
 def run_header(row: pd.Series) -> None:
-    """The run's name, status and what it ran."""
-    st.title(f"{row['name'] or row['id']}")
+    """The run's name, status and what it ran (each name as plain text: dpprof.plaintext)."""
+    st.title(markdown_text(row["name"] or row["id"]), anchor=False)
     cols = st.columns([1, 6])
     with cols[0]:
-        st.badge(row["status"], color=STATUS_COLORS.get(row["status"], "gray"))
+        st.badge(markdown_text(row["status"]), color=STATUS_COLORS.get(row["status"], "gray"))
         if row.get("balanced"):
             st.badge("balanced", color="violet", help="DataParallelModel + DataParallelCriterion: each device "
                      "computes its share of the loss, nothing is gathered")
@@ -184,18 +185,18 @@ def run_header(row: pd.Series) -> None:
     workload = row["workload"] if isinstance(row["workload"], str) and row["workload"] else None
     workload = None if model.imported and workload == LEGACY_WORKLOAD else workload
     job = view(views.job_of, row)  # an imported rank's job: "rank 0 of a 128-rank job (nccl)"
-    what = [f"run `{row['id']}`", model.title, workload or (None if model.imported else "your model"),
+    what = [model.title, workload or (None if model.imported else "your model"),
             f"{model.unit}s {', '.join(model.devices) or '-'}", job, plural(steps, "step"), f"started {created} UTC"]
-    cols[1].caption(" · ".join(w for w in what if w))
+    cols[1].caption(" · ".join([f"run {markdown_code(row['id'])}"] + [markdown_text(w) for w in what if w]))
     if model.kind == "empty" and row["status"] != "running":
         missing(model.empty_reason or "The run recorded no steps.")
     if row["status"] == "running":
         st.caption(f"Recording: this page re-reads the run every {REFRESH_S:.0f} s.")
     elif row["status"] == "disk_full":
         st.warning("The disk filled while this run recorded: the steps committed before are shown, the rest "
-                   "were not recorded." + (f" {row['error']}" if row.get("error") else ""))
+                   "were not recorded." + (f" {markdown_text(row['error'])}" if row.get("error") else ""))
     elif row["status"] == "interrupted" and row.get("error"):
-        st.warning(f"The run was {row['error']}.")
+        st.warning(f"The run was {markdown_text(row['error'])}.")
     elif row["status"] in ("failed", "incomplete") and row.get("error"):
         st.warning(f"The run {row['status']}:")
         st.code(str(row["error"]), language=None)  # a traceback keeps its lines and its ^^^^ markers
@@ -266,17 +267,20 @@ def csv_button(df: pd.DataFrame, name: str, index: bool = False) -> None:
 
 
 def missing(text: str) -> None:
-    """Data this run does not have, said in words (never an empty chart)."""
-    st.info(text, icon="ℹ️")
+    """Data this run does not have, said in words (never an empty chart); the names in them as plain text, the
+    commands in backticks as code (dpprof.plaintext.markdown_words)."""
+    st.info(markdown_words(text), icon="ℹ️")
 
 
 _BOX = {"critical": st.error, "warning": st.warning, "info": st.info}
 
 
 def finding_box(f: Any) -> None:
-    """One finding (a FindingRecord or a row with its fields) as a box coloured by its severity."""
-    _BOX.get(f.severity, st.info)(f"**{finding_heading(f.severity, f.device, f.title)}**\n\n"
-                                  f"Evidence: {f.evidence}\n\nAdvice: {f.advice}")
+    """One finding (a FindingRecord or a row with its fields) as a box coloured by its severity; its words as
+    plain text (they name devices, kernels and collectives from the run)."""
+    heading = markdown_text(finding_heading(f.severity, f.device, f.title))
+    _BOX.get(f.severity, st.info)(f"**{heading}**\n\nEvidence: {markdown_text(f.evidence)}\n\n"
+                                  f"Advice: {markdown_text(f.advice)}")
 
 
 def chart(fig: Any) -> None:
@@ -304,7 +308,7 @@ def start_run(workload: str, devices: str, steps: int, batch_size: int | None = 
     try:  # a read-only, full or missing reports directory: the one line `dpprof profile` would print
         check_reports_dir(directory)
     except RecordingError as err:
-        st.error(f"dpprof: {err}")
+        st.error(markdown_text(f"dpprof: {err}"))  # the path is the user's
         return None
     logs = directory / ".logs"  # a dot-directory: list_runs never lists it
     logs.mkdir(parents=True, exist_ok=True)
@@ -404,22 +408,23 @@ def watch_started_run() -> None:
         row = run_of_process(pid)
         command = " ".join(processes()[pid]["cmd"][1:])
         if status == "running":
-            st.info(f"Process {pid} is running: `{command}`")
+            st.info(f"Process {pid} is running: {markdown_code(command)}")
             progress = progress_line(pid, row)
             c1, c2 = st.columns([1, 5])
             if c1.button("Stop", key=f"stop-{pid}", help="End the run (SIGTERM); the steps recorded so far are kept"):
                 stop_run(pid)
             c2.markdown(f"**{progress}**" if progress else "Starting…")
         elif code == 0:
-            st.success(f"Process {pid} finished: `{command}`")
+            st.success(f"Process {pid} finished: {markdown_code(command)}")
         elif processes()[pid].get("stopped"):
             st.warning(f"Process {pid} was stopped (SIGTERM, exit code {code}); the steps it recorded are kept: "
-                       f"`{command}`")
+                       f"{markdown_code(command)}")
         else:
-            st.error(f"Process {pid} exited with code {code}: `{command}`")
+            st.error(f"Process {pid} exited with code {code}: {markdown_code(command)}")
         if row is not None:
             st.session_state[RUN_KEY] = row["id"]
-            st.write(f"Run **{row['name']}** (`{row['id']}`) is {row['status']}.")
+            st.markdown(f"Run **{markdown_text(row['name'] or row['id'])}** ({markdown_code(row['id'])}) is "
+                        f"{markdown_text(row['status'])}.")
             st.page_link("app_pages/overview.py", label="Open it on Overview →")
         elif status == "running":
             st.caption("Waiting for the run file to appear…")

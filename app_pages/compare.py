@@ -8,6 +8,7 @@ import pandas as pd
 import streamlit as st
 
 from dpprof import charts
+from dpprof.plaintext import markdown_text
 from dpprof.views import compare
 from dpprof.views.text import display_table, run_label
 from app_pages import common
@@ -48,8 +49,8 @@ def body() -> None:
     rows = [runs[runs["id"] == i].iloc[0] for i in chosen]
     data = compare.combine([common.view(compare.compare_part, r) for r in rows])
     st.subheader("What differs")
-    st.caption(f"Against the baseline, {data.summary.iloc[0]['run']}.")
-    st.markdown("\n".join(f"- {line}" for line in data.differences) or "Nothing to compare yet.")
+    st.caption(f"Against the baseline, {markdown_text(data.summary.iloc[0]['run'])}.")  # run names: plain text
+    st.markdown("\n".join(f"- {markdown_text(line)}" for line in data.differences) or "Nothing to compare yet.")
     shown = display_table(data.summary).set_index("run").T
     st.dataframe(shown.map(_cell), width="stretch")
     common.csv_button(data.summary, "compare_summary")

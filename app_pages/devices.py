@@ -9,7 +9,7 @@ import torch
 
 from app_pages import common
 from dpprof import charts
-from dpprof.device_ids import resolve_devices
+from dpprof.device_ids import MAX_CPU_WORKERS, resolve_devices
 from dpprof.devices import check_balance, chunk_sizes, cpu_info, inventory
 from dpprof.nvml import Nvml, NvmlUnavailable
 
@@ -37,7 +37,7 @@ if gpus:
     ids = c1.multiselect("GPUs", list(range(gpus)), default=list(range(gpus)), format_func=lambda i: f"cuda:{i}")
     labels = [f"cuda:{i}" for i in ids]
 else:
-    workers = int(c1.number_input("CPU workers", min_value=1, max_value=256, value=2, key="dev_workers"))
+    workers = int(c1.number_input("CPU workers", min_value=1, max_value=MAX_CPU_WORKERS, value=2, key="dev_workers"))
     ids = labels = [f"cpu:{i}" for i in range(workers)]
 batch = int(c2.number_input("Batch size to try", min_value=1, max_value=1_000_000, value=30, key="dev_batch"))
 if not ids:

@@ -6,6 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from dpprof import charts
+from dpprof.plaintext import markdown_text
 from dpprof.views import load
 from app_pages import common
 
@@ -17,7 +18,7 @@ def body(row: pd.Series) -> None:
     if model.kind == "empty":
         return
     work = model.work.label
-    st.subheader(f"{work.capitalize()} time per {model.unit}")
+    st.subheader(markdown_text(f"{work.capitalize()} time per {model.unit}"))
     if data.work_stats.empty:
         common.missing(data.missing.get("work") or f"No {work} phases recorded.")
     else:
@@ -36,9 +37,9 @@ def body(row: pd.Series) -> None:
         stats.columns = [c.replace("work_", f"{model.work.column}_", 1) for c in stats.columns]
         common.table(stats, f"{model.work.column}_per_{model.unit}")
     if data.idle:
-        st.caption(f"{', '.join(data.idle)} got no chunk in any step: idle, drawn at zero.")
+        st.caption(f"{markdown_text(', '.join(data.idle))} got no chunk in any step: idle, drawn at zero.")
     if model.nothing_to_balance and not data.work_stats.empty:
-        st.caption(model.nothing_to_balance)
+        st.caption(markdown_text(model.nothing_to_balance))
 
     st.subheader(f"Memory per {model.unit}")
     if data.memory.empty:
@@ -47,13 +48,13 @@ def body(row: pd.Series) -> None:
         if data.memory_chart:
             common.chart(charts.memory_per_device(data.memory, data.idle))
         else:  # one device's allocator peaks: words, not a chart of one marker
-            st.markdown(data.memory_text)
+            st.markdown(markdown_text(data.memory_text))
         for key in ("allocator", "memory_accounting"):
             if key in data.missing:
                 common.missing(data.missing[key])
         out = data.memory.loc[data.memory["output_device"].astype(bool), "device"].tolist() if model.gathers else []
         if out:
-            st.caption(f"{out[0]} is the output device: the gathered outputs (and the loss) live there.")
+            st.caption(f"{markdown_text(out[0])} is the output device: the gathered outputs (and the loss) live there.")
         common.table(data.memory_table, f"memory_per_{model.unit}")
     if len(data.chunks):
         st.subheader("Chunk sizes")

@@ -7,6 +7,7 @@ import streamlit as st
 
 from dpprof import charts
 from dpprof.findings import Findings
+from dpprof.plaintext import markdown_text
 from dpprof.views import overview
 from dpprof.views.text import sentence
 from app_pages import common
@@ -17,7 +18,7 @@ def findings(found: Findings) -> None:
     if found.withheld:
         common.missing(sentence(found.scope))
         return
-    st.caption(f"Worst first; {found.scope}.")
+    st.caption(f"Worst first; {markdown_text(found.scope)}.")
     if found.table.empty:
         st.success("No findings: nothing stands out in this run.")
     for f in found.table.itertuples():
@@ -29,23 +30,23 @@ def per_device(data: overview.Overview) -> None:
     g, unit = data.glance, data.model.unit
     c = st.columns(4)
     if g.time_uneven:
-        c[0].metric(f"Slowest {unit}", g.slowest, help=f"the longest median {g.work_phase} per step")
+        c[0].metric(f"Slowest {markdown_text(unit)}", g.slowest, help=f"the longest median {g.work_phase} per step")
         c[1].metric(f"{data.model.work.column.capitalize()} imbalance", f"{g.time_ratio:.2f}x",
                     f"{g.wait_ms:.2f} ms a step", delta_color="off",
                     help=f"the slowest {unit}'s median {g.work_phase} over the others' (the first step left out); "
                     "what the others wait for it per step")
     if g.memory_uneven:
-        c[2].metric("Most memory", g.heaviest, help=g.memory_source)
+        c[2].metric("Most memory", g.heaviest, help=markdown_text(g.memory_source))
         c[3].metric("Memory imbalance", f"{g.memory_ratio:.2f}x", f"{g.memory_ratio - 1:+.0%} vs the others",
                     delta_color="off", help="what it holds over the others' average (the memory-skew finding)")
     if g.idle and not g.time_uneven:
         c[0].metric("Idle devices", len(g.idle), help="devices of the run that never got a chunk")
     if len(g.devices) and g.devices["work_ms"].notna().any():
         common.chart(charts.device_glance(g.devices, g.work_phase, g.memory_source, *g.marked()))
-    for line in g.sentences:
-        st.markdown(f"- {line}")
+    for line in g.sentences:  # they name devices and the findings' words: plain text
+        st.markdown(f"- {markdown_text(line)}")
     if data.model.nothing_to_balance:  # said once, in this run's terms (one GPU, a rank of a bigger job)
-        st.caption(data.model.nothing_to_balance)
+        st.caption(markdown_text(data.model.nothing_to_balance))
 
 
 def _breakdown_caption(data: overview.Overview) -> str:
@@ -140,7 +141,7 @@ def body(row: pd.Series) -> None:
                    "min-max band, each phase's mean.")
     detail = data.model.detail_text()
     if detail:
-        st.caption(f"{detail} These pages read the aggregates; the Timeline shows the kept detail.")
+        st.caption(f"{markdown_text(detail)} These pages read the aggregates; the Timeline shows the kept detail.")
 
 
 common.live(body)

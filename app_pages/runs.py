@@ -7,6 +7,8 @@ import streamlit as st
 
 from app_pages import common
 from dpprof.outputs import OutputError
+from dpprof.plaintext import markdown_code, markdown_text
+from dpprof.store.faults import RecordingError
 from dpprof.store.reader import checks_under_their_runs, reports_dir
 from dpprof.trace import AlreadyImported, TraceError, import_traces, pending_traces
 from dpprof.units import plural
@@ -35,7 +37,8 @@ def import_asked(directory: Path) -> None:
                 [f"{name} is already imported as run {', '.join(ids)}" for name, ids in err.runs.items()]
                 + [f"{name} is not" for name in err.others]) + ".")
             return
-        except (TraceError, OutputError) as err:  # a bad file; a reports directory read-only or full
+        # what `dpprof import` says in one line (its exit 1): a file refused; a reports directory read-only or full
+        except (TraceError, OutputError, RecordingError) as err:
             state[IMPORT_SAID] = ("error", f"Not imported: {err}")
             return
     state[common.RUN_KEY] = run.id
@@ -50,7 +53,7 @@ def traces_to_import() -> None:
     pending = pending_traces(directory)
     if not pending.empty:
         st.subheader("torch.profiler traces to import")
-        st.caption(f"Trace files (.json, .json.gz) in `{directory}` that no run was imported from. Select one, or "
+        st.caption(f"Trace files (.json, .json.gz) in {markdown_code(directory)} that no run was imported from. Select one, or "
                    "the files of one job's ranks, and import them as one run (`dpprof import` does the same from a "
                    "shell).")
         shown = pending.assign(size_mb=pending["size_bytes"] / 2**20)[["file", "size_mb", "modified"]]
@@ -60,7 +63,7 @@ def traces_to_import() -> None:
         rows = [r for r in event.selection.rows or [] if r < len(pending)]  # not past a listing that shrank
         names = pending.iloc[rows]["file"].tolist()
         importing = asked is not None or common.import_lock().locked()
-        hint = f"Import {', '.join(names)} as one run" if names else "Select trace files in the table"
+        hint = f"Import {markdown_text(', '.join(names))} as one run" if names else "Select trace files in the table"
         st.button("Import", disabled=not names or importing, key="import_traces", on_click=ask_import,
                   args=(names,), help="An import is under way" if importing else hint)
     if asked is not None:
@@ -69,8 +72,8 @@ def traces_to_import() -> None:
         st.rerun()  # the listings drawn again with the new run, and what the import said
     said = st.session_state.pop(IMPORT_SAID, None)
     if said is not None:
-        kind, text = said
-        {"success": st.success, "warning": st.warning, "error": st.error}[kind](text)
+        kind, text = said  # file names, the run's devices, the error: shown as they are, on one line
+        {"success": st.success, "warning": st.warning, "error": st.error}[kind](markdown_text(text))
 
 
 st.title("Runs")
@@ -81,7 +84,7 @@ bad = runs[runs["reason"].notna()]
 if good.empty:
     st.subheader("No runs yet")
     st.markdown(
-        f"dpprof keeps one file per recorded run in `{reports_dir()}` and there is none yet. Record one from a "
+        f"dpprof keeps one file per recorded run in {markdown_code(reports_dir())} and there is none yet. Record one from a "
         "shell (CPU workers stand in for GPUs, so this works on any machine):")
     st.code("python -m dpprof profile cifar-lenet --steps 30 --devices cpu:2", language="bash")
     st.markdown("or wrap your own model in `dpprof.DataParallel` inside `with dpprof.record():` (see the README), "

@@ -5,6 +5,7 @@ import pandas as pd
 import streamlit as st
 
 from dpprof import charts
+from dpprof.plaintext import markdown_text
 from dpprof.views import timeline
 from dpprof.store.queries import TIMELINE_MAX_STEPS
 from app_pages import common
@@ -30,11 +31,11 @@ def body(row: pd.Series) -> None:
             start = min(max(start, first), last)
     end = min(last, start + count - 1)
     phases, steps = common.view(timeline.timeline, row, start, end)
-    st.caption(f"Steps {start}–{end} of {first}–{last}. {common.view(timeline.lanes_text, row)} "
+    st.caption(f"Steps {start}–{end} of {first}–{last}. {markdown_text(common.view(timeline.lanes_text, row))} "
                "Hover a bar for its times.")
     gaps = common.view(timeline.detail_gaps, row, start, end)
     if gaps:
-        st.info(gaps)
+        st.info(markdown_text(gaps))
     if phases.empty:
         common.missing(f"No phases recorded in steps {start}–{end}.")
         return

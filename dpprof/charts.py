@@ -7,12 +7,17 @@ functions are given data.
 """
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from dpprof.plaintext import plotly_text
 from dpprof.records import MEMORY_BYTES, device_key
 from dpprof.store.model import PHASE_ORDER
 from dpprof.store.queries import MAX_POINTS
@@ -48,6 +53,56 @@ def _fig(title: str, **layout: object) -> go.Figure:
     return fig
 
 
+def _plain_values(values: Any) -> Any:
+    """A trace's values with each string as plotly text (dpprof.plaintext.plotly_text), numbers as they are."""
+    if isinstance(values, str):
+        return plotly_text(values)
+    if isinstance(values, (tuple, list)) and any(isinstance(v, (str, tuple, list, np.ndarray)) for v in values):
+        return [_plain_values(v) for v in values]
+    if isinstance(values, np.ndarray) and values.dtype == object:
+        return np.vectorize(lambda v: plotly_text(v) if isinstance(v, str) else v, otypes=[object])(values)
+    return values
+
+
+# Where a figure shows strings: run, device, phase and event names come from users and files, and plotly reads
+# <a href>, <b> and <br> in any of these as markup. Hover templates are dpprof's own (their %{...} values are the
+# data's, escaped here) and stay markup.
+_TRACE_TEXT = ("x", "y", "text", "name", "customdata", "legendgroup")
+_AXIS_TEXT = ("categoryarray", "ticktext")
+
+
+def _plain(draw: Callable[..., go.Figure]) -> Callable[..., go.Figure]:
+    """Every string a chart function puts in its figure (titles, names, categories, labels, hover values) shown
+    as plain text, never as plotly's HTML."""
+
+    @functools.wraps(draw)
+    def drawn(*args: Any, **kwargs: Any) -> go.Figure:
+        fig = draw(*args, **kwargs)
+        for trace in fig.data:
+            for attr in _TRACE_TEXT:
+                value = getattr(trace, attr, None)
+                if value is not None:
+                    trace[attr] = _plain_values(value)
+        layout = fig.layout
+        if layout.title.text:
+            layout.title.text = plotly_text(layout.title.text)
+        for note in layout.annotations:
+            note.text = plotly_text(note.text)
+            for pos in ("x", "y"):
+                if isinstance(note[pos], str):
+                    note[pos] = plotly_text(note[pos])
+        for key in [k for k in layout.to_plotly_json() if k.startswith(("xaxis", "yaxis"))]:
+            axis = layout[key]
+            if axis.title.text:
+                axis.title.text = plotly_text(axis.title.text)
+            for attr in _AXIS_TEXT:
+                if axis[attr] is not None:
+                    axis[attr] = _plain_values(axis[attr])
+        return fig
+
+    return drawn
+
+
 STEP_TICKS_EVERY_STEP = 20  # up to this many steps on an axis, a tick at every step; past it plotly's, whole
 
 
@@ -79,6 +134,7 @@ def _label(phase: str) -> str:
 _WORST, _DEVICE, _IDLE = "#CC6677", "#4477AA", "#BBBBBB"
 
 
+@_plain
 def device_glance(devices: pd.DataFrame, work_phase: str = "apply", memory_source: str | None = "peak held",
                   slowest: str | None = None, heaviest: str | None = None) -> go.Figure:
     """Each device's work per step and its peak memory, side by side, the worst device of each in red and idle
@@ -108,6 +164,7 @@ def device_glance(devices: pd.DataFrame, work_phase: str = "apply", memory_sourc
     return fig
 
 
+@_plain
 def step_times(steps: pd.DataFrame, outliers: pd.DataFrame | None = None) -> go.Figure:
     """Step time over the steps; bucketed points show a band: each bucket's min to max shaded, its median as the
     line (its mean on hover), and the outlier steps the run kept marked.
@@ -141,6 +198,7 @@ def step_times(steps: pd.DataFrame, outliers: pd.DataFrame | None = None) -> go.
     return fig
 
 
+@_plain
 def phase_breakdown(breakdown: pd.DataFrame) -> go.Figure:
     """Each step stacked by phase: scatter, replicate, apply (all devices), gather, backward, rest of step.
 
@@ -163,6 +221,7 @@ def phase_breakdown(breakdown: pd.DataFrame) -> go.Figure:
     return fig
 
 
+@_plain
 def phase_shares(totals: pd.DataFrame) -> go.Figure:
     """Each phase's share of the run's step time, one horizontal bar each.
 
@@ -178,6 +237,7 @@ def phase_shares(totals: pd.DataFrame) -> go.Figure:
     return fig
 
 
+@_plain
 def work_distribution(samples: pd.DataFrame, kind: str = "box", phase: str = "apply",
                        idle: list[str] | tuple[str, ...] = ()) -> go.Figure:
     """Each device's work per step (DataParallel's apply, a rank's forward + backward compute), as box plots (or
@@ -212,6 +272,7 @@ def _device_ticks(memory: pd.DataFrame) -> list[str]:
     return [f"{d} (output)" if out else str(d) for d, out in zip(memory["device"], memory["output_device"])]
 
 
+@_plain
 def memory_per_device(memory: pd.DataFrame, idle: list[str] | tuple[str, ...] = ()) -> go.Figure:
     """What each device held in its peak step, by kind, stacked; the CUDA allocator's peak allocated
     and reserved bytes as markers where recorded; the output device marked; idle devices at zero.
@@ -243,6 +304,7 @@ def memory_per_device(memory: pd.DataFrame, idle: list[str] | tuple[str, ...] = 
     return fig
 
 
+@_plain
 def chunk_sizes(chunks: pd.DataFrame, idle: list[str] | tuple[str, ...] = ()) -> go.Figure:
     """The chunk each device got: one dot per (device, chunk size), its size the share of forward calls;
     idle devices at zero, labelled idle.
@@ -274,6 +336,7 @@ _GPU_PANELS = [("gpu_util_pct", "GPU utilisation (%)", 1.0), ("memory_used_bytes
                ("power_w", "power (W)", 1.0), ("temperature_c", "temperature (°C)", 1.0)]
 
 
+@_plain
 def gpu_samples(series: pd.DataFrame) -> go.Figure:
     """Utilisation, memory used, power and temperature over time, one line per GPU; a metric NVML never
     gave says so in its panel.
@@ -310,6 +373,7 @@ def _per_step_scale(phases: pd.DataFrame, steps: pd.DataFrame) -> tuple[pd.Serie
     return base, phases["duration_ms"] / length
 
 
+@_plain
 def timeline(phases: pd.DataFrame, steps: pd.DataFrame, equal_steps: bool = False) -> go.Figure:
     """A Gantt chart of the phases on each device over a range of steps.
 
@@ -344,7 +408,7 @@ def timeline(phases: pd.DataFrame, steps: pd.DataFrame, equal_steps: bool = Fals
         base, x = _per_step_scale(df, steps) if equal_steps else (df["start_ms"], df["duration_ms"])
         fig.add_trace(go.Bar(y=y, x=x, base=base, orientation="h", name=_label(phase),
                              marker_color=_color(phase), customdata=df[["step", "device", "duration_ms", "start_ms"]],
-                             hovertemplate=f"{phase}<br>step %{{customdata[0]}} on %{{customdata[1]}}"
+                             hovertemplate=f"{plotly_text(_label(phase))}<br>step %{{customdata[0]}} on %{{customdata[1]}}"
                                            "<br>%{customdata[2]:.3f} ms from %{customdata[3]:.2f} ms<extra></extra>"))
     fig.update_yaxes(categoryorder="array", categoryarray=lanes[::-1])
     if equal_steps:
@@ -355,6 +419,7 @@ def timeline(phases: pd.DataFrame, steps: pd.DataFrame, equal_steps: bool = Fals
     return fig
 
 
+@_plain
 def compare_step_times(steps: pd.DataFrame) -> go.Figure:
     """Step time over the steps of each run, one line per run.
 
@@ -369,6 +434,7 @@ def compare_step_times(steps: pd.DataFrame) -> go.Figure:
     return fig
 
 
+@_plain
 def compare_phase_shares(shares: pd.DataFrame) -> go.Figure:
     """Each run's step split into phases, as 100% stacked horizontal bars.
 
@@ -381,12 +447,13 @@ def compare_phase_shares(shares: pd.DataFrame) -> go.Figure:
     for phase, df in shares.groupby("phase", sort=False):
         fig.add_trace(go.Bar(y=df["run"], x=df["share_pct"], name=_label(str(phase)), orientation="h",
                              marker_color=_color(str(phase)), customdata=df["per_step_ms"],
-                             hovertemplate="%{y}: %{x:.1f}% (%{customdata:.2f} ms/step)<extra>" + _label(str(phase))
+                             hovertemplate="%{y}: %{x:.1f}% (%{customdata:.2f} ms/step)<extra>" + plotly_text(_label(str(phase)))
                                            + "</extra>"))
     fig.update_yaxes(autorange="reversed")
     return fig
 
 
+@_plain
 def compare_memory(memory: pd.DataFrame) -> go.Figure:
     """The most each device held in one step, grouped by device, one bar per run; output devices marked.
 
@@ -405,6 +472,7 @@ def compare_memory(memory: pd.DataFrame) -> go.Figure:
     return fig
 
 
+@_plain
 def check_chunks(sizes: list[int], devices: list[str]) -> go.Figure:
     """How torch.chunk would split a batch over devices (the pre-flight check's batch size)."""
     padded = list(sizes) + [0] * (len(devices) - len(sizes))
@@ -418,6 +486,7 @@ _GPU_TIME_COLORS = {"computation_ms": "#4477AA", "overlapping_ms": "#228833", "c
                     "memcpy_ms": "#DDCC77", "memset_ms": "#88CCEE", "idle_ms": "#BBBBBB"}
 
 
+@_plain
 def gpu_time(per_device: pd.DataFrame) -> go.Figure:
     """Each GPU's mean step, stacked by what it ran (an imported trace's Distributed view).
 
@@ -434,6 +503,7 @@ def gpu_time(per_device: pd.DataFrame) -> go.Figure:
     return fig
 
 
+@_plain
 def advice_parts(parts: pd.DataFrame, scenarios: pd.DataFrame) -> go.Figure:
     """Each scenario's predicted step, stacked by part, with its interval as an error bar on the total.
 

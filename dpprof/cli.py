@@ -5,6 +5,7 @@ Exit codes: 0 ok, 1 failure (or findings, for commands that report them), 2 usag
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -34,6 +35,7 @@ def parse_devices(text: str) -> list:
     import torch
 
     import dpprof
+    from dpprof.device_ids import MAX_CPU_WORKERS, MAX_DEVICE_INDEX
 
     text = text.strip()
     if _CPU_LIST.fullmatch(text.replace(" ", "")):
@@ -42,6 +44,9 @@ def parse_devices(text: str) -> list:
         count = text[4:]
         if not count.isdigit() or int(count) < 1:
             raise UsageError(f"--devices {text!r}: cpu:N needs a positive number of workers")
+        if int(count) > MAX_CPU_WORKERS:
+            raise UsageError(f"--devices {text!r}: {int(count):,} CPU workers asked, at most {MAX_CPU_WORKERS} exist "
+                             f"(cpu:0 to cpu:{MAX_DEVICE_INDEX}: torch numbers a device 0 to {MAX_DEVICE_INDEX})")
         return dpprof.cpu_devices(int(count))
     if text == "cuda":
         if not torch.cuda.is_available():
@@ -68,6 +73,22 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return value
+
+
+# --memory-gib: one device's memory. Past a pebibyte no device exists, and 2**30 times the number stays finite.
+MAX_MEMORY_GIB = 2.0**20
+
+
+def _memory_gib(text: str) -> float:
+    """--memory-gib: a positive, finite number of GiB up to MAX_MEMORY_GIB (nan, inf, 1e308, 0 and -1 refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+    if not math.isfinite(value) or not 0 < value <= MAX_MEMORY_GIB:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size: give a positive number of GiB up to "
+                                         f"{MAX_MEMORY_GIB:,.0f} (1 PiB)")
     return value
 
 
@@ -740,7 +761,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="run every scenario's command on this machine and print predicted against measured")
     p.add_argument("--check-dir", default=None, help="where --check records its runs (default: the reports directory)")
-    p.add_argument("--memory-gib", type=float, default=None,
+    p.add_argument("--memory-gib", type=_memory_gib, default=None, metavar="GIB",
                    help="each CPU worker's memory, for the largest batch that fits (a GPU's is its own)")
     p.add_argument("--batch-sizes", type=_batch_sizes, default=None, metavar="B1,B2",
                    help="other global batch sizes to predict (default: half and twice the recorded one)")

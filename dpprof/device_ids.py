@@ -4,15 +4,36 @@ A leaf below recording and parallel/: a run notes the devices a call uses, and e
 parallel/ takes device ids; neither needs the other to know what a device id is."""
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Union
 
 import torch
 
-__all__ = ["DeviceLike", "DeviceSet", "cpu_devices", "resolve_devices", "is_cpu_worker_list"]
+__all__ = ["DeviceLike", "DeviceSet", "MAX_DEVICE_INDEX", "MAX_CPU_WORKERS", "cpu_devices", "resolve_devices",
+           "is_cpu_worker_list"]
 
 DeviceLike = Union[int, str, torch.device]
+# torch keeps a device's index in one signed byte (c10::DeviceIndex): torch.device("cpu", 128) is cpu:-128 and
+# "cpu:255" is a device with no index, so an index past this is refused before torch wraps it.
+MAX_DEVICE_INDEX = 127
+MAX_CPU_WORKERS = MAX_DEVICE_INDEX + 1
+_NAME = re.compile(r"\s*([a-z]+)\s*:\s*(\d+)\s*")
+
+
+def _cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _out_of_range(what: str, kind: str, index: int) -> ValueError:
+    """The error for a device index past what exists: which device, and what there is."""
+    if kind == "cuda":
+        count = _cuda_count()
+        there = f"cuda:0 to cuda:{count - 1}" if count > 1 else "cuda:0" if count else "none"
+        return ValueError(f"{what}: cuda:{index} does not exist: this machine has {count} CUDA device(s) ({there})")
+    return ValueError(f"{what}: cpu:{index} is out of range: CPU workers are cpu:0 to cpu:{MAX_DEVICE_INDEX} "
+                      f"(torch numbers a device 0 to {MAX_DEVICE_INDEX})")
 
 
 def cpu_devices(n: int) -> list[torch.device]:
@@ -23,6 +44,9 @@ def cpu_devices(n: int) -> list[torch.device]:
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"cpu_devices(n) needs a positive number of workers, got {n!r}")
+    if n > MAX_CPU_WORKERS:
+        raise ValueError(f"cpu_devices({n}): at most {MAX_CPU_WORKERS} CPU workers, cpu:0 to cpu:{MAX_DEVICE_INDEX} "
+                         f"(torch numbers a device 0 to {MAX_DEVICE_INDEX})")
     return [torch.device("cpu", i) for i in range(n)]
 
 
@@ -33,8 +57,13 @@ def _parse(device: DeviceLike, what: str) -> torch.device:
     if isinstance(device, int):
         if device < 0:
             raise ValueError(f"{what}: device index {device} is negative")
+        if device > MAX_DEVICE_INDEX:
+            raise _out_of_range(what, "cuda", device)
         return torch.device("cuda", device)
     if isinstance(device, str):
+        named = _NAME.fullmatch(device)
+        if named and int(named.group(2)) > MAX_DEVICE_INDEX and named.group(1) in ("cpu", "cuda"):
+            raise _out_of_range(what, named.group(1), int(named.group(2)))
         try:
             device = torch.device(device)
         except RuntimeError as err:
@@ -101,10 +130,10 @@ def resolve_devices(device_ids: Sequence[DeviceLike], output_device: DeviceLike 
             raise ValueError(f"device_ids lists {d} twice (positions {seen[d.index]} and {i})")
         seen[d.index] = i
     if kind == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        for d in parsed:
+        count = _cuda_count()
+        for i, d in enumerate(parsed):
             if d.index >= count:
-                raise ValueError(f"device {d} does not exist: this machine has {count} CUDA device(s)")
+                raise _out_of_range(f"device_ids[{i}]", "cuda", d.index)
     indices = tuple(d.index for d in parsed)
     if output_device is None:
         out = indices[0]

@@ -24,6 +24,7 @@ from dpprof.advise.check import check
 from dpprof.advise.measured import MIN_STEPS, chunk_sizes, measure
 from dpprof.advise.model import advise
 from dpprof.cli import build_parser, main
+from dpprof.plaintext import shown_text
 from dpprof.store import queries
 from dpprof.trace import import_traces
 from dpprof.views.advise import scenario_title
@@ -491,15 +492,15 @@ def test_the_advisor_page_shows_every_scenario_with_its_command(runs, calibrated
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["Measured median step"] == f"{advice.measured_step_ms:.2f} ms"
     assert len(at.get("plotly_chart")) == 1
-    labels = [e.label for e in at.expander]
+    labels = [shown_text(e.label) for e in at.expander]  # sent as plain text (dpprof.plaintext)
     assert labels == [scenario_title(s) for s in advice.scenarios]
     codes = [c.value for c in at.code]
     assert [s.command for s in advice.scenarios] == codes
-    assert any("Calibration of" in c.value for c in at.caption)
+    assert any("Calibration of" in shown_text(c.value) for c in at.caption)
     best = advice.headline()  # none where the fixture's calibration was measured under load (then said first)
     assert ("Fastest at this batch" in metrics) == (best is not None)
     if best is None:
-        assert advice.withheld in [w.value for w in at.warning]
+        assert advice.withheld in [shown_text(w.value) for w in at.warning]
     else:
         assert metrics["Fastest at this batch"] == f"{best.step_ms:.2f} ms"
 
@@ -509,7 +510,7 @@ def test_the_advisor_page_without_a_calibration_headlines_nothing_and_shows_the_
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty-cache"))
     at = _page(runs.plain.id)
     assert not at.metric and not at.get("plotly_chart") and not at.expander
-    assert any("No calibration of this machine" in i.value for i in at.info)
+    assert any("No calibration of this machine" in shown_text(i.value) for i in at.info)
     assert [c.value for c in at.code] == [f"dpprof advise {runs.plain.id}"]
 
 
@@ -517,7 +518,7 @@ def test_the_advisor_page_says_why_for_a_run_it_cannot_predict_from(runs, refuse
     monkeypatch.setenv("DPPROF_REPORTS", str(runs.dir))
     run_id, words = refused["ddp"]
     at = _page(run_id)
-    assert any(words in i.value for i in at.info) and not at.get("plotly_chart")
+    assert any(words in shown_text(i.value) for i in at.info) and not at.get("plotly_chart")
 
 
 @pytest.mark.cuda

@@ -5,6 +5,7 @@ and choosing runs only from the listing.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 import dpprof
+from dpprof.plaintext import shown_text
 from dpprof.units import bytes_unit, mib
 from dpprof.views import overview
 from dpprof.views.text import run_label
@@ -70,7 +72,8 @@ def _charts(at: AppTest) -> int:
 
 
 def _texts(elements) -> str:
-    return "\n".join(e.value for e in elements)
+    """What the elements show: names and sentences are sent escaped (dpprof.plaintext), read here as shown."""
+    return "\n".join(shown_text(e.value) for e in elements)
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -81,7 +84,7 @@ def test_every_page_runs_on_recorded_runs(reports_with_runs, page):
 
 def test_it_opens_on_the_newest_run(reports_with_runs):
     at = _app()
-    assert at.title[0].value == "balanced"  # Overview of the run recorded last
+    assert shown_text(at.title[0].value) == "balanced"  # Overview of the run recorded last
     said = _texts(at.markdown)
     assert ":violet-badge[balanced]" in said  # marked in its header
     assert "Nothing is gathered" in said and "Scatter, replicate and gather" not in said
@@ -105,13 +108,13 @@ def test_a_run_opens_from_the_runs_table(reports_with_runs):
     at.session_state["runs_table"] = {"selection": {"rows": [1], "columns": [], "cells": []}}
     at.run()
     at.button(key="open_run").click().run()
-    assert at.title[0].value == "plain" and at.sidebar.selectbox[0].value == reports_with_runs.plain.id
+    assert shown_text(at.title[0].value) == "plain" and at.sidebar.selectbox[0].value == reports_with_runs.plain.id
 
 
 def test_overview_shows_step_time_phases_tax_and_findings(reports_with_runs):
     at = _app()
     at.sidebar.selectbox[0].select(reports_with_runs.plain.id).run()
-    assert at.title[0].value == "plain"
+    assert shown_text(at.title[0].value) == "plain"
     data = overview.overview(reports_with_runs.plain)
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["Steps"] == "6" and metrics["Median step"] == f"{data.stats['median_step_ms']:.2f} ms"
@@ -239,7 +242,7 @@ def test_compare_from_the_runs_table_takes_the_older_run_as_baseline(reports_wit
     at.session_state["runs_table"] = {"selection": {"rows": [0, 1], "columns": [], "cells": []}}
     at.run()
     at.button(key="compare_runs").click().run()
-    assert at.title[0].value == "Compare runs"
+    assert shown_text(at.title[0].value) == "Compare runs"
     assert at.multiselect[0].value == [reports_with_runs.plain.id, reports_with_runs.balanced.id]
 
 
@@ -258,7 +261,7 @@ def test_export_offers_every_table_and_the_whole_run(reports_with_runs):
     labels = [b.label for b in at.download_button]
     assert labels[0] == "⬇ The whole run (zip of CSVs)"
     assert "⬇ Trace for Perfetto (.json.gz)" in labels
-    assert any("The trace holds" in c.value and "ui.perfetto.dev" in c.value for c in at.caption)
+    assert any("The trace holds" in c and "ui.perfetto.dev" in c for c in map(shown_text, (c.value for c in at.caption)))
     assert {f"⬇ {t}.csv" for t in (*TABLES, "run", "device_summary", "phase_totals")} <= set(labels)
 
 
@@ -266,7 +269,7 @@ def test_the_empty_state_says_what_to_do_and_records_a_demo_run(reports, monkeyp
     monkeypatch.setitem(common.DEMO_ARGS, "steps", 3)
     monkeypatch.setitem(common.DEMO_ARGS, "workload", "tutorial-linear")
     at = _app()
-    assert at.title[0].value == "Runs" and at.subheader[0].value == "No runs yet"
+    assert shown_text(at.title[0].value) == "Runs" and at.subheader[0].value == "No runs yet"
     assert "python -m dpprof profile cifar-lenet --steps 30 --devices cpu:2" in _texts(at.code)
     for page in ("overview", "load", "timeline", "export"):
         assert "No runs yet" in _texts(_page(at, page).info), page
@@ -330,7 +333,7 @@ def test_new_run_starts_a_background_process_whose_run_appears(reports):
     assert run.meta["pid"] == pid and len(run.steps) == 4
     assert at.dataframe[0].value["pid"].tolist() == [pid]
     _page(at, "overview")
-    assert at.title[0].value == "from the page"
+    assert shown_text(at.title[0].value) == "from the page"
 
 
 def _wait_for(condition, what: str, timeout: float = 120) -> None:
@@ -373,7 +376,7 @@ def test_new_run_asks_before_a_second_start_shows_progress_and_stops_with_sigter
 def test_a_running_run_says_so_and_its_pages_refresh(reports):
     with RunningRun(reports, name="live") as live:
         at = _app()
-        assert at.title[0].value == "live"
+        assert shown_text(at.title[0].value) == "live"
         assert "Recording: this page re-reads the run every 2 s." in _texts(at.caption)
         steps = {m.label: m.value for m in at.metric}["Steps"]
         assert int(steps) >= 5
@@ -388,21 +391,21 @@ def test_a_running_run_says_so_and_its_pages_refresh(reports):
         assert int({m.label: m.value for m in at.metric}["Steps"]) > int(steps)  # re-read, not cached
     time.sleep(0.1)
     at.run()
-    assert at.title[0].value == "live" and "Recording" not in _texts(at.caption)
+    assert shown_text(at.title[0].value) == "live" and "Recording" not in _texts(at.caption)
 
 
 def test_a_run_is_chosen_from_the_listing_never_from_what_the_browser_sends(reports_with_runs):
     at = AppTest.from_file(str(APP), default_timeout=60)
     at.query_params["run"] = str(reports_with_runs.plain.path)  # a path, not an id of the listing
     at.run()
-    assert at.title[0].value == "balanced"  # ignored: the newest run
+    assert shown_text(at.title[0].value) == "balanced"  # ignored: the newest run
     at = AppTest.from_file(str(APP), default_timeout=60)
     at.query_params["run"] = reports_with_runs.plain.id  # an id of the listing: a bookmark
     at.run()
-    assert at.title[0].value == "plain"
+    assert shown_text(at.title[0].value) == "plain"
     at.session_state[common.RUN_KEY] = "/etc/passwd"
     at.run()
-    assert at.title[0].value == "plain"  # back to the listed run the URL names
+    assert shown_text(at.title[0].value) == "plain"  # back to the listed run the URL names
     assert at.session_state[common.RUN_KEY] == reports_with_runs.plain.id
 
 
@@ -411,10 +414,10 @@ def test_a_run_file_that_disappears_is_dropped_from_the_listing(reports, recorde
     for run in (recorded.plain, recorded.balanced):
         shutil.copy(run.path, reports / run.path.name)
     at = _app()
-    assert at.title[0].value == "balanced"
+    assert shown_text(at.title[0].value) == "balanced"
     (reports / recorded.balanced.path.name).unlink()
     at.run()
-    assert not at.exception and at.title[0].value == "plain"
+    assert not at.exception and shown_text(at.title[0].value) == "plain"
     assert at.sidebar.selectbox[0].options == [run_label(r, status=True) for _, r in dpprof.list_runs().iterrows()]
 
 
@@ -448,7 +451,8 @@ def ddp_reports(tmp_path_factory):
 def test_a_multi_rank_run_shows_ranks_where_devices_are_shown(ddp_reports, monkeypatch, page):
     monkeypatch.setenv("DPPROF_REPORTS", str(ddp_reports))
     at = _page(_app(), page)
-    shown = "\n".join(str(e.value) for kind in ("markdown", "caption", "dataframe", "table") for e in at.get(kind))
+    shown = "\n".join(shown_text(str(e.value)) for kind in ("markdown", "caption", "dataframe", "table")
+                      for e in at.get(kind))
     assert "rank:0" in shown and "rank:1" in shown, page
 
 
@@ -459,9 +463,9 @@ def test_a_failed_run_is_not_opened_first_shows_its_error_as_code_and_gives_no_f
     failed = record_failed(reports)  # the newest run, failed in its second step
     assert failed.meta["status"] == "failed" and len(failed.steps) == 2  # the failing step is recorded too
     at = _app()
-    assert at.title[0].value == "finished"  # the newest run that finished
+    assert shown_text(at.title[0].value) == "finished"  # the newest run that finished
     at.sidebar.selectbox[0].select(failed.id).run()
-    assert at.title[0].value == "failed"
+    assert shown_text(at.title[0].value) == "failed"
     assert "The run failed:" in _texts(at.warning)
     error = _texts(at.code)
     assert "shape mismatch in the second step" in error and "\n" in error  # its lines kept
@@ -474,3 +478,52 @@ def test_a_failed_run_is_not_opened_first_shows_its_error_as_code_and_gives_no_f
     at = _page(_app(), "compare")  # a new session: the newest finished run is open
     assert at.multiselect[0].value == [finished.id, second.id]  # the older first, as the baseline
     assert _charts(at) == 3
+
+
+# A run named with markdown: bold, a javascript: link, an image on an unroutable address (TEST-NET-2), raw HTML,
+# Streamlit's colour directive and LaTeX. Every page shows the characters; none becomes an element.
+HOSTILE_NAME = ("**x** [y](javascript:alert(1)) beacon ![t](http://198.51.100.7/p.png?who=viewer) "
+                "<img src=http://198.51.100.7/i.png> :red[z] $a$ www.example.com")
+_MARKUP = {"link_open", "image", "html_inline", "html_block", "em_open"}
+
+
+def _markup_in(at: AppTest) -> list[tuple[str, str]]:
+    """Elements whose markdown (as CommonMark parses it) holds a link, an image, HTML, emphasis, or bold around
+    part of the name: (element kind, its markdown)."""
+    from markdown_it import MarkdownIt
+
+    md = MarkdownIt("commonmark")
+    sources = [(kind, e.value) for kind in ("title", "header", "subheader", "markdown", "caption", "info", "warning",
+                                            "error", "success") for e in at.get(kind)]
+    sources += [("metric", m.label) for m in at.metric] + [("expander", e.label) for e in at.expander]
+    found = []
+    for kind, source in sources:
+        tokens = [t for block in md.parse(str(source)) for t in (block.children or [])]
+        bold = [b.content for a, b in itertools.pairwise(tokens) if a.type == "strong_open"]
+        if _MARKUP & {t.type for t in tokens} or any(part in ("x", "z") for part in bold):
+            found.append((kind, source))
+    return found
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("hostile-reports")
+    first = record(directory, HOSTILE_NAME, workers=2, steps=4, batch_size=16, workload="tutorial-linear")
+    second = record(directory, HOSTILE_NAME + " again", workers=3, steps=4, batch_size=16, workload="tutorial-linear")
+    return SimpleNamespace(dir=directory, first=first, second=second)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_a_run_named_with_markdown_shows_its_name_as_text_on_every_page(hostile, monkeypatch, page):
+    monkeypatch.setenv("DPPROF_REPORTS", str(hostile.dir))
+    at = _app()
+    at.session_state[common.COMPARE_KEY] = [hostile.first.id, hostile.second.id]
+    at = _page(at, page)
+    assert not _markup_in(at), _markup_in(at)
+    if page in ("overview", "load", "timeline", "advise", "export"):  # a run's page: its name is the title
+        assert shown_text(at.title[0].value) == HOSTILE_NAME + " again"
+    picker = at.sidebar.selectbox[0]  # options are plain text: the label as it is
+    assert run_label(hostile.first.meta, status=True) in picker.options
+    if page == "compare":
+        shown = _texts(at.caption) + _texts(at.markdown)
+        assert f"Against the baseline, {run_label(hostile.first.meta)}." in shown

@@ -248,3 +248,88 @@ def test_the_demo_button_starts_one_run_when_pressed_again(browser, tmp_path):
             for path in dpprof.list_runs(reports).query("status == 'running'")["path"]:  # one with no Stop button
                 os.kill(dpprof.load_run(path).meta["pid"], signal.SIGTERM)
         page.close()
+
+
+# Names with markdown, HTML and images pointing at an unroutable address (TEST-NET-2): a run's name, and a trace
+# file's name (the name of the run imported from it, and of a file listed for import).
+BEACON = "198.51.100.7"
+HOSTILE_NAME = (f"**x** [y](javascript:alert(1)) beacon ![t](http://{BEACON}/p.png?who=viewer) "
+                f"<img src=http://{BEACON}/i.png> :red[z] www.example.com")
+HOSTILE_TRACE = f"beacon ![t](https:{BEACON}?who=trace) **x** [y](https:{BEACON}).json.gz"
+RUN_PAGES = ("overview", "load", "timeline", "advise", "export", "compare")
+
+
+@pytest.fixture(scope="module")
+def hostile_server(tmp_path_factory):
+    """Two runs named with markdown and HTML, a run imported from a trace file so named, and another such file
+    waiting to be imported; `streamlit run app.py` reading them."""
+    import shutil
+
+    import dpprof
+    from dpprof.trace import import_traces
+
+    reports = tmp_path_factory.mktemp("hostile-reports")
+    shared = ROOT.parent / "shared" / "traces"
+    first = record(reports, HOSTILE_NAME, workers=2, steps=4, batch_size=16, workload="tutorial-linear")
+    second = record(reports, HOSTILE_NAME + " 2", workers=3, steps=4, batch_size=16, workload="tutorial-linear")
+    staged = tmp_path_factory.mktemp("traces") / HOSTILE_TRACE
+    shutil.copyfile(shared / "ddp-128ranks-rank0-sampled.json.gz", staged)
+    imported = import_traces([staged], reports)
+    shutil.copyfile(shared / "ddp-128ranks-rank1-sampled.json.gz", reports / ("pending " + HOSTILE_TRACE))
+    listed = dpprof.list_runs(reports).set_index("id")["name"]
+    with _streamlit(reports) as base:
+        yield {"base": base, "runs": [first.id, second.id, imported.id], "names": listed.to_dict()}
+
+
+def test_names_with_markdown_and_images_fetch_nothing_and_make_no_element(hostile_server, browser, tmp_path):
+    base, names = hostile_server["base"], hostile_server["names"]
+    assert names[hostile_server["runs"][2]].startswith("beacon ![t](https:")  # the trace file's name, as the run's
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(TIMEOUT_MS)
+    requested: list[str] = []
+    page.on("request", lambda r: requested.append(r.url))
+    visited = 0
+    for run_id in hostile_server["runs"]:
+        for path in RUN_PAGES:
+            page.goto(f"{base}/{path}?run={run_id}")
+            main = page.locator('[data-testid="stMain"]')
+            if path != "compare":
+                title = main.locator("h1").first
+                title.wait_for()
+                page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')")
+                assert title.inner_text().replace("\u2060", "").strip() == names[run_id], (path, title.inner_text())
+            else:
+                _heading(page, "Compare runs")
+            page.locator('[data-testid="stMarkdownContainer"]').first.wait_for()
+            page.wait_for_timeout(1_500)  # the page's last elements and charts drawn
+            _no_element_from_a_name(page, path)
+            visited += 1
+    page.locator('[data-testid="stSidebar"] [data-testid="stSelectbox"]').click()  # the picker's options open
+    page.get_by_role("option").first.wait_for()
+    options = page.get_by_role("option").all_inner_texts()
+    assert any(o.startswith(HOSTILE_NAME) for o in options), options  # each run's label, as text
+    _no_element_from_a_name(page, "run picker")
+    page.keyboard.press("Escape")
+    page.goto(f"{base}/runs")
+    _heading(page, "Runs")
+    page.get_by_text("torch.profiler traces to import").wait_for()
+    page.wait_for_timeout(1_500)
+    _no_element_from_a_name(page, "runs")
+    _shot(page, tmp_path, "hostile-names-runs")
+    page.close()
+    assert visited == len(RUN_PAGES) * 3
+    assert not [u for u in requested if BEACON in u or "example.com" in u], requested
+
+
+def _no_element_from_a_name(page, where: str) -> None:
+    """No link, image or bold text on the page came from a name: none points at the beacon or javascript:, none
+    is the name's [y] or **x**, and no image at all is on the page but the app's own."""
+    links = page.eval_on_selector_all("a", "els => els.map(e => [e.getAttribute('href') || '', e.innerText])")
+    assert not [l for l in links if BEACON in l[0] or l[0].startswith("javascript") or l[1].strip() == "y"], (where, links)
+    images = page.eval_on_selector_all("img", "els => els.map(e => e.getAttribute('src') || '')")
+    assert not [s for s in images if BEACON in s], (where, images)
+    bold = page.eval_on_selector_all("strong, b", "els => els.map(e => e.innerText.trim())")
+    assert "x" not in bold and "z" not in bold, (where, bold)
+    colored = page.eval_on_selector_all("[data-testid='stMarkdownContainer'] span[style*='color']",
+                                        "els => els.map(e => e.innerText.trim())")
+    assert "z" not in colored, (where, colored)

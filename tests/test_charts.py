@@ -173,3 +173,33 @@ def test_the_timeline_can_draw_every_step_the_same_width(runs):
     assert list(fig.layout.xaxis.ticktext) == ["0", "1", "2", "3"]
     real = charts.timeline(phases, steps)
     assert list(real.data[0].x) == steps["duration_ms"].tolist()  # the default: milliseconds
+
+
+# plotly reads <a href>, <b>, <br> and entities in titles, legend entries, ticks and hover text: a run named with
+# them is drawn as its characters (dpprof.plaintext.plotly_text), in every chart that shows run names.
+HTML_NAME = "<a href='http://198.51.100.7/x'>x</a> <b>y</b> <img src=http://198.51.100.7/i.png> &amp;"
+
+
+def _strings(value: object, key: str = "") -> list[tuple[str, str]]:
+    """Every string in a figure's JSON with its key, hover templates (dpprof's own markup) left out."""
+    if isinstance(value, dict):
+        return [s for k, v in value.items() if k != "hovertemplate" for s in _strings(v, k)]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _strings(v, key)]
+    if hasattr(value, "tolist"):
+        return _strings(value.tolist(), key)
+    return [(key, value)] if isinstance(value, str) else []
+
+
+def test_a_run_named_with_html_is_text_in_every_compare_chart(tmp_path):
+    import html
+
+    runs = [record(tmp_path, HTML_NAME, workers=2, steps=4, batch_size=16, workload="tutorial-linear"),
+            record(tmp_path, "plain", workers=3, steps=4, batch_size=16, workload="tutorial-linear")]
+    data = compare.combine([compare.compare_part(r) for r in runs])
+    for fig in (charts.compare_step_times(data.steps), charts.compare_phase_shares(data.shares),
+                charts.compare_memory(data.memory)):
+        strings = _strings(fig.to_plotly_json())
+        assert not [s for _, s in strings if "<" in s or ">" in s], strings
+        shown = {html.unescape(s) for _, s in strings}
+        assert any(HTML_NAME in s for s in shown)  # the name is there, as its characters

@@ -132,6 +132,29 @@ def test_exit_codes_for_bad_input(capsys, monkeypatch):
     assert dpprof.list_runs().empty  # nothing half-made was left behind
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["profile", "--devices", "cpu:99999"],
+     "--devices 'cpu:99999': 99,999 CPU workers asked, at most 128 exist (cpu:0 to cpu:127"),
+    (["profile", "--devices", "cpu:129"], "--devices 'cpu:129': 129 CPU workers asked, at most 128 exist"),
+    (["check", "--device-ids", "cpu:0,cpu:300", "--batch-size", "8"],
+     "device_ids[1]: cpu:300 is out of range: CPU workers are cpu:0 to cpu:127"),
+    (["advise", "RUN", "--memory-gib", "nan"], "argument --memory-gib: 'nan' is not a memory size"),
+    (["advise", "RUN", "--memory-gib", "1e308"], "argument --memory-gib: '1e308' is not a memory size"),
+    (["advise", "RUN", "--memory-gib", "inf"], "argument --memory-gib: 'inf' is not a memory size"),
+    (["advise", "RUN", "--memory-gib", "-2"], "argument --memory-gib: '-2' is not a memory size"),
+    (["advise", "RUN", "--memory-gib", "0"], "argument --memory-gib: '0' is not a memory size"),
+    (["advise", "RUN", "--memory-gib", "lots"], "argument --memory-gib: 'lots' is not a number of GiB"),
+])
+def test_out_of_range_numbers_are_one_usage_line_naming_the_value(argv, says, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--quiet"] if argv[0] == "profile" else argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"dpprof {argv[0]}: error: ")
+    assert dpprof.list_runs().empty  # nothing was recorded
+
+
 def test_profile_a_users_model_from_a_factory(tmp_path, monkeypatch):
     (tmp_path / "mymodels.py").write_text(
         "import torch\n"

@@ -5,7 +5,13 @@ import pytest
 import torch
 
 import dpprof
-from dpprof.device_ids import DeviceSet, is_cpu_worker_list, resolve_devices
+from dpprof.device_ids import (
+    MAX_CPU_WORKERS,
+    MAX_DEVICE_INDEX,
+    DeviceSet,
+    is_cpu_worker_list,
+    resolve_devices,
+)
 
 needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts that CUDA devices are absent")
 
@@ -83,3 +89,31 @@ def test_resolve_devices_rejects_a_cuda_device_this_machine_lacks(device_ids):
 )
 def test_is_cpu_worker_list(devices, expected):
     assert is_cpu_worker_list(devices) is expected
+
+
+# torch keeps a device index in one signed byte: past 127 it wraps ("cpu:300" would be cpu:44, cpu_devices(256)
+# would hold "cpu" with no index at 255). Each is refused naming the device and what exists.
+@pytest.mark.parametrize("n", [MAX_CPU_WORKERS + 1, 256, 99999])
+def test_cpu_devices_refuses_more_workers_than_torch_can_number(n):
+    with pytest.raises(ValueError, match=rf"cpu_devices\({n}\): at most 128 CPU workers, cpu:0 to cpu:127"):
+        dpprof.cpu_devices(n)
+
+
+def test_cpu_devices_goes_up_to_the_last_index_torch_numbers():
+    assert dpprof.cpu_devices(MAX_CPU_WORKERS)[-1] == torch.device("cpu", MAX_DEVICE_INDEX)
+
+
+@pytest.mark.parametrize("device_ids, says", [
+    (["cpu:0", "cpu:300"], r"device_ids\[1\]: cpu:300 is out of range: CPU workers are cpu:0 to cpu:127"),
+    (["cpu:255"], r"device_ids\[0\]: cpu:255 is out of range"),
+    (["cpu:128"], r"device_ids\[0\]: cpu:128 is out of range"),
+    ([300], r"device_ids\[0\]: cuda:300 does not exist: this machine has \d+ CUDA device"),
+    (["cuda:99999"], r"device_ids\[0\]: cuda:99999 does not exist: this machine has \d+ CUDA device"),
+])
+def test_resolve_devices_names_the_index_past_range_and_what_exists(device_ids, says):
+    with pytest.raises(ValueError, match=says):
+        resolve_devices(device_ids)
+
+
+def test_resolve_devices_takes_the_last_cpu_index():
+    assert resolve_devices(["cpu:0", f"cpu:{MAX_DEVICE_INDEX}"]).indices == (0, MAX_DEVICE_INDEX)

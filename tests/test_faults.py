@@ -25,6 +25,7 @@ from torch import nn
 
 import dpprof
 from dpprof.store.faults import RecordingError
+from dpprof.plaintext import shown_text
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS: dict[str, dict] = {}  # fault -> {"trained", "kept", "status", "line"}
@@ -316,7 +317,7 @@ def test_the_dashboard_shows_that_line_instead_of_starting_a_run(mount, monkeypa
     at.run()
     at.button(key="demo").click().run()  # the Runs page's start, with the New run page's start_run
     assert not at.exception, at.exception
-    assert [e.value for e in at.error] == [f"dpprof: cannot record in {where}: read-only file system"]
+    assert [shown_text(e.value) for e in at.error] == [f"dpprof: cannot record in {where}: read-only file system"]
     assert "watch" not in at.session_state and set(common.processes()) == started  # nothing started
     assert _files(where) == []
 

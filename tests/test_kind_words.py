@@ -21,6 +21,7 @@ from streamlit.testing.v1 import AppTest
 import dpprof
 from cpu_traces import gloo_ddp_traces, inference_trace, single_process_trace
 from dpprof.cli import main
+from dpprof.plaintext import shown_text
 from dpprof.trace import import_traces
 from dpprof.trace.importer import LEGACY_WORKLOAD, job_name
 from dpprof.views import compare, load
@@ -78,7 +79,7 @@ def _page(runs, monkeypatch, name: str, page: str) -> AppTest:
 
 
 def _text(at: AppTest) -> str:
-    parts = [e.value for kind in ("markdown", "caption", "info", "warning", "subheader", "title")
+    parts = [shown_text(e.value) for kind in ("markdown", "caption", "info", "warning", "subheader", "title")
              for e in at.get(kind) if isinstance(getattr(e, "value", None), str)]
     return "\n".join(parts)
 
@@ -204,7 +205,7 @@ def test_both_ranks_of_a_job_have_something_to_balance(runs, monkeypatch):
 
 @pytest.mark.parametrize("name", list(TRACE_RUNS))
 def test_a_trace_header_does_not_repeat_itself(runs, monkeypatch, name):
-    caption = _page(runs, monkeypatch, name, "load").caption[0].value
+    caption = shown_text(_page(runs, monkeypatch, name, "load").caption[0].value)
     assert "torch.profiler trace · torch.profiler trace" not in caption
     assert caption.count("torch.profiler trace") == 1, caption
 

@@ -16,6 +16,7 @@ from streamlit.testing.v1 import AppTest
 
 import dpprof
 from dpprof.cli import main
+from dpprof.plaintext import shown_text
 from dpprof.trace import import_traces
 from recorded import record, record_failed
 
@@ -116,9 +117,10 @@ def _empty_traces(figures: list[dict]) -> list[str]:
 
 
 def _page_text(at: AppTest) -> str:
-    parts = [e.value for kind in ("markdown", "caption", "info", "warning", "error", "success", "subheader", "title")
+    parts = [shown_text(e.value) for kind in ("markdown", "caption", "info", "warning", "error", "success", "subheader",
+                                               "title")
              for e in at.get(kind) if isinstance(getattr(e, "value", None), str)]
-    parts += [str(m.label) + " " + str(m.value) for m in at.get("metric")]
+    parts += [shown_text(str(m.label)) + " " + str(m.value) for m in at.get("metric")]
     return "\n".join(parts)
 
 

@@ -15,6 +15,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 import dpprof
+from dpprof.plaintext import shown_text
 from dpprof.trace import import_traces, pending_traces
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,9 +74,9 @@ def test_every_page_of_an_imported_trace_opens_without_an_empty_chart(imported, 
     if page in ("overview", "load", "timeline", "compare"):
         assert charts, f"{page} drew no chart for {job}"
     if page != "compare":
-        assert at.title[0].value == job
+        assert shown_text(at.title[0].value) == job
     if page == "load":  # the trace's Distributed view: each GPU's step by what it ran
-        assert "GPU time per device (from the trace)" in [s.value for s in at.subheader]
+        assert "GPU time per device (from the trace)" in [shown_text(s.value) for s in at.subheader]
 
 
 def test_the_runs_page_lists_a_trace_file_and_imports_it_on_a_click(tmp_path, monkeypatch):
@@ -92,11 +93,11 @@ def test_the_runs_page_lists_a_trace_file_and_imports_it_on_a_click(tmp_path, mo
     at.run()
     at.button(key="import_traces").click().run()
     assert not at.exception, [e.message for e in at.exception]
-    assert "Imported run" in "\n".join(s.value for s in at.success)
+    assert "Imported run" in "\n".join(shown_text(s.value) for s in at.success)
     at.run()
     runs = at.dataframe[0].value
     assert runs["workload"].tolist() == ["job"] and runs["devices"].tolist() == ["rank:0"]  # the file's job
-    assert not any("traces to import" in s.value for s in at.subheader)  # imported: no longer listed
+    assert not any("traces to import" in shown_text(s.value) for s in at.subheader)  # imported: no longer listed
 
 
 def _runs_page(monkeypatch, directory: Path, rows: list[int] | None = None) -> AppTest:
@@ -128,7 +129,7 @@ def test_import_takes_the_files_selected_when_it_was_pressed_though_the_listing_
     _copy("ddp-128ranks-rank0-sampled.json.gz", tmp_path, age_s=300)  # dropped in before the click: now first
     at.button(key="import_traces").click().run()
     assert not at.exception, [e.message for e in at.exception]
-    assert "Imported run" in "\n".join(s.value for s in at.success)
+    assert "Imported run" in "\n".join(shown_text(s.value) for s in at.success)
     [run_id] = dpprof.list_runs(tmp_path)["id"]
     assert dpprof.load_run(run_id, tmp_path).meta["workload_args"]["trace_file"] == "ddp-2ranks-rank0-nccl.json.gz"
     assert sorted(pending_traces(tmp_path)["file"]) == ["ddp-128ranks-rank0-sampled.json.gz",
@@ -144,7 +145,7 @@ def test_a_second_press_on_a_trace_imported_meanwhile_says_which_run_it_is(tmp_p
     second.button(key="import_traces").click().run()  # pressed before that tab saw the import
     assert not second.exception, [e.message for e in second.exception]
     assert (f"ddp-2ranks-rank0-nccl.json.gz is already imported as run {run_id}"
-            in "\n".join(w.value for w in second.warning))
+            in "\n".join(shown_text(w.value) for w in second.warning))
     assert dpprof.list_runs(tmp_path)["id"].tolist() == [run_id]  # no second run
     assert second.session_state[common.RUN_KEY] == run_id
 
@@ -170,6 +171,35 @@ def test_two_tabs_pressing_import_at_once_make_one_run(tmp_path, monkeypatch):
         press.join(120)
     assert not any(at.exception for at in tabs), [e.message for at in tabs for e in at.exception]
     [run_id] = dpprof.list_runs(tmp_path)["id"]  # the second import waited for the first, then found its run
-    said = sorted(m.value for at in tabs for m in [*at.success, *at.warning])
+    said = sorted(shown_text(m.value) for at in tabs for m in [*at.success, *at.warning])
     assert said == [f"Imported run {run_id}: 3 steps on rank:0.",
                     f"Nothing imported: ddp-2ranks-rank0-nccl.json.gz is already imported as run {run_id}."]
+
+
+# A trace file's name is the default run name and is shown in the messages: markdown and an image in it stay text.
+HOSTILE_FILE = "**bad** [y](javascript:alert(1)) ![t](https:198.51.100.7) :red[z] $a$.pt.trace.json"
+
+
+@pytest.mark.parametrize("content", [
+    b'{"schemaVersion": 1, "traceEvents": [',  # cut off mid-file
+    b'{"schemaVersion": 1}',  # no events at all
+    b'{"traceEvents": [{"ph": "X", "name": "a\\nb", "ts": 1, "dur": 2}]}\n' + b"\x00" * 8,  # a NUL after the JSON
+])
+def test_a_refused_trace_is_one_line_of_text_on_the_runs_page(tmp_path, monkeypatch, content):
+    from markdown_it import MarkdownIt
+
+    from dpprof.trace import TraceError
+
+    (tmp_path / HOSTILE_FILE).write_bytes(content)
+    with pytest.raises(TraceError) as refused:  # what `dpprof import` says for the file, in one line
+        import_traces([tmp_path / HOSTILE_FILE], tmp_path / "elsewhere")
+    at = _runs_page(monkeypatch, tmp_path, rows=[0])
+    at.button(key="import_traces").click().run()
+    assert not at.exception, [e.message for e in at.exception]
+    [error] = at.error
+    assert "\n" not in error.value
+    assert shown_text(error.value) == f"Not imported: {' '.join(str(refused.value).split())}"
+    assert HOSTILE_FILE in shown_text(error.value)
+    tokens = MarkdownIt("commonmark").parse(error.value)[1].children
+    assert {t.type for t in tokens} == {"text"}  # no link, image, emphasis or HTML from the file's name
+    assert dpprof.list_runs(tmp_path).empty and (tmp_path / HOSTILE_FILE).read_bytes() == content
