@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from dpprof.trace.numbers import (MAX_BYTES, MAX_GPU_INDEX, MAX_STEP, MAX_STEP_DIGITS, MAX_TIME_US,
-                                  base_time_problem, distributed_problem, shown, time_problem, whole)
+                                  base_time_problem, distributed_problem, is_time, shown, time_problem, whole)
 from dpprof.trace.reader import Event, OddEvent, TraceError, TraceFile
 
 __all__ = ["Range", "Collective", "Collected", "collect", "DTYPE_BYTES", "gpu_kind", "Args", "args_of",
@@ -390,8 +390,7 @@ def _bad_time(out: Collected, trace: TraceFile, batch: list, event: Any,
               kinds: dict[str, tuple[str, int] | None]) -> None:
     """An event whose ts or dur cannot be: a step is refused, anything else left out and counted."""
     ts, dur = event.ts, event.dur
-    why = time_problem("ts", ts) if not (isinstance(ts, (int, float)) and 0 <= ts <= MAX_TIME_US) else \
-        time_problem("dur", dur)
+    why = time_problem("ts", ts) if not is_time(ts) else time_problem("dur", dur)
     name = event.name
     if event.cat in _CPU_CATS and isinstance(name, str) and _STEP.fullmatch(name):
         _refuse(trace, batch, event, why)
@@ -448,7 +447,7 @@ def _memory(out: Collected, event: Event | OddEvent) -> str | None:
     ts = event.ts
     if device is None or not isinstance(ts, (int, float)):
         return None
-    if not 0 <= ts <= MAX_TIME_US:
+    if not is_time(ts):
         return time_problem("ts", ts)
     total = args.total_allocated
     cumulative = not isinstance(total, (int, float))  # the 2021 format: only each allocation's Bytes

@@ -331,7 +331,7 @@ def _span_ns(start_ms: Any, ms: Any, offset: int) -> tuple[int, int] | None:
     start, length = _ns(start_ms), _ns(ms)
     if start is None or length is None or length < 0:
         return None
-    return start + offset, int(round((start_ms + ms) * 1e6)) + offset
+    return start + offset, round((start_ms + ms) * 1e6) + offset
 
 
 def _epoch_ns(iso: str) -> int:

@@ -23,8 +23,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["MAX_TIME_US", "MAX_BASE_NS", "MAX_STEP", "MAX_STEP_DIGITS", "MAX_WORLD_SIZE", "MAX_BYTES",
-           "MAX_GPU_INDEX", "shown", "is_time", "whole", "time_problem", "base_time_problem", "distributed_problem"]
+__all__ = ["MAX_BASE_NS", "MAX_BYTES", "MAX_GPU_INDEX", "MAX_STEP", "MAX_STEP_DIGITS", "MAX_TIME_US", "MAX_WORLD_SIZE",
+           "base_time_problem", "distributed_problem", "is_time", "shown", "time_problem", "whole"]
 
 # 142 years in µs. With baseTimeNanoseconds under MAX_BASE_NS (2116) every absolute time stays before 2262, the
 # last instant pandas' datetime64[ns] (and so the read side's dates) holds; float64 holds each whole µs exactly.
@@ -68,7 +68,7 @@ def time_problem(field: str, value: Any) -> str:
     """What is wrong with a ``ts`` or ``dur`` that ``is_time`` refused, in words."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return f"{field} {shown(value)} is not a number"
-    if value != value:
+    if math.isnan(value):
         return f"{field} NaN is not a time"
     if math.isinf(value):
         return f"{field} {'-' if value < 0 else ''}infinite is not a time"
