@@ -349,3 +349,21 @@ def test_a_mutated_trace_imports_with_finite_figures_that_hold_the_invariants_or
             lines = err.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith("dpprof: fuzzed.pt.trace.json: "), (mutations, err)
             assert _left(reports) == [], mutations
+
+
+def test_a_bad_number_in_one_rank_of_a_job_read_by_workers_is_its_one_line_and_nothing_is_written(tmp_path, reports):
+    """Files read in worker processes (``--jobs 2``): the refusal comes back from the worker as it would alone."""
+    rank0 = tmp_path / "job-rank0.pt.trace.json"
+    _write(copy.deepcopy(BASE), rank0)
+    with gzip.open(TRACES / "ddp-128ranks-rank1-sampled.json.gz", "rt") as f:
+        doc = json.load(f)
+    _first_step(doc)["dur"] = math.nan
+    rank1 = _write(doc, tmp_path / "job-rank1.pt.trace.json")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["--reports-dir", str(reports), "import", str(rank0), str(rank1), "--jobs", "2", "--quiet"])
+    assert code == 1
+    lines = err.getvalue().strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(r"dpprof: job-rank1\.pt\.trace\.json: ProfilerStep#\d+ \(traceEvents\[[\d,]+\]\): "
+                                            r"dur NaN is not a time", lines[0]), lines
+    assert _left(reports) == []
