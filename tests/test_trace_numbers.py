@@ -12,6 +12,7 @@ import gzip
 import io
 import json
 import math
+import os
 import re
 import sqlite3
 import subprocess
@@ -327,10 +328,12 @@ def _apply(doc: dict, mutations: list) -> None:
             doc[key] = value
 
 
-FUZZ_EXAMPLES = 20  # each imports a 4,855-event trace and checks the run: 0.9-2 s each on a loaded 2-core machine
+# each imports a 4,855-event trace and checks the run: 0.9-2 s each on a loaded 2-core machine; a longer, random
+# search: DPPROF_FUZZ_EXAMPLES=500
+FUZZ_EXAMPLES = int(os.environ.get("DPPROF_FUZZ_EXAMPLES", "20"))
 
 
-@settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True,
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize="DPPROF_FUZZ_EXAMPLES" not in os.environ,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(mutations=_mutations())
 def test_a_mutated_trace_imports_with_finite_figures_that_hold_the_invariants_or_is_one_line(mutations, tmp_path):
