@@ -270,6 +270,8 @@ def collect(trace: TraceFile) -> Collected:
             ph = event.ph
             if ph == "X":
                 cat = event.cat
+                if type(cat) is not str:  # a category that is a list or an object: no event dpprof reads
+                    continue
                 if cat in cpu_cats:
                     ts, dur = event.ts, event.dur
                     # one chained comparison per field: NaN, infinities, negative and absurd times all fail it

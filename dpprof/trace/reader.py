@@ -439,8 +439,10 @@ def _error_byte(err: Exception) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _cat_of(e: Any) -> Any:
-    return e.get("cat") if type(e) is dict else e.cat
+def _cat_of(e: Any) -> str | None:
+    """An event's category where it is a string (a list or an object there is no category: and no set holds it)."""
+    cat = e.get("cat") if type(e) is dict else e.cat
+    return cat if type(cat) is str else None
 
 
 def _decode_structs(data: bytes) -> list[Event | Flow | OddEvent]:
