@@ -360,6 +360,8 @@ def _cmd_import(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     print(f"imported run {run.id} ({plural(run.steps, 'step')}, {', '.join(run.devices)}) in "
           f"{', '.join(str(p) for p in run.paths)}")
+    for note in run.notes:  # events left out, repeated or overlapping steps (dpprof.trace.numbers)
+        print(f"  note: {note}")
     print(f"  dpprof show {run.id}")
     return EXIT_OK
 

@@ -2,7 +2,10 @@
 and every GPU activity and memory reading packed into typed arrays (16-24 bytes each, never a dict).
 
 ``collect(trace)`` consumes ``TraceFile.events()`` and returns a ``Collected``; turning it into
-dpprof's records is ``dpprof.trace.convert``.
+dpprof's records is ``dpprof.trace.convert``. Numbers are checked as they are read (``dpprof.trace.numbers``
+states the rules): a step with a time that cannot be, or a step number past 2**53, stops the import with one
+line naming the event; any other event with such a time is left out and counted; repeated and overlapping steps
+follow the rules written there, said in ``Collected.notes``.
 """
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ from typing import Any
 
 import msgspec
 
-from dpprof.trace.reader import Event, OddEvent, TraceFile
+from dpprof.trace.numbers import (MAX_BYTES, MAX_GPU_INDEX, MAX_STEP, MAX_STEP_DIGITS, MAX_TIME_US,
+                                  base_time_problem, distributed_problem, is_time, shown, time_problem, whole)
+from dpprof.trace.reader import Event, OddEvent, TraceError, TraceFile
 
 __all__ = ["Range", "Collective", "Collected", "collect", "DTYPE_BYTES", "gpu_kind", "Args", "args_of",
            "collective_name", "COLLECTIVES"]
@@ -29,7 +34,7 @@ _CPU_CATS = frozenset({"cpu_op", "user_annotation", "Operator", "python_function
 _KERNEL_CATS = frozenset({"kernel", "Kernel"})
 _MEMCPY_CATS = frozenset({"gpu_memcpy", "Memcpy"})
 _MEMSET_CATS = frozenset({"gpu_memset", "Memset"})
-_STEP = re.compile(r"^ProfilerStep#(\d+)$")
+_STEP = re.compile(r"ProfilerStep#([0-9]+)")  # fullmatch: ASCII digits only, no newline after them
 _COLLECTIVE = re.compile(r"^(nccl|gloo|mpi|ucc|xccl):")
 # Backward ops: the autograd engine's per-function ranges (torch >= 1.10), else the older names of
 # the backward functions themselves (the 2021 format: "CudnnConvolutionBackward").
@@ -108,6 +113,9 @@ class Collected:
     first_us: float = float("inf")
     last_us: float = float("-inf")
     gpu_labels: dict[int, str] = field(default_factory=dict)  # pid -> "GPU 0"
+    left_out: int = 0  # events left out for a time or number that cannot be (dpprof.trace.numbers)
+    left_out_first: str = ""  # the first of them, and why
+    notes: list[str] = field(default_factory=list)  # what the rules for steps and left-out events did
 
     @property
     def gpus(self) -> list[int]:
@@ -115,8 +123,15 @@ class Collected:
 
     @property
     def rank(self) -> int | None:
+        """distributedInfo's rank (checked by ``collect``: a whole number), else None."""
         info = self.meta.get("distributedInfo")
         return int(info["rank"]) if isinstance(info, dict) and info.get("rank") is not None else None
+
+    @property
+    def world_size(self) -> int | None:
+        """distributedInfo's world_size (checked by ``collect``), else None."""
+        info = self.meta.get("distributedInfo")
+        return int(info["world_size"]) if isinstance(info, dict) and info.get("world_size") is not None else None
 
 
 def collective_name(name: str) -> str:
@@ -169,15 +184,18 @@ def args_of(event: Event | OddEvent) -> Args:
     """The event's args as far as dpprof reads them; ``NO_ARGS`` where there are none or they are not an object."""
     try:
         return _decode_args(event.args)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # args nested deeper than the decoder goes: none dpprof reads
         return NO_ARGS
 
 
 def _message_bytes(args: Args) -> int | None:
-    """Bytes a collective moves: In msg nelems x dtype size, else its input's dims x type size."""
+    """Bytes a collective moves: In msg nelems x dtype size, else its input's dims x type size.
+    Unknown (None) where a count is not a whole number or the total is past MAX_BYTES."""
     nelems, dtype = args.in_msg_nelems, args.dtype
     if isinstance(nelems, (int, float)) and isinstance(dtype, str) and dtype.lower() in DTYPE_BYTES:
-        return int(nelems) * DTYPE_BYTES[dtype.lower()]
+        count = whole(nelems, 0, MAX_BYTES)
+        total = None if count is None else count * DTYPE_BYTES[dtype.lower()]
+        return total if total is not None and total <= MAX_BYTES else None
     dims, types = args.input_dims, args.input_type
     if isinstance(dims, list) and isinstance(types, list) and dims and types:
         total = 0
@@ -189,24 +207,30 @@ def _message_bytes(args: Args) -> int | None:
             for d in shape:
                 if not isinstance(d, (int, float)):
                     break
-                count *= int(d)
+                n = whole(d, 0, MAX_BYTES)
+                if n is None:
+                    return None
+                count = min(count * n, MAX_BYTES + 1)
             total += count * size
+            if total > MAX_BYTES:
+                return None
         return total or None
     return None
 
 
 def _gpu_of(event: Event | OddEvent, args: Args) -> int | None:
-    device = args.device
-    if isinstance(device, (int, float)):
-        return int(device)
-    pid = event.pid
-    return int(pid) if isinstance(pid, (int, float)) else None
+    """The GPU of an activity: its args' device, else its pid; None where neither is a GPU index."""
+    device = whole(args.device, 0, MAX_GPU_INDEX)
+    return device if device is not None else whole(event.pid, 0, MAX_GPU_INDEX)
 
 
 def _name_kind(name: str) -> tuple[str, int] | None:
     """What a CPU range's name makes it: ("step", N), ("forward",), ... or None (an op dpprof does not need)."""
-    if m := _STEP.match(name):
-        return ("step", int(m.group(1)))
+    if m := _STEP.fullmatch(name):
+        digits = m.group(1).lstrip("0") or "0"
+        if len(digits) > MAX_STEP_DIGITS or int(digits) > MAX_STEP:
+            return ("bad step", 0)
+        return ("step", int(digits))
     if name in WRAPPER_FORWARDS:
         return ("forward", 0)
     if name.startswith("dpprof."):
@@ -226,7 +250,12 @@ _GPU_CATS = _KERNEL_CATS | _MEMCPY_CATS | _MEMSET_CATS
 
 
 def collect(trace: TraceFile) -> Collected:
-    """Read the trace once and keep what dpprof's records need (see the module docstring)."""
+    """Read the trace once and keep what dpprof's records need (see the module docstring).
+
+    Raises:
+        TraceError: the file cannot be read, or a number in it cannot be (a step's time, a step number past
+            2**53, baseTimeNanoseconds, distributedInfo: ``dpprof.trace.numbers``); one line naming the event.
+    """
     out = Collected(name=trace.name, size_bytes=trace.size_bytes, meta=trace.meta)
     gpu = out.gpu
     backward = out.backward
@@ -235,14 +264,20 @@ def collect(trace: TraceFile) -> Collected:
     first_us, last_us = float("inf"), float("-inf")
     cpu_cats, gpu_cats = _CPU_CATS, _GPU_CATS
     number = (int, float)
+    top = MAX_TIME_US
     for batch in trace.batches():
         for event in batch:
             ph = event.ph
             if ph == "X":
                 cat = event.cat
+                if type(cat) is not str:  # a category that is a list or an object: no event dpprof reads
+                    continue
                 if cat in cpu_cats:
                     ts, dur = event.ts, event.dur
-                    if not isinstance(ts, number):
+                    # one chained comparison per field: NaN, infinities, negative and absurd times all fail it
+                    if not (isinstance(ts, number) and 0 <= ts <= top) or (
+                            isinstance(dur, number) and not 0 <= dur <= top):
+                        _bad_time(out, trace, batch, event, kinds)
                         continue
                     end = ts + dur if isinstance(dur, number) else ts
                     if ts < first_us:
@@ -261,7 +296,12 @@ def collect(trace: TraceFile) -> Collected:
                     if what == "backward":
                         backward.add(ts, end)
                     elif what == "step":
+                        if not isinstance(dur, number):
+                            _refuse(trace, batch, event, time_problem("dur", dur))
                         out.steps.append((kind[1], float(ts), float(end)))
+                    elif what == "bad step":
+                        _refuse(trace, batch, event, f"the step number is past 2**53 "
+                                                     f"({len(name) - len('ProfilerStep#'):,} digits)")
                     elif what == "forward":
                         out.forwards.append(Range(name, float(ts), float(end), event.tid))
                     elif what == "dpprof":
@@ -276,6 +316,9 @@ def collect(trace: TraceFile) -> Collected:
                 elif cat in gpu_cats:
                     ts, dur = event.ts, event.dur
                     if not isinstance(ts, number):
+                        continue
+                    if not 0 <= ts <= top or (isinstance(dur, number) and not 0 <= dur <= top):
+                        _bad_time(out, trace, batch, event, kinds)
                         continue
                     end = ts + dur if isinstance(dur, number) else ts
                     name = event.name
@@ -297,14 +340,25 @@ def collect(trace: TraceFile) -> Collected:
                         out.comm_kernels.append((index, float(ts), float(end), _message_bytes(args),
                                                  collective_name(what)))
             elif ph == "i" and event.name == "[memory]":
-                _memory(out, event)
+                why = _memory(out, event)
+                if why:
+                    _left_out(out, trace, batch, event, why)
             elif ph == "M" and event.name == "process_labels":
                 labels = args_of(event).labels
-                if isinstance(labels, str) and labels.startswith("GPU") and isinstance(event.pid, number):
-                    out.gpu_labels[int(event.pid)] = labels
+                pid = whole(event.pid, 0, MAX_GPU_INDEX)
+                if isinstance(labels, str) and labels.startswith("GPU") and pid is not None:
+                    out.gpu_labels[pid] = labels
+    for problem in (base_time_problem(trace.meta), distributed_problem(trace.meta)):
+        if problem:
+            raise TraceError(f"{trace.name}: {problem}")
     out.first_us, out.last_us = float(first_us), float(last_us)
     out.events = trace.events_read
     out.steps.sort(key=lambda s: s[1])
+    _one_range_per_step(out)
+    if out.left_out:
+        out.notes.append(f"{out.left_out:,} event{'s' if out.left_out > 1 else ''} with a time or number that "
+                         f"cannot be (NaN, infinite, negative, or past 2**52 µs) left out: the first, "
+                         f"{out.left_out_first}")
     out.forwards.sort(key=lambda r: r.start_us)
     out.dpprof_ranges.sort(key=lambda r: r.start_us)
     out.optimizer.sort(key=lambda r: r.start_us)
@@ -315,29 +369,109 @@ def collect(trace: TraceFile) -> Collected:
     return out
 
 
-def _memory(out: Collected, event: Event | OddEvent) -> None:
+def _where(trace: TraceFile, batch: list, event: Any) -> str:
+    """An event as a refusal names it: its name and its place in traceEvents."""
+    i = next(k for k, e in enumerate(batch) if e is event)
+    name = event.name if isinstance(event.name, str) else shown(event.name)
+    if len(name) > 60:
+        name = f"{name[:60]}…"
+    return f"{name} (traceEvents[{trace.events_read - len(batch) + i:,}])"
+
+
+def _refuse(trace: TraceFile, batch: list, event: Any, why: str) -> None:
+    raise TraceError(f"{trace.name}: {_where(trace, batch, event)}: {why}")
+
+
+def _left_out(out: Collected, trace: TraceFile, batch: list, event: Any, why: str) -> None:
+    out.left_out += 1
+    if out.left_out == 1:
+        out.left_out_first = f"{_where(trace, batch, event)}, {why}"
+
+
+def _bad_time(out: Collected, trace: TraceFile, batch: list, event: Any,
+              kinds: dict[str, tuple[str, int] | None]) -> None:
+    """An event whose ts or dur cannot be: a step is refused, anything else left out and counted."""
+    ts, dur = event.ts, event.dur
+    why = time_problem("ts", ts) if not is_time(ts) else time_problem("dur", dur)
+    name = event.name
+    if event.cat in _CPU_CATS and isinstance(name, str) and _STEP.fullmatch(name):
+        _refuse(trace, batch, event, why)
+    if not isinstance(ts, (int, float)):  # no time at all: not an event dpprof can place (as before: skipped)
+        return
+    _left_out(out, trace, batch, event, why)
+
+
+def _one_range_per_step(out: Collected) -> None:
+    """The rules for steps that repeat or overlap (``dpprof.trace.numbers``), on steps sorted by start: a number
+    met again keeps its first range; a step ending after the next starts ends where it starts; one clipped to
+    nothing, or of no length, is left out. Each rule that applied is said in ``out.notes``."""
+    seen: set[int] = set()
+    repeated: list[int] = []
+    kept: list[tuple[int, float, float]] = []
+    for step in out.steps:
+        if step[0] in seen:
+            repeated.append(step[0])
+        else:
+            seen.add(step[0])
+            kept.append(step)
+    clipped: list[int] = []
+    empty: list[int] = []
+    steps: list[tuple[int, float, float]] = []
+    for i, (n, lo, hi) in enumerate(kept):
+        if i + 1 < len(kept) and hi > kept[i + 1][1]:
+            hi = kept[i + 1][1]
+            clipped.append(n)
+        if hi > lo:
+            steps.append((n, lo, hi))
+        else:
+            empty.append(n)
+    out.steps = steps
+    if repeated:
+        again = sorted(set(repeated))
+        out.notes.append(f"ProfilerStep#{', #'.join(map(str, again[:5]))} appear{'s' if len(again) == 1 else ''} "
+                         f"more than once: the first range in time of each is kept, {len(repeated)} later left out")
+    if clipped:
+        out.notes.append(f"{len(clipped)} step{'s' if len(clipped) > 1 else ''} (ProfilerStep#"
+                         f"{', #'.join(map(str, clipped[:5]))}) ended after the next began: each ends where the next "
+                         "begins, so that steps never overlap")
+    if empty:
+        out.notes.append(f"{len(empty)} step{'s' if len(empty) > 1 else ''} of no length (ProfilerStep#"
+                         f"{', #'.join(map(str, empty[:5]))}) left out")
+
+
+def _memory(out: Collected, event: Event | OddEvent) -> str | None:
+    """Keep one ``[memory]`` reading of a GPU; what is wrong with it where a number in it cannot be (it is left
+    out), else None (kept, or not a GPU's)."""
     args = args_of(event)
     if args.device_type != 1:  # 0: CPU memory; 1: CUDA
-        return
-    device = args.device_id
+        return None
+    device = whole(args.device_id, 0, MAX_GPU_INDEX)
     ts = event.ts
-    if not isinstance(device, (int, float)) or not isinstance(ts, (int, float)):
-        return
-    device = int(device)
+    if device is None or not isinstance(ts, (int, float)):
+        return None
+    if not is_time(ts):
+        return time_problem("ts", ts)
+    total = args.total_allocated
+    cumulative = not isinstance(total, (int, float))  # the 2021 format: only each allocation's Bytes
+    if cumulative:
+        nbytes = args.bytes
+        if not isinstance(nbytes, (int, float)):
+            return None
+        if whole(nbytes, -MAX_BYTES, MAX_BYTES) is None:
+            return f"Bytes {shown(nbytes)} is not a number of bytes"
+    elif whole(total, 0, MAX_BYTES) is None:
+        return f"Total Allocated {shown(total)} is not a number of bytes"
     if device not in out.memory:
         out.memory[device] = (array("d"), array("d"), array("d"))
     times, allocated, reserved = out.memory[device]
-    total = args.total_allocated
-    if not isinstance(total, (int, float)):  # the 2021 format: only each allocation's Bytes: allocated is their sum
-        nbytes = args.bytes
-        if not isinstance(nbytes, (int, float)):
-            return
+    if cumulative:  # allocated is the running sum of the allocations' Bytes
         out.memory_cumulative.add(device)
-        total = (allocated[-1] if allocated else 0.0) + nbytes
+        total = min(max((allocated[-1] if allocated else 0.0) + nbytes, 0.0), float(MAX_BYTES))
     times.append(float(ts))
     allocated.append(float(total))
-    res = args.total_reserved
-    reserved.append(float(res) if isinstance(res, (int, float)) else float("nan"))
+    res = whole(args.total_reserved, 0, MAX_BYTES)  # out of range: unknown, as where the format has none
+    reserved.append(float(res) if res is not None else float("nan"))
+    return None
 
 
 def _pair_collectives(out: Collected) -> None:

@@ -34,6 +34,7 @@ from dpprof.records import (PHASES, AllocatorRecord, CommRecord, DeviceRecord, G
 from dpprof.stepmodel import GPU_PARTS, IDLE, part_names, partition
 from dpprof.trace.collect import GPU_KINDS, Collected, collective_name
 from dpprof.trace.exported import export_info, exported_phases
+from dpprof.trace.numbers import MAX_BYTES, MAX_GPU_INDEX, whole
 
 __all__ = ["Converted", "convert", "process_label"]
 
@@ -237,18 +238,26 @@ def _dataparallel_phases(c: Collected, windows: list[tuple[int, float, float]], 
 
 
 def _device_records(c: Collected, devices: list[str], gpu_of: dict[str, int]) -> list[Record]:
-    props = {int(p["id"]): p for p in c.meta.get("deviceProperties") or [] if isinstance(p, dict) and "id" in p}
+    """Each device's inventory row, from the trace's deviceProperties where it has them: a figure there that is not
+    a whole number in range (or a name that is not a string) is unknown, never stored."""
+    listed = c.meta.get("deviceProperties")
+    props: dict[int, dict] = {}
+    for p in listed if isinstance(listed, list) else []:
+        if isinstance(p, dict) and (gpu := whole(p.get("id"), 0, MAX_GPU_INDEX)) is not None:
+            props.setdefault(gpu, p)
     out: list[Record] = []
     for label in devices:
         gpu = gpu_of.get(label)
-        p = props.get(gpu) if gpu is not None else None
+        p = props.get(gpu, {}) if gpu is not None else {}
         if gpu is None:
             out.append(DeviceRecord(device=label, kind="cpu"))
         else:
-            cap = f"{p['computeMajor']}.{p['computeMinor']}" if p and "computeMajor" in p else None
-            out.append(DeviceRecord(device=label, kind="cuda", name=(p or {}).get("name") or c.gpu_labels.get(gpu),
-                                    total_memory_bytes=(p or {}).get("totalGlobalMem"),
-                                    multiprocessor_count=(p or {}).get("numSms"), capability=cap))
+            major, minor = whole(p.get("computeMajor"), 0, 1000), whole(p.get("computeMinor"), 0, 1000)
+            name = p.get("name") if isinstance(p.get("name"), str) else c.gpu_labels.get(gpu)
+            out.append(DeviceRecord(device=label, kind="cuda", name=name,
+                                    total_memory_bytes=whole(p.get("totalGlobalMem"), 0, MAX_BYTES),
+                                    multiprocessor_count=whole(p.get("numSms"), 0, MAX_GPU_INDEX),
+                                    capability=f"{major}.{minor}" if major is not None and minor is not None else None))
     return out
 
 
@@ -266,6 +275,7 @@ def convert(c: Collected, t0_us: float, rank: int | None) -> Converted:
         return (t - t0_us) / 1e3
 
     windows, note = _windows(c)
+    out.notes += c.notes  # what the rules for repeated, overlapping steps and impossible numbers did
     if note:
         out.notes.append(note)
     gpus = c.gpus

@@ -37,6 +37,7 @@ import contextlib
 import gzip
 import io
 import json
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -312,8 +313,25 @@ def _us(ns: int) -> str:
     return f"{sign}{ns // 1000}.{ns % 1000:03d}"
 
 
-def _ns(ms: float) -> int:
+# A time the store should not hold (NaN, infinite, or past what an import accepts: dpprof.trace.numbers) leaves its
+# row out of the trace rather than end the export; a time in ms at most this is written.
+MAX_EXPORT_MS = 2 ** 52 / 1e3
+
+
+def _ns(ms: Any) -> int | None:
+    """Milliseconds as integer nanoseconds; None for a time that cannot be written (NaN, infinite, absurd, NULL)."""
+    if ms is None or not isinstance(ms, (int, float)) or not -MAX_EXPORT_MS <= ms <= MAX_EXPORT_MS:
+        return None
     return int(round(ms * 1e6))
+
+
+def _span_ns(start_ms: Any, ms: Any, offset: int) -> tuple[int, int] | None:
+    """(start, end) in ns on the file's clock, or None where either time cannot be written or the end is before
+    the start (the row is left out)."""
+    start, length = _ns(start_ms), _ns(ms)
+    if start is None or length is None or length < 0:
+        return None
+    return start + offset, round((start_ms + ms) * 1e6) + offset
 
 
 def _epoch_ns(iso: str) -> int:
@@ -329,7 +347,10 @@ def _columns(df: pd.DataFrame, *names: str) -> list[list[Any]]:
 
 
 def _int(v: Any) -> int | None:
-    return None if v is None or v != v else int(v)
+    """A whole number for the file; None for a missing value, NaN, an infinity or one past int64."""
+    if v is None or v != v or not isinstance(v, (int, float, np.number)) or not -2 ** 63 < v < 2 ** 63:
+        return None
+    return int(v)
 
 
 def _json(args: dict[str, Any]) -> str:
@@ -341,7 +362,7 @@ def _clean(args: dict[str, Any]) -> dict[str, Any]:
     """Args without missing values, numpy scalars as Python numbers (json writes them)."""
     out = {}
     for k, v in args.items():
-        if v is None or (isinstance(v, float) and v != v):
+        if v is None or (isinstance(v, (float, np.floating)) and not math.isfinite(v)):  # JSON has no NaN or inf
             continue
         out[k] = v.item() if isinstance(v, np.generic) else v
     return out
@@ -468,6 +489,7 @@ class _TraceWriter:
         self.cuda = {str(d) for d, k in zip(run.devices["device"], run.devices["kind"]) if k == "cuda"} \
             if len(run.devices) else set()  # the devices the run's inventory says are GPUs
         self.allocated: dict[str, int] = {}  # device -> the Total Allocated of its last [memory] event written
+        self.left_out = 0  # rows whose time cannot be written (NaN, infinite: the store should not hold them)
         self.collective = f"{backend}:all_reduce" if backend in ("gloo", "nccl", "mpi", "ucc") else "dpprof.allreduce"
 
     def process(self, device: str) -> int:
@@ -515,8 +537,11 @@ class _TraceWriter:
         offset = self.offset_ns
         for rank, step, start_ms, ms, batch, calls, used in zip(*_columns(
                 steps, "rank", "step", "start_ms", "duration_ms", "batch_size", "forward_calls", "devices_used")):
-            start = _ns(start_ms) + offset[rank]
-            end = _ns(start_ms + ms) + offset[rank]
+            span = _span_ns(start_ms, ms, offset[rank])
+            if span is None:
+                self.left_out += 1
+                continue
+            start, end = span
             step_start[(rank, step)] = start
             step_end[(rank, step)] = end
             device = self.step_device.get(rank)
@@ -527,17 +552,23 @@ class _TraceWriter:
         ends: dict[tuple[int, int, int, str, str], int] = {}
         for rank, step, call, phase, device, start_ms, ms, cuda_ms in zip(*_columns(
                 phases, "rank", "step", "call", "phase", "device", "start_ms", "duration_ms", "device_duration_ms")):
-            start = _ns(start_ms) + offset[rank]
-            end = _ns(start_ms + ms) + offset[rank]
+            span = _span_ns(start_ms, ms, offset[rank])
+            if span is None:
+                self.left_out += 1
+                continue
+            start, end = span
             ends[(rank, step, call, phase, device)] = end
-            args = (f'{{"step":{step},"call":{call},"device_duration_ms":{cuda_ms!r}}}' if cuda_ms == cuda_ms
-                    and cuda_ms is not None else f'{{"step":{step},"call":{call}}}')
+            args = (f'{{"step":{step},"call":{call},"device_duration_ms":{cuda_ms!r}}}' if _ns(cuda_ms) is not None
+                    else f'{{"step":{step},"call":{call}}}')
             slices.append((start, -end, self.process(device), device, "replica" if phase == "apply" else "host", end,
                            f'"dpprof.{phase}"', args))
         for rank, step, device, bucket, nbytes, launch_ms, ms, collective in zip(*_columns(
                 comms, "rank", "step", "device", "bucket", "bucket_bytes", "launch_ms", "duration_ms", "collective")):
-            start = _ns(launch_ms) + offset[rank]
-            end = _ns(launch_ms + ms) + offset[rank]
+            span = _span_ns(launch_ms, ms, offset[rank])
+            if span is None:
+                self.left_out += 1
+                continue
+            start, end = span
             name = collective if isinstance(collective, str) and collective else self.collective
             if ":" not in name and ":" in self.collective:  # an imported trace's "all-reduce": Kineto's nccl:all_reduce
                 name = f"{self.collective.split(':')[0]}:{name.replace('-', '_').replace('/', '_')}"
@@ -556,7 +587,7 @@ class _TraceWriter:
             ts = step_start.get((rank, step))
             if ts is None:
                 continue
-            args = ",".join(f'"{c}":{int(v)}' for c, v in zip(MEMORY_BYTES, held) if v == v and v is not None)
+            args = ",".join(f'"{c}":{_int(v)}' for c, v in zip(MEMORY_BYTES, held) if _int(v) is not None)
             event(f'{{"ph":"C","name":"{MEMORY_COUNTER}","pid":{self.process(device)},"ts":{_us(ts)},"args":{{{args}}}}}')
         for rank, step, call, phase, device, allocated, peak, reserved in zip(*_columns(
                 allocator, "rank", "step", "call", "phase", "device", "allocated_bytes", "peak_allocated_bytes",
@@ -567,9 +598,9 @@ class _TraceWriter:
             pid = self.process(device)
             values = {"allocated_bytes": allocated, "reserved_bytes": reserved, "peak_allocated_bytes": peak}
             for counter, column in ALLOCATOR_COUNTERS.items():
-                value = values[column]
-                if value == value and value is not None:
-                    event(f'{{"ph":"C","name":"{counter}","pid":{pid},"ts":{_us(ts)},"args":{{"{column}":{int(value)}}}}}')
+                value = _int(values[column])
+                if value is not None:
+                    event(f'{{"ph":"C","name":"{counter}","pid":{pid},"ts":{_us(ts)},"args":{{"{column}":{value}}}}}')
             gpu = self._gpu_index(device)
             if gpu is not None:  # Kineto's form, for torch's tools and the importer
                 self._memory_events(pid, device, gpu, step_start.get((rank, step), ts), ts, allocated, peak, reserved)
@@ -632,11 +663,15 @@ class _TraceWriter:
                 counters = [(counter, [(c, kept[c].tolist()) for c in cols]) for counter, cols in SAMPLE_COUNTERS.items()]
                 offset = self.offset_ns.get(int(rank), 0)
                 for i, (t_ms, device) in enumerate(zip(kept["t_ms"].tolist(), kept["device"].tolist())):
+                    at = _ns(t_ms)
+                    if at is None:
+                        self.left_out += 1
+                        continue
                     pid = self.process(device)
-                    ts = _us(_ns(t_ms) + offset)
+                    ts = _us(at + offset)
                     for counter, cols in counters:
                         args = ",".join(f'"{c}":{values[i]!r}' for c, values in cols
-                                        if values[i] is not None and values[i] == values[i])
+                                        if isinstance(values[i], (int, float)) and math.isfinite(values[i]))
                         if args:
                             self.out.event(f'{{"ph":"C","name":"{counter}","pid":{pid},"ts":{ts},"args":{{{args}}}}}')
 
@@ -713,7 +748,9 @@ def write_trace(run: StoredRun, target: str | os.PathLike[str] | IO[bytes], plan
         out.text("{\n" + "".join(f"{json.dumps(k)}: {json.dumps(v, separators=(', ', ': '))},\n"
                                   for k, v in head.items()) + '"traceEvents": [\n')
         writer.write()
-        out.text(f"\n],\n{json.dumps(THREADS_KEY)}: {json.dumps(writer.lanes.device_of)}\n}}\n")
+        left_out = (f',\n"dpprofLeftOut": "{writer.left_out} rows with a time that is not a number, infinite or '
+                    f'negative were left out"' if writer.left_out else "")
+        out.text(f"\n],\n{json.dumps(THREADS_KEY)}: {json.dumps(writer.lanes.device_of)}{left_out}\n}}\n")
         out.close()
         size = stream.tell() if path is not None else out.bytes
     return TraceWritten(path=path, events=out.events, json_bytes=out.bytes, file_bytes=size,

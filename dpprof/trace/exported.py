@@ -43,12 +43,12 @@ def exported_phases(c: Collected, windows: list[tuple[int, float, float]],
             steps would be counted once per rank; the per-rank files import as ranks.
     """
     info = c.meta[EXPORT_KEY]
-    ranks = info.get("ranks") or []
+    ranks = info.get("ranks") if isinstance(info.get("ranks"), list) else []  # another type: not dpprof's, none
     if len(ranks) > 1:
         raise TraceError(f"{c.name}: holds {len(ranks)} ranks of a distributed run in one file (dpprof export "
                          "--one-file, for viewing): import the per-rank files dpprof export writes without --one-file")
     device_of = {str(tid): str(device) for tid, device in c.meta[THREADS_KEY].items()}
-    devices = [str(d) for d in info.get("devices") or []]
+    devices = [str(d) for d in info.get("devices")] if isinstance(info.get("devices"), list) else []
     starts = [w[1] for w in windows]
     out: list[Record] = []
     for r in c.dpprof_ranges:

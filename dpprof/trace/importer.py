@@ -17,8 +17,8 @@ import shutil
 import sqlite3
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from datetime import datetime, timezone
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,7 @@ class ImportedRun:
     paths: list[Path]
     steps: int
     devices: list[str]
+    notes: list[str] = field(default_factory=list)  # what the rules for steps and impossible numbers did (numbers.py)
 
 
 def trace_files(sources: Iterable[str | os.PathLike[str]]) -> list[Path]:
@@ -97,7 +98,7 @@ def trace_files(sources: Iterable[str | os.PathLike[str]]) -> list[Path]:
 def _abs_offset_us(c: Collected) -> float:
     """What to add to the file's ts to get microseconds since the epoch (ts are relative to
     baseTimeNanoseconds where the trace has one)."""
-    base = c.meta.get("baseTimeNanoseconds")
+    base = c.meta.get("baseTimeNanoseconds")  # checked by collect: a whole number of ns, 0 to 2**62
     return float(base) / 1e3 if isinstance(base, (int, float)) else 0.0
 
 
@@ -127,7 +128,7 @@ def _check_one_job(files: list[Collected]) -> None:
     if len(files) < 2:
         return
     first = files[0]
-    info0 = first.meta.get("distributedInfo") or {}
+    info0 = first.meta.get("distributedInfo") or {}  # an object, checked by collect (dpprof.trace.numbers)
     for f in files[1:]:
         info = f.meta.get("distributedInfo") or {}
         for key in ("world_size", "backend"):
@@ -264,7 +265,8 @@ def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | 
     final = [*published[-1:], *published[:-1]]
     devices = [d for c in converted for d in c.devices]
     steps = max(sum(1 for x in c.records if isinstance(x, StepRecord)) for c in converted)
-    return ImportedRun(id=run_id, paths=final, steps=steps, devices=devices)
+    notes = [f"{f.name}: {note}" for f in files for note in f.notes]
+    return ImportedRun(id=run_id, paths=final, steps=steps, devices=devices, notes=notes)
 
 
 def _write(staging: Path, run_id: str, name: str, files: list[Collected], ranks: list[int | None],
@@ -275,8 +277,7 @@ def _write(staging: Path, run_id: str, name: str, files: list[Collected], ranks:
     workload = job_name([f.name for f in files])
     world = None
     if distributed:
-        info = files[0].meta.get("distributedInfo") or {}
-        world = int(info.get("world_size") or len(files))
+        world = files[0].world_size or len(files)
     # torch's DataParallel.forward driving GPUs ("torch"), or dpprof's ranges ("exact")
     dataparallel = next((c.dataparallel for c in converted if c.dataparallel), None)
     paths = [staging / f"{run_id}{f'.rank{rank}' if distributed else ''}{RUN_SUFFIX}"
@@ -286,7 +287,8 @@ def _write(staging: Path, run_id: str, name: str, files: list[Collected], ranks:
         f, rank, conv, path = files[i], (ranks[i] if distributed else None), converted[i], paths[i]
         row: dict[str, Any] = {
             "id": run_id, "name": name, "created_at": _created_at(f, t0_abs - _abs_offset_us(f)),
-            "host": f.meta.get("host_name"), "pid": None, "torch_version": None, "cuda_version": None,
+            "host": f.meta.get("host_name") if isinstance(f.meta.get("host_name"), str) else None,  # else unknown
+            "pid": None, "torch_version": None, "cuda_version": None,
             "backend": "cuda" if f.gpus else "cpu", "devices": conv.devices, "workload": workload,
             "workload_args": {"trace_files": listing, "trace_file": f.name,
                               "distributedInfo": f.meta.get("distributedInfo"), "dataparallel": dataparallel},
@@ -296,7 +298,7 @@ def _write(staging: Path, run_id: str, name: str, files: list[Collected], ranks:
         if steps:
             end_ms = max(s.start_ms + s.duration_ms for s in steps)
             start = datetime.fromisoformat(row["created_at"])
-            row["ended_at"] = (start + pd.Timedelta(milliseconds=end_ms)).isoformat()
+            row["ended_at"] = (start + timedelta(milliseconds=end_ms)).isoformat()  # times bounded: numbers.py
         sink = SqliteSink(str(path), row, max_buffered=len(conv.records) + len(conv.notes) + 16,
                           retention=ALL)  # a trace is as long as its profiler schedule made it: keep it whole
         try:

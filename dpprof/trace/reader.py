@@ -32,6 +32,7 @@ import json
 import os
 import queue
 import re
+import sys
 import threading
 import zlib
 from collections.abc import Callable, Iterator
@@ -287,6 +288,10 @@ class TraceFile:
             raise self._error(f"truncated or corrupt gzip ({err})") from None
         except UnicodeDecodeError:
             raise self._error("not JSON (not UTF-8 text)") from None
+        except RecursionError:  # msgspec's and the stdlib's decoders stop at about 1,000 levels of arrays/objects
+            after = f" after {self.events_read:,} events" if self.events_read else ""
+            raise self._error(f"JSON nested deeper than {sys.getrecursionlimit():,} levels{after}: no trace "
+                              "nests so deep") from None
         except _Broken as err:
             if self.events_read:
                 raise self._error(f"truncated or corrupt JSON after {self.events_read:,} events (byte {err.at:,}: "
@@ -434,8 +439,10 @@ def _error_byte(err: Exception) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _cat_of(e: Any) -> Any:
-    return e.get("cat") if type(e) is dict else e.cat
+def _cat_of(e: Any) -> str | None:
+    """An event's category where it is a string (a list or an object there is no category: and no set holds it)."""
+    cat = e.get("cat") if type(e) is dict else e.cat
+    return cat if type(cat) is str else None
 
 
 def _decode_structs(data: bytes) -> list[Event | Flow | OddEvent]:
