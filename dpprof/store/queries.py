@@ -302,8 +302,9 @@ def work_samples(run: StoredRun, per_device: int = WORK_SAMPLE_PER_DEVICE, skip_
         columns step, device, duration_ms, devices in the run's order.
     """
     first, last = _span(run)
-    if first is None:
-        return pd.DataFrame(columns=["step", "device", "duration_ms"])
+    if first is None:  # typed: p50 and p95 of no samples are NaN (a run whose steps were left out as damaged)
+        return pd.DataFrame({"step": pd.Series(dtype="int64"), "device": pd.Series(dtype=object),
+                             "duration_ms": pd.Series(dtype=float)})
     phases = run.model.work.phases
     if run.model.aggregated:  # the steps whose detail stands for the run, every m-th of them: index lookups
         steps = _sampled_steps(run, first, last, per_device)
