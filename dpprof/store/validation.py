@@ -163,6 +163,13 @@ def _columns(table: str) -> dict[str, tuple[str, bool]]:
     return {name: (kind, name not in NOT_NULL.get(table, ())) for name, kind in columns.items()}
 
 
+def _wanted(column: str, kind: str) -> str:
+    """What ``column`` must hold, in words: "a number from 0 to 1e+15", "text"."""
+    if kind in ("INTEGER", "REAL"):
+        return f"a number from {-MAX_VALUE if column in SIGNED else 0:g} to {MAX_VALUE:g}"
+    return "text" if kind == "TEXT" else "a sketch (int32 pairs)"
+
+
 def _valid_sql(column: str, kind: str, nullable: bool) -> str:
     """An SQL condition that holds where ``column`` holds a value its readers can use."""
     c = f'"{column}"'
@@ -190,14 +197,14 @@ class TableDamage:
 
     table: str
     rows: int
-    columns: tuple[str, ...]  # the columns holding the bad values
+    columns: tuple[tuple[str, str], ...]  # the columns holding the bad values, and what each must hold
     keep: str  # the SQL condition of the rows kept
 
     @property
     def text(self) -> str:
-        """One line: what was left out, and why."""
-        return (f"{self.table}: {self.rows:,} row{'s' if self.rows != 1 else ''} left out (a value of "
-                f"{', '.join(self.columns)} is not a number in range, or missing)")
+        """One line: what was left out, and why: "steps: 1 row left out (duration_ms not a number from 0 to 1e+15)"."""
+        why = ", ".join(f"{name} not {wanted}" for name, wanted in self.columns)
+        return f"{self.table}: {self.rows:,} row{'s' if self.rows != 1 else ''} left out ({why})"
 
 
 def damage(con: sqlite3.Connection, tables: list[str]) -> list[TableDamage]:
@@ -208,14 +215,14 @@ def damage(con: sqlite3.Connection, tables: list[str]) -> list[TableDamage]:
         if table not in present:
             continue
         have = [r[1] for r in con.execute(f"PRAGMA table_info({table})")]
-        tests = {name: _valid_sql(name, kind, nullable) for name, (kind, nullable) in _columns(table).items()
-                 if name in have}
+        columns = {name: spec for name, spec in _columns(table).items() if name in have}
+        tests = {name: _valid_sql(name, kind, nullable) for name, (kind, nullable) in columns.items()}
         if not tests:
             continue
         sums = ", ".join(f"SUM(NOT {t})" for t in tests.values())
         keep = " AND ".join(tests.values())
         counts = con.execute(f"SELECT SUM(NOT ({keep})), {sums} FROM {table}").fetchone()
         if counts[0]:
-            bad = tuple(name for name, n in zip(tests, counts[1:]) if n)
+            bad = tuple((name, _wanted(name, columns[name][0])) for name, n in zip(tests, counts[1:]) if n)
             out.append(TableDamage(table, int(counts[0]), bad, keep))
     return out
