@@ -137,7 +137,7 @@ def test_a_row_with_a_bad_value_is_left_out_and_counted(reports, sound, capsys, 
     assert run.damage == [f"{table}: 1 row left out ({column} not {wanted})"]
     assert len(run.table(table)) == len(sound.plain.table(table)) - 1
     stats = queries.run_stats(run)
-    assert stats["steps"] == (5 if table == "steps" else 6) and _finite(stats.values())
+    assert stats["steps"] == run.model.steps == (5 if table == "steps" else 6) and _finite(stats.values())
     assert stats["median_step_ms"] >= 0 and stats["mean_step_ms"] >= 0
     assert queries.run_stats(load_run(good.stem)) == queries.run_stats(sound.plain)  # the other run reads as before
     code, out, _ = _cli(capsys, "show", "bad")
@@ -152,7 +152,8 @@ def test_advise_reads_a_run_whose_step_duration_is_text(reports, sound, capsys, 
     _with_bad_copy(reports, sound.plain.path, "UPDATE steps SET duration_ms = 'abc' WHERE step = 3")
     code, out, err = _cli(capsys, "advise", "bad")
     assert code == 0, err
-    assert "damaged: steps: 1 row left out" in out or "predict" in out.lower()
+    assert "run bad  'plain': DataParallel on 2 CPU workers" in out
+    assert "over 5 steps" in out  # the 6 recorded less the one left out
 
 
 def test_a_copy_of_a_run_is_a_run_of_its_own(reports, sound, capsys):
@@ -337,3 +338,13 @@ def test_fuzz_bad_values_in_a_run_file_never_break_a_page(reports, sound):
     at.switch_page("app_pages/overview.py").run()
     assert not at.exception and at.title[0].value == "plain"
     assert cases >= 2, f"only {cases} fuzz cases in {FUZZ_BUDGET_S} s"
+
+
+def test_a_trace_or_rank_file_named_that_is_a_device_says_so(tmp_path, capsys):
+    zero_trace, zero_rank = tmp_path / "zero.json", tmp_path / "zero.rank0.sqlite"
+    zero_trace.symlink_to("/dev/zero")
+    zero_rank.symlink_to("/dev/zero")
+    said = "not a regular file: a character device (symlink to /dev/zero)"
+    assert _cli(capsys, "import", str(zero_trace))[::2] == (1, f"dpprof: {zero_trace}: {said}\n")
+    assert _cli(capsys, "merge", str(zero_rank), "--out", str(tmp_path / "merged"))[::2] == (1, f"dpprof: {zero_rank}: {said}\n")
+    assert not (tmp_path / "merged").exists()

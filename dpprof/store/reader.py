@@ -27,7 +27,7 @@ from dpprof.store.validation import TableDamage, damage, run_meta, schema_versio
 if TYPE_CHECKING:
     from dpprof.store.model import RunModel
 
-__all__ = ["RUN_SUFFIX", "CHECKED_TABLES", "not_a_run_file", "file_damage", "list_runs", "checks_under_their_runs", "load_run", "StoredRun", "RunFileError", "reports_dir",
+__all__ = ["RUN_SUFFIX", "CHECKED_TABLES", "why_not_regular", "file_damage", "list_runs", "checks_under_their_runs", "load_run", "StoredRun", "RunFileError", "reports_dir",
            "HEARTBEAT_TIMEOUT_S", "FULL_DISK_FREE_BYTES"]
 
 RUN_SUFFIX = ".sqlite"
@@ -62,15 +62,16 @@ _FILE_TYPES = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pip
                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
-def not_a_run_file(path: Path) -> str | None:
-    """Why ``path`` cannot be a run file without opening it (opening a FIFO would block, a device never ends):
-    "not a regular file: a FIFO (named pipe)", "dangling symlink to ..."; None for a regular file."""
+def why_not_regular(path: Path) -> str | None:
+    """Why ``path`` is no regular file, found without opening it (opening a FIFO would block, a device never
+    ends): "not a regular file: a FIFO (named pipe)", "dangling symlink to ...", "no such file"; None for a regular
+    file (or a symlink to one)."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
         if path.is_symlink():
             return f"dangling symlink to {os.readlink(path)}: its target does not exist"
-        return "no such file"
+        return "no such file or directory"
     except OSError as err:
         return f"cannot read: {err.strerror or err}"
     if stat.S_ISREG(st.st_mode):
@@ -81,7 +82,7 @@ def not_a_run_file(path: Path) -> str | None:
 
 
 def _connect_ro(path: Path) -> sqlite3.Connection:
-    why = not_a_run_file(path)
+    why = why_not_regular(path)
     if why:
         raise RunFileError(why)
     # O_NONBLOCK: a file swapped for a FIFO since the check above still never blocks the open
@@ -133,17 +134,18 @@ def file_damage(path: Path) -> list[TableDamage]:
 
 def _cleaned(path: Path, found: list[TableDamage]) -> sqlite3.Connection:
     """A read-only connection to a damaged run file whose damaged tables are shadowed by TEMP copies of their
-    usable rows (rowids kept: readers count steps by them), so every query reads only those."""
+    usable rows, so every query reads only those. The copies are numbered 1, 2, ... in the order the rows were
+    written: readers count a table's rows by its last rowid, and read it in that order."""
     con = _connect_ro(path)
     try:
         for d in found:
             columns = ", ".join(f'"{r[1]}"' for r in con.execute(f"PRAGMA main.table_info({d.table})"))
             ddl = con.execute("SELECT sql FROM main.sqlite_master WHERE type = 'table' AND name = ?",
                               (d.table,)).fetchone()[0]
-            rowid = "WITHOUT ROWID" not in ddl.upper()
+            order = " ORDER BY rowid" if "WITHOUT ROWID" not in ddl.upper() else ""
             con.execute(f"CREATE TEMP TABLE {d.table} AS SELECT * FROM main.{d.table} WHERE 0")
-            con.execute(f"INSERT INTO temp.{d.table} ({'rowid, ' if rowid else ''}{columns}) "
-                        f"SELECT {'rowid, ' if rowid else ''}{columns} FROM main.{d.table} WHERE {d.keep}")
+            con.execute(f"INSERT INTO temp.{d.table} ({columns}) SELECT {columns} FROM main.{d.table} "
+                        f"WHERE {d.keep}{order}")
         con.commit()  # ends the implicit transaction: no lock is left on the run file
     except sqlite3.DatabaseError as err:
         con.close()
@@ -508,7 +510,7 @@ def _resolve(run: str | os.PathLike[str], directory: Path) -> Path:
             return candidate
         if os.path.lexists(candidate) and (candidate.name.endswith(RUN_SUFFIX) or candidate.is_symlink()):
             # there, but no regular file (a directory, a FIFO, a device, a dangling symlink): say what it is
-            raise RunFileError(f"{candidate.name}: {not_a_run_file(candidate)}")
+            raise RunFileError(f"{candidate.name}: {why_not_regular(candidate)}")
     matches = [p for p in _candidates(directory) if p.name.startswith(str(run))]
     ids = {_RANK_FILE.match(p.name).group(1) if _RANK_FILE.match(p.name) else p.stem for p in matches}
     if len(ids) == 1:

@@ -27,7 +27,7 @@ from dpprof.records import NoteRecord, StepRecord
 from dpprof.store.faults import RecordingError
 from dpprof.store.model import TRACE_SOURCE
 from dpprof.store.ids import new_run_id  # the same ids as recorded runs
-from dpprof.store.reader import RUN_SUFFIX, load_run, reports_dir as resolve_reports_dir
+from dpprof.store.reader import RUN_SUFFIX, load_run, reports_dir as resolve_reports_dir, why_not_regular
 from dpprof.store.retention import ALL
 from dpprof.store.staging import move_into_place, staging_for
 from dpprof.store.writer import SqliteSink, replace_findings
@@ -85,8 +85,8 @@ def trace_files(sources: Iterable[str | os.PathLike[str]]) -> list[Path]:
             out += found
         elif source.is_file():
             out.append(source)
-        else:
-            raise TraceError(f"{source}: no such file or directory")
+        else:  # say what is there: a FIFO, a device, a dangling symlink, or nothing
+            raise TraceError(f"{source}: {why_not_regular(source) or 'no such file or directory'}")
     return out
 
 
