@@ -171,16 +171,21 @@ def _wanted(column: str, kind: str) -> str:
 
 
 def _valid_sql(column: str, kind: str, nullable: bool) -> str:
-    """An SQL condition that holds where ``column`` holds a value its readers can use."""
+    """An SQL condition that holds (never NULL) where ``column`` holds a value its readers can use.
+
+    Written for speed, as it is tested on every row of a long run: SQLite orders NULL < numbers < text < blobs, so
+    a number column's value is a number in range where it lies BETWEEN the bounds (text, a blob, an infinity or
+    NULL never does), and a text column's is text where it lies from '' up to the least blob.
+    """
     c = f'"{column}"'
     if kind in ("INTEGER", "REAL"):
         low = -MAX_VALUE if column in SIGNED else 0
-        test = f"(typeof({c}) IN ('integer', 'real') AND {c} BETWEEN {low:.0f} AND {MAX_VALUE:.0f})"
+        test = f"{c} BETWEEN {low:.0f} AND {MAX_VALUE:.0f}"
     elif kind == "TEXT":
-        test = f"typeof({c}) = 'text'"
+        test = f"{c} >= '' AND {c} < x''"
     else:  # a sketch: little-endian int32 pairs (dpprof.store.sketch)
-        test = f"(typeof({c}) = 'blob' AND length({c}) % 8 = 0)"
-    return f"({c} IS NULL OR {test})" if nullable else test
+        test = f"typeof({c}) = 'blob' AND length({c}) % 8 = 0"
+    return f"({c} IS NULL OR ({test}))" if nullable else f"({c} IS NOT NULL AND {test})"
 
 
 def valid_row_sql(table: str, present: list[str] | None = None) -> str:
@@ -219,10 +224,11 @@ def damage(con: sqlite3.Connection, tables: list[str]) -> list[TableDamage]:
         tests = {name: _valid_sql(name, kind, nullable) for name, (kind, nullable) in columns.items()}
         if not tests:
             continue
-        sums = ", ".join(f"SUM(NOT {t})" for t in tests.values())
         keep = " AND ".join(tests.values())
-        counts = con.execute(f"SELECT SUM(NOT ({keep})), {sums} FROM {table}").fetchone()
-        if counts[0]:
-            bad = tuple((name, _wanted(name, columns[name][0])) for name, n in zip(tests, counts[1:]) if n)
-            out.append(TableDamage(table, int(counts[0]), bad, keep))
+        rows = con.execute(f"SELECT COUNT(*) FROM {table} WHERE NOT ({keep})").fetchone()[0]
+        if rows:  # which columns: a second look, at the bad rows only
+            sums = ", ".join(f"SUM(NOT {t})" for t in tests.values())
+            counts = con.execute(f"SELECT {sums} FROM {table} WHERE NOT ({keep})").fetchone()
+            bad = tuple((name, _wanted(name, columns[name][0])) for name, n in zip(tests, counts) if n)
+            out.append(TableDamage(table, int(rows), bad, keep))
     return out
