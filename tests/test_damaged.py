@@ -83,6 +83,15 @@ def test_a_schema_version_that_is_no_number_lists_the_file_with_its_reason(repor
     assert _cli(capsys, "show", sound.plain.id)[0] == 0
 
 
+@pytest.mark.parametrize("value", [None, "", "../x", "a*", "a\nb"])
+def test_a_run_id_that_names_no_file_makes_the_file_unreadable(reports, sound, capsys, value):
+    good, bad = _with_bad_copy(reports, sound.plain.path, "UPDATE runs SET id = ?", (value,))
+    runs = list_runs(reports).set_index("path")
+    assert runs.at[str(bad), "reason"] == f"corrupt: runs.id is {value!r}, not a run id"
+    assert pd.isna(runs.at[str(good), "reason"])
+    assert _cli(capsys, "show", "bad")[0] == 1 and _cli(capsys, "runs")[0] == 0
+
+
 META_CASES = [  # SQL on the runs row, and the one line each bad value gets
     ("UPDATE runs SET devices = '{not json'", ["runs.devices is '{not json', not a JSON list of device names"]),
     ("UPDATE runs SET created_at = 'not a date', ended_at = '2026-13-45'",

@@ -20,14 +20,15 @@ from dpprof.records import TABLE_OF
 from dpprof.store.retention import BOUNDED, Retention, stored_retention
 from dpprof.store.schema import AGGREGATE_TABLES, RUN_COLUMNS, columns_of
 
-__all__ = ["MAX_VALUE", "RUN_ID", "NOT_NULL", "TableDamage", "schema_version", "run_meta", "valid_row_sql", "damage"]
+__all__ = ["MAX_VALUE", "RUN_ID", "NOT_NULL", "TableDamage", "schema_version", "run_meta", "damage"]
 
 # The largest magnitude a stored figure may have: a thousand times any real one (1e15 ms is 31,700 years, 1e15
 # bytes a petabyte, more than any device holds), and far below float64's and int64's limits, so that sums over a
 # run's rows and unit conversions (ms to the microseconds of a trace) stay finite and exact enough.
 MAX_VALUE = 1e15
-# A run id names its file: dpprof.store.ids.new_run_id's, or a file's stem; never a path or a glob pattern.
-RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
+# A run id names its files (<id>.sqlite, <id>.rank<N>.sqlite, found by glob): dpprof.store.ids.new_run_id's, or
+# one given to dpprof.record; never empty, hidden, a path or a glob pattern.
+RUN_ID = re.compile(r"[^./\\\x00-\x1f*?\[\]][^/\\\x00-\x1f*?\[\]]{0,199}")  # fullmatch
 # Figures that are times since the run started may precede it (an imported trace's events before its first
 # step); every other figure (a duration, a size, a count, a step number, a percentage) is never negative.
 SIGNED = frozenset({"start_ms", "t_ms", "launch_ms", "value"})
@@ -117,7 +118,7 @@ def run_meta(stored: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         reasons.append(f"runs.{column} is {_shown(row[column])}, not {what}")
         row[column] = empty
 
-    if not isinstance(row["id"], str) or not RUN_ID.match(row["id"]):
+    if not isinstance(row["id"], str) or not RUN_ID.fullmatch(row["id"]):
         raise ValueError(f"runs.id is {_shown(row['id'])}, not a run id")
     for column in _TEXT_META:
         if row[column] is not None and not isinstance(row[column], str):
@@ -186,14 +187,6 @@ def _valid_sql(column: str, kind: str, nullable: bool) -> str:
     else:  # a sketch: little-endian int32 pairs (dpprof.store.sketch)
         test = f"typeof({c}) = 'blob' AND length({c}) % 8 = 0"
     return f"({c} IS NULL OR ({test}))" if nullable else f"({c} IS NOT NULL AND {test})"
-
-
-def valid_row_sql(table: str, present: list[str] | None = None) -> str:
-    """An SQL condition that holds for the rows of ``table`` whose every value is usable (of the columns
-    ``present`` in the file, where given)."""
-    columns = _columns(table)
-    return " AND ".join(_valid_sql(name, kind, nullable) for name, (kind, nullable) in columns.items()
-                        if present is None or name in present) or "1"
 
 
 @dataclass(frozen=True)
