@@ -27,8 +27,8 @@ from dpprof.store.validation import TableDamage, damage, run_meta, schema_versio
 if TYPE_CHECKING:
     from dpprof.store.model import RunModel
 
-__all__ = ["RUN_SUFFIX", "CHECKED_TABLES", "why_not_regular", "file_damage", "list_runs", "checks_under_their_runs", "load_run", "StoredRun", "RunFileError", "reports_dir",
-           "HEARTBEAT_TIMEOUT_S", "FULL_DISK_FREE_BYTES"]
+__all__ = ["RUN_SUFFIX", "list_runs", "checks_under_their_runs", "load_run", "StoredRun", "RunFileError", "reports_dir",
+           "HEARTBEAT_TIMEOUT_S", "FULL_DISK_FREE_BYTES", "CHECKED_TABLES", "why_not_regular", "file_damage"]
 
 RUN_SUFFIX = ".sqlite"
 _RANK_FILE = re.compile(r"^(.+)\.rank(\d+)\.sqlite$")  # <run id>.rank<N>.sqlite: one rank of a distributed run
@@ -64,8 +64,8 @@ _FILE_TYPES = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pip
 
 def why_not_regular(path: Path) -> str | None:
     """Why ``path`` is no regular file, found without opening it (opening a FIFO would block, a device never
-    ends): "not a regular file: a FIFO (named pipe)", "dangling symlink to ...", "no such file"; None for a regular
-    file (or a symlink to one)."""
+    ends): "not a regular file: a FIFO (named pipe)", "dangling symlink to ...", "no such file or directory"; None
+    for a regular file (or a symlink to one)."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -114,7 +114,10 @@ def _file_key(path: Path) -> tuple[str, int, int, int, int]:
 def file_damage(path: Path) -> list[TableDamage]:
     """The tables of a run file with rows holding a bad value (dpprof.store.validation.damage), checked once per
     version of the file."""
-    key = _file_key(path)
+    try:
+        key = _file_key(path)
+    except OSError as err:  # gone since it was listed
+        raise RunFileError(f"{path.name}: cannot read: {err.strerror or err}") from None
     with _damage_lock:
         if key in _damage_cache:
             return _damage_cache[key]
@@ -414,8 +417,9 @@ def _as_copy(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
     id is the file's name (without .sqlite), ``copy_of`` the id stored in it: never merged with the run it copies."""
     match = _RANK_FILE.match(path.name)
     named = match.group(1) if match else path.stem if path.suffix == RUN_SUFFIX else path.name
-    if named == meta["id"] and (match is None) == (meta.get("rank") is None):
-        return meta
+    if named == meta["id"]:  # the run's own file: its name says whether it is one rank's (and which)
+        rank = int(match.group(2)) if match else None
+        return meta if (meta.get("rank") is None) == (rank is None) else {**meta, "rank": rank}
     return {**meta, "id": path.stem if path.suffix == RUN_SUFFIX else path.name, "copy_of": meta["id"], "rank": None}
 
 
