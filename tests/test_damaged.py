@@ -26,7 +26,8 @@ from dpprof.store import queries
 from dpprof.store.reader import list_runs, load_run
 from dpprof.store.retention import Retention
 from dpprof.trace.importer import import_traces
-from recorded import record, record_failed, record_straggler
+import fake_pynvml
+from recorded import BUS, record, record_failed, record_straggler, record_with_gpu_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "app.py"
@@ -229,11 +230,13 @@ def test_a_directory_fifo_device_or_dangling_symlink_named_sqlite_is_listed_with
     assert {Path(p).name: r for p, r in runs["reason"].items() if isinstance(r, str)} == expected
 
 
-def test_sound_runs_of_every_kind_read_whole(tmp_path, sound):
+def test_sound_runs_of_every_kind_read_whole(tmp_path, sound, fake_gpus):
     """No run dpprof writes has a value the reader would leave out: recorded (plain, balanced, failed, thinned by
-    its retention) and imported (every shared trace)."""
+    its retention, with NVML samples of two fake GPUs) and imported (every shared trace)."""
     directory = tmp_path / "kinds"
     shutil.copytree(sound.dir, directory)
+    fake_gpus([fake_pynvml.gpu(BUS[0]), fake_pynvml.gpu(BUS[1], util=30)])
+    record_with_gpu_samples(directory)
     record(directory, "balanced", workers=3, steps=4, batch_size=33, balanced=True)
     record_failed(directory)
     record_straggler(directory, steps=120, detail=Retention(first_steps=10, last_steps=10, every=10, chunk_steps=20,
@@ -242,11 +245,14 @@ def test_sound_runs_of_every_kind_read_whole(tmp_path, sound):
         if "rank0-nccl" not in trace.name:  # imported by the fixture
             import_traces([trace], directory)
     runs = list_runs(directory)
-    assert runs["reason"].isna().all() and runs["damage"].isna().all() and len(runs) >= 7
+    assert runs["reason"].isna().all() and runs["damage"].isna().all() and len(runs) >= 8
+    held = set()
     for path in runs["path"]:
         run = load_run(path)
         assert run.damage == [], path
         assert run.model.steps > 0 or run.meta["status"] == "failed"
+        held |= run.model.has
+    assert {"memory", "gpu_samples", "allocator", "comms", "gpu_time"} <= held  # every table was checked with rows
 
 
 def _every_page(at: AppTest, run_id: str) -> None:
