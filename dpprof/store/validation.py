@@ -130,17 +130,19 @@ def run_meta(stored: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             except ValueError:
                 bad(column, "a whole number")
     for column in _DATE_META:
-        if row[column] is not None:
+        raw = row[column]
+        if raw is not None:
             try:
-                row[column] = _date(row[column]) if isinstance(row[column], str) else _date("")
+                row[column] = _date(raw if isinstance(raw, str) else "")
             except ValueError:
                 bad(column, "a date")
     for column, kind, empty in (("devices", list, []), ("workload_args", dict, {})):
         if not row[column]:
             row[column] = empty
             continue
+        raw = row[column]
         try:
-            value = json.loads(row[column]) if isinstance(row[column], str) else None
+            value = json.loads(raw) if isinstance(raw, str) else None
         except (ValueError, RecursionError):
             value = None
         if not isinstance(value, kind) or (kind is list and not all(isinstance(d, str) for d in value)):
