@@ -348,7 +348,8 @@ def describe(run: StoredRun) -> RunModel:
     # steps are never deleted, so the last rowid is the count: one lookup where COUNT(*) reads the table
     counts = run.query("SELECT COALESCE(MAX(rowid), 0) AS n FROM steps")["n"]
     steps = int(counts.max()) if len(counts) else 0  # ranks step together: each rank's file has every step
-    detail_from = int(run.meta.get("detail_from") or 0)
+    # never past the last step: the sample of a thinned run's steps (sampled_steps_sql) counts up to it
+    detail_from = min(int(run.meta.get("detail_from") or 0), steps)
     retention = stored_retention(run.meta.get("detail"))
     phases = present_phases(run, aggregates=retention is not None)
     kind = _kind(run, steps, phases)

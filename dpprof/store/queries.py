@@ -328,9 +328,15 @@ def _sampled_steps(run: StoredRun, first: int, last: int, per_device: int) -> np
     in ``every``, the newest: RunModel.sampled_steps_sql)."""
     r, whole = run.model.retention, run.model.whole_from
     start = r.first_steps + -r.first_steps % r.every
-    steps = np.concatenate([np.arange(first, min(r.first_steps, last + 1)), np.arange(start, whole, r.every),
-                            np.arange(max(whole, first), last + 1)])
-    return steps[::max(1, math.ceil(len(steps) / max(1, per_device)))]
+    # ranges, never arrays of every step: a damaged file's step numbers may span far more steps than it holds
+    parts = [range(first, min(r.first_steps, last + 1)), range(start, whole, r.every), range(max(whole, first), last + 1)]
+    total = sum(len(p) for p in parts)
+    stride = max(1, math.ceil(total / max(1, per_device)))
+    picked, offset = [], 0
+    for part in parts:  # every stride-th step of the three ranges one after another
+        picked.extend(part[(-offset) % stride::stride])
+        offset += len(part)
+    return np.array(picked, dtype=np.int64)
 
 
 def work_stats(run: StoredRun, samples: pd.DataFrame | None = None, percentiles: bool = True,
