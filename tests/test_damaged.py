@@ -375,3 +375,19 @@ def test_a_rank_file_whose_rank_is_no_number_is_still_its_runs_rank(reports, sou
     assert (row["ranks"], row["devices"], row["damage"]) == (1, "rank:0", "runs.rank is 'zero', not a whole number")
     assert pd.isna(row["copy_of"]) and load_run(sound.trace.id).paths == [rank]
     assert _cli(capsys, "show", sound.trace.id)[0] == 0
+
+
+@pytest.mark.parametrize("sql", ["UPDATE runs SET detail_from = 1e12",
+                                 "UPDATE steps SET step = 999999999999 WHERE rowid = (SELECT MAX(rowid) FROM steps)"])
+def test_a_step_number_far_past_a_thinned_runs_steps_never_makes_a_read_hang(reports, sql):
+    """A run thinned by its retention is read from its sample of steps, counted from stored step numbers: one far
+    past the run's steps must not make a read count up to it."""
+    run = record_straggler(reports, steps=120, detail=Retention(first_steps=10, last_steps=10, every=10,
+                                                                chunk_steps=20, block_steps=10))
+    assert load_run(run.path).model.aggregated
+    damaged_copy(Path(run.path), reports / "bad.sqlite", sql)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    for argv in (["show", "bad"], ["export", "bad", "--trace", str(reports.parent / "bad.json")]):
+        done = subprocess.run([sys.executable, "-m", "dpprof", *argv], capture_output=True, text=True, timeout=180,
+                              env=env)
+        assert done.returncode == 0, (argv, done.stderr[-2000:])
