@@ -26,7 +26,7 @@ from dpprof.plaintext import markdown_code, markdown_text, markdown_words
 from dpprof.views import export
 from dpprof.views.text import display_table, finding_heading, run_label
 from dpprof.store.faults import RecordingError
-from dpprof.store.reader import list_runs, load_run, reports_dir
+from dpprof.store.reader import RunFileError, list_runs, load_run, reports_dir
 from dpprof.store.writer import check_reports_dir
 from dpprof.trace.importer import LEGACY_WORKLOAD
 from dpprof.units import plural
@@ -206,6 +206,14 @@ def run_header(row: pd.Series) -> None:
     if row.get("dropped_records"):
         why = "the disk was full" if row["status"] == "disk_full" else "the writer fell behind"
         st.warning(f"{int(row['dropped_records']):,} records were dropped: {why}.")
+    # below, the file's own words (names, values) go out as plain text (st.text), never as markdown
+    if isinstance(row.get("copy_of"), str):
+        st.text(f"A copy of run {row['copy_of']}, listed as a run of its own (file {Path(row['path']).name}).")
+    damage = view(views.damage_of, row)
+    if damage:  # values of the run file that are no usable figures: left out, so the rest can be shown
+        st.warning("The run file is damaged: values that are no usable figures were read as missing and the rows "
+                   "holding them left out. What could be read is shown.")
+        st.text("\n".join(damage))
 
 
 def live(body: Callable[[pd.Series], None]) -> None:
@@ -214,7 +222,11 @@ def live(body: Callable[[pd.Series], None]) -> None:
     if row is None:
         return
     if row["status"] != "running":
-        body(row)
+        try:
+            body(row)
+        except RunFileError as err:  # a file damaged past reading (or changed since it was listed): one line
+            st.error("This run cannot be shown:")
+            st.text(str(err))
         return
     run_id = row["id"]
 

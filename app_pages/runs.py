@@ -100,7 +100,7 @@ if good.empty:
 else:
     good = checks_under_their_runs(good)  # the runs dpprof advise --check recorded, under the run they check
     shown = good[["status", "name", "workload", "balanced", "backend", "devices", "steps", "duration_s", "created_at",
-                  "id", "check_of"]].copy()
+                  "id", "check_of", "copy_of", "damage"]].copy()
     shown["created_at"] = shown["created_at"].str.slice(0, 19).str.replace("T", " ")
     st.caption("Select one run to open it, or several to compare them.")
     event = st.dataframe(
@@ -111,7 +111,11 @@ else:
                            "balanced", help="DataParallelModel + DataParallelCriterion: nothing gathered"),
                        "check_of": st.column_config.TextColumn(
                            "check of", help="recorded by dpprof advise RUN --check: a scenario of that run, run for "
-                           "real; listed under it")})
+                           "real; listed under it"),
+                       "copy_of": st.column_config.TextColumn(
+                           "copy of", help="a copy of that run's file, under another name: a run of its own"),
+                       "damage": st.column_config.TextColumn(
+                           "damage", help="values of the run's file that were no usable figures, read as missing")})
     selected = shown.iloc[list(event.selection.rows)]["id"].tolist() if event.selection.rows else []
     c1, c2, c3, _ = st.columns([1, 1, 1, 5])
     if c1.button("Open", disabled=len(selected) != 1, type="primary", key="open_run",

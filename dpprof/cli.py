@@ -381,6 +381,10 @@ def _cmd_runs(args: argparse.Namespace) -> int:
     print(_table(shown.set_index("id"), "{:.1f}"))
     for _, short in readable[(readable["status"] == "incomplete") & readable["error"].notna()].iterrows():
         print(f"incomplete: {short['id']}: {short['error']}")
+    for _, copy in readable[readable["copy_of"].notna()].iterrows():
+        print(f"copy: {copy['id']} is a copy of run {copy['copy_of']} ({copy['path']})")
+    for _, damaged in readable[readable["damage"].notna()].iterrows():
+        print(f"damaged: {damaged['id']}: {damaged['damage']}")
     for _, bad in runs[runs["reason"].notna()].iterrows():  # "unreadable", "interrupted import" (a staging directory)
         print(f"{bad['status']}: {bad['path']}: {bad['reason']}")
     return EXIT_OK
@@ -410,6 +414,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if m.get("dropped_records"):
         why = "the disk was full" if m["status"] == "disk_full" else "the writer fell behind"
         print(f"  warning: {m['dropped_records']} records were dropped ({why})")
+    if m.get("copy_of"):
+        print(f"  a copy of run {m['copy_of']} (file {run.path.name})")
+    for damage in run.damage:  # values that were no usable figures, left out (dpprof.store.validation)
+        print(f"  damaged: {damage}")
     if model.kind == "empty":
         print(f"  no steps recorded: {model.empty_reason}")
         _print_notes(run, skip={model.empty_reason})

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from dpprof.store.faults import cause_of
 from dpprof.store.publish import Stage, recover
-from dpprof.store.reader import _RANK_FILE, RUN_SUFFIX, RunFileError, _open
+from dpprof.store.reader import _RANK_FILE, RUN_SUFFIX, RunFileError, _open, why_not_regular
 
 __all__ = ["merge_rank_files"]
 
@@ -23,8 +23,8 @@ def _rank_files(sources: Iterable[str | Path]) -> list[Path]:
             if not _RANK_FILE.match(source.name):
                 raise RunFileError(f"{source}: not a rank file (<run id>.rank<N>{RUN_SUFFIX})")
             files.append(source)
-        else:
-            raise RunFileError(f"{source}: no such file or directory")
+        else:  # say what is there: a FIFO, a device, a dangling symlink, or nothing
+            raise RunFileError(f"{source}: {why_not_regular(source) or 'no such file or directory'}")
     return files
 
 

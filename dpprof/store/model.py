@@ -245,18 +245,17 @@ def present_phases(run: StoredRun, aggregates: bool = False) -> list[str]:
 
 def _nonempty_tables(run: StoredRun) -> set[str]:
     """The record tables with at least one row in any of the run's files (one EXISTS lookup each)."""
-    from dpprof.store.reader import TABLES, RunFileError, _connect_ro
+    from dpprof.store.reader import TABLES, RunFileError
 
     found: set[str] = set()
     for path in run.paths:
-        con = _connect_ro(path)
-        try:
-            names = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            found |= {t for t in TABLES if t in names and con.execute(f"SELECT EXISTS(SELECT 1 FROM {t})").fetchone()[0]}
-        except sqlite3.DatabaseError as err:
-            raise RunFileError(f"{path.name}: corrupt: {err}") from None
-        finally:
-            con.close()
+        with run.connect(path) as con:  # a damaged table's usable rows (dpprof.store.validation)
+            try:
+                names = {r[0] for r in con.execute("SELECT name FROM main.sqlite_master WHERE type = 'table'")}
+                found |= {t for t in TABLES
+                          if t in names and con.execute(f"SELECT EXISTS(SELECT 1 FROM {t})").fetchone()[0]}
+            except sqlite3.DatabaseError as err:
+                raise RunFileError(f"{path.name}: corrupt: {err}") from None
     return found
 
 
@@ -349,7 +348,8 @@ def describe(run: StoredRun) -> RunModel:
     # steps are never deleted, so the last rowid is the count: one lookup where COUNT(*) reads the table
     counts = run.query("SELECT COALESCE(MAX(rowid), 0) AS n FROM steps")["n"]
     steps = int(counts.max()) if len(counts) else 0  # ranks step together: each rank's file has every step
-    detail_from = int(run.meta.get("detail_from") or 0)
+    # never past the last step: the sample of a thinned run's steps (sampled_steps_sql) counts up to it
+    detail_from = min(int(run.meta.get("detail_from") or 0), steps)
     retention = stored_retention(run.meta.get("detail"))
     phases = present_phases(run, aggregates=retention is not None)
     kind = _kind(run, steps, phases)

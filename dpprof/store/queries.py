@@ -302,8 +302,9 @@ def work_samples(run: StoredRun, per_device: int = WORK_SAMPLE_PER_DEVICE, skip_
         columns step, device, duration_ms, devices in the run's order.
     """
     first, last = _span(run)
-    if first is None:
-        return pd.DataFrame(columns=["step", "device", "duration_ms"])
+    if first is None:  # typed: p50 and p95 of no samples are NaN (a run whose steps were left out as damaged)
+        return pd.DataFrame({"step": pd.Series(dtype="int64"), "device": pd.Series(dtype=object),
+                             "duration_ms": pd.Series(dtype=float)})
     phases = run.model.work.phases
     if run.model.aggregated:  # the steps whose detail stands for the run, every m-th of them: index lookups
         steps = _sampled_steps(run, first, last, per_device)
@@ -327,9 +328,15 @@ def _sampled_steps(run: StoredRun, first: int, last: int, per_device: int) -> np
     in ``every``, the newest: RunModel.sampled_steps_sql)."""
     r, whole = run.model.retention, run.model.whole_from
     start = r.first_steps + -r.first_steps % r.every
-    steps = np.concatenate([np.arange(first, min(r.first_steps, last + 1)), np.arange(start, whole, r.every),
-                            np.arange(max(whole, first), last + 1)])
-    return steps[::max(1, math.ceil(len(steps) / max(1, per_device)))]
+    # ranges, never arrays of every step: a damaged file's step numbers may span far more steps than it holds
+    parts = [range(first, min(r.first_steps, last + 1)), range(start, whole, r.every), range(max(whole, first), last + 1)]
+    total = sum(len(p) for p in parts)
+    stride = max(1, math.ceil(total / max(1, per_device)))
+    picked, offset = [], 0
+    for part in parts:  # every stride-th step of the three ranges one after another
+        picked.extend(part[(-offset) % stride::stride])
+        offset += len(part)
+    return np.array(picked, dtype=np.int64)
 
 
 def work_stats(run: StoredRun, samples: pd.DataFrame | None = None, percentiles: bool = True,

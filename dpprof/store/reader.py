@@ -5,12 +5,15 @@ is listed with its reason and never makes listing fail. Reading never modifies a
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import socket
 import sqlite3
+import stat
+import threading
+from contextlib import contextmanager
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -18,13 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from dpprof.store.schema import FORMAT, RECORD_TABLES, RUN_COLUMNS, SCHEMA_VERSION, columns_of
+from dpprof.store.schema import AGGREGATE_TABLES, FORMAT, RECORD_TABLES, SCHEMA_VERSION, columns_of
+from dpprof.store.validation import TableDamage, damage, run_meta, schema_version
 
 if TYPE_CHECKING:
     from dpprof.store.model import RunModel
 
-__all__ = ["RUN_SUFFIX", "list_runs", "read_run_file", "checks_under_their_runs", "load_run", "StoredRun", "RunFileError", "reports_dir",
-           "HEARTBEAT_TIMEOUT_S", "FULL_DISK_FREE_BYTES"]
+__all__ = ["RUN_SUFFIX", "list_runs", "read_run_file", "checks_under_their_runs", "load_run", "StoredRun", "RunFileError",
+           "reports_dir", "HEARTBEAT_TIMEOUT_S", "FULL_DISK_FREE_BYTES", "CHECKED_TABLES", "why_not_regular", "file_damage"]
 
 RUN_SUFFIX = ".sqlite"
 _RANK_FILE = re.compile(r"^(.+)\.rank(\d+)\.sqlite$")  # <run id>.rank<N>.sqlite: one rank of a distributed run
@@ -37,6 +41,11 @@ HEARTBEAT_TIMEOUT_S = 30.0  # the writer commits every 0.5 s; 60 missed commits 
 # free, was cut short by the full disk: one commit of a busy run is hundreds of KB of log.
 FULL_DISK_FREE_BYTES = 1 << 20
 TABLES = tuple(RECORD_TABLES.values())
+# Every table a reader queries: each is checked for bad values (dpprof.store.validation) when a run is first read.
+CHECKED_TABLES = (*TABLES, *AGGREGATE_TABLES)
+_DAMAGE_CACHE_FILES = 256  # files whose check is remembered (by name, size and modification time)
+_damage_cache: dict[tuple[str, int, int, int, int], list[TableDamage]] = {}
+_damage_lock = threading.Lock()
 READS = ("auto", "rows", "aggregates")  # load_run's read: where a run's figures come from
 
 
@@ -49,15 +58,102 @@ def reports_dir(path: str | os.PathLike[str] | None = None) -> Path:
     return Path(path if path is not None else os.environ.get("DPPROF_REPORTS", "reports"))
 
 
+_FILE_TYPES = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def why_not_regular(path: Path) -> str | None:
+    """Why ``path`` is no regular file, found without opening it (opening a FIFO would block, a device never
+    ends): "not a regular file: a FIFO (named pipe)", "dangling symlink to ...", "no such file or directory"; None
+    for a regular file (or a symlink to one)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if path.is_symlink():
+            return f"dangling symlink to {os.readlink(path)}: its target does not exist"
+        return "no such file or directory"
+    except OSError as err:
+        return f"cannot read: {err.strerror or err}"
+    if stat.S_ISREG(st.st_mode):
+        return None
+    what = next((name for test, name in _FILE_TYPES if test(st.st_mode)), "not a file")
+    link = f" (symlink to {os.readlink(path)})" if path.is_symlink() else ""
+    return f"not a regular file: {what}{link}"
+
+
 def _connect_ro(path: Path) -> sqlite3.Connection:
-    with open(path, "rb") as f:
+    why = why_not_regular(path)
+    if why:
+        raise RunFileError(why)
+    # O_NONBLOCK: a file swapped for a FIFO since the check above still never blocks the open
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise RunFileError("not a regular file")
         head = f.read(len(_SQLITE_MAGIC))
     if head != _SQLITE_MAGIC:
         raise RunFileError("not a dpprof run: not an SQLite file" if head else "empty file")
     try:
-        return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=5)
+        return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=5,
+                               check_same_thread=False)
     except sqlite3.Error as err:
         raise RunFileError(f"cannot open: {err}") from None
+
+
+def _file_key(path: Path) -> tuple[str, int, int, int, int]:
+    """A run file's name, size and modification time, and its write-ahead log's: it changes at every commit."""
+    st = path.stat()
+    try:
+        wal = path.with_name(path.name + "-wal").stat()
+        wal_key = (wal.st_mtime_ns, wal.st_size)
+    except OSError:
+        wal_key = (0, 0)
+    return (str(path.resolve()), st.st_mtime_ns, st.st_size, *wal_key)
+
+
+def file_damage(path: Path) -> list[TableDamage]:
+    """The tables of a run file with rows holding a bad value (dpprof.store.validation.damage), checked once per
+    version of the file."""
+    try:
+        key = _file_key(path)
+    except OSError as err:  # gone since it was listed
+        raise RunFileError(f"{path.name}: cannot read: {err.strerror or err}") from None
+    with _damage_lock:
+        if key in _damage_cache:
+            return _damage_cache[key]
+    con = _connect_ro(path)
+    try:
+        found = damage(con, list(CHECKED_TABLES))
+    except sqlite3.DatabaseError as err:
+        raise RunFileError(f"{path.name}: corrupt: {err}") from None
+    finally:
+        con.close()
+    with _damage_lock:
+        if len(_damage_cache) >= _DAMAGE_CACHE_FILES:
+            _damage_cache.clear()
+        _damage_cache[key] = found
+    return found
+
+
+def _cleaned(path: Path, found: list[TableDamage]) -> sqlite3.Connection:
+    """A read-only connection to a damaged run file whose damaged tables are shadowed by TEMP copies of their
+    usable rows, so every query reads only those. The copies are numbered 1, 2, ... in the order the rows were
+    written: readers count a table's rows by its last rowid, and read it in that order."""
+    con = _connect_ro(path)
+    try:
+        for d in found:
+            columns = ", ".join(f'"{r[1]}"' for r in con.execute(f"PRAGMA main.table_info({d.table})"))
+            ddl = con.execute("SELECT sql FROM main.sqlite_master WHERE type = 'table' AND name = ?",
+                              (d.table,)).fetchone()[0]
+            order = " ORDER BY rowid" if "WITHOUT ROWID" not in ddl.upper() else ""
+            con.execute(f"CREATE TEMP TABLE {d.table} AS SELECT * FROM main.{d.table} WHERE 0")
+            con.execute(f"INSERT INTO temp.{d.table} ({columns}) SELECT {columns} FROM main.{d.table} "
+                        f"WHERE {d.keep}{order}")
+        con.commit()  # ends the implicit transaction: no lock is left on the run file
+    except sqlite3.DatabaseError as err:
+        con.close()
+        raise RunFileError(f"{path.name}: corrupt: {err}") from None
+    return con
 
 
 def _pid_alive(pid: int) -> bool:
@@ -102,7 +198,10 @@ def _read_meta(con: sqlite3.Connection, path: Path | None = None) -> dict[str, A
         raise RunFileError(f"corrupt or truncated: {err}") from None
     if meta.get("format") != FORMAT:
         raise RunFileError("not a dpprof run: meta.format is not 'dpprof-run'")
-    version = int(meta.get("schema_version", 0))
+    try:
+        version = schema_version(meta.get("schema_version", 0))
+    except ValueError as err:
+        raise RunFileError(f"corrupt: {err}") from None
     if version > SCHEMA_VERSION:
         raise RunFileError(f"written by a newer dpprof (schema {version}; this dpprof reads up to "
                            f"{SCHEMA_VERSION}): upgrade dpprof to open it")
@@ -113,11 +212,10 @@ def _read_meta(con: sqlite3.Connection, path: Path | None = None) -> dict[str, A
         raise RunFileError(f"corrupt or truncated: {err}") from None
     if len(rows) != 1:
         raise RunFileError(f"corrupt: expected one run row, found {len(rows)}")
-    stored = dict(zip((d[0] for d in cur.description), rows[0]))
-    row = {c: stored.get(c) for c in RUN_COLUMNS}  # a column added since the file was written reads as None
-    for key in ("devices", "workload_args"):
-        row[key] = json.loads(row[key]) if row[key] else ([] if key == "devices" else {})
-    row["detail"] = json.loads(row["detail"]) if row["detail"] else None  # dpprof.store.retention.Retention's fields
+    try:  # every value checked (dpprof.store.validation): a bad one reads as None, with its reason in "damage"
+        row, row["damage"] = run_meta(dict(zip((d[0] for d in cur.description), rows[0])))
+    except ValueError as err:
+        raise RunFileError(f"corrupt: {err}") from None
     row["stored_status"] = row["status"]
     row["status"] = _effective_status(row, path)
     row["schema_version"] = version
@@ -139,6 +237,9 @@ class StoredRun:
     # where figures are read from: "auto" (RunModel.aggregated decides), "rows" (the detail rows, never the
     # per-block aggregates: a run recorded with detail="all" then gives full detail's figures) or "aggregates"
     read: str = "auto"
+    # files with damaged tables: a connection reading only their usable rows (dpprof.store.validation), kept open
+    _cleaned: dict[Path, sqlite3.Connection] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         if not self.paths:
@@ -153,16 +254,53 @@ class StoredRun:
         """The newest modification time of the run's files (a cache key for readers)."""
         return max(p.stat().st_mtime for p in self.paths)
 
+    @property
+    def damage(self) -> list[str]:
+        """What was wrong in the run's files, one line each: values of its metadata that read as None, and the
+        rows of its tables left out for a bad value (dpprof.store.validation); [] for a sound run."""
+        said = [*self.meta.get("damage", [])]
+        for path in self.paths:
+            prefix = f"{path.name}: " if len(self.paths) > 1 else ""
+            said += [prefix + d.text for d in file_damage(path)]
+        return said
+
+    def file_meta(self) -> pd.DataFrame:
+        """Each file's own run row, checked as ``meta`` is (dpprof.store.validation): columns rank, created_at (None
+        where the file's is no date) and devices (a list)."""
+        rows = []
+        for path in self.paths:
+            try:
+                meta = _open(path)[0]
+            except RunFileError as err:
+                raise RunFileError(f"{path.name}: {err}") from None
+            rows.append({"rank": self._file_rank(path), "created_at": meta["created_at"], "devices": meta["devices"]})
+        return pd.DataFrame(rows, columns=["rank", "created_at", "devices"])
+
+    @contextmanager
+    def connect(self, path: Path) -> Iterator[sqlite3.Connection]:
+        """A read-only connection to one of the run's files, whose tables hold only rows with usable values: a
+        damaged table's bad rows are left out (``damage`` says which)."""
+        found = file_damage(path)
+        if not found:
+            con = _connect_ro(path)
+            try:
+                yield con
+            finally:
+                con.close()
+            return
+        with self._lock:  # one connection per damaged file, shared by this run's reads one at a time
+            if path not in self._cleaned:
+                self._cleaned[path] = _cleaned(path, found)
+            yield self._cleaned[path]
+
     def _read(self, sql: str, params: tuple[Any, ...], what: str) -> pd.DataFrame:
         frames = []
         for rank, path in enumerate(self.paths):
-            con = _connect_ro(path)
-            try:
-                df = pd.read_sql_query(sql, con, params=params)
-            except (sqlite3.DatabaseError, pd.errors.DatabaseError) as err:
-                raise RunFileError(f"{path.name}: corrupt {what}: {err}") from None
-            finally:
-                con.close()
+            with self.connect(path) as con:
+                try:
+                    df = pd.read_sql_query(sql, con, params=params)
+                except (sqlite3.DatabaseError, pd.errors.DatabaseError) as err:
+                    raise RunFileError(f"{path.name}: corrupt {what}: {err}") from None
             df["rank"] = self._file_rank(path)
             frames.append(df)
         return frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
@@ -181,15 +319,13 @@ class StoredRun:
             self._model = describe(self)
         return self._model
 
-    @staticmethod
-    def _has_table(path: Path, name: str) -> bool:
-        con = _connect_ro(path)
-        try:
-            return con.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone() is not None
-        except sqlite3.DatabaseError as err:
-            raise RunFileError(f"{path.name}: corrupt: {err}") from None
-        finally:
-            con.close()
+    def _has_table(self, path: Path, name: str) -> bool:
+        with self.connect(path) as con:
+            try:
+                return con.execute("SELECT 1 FROM main.sqlite_master WHERE type = 'table' AND name = ?",
+                                   (name,)).fetchone() is not None
+            except sqlite3.DatabaseError as err:
+                raise RunFileError(f"{path.name}: corrupt: {err}") from None
 
     def table(self, name: str) -> pd.DataFrame:
         """One table as a DataFrame."""
@@ -231,10 +367,13 @@ class StoredRun:
 
 
 def _candidates(directory: Path) -> list[Path]:
+    """The files of the reports directory that may be runs: every regular file but hidden, side and trace files, and
+    anything else named *.sqlite (a directory, a FIFO, a device, a dangling symlink: listed with why it is none)."""
     if not directory.is_dir():
         return []
     return sorted(p for p in directory.iterdir()
-                  if p.is_file() and not p.name.startswith(".") and not p.name.endswith(_SIDE_FILES + _TRACE_FILES))
+                  if not p.name.startswith(".") and not p.name.endswith(_SIDE_FILES + _TRACE_FILES)
+                  and (p.name.endswith(RUN_SUFFIX) or p.is_file()))
 
 
 def _summary(con: sqlite3.Connection) -> dict[str, Any]:
@@ -278,6 +417,18 @@ _STATUS_RANK = {"failed": 0, "disk_full": 1, "incomplete": 2, "interrupted": 3, 
                 "finished": 6}
 
 
+def _as_copy(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """A run file's meta as the file it was read from holds it. A file not named after the run it holds (a copy,
+    ``cp RUN.sqlite backup.sqlite``; a rank file copied under another name) is a one-file run of its own, whose
+    id is the file's name (without .sqlite), ``copy_of`` the id stored in it: never merged with the run it copies."""
+    match = _RANK_FILE.match(path.name)
+    named = match.group(1) if match else path.stem if path.suffix == RUN_SUFFIX else path.name
+    if named == meta["id"]:  # the run's own file: its name says whether it is one rank's (and which)
+        rank = int(match.group(2)) if match else None
+        return meta if (meta.get("rank") is None) == (rank is None) else {**meta, "rank": rank}
+    return {**meta, "id": path.stem if path.suffix == RUN_SUFFIX else path.name, "copy_of": meta["id"], "rank": None}
+
+
 def _combine(metas: list[dict[str, Any]]) -> dict[str, Any]:
     """One run's metadata from its ranks' files: rank 0's, with every rank's devices and the worst status."""
     metas = sorted(metas, key=lambda m: m.get("rank") or 0)
@@ -288,6 +439,7 @@ def _combine(metas: list[dict[str, Any]]) -> dict[str, Any]:
     meta["dropped_records"] = sum(m.get("dropped_records") or 0 for m in metas)
     meta["detail_from"] = max((m.get("detail_from") or 0 for m in metas), default=0)
     meta["ranks"] = [m.get("rank") for m in metas]
+    meta["damage"] = [d for m in metas for d in m.get("damage") or []]
     ends = [m.get("ended_at") for m in metas]
     meta["ended_at"] = max(ends) if all(ends) else None
     missing = _missing_files(metas)
@@ -331,7 +483,9 @@ def list_runs(reports_dir_: str | os.PathLike[str] | None = None) -> pd.DataFram
         dpprof.store.model.backend_label: "gloo" for a DDP recording on gloo, never "rank"), devices,
         workload, steps, ranks, dropped_records, error, balanced (recorded with the balanced model and
         criterion), check_of (the run it checks, for a run ``dpprof advise --check`` recorded; else None), source
-        ("trace" for an imported trace, else None), path and reason (None for readable runs),
+        ("trace" for an imported trace, else None), path, reason (why the file is no readable run; None for
+        readable runs), copy_of (for a file holding a copy of another run's file: that run's id; its own id is its
+        file's name) and damage (what was wrong in the run's metadata, read as None: dpprof.store.validation),
         newest first.
     """
     from dpprof.store.model import backend_label
@@ -343,11 +497,14 @@ def list_runs(reports_dir_: str | os.PathLike[str] | None = None) -> pd.DataFram
         except RunFileError as err:
             rows.append({"id": path.stem, "status": "unreadable", "path": str(path), "reason": str(err)})
             continue
-        by_id.setdefault(meta["id"], []).append((path, meta, summary))
-    for run_id, files in by_id.items():
+        # a torch.distributed run's rank files are one run; any other file is its own (a copy too: never merged)
+        meta = _as_copy(path, meta)
+        by_id.setdefault(meta["id"] if meta.get("rank") is not None else str(path), []).append((path, meta, summary))
+    for files in by_id.values():
         meta = _combine([m for _, m, _ in files])
         rows.append({**{k: meta[k] for k in ("id", "name", "status", "created_at", "ended_at",
                                               "workload", "error", "dropped_records")},
+                     "copy_of": meta.get("copy_of"), "damage": "; ".join(meta.get("damage") or []) or None,
                      "backend": backend_label(meta),
                      "devices": ",".join(meta["devices"]), "steps": max(s["steps"] for _, _, s in files),
                      "ranks": len(files), "duration_s": _duration_s(meta), "path": str(files[0][0]),
@@ -359,7 +516,7 @@ def list_runs(reports_dir_: str | os.PathLike[str] | None = None) -> pd.DataFram
     rows += interrupted(reports_dir(reports_dir_))  # imports and merges killed before they finished, with why
     columns = ["id", "name", "status", "created_at", "ended_at", "duration_s", "backend", "devices",
                "workload", "steps", "ranks", "dropped_records", "error", "balanced", "check_of", "source", "path",
-               "reason"]
+               "reason", "copy_of", "damage"]
     df = pd.DataFrame(rows, columns=columns)
     return df.sort_values("created_at", ascending=False, na_position="last", kind="stable").reset_index(drop=True)
 
@@ -389,11 +546,12 @@ def _duration_s(meta: dict[str, Any]) -> float | None:
 
 def _resolve(run: str | os.PathLike[str], directory: Path) -> Path:
     path = Path(run)
-    if path.is_file():
-        return path
-    for candidate in (directory / f"{run}{RUN_SUFFIX}", directory / str(run)):
+    for candidate in (path, directory / f"{run}{RUN_SUFFIX}", directory / str(run)):
         if candidate.is_file():
             return candidate
+        if os.path.lexists(candidate) and (candidate.name.endswith(RUN_SUFFIX) or candidate.is_symlink()):
+            # there, but no regular file (a directory, a FIFO, a device, a dangling symlink): say what it is
+            raise RunFileError(f"{candidate.name}: {why_not_regular(candidate)}")
     matches = [p for p in _candidates(directory) if p.name.startswith(str(run))]
     ids = {_RANK_FILE.match(p.name).group(1) if _RANK_FILE.match(p.name) else p.stem for p in matches}
     if len(ids) == 1:
@@ -421,13 +579,17 @@ def load_run(run: str | os.PathLike[str], reports_dir_: str | os.PathLike[str] |
         meta, _ = _open(path)
     except RunFileError as err:
         raise RunFileError(f"{path.name}: {err}") from None
+    meta = _as_copy(path, meta)
     if meta.get("rank") is None:
         return StoredRun(path=path, meta=meta, read=read)
     files = sorted(path.parent.glob(f"{meta['id']}.rank*{RUN_SUFFIX}"), key=lambda p: _rank_of(p) or 0)
-    metas = []
+    metas, held = [], []
     for f in files:
         try:
-            metas.append(_open(f)[0])
+            found = _as_copy(f, _open(f)[0])
         except RunFileError as err:
             raise RunFileError(f"{f.name}: {err}") from None
-    return StoredRun(path=files[0], meta=_combine(metas), paths=files, read=read)
+        if found.get("rank") is not None:  # not a copy of another run's rank file under this run's name
+            metas.append(found)
+            held.append(f)
+    return StoredRun(path=held[0], meta=_combine(metas), paths=held, read=read)

@@ -445,8 +445,8 @@ def _device_properties(run: StoredRun, devices: list[str]) -> list[dict[str, Any
 
 
 def _file_meta(view: StoredRun) -> pd.DataFrame:
-    """Each file's own run row: rank, created_at, devices."""
-    return view.query("SELECT created_at, devices FROM runs")
+    """Each file's own run row: rank, created_at (None where it was no date), devices (a list)."""
+    return view.file_meta()
 
 
 def _chunks(steps: np.ndarray, size: int) -> Iterator[np.ndarray]:
@@ -462,12 +462,14 @@ class _TraceWriter:
         self.model = run.model
         metas = _file_meta(view)
         self.ranks = sorted(int(r) for r in metas["rank"])
-        created = {int(r): _epoch_ns(c) for r, c in zip(metas["rank"], metas["created_at"])}
+        dated = {int(r): _epoch_ns(c) for r, c in zip(metas["rank"], metas["created_at"]) if c}
+        # a file whose start was no date (dpprof.store.validation) is taken to start with the others
+        created = {int(r): dated.get(int(r), min(dated.values(), default=0)) for r in metas["rank"]}
         self.base_ns = min(created.values())
         self.offset_ns = {r: created[r] - self.base_ns for r in created}  # each rank's clock on the file's
         listed: dict[str, int] = {}
         for rank, devices in zip(metas["rank"], metas["devices"]):
-            for d in json.loads(devices) if devices else []:
+            for d in devices or []:
                 listed.setdefault(str(d), int(rank))
         if run.ranks == 1:  # one file: every device of the run's axis, those that recorded before the run row said
             for d in self.model.devices:

@@ -29,7 +29,8 @@ from dpprof.records import NoteRecord, StepRecord
 from dpprof.store.faults import DISK_FULL, STORAGE_CAUSES, RecordingError, cause_of
 from dpprof.store.model import TRACE_SOURCE
 from dpprof.store.ids import new_run_id  # the same ids as recorded runs
-from dpprof.store.reader import FULL_DISK_FREE_BYTES, RUN_SUFFIX, RunFileError, load_run, read_run_file
+from dpprof.store.reader import (FULL_DISK_FREE_BYTES, RUN_SUFFIX, RunFileError, load_run, read_run_file,
+                                 why_not_regular)
 from dpprof.store.reader import reports_dir as resolve_reports_dir
 from dpprof.store.retention import ALL
 from dpprof.store.publish import Stage, recover
@@ -90,8 +91,8 @@ def trace_files(sources: Iterable[str | os.PathLike[str]]) -> list[Path]:
             out += found
         elif source.is_file():
             out.append(source)
-        else:
-            raise TraceError(f"{source}: no such file or directory")
+        else:  # say what is there: a FIFO, a device, a dangling symlink, or nothing
+            raise TraceError(f"{source}: {why_not_regular(source) or 'no such file or directory'}")
     return out
 
 

@@ -22,12 +22,17 @@ from __future__ import annotations
 from dpprof.store.model import RunModel
 from dpprof.store.reader import StoredRun
 
-__all__ = ["job_of", "model_of"]
+__all__ = ["damage_of", "job_of", "model_of"]
 
 
 def model_of(run: StoredRun) -> RunModel:
     """The run's model (its kind, devices, measurements): what every page's header and sections start from."""
     return run.model
+
+
+def damage_of(run: StoredRun) -> list[str]:
+    """What was wrong in the run's files and left out, one line each (StoredRun.damage); [] for a sound run."""
+    return run.damage
 
 
 def job_of(run: StoredRun) -> str | None:
