@@ -10,6 +10,7 @@ import math
 import os
 import random
 import shutil
+import sqlite3
 import subprocess
 import sys
 import time
@@ -391,3 +392,30 @@ def test_a_step_number_far_past_a_thinned_runs_steps_never_makes_a_read_hang(rep
         done = subprocess.run([sys.executable, "-m", "dpprof", *argv], capture_output=True, text=True, timeout=180,
                               env=env)
         assert done.returncode == 0, (argv, done.stderr[-2000:])
+
+
+def test_a_live_run_file_is_checked_from_its_new_rows_on_and_finds_what_a_whole_check_finds(tmp_path, sound):
+    """A running run's file is checked again at each commit from the rows past the last check (not whole): rows
+    appended since, sound or bad, count as a check of the whole file would count them."""
+    from dpprof.store import reader
+    from dpprof.store.reader import file_damage
+
+    live = tmp_path / "live.sqlite"
+    shutil.copyfile(sound.plain.path, live)
+    assert file_damage(live, live=True) == []
+    appended = ("INSERT INTO steps SELECT step + 1000, start_ms, {}, batch_size, devices_used, forward_calls, explicit"
+                " FROM steps WHERE step < 3")
+    for duration, more in (("duration_ms", 0), ("'abc'", 3), ("duration_ms", 0), ("1e300", 3)):
+        con = sqlite3.connect(live)
+        con.execute(appended.format(duration) + " ORDER BY step")  # same columns, steps past the run's
+        con.commit()
+        con.close()
+        whole = tmp_path / f"whole-{duration}.sqlite"  # the same file under another name: checked whole
+        shutil.copyfile(live, whole)
+        assert [d.text for d in file_damage(live, live=True)] == [d.text for d in file_damage(whole)]
+    [steps] = file_damage(live, live=True)
+    assert steps.rows == 6 and [c for c, _ in steps.columns] == ["duration_ms"]
+    con = sqlite3.connect(live)
+    last = con.execute("SELECT MAX(rowid) FROM steps").fetchone()[0]
+    con.close()
+    assert reader._live_scans[str(live.resolve())][1]["steps"] == last  # where the next check starts

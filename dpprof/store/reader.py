@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from dpprof.store.schema import AGGREGATE_TABLES, FORMAT, RECORD_TABLES, SCHEMA_VERSION, columns_of
-from dpprof.store.validation import TableDamage, damage, run_meta, schema_version
+from dpprof.store.validation import TableDamage, added, damage, run_meta, schema_version
 
 if TYPE_CHECKING:
     from dpprof.store.model import RunModel
@@ -46,6 +46,8 @@ CHECKED_TABLES = (*TABLES, *AGGREGATE_TABLES)
 _DAMAGE_CACHE_FILES = 256  # files whose check is remembered (by name, size and modification time)
 _damage_cache: dict[tuple[str, int, int, int, int], list[TableDamage]] = {}
 _damage_lock = threading.Lock()
+# a live run file's last check: its inode, each record table's largest rowid checked, and the damage found
+_live_scans: dict[str, tuple[int, dict[str, int], list[TableDamage]]] = {}
 READS = ("auto", "rows", "aggregates")  # load_run's read: where a run's figures come from
 
 
@@ -111,9 +113,15 @@ def _file_key(path: Path) -> tuple[str, int, int, int, int]:
     return (str(path.resolve()), st.st_mtime_ns, st.st_size, *wal_key)
 
 
-def file_damage(path: Path) -> list[TableDamage]:
+def file_damage(path: Path, live: bool = False) -> list[TableDamage]:
     """The tables of a run file with rows holding a bad value (dpprof.store.validation.damage), checked once per
-    version of the file."""
+    version of the file.
+
+    ``live``: the file is being recorded (its run's status is running). Its record tables only grow at the end
+    while a recording appends to them, so a new version of it is checked from the rows past the last check on,
+    not again whole: a long running run's pages re-read it every two seconds (each commit is a new version). Its
+    per-block aggregates, rewritten in place and small, are checked whole every time.
+    """
     try:
         key = _file_key(path)
     except OSError as err:  # gone since it was listed
@@ -121,9 +129,16 @@ def file_damage(path: Path) -> list[TableDamage]:
     with _damage_lock:
         if key in _damage_cache:
             return _damage_cache[key]
+        earlier = _live_scans.get(key[0]) if live else None
     con = _connect_ro(path)
     try:
-        found = damage(con, list(CHECKED_TABLES))
+        inode = path.stat().st_ino
+        scanned: dict[str, int] = {}
+        if earlier is not None and earlier[0] == inode:
+            grown = damage(con, list(TABLES), after=earlier[1], scanned=scanned)
+            found = added([d for d in earlier[2] if d.table in TABLES], grown) + damage(con, list(AGGREGATE_TABLES))
+        else:
+            found = damage(con, list(TABLES), scanned=scanned) + damage(con, list(AGGREGATE_TABLES))
     except sqlite3.DatabaseError as err:
         raise RunFileError(f"{path.name}: corrupt: {err}") from None
     finally:
@@ -131,7 +146,12 @@ def file_damage(path: Path) -> list[TableDamage]:
     with _damage_lock:
         if len(_damage_cache) >= _DAMAGE_CACHE_FILES:
             _damage_cache.clear()
+            _live_scans.clear()
         _damage_cache[key] = found
+        if live:
+            _live_scans[key[0]] = (inode, scanned, found)
+        else:
+            _live_scans.pop(key[0], None)
     return found
 
 
@@ -255,13 +275,18 @@ class StoredRun:
         return max(p.stat().st_mtime for p in self.paths)
 
     @property
+    def live(self) -> bool:
+        """Whether the run is being recorded now (its files grow at the end as it runs)."""
+        return self.meta.get("status") == "running"
+
+    @property
     def damage(self) -> list[str]:
         """What was wrong in the run's files, one line each: values of its metadata that read as None, and the
         rows of its tables left out for a bad value (dpprof.store.validation); [] for a sound run."""
         said = [*self.meta.get("damage", [])]
         for path in self.paths:
             prefix = f"{path.name}: " if len(self.paths) > 1 else ""
-            said += [prefix + d.text for d in file_damage(path)]
+            said += [prefix + d.text for d in file_damage(path, self.live)]
         return said
 
     def file_meta(self) -> pd.DataFrame:
@@ -280,7 +305,7 @@ class StoredRun:
     def connect(self, path: Path) -> Iterator[sqlite3.Connection]:
         """A read-only connection to one of the run's files, whose tables hold only rows with usable values: a
         damaged table's bad rows are left out (``damage`` says which)."""
-        found = file_damage(path)
+        found = file_damage(path, self.live)
         if not found:
             con = _connect_ro(path)
             try:

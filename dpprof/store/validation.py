@@ -20,7 +20,7 @@ from dpprof.records import TABLE_OF
 from dpprof.store.retention import BOUNDED, Retention, stored_retention
 from dpprof.store.schema import AGGREGATE_TABLES, RUN_COLUMNS, columns_of
 
-__all__ = ["MAX_VALUE", "RUN_ID", "NOT_NULL", "TableDamage", "schema_version", "run_meta", "damage"]
+__all__ = ["MAX_VALUE", "RUN_ID", "NOT_NULL", "TableDamage", "schema_version", "run_meta", "damage", "added"]
 
 # The largest magnitude a stored figure may have: a thousand times any real one (1e15 ms is 31,700 years, 1e15
 # bytes a petabyte, more than any device holds), and far below float64's and int64's limits, so that sums over a
@@ -207,8 +207,15 @@ class TableDamage:
         return f"{self.table}: {self.rows:,} row{'s' if self.rows != 1 else ''} left out ({why})"
 
 
-def damage(con: sqlite3.Connection, tables: list[str]) -> list[TableDamage]:
-    """The tables of a run file (of ``tables``, where present) with rows holding a bad value: one scan of each."""
+def damage(con: sqlite3.Connection, tables: list[str], after: dict[str, int] | None = None,
+           scanned: dict[str, int] | None = None) -> list[TableDamage]:
+    """The tables of a run file (of ``tables``, where present) with rows holding a bad value: one scan of each.
+
+    Args:
+        after: per table, scan only the rows whose rowid is past this one (rows a live recording appended since
+            an earlier scan); the counts are then of those rows alone.
+        scanned: filled with each scanned table's largest rowid (for the next ``after``).
+    """
     out = []
     present = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     for table in tables:
@@ -220,10 +227,25 @@ def damage(con: sqlite3.Connection, tables: list[str]) -> list[TableDamage]:
         if not tests:
             continue
         keep = " AND ".join(tests.values())
-        rows = con.execute(f"SELECT COUNT(*) FROM {table} WHERE NOT ({keep})").fetchone()[0]
+        since = (after or {}).get(table)
+        where = f"NOT ({keep})" + (f" AND rowid > {int(since)}" if since is not None else "")
+        if scanned is not None:
+            scanned[table] = con.execute(f"SELECT COALESCE(MAX(rowid), 0) FROM {table}").fetchone()[0]
+            where += f" AND rowid <= {int(scanned[table])}"
+        rows = con.execute(f"SELECT COUNT(*) FROM {table} WHERE {where}").fetchone()[0]
         if rows:  # which columns: a second look, at the bad rows only
             sums = ", ".join(f"SUM(NOT {t})" for t in tests.values())
-            counts = con.execute(f"SELECT {sums} FROM {table} WHERE NOT ({keep})").fetchone()
+            counts = con.execute(f"SELECT {sums} FROM {table} WHERE {where}").fetchone()
             bad = tuple((name, _wanted(name, columns[name][0])) for name, n in zip(tests, counts) if n)
             out.append(TableDamage(table, int(rows), bad, keep))
     return out
+
+
+def added(before: list[TableDamage], since: list[TableDamage]) -> list[TableDamage]:
+    """An earlier scan's damage with that of the rows scanned since: counts summed, bad columns joined."""
+    out = {d.table: d for d in before}
+    for d in since:
+        was = out.get(d.table)
+        out[d.table] = d if was is None else TableDamage(
+            d.table, was.rows + d.rows, (*was.columns, *(c for c in d.columns if c not in was.columns)), d.keep)
+    return list(out.values())
