@@ -42,6 +42,7 @@ __all__ = ["Profile", "ProfileError", "LaunchError", "DEFAULT_WORKLOAD", "DEFAUL
 
 DEFAULT_WORKLOAD = "cifar-lenet"
 DEFAULT_DEVICES = "cpu:2"
+DEFAULT_NPROC = 2  # ranks under --ddp, as dpprof profile's --nproc
 DETAIL_CHOICES = ("bounded", "all")  # dpprof.store.retention.DETAIL_MODES, named here without the store's import
 # A run id names its file (<id>.sqlite, <id>.rank<N>.sqlite): no dot, no slash, no space; dpprof's own ids
 # (20261126-020052-3fa9c1) are 22 characters.
@@ -113,6 +114,12 @@ def check_input_shape(workload: object, spec: str, shape: Sequence[int]) -> None
         model.train(training)
 
 
+def _option(flag: str, value: str) -> list[str]:
+    """An option and its free-text value: ``--flag=value`` where the value starts with '-' (argparse would take
+    ``--flag -x`` for two options), else ``--flag value``."""
+    return [f"{flag}={value}"] if value.startswith("-") else [flag, value]
+
+
 @dataclass(frozen=True)
 class Profile:
     """A profile to start: ``dpprof profile``'s arguments as fields, checked when made.
@@ -141,7 +148,7 @@ class Profile:
     steps: int = 50
     balanced: bool = False
     ddp: bool = False
-    nproc: int = 2
+    nproc: int = DEFAULT_NPROC
     detail: str = "bounded"
     name: str | None = None
     run_id: str | None = None
@@ -214,14 +221,16 @@ class Profile:
 
     def argv(self, quiet: bool = False) -> list[str]:
         """The arguments of ``python -m dpprof`` (``dpprof``) that start this profile (env aside)."""
-        out = ["--reports-dir", self.reports_dir] if self.reports_dir is not None else []
+        out = _option("--reports-dir", self.reports_dir) if self.reports_dir is not None else []
         out.append("profile")
         if self.model:
             out += ["--model", self.model, "--input-shape", ",".join(map(str, self.input_shape or ()))]
         elif self.workload:
             out.append(self.workload)
         if self.ddp:
-            out += ["--ddp", "--nproc", str(self.nproc)]
+            out.append("--ddp")
+        if self.ddp or self.nproc != DEFAULT_NPROC:  # nproc applies under --ddp; written out where not default
+            out += ["--nproc", str(self.nproc)]
         if self.devices is not None:
             out += ["--devices", self.devices]
         if self.batch_size is not None:
@@ -232,7 +241,7 @@ class Profile:
         if self.detail != "bounded":
             out += ["--detail", self.detail]
         if self.name is not None:
-            out += ["--name", self.name]
+            out += _option("--name", self.name)
         if self.run_id is not None:
             out += ["--run-id", self.run_id]
         if quiet:
