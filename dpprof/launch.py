@@ -37,8 +37,17 @@ if TYPE_CHECKING:
 
     from dpprof.recording import Run
 
-__all__ = ["Profile", "ProfileError", "LaunchError", "DEFAULT_WORKLOAD", "DEFAULT_DEVICES", "DETAIL_CHOICES",
-           "parse_devices", "parse_input_shape", "check_input_shape"]
+__all__ = [
+    "DEFAULT_DEVICES",
+    "DEFAULT_WORKLOAD",
+    "DETAIL_CHOICES",
+    "LaunchError",
+    "Profile",
+    "ProfileError",
+    "check_input_shape",
+    "parse_devices",
+    "parse_input_shape",
+]
 
 DEFAULT_WORKLOAD = "cifar-lenet"
 DEFAULT_DEVICES = "cpu:2"
@@ -106,7 +115,7 @@ def check_input_shape(workload: object, spec: str, shape: Sequence[int]) -> None
         model.eval()  # no BatchNorm statistics learnt from the check's random batch
         with torch.no_grad():
             model(torch.randn(2, *shape))
-    except Exception as err:  # whatever the model raises: the message is what the user needs
+    except Exception as err:  # noqa: BLE001 - whatever the model raises: the message is what the user needs
         first = (str(err).strip().splitlines() or [""])[0]
         raise ProfileError(f"--model {spec} fails on --input-shape {','.join(map(str, shape))} "
                            f"(a batch of 2): {type(err).__name__}: {first}") from None
@@ -314,6 +323,7 @@ class Profile:
 
         if self.ddp:
             raise ProfileError("a --ddp profile runs under torchrun: use run() or run_ddp()")
+        self._check_id_free()
         self._model_importable()
         devices = parse_devices(self.devices_text)
         try:
@@ -327,6 +337,20 @@ class Profile:
             raise ProfileError(str(err)) from None
         return train(workload, devices, self.steps, name=self.name, reports_dir=self.reports_dir, progress=progress,
                      balanced=self.balanced, detail=self.detail, run_id=self.run_id)
+
+    def _check_id_free(self) -> None:
+        """A run id given that a run in the reports directory has already: one line, before anything starts
+        (the store's atomic publish would refuse it too, less clearly; the run that has it is never touched)."""
+        if self.run_id is None:
+            return
+        from dpprof.store.reader import RUN_SUFFIX, reports_dir
+
+        directory = reports_dir(self.reports_dir)
+        taken = sorted([*directory.glob(f"{self.run_id}{RUN_SUFFIX}"),
+                        *directory.glob(f"{self.run_id}.rank*{RUN_SUFFIX}")])
+        if taken:
+            raise ProfileError(f"--run-id {self.run_id}: {directory} holds a run of that id already ({taken[0].name}); "
+                               "give another id, or none for a new one")
 
     def _model_importable(self) -> None:
         """--model pkg.module:factory from the current directory, as python -m finds it."""
@@ -361,6 +385,7 @@ class Profile:
         if not self.ddp:
             raise ProfileError("not a --ddp profile: use record() or run()")
         profile = self.with_run_id()
+        profile._check_id_free()
         if profile.model:  # the shape checked here, in one line, before torchrun starts any rank
             from dpprof.workloads import user_workload
 

@@ -6,6 +6,7 @@ child's output, and no run file is opened to find whose it is. Torch-free.
 """
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from typing import IO, TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dpprof.launch import Profile
 
-__all__ = ["Started", "LaunchError", "progress_line", "run_row"]
+__all__ = ["LaunchError", "Started", "progress_line", "run_row"]
 
 LOG_TAIL_LINES = 15  # what a page shows of a started process's output
 _MESSAGE_LINES = 5  # a failed child's last lines in the one message that says why
@@ -55,7 +56,7 @@ class Started:
                env: Mapping[str, str] | None = None, new_session: bool = False) -> Started:
         """Start ``profile`` (its run id chosen) in a child process writing to ``log`` (default: a temporary file)."""
         own = log is None
-        if own:
+        if log is None:
             fd, name = tempfile.mkstemp(prefix="dpprof-", suffix=".log")
             os.close(fd)
             log = name
@@ -140,7 +141,7 @@ def run_row(runs: Any, run_id: str) -> Any:
 
 def progress_line(steps_done: Any, steps_total: int, duration_s: Any) -> str | None:
     """"step 12 of 50 · 4.1 steps/s" from a run's listed steps and duration (None before it has a step count)."""
-    if steps_done is None or steps_done != steps_done:  # None or NaN: nothing recorded yet
+    if steps_done is None or (isinstance(steps_done, float) and math.isnan(steps_done)):  # nothing recorded yet
         return None
     done = int(steps_done)
     rate = f" · {done / duration_s:.1f} steps/s" if done and duration_s else ""

@@ -79,15 +79,15 @@ def test_the_commands_users_read_keep_their_order():
     ({"steps": 0}, "--steps must be positive, got 0"),
     ({"workload": "cifar-lenet", "model": "m:f", "input_shape": (3,)},
      "give a built-in workload (cifar-lenet) or --model, not both"),
-    ({"workload": "resnet"}, "unknown workload 'resnet'; choose one of tutorial-linear, cifar-lenet, sorted-gru, "
-                             "seg-fcn"),
+    ({"workload": "resnet"}, ("unknown workload 'resnet'; choose one of tutorial-linear, cifar-lenet, sorted-gru, "
+                              "seg-fcn")),
     ({"ddp": True, "balanced": True}, "--ddp computes each rank's loss on its own outputs already: no --balanced"),
     ({"ddp": True, "nproc": 0}, "--nproc must be positive, got 0"),
     ({"model": "m:f"}, "--model needs --input-shape (the shape of one sample, e.g. 3,224,224)"),
     ({"batch_size": 0}, "batch size must be positive, got 0"),
     ({"detail": "some"}, "--detail 'some': choose one of bounded, all"),
-    ({"run_id": "../x"}, "--run-id '../x': a run id is 1 to 64 letters, digits, '-' and '_', starting with a "
-                         "letter or digit"),
+    ({"run_id": "../x"}, ("--run-id '../x': a run id is 1 to 64 letters, digits, '-' and '_', starting with a "
+                          "letter or digit")),
     ({"env": {"A B": "1"}}, "environment variable name 'A B' is not a name like OMP_NUM_THREADS"),
 ])
 def test_a_profile_that_cannot_start_is_one_line_in_the_clis_words(fields, message):
@@ -169,9 +169,12 @@ def test_a_run_id_already_taken_leaves_the_run_that_has_it_whole(tmp_path):
                       run_id="taken")
     profile.run()
     before = (tmp_path / "taken.sqlite").read_bytes()
-    with pytest.raises(Exception):  # noqa: B017 - whatever the recording raises, the file is what matters
-        Profile(workload="tutorial-linear", devices="cpu:2", steps=5, reports_dir=str(tmp_path),
-                run_id="taken").run()
+    again = Profile(workload="tutorial-linear", devices="cpu:2", steps=5, reports_dir=str(tmp_path), run_id="taken")
+    with pytest.raises(ProfileError, match=f"^--run-id taken: {tmp_path} holds a run of that id already "
+                                           r"\(taken.sqlite\); give another id, or none for a new one$"):
+        again.run()
+    with pytest.raises(LaunchError, match="holds a run of that id already"):  # a child says so too, exit 2
+        again.run_child(timeout_s=300)
     assert (tmp_path / "taken.sqlite").read_bytes() == before
     assert len(dpprof.load_run("taken", tmp_path).steps) == 2
 

@@ -16,7 +16,7 @@ from dpprof.records import CHECK_OF_ENV
 from dpprof.store import queries
 from dpprof.store.reader import load_run
 
-__all__ = ["Checked", "check", "run_scenario", "CHECK_TIMEOUT_S"]
+__all__ = ["CHECK_TIMEOUT_S", "Checked", "check", "run_scenario"]
 
 CHECK_TIMEOUT_S = 900  # one scenario's run; a DDP run starts torchrun and its ranks
 

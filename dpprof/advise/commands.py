@@ -8,7 +8,7 @@ from dpprof.launch import Profile
 if TYPE_CHECKING:
     from dpprof.advise.measured import Measured
 
-__all__ = ["command_for", "profile_for", "DEFAULT_STEPS"]
+__all__ = ["DEFAULT_STEPS", "command_for", "profile_for"]
 
 DEFAULT_STEPS = 30  # a run recorded without its step count: enough steps past the first for a median
 
