@@ -233,7 +233,7 @@ class Profile:
         out = _option("--reports-dir", self.reports_dir) if self.reports_dir is not None else []
         out.append("profile")
         if self.model:
-            out += ["--model", self.model, "--input-shape", ",".join(map(str, self.input_shape or ()))]
+            out += [*_option("--model", self.model), "--input-shape", ",".join(map(str, self.input_shape or ()))]
         elif self.workload:
             out.append(self.workload)
         if self.ddp:
@@ -241,7 +241,7 @@ class Profile:
         if self.ddp or self.nproc != DEFAULT_NPROC:  # nproc applies under --ddp; written out where not default
             out += ["--nproc", str(self.nproc)]
         if self.devices is not None:
-            out += ["--devices", self.devices]
+            out += _option("--devices", self.devices)
         if self.batch_size is not None:
             out += ["--batch-size", str(self.batch_size)]
         if self.balanced:

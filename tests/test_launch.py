@@ -31,7 +31,7 @@ def profiles(draw) -> Profile:
         workload=None if model else draw(st.none() | st.sampled_from(WORKLOAD_NAMES)),
         model=draw(st.from_regex(r"[a-z_][a-z0-9_.]{0,10}:[a-z_]\w{0,8}", fullmatch=True)) if model else None,
         input_shape=tuple(draw(st.lists(_positive, min_size=1, max_size=4))) if model else None,
-        devices=draw(st.none() | st.sampled_from(["cpu:2", "cpu:0,cpu:1", "cuda", "0,1", "cpu:7"])),
+        devices=draw(st.none() | st.sampled_from(["cpu:2", "cpu:0,cpu:1", "cuda", "0,1", "cpu:7", "-1"])),
         batch_size=draw(st.none() | _positive), steps=draw(_positive),
         balanced=False if ddp else draw(st.booleans()), ddp=ddp, nproc=draw(_positive),
         detail=draw(st.sampled_from(["bounded", "all"])), name=draw(st.none() | _text),
@@ -47,7 +47,7 @@ def _parsed(argv: list[str]) -> Profile:
     return Profile.from_args(args)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(profiles())
 def test_a_profile_goes_through_argv_and_the_clis_parser_unchanged(profile):
     from dataclasses import replace
@@ -56,7 +56,7 @@ def test_a_profile_goes_through_argv_and_the_clis_parser_unchanged(profile):
     assert _parsed(profile.argv(quiet=True)) == replace(profile, env={})  # --quiet is no part of the profile
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(profiles())
 def test_the_shell_command_is_the_environment_then_argv_as_a_shell_reads_it(profile):
     words = shlex.split(profile.command())
