@@ -196,3 +196,21 @@ def test_describing_a_profile_loads_no_torch():
             "Profile(workload='cifar-lenet', ddp=True).command(); print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+def test_the_library_never_calls_its_own_cli():
+    """Only the command itself (cli.py, __main__.py) imports dpprof.cli: the library starts profiles with
+    dpprof.launch."""
+    import ast
+    from pathlib import Path
+
+    package = Path(dpprof.__file__).parent
+    importers = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom)
+                     and node.module else [])
+            if any(n == "dpprof.cli" or n.startswith("dpprof.cli.") for n in names):
+                importers.append(str(path.relative_to(package)))
+    assert importers == ["__main__.py"]
