@@ -7,13 +7,8 @@ time (and its write-ahead log's, so a running run is re-read as it grows).
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +16,9 @@ import pandas as pd
 import streamlit as st
 
 from dpprof.export import to_csv_bytes
+from dpprof.launch import Profile, ProfileError
+from dpprof.processes import Started, run_row
+from dpprof.processes import progress_line as processes_progress_line
 from dpprof import views
 from dpprof.plaintext import markdown_code, markdown_text, markdown_words
 from dpprof.views import export
@@ -302,8 +300,8 @@ def chart(fig: Any) -> None:
 # -- starting runs -----------------------------------------------------------------------------
 
 @st.cache_resource
-def processes() -> dict[int, dict[str, Any]]:
-    """Runs started from this dashboard: pid -> Popen and what it was asked to do (one per server)."""
+def processes() -> dict[int, Started]:
+    """Runs started from this dashboard: pid -> dpprof.processes.Started (one registry per server)."""
     return {}
 
 
@@ -314,94 +312,63 @@ def import_lock() -> threading.Lock:
 
 
 def start_run(workload: str, devices: str, steps: int, batch_size: int | None = None,
-              name: str | None = None, balanced: bool = False) -> dict[str, Any] | None:
-    """Start ``python -m dpprof profile ...`` in its own process, logging to reports/.logs/."""
+              name: str | None = None, balanced: bool = False) -> Started | None:
+    """Start ``python -m dpprof profile ...`` in its own process (dpprof.launch.Profile.start), logging to
+    reports/.logs/; None, with the reason on the page, when it cannot start."""
     directory = reports_dir()
     try:  # a read-only, full or missing reports directory: the one line `dpprof profile` would print
         check_reports_dir(directory)
-    except RecordingError as err:
+        profile = Profile(workload=workload, devices=devices, steps=int(steps), batch_size=batch_size or None,
+                          name=name, balanced=balanced, reports_dir=str(directory)).with_run_id()
+    except (RecordingError, ProfileError) as err:
         st.error(markdown_text(f"dpprof: {err}"))  # the path is the user's
         return None
     logs = directory / ".logs"  # a dot-directory: list_runs never lists it
     logs.mkdir(parents=True, exist_ok=True)
-    started = datetime.now(timezone.utc)
-    log = logs / f"{started:%Y%m%d-%H%M%S}-{workload}-{os.urandom(3).hex()}.log"
-    cmd = [sys.executable, "-m", "dpprof", "--reports-dir", str(directory), "profile", workload,
-           "--devices", devices, "--steps", str(int(steps)), "--quiet"]
-    if batch_size:
-        cmd += ["--batch-size", str(int(batch_size))]
-    if name:
-        cmd += ["--name", name]
-    if balanced:
-        cmd += ["--balanced"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)  # not killed with the page; not Streamlit's thread
-    info = {"pid": proc.pid, "proc": proc, "cmd": cmd, "log": str(log), "started": time.time(), "steps": int(steps)}
-    processes()[proc.pid] = info
-    st.session_state.setdefault("started", []).append(proc.pid)
-    st.session_state["watch"] = proc.pid
-    return info
+    log = logs / f"{profile.run_id}-{workload}.log"
+    # a session of its own: not killed with the page; not Streamlit's thread
+    started = profile.start(log=log, new_session=True)
+    processes()[started.pid] = started
+    st.session_state.setdefault("started", []).append(started.pid)
+    st.session_state["watch"] = started.pid
+    return started
 
 
 def process_status(pid: int) -> tuple[str, int | None]:
     """("running", None) or ("exited", returncode) for a process started here."""
-    info = processes().get(pid)
-    if info is None:
-        return "unknown", None
-    code = info["proc"].poll()  # also reaps it, so its pid never lingers as a zombie
-    return ("running", None) if code is None else ("exited", code)
+    started = processes().get(pid)
+    return ("unknown", None) if started is None else started.status()
 
 
 def running_processes() -> list[int]:
     """Processes started from this dashboard that are still running."""
-    return [pid for pid in list(processes()) if process_status(pid)[0] == "running"]
+    return [pid for pid, started in list(processes().items()) if started.running]
 
 
 def stop_run(pid: int) -> None:
     """End a run started here with SIGTERM (its recorded steps stay in its file)."""
-    info = processes().get(pid)
-    if info is not None and info["proc"].poll() is None:
-        info["proc"].send_signal(signal.SIGTERM)
-        info["stopped"] = True  # however it exits (killed by the signal, or closing its run first), it was stopped
+    started = processes().get(pid)
+    if started is not None:
+        started.stop()
 
 
 def progress_line(pid: int, row: pd.Series | None) -> str | None:
     """"step 12 of 50 · 4.1 steps/s" for a run started here, from its listed steps and duration."""
-    info = processes().get(pid)
-    if info is None or row is None or pd.isna(row["steps"]):
+    started = processes().get(pid)
+    if started is None or row is None:
         return None
-    done = int(row["steps"])
-    rate = f" · {done / row['duration_s']:.1f} steps/s" if done and row["duration_s"] else ""
-    return f"step {done:,} of {info['steps']:,}{rate}"
+    return processes_progress_line(row["steps"], started.profile.steps, row["duration_s"])
 
 
-def log_tail(pid: int, lines: int = 15) -> str:
-    info = processes().get(pid)
-    if info is None:
-        return ""
-    try:
-        text = Path(info["log"]).read_text(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
+def log_tail(pid: int) -> str:
+    started = processes().get(pid)
+    return "" if started is None else started.log_tail()
 
 
 def run_of_process(pid: int) -> pd.Series | None:
-    """The listed run a process started here is recording (matched by the pid stored in the run)."""
-    info = processes().get(pid)
-    runs = readable(listing())
-    if info is None or runs.empty:
-        return None
-    for _, row in runs.iterrows():
-        created = row["created_at"]
-        if created and datetime.fromisoformat(created).timestamp() >= info["started"] - 5:
-            try:
-                if load_run(row["path"]).meta.get("pid") == pid:
-                    return row
-            except Exception:  # a file that went away between listing and opening
-                continue
-    return None
+    """The listed run a process started here is recording: the listing's row with the id it was given."""
+    started = processes().get(pid)
+    return None if started is None else run_row(readable(listing()), started.run_id)
 
 
 def watch_started_run() -> None:
@@ -418,7 +385,7 @@ def watch_started_run() -> None:
     def render() -> None:
         status, code = process_status(pid)
         row = run_of_process(pid)
-        command = " ".join(processes()[pid]["cmd"][1:])
+        command = " ".join(processes()[pid].cmd[1:])
         if status == "running":
             st.info(f"Process {pid} is running: {markdown_code(command)}")
             progress = progress_line(pid, row)
@@ -428,7 +395,7 @@ def watch_started_run() -> None:
             c2.markdown(f"**{progress}**" if progress else "Starting…")
         elif code == 0:
             st.success(f"Process {pid} finished: {markdown_code(command)}")
-        elif processes()[pid].get("stopped"):
+        elif processes()[pid].stopped:
             st.warning(f"Process {pid} was stopped (SIGTERM, exit code {code}); the steps it recorded are kept: "
                        f"{markdown_code(command)}")
         else:

@@ -43,5 +43,5 @@ if mine:
     for pid in reversed(mine):
         status, code = common.process_status(pid)
         rows.append({"pid": pid, "process": status if code is None else f"exited ({code})",
-                     "command": " ".join(common.processes()[pid]["cmd"][3:])})
+                     "command": " ".join(common.processes()[pid].cmd[3:])})
     st.dataframe(pd.DataFrame(rows), hide_index=True)

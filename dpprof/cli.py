@@ -13,57 +13,26 @@ from collections.abc import Sequence
 
 import pandas as pd
 
+from dpprof.launch import (DEFAULT_WORKLOAD, LaunchError, Profile, ProfileError, parse_devices,
+                           parse_input_shape)
 from dpprof.units import plural
 from dpprof.workload_names import WORKLOAD_NAMES
 
 __all__ = ["main", "parse_devices"]
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
-DEFAULT_WORKLOAD = "cifar-lenet"
 
 
 class UsageError(Exception):
     """Bad arguments: reported with exit code 2."""
 
 
-_CPU_LIST = re.compile(r"cpu:\d+(,cpu:\d+)+")  # cpu:0,cpu:1: the workers by name, as `dpprof check` takes them
-
-
-def parse_devices(text: str) -> list:
-    """--devices: "cpu:N" (N CPU workers), "cpu:0,cpu:1" (those workers), "cuda" (every GPU) or "0,1,2"
-    (those GPUs)."""
-    import torch
-
-    import dpprof
-    from dpprof.device_ids import MAX_CPU_WORKERS, MAX_DEVICE_INDEX
-
-    text = text.strip()
-    if _CPU_LIST.fullmatch(text.replace(" ", "")):
-        return [p.strip() for p in text.split(",")]
-    if text.startswith("cpu:"):
-        count = text[4:]
-        if not count.isdigit() or int(count) < 1:
-            raise UsageError(f"--devices {text!r}: cpu:N needs a positive number of workers")
-        if int(count) > MAX_CPU_WORKERS:
-            raise UsageError(f"--devices {text!r}: {int(count):,} CPU workers asked, at most {MAX_CPU_WORKERS} exist "
-                             f"(cpu:0 to cpu:{MAX_DEVICE_INDEX}: torch numbers a device 0 to {MAX_DEVICE_INDEX})")
-        return dpprof.cpu_devices(int(count))
-    if text == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError("--devices cuda: no CUDA GPU is visible here; use cpu:N for CPU workers")
-        return list(range(torch.cuda.device_count()))
-    parts = [p.strip() for p in text.split(",")]
-    if not all(p.isdigit() for p in parts):
-        raise UsageError(f"--devices {text!r}: expected cpu:N, cuda, or GPU indices like 0,1,2")
-    return [int(p) for p in parts]
-
-
 def _input_shape(text: str) -> list[int]:
     """--input-shape: positive sizes separated by commas (or x): 3,224,224 or 3x224x224."""
-    parts = [p.strip() for p in re.split(r"[,x]", text.strip())]
-    if not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a shape of positive sizes like 3,224,224")
-    return [int(p) for p in parts]
+    try:
+        return list(parse_input_shape(text))
+    except ProfileError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _positive_int(text: str) -> int:
@@ -92,25 +61,6 @@ def _memory_gib(text: str) -> float:
     return value
 
 
-def _check_input_shape(workload: object, spec: str, shape: list[int]) -> None:
-    """One forward pass of the user's model on a batch of two samples of ``shape``, before any run is created:
-    a model that cannot take the shape is a usage error, said in one line."""
-    import torch
-
-    model = workload.model  # type: ignore[attr-defined]
-    training = model.training
-    try:
-        model.eval()  # no BatchNorm statistics learnt from the check's random batch
-        with torch.no_grad():
-            model(torch.randn(2, *shape))
-    except Exception as err:  # whatever the model raises: the message is what the user needs
-        first = (str(err).strip().splitlines() or [""])[0]
-        raise UsageError(f"--model {spec} fails on --input-shape {','.join(map(str, shape))} "
-                         f"(a batch of 2): {type(err).__name__}: {first}") from None
-    finally:
-        model.train(training)
-
-
 def _table(df: pd.DataFrame, float_format: str = "{:.3f}") -> str:
     if df.empty:
         return "(none)"
@@ -120,96 +70,37 @@ def _table(df: pd.DataFrame, float_format: str = "{:.3f}") -> str:
 def _cmd_profile(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from dpprof.device_ids import resolve_devices
-    from dpprof.workloads import build_workload, train, user_workload
-
-    if args.steps < 1:
-        raise UsageError(f"--steps must be positive, got {args.steps}")
-    if args.model and args.workload:
-        raise UsageError(f"give a built-in workload ({args.workload}) or --model, not both")
-    if args.model and os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # --model pkg.module:factory from the current directory, as python -m finds it
-    args.workload = args.workload or ("" if args.model else DEFAULT_WORKLOAD)
-    if args.ddp:
-        return _profile_ddp(args)
-    devices = parse_devices(args.devices)
-    try:
-        resolve_devices(devices)
-        if args.model:
-            if not args.input_shape:
-                raise UsageError("--model needs --input-shape (the shape of one sample, e.g. 3,224,224)")
-            workload = user_workload(args.model, args.input_shape, args.batch_size)
-            _check_input_shape(workload, args.model, args.input_shape)
-        else:
-            workload = build_workload(args.workload, args.batch_size)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-    progress = lambda it: tqdm(it, total=args.steps, desc=f"{workload.name} on {args.devices}",  # noqa: E731
-                               unit="step", disable=args.quiet)
-    run = train(workload, devices, args.steps, name=args.name, reports_dir=args.reports_dir, progress=progress,
-                balanced=args.balanced, detail=args.detail)
+    profile = Profile.from_args(args).with_run_id()
+    if profile.ddp:
+        return _profile_ddp(profile, args.quiet)
+    progress = lambda it: tqdm(it, total=profile.steps,  # noqa: E731
+                               desc=f"{profile.workload_name} on {profile.devices_text}", unit="step",
+                               disable=args.quiet)
+    run = profile.record(progress)
     if run.recording_failed:  # training finished; the one line on stderr said what was not recorded
         if os.path.exists(run.path):
             print(f"  dpprof show {run.id}")
         return EXIT_FAILURE
-    print(f"recorded run {run.id} ({plural(args.steps, 'step')}) in {os.path.abspath(run.path)}")
+    print(f"recorded run {run.id} ({plural(profile.steps, 'step')}) in {os.path.abspath(run.path)}")
     print(f"  dpprof show {run.id}")
     return EXIT_OK
 
 
-def _profile_ddp(args: argparse.Namespace) -> int:
-    """Run the workload under torchrun, one process per rank, with rank 0's steps as the progress bar."""
-    import collections
-    import subprocess
-
+def _profile_ddp(profile: Profile, quiet: bool) -> int:
+    """Run the profile under torchrun, one process per rank, with rank 0's steps as the progress bar."""
     from tqdm import tqdm
 
-    if args.balanced:
-        raise UsageError("--ddp computes each rank's loss on its own outputs already: no --balanced")
-    if args.nproc < 1:
-        raise UsageError(f"--nproc must be positive, got {args.nproc}")
-    if args.model:  # the shape checked here, in one line, before torchrun starts any rank
-        if not args.input_shape:
-            raise UsageError("--model needs --input-shape (the shape of one sample, e.g. 3,224,224)")
-        from dpprof.workloads import user_workload
-
-        try:
-            _check_input_shape(user_workload(args.model, args.input_shape, 2), args.model, args.input_shape)
-        except ValueError as err:
-            raise UsageError(str(err)) from None
-    from dpprof.ddp_worker import FAILED_PREFIX
-    from dpprof.device_ids import is_cpu_worker_list
-
-    on_gpus = not is_cpu_worker_list(parse_devices(args.devices))  # --devices cuda or 0,1: each rank on a GPU
-    what = (["--model", args.model, "--input-shape", ",".join(map(str, args.input_shape))] if args.model
-            else [args.workload])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "-m", "dpprof.ddp_worker", *what, "--steps", str(args.steps),
-           "--device", "cuda" if on_gpus else "cpu", "--detail", args.detail]
-    for flag, value in (("--batch-size", args.batch_size), ("--name", args.name), ("--reports-dir", args.reports_dir)):
-        if value is not None:
-            cmd += [flag, str(value)]
-    tail: collections.deque[str] = collections.deque(maxlen=30)
-    said: list[str] = []  # ranks' one-line reasons for stopping
-    bar = tqdm(total=args.steps, desc=f"{args.model or args.workload} on {args.nproc} ranks", unit="step",
-               disable=args.quiet)
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}) as proc:
-        for line in proc.stdout:
-            tail.append(line.rstrip())
-            if line.startswith(FAILED_PREFIX):
-                said.append(line.rstrip())
-            elif line.startswith("rank 0 step "):
-                bar.update(1)
-            elif line.startswith("recorded run "):
-                bar.close()
-                print(line.rstrip())
-    bar.close()
-    if proc.returncode != 0:
-        # a rank that said why it stopped is the cause; torchrun's own report of it is noise
-        print("\n".join(sorted(said)) if said else "\n".join(tail), file=sys.stderr)
-        print(f"dpprof: torchrun exited with {proc.returncode}; the ranks' records so far are kept", file=sys.stderr)
+    bar = tqdm(total=profile.steps, desc=f"{profile.workload_name} on {profile.nproc} ranks", unit="step",
+               disable=quiet)
+    try:
+        run_id = profile.run_ddp(on_step=lambda: bar.update(1))
+    except LaunchError as err:
+        bar.close()
+        print("\n".join(err.lines), file=sys.stderr)
+        print(f"dpprof: {err}; the ranks' records so far are kept", file=sys.stderr)
         return EXIT_FAILURE
+    bar.close()
+    print(f"recorded run {run_id} ({profile.steps} steps on {profile.nproc} ranks)")
     return EXIT_OK
 
 
@@ -670,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="train a built-in workload (or your model) and record it")
     p.add_argument("workload", nargs="?", default=None, choices=list(WORKLOAD_NAMES),
                    help=f"built-in workload (default: {DEFAULT_WORKLOAD}); not with --model")
-    p.add_argument("--devices", default="cpu:2", help="cpu:N (N CPU workers), cpu:0,cpu:1 (those workers), cuda "
+    p.add_argument("--devices", default=None, help="cpu:N (N CPU workers), cpu:0,cpu:1 (those workers), cuda "
                    "(every GPU) or 0,1,2 (default: cpu:2)")
     p.add_argument("--steps", type=int, default=50, help="training steps to record (default: 50)")
     p.add_argument("--batch-size", type=int, default=None, help="batch size (default: the workload's)")
@@ -690,6 +581,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detail", choices=["bounded", "all"], default="bounded",
                    help="bounded (default): every step's time and per-block aggregates, full detail for the first and "
                    "last 1,000 steps, one step in 100 and outliers, so a day-long run stays small; all: every record")
+    p.add_argument("--run-id", default=None, metavar="ID",
+                   help="the run's id, chosen by whoever starts it (default: a new one; dpprof.launch)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_profile, parser=p)
 
@@ -816,7 +709,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = args.func(args)
         sys.stdout.flush()  # inside the try: a pipe closed early breaks here, not in the interpreter's last flush
         return code
-    except UsageError as err:
+    except (UsageError, ProfileError) as err:
         args.parser.error(str(err))  # the subcommand's usage and the message; exits 2
     except BrokenPipeError:  # `dpprof runs | head`: the reader has what it wanted
         _quiet_stdout()

@@ -23,6 +23,7 @@ from dpprof.workloads import WORKLOADS, build_workload, user_workload
 # How a rank says in one line why it stopped (its recording could not start); the
 # `dpprof profile --ddp` process shows these lines instead of torchrun's report.
 FAILED_PREFIX = "dpprof rank "
+STEP_PREFIX = "rank 0 step "  # rank 0's line at each step: the progress bar's tick
 
 
 def main() -> None:
@@ -43,6 +44,8 @@ def _main() -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="per-rank batch size")
     parser.add_argument("--name", default=None)
     parser.add_argument("--reports-dir", default=None, help="may contain {rank}: one directory per rank")
+    parser.add_argument("--run-id", default=None, help="the run's id, chosen by whoever started the ranks (rank 0's "
+                        "is every rank's)")
     parser.add_argument("--delay-rank", default=None, metavar="RANK:MS",
                         help="add MS milliseconds to every forward on RANK: what a straggler looks like")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket_cap_mb")
@@ -89,7 +92,7 @@ def _main() -> None:
                     "bucket_cap_mb": args.bucket_cap_mb, "backend": backend,
                     "device": f"cuda:{gpu}" if cuda else "cpu"}
         with dpprof.record(name=name, reports_dir=reports, workload=workload.name, workload_args=run_args,
-                           detail=args.detail) as run:
+                           detail=args.detail, run_id=args.run_id) as run:
             for step in range(args.steps):
                 inputs, target = next(batches)
                 if cuda:

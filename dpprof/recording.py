@@ -78,13 +78,15 @@ class MemorySink:
         pass
 
 
-def _distributed_identity(name: str | None) -> tuple[str | None, str | None, int | None, int | None]:
-    """Under torch.distributed with several ranks, rank 0's run id and name for every rank (a collective)."""
+def _distributed_identity(name: str | None, run_id: str | None = None
+                          ) -> tuple[str | None, str | None, int | None, int | None]:
+    """Under torch.distributed with several ranks, rank 0's run id (``run_id`` where rank 0 was given one) and
+    name for every rank (a collective)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return None, name, None, None
-    shared = [new_run_id(), name] if dist.get_rank() == 0 else [None, None]
+        return run_id, name, None, None
+    shared = [run_id or new_run_id(), name] if dist.get_rank() == 0 else [None, None]
     dist.broadcast_object_list(shared, src=0)
     return shared[0], shared[1], dist.get_rank(), dist.get_world_size()
 
@@ -413,7 +415,7 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
            sync_timing: bool = False, workload: str | None = None,
            workload_args: dict[str, Any] | None = None, store: bool = True,
            sample_hz: float | None = DEFAULT_SAMPLE_HZ, sample_gpus: bool | None = None,
-           detail: str | Retention = "bounded") -> Iterator[Run]:
+           detail: str | Retention = "bounded", run_id: str | None = None) -> Iterator[Run]:
     """Record every dpprof DataParallel call made inside the block into one run.
 
     Args:
@@ -430,6 +432,9 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
             detail for the first and last 1,000 steps, one step in 100, outlier steps and their neighbours
             and each device's peak step (dpprof.store.retention), so a day-long run keeps a small file;
             "all": every record of every step.
+        run_id: the run's id, chosen by the caller before the start (dpprof.launch.Profile.with_run_id), so
+            whoever started this process knows its run without looking for it (default: a new one). Under
+            torch.distributed, rank 0's is every rank's.
 
     Under torch.distributed with more than one rank, every rank must enter ``record`` (it is a
     collective): rank 0 names the run, and each rank writes its own file of that run.
@@ -440,7 +445,7 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
         ...         with run.step():
         ...             loss = criterion(net(x), y); loss.backward(); opt.step()
     """
-    run_id, name, rank, world_size = _distributed_identity(name)
+    run_id, name, rank, world_size = _distributed_identity(name, run_id)
     if rank is not None:  # the torch.distributed backend (gloo, nccl), for the pages and listings to name
         import torch.distributed as dist
 

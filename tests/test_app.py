@@ -322,12 +322,15 @@ def test_new_run_starts_a_background_process_whose_run_appears(reports):
     at.button(key="nr_start").click().run()
     assert not at.exception
     pid = at.session_state["watch"]
-    cmd = common.processes()[pid]["cmd"]
+    started = common.processes()[pid]
+    cmd, run_id = started.cmd, started.run_id
     assert cmd[1:3] == ["-m", "dpprof"] and cmd[5:] == ["profile", "tutorial-linear", "--devices", "cpu:3",
-                                                           "--steps", "4", "--quiet", "--name", "from the page"]
+                                                           "--steps", "4", "--name", "from the page",
+                                                           "--run-id", run_id, "--quiet"]
     _wait_for_exit(pid)
     at.run()
     assert "finished" in _texts(at.success)
+    assert dpprof.list_runs()["id"].tolist() == [run_id]  # the run id given before the start
     run = dpprof.load_run(dpprof.list_runs().loc[0, "id"])
     assert run.meta["name"] == "from the page" and run.meta["devices"] == ["cpu:0", "cpu:1", "cpu:2"]
     assert run.meta["pid"] == pid and len(run.steps) == 4
@@ -350,7 +353,7 @@ def test_new_run_asks_before_a_second_start_shows_progress_and_stops_with_sigter
     at.checkbox(key="nr_balanced").check()
     at.button(key="nr_start").click().run()
     pid = at.session_state["watch"]
-    assert common.processes()[pid]["cmd"][-1] == "--balanced"
+    assert common.processes()[pid].cmd[5:10] == ["profile", "tutorial-linear", "--devices", "cpu:2", "--balanced"]
     try:
         _wait_for(lambda: (r := common.run_of_process(pid)) is not None and r["steps"] >= 3, "3 steps on disk")
         at.run()
@@ -363,7 +366,7 @@ def test_new_run_asks_before_a_second_start_shows_progress_and_stops_with_sigter
         _wait_for(lambda: common.process_status(pid)[0] != "running", "the process to end", timeout=30)
     finally:
         common.stop_run(pid)  # never leave it running, whatever failed above
-    assert common.process_status(pid)[0] == "exited" and common.processes()[pid]["stopped"]
+    assert common.process_status(pid)[0] == "exited" and common.processes()[pid].stopped
     row = common.run_of_process(pid)
     run = dpprof.load_run(row["path"])
     assert len(run.steps) >= 3 and run.meta["pid"] == pid  # the steps recorded before the stop are kept

@@ -186,18 +186,17 @@ def _ddp_step(world: int) -> tuple[float, float, float]:
     Returns:
         (sync_ms, overhead_ms, spread of the waits)
     """
-    import contextlib
-    import io
+    from dpprof.launch import LaunchError, Profile
+    from dpprof.store.reader import load_run
 
-    from dpprof.cli import main
-    from dpprof.store.reader import list_runs, load_run
-
-    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
-        code = main(["--reports-dir", tmp, "profile", "tutorial-linear", "--ddp", "--nproc", str(world), "--steps",
-                     str(DDP_STEPS), "--batch-size", "15", "--quiet", "--name", "calibration"])
-        if code != 0:
-            raise RuntimeError("the calibration's DDP run failed (dpprof profile tutorial-linear --ddp)")
-        run = load_run(list_runs(tmp)["id"].iloc[0], tmp)
+    with tempfile.TemporaryDirectory() as tmp:
+        profile = Profile(workload="tutorial-linear", ddp=True, nproc=world, steps=DDP_STEPS, batch_size=15,
+                          name="calibration", reports_dir=tmp).with_run_id()
+        try:
+            run_id = profile.run_ddp()
+        except LaunchError as err:
+            raise RuntimeError(f"the calibration's DDP run failed ({profile.command()}): {err}") from None
+        run = load_run(run_id, tmp)
         phases = run.query("SELECT step, phase, duration_ms FROM phases WHERE step > 0")
         steps = run.query("SELECT step, duration_ms FROM steps WHERE step > 0")
     per = phases.pivot_table(index=["rank", "step"], columns="phase", values="duration_ms", aggfunc="sum")

@@ -5,24 +5,20 @@ workload_args, dpprof.records.CHECK_OF_ENV), and is read back as any run is."""
 from __future__ import annotations
 
 import os
-import re
-import shlex
 import subprocess
-import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dpprof.advise.model import Advice, Scenario
+from dpprof.launch import LaunchError, Profile
 from dpprof.records import CHECK_OF_ENV
 from dpprof.store import queries
 from dpprof.store.reader import load_run
 
-__all__ = ["Checked", "check", "run_scenario", "CHECK_TIMEOUT_S"]
+__all__ = ["CHECK_TIMEOUT_S", "Checked", "check", "run_scenario"]
 
 CHECK_TIMEOUT_S = 900  # one scenario's run; a DDP run starts torchrun and its ranks
-_RECORDED = re.compile(r"recorded run (\S+) ")
-_ENV = re.compile(r"^([A-Z_][A-Z0-9_]*)=(\S*)$")
 
 
 @dataclass
@@ -63,36 +59,17 @@ class Checked:
                 "peak_errors": self.peak_errors(), "check_error": self.error}
 
 
-def _argv(command: str) -> tuple[dict[str, str], list[str]]:
-    """A scenario's command as environment assignments and the arguments after ``dpprof``."""
-    words = shlex.split(command)
-    env = {}
-    while words and _ENV.match(words[0]):
-        key, value = _ENV.match(words[0]).groups()
-        env[key] = value
-        words = words[1:]
-    if not words or words[0] != "dpprof":
-        raise ValueError(f"not a dpprof command: {command}")
-    return env, words[1:]
-
-
-def run_scenario(command: str, reports_dir: str | os.PathLike[str], name: str,
+def run_scenario(profile: Profile, reports_dir: str | os.PathLike[str], name: str,
                  env: dict[str, str] | None = None, timeout_s: float = CHECK_TIMEOUT_S) -> str:
-    """Run one scenario's ``dpprof profile`` command in its own process, recording into ``reports_dir``; returns
-    the run id.
+    """Run one scenario's profile in its own process (``python -m dpprof profile``), recording into
+    ``reports_dir`` under ``name``; returns the run id, chosen before the start.
 
     Raises:
-        RuntimeError: the command failed; the message is its last lines.
+        LaunchError: the process failed; the message is its command and last lines.
+        subprocess.TimeoutExpired: it ran past ``timeout_s`` (and was killed).
     """
-    extra, argv = _argv(command)
-    cmd = [sys.executable, "-m", "dpprof", "--reports-dir", str(reports_dir), *argv, "--quiet", "--name", name]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=os.getcwd(),
-                          env={**os.environ, **(env or {}), **extra})
-    found = _RECORDED.search(done.stdout)
-    if done.returncode != 0 or not found:
-        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-5:])
-        raise RuntimeError(f"{command} exited with {done.returncode}: {tail}")
-    return found.group(1)
+    profile = replace(profile, reports_dir=os.fspath(reports_dir), name=name, run_id=None).with_run_id()
+    return profile.run_child(timeout_s=timeout_s, env=env)
 
 
 def measured(run_id: str, reports_dir: str | os.PathLike[str]) -> tuple[float | None, dict[str, int]]:
@@ -116,14 +93,14 @@ def check(advice: Advice, reports_dir: str | os.PathLike[str], scenarios: Sequen
     for scenario in scenarios if scenarios is not None else advice.scenarios:
         if progress is not None:
             progress(scenario)
-        if scenario.command is None:
+        if scenario.profile is None:
             out.append(Checked(scenario, None, None, {}, "no command: the run was recorded from a script"))
             continue
         name = f"check of {advice.run_id}: {scenario.label}"
         try:
-            run_id = run_scenario(scenario.command, reports_dir, name, env)
+            run_id = run_scenario(scenario.profile, reports_dir, name, env)
             step, held = measured(run_id, reports_dir)
             out.append(Checked(scenario, run_id, step, held))
-        except (RuntimeError, subprocess.TimeoutExpired, ValueError) as err:
+        except (LaunchError, subprocess.TimeoutExpired, ValueError) as err:
             out.append(Checked(scenario, None, None, {}, str(err).splitlines()[0] if str(err) else type(err).__name__))
     return out

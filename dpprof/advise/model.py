@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpprof.advise import NotAdvisable
 from dpprof.advise.calibration import Calibration
-from dpprof.advise.commands import command_for
+from dpprof.advise.commands import profile_for
 from dpprof.advise.measured import Measured, chunk_sizes
+
+if TYPE_CHECKING:
+    from dpprof.launch import Profile
 
 __all__ = ["Scenario", "Advice", "advise", "EXTRAPOLATION_SHARE", "MAX_INTERVAL_RATIO", "RUN_TO_RUN_SHARE",
            "DDP_FIRST_BUCKET_BYTES", "DDP_BUCKET_BYTES",
@@ -89,6 +92,7 @@ class Scenario:
     allocator_peak_bytes: dict[str, int] | None = None  # the CUDA allocator's peak, where the run recorded it
     device_labels: list[str] = field(default_factory=list)
     withheld: str | None = None  # why its step is no prediction (too wide an interval, a loaded calibration)
+    profile: Profile | None = None  # what runs it for real (dpprof.launch); command is its shell command
 
     @property
     def interval_ratio(self) -> float:
@@ -577,6 +581,7 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
     def add(scenario: str, k: int, batch: int, parts: dict[str, float], memory: dict[str, int], label: str,
             extra: list[str] | None = None, recorded: bool = False) -> None:
         step = sum(parts.values())
+        profile = profile_for(m, scenario, k, batch, steps)
         lo, hi = _interval(m, step, recorded_step)
         changes = (extra or []) + _changes(parts, base_parts, scenario == "balanced" and not recorded_kind_balanced)
         alloc = None
@@ -590,8 +595,8 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
         scenarios.append(Scenario(
             scenario=scenario, devices=k, batch_size=batch, step_ms=step, step_ms_low=lo, step_ms_high=hi,
             peak_bytes=memory, parts_ms={p: parts[p] for p in PART_ORDER if p in parts}, label=label,
-            changes=changes, command=command_for(m, scenario, k, batch, steps), recorded=recorded,
-            allocator_peak_bytes=alloc))
+            changes=changes, command=None if profile is None else profile.command(), recorded=recorded,
+            allocator_peak_bytes=alloc, profile=profile))
         if not recorded and scenarios[-1].interval_ratio > MAX_INTERVAL_RATIO:
             ratio = scenarios[-1].interval_ratio
             scenarios[-1].withheld = (f"its interval, {lo:,.2f}-{hi:,.2f} ms, spans "
