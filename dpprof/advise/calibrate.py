@@ -190,6 +190,7 @@ def _ddp_step(world: int) -> tuple[float, float, float]:
     import io
 
     from dpprof.cli import main
+    from dpprof.store import advisor_rows
     from dpprof.store.reader import list_runs, load_run
 
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
@@ -198,8 +199,8 @@ def _ddp_step(world: int) -> tuple[float, float, float]:
         if code != 0:
             raise RuntimeError("the calibration's DDP run failed (dpprof profile tutorial-linear --ddp)")
         run = load_run(list_runs(tmp)["id"].iloc[0], tmp)
-        phases = run.query("SELECT step, phase, duration_ms FROM phases WHERE step > 0")
-        steps = run.query("SELECT step, duration_ms FROM steps WHERE step > 0")
+        phases = advisor_rows.phases_after(run, 0)
+        steps = advisor_rows.steps_after(run, 0)
     per = phases.pivot_table(index=["rank", "step"], columns="phase", values="duration_ms", aggfunc="sum")
     step = steps.set_index(["rank", "step"])["duration_ms"]
     waits = per["comm_wait"].dropna().tolist()
