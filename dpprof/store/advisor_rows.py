@@ -12,9 +12,21 @@ import pandas as pd
 
 from dpprof.store.reader import StoredRun
 
-__all__ = ["sampled_steps", "durations_past_first", "phases_of_steps", "model_chunks_of_steps",
-           "model_call_bytes", "call_input_bytes", "step_maxima", "step_spans", "sampled_model_applies",
-           "model_applies_with_chunks", "memory_calls", "phases_after", "steps_after"]
+__all__ = [
+    "call_input_bytes",
+    "durations_past_first",
+    "memory_calls",
+    "model_applies_with_chunks",
+    "model_call_bytes",
+    "model_chunks_of_steps",
+    "phases_after",
+    "phases_of_steps",
+    "sampled_model_applies",
+    "sampled_steps",
+    "step_maxima",
+    "step_spans",
+    "steps_after",
+]
 
 _PAST_FIRST = "step > (SELECT MIN(step) FROM steps)"  # the run's first step carries one-time costs
 

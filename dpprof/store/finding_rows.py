@@ -13,7 +13,7 @@ import pandas as pd
 
 from dpprof.store.reader import TABLES, StoredRun
 
-__all__ = ["SAMPLED_TABLES", "empty", "sampled", "sampled_phases", "from_step", "gpu_samples_from", "last_step"]
+__all__ = ["SAMPLED_TABLES", "empty", "from_step", "gpu_samples_from", "last_step", "sampled", "sampled_phases"]
 
 # The tables whose rows a long run is read through its sample of steps: every step's time is kept, but the
 # findings' medians and shares must not be pulled by outliers kept for their own sake (the phases and comms

@@ -11,7 +11,7 @@ import pandas as pd
 from dpprof.store.reader import TABLES, StoredRun
 from dpprof.store.schema import AGGREGATE_TABLES
 
-__all__ = ["stored_tables", "whole_table", "row_count"]
+__all__ = ["row_count", "stored_tables", "whole_table"]
 
 
 def stored_tables() -> tuple[str, ...]:

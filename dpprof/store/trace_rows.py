@@ -17,8 +17,15 @@ import pandas as pd
 from dpprof.records import MEMORY_BYTES
 from dpprof.store.reader import StoredRun
 
-__all__ = ["ChunkRows", "steps_with_detail", "step_rows", "event_counts", "gpu_sample_rows", "chunk_rows",
-           "gpu_sample_batches"]
+__all__ = [
+    "ChunkRows",
+    "chunk_rows",
+    "event_counts",
+    "gpu_sample_batches",
+    "gpu_sample_rows",
+    "held_steps",
+    "step_rows",
+]
 
 
 class ChunkRows(NamedTuple):
@@ -30,10 +37,15 @@ class ChunkRows(NamedTuple):
     comms: pd.DataFrame  # every column of the comms table
 
 
-def steps_with_detail(run: StoredRun) -> np.ndarray:
-    """The steps that have phase or memory rows (what a thinned run kept), as int64 (unsorted, distinct)."""
+def held_steps(run: StoredRun, steps: np.ndarray) -> np.ndarray:
+    """Of ``steps`` (the run's step numbers, int64), those that keep their detail rows: every step of a run not
+    thinned; of a thinned one, the steps from ``detail_from`` on and those that retention kept (with phase or
+    memory rows: dpprof.store.retention), in the order given."""
+    model = run.model
+    if not model.thinned:
+        return steps
     kept = run.query("SELECT DISTINCT step FROM phases UNION SELECT DISTINCT step FROM memory")["step"]
-    return kept.to_numpy(dtype=np.int64)
+    return steps[(steps >= model.detail_from) | np.isin(steps, kept.to_numpy(dtype=np.int64))]
 
 
 def step_rows(run: StoredRun) -> pd.DataFrame:

@@ -172,14 +172,6 @@ def _asked_text(asked: tuple[int | None, int | None] | None) -> str:
     return f"{'' if lo is None else lo}:{'' if hi is None else hi}"
 
 
-def _held_steps(run: StoredRun, steps: np.ndarray) -> np.ndarray:
-    """Of the run's steps, those that keep their detail rows (dpprof.store.queries.detail_steps' rule)."""
-    model = run.model
-    if not model.thinned:
-        return steps
-    return steps[(steps >= model.detail_from) | np.isin(steps, trace_rows.steps_with_detail(run))]
-
-
 def _events_per_step(run: StoredRun, steps: np.ndarray, cuda: bool) -> float:
     """Events a step makes, counted on up to PROBE_STEPS steps at each end of ``steps`` (every rank's)."""
     blocks = [steps[:PROBE_STEPS], steps[-PROBE_STEPS:]] if len(steps) > 2 * PROBE_STEPS else [steps]
@@ -212,7 +204,7 @@ def plan_trace(run: StoredRun, steps: tuple[int | None, int | None] | None = Non
     """
     rows = trace_rows.step_rows(run)
     all_steps = np.unique(rows["step"].to_numpy(dtype=np.int64))
-    held = _held_steps(run, all_steps)
+    held = trace_rows.held_steps(run, all_steps)
     chosen = held
     if steps is not None:
         lo, hi = steps
