@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from recorded import record_straggler
 
 import dpprof
 from dpprof.store import advisor_rows, finding_rows, table_rows, trace_rows
 from dpprof.store.retention import Retention
-from recorded import record_straggler
 
 # small enough that 60 steps are thinned: 10 first, 10 last, one in 7 between (and the outliers kept apart)
 SMALL = Retention(first_steps=10, last_steps=10, every=7, chunk_steps=10, block_steps=10)
