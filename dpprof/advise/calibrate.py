@@ -189,6 +189,8 @@ def _ddp_step(world: int) -> tuple[float, float, float]:
     from dpprof.launch import LaunchError, Profile
     from dpprof.store.reader import load_run
 
+    from dpprof.store import advisor_rows
+
     with tempfile.TemporaryDirectory() as tmp:
         profile = Profile(workload="tutorial-linear", ddp=True, nproc=world, steps=DDP_STEPS, batch_size=15,
                           name="calibration", reports_dir=tmp).with_run_id()
@@ -197,8 +199,8 @@ def _ddp_step(world: int) -> tuple[float, float, float]:
         except LaunchError as err:
             raise RuntimeError(f"the calibration's DDP run failed ({profile.command()}): {err}") from None
         run = load_run(run_id, tmp)
-        phases = run.query("SELECT step, phase, duration_ms FROM phases WHERE step > 0")
-        steps = run.query("SELECT step, duration_ms FROM steps WHERE step > 0")
+        phases = advisor_rows.phases_after(run, 0)
+        steps = advisor_rows.steps_after(run, 0)
     per = phases.pivot_table(index=["rank", "step"], columns="phase", values="duration_ms", aggfunc="sum")
     step = steps.set_index(["rank", "step"])["duration_ms"]
     waits = per["comm_wait"].dropna().tolist()

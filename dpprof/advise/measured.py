@@ -4,7 +4,7 @@
 common batch size, whose time lies between the 25th and 75th percentile: each phase is averaged over these
 steps, so the parts add up exactly to their mean step, which stands for the median step without the stalls a
 shared machine adds. A long run (read from its aggregates) uses the steps whose detail stands for the run
-(RunModel.sampled_steps_sql).
+(RunModel.sampled_steps_sql, applied in dpprof.store.advisor_rows).
 
 **Memory** is what dpprof accounts to each device in its peak step, split into what scales with the batch
 (its input chunk, outputs, saved activations, gathered outputs, the loss's tensors) and what does not (weights,
@@ -21,7 +21,7 @@ import pandas as pd
 
 from dpprof.advise import NotAdvisable
 from dpprof.findings.steps import OUTLIER_STEP_RATIO, stalls
-from dpprof.store import queries
+from dpprof.store import advisor_rows, queries
 from dpprof.store.reader import StoredRun
 from dpprof.workload_names import WORKLOAD_NAMES
 
@@ -172,16 +172,13 @@ def measure(run: StoredRun) -> Measured:
     """
     _refuse(run)
     model = run.model
-    sampled = model.sampled_steps_sql()
-    steps = run.query(f"SELECT step, duration_ms, batch_size, devices_used, forward_calls FROM steps WHERE {sampled} "
-                      "ORDER BY step")
-    durations = run.query("SELECT duration_ms FROM steps WHERE step > (SELECT MIN(step) FROM steps)")["duration_ms"]
+    steps = advisor_rows.sampled_steps(run)
+    durations = advisor_rows.durations_past_first(run)
     if len(steps) < MIN_STEPS or len(durations) < MIN_STEPS - 1:
         raise NotAdvisable(f"run {run.id} keeps the detail of {len(steps)} step(s): the advisor needs {MIN_STEPS}")
     typical = _typical(steps)
     ids = tuple(int(s) for s in typical["step"])
-    where = f"step IN ({', '.join(map(str, ids))})"
-    phases = run.query(f"SELECT step, call, phase, device, duration_ms FROM phases WHERE {where}")
+    phases = advisor_rows.phases_of_steps(run, ids)
     if phases.empty:
         raise NotAdvisable(f"run {run.id} has no phases in its typical steps: nothing to predict from")
     calls = sorted(int(c) for c in phases["call"].unique())
@@ -222,23 +219,22 @@ def measure(run: StoredRun) -> Measured:
     apply_ms = {d: mean("apply", 0, d) for d in devices}
     loss_apply = {d: mean("apply", criterion_call, d) for d in devices} if loss_parts else {}
 
-    chunks_seen = run.query(f"SELECT step, device, chunk_size FROM memory WHERE call = 0 AND {where}")
+    chunks_seen = advisor_rows.model_chunks_of_steps(run, ids)
     batch = int(typical["batch_size"].max()) if typical["batch_size"].notna().any() else 0
     by_device = chunks_seen.groupby("device")["chunk_size"].median()
     chunks = tuple(int(by_device.get(d, 0) or 0) for d in devices)
     if not batch or sum(chunks) != batch:
         split = chunk_sizes(batch, len(devices))
         chunks = tuple(split + [0] * (len(devices) - len(split))) if batch else chunks
-    fixed, fixed_source = _fixed_apply_ms(run, sampled, devices)
-    ratios = _apply_ratios(run, sampled)
+    fixed, fixed_source = _fixed_apply_ms(run, devices)
+    ratios = _apply_ratios(run)
     threads, threads_source, cores = _threads(run)
     memory = _memory(run, devices, batch, model.kind)
     first = memory[devices[0]]
-    inputs = run.query("SELECT SUM(input_bytes) AS i, SUM(output_bytes) AS o, SUM(chunk_size) AS c FROM memory "
-                       f"WHERE call = 0 AND {where}")
-    samples = float(inputs["c"].sum() or 0)
-    targets = (run.query(f"SELECT SUM(input_bytes) AS t FROM memory WHERE call = ? AND {where}", (criterion_call,))
-               if criterion_call is not None else pd.DataFrame({"t": [0]}))
+    inputs = advisor_rows.model_call_bytes(run, ids)
+    samples = float(inputs["samples"].sum() or 0)
+    targets = (advisor_rows.call_input_bytes(run, criterion_call, ids) if criterion_call is not None
+               else pd.Series([0]))
     totals = run.table("devices")
     total = {str(r["device"]): int(r["total_memory_bytes"]) for _, r in totals.iterrows()
              if pd.notna(r.get("total_memory_bytes")) and r.get("kind") == "cuda"}
@@ -257,9 +253,9 @@ def measure(run: StoredRun) -> Measured:
         loss_apply_ms=loss_apply, loss_parts_ms=loss_parts, fixed_apply_ms=fixed, fixed_apply_source=fixed_source,
         threads=threads, threads_source=threads_source, cores=cores, memory=memory,
         param_bytes=int(first.fixed_bytes),
-        input_bytes_per_sample=float(inputs["i"].sum() or 0) / samples if samples else 0.0,
-        output_bytes_per_sample=float(inputs["o"].sum() or 0) / samples if samples else 0.0,
-        target_bytes_per_sample=float(targets["t"].sum() or 0) / (batch * count) if batch else 0.0,
+        input_bytes_per_sample=float(inputs["input_bytes"].sum() or 0) / samples if samples else 0.0,
+        output_bytes_per_sample=float(inputs["output_bytes"].sum() or 0) / samples if samples else 0.0,
+        target_bytes_per_sample=float(targets.sum() or 0) / (batch * count) if batch else 0.0,
         total_memory_bytes=total, workload=workload, workload_args=dict(args), source=source, apply_ratios=ratios,
         step_spread_ms=tuple(float(q) for q in durations.quantile([0, 0.25, 0.75, 1])),  # type: ignore[arg-type]
         stall_note=_stall_note(run))
@@ -273,8 +269,7 @@ def _stall_note(run: StoredRun) -> str | None:
     fewer than half the steps; the median step is not moved by them and the typical step the parts come from
     (the middle half) never holds one. What they say is that the machine was shared while the run recorded.
     """
-    per = run.query("SELECT step, MAX(duration_ms) AS ms FROM steps GROUP BY step ORDER BY step")
-    found = stalls(per.set_index("step")["ms"].iloc[1:])
+    found = stalls(advisor_rows.step_maxima(run).iloc[1:])
     if found is None:
         return None
     worst = ", ".join(f"{int(s)} ({ms:,.0f} ms)" for s, ms in found.slow_ms.head(3).items())
@@ -287,11 +282,10 @@ def _stall_note(run: StoredRun) -> str | None:
 RATIO_CLIP = (0.05, 0.95)  # apply_ratios' percentiles kept: a stall of the machine is not a rank's spread
 
 
-def _apply_ratios(run: StoredRun, sampled: str) -> tuple[float, ...]:
+def _apply_ratios(run: StoredRun) -> tuple[float, ...]:
     """Each device's model apply (call 0) in each step past the first over that device's mean, pooled, clipped
     to RATIO_CLIP's percentiles; empty where the run has fewer than MIN_STEPS such steps."""
-    rows = run.query(f"SELECT device, duration_ms FROM phases WHERE phase = 'apply' AND call = 0 AND {sampled} "
-                     "AND step > (SELECT MIN(step) FROM steps)")
+    rows = advisor_rows.sampled_model_applies(run)
     if len(rows) < MIN_STEPS:
         return ()
     means = rows.groupby("device")["duration_ms"].transform("mean")
@@ -302,7 +296,7 @@ def _apply_ratios(run: StoredRun, sampled: str) -> tuple[float, ...]:
 
 def _gap_ms(run: StoredRun) -> float:
     """The median gap between consecutive steps (the next start less this one's end), the first step left out."""
-    steps = run.query("SELECT step, start_ms, duration_ms FROM steps ORDER BY step")
+    steps = advisor_rows.step_spans(run)
     steps = steps[steps["step"] > steps["step"].min()]
     gaps = (steps["start_ms"].shift(-1) - steps["start_ms"] - steps["duration_ms"])[steps["step"].diff().shift(-1) == 1]
     gaps = gaps.dropna().clip(lower=0)
@@ -313,7 +307,7 @@ def _gap_ms(run: StoredRun) -> float:
 MIN_STEPS_PER_CHUNK_SIZE = 3
 
 
-def _fixed_apply_ms(run: StoredRun, sampled: str, devices: tuple[str, ...]) -> tuple[float, str]:
+def _fixed_apply_ms(run: StoredRun, devices: tuple[str, ...]) -> tuple[float, str]:
     """The per-chunk part of an apply: the intercept of one device's apply time against its chunk size, where
     that device's chunks came in at least two sizes (an epoch's last, smaller batch), the median over such
     devices; else 0 (every apply scales with its chunk).
@@ -323,10 +317,7 @@ def _fixed_apply_ms(run: StoredRun, sampled: str, devices: tuple[str, ...]) -> t
     sequences on the last device), so a line through different devices' applies measures where a chunk sits in
     the batch, not what a chunk costs, and can call most of the compute "per chunk": batch size then moves nothing.
     """
-    rows = run.query("SELECT p.step, p.device, SUM(p.duration_ms) AS ms, m.chunk_size AS chunk FROM phases p "
-                     "JOIN memory m ON m.step = p.step AND m.device = p.device AND m.call = 0 "
-                     f"WHERE p.phase = 'apply' AND p.call = 0 AND p.step > (SELECT MIN(step) FROM steps) "
-                     f"AND {sampled.replace('step', 'p.step')} GROUP BY p.step, p.device")
+    rows = advisor_rows.model_applies_with_chunks(run)
     rows = rows.dropna(subset=["chunk"])
     rows = rows[rows["device"].isin(devices)]
     # per device and chunk size, the median apply (robust to stalls) over the steps that had it
@@ -368,8 +359,7 @@ def _memory(run: StoredRun, devices: tuple[str, ...], batch: int, kind: str) -> 
         if row.empty or pd.isna(row["peak_step"].iloc[0]):
             raise NotAdvisable(f"run {run.id} has no memory records for {device}: nothing to predict memory from")
         step = int(row["peak_step"].iloc[0])
-        calls = run.query("SELECT call, chunk_size, input_bytes, output_bytes, activation_bytes, gathered_bytes, "
-                          "param_bytes, buffer_bytes FROM memory WHERE device = ? AND step = ?", (device, step))
+        calls = advisor_rows.memory_calls(run, device, step)
         model_rows = calls[calls["call"] == 0]
         other = calls[calls["call"] != 0]
         alloc = row["peak_allocated_bytes"].iloc[0]

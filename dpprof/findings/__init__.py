@@ -34,6 +34,7 @@ from dpprof.findings.gpu import (GPU_IDLE_WARN, THROTTLED_SAMPLES_SHARE, UNDERUS
                                  gpu_communication, gpu_idle, gpu_underused, throttling, use_ddp)
 from dpprof.findings.steps import OUTLIER_STEP_RATIO, OUTLIER_TIME_SHARE, outlier_steps
 from dpprof.records import SEVERITIES
+from dpprof.store import finding_rows
 from dpprof.store.model import RunModel
 from dpprof.store.reader import StoredRun
 
@@ -95,34 +96,29 @@ def tables_of(run: StoredRun, last_steps: int | None = None, work_only: bool = F
     """The run's tables for the rules: every row, or those of its last ``last_steps`` steps.
 
     A run read from its aggregates (a long one, or one whose detail was thinned: dpprof.store.retention) gives
-    every step's time, and the phases and all-reduces of the steps whose detail stands for the run without bias (RunModel.sampled_steps_sql: the
-    first steps, one in ``every``, the newest), not the outliers kept for their own sake, with those steps'
-    times; every step's time is ``all_steps``; its memory and allocator rows include each device's peak step.
+    every step's time, and the phases and all-reduces of the steps whose detail stands for the run without bias
+    (RunModel.sampled_steps_sql, applied in dpprof.store.finding_rows: the first steps, one in ``every``, the
+    newest), not the outliers kept for their own sake, with those steps' times; every step's time is ``all_steps``; its memory and allocator rows include each device's peak step.
     ``work_only``: the steps and the work phases (run.model.work) alone, the rest empty: what straggler_verdict reads.
     """
     names = ("steps", "phases", "memory", "allocator", "comms", "gpu_time")
-    sampled = run.model.sampled_steps_sql()
     if work_only and last_steps is None:
-        work = run.model.work.phases
-        frames = {t: run.query(f"SELECT * FROM {t} WHERE 0") for t in (*names, "gpu_samples")}
-        frames["steps"] = run.query(f"SELECT * FROM steps WHERE {sampled}")
-        frames["phases"] = run.query(f"SELECT * FROM phases WHERE phase IN ({', '.join('?' * len(work))}) AND "
-                                     f"{sampled}", tuple(work))
+        frames = {t: finding_rows.empty(run, t) for t in (*names, "gpu_samples")}
+        frames["steps"] = finding_rows.sampled(run, "steps")
+        frames["phases"] = finding_rows.sampled_phases(run, run.model.work.phases)
         return Tables(model=run.model, traced_dataparallel=(run.meta.get("workload_args") or {}).get("dataparallel"),
                       step_count=run.model.steps, **frames)
     if last_steps is None and not run.model.aggregated:
         frames = {t: run.table(t) for t in (*names, "gpu_samples")}
     elif last_steps is None:
-        frames = {t: run.query(f"SELECT * FROM {t}" + (f" WHERE {sampled}" if t in ("steps", "phases", "comms") else ""))
-                  for t in (*names, "gpu_samples")}
+        frames = {t: finding_rows.sampled(run, t) for t in (*names, "gpu_samples")}
         frames["all_steps"] = run.table("steps")
     else:
-        last = run.query("SELECT MAX(step) AS s FROM steps")["s"].max()
+        last = finding_rows.last_step(run)
         lo = -1 if pd.isna(last) else int(last) - last_steps + 1
-        frames = {t: run.query(f"SELECT * FROM {t} WHERE step >= ?" + (f" AND {sampled}" if t in ("phases", "comms")
-                                                                        else ""), (lo,)) for t in names}
+        frames = {t: finding_rows.from_step(run, t, lo) for t in names}
         t0 = frames["steps"]["start_ms"].min() if not frames["steps"].empty else 0.0
-        frames["gpu_samples"] = run.query("SELECT * FROM gpu_samples WHERE t_ms >= ?", (float(t0),))
+        frames["gpu_samples"] = finding_rows.gpu_samples_from(run, t0)
     return Tables(model=run.model, traced_dataparallel=(run.meta.get("workload_args") or {}).get("dataparallel"),
                   **frames)
 

@@ -17,6 +17,7 @@ Kinds:
 """
 from __future__ import annotations
 
+import re
 import sqlite3
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -119,11 +120,14 @@ class RunModel:
             return 0
         return self.detail_from if self.thinned else max(r.first_steps, self.steps - r.last_steps)
 
-    def sampled_steps_sql(self) -> str:
-        """An SQL condition on ``step`` that holds for the steps whose detail stands for the run without bias: every
-        step of a run read from its rows; of one read from its aggregates, the first steps, the one-in-``every``
-        sample and the newest (those not thinned yet), never the outliers and peaks kept for their own sake (a long
-        run kept whole is read the same way: its rows are too many to read at once)."""
+    def sampled_steps_sql(self, column: str = "step") -> str:
+        """An SQL condition on ``column`` (a step column: ``step``, ``p.step``) that holds for the steps whose detail
+        stands for the run without bias: every step of a run read from its rows; of one read from its aggregates, the
+        first steps, the one-in-``every`` sample and the newest (those not thinned yet), never the outliers and peaks
+        kept for their own sake (a long run kept whole is read the same way: its rows are too many to read at once).
+        For the store's readers only (dpprof.store.detail): callers outside the store ask those for rows."""
+        if not re.fullmatch(r"(?:[A-Za-z_]\w*\.)?step", column):
+            raise ValueError(f"sampled_steps_sql: column must be a step column such as 'step' or 'p.step', got {column!r}")
         if not self.aggregated or self.retention is None:
             return "1"
         r = self.retention
@@ -132,7 +136,7 @@ class RunModel:
         # ranges, and the one-in-``every`` steps generated between them
         every = (f"WITH RECURSIVE k(s) AS (SELECT {int(r.first_steps + -r.first_steps % r.every)} UNION ALL "
                  f"SELECT s + {int(r.every)} FROM k WHERE s + {int(r.every)} < {int(whole)}) SELECT s FROM k")
-        return f"(step < {int(r.first_steps)} OR step >= {int(whole)} OR step IN ({every}))"
+        return f"({column} < {int(r.first_steps)} OR {column} >= {int(whole)} OR {column} IN ({every}))"
 
     def detail_text(self) -> str | None:
         """What detail the run keeps, in one sentence; None for a run that keeps every row."""

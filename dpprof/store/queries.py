@@ -30,7 +30,7 @@ from dpprof.stepmodel import REST, partition, parts_for
 __all__ = ["MAX_POINTS", "WORK_SAMPLE_PER_DEVICE", "TIMELINE_MAX_STEPS", "GPU_METRICS", "bucket_width",
            "stacked_phases", "step_parts", "run_stats", "median_step_ms", "step_times", "phase_breakdown", "phase_totals",
            "work_samples", "work_stats", "memory_peaks", "chunk_counts", "gpu_series", "timeline",
-           "GPU_TIME_PARTS", "gpu_time", "phase_means", "outlier_steps", "detail_steps", "step_span"]
+           "GPU_TIME_PARTS", "gpu_time", "phase_means", "outlier_steps", "detail_steps", "step_span", "sampled_comm_rows"]
 
 MAX_POINTS = 2_000  # points a chart draws per series; a browser stays responsive well past this
 WORK_SAMPLE_PER_DEVICE = 4_000  # enough for box and violin shapes; exact mean, min and max come from SQL
@@ -559,6 +559,23 @@ def timeline(run: StoredRun, first_step: int, last_step: int) -> tuple[pd.DataFr
     phases["end_ms"] = phases["start_ms"] + phases["duration_ms"]
     steps["end_ms"] = steps["start_ms"] + steps["duration_ms"]
     return phases, steps[["step", "start_ms", "duration_ms", "end_ms"]]
+
+
+def sampled_comm_rows(run: StoredRun) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """The collectives, the steps and each rank's end of backward compute, over the steps whose detail stands for the
+    run (every step, or a long run's sample: RunModel.sampled_steps_sql), for dpprof.views.overview.comm_stats.
+
+    Returns:
+        (comms: step, device, bucket, bucket_bytes, launch_ms, duration_ms, collective, rank;
+        steps: step, start_ms, duration_ms, rank; ends: step, device, end_ms, rank).
+    """
+    sampled = run.model.sampled_steps_sql()
+    comms = run.query("SELECT step, device, bucket, bucket_bytes, launch_ms, duration_ms, collective FROM comms "
+                      f"WHERE {sampled}")
+    steps = run.query(f"SELECT step, start_ms, duration_ms FROM steps WHERE {sampled}")
+    ends = run.query("SELECT step, device, start_ms + duration_ms AS end_ms FROM phases "
+                     f"WHERE phase = 'backward_compute' AND {sampled}")
+    return comms, steps, ends
 
 
 def detail_steps(run: StoredRun, first_step: int, last_step: int) -> list[int]:

@@ -51,6 +51,7 @@ import pandas as pd
 
 from dpprof.outputs import Outputs
 from dpprof.records import MEMORY_BYTES, device_key
+from dpprof.store import trace_rows
 from dpprof.store.reader import StoredRun
 from dpprof.trace.exported import EXPORT_KEY, EXPORT_VERSION, THREADS_KEY
 
@@ -171,15 +172,6 @@ def _asked_text(asked: tuple[int | None, int | None] | None) -> str:
     return f"{'' if lo is None else lo}:{'' if hi is None else hi}"
 
 
-def _held_steps(run: StoredRun, steps: np.ndarray) -> np.ndarray:
-    """Of the run's steps, those that keep their detail rows (dpprof.store.queries.detail_steps' rule)."""
-    model = run.model
-    if not model.thinned:
-        return steps
-    kept = run.query("SELECT DISTINCT step FROM phases UNION SELECT DISTINCT step FROM memory")["step"]
-    return steps[(steps >= model.detail_from) | np.isin(steps, kept.to_numpy(dtype=np.int64))]
-
-
 def _events_per_step(run: StoredRun, steps: np.ndarray, cuda: bool) -> float:
     """Events a step makes, counted on up to PROBE_STEPS steps at each end of ``steps`` (every rank's)."""
     blocks = [steps[:PROBE_STEPS], steps[-PROBE_STEPS:]] if len(steps) > 2 * PROBE_STEPS else [steps]
@@ -188,11 +180,7 @@ def _events_per_step(run: StoredRun, steps: np.ndarray, cuda: bool) -> float:
         if not len(block):
             continue
         lo, hi = int(block[0]), int(block[-1])
-        n = run.query(
-            "SELECT (SELECT COUNT(*) FROM phases WHERE step BETWEEN ?1 AND ?2) AS phases, "
-            "(SELECT COUNT(*) FROM (SELECT 1 FROM memory WHERE step BETWEEN ?1 AND ?2 GROUP BY step, device)) AS memory, "
-            "(SELECT COUNT(*) FROM allocator WHERE step BETWEEN ?1 AND ?2) AS allocator, "
-            "(SELECT COUNT(*) FROM comms WHERE step BETWEEN ?1 AND ?2) AS comms", (lo, hi)).sum()
+        n = trace_rows.event_counts(run, lo, hi).sum()
         ranks = run.ranks
         events += (int(n["phases"]) + int(n["memory"]) + (4 if cuda else 3) * int(n["allocator"]) + int(n["comms"])
                    + len(block) * ranks)
@@ -202,7 +190,7 @@ def _events_per_step(run: StoredRun, steps: np.ndarray, cuda: bool) -> float:
 
 def _sample_events(run: StoredRun, share: float) -> int:
     """Counter events NVML's samples make over ``share`` of the run's time (every metric of every sample)."""
-    rows = run.query("SELECT COALESCE(MAX(rowid), 0) AS n FROM gpu_samples")["n"].sum()  # never deleted: the count
+    rows = trace_rows.gpu_sample_rows(run).sum()  # never deleted: the count
     return int(rows * len(SAMPLE_COUNTERS) * share)
 
 
@@ -214,9 +202,9 @@ def plan_trace(run: StoredRun, steps: tuple[int | None, int | None] | None = Non
     Returns:
         the plan: steps, their rows, estimated events and bytes, and ``why()`` in words.
     """
-    rows = run.query("SELECT step, start_ms, duration_ms, batch_size, devices_used, forward_calls FROM steps")
+    rows = trace_rows.step_rows(run)
     all_steps = np.unique(rows["step"].to_numpy(dtype=np.int64))
-    held = _held_steps(run, all_steps)
+    held = trace_rows.held_steps(run, all_steps)
     chosen = held
     if steps is not None:
         lo, hi = steps
@@ -410,10 +398,6 @@ class _Lanes:
         return self.place(pid, device, kind, 0, 0)
 
 
-def _file_rows(view: StoredRun, table: str) -> pd.DataFrame:
-    return view.query(f"SELECT * FROM {table}")
-
-
 def _device_names(run: StoredRun) -> dict[str, str]:
     """What each device is, from the run's inventory: "NVIDIA A100", "CPU worker thread", "on host-3"."""
     names = {}
@@ -520,18 +504,11 @@ class _TraceWriter:
 
     def _chunk(self, chunk: np.ndarray, steps: pd.DataFrame) -> None:
         lo, hi = int(chunk[0]), int(chunk[-1])
-        q = self.view.query
-        phases = q("SELECT step, call, phase, device, start_ms, duration_ms, device_duration_ms FROM phases "
-                   "WHERE step BETWEEN ? AND ?", (lo, hi))
-        phases = phases[phases["step"].isin(chunk)]
-        sums = ", ".join(f"SUM({c}) AS {c}" for c in MEMORY_BYTES)
-        memory = q(f"SELECT step, device, {sums} FROM memory WHERE step BETWEEN ? AND ? GROUP BY step, device",
-                   (lo, hi))
-        memory = memory[memory["step"].isin(chunk)]
-        allocator = q("SELECT * FROM allocator WHERE step BETWEEN ? AND ?", (lo, hi))
-        allocator = allocator[allocator["step"].isin(chunk)]
-        comms = q("SELECT * FROM comms WHERE step BETWEEN ? AND ?", (lo, hi))
-        comms = comms[comms["step"].isin(chunk)]
+        rows = trace_rows.chunk_rows(self.view, lo, hi)
+        phases = rows.phases[rows.phases["step"].isin(chunk)]
+        memory = rows.memory[rows.memory["step"].isin(chunk)]
+        allocator = rows.allocator[rows.allocator["step"].isin(chunk)]
+        comms = rows.comms[rows.comms["step"].isin(chunk)]
         # slices: (start_ns, -end_ns, pid, device, lane, end_ns, name as JSON, args as JSON)
         slices: list[tuple[int, int, int, str, str, int, str, str]] = []
         step_start: dict[tuple[int, int], int] = {}
@@ -646,14 +623,11 @@ class _TraceWriter:
 
     def _samples(self) -> None:
         """NVML's samples inside the steps written, a counter per metric (one pass over the table)."""
-        last = self.view.query("SELECT COALESCE(MAX(rowid), 0) AS n FROM gpu_samples")["n"].max()
-        if not last:
+        if not trace_rows.gpu_sample_rows(self.view).max():
             return
         segments = self._segments()
         columns = sorted({c for cols in SAMPLE_COUNTERS.values() for c in cols})
-        for first in range(1, int(last) + 1, SAMPLE_ROWS_PER_QUERY):
-            df = self.view.query(f"SELECT t_ms, device, {', '.join(columns)} FROM gpu_samples "
-                                 "WHERE rowid BETWEEN ? AND ?", (first, first + SAMPLE_ROWS_PER_QUERY - 1))
+        for df in trace_rows.gpu_sample_batches(self.view, columns, SAMPLE_ROWS_PER_QUERY):
             for rank, part in df.groupby("rank"):
                 if int(rank) not in segments:
                     continue

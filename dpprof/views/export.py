@@ -13,7 +13,7 @@ from dpprof.export import meta_frame, to_csv_bytes
 from dpprof.findings import run_findings
 from dpprof.outputs import Outputs
 from dpprof.report import summary_of
-from dpprof.store import queries
+from dpprof.store import queries, table_rows
 from dpprof.store.reader import TABLES, StoredRun
 from dpprof.store.schema import AGGREGATE_TABLES
 from dpprof.store.sketch import grouped_quantile
@@ -61,11 +61,11 @@ EXTRA_TABLES = {"run": "the run's metadata", "device_summary": "per device or ra
 
 def export_tables(run: StoredRun) -> pd.DataFrame:
     """The run's tables and their row counts (what the Export page offers), then the made ones."""
-    counts = {t: int(run.query(f"SELECT COUNT(*) AS n FROM {t}")["n"].sum()) for t in TABLES if t != "findings"}
+    counts = {t: table_rows.row_count(run, t) for t in TABLES if t != "findings"}
     counts["findings"] = None  # computed (or stored) when asked for
     words = TABLE_DESCRIPTIONS if run.model.dataparallel else {**TABLE_DESCRIPTIONS, **PROCESS_DESCRIPTIONS}
     rows = [{"table": t, "rows": counts[t], "what": words.get(t, "")} for t in TABLES]
-    rows += [{"table": t, "rows": int(run.query(f"SELECT COUNT(*) AS n FROM {t}")["n"].sum()),
+    rows += [{"table": t, "rows": table_rows.row_count(run, t),
               "what": AGGREGATE_DESCRIPTIONS[t]} for t in _aggregates(run)]
     rows += [{"table": t, "rows": 1 if t == "run" else None, "what": what} for t, what in EXTRA_TABLES.items()]
     return pd.DataFrame(rows)
@@ -102,9 +102,9 @@ def export_table(run: StoredRun, name: str) -> pd.DataFrame:
     if name == "phase_totals":
         return queries.phase_totals(run)
     if name in TABLES:
-        return run.query(f"SELECT * FROM {name}")
+        return table_rows.whole_table(run, name)
     if name in _aggregates(run):
-        return _with_quantiles(run.query(f"SELECT * FROM {name}"))
+        return _with_quantiles(table_rows.whole_table(run, name))
     raise KeyError(f"no table {name!r}")
 
 

@@ -165,12 +165,7 @@ def comm_stats(run: StoredRun) -> pd.DataFrame:
     cols = ["device", "collectives", "steps", "buckets_per_step", "sent_per_step_bytes", "busy_ms", "overlap_pct"]
     if "comms" not in run.model.has:
         return pd.DataFrame(columns=cols)
-    sampled = run.model.sampled_steps_sql()  # a long run: the steps whose detail stands for it
-    comms = run.query("SELECT step, device, bucket, bucket_bytes, launch_ms, duration_ms, collective FROM comms "
-                      f"WHERE {sampled}")
-    steps = run.query(f"SELECT step, start_ms, duration_ms FROM steps WHERE {sampled}")
-    ends = run.query("SELECT step, device, start_ms + duration_ms AS end_ms FROM phases "
-                     f"WHERE phase = 'backward_compute' AND {sampled}")
+    comms, steps, ends = queries.sampled_comm_rows(run)  # a long run: the steps whose detail stands for it
     compute_end = ends.set_index(["step", "device"])["end_ms"].to_dict()
     busy = collective_busy(comms, steps).set_index(["step", "device"])
     kinds = [k for k in busy.columns if k not in ("window_ms", "busy_ms")]
