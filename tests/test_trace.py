@@ -275,8 +275,11 @@ def test_a_profiled_dpprof_dataparallel_round_trips_to_its_own_records(workers, 
     assert (diff > -0.1).all(), diff.sort_values().head()
     assert diff.abs().median() < 0.1, diff.describe()
     assert (diff < 3.0 + 0.1 * rec.drop(0, level="step")).all(), diff.sort_values().tail()
-    # steps: one DataParallel.forward to the next in the trace, the run.step() blocks in the recording
-    assert imported.steps["duration_ms"].sum() == pytest.approx(recorded.steps["duration_ms"].sum(), rel=0.05)
+    # steps: one DataParallel.forward to the next in the trace, the run.step() blocks in the recording; step 0 is
+    # left out, as for the phases: its block also holds the profiler's start before the first forward (seen: 670 ms
+    # recorded against 225 ms from the first forward on, on a loaded machine), which no range of the trace holds
+    later = lambda run: run.steps[run.steps["step"] > 0]["duration_ms"].sum()  # noqa: E731
+    assert later(imported) == pytest.approx(later(recorded), rel=0.05)
     assert "k-th dpprof.apply" in " ".join(imported.notes["message"])
 
 

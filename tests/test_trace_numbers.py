@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 import dpprof
+from dpprof.trace.exported import EXPORT_KEY
 from dpprof.cli import main
 from dpprof.findings import run_findings
 from dpprof.store import queries
@@ -261,8 +262,9 @@ def test_overlapping_steps_are_clipped_to_the_next_ones_start_and_say_so(tmp_pat
 
 
 def test_a_stored_time_that_is_not_finite_leaves_its_row_out_of_the_exported_trace(tmp_path, reports):
-    """A run file can hold what an import no longer writes (a run imported before, a file changed by hand): export
-    --trace leaves such a row out, says how many in the file, and the file reads back."""
+    """A run file can hold what an import no longer writes (a run imported before, a file changed by hand): the
+    store leaves such a row out when it reads the file (dpprof.store.validation), export --trace says which in the
+    file, no non-finite number is written, and the file reads back."""
     run = import_traces([SAMPLED], reports)
     with contextlib.closing(sqlite3.connect(run.paths[0])) as db, db:
         db.execute("UPDATE comms SET duration_ms = 9e999 WHERE rowid = 1")  # SQLite reads 9e999 as +inf
@@ -271,7 +273,9 @@ def test_a_stored_time_that_is_not_finite_leaves_its_row_out_of_the_exported_tra
     exported = tmp_path / "out.json"
     assert main(["--reports-dir", str(reports), "export", run.id, "--trace", str(exported)]) == 0
     doc = json.loads(exported.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the exported trace"))
-    assert doc["dpprofLeftOut"].startswith("2 rows with a time")
+    assert doc[EXPORT_KEY]["damaged"] == ["phases: 2 rows left out (start_ms not a number from -1e+15 to 1e+15, "
+                                          "device_duration_ms not a number from 0 to 1e+15)",
+                                          "comms: 1 row left out (duration_ms not a number from 0 to 1e+15)"]
     assert import_traces([exported], tmp_path / "again").steps == run.steps
 
 
