@@ -37,7 +37,7 @@ class DataParallelModel(DataParallel):
         output = super().forward(*inputs, **kwargs)
         return output if len(self.device_ids) > 1 else [output]
 
-    def gather(self, outputs: Any, output_device: int) -> list[Any]:
+    def gather(self, outputs: Any, output_device: int | torch.device) -> list[Any]:
         return list(outputs)  # nothing is gathered: that is the point
 
 
