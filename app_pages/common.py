@@ -22,7 +22,7 @@ from dpprof.processes import progress_line as processes_progress_line
 from dpprof import views
 from dpprof.plaintext import markdown_code, markdown_text, markdown_words
 from dpprof.views import export
-from dpprof.views.text import display_table, finding_heading, run_label
+from dpprof.views.text import display_table, dropped_records, finding_heading, run_label
 from dpprof.store.faults import RecordingError
 from dpprof.store.reader import RunFileError, list_runs, load_run, reports_dir
 from dpprof.store.writer import check_reports_dir
@@ -201,9 +201,8 @@ def run_header(row: pd.Series) -> None:
     elif row["status"] == "incomplete":
         st.warning("The run is incomplete: its process stopped without closing it (killed, or the machine "
                    "went down). What it recorded until then is shown.")
-    if row.get("dropped_records"):
-        why = "the disk was full" if row["status"] == "disk_full" else "the writer fell behind"
-        st.warning(f"{int(row['dropped_records']):,} records were dropped: {why}.")
+    if dropped := dropped_records(row):
+        st.warning(f"{dropped}.")
     # below, the file's own words (names, values) go out as plain text (st.text), never as markdown
     if isinstance(row.get("copy_of"), str):
         st.text(f"A copy of run {row['copy_of']}, listed as a run of its own (file {Path(row['path']).name}).")

@@ -28,7 +28,6 @@ import gc
 import io
 import os
 import re
-import statistics
 import sys
 import tempfile
 import time

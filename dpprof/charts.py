@@ -19,6 +19,7 @@ from plotly.subplots import make_subplots
 
 from dpprof.plaintext import plotly_text
 from dpprof.records import MEMORY_BYTES, device_key
+from dpprof.stepmodel import PHASE_WORDS
 from dpprof.store.model import PHASE_ORDER
 from dpprof.store.queries import MAX_POINTS
 from dpprof.units import bytes_unit
@@ -36,8 +37,7 @@ PHASE_COLORS = {
     "step": "#DDDDDD", "data": "#661100", "forward": "#6699CC", "backward_compute": "#882255",
     "comm_wait": "#EE8866", "optimizer": "#E69F00",
 }
-PHASE_LABELS = {"parallel_apply": "apply (all devices)", "rest": "rest of step", "loss": "loss (output device)",
-                "reduce": "reduce (losses)", "backward_compute": "backward compute", "comm_wait": "all-reduce wait"}
+PHASE_LABELS = {**PHASE_WORDS, "rest": "rest of step", "loss": "loss (output device)", "reduce": "reduce (losses)"}
 _OTHER_COLORS = ["#888888", "#FFAABB", "#77AADD", "#AAAA00"]  # phases dpprof does not name
 
 

@@ -289,7 +289,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from dpprof.store.reader import load_run
     from dpprof.views import job_of
     from dpprof.views.overview import comm_stats
-    from dpprof.views.text import display_table
+    from dpprof.views.text import display_table, dropped_records
 
     run = load_run(args.run, args.reports_dir)
     m, model = run.meta, run.model
@@ -302,9 +302,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
              f"torch {m['torch_version']}" if m.get("torch_version") else None,
              f"host {m['host']}" if m.get("host") else None]
     print("  " + "  ".join(f for f in facts if f))
-    if m.get("dropped_records"):
-        why = "the disk was full" if m["status"] == "disk_full" else "the writer fell behind"
-        print(f"  warning: {m['dropped_records']} records were dropped ({why})")
+    if dropped := dropped_records(m):
+        print(f"  warning: {dropped}")
     if m.get("copy_of"):
         print(f"  a copy of run {m['copy_of']} (file {run.path.name})")
     for damage in run.damage:  # values that were no usable figures, left out (dpprof.store.validation)

@@ -11,7 +11,7 @@ import torch
 
 from dpprof.device_ids import DeviceLike, DeviceSet, resolve_devices
 from dpprof.nvml import Nvml, NvmlUnavailable, throttle_names
-from dpprof.records import SLOWDOWN_REASONS, DeviceRecord, FindingRecord
+from dpprof.records import SEVERITIES, SLOWDOWN_REASONS, DeviceRecord, FindingRecord
 
 __all__ = ["inventory", "check_balance", "chunk_sizes", "even_batch_sizes", "cpu_info",
            "MEMORY_RATIO_WARN", "MULTIPROCESSOR_RATIO_WARN", "FREE_MEMORY_RATIO_WARN"]
@@ -203,7 +203,7 @@ def check_balance(device_ids: Sequence[DeviceLike] | None = None, batch_size: in
     return sorted(findings, key=lambda f: _SEVERITY_ORDER[f.severity])
 
 
-_SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+_SEVERITY_ORDER = {severity: i for i, severity in enumerate(SEVERITIES)}  # worst first, as records says
 
 
 def _nvml_rules(devices: DeviceSet, nvml: Nvml) -> list[FindingRecord]:

@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 __all__ = ["Part", "DATAPARALLEL_PARTS", "PROCESS_PARTS", "GPU_PARTS", "REST", "IDLE", "SHARED_PARTS", "SHARED_OF",
-           "parts_for", "part_names", "partition", "partition_one"]
+           "PHASE_WORDS", "SHARED_PART_WORDS", "parts_for", "part_names", "partition", "partition_one"]
 
 Part = tuple[str, tuple[str, ...]]  # (part name, the kinds that must all be running for an instant to be it)
 REST = "rest"  # the part of a host step no phase covers: Python between phases, what no range marks
@@ -57,6 +57,14 @@ SHARED_OF = {
     "forward": "compute", "backward_compute": "compute", "comm_wait": "exposed communication",
     "optimizer": "optimizer", "data": "data", REST: REST,
 }
+
+# The words for a phase whose name is not one, wherever a phase is named for people (charts' legends, dpprof advise,
+# the advisor's notes). A place that says more about a phase (a legend's "loss (output device)") adds to these.
+PHASE_WORDS = {"parallel_apply": "apply (all devices)", "backward_compute": "backward compute",
+               "comm_wait": "all-reduce wait"}
+# The shared parts as a sentence names them (Compare's differences); the others by their own names.
+SHARED_PART_WORDS = {REST: "the rest of the step", "exposed communication": "exposed communication (the wait for it)",
+                     "DataParallel tax": "the DataParallel tax (scatter + replicate + gather)"}
 
 
 def parts_for(phases: Sequence[str]) -> tuple[Part, ...]:

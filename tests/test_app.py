@@ -377,7 +377,7 @@ def test_new_run_asks_before_a_second_start_shows_progress_and_stops_with_sigter
 
 
 def test_a_running_run_says_so_and_its_pages_refresh(reports):
-    with RunningRun(reports, name="live") as live:
+    with RunningRun(reports, name="live"):
         at = _app()
         assert shown_text(at.title[0].value) == "live"
         assert "Recording: this page re-reads the run every 2 s." in _texts(at.caption)

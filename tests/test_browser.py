@@ -98,7 +98,7 @@ def _heading(page, text: str) -> None:
 
 
 def test_open_a_run_switch_pages_and_download_a_csv(server, browser):
-    first, second = server["first"], server["second"]
+    first = server["first"]
     page = browser.new_page(accept_downloads=True, viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(TIMEOUT_MS)
     page.goto(server["base"])

@@ -17,7 +17,9 @@ from torch import nn
 
 import dpprof
 from dpprof.store.reader import RunFileError
+from dpprof.cli import main
 from dpprof.store.writer import SqliteSink
+from dpprof.views.text import dropped_records
 from recorded import killed_child, record_until_killed
 
 
@@ -157,6 +159,23 @@ def test_a_full_buffer_drops_and_counts_records_without_blocking(reports):
     stored = dpprof.load_run(path)
     assert stored.meta["dropped_records"] == len(records) - 10
     assert sum(len(stored.table(t)) for t in ("steps", "phases", "memory", "allocator")) == 10
+
+
+def test_a_run_that_dropped_records_says_so_in_one_sentence_wherever_it_is_shown(reports, capsys):
+    mem = _record(steps=5, store=False)
+    records = [r for table in mem.sink.tables.values() for r in table]
+    reports.mkdir(exist_ok=True)
+    sink = SqliteSink(str(reports / "overflow.sqlite"), mem.metadata(), max_buffered=10, flush_interval_s=60)
+    for rec in records:
+        sink.put(rec)
+    sink.close()
+    stored = dpprof.load_run(reports / "overflow.sqlite")
+    said = dropped_records(stored.meta)
+    assert said == f"{len(records) - 10:,} records were dropped: the writer fell behind"
+    assert main(["show", str(reports / "overflow.sqlite")]) == 0
+    assert f"  warning: {said}\n" in capsys.readouterr().out
+    whole = dpprof.load_run(_record(steps=2).path)
+    assert whole.meta["dropped_records"] == 0 and dropped_records(whole.meta) is None
 
 
 def test_unknown_run_is_a_clear_error(reports):

@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from dpprof.trace.reader import CHUNK_BYTES, Event, Flow, OddEvent, TraceError, TraceFile
+from dpprof.trace.reader import CHUNK_BYTES, Flow, OddEvent, TraceError, TraceFile
 
 EVENTS = 30_000  # about 4 MB: several of the reader's 1 MiB chunks
 

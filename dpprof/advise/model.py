@@ -35,6 +35,7 @@ from dpprof.advise import NotAdvisable
 from dpprof.advise.calibration import Calibration
 from dpprof.advise.commands import profile_for
 from dpprof.advise.measured import Measured, chunk_sizes
+from dpprof.stepmodel import PHASE_WORDS
 
 if TYPE_CHECKING:
     from dpprof.launch import Profile
@@ -67,10 +68,8 @@ NCCL_LATENCY_MS = 0.03
 # Parts of a step, in the order they run; each scenario's parts_ms add up to its step_ms.
 PART_ORDER = ("scatter", "replicate", "apply", "parallel_apply", "gather", "loss", "reduce", "forward",
               "backward_compute", "backward", "comm_wait", "rest")
-PART_WORDS = {"scatter": "scatter", "replicate": "replicate", "apply": "apply (one device, on the caller)",
-              "parallel_apply": "apply (all devices)", "gather": "gather", "loss": "loss", "reduce": "reduce",
-              "forward": "forward", "backward_compute": "backward compute", "backward": "backward",
-              "comm_wait": "all-reduce wait", "rest": "rest (optimizer, zero_grad, Python)"}
+PART_WORDS = {p: PHASE_WORDS.get(p, p) for p in PART_ORDER} | {"apply": "apply (one device, on the caller)",
+                                                               "rest": "rest (optimizer, zero_grad, Python)"}
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dpprof.device_ids import DeviceLike, resolve_devices
-from dpprof.parallel.data_parallel import _HOST_LABEL, DataParallel
+from dpprof.parallel.data_parallel import HOST_LABEL, DataParallel
 from dpprof.parallel.probe import ForwardProbe, MeasuredReplica, iter_tensors
 from dpprof.parallel.scatter_gather import gather, scatter_sized
 from dpprof.recording import current_run
@@ -37,7 +37,7 @@ class DataParallelModel(DataParallel):
         output = super().forward(*inputs, **kwargs)
         return output if len(self.device_ids) > 1 else [output]
 
-    def gather(self, outputs: Any, output_device: int) -> list[Any]:
+    def gather(self, outputs: Any, output_device: int | torch.device) -> list[Any]:
         return list(outputs)  # nothing is gathered: that is the point
 
 
@@ -92,7 +92,7 @@ class DataParallelCriterion(DataParallel):
         per_device = list(outputs) if isinstance(outputs, list) else [outputs]
         probe = self.__dict__["_probe"]
         if len(per_device) == 1:
-            label = self._label(self.device_ids[0]) if self.device_ids else _HOST_LABEL
+            label = self._label(self.device_ids[0]) if self.device_ids else HOST_LABEL
             return MeasuredReplica(self.module, probe, label, shared_args=1)(per_device[0], *targets, **kwargs)
         if len(per_device) > len(self.device_ids):
             raise ValueError(f"{len(per_device)} outputs but only {len(self.device_ids)} devices in device_ids: "

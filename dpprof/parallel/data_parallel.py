@@ -27,7 +27,7 @@ from dpprof.recording import current_run
 __all__ = ["DataParallel", "data_parallel"]
 
 _HOST = DeviceSet("cpu", (0,), 0)  # where the module runs when there is no device to spread over
-_HOST_LABEL = _HOST.label(0)
+HOST_LABEL = _HOST.label(0)  # the label of that device; dpprof.parallel.balanced uses it too
 
 
 @functools.lru_cache(maxsize=64)
@@ -149,7 +149,7 @@ class DataParallel(torch.nn.DataParallel):
     def _label(self, index: int) -> str:
         devices = self.__dict__["_devices"]
         if devices is None:
-            return _HOST_LABEL
+            return HOST_LABEL
         return "cpu" if index == -1 else devices.label(index)
 
     def _phase(self, name: str, index: int) -> _PhaseRange:
@@ -163,10 +163,10 @@ class DataParallel(torch.nn.DataParallel):
                 output = self._forward(inputs, kwargs)
                 # torch's own fast check of "a profiler is on" (all-threads profiling included)
                 if self._watch_backward and profiler_on():
-                    watch_backward(output, None, _HOST_LABEL)  # the dpprof.backward range, untimed
+                    watch_backward(output, None, HOST_LABEL)  # the dpprof.backward range, untimed
                 return output
             devices = self.__dict__["_devices"]
-            out_label = self._label(self.output_device) if devices is not None else _HOST_LABEL
+            out_label = self._label(self.output_device) if devices is not None else HOST_LABEL
             # torch sets no dim when there are no devices
             probe = ForwardProbe(run, devices or _HOST, out_label, getattr(self, "dim", 0), self._starts_step,
                                  root=self.module)
@@ -185,7 +185,7 @@ class DataParallel(torch.nn.DataParallel):
         # also run their module call as a measured "apply" phase.
         probe = self.__dict__["_probe"]
         if not self.device_ids:
-            return MeasuredReplica(self.module, probe, _HOST_LABEL)(*inputs, **kwargs)
+            return MeasuredReplica(self.module, probe, HOST_LABEL)(*inputs, **kwargs)
         misplaced = _first_misplaced(self.module, self.src_device_obj)
         if misplaced is not None:
             raise RuntimeError(

@@ -51,7 +51,8 @@ class _Stat:
                  "slowest", "wait_sum", "late", "batch", "devices_used")
 
     def __init__(self, late: bool = False, sketched: bool = True) -> None:
-        self.first_step = self.last_step = None
+        self.first_step: int | None = None
+        self.last_step: int | None = None
         self.steps = self.calls = 0
         self.sum = 0.0
         self.min = math.inf
@@ -89,7 +90,9 @@ class _Memory:
     __slots__ = ("first_step", "last_step", "steps", "calls", "held_sum", "peak_step", "peak", "kinds", "late")
 
     def __init__(self, late: bool = False) -> None:
-        self.first_step = self.last_step = self.peak_step = None
+        self.first_step: int | None = None
+        self.last_step: int | None = None
+        self.peak_step: int | None = None
         self.steps = self.calls = 0
         self.held_sum = 0
         self.peak = -1
@@ -208,9 +211,8 @@ class Aggregator:
     def add(self, records: Iterable[Record]) -> None:
         pending = self._pending
         settled = self._settled_to
-        for r in records:
-            cls = type(r)
-            if cls is PhaseRecord:
+        for r in records:  # type(r) is X written out in each test: mypy narrows r by it, and it costs what `cls is X` did
+            if type(r) is PhaseRecord:
                 acc = pending.get(r.step) if r.step >= settled else None
                 if acc is None:
                     acc = self._acc(r.step)
@@ -223,12 +225,12 @@ class Aggregator:
                     cell[1] += 1
                     if r.device_duration_ms is not None:
                         cell[2] = (cell[2] or 0.0) + r.device_duration_ms
-            elif cls is StepRecord:
+            elif type(r) is StepRecord:
                 acc = self._acc(r.step)
                 acc.duration, acc.batch, acc.devices_used = r.duration_ms, r.batch_size, r.devices_used
                 if r.step > self._newest:
                     self._newest = r.step
-            elif cls is DeviceMemoryRecord:
+            elif type(r) is DeviceMemoryRecord:
                 cell = self._acc(r.step).memory.get(r.device)
                 values = (_or(r.input_bytes, 0), _or(r.output_bytes, 0), _or(r.activation_bytes, 0),
                           _or(r.gathered_bytes, 0), _or(r.param_bytes, 0), _or(r.buffer_bytes, 0))
@@ -238,20 +240,20 @@ class Aggregator:
                     cell[0] += 1
                     for i, v in enumerate(values, 1):
                         cell[i] += v
-                key = (r.device, r.chunk_size)
-                self._chunks[key] = self._chunks.get(key, 0) + 1
+                chunk = (r.device, r.chunk_size)
+                self._chunks[chunk] = self._chunks.get(chunk, 0) + 1
                 self._chunks_dirty = True
-            elif cls is AllocatorRecord:  # an imported trace may lack a figure: -1 stands for none
+            elif type(r) is AllocatorRecord:  # an imported trace may lack a figure: -1 stands for none
                 acc = self._acc(r.step)
-                values = (_or(r.allocated_bytes), _or(r.peak_allocated_bytes), _or(r.reserved_bytes))
+                held = (_or(r.allocated_bytes), _or(r.peak_allocated_bytes), _or(r.reserved_bytes))
                 cell = acc.allocator.get((r.device, r.phase))
                 if cell is None:
-                    acc.allocator[(r.device, r.phase)] = [1, *values]
+                    acc.allocator[(r.device, r.phase)] = [1, *held]
                 else:
                     cell[0] += 1
-                    cell[1] = max(cell[1], values[0])
-                    cell[2] = max(cell[2], values[1])
-                    cell[3] = max(cell[3], values[2])
+                    cell[1] = max(cell[1], held[0])
+                    cell[2] = max(cell[2], held[1])
+                    cell[3] = max(cell[3], held[2])
         self._settle(self._newest - SETTLE_STEPS + 1)
 
     def _acc(self, step: int) -> _StepAcc:
@@ -466,7 +468,8 @@ class Aggregator:
     def _retire(self) -> None:
         """Let go of blocks no settled step can reach any more (written whole already); late ones always."""
         below = self._retired_below
-        for table in (self._steps, self._phases, self._memory, self._allocator):
+        tables: tuple[dict[Any, Any], ...] = (self._steps, self._phases, self._memory, self._allocator)
+        for table in tables:
             for key in [k for k, v in table.items() if v.late or (k if isinstance(k, int) else k[-1]) < below]:
                 del table[key]
 

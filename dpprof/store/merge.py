@@ -9,7 +9,8 @@ from pathlib import Path
 
 from dpprof.store.faults import cause_of
 from dpprof.store.publish import Stage, recover
-from dpprof.store.reader import _RANK_FILE, RUN_SUFFIX, RunFileError, _open, why_not_regular
+from dpprof.store.files import RANK_FILE
+from dpprof.store.reader import RUN_SUFFIX, RunFileError, read_run_file, why_not_regular
 
 __all__ = ["merge_rank_files"]
 
@@ -18,9 +19,9 @@ def _rank_files(sources: Iterable[str | Path]) -> list[Path]:
     files = []
     for source in map(Path, sources):
         if source.is_dir():
-            files += sorted(p for p in source.iterdir() if _RANK_FILE.match(p.name))
+            files += sorted(p for p in source.iterdir() if RANK_FILE.match(p.name))
         elif source.is_file():
-            if not _RANK_FILE.match(source.name):
+            if not RANK_FILE.match(source.name):
                 raise RunFileError(f"{source}: not a rank file (<run id>.rank<N>{RUN_SUFFIX})")
             files.append(source)
         else:  # say what is there: a FIFO, a device, a dangling symlink, or nothing
@@ -47,7 +48,7 @@ def merge_rank_files(sources: Iterable[str | Path], out_dir: str | Path) -> dict
     chosen: dict[tuple[str, int], Path] = {}
     for path in _rank_files(sources):
         try:
-            meta, _ = _open(path)
+            meta, _ = read_run_file(path)
         except RunFileError as err:
             raise RunFileError(f"{path}: {err}") from None
         key = (meta["id"], int(meta["rank"]))

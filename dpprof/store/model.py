@@ -140,9 +140,9 @@ class RunModel:
 
     def detail_text(self) -> str | None:
         """What detail the run keeps, in one sentence; None for a run that keeps every row."""
-        if not self.thinned:
-            return None
         r = self.retention
+        if not self.thinned or r is None:  # a thinned run has its retention: the test is for mypy
+            return None
         return (f"Full detail is kept for the first {r.first_steps:,} steps, one step in {r.every}, outlier steps "
                 f"and their neighbours, each device's peak step and steps {self.detail_from:,} on; every step's "
                 f"time and per-block aggregates of everything else.")

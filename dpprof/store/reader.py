@@ -6,7 +6,6 @@ is listed with its reason and never makes listing fail. Reading never modifies a
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import socket
 import sqlite3
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from dpprof.store.files import RANK_FILE, SIDE_FILES
 from dpprof.store.schema import AGGREGATE_TABLES, FORMAT, RECORD_TABLES, SCHEMA_VERSION, columns_of
 from dpprof.store.validation import TableDamage, added, damage, run_meta, schema_version
 
@@ -28,11 +28,10 @@ if TYPE_CHECKING:
     from dpprof.store.model import RunModel
 
 __all__ = ["RUN_SUFFIX", "list_runs", "read_run_file", "checks_under_their_runs", "load_run", "StoredRun", "RunFileError",
-           "reports_dir", "HEARTBEAT_TIMEOUT_S", "FULL_DISK_FREE_BYTES", "CHECKED_TABLES", "why_not_regular", "file_damage"]
+           "reports_dir", "HEARTBEAT_TIMEOUT_S", "FULL_DISK_FREE_BYTES", "CHECKED_TABLES", "why_not_regular", "file_damage",
+           "effective_status"]
 
 RUN_SUFFIX = ".sqlite"
-_RANK_FILE = re.compile(r"^(.+)\.rank(\d+)\.sqlite$")  # <run id>.rank<N>.sqlite: one rank of a distributed run
-_SIDE_FILES = ("-wal", "-shm", "-journal")
 # torch.profiler traces waiting to be imported (dpprof import; the Runs page lists them), not runs
 _TRACE_FILES = (".json", ".json.gz")
 _SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -186,7 +185,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _effective_status(row: dict[str, Any], path: Path | None = None) -> str:
+def effective_status(row: dict[str, Any], path: Path | None = None) -> str:
     """A 'running' run whose process is gone, or whose writer stopped beating, is incomplete; or
     disk_full, when its write-ahead log is still beside it on a full disk (the writer could not even
     store that status)."""
@@ -237,7 +236,7 @@ def _read_meta(con: sqlite3.Connection, path: Path | None = None) -> dict[str, A
     except ValueError as err:
         raise RunFileError(f"corrupt: {err}") from None
     row["stored_status"] = row["status"]
-    row["status"] = _effective_status(row, path)
+    row["status"] = effective_status(row, path)
     row["schema_version"] = version
     return row
 
@@ -397,7 +396,7 @@ def _candidates(directory: Path) -> list[Path]:
     if not directory.is_dir():
         return []
     return sorted(p for p in directory.iterdir()
-                  if not p.name.startswith(".") and not p.name.endswith(_SIDE_FILES + _TRACE_FILES)
+                  if not p.name.startswith(".") and not p.name.endswith(SIDE_FILES + _TRACE_FILES)
                   and (p.name.endswith(RUN_SUFFIX) or p.is_file()))
 
 
@@ -412,7 +411,7 @@ def _summary(con: sqlite3.Connection) -> dict[str, Any]:
 
 
 def _rank_of(path: Path) -> int | None:
-    match = _RANK_FILE.match(path.name)
+    match = RANK_FILE.match(path.name)
     return int(match.group(2)) if match else None
 
 
@@ -446,7 +445,7 @@ def _as_copy(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """A run file's meta as the file it was read from holds it. A file not named after the run it holds (a copy,
     ``cp RUN.sqlite backup.sqlite``; a rank file copied under another name) is a one-file run of its own, whose
     id is the file's name (without .sqlite), ``copy_of`` the id stored in it: never merged with the run it copies."""
-    match = _RANK_FILE.match(path.name)
+    match = RANK_FILE.match(path.name)
     named = match.group(1) if match else path.stem if path.suffix == RUN_SUFFIX else path.name
     if named == meta["id"]:  # the run's own file: its name says whether it is one rank's (and which)
         rank = int(match.group(2)) if match else None
@@ -578,7 +577,7 @@ def _resolve(run: str | os.PathLike[str], directory: Path) -> Path:
             # there, but no regular file (a directory, a FIFO, a device, a dangling symlink): say what it is
             raise RunFileError(f"{candidate.name}: {why_not_regular(candidate)}")
     matches = [p for p in _candidates(directory) if p.name.startswith(str(run))]
-    ids = {_RANK_FILE.match(p.name).group(1) if _RANK_FILE.match(p.name) else p.stem for p in matches}
+    ids = {RANK_FILE.match(p.name).group(1) if RANK_FILE.match(p.name) else p.stem for p in matches}
     if len(ids) == 1:
         return min(matches, key=lambda p: _rank_of(p) or 0)
     if len(ids) > 1:

@@ -35,7 +35,7 @@ _SQL_TYPES = {int: "INTEGER", float: "REAL", str: "TEXT", bool: "INTEGER"}
 
 
 def _sql_type(annotation: object) -> str:
-    hint = eval(annotation, {}) if isinstance(annotation, str) else annotation  # "int | None" under PEP 563
+    hint: typing.Any = eval(annotation, {}) if isinstance(annotation, str) else annotation  # "int | None" under PEP 563
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     return _SQL_TYPES[hint]

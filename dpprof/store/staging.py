@@ -28,7 +28,8 @@ from typing import Any
 from dpprof.store import filesystems
 from dpprof.store.faults import RecordingError, cause_of
 from dpprof.store.publish import recover
-from dpprof.store.writer import _SIDE_FILES, SqliteSink, _hidden, _publish, _remove
+from dpprof.store.files import SIDE_FILES, hidden_name, publish_file, remove_files
+from dpprof.store.writer import SqliteSink
 
 try:
     import fcntl
@@ -199,19 +200,19 @@ def move_into_place(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -
     src, dest = os.fspath(src), os.fspath(dest)
     os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
     try:
-        _publish(src, dest)
+        publish_file(src, dest)
         return
     except OSError as err:
         if err.errno != errno.EXDEV:
             raise
-    built = _hidden(dest)
+    built = hidden_name(dest)
     try:
         _copy(src, built)
-        _publish(built, dest)
+        publish_file(built, dest)
     except BaseException:
-        _remove(built)
+        remove_files(built)
         raise
-    _remove(src)
+    remove_files(src)
 
 
 def _copy(src: str, dest: str) -> None:
@@ -245,14 +246,14 @@ def _claim(staged: str, destination: str) -> int:
         os.rename(built, sidecar)
     except BaseException:
         os.close(fd)
-        _remove(built)
+        remove_files(built)
         raise
     return fd
 
 
 def _release(lock: int, staged: str) -> None:
     """The staged run is moved or gone: remove its destination file, then let go of the lock."""
-    _remove(staged + DESTINATION_SUFFIX)
+    remove_files(staged + DESTINATION_SUFFIX)
     os.close(lock)
 
 
@@ -308,7 +309,7 @@ def _left_over(sidecar: Path, lock: int) -> Path | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None  # not ours to read: leave it
     if not os.path.exists(staged):  # moved; its process ended before removing this
-        _remove(str(sidecar))
+        remove_files(str(sidecar))
         return None
     try:
         _fold(staged)
@@ -317,7 +318,7 @@ def _left_over(sidecar: Path, lock: int) -> Path | None:
         if not filecmp.cmp(staged, destination, shallow=False):
             log.warning("dpprof: a run left on local disk in %s stays there: %s is another file", staged, destination)
             return None
-        _remove(staged)  # its process moved it and ended before removing the local copy
+        remove_files(staged)  # its process moved it and ended before removing the local copy
     except (OSError, sqlite3.Error) as err:
         log.warning("dpprof: a run left on local disk in %s stays there: moving it into %s: %s", staged,
                     os.path.dirname(destination), cause_of(err))
@@ -325,7 +326,7 @@ def _left_over(sidecar: Path, lock: int) -> Path | None:
     else:
         log.warning("dpprof: moved %s, a run its process left on local disk, into %s", os.path.basename(staged),
                     destination)
-    _remove(*(staged + s for s in _SIDE_FILES), str(sidecar))
+    remove_files(*(staged + s for s in SIDE_FILES), str(sidecar))
     return Path(destination)
 
 

@@ -11,7 +11,6 @@ half-created run, and a run that cannot start leaves no file behind.
 """
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import operator
@@ -28,6 +27,7 @@ from typing import Any, Callable
 
 from dpprof.records import FindingRecord, NoteRecord, Record, StepRecord
 from dpprof.store.blocks import Aggregator, SampleWindows
+from dpprof.store.files import SIDE_FILES, hidden_name, publish_file, remove_files
 from dpprof.store.faults import cause_of, failure_line, is_disk_full, start_failure
 from dpprof.store.retention import BOUNDED, Retention
 from dpprof.store.schema import FORMAT, RECORD_TABLES, RUN_COLUMNS, SCHEMA_VERSION, ddl
@@ -58,8 +58,6 @@ _INSERT = {cls: _insert_many(cls, 1) for cls in RECORD_TABLES}
 # bound variables any SQLite allows in one statement.
 _ROWS_PER_INSERT = {cls: max(1, 999 // len(fields(cls))) for cls in RECORD_TABLES}
 _INSERT_BLOCK = {cls: _insert_many(cls, n) for cls, n in _ROWS_PER_INSERT.items()}
-_SIDE_FILES = ("-wal", "-shm", "-journal")
-_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS}
 _WRITE_ERRORS = (sqlite3.Error, OSError)
 
 
@@ -77,41 +75,13 @@ def _connect(path: str) -> sqlite3.Connection:
     return con
 
 
-def _hidden(path: str) -> str:
-    """Where a file is built before it appears under ``path``: a dot-name the listing skips."""
-    directory, name = os.path.split(path)
-    return os.path.join(directory, f".{name}.part")
-
-
-def _remove(*paths: str) -> None:
-    for p in paths:
-        try:
-            os.unlink(p)
-        except OSError:
-            pass
-
-
-def _publish(built: str, path: str) -> None:
-    """Give a whole file its name, never over an existing one."""
-    try:
-        os.link(built, path)  # fails if ``path`` exists: the name is claimed atomically
-    except OSError as err:
-        if err.errno not in _NO_HARD_LINKS:
-            raise
-        if os.path.exists(path):
-            raise FileExistsError(errno.EEXIST, "file exists", path) from None
-        os.rename(built, path)
-    else:
-        os.unlink(built)
-
-
 def create_run_file(path: str, run_row: dict[str, Any]) -> sqlite3.Connection:
     """Create a new run file (never an existing one) with its schema and runs row; open it for writing.
 
     The file is built under a hidden name and given its own only when whole, and the first write
     in WAL mode is made before this returns. Whatever fails, no file is left behind.
     """
-    built = _hidden(path)
+    built = hidden_name(path)
     fd = os.open(built, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     os.close(fd)
     try:
@@ -127,9 +97,9 @@ def create_run_file(path: str, run_row: dict[str, Any]) -> sqlite3.Connection:
                             [_encode(run_row.get(c)) for c in cols])
         finally:
             con.close()
-        _publish(built, path)
+        publish_file(built, path)
     except BaseException:
-        _remove(built, built + "-journal")
+        remove_files(built, built + "-journal")
         raise
     con = None
     try:
@@ -139,7 +109,7 @@ def create_run_file(path: str, run_row: dict[str, Any]) -> sqlite3.Connection:
     except BaseException:
         if con is not None:
             con.close()
-        _remove(path, *(path + s for s in _SIDE_FILES))  # our own file, created a moment ago, holding no step
+        remove_files(path, *(path + s for s in SIDE_FILES))  # our own file, created a moment ago, holding no step
         raise
     return con
 
@@ -388,7 +358,7 @@ class SqliteSink:
     def _write_back(self) -> None:
         """The run file was removed while recording (its directory deleted): write what the open file
         holds back to its path and go on writing there."""
-        built = _hidden(self.path)
+        built = hidden_name(self.path)
         try:
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
             copy = sqlite3.connect(built)
@@ -396,10 +366,10 @@ class SqliteSink:
                 self._con.backup(copy)
             finally:
                 copy.close()
-            _publish(built, self.path)
+            publish_file(built, self.path)
             con = _connect(self.path)
         except _WRITE_ERRORS as err:
-            _remove(built, built + "-journal")
+            remove_files(built, built + "-journal")
             self.failure = (f"{os.path.dirname(self.path)} was removed during the run and cannot be made "
                             f"again ({cause_of(err)})")
             self.lost = True
@@ -441,7 +411,7 @@ class SqliteSink:
     def _remove_empty_run(self) -> None:
         """Our own file, holding no step: removed, so that a listing shows no run that recorded nothing."""
         self._con.close()
-        _remove(self.path, *(self.path + s for s in _SIDE_FILES))
+        remove_files(self.path, *(self.path + s for s in SIDE_FILES))
         self.lost = self.removed = True
 
     def _message(self, steps_total: int | None) -> str | None:
@@ -500,26 +470,26 @@ def check_reports_dir(directory: str | os.PathLike[str]) -> None:
     where = str(staging.directory) if staging is not None else directory
     probe = os.path.join(where, f"probe-{os.getpid()}-{threading.get_ident()}.sqlite")
     try:
-        create_run_file(_hidden(probe), {"id": "probe", "status": "probe"}).close()
+        create_run_file(hidden_name(probe), {"id": "probe", "status": "probe"}).close()
     except _WRITE_ERRORS as err:
         if staging is not None:
             raise staging.refusal(f"cannot be used ({cause_of(err)})") from None
         raise start_failure(directory, err) from None
     finally:
-        _remove(_hidden(probe), *(_hidden(probe) + s for s in _SIDE_FILES))
+        remove_files(hidden_name(probe), *(hidden_name(probe) + s for s in SIDE_FILES))
     if staging is not None:  # where the run is moved at close: a plain file, as the move makes
-        moved = _hidden(os.path.join(directory, os.path.basename(probe)))
+        moved = hidden_name(os.path.join(directory, os.path.basename(probe)))
         try:
             os.close(os.open(moved, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
         except OSError as err:
             raise start_failure(directory, err) from None
-        _remove(moved)
+        remove_files(moved)
 
 
 def fold_leftover_logs(directory: str | os.PathLike[str]) -> list[Path]:
     """Fold back the write-ahead logs that runs no longer recording left beside them (the disk was
     full when they closed); returns the run files now whole. Never touches a run still recording."""
-    from dpprof.store.reader import _effective_status
+    from dpprof.store.reader import effective_status
 
     folded = []
     for wal in sorted(Path(directory).glob("*.sqlite-wal")):
@@ -533,7 +503,7 @@ def fold_leftover_logs(directory: str | os.PathLike[str]) -> list[Path]:
         try:
             cur = con.execute("SELECT * FROM runs")
             row = dict(zip((d[0] for d in cur.description), cur.fetchone() or ()))
-            if row.get("status") == "running" and _effective_status(row) == "running":
+            if row.get("status") == "running" and effective_status(row) == "running":
                 continue
             con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             if con.execute("PRAGMA journal_mode=DELETE").fetchone()[0] == "delete":

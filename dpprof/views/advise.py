@@ -12,6 +12,7 @@ from dpprof.advise import NotAdvisable
 from dpprof.advise.calibration import Calibration, cache_dir, cache_path, load_calibration
 from dpprof.advise.measured import Measured, measure
 from dpprof.advise.model import MAX_INTERVAL_RATIO, PART_ORDER, Advice, Scenario, advise
+from dpprof.stepmodel import PHASE_WORDS
 from dpprof.store.reader import StoredRun
 from dpprof.units import mib
 
@@ -128,8 +129,7 @@ def memory_table(advice: Advice) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["label", "device", "peak_held_bytes"])
 
 
-_SHORT = {"apply": "apply on the caller", "parallel_apply": "apply (all devices)", "backward_compute": "backward compute",
-          "comm_wait": "all-reduce wait"}
+_SHORT = {**PHASE_WORDS, "apply": "apply on the caller"}
 
 
 def _parts(parts: dict[str, float]) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 import pandas as pd
 
 from dpprof.findings import run_findings
-from dpprof.stepmodel import SHARED_OF, SHARED_PARTS
+from dpprof.stepmodel import SHARED_OF, SHARED_PART_WORDS, SHARED_PARTS
 from dpprof.store import queries
 from dpprof.store.reader import StoredRun
 from dpprof.units import mib
@@ -170,8 +170,6 @@ def _bytes_text(a: float, b: float) -> str:
     return f"{r:.2f}x" + (f" ({1 - r:.0%} less)" if r < 0.995 else f" ({r - 1:.0%} more)" if r > 1.005 else "")
 
 
-_PHASE_NAMES = {"rest": "the rest of the step", "exposed communication": "exposed communication (the wait for it)",
-                "DataParallel tax": "the DataParallel tax (scatter + replicate + gather)"}
 
 
 def _differences(rows: list[dict[str, Any]]) -> list[str]:
@@ -203,7 +201,7 @@ def _differences(rows: list[dict[str, Any]]) -> list[str]:
             deltas.append((abs(y - x), col[: -len("_share_pct")], x, y))
         for _, phase, x, y in sorted(deltas, reverse=True)[:2]:
             if abs(y - x) >= 1.0:
-                name = _PHASE_NAMES.get(phase, phase)
+                name = SHARED_PART_WORDS.get(phase, phase)
                 out.append(f"{name[0].upper() + name[1:]}: {y:.1f}% of {b}'s step, {x:.1f}% of {a}'s "
                            f"({y - x:+.1f} points).")
         taxed = any(d[1] == TAX for d in sorted(deltas, reverse=True)[:2] if abs(d[3] - d[2]) >= 1.0)

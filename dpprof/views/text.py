@@ -8,7 +8,7 @@ import pandas as pd
 
 from dpprof.units import bytes_unit
 
-__all__ = ["DISPLAY_DECIMALS", "display_table", "finding_heading", "run_label", "sentence"]
+__all__ = ["DISPLAY_DECIMALS", "display_table", "dropped_records", "finding_heading", "run_label", "sentence"]
 
 # Column-name endings and the unit people read them in: (ending, unit, scale).
 _UNITS = (("_bytes_per_s", "MiB/s", 2**-20), ("_bytes", "MiB", 2**-20), ("_ms", "ms", 1.0), ("_pct", "%", 1.0),
@@ -67,3 +67,13 @@ def sentence(text: str) -> str:
     """Text as a sentence: a capital first letter and a full stop."""
     text = text.strip()
     return (text[:1].upper() + text[1:]).rstrip(".") + "." if text else text
+
+
+def dropped_records(meta: dict[str, Any] | pd.Series) -> str | None:
+    """What a run lost to a full buffer or a full disk, in words ("1,200 records were dropped: the writer fell
+    behind"); None when it dropped nothing. ``dpprof show`` and the dashboard's run header both say it so."""
+    count = meta.get("dropped_records")
+    if not count:
+        return None
+    why = "the disk was full" if meta.get("status") == "disk_full" else "the writer fell behind"
+    return f"{int(count):,} records were dropped: {why}"

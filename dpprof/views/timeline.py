@@ -34,7 +34,8 @@ def detail_gaps(run: StoredRun, first_step: int, last_step: int) -> str | None:
     """Where a range of steps holds only aggregates (a long run's thinned detail), in one sentence; None when
     every step of the range kept its detail."""
     model = run.model
-    if not model.thinned:
+    retention = model.retention
+    if not model.thinned or retention is None:  # a thinned run has its retention: the test is for mypy
         return None
     last_step = min(last_step, first_step + queries.TIMELINE_MAX_STEPS - 1)
     kept = set(queries.detail_steps(run, first_step, last_step))
@@ -43,8 +44,8 @@ def detail_gaps(run: StoredRun, first_step: int, last_step: int) -> str | None:
         return None
     shown = len(kept)
     return (f"Steps {first_step}–{last_step}: {len(missing)} of {last_step - first_step + 1} hold only their step "
-            f"time and the aggregates (this run keeps full detail for the first {model.retention.first_steps:,} steps, "
-            f"one in {model.retention.every}, outliers and their neighbours, peaks and steps "
+            f"time and the aggregates (this run keeps full detail for the first {retention.first_steps:,} steps, "
+            f"one in {retention.every}, outliers and their neighbours, peaks and steps "
             f"{model.detail_from:,} on); {shown} shown in full.")
 
 
