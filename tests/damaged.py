@@ -29,12 +29,21 @@ def _tables(con: sqlite3.Connection) -> list[str]:
     return [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
 
 
-def mutate(path: Path, rng: random.Random) -> str:
-    """Set one value of the run file ``path`` (a random table with rows, column and row) to one of BAD_VALUES, in
-    place; returns what was done, for a failing test's message."""
+def tables_with_rows(path: Path) -> list[str]:
+    """The tables of the run file ``path`` that hold at least one row, by name."""
     con = sqlite3.connect(path)
     try:
-        tables = [t for t in _tables(con) if con.execute(f"SELECT EXISTS(SELECT 1 FROM {t})").fetchone()[0]]
+        return [t for t in _tables(con) if con.execute(f"SELECT EXISTS(SELECT 1 FROM {t})").fetchone()[0]]
+    finally:
+        con.close()
+
+
+def mutate(path: Path, rng: random.Random, table: str | None = None) -> str:
+    """Set one value of the run file ``path`` (in ``table``, or a random table with rows; a random column and row)
+    to one of BAD_VALUES, in place; returns what was done, for a failing test's message."""
+    tables = [table] if table is not None else tables_with_rows(path)
+    con = sqlite3.connect(path)
+    try:
         for _ in range(50):  # a mutation the file's constraints refuse (a duplicate key) is tried again
             table = rng.choice(tables)
             info = con.execute(f"PRAGMA table_info({table})").fetchall()

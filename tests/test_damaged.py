@@ -13,7 +13,6 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +20,7 @@ import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from damaged import damaged_copy, mutate
+from damaged import damaged_copy, mutate, tables_with_rows
 from dpprof.cli import main
 from dpprof.store import queries
 from dpprof.store.reader import list_runs, load_run
@@ -290,25 +289,37 @@ def test_every_page_opens_a_damaged_run_and_says_what_was_left_out(reports, soun
 
 
 FUZZ_SEED = 20261126
-FUZZ_BUDGET_S = 40.0  # each fuzz test stops starting cases past this: under 60 s on a loaded 2-core machine
+# Every table that holds rows in either sound run is the first one damaged in one case of each fuzz test: a fixed
+# number of cases that reaches every table, the same on any machine however loaded (a time budget reached about
+# half of them on a loaded 2-core machine).
+FUZZ_PAGE_TABLES_PER_CASE = 3  # values damaged in each file the pages open, as before
 
 
-def _fuzzed(reports: Path, sound, rng: random.Random, index: int) -> tuple[Path, Path, list[str]]:
+def _every_table(sound) -> list[tuple[Path, str]]:
+    """(sound run file, table) for every table holding rows in the recorded run and in the imported trace."""
+    return [(source, table) for source in (sound.plain.path, sound.trace.path) for table in tables_with_rows(source)]
+
+
+def _fuzzed(reports: Path, sound, rng: random.Random, index: int, source: Path,
+            table: str) -> tuple[Path, Path, list[str]]:
     """A reports directory of its own holding copies of both sound runs under their own names (a rank file stays a
-    rank file), one of them with 1 to 3 values set to bad ones: (that one, the other, what was set)."""
+    rank file), the copy of ``source`` with 1 to 3 values set to bad ones, the first in ``table``: (that one, the
+    other, what was set)."""
     directory = reports / f"case{index}"
     directory.mkdir(parents=True)
-    for source in (sound.plain.path, sound.trace.path):
-        shutil.copyfile(source, directory / source.name)
-    target, other = rng.sample([directory / sound.plain.path.name, directory / sound.trace.path.name], 2)
-    return target, other, [mutate(target, rng) for _ in range(rng.randint(1, 3))]
+    for copied in (sound.plain.path, sound.trace.path):
+        shutil.copyfile(copied, directory / copied.name)
+    target = directory / source.name
+    other = directory / (sound.trace.path if source == sound.plain.path else sound.plain.path).name
+    more = rng.randint(0, 2)
+    return target, other, [mutate(target, rng, table)] + [mutate(target, rng) for _ in range(more)]
 
 
 def test_fuzz_bad_values_in_a_run_file_never_break_runs_show_or_export(reports, sound, capsys, monkeypatch):
     rng = random.Random(FUZZ_SEED)
-    start, cases = time.monotonic(), 0
-    while time.monotonic() - start < FUZZ_BUDGET_S and cases < 200:
-        target, other, done = _fuzzed(reports, sound, rng, cases)
+    cases = _every_table(sound)
+    for index, (source, table) in enumerate(cases):
+        target, other, done = _fuzzed(reports, sound, rng, index, source, table)
         monkeypatch.setenv("DPPROF_REPORTS", str(target.parent))
         before = _digest(target)
         run_id = target.name.split(".")[0]
@@ -324,26 +335,30 @@ def test_fuzz_bad_values_in_a_run_file_never_break_runs_show_or_export(reports, 
         # the other run reads as before
         assert queries.run_stats(load_run(other)) == queries.run_stats(load_run(sound.dir / other.name)), done
         assert _digest(target) == before
-        cases += 1
-    print(f"{cases} damaged files read by runs, show, export and export --trace")  # seen with -s
-    assert cases >= 5, f"only {cases} fuzz cases in {FUZZ_BUDGET_S} s"
+    print(f"{len(cases)} damaged files read by runs, show, export and export --trace")  # seen with -s
+    assert len(cases) >= 20, f"only {len(cases)} tables with rows in the two sound runs"
 
 
 def test_fuzz_bad_values_in_a_run_file_never_break_a_page(reports, sound):
     rng = random.Random(FUZZ_SEED + 1)
-    start, cases, opened = time.monotonic(), 0, 0
+    opened = 0
     reports.mkdir()
     for source in (sound.plain.path, sound.trace.path):
         shutil.copyfile(source, reports / source.name)
-    at = None
-    while time.monotonic() - start < FUZZ_BUDGET_S and cases < 20:
-        source = rng.choice([sound.plain.path, sound.trace.path])
-        target = reports / f"fuzzed-{cases}{'.rank0' if source == sound.trace.path else ''}.sqlite"
+    # each file damaged in the next FUZZ_PAGE_TABLES_PER_CASE tables of one run (a random one where its run has none
+    # left): every table of both runs is damaged in some file the pages are asked to open
+    cases: list[tuple[Path, list[str]]] = []
+    for source in (sound.plain.path, sound.trace.path):
+        tables = [table for kind, table in _every_table(sound) if kind == source]
+        cases += [(source, tables[i:i + FUZZ_PAGE_TABLES_PER_CASE])
+                  for i in range(0, len(tables), FUZZ_PAGE_TABLES_PER_CASE)]
+    at = AppTest.from_file(str(APP), default_timeout=120)
+    at.run()
+    for index, (source, tables) in enumerate(cases):
+        target = reports / f"fuzzed-{index}{'.rank0' if source == sound.trace.path else ''}.sqlite"
         shutil.copyfile(source, target)
-        done = [mutate(target, rng) for _ in range(3)]
-        if at is None:
-            at = AppTest.from_file(str(APP), default_timeout=120)
-            at.run()
+        done = [mutate(target, rng, table) for table in tables]
+        done += [mutate(target, rng) for _ in range(FUZZ_PAGE_TABLES_PER_CASE - len(tables))]
         runs = list_runs(reports).set_index("path")
         if pd.isna(runs.at[str(target), "reason"]):  # an unreadable one is listed, never chosen
             opened += 1
@@ -351,12 +366,11 @@ def test_fuzz_bad_values_in_a_run_file_never_break_a_page(reports, sound):
             for page in PAGES:
                 at.switch_page(f"app_pages/{page}.py").run()
                 assert not at.exception, (target.name, done, page, [e.message for e in at.exception])
-        cases += 1
     at.session_state[common.RUN_KEY] = sound.plain.id
     at.switch_page("app_pages/overview.py").run()
     assert not at.exception and at.title[0].value == "plain"
-    print(f"{cases} damaged files, {opened} opened on every page")  # seen with -s
-    assert cases >= 2 and opened >= 1, f"only {cases} fuzz cases ({opened} opened) in {FUZZ_BUDGET_S} s"
+    print(f"{len(cases)} damaged files, {opened} opened on every page")  # seen with -s
+    assert len(cases) >= 7 and opened >= 1, f"only {len(cases)} fuzz cases ({opened} opened)"
 
 
 def test_a_trace_or_rank_file_named_that_is_a_device_says_so(tmp_path, capsys):

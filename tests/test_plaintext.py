@@ -41,6 +41,10 @@ HOSTILE = [
 # Text rich in what markdown (and Streamlit's extensions) treat as markup, and any text at all.
 MARKUP = st.text(alphabet=st.sampled_from(list("*_[]()!<>`#-+.:$~|\\&@/=;' \n\t\r") + list("abwh1")), max_size=40)
 TEXT = st.one_of(MARKUP, st.text(max_size=40))
+# The property tests draw a fixed set of examples (derandomize: the same ones on every run, so a run that passes
+# passes again), bounded in number: 150 texts of up to 40 characters from MARKUP's 31 symbols and any text hold
+# every markup character many times over; HOSTILE names the known cases one by one.
+EXAMPLES = 150
 
 
 def _shown(source: str) -> str | None:
@@ -61,7 +65,7 @@ def _unescaped(source: str) -> str:
     return re.sub(r"\\(.)", r"\1", source)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
 @given(TEXT)
 def test_markdown_text_renders_as_the_text_itself(text):
     shown = _shown(markdown_text(text))
@@ -70,7 +74,7 @@ def test_markdown_text_renders_as_the_text_itself(text):
     assert shown_text(markdown_text(text)) == one_line(text).replace(JOINER, "")  # what the AppTest checks read
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
 @given(TEXT)
 def test_markdown_text_leaves_no_bare_link_or_symbol_for_streamlit_to_make(text):
     seen = _unescaped(markdown_text(text))
@@ -78,7 +82,7 @@ def test_markdown_text_leaves_no_bare_link_or_symbol_for_streamlit_to_make(text)
     assert not re.search(r"<=|>=|->|<-|--|==", seen)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
 @given(TEXT, TEXT)
 def test_markdown_text_inside_a_template_stays_text(before, name):
     """A name interpolated into markup of our own: the markup renders, the name stays text."""
@@ -99,7 +103,7 @@ def test_hostile_names_show_their_characters(name):
     assert "\n" not in source and "\r" not in source
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
 @given(TEXT)
 def test_plotly_text_has_no_markup_and_decodes_to_the_text(text):
     shown = plotly_text(text)
@@ -112,7 +116,7 @@ def test_one_line_turns_control_characters_into_spaces():
     assert one_line(None) == "" and one_line(12) == "12"
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
 @given(TEXT, TEXT)
 def test_markdown_words_makes_code_of_backticks_and_nothing_else(name, command):
     """dpprof's sentence with a command in backticks and a name anywhere: code spans and text, no other element."""
