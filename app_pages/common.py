@@ -6,7 +6,6 @@ time (and its write-ahead log's, so a running run is re-read as it grows).
 """
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +23,7 @@ from dpprof.plaintext import markdown_code, markdown_text, markdown_words
 from dpprof.views import export
 from dpprof.views.text import display_table, dropped_records, finding_heading, run_label
 from dpprof.store.faults import RecordingError
+from dpprof.store.files import dir_signature, run_signature
 from dpprof.store.reader import RunFileError, list_runs, load_run, reports_dir
 from dpprof.store.writer import check_reports_dir
 from dpprof.trace.importer import LEGACY_WORKLOAD
@@ -40,35 +40,6 @@ DEMO_ARGS = {"workload": "cifar-lenet", "devices": "cpu:2", "steps": 30, "name":
 
 # -- reading, cached ---------------------------------------------------------------------------
 
-def _signature(path: Path, run_id: str) -> tuple[tuple[str, int, int], ...]:
-    """Name, mtime and size of the run's files (every rank's of a distributed run) and their write-ahead
-    logs: it changes whenever a writer commits."""
-    out = []
-    for p in sorted(path.parent.glob(f"{run_id}*")):
-        try:
-            s = p.stat()
-            out.append((p.name, s.st_mtime_ns, s.st_size))
-        except OSError:  # gone between listing and stat
-            continue
-    return tuple(out)
-
-
-def _dir_signature(directory: Path) -> tuple[tuple[str, int, int], ...]:
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return ()
-    return tuple(sorted((e.name, *_stat(e)) for e in entries))
-
-
-def _stat(entry: os.DirEntry) -> tuple[int, int]:
-    try:
-        s = entry.stat()
-        return s.st_mtime_ns, s.st_size
-    except OSError:
-        return 0, 0
-
-
 @st.cache_data(ttl=LISTING_TTL_S, show_spinner=False)
 def _listing(directory: str, signature: tuple) -> pd.DataFrame:
     return list_runs(directory)
@@ -77,7 +48,7 @@ def _listing(directory: str, signature: tuple) -> pd.DataFrame:
 def listing() -> pd.DataFrame:
     """Every file in the reports directory (list_runs), cached until a file changes (or LISTING_TTL_S)."""
     directory = reports_dir()
-    return _listing(str(directory), _dir_signature(directory))
+    return _listing(str(directory), dir_signature(directory))
 
 
 def readable(runs: pd.DataFrame) -> pd.DataFrame:
@@ -93,7 +64,7 @@ def view(fn: Callable[..., Any], row: pd.Series, *args: Any) -> Any:
     """``fn(run, *args)`` (a function of dpprof.views) for a run of the listing, cached by the function, the run's
     files and their modification times."""
     path = Path(row["path"])
-    return _view(fn, f"{fn.__module__}.{fn.__qualname__}", str(path), _signature(path, row["id"]), *args)
+    return _view(fn, f"{fn.__module__}.{fn.__qualname__}", str(path), run_signature(path, row["id"]), *args)
 
 
 def run_csv(row: pd.Series, table: str) -> Callable[[], bytes]:

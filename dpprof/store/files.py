@@ -7,8 +7,10 @@ from __future__ import annotations
 import errno
 import os
 import re
+from pathlib import Path
 
-__all__ = ["SIDE_FILES", "RANK_FILE", "hidden_name", "remove_files", "publish_file"]
+__all__ = ["SIDE_FILES", "RANK_FILE", "hidden_name", "remove_files", "publish_file", "run_signature",
+           "dir_signature"]
 
 SIDE_FILES = ("-wal", "-shm", "-journal")  # SQLite's write-ahead log, its shared memory and its rollback journal
 RANK_FILE = re.compile(r"^(.+)\.rank(\d+)\.sqlite$")  # <run id>.rank<N>.sqlite: one rank of a distributed run
@@ -42,3 +44,33 @@ def publish_file(built: str, path: str) -> None:
         os.rename(built, path)
     else:
         os.unlink(built)
+
+
+def run_signature(path: Path, run_id: str) -> tuple[tuple[str, int, int], ...]:
+    """Name, modification time and size of a run's files (every rank's of a distributed run, a copy's own file)
+    and of their write-ahead logs: it changes whenever a writer commits (a cache key for what is read of the run)."""
+    out = []
+    for p in sorted(path.parent.glob(f"{run_id}*")):
+        try:
+            s = p.stat()
+            out.append((p.name, s.st_mtime_ns, s.st_size))
+        except OSError:  # gone between the glob and the stat
+            continue
+    return tuple(out)
+
+
+def dir_signature(directory: Path) -> tuple[tuple[str, int, int], ...]:
+    """Name, modification time and size of every entry of a reports directory (0, 0 for one gone or unreadable
+    since the scan): it changes whenever a run file or a staging directory appears, grows or goes."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return ()
+    out = []
+    for e in entries:
+        try:
+            st = e.stat()
+            out.append((e.name, st.st_mtime_ns, st.st_size))
+        except OSError:
+            out.append((e.name, 0, 0))
+    return tuple(sorted(out))
