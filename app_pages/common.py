@@ -14,7 +14,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from dpprof.export import to_csv_bytes
+from dpprof.csvfile import to_csv_bytes
 from dpprof.launch import Profile, ProfileError
 from dpprof.processes import Started, run_row
 from dpprof.processes import progress_line as processes_progress_line

@@ -56,7 +56,7 @@ def main() -> None:
     from dpprof.advise.check import _argv, measured
     from dpprof.cli import main
     from dpprof.advise.measured import measure
-    from dpprof.advise.model import advise
+    from dpprof.advise.predict import advise
     from dpprof.store.reader import load_run
 
     workloads = args.only.split(",") if args.only else WORKLOADS

@@ -165,7 +165,7 @@ with stage("import dpprof.trace"):
     from dpprof.trace import importer
     from dpprof.trace.collect import collect
     from dpprof.trace.convert import convert
-    from dpprof.trace.reader import CHUNK_BYTES, TraceFile
+    from dpprof.trace.decode import CHUNK_BYTES, TraceFile
 with stage("read the bytes (OS file cache)"):
     with open(path, "rb") as f:
         while f.read(CHUNK_BYTES):

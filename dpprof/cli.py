@@ -495,7 +495,7 @@ def _cmd_advise(args: argparse.Namespace) -> int:
         if not match or int(match.group(1)) < 1:
             raise UsageError(f"--devices {args.devices!r}: the calibration is of CPU workers, cpu:N")
         from dpprof.advise.calibrate import calibrate
-        from dpprof.advise.calibration import cache_path
+        from dpprof.advise.calibration_cache import cache_path
 
         calibration = calibrate(int(match.group(1)), progress=sys.stderr.isatty())
         print("\n".join(calibration.lines()))
@@ -515,7 +515,7 @@ def _cmd_advise(args: argparse.Namespace) -> int:
         import torch
 
         from dpprof.advise.calibrate import calibrate
-        from dpprof.advise.calibration import cache_path
+        from dpprof.advise.calibration_cache import cache_path
 
         torch.set_num_threads(m.threads)  # the calibration of the run's own thread count
         print(f"dpprof: calibrating this machine for {m.n} CPU workers at {m.threads} intra-op thread(s) (half a "

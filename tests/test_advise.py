@@ -19,10 +19,10 @@ from streamlit.testing.v1 import AppTest
 
 import dpprof
 from dpprof.advise import NotAdvisable
-from dpprof.advise.calibration import load_calibration
+from dpprof.advise.calibration_cache import load_calibration
 from dpprof.advise.check import check
 from dpprof.advise.measured import MIN_STEPS, chunk_sizes, measure
-from dpprof.advise.model import advise
+from dpprof.advise.predict import advise
 from dpprof.cli import build_parser, main
 from dpprof.plaintext import shown_text
 from dpprof.store import queries
@@ -200,7 +200,7 @@ def test_largest_batch_that_fits_is_the_last_whose_peak_fits(runs, calibrated):
     cap = 64 * 2**20
     advice = _advice(runs.plain, memory_bytes=cap)
     m = advice.measured
-    from dpprof.advise.model import _Model
+    from dpprof.advise.predict import _Model
 
     model = _Model(m, calibrated)
     for device, batch in advice.max_batch_size.items():
@@ -275,7 +275,7 @@ def test_advise_calibrates_itself_the_first_time_and_then_reads_the_cache(runs, 
 
 
 def test_a_calibration_measured_under_load_predicts_nothing_and_says_why_first(runs, calibrated, tmp_path, monkeypatch):
-    from dpprof.advise.calibration import LOADED_THREAD_SPEEDUP, save_calibration
+    from dpprof.advise.calibration_cache import LOADED_THREAD_SPEEDUP, save_calibration
     from dpprof.views.advise import advisor, text_lines
 
     assert (calibrated.loaded_reason() is None) == (calibrated.thread_speedup >= LOADED_THREAD_SPEEDUP)
@@ -308,7 +308,7 @@ def test_stalled_steps_are_said_before_the_prediction(paused):
 
 
 def test_a_run_too_noisy_to_predict_from_headlines_nothing_and_says_its_spread(paused):
-    from dpprof.advise.model import MAX_INTERVAL_RATIO
+    from dpprof.advise.predict import MAX_INTERVAL_RATIO
     from dpprof.views.advise import AdvisorView, scenario_table, text_lines
 
     m = measure(paused.noisy)
@@ -327,7 +327,7 @@ def test_a_run_too_noisy_to_predict_from_headlines_nothing_and_says_its_spread(p
 
 
 def test_an_interval_over_ten_times_its_low_end_is_no_prediction(runs, calibrated):
-    from dpprof.advise.model import MAX_INTERVAL_RATIO
+    from dpprof.advise.predict import MAX_INTERVAL_RATIO
 
     a = _advice(runs.plain)
     for s in a.scenarios:

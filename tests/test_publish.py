@@ -347,7 +347,7 @@ def test_a_failed_commit_whose_records_then_fit_counts_none_dropped(monkeypatch,
     from dpprof.store.writer import SqliteSink
     from dpprof.trace.collect import collect
     from dpprof.trace.convert import convert
-    from dpprof.trace.reader import TraceFile
+    from dpprof.trace.decode import TraceFile
 
     records = convert(collect(TraceFile(RESNET)), 0.0, None).records  # what dpprof import writes
     assert len(records) % 16  # slices of 16 and more cannot take them all evenly: the last is shorter

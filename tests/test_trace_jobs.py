@@ -18,7 +18,7 @@ from dpprof.trace.collect import collect
 from dpprof.trace.convert import convert
 from dpprof.trace.importer import jobs_for
 from dpprof.trace.jobs import GZIP_RATIO, WORKER_BASE_BYTES, collect_files, default_jobs, worker_bytes
-from dpprof.trace.reader import TraceFile
+from dpprof.trace.decode import TraceFile
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT.parent / "shared" / "traces"

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 import dpprof
-from dpprof.trace.exported import EXPORT_KEY
+from dpprof.trace.readback import EXPORT_KEY
 from dpprof.cli import main
 from dpprof.findings import run_findings
 from dpprof.store import queries

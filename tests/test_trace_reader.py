@@ -1,4 +1,4 @@
-"""dpprof.trace.reader: events decoded a chunk at a time read exactly as json.load reads them, whatever the
+"""dpprof.trace.decode: events decoded a chunk at a time read exactly as json.load reads them, whatever the
 layout, and where a guessed event boundary is wrong, msgspec refuses a value, an event spans chunks, or the
 file is broken."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from dpprof.trace.reader import CHUNK_BYTES, Flow, OddEvent, TraceError, TraceFile
+from dpprof.trace.decode import CHUNK_BYTES, Flow, OddEvent, TraceError, TraceFile
 
 EVENTS = 30_000  # about 4 MB: several of the reader's 1 MiB chunks
 

@@ -3,8 +3,8 @@
 | module | what | imports torch |
 | --- | --- | --- |
 | dpprof.advise.measured | the recorded run's figures the model needs (typical step, phases, chunks, memory) | no |
-| dpprof.advise.calibration | this machine's measured costs (hand-off, copies, all-reduce), cached per host and device set | no |
-| dpprof.advise.model | the arithmetic: each scenario's step time, its parts and interval, memory per device | no |
+| dpprof.advise.calibration_cache | this machine's measured costs (hand-off, copies, all-reduce), cached per host and device set | no |
+| dpprof.advise.predict | the arithmetic: each scenario's step time, its parts and interval, memory per device | no |
 | dpprof.advise.commands | the command that runs each scenario for real | no |
 | dpprof.advise.calibrate | the calibration itself (CPU workers, gloo ranks) | yes |
 | dpprof.advise.check | runs each scenario's command and reads the run it recorded | no (its subprocesses do) |

@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from dpprof.advise.calibration import Calibration, save_calibration
+from dpprof.advise.calibration_cache import Calibration, save_calibration
 
 __all__ = ["calibrate", "effective_cores", "refresh_load", "ALLREDUCE_SIZES_BYTES"]
 
@@ -323,7 +323,7 @@ def calibrate(devices: int, save: bool = True, progress: bool = False) -> Calibr
 
     Args:
         devices: the device set's size.
-        save: write it to the cache (dpprof.advise.calibration.save_calibration).
+        save: write it to the cache (dpprof.advise.calibration_cache.save_calibration).
         progress: a progress bar on stderr (tqdm), one tick per measurement.
     """
     if devices < 1:

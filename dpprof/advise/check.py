@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from dpprof.advise.model import Advice, Scenario
+from dpprof.advise.predict import Advice, Scenario
 from dpprof.launch import LaunchError, Profile
 from dpprof.records import CHECK_OF_ENV
 from dpprof.store import queries

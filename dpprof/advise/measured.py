@@ -164,7 +164,7 @@ def _refuse(run: StoredRun) -> None:
 
 
 def measure(run: StoredRun) -> Measured:
-    """The run's typical step, its parts, its chunks and its memory, for dpprof.advise.model.
+    """The run's typical step, its parts, its chunks and its memory, for dpprof.advise.predict.
 
     Raises:
         NotAdvisable: a DDP run, an imported trace, an empty run or one of fewer than MIN_STEPS steps, or a step

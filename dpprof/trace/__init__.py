@@ -3,7 +3,7 @@ a run through the store's writer (``dpprof import``)."""
 from __future__ import annotations
 
 from dpprof.trace.importer import SOURCE, AlreadyImported, ImportedRun, import_traces, pending_traces, trace_files
-from dpprof.trace.reader import TraceError, TraceFile, is_trace_name
+from dpprof.trace.decode import TraceError, TraceFile, is_trace_name
 
 __all__ = ["TraceError", "AlreadyImported", "TraceFile", "ImportedRun", "import_traces", "pending_traces", "trace_files",
            "is_trace_name", "SOURCE"]

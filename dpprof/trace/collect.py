@@ -18,7 +18,7 @@ import msgspec
 
 from dpprof.trace.numbers import (MAX_BYTES, MAX_GPU_INDEX, MAX_STEP, MAX_STEP_DIGITS, MAX_TIME_US,
                                   base_time_problem, distributed_problem, is_time, shown, time_problem, whole)
-from dpprof.trace.reader import Event, OddEvent, TraceError, TraceFile
+from dpprof.trace.decode import Event, OddEvent, TraceError, TraceFile
 
 __all__ = ["Range", "Collective", "Collected", "collect", "DTYPE_BYTES", "gpu_kind", "Args", "args_of",
            "collective_name", "COLLECTIVES"]

@@ -33,7 +33,7 @@ from dpprof.records import (PHASES, AllocatorRecord, CommRecord, DeviceRecord, G
                             StepRecord)
 from dpprof.stepmodel import GPU_PARTS, IDLE, part_names, partition
 from dpprof.trace.collect import GPU_KINDS, Collected, collective_name
-from dpprof.trace.exported import export_info, exported_phases
+from dpprof.trace.readback import export_info, exported_phases
 from dpprof.trace.numbers import MAX_BYTES, MAX_GPU_INDEX, whole
 
 __all__ = ["Converted", "convert", "process_label"]

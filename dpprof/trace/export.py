@@ -7,7 +7,7 @@ What the file holds:
   rank's file), ``traceEvents``, ``traceName``, ``displayTimeUnit``, ``baseTimeNanoseconds`` (when the run
   started: ``ts`` and ``dur`` are microseconds since then); and dpprof's: ``dpprofExport`` (the run, its kind and
   devices, which steps the file holds and why) and, after the events, ``dpprofThreads`` (the device of each
-  thread id, so that ``dpprof import`` reads the file back exactly: dpprof.trace.exported).
+  thread id, so that ``dpprof import`` reads the file back exactly: dpprof.trace.readback).
 - A process per device (or rank), named by ``process_name`` metadata and ordered by ``process_sort_index`` in
   the run's device order. Its threads are lanes: ``steps`` (``ProfilerStep#N``, on the device that drives the
   steps), ``host`` (the phases the calling thread runs: scatter, replicate, parallel_apply, gather, loss, reduce,
@@ -53,7 +53,7 @@ from dpprof.outputs import Outputs
 from dpprof.records import MEMORY_BYTES, device_key
 from dpprof.store import trace_rows
 from dpprof.store.reader import StoredRun
-from dpprof.trace.exported import EXPORT_KEY, EXPORT_VERSION, THREADS_KEY
+from dpprof.trace.readback import EXPORT_KEY, EXPORT_VERSION, THREADS_KEY
 
 __all__ = ["MAX_EVENTS", "MAX_BYTES", "TracePlan", "TraceWritten", "parse_steps", "plan_trace", "write_trace",
            "export_trace", "rank_path", "trace_bytes"]

@@ -39,7 +39,7 @@ from dpprof.store.writer import SqliteSink, replace_findings
 from dpprof.trace.collect import Collected
 from dpprof.trace.convert import Converted, convert
 from dpprof.trace.jobs import capped_jobs, collect_files, default_jobs, worker_bytes
-from dpprof.trace.reader import TraceError, is_trace_name
+from dpprof.trace.decode import TraceError, is_trace_name
 
 __all__ = ["AlreadyImported", "ImportedRun", "import_traces", "trace_files", "imported_traces", "pending_traces",
            "job_name",

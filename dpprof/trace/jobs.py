@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dpprof.trace.collect import Collected, collect
-from dpprof.trace.reader import TraceError, TraceFile
+from dpprof.trace.decode import TraceError, TraceFile
 
 __all__ = ["default_jobs", "capped_jobs", "collect_files", "usable_cores", "available_memory_bytes", "worker_bytes"]
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import pandas as pd
 
 from dpprof.advise import NotAdvisable
-from dpprof.advise.calibration import Calibration, cache_dir, cache_path, load_calibration
+from dpprof.advise.calibration_cache import Calibration, cache_dir, cache_path, load_calibration
 from dpprof.advise.measured import Measured, measure
-from dpprof.advise.model import MAX_INTERVAL_RATIO, PART_ORDER, Advice, Scenario, advise
+from dpprof.advise.predict import MAX_INTERVAL_RATIO, PART_ORDER, Advice, Scenario, advise
 from dpprof.stepmodel import PHASE_WORDS
 from dpprof.store.reader import StoredRun
 from dpprof.units import mib

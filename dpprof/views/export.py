@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from dpprof.export import meta_frame, to_csv_bytes
+from dpprof.csvfile import meta_frame, to_csv_bytes
 from dpprof.findings import run_findings
 from dpprof.outputs import Outputs
 from dpprof.report import summary_of

@@ -1,5 +1,5 @@
 """The advisor's arithmetic: from one recorded DataParallel run (dpprof.advise.measured) and this machine's
-calibration (dpprof.advise.calibration), each scenario's step time with its parts and interval, and each
+calibration (dpprof.advise.calibration_cache), each scenario's step time with its parts and interval, and each
 device's peak held memory. Torch-free; every figure here can be checked by hand (docs/advise.md walks one run).
 
 **Level from the run, shape from the machine.** Every part starts from what the run measured in its typical
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dpprof.advise import NotAdvisable
-from dpprof.advise.calibration import Calibration
+from dpprof.advise.calibration_cache import Calibration
 from dpprof.advise.commands import profile_for
 from dpprof.advise.measured import Measured, chunk_sizes
 from dpprof.stepmodel import PHASE_WORDS

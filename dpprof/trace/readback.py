@@ -16,7 +16,7 @@ from typing import Any
 
 from dpprof.records import DDP_PHASES, PHASES, PhaseRecord, Record
 from dpprof.trace.collect import Collected
-from dpprof.trace.reader import TraceError
+from dpprof.trace.decode import TraceError
 
 __all__ = ["EXPORT_KEY", "THREADS_KEY", "EXPORT_VERSION", "export_info", "exported_phases"]
 
