@@ -406,8 +406,11 @@ class Profile:
                 tail.append(line.rstrip())
                 if line.startswith(FAILED_PREFIX):
                     said.append(line.rstrip())
-                elif line.startswith(STEP_PREFIX) and on_step is not None:
-                    on_step()
+                elif on_step is not None:
+                    # each rank writes its lines whole, but another process's partial write (torchrun's log, a
+                    # rank's warning) can put rank 0's line after it on the same line: counted wherever it is
+                    for _ in range(line.count(STEP_PREFIX)):
+                        on_step()
         if proc.returncode != 0:
             # a rank that said why it stopped is the cause; torchrun's own report of it is noise
             lines = sorted(said) if said else list(tail)
