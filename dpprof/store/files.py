@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 __all__ = ["SIDE_FILES", "RANK_FILE", "hidden_name", "remove_files", "publish_file", "run_signature",
-           "dir_signature"]
+           "dir_signature", "lock_if_free"]
 
 SIDE_FILES = ("-wal", "-shm", "-journal")  # SQLite's write-ahead log, its shared memory and its rollback journal
 RANK_FILE = re.compile(r"^(.+)\.rank(\d+)\.sqlite$")  # <run id>.rank<N>.sqlite: one rank of a distributed run
@@ -74,3 +74,23 @@ def dir_signature(directory: Path) -> tuple[tuple[str, int, int], ...]:
         except OSError:
             out.append((e.name, 0, 0))
     return tuple(sorted(out))
+
+
+def lock_if_free(path: Path) -> int | None:
+    """An exclusive lock on ``path`` (a staged run's or staging directory's owner file) where no process holds one:
+    its descriptor, for the command taking over what a gone process left; None while a process holds it, or where
+    the file is gone or was removed (by the process itself) while this one waited. Needs fcntl (POSIX)."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.fstat(fd).st_nlink == 0:  # moved and removed by its process while this one waited
+            raise BlockingIOError
+    except OSError:
+        os.close(fd)
+        return None
+    return fd

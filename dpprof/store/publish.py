@@ -29,6 +29,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from dpprof.store.files import lock_if_free
+
 try:
     import fcntl
 except ImportError:  # Windows: no flock; a staging directory's process is then judged by its pid
@@ -207,18 +209,7 @@ def _take_over(stage: Path) -> int | None:
         return None if _owned_by_the_living(stage, None) else -1
     if fcntl is None:
         return None if _owned_by_the_living(stage, owner) else -1
-    try:
-        fd = os.open(stage / OWNER_FILE, os.O_RDWR)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if os.fstat(fd).st_nlink == 0:  # recovered and removed by another command while this one waited
-            raise BlockingIOError
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
+    return lock_if_free(stage / OWNER_FILE)  # None too where another command recovered it meanwhile
 
 
 def _stages(reports: Path) -> list[Path]:

@@ -28,7 +28,7 @@ from typing import Any
 from dpprof.store import filesystems
 from dpprof.store.faults import RecordingError, cause_of
 from dpprof.store.publish import recover
-from dpprof.store.files import SIDE_FILES, hidden_name, publish_file, remove_files
+from dpprof.store.files import SIDE_FILES, hidden_name, lock_if_free, publish_file, remove_files
 from dpprof.store.writer import SqliteSink
 
 try:
@@ -257,22 +257,6 @@ def _release(lock: int, staged: str) -> None:
     os.close(lock)
 
 
-def _try_lock(sidecar: Path) -> int | None:
-    """The lock of a staged run whose process is gone; None while one holds it."""
-    try:
-        fd = os.open(sidecar, os.O_RDWR)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if os.fstat(fd).st_nlink == 0:  # moved and removed by its process while this one waited
-            raise BlockingIOError
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
 def move_leftover_runs(directory: str | os.PathLike[str] | None = None) -> list[Path]:
     """Move into place the staged runs whose process ended before moving them (SIGKILL, a failed move).
 
@@ -289,7 +273,7 @@ def move_leftover_runs(directory: str | os.PathLike[str] | None = None) -> list[
     for sidecar in sorted(directory.glob(f"*{DESTINATION_SUFFIX}")):
         if sidecar.name.startswith("."):
             continue
-        lock = _try_lock(sidecar)
+        lock = lock_if_free(sidecar)
         if lock is None:
             continue
         try:
