@@ -31,11 +31,11 @@ from dpprof.cli import main
 from dpprof.findings import run_findings
 from dpprof.store import queries
 from dpprof.trace import import_traces
+from test_invariants import SHARE_TOLERANCE_PCT, assert_parts_partition_the_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT.parent / "shared" / "traces"
 SAMPLED = TRACES / "ddp-128ranks-rank0-sampled.json.gz"  # 4,855 events, 2 ProfilerSteps, kernels, collectives
-SHARE_TOLERANCE_PCT = 0.5  # tests/test_invariants.py's bound: shares partition the step to 100 +- 0.5%
 
 pytestmark = pytest.mark.skipif(not SAMPLED.exists(), reason="../shared/traces is not beside the project")
 
@@ -180,14 +180,7 @@ def _holds_the_invariants(reports: Path, run_id: str) -> None:
     step (tables, findings, dpprof show), every GPU-time bar is its step, every stored figure is finite."""
     run = dpprof.load_run(run_id, reports)
     _stored_numbers_are_finite(run)
-    totals = queries.phase_totals(run)
-    if len(totals):
-        assert abs(totals["share_pct"].sum() - 100) <= SHARE_TOLERANCE_PCT, totals
-        assert totals["share_pct"].between(0, 100).all() and (totals["total_ms"] >= 0).all()
-    breakdown = queries.phase_breakdown(run)
-    parts = [c for c in breakdown.columns if c.endswith("_ms") and c != "step_ms"]
-    stacked = breakdown[parts].sum(axis=1)
-    assert ((stacked - breakdown["step_ms"]).abs() <= SHARE_TOLERANCE_PCT / 100 * breakdown["step_ms"] + 1e-9).all()
+    assert_parts_partition_the_steps(run)
     found = run_findings(run).table
     for kind in ("dataparallel_tax", "communication_share", "backward_share"):
         assert (found.loc[found["kind"] == kind, "value"] <= 1.0).all(), found
