@@ -21,11 +21,11 @@ from dpprof.processes import progress_line as processes_progress_line
 from dpprof import views
 from dpprof.plaintext import markdown_code, markdown_text, markdown_words
 from dpprof.views import export
-from dpprof.views.text import display_table, dropped_records, finding_heading, run_label
+from dpprof.views.text import display_table, dropped_records, finding_heading, run_label, status_sentence
 from dpprof.store.faults import RecordingError
 from dpprof.store.files import dir_signature, run_signature
 from dpprof.store.reader import RunFileError, list_runs, load_run, reports_dir
-from dpprof.store.writer import check_reports_dir
+from dpprof.store.staging import check_reports_dir
 from dpprof.trace.importer import LEGACY_WORKLOAD
 from dpprof.units import plural
 
@@ -161,17 +161,11 @@ def run_header(row: pd.Series) -> None:
         missing(model.empty_reason or "The run recorded no steps.")
     if row["status"] == "running":
         st.caption(f"Recording: this page re-reads the run every {REFRESH_S:.0f} s.")
-    elif row["status"] == "disk_full":
-        st.warning("The disk filled while this run recorded: the steps committed before are shown, the rest "
-                   "were not recorded." + (f" {markdown_text(row['error'])}" if row.get("error") else ""))
-    elif row["status"] == "interrupted" and row.get("error"):
-        st.warning(f"The run was {markdown_text(row['error'])}.")
-    elif row["status"] in ("failed", "incomplete") and row.get("error"):
-        st.warning(f"The run {row['status']}:")
-        st.code(str(row["error"]), language=None)  # a traceback keeps its lines and its ^^^^ markers
-    elif row["status"] == "incomplete":
-        st.warning("The run is incomplete: its process stopped without closing it (killed, or the machine "
-                   "went down). What it recorded until then is shown.")
+    elif said := status_sentence(row["status"], row.get("error") if isinstance(row.get("error"), str) else None):
+        sentence, verbatim = said
+        st.warning(markdown_text(sentence))
+        if verbatim:
+            st.code(verbatim, language=None)  # a traceback keeps its lines and its ^^^^ markers
     if dropped := dropped_records(row):
         st.warning(f"{dropped}.")
     # below, the file's own words (names, values) go out as plain text (st.text), never as markdown

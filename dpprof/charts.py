@@ -20,7 +20,7 @@ from plotly.subplots import make_subplots
 from dpprof.plaintext import plotly_text
 from dpprof.records import MEMORY_BYTES, device_key
 from dpprof.stepmodel import PHASE_WORDS
-from dpprof.store.model import PHASE_ORDER
+from dpprof.records import PHASE_ORDER
 from dpprof.store.queries import MAX_POINTS
 from dpprof.units import bytes_unit
 

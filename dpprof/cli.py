@@ -9,6 +9,7 @@ import math
 import os
 import re
 import sys
+import textwrap
 from collections.abc import Sequence
 
 import pandas as pd
@@ -289,11 +290,17 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from dpprof.store.reader import load_run
     from dpprof.views import job_of
     from dpprof.views.overview import comm_stats
-    from dpprof.views.text import display_table, dropped_records
+    from dpprof.views.text import display_table, dropped_records, status_sentence
 
     run = load_run(args.run, args.reports_dir)
     m, model = run.meta, run.model
-    print(f"run {m['id']}  {m['name']!r}  status {m['status']}" + (f" ({m['error']})" if m.get("error") else ""))
+    said = status_sentence(m["status"], m.get("error"))
+    error = f" ({m['error']})" if m.get("error") and said is None else ""  # else the sentence below says it
+    print(f"run {m['id']}  {m['name']!r}  status {m['status']}{error}")
+    if said is not None:
+        print(said[0])
+        if said[1]:
+            print(textwrap.indent(said[1].rstrip("\n"), "  "))
     from dpprof.trace.importer import LEGACY_WORKLOAD
 
     shown = m.get("workload") if not (model.imported and m.get("workload") == LEGACY_WORKLOAD) else None

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PHASES", "DDP_PHASES", "DP_TAX_PHASES", "MEMORY_BYTES", "SEVERITIES", "SLOWDOWN_REASONS", "device_key", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
+__all__ = ["PHASE_ORDER", "PHASES", "DDP_PHASES", "DP_TAX_PHASES", "MEMORY_BYTES", "SEVERITIES", "SLOWDOWN_REASONS", "device_key", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
            "DeviceRecord", "NoteRecord", "FindingRecord", "CommRecord", "GpuTimeRecord", "Record",
            "TABLE_OF", "CHECK_OF_ENV"]
 
@@ -19,6 +19,10 @@ PHASES = ("scatter", "replicate", "parallel_apply", "apply", "gather", "loss", "
 # backward_compute (until the last bucket was launched) and comm_wait (from then until the last
 # all-reduce completed), and the optimizer step.
 DDP_PHASES = ("data", "forward", "backward", "backward_compute", "comm_wait", "optimizer")
+# Every phase in the order it runs in a step, the one order every table, legend and the advisor's parts list them in
+# (a parent before its parts: backward before backward_compute and comm_wait).
+PHASE_ORDER = ("data", "scatter", "replicate", "apply", "parallel_apply", "gather", "loss", "reduce", "forward",
+               "backward", "backward_compute", "comm_wait", "optimizer")
 # "loss" is a whole-batch loss measured on the output device (MeasuredLoss, after a plain gather);
 # "reduce" is DataParallelCriterion's: the per-device losses combined on the output device.
 DP_TAX_PHASES = ("scatter", "replicate", "gather")  # work only DataParallel does (DDP has none of it)

@@ -459,7 +459,7 @@ def test_a_multi_rank_run_shows_ranks_where_devices_are_shown(ddp_reports, monke
     assert "rank:0" in shown and "rank:1" in shown, page
 
 
-def test_a_failed_run_is_not_opened_first_shows_its_error_as_code_and_gives_no_findings(reports):
+def test_a_failed_run_is_not_opened_first_shows_its_error_as_code_and_gives_no_findings(reports, capsys):
     from recorded import record_failed
 
     finished = record(reports, "finished", workers=2, steps=4, batch_size=16, workload="tutorial-linear")
@@ -473,6 +473,14 @@ def test_a_failed_run_is_not_opened_first_shows_its_error_as_code_and_gives_no_f
     error = _texts(at.code)
     assert "shape mismatch in the second step" in error and "\n" in error  # its lines kept
     assert not at.error and "No findings from 2 steps: they need at least 3" in _texts(at.info)
+    # dpprof show says the same (views.text.status_sentence): the sentence, then the error's every line, indented
+    from dpprof.cli import main
+
+    capsys.readouterr()
+    assert main(["--reports-dir", str(reports), "show", failed.id]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("status failed") and lines[1] == "The run failed:"
+    assert "\n".join(line[2:] for line in lines[2:2 + error.count("\n") + 1]) == error.rstrip("\n")
     # Compare opens on the open (failed) run and the newest finished run of its workload, or says what it needs
     compare = _page(at, "compare")
     assert compare.multiselect[0].value == [] and "needs a second finished run" in _texts(compare.info)

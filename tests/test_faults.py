@@ -293,7 +293,7 @@ def _read_only_dir(mount, monkeypatch, fallback: Path) -> Path:
 
 def test_the_dashboard_check_gives_the_line_a_run_would(mount, monkeypatch, reports):
     """The New run page checks the reports directory before it starts `dpprof profile`, and shows this line."""
-    from dpprof.store.writer import check_reports_dir
+    from dpprof.store.staging import check_reports_dir
 
     check_reports_dir(reports)  # a writable directory: made, and nothing left in it
     assert _files(reports) == []

@@ -23,7 +23,7 @@ import dpprof
 from dpprof.store import filesystems, staging
 from dpprof.store.faults import RecordingError
 from dpprof.store.filesystems import Filesystem, classify, mount_type
-from dpprof.store.writer import check_reports_dir
+from dpprof.store.staging import check_reports_dir
 from recorded import killed_child, record_until_killed
 
 ROOT = Path(__file__).resolve().parents[1]

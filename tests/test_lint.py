@@ -3,7 +3,8 @@
 mypy and ruff run as their own processes with the configuration in pyproject.toml: mypy checks ``dpprof`` with a
 per-module list of modules not yet at zero errors that may only shrink (docs/architecture.md); ruff runs its small
 rule set over the checkout. The import graph is read with ``ast``: no module of ``dpprof`` imports a private name
-(``_x``) from another, and the module-level imports (those under ``if TYPE_CHECKING:`` not counted) have no cycle.
+(``_x``) from another, and its imports have no cycle: neither those run on import nor those deferred into functions
+(only those under ``if TYPE_CHECKING:``, never run, are not counted).
 """
 from __future__ import annotations
 
@@ -75,9 +76,9 @@ def _base(node: ast.ImportFrom, name: str, is_package: bool) -> str:
     return ".".join(parts + ([node.module] if node.module else []))
 
 
-def import_graph(root: Path, package: str) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
-    """The package's module-level import edges (module -> modules it imports), and every private name one module
-    imports from another: (importer, module, name)."""
+def import_graph(root: Path, package: str, deferred: bool = False) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
+    """The package's import edges (module -> modules it imports: module-level ones, and with ``deferred`` those inside
+    functions too), and every private name one module imports from another: (importer, module, name)."""
     modules = _modules(root, package)
     edges: dict[str, set[str]] = {}
     private: list[tuple[str, str, str]] = []
@@ -90,7 +91,7 @@ def import_graph(root: Path, package: str) -> tuple[dict[str, set[str]], list[tu
                             and a.name.startswith("_") and f"{base}.{a.name}" not in modules]
         skipped = _type_checking_only(tree)
         deps: set[str] = set()
-        for node in _module_level(tree):
+        for node in (list(ast.walk(tree)) if deferred else _module_level(tree)):
             if id(node) in skipped:
                 continue
             if isinstance(node, ast.Import):
@@ -143,8 +144,9 @@ def test_no_module_of_dpprof_imports_a_private_name_from_another():
         f"{importer} imports {module}.{name}" for importer, module, name in private)
 
 
-def test_the_module_level_imports_of_dpprof_have_no_cycle():
-    edges, _ = import_graph(ROOT, "dpprof")
+@pytest.mark.parametrize("deferred", [False, True], ids=["module-level", "deferred-too"])
+def test_the_imports_of_dpprof_have_no_cycle(deferred):
+    edges, _ = import_graph(ROOT, "dpprof", deferred)
     assert len(edges) > 50 and any(edges.values())  # the package was read: every module, with its imports
     assert "dpprof.store.files" in edges["dpprof.store.writer"]  # the shared file helpers sit below the writer
     assert cycles(edges) == []
@@ -168,5 +170,8 @@ def test_the_import_checks_find_what_they_look_for(tmp_path, check):
     if check == "cycles":  # c -> a under TYPE_CHECKING and c -> d inside a function are not module-level
         assert edges["pkg.c"] == {"pkg.a"} and edges["pkg.a"] == {"pkg.b"}
         assert cycles(edges) == [["pkg.a", "pkg.b"]]
+        everywhere, _ = import_graph(tmp_path, "pkg", deferred=True)  # the import inside c.f counts; TYPE_CHECKING's not
+        assert everywhere["pkg.c"] == {"pkg.a", "pkg.d"} and everywhere["pkg.a"] == {"pkg.b"}
+        assert cycles(everywhere) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]
     else:
         assert private == [("pkg.c", "pkg.a", "_hidden")]

@@ -38,17 +38,17 @@ pytestmark = pytest.mark.skipif(not RESNET.exists(), reason="../shared/traces is
 # goes; "write": once the run files are written, before any is published; "pause": wait there until killed).
 _KILLED_CHILD = """
 import os, signal, sys
-import dpprof.store.staging as staging
+import dpprof.store.publish as publish
 import dpprof.trace.importer as importer
 from dpprof.cli import main
 
 after = sys.argv[1]
 if after == "publish":
-    real = staging.move_into_place
+    real = publish.move_into_place
     def move(src, dest):
         real(src, dest)
         os.kill(os.getpid(), signal.SIGKILL)
-    staging.move_into_place = move
+    publish.move_into_place = move
 elif after == "write":
     def findings(written):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -257,9 +257,9 @@ def test_a_merge_killed_as_it_publishes_lists_the_run_incomplete_and_the_next_me
 def test_a_merge_that_fails_as_it_publishes_takes_back_what_it_published(reports, tmp_path, monkeypatch, capsys):
     source = tmp_path / "machine-b"
     import_traces(DDP128, source)
-    from dpprof.store import staging
+    from dpprof.store import publish
 
-    real, moved = staging.move_into_place, []
+    real, moved = publish.move_into_place, []
 
     def move_once(src, dest):  # the second file cannot be moved (as move_into_place fails: nothing at ``dest``)
         if moved:
@@ -267,7 +267,7 @@ def test_a_merge_that_fails_as_it_publishes_takes_back_what_it_published(reports
         real(src, dest)
         moved.append(dest)
 
-    monkeypatch.setattr(staging, "move_into_place", move_once)
+    monkeypatch.setattr(publish, "move_into_place", move_once)
     assert main(["--reports-dir", str(reports), "merge", str(source)]) == 1
     assert capsys.readouterr().err.splitlines() == [f"dpprof: cannot write {reports}: disk full; nothing was merged"]
     assert len(moved) == 1 and not moved[0].exists()

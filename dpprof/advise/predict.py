@@ -35,6 +35,7 @@ from dpprof.advise import NotAdvisable
 from dpprof.advise.calibration_cache import Calibration
 from dpprof.advise.commands import profile_for
 from dpprof.advise.measured import Measured, chunk_sizes
+from dpprof.records import PHASE_ORDER
 from dpprof.stepmodel import PHASE_WORDS
 
 if TYPE_CHECKING:
@@ -65,9 +66,9 @@ DDP_BUCKET_BYTES = 25 << 20
 # host, a few tens of microseconds in NCCL's own tests.
 ASSUMED_LINK_MS_PER_MIB = 2**20 / 12e9 * 1e3
 NCCL_LATENCY_MS = 0.03
-# Parts of a step, in the order they run; each scenario's parts_ms add up to its step_ms.
-PART_ORDER = ("scatter", "replicate", "apply", "parallel_apply", "gather", "loss", "reduce", "forward",
-              "backward_compute", "backward", "comm_wait", "rest")
+# Parts of a step, in the order they run (records.PHASE_ORDER; data loading and the optimizer are in "rest");
+# each scenario's parts_ms add up to its step_ms.
+PART_ORDER = (*(p for p in PHASE_ORDER if p not in ("data", "optimizer")), "rest")
 PART_WORDS = {p: PHASE_WORDS.get(p, p) for p in PART_ORDER} | {"apply": "apply (one device, on the caller)",
                                                                "rest": "rest (optimizer, zero_grad, Python)"}
 

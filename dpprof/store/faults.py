@@ -11,7 +11,7 @@ import os
 import shutil
 import sqlite3
 
-__all__ = ["RecordingError", "cause_of", "is_disk_full", "start_failure", "failure_line", "DISK_FULL", "STORAGE_CAUSES"]
+__all__ = ["RunFileError", "RecordingError", "cause_of", "is_disk_full", "start_failure", "failure_line", "DISK_FULL", "STORAGE_CAUSES"]
 
 DISK_FULL = "disk full"
 
@@ -37,10 +37,14 @@ _SQLITE_CAUSES = {
 }
 SQLITE_IOERR = 10  # sqlite3.h: "some kind of disk I/O error occurred"
 # Less than this free beside a file whose write failed with SQLITE_IOERR: the disk is full (one commit of a busy run
-# is hundreds of KB; dpprof.store.reader's FULL_DISK_FREE_BYTES infers a full disk the same way)
+# is hundreds of KB; dpprof.store.status's FULL_DISK_FREE_BYTES infers a full disk the same way)
 NEARLY_FULL_BYTES = 1 << 20
 # What ``cause_of`` says of a storage failure (the disk, the filesystem); anything else is about the data written
 STORAGE_CAUSES = frozenset({*_ERRNO_CAUSES.values(), *_SQLITE_CAUSES.values()})
+
+
+class RunFileError(Exception):
+    """A file in reports/ that cannot be read as a dpprof run; the message says why."""
 
 
 class RecordingError(Exception):

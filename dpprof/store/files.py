@@ -1,19 +1,24 @@
 """Run files on disk: their names, the files SQLite keeps beside them, and giving a file its name only whole.
 
-Shared by the writer, the staging of runs bound for network filesystems, and the readers, below all of them.
+Shared by the writer, the staging of runs bound for network filesystems, the publisher of imports and the readers,
+below all of them.
 """
 from __future__ import annotations
 
 import errno
 import os
 import re
+import shutil
+import sqlite3
+import tempfile
 from pathlib import Path
 
 __all__ = ["SIDE_FILES", "RANK_FILE", "hidden_name", "remove_files", "publish_file", "run_signature",
-           "dir_signature", "lock_if_free"]
+           "dir_signature", "lock_if_free", "move_into_place", "staging_dir", "STAGING_ENV"]
 
 SIDE_FILES = ("-wal", "-shm", "-journal")  # SQLite's write-ahead log, its shared memory and its rollback journal
 RANK_FILE = re.compile(r"^(.+)\.rank(\d+)\.sqlite$")  # <run id>.rank<N>.sqlite: one rank of a distributed run
+STAGING_ENV = "DPPROF_STAGING_DIR"  # where runs bound for a network filesystem are staged (dpprof.store.staging)
 _NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS}
 
 
@@ -94,3 +99,56 @@ def lock_if_free(path: Path) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+def staging_dir() -> Path:
+    """Where runs are staged: $DPPROF_STAGING_DIR, else this user's ``dpprof-staging-<uid>`` in the temp directory."""
+    if os.environ.get(STAGING_ENV):
+        return Path(os.environ[STAGING_ENV])
+    user = os.getuid() if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
+    return Path(tempfile.gettempdir()) / f"dpprof-staging-{user}"
+
+
+def move_into_place(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> None:
+    """Give the whole run file ``src`` the name ``dest``, on another filesystem too, never over an existing file.
+
+    On one filesystem it is linked (or renamed). Across filesystems it is copied beside ``dest`` under a
+    hidden name, flushed to disk and given its name only whole; then ``src`` is removed.
+
+    Raises:
+        FileExistsError: ``dest`` exists (nothing changed).
+        OSError, sqlite3.Error: it could not be copied (``src`` stays, nothing is left beside ``dest``).
+    """
+    src, dest = os.fspath(src), os.fspath(dest)
+    os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
+    try:
+        publish_file(src, dest)
+        return
+    except OSError as err:
+        if err.errno != errno.EXDEV:
+            raise
+    built = hidden_name(dest)
+    try:
+        _copy_run_file(src, built)
+        publish_file(built, dest)
+    except BaseException:
+        remove_files(built)
+        raise
+    remove_files(src)
+
+
+def _copy_run_file(src: str, dest: str) -> None:
+    """Copy a run file byte for byte under SQLite's read lock (no write changes it meanwhile; a crashed
+    transaction is rolled back first), and flush the copy to disk."""
+    con = sqlite3.connect(src, timeout=30)
+    try:
+        con.execute("BEGIN")
+        if con.execute("PRAGMA journal_mode").fetchone()[0] == "wal":
+            raise sqlite3.OperationalError("its write-ahead log could not be folded back into it")
+        con.execute("SELECT count(*) FROM sqlite_master").fetchone()  # takes the read lock
+        with open(src, "rb") as f, open(dest, "wb") as out:
+            shutil.copyfileobj(f, out, 1 << 20)
+            out.flush()
+            os.fsync(out.fileno())
+    finally:
+        con.close()

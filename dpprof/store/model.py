@@ -22,8 +22,10 @@ import sqlite3
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dpprof.records import DDP_PHASES, PHASES, device_key
+from dpprof.records import PHASE_ORDER, device_key
+from dpprof.store.faults import RunFileError
 from dpprof.store.retention import Retention, stored_retention
+from dpprof.store.schema import TABLES
 
 if TYPE_CHECKING:
     from dpprof.store.reader import StoredRun
@@ -42,7 +44,6 @@ KIND_TITLES = {
 MEASUREMENTS = ("phases", "work", "memory", "allocator", "gpu_samples", "comms", "gpu_time")
 TRACE_SOURCE = "trace"  # runs.source of a run imported from torch.profiler traces (dpprof import)
 # Phases in the order a step runs them: DataParallel's, then a process's (DDP ranks, imported traces).
-PHASE_ORDER = (*PHASES, *DDP_PHASES)
 # Up to this many steps, a run with every row of detail is read from its rows (exact, and fast at this size);
 # beyond, or once its detail has been thinned (dpprof.store.retention), from its per-block aggregates.
 ROWS_READ_STEPS = 5_000
@@ -249,8 +250,6 @@ def present_phases(run: StoredRun, aggregates: bool = False) -> list[str]:
 
 def _nonempty_tables(run: StoredRun) -> set[str]:
     """The record tables with at least one row in any of the run's files (one EXISTS lookup each)."""
-    from dpprof.store.reader import TABLES, RunFileError
-
     found: set[str] = set()
     for path in run.paths:
         with run.connect(path) as con:  # a damaged table's usable rows (dpprof.store.validation)

@@ -29,7 +29,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from dpprof.store.files import lock_if_free
+from dpprof.store.files import lock_if_free, move_into_place, staging_dir
+from dpprof.store.status import pid_alive
 
 try:
     import fcntl
@@ -99,8 +100,6 @@ class Stage:
             OSError: a file could not be moved (the same).
         """
         # imported here: staging builds on the writer, which this module (read by the listing) does not need
-        from dpprof.store.staging import move_into_place
-
         _write_json(self.path / READY_FILE, {"files": [f.name for f in files], "reports": str(self.reports)})
         for f in files:
             target = self.reports / f.name
@@ -168,16 +167,6 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _pid_alive(pid: object) -> bool:
-    try:
-        os.kill(int(pid), 0)  # type: ignore[call-overload]
-    except ProcessLookupError:
-        return False
-    except (PermissionError, TypeError, ValueError, OverflowError):
-        return True  # another user's process, or a pid not to judge by: alive
-    return True
-
-
 def _owned_by_the_living(stage: Path, owner: dict[str, Any] | None) -> bool:
     """Whether a process that lives holds ``stage`` (without taking anything: for the listing)."""
     if owner is None:  # not claimed yet, or never: alive while it is young
@@ -186,7 +175,7 @@ def _owned_by_the_living(stage: Path, owner: dict[str, Any] | None) -> bool:
         except OSError:
             return True
     if fcntl is None:
-        return owner.get("host") == socket.gethostname() and _pid_alive(owner.get("pid"))
+        return owner.get("host") == socket.gethostname() and pid_alive(owner.get("pid"))
     try:
         fd = os.open(stage / OWNER_FILE, os.O_RDONLY)
     except OSError:
@@ -216,8 +205,6 @@ def _stages(reports: Path) -> list[Path]:
     """The staging directories for ``reports``: in it, and in the local staging directory those of its imports
     written there (their owner file names ``reports``)."""
     # imported here, as in Stage.publish; importing it does no I/O
-    from dpprof.store.staging import staging_dir
-
     found: list[Path] = []
     for directory in dict.fromkeys((reports, Path(os.path.abspath(staging_dir())))):
         try:
@@ -307,8 +294,6 @@ def recover(reports: str | os.PathLike[str]) -> list[str]:
 
 
 def _recover(stage: Path, reports: Path) -> str | None:
-    from dpprof.store.staging import move_into_place
-
     kind = _kind(stage)
     ready = _read_json(stage / READY_FILE)
     if ready is None:  # its files were never published: they go, with the directory

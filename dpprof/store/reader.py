@@ -6,22 +6,22 @@ is listed with its reason and never makes listing fail. Reading never modifies a
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 import sqlite3
 import stat
 import threading
 from contextlib import contextmanager
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from dpprof.store.faults import RunFileError
 from dpprof.store.files import RANK_FILE, SIDE_FILES
-from dpprof.store.schema import AGGREGATE_TABLES, FORMAT, RECORD_TABLES, SCHEMA_VERSION, columns_of
+from dpprof.store.schema import AGGREGATE_TABLES, CHECKED_TABLES, FORMAT, RECORD_TABLES, SCHEMA_VERSION, TABLES, columns_of
+from dpprof.store.status import FULL_DISK_FREE_BYTES, HEARTBEAT_TIMEOUT_S, effective_status
 from dpprof.store.validation import TableDamage, added, damage, run_meta, schema_version
 
 if TYPE_CHECKING:
@@ -35,23 +35,12 @@ RUN_SUFFIX = ".sqlite"
 # torch.profiler traces waiting to be imported (dpprof import; the Runs page lists them), not runs
 _TRACE_FILES = (".json", ".json.gz")
 _SQLITE_MAGIC = b"SQLite format 3\x00"
-HEARTBEAT_TIMEOUT_S = 30.0  # the writer commits every 0.5 s; 60 missed commits means it is gone
-# A run that stopped without closing, with its write-ahead log beside it on a disk with less than this
-# free, was cut short by the full disk: one commit of a busy run is hundreds of KB of log.
-FULL_DISK_FREE_BYTES = 1 << 20
-TABLES = tuple(RECORD_TABLES.values())
-# Every table a reader queries: each is checked for bad values (dpprof.store.validation) when a run is first read.
-CHECKED_TABLES = (*TABLES, *AGGREGATE_TABLES)
 _DAMAGE_CACHE_FILES = 256  # files whose check is remembered (by name, size and modification time)
 _damage_cache: dict[tuple[str, int, int, int, int], list[TableDamage]] = {}
 _damage_lock = threading.Lock()
 # a live run file's last check: its inode, each record table's largest rowid checked, and the damage found
 _live_scans: dict[str, tuple[int, dict[str, int], list[TableDamage]]] = {}
 READS = ("auto", "rows", "aggregates")  # load_run's read: where a run's figures come from
-
-
-class RunFileError(Exception):
-    """A file in reports/ that cannot be read as a dpprof run; the message says why."""
 
 
 def reports_dir(path: str | os.PathLike[str] | None = None) -> Path:
@@ -173,39 +162,6 @@ def _cleaned(path: Path, found: list[TableDamage]) -> sqlite3.Connection:
         con.close()
         raise RunFileError(f"{path.name}: corrupt: {err}") from None
     return con
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def effective_status(row: dict[str, Any], path: Path | None = None) -> str:
-    """A 'running' run whose process is gone, or whose writer stopped beating, is incomplete; or
-    disk_full, when its write-ahead log is still beside it on a full disk (the writer could not even
-    store that status)."""
-    if row.get("status") != "running":
-        return row.get("status") or "unknown"
-    stopped = row.get("host") == socket.gethostname() and row.get("pid") and not _pid_alive(int(row["pid"]))
-    beat = row.get("heartbeat_at")
-    if not stopped and beat:
-        stopped = (datetime.now(timezone.utc) - datetime.fromisoformat(beat)).total_seconds() > HEARTBEAT_TIMEOUT_S
-    if not stopped:
-        return "running"
-    return "disk_full" if path is not None and _stopped_by_full_disk(path) else "incomplete"
-
-
-def _stopped_by_full_disk(path: Path) -> bool:
-    wal = path.with_name(path.name + "-wal")
-    try:
-        return wal.stat().st_size > 0 and shutil.disk_usage(path.parent).free < FULL_DISK_FREE_BYTES
-    except OSError:
-        return False
 
 
 def _read_meta(con: sqlite3.Connection, path: Path | None = None) -> dict[str, Any]:

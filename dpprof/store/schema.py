@@ -8,7 +8,7 @@ from dataclasses import fields
 from dpprof.records import MEMORY_BYTES, TABLE_OF
 
 __all__ = ["SCHEMA_VERSION", "FORMAT", "RECORD_TABLES", "RUN_COLUMNS", "INDEXES", "LEGACY_INDEXES",
-           "AGGREGATE_TABLES", "ddl", "columns_of"]
+           "AGGREGATE_TABLES", "TABLES", "CHECKED_TABLES", "ddl", "columns_of"]
 
 # 2: per-block aggregates (dpprof.store.blocks) and bounded detail (dpprof.store.retention); a version-1 file
 # holds every row and no aggregates, and reads as before.
@@ -108,3 +108,6 @@ AGGREGATE_TABLES: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     # long run's median step and each device's p50 and p95 from these few rows, not from every block's
     "run_sketches": ({"kind": "TEXT", "device": "TEXT", "sketch": "BLOB"}, ("kind", "device")),
 }
+TABLES = tuple(RECORD_TABLES.values())
+# Every table a reader queries: each is checked for bad values (dpprof.store.validation) when a run is first read.
+CHECKED_TABLES = (*TABLES, *AGGREGATE_TABLES)

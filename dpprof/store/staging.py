@@ -13,23 +13,21 @@ its process is gone. $DPPROF_NETWORK_FS=direct records in place anyway, =stage s
 """
 from __future__ import annotations
 
-import errno
 import filecmp
 import json
 import logging
 import os
-import shutil
 import sqlite3
-import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dpprof.store import filesystems
-from dpprof.store.faults import RecordingError, cause_of
+from dpprof.store.faults import RecordingError, cause_of, start_failure
 from dpprof.store.publish import recover
-from dpprof.store.files import SIDE_FILES, hidden_name, lock_if_free, publish_file, remove_files
-from dpprof.store.writer import SqliteSink
+from dpprof.store.files import (SIDE_FILES, STAGING_ENV, hidden_name, lock_if_free, move_into_place, remove_files, staging_dir)
+from dpprof.store.writer import SqliteSink, create_run_file
 
 try:
     import fcntl
@@ -37,22 +35,13 @@ except ImportError:  # Windows: no flock, so a staged run left behind is not mov
     fcntl = None  # type: ignore[assignment]
 
 __all__ = ["Staging", "StagedSink", "staging_for", "staging_dir", "open_sink", "move_into_place",
-           "move_leftover_runs", "MODE_ENV", "STAGING_ENV"]
+           "move_leftover_runs", "check_reports_dir", "MODE_ENV", "STAGING_ENV"]
 
 MODE_ENV = "DPPROF_NETWORK_FS"  # auto: stage on a network or FUSE filesystem; stage: always; direct: never
-STAGING_ENV = "DPPROF_STAGING_DIR"
 MODES = ("auto", "stage", "direct")
 DESTINATION_SUFFIX = ".dest.json"  # beside a staged run: where it goes, locked while its process records
 
 log = logging.getLogger("dpprof")
-
-
-def staging_dir() -> Path:
-    """Where runs are staged: $DPPROF_STAGING_DIR, else this user's ``dpprof-staging-<uid>`` in the temp directory."""
-    if os.environ.get(STAGING_ENV):
-        return Path(os.environ[STAGING_ENV])
-    user = os.getuid() if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
-    return Path(tempfile.gettempdir()) / f"dpprof-staging-{user}"
 
 
 @dataclass(frozen=True)
@@ -187,51 +176,6 @@ def open_sink(path: str, run_row: dict[str, Any], **kwargs: Any) -> SqliteSink:
     return sink
 
 
-def move_into_place(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> None:
-    """Give the whole run file ``src`` the name ``dest``, on another filesystem too, never over an existing file.
-
-    On one filesystem it is linked (or renamed). Across filesystems it is copied beside ``dest`` under a
-    hidden name, flushed to disk and given its name only whole; then ``src`` is removed.
-
-    Raises:
-        FileExistsError: ``dest`` exists (nothing changed).
-        OSError, sqlite3.Error: it could not be copied (``src`` stays, nothing is left beside ``dest``).
-    """
-    src, dest = os.fspath(src), os.fspath(dest)
-    os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
-    try:
-        publish_file(src, dest)
-        return
-    except OSError as err:
-        if err.errno != errno.EXDEV:
-            raise
-    built = hidden_name(dest)
-    try:
-        _copy(src, built)
-        publish_file(built, dest)
-    except BaseException:
-        remove_files(built)
-        raise
-    remove_files(src)
-
-
-def _copy(src: str, dest: str) -> None:
-    """Copy a run file byte for byte under SQLite's read lock (no write changes it meanwhile; a crashed
-    transaction is rolled back first), and flush the copy to disk."""
-    con = sqlite3.connect(src, timeout=30)
-    try:
-        con.execute("BEGIN")
-        if con.execute("PRAGMA journal_mode").fetchone()[0] == "wal":
-            raise sqlite3.OperationalError("its write-ahead log could not be folded back into it")
-        con.execute("SELECT count(*) FROM sqlite_master").fetchone()  # takes the read lock
-        with open(src, "rb") as f, open(dest, "wb") as out:
-            shutil.copyfileobj(f, out, 1 << 20)
-            out.flush()
-            os.fsync(out.fileno())
-    finally:
-        con.close()
-
-
 def _claim(staged: str, destination: str) -> int:
     """Write ``staged``'s destination beside it, locked while this process lives; returns the lock's descriptor.
     The file is locked before it gets its name, so no other process sees it unlocked."""
@@ -323,3 +267,36 @@ def _fold(path: str) -> None:
             raise sqlite3.OperationalError("its write-ahead log could not be folded back into it")
     finally:
         con.close()
+
+
+def check_reports_dir(directory: str | os.PathLike[str]) -> None:
+    """Raise RecordingError, with the line a run would give, if a run cannot be created in ``directory``.
+
+    For a caller that starts a recording elsewhere (the dashboard starting ``dpprof profile``): it
+    makes the directory and an empty run file under a hidden name, the way a run does, then removes it.
+    On a network or FUSE filesystem the run file is made in the staging directory (dpprof.store.staging)
+    and only a plain file in ``directory``, where the run is moved at close.
+    """
+    directory = os.fspath(directory)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as err:
+        raise start_failure(directory, err) from None
+    staging = staging_for(directory)  # raises where runs must be staged and cannot be
+    where = str(staging.directory) if staging is not None else directory
+    probe = os.path.join(where, f"probe-{os.getpid()}-{threading.get_ident()}.sqlite")
+    try:
+        create_run_file(hidden_name(probe), {"id": "probe", "status": "probe"}).close()
+    except (sqlite3.Error, OSError) as err:
+        if staging is not None:
+            raise staging.refusal(f"cannot be used ({cause_of(err)})") from None
+        raise start_failure(directory, err) from None
+    finally:
+        remove_files(hidden_name(probe), *(hidden_name(probe) + s for s in SIDE_FILES))
+    if staging is not None:  # where the run is moved at close: a plain file, as the move makes
+        moved = hidden_name(os.path.join(directory, os.path.basename(probe)))
+        try:
+            os.close(os.open(moved, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except OSError as err:
+            raise start_failure(directory, err) from None
+        remove_files(moved)

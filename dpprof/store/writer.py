@@ -31,9 +31,10 @@ from dpprof.store.files import SIDE_FILES, hidden_name, publish_file, remove_fil
 from dpprof.store.faults import cause_of, failure_line, is_disk_full, start_failure
 from dpprof.store.retention import BOUNDED, Retention
 from dpprof.store.schema import FORMAT, RECORD_TABLES, RUN_COLUMNS, SCHEMA_VERSION, ddl
+from dpprof.store.status import effective_status
 
 __all__ = ["SqliteSink", "FLUSH_INTERVAL_S", "MAX_BUFFERED_RECORDS", "create_run_file", "replace_findings",
-           "fold_leftover_logs", "check_reports_dir"]
+           "fold_leftover_logs"]
 
 FLUSH_INTERVAL_S = 0.5  # the issue asks for at least one commit a second; half that leaves margin
 FOLD_RETRY_S = 2.0  # how long close() waits for readers to let go before leaving the run in WAL mode
@@ -451,46 +452,9 @@ class SqliteSink:
                 time.sleep(0.05)
 
 
-def check_reports_dir(directory: str | os.PathLike[str]) -> None:
-    """Raise RecordingError, with the line a run would give, if a run cannot be created in ``directory``.
-
-    For a caller that starts a recording elsewhere (the dashboard starting ``dpprof profile``): it
-    makes the directory and an empty run file under a hidden name, the way a run does, then removes it.
-    On a network or FUSE filesystem the run file is made in the staging directory (dpprof.store.staging)
-    and only a plain file in ``directory``, where the run is moved at close.
-    """
-    from dpprof.store.staging import staging_for  # here: staging builds on this module
-
-    directory = os.fspath(directory)
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as err:
-        raise start_failure(directory, err) from None
-    staging = staging_for(directory)  # raises where runs must be staged and cannot be
-    where = str(staging.directory) if staging is not None else directory
-    probe = os.path.join(where, f"probe-{os.getpid()}-{threading.get_ident()}.sqlite")
-    try:
-        create_run_file(hidden_name(probe), {"id": "probe", "status": "probe"}).close()
-    except _WRITE_ERRORS as err:
-        if staging is not None:
-            raise staging.refusal(f"cannot be used ({cause_of(err)})") from None
-        raise start_failure(directory, err) from None
-    finally:
-        remove_files(hidden_name(probe), *(hidden_name(probe) + s for s in SIDE_FILES))
-    if staging is not None:  # where the run is moved at close: a plain file, as the move makes
-        moved = hidden_name(os.path.join(directory, os.path.basename(probe)))
-        try:
-            os.close(os.open(moved, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-        except OSError as err:
-            raise start_failure(directory, err) from None
-        remove_files(moved)
-
-
 def fold_leftover_logs(directory: str | os.PathLike[str]) -> list[Path]:
     """Fold back the write-ahead logs that runs no longer recording left beside them (the disk was
     full when they closed); returns the run files now whole. Never touches a run still recording."""
-    from dpprof.store.reader import effective_status
-
     folded = []
     for wal in sorted(Path(directory).glob("*.sqlite-wal")):
         path = wal.with_name(wal.name[:-len("-wal")])

@@ -8,7 +8,8 @@ import pandas as pd
 
 from dpprof.units import bytes_unit
 
-__all__ = ["DISPLAY_DECIMALS", "display_table", "dropped_records", "finding_heading", "run_label", "sentence"]
+__all__ = ["DISPLAY_DECIMALS", "display_table", "dropped_records", "finding_heading", "run_label", "sentence",
+           "status_sentence"]
 
 # Column-name endings and the unit people read them in: (ending, unit, scale).
 _UNITS = (("_bytes_per_s", "MiB/s", 2**-20), ("_bytes", "MiB", 2**-20), ("_ms", "ms", 1.0), ("_pct", "%", 1.0),
@@ -77,3 +78,20 @@ def dropped_records(meta: dict[str, Any] | pd.Series) -> str | None:
         return None
     why = "the disk was full" if meta.get("status") == "disk_full" else "the writer fell behind"
     return f"{int(count):,} records were dropped: {why}"
+
+
+def status_sentence(status: str, error: str | None) -> tuple[str, str | None] | None:
+    """What a run's status means for what is shown of it, for the dashboard's run header and ``dpprof show``:
+    (the sentence, and the error to show verbatim below it where it is a traceback or a long line, else None);
+    None for a finished run, or a running one (each place says how it follows a running run)."""
+    if status == "disk_full":
+        return ("The disk filled while this run recorded: the steps committed before are shown, the rest were not "
+                "recorded." + (f" {error}" if error else ""), None)
+    if status == "interrupted" and error:
+        return f"The run was {error}.", None
+    if status in ("failed", "incomplete") and error:
+        return f"The run {status}:", error
+    if status == "incomplete":
+        return ("The run is incomplete: its process stopped without closing it (killed, or the machine went down). "
+                "What it recorded until then is shown.", None)
+    return None
