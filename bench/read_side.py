@@ -24,16 +24,17 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's dpprof, wherever it is installed
+
+from dpprof.processes import dashboard_server  # noqa: E402
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync"]
@@ -78,12 +79,6 @@ def show(checkout: Path, reports: Path, run_id: str) -> dict:
     return {"seconds": time.perf_counter() - t0}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _status_mib(pid: int) -> dict[str, float]:
     values = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -95,40 +90,18 @@ def _status_mib(pid: int) -> dict[str, float]:
 
 def dashboard(checkout: Path, reports: Path, browser: object, log: Path) -> dict:
     """(b): start streamlit, open its address in a fresh browser context, wait for the Overview's "Median step"."""
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    with open(log, "ab") as out:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true",
-                                 "--server.port", str(port), "--server.address", "127.0.0.1",
-                                 "--browser.gatherUsageStats", "false"],
-                                cwd=checkout, env=_env(checkout, reports), stdout=out, stderr=subprocess.STDOUT)
-    try:
-        while True:
-            try:
-                if urllib.request.urlopen(f"{base}/_stcore/health", timeout=2).read() == b"ok":
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.perf_counter() - t0 > PAGE_TIMEOUT_S:
-                raise RuntimeError(f"streamlit did not start; see {log}")
-            time.sleep(0.05)
+    t0 = time.perf_counter()
+    with dashboard_server(checkout / "app.py", reports, log, env={"PYTHONPATH": str(checkout)},
+                          start_timeout_s=PAGE_TIMEOUT_S) as served:
         context = browser.new_context(viewport={"width": 1400, "height": 1000})
         page = context.new_page()
         page.set_default_timeout(PAGE_TIMEOUT_S * 1000)
-        page.goto(base)
+        page.goto(served.url)
         page.get_by_text("Median step", exact=True).first.wait_for()
         seconds = time.perf_counter() - t0
-        figures = {"seconds": seconds, **_status_mib(proc.pid)}
+        figures = {"seconds": seconds, **_status_mib(served.pid)}
         context.close()
         return figures
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _launch_browser():

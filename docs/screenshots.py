@@ -16,12 +16,10 @@ import argparse
 import contextlib
 import io
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +28,10 @@ if TYPE_CHECKING:
     from playwright.sync_api import ViewportSize
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's dpprof, wherever it is installed
+
+from dpprof.processes import DashboardError, dashboard_server  # noqa: E402
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
@@ -67,7 +69,6 @@ def _dpprof(reports: Path, cache: Path, *args: str) -> None:
 
 def _run_id(reports: Path, name: str) -> str:
     """The id of the run named ``name`` in ``reports`` (read from the store, not from printed text)."""
-    sys.path.insert(0, str(ROOT))
     import dpprof
 
     runs = dpprof.list_runs(reports)
@@ -90,42 +91,14 @@ def record_runs(reports: Path, cache: Path, steps: int) -> str:
     return shown
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def streamlit(reports: Path, cache: Path, log: Path) -> Iterator[str]:
     """``streamlit run app.py`` headless on a free loopback port reading ``reports``; yields its address."""
-    port = _free_port()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.port", str(port),
-             "--server.address", "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false"],
-            cwd=ROOT, env={**os.environ, **ENV, "DPPROF_REPORTS": str(reports), "XDG_CACHE_HOME": str(cache)},
-            stdout=out, stderr=subprocess.STDOUT)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                with contextlib.suppress(OSError):
-                    if urllib.request.urlopen(f"{base}/_stcore/health", timeout=2).read() == b"ok":
-                        break
-                if proc.poll() is not None:
-                    sys.exit(f"streamlit ended: {log.read_text()}")
-                if time.monotonic() > deadline:
-                    sys.exit("streamlit did not start in 60 s")
-                time.sleep(0.3)
-            yield base
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    try:
+        with dashboard_server(ROOT / "app.py", reports, log, env={**ENV, "XDG_CACHE_HOME": str(cache)}) as served:
+            yield served.url
+    except DashboardError as err:
+        sys.exit(str(err))
 
 
 def _settle(page) -> None:
@@ -134,7 +107,8 @@ def _settle(page) -> None:
     deadline = time.monotonic() + TIMEOUT_MS / 1000
     quiet_since = None
     while time.monotonic() < deadline:
-        running = page.locator('[data-testid="stStatusWidget"]').count() > 0
+        # the script still runs (the status widget), or the page still shows its loading skeleton (a new session)
+        running = page.locator('[data-testid="stStatusWidget"], [data-testid="stSkeleton"]').count() > 0
         if running:
             quiet_since = None
         elif quiet_since is None:

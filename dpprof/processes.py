@@ -6,13 +6,17 @@ child's output, and no run file is opened to find whose it is. Torch-free.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
+import socket
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -20,7 +24,7 @@ from typing import IO, TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dpprof.launch import Profile
 
-__all__ = ["LaunchError", "Started", "progress_line", "run_row"]
+__all__ = ["LaunchError", "Started", "progress_line", "run_row", "DashboardError", "Dashboard", "dashboard_server"]
 
 LOG_TAIL_LINES = 15  # what a page shows of a started process's output
 _MESSAGE_LINES = 5  # a failed child's last lines in the one message that says why
@@ -146,3 +150,82 @@ def progress_line(steps_done: Any, steps_total: int, duration_s: Any) -> str | N
     done = int(steps_done)
     rate = f" · {done / duration_s:.1f} steps/s" if done and duration_s else ""
     return f"step {done:,} of {steps_total:,}{rate}"
+
+
+class DashboardError(RuntimeError):
+    """The dashboard's server ended, or did not answer in time, before it served a page; the message says which
+    and ends with the server's last lines of output."""
+
+
+@dataclass(frozen=True)
+class Dashboard:
+    """A running dashboard: its address and its server's process id."""
+
+    url: str
+    pid: int
+
+
+DASHBOARD_START_S = 60.0  # a cold `streamlit run` imports pandas, plotly and streamlit: seconds on a loaded 2-core machine
+_STOP_S = 10.0  # after SIGTERM, before SIGKILL
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def dashboard_server(app: str | os.PathLike[str], reports: str | os.PathLike[str], log: str | os.PathLike[str],
+                     env: Mapping[str, str] | None = None,
+                     start_timeout_s: float = DASHBOARD_START_S) -> Iterator[Dashboard]:
+    """``streamlit run APP`` headless on a free loopback port, reading the runs in ``reports``, for as long as the
+    ``with`` block runs; then stopped (SIGTERM, then SIGKILL after 10 s). Its output goes to ``log``.
+
+    Args:
+        app: the dashboard's script (``app.py`` of the checkout); it runs in the script's directory.
+        reports: the reports directory it reads ($DPPROF_REPORTS).
+        log: where the server's output goes (overwritten).
+        env: variables to set besides $DPPROF_REPORTS (on top of this process's environment).
+        start_timeout_s: how long to wait for its health check to answer.
+
+    Yields:
+        its address and process id, once its health check answers "ok".
+
+    Raises:
+        DashboardError: it ended, or did not answer in ``start_timeout_s``.
+
+    Example:
+        >>> with dashboard_server("app.py", "reports", "streamlit.log") as served:
+        ...     urllib.request.urlopen(served.url).status
+        200
+    """
+    app = Path(app).resolve()
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "streamlit", "run", str(app), "--server.port", str(port), "--server.address",
+             "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false"],
+            cwd=app.parent, env={**os.environ, **(env or {}), "DPPROF_REPORTS": os.fspath(reports)},
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            with contextlib.suppress(OSError):
+                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                why = (f"ended with status {proc.returncode}" if proc.poll() is not None
+                       else f"did not answer in {start_timeout_s:.0f} s")
+                tail = Path(log).read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+                raise DashboardError("\n".join([f"the dashboard's server {why}; its output:", *tail]))
+            time.sleep(0.1)
+        yield Dashboard(url, proc.pid)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(_STOP_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

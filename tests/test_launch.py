@@ -2,10 +2,12 @@
 as a child, under torchrun), each recording under the run id chosen before the start."""
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -214,3 +216,24 @@ def test_the_library_never_calls_its_own_cli():
             if any(n == "dpprof.cli" or n.startswith("dpprof.cli.") for n in names):
                 importers.append(str(path.relative_to(package)))
     assert importers == ["__main__.py"]
+
+
+def test_the_dashboard_server_serves_the_app_and_is_gone_after_its_block(tmp_path):
+    """processes.dashboard_server (the docs' screenshots, bench/read_side.py and the browser test start the dashboard
+    through it): the health check answers before it yields, the page is served, and the process ends with the block;
+    a server that cannot start is one DashboardError carrying its own output."""
+    import urllib.request
+
+    from dpprof.processes import DashboardError, dashboard_server
+
+    app = Path(__file__).resolve().parents[1] / "app.py"
+    with dashboard_server(app, tmp_path / "reports", tmp_path / "streamlit.log") as served:
+        assert urllib.request.urlopen(f"{served.url}/_stcore/health", timeout=10).read() == b"ok"
+        assert urllib.request.urlopen(served.url, timeout=10).status == 200
+        os.kill(served.pid, 0)  # alive inside the block
+    with pytest.raises(ProcessLookupError):
+        os.kill(served.pid, 0)  # reaped after it
+    with pytest.raises(DashboardError) as err:
+        with dashboard_server(tmp_path / "no-such-app.py", tmp_path / "reports", tmp_path / "bad.log"):
+            pass
+    assert "ended with status" in str(err.value) and "no-such-app.py" in str(err.value)

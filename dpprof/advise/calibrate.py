@@ -130,6 +130,8 @@ def _machinery_ms(k: int, balanced: bool) -> dict[str, float]:
     torch.manual_seed(0)
     model = nn.Linear(8, 8)
     devices = dpprof.cpu_devices(k)
+    net: torch.nn.Module
+    criterion: torch.nn.Module
     if balanced:
         net = dpprof.DataParallelModel(model, device_ids=devices)
         criterion = dpprof.DataParallelCriterion(nn.MSELoss(), device_ids=devices)
@@ -219,13 +221,14 @@ def _gloo(world: int) -> dict:
     import json
 
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "gloo.json")
         for attempt in range(_GLOO_ATTEMPTS):
             try:
                 mp.start_processes(_rank_main, args=(world, _free_port(), out), nprocs=world, start_method="spawn")
-            except mp.ProcessException:
+            except ProcessException:  # a rank failed (gloo's rendezvous on a busy port): tried again
                 if attempt == _GLOO_ATTEMPTS - 1:
                     raise
                 continue

@@ -710,7 +710,7 @@ def _max_batch(m: Measured, model: _Model, memory_bytes: int | None) -> tuple[di
         return {}, ("CPU workers share the host's memory: give --memory-gib for each worker's share to get the "
                     "largest batch that fits")
     base = model.memory(m.n, m.batch_size, balanced)
-    alloc_extra = {d: (m.memory[d].allocator_peak_bytes - base[d]) if m.memory[d].allocator_peak_bytes else 0
+    alloc_extra = {d: (peak - base[d]) if (peak := m.memory[d].allocator_peak_bytes) else 0
                    for d in m.devices if d in m.memory}
     out = {}
     for device in m.devices:

@@ -81,7 +81,8 @@ def collective_busy(comms: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     steps = steps.assign(rank=steps.get("rank", 0)).sort_values(["rank", "start_ms"])
     kinds = comms.assign(ms=comms["duration_ms"]).groupby("collective")["ms"].sum().sort_values(
         ascending=False, kind="stable").index.tolist()
-    windows, intervals = [], []
+    windows: list[pd.DataFrame] = []
+    intervals: list[pd.DataFrame] = []
     for (rank, device), c in comms.groupby(["rank", "device"], sort=False):
         s = steps[steps["rank"] == rank]
         lo = s["start_ms"].to_numpy(dtype=float)

@@ -102,14 +102,14 @@ def create_run_file(path: str, run_row: dict[str, Any]) -> sqlite3.Connection:
     except BaseException:
         remove_files(built, built + "-journal")
         raise
-    con = None
+    opened: sqlite3.Connection | None = None
     try:
-        con = _connect(path)
+        con = opened = _connect(path)
         with con:  # the write-ahead log and its index exist, or this fails here, before the first step
             con.execute("UPDATE runs SET heartbeat_at = ?", (_now(),))
     except BaseException:
-        if con is not None:
-            con.close()
+        if opened is not None:
+            opened.close()
         remove_files(path, *(path + s for s in SIDE_FILES))  # our own file, created a moment ago, holding no step
         raise
     return con
@@ -137,7 +137,7 @@ class SqliteSink:
     def __init__(self, path: str, run_row: dict[str, Any], max_buffered: int = MAX_BUFFERED_RECORDS,
                  flush_interval_s: float = FLUSH_INTERVAL_S, retention: Retention = BOUNDED) -> None:
         self.path = path
-        self._aggregator = Aggregator(retention)
+        self._aggregator: Aggregator | None = Aggregator(retention)
         self._samples = SampleWindows(retention) if retention.bounded else None
         self._detail_from = 0
         try:
@@ -401,8 +401,8 @@ class SqliteSink:
                 return
             if self.failure is not None:
                 self._checkpoint()  # folding the log first may free the room the final line needs
-                self.record_failure(self.message)
-            elif self.written_back:
+                self.record_failure(self.message or self.failure)
+            elif self.written_back and self.message:
                 self._store((self._note(self.message),))
             self._fold()
         finally:
