@@ -98,3 +98,12 @@ def fake_gpus(monkeypatch):
         return fake_pynvml
 
     return install
+
+
+@pytest.fixture(scope="session")
+def profiled(tmp_path_factory):
+    """``profiled(directory, "tutorial-linear", "--ddp", "--nproc", "2", "--steps", "4")``: that ``dpprof profile``
+    run, recorded once per session, copied into ``directory`` (recorded.ProfiledOnce)."""
+    from recorded import ProfiledOnce
+
+    return ProfiledOnce(tmp_path_factory.mktemp("profiled-once"))

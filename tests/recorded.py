@@ -3,6 +3,7 @@ recording child process killed mid-run, for the crash tests."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -177,3 +178,34 @@ def record_until_killed(script: str, step: int, env: dict[str, str]) -> tuple[st
         child.kill()
         _, err = child.communicate(timeout=60)
     return first, last, err, child.returncode
+
+
+class ProfiledOnce:
+    """``dpprof profile`` runs recorded once per test session and copied into each reports directory that asks.
+
+    Recording a DDP run starts torchrun and two ranks (several seconds); modules that read the same run (the same
+    ``profile`` arguments) share one recording. The run's files (one per rank) are copied, so a test that changes
+    its directory's copy changes no other's.
+    """
+
+    def __init__(self, cache: Path) -> None:
+        self.cache = cache
+        self._made: dict[tuple[str, ...], Path] = {}
+
+    def __call__(self, directory: Path, *argv: str) -> list[str]:
+        """``dpprof --reports-dir directory profile *argv --quiet``, recorded on the first call with these ``argv``
+        and copied into ``directory`` on every call. Returns the names of the run's files copied."""
+        from dpprof.cli import main
+
+        key = tuple(argv)
+        if key not in self._made:
+            where = self.cache / f"profile-{len(self._made)}"
+            where.mkdir(parents=True)
+            assert main(["--reports-dir", str(where), "profile", *argv, "--quiet"]) == 0, argv
+            self._made[key] = where
+        files = sorted(p for p in self._made[key].iterdir() if p.is_file())
+        assert files, f"dpprof profile {' '.join(argv)} left no run file"
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        for path in files:
+            shutil.copy2(path, Path(directory) / path.name)
+        return [p.name for p in files]

@@ -370,11 +370,10 @@ def test_batch_size_moves_the_compute_that_scales_with_samples(runs, calibrated)
 
 
 @pytest.fixture(scope="module")
-def refused(tmp_path_factory, runs):
+def refused(tmp_path_factory, runs, profiled):
     """Runs the advisor cannot predict from: a DDP run, an imported trace, a run of 2 steps."""
     directory = runs.dir
-    assert main(["--reports-dir", str(directory), "profile", "tutorial-linear", "--ddp", "--nproc", "2", "--steps", "3",
-                 "--quiet"]) == 0
+    profiled(directory, "tutorial-linear", "--ddp", "--nproc", "2", "--steps", "4")  # recorded once a session
     listing = dpprof.list_runs(directory)
     out = {"ddp": (listing[listing["ranks"] == 2]["id"].iloc[0], "DistributedDataParallel run"),
            "short": (runs.short.id, f"at least {MIN_STEPS}")}

@@ -438,14 +438,12 @@ def test_devices_lists_gpus_and_checks_them_when_there_are_some(reports, fake_gp
 
 
 @pytest.fixture(scope="module")
-def ddp_reports(tmp_path_factory):
+def ddp_reports(tmp_path_factory, profiled):
     """A two-rank DistributedDataParallel run (gloo on loopback), recorded by `dpprof profile --ddp` called in this
-    process (it starts torchrun's ranks, as from a shell): the pages need the run, not another interpreter starting."""
-    from dpprof.cli import main
-
+    process (it starts torchrun's ranks, as from a shell), once a session: the pages need the run, not another
+    interpreter starting."""
     directory = tmp_path_factory.mktemp("ddp-reports")
-    assert main(["--reports-dir", str(directory), "profile", "tutorial-linear", "--ddp", "--nproc", "2", "--steps", "6",
-                 "--quiet"]) == 0
+    profiled(directory, "tutorial-linear", "--ddp", "--nproc", "2", "--steps", "4")
     return directory
 
 

@@ -97,6 +97,25 @@ def _heading(page, text: str) -> None:
     page.get_by_role("heading", name=text, exact=True).first.wait_for(timeout=TIMEOUT_MS)
 
 
+SETTLED_MS = 400  # the main area unchanged this long after the script's run ended: its last elements are drawn
+# True once the main area's HTML has stayed the same for SETTLED_MS (polled; the state lives on the page, so a new
+# page load starts it afresh)
+_SETTLED_JS = """ms => {
+    const main = document.querySelector('[data-testid="stMain"]');
+    const html = main ? main.innerHTML : '';
+    const now = performance.now();
+    if (window.__dpprofLastHtml !== html) { window.__dpprofLastHtml = html; window.__dpprofSince = now; return false; }
+    return now - window.__dpprofSince >= ms;
+}"""
+
+
+def _drawn(page) -> None:
+    """Wait until Streamlit's script run is over (its status widget gone) and the main area has stopped changing:
+    the page's last elements and charts are drawn (a condition, instead of a fixed wait)."""
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')")
+    page.wait_for_function(_SETTLED_JS, arg=SETTLED_MS, polling=100)
+
+
 def test_open_a_run_switch_pages_and_download_a_csv(server, browser):
     first = server["first"]
     page = browser.new_page(accept_downloads=True, viewport={"width": 1400, "height": 1000})
@@ -296,12 +315,12 @@ def test_names_with_markdown_and_images_fetch_nothing_and_make_no_element(hostil
             if path != "compare":
                 title = main.locator("h1").first
                 title.wait_for()
-                page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')")
+                _drawn(page)
                 assert title.inner_text().replace("\u2060", "").strip() == names[run_id], (path, title.inner_text())
             else:
                 _heading(page, "Compare runs")
             page.locator('[data-testid="stMarkdownContainer"]').first.wait_for()
-            page.wait_for_timeout(1_500)  # the page's last elements and charts drawn
+            _drawn(page)  # the page's last elements and charts drawn
             _no_element_from_a_name(page, path)
             visited += 1
     page.locator('[data-testid="stSidebar"] [data-testid="stSelectbox"]').click()  # the picker's options open
@@ -313,7 +332,7 @@ def test_names_with_markdown_and_images_fetch_nothing_and_make_no_element(hostil
     page.goto(f"{base}/runs")
     _heading(page, "Runs")
     page.get_by_text("torch.profiler traces to import").wait_for()
-    page.wait_for_timeout(1_500)
+    _drawn(page)
     _no_element_from_a_name(page, "runs")
     _shot(page, tmp_path, "hostile-names-runs")
     page.close()

@@ -27,9 +27,9 @@ def _torchrun(*args, env=None, timeout=180):
     return out
 
 
-def test_a_two_rank_run_records_every_step_and_one_allreduce_per_bucket_per_step():
-    assert main(["profile", "cifar-lenet", "--ddp", "--nproc", "2", "--steps", "6", "--batch-size", "32",
-                 "--quiet"]) == 0
+def test_a_two_rank_run_records_every_step_and_one_allreduce_per_bucket_per_step(reports, profiled):
+    # `dpprof profile --ddp` called in this process, recorded once a session (test_invariants reads the same run)
+    profiled(reports, "cifar-lenet", "--ddp", "--nproc", "2", "--steps", "6", "--batch-size", "32")
     [run_id] = dpprof.list_runs()["id"]
     runs = dpprof.list_runs()
     assert runs.loc[0, "ranks"] == 2 and runs.loc[0, "status"] == "finished" and runs.loc[0, "devices"] == "rank:0,rank:1"

@@ -42,7 +42,7 @@ ROUND_TRIP_REL = 0.01  # a round trip keeps steps, phase totals and allocator pe
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, profiled):
     """One run of each kind, and each trace exported and imported back: name -> run id, in one directory."""
     directory = tmp_path_factory.mktemp("invariants")
     out = {"dataparallel": record(directory, "dp3", workers=3, steps=6, batch_size=50).id,
@@ -56,8 +56,7 @@ def runs(tmp_path_factory):
             with wide.step():
                 net(torch.randn(63, 16)).sum().backward()
     out["wide outputs"] = wide.id
-    assert main(["--reports-dir", str(directory), "profile", "cifar-lenet", "--ddp", "--nproc", "2", "--steps", "6",
-                 "--batch-size", "32", "--quiet"]) == 0
+    profiled(directory, "cifar-lenet", "--ddp", "--nproc", "2", "--steps", "6", "--batch-size", "32")  # once a session
     listing = dpprof.list_runs(directory)
     out["ddp"] = listing[listing["ranks"] == 2]["id"].iloc[0]
     for trace in sorted(TRACES.glob("*.json.gz")):

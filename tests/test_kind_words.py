@@ -37,7 +37,7 @@ TRACE_RUNS = {"gloo_rank0": "trace_cpu", "gloo_both": "trace_cpu", "cpu_one_step
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, profiled):
     """One reports directory: a DDP recording on 2 gloo ranks and the imported traces of TRACE_RUNS."""
     if not TRACES.is_dir():
         pytest.skip("../shared/traces is not beside the project")
@@ -52,8 +52,7 @@ def runs(tmp_path_factory):
         "resnet": import_traces([TRACES / RESNET], directory).id,
         "nccl_rank0": import_traces([TRACES / NCCL_RANK0], directory).id,
     }
-    assert main(["--reports-dir", str(directory), "profile", "tutorial-linear", "--ddp", "--nproc", "2", "--steps",
-                 "4", "--quiet"]) == 0
+    profiled(directory, "tutorial-linear", "--ddp", "--nproc", "2", "--steps", "4")  # recorded once a session
     listing = dpprof.list_runs(directory)
     ids["ddp_gloo"] = listing[listing["source"].isna() & (listing["ranks"] == 2)]["id"].iloc[0]
     return SimpleNamespace(dir=directory, ids=ids)

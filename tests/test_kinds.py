@@ -47,14 +47,13 @@ with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup
 
 
 @pytest.fixture(scope="module")
-def kinds(tmp_path_factory):
+def kinds(tmp_path_factory, profiled):
     """One run of each kind the code makes, in one reports directory: name -> (run id, expected kind)."""
     directory = tmp_path_factory.mktemp("kinds")
     runs = {"dataparallel": (record(directory, "dp", workers=2, steps=4, batch_size=16).id, "dataparallel"),
             "balanced": (record(directory, "bal", workers=3, steps=4, batch_size=33, balanced=True).id, "balanced"),
             "failed": (record_failed(directory).id, "dataparallel")}
-    assert main(["--reports-dir", str(directory), "profile", "tutorial-linear", "--ddp", "--nproc", "2", "--steps",
-                 "4", "--quiet"]) == 0
+    profiled(directory, "tutorial-linear", "--ddp", "--nproc", "2", "--steps", "4")  # recorded once a session
     listing = dpprof.list_runs(directory)
     runs["ddp"] = (listing[listing["ranks"] == 2]["id"].iloc[0], "ddp")
     done = subprocess.run([sys.executable, "-m", "dpprof", "--reports-dir", str(directory), "run",

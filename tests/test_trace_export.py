@@ -35,14 +35,13 @@ IMPORTED = {"resnet trace": ["resnet50-1gpu-tb-sample.pt.trace.json.gz"],
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, profiled):
     """One run of each kind in one reports directory: name -> run id."""
     directory = tmp_path_factory.mktemp("runs")
     ids = {"dataparallel": record(directory, "dp", workers=2, steps=4, batch_size=16).id,
            "balanced": record(directory, "bal", workers=3, steps=4, batch_size=33, balanced=True).id,
            "thinned": dpprof.load_run(record_straggler(directory, 110, detail=THIN, name="thinned").path).id}
-    assert main(["--reports-dir", str(directory), "profile", "tutorial-linear", "--ddp", "--nproc", "2", "--steps",
-                 "4", "--quiet"]) == 0
+    profiled(directory, "tutorial-linear", "--ddp", "--nproc", "2", "--steps", "4")  # recorded once a session
     listing = dpprof.list_runs(directory)
     ids["ddp"] = listing[listing["ranks"] == 2]["id"].iloc[0]
     for name, files in IMPORTED.items():
