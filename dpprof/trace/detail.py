@@ -62,7 +62,7 @@ from dpprof.trace.detail_events import RawDetail
 from dpprof.trace.numbers import MAX_BYTES, whole
 
 __all__ = ["Detail", "detail_tables", "detail_of_trace", "TC_KERNEL_PATTERNS",
-           "TC_ELIGIBLE_OPS", "uses_tensor_cores", "tc_eligible", "MEMORY_POINTS", "MEMORY_EVENTS_KEPT",
+           "TC_ELIGIBLE_OPS", "uses_tensor_cores", "tc_eligible", "MEMORY_POINTS", "MEMORY_EVENTS_KEPT", "HOST_MEMORY",
            "OPERATOR_COLUMNS", "SHAPE_COLUMNS", "KERNEL_COLUMNS", "KERNEL_OP_COLUMNS", "GPU_METRIC_COLUMNS",
            "MEMORY_TIMELINE_COLUMNS", "MEMORY_PEAK_COLUMNS", "MEMORY_EVENT_COLUMNS", "OPERATOR_MEMORY_COLUMNS",
            "MODULE_COLUMNS", "estimated_blocks_per_sm", "estimated_occupancy_pct"]
@@ -86,6 +86,7 @@ TC_ELIGIBLE_OPS = frozenset({
     "AddmvBackward", "MvBackward", "aten::cudnn_convolution_transpose_backward_weight",
     "aten::cudnn_convolution_transpose_backward_input", "AddmmBackward", "aten::cudnn_convolution_backward_input",
     "AddbmmBackward", "aten::cudnn_convolution_backward"})
+HOST_MEMORY = "host"  # the device of a GPU process's own (CPU) memory events
 MEMORY_POINTS = 2_000  # points per device of the stored memory curve: what a chart draws (queries.MAX_POINTS)
 # Memory events stored as rows: the largest allocations, enough for any table a person reads; every pair still
 # counts in the per-operator statistics, and the notes say how many rows were left out.
@@ -268,23 +269,24 @@ def detail_tables(raw: RawDetail, windows: list[tuple[int, float, float]], t0_us
         notes.append(f"{raw.left_out:,} value{'s' if raw.left_out > 1 else ''} that cannot be left out of the "
                      f"operator, kernel and memory tables: the first, {raw.left_out_first}")
     names = np.array(raw.names, dtype=object) if raw.names else np.zeros(0, dtype=object)
-    op_ts, op_end, op_tid = _np(raw, "op_ts"), _np(raw, "op_end"), _np(raw, "op_tid")
+    op_ts, op_dur, op_tid = _np(raw, "op_ts"), _np(raw, "op_dur"), _np(raw, "op_tid")
+    op_end = op_ts + op_dur
     op_name, op_shape, op_ext = _np(raw, "op_name"), _np(raw, "op_shape"), _np(raw, "op_ext")
     order, parent_sorted = _nest(op_tid, op_ts, op_end)
     n_ops = len(order)
     # positions in sorted order; arrays below are in sorted order
-    s_ts, s_end, s_tid = op_ts[order], op_end[order], op_tid[order]
+    s_tid = op_tid[order]
     s_name, s_shape, s_ext = op_name[order], op_shape[order], op_ext[order]
-    dur = s_end - s_ts
+    dur = op_dur[order]  # the trace's own durations: an end minus a start of 1e12 µs loses digits
     child = np.zeros(n_ops)
     has_parent = parent_sorted >= 0
     np.add.at(child, parent_sorted[has_parent], dur[has_parent])
     host_self = dur - child
 
     # kernels -> launches -> ops
-    k_ts, k_end, k_gpu = _np(raw, "k_ts"), _np(raw, "k_end"), _np(raw, "k_gpu")
+    k_ts, k_dur, k_gpu = _np(raw, "k_ts"), _np(raw, "k_dur"), _np(raw, "k_gpu")
+    k_end = k_ts + k_dur
     k_name, k_corr, k_ext, k_cfg = _np(raw, "k_name"), _np(raw, "k_corr"), _np(raw, "k_ext"), _np(raw, "k_cfg")
-    k_dur = k_end - k_ts
     rt_corr, rt_ext, rt_ts, rt_tid = _np(raw, "rt_corr"), _np(raw, "rt_ext"), _np(raw, "rt_ts"), _np(raw, "rt_tid")
     ext_order = np.argsort(s_ext, kind="stable")
     ext_sorted = s_ext[ext_order]
@@ -344,6 +346,7 @@ def detail_tables(raw: RawDetail, windows: list[tuple[int, float, float]], t0_us
             else:
                 if isinstance(t, str) and t.isdigit() and int(t) in device_of_thread:
                     tid_device[i] = device_of_thread[int(t)]
+    explicit = dict(tid_device)  # the threads device_of_thread names: their CPU memory is their device's
     if linked.any():
         pairs = pd.DataFrame({"tid": s_tid[k_op[linked]], "gpu": k_gpu[linked]})
         for t, gpus in pairs.groupby("tid")["gpu"]:
@@ -384,8 +387,8 @@ def detail_tables(raw: RawDetail, windows: list[tuple[int, float, float]], t0_us
                                             s_name, label)
     gpu_metrics = _gpu_metrics(raw, k_ts, k_end, k_gpu, k_cfg, windows, label)
     timeline, peaks, mem_events, op_memory, mem_notes = _memory_tables(
-        raw, names, windows, t0_us, label, host, tid_device, order, parent_sorted, op_tid, op_ts, op_end, s_name,
-        op_device, gpu_memory or {}, cumulative_gpus or set())
+        raw, names, windows, t0_us, label, host, explicit, order, parent_sorted, op_tid, op_ts, op_end, s_name,
+        op_device, gpu_memory or {}, cumulative_gpus or set(), bool(label_of) or len(k_ts) > 0)
     notes += mem_notes
     modules = _modules(raw, names, order, op_tid, op_ts, op_end, dev_self, tid_device, host)
     return Detail(operators=operators.reset_index(drop=True), operators_by_shape=operators_by_shape.reset_index(drop=True),
@@ -544,11 +547,14 @@ def _memory_tables(raw: RawDetail, names: np.ndarray, windows: list[tuple[int, f
                    label: Any, host: str, tid_device: dict[int, str], order: np.ndarray, parent: np.ndarray,
                    op_tid: np.ndarray, op_ts: np.ndarray, op_end: np.ndarray, s_name: np.ndarray,
                    op_device: np.ndarray, gpu_memory: Mapping[int, tuple[array, array, array]],
-                   cumulative_gpus: set[int]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame, list[str]]:
+                   cumulative_gpus: set[int], label_of_gpus: bool) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame, list[str]]:
     notes: list[str] = []
     m_ts, m_tid, m_gpu = _np(raw, "m_ts"), _np(raw, "m_tid"), _np(raw, "m_gpu")
     m_addr, m_bytes, m_alloc, m_res = _np(raw, "m_addr"), _np(raw, "m_bytes"), _np(raw, "m_alloc"), _np(raw, "m_res")
-    m_dev = np.array([label(int(g)) if g >= 0 else tid_device.get(int(t), host) for g, t in zip(m_gpu, m_tid)],
+    # CPU memory: its thread's device where threads are devices (dpprof's CPU workers), the process's device in a
+    # trace without GPUs, else "host" (the process's memory, not a GPU's)
+    cpu_label = host if not label_of_gpus else HOST_MEMORY
+    m_dev = np.array([label(int(g)) if g >= 0 else tid_device.get(int(t), cpu_label) for g, t in zip(m_gpu, m_tid)],
                      dtype=object) if len(m_ts) else np.zeros(0, dtype=object)
     step_starts = np.array([w[1] for w in windows]) if windows else np.zeros(0)
     step_ids = [w[0] for w in windows]
@@ -666,7 +672,8 @@ def _bucketed(dev: str, t_ms: np.ndarray, alloc: np.ndarray, res: np.ndarray) ->
 
 def _modules(raw: RawDetail, names: np.ndarray, order: np.ndarray, op_tid: np.ndarray, op_ts: np.ndarray,
              op_end: np.ndarray, dev_self: np.ndarray, tid_device: dict[int, str], host: str) -> pd.DataFrame:
-    py_ts, py_end, py_tid, py_name = _np(raw, "py_ts"), _np(raw, "py_end"), _np(raw, "py_tid"), _np(raw, "py_name")
+    py_ts, py_dur, py_tid, py_name = _np(raw, "py_ts"), _np(raw, "py_dur"), _np(raw, "py_tid"), _np(raw, "py_name")
+    py_end = py_ts + py_dur
     if not len(py_ts):
         return _empty(MODULE_COLUMNS)
     m_order, m_parent = _nest(py_tid, py_ts, py_end)
@@ -692,7 +699,7 @@ def _modules(raw: RawDetail, names: np.ndarray, order: np.ndarray, op_tid: np.nd
     df = pd.DataFrame({"device": [tid_device.get(int(t), host) for t in py_tid[m_order]], "path": paths,
                        "module": [str(names[i]) for i in s_name],
                        "parent": [paths[p] if p >= 0 else None for p in par],
-                       "host_ms": (py_end[m_order] - py_ts[m_order]) / 1e3, "ops": ops_in, "dev": dev / 1e3})
+                       "host_ms": py_dur[m_order] / 1e3, "ops": ops_in, "dev": dev / 1e3})
     out = df.groupby(["device", "path", "module"], sort=False, dropna=False).agg(
         parent=("parent", "first"), occurrences=("host_ms", "size"), operators=("ops", "sum"),
         host_total_ms=("host_ms", "sum"), device_total_ms=("dev", "sum")).reset_index()

@@ -47,6 +47,14 @@ def _dims(value: Any) -> tuple[int, ...] | None:
     return None if any(v is None for v in out) else out  # type: ignore[return-value]
 
 
+def _tid_key(tid: Any) -> Any:
+    """A thread id as one key whatever its JSON type: the 2021 format writes an op's tid as "25738" and its memory
+    events' as 25738."""
+    if isinstance(tid, str) and tid.isdigit() and len(tid) < 19:
+        return int(tid)
+    return tid if isinstance(tid, (str, int, float)) or tid is None else str(tid)
+
+
 class _Table:
     """Strings (or other keys) interned to ints: names repeat millions of times, each is kept once."""
 
@@ -125,12 +133,12 @@ class RawDetail:
 
 
 _ARRAYS = {  # name -> typecode: ops, launches, kernels, memory events, modules
-    "op_ts": "d", "op_end": "d", "op_tid": "i", "op_name": "i", "op_shape": "i", "op_ext": "q",
+    "op_ts": "d", "op_dur": "d", "op_tid": "i", "op_name": "i", "op_shape": "i", "op_ext": "q",
     "rt_ts": "d", "rt_tid": "i", "rt_corr": "q", "rt_ext": "q",
-    "k_ts": "d", "k_end": "d", "k_gpu": "i", "k_name": "i", "k_corr": "q", "k_ext": "q", "k_cfg": "i",
+    "k_ts": "d", "k_dur": "d", "k_gpu": "i", "k_name": "i", "k_corr": "q", "k_ext": "q", "k_cfg": "i",
     "k_bpsm": "d", "k_occ": "d",
     "m_ts": "d", "m_tid": "i", "m_gpu": "i", "m_addr": "q", "m_bytes": "q", "m_alloc": "d", "m_res": "d",
-    "py_ts": "d", "py_end": "d", "py_tid": "i", "py_name": "i",
+    "py_ts": "d", "py_dur": "d", "py_tid": "i", "py_name": "i",
 }
 
 
@@ -146,7 +154,7 @@ class DetailCollector:
         self.shapes(b"")
         self.a: dict[str, array[Any]] = {k: array(t) for k, t in _ARRAYS.items()}
         a = self.a
-        self._op = (a["op_ts"].append, a["op_end"].append, a["op_tid"].append, a["op_name"].append,
+        self._op = (a["op_ts"].append, a["op_dur"].append, a["op_tid"].append, a["op_name"].append,
                     a["op_shape"].append, a["op_ext"].append)
         self.left_out = 0
         self.left_out_first = ""
@@ -156,9 +164,13 @@ class DetailCollector:
         if self.left_out == 1:
             self.left_out_first = what
 
-    def op(self, ts: float, end: float, tid: Any, name: str, raw_args: Any) -> None:
-        """A ``cpu_op`` whose times ``collect`` checked (a ``ProfilerStep#N`` is a step, not an operator)."""
+    def op(self, ts: float, dur: float | None, tid: Any, name: str, raw_args: Any) -> None:
+        """A ``cpu_op`` whose times ``collect`` checked (a ``ProfilerStep#N`` is a step, not an operator); one
+        without a duration (``dur`` None: missing, or not a number) is left out and counted."""
         if name.startswith(STEP_PREFIX):
+            return
+        if dur is None:
+            self._bad(f"operator {name[:60]}: dur is missing or not a number")
             return
         try:
             args = _decode_op(raw_args) if raw_args else _NO_OP_ARGS
@@ -166,10 +178,10 @@ class DetailCollector:
             args = _NO_OP_ARGS
         ext = args.external_id
         ext = ext if type(ext) is int and ext >= 0 else _id(ext)
-        add_ts, add_end, add_tid, add_name, add_shape, add_ext = self._op
+        add_ts, add_dur, add_tid, add_name, add_shape, add_ext = self._op
         add_ts(ts)
-        add_end(end)
-        add_tid(self.tids(tid))
+        add_dur(dur)
+        add_tid(self.tids(tid if type(tid) is int else _tid_key(tid)))
         add_name(self.names(name))
         add_shape(self.shapes(bytes(args.input_dims)))
         add_ext(ext)
@@ -186,11 +198,11 @@ class DetailCollector:
         ext = args.external_id if args.external_id is not None else args.external_id_2021
         a = self.a
         a["rt_ts"].append(ts)
-        a["rt_tid"].append(self.tids(tid))
+        a["rt_tid"].append(self.tids(tid if type(tid) is int else _tid_key(tid)))
         a["rt_corr"].append(corr)
         a["rt_ext"].append(_id(ext))
 
-    def kernel(self, ts: float, end: float, gpu: int, name: str, raw_args: Any) -> None:
+    def kernel(self, ts: float, dur: float, gpu: int, name: str, raw_args: Any) -> None:
         """A kernel on ``gpu`` whose times ``collect`` checked."""
         try:
             args = _decode_kernel(raw_args) if raw_args else _NO_KERNEL_ARGS
@@ -198,7 +210,7 @@ class DetailCollector:
             args = _NO_KERNEL_ARGS
         a = self.a
         a["k_ts"].append(ts)
-        a["k_end"].append(end)
+        a["k_dur"].append(dur)
         a["k_gpu"].append(gpu)
         a["k_name"].append(self.names(name))
         a["k_corr"].append(_id(args.correlation))
@@ -244,7 +256,7 @@ class DetailCollector:
         res = whole(args.total_reserved, 0, MAX_BYTES)
         a = self.a
         a["m_ts"].append(float(ts))
-        a["m_tid"].append(self.tids(tid))
+        a["m_tid"].append(self.tids(tid if type(tid) is int else _tid_key(tid)))
         a["m_gpu"].append(gpu)
         addr = whole(args.addr, 0, 2 ** 63 - 1)
         a["m_addr"].append(NO_ID if addr is None else addr)
@@ -252,7 +264,7 @@ class DetailCollector:
         a["m_alloc"].append(math.nan if alloc is None else float(alloc))
         a["m_res"].append(math.nan if res is None else float(res))
 
-    def python(self, ts: float, end: float, tid: Any, name: str, raw_args: Any) -> None:
+    def python(self, ts: float, dur: float, tid: Any, name: str, raw_args: Any) -> None:
         """A ``python_function`` event: kept where it is an ``nn.Module`` (it has a ``Python module id``)."""
         if not name.startswith("nn.Module: "):
             return
@@ -264,8 +276,8 @@ class DetailCollector:
             return
         a = self.a
         a["py_ts"].append(ts)
-        a["py_end"].append(end)
-        a["py_tid"].append(self.tids(tid))
+        a["py_dur"].append(dur)
+        a["py_tid"].append(self.tids(tid if type(tid) is int else _tid_key(tid)))
         a["py_name"].append(self.names(name[len("nn.Module: "):]))
 
     def raw(self, meta: Mapping[str, Any]) -> RawDetail:
