@@ -354,7 +354,7 @@ def collect(trace: TraceFile) -> Collected:
                 elif cat in launch_cats:
                     ts = event.ts
                     if isinstance(ts, number) and 0 <= ts <= top:
-                        on_launch(ts, event.tid, event.args)
+                        on_launch(ts, event.tid, event.name if isinstance(event.name, str) else "", event.args)
             elif ph == "i" and event.name == "[memory]":
                 why = _memory(out, event)
                 if why:
