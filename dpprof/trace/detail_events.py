@@ -250,7 +250,7 @@ class DetailCollector:
         ext = args.external_id if args.external_id is not None else args.external_id_2021
         a["k_ext"].append(ext if type(ext) is int and ext >= 0 else _id(ext))
         grid, block = args.grid, args.block
-        raw_cfg = (tuple(grid) if type(grid) is list else grid, tuple(block) if type(block) is list else block,
+        raw_cfg: Any = (tuple(grid) if type(grid) is list else grid, tuple(block) if type(block) is list else block,
                    args.registers, args.shared_memory)
         try:
             c = self._raw_configs.get(raw_cfg)
