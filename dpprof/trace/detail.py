@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,7 +153,7 @@ def _np(raw: RawDetail, name: str) -> np.ndarray:
         else np.zeros(0, dtype={"d": np.float64, "i": np.int32, "q": np.int64}[arr.typecode])
 
 
-_MASK = (1 << 26) - 1  # an operator's name and shape ids in one int64 key (dpprof.trace.detail.detail_tables)
+_Times = Callable[[], tuple[np.ndarray, np.ndarray]]  # ops' starts and ends in _nest's order, made on demand
 _NEST_CHUNK = 1 << 18  # intervals walked per chunk: a chunk's Python numbers at a time, never every interval's
 
 
@@ -162,9 +162,9 @@ def _nest(tid: np.ndarray, ts: np.ndarray, end: np.ndarray) -> tuple[np.ndarray,
     earlier in the file first); ``parent[k]`` is the position in ``order`` of the innermost interval holding the
     k-th sorted one on its thread (it begins no later, ends no later, and the k-th begins before it ends), -1 for
     none; ``depth[k]`` the number of intervals holding it."""
-    order = np.lexsort((-end, ts, tid))
+    order = np.lexsort((-end, ts, tid)).astype(np.int32)  # positions: 4 bytes an interval
     n = len(order)
-    parent = np.full(n, -1, dtype=np.int64)
+    parent = np.full(n, -1, dtype=np.int32)
     depth = np.zeros(n, dtype=np.int32)
     stack: list[int] = []
     ends: list[float] = []  # the stack's ends
@@ -307,12 +307,16 @@ def detail_tables(raw: RawDetail, windows: list[tuple[int, float, float]], t0_us
     op_ts, op_dur, op_tid = _np(raw, "op_ts"), _np(raw, "op_dur"), _np(raw, "op_tid")
     order, parent_sorted, depth = _nest(op_tid, op_ts, op_ts + op_dur)
     n_ops = len(order)
-    # in _nest's order from here; what was read goes as soon as it is copied
-    s_ts, dur, s_tid = op_ts[order], op_dur[order], op_tid[order]
-    s_end = s_ts + dur
-    del op_ts, op_dur, op_tid
-    for name in ("op_ts", "op_dur", "op_tid"):
+    # in _nest's order from here; what was read goes as soon as it is copied (the starts stay for _starts_ends)
+    dur, s_tid = op_dur[order], op_tid[order]
+    del op_dur, op_tid
+    for name in ("op_dur", "op_tid"):
         raw.arrays[name] = array(raw.arrays[name].typecode)
+
+    def starts_ends() -> tuple[np.ndarray, np.ndarray]:
+        """Each op's start and end in _nest's order, made only where a time must be placed in an op."""
+        s_ts = op_ts[order]
+        return s_ts, s_ts + dur
     has_parent = parent_sorted >= 0
     host_self = dur - np.bincount(parent_sorted[has_parent], weights=dur[has_parent], minlength=n_ops)
     del has_parent
@@ -324,10 +328,10 @@ def detail_tables(raw: RawDetail, windows: list[tuple[int, float, float]], t0_us
     k_name, k_corr, k_ext, k_cfg = _np(raw, "k_name"), _np(raw, "k_corr"), _np(raw, "k_ext"), _np(raw, "k_cfg")
     k_op = np.full(len(k_ts), -1, dtype=np.int64)
     if len(k_ts) and n_ops:
-        rank_of = np.empty(n_ops, dtype=np.int64)  # original index -> position in order
-        rank_of[order] = np.arange(n_ops)
+        rank_of = np.empty(n_ops, dtype=np.int32)  # original index -> position in order
+        rank_of[order] = np.arange(n_ops, dtype=np.int32)
         op_ext = _np(raw, "op_ext")
-        ext_order = np.argsort(op_ext, kind="stable")
+        ext_order = np.argsort(op_ext, kind="stable").astype(np.int32)
         ext_sorted = op_ext[ext_order]
 
         def op_of_ext(ext: np.ndarray) -> np.ndarray:
@@ -342,7 +346,7 @@ def detail_tables(raw: RawDetail, windows: list[tuple[int, float, float]], t0_us
         rt_op = op_of_ext(rt_ext)
         lost = rt_op < 0
         if lost.any():
-            rt_op[lost] = _innermost(s_tid, s_ts, s_end, parent_sorted, rt_tid[lost], rt_ts[lost])
+            rt_op[lost] = _innermost(s_tid, *starts_ends(), parent_sorted, rt_tid[lost], rt_ts[lost])
         if len(rt_corr):
             corr_order = np.argsort(rt_corr, kind="stable")
             corr_sorted = rt_corr[corr_order]
@@ -392,21 +396,24 @@ def detail_tables(raw: RawDetail, windows: list[tuple[int, float, float]], t0_us
             "tc_ms": tc_total}
 
     def by(with_shape: bool) -> pd.DataFrame:
-        """Sums per (device, name[, shape]): one integer key an op (np.unique), never a frame of every op."""
-        key = (op_dev << 52) | (op_name_sorted.astype(np.int64) << 26)
+        """Sums per (device, name) or (device, name and shapes): one dense integer key an op, counted with
+        np.bincount (no sort, no frame of every op)."""
+        width = len(raw.shapes) if with_shape else len(raw.names)
+        ids = _np(raw, "op_shape")[order] if with_shape else op_name_sorted
+        key = op_dev * width + ids
+        counts = np.bincount(key, minlength=len(devices) * width)
+        used = np.flatnonzero(counts)
+        out = pd.DataFrame({"device": [devices[int(k) // width] for k in used], "calls": counts[used]})
         if with_shape:
-            key |= _np(raw, "op_shape")[order]
-        uniq, inverse = np.unique(key, return_inverse=True)
-        del key
-        out = pd.DataFrame({"device": [devices[int(k >> 52)] for k in uniq],
-                            "name": [raw.names[int((k >> 26) & _MASK)] for k in uniq],
-                            "calls": np.bincount(inverse, minlength=len(uniq))})
-        if with_shape:
-            text = [_shape_text(x) for x in raw.shapes]
-            out["input_shapes"] = [text[int(k & _MASK)] for k in uniq]
+            text = {i: _shape_text(dims) for i, (_, dims) in enumerate(raw.shapes)}
+            out.insert(1, "name", [raw.names[raw.shapes[int(k) % width][0]] for k in used])
+            out["input_shapes"] = [text[int(k) % width] for k in used]
+        else:
+            out.insert(1, "name", [raw.names[int(k) % width] for k in used])
         for column, values in sums.items():
-            out[column] = (np.bincount(inverse, weights=values, minlength=len(uniq)) / 1e3 if values is not None
-                           else 0.0)
+            out[column] = (np.bincount(key, weights=values, minlength=len(counts))[used] / 1e3
+                           if values is not None else 0.0)
+        del key
         out["tc_eligible"] = out["name"].map(tc_eligible).astype(bool)
         total = out["device_total_ms"]
         out["tc_pct"] = np.where(total > 0, 100.0 * out["tc_ms"] / total.where(total > 0), np.nan)
@@ -416,22 +423,20 @@ def detail_tables(raw: RawDetail, windows: list[tuple[int, float, float]], t0_us
             out["tc_pct"] = np.nan
         return out.drop(columns="tc_ms").sort_values("host_total_ms", ascending=False, kind="stable")
 
-    if len(raw.names) >= 1 << 26 or len(raw.shapes) >= 1 << 26 or len(devices) >= 1 << 11:
-        raise ValueError("more than 2**26 operator names or shapes in one trace")  # 64 M distinct: no real trace
     operators = by(False)[OPERATOR_COLUMNS] if n_ops else _empty(OPERATOR_COLUMNS)
     operators_by_shape = by(True)[SHAPE_COLUMNS] if n_ops else _empty(SHAPE_COLUMNS)
     sums.clear()  # the per-op arrays go now (the modules read dev_self)
     op_dev = op_dev[:0]
-    del dur, host_self, dev_total, tc_total
+    del host_self, dev_total, tc_total
 
     kernels, kernels_by_op = _kernel_tables(raw, names, k_ts, k_dur, k_gpu, k_name, k_cfg, k_tc, k_op,
                                             s_name, label)
     gpu_metrics = _gpu_metrics(raw, k_ts, k_end, k_gpu, k_cfg, windows, label)
     timeline, peaks, mem_events, op_memory, mem_notes = _memory_tables(
-        raw, names, windows, t0_us, label, host, explicit, s_tid, s_ts, s_end, parent_sorted, s_name,
+        raw, names, windows, t0_us, label, host, explicit, s_tid, starts_ends, parent_sorted, s_name,
         operators, gpu_memory or {}, cumulative_gpus or set(), bool(label_of) or len(k_ts) > 0)
     notes += mem_notes
-    modules = _modules(raw, names, s_tid, s_ts, dev_self, tid_device, host)
+    modules = _modules(raw, names, s_tid, starts_ends, dev_self, tid_device, host)
     return Detail(operators=operators.reset_index(drop=True), operators_by_shape=operators_by_shape.reset_index(drop=True),
                   kernels=kernels, kernels_by_op=kernels_by_op, gpu_metrics=gpu_metrics, memory_timeline=timeline,
                   memory_peaks=peaks, memory_events=mem_events, operator_memory=op_memory, modules=modules,
@@ -587,8 +592,8 @@ def _gpu_metrics(raw: RawDetail, k_ts: np.ndarray, k_end: np.ndarray, k_gpu: np.
 
 
 def _memory_tables(raw: RawDetail, names: np.ndarray, windows: list[tuple[int, float, float]], t0_us: float,
-                   label: Any, host: str, tid_device: dict[int, str], s_tid: np.ndarray, s_ts: np.ndarray,
-                   s_end: np.ndarray, parent: np.ndarray, s_name: np.ndarray,
+                   label: Any, host: str, tid_device: dict[int, str], s_tid: np.ndarray, starts_ends: _Times,
+                   parent: np.ndarray, s_name: np.ndarray,
                    operators: pd.DataFrame, gpu_memory: Mapping[int, tuple[array, array, array]],
                    cumulative_gpus: set[int], label_of_gpus: bool) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame, list[str]]:
     notes: list[str] = []
@@ -646,7 +651,7 @@ def _memory_tables(raw: RawDetail, names: np.ndarray, windows: list[tuple[int, f
     # memory events: allocation and free paired by address on a device
     if not len(m_ts):
         return timeline, peaks, _empty(MEMORY_EVENT_COLUMNS), _empty(OPERATOR_MEMORY_COLUMNS), notes
-    inner = _innermost(s_tid, s_ts, s_end, parent, m_tid, m_ts)
+    inner = _innermost(s_tid, *starts_ends(), parent, m_tid, m_ts)
     op_names = np.where(inner >= 0, names[s_name[np.maximum(inner, 0)]] if len(s_name) else None, None)
     ev = pd.DataFrame({"device": m_dev, "operator": op_names, "bytes": m_bytes, "ts": m_ts, "addr": m_addr})
     ev["alloc"] = ev["bytes"] > 0
@@ -713,7 +718,7 @@ def _bucketed(dev: str, t_ms: np.ndarray, alloc: np.ndarray, res: np.ndarray) ->
     return out
 
 
-def _modules(raw: RawDetail, names: np.ndarray, s_tid: np.ndarray, s_ts: np.ndarray, dev_self: np.ndarray,
+def _modules(raw: RawDetail, names: np.ndarray, s_tid: np.ndarray, starts_ends: _Times, dev_self: np.ndarray,
              tid_device: dict[int, str], host: str) -> pd.DataFrame:
     py_ts, py_dur, py_tid, py_name = _np(raw, "py_ts"), _np(raw, "py_dur"), _np(raw, "py_tid"), _np(raw, "py_name")
     py_end = py_ts + py_dur
@@ -728,7 +733,7 @@ def _modules(raw: RawDetail, names: np.ndarray, s_tid: np.ndarray, s_ts: np.ndar
         own = str(names[s_name[k]])
         paths.append(f"{paths[p]}/{own}" if p >= 0 else own)
     # each op (in the ops' sorted order) in its innermost module occurrence
-    inner = _innermost(py_tid[m_order], py_ts[m_order], py_end[m_order], m_parent, s_tid, s_ts)
+    inner = _innermost(py_tid[m_order], py_ts[m_order], py_end[m_order], m_parent, s_tid, starts_ends()[0])
     ops_in = np.zeros(n, dtype=np.int64)
     dev = np.zeros(n)
     has = inner >= 0

@@ -123,7 +123,7 @@ class RawDetail:
     """What ``DetailCollector`` kept of one file: typed arrays and interned tables, picklable and compact."""
 
     names: list[str] = field(default_factory=list)
-    shapes: list[bytes] = field(default_factory=list)
+    shapes: list[tuple[int, bytes]] = field(default_factory=list)  # (name id, Input Dims JSON): an op's shape key
     tids: list[Any] = field(default_factory=list)
     configs: list[tuple[Any, ...]] = field(default_factory=list)  # (grid, block, registers, shared memory)
     arrays: dict[str, array] = field(default_factory=dict)
@@ -151,7 +151,6 @@ class DetailCollector:
         self.shapes = _Table()
         self.tids = _Table()
         self.configs = _Table()
-        self.shapes(b"")
         self.a: dict[str, array[Any]] = {k: array(t) for k, t in _ARRAYS.items()}
         a = self.a
         self._op_ts, self._op_dur, self._op_tid = a["op_ts"].append, a["op_dur"].append, a["op_tid"].append
@@ -190,10 +189,10 @@ class DetailCollector:
         n = self._name_ids.get(name)
         if n is None:
             n = self.names(name)
-        dims = bytes(args.input_dims)
-        d = self._shape_ids.get(dims)
+        pair = (n, bytes(args.input_dims))  # the op and its shapes: the second grouping, one id
+        d = self._shape_ids.get(pair)
         if d is None:
-            d = self.shapes(dims)
+            d = self.shapes(pair)
         self._op_ts(ts)
         self._op_dur(dur)
         self._op_tid(t)
