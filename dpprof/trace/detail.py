@@ -154,15 +154,15 @@ def _np(raw: RawDetail, name: str) -> np.ndarray:
 
 
 _Times = Callable[[], tuple[np.ndarray, np.ndarray]]  # ops' starts and ends in _nest's order, made on demand
-_NEST_CHUNK = 1 << 18  # intervals walked per chunk: a chunk's Python numbers at a time, never every interval's
+_NEST_CHUNK = 1 << 16  # intervals walked per chunk: a chunk's Python numbers at a time, never every interval's
 
 
-def _nest(tid: np.ndarray, ts: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _nest(tid: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(order, parent, depth): ``order`` sorts the intervals by thread, start, longest first (of two alike, the one
     earlier in the file first); ``parent[k]`` is the position in ``order`` of the innermost interval holding the
     k-th sorted one on its thread (it begins no later, ends no later, and the k-th begins before it ends), -1 for
     none; ``depth[k]`` the number of intervals holding it."""
-    order = np.lexsort((-end, ts, tid)).astype(np.int32)  # positions: 4 bytes an interval
+    order = _sort_order(tid, ts, dur)
     n = len(order)
     parent = np.full(n, -1, dtype=np.int32)
     depth = np.zeros(n, dtype=np.int32)
@@ -171,7 +171,7 @@ def _nest(tid: np.ndarray, ts: np.ndarray, end: np.ndarray) -> tuple[np.ndarray,
     last_tid = None
     for lo in range(0, n, _NEST_CHUNK):
         part = order[lo:lo + _NEST_CHUNK]
-        t_part, s_part, e_part = tid[part].tolist(), ts[part].tolist(), end[part].tolist()
+        t_part, s_part, e_part = tid[part].tolist(), ts[part].tolist(), (ts[part] + dur[part]).tolist()
         p_part = [-1] * len(part)
         d_part = [0] * len(part)
         for i in range(len(part)):
@@ -191,18 +191,33 @@ def _nest(tid: np.ndarray, ts: np.ndarray, end: np.ndarray) -> tuple[np.ndarray,
     return order, parent, depth
 
 
+def _sort_order(tid: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> np.ndarray:
+    """Positions sorting intervals by thread, start, longest first, as int32. Kineto writes most threads' ops in
+    that order already: a stable sort by thread (linear on small ints) and a check then do; else a full sort."""
+    by_tid = np.argsort(tid, kind="stable").astype(np.int32)
+    if len(by_tid) < 2:
+        return by_tid
+    t, s = tid[by_tid], ts[by_tid]
+    same = t[1:] == t[:-1]
+    ds = s[1:] - s[:-1]
+    del s
+    d = dur[by_tid]
+    ordered = ~same | (ds > 0) | ((ds == 0) & (d[1:] <= d[:-1]))
+    del t, ds, d, same
+    if ordered.all():
+        return by_tid
+    del by_tid, ordered
+    return np.lexsort((-dur, ts, tid)).astype(np.int32)
+
+
 def _up(values: np.ndarray, parent: np.ndarray, depth: np.ndarray) -> np.ndarray:
     """Each interval's value plus all its descendants' (children first: the deepest level is added to its
     parents, then the next), vectorized per level."""
     total = values.astype(float, copy=True)
     if not len(total) or not total.any():
         return total
-    by_depth = np.argsort(-depth, kind="stable")
-    levels = depth[by_depth]
-    cuts = np.flatnonzero(np.diff(levels)) + 1
-    for at in np.split(by_depth, cuts):
-        if depth[at[0]] == 0:
-            break
+    for level in range(int(depth.max()), 0, -1):  # one pass a level: a mask, never a sort of every interval
+        at = np.flatnonzero(depth == level)
         np.add.at(total, parent[at], total[at])
     return total
 
@@ -305,7 +320,7 @@ def detail_tables(raw: RawDetail, windows: list[tuple[int, float, float]], t0_us
     # Operators. Memory: a 1 GiB trace holds ~2 M ops, so every array here costs ~16 MB for each 8 bytes an op;
     # each is made when needed and dropped after (peak RSS under 400 MB: bench/trace_import.py).
     op_ts, op_dur, op_tid = _np(raw, "op_ts"), _np(raw, "op_dur"), _np(raw, "op_tid")
-    order, parent_sorted, depth = _nest(op_tid, op_ts, op_ts + op_dur)
+    order, parent_sorted, depth = _nest(op_tid, op_ts, op_dur)
     n_ops = len(order)
     # in _nest's order from here; what was read goes as soon as it is copied (the starts stay for _starts_ends)
     dur, s_tid = op_dur[order], op_tid[order]
@@ -317,10 +332,20 @@ def detail_tables(raw: RawDetail, windows: list[tuple[int, float, float]], t0_us
         """Each op's start and end in _nest's order, made only where a time must be placed in an op."""
         s_ts = op_ts[order]
         return s_ts, s_ts + dur
+    # every per-op sum is added up per (thread, name and shapes) as soon as it is made, and the op array dropped:
+    # one bin a pair (ids interned by the collector), folded into devices once each thread's device is known
+    pair_name = np.array([p[0] for p in raw.shapes], dtype=np.int32) if raw.shapes else np.zeros(0, np.int32)
+    s_pair = _np(raw, "op_shape")[order]
+    width = max(len(raw.shapes), 1)
+    bins = max(len(raw.tids), 1) * width
+    key = s_tid.astype(np.int32 if bins < 2 ** 31 else np.int64) * width + s_pair
+    acc: dict[str, np.ndarray] = {"calls": np.bincount(key, minlength=bins),
+                                  "host_total_ms": np.bincount(key, weights=dur, minlength=bins)}
     has_parent = parent_sorted >= 0
-    host_self = dur - np.bincount(parent_sorted[has_parent], weights=dur[has_parent], minlength=n_ops)
+    children = np.bincount(parent_sorted[has_parent], weights=dur[has_parent], minlength=n_ops)
     del has_parent
-    s_name = op_name_sorted = _np(raw, "op_name")[order]
+    acc["host_self_ms"] = acc["host_total_ms"] - np.bincount(key, weights=children, minlength=bins)
+    del children
 
     # kernels -> launches -> ops (positions in ``order``)
     k_ts, k_dur, k_gpu = _np(raw, "k_ts"), _np(raw, "k_dur"), _np(raw, "k_gpu")
@@ -365,11 +390,13 @@ def detail_tables(raw: RawDetail, windows: list[tuple[int, float, float]], t0_us
     k_tc = tc_kernel[k_name] if len(k_name) else np.zeros(0, dtype=bool)
     linked = k_op >= 0
     dev_self = np.bincount(k_op[linked], weights=k_dur[linked], minlength=n_ops)
-    dev_total = _up(dev_self, parent_sorted, depth)
+    acc["device_self_ms"] = np.bincount(key, weights=dev_self, minlength=bins)
+    acc["device_total_ms"] = np.bincount(key, weights=_up(dev_self, parent_sorted, depth), minlength=bins)
     tc_on = linked & k_tc
-    tc_total = _up(np.bincount(k_op[tc_on], weights=k_dur[tc_on], minlength=n_ops), parent_sorted, depth) \
-        if tc_on.any() else None
-    del tc_on
+    acc["tc_ms"] = (np.bincount(key, weights=_up(np.bincount(k_op[tc_on], weights=k_dur[tc_on], minlength=n_ops),
+                                                 parent_sorted, depth), minlength=bins)
+                    if tc_on.any() else np.zeros(bins))
+    del tc_on, key
 
     # each thread's device
     tid_device: dict[int, str] = {}
@@ -383,37 +410,30 @@ def detail_tables(raw: RawDetail, windows: list[tuple[int, float, float]], t0_us
                 if isinstance(t, str) and t.isdigit() and int(t) in device_of_thread:
                     tid_device[i] = device_of_thread[int(t)]
     explicit = dict(tid_device)  # the threads device_of_thread names: their CPU memory is their device's
-    if linked.any():
-        pairs = pd.DataFrame({"tid": s_tid[k_op[linked]], "gpu": k_gpu[linked]})
-        for t, gpus in pairs.groupby("tid")["gpu"]:
-            tid_device.setdefault(int(t), label(int(gpus.mode().iloc[0])))
-    devices = sorted({host, *tid_device.values()})
-    code_of_tid = np.array([devices.index(tid_device.get(t, host)) for t in range(len(raw.tids))] or [0],
-                           dtype=np.int64)
-    op_dev = code_of_tid[s_tid] if n_ops else np.zeros(0, dtype=np.int64)
+    if linked.any():  # a thread's GPU: the one it launched most kernels to
+        pair, count = np.unique((s_tid[k_op[linked]].astype(np.int64) << 32) | k_gpu[linked], return_counts=True)
+        best: dict[int, tuple[int, int]] = {}
+        for key, n in zip(pair.tolist(), count.tolist()):
+            t, gpu = key >> 32, key & 0xFFFFFFFF
+            if t not in best or n > best[t][0]:
+                best[t] = (n, gpu)
+        for t, (_, gpu) in best.items():
+            tid_device.setdefault(t, label(gpu))
     gpus_present = len(k_ts) > 0
-    sums = {"host_total_ms": dur, "host_self_ms": host_self, "device_total_ms": dev_total, "device_self_ms": dev_self,
-            "tc_ms": tc_total}
+    used = np.flatnonzero(acc["calls"])
+    per_pair = pd.DataFrame({"device": [tid_device.get(int(b) // width, host) for b in used],
+                             "pair": used % width, **{c: v[used] for c, v in acc.items()}})
+    acc.clear()
+    per_pair["name"] = [raw.names[raw.shapes[int(p)][0]] for p in per_pair["pair"]]
+    per_pair["input_shapes"] = [_shape_text(raw.shapes[int(p)][1]) for p in per_pair["pair"]]
+    sums = ["calls", "host_total_ms", "host_self_ms", "device_total_ms", "device_self_ms", "tc_ms"]
 
-    def by(with_shape: bool) -> pd.DataFrame:
-        """Sums per (device, name) or (device, name and shapes): one dense integer key an op, counted with
-        np.bincount (no sort, no frame of every op)."""
-        width = len(raw.shapes) if with_shape else len(raw.names)
-        ids = _np(raw, "op_shape")[order] if with_shape else op_name_sorted
-        key = op_dev * width + ids
-        counts = np.bincount(key, minlength=len(devices) * width)
-        used = np.flatnonzero(counts)
-        out = pd.DataFrame({"device": [devices[int(k) // width] for k in used], "calls": counts[used]})
-        if with_shape:
-            text = {i: _shape_text(dims) for i, (_, dims) in enumerate(raw.shapes)}
-            out.insert(1, "name", [raw.names[raw.shapes[int(k) % width][0]] for k in used])
-            out["input_shapes"] = [text[int(k) % width] for k in used]
-        else:
-            out.insert(1, "name", [raw.names[int(k) % width] for k in used])
-        for column, values in sums.items():
-            out[column] = (np.bincount(key, weights=values, minlength=len(counts))[used] / 1e3
-                           if values is not None else 0.0)
-        del key
+    def by(keys: list[str]) -> pd.DataFrame:
+        """The (thread, name and shapes) sums folded by ``keys``."""
+        out = per_pair.groupby(keys, sort=False)[sums].sum().reset_index()
+        out["calls"] = out["calls"].astype(np.int64)
+        for column in sums[1:]:
+            out[column] = out[column] / 1e3
         out["tc_eligible"] = out["name"].map(tc_eligible).astype(bool)
         total = out["device_total_ms"]
         out["tc_pct"] = np.where(total > 0, 100.0 * out["tc_ms"] / total.where(total > 0), np.nan)
@@ -423,11 +443,10 @@ def detail_tables(raw: RawDetail, windows: list[tuple[int, float, float]], t0_us
             out["tc_pct"] = np.nan
         return out.drop(columns="tc_ms").sort_values("host_total_ms", ascending=False, kind="stable")
 
-    operators = by(False)[OPERATOR_COLUMNS] if n_ops else _empty(OPERATOR_COLUMNS)
-    operators_by_shape = by(True)[SHAPE_COLUMNS] if n_ops else _empty(SHAPE_COLUMNS)
-    sums.clear()  # the per-op arrays go now (the modules read dev_self)
-    op_dev = op_dev[:0]
-    del host_self, dev_total, tc_total
+    operators = by(["device", "name"])[OPERATOR_COLUMNS] if n_ops else _empty(OPERATOR_COLUMNS)
+    operators_by_shape = by(["device", "name", "input_shapes"])[SHAPE_COLUMNS] if n_ops else _empty(SHAPE_COLUMNS)
+    s_name = pair_name[s_pair] if n_ops else np.zeros(0, dtype=np.int32)  # each op's name id
+    del s_pair
 
     kernels, kernels_by_op = _kernel_tables(raw, names, k_ts, k_dur, k_gpu, k_name, k_cfg, k_tc, k_op,
                                             s_name, label)
@@ -724,7 +743,7 @@ def _modules(raw: RawDetail, names: np.ndarray, s_tid: np.ndarray, starts_ends: 
     py_end = py_ts + py_dur
     if not len(py_ts):
         return _empty(MODULE_COLUMNS)
-    m_order, m_parent, _ = _nest(py_tid, py_ts, py_end)
+    m_order, m_parent, _ = _nest(py_tid, py_ts, py_dur)
     n = len(m_order)
     s_name = py_name[m_order]
     paths: list[str] = []

@@ -133,7 +133,7 @@ class RawDetail:
 
 
 _ARRAYS = {  # name -> typecode: ops, launches, kernels, memory events, modules
-    "op_ts": "d", "op_dur": "d", "op_tid": "i", "op_name": "i", "op_shape": "i", "op_ext": "q",
+    "op_ts": "d", "op_dur": "d", "op_tid": "i", "op_shape": "i", "op_ext": "q",  # op_shape: (name, shapes) id
     "rt_ts": "d", "rt_tid": "i", "rt_corr": "q", "rt_ext": "q",
     "k_ts": "d", "k_dur": "d", "k_gpu": "i", "k_name": "i", "k_corr": "q", "k_ext": "q", "k_cfg": "i",
     "k_bpsm": "d", "k_occ": "d",
@@ -154,7 +154,7 @@ class DetailCollector:
         self.a: dict[str, array[Any]] = {k: array(t) for k, t in _ARRAYS.items()}
         a = self.a
         self._op_ts, self._op_dur, self._op_tid = a["op_ts"].append, a["op_dur"].append, a["op_tid"].append
-        self._op_name, self._op_shape, self._op_ext = a["op_name"].append, a["op_shape"].append, a["op_ext"].append
+        self._op_shape, self._op_ext = a["op_shape"].append, a["op_ext"].append
         self._tid_ids, self._name_ids, self._shape_ids = self.tids.ids, self.names.ids, self.shapes.ids
         self._launch_names: dict[str, bool] = {}
         self._raw_configs: dict[Any, int] = {}
@@ -196,7 +196,6 @@ class DetailCollector:
         self._op_ts(ts)
         self._op_dur(dur)
         self._op_tid(t)
-        self._op_name(n)
         self._op_shape(d)
         self._op_ext(ext)
 
