@@ -162,34 +162,83 @@ def _nest(tid: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> tuple[np.ndarray,
     """(order, parent, depth): ``order`` sorts the intervals by thread, start, longest first (of two alike, the one
     earlier in the file first); ``parent[k]`` is the position in ``order`` of the innermost interval holding the
     k-th sorted one on its thread (it begins no later, ends no later, and the k-th begins before it ends), -1 for
-    none; ``depth[k]`` the number of intervals holding it."""
+    none; ``depth[k]`` the number of intervals holding it. A thread whose intervals nest properly (two are nested
+    or apart) is done in numpy (``_nest_nested``); one with an overlap that is not a nesting, by a stack."""
     order = _sort_order(tid, ts, dur)
     n = len(order)
     parent = np.full(n, -1, dtype=np.int32)
     depth = np.zeros(n, dtype=np.int32)
+    t = tid[order]
+    bounds = (np.flatnonzero(np.diff(t)) + 1).tolist()
+    del t
+    for lo, hi in zip([0, *bounds], [*bounds, n]):
+        part = order[lo:hi]
+        s, d = ts[part], dur[part]
+        if not _nest_nested(s, d, parent, depth, lo):
+            _nest_stack(s, d, parent, depth, lo)
+    return order, parent, depth
+
+
+def _nest_nested(s: np.ndarray, d: np.ndarray, parent: np.ndarray, depth: np.ndarray, lo: int) -> bool:
+    """One thread's intervals (sorted) nested in numpy, where they nest properly: an interval's depth is the number
+    of intervals of some length before it still open at its start, its parent the nearest one before it of one
+    depth less; False (nothing written) where some interval is not inside the parent so found: an overlap that is
+    not a nesting, for the stack."""
+    m = len(s)
+    e = s + d
+    long_ = d > 0  # an interval of no length holds nothing
+    before: np.ndarray = np.cumsum(long_) - long_
+    dep = before - np.searchsorted(np.sort(e[long_]), s, "right")
+    if m == 0 or (dep < 0).any():
+        return m == 0
+    par = np.full(m, -1, dtype=np.int64)
+    by_depth = np.argsort(dep, kind="stable")  # each depth's positions, in order
+    levels = dep[by_depth]
+    cuts = np.flatnonzero(np.diff(levels)) + 1
+    groups = np.split(by_depth, cuts)
+    level_of = levels[np.concatenate(([0], cuts))] if len(by_depth) else np.zeros(0, dtype=levels.dtype)
+    holders: dict[int, np.ndarray] = {}
+    for level, at in zip(level_of.tolist(), groups):
+        holders[level] = at[long_[at]]
+        if level == 0:
+            continue
+        cands = holders.get(level - 1)
+        if cands is None or not len(cands):
+            return False
+        idx = np.searchsorted(cands, at) - 1
+        if (idx < 0).any():
+            return False
+        par[at] = cands[idx]
+    has = par >= 0
+    p = par[has]
+    if not ((e[has] <= e[p]) & (s[has] < e[p])).all():
+        return False
+    parent[lo:lo + m] = np.where(has, par + lo, -1)
+    depth[lo:lo + m] = dep
+    return True
+
+
+def _nest_stack(s: np.ndarray, d: np.ndarray, parent: np.ndarray, depth: np.ndarray, lo: int) -> None:
+    """One thread's intervals (sorted) nested by a stack, a chunk of Python numbers at a time: an interval that
+    ended before this one starts, or overlaps it without holding it, is no holder of it or of what follows."""
     stack: list[int] = []
     ends: list[float] = []  # the stack's ends
-    last_tid = None
-    for lo in range(0, n, _NEST_CHUNK):
-        part = order[lo:lo + _NEST_CHUNK]
-        t_part, s_part, e_part = tid[part].tolist(), ts[part].tolist(), (ts[part] + dur[part]).tolist()
-        p_part = [-1] * len(part)
-        d_part = [0] * len(part)
-        for i in range(len(part)):
-            t, start, stop = t_part[i], s_part[i], e_part[i]
-            if t != last_tid:
-                stack, ends, last_tid = [], [], t
-            while ends and (ends[-1] <= start or ends[-1] < stop):  # ended before, or overlaps without holding
+    m = len(s)
+    for c in range(0, m, _NEST_CHUNK):
+        s_part, e_part = s[c:c + _NEST_CHUNK].tolist(), (s[c:c + _NEST_CHUNK] + d[c:c + _NEST_CHUNK]).tolist()
+        p_part = [-1] * len(s_part)
+        d_part = [0] * len(s_part)
+        for i, (start, stop) in enumerate(zip(s_part, e_part)):
+            while ends and (ends[-1] <= start or ends[-1] < stop):
                 stack.pop()
                 ends.pop()
             if stack:
                 p_part[i] = stack[-1]
                 d_part[i] = len(stack)  # the stack is the chain of intervals holding this one
-            stack.append(lo + i)
+            stack.append(lo + c + i)
             ends.append(stop)
-        parent[lo:lo + len(part)] = p_part
-        depth[lo:lo + len(part)] = d_part
-    return order, parent, depth
+        parent[lo + c:lo + c + len(s_part)] = p_part
+        depth[lo + c:lo + c + len(s_part)] = d_part
 
 
 def _sort_order(tid: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> np.ndarray:
@@ -537,7 +586,10 @@ def _kernel_estimates(raw: RawDetail, k_gpu: np.ndarray, k_cfg: np.ndarray) -> t
 
 
 def _union_within(starts: np.ndarray, ends: np.ndarray, lo: float, hi: float) -> float:
-    """Length of the union of intervals (sorted, merged) within [lo, hi]."""
+    """Length of the union of intervals (sorted, merged) within [lo, hi]: those ending after lo and starting
+    before hi, found by two bisections."""
+    first, last = int(np.searchsorted(ends, lo, "right")), int(np.searchsorted(starts, hi, "left"))
+    starts, ends = starts[first:last], ends[first:last]
     s = np.clip(starts, lo, hi)
     e = np.clip(ends, lo, hi)
     return float((e - s).sum())
@@ -574,6 +626,9 @@ def _integrate(t: np.ndarray, level: np.ndarray, lo: float, hi: float) -> float:
     """The integral over [lo, hi] of the step function (breakpoints t, level[k] on [t[k], t[k+1]))."""
     if len(t) < 2:
         return 0.0
+    first = max(int(np.searchsorted(t, lo, "right")) - 1, 0)  # the breakpoints around the window only
+    last = min(int(np.searchsorted(t, hi, "left")) + 1, len(t))
+    t, level = t[first:last], level[first:last]
     a = np.clip(t[:-1], lo, hi)
     b = np.clip(t[1:], lo, hi)
     return float(((b - a) * level[:-1]).sum())
@@ -594,18 +649,24 @@ def _gpu_metrics(raw: RawDetail, k_ts: np.ndarray, k_end: np.ndarray, k_gpu: np.
         has_b = ~np.isnan(b) & (b > 0)
         t, level = _level_integral(s[has_b], e[has_b], b[has_b])
         has_o = ~np.isnan(o)
-        os_, oe, ov = s[has_o], e[has_o], o[has_o]
+        by_start = np.argsort(s[has_o], kind="stable")
+        os_, oe, ov = s[has_o][by_start], e[has_o][by_start], o[has_o][by_start]
+        longest = float((oe - os_).max()) if len(os_) else 0.0
         for step, lo, hi in spans:
             window = hi - lo
             if window <= 0:
                 continue
             busy = _union_within(ms, me, lo, hi)
-            clipped = np.clip(oe, lo, hi) - np.clip(os_, lo, hi)
+            # the kernels that can reach into the window: started before its end, and after its start less the
+            # longest kernel
+            near = slice(int(np.searchsorted(os_, lo - longest, "left")), int(np.searchsorted(os_, hi, "right")))
+            clipped = np.clip(oe[near], lo, hi) - np.clip(os_[near], lo, hi)
             weight = clipped.sum()
             rows.append({"device": label(int(gpu)), "step": step, "window_ms": window / 1e3, "busy_ms": busy / 1e3,
                          "utilization_pct": 100.0 * busy / window,
                          "sm_efficiency_pct": 100.0 * _integrate(t, level, lo, hi) / window if has_b.any() else math.nan,
-                         "achieved_occupancy_pct": float((clipped * ov).sum() / weight) if weight > 0 else math.nan})
+                         "achieved_occupancy_pct": float((clipped * ov[near]).sum() / weight) if weight > 0
+                         else math.nan})
     out = pd.DataFrame(rows, columns=GPU_METRIC_COLUMNS)
     out["step"] = out["step"].astype("Int64")
     return out
