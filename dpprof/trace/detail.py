@@ -5,7 +5,7 @@ few categories it reads) and turned into tables once the file is read (``detail_
 What is kept per event is a few numbers in typed arrays (``array``: 4-8 bytes a field, never a dict per event);
 names, (name, input shapes) pairs, threads and kernel launch configurations are interned once: about 32 bytes an
 operator, 24 a launch, 56 a kernel, 48 a memory event (bench/trace_import.py's 1 GiB trace: 2 M operators, peak
-RSS of the whole import 368 MiB).
+RSS of the whole import about 370 MiB).
 
 Definitions (each figure is computed once, here; the pages and commands read the stored tables):
 
