@@ -732,49 +732,82 @@ def _memory_tables(raw: RawDetail, names: np.ndarray, windows: list[tuple[int, f
     # memory events: allocation and free paired by address on a device
     if not len(m_ts):
         return timeline, peaks, _empty(MEMORY_EVENT_COLUMNS), _empty(OPERATOR_MEMORY_COLUMNS), notes
+    # ids, not strings, a memory event (there may be millions): its device's code and its operator's name id
     inner = _innermost(s_tid, *starts_ends(), parent, m_tid, m_ts)
-    op_names = np.where(inner >= 0, names[s_name[np.maximum(inner, 0)]] if len(s_name) else None, None)
-    ev = pd.DataFrame({"device": m_dev, "operator": op_names, "bytes": m_bytes, "ts": m_ts, "addr": m_addr})
-    ev["alloc"] = ev["bytes"] > 0
-    stats = ev.assign(freed=np.where(~ev["alloc"], -ev["bytes"], 0), allocated=np.where(ev["alloc"], ev["bytes"], 0))
-    stats = stats[stats["operator"].notna()]
-    op_memory = stats.groupby(["device", "operator"], sort=False).agg(
-        allocations=("alloc", "sum"), allocated_bytes=("allocated", "sum"), frees=("alloc", lambda a: int((~a).sum())),
-        freed_bytes=("freed", "sum")).reset_index().rename(columns={"operator": "name"})
+    op_id = np.where(inner >= 0, s_name[np.maximum(inner, 0)] if len(s_name) else -1, -1).astype(np.int64)
+    del inner
+    dev_labels = sorted(set(m_dev.tolist()))
+    dev_code = np.array([dev_labels.index(d) for d in m_dev.tolist()], dtype=np.int64) if len(dev_labels) > 1 \
+        else np.zeros(len(m_ts), dtype=np.int64)
+    alloc = m_bytes > 0
+    inside = op_id >= 0
+    key = dev_code[inside] * max(len(raw.names), 1) + op_id[inside]
+    groups, which = np.unique(key, return_inverse=True)
+    got_alloc, nbytes = alloc[inside], m_bytes[inside]
+    op_memory = pd.DataFrame({
+        "device": [dev_labels[int(k) // max(len(raw.names), 1)] for k in groups],
+        "name": [raw.names[int(k) % max(len(raw.names), 1)] for k in groups],
+        "allocations": np.bincount(which, weights=got_alloc, minlength=len(groups)).astype(np.int64),
+        "allocated_bytes": np.bincount(which, weights=np.where(got_alloc, nbytes, 0), minlength=len(groups)),
+        "frees": np.bincount(which, weights=nbytes < 0, minlength=len(groups)).astype(np.int64),
+        "freed_bytes": np.bincount(which, weights=np.where(nbytes < 0, -nbytes, 0), minlength=len(groups))})
+    del key, which, got_alloc, nbytes
+    for column in ("allocated_bytes", "freed_bytes"):
+        op_memory[column] = op_memory[column].round().astype(np.int64)
     calls = {(d, n): c for d, n, c in zip(operators["device"], operators["name"], operators["calls"])}
     op_memory["calls"] = [int(calls.get((d, n), 0)) for d, n in zip(op_memory["device"], op_memory["name"])]
     op_memory["size_increase_bytes"] = op_memory["allocated_bytes"] - op_memory["freed_bytes"]
     op_memory = op_memory[OPERATOR_MEMORY_COLUMNS].sort_values("allocated_bytes", ascending=False, kind="stable")
 
-    with_addr = ev[ev["addr"] >= 0]
+    with_addr = np.flatnonzero(m_addr >= 0)
     if not len(with_addr):
         notes.append("the [memory] events carry no address (Addr; the 2021 format): allocations and frees are not "
                      "paired, the per-operator statistics and the curve are")
         return timeline, peaks, _empty(MEMORY_EVENT_COLUMNS), op_memory.reset_index(drop=True), notes
-    pairs = []
-    with_addr = with_addr.sort_values("ts", kind="stable")
-    for dev, group in with_addr.groupby("device", sort=True):
-        open_: dict[int, tuple[float, int, Any]] = {}
-        for ts, nbytes, addr, op in zip(group["ts"].tolist(), group["bytes"].tolist(), group["addr"].tolist(),
-                                        group["operator"].tolist()):
-            if nbytes > 0:
-                if addr in open_:  # allocated again without a free in the trace: the first one's free is unknown
-                    a_ts, a_bytes, a_op = open_.pop(addr)
-                    pairs.append((dev, a_op, a_bytes, a_ts, math.nan))
-                open_[addr] = (ts, nbytes, op)
-            elif nbytes < 0 and addr in open_:
-                a_ts, a_bytes, a_op = open_.pop(addr)
-                pairs.append((dev, a_op, a_bytes, a_ts, ts))
-        pairs += [(dev, a_op, a_bytes, a_ts, math.nan) for a_ts, a_bytes, a_op in open_.values()]
-    events = pd.DataFrame(pairs, columns=["device", "operator", "bytes", "alloc_us", "free_us"])
-    if len(events) > MEMORY_EVENTS_KEPT:
-        notes.append(f"{len(events) - MEMORY_EVENTS_KEPT:,} of {len(events):,} memory events (the smallest "
+    with_addr = with_addr[np.lexsort((m_ts[with_addr], dev_code[with_addr]))]  # by device, then time
+    # each pair in typed arrays: device code, op id, bytes, allocated at, freed at (NaN: not freed in the trace)
+    p_dev, p_op, p_bytes, p_at, p_free = array("q"), array("q"), array("q"), array("d"), array("d")
+
+    def pair(dev: int, at: tuple[float, int, int], freed: float) -> None:
+        p_dev.append(dev)
+        p_op.append(at[2])
+        p_bytes.append(at[1])
+        p_at.append(at[0])
+        p_free.append(freed)
+
+    open_: dict[int, tuple[float, int, int]] = {}
+    last_dev = -1
+    for dev, ts, size, addr, op in zip(dev_code[with_addr].tolist(), m_ts[with_addr].tolist(),
+                                       m_bytes[with_addr].tolist(), m_addr[with_addr].tolist(),
+                                       op_id[with_addr].tolist()):
+        if dev != last_dev:
+            for left in open_.values():
+                pair(last_dev, left, math.nan)
+            open_, last_dev = {}, dev
+        if size > 0:
+            if addr in open_:  # allocated again without a free in the trace: the first one's free is unknown
+                pair(dev, open_.pop(addr), math.nan)
+            open_[addr] = (ts, size, op)
+        elif size < 0 and addr in open_:
+            pair(dev, open_.pop(addr), ts)
+    for left in open_.values():
+        pair(last_dev, left, math.nan)
+    n_pairs = len(p_bytes)
+    keep = np.arange(n_pairs)
+    sizes = np.frombuffer(p_bytes, dtype=np.int64) if n_pairs else np.zeros(0, dtype=np.int64)
+    if n_pairs > MEMORY_EVENTS_KEPT:
+        notes.append(f"{n_pairs - MEMORY_EVENTS_KEPT:,} of {n_pairs:,} memory events (the smallest "
                      f"allocations) left out of the memory events table: it keeps the {MEMORY_EVENTS_KEPT:,} "
                      "largest; every one counts in the per-operator statistics")
-        events = events.nlargest(MEMORY_EVENTS_KEPT, "bytes", keep="first")
-    events["alloc_t_ms"] = (events["alloc_us"] - t0_us) / 1e3
-    events["free_t_ms"] = (events["free_us"] - t0_us) / 1e3
-    events["lifetime_ms"] = (events["free_us"] - events["alloc_us"]) / 1e3
+        keep = np.sort(np.argsort(-sizes, kind="stable")[:MEMORY_EVENTS_KEPT])
+    at_us = np.frombuffer(p_at, dtype=np.float64)[keep] if n_pairs else np.zeros(0)
+    free_us = np.frombuffer(p_free, dtype=np.float64)[keep] if n_pairs else np.zeros(0)
+    ops_kept = np.frombuffer(p_op, dtype=np.int64)[keep] if n_pairs else np.zeros(0, dtype=np.int64)
+    events = pd.DataFrame({
+        "device": [dev_labels[d] for d in (np.frombuffer(p_dev, dtype=np.int64)[keep].tolist() if n_pairs else [])],
+        "operator": [raw.names[o] if o >= 0 else None for o in ops_kept.tolist()],
+        "bytes": sizes[keep], "alloc_t_ms": (at_us - t0_us) / 1e3, "free_t_ms": (free_us - t0_us) / 1e3,
+        "lifetime_ms": (free_us - at_us) / 1e3})
     events = events.sort_values("alloc_t_ms", kind="stable")[MEMORY_EVENT_COLUMNS].reset_index(drop=True)
     return timeline, peaks, events, op_memory.reset_index(drop=True), notes
 
