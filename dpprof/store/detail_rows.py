@@ -11,12 +11,14 @@ import math
 import os
 import sqlite3
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pandas as pd
 
-from dpprof.store.reader import StoredRun
 from dpprof.store.schema import DETAIL_TABLES, detail_ddl
+
+if TYPE_CHECKING:
+    from dpprof.store.reader import StoredRun
 
 __all__ = ["DetailTables", "write_detail", "detail_missing", "operators", "kernels", "gpu_metrics", "gpu_summary",
            "memory_timeline", "memory_peaks", "memory_events", "operator_memory", "modules", "detail_notes",

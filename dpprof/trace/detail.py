@@ -30,7 +30,8 @@ Definitions (each figure is computed once, here; the pages and commands read the
   summed over kernels running at once and capped at 100%; *Est. achieved occupancy* = the kernels' OCC_K weighted
   by their duration within the step, OCC_K = min(threads of the kernel / SMs / max threads per SM, the kernel's
   theoretical occupancy) (Kineto's ``est. achieved occupancy %``). A summary row per device (``step`` None) takes
-  all steps together, from the first step's start to the last step's end, as the plugin's overview does.
+  all steps together, from the first step's start to the last step's end (the plugin's overview stretches the last
+  step to its last kernel's end: bench/tb_plugin.py).
 - **Memory over time** per device: ``Total Allocated`` / ``Total Reserved`` of the ``[memory]`` events, else the
   running sum of their ``Bytes`` (as dpprof's allocator curve: ``Collected.memory`` for GPUs), bucketed to at most
   ``MEMORY_POINTS`` points (each bucket's maximum: the peak is never lost), the peak and its step. **Memory events**
