@@ -139,6 +139,10 @@ def run_plugin(trace: Path, venv: Path, out: Path) -> dict:
         routes = {}
         query = {"run": RUN_NAME, "worker": worker, "span": "default"}
         views = _get(f"{base}/{PREFIX}/views?run={RUN_NAME}")
+        if not views:  # the run is listed with no profile when its worker's file failed to parse
+            failed = [line for line in log_path.read_text().splitlines() if "Failed to parse profile data" in line]
+            said = failed[0].split("] ", 1)[-1] if failed else "no view"
+            raise BenchError(f"the plugin could not read {trace.name}: {said} (its log: {log_path})")
         spans = _get(f"{base}/{PREFIX}/spans?run={RUN_NAME}&worker={urllib.parse.quote(worker)}")
         query["span"] = spans[0] if spans else "default"
         (out / "plugin-routes").mkdir(exist_ok=True)
