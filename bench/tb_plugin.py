@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 import math
 import os
@@ -298,6 +299,153 @@ def run_dpprof(trace: Path) -> dict:
     return figures
 
 
+# ---------------------------------------------------------------- the trace's own events, for the why
+
+
+RUNTIME_CATS = {"runtime", "cuda_runtime", "cuda_driver"}  # launches: the 2021 name and the CUDA 12 ones
+COPY_CATS = {"memcpy", "memset", "gpu_memcpy", "gpu_memset"}
+# the plugin's operator table leaves these out (torch_tb_profiler/profiler/node.py, is_operator_node and
+# create_operator_node): steps, DataLoader iterations and optimizer ranges are other node types
+PLUGIN_LEFT_OUT = re.compile(r"^(ProfilerStep#|enumerate\(DataLoader\)#|enumerate\(DataPipe\)#|Optimizer\.)"
+                             r"|^(DataParallel|DistributedDataParallel)\.forward$")
+
+
+def trace_facts(trace: Path) -> dict:
+    """What the tools' rules act on, from the trace's raw events (json.load: a bench on sample-sized traces),
+    with no code of either tool: per operator name, the time of its CUDA runtime calls (linked by External id),
+    the memcpy/memset time it launched (by correlation; itself, and with its children by nesting on a thread),
+    and the calls the plugin merges into their parent (a same-named only child, as torch.autograd.profiler's
+    _remove_dup_nodes), with their host and device time; and the GPU figures over two windows: the
+    ProfilerStep ranges, and those ranges with the last step stretched to the end of the device work launched
+    inside it (the plugin's rule, event_parser.StepParser._update_steps_duration)."""
+    opener = gzip.open if trace.name.endswith(".gz") else open
+    with opener(trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    x = [e for e in events if e.get("ph") == "X" and isinstance(e.get("dur"), (int, float))]
+    cat = [str(e.get("cat", "")).lower() for e in x]
+    ops = [e for e, c in zip(x, cat) if c in ("operator", "cpu_op")]
+    runtimes = [e for e, c in zip(x, cat) if c in RUNTIME_CATS]
+    kernels = [e for e, c in zip(x, cat) if c == "kernel"]
+    copies = [e for e, c in zip(x, cat) if c in COPY_CATS]
+
+    def ext(e: dict) -> object:
+        a = e.get("args", {})
+        return a.get("External id", a.get("external id"))
+
+    rt_by_corr = {e["args"].get("correlation"): e for e in runtimes}
+    copy_us_of_rt: dict[int, float] = {}
+    kernel_us_of_rt: dict[int, float] = {}
+    for table, devs in ((copy_us_of_rt, copies), (kernel_us_of_rt, kernels)):
+        for d in devs:
+            rt = rt_by_corr.get(d.get("args", {}).get("correlation"))
+            if rt is not None:
+                table[id(rt)] = table.get(id(rt), 0.0) + d["dur"]
+    rts_of_ext: dict[object, list[dict]] = {}
+    for r in runtimes:
+        rts_of_ext.setdefault(ext(r), []).append(r)
+    children: dict[int, list[dict]] = {}
+    by_tid: dict[object, list[dict]] = {}
+    for o in ops:
+        by_tid.setdefault(o.get("tid"), []).append(o)
+    for lst in by_tid.values():
+        lst.sort(key=lambda o: (o["ts"], -o["dur"]))
+        stack: list[dict] = []
+        for o in lst:
+            while stack and o["ts"] + o["dur"] > stack[-1]["ts"] + stack[-1]["dur"]:
+                stack.pop()
+            if stack:
+                children.setdefault(id(stack[-1]), []).append(o)
+            stack.append(o)
+    device_total: dict[int, float] = {}
+    copy_total: dict[int, float] = {}
+    order = []  # post-order without recursion: a parent after all its children
+    roots = {id(o) for o in ops} - {id(c) for cs in children.values() for c in cs}
+    by_id = {id(o): o for o in ops}
+    todo = [(by_id[i], False) for i in roots]
+    while todo:
+        o, done = todo.pop()
+        if done:
+            order.append(o)
+            continue
+        todo.append((o, True))
+        todo.extend((c, False) for c in children.get(id(o), []))
+    per_name: dict[str, dict] = {}
+    for o in order:
+        rts = rts_of_ext.get(ext(o), []) if ext(o) not in (None, 0) else []
+        own_copy = sum(copy_us_of_rt.get(id(r), 0.0) for r in rts)
+        own_kernel = sum(kernel_us_of_rt.get(id(r), 0.0) for r in rts)
+        kids = children.get(id(o), [])
+        copy_total[id(o)] = own_copy + sum(copy_total[id(c)] for c in kids)
+        device_total[id(o)] = own_copy + own_kernel + sum(device_total[id(c)] for c in kids)
+        f = per_name.setdefault(o["name"], {"calls": 0, "runtime_us": 0.0, "copy_self_us": 0.0, "copy_total_us": 0.0,
+                                            "merged_calls": 0, "merged_host_us": 0.0, "merged_device_us": 0.0,
+                                            "left_out_by_plugin": bool(PLUGIN_LEFT_OUT.search(o["name"]))})
+        f["calls"] += 1
+        f["runtime_us"] += sum(r["dur"] for r in rts)
+        f["copy_self_us"] += own_copy
+        f["copy_total_us"] += copy_total[id(o)]
+        if len(kids) == 1 and kids[0]["name"] == o["name"]:  # the plugin keeps one call of the two
+            f["merged_calls"] += 1
+            f["merged_host_us"] += kids[0]["dur"]
+            f["merged_device_us"] += device_total[id(kids[0])]
+    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in ops if str(e["name"]).startswith("ProfilerStep#"))
+    step_numbers = sorted((e["ts"], int(str(e["name"]).split("#")[1])) for e in ops
+                          if str(e["name"]).startswith("ProfilerStep#"))
+    memory: dict[str, dict] = {}  # per device, the peak of Total Allocated, else of the running sum of Bytes
+    level: dict[str, int] = {}
+    for e in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e.get("ts", 0)):
+        a = e.get("args", {})
+        dev = f"cuda:{a.get('Device Id')}" if a.get("Device Type") == 1 else "cpu"
+        value = a.get("Total Allocated")
+        level[dev] = level.get(dev, 0) + (a.get("Bytes") or 0)
+        value = level[dev] if value is None else value
+        if value > memory.get(dev, {}).get("peak_allocated_bytes", -1):
+            step = [n for t, n in step_numbers if t <= e["ts"]]
+            memory[dev] = {"peak_allocated_bytes": value, "peak_step": step[-1] if step else None,
+                           "from": "running sum of Bytes" if a.get("Total Allocated") is None else "Total Allocated"}
+    windows = {}
+    if steps and kernels:
+        lo, hi = steps[0][0], steps[-1][1]
+        last_lo, last_hi = steps[-1]
+        launched = [d["ts"] + d["dur"] for d in kernels + copies
+                    if (rt := rt_by_corr.get(d.get("args", {}).get("correlation"))) is not None
+                    and last_lo <= rt["ts"] and rt["ts"] + rt["dur"] <= last_hi]
+        windows = {"ProfilerStep ranges": (lo, hi), "the plugin's (last step to its device work's end)":
+                   (lo, max([hi, *launched]))}
+    gpu = {name: _gpu_figures(kernels, lo, hi) for name, (lo, hi) in windows.items()}
+    return {"operators": per_name, "gpu": gpu, "memory": memory,
+            "windows_ms": {k: (hi - lo) / 1000 for k, (lo, hi) in windows.items()}}
+
+
+def _gpu_figures(kernels: list[dict], lo: float, hi: float) -> dict:
+    """GPU utilization, est. SM efficiency and est. achieved occupancy of all kernels in [lo, hi] (one GPU),
+    by the definitions the plugin documents (consts.TOOLTIP_*)."""
+    spans = sorted((max(k["ts"], lo), min(k["ts"] + k["dur"], hi)) for k in kernels)
+    busy, end = 0.0, lo
+    for a, b in spans:
+        if b > max(a, end):
+            busy += b - max(a, end)
+            end = b
+    points = sorted([(k["ts"], k["args"]["blocks per SM"]) for k in kernels if (k["args"].get("blocks per SM") or 0) > 0]
+                    + [(k["ts"] + k["dur"], -k["args"]["blocks per SM"]) for k in kernels
+                       if (k["args"].get("blocks per SM") or 0) > 0])
+    sm, level, last = 0.0, 0.0, None
+    for t, delta in points:
+        if last is not None and t > last and level > 1e-12:
+            sm += min(level, 1.0) * max(0.0, min(t, hi) - max(last, lo))
+        level += delta
+        last = t
+    occ_w = occ_t = 0.0
+    for k in kernels:
+        o = k["args"].get("est. achieved occupancy %")
+        d = min(k["ts"] + k["dur"], hi) - max(k["ts"], lo)
+        if o is not None and d > 0:
+            occ_w += o * d
+            occ_t += d
+    return {"utilization_pct": 100 * busy / (hi - lo), "sm_efficiency_pct": 100 * sm / (hi - lo),
+            "achieved_occupancy_pct": occ_w / occ_t if occ_t else None}
+
+
 # ---------------------------------------------------------------- the comparison
 
 
@@ -307,7 +455,7 @@ def _by_name(rows: list[dict], sums: tuple[str, ...], firsts: tuple[str, ...] = 
     weighted means re-weighted (by the named weight), the rest from the first row."""
     out: dict[str, dict] = {}
     for r in rows:
-        o = out.setdefault(r["name"], {"devices": [], **{k: 0.0 for k in sums}, **{k: r.get(k) for k in firsts},
+        o = out.setdefault(r["name"], {"devices": [], **{k: 0 for k in sums}, **{k: r.get(k) for k in firsts},
                                        **{f"_w_{k}": 0.0 for k in (weighted or {})}})
         o["devices"].append(f"{r.get('rank')}/{r.get('device')}")
         for k in sums:
@@ -336,7 +484,39 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def compare_operators(plugin: dict, dp: dict, top: int) -> dict:
+CAUSES = {  # what each rule moves (dpprof - plugin, ms), from trace_facts' figures for one operator name
+    "runtime": "the plugin takes the op's CUDA runtime calls (launches, syncs) out of its host self time",
+    "copies": "the plugin counts the memcpy/memset an op launched as its device time",
+    "merged": "the plugin merges a same-named only child into its parent (torch.autograd.profiler's _remove_dup_nodes)",
+}
+EXPLAIN_TOLERANCE_MS = 0.001  # the plugin rounds each sum to the us; the trace's times are whole us
+
+
+def _candidates(field: str, f: dict) -> dict[str, float]:
+    """Per cause, how far (dpprof - plugin, ms) it moves this field of an operator name."""
+    return {"calls": {"merged": f["merged_calls"]},
+            "host_total": {"merged": f["merged_host_us"] / 1000},
+            "host_self": {"runtime": f["runtime_us"] / 1000},
+            "device_self": {"copies": -f["copy_self_us"] / 1000},
+            "device_total": {"merged": f["merged_device_us"] / 1000, "copies": -f["copy_total_us"] / 1000}}[field]
+
+
+def explain(field: str, plugin_value: float, dpprof_value: float, f: dict | None) -> list[str] | None:
+    """The causes whose moves add up to the difference ([] where there is none), None where none do."""
+    diff = dpprof_value - plugin_value
+    if abs(diff) <= EXPLAIN_TOLERANCE_MS:
+        return []
+    if f is None:
+        return None
+    moves = [(k, v) for k, v in _candidates(field, f).items() if v]
+    for n in range(1, len(moves) + 1):
+        for combo in itertools.combinations(moves, n):
+            if abs(sum(v for _, v in combo) - diff) <= EXPLAIN_TOLERANCE_MS * max(1, n):
+                return [k for k, _ in combo]
+    return None
+
+
+def compare_operators(plugin: dict, dp: dict, top: int, facts: dict | None = None) -> dict:
     ours = _by_name(dp.get("operators", []), ("calls", "host_total_ms", "host_self_ms", "device_total_ms",
                                                "device_self_ms"))
     theirs = {o["name"]: o for o in plugin["operators"]}
@@ -361,18 +541,50 @@ def compare_operators(plugin: dict, dp: dict, top: int) -> dict:
                                             for r in both)
         summary[f"{field}_within_0.1pct"] = sum(_close(r[field]["plugin"], r[field]["dpprof"], REL_TOLERANCE,
                                                        0.0005 + 1e-9) for r in both)
+    why: dict[str, dict[str, int]] = {}
+    for r in both:
+        f = (facts or {}).get("operators", {}).get(r["name"])
+        for field in ("calls", "host_self", "host_total", "device_self", "device_total"):
+            p, d = r[field]["plugin"], r[field]["dpprof"]
+            if p is None or d is None:
+                continue
+            causes = explain(field, p, d, f)
+            r[field]["why"] = causes
+            if causes:
+                key = " + ".join(causes)
+                why.setdefault(field, {}).setdefault(key, 0)
+                why[field][key] += 1
+            elif causes is None:
+                why.setdefault(field, {}).setdefault("unexplained", 0)
+                why[field]["unexplained"] += 1
+    summary["differences_by_cause"] = why
+    summary["only_in_dpprof_left_out_by_plugin"] = sum(
+        bool((facts or {}).get("operators", {}).get(n, {}).get("left_out_by_plugin")) for n in summary["only_in_dpprof"])
     print(f"\nOperators: top {top} by the plugin's device self time (ms; the plugin's figure, dpprof's, dpprof - "
           "plugin)")
     print(f"{'operator':<44} {'calls':>13} {'device self ms':>27} {'device total ms':>27} {'host self ms':>27}")
     for r in rows[:top]:
-        cells = [f"{_cut(r['name'], 44):<44}", f"{_fmt(r['calls']['plugin'], 'd'):>6} {_fmt(r['calls']['dpprof'], 'd'):>6}"
-                 if isinstance(r["calls"]["plugin"], int) and isinstance(r["calls"]["dpprof"], int)
-                 else f"{_fmt(r['calls']['plugin'], '')!s:>6} {_fmt(r['calls']['dpprof'], '')!s:>6}"]
+        cells = [f"{_cut(r['name'], 44):<44}", f"{_calls(r['calls']['plugin'])} {_calls(r['calls']['dpprof'])}"]
         for field in ("device_self", "device_total", "host_self"):
             p, d = r[field]["plugin"], r[field]["dpprof"]
             cells.append(f"{_fmt(p):>9} {_fmt(d):>9} {_fmt(None if p is None or d is None else d - p, '+.3f'):>7}")
         print(" ".join(cells))
     _print_summary("operators", summary, ("host_self", "host_total", "device_self", "device_total"))
+    if facts:
+        print(f"  only in dpprof and left out of the plugin's table by its rules (steps, DataLoader, optimizer): "
+              f"{summary['only_in_dpprof_left_out_by_plugin']} of {len(summary['only_in_dpprof'])}")
+        for field, counts in why.items():
+            print(f"  {field.replace('_', ' ')} differs for {sum(counts.values())}: "
+                  + "; ".join(f"{n} by {k}" for k, n in counts.items()))
+        for key, text in CAUSES.items():
+            print(f"    {key}: {text}")
+        for r in both:
+            if any(r[f].get("why") is None and r[f]["plugin"] is not None and r[f]["dpprof"] is not None
+                   for f in ("calls", "host_self", "host_total", "device_self", "device_total")):
+                print(f"    unexplained: {r['name']}: " + ", ".join(
+                    f"{f} {r[f]['plugin']} / {r[f]['dpprof']}" for f in ("calls", "host_self", "host_total",
+                                                                         "device_self", "device_total")
+                    if r[f].get("why") is None))
     return {"rows": rows, "summary": summary}
 
 
@@ -415,13 +627,17 @@ def compare_kernels(plugin: dict, dp: dict, top: int) -> dict:
     print(f"{'kernel':<44} {'calls':>13} {'total ms':>27} {'mean blocks/SM':>15} {'mean occupancy %':>17} TC")
     for r in rows[:top]:
         p, d = r["total_ms"]["plugin"], r["total_ms"]["dpprof"]
-        print(f"{_cut(r['name'], 44):<44} {_fmt(r['calls']['plugin'], '')!s:>6} {_fmt(r['calls']['dpprof'], '')!s:>6} "
+        print(f"{_cut(r['name'], 44):<44} {_calls(r['calls']['plugin'])} {_calls(r['calls']['dpprof'])} "
               f"{_fmt(p):>9} {_fmt(d):>9} {_fmt(None if p is None or d is None else d - p, '+.3f'):>7} "
               f"{_fmt(r['mean_blocks_per_sm']['plugin'], '.2f'):>7} {_fmt(r['mean_blocks_per_sm']['dpprof'], '.2f'):>7} "
               f"{_fmt(r['mean_occupancy_pct']['plugin'], '.2f'):>8} {_fmt(r['mean_occupancy_pct']['dpprof'], '.2f'):>8} "
               f"{r['tensor_cores']['plugin'] or '-'}/{_yes_no(r['tensor_cores']['dpprof'])}")
     _print_summary("kernels", summary, ())
     return {"rows": rows, "summary": summary}
+
+
+def _calls(n: float | None) -> str:
+    return f"{'-' if n is None else int(n):>6}"
 
 
 def _yes(v: object) -> bool | None:
@@ -443,7 +659,7 @@ def _print_summary(what: str, summary: dict, fields: tuple[str, ...]) -> None:
           f"{n} in both; only in the plugin: {len(summary['only_in_plugin'])}, only in dpprof: "
           f"{len(summary['only_in_dpprof'])}")
     for key, value in summary.items():
-        if isinstance(value, int) and key not in (f"{what}_in_plugin", f"{what}_in_dpprof", "in_both"):
+        if isinstance(value, int) and key != "only_in_dpprof_left_out_by_plugin" and key not in (f"{what}_in_plugin", f"{what}_in_dpprof", "in_both"):
             print(f"  {key.replace('_', ' ')}: {value} of {n}")
     for side in ("only_in_plugin", "only_in_dpprof"):
         if summary[side]:
@@ -451,35 +667,48 @@ def _print_summary(what: str, summary: dict, fields: tuple[str, ...]) -> None:
                   + (" …" if len(summary[side]) > 8 else ""))
 
 
-def compare_gpu(plugin: dict, dp: dict) -> list[dict]:
+def compare_gpu(plugin: dict, dp: dict, facts: dict | None = None) -> list[dict]:
     rows = []
-    ours = {g["device"]: g for g in dp.get("gpu", [])}
-    print("\nGPU (the plugin's figure, dpprof's, dpprof - plugin, in points)")
+    ours = {g["device"]: g for g in dp.get("gpu", []) if g.get("step") is None}
+    windows = list((facts or {}).get("gpu", {}))
+    print("\nGPU, all steps (the plugin's figure, dpprof's, dpprof - plugin, in points"
+          + ("; then the figure recomputed from the trace's kernels over each window: "
+             + ", ".join(f"{w} {facts['windows_ms'][w]:.3f} ms" for w in windows) if windows else "") + ")")
     for g in plugin["gpu"]:
         o = ours.get(g["device"], {})
         for key in ("utilization_pct", "sm_efficiency_pct", "achieved_occupancy_pct"):
             p, d = g.get(key), o.get(key)
-            rows.append({"device": g["device"], "figure": key, "plugin": p, "dpprof": d})
+            again = {w: facts["gpu"][w][key] for w in windows} if len(plugin["gpu"]) == 1 else {}
+            rows.append({"device": g["device"], "figure": key, "plugin": p, "dpprof": d, "from_the_trace": again})
             print(f"  {g['device']} {key:<24} {_fmt(p, '.2f'):>7} {_fmt(d, '.2f'):>7} "
-                  f"{_fmt(None if p is None or d is None else d - p, '+.2f'):>7}")
+                  f"{_fmt(None if p is None or d is None else d - p, '+.2f'):>7}   "
+                  + "  ".join(f"{_fmt(v, '.2f')}" for v in again.values()))
     for device in sorted(set(ours) - {g["device"] for g in plugin["gpu"]}):
         print(f"  {device}: in dpprof only ({ours[device]})")
     return rows
 
 
-def compare_memory(plugin: dict, dp: dict) -> list[dict]:
+def compare_memory(plugin: dict, dp: dict, facts: dict | None = None) -> list[dict]:
     rows = []
     print("\nMemory peaks (bytes)")
     peaks = plugin["memory"]["peaks"]
+    from_trace = (facts or {}).get("memory", {})
     for d in dp.get("devices", []):
         dev = d["device"]
         key = f"GPU{dev.split(':')[1]}" if dev.startswith("cuda:") else "CPU"
+        again = from_trace.get(dev, {})
         rows.append({"device": dev, "dpprof_peak_allocated_bytes": d.get("peak_allocated_bytes"),
                      "dpprof_peak_reserved_bytes": d.get("peak_reserved_bytes"), "dpprof_peak_step": d.get("peak_step"),
-                     "plugin_peak": peaks.get(key)})
+                     "plugin_peak": peaks.get(key), "from_the_trace": again})
         print(f"  {dev}: dpprof peak allocated {_fmt(d.get('peak_allocated_bytes'), ',')}, reserved "
               f"{_fmt(d.get('peak_reserved_bytes'), ',')}, at step {d.get('peak_step')}; the plugin: "
-              f"{peaks.get(key) or 'no peak (its memory curve has no ' + key + ')'}")
+              f"{peaks.get(key) or 'no peak (its memory curve has no ' + key + ')'}; the trace's [memory] events: "
+              f"{_fmt(again.get('peak_allocated_bytes'), ',')} at step {again.get('peak_step')} "
+              f"({again.get('from', 'none for this device')})")
+    for dev, again in from_trace.items():
+        if dev not in {d["device"] for d in dp.get("devices", [])}:
+            print(f"  {dev}: not in dpprof's table; the trace's [memory] events: "
+                  f"{_fmt(again['peak_allocated_bytes'], ',')} at step {again['peak_step']} ({again['from']})")
     return rows
 
 
@@ -540,10 +769,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"\ndpprof: import {dp['import_s']:.2f} s (the process, wall clock), run {dp['run']}; the plugin's load "
           f"{_fmt(plugin['load_s'], '.2f')} s")
+    facts = trace_facts(args.trace)
     comparison = {"plugin_load_s": plugin["load_s"], "dpprof_import_s": dp["import_s"],
-                  "operators": compare_operators(plugin, dp, args.top),
+                  "operators": compare_operators(plugin, dp, args.top, facts),
                   "kernels": compare_kernels(plugin, dp, args.top),
-                  "gpu": compare_gpu(plugin, dp), "memory": compare_memory(plugin, dp)}
+                  "gpu": compare_gpu(plugin, dp, facts), "memory": compare_memory(plugin, dp, facts),
+                  "trace_facts": facts}
     (out / "dpprof.json").write_text(json.dumps(dp, indent=1))
     (out / "comparison.json").write_text(json.dumps(comparison, indent=1))
     print(f"\nboth sides' figures and the comparison: {out}")
