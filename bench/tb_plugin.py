@@ -306,6 +306,8 @@ RUNTIME_CATS = {"runtime", "cuda_runtime", "cuda_driver"}  # launches: the 2021 
 COPY_CATS = {"memcpy", "memset", "gpu_memcpy", "gpu_memset"}
 # the plugin's operator table leaves these out (torch_tb_profiler/profiler/node.py, is_operator_node and
 # create_operator_node): steps, DataLoader iterations and optimizer ranges are other node types
+PLUGIN_COMM_NAMES = {f"{lib}:{op}" for lib in ("nccl", "gloo")  # trace.py, NcclOpNameSet and GlooOpNameSet
+                     for op in ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter")}
 PLUGIN_LEFT_OUT = re.compile(r"^(ProfilerStep#|enumerate\(DataLoader\)#|enumerate\(DataPipe\)#|Optimizer\.)"
                              r"|^(DataParallel|DistributedDataParallel)\.forward$")
 
@@ -343,21 +345,14 @@ def trace_facts(trace: Path) -> dict:
     rts_of_ext: dict[object, list[dict]] = {}
     for r in runtimes:
         rts_of_ext.setdefault(ext(r), []).append(r)
-    children: dict[int, list[dict]] = {}
-    by_tid: dict[object, list[dict]] = {}
-    for o in ops:
-        by_tid.setdefault(o.get("tid"), []).append(o)
-    for lst in by_tid.values():
-        lst.sort(key=lambda o: (o["ts"], -o["dur"]))
-        stack: list[dict] = []
-        for o in lst:
-            while stack and o["ts"] + o["dur"] > stack[-1]["ts"] + stack[-1]["dur"]:
-                stack.pop()
-            if stack:
-                children.setdefault(id(stack[-1]), []).append(o)
-            stack.append(o)
+    children = _nesting(ops)
+    # the plugin also puts the nccl:*/gloo:* collectives' user annotations in its tree of operators (node.py,
+    # create_operator_node): an op around one loses the annotation's time from its host self time
+    comms = [e for e, c in zip(x, cat) if c == "user_annotation" and e.get("name") in PLUGIN_COMM_NAMES]
+    with_comms = _nesting(ops + comms)
     device_total: dict[int, float] = {}
     copy_total: dict[int, float] = {}
+    kernel_total: dict[int, float] = {}
     order = []  # post-order without recursion: a parent after all its children
     roots = {id(o) for o in ops} - {id(c) for cs in children.values() for c in cs}
     by_id = {id(o): o for o in ops}
@@ -377,20 +372,27 @@ def trace_facts(trace: Path) -> dict:
         kids = children.get(id(o), [])
         copy_total[id(o)] = own_copy + sum(copy_total[id(c)] for c in kids)
         device_total[id(o)] = own_copy + own_kernel + sum(device_total[id(c)] for c in kids)
+        kernel_total[id(o)] = own_kernel + sum(kernel_total[id(c)] for c in kids)
         f = per_name.setdefault(o["name"], {"calls": 0, "runtime_us": 0.0, "copy_self_us": 0.0, "copy_total_us": 0.0,
+                                            "kernel_self_us": 0.0, "kernel_total_us": 0.0, "comm_annotation_us": 0.0,
                                             "merged_calls": 0, "merged_host_us": 0.0, "merged_device_us": 0.0,
                                             "left_out_by_plugin": bool(PLUGIN_LEFT_OUT.search(o["name"]))})
         f["calls"] += 1
         f["runtime_us"] += sum(r["dur"] for r in rts)
         f["copy_self_us"] += own_copy
         f["copy_total_us"] += copy_total[id(o)]
+        f["kernel_self_us"] += own_kernel
+        f["kernel_total_us"] += kernel_total[id(o)]
+        # host self with the annotations in the tree, against without them
+        f["comm_annotation_us"] += (sum(c["dur"] for c in with_comms.get(id(o), []))
+                                    - sum(c["dur"] for c in kids))
         if len(kids) == 1 and kids[0]["name"] == o["name"]:  # the plugin keeps one call of the two
             f["merged_calls"] += 1
             f["merged_host_us"] += kids[0]["dur"]
             f["merged_device_us"] += device_total[id(kids[0])]
-    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in ops if str(e["name"]).startswith("ProfilerStep#"))
-    step_numbers = sorted((e["ts"], int(str(e["name"]).split("#")[1])) for e in ops
-                          if str(e["name"]).startswith("ProfilerStep#"))
+    step_events = [e for e in x if str(e.get("name", "")).startswith("ProfilerStep#")]  # cpu_op, or user_annotation
+    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in step_events)
+    step_numbers = sorted((e["ts"], int(str(e["name"]).split("#")[1])) for e in step_events)
     memory: dict[str, dict] = {}  # per device, the peak of Total Allocated, else of the running sum of Bytes
     level: dict[str, int] = {}
     for e in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e.get("ts", 0)):
@@ -414,7 +416,28 @@ def trace_facts(trace: Path) -> dict:
                    (lo, max([hi, *launched]))}
     gpu = {name: _gpu_figures(kernels, lo, hi) for name, (lo, hi) in windows.items()}
     return {"operators": per_name, "gpu": gpu, "memory": memory,
+            # the plugin's 0.4.3 knows a launch by the 2021 category "Runtime" only (trace.py, EventTypeMap)
+            "plugin_sees_launches": any(c == "runtime" for c in cat),
             "windows_ms": {k: (hi - lo) / 1000 for k, (lo, hi) in windows.items()}}
+
+
+def _nesting(events: list[dict]) -> dict[int, list[dict]]:
+    """Each event's direct children: the events inside it on its thread, by time (a parent opens no later and
+    closes no earlier), keyed by id()."""
+    children: dict[int, list[dict]] = {}
+    by_tid: dict[object, list[dict]] = {}
+    for e in events:
+        by_tid.setdefault(e.get("tid"), []).append(e)
+    for lst in by_tid.values():
+        lst.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[dict] = []
+        for e in lst:
+            while stack and e["ts"] + e["dur"] > stack[-1]["ts"] + stack[-1]["dur"]:
+                stack.pop()
+            if stack:
+                children.setdefault(id(stack[-1]), []).append(e)
+            stack.append(e)
+    return children
 
 
 def _gpu_figures(kernels: list[dict], lo: float, hi: float) -> dict:
@@ -488,27 +511,38 @@ CAUSES = {  # what each rule moves (dpprof - plugin, ms), from trace_facts' figu
     "runtime": "the plugin takes the op's CUDA runtime calls (launches, syncs) out of its host self time",
     "copies": "the plugin counts the memcpy/memset an op launched as its device time",
     "merged": "the plugin merges a same-named only child into its parent (torch.autograd.profiler's _remove_dup_nodes)",
+    "comms": "the plugin nests nccl:*/gloo:* user annotations under an op, out of its host self time",
+    "unlinked": "the plugin reads no cuda_runtime/cuda_driver launch (CUDA 12 names; kineto#1166 was never released), "
+                "so it links no kernel to an operator: device time 0",
 }
 EXPLAIN_TOLERANCE_MS = 0.001  # the plugin rounds each sum to the us; the trace's times are whole us
 
 
-def _candidates(field: str, f: dict) -> dict[str, float]:
-    """Per cause, how far (dpprof - plugin, ms) it moves this field of an operator name."""
+def _candidates(field: str, f: dict, sees_launches: bool) -> dict[str, float]:
+    """Per cause, how far (dpprof - plugin, ms) it moves this field of an operator name. Where the plugin sees no
+    launch, it has no device time to copy or merge and no runtime call to take out of host self time."""
+    if not sees_launches:
+        return {"calls": {"merged": f["merged_calls"]},
+                "host_total": {"merged": f["merged_host_us"] / 1000},
+                "host_self": {"comms": f["comm_annotation_us"] / 1000},
+                "device_self": {"unlinked": f["kernel_self_us"] / 1000},
+                "device_total": {"unlinked": f["kernel_total_us"] / 1000}}[field]
     return {"calls": {"merged": f["merged_calls"]},
             "host_total": {"merged": f["merged_host_us"] / 1000},
-            "host_self": {"runtime": f["runtime_us"] / 1000},
+            "host_self": {"runtime": f["runtime_us"] / 1000, "comms": f["comm_annotation_us"] / 1000},
             "device_self": {"copies": -f["copy_self_us"] / 1000},
             "device_total": {"merged": f["merged_device_us"] / 1000, "copies": -f["copy_total_us"] / 1000}}[field]
 
 
-def explain(field: str, plugin_value: float, dpprof_value: float, f: dict | None) -> list[str] | None:
+def explain(field: str, plugin_value: float, dpprof_value: float, f: dict | None,
+            sees_launches: bool = True) -> list[str] | None:
     """The causes whose moves add up to the difference ([] where there is none), None where none do."""
     diff = dpprof_value - plugin_value
     if abs(diff) <= EXPLAIN_TOLERANCE_MS:
         return []
     if f is None:
         return None
-    moves = [(k, v) for k, v in _candidates(field, f).items() if v]
+    moves = [(k, v) for k, v in _candidates(field, f, sees_launches).items() if v]
     for n in range(1, len(moves) + 1):
         for combo in itertools.combinations(moves, n):
             if abs(sum(v for _, v in combo) - diff) <= EXPLAIN_TOLERANCE_MS * max(1, n):
@@ -548,7 +582,7 @@ def compare_operators(plugin: dict, dp: dict, top: int, facts: dict | None = Non
             p, d = r[field]["plugin"], r[field]["dpprof"]
             if p is None or d is None:
                 continue
-            causes = explain(field, p, d, f)
+            causes = explain(field, p, d, f, (facts or {}).get("plugin_sees_launches", True))
             r[field]["why"] = causes
             if causes:
                 key = " + ".join(causes)
@@ -576,8 +610,10 @@ def compare_operators(plugin: dict, dp: dict, top: int, facts: dict | None = Non
         for field, counts in why.items():
             print(f"  {field.replace('_', ' ')} differs for {sum(counts.values())}: "
                   + "; ".join(f"{n} by {k}" for k, n in counts.items()))
+        used = {c for counts in why.values() for key in counts for c in key.split(" + ")}
         for key, text in CAUSES.items():
-            print(f"    {key}: {text}")
+            if key in used:
+                print(f"    {key}: {text}")
         for r in both:
             if any(r[f].get("why") is None and r[f]["plugin"] is not None and r[f]["dpprof"] is not None
                    for f in ("calls", "host_self", "host_total", "device_self", "device_total")):
@@ -674,8 +710,9 @@ def compare_gpu(plugin: dict, dp: dict, facts: dict | None = None) -> list[dict]
     print("\nGPU, all steps (the plugin's figure, dpprof's, dpprof - plugin, in points"
           + ("; then the figure recomputed from the trace's kernels over each window: "
              + ", ".join(f"{w} {facts['windows_ms'][w]:.3f} ms" for w in windows) if windows else "") + ")")
+    one_each = len(plugin["gpu"]) == 1 and len(ours) == 1  # one GPU: dpprof may label it by rank ("rank:0")
     for g in plugin["gpu"]:
-        o = ours.get(g["device"], {})
+        o = next(iter(ours.values())) if one_each else ours.get(g["device"], {})
         for key in ("utilization_pct", "sm_efficiency_pct", "achieved_occupancy_pct"):
             p, d = g.get(key), o.get(key)
             again = {w: facts["gpu"][w][key] for w in windows} if len(plugin["gpu"]) == 1 else {}
@@ -683,7 +720,7 @@ def compare_gpu(plugin: dict, dp: dict, facts: dict | None = None) -> list[dict]
             print(f"  {g['device']} {key:<24} {_fmt(p, '.2f'):>7} {_fmt(d, '.2f'):>7} "
                   f"{_fmt(None if p is None or d is None else d - p, '+.2f'):>7}   "
                   + "  ".join(f"{_fmt(v, '.2f')}" for v in again.values()))
-    for device in sorted(set(ours) - {g["device"] for g in plugin["gpu"]}):
+    for device in [] if one_each else sorted(set(ours) - {g["device"] for g in plugin["gpu"]}):
         print(f"  {device}: in dpprof only ({ours[device]})")
     return rows
 
@@ -743,6 +780,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: a new temporary directory, said at the end)")
     parser.add_argument("--top", type=int, default=15, help="rows printed a table")
     parser.add_argument("--plugin-only", action="store_true", help="run the plugin's side only")
+    parser.add_argument("--plugin-from", type=Path, default=None, metavar="DIR",
+                        help="take the plugin's figures from an earlier run's --out DIR instead of running it")
     args = parser.parse_args(argv)
     if not args.trace.is_file():
         print(f"tb_plugin: no trace at {args.trace}", file=sys.stderr)
@@ -752,8 +791,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, {os.cpu_count()} cores, load average "
           f"{os.getloadavg()[0]:.2f}; trace {args.trace} ({args.trace.stat().st_size / 2**20:.2f} MiB)")
     try:
-        venv = find_tb_venv(args.tb_venv)
-        plugin = run_plugin(args.trace, venv, out)
+        if args.plugin_from is not None:
+            if not (args.plugin_from / "plugin.json").is_file():
+                raise BenchError(f"no plugin.json in {args.plugin_from} (give the --out DIR of an earlier run)")
+            plugin = json.loads((args.plugin_from / "plugin.json").read_text())
+        else:
+            plugin = run_plugin(args.trace, find_tb_venv(args.tb_venv), out)
     except BenchError as err:
         print(f"tb_plugin: {err}", file=sys.stderr)
         return 2
