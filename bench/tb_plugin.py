@@ -1,7 +1,8 @@
 """dpprof's operator, kernel, GPU and memory figures beside the TensorBoard profiler plugin's (torch-tb-profiler
 0.4.3, its last release) on the same torch.profiler trace (issue #33).
 
-    python bench/tb_plugin.py [--trace PATH] [--tb-venv DIR] [--out DIR] [--top N] [--plugin-only]
+    python bench/tb_plugin.py [--trace PATH] [--tb-venv DIR] [--out DIR] [--top N] [--rounds N]
+                              [--plugin-only] [--plugin-from DIR]
 
 The trace defaults to the plugin's own sample, ResNet-50 on one V100 in the 2021 format
 (../shared/traces/resnet50-1gpu-tb-sample.pt.trace.json.gz). Two sides, each in a process of its own:
@@ -40,7 +41,9 @@ import json
 import math
 import os
 import re
+import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -126,8 +129,10 @@ def run_plugin(trace: Path, venv: Path, out: Path) -> dict:
         "worker0.pt.trace.json.gz" if trace.name.endswith(".gz") else "worker0.pt.trace.json")
     shutil.copyfile(trace, run_dir / name)  # a copy: the plugin's cache never touches the user's file
     worker = re.sub(r"(\.\d+)?\.pt\.trace\.json(\.gz)?$", "", name)
+    out.mkdir(parents=True, exist_ok=True)
     log_path = out / "tensorboard.log"
     env = {**os.environ, "TORCH_PROFILER_LOG_LEVEL": "INFO"}
+    cpu = _children_cpu_s()
     with open(log_path, "w") as log:
         server = subprocess.Popen([str(venv / "bin" / "tensorboard"), "--logdir", str(logdir), "--host", "127.0.0.1",
                                    "--port", "0", "--load_fast", "false", "--reload_interval", "0"],
@@ -162,13 +167,21 @@ def run_plugin(trace: Path, venv: Path, out: Path) -> dict:
             server.kill()
             server.wait()
         shutil.rmtree(logdir, ignore_errors=True)
+    cpu = _children_cpu_s() - cpu
     figures = plugin_figures(routes)
+    figures["tensorboard_cpu_s"] = cpu  # TensorBoard's process and the workers it reaped: start, load, the routes
     figures["views"] = views
     figures["load_s"] = _load_seconds(log_path.read_text())
     figures["serve_wall_s"] = wall  # from TensorBoard's start to the run being listed: its imports and the load
     figures["versions"] = _versions(venv)
     figures["worker"] = worker
     return figures
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's waited-for children so far (user + system)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def _wait_for_server(server: subprocess.Popen, log_path: Path) -> str:
@@ -272,20 +285,32 @@ def _dpprof(reports: Path, *args: str) -> subprocess.CompletedProcess:
                           text=True, env=env, cwd=str(ROOT))
 
 
+def time_dpprof_import(trace: Path) -> tuple[float, float]:
+    """Wall and CPU seconds of one ``python -m dpprof import`` process (interpreter, imports, read, run file,
+    findings)."""
+    with tempfile.TemporaryDirectory(prefix="dpprof-tb-bench-") as tmp:
+        cpu, wall = _children_cpu_s(), time.perf_counter()
+        done = _dpprof(Path(tmp), "import", str(trace), "--quiet")
+        wall, cpu = time.perf_counter() - wall, _children_cpu_s() - cpu
+    if done.returncode != 0:
+        raise BenchError(f"dpprof import failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    return wall, cpu
+
+
 def run_dpprof(trace: Path) -> dict:
     """Import the trace into a temporary reports directory and read the three commands' --json."""
     with tempfile.TemporaryDirectory(prefix="dpprof-tb-bench-") as tmp:
         reports = Path(tmp)
-        wall = time.perf_counter()
+        cpu, wall = _children_cpu_s(), time.perf_counter()
         done = _dpprof(reports, "import", str(trace), "--quiet")
-        wall = time.perf_counter() - wall
+        wall, cpu = time.perf_counter() - wall, _children_cpu_s() - cpu
         if done.returncode != 0:
             raise BenchError(f"dpprof import failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
         m = re.search(r"imported run (\S+) ", done.stdout)
         if m is None:
             raise BenchError(f"dpprof import said no run id: {done.stdout.strip()[:200]}")
         run_id = m[1]
-        figures: dict = {"import_s": wall, "run": run_id, "import_output": done.stdout.strip()}
+        figures: dict = {"import_s": wall, "import_cpu_s": cpu, "run": run_id, "import_output": done.stdout.strip()}
         for command, key in (("ops", "operators"), ("kernels", "kernels"), ("memory", "devices")):
             done = _dpprof(reports, command, run_id, "--json", "--top", "1000000")
             if done.returncode != 0:
@@ -760,7 +785,8 @@ def print_plugin(plugin: dict, top: int) -> None:
     print(f"plugin: torch-tb-profiler {v.get('torch-tb-profiler')}, tensorboard {v.get('tensorboard')}, "
           f"python {v.get('python')}; views {', '.join(plugin['views'])}")
     print(f"  the plugin's load (its log, 'Load run' to 'Run loaded'): {_fmt(plugin['load_s'], '.2f')} s; "
-          f"TensorBoard's start to the run listed: {plugin['serve_wall_s']:.2f} s")
+          f"TensorBoard's start to the run listed: {plugin['serve_wall_s']:.2f} s; TensorBoard's CPU "
+          f"{_fmt(plugin.get('tensorboard_cpu_s'), '.2f')} s")
     steps = ", ".join(f"{s['step']}: {s['total_us'] / 1000:.3f}" for s in plugin["steps"])
     print(f"  steps in its overview (ms): {steps}")
     for g in plugin["gpu"]:
@@ -777,6 +803,36 @@ def print_plugin(plugin: dict, top: int) -> None:
               f"{o['host_self_us']:>8} {o['host_total_us']:>8}")
 
 
+def timing_rounds(args: argparse.Namespace, out: Path, plugin: dict, dp: dict) -> dict:
+    """More rounds of the two loads alone, taking turns (dpprof first in odd rounds); the first round's too."""
+    venv = find_tb_venv(args.tb_venv)
+    times: dict[str, list[float]] = {"plugin_load_s": [plugin["load_s"]], "plugin_serve_wall_s": [plugin["serve_wall_s"]],
+                                     "tensorboard_cpu_s": [plugin.get("tensorboard_cpu_s")],
+                                     "dpprof_import_s": [dp["import_s"]], "dpprof_import_cpu_s": [dp["import_cpu_s"]],
+                                     "load_average": [os.getloadavg()[0]]}
+    for k in range(1, args.rounds):
+        for side in (("dpprof", "plugin") if k % 2 else ("plugin", "dpprof")):
+            if side == "dpprof":
+                wall, cpu = time_dpprof_import(args.trace)
+                times["dpprof_import_s"].append(wall)
+                times["dpprof_import_cpu_s"].append(cpu)
+            else:
+                again = run_plugin(args.trace, venv, out / f"round-{k}")  # its log and routes kept there
+                times["plugin_load_s"].append(again["load_s"])
+                times["plugin_serve_wall_s"].append(again["serve_wall_s"])
+                times["tensorboard_cpu_s"].append(again["tensorboard_cpu_s"])
+        times["load_average"].append(os.getloadavg()[0])
+    median = {key: statistics.median(v) for key, v in times.items() if None not in v}
+    print(f"\n{args.rounds} rounds, taking turns (seconds; median last):")
+    for key, values in times.items():
+        print(f"  {key:<22} {_list(values)}   median {_fmt(median.get(key), '.2f')}")
+    return {"times": times, "median": median}
+
+
+def _list(values: list) -> str:
+    return ", ".join(_fmt(v, ".2f") for v in values)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=Path, default=TRACE, help="a torch.profiler trace (.json or .json.gz)")
@@ -786,6 +842,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: a new temporary directory, said at the end)")
     parser.add_argument("--top", type=int, default=15, help="rows printed a table")
     parser.add_argument("--plugin-only", action="store_true", help="run the plugin's side only")
+    parser.add_argument("--rounds", type=int, default=1, help="times each side loads the trace (the comparison "
+                        "uses the first; the rest time the two loads again, taking turns)")
     parser.add_argument("--plugin-from", type=Path, default=None, metavar="DIR",
                         help="take the plugin's figures from an earlier run's --out DIR instead of running it")
     args = parser.parse_args(argv)
@@ -816,14 +874,18 @@ def main(argv: list[str] | None = None) -> int:
     except BenchError as err:
         print(f"\ntb_plugin: {err}\nthe plugin's routes and figures: {out}", file=sys.stderr)
         return 1
-    print(f"\ndpprof: import {dp['import_s']:.2f} s (the process, wall clock), run {dp['run']}; the plugin's load "
-          f"{_fmt(plugin['load_s'], '.2f')} s")
+    print(f"\ndpprof: import {dp['import_s']:.2f} s, {dp['import_cpu_s']:.2f} CPU s (the process: interpreter, "
+          f"imports, reading, the run file, findings), run {dp['run']}; the plugin's load {_fmt(plugin['load_s'], '.2f')} "
+          f"s (a spawned worker: interpreter, imports, parsing), TensorBoard's CPU "
+          f"{_fmt(plugin.get('tensorboard_cpu_s'), '.2f')} s (start, load, the routes)")
     facts = trace_facts(args.trace)
     comparison = {"plugin_load_s": plugin["load_s"], "dpprof_import_s": dp["import_s"],
                   "operators": compare_operators(plugin, dp, args.top, facts),
                   "kernels": compare_kernels(plugin, dp, args.top),
                   "gpu": compare_gpu(plugin, dp, facts), "memory": compare_memory(plugin, dp, facts),
                   "trace_facts": facts}
+    if args.rounds > 1:
+        comparison["timing_rounds"] = timing_rounds(args, out, plugin, dp)
     (out / "dpprof.json").write_text(json.dumps(dp, indent=1))
     (out / "comparison.json").write_text(json.dumps(comparison, indent=1))
     print(f"\nboth sides' figures and the comparison: {out}")
