@@ -60,6 +60,7 @@ import urllib.parse
 import urllib.request
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "traces" / "resnet50-1gpu-tb-sample.pt.trace.json.gz"
@@ -105,7 +106,7 @@ def find_tb_venv(given: str | None) -> Path:
                      f"bin/tensorboard); make it once, from the checkout: {VENV_COMMAND}")
 
 
-def _get(url: str) -> object:
+def _get(url: str) -> Any:
     """One GET, JSON decoded (the plugin gzips its larger answers: urllib does not undo that by itself)."""
     with urllib.request.urlopen(url, timeout=300) as response:
         body = response.read()
@@ -353,8 +354,8 @@ def trace_facts(trace: Path) -> dict:
     ProfilerStep ranges, and those ranges with the last step stretched to the end of the device work launched
     inside it (the plugin's rule, event_parser.StepParser._update_steps_duration)."""
     opener = gzip.open if trace.name.endswith(".gz") else open
-    with opener(trace, "rt") as f:
-        events = json.load(f)["traceEvents"]
+    with opener(trace, "rt") as fh:
+        events = json.load(fh)["traceEvents"]
     x = [e for e in events if e.get("ph") == "X" and isinstance(e.get("dur"), (int, float))]
     cat = [str(e.get("cat", "")).lower() for e in x]
     ops = [e for e, c in zip(x, cat) if c in ("operator", "cpu_op")]
@@ -396,7 +397,7 @@ def trace_facts(trace: Path) -> dict:
             continue
         todo.append((o, True))
         todo.extend((c, False) for c in children.get(id(o), []))
-    per_name: dict[str, dict] = {}
+    per_name: dict[str, dict[str, Any]] = {}
     for o in order:
         rts = rts_of_ext.get(ext(o), []) if ext(o) not in (None, 0) else []
         own_copy = sum(copy_us_of_rt.get(id(r), 0.0) for r in rts)
@@ -405,7 +406,7 @@ def trace_facts(trace: Path) -> dict:
         copy_total[id(o)] = own_copy + sum(copy_total[id(c)] for c in kids)
         device_total[id(o)] = own_copy + own_kernel + sum(device_total[id(c)] for c in kids)
         kernel_total[id(o)] = own_kernel + sum(kernel_total[id(c)] for c in kids)
-        f = per_name.setdefault(o["name"], {"calls": 0, "runtime_us": 0.0, "copy_self_us": 0.0, "copy_total_us": 0.0,
+        f: dict[str, Any] = per_name.setdefault(o["name"], {"calls": 0, "runtime_us": 0.0, "copy_self_us": 0.0, "copy_total_us": 0.0,
                                             "kernel_self_us": 0.0, "kernel_total_us": 0.0, "comm_annotation_us": 0.0,
                                             "merged_calls": 0, "merged_host_us": 0.0, "merged_device_us": 0.0,
                                             "left_out_by_plugin": bool(PLUGIN_LEFT_OUT.search(o["name"]))})
@@ -586,13 +587,13 @@ def compare_operators(plugin: dict, dp: dict, top: int, facts: dict | None = Non
     ours = _by_name(dp.get("operators", []), ("calls", "host_total_ms", "host_self_ms", "device_total_ms",
                                                "device_self_ms"))
     theirs = {o["name"]: o for o in plugin["operators"]}
-    rows = []
+    rows: list[dict[str, Any]] = []
     def device_self_ms(n: str) -> float:  # the larger side's: on a CUDA 12 trace the plugin's are all 0
         return max(((theirs.get(n) or {}).get("device_self_us") or 0) / 1000, (ours.get(n) or {}).get("device_self_ms") or 0)
 
     for name in sorted(set(ours) | set(theirs), key=lambda n: -device_self_ms(n)):
         t, o = theirs.get(name), ours.get(name)
-        row = {"name": name, "in": "both" if t and o else ("plugin" if t else "dpprof")}
+        row: dict[str, Any] = {"name": name, "in": "both" if t and o else ("plugin" if t else "dpprof")}
         for field in ("calls", "host_self", "host_total", "device_self", "device_total"):
             pv = None if t is None else (t["calls"] if field == "calls" else
                                           None if t.get(f"{field}_us") is None else t[f"{field}_us"] / 1000)
@@ -600,7 +601,7 @@ def compare_operators(plugin: dict, dp: dict, top: int, facts: dict | None = Non
             row[field] = {"plugin": pv, "dpprof": dv}
         rows.append(row)
     both = [r for r in rows if r["in"] == "both"]
-    summary = {"operators_in_plugin": len(theirs), "operators_in_dpprof": len(ours), "in_both": len(both),
+    summary: dict[str, Any] = {"operators_in_plugin": len(theirs), "operators_in_dpprof": len(ours), "in_both": len(both),
                "only_in_plugin": sorted(r["name"] for r in rows if r["in"] == "plugin"),
                "only_in_dpprof": sorted(r["name"] for r in rows if r["in"] == "dpprof"),
                "calls_equal": sum(r["calls"]["plugin"] == r["calls"]["dpprof"] for r in both)}
@@ -663,7 +664,7 @@ def compare_kernels(plugin: dict, dp: dict, top: int) -> dict:
     ours = _by_name(dp.get("kernels", []), ("calls", "total_ms"), ("tensor_cores",),
                     {"mean_blocks_per_sm": "total_ms", "mean_occupancy_pct": "total_ms"})
     theirs = {k["name"]: k for k in plugin["kernels"]}
-    rows = []
+    rows: list[dict[str, Any]] = []
     def total_ms(n: str) -> float:
         return max(((theirs.get(n) or {}).get("total_us") or 0) / 1000, (ours.get(n) or {}).get("total_ms") or 0)
 
@@ -678,7 +679,7 @@ def compare_kernels(plugin: dict, dp: dict, top: int) -> dict:
                                             "dpprof": o and o["mean_occupancy_pct"]},
                      "tensor_cores": {"plugin": t and t["tensor_cores"], "dpprof": o and o["tensor_cores"]}})
     both = [r for r in rows if r["in"] == "both"]
-    summary = {"kernels_in_plugin": len(theirs), "kernels_in_dpprof": len(ours), "in_both": len(both),
+    summary: dict[str, Any] = {"kernels_in_plugin": len(theirs), "kernels_in_dpprof": len(ours), "in_both": len(both),
                "only_in_plugin": sorted(r["name"] for r in rows if r["in"] == "plugin"),
                "only_in_dpprof": sorted(r["name"] for r in rows if r["in"] == "dpprof"),
                "calls_equal": sum(r["calls"]["plugin"] == r["calls"]["dpprof"] for r in both),
@@ -742,9 +743,10 @@ def _print_summary(what: str, summary: dict, fields: tuple[str, ...]) -> None:
 
 
 def compare_gpu(plugin: dict, dp: dict, facts: dict | None = None) -> list[dict]:
-    rows = []
+    rows: list[dict[str, Any]] = []
     ours = {g["device"]: g for g in dp.get("gpu", []) if g.get("step") is None}
-    windows = list((facts or {}).get("gpu", {}))
+    facts = facts or {}
+    windows = list(facts.get("gpu", {}))
     print("\nGPU, all steps (the plugin's figure, dpprof's, dpprof - plugin, in points"
           + ("; then the figure recomputed from the trace's kernels over each window: "
              + ", ".join(f"{w} {facts['windows_ms'][w]:.3f} ms" for w in windows) if windows else "") + ")")
@@ -764,7 +766,7 @@ def compare_gpu(plugin: dict, dp: dict, facts: dict | None = None) -> list[dict]
 
 
 def compare_memory(plugin: dict, dp: dict, facts: dict | None = None) -> list[dict]:
-    rows = []
+    rows: list[dict[str, Any]] = []
     print("\nMemory peaks (bytes)")
     peaks = plugin["memory"]["peaks"]
     from_trace = (facts or {}).get("memory", {})
@@ -813,7 +815,7 @@ def print_plugin(plugin: dict, top: int) -> None:
 def timing_rounds(args: argparse.Namespace, out: Path, plugin: dict, dp: dict) -> dict:
     """More rounds of the two loads alone, taking turns (dpprof first in odd rounds); the first round's too."""
     venv = find_tb_venv(args.tb_venv)
-    times: dict[str, list[float]] = {"plugin_load_s": [plugin["load_s"]], "plugin_serve_wall_s": [plugin["serve_wall_s"]],
+    times: dict[str, list[float | None]] = {"plugin_load_s": [plugin["load_s"]], "plugin_serve_wall_s": [plugin["serve_wall_s"]],
                                      "tensorboard_cpu_s": [plugin.get("tensorboard_cpu_s")],
                                      "dpprof_import_s": [dp["import_s"]], "dpprof_import_cpu_s": [dp["import_cpu_s"]],
                                      "load_average": [os.getloadavg()[0]]}
@@ -829,7 +831,7 @@ def timing_rounds(args: argparse.Namespace, out: Path, plugin: dict, dp: dict) -
                 times["plugin_serve_wall_s"].append(again["serve_wall_s"])
                 times["tensorboard_cpu_s"].append(again["tensorboard_cpu_s"])
         times["load_average"].append(os.getloadavg()[0])
-    median = {key: statistics.median(v) for key, v in times.items() if None not in v}
+    median = {key: statistics.median([x for x in v if x is not None]) for key, v in times.items() if None not in v}
     print(f"\n{args.rounds} rounds, taking turns (seconds; median last):")
     for key, values in times.items():
         print(f"  {key:<22} {_list(values)}   median {_fmt(median.get(key), '.2f')}")
