@@ -430,7 +430,7 @@ def trace_facts(trace: Path) -> dict:
     level: dict[str, int] = {}
     for e in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e.get("ts", 0)):
         a = e.get("args", {})
-        dev = f"cuda:{a.get('Device Id')}" if a.get("Device Type") == 1 else "cpu"
+        dev = f"cuda:{a.get('Device Id')}" if a.get("Device Type") == 1 else "host"  # dpprof's name for it
         value = a.get("Total Allocated")
         level[dev] = level.get(dev, 0) + (a.get("Bytes") or 0)
         value = level[dev] if value is None else value
