@@ -33,6 +33,8 @@ from dpprof.records import (PHASES, AllocatorRecord, CommRecord, DeviceRecord, G
                             StepRecord)
 from dpprof.stepmodel import GPU_PARTS, IDLE, part_names, partition
 from dpprof.trace.collect import GPU_KINDS, Collected, collective_name
+from dpprof.trace.detail import Detail, detail_tables
+from dpprof.trace.detail_events import RawDetail
 from dpprof.trace.readback import export_info, exported_phases
 from dpprof.trace.numbers import MAX_BYTES, MAX_GPU_INDEX, whole
 
@@ -47,6 +49,7 @@ class Converted:
     devices: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     dataparallel: str | None = None  # "exact" (dpprof ranges) or "torch" (DataParallel.forward, GPUs)
+    detail: Detail | None = None  # operators, kernels, GPU metrics, memory over time, modules (dpprof.trace.detail)
 
 
 def process_label(c: Collected, rank: int | None) -> str:
@@ -320,6 +323,11 @@ def convert(c: Collected, t0_us: float, rank: int | None) -> Converted:
         if rank is not None and len(gpus) > 1:
             out.notes.append(f"rank {rank}'s trace shows {len(gpus)} GPUs: their activity is summed onto {label}")
     out.devices = devices
+    # the operators, kernels and memory first: what collect kept for them goes before the GPU time's arrays come
+    out.detail = detail_tables(c.detail, windows, t0_us, label_of, process_label(c, rank) if not dp_exact
+                               else devices[0], gpu_memory=c.memory, cumulative_gpus=c.memory_cumulative)
+    c.detail = RawDetail()
+    out.notes += out.detail.notes
     gpu_of = {label_of[g]: g for g in gpus}
     out.records += _gpu_time(c, windows, label_of)
     out.records += _allocator(c, windows, label_of)
