@@ -11,17 +11,15 @@ import io
 import re
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
 from recorded import record
+
+from dpprof.processes import dashboard_server
 
 CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,42 +33,12 @@ PlaywrightTimeoutError = playwright.TimeoutError
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _streamlit(reports: Path):
-    """`streamlit run app.py` on a free loopback port reading ``reports``; yields its address."""
-    port = _free_port()
-    log = open(reports.parent / "streamlit.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.port", str(port),
-         "--server.address", "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false"],
-        cwd=ROOT, env={**os.environ, "DPPROF_REPORTS": str(reports)}, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if urllib.request.urlopen(f"{base}/_stcore/health", timeout=2).read() == b"ok":
-                    break
-            except OSError:
-                pass
-            assert proc.poll() is None, (reports.parent / "streamlit.log").read_text()
-            assert time.monotonic() < deadline, "streamlit did not start in 60 s"
-            time.sleep(0.3)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    """`streamlit run app.py` on a free loopback port reading ``reports`` (processes.dashboard_server); yields its
+    address."""
+    with dashboard_server(ROOT / "app.py", reports, reports.parent / "streamlit.log") as served:
+        yield served.url
 
 
 @pytest.fixture(scope="module")

@@ -198,6 +198,7 @@ class Aggregator:
         self._run_sketch = Sketch()  # every settled step's duration but the first: the outlier rule's median
         self._median: float | None = None
         self._since_median = 0
+        self._median_steps = 0  # steps the outlier rule has seen
         self._outliers: dict[int, list[tuple[float, int, float]]] = {}  # chunk -> [(ms, step, median)], slowest first
         self._outlier_sql: list[Statement] = []
         self._peaks: dict[str, tuple[int, int]] = {}  # device -> (held bytes, step): the current peak step
@@ -375,7 +376,10 @@ class Aggregator:
         sketch = self._run_sketch
         sketch.add(ms)
         self._since_median += 1
-        if self._median is None or self._since_median >= _MEDIAN_EVERY:
+        self._median_steps += 1
+        # recomputed as often as the steps seen so far double, then every _MEDIAN_EVERY steps: a median read from
+        # the first step alone (the slowest: it carries one-time costs) would hide a run's early stalls
+        if self._median is None or self._since_median >= min(_MEDIAN_EVERY, self._median_steps // 2):
             self._median, self._since_median = sketch.quantile(0.5), 0
         if not self._median or ms <= OUTLIER_RATIO * self._median:
             return
