@@ -21,6 +21,7 @@ from dpprof.processes import progress_line as processes_progress_line
 from dpprof import views
 from dpprof.plaintext import markdown_code, markdown_text, markdown_words
 from dpprof.views import export
+from dpprof.views.opdiff import Pick
 from dpprof.views.text import display_table, dropped_records, finding_heading, run_label
 from dpprof.store.faults import RecordingError
 from dpprof.store.files import dir_signature, run_signature
@@ -244,6 +245,12 @@ def csv_button(df: pd.DataFrame, name: str, index: bool = False) -> None:
     """A CSV download of a table (formula-like cells neutralised: the built-in table download is off)."""
     st.download_button(f"⬇ {name}.csv", to_csv_bytes(df, index=index), file_name=f"{name}.csv",
                        mime="text/csv", key=f"csv-{name}", on_click="ignore")
+
+
+def pick_box(label: str, picks: list[Any], key: str) -> Any:
+    """A rank/device chooser of dpprof.views.opdiff.Pick values ("all devices" first where there are several)."""
+    options = ([Pick()] if len(picks) > 1 else []) + picks
+    return st.selectbox(label, options, format_func=lambda p: p.label(), key=key)
 
 
 def missing(text: str) -> None:
