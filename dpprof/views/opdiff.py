@@ -17,7 +17,7 @@ from dpprof.store import detail_rows
 from dpprof.store.reader import StoredRun
 
 __all__ = ["Pick", "DIFF_COLUMNS", "KERNEL_DIFF_COLUMNS", "SAME_CALLS_TOLERANCE", "operator_diff", "kernel_diff",
-           "diff_rows", "others_mean", "clock_of", "diff_sentence", "picks_of"]
+           "diff_rows", "side_of", "others_mean", "others_mean_of", "clock_of", "diff_sentence", "picks_of"]
 
 # Two sides made "the same calls" when their counts differ by at most this share (a sampled trace drops a few)
 SAME_CALLS_TOLERANCE = 0.01
@@ -50,27 +50,44 @@ def picks_of(run: StoredRun) -> list[Pick]:
     return [Pick(int(r), str(d)) for r, d in pairs.itertuples(index=False, name=None)]
 
 
+def side_of(ops: pd.DataFrame, pick: Pick) -> pd.DataFrame:
+    """One side from a frame of detail_rows.operators rows: the pick's operators by name, summed over the ranks and
+    devices it covers (columns name, calls and the host and device times)."""
+    sel = ops
+    if pick.rank is not None:
+        sel = sel[sel["rank"] == pick.rank]
+    if pick.device is not None:
+        sel = sel[sel["device"] == pick.device]
+    return sel.groupby("name", sort=False)[_SUMMED].sum(min_count=1).reset_index()
+
+
 def _operators(run: StoredRun, pick: Pick) -> pd.DataFrame:
-    """The pick's operators by name, summed over the ranks and devices it covers."""
-    ops = detail_rows.operators(run, rank=pick.rank, device=pick.device)
-    return ops.groupby("name", sort=False)[_SUMMED].sum(min_count=1).reset_index()
+    return side_of(detail_rows.operators(run, rank=pick.rank, device=pick.device), pick)
 
 
-def others_mean(run: StoredRun, pick: Pick, among: list[Pick] | None = None) -> pd.DataFrame:
-    """The mean per operator of every other device of the run (``among``: these instead), by name, as one side:
-    what a slow device is compared with. An operator one device lacks counts as 0 there."""
-    others = [p for p in (among if among is not None else picks_of(run)) if p != pick]
+def others_mean_of(ops: pd.DataFrame, pick: Pick) -> pd.DataFrame:
+    """From a frame of detail_rows.operators rows: the mean per operator of every (rank, device) other than the
+    pick's, by name, as one side (what a slow device is compared with). An operator a device lacks counts as 0
+    there."""
+    pairs = ops[["rank", "device"]].drop_duplicates().itertuples(index=False, name=None)
+    others = [Pick(int(r), str(d)) for r, d in pairs
+              if not ((pick.rank is None or r == pick.rank) and (pick.device is None or d == pick.device))]
     if not others:
         return pd.DataFrame({c: [] for c in ["name", *_SUMMED]})
-    frames = [_operators(run, p).set_index("name")[_SUMMED] for p in others]
+    frames = [side_of(ops, p).set_index("name")[_SUMMED] for p in others]
     names = pd.Index(sorted(set().union(*[f.index for f in frames])), name="name")
     stacked = [f.reindex(names) for f in frames]
-    summed = sum(f.fillna(0.0) for f in stacked) / len(stacked)
+    summed = sum(f.astype(float).fillna(0.0) for f in stacked) / len(stacked)
     assert isinstance(summed, pd.DataFrame)
     device_any = pd.concat([f["device_total_ms"] for f in stacked], axis=1).notna().any(axis=1)
     for col in ("device_total_ms", "device_self_ms"):  # a CPU-only side keeps its device times missing
         summed[col] = summed[col].where(device_any)
     return summed.reset_index()
+
+
+def others_mean(run: StoredRun, pick: Pick) -> pd.DataFrame:
+    """The mean per operator of every other (rank, device) of the run (others_mean_of)."""
+    return others_mean_of(detail_rows.operators(run), pick)
 
 
 def clock_of(a: pd.DataFrame, b: pd.DataFrame) -> str:
@@ -142,9 +159,10 @@ def _calls_text(a: float, b: float) -> str:
     return f"{b:,.0f} calls against {a:,.0f}"
 
 
-def diff_sentence(diff: pd.DataFrame, label_a: str, label_b: str, top: int = 3) -> str:
+def diff_sentence(diff: pd.DataFrame, label_a: str, label_b: str, top: int = 3, quote: str = "`") -> str:
     """"cuda:2 is 4.1 ms slower than cuda:0 on the device: `aten::cudnn_convolution` +3.2 ms (same calls, 1.8x the
-    time), ..." from ``operator_diff``: the whole difference, then the operators that explain most of it."""
+    time), ..." from ``operator_diff``: the whole difference, then the operators that explain most of it (each name
+    between ``quote``s: backticks for markdown, quotes for plain text)."""
     if diff.empty:
         return f"Neither {label_a} nor {label_b} has operators to compare."
     clock = diff.attrs.get("clock", "host")
@@ -158,5 +176,5 @@ def diff_sentence(diff: pd.DataFrame, label_a: str, label_b: str, top: int = 3) 
             times = f"none in {label_b}"
         else:
             times = f"{row.ratio:.1f}x the time" if pd.notna(row.ratio) else f"none in {label_a}"
-        parts.append(f"`{row.name}` {row.delta_ms:+.1f} ms ({_calls_text(row.calls_a, row.calls_b)}, {times})")
+        parts.append(f"{quote}{row.name}{quote} {row.delta_ms:+.1f} ms ({_calls_text(row.calls_a, row.calls_b)}, {times})")
     return lead + (": " + ", ".join(parts) if parts else "") + "."
