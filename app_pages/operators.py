@@ -51,7 +51,8 @@ def side_by_side(row: pd.Series, picks: list[Pick], pick: Pick) -> None:
     diff = _diff(row_a["path"], run_signature(Path(row_a["path"]), row_a["id"]), a,
                  row["path"], run_signature(Path(row["path"]), row["id"]), pick)
     label_a = a.label() if row_a is row else f"{row_a['name'] or row_a['id']} {a.label()}".strip()
-    st.markdown(markdown_words(opdiff.diff_sentence(diff, label_a, pick.label())))
+    steps = int(row["steps"]) if row_a is row and pd.notna(row["steps"]) else None  # one run: the same steps
+    st.markdown(markdown_words(opdiff.diff_sentence(diff, label_a, pick.label(), steps=steps)))
     if diff.empty:
         return
     common.chart(charts.operator_diff(diff, label_a, pick.label()))

@@ -197,7 +197,8 @@ def explain(rows: list[dict], t: Tables) -> list[dict]:
             sentence = _memory_sentence(d, device)
         else:
             diff = diff_rows(others_mean_of(d.operators, pick), side_of(d.operators, pick))
-            sentence = diff_sentence(diff, "the others' mean", device, top=EXPLAIN_TOP, quote="'") if len(diff) else None
+            sentence = diff_sentence(diff, "the others' mean", device, top=EXPLAIN_TOP, quote="'",
+                                     steps=t.model.steps) if len(diff) else None
         if sentence:
             row["evidence"] += f". Operators behind it (Operators page, side by side): {sentence}"
     return rows

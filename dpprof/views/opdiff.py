@@ -36,7 +36,8 @@ class Pick:
 
     def label(self, run: StoredRun | None = None) -> str:
         """"cuda:2", "rank 1 cuda:0", or the run's name where the pick is the whole run."""
-        parts = [f"rank {self.rank}" if self.rank is not None else "", self.device or ""]
+        named = self.device is not None and self.device == f"rank:{self.rank}"  # an imported rank names its device "rank:N"
+        parts = [f"rank {self.rank}" if self.rank is not None and not named else "", self.device or ""]
         text = " ".join(p for p in parts if p)
         if run is not None and not text:
             return str(run.meta.get("name") or run.id)
@@ -159,16 +160,18 @@ def _calls_text(a: float, b: float) -> str:
     return f"{b:,.0f} calls against {a:,.0f}"
 
 
-def diff_sentence(diff: pd.DataFrame, label_a: str, label_b: str, top: int = 3, quote: str = "`") -> str:
+def diff_sentence(diff: pd.DataFrame, label_a: str, label_b: str, top: int = 3, quote: str = "`",
+                  steps: int | None = None) -> str:
     """"cuda:2 is 4.1 ms slower than cuda:0 on the device: `aten::cudnn_convolution` +3.2 ms (same calls, 1.8x the
     time), ..." from ``operator_diff``: the whole difference, then the operators that explain most of it (each name
-    between ``quote``s: backticks for markdown, quotes for plain text)."""
+    between ``quote``s: backticks for markdown, quotes for plain text); ``steps``: the sides' step count, said."""
     if diff.empty:
         return f"Neither {label_a} nor {label_b} has operators to compare."
     clock = diff.attrs.get("clock", "host")
     total = float(diff["delta_ms"].sum())
     word = "slower" if total > 0 else "faster"
-    lead = f"{label_b} is {abs(total):.1f} ms {word} than {label_a} in {clock} self time"
+    over = f" over {steps:,} step{'s' if steps != 1 else ''}" if steps else ""
+    lead = f"{label_b} is {abs(total):.1f} ms {word} than {label_a} in {clock} self time{over}"
     same_sign = diff[np.sign(diff["delta_ms"]) == np.sign(total)] if total else diff
     parts = []
     for row in same_sign.head(top).itertuples(index=False):
