@@ -21,6 +21,7 @@ from dpprof.processes import progress_line as processes_progress_line
 from dpprof import views
 from dpprof.plaintext import markdown_code, markdown_text, markdown_words
 from dpprof.views import export
+from dpprof.views import opdiff
 from dpprof.views.opdiff import Pick
 from dpprof.views.text import display_table, dropped_records, finding_heading, run_label
 from dpprof.store.faults import RecordingError
@@ -66,6 +67,18 @@ def view(fn: Callable[..., Any], row: pd.Series, *args: Any) -> Any:
     files and their modification times."""
     path = Path(row["path"])
     return _view(fn, f"{fn.__module__}.{fn.__qualname__}", str(path), run_signature(path, row["id"]), *args)
+
+
+@st.cache_data(show_spinner="Comparing…", max_entries=32)
+def _operator_diff(path_a: str, sig_a: tuple, pick_a: Pick, path_b: str, sig_b: tuple, pick_b: Pick) -> pd.DataFrame:
+    return opdiff.operator_diff(load_run(path_a), pick_a, load_run(path_b), pick_b)
+
+
+def operator_diff(row_a: pd.Series, pick_a: Pick, row_b: pd.Series, pick_b: Pick) -> pd.DataFrame:
+    """dpprof.views.opdiff.operator_diff of two sides, each a run of the listing (the same or two) and a pick,
+    cached by both runs' files and their modification times."""
+    return _operator_diff(str(row_a["path"]), run_signature(Path(row_a["path"]), row_a["id"]), pick_a,
+                          str(row_b["path"]), run_signature(Path(row_b["path"]), row_b["id"]), pick_b)
 
 
 def run_csv(row: pd.Series, table: str) -> Callable[[], bytes]:

@@ -2,25 +2,16 @@
 ranks or runs side by side."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pandas as pd
 import streamlit as st
 
 from app_pages import common
 from dpprof import charts
 from dpprof.plaintext import markdown_text, markdown_words
-from dpprof.store.files import run_signature
-from dpprof.store.reader import load_run
 from dpprof.views import operators, opdiff
 from dpprof.views.opdiff import Pick
 
 ANOTHER_RUN = "another run…"
-
-
-@st.cache_data(show_spinner="Comparing…", max_entries=32)
-def _diff(path_a: str, sig_a: tuple, pick_a: Pick, path_b: str, sig_b: tuple, pick_b: Pick) -> pd.DataFrame:
-    return opdiff.operator_diff(load_run(path_a), pick_a, load_run(path_b), pick_b)
 
 
 def side_by_side(row: pd.Series, picks: list[Pick], pick: Pick) -> None:
@@ -48,8 +39,7 @@ def side_by_side(row: pd.Series, picks: list[Pick], pick: Pick) -> None:
             return
         a = common.pick_box("A's rank or device", common.view(operators.picks, row_a), "ops_pick_a")
     assert isinstance(a, Pick)
-    diff = _diff(row_a["path"], run_signature(Path(row_a["path"]), row_a["id"]), a,
-                 row["path"], run_signature(Path(row["path"]), row["id"]), pick)
+    diff = common.operator_diff(row_a, a, row, pick)
     label_a = a.label() if row_a is row else f"{row_a['name'] or row_a['id']} {a.label()}".strip()
     steps = int(row["steps"]) if row_a is row and pd.notna(row["steps"]) else None  # one run: the same steps
     st.markdown(markdown_words(opdiff.diff_sentence(diff, label_a, pick.label(), steps=steps)))

@@ -23,6 +23,7 @@ from dpprof.stepmodel import PHASE_WORDS
 from dpprof.store.model import PHASE_ORDER
 from dpprof.store.queries import MAX_POINTS
 from dpprof.units import bytes_unit
+from dpprof.views.timeline import STREAM_PHASE
 
 __all__ = ["MAX_POINTS", "PHASE_COLORS", "downsample", "device_glance", "step_times", "phase_breakdown", "phase_shares",
            "work_distribution", "memory_per_device", "chunk_sizes", "gpu_samples", "timeline",
@@ -35,9 +36,9 @@ PHASE_COLORS = {
     "scatter": "#88CCEE", "replicate": "#CC6677", "parallel_apply": "#DDCC77", "apply": "#117733",
     "gather": "#332288", "loss": "#44AA99", "reduce": "#999933", "backward": "#AA4499", "rest": "#BBBBBB",
     "step": "#DDDDDD", "data": "#661100", "forward": "#6699CC", "backward_compute": "#882255",
-    "comm_wait": "#EE8866", "optimizer": "#E69F00",
+    "comm_wait": "#EE8866", "optimizer": "#E69F00", "kernels": "#225555",
 }
-PHASE_LABELS = {**PHASE_WORDS, "rest": "rest of step", "loss": "loss (output device)", "reduce": "reduce (losses)"}
+PHASE_LABELS = {**PHASE_WORDS, "kernels": "GPU kernels", "rest": "rest of step", "loss": "loss (output device)", "reduce": "reduce (losses)"}
 _OTHER_COLORS = ["#888888", "#FFAABB", "#77AADD", "#AAAA00"]  # phases dpprof does not name
 
 
@@ -373,6 +374,12 @@ def _per_step_scale(phases: pd.DataFrame, steps: pd.DataFrame) -> tuple[pd.Serie
     return base, phases["duration_ms"] / length
 
 
+def _stream_key(lane: str) -> tuple:
+    """"cuda:0 stream 7" sorts by device, then stream number."""
+    device, _, stream = lane.partition(" stream ")
+    return (*device_key(device), int(stream) if stream.isdigit() else -1, stream)
+
+
 @_plain
 def timeline(phases: pd.DataFrame, steps: pd.DataFrame, equal_steps: bool = False) -> go.Figure:
     """A Gantt chart of the phases on each device over a range of steps.
@@ -385,7 +392,9 @@ def timeline(phases: pd.DataFrame, steps: pd.DataFrame, equal_steps: bool = Fals
         equal_steps: draw every step the same width (each phase at its share of its step), so that a few
             slow steps do not squash the others; hover still gives milliseconds.
     """
-    devices = sorted(dict.fromkeys(phases["device"]), key=device_key)  # not by who started first
+    stream_lanes = phases["phase"] == STREAM_PHASE  # a GPU stream's kernels: below the host lanes, by device, stream
+    devices = sorted(dict.fromkeys(phases.loc[~stream_lanes, "device"]), key=device_key)  # not by who started first
+    devices += sorted(dict.fromkeys(phases.loc[stream_lanes, "device"]), key=_stream_key)
     lanes = ["step", *(["parallel_apply"] if (phases["phase"] == "parallel_apply").any() else []), *devices]
     equal_steps = equal_steps and not steps.empty
     fig = _fig("Timeline (every step the same width)" if equal_steps else "Timeline (ms since the run started)",

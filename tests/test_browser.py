@@ -333,3 +333,28 @@ def _no_element_from_a_name(page, where: str) -> None:
     colored = page.eval_on_selector_all("[data-testid='stMarkdownContainer'] span[style*='color']",
                                         "els => els.map(e => e.innerText.trim())")
     assert "z" not in colored, (where, colored)
+
+
+@pytest.fixture(scope="module")
+def trace_server(tmp_path_factory):
+    """The shared ResNet-50 trace imported (operators, kernels, memory over time); `streamlit run app.py` on it."""
+    from dpprof.trace import import_traces
+
+    reports = tmp_path_factory.mktemp("trace-reports")
+    imported = import_traces([ROOT.parent / "shared" / "traces" / "resnet50-1gpu-tb-sample.pt.trace.json.gz"],
+                             reports, name="resnet", jobs=1)
+    with _streamlit(reports) as base:
+        yield {"base": base, "id": imported.id}
+
+
+def test_operators_kernels_and_memory_pages_open_on_an_imported_trace(trace_server, browser):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(TIMEOUT_MS)
+    for path, text in (("operators", "Top 15 operators by device self time"),
+                       ("kernels", "What these figures mean"), ("memory", "peaks at")):
+        page.goto(f"{trace_server['base']}/{path}?run={trace_server['id']}")
+        _heading(page, "resnet")
+        page.get_by_text(text).first.wait_for()
+        page.locator('[data-testid="stPlotlyChart"]').first.wait_for()
+        assert not page.locator('[data-testid="stException"]').count(), path
+    page.close()

@@ -236,3 +236,37 @@ def test_the_operators_page_sets_two_ranks_side_by_side(runs, monkeypatch):
     assert f"rank:1 is {diff['delta_ms'].sum():.1f} ms slower than rank:0" in texts
     assert diff.iloc[0]["name"] in texts
     assert len(at.get("plotly_chart")) == 2  # the top operators and the difference
+
+
+# -- the Timeline's GPU stream lanes ------------------------------------------------------------
+
+def test_stream_lanes_hold_every_kernel_of_the_steps_on_its_stream(runs):
+    """Each stream's spans add up to the kernels the file itself puts in the steps on that stream (counted here
+    with gzip + json): same count, same time; and the Timeline draws a lane per stream below the host's."""
+    import gzip
+    import json
+    import re
+
+    with gzip.open(RESNET, "rt") as f:
+        doc = json.load(f)
+    steps = [(e["ts"], e["ts"] + e["dur"]) for e in doc["traceEvents"]
+             if e.get("ph") == "X" and re.fullmatch(r"ProfilerStep#\d+", str(e.get("name", "")))]
+    busy: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for e in doc["traceEvents"]:
+        if e.get("ph") == "X" and e.get("cat") in ("Kernel", "kernel") and any(a <= e["ts"] < b for a, b in steps):
+            stream = str(e["tid"]).removeprefix("stream ")
+            busy[stream] = busy.get(stream, 0.0) + e["dur"] / 1e3
+            count[stream] = count.get(stream, 0) + 1
+    spans = detail_rows.stream_spans(runs.resnet, 0, 10**6)
+    per = spans.groupby("stream").agg(busy_ms=("busy_ms", "sum"), kernels=("kernels", "sum"))
+    assert per["kernels"].to_dict() == count
+    assert per["busy_ms"].to_dict() == pytest.approx(busy, rel=1e-9)
+    assert (spans["busy_ms"] <= spans["duration_ms"] + 1e-9).all()
+    from dpprof.views import timeline
+    phases, steps_df = timeline.timeline(runs.resnet, *timeline.default_timeline_range(runs.resnet))
+    lanes = phases[phases["phase"] == timeline.STREAM_PHASE]
+    assert set(lanes["device"]) == {f"cuda:0 stream {s}" for s in count}
+    fig = charts.timeline(phases, steps_df)
+    assert list(fig.layout.yaxis.categoryarray)[0] == "cuda:0 stream 7"  # the bottom lane
+    assert detail_rows.stream_spans(runs.loader, 0, 10**6).empty  # a CPU trace: no lanes

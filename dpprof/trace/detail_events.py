@@ -128,6 +128,7 @@ _ARRAYS = {  # name -> typecode: ops, launches, kernels, memory events, modules
     "op_ts": "d", "op_end": "d", "op_tid": "i", "op_name": "i", "op_shape": "i", "op_ext": "q",
     "rt_ts": "d", "rt_tid": "i", "rt_corr": "q", "rt_ext": "q",
     "k_ts": "d", "k_end": "d", "k_gpu": "i", "k_name": "i", "k_corr": "q", "k_ext": "q", "k_cfg": "i",
+    "k_stream": "i",
     "k_bpsm": "d", "k_occ": "d",
     "m_ts": "d", "m_tid": "i", "m_gpu": "i", "m_addr": "q", "m_bytes": "q", "m_alloc": "d", "m_res": "d",
     "py_ts": "d", "py_end": "d", "py_tid": "i", "py_name": "i",
@@ -190,8 +191,8 @@ class DetailCollector:
         a["rt_corr"].append(corr)
         a["rt_ext"].append(_id(ext))
 
-    def kernel(self, ts: float, end: float, gpu: int, name: str, raw_args: Any) -> None:
-        """A kernel on ``gpu`` whose times ``collect`` checked."""
+    def kernel(self, ts: float, end: float, gpu: int, name: str, raw_args: Any, stream: Any = None) -> None:
+        """A kernel on ``gpu`` (on ``stream``: the event's tid) whose times ``collect`` checked."""
         try:
             args = _decode_kernel(raw_args) if raw_args else _NO_KERNEL_ARGS
         except (msgspec.DecodeError, RecursionError):
@@ -200,6 +201,7 @@ class DetailCollector:
         a["k_ts"].append(ts)
         a["k_end"].append(end)
         a["k_gpu"].append(gpu)
+        a["k_stream"].append(self.tids(stream))
         a["k_name"].append(self.names(name))
         a["k_corr"].append(_id(args.correlation))
         ext = args.external_id if args.external_id is not None else args.external_id_2021
