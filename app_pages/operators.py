@@ -22,8 +22,11 @@ def side_by_side(row: pd.Series, picks: list[Pick], pick: Pick) -> None:
     runs = common.readable(common.listing())
     others = [p for p in picks if p != pick]
     choices: list[object] = [*others, ANOTHER_RUN]
+    # another run is read only when asked for: with no other device here, nothing is chosen at first
     a = c1.selectbox("A (the reference)", choices, format_func=lambda p: p if isinstance(p, str) else p.label(),
-                     key="ops_a")
+                     key="ops_a", index=0 if others else None, placeholder="choose another run…")
+    if a is None:
+        return
     c2.selectbox("B (explained)", [pick], format_func=lambda p: p.label(), key="ops_b", disabled=True)
     row_a = row
     if isinstance(a, str):
@@ -62,15 +65,15 @@ def body(row: pd.Series) -> None:
     by = c2.radio("Group by", ["name", "shape"], horizontal=True, key="ops_by",
                   format_func={"name": "name", "shape": "name + input shapes"}.get)
     search = c3.text_input("Search names", key="ops_search")
-    top, value = common.view(operators.top_operators, row, pick)
-    common.chart(charts.top_operators(top, value))
-    table = common.view(operators.operator_table, row, pick, by, search)
+    data = common.view(operators.operators_page, row, pick, by, search)
+    common.chart(charts.top_operators(data.top, data.value))
+    table = data.table
     st.caption(f"{len(table):,} rows. Host times: the ops' own durations (self: less their children). Device times: "
                "their kernels, linked op → launch → kernel (total: with their children's). tc eligible: an op that "
                "can use tensor cores; tc pct: the share of its device time on tensor-core kernels. Click a header "
                "to sort.")
     common.table(table, f"operators_{by}")
-    tree = common.view(operators.module_tree, row, pick)
+    tree = data.tree
     st.subheader("Modules")
     if tree.empty:
         common.missing("No module tree: the trace has no module ids (profile with with_stack=True and "
@@ -79,8 +82,7 @@ def body(row: pd.Series) -> None:
         common.table(tree, "modules")
     if len(picks) > 1 or len(common.readable(common.listing())) > 1:
         side_by_side(row, picks, pick if pick != Pick() else picks[-1])
-    notes = common.view(operators.notes, row)
-    if notes:
-        st.caption(markdown_text(" ".join(notes)))
+    if data.notes:
+        st.caption(markdown_text(" ".join(data.notes)))
 
 common.live(body)

@@ -221,7 +221,14 @@ def detail_page_builders(path: str) -> dict[str, object]:
         return [charts.memory_over_time(memory.memory_curve(run, pick), peaks), memory.events(run, pick),
                 memory.per_operator(run, pick)]
 
-    return {"Operators": operators_page, "Kernels": kernels_page, "Memory": memory_page}
+    def timeline_page():
+        from dpprof.views import timeline as timeline_view
+
+        run = load_run(path)
+        return [charts.timeline(*timeline_view.timeline(run, *timeline_view.default_timeline_range(run)))]
+
+    return {"Operators": operators_page, "Kernels": kernels_page, "Memory": memory_page,
+            "Timeline (5 steps, streams)": timeline_page}
 
 
 def apptest_pages(paths: list[str], pages: tuple[str, ...] = ("runs", "overview", "load", "timeline", "compare",
@@ -306,7 +313,7 @@ def main() -> None:
             print(f"  {page:<28} {seconds:6.2f} s")
         if args.apptest:
             print("  AppTest, each page's run of app.py with empty caches:")
-            for page, seconds in apptest_pages([args.trace_run], ("operators", "kernels", "memory")).items():
+            for page, seconds in apptest_pages([args.trace_run], ("operators", "kernels", "memory", "timeline")).items():
                 worst = max(worst, seconds)
                 print(f"  {page:<28} {seconds:6.2f} s")
     ok = worst < PAGE_BUDGET_S and largest <= FILE_BUDGET_BYTES

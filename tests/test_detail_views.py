@@ -227,6 +227,8 @@ def test_the_operators_page_sets_two_ranks_side_by_side(runs, monkeypatch):
     at.run()
     at.session_state["chosen_run"] = runs.straggler.id
     _page(at, "operators")
+    assert operators.picks(runs.straggler) == [Pick(0, "rank:0"), Pick(1, "rank:1")]
+    assert operators.picks(runs.resnet) == [Pick(None, "cuda:0")]  # one rank: its devices alone
     at.selectbox(key="ops_pick").select(Pick(1, "rank:1")).run()
     assert not at.exception, [e.message for e in at.exception]
     at.selectbox(key="ops_a").select(Pick(0, "rank:0")).run()

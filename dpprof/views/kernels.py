@@ -3,13 +3,16 @@ block, registers and shared memory) and each GPU's utilization, SM efficiency an
 with their definitions in the TensorBoard profiler plugin's words."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pandas as pd
 
 from dpprof.store import detail_rows
 from dpprof.store.reader import StoredRun
 from dpprof.views.opdiff import Pick
 
-__all__ = ["GPU_METRIC_DEFINITIONS", "missing_text", "kernel_table", "gpu_per_step", "gpu_summary"]
+__all__ = ["GPU_METRIC_DEFINITIONS", "KernelsPage", "kernels_page", "picks", "missing_text", "kernel_table",
+           "gpu_per_step", "gpu_summary"]
 
 # The TensorBoard plugin's definitions (kineto tb_plugin/docs/gpu_utilization.md), as dpprof.trace.detail computes
 # them: shown on the page beside the figures.
@@ -55,3 +58,25 @@ def gpu_per_step(run: StoredRun, pick: Pick) -> pd.DataFrame:
 def gpu_summary(run: StoredRun) -> pd.DataFrame:
     """Each GPU's figures over all steps (detail_rows.gpu_summary), one row per rank and device."""
     return detail_rows.gpu_summary(run)
+
+
+def picks(run: StoredRun) -> list[Pick]:
+    """Every (rank, device) that ran kernels (the rank None in a run of one rank)."""
+    pairs = detail_rows.gpu_summary(run)[["rank", "device"]].drop_duplicates().sort_values(["rank", "device"])
+    one = pairs["rank"].nunique() <= 1
+    return [Pick(None if one else int(r), str(d)) for r, d in pairs.itertuples(index=False, name=None)]
+
+
+@dataclass
+class KernelsPage:
+    """What the Kernels page shows for one pick, read in one go."""
+
+    summary: pd.DataFrame  # gpu_summary: every GPU of the run
+    per_step: pd.DataFrame  # gpu_per_step of the pick
+    table: pd.DataFrame  # kernel_table of the pick
+
+
+def kernels_page(run: StoredRun, pick: Pick, by: str = "name", search: str | None = None) -> KernelsPage:
+    """The Kernels page's data for a pick."""
+    return KernelsPage(summary=gpu_summary(run), per_step=gpu_per_step(run, pick),
+                       table=kernel_table(run, pick, by, search))

@@ -3,6 +3,8 @@ dpprof.trace.detail.MEMORY_POINTS points a device, each a bucket's maximum, like
 peak and the step it fell in, the memory events (allocations paired with their frees) and memory per operator."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pandas as pd
 
 from dpprof.store import detail_rows
@@ -10,7 +12,7 @@ from dpprof.store.reader import StoredRun
 from dpprof.units import bytes_unit
 from dpprof.views.opdiff import Pick
 
-__all__ = ["MEMORY_EVENTS_SHOWN", "missing_text", "memory_curve", "peaks", "peak_lines", "events", "per_operator"]
+__all__ = ["MEMORY_EVENTS_SHOWN", "MemoryPage", "memory_page", "picks", "missing_text", "memory_curve", "peaks", "peak_lines", "events", "per_operator"]
 
 MEMORY_EVENTS_SHOWN = 1_000  # the largest allocations in the table: a browser shows a thousand rows at once
 
@@ -66,3 +68,26 @@ def events(run: StoredRun, pick: Pick, top: int = MEMORY_EVENTS_SHOWN) -> pd.Dat
 def per_operator(run: StoredRun, pick: Pick) -> pd.DataFrame:
     """Per operator: calls, allocations, bytes allocated and freed, size increase (detail_rows.operator_memory)."""
     return detail_rows.operator_memory(run, rank=pick.rank, device=pick.device)
+
+
+def picks(run: StoredRun) -> list[Pick]:
+    """Every (rank, device) with memory over time (the rank None in a run of one rank)."""
+    pairs = detail_rows.memory_peaks(run)[["rank", "device"]].drop_duplicates().sort_values(["rank", "device"])
+    one = pairs["rank"].nunique() <= 1
+    return [Pick(None if one else int(r), str(d)) for r, d in pairs.itertuples(index=False, name=None)]
+
+
+@dataclass
+class MemoryPage:
+    """What the Memory page shows for one pick, read in one go."""
+
+    peaks: pd.DataFrame
+    curve: pd.DataFrame
+    events: pd.DataFrame
+    per_operator: pd.DataFrame
+
+
+def memory_page(run: StoredRun, pick: Pick) -> MemoryPage:
+    """The Memory page's data for a pick."""
+    return MemoryPage(peaks=peaks(run, pick), curve=memory_curve(run, pick), events=events(run, pick),
+                      per_operator=per_operator(run, pick))

@@ -45,10 +45,11 @@ class Pick:
 
 
 def picks_of(run: StoredRun) -> list[Pick]:
-    """Every (rank, device) of the run that holds operators, in order."""
+    """Every (rank, device) of the run that holds operators, in order (the rank None in a run of one rank)."""
     ops = detail_rows.operators(run)
     pairs = ops[["rank", "device"]].drop_duplicates().sort_values(["rank", "device"])
-    return [Pick(int(r), str(d)) for r, d in pairs.itertuples(index=False, name=None)]
+    one = pairs["rank"].nunique() <= 1
+    return [Pick(None if one else int(r), str(d)) for r, d in pairs.itertuples(index=False, name=None)]
 
 
 def side_of(ops: pd.DataFrame, pick: Pick) -> pd.DataFrame:

@@ -3,13 +3,16 @@ top operators by self time, the module tree where the run has one, and two devic
 (dpprof.views.opdiff)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pandas as pd
 
 from dpprof.store import detail_rows
 from dpprof.store.reader import StoredRun
 from dpprof.views.opdiff import Pick, picks_of
 
-__all__ = ["TOP_OPERATORS", "missing_text", "picks", "operator_table", "top_operators", "module_tree", "notes"]
+__all__ = ["TOP_OPERATORS", "OperatorsPage", "operators_page", "missing_text", "picks", "operator_table",
+           "top_operators", "module_tree", "notes"]
 
 TOP_OPERATORS = 15  # bars in the top-N chart: more names than this no longer read on one screen
 
@@ -66,3 +69,22 @@ def module_tree(run: StoredRun, pick: Pick) -> pd.DataFrame:
 def notes(run: StoredRun) -> list[str]:
     """What the import left out of the operator, kernel and memory tables, one line each."""
     return detail_rows.detail_notes(run)
+
+
+@dataclass
+class OperatorsPage:
+    """What the Operators page shows for one pick, read in one go (one opening of the run)."""
+
+    top: pd.DataFrame  # top_operators
+    value: str  # the column the top operators are chosen by
+    table: pd.DataFrame  # operator_table
+    tree: pd.DataFrame  # module_tree
+    notes: list[str]
+
+
+def operators_page(run: StoredRun, pick: Pick, by: str = "name", search: str | None = None) -> OperatorsPage:
+    """The Operators page's data for a pick: its top operators, its table (``by``, ``search``), its module tree and
+    the import's notes."""
+    top, value = top_operators(run, pick)
+    return OperatorsPage(top=top, value=value, table=operator_table(run, pick, by, search),
+                         tree=module_tree(run, pick), notes=notes(run))
