@@ -519,11 +519,49 @@ def _cmd_ops(args: argparse.Namespace) -> int:
     run = _detail_run(args)
     if run is None:
         return EXIT_FAILURE
+    if args.vs:
+        return _ops_vs(args, run)
     df = operators(run, by=args.by, rank=args.rank, device=args.device, top=args.top)  # type: ignore[arg-type]
     if args.json:
         _print_json({"operators": _records(df, OPS_JSON + (["input_shapes"] if args.by == "shape" else []))})
         return EXIT_OK
     print(_table(df.drop(columns=["tc_eligible", "tc_pct"] if df["tc_pct"].isna().all() else [])))
+    return EXIT_OK
+
+
+def _ops_vs(args: argparse.Namespace, run: object) -> int:
+    """``dpprof ops RUN --vs DEVICE|RUN2``: the run's operators (--rank, --device) against another device of it, or
+    against another run (all its devices), the difference per operator largest first (dpprof.views.opdiff)."""
+    from dpprof.store.detail_rows import detail_missing
+    from dpprof.store.reader import StoredRun, load_run
+    from dpprof.views.opdiff import Pick, diff_sentence, operator_diff
+
+    assert isinstance(run, StoredRun)
+    pick_b = Pick(args.rank, args.device)
+    devices = set(run.operators()["device"])
+    if args.vs in devices:
+        other, pick_a = run, Pick(None, args.vs)
+        label_a = args.vs
+    else:
+        other = load_run(args.vs, args.reports_dir)
+        why = detail_missing(other)
+        if why is not None:
+            print(f"dpprof: run {other.id}: {why}", file=sys.stderr)
+            return EXIT_FAILURE
+        pick_a, label_a = Pick(), str(other.meta.get("name") or other.id)
+    label_b = pick_b.label(run) if other is run or args.device or args.rank is not None \
+        else str(run.meta.get("name") or run.id)
+    diff = operator_diff(other, pick_a, run, pick_b)
+    steps = run.model.steps if other is run else None
+    sentence = diff_sentence(diff, label_a, label_b, quote="", steps=steps)
+    top = diff.head(args.top)
+    if args.json:
+        _print_json({"sentence": sentence, "clock": diff.attrs["clock"],
+                     "operators": _records(top, list(top.columns))})
+        return EXIT_OK
+    print(sentence)
+    print()
+    print(_table(top))
     return EXIT_OK
 
 
@@ -756,6 +794,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Operators by host total time: calls, host and device total and self time, "
                        "tensor-core eligibility and share. Exit 1, in one line, for a run without operator data.")
     _detail_options(p, ("name", "shape"))
+    p.add_argument("--vs", default=None, metavar="DEVICE|RUN",
+                   help="set the operators (of --rank/--device) beside another device of the run, or another run: "
+                        "the difference per operator, largest first")
     p.set_defaults(func=_cmd_ops, parser=p)
 
     p = sub.add_parser("kernels", help="a run's top kernels and each GPU's utilization, SM efficiency, occupancy",

@@ -272,3 +272,19 @@ def test_stream_lanes_hold_every_kernel_of_the_steps_on_its_stream(runs):
     fig = charts.timeline(phases, steps_df)
     assert list(fig.layout.yaxis.categoryarray)[0] == "cuda:0 stream 7"  # the bottom lane
     assert detail_rows.stream_spans(runs.loader, 0, 10**6).empty  # a CPU trace: no lanes
+
+
+def test_ops_vs_prints_the_pages_sentence_and_the_difference(runs, capsys):
+    from dpprof.cli import main
+    import json
+
+    base = ["--reports-dir", str(runs.reports), "ops"]
+    assert main([*base, runs.straggler.id, "--device", "rank:1", "--vs", "rank:0", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    diff = opdiff.operator_diff(runs.straggler, Pick(None, "rank:0"), runs.straggler, Pick(None, "rank:1"))
+    assert doc["sentence"] == opdiff.diff_sentence(diff, "rank:0", "rank:1", quote="", steps=runs.straggler.model.steps)
+    assert [r["name"] for r in doc["operators"]] == diff["name"].head(20).tolist()
+    assert [r["delta_ms"] for r in doc["operators"]] == pytest.approx(diff["delta_ms"].head(20).tolist())
+    assert main([*base, runs.ddp2.id, "--vs", runs.recorded.id]) == 1  # a run without operators: one line
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--capture" in err[0]
