@@ -31,7 +31,6 @@ from torch.autograd.profiler import record_function
 
 from dpprof.capture.request import CaptureAnswer, read_request, write_answer
 from dpprof.capture.window import CaptureError, CaptureWindow
-from dpprof.parallel.workers import worker_native_ids
 from dpprof.records import NoteRecord
 from dpprof.store.files import capture_trace_name, hidden_name, publish_file, remove_files
 
@@ -178,6 +177,9 @@ class CaptureSession:
         TRAINING_THREAD_DEVICE; None on GPUs, where each kernel says its device."""
         if self.run.backend != "cpu":
             return None
+        # here, not at the top: dpprof.parallel records into runs (it imports dpprof.recording, which imports this)
+        from dpprof.parallel.workers import worker_native_ids
+
         out = {tid: f"cpu:{index}" for tid, index in worker_native_ids().items()}
         out[self._training_tid] = TRAINING_THREAD_DEVICE
         return out

@@ -25,7 +25,18 @@ _WINDOW = re.compile(r"\s*(\d+)\s*:\s*(\d+)\s*")
 
 
 class CaptureError(ValueError):
-    """A capture window or request that cannot be used; the message is one line naming the value."""
+    """A capture window or request that cannot be used; the message is one line naming the value.
+
+    ``reason`` is the message without the value's name, for a caller that names it its own way (``--capture 4:2``).
+    """
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason or message
+
+
+def _bad(value: object, reason: str) -> CaptureError:
+    return CaptureError(f"capture window {value}: {reason}", reason)
 
 
 @dataclass(frozen=True)
@@ -42,10 +53,10 @@ class CaptureWindow:
 
     def __post_init__(self) -> None:
         if self.first_step < 0 or self.end_step <= self.first_step:
-            raise CaptureError(f"capture window {self.first_step}:{self.end_step}: steps A:B need 0 <= A < B")
+            raise _bad(f"{self.first_step}:{self.end_step}", "steps A:B need 0 <= A < B")
         if self.steps > MAX_CAPTURE_STEPS:
-            raise CaptureError(f"capture window {self}: {self.steps:,} steps, at most {MAX_CAPTURE_STEPS:,} in one "
-                               "window (a longer trace opens in no viewer)")
+            raise _bad(self, f"{self.steps:,} steps, at most {MAX_CAPTURE_STEPS:,} in one window (a longer trace "
+                             "opens in no viewer)")
 
     @property
     def steps(self) -> int:
@@ -66,8 +77,9 @@ def parse_capture(value: str | CaptureWindow | None) -> CaptureWindow | None:
     if value is None or isinstance(value, CaptureWindow):
         return value
     if not isinstance(value, str):
-        raise CaptureError(f"capture={value!r}: give the window as text \"A:B\" (steps A to B-1), e.g. \"10:15\"")
+        raise CaptureError(f"capture={value!r}: give the window as text \"A:B\" (steps A to B-1), e.g. \"10:15\"",
+                           "give the window as text A:B (steps A to B-1), e.g. 10:15")
     match = _WINDOW.fullmatch(value)
     if match is None:
-        raise CaptureError(f"capture window {value!r}: expected A:B, steps A to B-1 such as 10:15")
+        raise _bad(repr(value), "expected A:B, steps A to B-1 such as 10:15")
     return CaptureWindow(int(match.group(1)), int(match.group(2)))
