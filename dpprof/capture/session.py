@@ -254,6 +254,12 @@ class CaptureSession:
             write_answer(self.directory, self.run.id, CaptureAnswer(
                 request=nonce, error="a capture is under way in this run; ask again once it is stored"))
 
+    def wait(self, timeout_s: float | None = None) -> list[CapturedWindow]:
+        """Wait until every window that ended is stored (trace written, tables in the run); the windows stored."""
+        for job in list(self._jobs):
+            job.join(timeout_s)
+        return list(self.captured)
+
     # -- the run's close ---------------------------------------------------------------------------------------
 
     def close(self) -> None:
