@@ -1,4 +1,4 @@
-"""The dpprof command: profile, run, check, merge, import, runs, show, advise, export.
+"""The dpprof command: profile, run, check, merge, import, runs, show, ops, kernels, memory, advise, export.
 
 Exit codes: 0 ok, 1 failure (or findings, for commands that report them), 2 usage error.
 """
@@ -517,6 +517,110 @@ def _batch_sizes(text: str) -> list[int]:
     return [int(p) for p in parts]
 
 
+# The fields of each command's --json, as issue #33 gives them (dpprof.store.detail_rows has every column).
+OPS_JSON = ["rank", "device", "name", "calls", "host_total_ms", "host_self_ms", "device_total_ms", "device_self_ms"]
+KERNELS_JSON = ["rank", "device", "name", "calls", "total_ms", "mean_blocks_per_sm", "mean_occupancy_pct",
+                "tensor_cores"]
+GPU_JSON = ["rank", "device", "utilization_pct", "sm_efficiency_pct", "achieved_occupancy_pct"]
+MEMORY_JSON = ["rank", "device", "peak_allocated_bytes", "peak_reserved_bytes", "peak_step"]
+
+
+def _records(df: pd.DataFrame, columns: list[str]) -> list[dict[str, object]]:
+    """Rows as JSON objects: NaN and NA as null, numpy numbers as Python's."""
+    out = []
+    for row in df[columns].itertuples(index=False, name=None):
+        out.append({c: (None if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v))
+                        else v.item() if hasattr(v, "item") else v) for c, v in zip(columns, row)})
+    return out
+
+
+def _detail_run(args: argparse.Namespace) -> object:
+    """The run of ops / kernels / memory, or None after saying on stderr why it has no operator data."""
+    from dpprof.store.detail_rows import detail_missing
+    from dpprof.store.reader import load_run
+
+    run = load_run(args.run, args.reports_dir)
+    why = detail_missing(run)
+    if why is not None:
+        print(f"dpprof: run {run.id}: {why}", file=sys.stderr)
+        return None
+    return run
+
+
+def _print_json(doc: dict[str, object]) -> None:
+    import json
+
+    print(json.dumps(doc, indent=1))
+
+
+def _cmd_ops(args: argparse.Namespace) -> int:
+    """The top operators of a run (imported traces, deep captures), per rank and device."""
+    from dpprof.store.detail_rows import operators
+
+    run = _detail_run(args)
+    if run is None:
+        return EXIT_FAILURE
+    df = operators(run, by=args.by, rank=args.rank, device=args.device, top=args.top)  # type: ignore[arg-type]
+    if args.json:
+        _print_json({"operators": _records(df, OPS_JSON + (["input_shapes"] if args.by == "shape" else []))})
+        return EXIT_OK
+    print(_table(df.drop(columns=["tc_eligible", "tc_pct"] if df["tc_pct"].isna().all() else [])))
+    return EXIT_OK
+
+
+def _cmd_kernels(args: argparse.Namespace) -> int:
+    """The top kernels of a run and each GPU's utilization, SM efficiency and occupancy."""
+    from dpprof.store.detail_rows import gpu_summary, kernels
+
+    run = _detail_run(args)
+    if run is None:
+        return EXIT_FAILURE
+    df = kernels(run, by=args.by, rank=args.rank, device=args.device, top=args.top)  # type: ignore[arg-type]
+    gpu = gpu_summary(run, rank=args.rank, device=args.device)  # type: ignore[arg-type]
+    if args.json:
+        _print_json({"kernels": _records(df, KERNELS_JSON), "gpu": _records(gpu, GPU_JSON)})
+        return EXIT_OK
+    if df.empty:
+        print("no kernels in this run (a CPU-only trace or capture)")
+        return EXIT_OK
+    print(_table(gpu.drop(columns=["window_ms", "busy_ms"])))
+    print()
+    print(_table(df))
+    return EXIT_OK
+
+
+def _cmd_memory(args: argparse.Namespace) -> int:
+    """Each device's memory peak and step, and the operators that allocated most."""
+    from dpprof.store.detail_rows import memory_peaks, operator_memory
+
+    run = _detail_run(args)
+    if run is None:
+        return EXIT_FAILURE
+    peaks = memory_peaks(run, rank=args.rank, device=args.device)  # type: ignore[arg-type]
+    if args.json:
+        _print_json({"devices": _records(peaks, MEMORY_JSON)})
+        return EXIT_OK
+    if peaks.empty:
+        print("no [memory] events in this run (profile_memory=False)")
+        return EXIT_OK
+    print(_table(peaks, "{:.1f}"))
+    ops = operator_memory(run, rank=args.rank, device=args.device, top=args.top)  # type: ignore[arg-type]
+    if not ops.empty:
+        print()
+        print(_table(ops))
+    return EXIT_OK
+
+
+def _detail_options(p: argparse.ArgumentParser, by: tuple[str, ...] | None) -> None:
+    p.add_argument("run", help="run id (or a unique prefix) or path to a run file")
+    p.add_argument("--rank", type=int, default=None, help="only this rank")
+    p.add_argument("--device", default=None, help="only this device (cuda:0, cpu:1, rank:2)")
+    p.add_argument("--top", type=_positive_int, default=20, metavar="N", help="the first N rows (default 20)")
+    if by:
+        p.add_argument("--by", choices=by, default=by[0], help=f"group by {' or '.join(by)} (default {by[0]})")
+    p.add_argument("--json", action="store_true", help="print JSON (the fields docs/cli.md lists)")
+
+
 def _cmd_advise(args: argparse.Namespace) -> int:
     """Predict other set-ups from one recorded DataParallel run; --calibrate measures this machine first, --check
     runs every scenario for real."""
@@ -707,6 +811,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("show", help="the per-device phase summary of one run")
     p.add_argument("run", help="run id (or a unique prefix) or path to a run file")
     p.set_defaults(func=_cmd_show, parser=p)
+
+    p = sub.add_parser("ops", help="a run's top operators per rank and device (imported traces, deep captures)",
+                       description="Operators by host total time: calls, host and device total and self time, "
+                       "tensor-core eligibility and share. Exit 1, in one line, for a run without operator data.")
+    _detail_options(p, ("name", "shape"))
+    p.set_defaults(func=_cmd_ops, parser=p)
+
+    p = sub.add_parser("kernels", help="a run's top kernels and each GPU's utilization, SM efficiency, occupancy",
+                       description="Kernels by total time, and per GPU its utilization, estimated SM efficiency and "
+                       "achieved occupancy over all steps (the TensorBoard plugin's definitions: docs/traces.md). "
+                       "Exit 1, in one line, for a run without operator data.")
+    _detail_options(p, ("name", "operator"))
+    p.set_defaults(func=_cmd_kernels, parser=p)
+
+    p = sub.add_parser("memory", help="each device's memory peak and step, and the operators that allocated most",
+                       description="Per device the peak allocated and reserved bytes and the step of the peak, then "
+                       "the operators by bytes allocated. Exit 1, in one line, for a run without operator data.")
+    _detail_options(p, None)
+    p.set_defaults(func=_cmd_memory, parser=p)
 
     p = sub.add_parser("advise", help="predict DDP, other device counts, the balanced criterion and other batch sizes "
                        "from one DataParallel run", description="Predicts, from one recorded DataParallel run and a "

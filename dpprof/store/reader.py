@@ -378,6 +378,49 @@ class StoredRun:
     def frames(self) -> dict[str, pd.DataFrame]:
         return {name: self.table(name) for name in TABLES}
 
+    def operators(self, **kw: Any) -> pd.DataFrame:
+        """The run's operators (dpprof.store.detail_rows.operators: by, rank, device, top, search, sort)."""
+        from dpprof.store import detail_rows
+
+        return detail_rows.operators(self, **kw)
+
+    def kernels(self, **kw: Any) -> pd.DataFrame:
+        """The run's kernels (dpprof.store.detail_rows.kernels: by, rank, device, top, search)."""
+        from dpprof.store import detail_rows
+
+        return detail_rows.kernels(self, **kw)
+
+    def gpu_metrics(self, **kw: Any) -> pd.DataFrame:
+        """GPU utilization, SM efficiency and occupancy per step (dpprof.store.detail_rows.gpu_metrics)."""
+        from dpprof.store import detail_rows
+
+        return detail_rows.gpu_metrics(self, **kw)
+
+    def memory_timeline(self, **kw: Any) -> pd.DataFrame:
+        """Allocated and reserved bytes over time (dpprof.store.detail_rows.memory_timeline)."""
+        from dpprof.store import detail_rows
+
+        return detail_rows.memory_timeline(self, **kw)
+
+    def memory_events(self, **kw: Any) -> pd.DataFrame:
+        """Allocations paired with their frees (dpprof.store.detail_rows.memory_events)."""
+        from dpprof.store import detail_rows
+
+        return detail_rows.memory_events(self, **kw)
+
+    def modules(self, **kw: Any) -> pd.DataFrame:
+        """The nn.Module tree (dpprof.store.detail_rows.modules)."""
+        from dpprof.store import detail_rows
+
+        return detail_rows.modules(self, **kw)
+
+    @property
+    def detail_missing(self) -> str | None:
+        """Why the run has no operator data, or None (dpprof.store.detail_rows.detail_missing)."""
+        from dpprof.store import detail_rows
+
+        return detail_rows.detail_missing(self)
+
     steps = property(lambda self: self.table("steps"))
     phases = property(lambda self: self.table("phases"))
     memory = property(lambda self: self.table("memory"))

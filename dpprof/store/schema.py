@@ -8,7 +8,7 @@ from dataclasses import fields
 from dpprof.records import MEMORY_BYTES, TABLE_OF
 
 __all__ = ["SCHEMA_VERSION", "FORMAT", "RECORD_TABLES", "RUN_COLUMNS", "INDEXES", "LEGACY_INDEXES",
-           "AGGREGATE_TABLES", "ddl", "columns_of"]
+           "AGGREGATE_TABLES", "ddl", "columns_of", "DETAIL_TABLES", "detail_ddl"]
 
 # 2: per-block aggregates (dpprof.store.blocks) and bounded detail (dpprof.store.retention); a version-1 file
 # holds every row and no aggregates, and reads as before.
@@ -108,3 +108,37 @@ AGGREGATE_TABLES: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     # long run's median step and each device's p50 and p95 from these few rows, not from every block's
     "run_sketches": ({"kind": "TEXT", "device": "TEXT", "sketch": "BLOB"}, ("kind", "device")),
 }
+
+# The operator, kernel, GPU-metric, memory and module tables of a torch.profiler trace (dpprof.trace.detail), in a
+# run imported from traces or a run with a deep capture (dpprof.store.detail_rows.write_detail). A file written
+# before them has none of them and reads as "no operator data", with the reason: no version change is needed.
+_DEV = {"device": "TEXT"}
+_OPS = {"calls": "INTEGER", "host_total_ms": "REAL", "host_self_ms": "REAL", "device_total_ms": "REAL",
+        "device_self_ms": "REAL", "tc_eligible": "INTEGER", "tc_pct": "REAL"}
+_KERNEL_STATS = {"calls": "INTEGER", "total_ms": "REAL", "mean_ms": "REAL", "min_ms": "REAL", "max_ms": "REAL",
+                 "mean_blocks_per_sm": "REAL", "mean_occupancy_pct": "REAL", "tensor_cores": "INTEGER"}
+DETAIL_TABLES: dict[str, dict[str, str]] = {
+    "operators": {**_DEV, "name": "TEXT", **_OPS},
+    "operator_shapes": {**_DEV, "name": "TEXT", "input_shapes": "TEXT", **_OPS},
+    "kernels": {**_DEV, "name": "TEXT", **_KERNEL_STATS},
+    "kernel_ops": {**_DEV, "name": "TEXT", "operator": "TEXT", "grid": "TEXT", "block": "TEXT",
+                   "registers_per_thread": "INTEGER", "shared_memory_bytes": "INTEGER", **_KERNEL_STATS},
+    "gpu_metrics": {**_DEV, "step": "INTEGER", "window_ms": "REAL", "busy_ms": "REAL", "utilization_pct": "REAL",
+                    "sm_efficiency_pct": "REAL", "achieved_occupancy_pct": "REAL"},
+    "memory_timeline": {**_DEV, "t_ms": "REAL", "allocated_bytes": "INTEGER", "reserved_bytes": "INTEGER"},
+    "memory_peaks": {**_DEV, "peak_allocated_bytes": "INTEGER", "peak_reserved_bytes": "INTEGER",
+                     "peak_t_ms": "REAL", "peak_step": "INTEGER", "readings": "INTEGER", "cumulative": "INTEGER"},
+    "memory_events": {**_DEV, "operator": "TEXT", "bytes": "INTEGER", "alloc_t_ms": "REAL", "free_t_ms": "REAL",
+                      "lifetime_ms": "REAL"},
+    "operator_memory": {**_DEV, "name": "TEXT", "calls": "INTEGER", "allocations": "INTEGER",
+                        "allocated_bytes": "INTEGER", "frees": "INTEGER", "freed_bytes": "INTEGER",
+                        "size_increase_bytes": "INTEGER"},
+    "modules": {**_DEV, "path": "TEXT", "module": "TEXT", "parent": "TEXT", "occurrences": "INTEGER",
+                "operators": "INTEGER", "host_total_ms": "REAL", "device_total_ms": "REAL"},
+    "detail_notes": {"message": "TEXT"},
+}
+
+
+def detail_ddl() -> list[str]:
+    """Statements that create the detail tables (DETAIL_TABLES) where a run file has none."""
+    return [_create(t, cols) for t, cols in DETAIL_TABLES.items()]

@@ -19,6 +19,7 @@ import msgspec
 from dpprof.trace.numbers import (MAX_BYTES, MAX_GPU_INDEX, MAX_STEP, MAX_STEP_DIGITS, MAX_TIME_US,
                                   base_time_problem, distributed_problem, is_time, shown, time_problem, whole)
 from dpprof.trace.decode import Event, OddEvent, TraceError, TraceFile
+from dpprof.trace.detail_events import LAUNCH_CATS, OP_CATS, DetailCollector, RawDetail
 
 __all__ = ["Range", "Collective", "Collected", "collect", "DTYPE_BYTES", "gpu_kind", "Args", "args_of",
            "collective_name", "COLLECTIVES"]
@@ -116,6 +117,7 @@ class Collected:
     left_out: int = 0  # events left out for a time or number that cannot be (dpprof.trace.numbers)
     left_out_first: str = ""  # the first of them, and why
     notes: list[str] = field(default_factory=list)  # what the rules for steps and left-out events did
+    detail: RawDetail = field(default_factory=RawDetail)  # operators, kernels, memory events (dpprof.trace.detail)
 
     @property
     def gpus(self) -> list[int]:
@@ -265,6 +267,10 @@ def collect(trace: TraceFile) -> Collected:
     cpu_cats, gpu_cats = _CPU_CATS, _GPU_CATS
     number = (int, float)
     top = MAX_TIME_US
+    detail = DetailCollector()
+    on_op, on_launch, on_kernel, on_memory, on_python = (detail.op, detail.launch, detail.kernel, detail.memory,
+                                                         detail.python)
+    op_cats, launch_cats, kernel_cats = OP_CATS, LAUNCH_CATS, _KERNEL_CATS
     for batch in trace.batches():
         for event in batch:
             ph = event.ph
@@ -287,6 +293,10 @@ def collect(trace: TraceFile) -> Collected:
                     name = event.name
                     if not isinstance(name, str):  # odd fields are data, not errors: such an event is not one we need
                         continue
+                    if cat in op_cats:
+                        on_op(ts, end, event.tid, name, event.args)
+                    elif cat == "python_function":
+                        on_python(ts, end, event.tid, name, event.args)
                     kind = kinds.get(name, ())
                     if kind == ():
                         kind = kinds[name] = _name_kind(name)
@@ -331,6 +341,8 @@ def collect(trace: TraceFile) -> Collected:
                     index = _gpu_of(event, args)
                     if index is None:
                         continue
+                    if cat in kernel_cats:
+                        on_kernel(ts, end, index, name, event.args)
                     key = (index, kind)
                     if key not in gpu:
                         gpu[key] = _Intervals()
@@ -339,10 +351,16 @@ def collect(trace: TraceFile) -> Collected:
                         what = args.collective_name if isinstance(args.collective_name, str) else name
                         out.comm_kernels.append((index, float(ts), float(end), _message_bytes(args),
                                                  collective_name(what)))
+                elif cat in launch_cats:
+                    ts = event.ts
+                    if isinstance(ts, number) and 0 <= ts <= top:
+                        on_launch(ts, event.tid, event.args)
             elif ph == "i" and event.name == "[memory]":
                 why = _memory(out, event)
                 if why:
                     _left_out(out, trace, batch, event, why)
+                else:
+                    on_memory(event.ts, event.tid, event.args)
             elif ph == "M" and event.name == "process_labels":
                 labels = args_of(event).labels
                 pid = whole(event.pid, 0, MAX_GPU_INDEX)
@@ -353,6 +371,7 @@ def collect(trace: TraceFile) -> Collected:
             raise TraceError(f"{trace.name}: {problem}")
     out.first_us, out.last_us = float(first_us), float(last_us)
     out.events = trace.events_read
+    out.detail = detail.raw(trace.meta)
     out.steps.sort(key=lambda s: s[1])
     _one_range_per_step(out)
     if out.left_out:

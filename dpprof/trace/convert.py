@@ -33,6 +33,7 @@ from dpprof.records import (PHASES, AllocatorRecord, CommRecord, DeviceRecord, G
                             StepRecord)
 from dpprof.stepmodel import GPU_PARTS, IDLE, part_names, partition
 from dpprof.trace.collect import GPU_KINDS, Collected, collective_name
+from dpprof.trace.detail import Detail, detail_tables
 from dpprof.trace.readback import export_info, exported_phases
 from dpprof.trace.numbers import MAX_BYTES, MAX_GPU_INDEX, whole
 
@@ -47,6 +48,7 @@ class Converted:
     devices: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     dataparallel: str | None = None  # "exact" (dpprof ranges) or "torch" (DataParallel.forward, GPUs)
+    detail: Detail | None = None  # operators, kernels, GPU metrics, memory over time, modules (dpprof.trace.detail)
 
 
 def process_label(c: Collected, rank: int | None) -> str:
@@ -334,6 +336,9 @@ def convert(c: Collected, t0_us: float, rank: int | None) -> Converted:
         out.notes.append("no GPU activity in this trace (a CPU-only process): no kernel, idle or overlap times")
     label = process_label(c, rank) if not dp_exact else devices[0]
     out.records += _comms(c, windows, label, label_of, ms)
+    out.detail = detail_tables(c.detail, windows, t0_us, label_of, label, gpu_memory=c.memory,
+                               cumulative_gpus=c.memory_cumulative)
+    out.notes += out.detail.notes
     for step, lo, hi in windows:
         fw = len(_in(c.forwards, lo, hi))
         out.records.append(StepRecord(step=step, start_ms=ms(lo), duration_ms=(hi - lo) / 1e3, batch_size=None,

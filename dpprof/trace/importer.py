@@ -28,6 +28,7 @@ from dpprof.outputs import Outputs
 from dpprof.records import NoteRecord, StepRecord
 from dpprof.store.files import is_capture_trace
 from dpprof.store.faults import DISK_FULL, STORAGE_CAUSES, RecordingError, cause_of
+from dpprof.store.detail_rows import write_detail
 from dpprof.store.model import TRACE_SOURCE
 from dpprof.store.ids import new_run_id  # the same ids as recorded runs
 from dpprof.store.reader import (FULL_DISK_FREE_BYTES, RUN_SUFFIX, RunFileError, load_run, read_run_file,
@@ -313,6 +314,12 @@ def _write(staging: Path, run_id: str, name: str, files: list[Collected], ranks:
         finally:
             sink.close()
         _check_written(f.name, path, sink, len(steps))
+        if conv.detail is not None:  # operators, kernels, GPU metrics, memory, modules (dpprof.trace.detail)
+            try:
+                write_detail(path, conv.detail)
+            except (sqlite3.Error, OSError) as err:  # a full disk, say: one line naming the directory, exit 1
+                cause = cause_of(err, path)
+                raise RecordingError(cause, str(path.parent), cause) from None
 
     if len(files) == 1:
         write(0)

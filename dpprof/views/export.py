@@ -13,13 +13,13 @@ from dpprof.csvfile import meta_frame, to_csv_bytes
 from dpprof.findings import run_findings
 from dpprof.outputs import Outputs
 from dpprof.report import summary_of
-from dpprof.store import queries, table_rows
+from dpprof.store import detail_rows, queries, table_rows
 from dpprof.store.reader import TABLES, StoredRun
 from dpprof.store.schema import AGGREGATE_TABLES
 from dpprof.store.sketch import grouped_quantile
 from dpprof.trace.export import plan_trace, rank_path, trace_bytes, write_trace
 
-__all__ = ["TABLE_DESCRIPTIONS", "AGGREGATE_DESCRIPTIONS", "EXTRA_TABLES", "export_tables", "table_csv", "run_zip",
+__all__ = ["TABLE_DESCRIPTIONS", "AGGREGATE_DESCRIPTIONS", "DETAIL_DESCRIPTIONS", "EXTRA_TABLES", "export_tables", "table_csv", "run_zip",
            "export_table", "export_run", "EXPORTED", "exported", "trace_text", "run_trace", "rank_traces_zip"]
 
 TABLE_DESCRIPTIONS = {
@@ -54,6 +54,16 @@ AGGREGATE_DESCRIPTIONS = {
     "outlier_steps": "the outlier steps kept in full, with the median step when each came",
     "run_sketches": "the whole run's step time and each device's work: p50 and p95",
 }
+# A trace's operators, kernels, GPU metrics and memory (dpprof.trace.detail), in runs that hold them: imported
+# traces, deep captures.
+DETAIL_DESCRIPTIONS = {
+    "operators": "per rank, device and operator: calls, host and device total and self time, tensor cores",
+    "kernels": "per rank, device and kernel: calls, total, mean, min, max, blocks per SM, occupancy, tensor cores",
+    "gpu_metrics": ("per rank, device and step (and all steps: step empty): GPU utilization, estimated SM "
+                    "efficiency and achieved occupancy"),
+    "memory_timeline": "per rank and device: allocated and reserved bytes over time (each bucket's maximum)",
+    "memory_events": "each allocation paired with its free: operator, bytes, when, how long it lived",
+}
 # Tables made from the run rather than stored in it.
 EXTRA_TABLES = {"run": "the run's metadata", "device_summary": "per device or rank: its work's time and its memory",
                 "phase_totals": "each phase's share of the step"}
@@ -68,7 +78,27 @@ def export_tables(run: StoredRun) -> pd.DataFrame:
     rows += [{"table": t, "rows": table_rows.row_count(run, t),
               "what": AGGREGATE_DESCRIPTIONS[t]} for t in _aggregates(run)]
     rows += [{"table": t, "rows": 1 if t == "run" else None, "what": what} for t, what in EXTRA_TABLES.items()]
+    rows += [{"table": t, "rows": len(export_table(run, t)), "what": DETAIL_DESCRIPTIONS[t]} for t in _details(run)]
     return pd.DataFrame(rows)
+
+
+def _details(run: StoredRun) -> tuple[str, ...]:
+    """The operator, kernel, GPU-metric and memory tables, where the run holds them (dpprof.store.detail_rows)."""
+    return tuple(DETAIL_DESCRIPTIONS) if detail_rows.detail_missing(run) is None else ()
+
+
+def _detail_table(run: StoredRun, name: str) -> pd.DataFrame:
+    """One of DETAIL_DESCRIPTIONS' tables, every row."""
+    if name == "operators":
+        return detail_rows.operators(run)
+    if name == "kernels":
+        return detail_rows.kernels(run)
+    if name == "gpu_metrics":
+        return pd.concat([detail_rows.gpu_metrics(run), detail_rows.gpu_summary(run).assign(step=pd.NA)],
+                         ignore_index=True)
+    if name == "memory_timeline":
+        return detail_rows.memory_timeline(run)
+    return detail_rows.memory_events(run)
 
 
 def _aggregates(run: StoredRun) -> tuple[str, ...]:
@@ -105,6 +135,8 @@ def export_table(run: StoredRun, name: str) -> pd.DataFrame:
         return table_rows.whole_table(run, name)
     if name in _aggregates(run):
         return _with_quantiles(table_rows.whole_table(run, name))
+    if name in _details(run):
+        return _detail_table(run, name)
     raise KeyError(f"no table {name!r}")
 
 
@@ -119,8 +151,9 @@ EXPORTED = ("run", *TABLES, "device_summary", "phase_totals")
 
 
 def exported(run: StoredRun) -> tuple[str, ...]:
-    """The tables an export of this run writes: EXPORTED, then its aggregate tables."""
-    return (*EXPORTED, *_aggregates(run))
+    """The tables an export of this run writes: EXPORTED, then its aggregate tables, then its operators, kernels,
+    GPU metrics and memory where it holds them."""
+    return (*EXPORTED, *_aggregates(run), *_details(run))
 
 
 def export_run(run: StoredRun, out_dir: str | os.PathLike[str], files: Outputs | None = None) -> list[Path]:

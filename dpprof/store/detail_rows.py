@@ -1,0 +1,256 @@
+"""A run's operators, kernels, GPU metrics, memory over time and modules (dpprof.trace.detail): written into a run
+file, and read back as named reads returning DataFrames with a ``rank`` column, units in the column names.
+
+``write_detail`` adds the tables to a run file (an imported trace's, or a recorded run's deep capture: the file may
+be open by the run's writer, whose write-ahead log lets both write). A run file without them (imported before dpprof
+kept operators, or recorded without a capture) reads as no data, with the reason: ``detail_missing``.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sqlite3
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import pandas as pd
+
+from dpprof.store.reader import StoredRun
+from dpprof.store.schema import DETAIL_TABLES, detail_ddl
+
+__all__ = ["DetailTables", "write_detail", "detail_missing", "operators", "kernels", "gpu_metrics", "gpu_summary",
+           "memory_timeline", "memory_peaks", "memory_events", "operator_memory", "modules", "detail_notes",
+           "WRITE_TIMEOUT_S", "TABLE_OF_FRAME"]
+
+WRITE_TIMEOUT_S = 30.0  # a live run's writer commits every 0.5 s: the detail waits for its turn, never fails for it
+# Detail.frames() name -> the run file's table
+TABLE_OF_FRAME = {"operators": "operators", "operators_by_shape": "operator_shapes", "kernels": "kernels",
+                  "kernels_by_op": "kernel_ops", "gpu_metrics": "gpu_metrics", "memory_timeline": "memory_timeline",
+                  "memory_peaks": "memory_peaks", "memory_events": "memory_events",
+                  "operator_memory": "operator_memory", "modules": "modules"}
+_BOOLEAN = {"tc_eligible", "tensor_cores", "cumulative"}
+
+
+class DetailTables(Protocol):
+    """What ``write_detail`` stores: ``dpprof.trace.detail.Detail``."""
+
+    notes: list[str]
+
+    def frames(self) -> dict[str, pd.DataFrame]: ...
+
+
+def _value(v: Any) -> Any:
+    """A cell as SQLite stores it: NaN, NA and None as NULL, numpy numbers as Python's."""
+    if v is None or v is pd.NA:
+        return None
+    if isinstance(v, float):
+        return None if math.isnan(v) else v
+    if hasattr(v, "item"):
+        v = v.item()
+        return None if isinstance(v, float) and math.isnan(v) else v
+    return v
+
+
+def write_detail(run_path: str | os.PathLike[str], detail: DetailTables) -> None:
+    """Store a trace's operator, kernel, GPU-metric, memory and module tables in an existing run file (one rank's
+    file), replacing any it held, in one transaction: a failure leaves the file as it was.
+
+    Args:
+        run_path: the run file (``<id>.sqlite``, or one rank's ``<id>.rank<N>.sqlite``).
+        detail: ``dpprof.trace.detail.detail_of_trace(...)`` or an import's ``Converted.detail``.
+
+    Raises:
+        sqlite3.Error, OSError: the file cannot be written (a full disk, say); nothing was changed.
+
+    Example:
+        >>> write_detail(run.path, detail_of_trace("capture.pt.trace.json", {tid: "cpu:0"}))
+    """
+    frames = detail.frames()
+    con = sqlite3.connect(str(run_path), timeout=WRITE_TIMEOUT_S)
+    try:
+        with con:
+            for statement in detail_ddl():
+                con.execute(statement)
+            for frame_name, table in TABLE_OF_FRAME.items():
+                columns = list(DETAIL_TABLES[table])
+                df = frames[frame_name]
+                con.execute(f"DELETE FROM {table}")
+                if not len(df):
+                    continue
+                rows = [tuple(_value(v) for v in row) for row in df[columns].itertuples(index=False, name=None)]
+                marks = ", ".join("?" * len(columns))
+                con.executemany(f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks})", rows)
+            con.execute("DELETE FROM detail_notes")
+            con.executemany("INSERT INTO detail_notes (message) VALUES (?)", [(n,) for n in detail.notes])
+    finally:
+        con.close()
+
+
+def detail_missing(run: StoredRun) -> str | None:
+    """Why the run has no operator data (one sentence), or None where every file of it has the tables."""
+    have = run.query("SELECT COUNT(*) AS n FROM sqlite_master WHERE type = 'table' AND name = 'operators'")["n"]
+    if len(have) and (have > 0).all():
+        return None
+    if run.meta.get("source") == "trace":
+        return ("no operator data: this run was imported before dpprof kept operators, kernels and memory events "
+                "(import its trace files again: dpprof import --again FILE)")
+    return ("no operator data: a recorded run holds operators only from a deep capture with torch.profiler "
+            "(dpprof profile ... --capture A:B)")
+
+
+def _read(run: StoredRun, table: str, where: Mapping[str, Any], order: str = "", limit: int | None = None,
+          extra: str = "") -> pd.DataFrame:
+    """Rows of a detail table (all its columns and ``rank``), filtered by ``where`` (column -> value; ``rank`` is
+    the file's), ordered and cut to ``limit`` rows per file. A run without the tables: no rows, the columns."""
+    columns = list(DETAIL_TABLES[table])
+    if detail_missing(run) is not None:
+        return _typed(pd.DataFrame({c: [] for c in [*columns, "rank"]}), table)
+    conds, params = [], []
+    for column, value in where.items():
+        if column != "rank" and value is not None:
+            conds.append(f"{column} = ?")
+            params.append(value)
+    if extra:
+        conds.append(extra)
+    sql = f"SELECT {', '.join(columns)} FROM {table}"
+    if conds:
+        sql += " WHERE " + " AND ".join(conds)
+    if order:
+        sql += f" ORDER BY {order}"
+    if limit is not None:
+        sql += f" LIMIT {int(limit)}"
+    df = run.query(sql, tuple(params))
+    rank = where.get("rank")
+    if rank is not None:
+        df = df[df["rank"] == int(rank)]
+    return _typed(df, table).reset_index(drop=True)
+
+
+def _typed(df: pd.DataFrame, table: str) -> pd.DataFrame:
+    """Each column as its SQL type says, whatever SQLite gave (an all-NULL column reads as objects): REAL as
+    float (NULL: NaN), INTEGER as Int64 (NULL: NA), the flags as boolean."""
+    for column, kind in DETAIL_TABLES[table].items():
+        if column in _BOOLEAN:
+            df[column] = df[column].astype("boolean")
+        elif kind == "REAL":
+            df[column] = pd.to_numeric(df[column], errors="coerce").astype(float)
+        elif kind == "INTEGER":
+            df[column] = pd.to_numeric(df[column], errors="coerce").astype("Int64")
+    return df
+
+
+def _top(df: pd.DataFrame, by: str, top: int | None) -> pd.DataFrame:
+    df = df.sort_values(by, ascending=False, kind="stable", na_position="last")
+    return (df.head(top) if top is not None else df).reset_index(drop=True)
+
+
+def operators(run: StoredRun, by: str = "name", rank: int | None = None, device: str | None = None,
+              top: int | None = None, search: str | None = None, sort: str = "host_total_ms") -> pd.DataFrame:
+    """Operators per rank and device, largest first.
+
+    Args:
+        by: "name", or "shape" (name and input shapes: an ``input_shapes`` column).
+        rank, device: only these. top: the first N (by ``sort``). search: names containing this text.
+        sort: the column the rows are ordered by (default host total time).
+
+    Returns:
+        columns rank, device, name, [input_shapes], calls, host_total_ms, host_self_ms, device_total_ms,
+        device_self_ms, tc_eligible, tc_pct (NaN device times on a CPU-only trace).
+    """
+    if by not in ("name", "shape"):
+        raise ValueError(f"by must be 'name' or 'shape', not {by!r}")
+    table = "operators" if by == "name" else "operator_shapes"
+    if sort not in DETAIL_TABLES[table]:
+        raise ValueError(f"cannot sort operators by {sort!r}")
+    extra = "instr(lower(name), lower(?)) > 0" if search else ""
+    df = _read_search(run, table, {"rank": rank, "device": device}, sort, extra, search)
+    return _first(_top(df, sort, top))
+
+
+def _read_search(run: StoredRun, table: str, where: Mapping[str, Any], sort: str, extra: str,
+                 search: str | None) -> pd.DataFrame:
+    if not search:
+        return _read(run, table, where, f"{sort} DESC")
+    df = _read(run, table, where, f"{sort} DESC")
+    return df[df["name"].str.contains(search, case=False, regex=False)].reset_index(drop=True)
+
+
+def _first(df: pd.DataFrame) -> pd.DataFrame:
+    """``rank`` as the first column, as the issue's JSON lists it."""
+    return df[["rank", *[c for c in df.columns if c != "rank"]]]
+
+
+def kernels(run: StoredRun, by: str = "name", rank: int | None = None, device: str | None = None,
+            top: int | None = None, search: str | None = None) -> pd.DataFrame:
+    """Kernels per rank and device, by total time.
+
+    Args:
+        by: "name", or "operator" (kernel and the operator that launched it, with grid, block,
+            registers_per_thread and shared_memory_bytes).
+
+    Returns:
+        columns rank, device, name, [operator, grid, block, registers_per_thread, shared_memory_bytes], calls,
+        total_ms, mean_ms, min_ms, max_ms, mean_blocks_per_sm, mean_occupancy_pct, tensor_cores.
+    """
+    if by not in ("name", "operator"):
+        raise ValueError(f"by must be 'name' or 'operator', not {by!r}")
+    table = "kernels" if by == "name" else "kernel_ops"
+    df = _read_search(run, table, {"rank": rank, "device": device}, "total_ms", "", search)
+    return _first(_top(df, "total_ms", top))
+
+
+def gpu_metrics(run: StoredRun, rank: int | None = None, device: str | None = None) -> pd.DataFrame:
+    """Per rank, device and step: columns rank, device, step, window_ms, busy_ms, utilization_pct,
+    sm_efficiency_pct, achieved_occupancy_pct (the TensorBoard plugin's definitions: dpprof.trace.detail)."""
+    df = _read(run, "gpu_metrics", {"rank": rank, "device": device}, "device, step", extra="step IS NOT NULL")
+    return _first(df)
+
+
+def gpu_summary(run: StoredRun, rank: int | None = None, device: str | None = None) -> pd.DataFrame:
+    """Per rank and device, all steps together: columns rank, device, window_ms, busy_ms, utilization_pct,
+    sm_efficiency_pct, achieved_occupancy_pct."""
+    df = _read(run, "gpu_metrics", {"rank": rank, "device": device}, "device", extra="step IS NULL")
+    return _first(df.drop(columns="step"))
+
+
+def memory_timeline(run: StoredRun, rank: int | None = None, device: str | None = None) -> pd.DataFrame:
+    """Allocated and reserved bytes over time per rank and device (at most dpprof.trace.detail.MEMORY_POINTS points
+    a device, each a bucket's maximum): columns rank, device, t_ms, allocated_bytes, reserved_bytes."""
+    return _first(_read(run, "memory_timeline", {"rank": rank, "device": device}, "device, t_ms"))
+
+
+def memory_peaks(run: StoredRun, rank: int | None = None, device: str | None = None) -> pd.DataFrame:
+    """Per rank and device: columns rank, device, peak_allocated_bytes, peak_reserved_bytes, peak_t_ms, peak_step,
+    readings, cumulative (allocated is the running sum of the events' Bytes)."""
+    return _first(_read(run, "memory_peaks", {"rank": rank, "device": device}, "device"))
+
+
+def memory_events(run: StoredRun, rank: int | None = None, device: str | None = None,
+                  top: int | None = None) -> pd.DataFrame:
+    """Allocations paired with their frees: columns rank, device, operator, bytes, alloc_t_ms, free_t_ms,
+    lifetime_ms (NaN: not freed in the trace), in time order; ``top``: the largest N."""
+    df = _read(run, "memory_events", {"rank": rank, "device": device}, "alloc_t_ms")
+    if top is not None:
+        df = df.nlargest(top, "bytes", keep="first").sort_values("alloc_t_ms", kind="stable")
+    return _first(df.reset_index(drop=True))
+
+
+def operator_memory(run: StoredRun, rank: int | None = None, device: str | None = None,
+                    top: int | None = None) -> pd.DataFrame:
+    """Per operator: columns rank, device, name, calls, allocations, allocated_bytes, frees, freed_bytes,
+    size_increase_bytes, by bytes allocated."""
+    df = _read(run, "operator_memory", {"rank": rank, "device": device}, "allocated_bytes DESC")
+    return _first(_top(df, "allocated_bytes", top))
+
+
+def modules(run: StoredRun, rank: int | None = None, device: str | None = None) -> pd.DataFrame:
+    """The nn.Module tree: columns rank, device, path ("Sequential_0/Linear_1"), module, parent (its path; None at
+    the root), occurrences, operators, host_total_ms, device_total_ms."""
+    return _first(_read(run, "modules", {"rank": rank, "device": device}, "rowid"))
+
+
+def detail_notes(run: StoredRun) -> list[str]:
+    """What was left out of the detail tables and why, one line each (every rank's)."""
+    if detail_missing(run) is not None:
+        return []
+    return [str(m) for m in run.query("SELECT message FROM detail_notes")["message"]]
