@@ -93,6 +93,34 @@ def test_each_worker_threads_ops_are_in_the_trace_under_its_own_thread(captured)
         assert "aten::conv2d" in names and "aten::linear" in names, (device, sorted(names)[:20])
 
 
+def test_the_run_stores_each_workers_operators_under_its_device(captured):
+    """The window's operators are in the run per device: each worker's from its own thread, counted as the raw
+    trace counts them; the training thread's (scatter, gather, loss, backward, optimizer) under its own label."""
+    run, trace = captured
+    ops = dpprof.load_run(run.path).operators()
+    assert {"cpu:0", "cpu:1", TRAINING_THREAD_DEVICE} <= set(ops["device"])
+    device_of_tid = {tid: f"cpu:{index}" for tid, index in worker_native_ids().items()}
+    calls: dict[tuple[str, str], int] = defaultdict(int)
+    host_ms: dict[tuple[str, str], float] = defaultdict(float)
+    for e in _events(trace):
+        if e.get("cat") == "cpu_op":
+            key = (device_of_tid.get(e["tid"], TRAINING_THREAD_DEVICE), e["name"])
+            calls[key] += 1
+            host_ms[key] += e["dur"] / 1e3
+    for device in ("cpu:0", "cpu:1"):
+        mine = ops[ops["device"] == device].set_index("name")
+        assert mine.index.str.startswith("aten::").all() and "aten::conv2d" in mine.index
+        for name in ("aten::conv2d", "aten::linear", "aten::relu"):
+            assert mine.loc[name, "calls"] == calls[(device, name)] > 0
+            # within a few ns a call: the aggregation times ops from their rounded timestamps, not their dur fields
+            assert mine.loc[name, "host_total_ms"] == pytest.approx(host_ms[(device, name)], abs=1e-5 * mine.loc[
+                name, "calls"])
+    # backward runs on the training thread (CPU autograd): none of it is counted as a worker's
+    workers_ops = set(ops[ops["device"].isin(["cpu:0", "cpu:1"])]["name"])
+    assert not any("Backward" in name for name in workers_ops)
+    assert any("Backward" in name for name in ops[ops["device"] == TRAINING_THREAD_DEVICE]["name"])
+
+
 def test_the_raw_trace_imports_and_is_never_taken_for_a_run(captured, tmp_path):
     run, trace = captured
     directory = trace.parent
