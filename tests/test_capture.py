@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -244,3 +245,24 @@ def test_an_imported_run_or_an_unknown_one_is_refused_in_one_line(captured, tmp_
 def test_the_training_thread_has_a_device_of_its_own():
     """Scatter, gather, the loss and CPU autograd's backward run on the training thread: not cpu:0's work."""
     assert TRAINING_THREAD_DEVICE not in {f"cpu:{i}" for i in range(64)}
+
+
+def test_the_running_run_page_asks_for_a_capture_and_says_when_it_is_stored(reports):
+    from streamlit.testing.v1 import AppTest
+
+    with RunningRun(reports) as live:
+        run_id = dpprof.load_run(live.path).id
+        at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60)
+        at.run()
+        at.number_input(key=f"capture-{run_id}-steps").set_value(2)
+        at.button(key=f"capture-{run_id}-ask").click().run()
+        assert not at.exception, [e.message for e in at.exception]
+        assert any("Asked for 2 steps" in c.value for c in at.caption)
+        deadline = time.monotonic() + ANSWER_TIMEOUT_S
+        while not any(t.value.startswith("Captured steps") for t in at.text) and time.monotonic() < deadline:
+            time.sleep(1)
+            at.run()
+        [said] = [t.value for t in at.text if t.value.startswith("Captured steps")]
+        [trace] = _captures(reports)
+        assert said.endswith(f"raw trace {trace.name}")
+    assert dpprof.load_run(run_id).operators()["device"].isin(["cpu:0", "cpu:1"]).any()

@@ -26,7 +26,7 @@ from dpprof.capture.window import MAX_CAPTURE_STEPS, CaptureError
 from dpprof.store.files import capture_answer_name, capture_request_name, remove_files
 from dpprof.store.reader import RunFileError, StoredRun, read_run_file
 
-__all__ = ["CaptureRequest", "CaptureAnswer", "ask", "wait_for_answer", "read_request", "write_answer",
+__all__ = ["CaptureRequest", "CaptureAnswer", "ask", "wait_for_answer", "answer_to", "read_request", "write_answer",
            "ANSWER_POLL_S"]
 
 ANSWER_POLL_S = 0.2  # how often the asker looks for the answer: a person waiting notices ~0.2 s, the disk does not
@@ -120,6 +120,13 @@ def wait_for_answer(request: CaptureRequest, timeout_s: float | None = None) -> 
             time.sleep(ANSWER_POLL_S)
     finally:
         remove_files(str(directory / capture_request_name(request.run_id)), str(answer_path))
+
+
+def answer_to(request: CaptureRequest) -> CaptureAnswer | None:
+    """The answer to ``request`` if the run has written it, without waiting (a page that re-reads every few
+    seconds); None until then."""
+    answer = _read_answer(Path(request.directory) / capture_answer_name(request.run_id))
+    return answer if answer is not None and answer.request == request.nonce else None
 
 
 def _status(run_path: str) -> str:

@@ -123,7 +123,10 @@ class CaptureSession:
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             activities.append(ProfilerActivity.CUDA)
-        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True, trace_only=True)
+        config = _experimental_config()
+        if config is None:
+            self.run.note("capture", f"torch {torch.__version__} cannot profile every thread (profile_all_threads): "
+                                     "the capture sees the training thread only, not the CPU workers'")
         profiler = profile(activities=activities, record_shapes=True, profile_memory=True, with_stack=False,
                            with_modules=True, experimental_config=config)
         try:
@@ -277,6 +280,18 @@ class CaptureSession:
             self._poller.join()
         for job in self._jobs:
             job.join()
+
+
+def _experimental_config() -> Any:
+    """torch.profiler's settings for a capture: every thread, and no Python events built at stop (``trace_only``)
+    where this torch has it; None where it cannot profile every thread."""
+    make = torch._C._profiler._ExperimentalConfig
+    for kwargs in ({"profile_all_threads": True, "trace_only": True}, {"profile_all_threads": True}):
+        try:
+            return make(**kwargs)
+        except TypeError:  # an older torch without the setting
+            continue
+    return None
 
 
 def _first_line(err: BaseException) -> str:
