@@ -14,6 +14,8 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
+from dpprof.capture import MAX_CAPTURE_STEPS, CaptureError
+from dpprof.capture.request import answer_to, ask
 from dpprof.csvfile import to_csv_bytes
 from dpprof.launch import Profile, ProfileError
 from dpprof.processes import Started, run_row
@@ -198,6 +200,34 @@ def run_header(row: pd.Series) -> None:
         st.text("\n".join(damage))
 
 
+def capture_button(row: pd.Series) -> None:
+    """On a running run's page: ask it to profile its next steps with torch.profiler (dpprof capture), and say when
+    they are stored. Thin: dpprof.capture.request writes the request and reads the answer."""
+    if row["status"] != "running" or isinstance(row.get("source"), str) or (row.get("ranks") or 1) > 1:
+        return
+    key = f"capture-{row['id']}"
+    left, right = st.columns([1, 3], vertical_alignment="bottom")
+    steps = left.number_input("Steps", min_value=1, max_value=MAX_CAPTURE_STEPS, value=5, key=f"{key}-steps")
+    if right.button("Capture with torch.profiler", key=f"{key}-ask", help="Profile the run's next steps with "
+                    "torch.profiler (every thread; shapes, memory, modules): their operators are stored in the run per "
+                    "device, the raw trace beside it for Perfetto. Steps outside the window cost what they did."):
+        try:
+            st.session_state[key] = ask(load_run(row["path"]), int(steps))
+        except (CaptureError, RunFileError) as err:
+            st.error("The run cannot capture:")
+            st.text(str(err))
+    asked = st.session_state.get(key)
+    if asked is not None:
+        answer = answer_to(asked)
+        if answer is None:
+            st.caption(f"Asked for {plural(asked.steps, 'step')}: the run starts at its next step and stores them.")
+        elif answer.error:
+            st.warning("The capture failed:")
+            st.text(answer.error)
+        else:
+            st.text(f"Captured steps {answer.first_step} to {(answer.end_step or 1) - 1}: raw trace {answer.trace}")
+
+
 def live(body: Callable[[pd.Series], None]) -> None:
     """Run a page body for the chosen run; while the run is recording, re-run it every REFRESH_S."""
     row = chosen_run()
@@ -302,14 +332,14 @@ def import_lock() -> threading.Lock:
 
 
 def start_run(workload: str, devices: str, steps: int, batch_size: int | None = None,
-              name: str | None = None, balanced: bool = False) -> Started | None:
+              name: str | None = None, balanced: bool = False, capture: str | None = None) -> Started | None:
     """Start ``python -m dpprof profile ...`` in its own process (dpprof.launch.Profile.start), logging to
     reports/.logs/; None, with the reason on the page, when it cannot start."""
     directory = reports_dir()
     try:  # a read-only, full or missing reports directory: the one line `dpprof profile` would print
         check_reports_dir(directory)
         profile = Profile(workload=workload, devices=devices, steps=int(steps), batch_size=batch_size or None,
-                          name=name, balanced=balanced, reports_dir=str(directory)).with_run_id()
+                          name=name, balanced=balanced, reports_dir=str(directory), capture=capture).with_run_id()
     except (RecordingError, ProfileError) as err:
         st.error(markdown_text(f"dpprof: {err}"))  # the path is the user's
         return None

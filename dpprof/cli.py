@@ -117,6 +117,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     for flag, value in (("--cpu-workers", args.cpu_workers), ("--steps", args.steps)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be positive, got {value}")
+    capture = _capture_window(args.capture, args.steps)
     target, script_args = args.target[0], args.target[1:]
     saved_argv, saved_path0 = sys.argv, sys.path[0]
     if args.module:
@@ -143,7 +144,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # the reports directory made absolute before the script runs: a script that changes directory records
     # into the same place, and the line on stderr names it whole
     record_args = None if args.no_record else dict(name=name, reports_dir=reports_dir(args.reports_dir).absolute(),
-                                                   workload=shown, workload_args=run_args, detail=args.detail)
+                                                   workload=shown, workload_args=run_args, detail=args.detail,
+                                                   capture=capture)
     session = None
     try:
         with instrumented(record_args, args.cpu_workers, args.steps) as session:
@@ -162,6 +164,45 @@ def _cmd_run(args: argparse.Namespace) -> int:
     finally:
         sys.argv, sys.path[0] = saved_argv, saved_path0
     _tell_recorded(session)
+    return EXIT_OK
+
+
+def _capture_window(text: str | None, steps: int | None):
+    """--capture A:B of ``dpprof run``, checked before the script starts (a UsageError in one line)."""
+    from dpprof.capture import CaptureError, parse_capture
+
+    try:
+        window = parse_capture(text)
+    except CaptureError as err:
+        raise UsageError(f"--capture {text}: {err.reason}") from None
+    if window is not None and steps is not None and window.end_step > steps:
+        raise UsageError(f"--capture {text}: --steps {steps} records steps 0 to {steps - 1}; the window must end "
+                         f"by {steps}")
+    return window
+
+
+def _cmd_capture(args: argparse.Namespace) -> int:
+    """Ask a running run to capture its next N steps with torch.profiler, and wait until they are stored."""
+    from dpprof.capture import CaptureError
+    from dpprof.capture.request import ask, wait_for_answer
+    from dpprof.store.reader import load_run
+
+    run = load_run(args.run, args.reports_dir)
+    try:
+        asked = ask(run, args.steps)
+        if not args.quiet:
+            print(f"asked run {run.id} to capture its next {plural(args.steps, 'step')}; waiting for them",
+                  file=sys.stderr, flush=True)
+        answer = wait_for_answer(asked, args.timeout)
+    except CaptureError as err:
+        print(f"dpprof: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    if answer.error is not None:
+        print(f"dpprof: run {run.id}: {answer.error}", file=sys.stderr)
+        return EXIT_FAILURE
+    trace = os.path.join(asked.directory, answer.trace) if answer.trace else None
+    print(f"captured steps {answer.first_step} to {(answer.end_step or 0) - 1} of run {run.id}: operators in the run, "
+          f"raw trace {trace}")
     return EXIT_OK
 
 
@@ -692,6 +733,10 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+_CAPTURE_HELP = ("profile steps A to B-1 with torch.profiler (every thread; CUDA too on a GPU): their operators, "
+                 "kernels and memory stored in the run per device, the raw trace beside it for Perfetto")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpprof", description="Profile PyTorch data-parallel training, "
                                      "device by device and phase by phase.")
@@ -724,6 +769,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "last 1,000 steps, one step in 100 and outliers, so a day-long run stays small; all: every record")
     p.add_argument("--run-id", default=None, metavar="ID",
                    help="the run's id, chosen by whoever starts it (default: a new one; dpprof.launch)")
+    p.add_argument("--capture", default=None, metavar="A:B", help=_CAPTURE_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_profile, parser=p)
 
@@ -739,6 +785,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run a training script unchanged, its DataParallel and DDP recorded",
                        usage="dpprof run [-h] [--name NAME] [--cpu-workers N] [--steps N] [--no-record] [--detail bounded|all] "
+                       "[--capture A:B] "
                        "(SCRIPT.py | -m MODULE) [ARGS...]",
                        description="Runs SCRIPT.py (or -m MODULE) as python would: same sys.argv, __main__, "
                        "working directory, exit code and exceptions, with torch.nn.DataParallel, "
@@ -756,10 +803,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detail", choices=["bounded", "all"], default="bounded",
                    help="bounded (default): every step's time and per-block aggregates, full detail for the first and "
                    "last 1,000 steps, one step in 100 and outliers, so a day-long run stays small; all: every record")
+    p.add_argument("--capture", default=None, metavar="A:B", help=_CAPTURE_HELP)
     p.add_argument("-m", dest="module", action="store_true", help="run a module, as python -m does")
     p.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT.py|MODULE [ARGS...]",
                    help="the script (or, with -m, the module) and its own arguments")
     p.set_defaults(func=_cmd_run, parser=p)
+
+    p = sub.add_parser("capture", help="profile the next N steps of a running run with torch.profiler",
+                       description="Asks a run being recorded now to profile its next N steps with torch.profiler (from "
+                       "its next step boundary, within about a second) and waits until its operators are stored in "
+                       "the run and its raw trace beside it. Exit 1, in one line, for a run that has ended, was "
+                       "imported, is distributed, or does not answer within --timeout.")
+    p.add_argument("run", help="run id (or a unique prefix) or path to a run file")
+    p.add_argument("--steps", type=_positive_int, default=5, help="steps to capture (default: 5)")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="give up after S seconds without an answer (default: 600)")
+    p.add_argument("--quiet", action="store_true", help="no line on stderr while waiting")
+    p.set_defaults(func=_cmd_capture, parser=p)
 
     p = sub.add_parser("merge", help="gather distributed runs' rank files from several machines into one run")
     p.add_argument("sources", nargs="+", help="rank files (<run id>.rank<N>.sqlite) or directories holding them")
