@@ -21,6 +21,7 @@ from dpprof.trace import import_traces
 from dpprof.views import kernels, memory, operators, opdiff
 from dpprof.views.opdiff import Pick
 from detail_traces import slow_loader_trace, straggler_ddp_traces, with_gpu_memory
+from dpprof.workloads import build_workload, train
 from recorded import record
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +54,9 @@ def runs(tmp_path_factory):
         loader=load([slow_loader_trace(d / "loader")], "loader"),
         straggler=load(straggler_ddp_traces(d / "straggler"), "straggler"),
         small_gpu=load([small_gpu], "smallgpu"),
-        recorded=record(reports, "recorded", workers=2, steps=4))
+        recorded=record(reports, "recorded", workers=2, steps=4),
+        captured=dpprof.load_run(train(build_workload("cifar-lenet", 32), dpprof.cpu_devices(2), 5, name="captured",
+                                       reports_dir=str(reports), capture="2:4").path))
 
 
 def _kinds(run) -> dict[str, pd.Series]:
@@ -288,3 +291,25 @@ def test_ops_vs_prints_the_pages_sentence_and_the_difference(runs, capsys):
     assert main([*base, runs.ddp2.id, "--vs", runs.recorded.id]) == 1  # a run without operators: one line
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--capture" in err[0]
+
+
+def test_pages_on_a_captured_run_show_each_worker_and_say_what_the_capture_lacks(runs, monkeypatch):
+    """A deep capture on CPU workers: each worker's operators under its device, set side by side on the Operators
+    page; no kernels and no memory events, each said in a sentence."""
+    picks = operators.picks(runs.captured)
+    assert {p.device for p in picks} >= {"cpu:0", "cpu:1"}
+    monkeypatch.setenv("DPPROF_REPORTS", str(runs.reports))
+    at = AppTest.from_file(str(APP), default_timeout=120)
+    at.run()
+    at.session_state["chosen_run"] = runs.captured.id
+    _page(at, "operators")
+    at.selectbox(key="ops_pick").select(Pick(None, "cpu:1")).run()
+    at.selectbox(key="ops_a").select(Pick(None, "cpu:0")).run()
+    assert not at.exception, [e.message for e in at.exception]
+    diff = opdiff.operator_diff(runs.captured, Pick(None, "cpu:0"), runs.captured, Pick(None, "cpu:1"))
+    texts = "\n".join(shown_text(e.value) for e in at.markdown).replace("`", "")
+    assert f"cpu:1 is {abs(diff['delta_ms'].sum()):.1f} ms" in texts
+    for page, words in (("kernels", "No GPU kernels"), ("memory", "no [memory] events")):
+        _page(at, page)
+        assert not at.get("plotly_chart")
+        assert words in "\n".join(shown_text(e.value) for e in at.info)

@@ -186,17 +186,20 @@ def explain(rows: list[dict], t: Tables) -> list[dict]:
     """Each straggler or memory finding on a device with operator data gains the operators behind it: the device's
     difference from the mean of the others (dpprof.views.opdiff, the Operators page's side by side)."""
     d = t.detail
-    if d is None or d.operators.empty or d.operators["device"].nunique() < 2:
+    if d is None:
+        return rows
+    ops = d.operators[d.operators["device"].isin(t.model.devices)]  # the run's devices: not a capture's "host"
+    if ops.empty or ops["device"].nunique() < 2:
         return rows
     for row in rows:
         device = str(row.get("device"))
-        if row["kind"] not in _EXPLAINED or device not in set(d.operators["device"]):
+        if row["kind"] not in _EXPLAINED or device not in set(ops["device"]):
             continue
         pick = Pick(device=device)
         if row["kind"] == "memory_skew":
             sentence = _memory_sentence(d, device)
         else:
-            diff = diff_rows(others_mean_of(d.operators, pick), side_of(d.operators, pick))
+            diff = diff_rows(others_mean_of(ops, pick), side_of(ops, pick))
             sentence = diff_sentence(diff, "the others' mean", device, top=EXPLAIN_TOP, quote="'",
                                      steps=t.model.steps) if len(diff) else None
         if sentence:

@@ -26,8 +26,9 @@ def missing_text(run: StoredRun) -> str | None:
         if run.meta.get("source") == "trace":
             return ("No memory over time: this trace has no [memory] events (profile with "
                     "torch.profiler.profile(profile_memory=True) and import it again).")
-        return ("No memory over time: the capture recorded no [memory] events (capture with "
-                "dpprof profile ... --capture A:B, which profiles memory).")
+        return ("No memory over time: the deep capture's trace holds no [memory] events for this run's devices "
+                "(torch.profiler wrote none; on CPU workers import a trace profiled with profile_memory=True "
+                "instead: dpprof import FILE).")
     return None
 
 
