@@ -10,6 +10,7 @@ from dpprof import charts
 from dpprof.plaintext import markdown_text, markdown_words
 from dpprof.views import operators, opdiff
 from dpprof.views.opdiff import Pick
+from dpprof.views.text import run_label
 
 ANOTHER_RUN = "another run…"
 
@@ -25,16 +26,18 @@ def side_by_side(row: pd.Series, picks: list[Pick], pick: Pick) -> None:
     # another run is read only when asked for: with no other device here, nothing is chosen at first
     a = c1.selectbox("A (the reference)", choices, format_func=lambda p: p if isinstance(p, str) else p.label(),
                      key="ops_a", index=0 if others else None, placeholder="choose another run…")
+    c2.selectbox("B (explained: the device chosen above)", [pick], format_func=lambda p: p.label(), key="ops_b",
+                 disabled=True)
     if a is None:
         return
-    c2.selectbox("B (explained)", [pick], format_func=lambda p: p.label(), key="ops_b", disabled=True)
     row_a = row
     if isinstance(a, str):
         ids = [i for i in runs["id"] if i != row["id"]]
         if not ids:
             common.missing("There is no other run to compare with.")
             return
-        other = st.selectbox("Run A", ids, key="ops_run_a")
+        labels = {i: run_label(r) for i, r in runs.set_index("id", drop=False).iterrows()}
+        other = st.selectbox("Run A", ids, key="ops_run_a", format_func=labels.get)
         row_a = runs[runs["id"] == other].iloc[0]
         missing = common.view(operators.missing_text, row_a)
         if missing:
