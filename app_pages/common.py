@@ -14,6 +14,8 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
+from dpprof.capture import MAX_CAPTURE_STEPS, CaptureError
+from dpprof.capture.request import answer_to, ask
 from dpprof.csvfile import to_csv_bytes
 from dpprof.launch import Profile, ProfileError
 from dpprof.processes import Started, run_row
@@ -21,6 +23,8 @@ from dpprof.processes import progress_line as processes_progress_line
 from dpprof import views
 from dpprof.plaintext import markdown_code, markdown_text, markdown_words
 from dpprof.views import export
+from dpprof.views import opdiff
+from dpprof.views.opdiff import Pick
 from dpprof.views.text import display_table, dropped_records, finding_heading, run_label, status_sentence
 from dpprof.store.faults import RecordingError
 from dpprof.store.files import dir_signature, run_signature
@@ -65,6 +69,18 @@ def view(fn: Callable[..., Any], row: pd.Series, *args: Any) -> Any:
     files and their modification times."""
     path = Path(row["path"])
     return _view(fn, f"{fn.__module__}.{fn.__qualname__}", str(path), run_signature(path, row["id"]), *args)
+
+
+@st.cache_data(show_spinner="Comparing…", max_entries=32)
+def _operator_diff(path_a: str, sig_a: tuple, pick_a: Pick, path_b: str, sig_b: tuple, pick_b: Pick) -> pd.DataFrame:
+    return opdiff.operator_diff(load_run(path_a), pick_a, load_run(path_b), pick_b)
+
+
+def operator_diff(row_a: pd.Series, pick_a: Pick, row_b: pd.Series, pick_b: Pick) -> pd.DataFrame:
+    """dpprof.views.opdiff.operator_diff of two sides, each a run of the listing (the same or two) and a pick,
+    cached by both runs' files and their modification times."""
+    return _operator_diff(str(row_a["path"]), run_signature(Path(row_a["path"]), row_a["id"]), pick_a,
+                          str(row_b["path"]), run_signature(Path(row_b["path"]), row_b["id"]), pick_b)
 
 
 def run_csv(row: pd.Series, table: str) -> Callable[[], bytes]:
@@ -178,6 +194,34 @@ def run_header(row: pd.Series) -> None:
         st.text("\n".join(damage))
 
 
+def capture_button(row: pd.Series) -> None:
+    """On a running run's page: ask it to profile its next steps with torch.profiler (dpprof capture), and say when
+    they are stored. Thin: dpprof.capture.request writes the request and reads the answer."""
+    if row["status"] != "running" or isinstance(row.get("source"), str) or (row.get("ranks") or 1) > 1:
+        return
+    key = f"capture-{row['id']}"
+    left, right = st.columns([1, 3], vertical_alignment="bottom")
+    steps = left.number_input("Steps", min_value=1, max_value=MAX_CAPTURE_STEPS, value=5, key=f"{key}-steps")
+    if right.button("Capture with torch.profiler", key=f"{key}-ask", help="Profile the run's next steps with "
+                    "torch.profiler (every thread; shapes, memory, modules): their operators are stored in the run per "
+                    "device, the raw trace beside it for Perfetto. Steps outside the window cost what they did."):
+        try:
+            st.session_state[key] = ask(load_run(row["path"]), int(steps))
+        except (CaptureError, RunFileError) as err:
+            st.error("The run cannot capture:")
+            st.text(str(err))
+    asked = st.session_state.get(key)
+    if asked is not None:
+        answer = answer_to(asked)
+        if answer is None:
+            st.caption(f"Asked for {plural(asked.steps, 'step')}: the run starts at its next step and stores them.")
+        elif answer.error:
+            st.warning("The capture failed:")
+            st.text(answer.error)
+        else:
+            st.text(f"Captured steps {answer.first_step} to {(answer.end_step or 1) - 1}: raw trace {answer.trace}")
+
+
 def live(body: Callable[[pd.Series], None]) -> None:
     """Run a page body for the chosen run; while the run is recording, re-run it every REFRESH_S."""
     row = chosen_run()
@@ -240,6 +284,12 @@ def csv_button(df: pd.DataFrame, name: str, index: bool = False) -> None:
                        mime="text/csv", key=f"csv-{name}", on_click="ignore")
 
 
+def pick_box(label: str, picks: list[Any], key: str) -> Any:
+    """A rank/device chooser of dpprof.views.opdiff.Pick values ("all devices" first where there are several)."""
+    options = ([Pick()] if len(picks) > 1 else []) + picks
+    return st.selectbox(label, options, format_func=lambda p: p.label(), key=key)
+
+
 def missing(text: str) -> None:
     """Data this run does not have, said in words (never an empty chart); the names in them as plain text, the
     commands in backticks as code (dpprof.plaintext.markdown_words)."""
@@ -276,14 +326,14 @@ def import_lock() -> threading.Lock:
 
 
 def start_run(workload: str, devices: str, steps: int, batch_size: int | None = None,
-              name: str | None = None, balanced: bool = False) -> Started | None:
+              name: str | None = None, balanced: bool = False, capture: str | None = None) -> Started | None:
     """Start ``python -m dpprof profile ...`` in its own process (dpprof.launch.Profile.start), logging to
     reports/.logs/; None, with the reason on the page, when it cannot start."""
     directory = reports_dir()
     try:  # a read-only, full or missing reports directory: the one line `dpprof profile` would print
         check_reports_dir(directory)
         profile = Profile(workload=workload, devices=devices, steps=int(steps), batch_size=batch_size or None,
-                          name=name, balanced=balanced, reports_dir=str(directory)).with_run_id()
+                          name=name, balanced=balanced, reports_dir=str(directory), capture=capture).with_run_id()
     except (RecordingError, ProfileError) as err:
         st.error(markdown_text(f"dpprof: {err}"))  # the path is the user's
         return None

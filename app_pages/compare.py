@@ -8,8 +8,9 @@ import pandas as pd
 import streamlit as st
 
 from dpprof import charts
-from dpprof.plaintext import markdown_text
-from dpprof.views import compare
+from dpprof.plaintext import markdown_text, markdown_words
+from dpprof.views import compare, operators, opdiff
+from dpprof.views.opdiff import Pick
 from dpprof.views.text import display_table, run_label
 from app_pages import common
 
@@ -38,6 +39,26 @@ def _cell(value: object) -> str:
     if isinstance(value, numbers.Integral):
         return f"{value:,}"
     return f"{value:,.2f}" if isinstance(value, numbers.Real) else str(value)
+
+
+def operator_side_by_side(rows: list[pd.Series]) -> None:
+    """The first two runs' operators side by side (the Operators page's, all devices summed), where both have them."""
+    why = [common.view(operators.missing_text, r) for r in rows]
+    if all(why):  # runs recorded without a capture: no section
+        return
+    st.subheader("Operators")
+    if len(rows) != 2:
+        common.missing("Operators are set side by side for two runs: choose two to see them.")
+        return
+    base, other = rows
+    if any(why):
+        common.missing(next(w for w in why if w))
+        return
+    diff = common.operator_diff(base, Pick(), other, Pick())
+    label_a, label_b = (str(r["name"] or r["id"]) for r in rows)
+    st.markdown(markdown_words(opdiff.diff_sentence(diff, label_a, label_b)))
+    common.chart(charts.operator_diff(diff, label_a, label_b))
+    common.table(diff, "operator_diff")
 
 
 def body() -> None:
@@ -72,6 +93,7 @@ def body() -> None:
                            "none): there is no memory to compare.")
         else:
             common.chart(charts.compare_memory(data.memory))
+    operator_side_by_side(rows)
     if data.memory["peak_allocated_bytes"].isna().any():
         st.caption("Memory is what dpprof accounts to each device (chunk, outputs, activations, gathered outputs, "
                    "weights): some of these runs have no CUDA allocator figures.")

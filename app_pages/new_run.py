@@ -25,6 +25,8 @@ batch = int(c3.number_input("Batch size (0: the workload's own)", min_value=0, m
 name = st.text_input("Name (optional)", max_chars=100, key="nr_name")
 balanced = st.checkbox("Balanced: DataParallelModel + DataParallelCriterion (each device computes its share of the "
                        "loss; nothing is gathered onto one device)", key="nr_balanced")
+capture = st.text_input("Capture steps A:B with torch.profiler (optional: steps A to B-1, their operators stored "
+                        "per device and the raw trace kept for Perfetto)", max_chars=24, key="nr_capture")
 busy = common.running_processes()
 confirmed = True
 if busy:
@@ -32,7 +34,8 @@ if busy:
                             "machine's cores and slow each other down)", key=f"nr_confirm_{max(busy)}")
 if st.button("Start", type="primary", key="nr_start", disabled=not confirmed):
     devices = f"cpu:{workers}" if on == "CPU workers" else "cuda"
-    common.start_run(workload, devices, steps, batch or None, name.strip() or None, balanced=balanced)
+    common.start_run(workload, devices, steps, batch or None, name.strip() or None, balanced=balanced,
+                     capture=capture.strip() or None)
     st.rerun()  # draw the page again with the run going: a second start now asks first
 common.watch_started_run()
 

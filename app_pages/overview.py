@@ -103,6 +103,7 @@ def kind_section(data: overview.Overview) -> None:
 
 def body(row: pd.Series) -> None:
     common.run_header(row)
+    common.capture_button(row)  # a running run: profile its next steps with torch.profiler
     data = common.view(overview.overview, row)
     stats = data.stats
     if not stats["steps"]:

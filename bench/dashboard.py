@@ -1,7 +1,7 @@
 """The dashboard on long runs: file size and seconds to build each page for 8 devices x 50,000 and 1,000,000 steps.
 
     python bench/dashboard.py [--devices 8] [--steps 50000,1000000] [--backend cpu|cuda] [--runs 2] [--apptest]
-                              [--detail bounded|all] [--keep DIR]
+                              [--detail bounded|all] [--keep DIR] [--trace-run RUN_FILE]
 
 1. Synthesise each run: records shaped like the ones `dpprof profile` emits (a step of two forward calls:
    the model's scatter, replicate, parallel_apply, one apply per device and gather, then the loss on the
@@ -15,6 +15,11 @@
 2. Print the file's size, then time each page's data (dpprof.views, no cache: a first open) and figures
    (dpprof.charts), best of 3; Compare sets all the synthesised runs of that length side by side.
 3. With --apptest, also time streamlit's AppTest running each page of app.py, once, with empty caches.
+
+4. With --trace-run (the run file of an imported trace, e.g. of the 1 GiB trace ``bench/trace_import.py --keep DIR``
+   makes, imported with ``dpprof import``), time the Operators, Kernels and Memory pages on it the same way
+   (their views and figures, best of 3; with --apptest also under AppTest), after the synthesised runs (none
+   with ``--steps ''``).
 
 Exits 1 when a page takes PAGE_BUDGET_S or more, or a file is over FILE_BUDGET_BYTES.
 """
@@ -182,7 +187,52 @@ def page_builders(paths: list[str]) -> dict[str, object]:
             "Timeline (100 steps)": timeline_100, f"Compare ({len(paths)} runs)": compare, "Export": export}
 
 
-def apptest_pages(paths: list[str]) -> dict[str, float]:
+def detail_page_builders(path: str) -> dict[str, object]:
+    """The Operators, Kernels and Memory pages' data and figures for a run with operator data, as the pages build
+    them (the first rank and device, grouped by name; the side by side of its first two devices where it has two)."""
+    from dpprof import charts
+    from dpprof.store.reader import load_run
+    from dpprof.views import kernels, memory, operators, opdiff
+
+    def operators_page():
+        run = load_run(path)
+        picks = operators.picks(run)
+        top, value = operators.top_operators(run, picks[0])
+        out = [charts.top_operators(top, value), operators.operator_table(run, picks[0]),
+               operators.module_tree(run, picks[0])]
+        if len(picks) > 1:
+            diff = opdiff.operator_diff(run, picks[0], run, picks[1])
+            out += [charts.operator_diff(diff, picks[0].label(), picks[1].label()),
+                    opdiff.diff_sentence(diff, picks[0].label(), picks[1].label())]
+        return out
+
+    def kernels_page():
+        run = load_run(path)
+        pick = operators.picks(run)[0]
+        return [kernels.gpu_summary(run), charts.gpu_metrics_per_step(kernels.gpu_per_step(run, pick)),
+                kernels.kernel_table(run, pick)]
+
+    def memory_page():
+        run = load_run(path)
+        if memory.missing_text(run):
+            return [memory.missing_text(run)]
+        pick = operators.picks(run)[0]
+        peaks = memory.peaks(run, pick)
+        return [charts.memory_over_time(memory.memory_curve(run, pick), peaks), memory.events(run, pick),
+                memory.per_operator(run, pick)]
+
+    def timeline_page():
+        from dpprof.views import timeline as timeline_view
+
+        run = load_run(path)
+        return [charts.timeline(*timeline_view.timeline(run, *timeline_view.default_timeline_range(run)))]
+
+    return {"Operators": operators_page, "Kernels": kernels_page, "Memory": memory_page,
+            "Timeline (5 steps, streams)": timeline_page}
+
+
+def apptest_pages(paths: list[str], pages: tuple[str, ...] = ("runs", "overview", "load", "timeline", "compare",
+                                                                "export")) -> dict[str, float]:
     """Seconds for AppTest to run each page of app.py on the first run, cold (empty caches)."""
     import streamlit as st
     from streamlit.testing.v1 import AppTest
@@ -193,7 +243,7 @@ def apptest_pages(paths: list[str]) -> dict[str, float]:
     os.environ["DPPROF_REPORTS"] = str(Path(paths[0]).parent)
     ids = [load_run(p).id for p in paths]
     out = {}
-    for page in ("runs", "overview", "load", "timeline", "compare", "export"):
+    for page in pages:
         at = AppTest.from_file(str(app), default_timeout=120)
         at.session_state["chosen_run"] = ids[0]
         at.session_state["compare_ids"] = ids
@@ -223,6 +273,8 @@ def main() -> None:
     parser.add_argument("--detail", choices=["bounded", "all"], default="bounded", help="as dpprof.record's detail")
     parser.add_argument("--apptest", action="store_true", help="also time app.py's pages under AppTest")
     parser.add_argument("--keep", default=None, help="write the runs into this directory and keep them")
+    parser.add_argument("--trace-run", default=None, help="an imported trace's run file: time the Operators, "
+                        "Kernels and Memory pages on it")
     args = parser.parse_args()
     worst, largest = 0.0, 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -251,6 +303,19 @@ def main() -> None:
                 for page, seconds in apptest_pages(paths).items():
                     worst = max(worst, seconds)
                     print(f"  {page:<28} {seconds:6.2f} s")
+    if args.trace_run:
+        size = Path(args.trace_run).stat().st_size
+        print(f"{Path(args.trace_run).name}: file {size / 1e6:.1f} MB; page data + figures, best of 3 "
+              f"(budget {PAGE_BUDGET_S:.0f} s):")
+        for page, build in detail_page_builders(args.trace_run).items():
+            seconds, _ = _best_of(build)
+            worst = max(worst, seconds)
+            print(f"  {page:<28} {seconds:6.2f} s")
+        if args.apptest:
+            print("  AppTest, each page's run of app.py with empty caches:")
+            for page, seconds in apptest_pages([args.trace_run], ("operators", "kernels", "memory", "timeline")).items():
+                worst = max(worst, seconds)
+                print(f"  {page:<28} {seconds:6.2f} s")
     ok = worst < PAGE_BUDGET_S and largest <= FILE_BUDGET_BYTES
     print(f"slowest page: {worst:.2f} s ({'within' if worst < PAGE_BUDGET_S else 'OVER'} the {PAGE_BUDGET_S:.0f} s "
           f"budget); largest file: {largest / 1e6:.1f} MB ({'within' if largest <= FILE_BUDGET_BYTES else 'OVER'} "

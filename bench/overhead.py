@@ -12,6 +12,8 @@ Arms, interleaved round by round in one process so that machine noise hits them 
 - dpprof explicit: recording into a run file (the writer thread included), ``with run.step():`` around
   each step, as the README's "Wrap a model" shows;
 - dpprof implicit: the same run file, no run.step(): each forward call starts a step;
+- dpprof captured: as dpprof explicit, with a deep capture (``capture="0:2"``) in the steps before the timed
+  ones, its trace and tables stored before they start: what a run pays outside its capture window;
 - torch.profiler: CPU activities on every thread (it sees no replica otherwise), nothing recording.
 
 With ``--device cuda`` the same steps run on GPU 0 instead: the module on cuda:0 (plain),
@@ -61,8 +63,10 @@ import dpprof
 from dpprof.parallel import workers as cpu_workers
 from dpprof.workloads import build_workload
 
-ARMS = ("plain", "off", "memory", "dpprof explicit", "dpprof implicit", "torch.profiler")
-CUDA_ARMS = ("plain", "torch DataParallel", "off", "memory", "dpprof explicit", "dpprof implicit", "torch.profiler")
+ARMS = ("plain", "off", "memory", "dpprof explicit", "dpprof implicit", "dpprof captured", "torch.profiler")
+CUDA_ARMS = ("plain", "torch DataParallel", "off", "memory", "dpprof explicit", "dpprof implicit", "dpprof captured",
+             "torch.profiler")
+CAPTURED_WINDOW = "0:2"  # the deep capture of the "dpprof captured" arm: within the untimed steps of every block
 RECORDED = ("dpprof explicit", "dpprof implicit")  # recording into a run file, as users do
 
 
@@ -131,6 +135,8 @@ def _block(net: nn.Module, step: Step, optimizer: torch.optim.Optimizer, batches
     _steps(net, step, optimizer, batches, max(2, n // 10), run)
     if cuda:
         torch.cuda.synchronize()
+    if run is not None and run.capture.wait():  # a window in the untimed steps: stored before the timed ones
+        gc.collect()  # the profiler's garbage, collected here rather than in a timed step
     t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
     _steps(net, step, optimizer, batches, n, run)
     if cuda:
@@ -158,9 +164,10 @@ def measure(step: Step, workers: int, rounds: int, reports_dir: str,
     def torch_dp() -> tuple[float, float, float, float]:
         return _block(theirs, step, optimizer, batches, n)
 
-    def recorded(store: bool, explicit: bool) -> Callable[[], tuple[float, float, float, float]]:
+    def recorded(store: bool, explicit: bool, capture: str | None = None
+                 ) -> Callable[[], tuple[float, float, float, float]]:
         def arm() -> tuple[float, float, float, float]:
-            with dpprof.record(name="bench-overhead", store=store, reports_dir=reports_dir) as run:
+            with dpprof.record(name="bench-overhead", store=store, reports_dir=reports_dir, capture=capture) as run:
                 return _block(net, step, optimizer, batches, n, run if explicit else None)
         return arm
 
@@ -169,10 +176,11 @@ def measure(step: Step, workers: int, rounds: int, reports_dir: str,
             return _block(net, step, optimizer, batches, n)
 
     runners = {"plain": plain, "off": off, "memory": recorded(False, True), "dpprof explicit": recorded(True, True),
-               "dpprof implicit": recorded(True, False), "torch.profiler": profiled}
+               "dpprof implicit": recorded(True, False), "dpprof captured": recorded(True, True, CAPTURED_WINDOW),
+               "torch.profiler": profiled}
     if cuda:
         runners = {"plain": plain, "torch DataParallel": torch_dp, **{k: v for k, v in runners.items() if k != "plain"}}
-    for arm in ("plain", "off", *RECORDED):
+    for arm in ("plain", "off", *RECORDED, "dpprof captured"):
         runners[arm]()  # warm-up: worker threads, allocator, the first run file
     out: dict[str, dict[str, list[float]]] = {k: {"step_s": [], "cpu_s": [], "caller_s": [], "once_s": []} for k in runners}
     for r in range(rounds):
@@ -292,10 +300,18 @@ def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str
     lo, hi = _median_interval(over)
     print(f"  explicit steps over implicit ones: {statistics.median(over):+.1f} us a step (95% interval {lo:+.1f} to"
           f" {hi:+.1f}; aim: <= 0)")
-    once = {k: statistics.median(out[k]["once_s"]) * 1e3 for k in ("off", *RECORDED, "torch.profiler")}
+    # the deep capture's cost outside its window: the captured arm beside the explicit one, paired per round
+    outside = [(a - b) * 1e6 for a, b in zip(out["dpprof captured"]["step_s"], out["dpprof explicit"]["step_s"])]
+    ratios = [a / b for a, b in zip(out["dpprof captured"]["step_s"], out["dpprof explicit"]["step_s"])]
+    lo, hi = _median_interval(outside)
+    print(f"  a deep capture's steps outside its window over dpprof explicit: {statistics.median(outside):+.1f} us a "
+          f"step, {statistics.median(ratios):.3f}x (95% interval {lo:+.1f} to {hi:+.1f} us; aim: 0)")
+    once = {k: statistics.median(out[k]["once_s"]) * 1e3 for k in ("off", *RECORDED, "dpprof captured",
+                                                                 "torch.profiler")}
     print(f"  once per recording: dpprof {once['dpprof explicit'] - once['off']:.1f} ms explicit,"
           f" {once['dpprof implicit'] - once['off']:.1f} ms implicit (create the file; at close the last commit and"
-          f" the findings; its garbage collected), torch.profiler {once['torch.profiler'] - once['off']:.1f} ms"
+          f" the findings; its garbage collected), {once['dpprof captured'] - once['off']:.1f} ms with a deep capture"
+          f" (its window and storing it are in the untimed steps), torch.profiler {once['torch.profiler'] - once['off']:.1f} ms"
           " (its trace parsed, then collected)")
 
 

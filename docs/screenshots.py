@@ -6,9 +6,12 @@ free loopback port reading them, and saves a PNG of each dashboard page with Deb
 playwright (the same browser tests/test_browser.py uses). Nothing outside the temporary directory and
 docs/img/ is touched: your own reports/ and ~/.cache stay as they are.
 
+The Operators, Kernels and Memory pages show the shared ResNet-50 trace (../shared/traces), imported with
+``dpprof import``: a recorded run holds operators only from a deep capture.
+
 Usage, from the checkout after set-up (about two minutes on two cores)::
 
-    .venv/bin/python docs/screenshots.py            # [--out docs/img] [--steps 40]
+    .venv/bin/python docs/screenshots.py            # [--out docs/img] [--steps 40] [--only operators.png,...]
 """
 from __future__ import annotations
 
@@ -44,6 +47,8 @@ TIMEOUT_MS = 60_000
 # a core (docs/advisor.md), and the Advisor then rightly refuses to predict from a calibration measured under load.
 ENV = {"OMP_NUM_THREADS": "1"}
 
+TRACE = ROOT.parent / "shared" / "traces" / "resnet50-1gpu-tb-sample.pt.trace.json.gz"
+TRACE_PAGES = {"operators.png", "kernels.png", "memory.png"}  # these show the imported trace
 # (file name, address path, text that shows the page has drawn its content)
 PAGES = [
     ("runs.png", "runs", "Runs"),
@@ -55,6 +60,9 @@ PAGES = [
     ("compare.png", "compare", None),
     ("devices.png", "devices", None),
     ("new_run.png", "new-run", None),
+    ("operators.png", "operators", "Modules"),
+    ("kernels.png", "kernels", "Kernels"),
+    ("memory.png", "memory", "Memory events"),
 ]
 
 
@@ -133,8 +141,15 @@ def _small_png(data: bytes) -> bytes:
     return out.getvalue()
 
 
-def shoot(base: str, run_id: str, out: Path) -> list[Path]:
-    """Save one PNG per dashboard page into ``out``."""
+def import_trace(reports: Path, cache: Path) -> str:
+    """Import the shared ResNet-50 trace (operators, kernels, memory over time); return its run's id."""
+    _dpprof(reports, cache, "import", str(TRACE), "--name", "ResNet-50 trace")
+    return _run_id(reports, "ResNet-50 trace")
+
+
+def shoot(base: str, run_id: str, out: Path, trace_id: str | None = None,
+          only: set[str] | None = None) -> list[Path]:
+    """Save one PNG per dashboard page into ``out`` (``only``: these files; the trace pages show ``trace_id``)."""
     from playwright.sync_api import sync_playwright
 
     out.mkdir(parents=True, exist_ok=True)
@@ -144,7 +159,9 @@ def shoot(base: str, run_id: str, out: Path) -> list[Path]:
         page = browser.new_page(viewport=VIEWPORT)
         page.set_default_timeout(TIMEOUT_MS)
         for name, path, marker in PAGES:
-            page.goto(f"{base}/{path}?run={run_id}")
+            if only is not None and name not in only:
+                continue
+            page.goto(f"{base}/{path}?run={trace_id if name in TRACE_PAGES else run_id}")
             if marker:
                 page.get_by_text(marker, exact=True).first.wait_for()
             _settle(page)
@@ -161,15 +178,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img", help="where the PNGs go (default: docs/img)")
     parser.add_argument("--steps", type=int, default=40, help="steps per recorded run (default: 40)")
+    parser.add_argument("--only", default=None, help="comma-separated file names of the pictures to make (default: all)")
     args = parser.parse_args(argv)
+    only = set(args.only.split(",")) if args.only else None
     if not Path(CHROMIUM).exists():
         sys.exit(f"{CHROMIUM} is missing: apt-get install chromium")
     with tempfile.TemporaryDirectory(prefix="dpprof-screenshots-") as tmp:
         reports, cache = Path(tmp) / "reports", Path(tmp) / "cache"
         reports.mkdir()
-        run_id = record_runs(reports, cache, args.steps)
+        trace_id = import_trace(reports, cache)
+        run_id = record_runs(reports, cache, args.steps) if only is None or only - TRACE_PAGES else trace_id
         with streamlit(reports, cache, Path(tmp) / "streamlit.log") as base:
-            shoot(base, run_id, args.out.resolve())
+            shoot(base, run_id, args.out.resolve(), trace_id, only)
     return 0
 
 

@@ -23,11 +23,12 @@ from dpprof.stepmodel import PHASE_WORDS
 from dpprof.records import PHASE_ORDER
 from dpprof.store.queries import MAX_POINTS
 from dpprof.units import bytes_unit
+from dpprof.views.timeline import STREAM_PHASE
 
 __all__ = ["MAX_POINTS", "PHASE_COLORS", "downsample", "device_glance", "step_times", "phase_breakdown", "phase_shares",
            "work_distribution", "memory_per_device", "chunk_sizes", "gpu_samples", "timeline",
            "compare_step_times", "compare_phase_shares", "compare_memory", "check_chunks", "gpu_time",
-           "advice_parts"]
+           "advice_parts", "top_operators", "gpu_metrics_per_step", "memory_over_time", "operator_diff"]
 
 # One colour per phase, the same on every chart and no two phases alike, since DataParallel and DDP runs are
 # compared on one chart (plotly's colour-blind-safe "Safe" palette, then Tol's muted and light ones).
@@ -35,9 +36,9 @@ PHASE_COLORS = {
     "scatter": "#88CCEE", "replicate": "#CC6677", "parallel_apply": "#DDCC77", "apply": "#117733",
     "gather": "#332288", "loss": "#44AA99", "reduce": "#999933", "backward": "#AA4499", "rest": "#BBBBBB",
     "step": "#DDDDDD", "data": "#661100", "forward": "#6699CC", "backward_compute": "#882255",
-    "comm_wait": "#EE8866", "optimizer": "#E69F00",
+    "comm_wait": "#EE8866", "optimizer": "#E69F00", "kernels": "#225555",
 }
-PHASE_LABELS = {**PHASE_WORDS, "rest": "rest of step", "loss": "loss (output device)", "reduce": "reduce (losses)"}
+PHASE_LABELS = {**PHASE_WORDS, "kernels": "GPU kernels", "rest": "rest of step", "loss": "loss (output device)", "reduce": "reduce (losses)"}
 _OTHER_COLORS = ["#888888", "#FFAABB", "#77AADD", "#AAAA00"]  # phases dpprof does not name
 
 
@@ -67,7 +68,7 @@ def _plain_values(values: Any) -> Any:
 # Where a figure shows strings: run, device, phase and event names come from users and files, and plotly reads
 # <a href>, <b> and <br> in any of these as markup. Hover templates are dpprof's own (their %{...} values are the
 # data's, escaped here) and stay markup.
-_TRACE_TEXT = ("x", "y", "text", "name", "customdata", "legendgroup")
+_TRACE_TEXT = ("x", "y", "text", "hovertext", "name", "customdata", "legendgroup")
 _AXIS_TEXT = ("categoryarray", "ticktext")
 
 
@@ -373,6 +374,12 @@ def _per_step_scale(phases: pd.DataFrame, steps: pd.DataFrame) -> tuple[pd.Serie
     return base, phases["duration_ms"] / length
 
 
+def _stream_key(lane: str) -> tuple:
+    """"cuda:0 stream 7" sorts by device, then stream number."""
+    device, _, stream = lane.partition(" stream ")
+    return (*device_key(device), int(stream) if stream.isdigit() else -1, stream)
+
+
 @_plain
 def timeline(phases: pd.DataFrame, steps: pd.DataFrame, equal_steps: bool = False) -> go.Figure:
     """A Gantt chart of the phases on each device over a range of steps.
@@ -385,7 +392,9 @@ def timeline(phases: pd.DataFrame, steps: pd.DataFrame, equal_steps: bool = Fals
         equal_steps: draw every step the same width (each phase at its share of its step), so that a few
             slow steps do not squash the others; hover still gives milliseconds.
     """
-    devices = sorted(dict.fromkeys(phases["device"]), key=device_key)  # not by who started first
+    stream_lanes = phases["phase"] == STREAM_PHASE  # a GPU stream's kernels: below the host lanes, by device, stream
+    devices = sorted(dict.fromkeys(phases.loc[~stream_lanes, "device"]), key=device_key)  # not by who started first
+    devices += sorted(dict.fromkeys(phases.loc[stream_lanes, "device"]), key=_stream_key)
     lanes = ["step", *(["parallel_apply"] if (phases["phase"] == "parallel_apply").any() else []), *devices]
     equal_steps = equal_steps and not steps.empty
     fig = _fig("Timeline (every step the same width)" if equal_steps else "Timeline (ms since the run started)",
@@ -523,5 +532,108 @@ def advice_parts(parts: pd.DataFrame, scenarios: pd.DataFrame) -> go.Figure:
         marker=dict(color="black", size=6), error_x=dict(
             type="data", symmetric=False, array=(scenarios["step_ms_high"] - scenarios["step_ms"]).tolist(),
             arrayminus=(scenarios["step_ms"] - scenarios["step_ms_low"]).tolist())))
+    fig.update_yaxes(autorange="reversed")
+    return fig
+
+
+NAME_CHARS = 60  # an operator or kernel name on a bar's axis is cut here (its full name is in the hover and table)
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= NAME_CHARS else name[: NAME_CHARS - 1] + "…"
+
+
+@_plain
+def top_operators(top: pd.DataFrame, value: str = "device_self_ms") -> go.Figure:
+    """The top operators by self time, one horizontal bar each, with the other clock's time beside it.
+
+    Args:
+        top: dpprof.views.operators.top_operators (name, host_self_ms, device_self_ms), largest first.
+        value: the column the rows were chosen by ("device_self_ms", or "host_self_ms" without kernels).
+    """
+    words = {"device_self_ms": "device self time", "host_self_ms": "host self time"}
+    fig = _fig(f"Top {len(top)} operators by {words[value]} (ms, all steps)", xaxis_title="ms", barmode="group",
+               height=max(320, 26 * len(top) + 120))
+    names = [_short(str(n)) for n in top["name"]]
+    for col, color in (("device_self_ms", "#117733"), ("host_self_ms", "#6699CC")):
+        if top[col].notna().any():
+            fig.add_trace(go.Bar(y=names, x=top[col].astype(float).tolist(), name=words[col], orientation="h",
+                                 marker_color=color, hovertext=[str(n) for n in top["name"]]))
+    fig.update_yaxes(autorange="reversed")
+    return fig
+
+
+_GPU_METRICS = (("utilization_pct", "GPU utilization"), ("sm_efficiency_pct", "Est. SM efficiency"),
+                ("achieved_occupancy_pct", "Est. achieved occupancy"))
+
+
+@_plain
+def gpu_metrics_per_step(per_step: pd.DataFrame) -> go.Figure:
+    """GPU utilization, estimated SM efficiency and achieved occupancy per step (%), a line per metric and GPU.
+
+    Args:
+        per_step: dpprof.views.kernels.gpu_per_step (rank, device, step, and the three ``*_pct`` columns).
+    """
+    fig = _fig("GPU utilization, est. SM efficiency and est. achieved occupancy per step (%)",
+               xaxis_title="step", yaxis_title="%", hovermode="x unified")
+    many = per_step["rank"].nunique() > 1
+    dashes = ("solid", "dash", "dot")
+    for (rank, device), df in per_step.groupby(["rank", "device"], sort=False):
+        who = f"rank {rank} {device}" if many else str(device)
+        for (col, word), dash in zip(_GPU_METRICS, dashes):
+            fig.add_trace(go.Scatter(x=df["step"].astype(int).tolist(), y=df[col].astype(float).tolist(),
+                                     mode="lines+markers", name=f"{who} {word}", line=dict(dash=dash)))
+    fig.update_yaxes(range=[0, 105])
+    _step_axis(fig, per_step["step"])
+    return fig
+
+
+@_plain
+def memory_over_time(curve: pd.DataFrame, peaks: pd.DataFrame) -> go.Figure:
+    """Allocated (solid) and reserved (dashed) memory over time, a line per device, each device's peak marked with
+    its step.
+
+    Args:
+        curve: dpprof.views.memory.memory_curve (series, t_ms, allocated_bytes, reserved_bytes), already bucketed.
+        peaks: dpprof.views.memory.peaks (rank, device, peak_allocated_bytes, peak_t_ms, peak_step).
+    """
+    top = float(pd.concat([curve["allocated_bytes"], curve["reserved_bytes"]]).max())
+    unit, scale = bytes_unit(top if top == top else 0.0)
+    fig = _fig(f"Memory over time per device ({unit}): allocated, and reserved by the caching allocator",
+               xaxis_title="s since the run started", yaxis_title=unit, hovermode="x unified")
+    palette = ["#4477AA", "#EE6677", "#228833", "#CCBB44", "#66CCEE", "#AA3377", "#BBBBBB", "#000000"]
+    for j, (series, df) in enumerate(curve.groupby("series", sort=False)):
+        df = downsample(df)
+        color = palette[j % len(palette)]
+        fig.add_trace(go.Scatter(x=(df["t_ms"] / 1e3).tolist(), y=(df["allocated_bytes"] * scale).tolist(),
+                                 mode="lines", name=f"{series} allocated", line=dict(color=color)))
+        if df["reserved_bytes"].notna().any():
+            fig.add_trace(go.Scatter(x=(df["t_ms"] / 1e3).tolist(), y=(df["reserved_bytes"] * scale).tolist(),
+                                     mode="lines", name=f"{series} reserved", line=dict(color=color, dash="dash")))
+    many = peaks["rank"].nunique() > 1
+    for row in peaks.itertuples(index=False):
+        step = f"step {int(row.peak_step)}" if pd.notna(row.peak_step) else "no step"
+        who = f"rank {row.rank} {row.device}" if many else str(row.device)
+        fig.add_trace(go.Scatter(x=[row.peak_t_ms / 1e3], y=[row.peak_allocated_bytes * scale], mode="markers+text",
+                                 marker=dict(symbol="x", size=11, color="black"), name=f"{who} peak",
+                                 text=[f"peak {row.peak_allocated_bytes * scale:,.1f} {unit} ({step})"],
+                                 textposition="top center"))
+    return fig
+
+
+@_plain
+def operator_diff(diff: pd.DataFrame, label_a: str, label_b: str, top: int = 15) -> go.Figure:
+    """B's difference from A per operator (ms of self time), the largest ``top``: right of zero, B is slower.
+
+    Args:
+        diff: dpprof.views.opdiff.operator_diff (name, delta_ms), largest difference first.
+    """
+    rows = diff.head(top)
+    clock = diff.attrs.get("clock", "host")
+    fig = _fig(f"{label_b} less {label_a}: {clock} self time per operator (ms)", xaxis_title="ms",
+               height=max(320, 26 * len(rows) + 120))
+    fig.add_trace(go.Bar(y=[_short(str(n)) for n in rows["name"]], x=rows["delta_ms"].astype(float).tolist(),
+                         orientation="h", hovertext=[str(n) for n in rows["name"]], showlegend=False,
+                         marker_color=["#CC6677" if d > 0 else "#117733" for d in rows["delta_ms"]]))
     fig.update_yaxes(autorange="reversed")
     return fig

@@ -118,6 +118,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     for flag, value in (("--cpu-workers", args.cpu_workers), ("--steps", args.steps)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be positive, got {value}")
+    capture = _capture_window(args.capture, args.steps)
     target, script_args = args.target[0], args.target[1:]
     saved_argv, saved_path0 = sys.argv, sys.path[0]
     if args.module:
@@ -144,7 +145,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # the reports directory made absolute before the script runs: a script that changes directory records
     # into the same place, and the line on stderr names it whole
     record_args = None if args.no_record else dict(name=name, reports_dir=reports_dir(args.reports_dir).absolute(),
-                                                   workload=shown, workload_args=run_args, detail=args.detail)
+                                                   workload=shown, workload_args=run_args, detail=args.detail,
+                                                   capture=capture)
     session = None
     try:
         with instrumented(record_args, args.cpu_workers, args.steps) as session:
@@ -163,6 +165,45 @@ def _cmd_run(args: argparse.Namespace) -> int:
     finally:
         sys.argv, sys.path[0] = saved_argv, saved_path0
     _tell_recorded(session)
+    return EXIT_OK
+
+
+def _capture_window(text: str | None, steps: int | None):
+    """--capture A:B of ``dpprof run``, checked before the script starts (a UsageError in one line)."""
+    from dpprof.capture import CaptureError, parse_capture
+
+    try:
+        window = parse_capture(text)
+    except CaptureError as err:
+        raise UsageError(f"--capture {text}: {err.reason}") from None
+    if window is not None and steps is not None and window.end_step > steps:
+        raise UsageError(f"--capture {text}: --steps {steps} records steps 0 to {steps - 1}; the window must end "
+                         f"by {steps}")
+    return window
+
+
+def _cmd_capture(args: argparse.Namespace) -> int:
+    """Ask a running run to capture its next N steps with torch.profiler, and wait until they are stored."""
+    from dpprof.capture import CaptureError
+    from dpprof.capture.request import ask, wait_for_answer
+    from dpprof.store.reader import load_run
+
+    run = load_run(args.run, args.reports_dir)
+    try:
+        asked = ask(run, args.steps)
+        if not args.quiet:
+            print(f"asked run {run.id} to capture its next {plural(args.steps, 'step')}; waiting for them",
+                  file=sys.stderr, flush=True)
+        answer = wait_for_answer(asked, args.timeout)
+    except CaptureError as err:
+        print(f"dpprof: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    if answer.error is not None:
+        print(f"dpprof: run {run.id}: {answer.error}", file=sys.stderr)
+        return EXIT_FAILURE
+    trace = os.path.join(asked.directory, answer.trace) if answer.trace else None
+    print(f"captured steps {answer.first_step} to {(answer.end_step or 0) - 1} of run {run.id}: operators in the run, "
+          f"raw trace {trace}")
     return EXIT_OK
 
 
@@ -526,11 +567,49 @@ def _cmd_ops(args: argparse.Namespace) -> int:
     run = _detail_run(args)
     if run is None:
         return EXIT_FAILURE
+    if args.vs:
+        return _ops_vs(args, run)
     df = operators(run, by=args.by, rank=args.rank, device=args.device, top=args.top)  # type: ignore[arg-type]
     if args.json:
         _print_json({"operators": _records(df, OPS_JSON + (["input_shapes"] if args.by == "shape" else []))})
         return EXIT_OK
     print(_table(df.drop(columns=["tc_eligible", "tc_pct"] if df["tc_pct"].isna().all() else [])))
+    return EXIT_OK
+
+
+def _ops_vs(args: argparse.Namespace, run: object) -> int:
+    """``dpprof ops RUN --vs DEVICE|RUN2``: the run's operators (--rank, --device) against another device of it, or
+    against another run (all its devices), the difference per operator largest first (dpprof.views.opdiff)."""
+    from dpprof.store.detail_rows import detail_missing
+    from dpprof.store.reader import StoredRun, load_run
+    from dpprof.views.opdiff import Pick, diff_sentence, operator_diff
+
+    assert isinstance(run, StoredRun)
+    pick_b = Pick(args.rank, args.device)
+    devices = set(run.operators()["device"])
+    if args.vs in devices:
+        other, pick_a = run, Pick(None, args.vs)
+        label_a = args.vs
+    else:
+        other = load_run(args.vs, args.reports_dir)
+        why = detail_missing(other)
+        if why is not None:
+            print(f"dpprof: run {other.id}: {why}", file=sys.stderr)
+            return EXIT_FAILURE
+        pick_a, label_a = Pick(), str(other.meta.get("name") or other.id)
+    label_b = pick_b.label(run) if other is run or args.device or args.rank is not None \
+        else str(run.meta.get("name") or run.id)
+    diff = operator_diff(other, pick_a, run, pick_b)
+    steps = run.model.steps if other is run else None
+    sentence = diff_sentence(diff, label_a, label_b, quote="", steps=steps)
+    top = diff.head(args.top)
+    if args.json:
+        _print_json({"sentence": sentence, "clock": diff.attrs["clock"],
+                     "operators": _records(top, list(top.columns))})
+        return EXIT_OK
+    print(sentence)
+    print()
+    print(_table(top))
     return EXIT_OK
 
 
@@ -661,6 +740,10 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+_CAPTURE_HELP = ("profile steps A to B-1 with torch.profiler (every thread; CUDA too on a GPU): their operators, "
+                 "kernels and memory stored in the run per device, the raw trace beside it for Perfetto")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpprof", description="Profile PyTorch data-parallel training, "
                                      "device by device and phase by phase.")
@@ -693,6 +776,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "last 1,000 steps, one step in 100 and outliers, so a day-long run stays small; all: every record")
     p.add_argument("--run-id", default=None, metavar="ID",
                    help="the run's id, chosen by whoever starts it (default: a new one; dpprof.launch)")
+    p.add_argument("--capture", default=None, metavar="A:B", help=_CAPTURE_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_profile, parser=p)
 
@@ -708,6 +792,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run a training script unchanged, its DataParallel and DDP recorded",
                        usage="dpprof run [-h] [--name NAME] [--cpu-workers N] [--steps N] [--no-record] [--detail bounded|all] "
+                       "[--capture A:B] "
                        "(SCRIPT.py | -m MODULE) [ARGS...]",
                        description="Runs SCRIPT.py (or -m MODULE) as python would: same sys.argv, __main__, "
                        "working directory, exit code and exceptions, with torch.nn.DataParallel, "
@@ -725,10 +810,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detail", choices=["bounded", "all"], default="bounded",
                    help="bounded (default): every step's time and per-block aggregates, full detail for the first and "
                    "last 1,000 steps, one step in 100 and outliers, so a day-long run stays small; all: every record")
+    p.add_argument("--capture", default=None, metavar="A:B", help=_CAPTURE_HELP)
     p.add_argument("-m", dest="module", action="store_true", help="run a module, as python -m does")
     p.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT.py|MODULE [ARGS...]",
                    help="the script (or, with -m, the module) and its own arguments")
     p.set_defaults(func=_cmd_run, parser=p)
+
+    p = sub.add_parser("capture", help="profile the next N steps of a running run with torch.profiler",
+                       description="Asks a run being recorded now to profile its next N steps with torch.profiler (from "
+                       "its next step boundary, within about a second) and waits until its operators are stored in "
+                       "the run and its raw trace beside it. Exit 1, in one line, for a run that has ended, was "
+                       "imported, is distributed, or does not answer within --timeout.")
+    p.add_argument("run", help="run id (or a unique prefix) or path to a run file")
+    p.add_argument("--steps", type=_positive_int, default=5, help="steps to capture (default: 5)")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="give up after S seconds without an answer (default: 600)")
+    p.add_argument("--quiet", action="store_true", help="no line on stderr while waiting")
+    p.set_defaults(func=_cmd_capture, parser=p)
 
     p = sub.add_parser("merge", help="gather distributed runs' rank files from several machines into one run")
     p.add_argument("sources", nargs="+", help="rank files (<run id>.rank<N>.sqlite) or directories holding them")
@@ -763,6 +861,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Operators by host total time: calls, host and device total and self time, "
                        "tensor-core eligibility and share. Exit 1, in one line, for a run without operator data.")
     _detail_options(p, ("name", "shape"))
+    p.add_argument("--vs", default=None, metavar="DEVICE|RUN",
+                   help="set the operators (of --rank/--device) beside another device of the run, or another run: "
+                        "the difference per operator, largest first")
     p.set_defaults(func=_cmd_ops, parser=p)
 
     p = sub.add_parser("kernels", help="a run's top kernels and each GPU's utilization, SM efficiency, occupancy",

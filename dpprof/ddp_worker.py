@@ -52,6 +52,8 @@ def _main() -> None:
     parser.add_argument("--timeout-s", type=float, default=60.0, help="collective timeout")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where each rank trains")
     parser.add_argument("--detail", choices=list(DETAIL_MODES), default="bounded", help="as dpprof.record's detail")
+    parser.add_argument("--capture", default=None, metavar="A:B", help="as dpprof.record's capture: steps A to B-1 "
+                        "profiled with torch.profiler, on each rank")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                         help="default: gloo on the CPU or when ranks share GPUs, else NCCL")
     args = parser.parse_args()
@@ -92,7 +94,7 @@ def _main() -> None:
                     "bucket_cap_mb": args.bucket_cap_mb, "backend": backend,
                     "device": f"cuda:{gpu}" if cuda else "cpu"}
         with dpprof.record(name=name, reports_dir=reports, workload=workload.name, workload_args=run_args,
-                           detail=args.detail, run_id=args.run_id) as run:
+                           detail=args.detail, run_id=args.run_id, capture=args.capture) as run:
             for step in range(args.steps):
                 inputs, target = next(batches)
                 if cuda:

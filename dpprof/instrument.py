@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from dpprof.capture.window import parse_capture
 from dpprof.device_ids import cpu_devices, resolve_devices
 from dpprof.nvml import DEFAULT_SAMPLE_HZ
 from dpprof.parallel import distributed as _ddp
@@ -374,7 +375,7 @@ def instrument(name: str | None = None, reports_dir: str | os.PathLike[str] | No
                cpu_workers: int | None = None, steps: int | None = None, sync_timing: bool = False,
                workload: str | None = None, workload_args: dict[str, Any] | None = None, store: bool = True,
                sample_hz: float | None = DEFAULT_SAMPLE_HZ, sample_gpus: bool | None = None,
-               detail: str = "bounded") -> Iterator[Run | None]:
+               detail: str = "bounded", capture: str | None = None) -> Iterator[Run | None]:
     """Record every DataParallel and DDP that code inside the block builds with torch's own names.
 
     Args:
@@ -383,7 +384,8 @@ def instrument(name: str | None = None, reports_dir: str | os.PathLike[str] | No
         cpu_workers: a DataParallel built with no device_ids on a machine with no GPU runs on this
             many CPU workers instead of torch's pass-through (default: torch's behaviour).
         steps: stop recording after this many steps; the code goes on, unrecorded.
-        sync_timing, workload, workload_args, store, sample_hz, sample_gpus, detail: as for ``dpprof.record``.
+        sync_timing, workload, workload_args, store, sample_hz, sample_gpus, detail, capture: as for
+            ``dpprof.record`` (a step ends at each optimizer.step()).
 
     Returns:
         the run, or None when it could not start (said once on stderr) or, in one of several
@@ -398,6 +400,6 @@ def instrument(name: str | None = None, reports_dir: str | os.PathLike[str] | No
     """
     record_args = dict(name=name, reports_dir=reports_dir, sync_timing=sync_timing, workload=workload,
                        workload_args=workload_args, store=store, sample_hz=sample_hz, sample_gpus=sample_gpus,
-                       detail=detail)
+                       detail=detail, capture=parse_capture(capture))
     with instrumented(record_args, cpu_workers, steps) as session:
         yield session.run

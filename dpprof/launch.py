@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from dpprof.capture.window import CaptureError, parse_capture
 from dpprof.processes import LaunchError, Started
 from dpprof.store.ids import new_run_id
 from dpprof.workload_names import WORKLOAD_NAMES
@@ -145,6 +146,7 @@ class Profile:
         name: the run's name (None: the workload's).
         run_id: the run's id, chosen before the start (with_run_id); None: chosen by the recording.
         reports_dir: where the run goes (None: $DPPROF_REPORTS, else ./reports).
+        capture: "A:B": steps A to B-1 profiled with torch.profiler (dpprof.record's capture); None: none.
         env: environment set for the process that trains (OMP_NUM_THREADS=1): a profile with any runs in a
             child process, and its shell command sets them first.
     """
@@ -162,6 +164,7 @@ class Profile:
     name: str | None = None
     run_id: str | None = None
     reports_dir: str | None = None
+    capture: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -197,6 +200,15 @@ class Profile:
         if self.run_id is not None and not _RUN_ID.fullmatch(self.run_id):
             raise ProfileError(f"--run-id {self.run_id!r}: a run id is 1 to 64 letters, digits, '-' and '_', "
                                "starting with a letter or digit")
+        if self.capture is not None:
+            try:
+                window = parse_capture(self.capture)
+            except CaptureError as err:
+                raise ProfileError(f"--capture {self.capture}: {err.reason}") from None
+            assert window is not None
+            if window.end_step > self.steps:
+                raise ProfileError(f"--capture {self.capture}: the profile runs {self.steps} steps (0 to "
+                                   f"{self.steps - 1}); the window must end by {self.steps}")
         bad = [k for k in self.env if not _ENV_NAME.fullmatch(k)]
         if bad:
             raise ProfileError(f"environment variable name {bad[0]!r} is not a name like OMP_NUM_THREADS")
@@ -224,7 +236,7 @@ class Profile:
         return cls(workload=args.workload, model=args.model, input_shape=tuple(shape) if shape else None,
                    devices=args.devices, batch_size=args.batch_size, steps=args.steps, balanced=args.balanced,
                    ddp=args.ddp, nproc=args.nproc, detail=args.detail, name=args.name,
-                   run_id=args.run_id, reports_dir=args.reports_dir)
+                   run_id=args.run_id, reports_dir=args.reports_dir, capture=args.capture)
 
     # -- as words ----------------------------------------------------------------------------------
 
@@ -253,6 +265,8 @@ class Profile:
             out += _option("--name", self.name)
         if self.run_id is not None:
             out += ["--run-id", self.run_id]
+        if self.capture is not None:
+            out += ["--capture", self.capture]
         if quiet:
             out.append("--quiet")
         return out
@@ -336,7 +350,7 @@ class Profile:
         except ValueError as err:
             raise ProfileError(str(err)) from None
         return train(workload, devices, self.steps, name=self.name, reports_dir=self.reports_dir, progress=progress,
-                     balanced=self.balanced, detail=self.detail, run_id=self.run_id)
+                     balanced=self.balanced, detail=self.detail, run_id=self.run_id, capture=self.capture)
 
     def _check_id_free(self) -> None:
         """A run id given that a run in the reports directory has already: one line, before anything starts
@@ -366,7 +380,8 @@ class Profile:
                "-m", "dpprof.ddp_worker", *what, "--steps", str(self.steps),
                "--device", "cuda" if on_gpus else "cpu", "--detail", self.detail]
         for flag, value in (("--batch-size", self.batch_size), ("--name", self.name),
-                            ("--reports-dir", self.reports_dir), ("--run-id", self.run_id)):
+                            ("--reports-dir", self.reports_dir), ("--run-id", self.run_id),
+                            ("--capture", self.capture)):
             if value is not None:
                 cmd += [flag, str(value)]
         return cmd

@@ -19,6 +19,8 @@ from typing import Any, Callable, Protocol
 import pandas as pd
 import torch
 
+from dpprof.capture.session import NO_CAPTURE, CaptureSession
+from dpprof.capture.window import CaptureWindow, parse_capture
 from dpprof.device_ids import DeviceSet
 from dpprof.devices import inventory, nvml_handles
 from dpprof.nvml import DEFAULT_SAMPLE_HZ, GpuSampler, Nvml, NvmlUnavailable
@@ -146,7 +148,8 @@ class Run:
                  workload_args: dict[str, Any] | None = None, store: bool = True,
                  sample_hz: float | None = DEFAULT_SAMPLE_HZ, run_id: str | None = None,
                  rank: int | None = None, world_size: int | None = None,
-                 detail: str | Retention = "bounded") -> None:
+                 detail: str | Retention = "bounded", capture: str | CaptureWindow | None = None) -> None:
+        window = parse_capture(capture)  # a bad window: one line, before any file is made
         now = datetime.now(timezone.utc)
         # the ms clock starts with created_at (not after the run file is opened, which can take tens of ms): so
         # created_at + start_ms is when a record happened, and the ranks of a distributed run line up on it
@@ -173,6 +176,7 @@ class Run:
         self.problem: str | None = None  # what went wrong with the recording, in the one line the user was told
         self.recording_failed = False  # steps were not recorded although training went on
         self.sink: Sink
+        directory = None
         if store:
             directory = resolve_reports_dir(reports_dir)
             try:
@@ -201,6 +205,10 @@ class Run:
         self._sampler: GpuSampler | None = None
         self._monitor_pending = False  # start_monitor ran and the sampler waits for the first GPU
         self.sample_hz = sample_hz
+        # the step index at which the deep capture acts (starts, marks or stops torch.profiler): one comparison
+        # per step in _new_step; NO_CAPTURE outside a window
+        self.capture_edge = NO_CAPTURE
+        self.capture = CaptureSession(self, window, directory)
 
     # the GPU monitor
     def start_monitor(self, sample_gpus: bool | None = None) -> None:
@@ -276,8 +284,11 @@ class Run:
 
     # steps
     def _new_step(self, explicit: bool) -> _Step:
-        step = _Step(self._next_step, time.perf_counter_ns(), explicit)
-        self._next_step += 1
+        index = self._next_step
+        if index == self.capture_edge:  # a deep capture starts, marks a step or stops, before the step's clock
+            self.capture.turn(index)
+        step = _Step(index, time.perf_counter_ns(), explicit)
+        self._next_step = index + 1
         return step
 
     def _close_step(self, step: _Step, end_ns: int) -> None:
@@ -353,6 +364,7 @@ class Run:
         with self._lock:
             self._flush_implicit()
         self.resolve_pending(block=True)
+        self.capture.close()  # a window still open ends with the last step; its trace and tables are stored first
         self.status = status
         self.error = error
         self.ended_at = datetime.now(timezone.utc)
@@ -415,7 +427,8 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
            sync_timing: bool = False, workload: str | None = None,
            workload_args: dict[str, Any] | None = None, store: bool = True,
            sample_hz: float | None = DEFAULT_SAMPLE_HZ, sample_gpus: bool | None = None,
-           detail: str | Retention = "bounded", run_id: str | None = None) -> Iterator[Run]:
+           detail: str | Retention = "bounded", run_id: str | None = None,
+           capture: str | CaptureWindow | None = None) -> Iterator[Run]:
     """Record every dpprof DataParallel call made inside the block into one run.
 
     Args:
@@ -435,6 +448,10 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
         run_id: the run's id, chosen by the caller before the start (dpprof.launch.Profile.with_run_id), so
             whoever started this process knows its run without looking for it (default: a new one). Under
             torch.distributed, rank 0's is every rank's.
+        capture: "A:B": profile steps A to B-1 with torch.profiler (every thread, CUDA too on a GPU; shapes,
+            memory, modules) and store their operators, kernels and memory in the run per device, the raw trace
+            beside it for Perfetto (dpprof.capture). Steps outside the window cost what they cost without it.
+            A running run also captures on request (``dpprof capture RUN --steps N``).
 
     Under torch.distributed with more than one rank, every rank must enter ``record`` (it is a
     collective): rank 0 names the run, and each rank writes its own file of that run.
@@ -452,7 +469,7 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
         workload_args = {"backend": dist.get_backend(), **(workload_args or {})}
     run = Run(name=name, reports_dir=reports_dir, sync_timing=sync_timing, workload=workload,
               workload_args=workload_args, store=store, sample_hz=sample_hz, run_id=run_id, rank=rank,
-              world_size=world_size, detail=detail)
+              world_size=world_size, detail=detail, capture=capture)
     with _active_lock:
         _active.append(run)
     guard = SignalGuard(run.mark_interrupted).install()  # SIGTERM/SIGHUP: flush, mark interrupted, then end

@@ -222,7 +222,8 @@ def build_workload(name: str, batch_size: int | None = None, seed: int = 0) -> W
 
 def train(workload: Workload, device_ids: Sequence[DeviceLike], steps: int, name: str | None = None,
           reports_dir: str | None = None, progress: Callable[[Iterator[int]], Iterator[int]] | None = None,
-          balanced: bool = False, detail: str = "bounded", run_id: str | None = None) -> Run:
+          balanced: bool = False, detail: str = "bounded", run_id: str | None = None,
+          capture: str | None = None) -> Run:
     """Train ``workload`` for ``steps`` steps under dpprof.DataParallel and record it; returns the run.
 
     With ``balanced``, the model runs as DataParallelModel and the loss as DataParallelCriterion on
@@ -230,6 +231,7 @@ def train(workload: Workload, device_ids: Sequence[DeviceLike], steps: int, name
     On GPUs the model is moved to device_ids[0] (as torch.nn.DataParallel requires) and each
     batch stays on the host until DataParallel scatters it; plain DataParallel's targets go to the
     output device, where the gathered outputs are. ``run_id``: the run's id, chosen by the caller (dpprof.record).
+    ``capture``: "A:B", steps A to B-1 profiled with torch.profiler (dpprof.record's capture).
     """
     devices = resolve_devices(device_ids)
     on_gpus = devices.type == "cuda"
@@ -254,7 +256,7 @@ def train(workload: Workload, device_ids: Sequence[DeviceLike], steps: int, name
     if os.environ.get("OMP_NUM_THREADS"):
         args["omp_num_threads"] = os.environ["OMP_NUM_THREADS"]
     with record(name=name or default_name, reports_dir=reports_dir, workload=workload.name,
-                workload_args=args, detail=detail, run_id=run_id) as run:
+                workload_args=args, detail=detail, run_id=run_id, capture=capture) as run:
         for _ in step_ids:
             inputs, target = next(batches)
             if on_gpus and not balanced:

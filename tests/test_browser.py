@@ -320,3 +320,41 @@ def _no_element_from_a_name(page, where: str) -> None:
     colored = page.eval_on_selector_all("[data-testid='stMarkdownContainer'] span[style*='color']",
                                         "els => els.map(e => e.innerText.trim())")
     assert "z" not in colored, (where, colored)
+
+
+@pytest.fixture(scope="module")
+def trace_server(tmp_path_factory):
+    """The shared ResNet-50 trace imported (operators, kernels, memory over time); `streamlit run app.py` on it."""
+    from dpprof.trace import import_traces
+
+    import dpprof
+    from dpprof.workloads import build_workload, train
+
+    reports = tmp_path_factory.mktemp("trace-reports")
+    imported = import_traces([ROOT.parent / "shared" / "traces" / "resnet50-1gpu-tb-sample.pt.trace.json.gz"],
+                             reports, name="resnet", jobs=1)
+    captured = train(build_workload("cifar-lenet", 32), dpprof.cpu_devices(2), 5, name="captured",
+                     reports_dir=str(reports), capture="2:4")
+    with _streamlit(reports) as base:
+        yield {"base": base, "id": imported.id, "captured": captured.id}
+
+
+def test_operators_kernels_and_memory_pages_open_on_an_imported_trace_and_a_captured_run(trace_server, browser):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(TIMEOUT_MS)
+    for run, title, path, text, chart in (
+            ("id", "resnet", "operators", "Top 15 operators by device self time", True),
+            ("id", "resnet", "kernels", "What these figures mean", True),
+            ("id", "resnet", "memory", "peaks at", True),
+            ("captured", "captured", "operators", "Top 15 operators by host self time", True),
+            ("captured", "captured", "kernels", "No GPU kernels in this run", False),
+            ("captured", "captured", "memory", "No memory over time", False)):
+        page.goto(f"{trace_server['base']}/{path}?run={trace_server[run]}")
+        _heading(page, title)
+        page.get_by_text(text).first.wait_for()
+        if chart:
+            page.locator('[data-testid="stPlotlyChart"]').first.wait_for()
+        else:
+            assert not page.locator('[data-testid="stPlotlyChart"]').count(), (run, path)
+        assert not page.locator('[data-testid="stException"]').count(), (run, path)
+    page.close()

@@ -8,7 +8,10 @@ rules of its kind (``rules_for``) on its tables:
 | dataparallel, balanced | DATAPARALLEL_RULES: straggler, memory skew, the DataParallel tax, uneven and idle chunks, under-used and throttled GPUs, backward's share, outlier steps |
 | ddp | PROCESS_RULES: straggler rank, all-reduce share and buckets, uneven inputs, under-used and throttled GPUs, outlier steps |
 | trace_gpu, trace_cpu | DATAPARALLEL_RULES for a trace of dpprof.DataParallel, else PROCESS_RULES; with GPUs also TRACE_GPU_RULES (idle GPUs, DataParallel on several GPUs) and, where the shared rules found nothing of their kind, the GPU-side communication share and the allocator's skew |
+| every kind but empty | DETAIL_RULES (dpprof.findings.detail): data loading's share of the step; from a trace's or a capture's operators, kernels and memory, low GPU utilization, tensor-core-eligible work without tensor cores, peak memory near the GPU's capacity |
 | empty | none |
+
+A straggler or memory finding on a run with operator data names the operators behind it (findings.detail.explain).
 
 Each finding is raised and graded only above named floors (dpprof.findings.floors and each rule module's
 thresholds, with their reasons). Pure functions of the tables: no plotting, no I/O but reading the run.
@@ -28,6 +31,8 @@ from dpprof.findings.dataparallel import (BACKWARD_SHARE_INFO, DP_TAX_WARN, MEMO
                                           uneven_chunks)
 from dpprof.findings.ddp import (COMM_SHARE_WARN, FEW_BUCKETS, MANY_BUCKETS, SMALL_BUCKET_BYTES, communication,
                                  straggler_rank, uneven_inputs)
+from dpprof.findings.detail import (DATA_SHARE_WARN, DETAIL_RULES, GPU_UTIL_LOW_PCT, MEMORY_FULL_SHARE,
+                                    SUPERSEDES, TC_UNUSED_SHARE, explain, operator_data)
 from dpprof.findings.floors import (CRITICAL_STEP_SHARE, MEMORY_FLOOR_BYTES, STEP_SHARE_FLOOR, TIME_FLOOR_MS,
                                     Imbalance, imbalance, worth_bytes, worth_time)
 from dpprof.findings.gpu import (GPU_IDLE_WARN, THROTTLED_SAMPLES_SHARE, UNDERUSED_UTIL_RATIO, allocator_skew,
@@ -47,7 +52,8 @@ __all__ = ["FINDING_COLUMNS", "FINDINGS_MIN_STEPS", "FINDINGS_FULL_STEPS", "Find
            "MEMORY_SKEW_RATIO", "MEMORY_SKEW_CRITICAL_RATIO", "DP_TAX_WARN", "UNEVEN_STEPS_SHARE",
            "BACKWARD_SHARE_INFO", "COMM_SHARE_WARN", "FEW_BUCKETS", "MANY_BUCKETS", "SMALL_BUCKET_BYTES",
            "GPU_IDLE_WARN", "UNDERUSED_UTIL_RATIO", "THROTTLED_SAMPLES_SHARE", "OUTLIER_STEP_RATIO",
-           "OUTLIER_TIME_SHARE"]
+           "OUTLIER_TIME_SHARE", "DETAIL_RULES", "DATA_SHARE_WARN", "GPU_UTIL_LOW_PCT", "TC_UNUSED_SHARE",
+           "MEMORY_FULL_SHARE"]
 
 Rule = Callable[[Tables], list[dict]]
 
@@ -86,7 +92,7 @@ def rules_for(model: RunModel) -> tuple[tuple[Rule, ...], tuple[tuple[Rule, str]
     """The rules a run of this kind runs, and its fallback rules (see the module's table)."""
     if model.kind == "empty":
         return (), ()
-    base = DATAPARALLEL_RULES if model.dataparallel else PROCESS_RULES
+    base = (DATAPARALLEL_RULES if model.dataparallel else PROCESS_RULES) + DETAIL_RULES
     if model.kind == "trace_gpu":
         return base + TRACE_GPU_RULES, FALLBACK_RULES
     return base, ()
@@ -107,7 +113,7 @@ def tables_of(run: StoredRun, last_steps: int | None = None, work_only: bool = F
         frames["steps"] = finding_rows.sampled(run, "steps")
         frames["phases"] = finding_rows.sampled_phases(run, run.model.work.phases)
         return Tables(model=run.model, traced_dataparallel=(run.meta.get("workload_args") or {}).get("dataparallel"),
-                      step_count=run.model.steps, **frames)
+                      step_count=run.model.steps, detail=operator_data(run), **frames)
     if last_steps is None and not run.model.aggregated:
         frames = {t: run.table(t) for t in (*names, "gpu_samples")}
     elif last_steps is None:
@@ -120,7 +126,7 @@ def tables_of(run: StoredRun, last_steps: int | None = None, work_only: bool = F
         t0 = frames["steps"]["start_ms"].min() if not frames["steps"].empty else 0.0
         frames["gpu_samples"] = finding_rows.gpu_samples_from(run, t0)
     return Tables(model=run.model, traced_dataparallel=(run.meta.get("workload_args") or {}).get("dataparallel"),
-                  **frames)
+                  detail=operator_data(run), **frames)
 
 
 def findings_from(tables: Tables) -> pd.DataFrame:
@@ -130,6 +136,10 @@ def findings_from(tables: Tables) -> pd.DataFrame:
     for rule, kind in fallbacks:
         if not any(r["kind"] == kind for r in rows):
             rows += rule(tables)
+    for first, second in SUPERSEDES.items():  # one finding a device for one figure
+        said = {r["device"] for r in rows if r["kind"] == first}
+        rows = [r for r in rows if not (r["kind"] == second and r["device"] in said)]
+    rows = explain(rows, tables)
     df = pd.DataFrame(rows, columns=FINDING_COLUMNS)
     if df.empty:
         return df

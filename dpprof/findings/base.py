@@ -8,9 +8,23 @@ import pandas as pd
 from dpprof.records import FindingRecord
 from dpprof.store.model import RunModel
 
-__all__ = ["FINDING_COLUMNS", "Tables", "finding", "per_step"]
+__all__ = ["FINDING_COLUMNS", "OperatorData", "Tables", "finding", "per_step"]
 
 FINDING_COLUMNS = [f.name for f in fields(FindingRecord)]
+
+
+@dataclass
+class OperatorData:
+    """A run's operator-level tables (dpprof.store.detail_rows), for the rules of dpprof.findings.detail; every
+    frame has ``rank`` and ``device`` columns."""
+
+    operators: pd.DataFrame  # detail_rows.operators
+    kernel_ops: pd.DataFrame  # detail_rows.kernels(by="operator")
+    gpu: pd.DataFrame  # detail_rows.gpu_summary: each GPU over all steps
+    gpu_steps: int  # how many steps the GPU figures span
+    peaks: pd.DataFrame  # detail_rows.memory_peaks
+    operator_memory: pd.DataFrame  # detail_rows.operator_memory
+    devices: pd.DataFrame  # the run's device inventory (total_memory_bytes: deviceProperties' totalGlobalMem)
 
 
 @dataclass
@@ -33,6 +47,7 @@ class Tables:
     # every step's time is here, for the rules over step times alone (outliers) and for costs over the whole run
     all_steps: pd.DataFrame | None = None
     step_count: int | None = None  # how many steps the run has, where every step's time was not read (all_steps None)
+    detail: OperatorData | None = None  # operators, kernels, GPU figures and memory peaks, where the run has them
 
     @property
     def every_step(self) -> pd.DataFrame:

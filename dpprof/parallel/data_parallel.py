@@ -157,19 +157,22 @@ class DataParallel(torch.nn.DataParallel):
         return _PhaseRange(self.__dict__["_probe"], name, self._label(index))
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        with profiler_range("DataParallel.forward"):
-            run = current_run()
-            if run is None:
+        run = current_run()
+        if run is None:
+            with profiler_range("DataParallel.forward"):
                 output = self._forward(inputs, kwargs)
                 # torch's own fast check of "a profiler is on" (all-threads profiling included)
                 if self._watch_backward and profiler_on():
                     watch_backward(output, None, HOST_LABEL)  # the dpprof.backward range, untimed
                 return output
-            devices = self.__dict__["_devices"]
-            out_label = self._label(self.output_device) if devices is not None else HOST_LABEL
-            # torch sets no dim when there are no devices
-            probe = ForwardProbe(run, devices or _HOST, out_label, getattr(self, "dim", 0), self._starts_step,
-                                 root=self.module)
+        devices = self.__dict__["_devices"]
+        out_label = self._label(self.output_device) if devices is not None else HOST_LABEL
+        # the probe first, then the range: a call that starts a step may start (or stop) a deep capture's
+        # torch.profiler there (dpprof.capture), and torch's fast range must not span that (entered with no
+        # profiler, it cannot be exited with one: an internal assert). torch sets no dim when there are no devices
+        probe = ForwardProbe(run, devices or _HOST, out_label, getattr(self, "dim", 0), self._starts_step,
+                             root=self.module)
+        with profiler_range("DataParallel.forward"):
             self.__dict__["_probe"] = probe
             try:
                 output = self._forward(inputs, kwargs)

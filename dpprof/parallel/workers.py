@@ -29,9 +29,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["run_on_workers", "on_worker_thread", "worker_index"]
+__all__ = ["run_on_workers", "on_worker_thread", "worker_index", "worker_native_ids"]
 
 _local = threading.local()  # .index: set on a worker's own thread
+# each worker thread's OS thread id (the tid torch.profiler writes in a trace) -> its worker index, set as it starts
+_native_ids: dict[int, int] = {}
 
 # A call that follows calls at least this long (the last PAUSE_WINDOW of them: one slow call, a hiccup
 # between short ones, does not count) releases the caller's OpenMP helper threads first: their spin
@@ -72,6 +74,7 @@ class _Escaped:
 def _serve(index: int, tasks: queue.SimpleQueue) -> None:
     """A worker's thread: run each task it is handed, in order, and put (slot, result) on the call's queue."""
     _local.index = index
+    _native_ids[threading.get_native_id()] = index
     # torch sets a thread's intra-op count from its process-wide count on the thread's first parallel op
     # (at::internal::lazy_init_num_threads); asking for the count does that now, so that the share set
     # below is not replaced later by the caller's count (a worker whose first ops were all too small to
@@ -112,6 +115,7 @@ def _forget_workers() -> None:
     """In a forked child the parent's threads do not exist: start from no workers."""
     global _workers_lock
     _workers.clear()
+    _native_ids.clear()
     _workers_lock = threading.Lock()
 
 
@@ -131,6 +135,12 @@ def _worker(index: int) -> _Worker:
 def worker_index(device: int | str | torch.device) -> int:
     """The CPU worker a device id names: N for N, "cpu:N" or torch.device("cpu", N); 0 for a bare "cpu"."""
     return device if isinstance(device, int) else torch.device(device).index or 0
+
+
+def worker_native_ids() -> dict[int, int]:
+    """Each started CPU worker thread's OS thread id (``threading.get_native_id()``, the ``tid`` torch.profiler
+    writes for the ops it runs) and its worker index: a deep capture maps each thread's ops to its device."""
+    return dict(_native_ids)
 
 
 def on_worker_thread() -> bool:

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from dpprof.store.reader import StoredRun
 
 __all__ = ["DetailTables", "write_detail", "detail_missing", "operators", "kernels", "gpu_metrics", "gpu_summary",
-           "memory_timeline", "memory_peaks", "memory_events", "operator_memory", "modules", "detail_notes",
+           "memory_timeline", "memory_peaks", "memory_events", "operator_memory", "modules", "stream_spans",
+           "detail_notes",
            "WRITE_TIMEOUT_S", "TABLE_OF_FRAME"]
 
 WRITE_TIMEOUT_S = 30.0  # a live run's writer commits every 0.5 s: the detail waits for its turn, never fails for it
@@ -29,7 +30,7 @@ WRITE_TIMEOUT_S = 30.0  # a live run's writer commits every 0.5 s: the detail wa
 TABLE_OF_FRAME = {"operators": "operators", "operators_by_shape": "operator_shapes", "kernels": "kernels",
                   "kernels_by_op": "kernel_ops", "gpu_metrics": "gpu_metrics", "memory_timeline": "memory_timeline",
                   "memory_peaks": "memory_peaks", "memory_events": "memory_events",
-                  "operator_memory": "operator_memory", "modules": "modules"}
+                  "operator_memory": "operator_memory", "modules": "modules", "stream_spans": "stream_spans"}
 _BOOLEAN = {"tc_eligible", "tensor_cores", "cumulative"}
 
 
@@ -249,6 +250,17 @@ def modules(run: StoredRun, rank: int | None = None, device: str | None = None) 
     """The nn.Module tree: columns rank, device, path ("Sequential_0/Linear_1"), module, parent (its path; None at
     the root), occurrences, operators, host_total_ms, device_total_ms."""
     return _first(_read(run, "modules", {"rank": rank, "device": device}, "rowid"))
+
+
+def stream_spans(run: StoredRun, first_step: int, last_step: int) -> pd.DataFrame:
+    """The GPU streams' kernel spans of steps first_step..last_step (dpprof.trace.detail.STREAM_SPAN_COLUMNS): columns
+    rank, device, stream, step, start_ms, duration_ms, busy_ms, kernels, by start; no rows for a run without them
+    (no kernels, or imported before dpprof kept its streams)."""
+    have = run.query("SELECT COUNT(*) AS n FROM sqlite_master WHERE type = 'table' AND name = 'stream_spans'")["n"]
+    if not len(have) or not (have > 0).all():
+        return _typed(pd.DataFrame({c: [] for c in [*DETAIL_TABLES["stream_spans"], "rank"]}), "stream_spans")
+    return _first(_read(run, "stream_spans", {}, "start_ms", extra=f"step BETWEEN {int(first_step)} AND "
+                                                                    f"{int(last_step)}"))
 
 
 def detail_notes(run: StoredRun) -> list[str]:

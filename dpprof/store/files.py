@@ -13,13 +13,41 @@ import sqlite3
 import tempfile
 from pathlib import Path
 
-__all__ = ["SIDE_FILES", "RANK_FILE", "hidden_name", "remove_files", "publish_file", "run_signature",
+__all__ = ["SIDE_FILES", "RANK_FILE", "CAPTURE_TRACE", "capture_trace_name", "is_capture_trace", "capture_request_name",
+           "capture_answer_name", "hidden_name", "remove_files", "publish_file", "run_signature",
            "dir_signature", "lock_if_free", "move_into_place", "staging_dir", "STAGING_ENV"]
 
 SIDE_FILES = ("-wal", "-shm", "-journal")  # SQLite's write-ahead log, its shared memory and its rollback journal
 RANK_FILE = re.compile(r"^(.+)\.rank(\d+)\.sqlite$")  # <run id>.rank<N>.sqlite: one rank of a distributed run
 STAGING_ENV = "DPPROF_STAGING_DIR"  # where runs bound for a network filesystem are staged (dpprof.store.staging)
+# A deep capture's raw trace, beside its run for Perfetto: <run file without .sqlite>.capture-<A>-<B>.pt.trace.json.gz
+# (steps A to B-1). Named after the run file, so that whatever takes a run's files by its id (run_signature's glob)
+# takes it too; ending in .json.gz, the run listing never opens it as a run, and a directory given to `dpprof import`
+# leaves it out (its steps are in the run already); named alone, it imports as any trace does.
+CAPTURE_TRACE = re.compile(r"^(.+)\.capture-(\d+)-(\d+)\.pt\.trace\.json\.gz$")
 _NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS}
+
+
+def capture_trace_name(run_file: str, first_step: int, end_step: int) -> str:
+    """The name of the raw trace of steps ``first_step`` to ``end_step - 1`` captured in the run file ``run_file``."""
+    stem = os.path.basename(run_file).removesuffix(".sqlite")
+    return f"{stem}.capture-{first_step}-{end_step}.pt.trace.json.gz"
+
+
+def is_capture_trace(name: str) -> bool:
+    """Whether a file name is a deep capture's raw trace (CAPTURE_TRACE)."""
+    return CAPTURE_TRACE.match(name) is not None
+
+
+def capture_request_name(run_id: str) -> str:
+    """The file ``dpprof capture`` writes in the reports directory to ask a running run for a capture: a dot-name,
+    so the listing skips it."""
+    return f".{run_id}.capture-request.json"
+
+
+def capture_answer_name(run_id: str) -> str:
+    """The file a running run writes beside its request once the capture it asked for is stored (or failed)."""
+    return f".{run_id}.capture-answer.json"
 
 
 def hidden_name(path: str) -> str:

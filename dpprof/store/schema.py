@@ -138,6 +138,9 @@ DETAIL_TABLES: dict[str, dict[str, str]] = {
                         "size_increase_bytes": "INTEGER"},
     "modules": {**_DEV, "path": "TEXT", "module": "TEXT", "parent": "TEXT", "occurrences": "INTEGER",
                 "operators": "INTEGER", "host_total_ms": "REAL", "device_total_ms": "REAL"},
+    # the Timeline's GPU stream lanes (dpprof.trace.detail.STREAM_SPAN_COLUMNS)
+    "stream_spans": {**_DEV, "stream": "TEXT", "step": "INTEGER", "start_ms": "REAL", "duration_ms": "REAL",
+                     "busy_ms": "REAL", "kernels": "INTEGER"},
     "detail_notes": {"message": "TEXT"},
 }
 

@@ -342,7 +342,7 @@ def collect(trace: TraceFile) -> Collected:
                     if index is None:
                         continue
                     if cat in kernel_cats:
-                        on_kernel(ts, dur if isinstance(dur, number) else 0, index, name, event.args)
+                        on_kernel(ts, dur if isinstance(dur, number) else 0, index, name, event.args, event.tid)
                     key = (index, kind)
                     if key not in gpu:
                         gpu[key] = _Intervals()

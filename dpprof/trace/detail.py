@@ -67,7 +67,8 @@ __all__ = ["Detail", "detail_tables", "detail_of_trace", "TC_KERNEL_PATTERNS",
            "TC_ELIGIBLE_OPS", "uses_tensor_cores", "tc_eligible", "MEMORY_POINTS", "MEMORY_EVENTS_KEPT", "HOST_MEMORY",
            "OPERATOR_COLUMNS", "SHAPE_COLUMNS", "KERNEL_COLUMNS", "KERNEL_OP_COLUMNS", "GPU_METRIC_COLUMNS",
            "MEMORY_TIMELINE_COLUMNS", "MEMORY_PEAK_COLUMNS", "MEMORY_EVENT_COLUMNS", "OPERATOR_MEMORY_COLUMNS",
-           "MODULE_COLUMNS", "estimated_blocks_per_sm", "estimated_occupancy_pct"]
+           "MODULE_COLUMNS", "STREAM_SPAN_COLUMNS", "STREAM_MERGE_SHARE", "estimated_blocks_per_sm",
+           "estimated_occupancy_pct"]
 
 # The TensorBoard plugin's lists (kineto tb_plugin torch_tb_profiler/profiler/tensor_core.py, TC_Allowlist and
 # TC_OP_Allowlist): kernel-name patterns from NVIDIA PyProf (pyprof/prof/tc.py#L19), ops from torch's autocast
@@ -111,6 +112,10 @@ MEMORY_PEAK_COLUMNS = ["device", "peak_allocated_bytes", "peak_reserved_bytes", 
 MEMORY_EVENT_COLUMNS = ["device", "operator", "bytes", "alloc_t_ms", "free_t_ms", "lifetime_ms"]
 OPERATOR_MEMORY_COLUMNS = ["device", "name", "calls", "allocations", "allocated_bytes", "frees", "freed_bytes",
                            "size_increase_bytes"]
+# The Timeline's GPU stream lanes: a stream's kernels in a step, those less than this share of the step apart drawn
+# as one span (0.2%: two pixels of a 1,000-pixel step), so a step of thousands of kernels is a few hundred bars.
+STREAM_MERGE_SHARE = 0.002
+STREAM_SPAN_COLUMNS = ["device", "stream", "step", "start_ms", "duration_ms", "busy_ms", "kernels"]
 MODULE_COLUMNS = ["device", "path", "module", "parent", "occurrences", "operators", "host_total_ms",
                   "device_total_ms"]
 
@@ -141,9 +146,10 @@ class Detail:
     operator_memory: pd.DataFrame
     modules: pd.DataFrame
     notes: list[str] = field(default_factory=list)
+    stream_spans: pd.DataFrame = field(default_factory=lambda: _empty(STREAM_SPAN_COLUMNS))
 
     TABLES = ("operators", "operators_by_shape", "kernels", "kernels_by_op", "gpu_metrics", "memory_timeline",
-              "memory_peaks", "memory_events", "operator_memory", "modules")
+              "memory_peaks", "memory_events", "operator_memory", "modules", "stream_spans")
 
     def frames(self) -> dict[str, pd.DataFrame]:
         return {t: getattr(self, t) for t in self.TABLES}
@@ -502,6 +508,7 @@ def detail_tables(raw: RawDetail, windows: list[tuple[int, float, float]], t0_us
     kernels, kernels_by_op = _kernel_tables(raw, names, k_ts, k_dur, k_gpu, k_name, k_cfg, k_tc, k_op,
                                             s_name, label)
     gpu_metrics = _gpu_metrics(raw, k_ts, k_end, k_gpu, k_cfg, windows, label)
+    stream_spans = _stream_spans(raw, k_ts, k_end, k_dur, k_gpu, _np(raw, "k_stream"), windows, t0_us, label)
     timeline, peaks, mem_events, op_memory, mem_notes = _memory_tables(
         raw, names, windows, t0_us, label, host, explicit, s_tid, starts_ends, parent_sorted, s_name,
         operators, gpu_memory or {}, cumulative_gpus or set(), bool(label_of) or len(k_ts) > 0)
@@ -510,7 +517,7 @@ def detail_tables(raw: RawDetail, windows: list[tuple[int, float, float]], t0_us
     return Detail(operators=operators.reset_index(drop=True), operators_by_shape=operators_by_shape.reset_index(drop=True),
                   kernels=kernels, kernels_by_op=kernels_by_op, gpu_metrics=gpu_metrics, memory_timeline=timeline,
                   memory_peaks=peaks, memory_events=mem_events, operator_memory=op_memory, modules=modules,
-                  notes=notes)
+                  notes=notes, stream_spans=stream_spans)
 
 
 def _shape_text(raw: bytes) -> str:
@@ -633,6 +640,50 @@ def _integrate(t: np.ndarray, level: np.ndarray, lo: float, hi: float) -> float:
     a = np.clip(t[:-1], lo, hi)
     b = np.clip(t[1:], lo, hi)
     return float(((b - a) * level[:-1]).sum())
+
+
+def _stream_spans(raw: RawDetail, k_ts: np.ndarray, k_end: np.ndarray, k_dur: np.ndarray, k_gpu: np.ndarray,
+                  k_stream: np.ndarray, windows: list[tuple[int, float, float]], t0_us: float,
+                  label: Any) -> pd.DataFrame:
+    """Each GPU stream's kernels in each step, those under STREAM_MERGE_SHARE of the step apart as one span: the
+    span's start and length (ms from ``t0_us``), its kernels' summed time (``busy_ms``) and count. A kernel belongs
+    to the step its start falls in; kernels outside every step are left out."""
+    if not len(k_ts) or not windows or len(k_stream) != len(k_ts):
+        return _empty(STREAM_SPAN_COLUMNS)
+    win = sorted(windows, key=lambda w: w[1])
+    lo = np.array([w[1] for w in win])
+    hi = np.array([w[2] for w in win])
+    pos = np.searchsorted(lo, k_ts, "right") - 1
+    inside = (pos >= 0) & (k_ts < hi[np.maximum(pos, 0)])
+    if not inside.any():
+        return _empty(STREAM_SPAN_COLUMNS)
+    ts, end, dur = k_ts[inside], k_end[inside], k_dur[inside]
+    gpu, stream, w = k_gpu[inside], k_stream[inside], pos[inside]
+    order = np.lexsort((ts, w, stream, gpu))
+    ts, end, dur, gpu, stream, w = ts[order], end[order], dur[order], gpu[order], stream[order], w[order]
+    gap = (hi - lo)[w] * STREAM_MERGE_SHARE
+    reach = end.copy()  # within a group, the furthest end so far
+    group = np.concatenate(([True], (gpu[1:] != gpu[:-1]) | (stream[1:] != stream[:-1]) | (w[1:] != w[:-1])))
+    if group.any():
+        starts = np.flatnonzero(group)
+        for a, b in zip(starts.tolist(), [*starts[1:].tolist(), len(end)]):
+            reach[a:b] = np.maximum.accumulate(end[a:b])
+    new = group.copy()
+    new[1:] |= ts[1:] - reach[:-1] > gap[1:]
+    span = np.cumsum(new) - 1
+    df = pd.DataFrame({"span": span, "gpu": gpu, "stream": stream, "w": w, "ts": ts, "end": end, "dur": dur})
+    g = df.groupby("span", sort=True).agg(gpu=("gpu", "first"), stream=("stream", "first"), w=("w", "first"),
+                                          ts=("ts", "min"), end=("end", "max"), busy=("dur", "sum"),
+                                          kernels=("dur", "size"))
+    steps = np.array([w_[0] for w_ in win])
+    tids = raw.tids
+    return pd.DataFrame({"device": [label(int(x)) for x in g["gpu"]],
+                         "stream": [str(tids[int(x)]).removeprefix("stream ") for x in g["stream"]],  # 2021's tid
+                         "step": steps[g["w"].to_numpy()].astype(np.int64),
+                         "start_ms": (g["ts"].to_numpy() - t0_us) / 1e3,
+                         "duration_ms": (g["end"].to_numpy() - g["ts"].to_numpy()) / 1e3,
+                         "busy_ms": g["busy"].to_numpy() / 1e3, "kernels": g["kernels"].to_numpy()},
+                        columns=STREAM_SPAN_COLUMNS)
 
 
 def _gpu_metrics(raw: RawDetail, k_ts: np.ndarray, k_end: np.ndarray, k_gpu: np.ndarray, k_cfg: np.ndarray,

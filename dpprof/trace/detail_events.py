@@ -136,6 +136,7 @@ _ARRAYS = {  # name -> typecode: ops, launches, kernels, memory events, modules
     "op_ts": "d", "op_dur": "d", "op_tid": "i", "op_shape": "i", "op_ext": "q",  # op_shape: (name, shapes) id
     "rt_ts": "d", "rt_tid": "i", "rt_corr": "q", "rt_ext": "q",
     "k_ts": "d", "k_dur": "d", "k_gpu": "i", "k_name": "i", "k_corr": "q", "k_ext": "q", "k_cfg": "i",
+    "k_stream": "i",
     "k_bpsm": "d", "k_occ": "d",
     "m_ts": "d", "m_tid": "i", "m_gpu": "i", "m_addr": "q", "m_bytes": "q", "m_alloc": "d", "m_res": "d",
     "py_ts": "d", "py_dur": "d", "py_tid": "i", "py_name": "i",
@@ -231,8 +232,8 @@ class DetailCollector:
         a["rt_corr"].append(corr)
         a["rt_ext"].append(ext)
 
-    def kernel(self, ts: float, dur: float, gpu: int, name: str, raw_args: Any) -> None:
-        """A kernel on ``gpu`` whose times ``collect`` checked."""
+    def kernel(self, ts: float, dur: float, gpu: int, name: str, raw_args: Any, stream: Any = None) -> None:
+        """A kernel on ``gpu`` (on ``stream``: the event's tid) whose times ``collect`` checked."""
         try:
             args = _decode_kernel(raw_args) if raw_args else _NO_KERNEL_ARGS
         except (msgspec.DecodeError, RecursionError):
@@ -241,6 +242,7 @@ class DetailCollector:
         a["k_ts"].append(ts)
         a["k_dur"].append(dur)
         a["k_gpu"].append(gpu)
+        a["k_stream"].append(self.tids(stream if type(stream) is int else _tid_key(stream)))
         n = self._name_ids.get(name)
         a["k_name"].append(n if n is not None else self.names(name))
         corr = args.correlation

@@ -26,6 +26,7 @@ import pandas as pd
 
 from dpprof.outputs import Outputs
 from dpprof.records import NoteRecord, StepRecord
+from dpprof.store.files import is_capture_trace
 from dpprof.store.faults import DISK_FULL, STORAGE_CAUSES, RecordingError, cause_of
 from dpprof.store.detail_rows import write_detail
 from dpprof.store.model import TRACE_SOURCE
@@ -86,7 +87,9 @@ def trace_files(sources: Iterable[str | os.PathLike[str]]) -> list[Path]:
     out: list[Path] = []
     for source in map(Path, sources):
         if source.is_dir():
-            found = sorted(p for p in source.iterdir() if p.is_file() and is_trace_name(p.name))
+            # a deep capture's raw trace is left out: its run holds its steps already (store.files.CAPTURE_TRACE)
+            found = sorted(p for p in source.iterdir()
+                           if p.is_file() and is_trace_name(p.name) and not is_capture_trace(p.name))
             if not found:
                 raise TraceError(f"{source}: no .json or .json.gz trace files in this directory")
             out += found
@@ -403,7 +406,8 @@ def pending_traces(reports_dir: str | os.PathLike[str] | None = None) -> pd.Data
     cols = ["file", "size_bytes", "modified"]
     if not directory.is_dir():
         return pd.DataFrame(columns=cols)
-    files = [p for p in directory.iterdir() if p.is_file() and is_trace_name(p.name) and not p.name.startswith(".")]
+    files = [p for p in directory.iterdir() if p.is_file() and is_trace_name(p.name) and not p.name.startswith(".")
+             and not is_capture_trace(p.name)]  # a deep capture's raw trace: its run holds its steps already
     if not files:
         return pd.DataFrame(columns=cols)
     imported = imported_traces(directory)

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import pandas as pd
 
-from dpprof.store import queries
+from dpprof.store import detail_rows, queries
 from dpprof.store.reader import StoredRun
 
-__all__ = ["TIMELINE_DEFAULT_STEPS", "step_bounds", "default_timeline_range", "timeline", "lanes_text",
+__all__ = ["TIMELINE_DEFAULT_STEPS", "STREAM_PHASE", "step_bounds", "default_timeline_range", "timeline", "lanes_text",
            "detail_gaps"]
 
 TIMELINE_DEFAULT_STEPS = 5  # a few steps show each phase wide enough to read
+STREAM_PHASE = "kernels"  # the phase of a GPU stream lane's spans (dpprof.store.detail_rows.stream_spans)
 
 
 def step_bounds(run: StoredRun) -> tuple[int | None, int | None]:
@@ -26,8 +27,19 @@ def default_timeline_range(run: StoredRun) -> tuple[int, int]:
 
 
 def timeline(run: StoredRun, first_step: int, last_step: int) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The phases and steps of a range of steps (see dpprof.store.queries.timeline)."""
-    return queries.timeline(run, first_step, last_step)
+    """The phases and steps of a range of steps (see dpprof.store.queries.timeline), and, where the run kept its GPU
+    streams (an imported trace with kernels), a lane per stream: phase STREAM_PHASE, device "cuda:0 stream 7",
+    each span a stream's kernels less than dpprof.trace.detail.STREAM_MERGE_SHARE of the step apart."""
+    phases, steps = queries.timeline(run, first_step, last_step)
+    last_step = min(last_step, first_step + queries.TIMELINE_MAX_STEPS - 1)
+    spans = detail_rows.stream_spans(run, first_step, last_step)
+    if spans.empty:
+        return phases, steps
+    lanes = pd.DataFrame({"step": spans["step"].astype(int), "call": 0, "phase": STREAM_PHASE,
+                          "device": [f"{d} stream {s}" for d, s in zip(spans["device"], spans["stream"])],
+                          "start_ms": spans["start_ms"], "duration_ms": spans["duration_ms"]})
+    lanes["end_ms"] = lanes["start_ms"] + lanes["duration_ms"]
+    return pd.concat([phases, lanes[phases.columns]], ignore_index=True), steps
 
 
 def detail_gaps(run: StoredRun, first_step: int, last_step: int) -> str | None:
@@ -52,9 +64,12 @@ def detail_gaps(run: StoredRun, first_step: int, last_step: int) -> str | None:
 def lanes_text(run: StoredRun) -> str:
     """What the Timeline's lanes are, in the run's terms."""
     model = run.model
+    streams = (" Below them, each GPU stream's kernels (kernels close together drawn as one bar; hover for its "
+               "kernels and their time).") if model.kind == "trace_gpu" else ""
     if model.dataparallel:
         return ("Lanes: each step; parallel_apply (every replica together); then each device with its own phases "
-                "(scatter, replicate and gather on the output device, each replica's apply on its own).")
+                "(scatter, replicate and gather on the output device, each replica's apply on its own)." + streams)
     unit = "rank" if model.unit == "rank" else "process"
     return (f"Lanes: each step; then each {unit} with its phases in order: loading the batch (data), forward, "
-            "backward (its compute, then the wait for the gradient all-reduce where recorded) and the optimizer step.")
+            "backward (its compute, then the wait for the gradient all-reduce where recorded) and the optimizer "
+            "step." + streams)

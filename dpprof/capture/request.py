@@ -1,0 +1,166 @@
+"""Asking a running run for a deep capture: ``dpprof capture RUN --steps N`` and the dashboard's button.
+
+The asker writes a small request file in the reports directory (``.<run id>.capture-request.json``, a dot-name the
+listing skips, store.files.capture_request_name); the recording process looks for it about once a second from a
+thread of its own (dpprof.capture.session, never on the training thread), profiles the next N steps from the next
+step boundary on, and writes its answer beside it (``.<run id>.capture-answer.json``): the steps captured and the
+raw trace's name, or why there is none. Loads no torch: the CLI and the dashboard ask without it.
+
+Example:
+    >>> asked = ask(dpprof.load_run("20261126-040000-3fa9c1"), steps=5)  # doctest: +SKIP
+    >>> wait_for_answer(asked, timeout_s=60).trace                          # doctest: +SKIP
+    '20261126-040000-3fa9c1.capture-12-17.pt.trace.json.gz'
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from dpprof.capture.window import MAX_CAPTURE_STEPS, CaptureError
+from dpprof.store.files import capture_answer_name, capture_request_name, remove_files
+from dpprof.store.reader import RunFileError, StoredRun, read_run_file
+
+__all__ = ["CaptureRequest", "CaptureAnswer", "ask", "wait_for_answer", "answer_to", "read_request", "write_answer",
+           "ANSWER_POLL_S"]
+
+ANSWER_POLL_S = 0.2  # how often the asker looks for the answer: a person waiting notices ~0.2 s, the disk does not
+_STATUS_EVERY_S = 2.0  # how often the asker reads the run's status, to say at once that it ended without answering
+
+
+@dataclass(frozen=True)
+class CaptureRequest:
+    """A request written for a running run: which run, where, how many steps, and its own id (``nonce``)."""
+
+    run_id: str
+    directory: str
+    steps: int
+    nonce: str
+    run_path: str
+
+
+@dataclass(frozen=True)
+class CaptureAnswer:
+    """The recorder's answer: steps ``first_step`` to ``end_step - 1`` captured into the raw trace ``trace`` (a file
+    name in the reports directory) and the run, or ``error`` saying why not."""
+
+    request: str
+    first_step: int | None = None
+    end_step: int | None = None
+    trace: str | None = None
+    error: str | None = None
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    """Write ``value`` whole under ``path`` (a reader never sees half of it)."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(value))
+    os.replace(part, path)
+
+
+def ask(run: StoredRun, steps: int) -> CaptureRequest:
+    """Ask the running run ``run`` to capture its next ``steps`` steps.
+
+    Raises:
+        CaptureError: the run is not being recorded now (ended, or its process is gone), was imported from a trace
+            rather than recorded by dpprof, is a distributed run, or ``steps`` is out of range; or the request
+            cannot be written (one line each).
+    """
+    if not 1 <= steps <= MAX_CAPTURE_STEPS:
+        raise CaptureError(f"--steps {steps}: capture 1 to {MAX_CAPTURE_STEPS:,} steps")
+    if run.meta.get("source") is not None:
+        raise CaptureError(f"run {run.id} was imported from a trace, not recorded by dpprof: there is no recording "
+                           "to capture from")
+    if not run.live:
+        raise CaptureError(f"run {run.id} is {run.meta.get('status')}, not running: only a run being recorded "
+                           "can capture (use --capture A:B when starting one)")
+    if run.meta.get("rank") is not None or len(run.paths) > 1:
+        raise CaptureError(f"run {run.id} is a distributed run: capture on demand takes one process's run (start "
+                           "its ranks with --capture A:B instead)")
+    directory = run.path.parent
+    request = CaptureRequest(run_id=run.id, directory=str(directory), steps=steps, nonce=uuid.uuid4().hex,
+                             run_path=str(run.path))
+    remove_files(str(directory / capture_answer_name(run.id)))  # an earlier request's answer, never read
+    try:
+        _write_json(directory / capture_request_name(run.id),
+                    {"request": request.nonce, "steps": steps, "asked_at": datetime.now(timezone.utc).isoformat()})
+    except OSError as err:
+        raise CaptureError(f"cannot write the capture request in {directory}: {err.strerror or err}") from None
+    return request
+
+
+def wait_for_answer(request: CaptureRequest, timeout_s: float | None = None) -> CaptureAnswer:
+    """Wait for the answer to ``request``; the request and answer files are removed once it is read.
+
+    Raises:
+        CaptureError: the run ended, or ``timeout_s`` passed, without an answer (the request is withdrawn).
+    """
+    directory = Path(request.directory)
+    answer_path = directory / capture_answer_name(request.run_id)
+    start = last_status = time.monotonic()
+    try:
+        while True:
+            answer = _read_answer(answer_path)
+            if answer is not None and answer.request == request.nonce:
+                return answer
+            now = time.monotonic()
+            if now - last_status >= _STATUS_EVERY_S:
+                last_status = now
+                status = _status(request.run_path)
+                if status != "running" and _read_answer(answer_path) is None:
+                    raise CaptureError(f"run {request.run_id} ended ({status}) before it captured the steps asked")
+            if timeout_s is not None and now - start > timeout_s:
+                raise CaptureError(f"run {request.run_id} did not capture {request.steps} steps in {timeout_s:g} s "
+                                   "(its steps are slower than that, or it stopped stepping); the request is withdrawn")
+            time.sleep(ANSWER_POLL_S)
+    finally:
+        remove_files(str(directory / capture_request_name(request.run_id)), str(answer_path))
+
+
+def answer_to(request: CaptureRequest) -> CaptureAnswer | None:
+    """The answer to ``request`` if the run has written it, without waiting (a page that re-reads every few
+    seconds); None until then."""
+    answer = _read_answer(Path(request.directory) / capture_answer_name(request.run_id))
+    return answer if answer is not None and answer.request == request.nonce else None
+
+
+def _status(run_path: str) -> str:
+    try:
+        return str(read_run_file(run_path)[0].get("status"))
+    except (RunFileError, OSError):
+        return "gone"
+
+
+def _read_answer(path: Path) -> CaptureAnswer | None:
+    try:
+        value = json.loads(path.read_text())
+        return CaptureAnswer(**{k: value.get(k) for k in ("request", "first_step", "end_step", "trace", "error")})
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def read_request(directory: str | os.PathLike[str], run_id: str) -> tuple[str, int] | None:
+    """The request for run ``run_id`` waiting in ``directory``: its nonce and steps; None where there is none or it
+    is not a request (the recorder's side; a bad file is ignored, never an error in training)."""
+    try:
+        value = json.loads((Path(directory) / capture_request_name(run_id)).read_text())
+        nonce, steps = value["request"], value["steps"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if not isinstance(nonce, str) or not isinstance(steps, int) or isinstance(steps, bool):
+        return None
+    return nonce, steps
+
+
+def write_answer(directory: str | os.PathLike[str], run_id: str, answer: CaptureAnswer) -> None:
+    """The recorder's answer to a request, written whole beside it (an unwritable directory is ignored: the asker
+    times out and says so)."""
+    try:
+        _write_json(Path(directory) / capture_answer_name(run_id), asdict(answer))
+    except OSError:
+        pass

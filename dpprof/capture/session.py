@@ -1,0 +1,298 @@
+"""torch.profiler inside a recording: the deep captures of one run (dpprof.recording.Run owns one).
+
+The run calls :meth:`CaptureSession.turn` from its step boundary (Run._new_step, under the run's lock, before the
+step's clock starts) when the step about to begin is ``run.capture_edge``: the window's first step starts the
+profiler, each later step of the window closes the previous ``ProfilerStep#N`` range and opens its own (as
+torch.profiler.profile.step() does), and the step after the window stops the profiler. Outside a window
+``capture_edge`` is -1 and a step costs the run one integer comparison.
+
+The profiler records every thread (``profile_all_threads``: the CPU workers are threads that started before it),
+CPU activities, and CUDA's on a run that uses a GPU, with shapes, memory and module names, no Python stacks. Its
+stop runs on the training thread (torch ends the session there, building no Python events: ``trace_only``); the
+raw trace is written and aggregated into the run's operator tables on a thread of the session's own while
+training goes on.
+
+On CPU workers each worker thread's ops go to its device (dpprof.parallel.workers.worker_native_ids); the
+training thread's own ops (scatter, gather, the loss, backward, which CPU autograd runs on the thread that calls
+it, and the optimizer) go to TRAINING_THREAD_DEVICE.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.autograd.profiler import record_function
+
+from dpprof.capture.request import CaptureAnswer, read_request, write_answer
+from dpprof.capture.window import CaptureError, CaptureWindow
+from dpprof.records import NoteRecord
+from dpprof.store.files import capture_trace_name, hidden_name, publish_file, remove_files
+
+if TYPE_CHECKING:
+    from dpprof.recording import Run
+
+__all__ = ["CaptureSession", "CapturedWindow", "REQUEST_POLL_S", "TRAINING_THREAD_DEVICE", "NO_CAPTURE"]
+
+log = logging.getLogger("dpprof")
+
+NO_CAPTURE = -1  # Run.capture_edge when no capture is due: no step index equals it
+# How often a run looks for a request from `dpprof capture` (a stat of one file, on the session's own thread): a
+# person asking waits at most this long for the next step boundary to be the start.
+REQUEST_POLL_S = 1.0
+# Where the training thread's ops go on CPU workers: DataParallel's host side (scatter, replicate, gather, the loss,
+# backward, which CPU autograd runs on the calling thread, and the optimizer), which belongs to no worker; counting
+# it under cpu:0 would make the output device look slower than the others for work it did not do.
+TRAINING_THREAD_DEVICE = "host"
+
+
+@dataclass(frozen=True)
+class CapturedWindow:
+    """A capture that ended: its steps, its raw trace (a path; None where it could not be written), and why not."""
+
+    first_step: int
+    end_step: int
+    trace: str | None
+    error: str | None = None
+    stop_ms: float = 0.0  # the profiler's stop on the training thread
+    export_ms: float = 0.0  # the raw trace written and aggregated, on the session's own thread
+
+
+class CaptureSession:
+    """The deep captures of one run: a window given at the start, and windows asked for while it runs.
+
+    Args:
+        run: the run (its ``capture_edge``, ``_next_step``, ``_lock``, ``path``, ``id`` and ``note``).
+        window: steps to capture, or None (only on request).
+        directory: the reports directory, where raw traces go and requests are looked for; None: a run kept in
+            memory, which captures nothing (there is nowhere to keep a trace).
+    """
+
+    def __init__(self, run: Run, window: CaptureWindow | None, directory: Path | None) -> None:
+        self.run = run
+        self.directory = directory
+        self.window: CaptureWindow | None = None
+        self.captured: list[CapturedWindow] = []
+        self._nonce: str | None = None  # the request the current window answers
+        self._handled: set[str] = set()
+        self._profiler: Any = None  # torch.profiler.profile while a window records
+        self._step_range: Any = None  # the open ProfilerStep#N range
+        self._first = 0
+        self._training_tid = 0  # the thread that started the profiler: the run's training thread
+        self._jobs: list[threading.Thread] = []
+        self._closing = threading.Event()
+        self._poller: threading.Thread | None = None
+        if directory is None:
+            if window is not None:
+                run.note("capture", f"capture {window}: a run kept in memory (store=False) keeps no trace; "
+                                    "no capture")
+            return
+        if window is not None:
+            self._schedule(window, None)
+        if run.rank is None:  # a distributed run's ranks capture their --capture window only
+            self._poller = threading.Thread(target=self._poll, name=f"dpprof-capture-{run.id}", daemon=True)
+            self._poller.start()
+
+    # -- the step boundary (training thread, under the run's lock) ---------------------------------------------
+
+    def _schedule(self, window: CaptureWindow, nonce: str | None) -> None:
+        self.window, self._nonce = window, nonce
+        self.run.capture_edge = window.first_step
+
+    def turn(self, index: int) -> None:
+        """Step ``index`` is about to begin and is the capture's edge: start, mark or stop the profiler."""
+        window = self.window
+        if window is None:
+            self.run.capture_edge = NO_CAPTURE
+            return
+        if self._profiler is None:
+            self._start(window, index)
+        elif index < window.end_step:
+            self._mark(index)
+        else:
+            self._stop(index)
+
+    def _start(self, window: CaptureWindow, index: int) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            activities.append(ProfilerActivity.CUDA)
+        config = _experimental_config()
+        if config is None:
+            self.run.note("capture", f"torch {torch.__version__} cannot profile every thread (profile_all_threads): "
+                                     "the capture sees the training thread only, not the CPU workers'")
+        profiler = profile(activities=activities, record_shapes=True, profile_memory=True, with_stack=False,
+                           with_modules=True, experimental_config=config)
+        try:
+            profiler.start()
+        except Exception as err:  # noqa: BLE001 - another profiler running, a build without kineto: a note
+            self._give_up(window, f"capture {window} did not start: torch.profiler: {_first_line(err)}")
+            return
+        self._profiler, self._first = profiler, index
+        self._training_tid = threading.get_native_id()
+        self._mark(index)
+
+    def _mark(self, index: int) -> None:
+        if self._step_range is not None:
+            self._step_range.__exit__(None, None, None)
+        self._step_range = record_function(f"ProfilerStep#{index}")
+        self._step_range.__enter__()
+        self.run.capture_edge = index + 1
+
+    def _stop(self, end_step: int) -> None:
+        """Stop the profiler before step ``end_step`` begins (or at the run's close) and hand its trace on."""
+        window, profiler = self.window, self._profiler
+        assert window is not None
+        if self._step_range is not None:
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
+        t0 = time.perf_counter()
+        error = None
+        try:
+            profiler.stop()
+        except Exception as err:  # noqa: BLE001 - said in a note, never raised in training
+            error = f"torch.profiler's stop failed: {_first_line(err)}"
+        stop_ms = (time.perf_counter() - t0) * 1e3
+        self._profiler, self.window = None, None
+        self.run.capture_edge = NO_CAPTURE
+        steps = CaptureWindow(self._first, end_step)
+        job = threading.Thread(target=self._store, args=(profiler, steps, self._nonce, error, stop_ms,
+                                                         self._device_of_thread()),
+                               name=f"dpprof-capture-store-{self.run.id}", daemon=True)
+        self._jobs.append(job)
+        job.start()
+
+    def _give_up(self, window: CaptureWindow, message: str) -> None:
+        self.run.capture_edge = NO_CAPTURE
+        self.window = None
+        self.run.note("capture", message)
+        if self._nonce is not None and self.directory is not None:
+            write_answer(self.directory, self.run.id, CaptureAnswer(request=self._nonce, error=message))
+
+    def _device_of_thread(self) -> dict[int, str] | None:
+        """Each thread's device for the aggregation: CPU workers' threads their own, the training thread
+        TRAINING_THREAD_DEVICE; None on GPUs, where each kernel says its device."""
+        if self.run.backend != "cpu":
+            return None
+        # here, not at the top: dpprof.parallel records into runs (it imports dpprof.recording, which imports this)
+        from dpprof.parallel.workers import worker_native_ids
+
+        out = {tid: f"cpu:{index}" for tid, index in worker_native_ids().items()}
+        out[self._training_tid] = TRAINING_THREAD_DEVICE
+        return out
+
+    # -- after the window (the session's own thread) -------------------------------------------------------------
+
+    def _store(self, profiler: Any, steps: CaptureWindow, nonce: str | None, error: str | None, stop_ms: float,
+               device_of_thread: dict[int, str] | None) -> None:
+        """Write the raw trace beside the run, aggregate it into the run's tables, note it, answer a request."""
+        t0 = time.perf_counter()
+        trace: str | None = None
+        if error is None:
+            try:
+                trace = self._write_trace(profiler, steps)
+                self._aggregate(trace, device_of_thread)
+            except Exception as err:  # noqa: BLE001 - a full disk, a trace the aggregation refuses: a note
+                error = f"{type(err).__name__}: {_first_line(err)}"
+        export_ms = (time.perf_counter() - t0) * 1e3
+        done = CapturedWindow(steps.first_step, steps.end_step, trace, error, stop_ms, export_ms)
+        self.captured.append(done)
+        if error is None:
+            message = (f"captured steps {steps.first_step} to {steps.end_step - 1} with torch.profiler: raw trace "
+                       f"{os.path.basename(str(trace))} (stop {stop_ms:.0f} ms on the training thread, trace and "
+                       f"tables {export_ms:.0f} ms beside it)")
+        else:
+            message = f"capture of steps {steps.first_step} to {steps.end_step - 1} not stored: {error}"
+        self.run.emit(NoteRecord(t_ms=self.run.now_ms(), source="capture", message=message))
+        if error is not None:
+            log.warning("dpprof: %s", message)
+        if nonce is not None and self.directory is not None:
+            name = os.path.basename(trace) if trace else None
+            write_answer(self.directory, self.run.id, CaptureAnswer(request=nonce, first_step=steps.first_step,
+                                                                    end_step=steps.end_step, trace=name, error=error))
+
+    def _write_trace(self, profiler: Any, steps: CaptureWindow) -> str:
+        assert self.directory is not None and self.run.path is not None
+        path = str(self.directory / capture_trace_name(self.run.path, steps.first_step, steps.end_step))
+        built = hidden_name(path).removesuffix(".part")  # a dot-name ending in .gz: torch gzips it
+        try:
+            profiler.export_chrome_trace(built)
+            publish_file(built, path)  # never over an existing file (a run's earlier capture of the same steps)
+        finally:
+            remove_files(built)
+        return path
+
+    def _aggregate(self, trace: str, device_of_thread: dict[int, str] | None) -> None:
+        from dpprof.store.detail_rows import write_detail
+        from dpprof.trace.detail import detail_of_trace
+
+        assert self.run.path is not None
+        write_detail(self.run.path, detail_of_trace(trace, device_of_thread))
+
+    # -- requests (the session's own thread) ---------------------------------------------------------------------
+
+    def _poll(self) -> None:
+        assert self.directory is not None
+        while not self._closing.wait(REQUEST_POLL_S):
+            found = read_request(self.directory, self.run.id)
+            if found is None or found[0] in self._handled:
+                continue
+            nonce, steps = found
+            self._handled.add(nonce)
+            with self.run._lock:
+                busy = self.window is not None or any(job.is_alive() for job in self._jobs)
+                if not busy:
+                    try:
+                        start = self.run.steps_started  # the next step to begin: the first captured
+                        self._schedule(CaptureWindow(start, start + steps), nonce)
+                    except CaptureError as err:
+                        write_answer(self.directory, self.run.id, CaptureAnswer(request=nonce, error=str(err)))
+                    continue
+            write_answer(self.directory, self.run.id, CaptureAnswer(
+                request=nonce, error="a capture is under way in this run; ask again once it is stored"))
+
+    def wait(self, timeout_s: float | None = None) -> list[CapturedWindow]:
+        """Wait until every window that ended is stored (trace written, tables in the run); the windows stored."""
+        for job in list(self._jobs):
+            job.join(timeout_s)
+        return list(self.captured)
+
+    # -- the run's close ---------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """At the run's close (its last step ended): stop a window still recording (it holds the steps up to the
+        last), answer a request whose window never began, and wait for the traces to be stored."""
+        self._closing.set()
+        with self.run._lock:
+            window = self.window
+            if window is not None and self._profiler is not None:
+                self._stop(self.run.steps_started)
+            elif window is not None:
+                self._give_up(window, f"capture {window}: the run ended after {self.run.steps_started} steps, "
+                                      "before the window began")
+        if self._poller is not None:
+            self._poller.join()
+        for job in self._jobs:
+            job.join()
+
+
+def _experimental_config() -> Any:
+    """torch.profiler's settings for a capture: every thread, and no Python events built at stop (``trace_only``)
+    where this torch has it; None where it cannot profile every thread."""
+    make = torch._C._profiler._ExperimentalConfig
+    for kwargs in ({"profile_all_threads": True, "trace_only": True}, {"profile_all_threads": True}):
+        try:
+            return make(**kwargs)
+        except TypeError:  # an older torch without the setting
+            continue
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]

@@ -1,0 +1,207 @@
+"""Rules over what a run's operators, kernels and memory show (an imported trace, or a recorded run's deep
+capture): data loading's share of the step, GPU utilization, tensor-core-eligible work without tensor cores, peak
+memory near the GPU's capacity; and, for a straggler or memory finding, the operators that explain it.
+
+Each figure is read from the stored tables (dpprof.store.detail_rows, read once into ``Tables.detail`` by
+``operator_data``), never computed again here: the GPU utilization is the Kernels page's, the peak the Memory
+page's, the operator differences the Operators page's side by side (dpprof.views.opdiff).
+"""
+from __future__ import annotations
+
+import pandas as pd
+
+from dpprof.findings.base import OperatorData, Tables, finding, per_step
+from dpprof.findings.floors import CRITICAL_STEP_SHARE, cost_text, mib, worth_time
+from dpprof.store import detail_rows
+from dpprof.store.reader import StoredRun
+from dpprof.units import plural
+from dpprof.views.opdiff import Pick, diff_rows, diff_sentence, others_mean_of, side_of
+
+__all__ = ["DATA_SHARE_WARN", "GPU_UTIL_LOW_PCT", "TC_UNUSED_SHARE", "MEMORY_FULL_SHARE", "EXPLAIN_TOP",
+           "SUPERSEDES", "operator_data", "data_loading", "gpu_utilization", "tensor_cores_unused", "memory_full",
+           "DETAIL_RULES", "explain"]
+
+# Loading the batch over 5% of the step: the step waits on the input pipeline (the issue's figure; the TensorBoard
+# plugin's overview recommends DataLoader workers from about there). Under it, more workers buy back little.
+DATA_SHARE_WARN = 0.05
+# GPU busy (a kernel running) under half the step: the GPU waits on the host more than it works (the plugin's
+# overview recommends a bigger batch below this; HTA's idle breakdown flags the same).
+GPU_UTIL_LOW_PCT = 50.0
+# Kernels of tensor-core-eligible operators that ran without tensor cores, over a tenth of the GPU's kernel time:
+# on tensor cores such kernels run 2-8x faster (NVIDIA's mixed-precision guide), so below a tenth mixed precision
+# would buy back under a tenth of the GPU time, within what a batch-size change moves.
+TC_UNUSED_SHARE = 0.10
+# Peak allocated over 90% of the GPU's memory (deviceProperties' totalGlobalMem): the caching allocator's
+# reserved blocks and fragmentation take about the rest (PyTorch's CUDA memory notes), so a longer input or a
+# bigger batch runs out of memory.
+MEMORY_FULL_SHARE = 0.90
+EXPLAIN_TOP = 3  # operators named behind a slow device: the first three explain most of a difference in practice
+# A finding of the first kind on a device says all of the second's on that device (both read the GPU idle):
+# the second is dropped there.
+SUPERSEDES = {"gpu_utilization": "gpu_idle"}
+
+
+def operator_data(run: StoredRun) -> OperatorData | None:
+    """The run's operator-level tables for the rules, or None where it has none (detail_rows.detail_missing)."""
+    if detail_rows.detail_missing(run) is not None:
+        return None
+    gpu_steps = detail_rows.gpu_metrics(run)
+    return OperatorData(operators=detail_rows.operators(run), kernel_ops=detail_rows.kernels(run, by="operator"),
+                        gpu=detail_rows.gpu_summary(run), gpu_steps=int(gpu_steps["step"].nunique()),
+                        peaks=detail_rows.memory_peaks(run), operator_memory=detail_rows.operator_memory(run),
+                        devices=run.table("devices"))
+
+
+def data_loading(t: Tables) -> list[dict]:
+    """Loading the batch (the step model's ``data`` part) over DATA_SHARE_WARN of the step, per device or rank."""
+    if "data" not in t.model.phases or t.phases.empty:
+        return []
+    data = per_step(t, ["data"])
+    steps = t.step_durations_ms
+    out = []
+    for device in data.columns:
+        col = data[device].dropna()
+        step_ms = steps.reindex(col.index).dropna()
+        col = col.reindex(step_ms.index)
+        if col.empty or not step_ms.sum():
+            continue
+        share = float(col.sum() / step_ms.sum())
+        data_ms, mean_step = float(col.mean()), float(step_ms.mean())
+        if share <= DATA_SHARE_WARN or not worth_time(data_ms, mean_step):
+            continue
+        out.append(finding(
+            "data_loading", "critical" if share >= CRITICAL_STEP_SHARE else "warning", str(device),
+            f"{device} spends {share:.0%} of the step loading data",
+            f"loading the batch takes {data_ms:.2f} ms of a {mean_step:.2f} ms step on average "
+            f"({plural(len(col), 'step')}, the first left out): it {cost_text(data_ms, t.later_step_count)}",
+            "The step waits for its input: load in DataLoader worker processes (num_workers=4 or more, "
+            "persistent_workers=True), with pin_memory=True, and move decoding and augmentation there or to the GPU.",
+            share))
+    return out
+
+
+def gpu_utilization(t: Tables) -> list[dict]:
+    """A GPU busy (a kernel running) under GPU_UTIL_LOW_PCT of the steps (the Kernels page's utilization)."""
+    d = t.detail
+    if d is None or d.gpu.empty:
+        return []
+    out = []
+    for row in d.gpu.dropna(subset=["utilization_pct"]).itertuples(index=False):
+        util = float(row.utilization_pct)
+        steps = max(d.gpu_steps, 1)
+        idle_ms, step_ms = (row.window_ms - row.busy_ms) / steps, row.window_ms / steps
+        if util >= GPU_UTIL_LOW_PCT or not worth_time(idle_ms, step_ms):
+            continue
+        out.append(finding(
+            "gpu_utilization", "critical" if util < GPU_UTIL_LOW_PCT / 2 else "warning", str(row.device),
+            f"{row.device}'s GPU utilization is {util:.0f}%",
+            f"a kernel ran {row.busy_ms:,.1f} ms of {row.window_ms:,.1f} ms ({plural(steps, 'step')}); est. SM "
+            f"efficiency {row.sm_efficiency_pct:.0f}%, est. achieved occupancy {row.achieved_occupancy_pct:.0f}%: "
+            f"the GPU's idle time {cost_text(idle_ms, steps)}",
+            "The GPU waits on the host: give it more work per kernel (a bigger batch), fewer host synchronisations "
+            "(.item(), .cpu(), printing tensors inside the step), faster input (DataLoader workers), or fewer "
+            "launches (torch.compile, CUDA graphs).", util))
+    return out
+
+
+def tensor_cores_unused(t: Tables) -> list[dict]:
+    """Kernels of tensor-core-eligible operators without tensor cores over TC_UNUSED_SHARE of a GPU's kernel time."""
+    d = t.detail
+    if d is None or d.kernel_ops.empty:
+        return []
+    eligible = set(d.operators.loc[d.operators["tc_eligible"].fillna(False).astype(bool), "name"])
+    k = d.kernel_ops
+    out = []
+    for device, rows in k.groupby("device", sort=False):
+        total = float(rows["total_ms"].sum())
+        mine = rows[rows["operator"].isin(eligible)]
+        plain = mine[~mine["tensor_cores"].fillna(False).astype(bool)]
+        plain_ms, eligible_ms = float(plain["total_ms"].sum()), float(mine["total_ms"].sum())
+        if not total or plain_ms / total < TC_UNUSED_SHARE:
+            continue
+        steps = max(d.gpu_steps, 1)
+        top = plain.groupby("operator")["total_ms"].sum().nlargest(3)
+        ops = ", ".join(f"{op} {ms:,.1f} ms" for op, ms in top.items())
+        out.append(finding(
+            "tensor_cores_unused", "warning", str(device),
+            f"{plain_ms / total:.0%} of {device}'s kernel time could run on tensor cores and does not",
+            f"kernels of tensor-core-eligible operators ran {eligible_ms:,.1f} ms, {plain_ms:,.1f} ms of it without "
+            f"tensor cores ({plain_ms / total:.0%} of {total:,.1f} ms of kernels; {ops}): "
+            f"{plain_ms / steps:.2f} ms a step on {plural(steps, 'step')}",
+            "Run these operators in mixed precision: torch.autocast(device_type='cuda', dtype=torch.bfloat16) (or "
+            "float16 with torch.amp.GradScaler); on Ampere and later, TF32 for float32 matmuls and convolutions "
+            "(torch.backends.cuda.matmul.allow_tf32 = True, torch.backends.cudnn.allow_tf32 = True).",
+            plain_ms / total))
+    return out
+
+
+def memory_full(t: Tables) -> list[dict]:
+    """Peak allocated memory over MEMORY_FULL_SHARE of the GPU's memory (deviceProperties' totalGlobalMem)."""
+    d = t.detail
+    if d is None or d.peaks.empty or d.devices.empty or "total_memory_bytes" not in d.devices:
+        return []
+    capacity = d.devices.dropna(subset=["total_memory_bytes"]).set_index(["rank", "device"])["total_memory_bytes"]
+    out = []
+    for row in d.peaks.itertuples(index=False):
+        total = capacity.get((row.rank, row.device))
+        if total is None or not total or pd.isna(row.peak_allocated_bytes):
+            continue
+        share = float(row.peak_allocated_bytes) / float(total)
+        if share <= MEMORY_FULL_SHARE:
+            continue
+        step = f"in step {int(row.peak_step)}" if pd.notna(row.peak_step) else "outside every step"
+        out.append(finding(
+            "memory_full", "critical" if share >= 0.98 else "warning", str(row.device),
+            f"{row.device} peaks at {share:.0%} of its memory",
+            f"peak allocated {mib(row.peak_allocated_bytes)} of {mib(total)} {step}, "
+            f"{row.peak_t_ms:,.1f} ms into the run: {mib(total - row.peak_allocated_bytes)} left, which the "
+            "allocator's cache and fragmentation take; a bigger batch or a longer input runs out of memory",
+            "Keep fewer activations: activation checkpointing (torch.utils.checkpoint) on the largest blocks, mixed "
+            "precision (half the bytes per activation), or a smaller batch with gradient accumulation.", share))
+    return out
+
+
+DETAIL_RULES = (data_loading, gpu_utilization, tensor_cores_unused, memory_full)
+
+_EXPLAINED = ("straggler", "straggler_rank", "memory_skew")
+
+
+def _memory_sentence(d: OperatorData, device: str) -> str | None:
+    """The operators that allocate more on ``device`` than on the other devices on average."""
+    mem = d.operator_memory
+    if mem.empty or device not in set(mem["device"]):
+        return None
+    per = mem.groupby(["device", "name"])["allocated_bytes"].sum().unstack("device").fillna(0)
+    if per.shape[1] < 2:
+        return None
+    extra = (per[device] - per.drop(columns=device).mean(axis=1)).nlargest(EXPLAIN_TOP)
+    extra = extra[extra > 0]
+    if extra.empty:
+        return None
+    return (f"operators allocating more on {device} than on the others on average: "
+            + ", ".join(f"'{n}' +{mib(b)}" for n, b in extra.items()))
+
+
+def explain(rows: list[dict], t: Tables) -> list[dict]:
+    """Each straggler or memory finding on a device with operator data gains the operators behind it: the device's
+    difference from the mean of the others (dpprof.views.opdiff, the Operators page's side by side)."""
+    d = t.detail
+    if d is None:
+        return rows
+    ops = d.operators[d.operators["device"].isin(t.model.devices)]  # the run's devices: not a capture's "host"
+    if ops.empty or ops["device"].nunique() < 2:
+        return rows
+    for row in rows:
+        device = str(row.get("device"))
+        if row["kind"] not in _EXPLAINED or device not in set(ops["device"]):
+            continue
+        pick = Pick(device=device)
+        if row["kind"] == "memory_skew":
+            sentence = _memory_sentence(d, device)
+        else:
+            diff = diff_rows(others_mean_of(ops, pick), side_of(ops, pick))
+            sentence = diff_sentence(diff, "the others' mean", device, top=EXPLAIN_TOP, quote="'",
+                                     steps=t.model.steps) if len(diff) else None
+        if sentence:
+            row["evidence"] += f". Operators behind it (Operators page, side by side): {sentence}"
+    return rows

@@ -1,0 +1,184 @@
+"""Side by side: the operators and kernels of two devices, two ranks or two runs, and the difference per operator
+and kernel, largest first (the TensorBoard plugin's Diff view, per device), with the sentence that says it.
+
+A side is a run and a ``Pick`` (a rank, a device, or both; None: all of them summed). Times are the stored ones
+(dpprof.store.detail_rows): ``delta_ms`` is B's self time less A's, on the device where both sides ran kernels,
+else on the host. Self time, so that the deltas of nested operators do not count the same kernel twice: the
+deltas sum to the difference of the two sides' whole time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from dpprof.store import detail_rows
+from dpprof.store.reader import StoredRun
+
+__all__ = ["Pick", "DIFF_COLUMNS", "KERNEL_DIFF_COLUMNS", "SAME_CALLS_TOLERANCE", "operator_diff", "kernel_diff",
+           "diff_rows", "side_of", "others_mean", "others_mean_of", "clock_of", "diff_sentence", "picks_of"]
+
+# Two sides made "the same calls" when their counts differ by at most this share (a sampled trace drops a few)
+SAME_CALLS_TOLERANCE = 0.01
+DIFF_COLUMNS = ["name", "calls_a", "calls_b", "host_total_ms_a", "host_total_ms_b", "device_total_ms_a",
+                "device_total_ms_b", "self_ms_a", "self_ms_b", "delta_ms", "ratio"]
+KERNEL_DIFF_COLUMNS = ["name", "calls_a", "calls_b", "total_ms_a", "total_ms_b", "delta_ms", "ratio"]
+_SUMMED = ["calls", "host_total_ms", "host_self_ms", "device_total_ms", "device_self_ms"]
+
+
+@dataclass(frozen=True)
+class Pick:
+    """One side's rank and device (None: every rank, every device, summed)."""
+
+    rank: int | None = None
+    device: str | None = None
+
+    def label(self, run: StoredRun | None = None) -> str:
+        """"cuda:2", "rank 1 cuda:0", or the run's name where the pick is the whole run."""
+        named = self.device is not None and self.device == f"rank:{self.rank}"  # an imported rank names its device "rank:N"
+        parts = [f"rank {self.rank}" if self.rank is not None and not named else "", self.device or ""]
+        text = " ".join(p for p in parts if p)
+        if run is not None and not text:
+            return str(run.meta.get("name") or run.id)
+        return text or "all devices"
+
+
+def picks_of(run: StoredRun) -> list[Pick]:
+    """Every (rank, device) of the run that holds operators, in order (the rank None in a run of one rank)."""
+    ops = detail_rows.operators(run)
+    pairs = ops[["rank", "device"]].drop_duplicates().sort_values(["rank", "device"])
+    one = pairs["rank"].nunique() <= 1
+    return [Pick(None if one else int(r), str(d)) for r, d in pairs.itertuples(index=False, name=None)]
+
+
+def side_of(ops: pd.DataFrame, pick: Pick) -> pd.DataFrame:
+    """One side from a frame of detail_rows.operators rows: the pick's operators by name, summed over the ranks and
+    devices it covers (columns name, calls and the host and device times)."""
+    sel = ops
+    if pick.rank is not None:
+        sel = sel[sel["rank"] == pick.rank]
+    if pick.device is not None:
+        sel = sel[sel["device"] == pick.device]
+    return sel.groupby("name", sort=False)[_SUMMED].sum(min_count=1).reset_index()
+
+
+def _operators(run: StoredRun, pick: Pick) -> pd.DataFrame:
+    return side_of(detail_rows.operators(run, rank=pick.rank, device=pick.device), pick)
+
+
+def others_mean_of(ops: pd.DataFrame, pick: Pick) -> pd.DataFrame:
+    """From a frame of detail_rows.operators rows: the mean per operator of every (rank, device) other than the
+    pick's, by name, as one side (what a slow device is compared with). An operator a device lacks counts as 0
+    there."""
+    pairs = ops[["rank", "device"]].drop_duplicates().itertuples(index=False, name=None)
+    others = [Pick(int(r), str(d)) for r, d in pairs
+              if not ((pick.rank is None or r == pick.rank) and (pick.device is None or d == pick.device))]
+    if not others:
+        return pd.DataFrame({c: [] for c in ["name", *_SUMMED]})
+    frames = [side_of(ops, p).set_index("name")[_SUMMED] for p in others]
+    names = pd.Index(sorted(set().union(*[f.index for f in frames])), name="name")
+    stacked = [f.reindex(names) for f in frames]
+    summed = sum(f.astype(float).fillna(0.0) for f in stacked) / len(stacked)
+    assert isinstance(summed, pd.DataFrame)
+    device_any = pd.concat([f["device_total_ms"] for f in stacked], axis=1).notna().any(axis=1)
+    for col in ("device_total_ms", "device_self_ms"):  # a CPU-only side keeps its device times missing
+        summed[col] = summed[col].where(device_any)
+    return summed.reset_index()
+
+
+def others_mean(run: StoredRun, pick: Pick) -> pd.DataFrame:
+    """The mean per operator of every other (rank, device) of the run (others_mean_of)."""
+    return others_mean_of(detail_rows.operators(run), pick)
+
+
+def clock_of(a: pd.DataFrame, b: pd.DataFrame) -> str:
+    """"device" where both sides ran kernels, else "host": the time the difference is taken on."""
+    def has_device(df: pd.DataFrame) -> bool:
+        return bool(len(df)) and bool((df["device_self_ms"].fillna(0) > 0).any())
+    return "device" if has_device(a) and has_device(b) else "host"
+
+
+def diff_rows(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
+    """Two sides' operators by name (columns name and detail_rows.operators' times) set side by side: DIFF_COLUMNS,
+    largest difference first (by its size, slower or faster). An operator one side lacks has 0 calls and time there.
+    """
+    clock = clock_of(a, b)
+    left = a.set_index("name")[_SUMMED].add_suffix("_a")
+    right = b.set_index("name")[_SUMMED].add_suffix("_b")
+    both = left.join(right, how="outer")
+    for side in ("a", "b"):
+        both[f"calls_{side}"] = both[f"calls_{side}"].fillna(0)
+        both[f"self_ms_{side}"] = both[f"{clock}_self_ms_{side}"].fillna(0.0).astype(float)
+    both["delta_ms"] = both["self_ms_b"] - both["self_ms_a"]
+    both["ratio"] = np.where(both["self_ms_a"] > 0, both["self_ms_b"] / both["self_ms_a"].where(both["self_ms_a"] > 0),
+                             np.nan)
+    both = both.reset_index()
+    both = both.loc[both["delta_ms"].abs().sort_values(ascending=False, kind="stable").index]
+    out = both[DIFF_COLUMNS].reset_index(drop=True)
+    out.attrs["clock"] = clock
+    return out
+
+
+def operator_diff(run_a: StoredRun, pick_a: Pick, run_b: StoredRun, pick_b: Pick | None = None,
+                  against_others: bool = False) -> pd.DataFrame:
+    """Operators of side A and side B by name, with B's difference from A: DIFF_COLUMNS, largest first.
+
+    Args:
+        run_a, pick_a: side A (the reference).
+        run_b, pick_b: side B (the one explained: the slow device, the new run).
+        against_others: A is the mean of every device of ``run_a`` other than ``pick_b`` (``pick_a`` unused).
+
+    Returns:
+        name, calls_a, calls_b, host_total_ms_a/_b, device_total_ms_a/_b (NaN on a CPU-only side), self_ms_a/_b
+        (self time on the clock the difference is taken on: ``df.attrs["clock"]``, "device" or "host"),
+        delta_ms (self_ms_b - self_ms_a), ratio (self_ms_b / self_ms_a; NaN where A has none).
+
+    Example:
+        >>> operator_diff(run, Pick(device="cuda:0"), run, Pick(device="cuda:2")).head(3)
+    """
+    pick_b = pick_b or Pick()
+    a = others_mean(run_a, pick_b) if against_others else _operators(run_a, pick_a)
+    return diff_rows(a, _operators(run_b, pick_b))
+
+
+def kernel_diff(run_a: StoredRun, pick_a: Pick, run_b: StoredRun, pick_b: Pick) -> pd.DataFrame:
+    """Kernels of side A and side B by name: KERNEL_DIFF_COLUMNS (delta_ms = B's total less A's), largest first."""
+    def side(run: StoredRun, pick: Pick) -> pd.DataFrame:
+        k = detail_rows.kernels(run, rank=pick.rank, device=pick.device)
+        return k.groupby("name", sort=False)[["calls", "total_ms"]].sum().reset_index().set_index("name")
+    both = side(run_a, pick_a).add_suffix("_a").join(side(run_b, pick_b).add_suffix("_b"), how="outer")
+    both = both.fillna(0).reset_index()
+    both["delta_ms"] = both["total_ms_b"] - both["total_ms_a"]
+    both["ratio"] = both["total_ms_b"] / both["total_ms_a"].where(both["total_ms_a"] > 0)
+    both = both.loc[both["delta_ms"].abs().sort_values(ascending=False, kind="stable").index]
+    return both[KERNEL_DIFF_COLUMNS].reset_index(drop=True)
+
+
+def _calls_text(a: float, b: float) -> str:
+    if a == b or (a and abs(b - a) / a <= SAME_CALLS_TOLERANCE):
+        return "same calls"
+    return f"{b:,.0f} calls against {a:,.0f}"
+
+
+def diff_sentence(diff: pd.DataFrame, label_a: str, label_b: str, top: int = 3, quote: str = "`",
+                  steps: int | None = None) -> str:
+    """"cuda:2 is 4.1 ms slower than cuda:0 on the device: `aten::cudnn_convolution` +3.2 ms (same calls, 1.8x the
+    time), ..." from ``operator_diff``: the whole difference, then the operators that explain most of it (each name
+    between ``quote``s: backticks for markdown, quotes for plain text); ``steps``: the sides' step count, said."""
+    if diff.empty:
+        return f"Neither {label_a} nor {label_b} has operators to compare."
+    clock = diff.attrs.get("clock", "host")
+    total = float(diff["delta_ms"].sum())
+    word = "slower" if total > 0 else "faster"
+    over = f" over {steps:,} step{'s' if steps != 1 else ''}" if steps else ""
+    lead = f"{label_b} is {abs(total):.1f} ms {word} than {label_a} in {clock} self time{over}"
+    same_sign = diff[np.sign(diff["delta_ms"]) == np.sign(total)] if total else diff
+    parts = []
+    for row in same_sign.head(top).itertuples(index=False):
+        if not row.self_ms_b:
+            times = f"none in {label_b}"
+        else:
+            times = f"{row.ratio:.1f}x the time" if pd.notna(row.ratio) else f"none in {label_a}"
+        parts.append(f"{quote}{row.name}{quote} {row.delta_ms:+.1f} ms ({_calls_text(row.calls_a, row.calls_b)}, {times})")
+    return lead + (": " + ", ".join(parts) if parts else "") + "."

@@ -1,0 +1,268 @@
+"""Deep capture (dpprof.capture): a window of a recorded run's steps profiled with torch.profiler, given at the start
+(``dpprof.record(capture="A:B")``, ``dpprof profile --capture``, ``dpprof run --capture``) or asked of a running run
+(``dpprof capture RUN --steps N``). Every run here is recorded by the CPU backend on real worker threads."""
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+import dpprof
+from dpprof.capture import CaptureError, parse_capture
+from dpprof.capture.request import ask, wait_for_answer
+from dpprof.capture.session import NO_CAPTURE, TRAINING_THREAD_DEVICE
+from dpprof.cli import main
+from dpprof.launch import Profile, ProfileError
+from dpprof.parallel.workers import worker_native_ids
+from dpprof.store.files import CAPTURE_TRACE, capture_request_name
+from dpprof.store.reader import list_runs
+from dpprof.trace import import_traces, pending_traces, trace_files
+from dpprof.workloads import build_workload, train
+from recorded import RunningRun
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP_NAME = re.compile(r"^ProfilerStep#(\d+)$")
+ANSWER_TIMEOUT_S = 240  # a loaded 2-core machine: the capture waits for a step boundary, then stores its trace
+
+
+def _events(trace: Path) -> list[dict]:
+    with gzip.open(trace, "rt") as f:
+        return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+
+
+def _steps_in(events: list[dict]) -> dict[int, tuple[float, float]]:
+    """The trace's ProfilerStep#N ranges: step -> (start us, end us)."""
+    out = {}
+    for e in events:
+        m = STEP_NAME.match(e["name"])
+        if m:
+            out[int(m.group(1))] = (e["ts"], e["ts"] + e["dur"])
+    return out
+
+
+def _captures(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if CAPTURE_TRACE.match(p.name))
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory):
+    """cifar-lenet on 2 CPU workers, 6 steps, steps 2 and 3 captured: (the Run, its raw trace)."""
+    directory = tmp_path_factory.mktemp("captured")
+    run = train(build_workload("cifar-lenet", 32), dpprof.cpu_devices(2), 6, name="captured",
+                reports_dir=str(directory), capture="2:4")
+    traces = _captures(directory)
+    assert [t.name for t in traces] == [f"{run.id}.capture-2-4.pt.trace.json.gz"]
+    return run, traces[0]
+
+
+def test_the_window_is_the_steps_asked_and_nothing_else(captured):
+    run, trace = captured
+    events = _events(trace)
+    steps = _steps_in(events)
+    assert sorted(steps) == [2, 3]
+    # every operator the profiler saw, on every thread, lies inside the window's step ranges
+    start, end = min(s for s, _ in steps.values()), max(e for _, e in steps.values())
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    assert ops and all(start <= e["ts"] and e["ts"] + e["dur"] <= end for e in ops)
+    # the profiler is off after the window: the steps after it cost what they cost without a capture
+    assert not torch.autograd.profiler._is_profiler_enabled
+    assert run.capture_edge == NO_CAPTURE
+    [done] = run.capture.captured
+    assert (done.first_step, done.end_step, done.error) == (2, 4, None)
+    notes = dpprof.load_run(run.path).table("notes")
+    assert any("captured steps 2 to 3" in m for m in notes["message"])
+
+
+def test_each_worker_threads_ops_are_in_the_trace_under_its_own_thread(captured):
+    """torch.profiler sees the CPU workers' threads (started before it): each worker's replica ran aten ops."""
+    run, trace = captured
+    by_tid = defaultdict(set)
+    for e in _events(trace):
+        if e.get("cat") == "cpu_op":
+            by_tid[e["tid"]].add(e["name"])
+    workers = {f"cpu:{index}": tid for tid, index in worker_native_ids().items()}
+    for device in ("cpu:0", "cpu:1"):
+        names = by_tid[workers[device]]
+        assert "aten::conv2d" in names and "aten::linear" in names, (device, sorted(names)[:20])
+
+
+def test_the_run_stores_each_workers_operators_under_its_device(captured):
+    """The window's operators are in the run per device: each worker's from its own thread, counted as the raw
+    trace counts them; the training thread's (scatter, gather, loss, backward, optimizer) under its own label."""
+    run, trace = captured
+    ops = dpprof.load_run(run.path).operators()
+    assert {"cpu:0", "cpu:1", TRAINING_THREAD_DEVICE} <= set(ops["device"])
+    device_of_tid = {tid: f"cpu:{index}" for tid, index in worker_native_ids().items()}
+    calls: dict[tuple[str, str], int] = defaultdict(int)
+    host_ms: dict[tuple[str, str], float] = defaultdict(float)
+    for e in _events(trace):
+        if e.get("cat") == "cpu_op":
+            key = (device_of_tid.get(e["tid"], TRAINING_THREAD_DEVICE), e["name"])
+            calls[key] += 1
+            host_ms[key] += e["dur"] / 1e3
+    for device in ("cpu:0", "cpu:1"):
+        mine = ops[ops["device"] == device].set_index("name")
+        assert mine.index.str.startswith("aten::").all() and "aten::conv2d" in mine.index
+        for name in ("aten::conv2d", "aten::linear", "aten::relu"):
+            assert mine.loc[name, "calls"] == calls[(device, name)] > 0
+            # within a few ns a call: the aggregation times ops from their rounded timestamps, not their dur fields
+            assert mine.loc[name, "host_total_ms"] == pytest.approx(host_ms[(device, name)], abs=1e-5 * mine.loc[
+                name, "calls"])
+    # backward runs on the training thread (CPU autograd): none of it is counted as a worker's
+    workers_ops = set(ops[ops["device"].isin(["cpu:0", "cpu:1"])]["name"])
+    assert not any("Backward" in name for name in workers_ops)
+    assert any("Backward" in name for name in ops[ops["device"] == TRAINING_THREAD_DEVICE]["name"])
+
+
+def test_the_raw_trace_imports_and_is_never_taken_for_a_run(captured, tmp_path):
+    run, trace = captured
+    directory = trace.parent
+    # the listing shows the run, not its trace; a directory import and the dashboard's pending traces leave it out
+    assert list(list_runs(directory)["id"]) == [run.id]
+    assert pending_traces(directory).empty
+    with pytest.raises(Exception, match="no .json or .json.gz trace files"):
+        trace_files([directory])
+    # named alone, it is a trace like any other: its two steps import as a run of their own
+    imported = import_traces([trace], tmp_path / "imported")
+    assert imported.steps == 2
+    assert main(["--reports-dir", str(tmp_path / "cli"), "import", "--quiet", str(trace)]) == 0
+
+
+def test_a_window_past_the_end_stops_at_the_last_step_or_never_starts(tmp_path):
+    net = dpprof.DataParallel(torch.nn.Linear(8, 2), device_ids=dpprof.cpu_devices(2))
+    for window, held in (("3:10", "3-5"), ("7:9", None)):
+        directory = tmp_path / window.replace(":", "-")
+        with dpprof.record(reports_dir=str(directory), capture=window) as run:
+            for _ in range(5):
+                with run.step():
+                    net(torch.randn(8, 8)).sum().backward()
+        names = [p.name for p in _captures(directory)]
+        notes = " ".join(dpprof.load_run(run.path).table("notes")["message"])
+        if held:
+            assert names == [f"{run.id}.capture-{held}.pt.trace.json.gz"]
+            assert sorted(_steps_in(_events(directory / names[0]))) == [3, 4]
+        else:
+            assert names == [] and "before the window began" in notes
+        assert not torch.autograd.profiler._is_profiler_enabled
+
+
+def test_dpprof_run_captures_the_implicit_steps_of_an_unchanged_script(tmp_path):
+    """A script's steps end at optimizer.step() (2 batches each here): the window is steps 1 and 2."""
+    done = subprocess.run([sys.executable, "-m", "dpprof", "--reports-dir", str(tmp_path), "run", "--cpu-workers", "2",
+                           "--capture", "1:3", str(ROOT / "tests" / "scripts" / "train_accum.py"), "--batches", "8"],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    [trace] = _captures(tmp_path)
+    events = _events(trace)
+    assert sorted(_steps_in(events)) == [1, 2]
+    assert sum(e["name"] == "aten::linear" for e in events) >= 2 * 2 * 2  # 2 steps x 2 batches x 2 workers
+
+
+BAD_WINDOWS = [
+    ("4:2", "steps A:B need 0 <= A < B"),
+    ("3:3", "steps A:B need 0 <= A < B"),
+    ("x", "expected A:B, steps A to B-1 such as 10:15"),
+    ("-1:3", "expected A:B, steps A to B-1 such as 10:15"),
+    ("2", "expected A:B, steps A to B-1 such as 10:15"),
+    ("0:1001", "1,001 steps, at most 1,000 in one window (a longer trace opens in no viewer)"),
+]
+
+
+@pytest.mark.parametrize("text,said", BAD_WINDOWS)
+def test_a_bad_window_is_one_line_and_records_nothing(text, said, reports, capsys):
+    with pytest.raises(CaptureError, match=re.escape(said)) as err:
+        dpprof.record(capture=text).__enter__()
+    assert "\n" not in str(err.value)
+    with pytest.raises(ProfileError, match=re.escape(f"--capture {text}: {said}")):
+        Profile(steps=2000, capture=text)
+    with pytest.raises(SystemExit) as exit_:
+        main(["profile", "--steps", "2000", "--quiet", f"--capture={text}"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"dpprof profile: error: --capture {text}: {said}"
+    assert not reports.exists() or not any(reports.iterdir())  # no run file, no trace
+
+
+def test_a_window_beyond_the_profiles_steps_and_a_range_object_are_refused():
+    with pytest.raises(ProfileError, match=r"--capture 2:9: the profile runs 6 steps \(0 to 5\); the window must end by 6"):
+        Profile(steps=6, capture="2:9")
+    with pytest.raises(CaptureError, match=r'give the window as text "A:B"'):
+        parse_capture(range(2, 4))  # type: ignore[arg-type]
+
+
+def test_the_profile_says_its_window_in_its_command_and_reads_it_back():
+    from dpprof.cli import build_parser
+
+    profile = Profile(workload="tutorial-linear", steps=6, capture="2:4")
+    assert profile.argv()[-2:] == ["--capture", "2:4"]
+    assert Profile.from_args(build_parser().parse_args(profile.argv())) == profile
+    assert "--capture 2:4" in profile.command()
+
+
+def test_a_running_run_captures_on_request_at_a_step_boundary(reports, capsys):
+    with RunningRun(reports) as live:
+        run = dpprof.load_run(live.path)
+        code = main(["capture", run.id, "--steps", "3", "--timeout", str(ANSWER_TIMEOUT_S), "--quiet"])
+        out = capsys.readouterr()
+        assert code == 0, out.err
+        m = re.search(r"captured steps (\d+) to (\d+) of run", out.out)
+        assert m, out.out
+        first, last = int(m.group(1)), int(m.group(2))
+        assert last - first == 2 and first >= 5  # the next steps after the request, not steps already recorded
+        [trace] = _captures(reports)
+        assert trace.name == f"{run.id}.capture-{first}-{last + 1}.pt.trace.json.gz" and trace.name in out.out
+        assert sorted(_steps_in(_events(trace))) == [first, first + 1, first + 2]
+        assert not (reports / capture_request_name(run.id)).exists()  # the request is gone once answered
+        # a second request while the run goes on: captured too, later steps
+        answer = wait_for_answer(ask(dpprof.load_run(live.path), 1), ANSWER_TIMEOUT_S)
+        assert answer.error is None and answer.first_step > last and answer.end_step == answer.first_step + 1
+    # ended now: a request is one line, and nothing is written
+    code = main(["capture", run.id, "--steps", "2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and err == (f"dpprof: run {run.id} is finished, not running: only a run being recorded can "
+                                 "capture (use --capture A:B when starting one)")
+    assert not (reports / capture_request_name(run.id)).exists()
+
+
+def test_an_imported_run_or_an_unknown_one_is_refused_in_one_line(captured, tmp_path, capsys):
+    _, trace = captured
+    imported = import_traces([trace], tmp_path / "imported")
+    assert main(["--reports-dir", str(tmp_path / "imported"), "capture", imported.id]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f"dpprof: run {imported.id} was imported from a trace, not recorded by dpprof: there is no "
+                   "recording to capture from")
+    assert main(["--reports-dir", str(tmp_path / "imported"), "capture", "no-such-run"]) == 1
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_the_training_thread_has_a_device_of_its_own():
+    """Scatter, gather, the loss and CPU autograd's backward run on the training thread: not cpu:0's work."""
+    assert TRAINING_THREAD_DEVICE not in {f"cpu:{i}" for i in range(64)}
+
+
+def test_the_running_run_page_asks_for_a_capture_and_says_when_it_is_stored(reports):
+    from streamlit.testing.v1 import AppTest
+
+    with RunningRun(reports) as live:
+        run_id = dpprof.load_run(live.path).id
+        at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60)
+        at.run()
+        at.number_input(key=f"capture-{run_id}-steps").set_value(2)
+        at.button(key=f"capture-{run_id}-ask").click().run()
+        assert not at.exception, [e.message for e in at.exception]
+        assert any("Asked for 2 steps" in c.value for c in at.caption)
+        deadline = time.monotonic() + ANSWER_TIMEOUT_S
+        while not any(t.value.startswith("Captured steps") for t in at.text) and time.monotonic() < deadline:
+            time.sleep(1)
+            at.run()
+        [said] = [t.value for t in at.text if t.value.startswith("Captured steps")]
+        [trace] = _captures(reports)
+        assert said.endswith(f"raw trace {trace.name}")
+    assert dpprof.load_run(run_id).operators()["device"].isin(["cpu:0", "cpu:1"]).any()
