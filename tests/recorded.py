@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import statistics
 import time
 from pathlib import Path
 
@@ -103,7 +104,7 @@ def record_failed(directory: Path, name: str = "failed") -> StoredRun:
     return dpprof.load_run(run.path)
 
 
-STALL_S = 0.3  # a stalled step: over twice the median step even on a loaded machine
+STALL_S = 0.3  # a stalled step: at least this, and 3x the median step so far (a loaded machine's steps grow)
 
 
 class _Flagged(nn.Module):
@@ -131,11 +132,14 @@ def record_straggler(directory: Path | None, steps: int, detail: object = "bound
     x[:8, 0] = 1.0  # torch.chunk gives cpu:0 the first 8 rows: the flagged chunk
     with dpprof.record(name=name, reports_dir=str(directory) if directory else None, detail=detail,
                        store=directory is not None) as run:
+        took: list[float] = []
         for i in range(steps):
+            t0 = time.perf_counter()
             with run.step():
                 net(x).sum().backward()
-                if i in stall_steps:
-                    time.sleep(STALL_S)
+                if i in stall_steps:  # over twice the median step however loaded the machine is
+                    time.sleep(max(STALL_S, 3 * statistics.median(took or [0.0])))
+            took.append(time.perf_counter() - t0)
     return run
 
 
