@@ -294,9 +294,9 @@ def collect(trace: TraceFile) -> Collected:
                     if not isinstance(name, str):  # odd fields are data, not errors: such an event is not one we need
                         continue
                     if cat in op_cats:
-                        on_op(ts, end, event.tid, name, event.args)
+                        on_op(ts, dur if isinstance(dur, number) else None, event.tid, name, event.args)
                     elif cat == "python_function":
-                        on_python(ts, end, event.tid, name, event.args)
+                        on_python(ts, dur if isinstance(dur, number) else 0, event.tid, name, event.args)
                     kind = kinds.get(name, ())
                     if kind == ():
                         kind = kinds[name] = _name_kind(name)
@@ -342,7 +342,7 @@ def collect(trace: TraceFile) -> Collected:
                     if index is None:
                         continue
                     if cat in kernel_cats:
-                        on_kernel(ts, end, index, name, event.args)
+                        on_kernel(ts, dur if isinstance(dur, number) else 0, index, name, event.args)
                     key = (index, kind)
                     if key not in gpu:
                         gpu[key] = _Intervals()
@@ -354,7 +354,7 @@ def collect(trace: TraceFile) -> Collected:
                 elif cat in launch_cats:
                     ts = event.ts
                     if isinstance(ts, number) and 0 <= ts <= top:
-                        on_launch(ts, event.tid, event.args)
+                        on_launch(ts, event.tid, event.name if isinstance(event.name, str) else "", event.args)
             elif ph == "i" and event.name == "[memory]":
                 why = _memory(out, event)
                 if why:

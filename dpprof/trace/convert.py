@@ -34,6 +34,7 @@ from dpprof.records import (PHASES, AllocatorRecord, CommRecord, DeviceRecord, G
 from dpprof.stepmodel import GPU_PARTS, IDLE, part_names, partition
 from dpprof.trace.collect import GPU_KINDS, Collected, collective_name
 from dpprof.trace.detail import Detail, detail_tables
+from dpprof.trace.detail_events import RawDetail
 from dpprof.trace.readback import export_info, exported_phases
 from dpprof.trace.numbers import MAX_BYTES, MAX_GPU_INDEX, whole
 
@@ -322,6 +323,11 @@ def convert(c: Collected, t0_us: float, rank: int | None) -> Converted:
         if rank is not None and len(gpus) > 1:
             out.notes.append(f"rank {rank}'s trace shows {len(gpus)} GPUs: their activity is summed onto {label}")
     out.devices = devices
+    # the operators, kernels and memory first: what collect kept for them goes before the GPU time's arrays come
+    out.detail = detail_tables(c.detail, windows, t0_us, label_of, process_label(c, rank) if not dp_exact
+                               else devices[0], gpu_memory=c.memory, cumulative_gpus=c.memory_cumulative)
+    c.detail = RawDetail()
+    out.notes += out.detail.notes
     gpu_of = {label_of[g]: g for g in gpus}
     out.records += _gpu_time(c, windows, label_of)
     out.records += _allocator(c, windows, label_of)
@@ -336,9 +342,6 @@ def convert(c: Collected, t0_us: float, rank: int | None) -> Converted:
         out.notes.append("no GPU activity in this trace (a CPU-only process): no kernel, idle or overlap times")
     label = process_label(c, rank) if not dp_exact else devices[0]
     out.records += _comms(c, windows, label, label_of, ms)
-    out.detail = detail_tables(c.detail, windows, t0_us, label_of, label, gpu_memory=c.memory,
-                               cumulative_gpus=c.memory_cumulative)
-    out.notes += out.detail.notes
     for step, lo, hi in windows:
         fw = len(_in(c.forwards, lo, hi))
         out.records.append(StepRecord(step=step, start_ms=ms(lo), duration_ms=(hi - lo) / 1e3, batch_size=None,

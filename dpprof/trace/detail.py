@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,7 +62,7 @@ from dpprof.trace.detail_events import RawDetail
 from dpprof.trace.numbers import MAX_BYTES, whole
 
 __all__ = ["Detail", "detail_tables", "detail_of_trace", "TC_KERNEL_PATTERNS",
-           "TC_ELIGIBLE_OPS", "uses_tensor_cores", "tc_eligible", "MEMORY_POINTS", "MEMORY_EVENTS_KEPT",
+           "TC_ELIGIBLE_OPS", "uses_tensor_cores", "tc_eligible", "MEMORY_POINTS", "MEMORY_EVENTS_KEPT", "HOST_MEMORY",
            "OPERATOR_COLUMNS", "SHAPE_COLUMNS", "KERNEL_COLUMNS", "KERNEL_OP_COLUMNS", "GPU_METRIC_COLUMNS",
            "MEMORY_TIMELINE_COLUMNS", "MEMORY_PEAK_COLUMNS", "MEMORY_EVENT_COLUMNS", "OPERATOR_MEMORY_COLUMNS",
            "MODULE_COLUMNS", "estimated_blocks_per_sm", "estimated_occupancy_pct"]
@@ -86,6 +86,7 @@ TC_ELIGIBLE_OPS = frozenset({
     "AddmvBackward", "MvBackward", "aten::cudnn_convolution_transpose_backward_weight",
     "aten::cudnn_convolution_transpose_backward_input", "AddmmBackward", "aten::cudnn_convolution_backward_input",
     "AddbmmBackward", "aten::cudnn_convolution_backward"})
+HOST_MEMORY = "host"  # the device of a GPU process's own (CPU) memory events
 MEMORY_POINTS = 2_000  # points per device of the stored memory curve: what a chart draws (queries.MAX_POINTS)
 # Memory events stored as rows: the largest allocations, enough for any table a person reads; every pair still
 # counts in the per-operator statistics, and the notes say how many rows were left out.
@@ -152,40 +153,88 @@ def _np(raw: RawDetail, name: str) -> np.ndarray:
         else np.zeros(0, dtype={"d": np.float64, "i": np.int32, "q": np.int64}[arr.typecode])
 
 
-def _nest(tid: np.ndarray, ts: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(order, parent): ``order`` sorts the intervals by thread, start, longest first; ``parent[k]`` is the position
-    in ``order`` of the innermost interval holding the k-th sorted one on its thread, -1 for none."""
-    order = np.lexsort((-end, ts, tid))
-    t, s, e = tid[order].tolist(), ts[order].tolist(), end[order].tolist()
-    parent = [-1] * len(t)
+_Times = Callable[[], tuple[np.ndarray, np.ndarray]]  # ops' starts and ends in _nest's order, made on demand
+_NEST_CHUNK = 1 << 16  # intervals walked per chunk: a chunk's Python numbers at a time, never every interval's
+
+
+def _nest(tid: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(order, parent, depth): ``order`` sorts the intervals by thread, start, longest first (of two alike, the one
+    earlier in the file first); ``parent[k]`` is the position in ``order`` of the innermost interval holding the
+    k-th sorted one on its thread (it begins no later, ends no later, and the k-th begins before it ends), -1 for
+    none; ``depth[k]`` the number of intervals holding it."""
+    order = _sort_order(tid, ts, dur)
+    n = len(order)
+    parent = np.full(n, -1, dtype=np.int32)
+    depth = np.zeros(n, dtype=np.int32)
     stack: list[int] = []
+    ends: list[float] = []  # the stack's ends
     last_tid = None
-    for k in range(len(t)):
-        if t[k] != last_tid:
-            stack = []
-            last_tid = t[k]
-        while stack and e[stack[-1]] <= s[k]:  # ended before this one starts
-            stack.pop()
-        while stack and e[stack[-1]] < e[k]:  # overlapping, not nested (a clock's rounding): not a parent
-            stack.pop()
-        parent[k] = stack[-1] if stack else -1
-        stack.append(k)
-    return order, np.array(parent, dtype=np.int64)
+    for lo in range(0, n, _NEST_CHUNK):
+        part = order[lo:lo + _NEST_CHUNK]
+        t_part, s_part, e_part = tid[part].tolist(), ts[part].tolist(), (ts[part] + dur[part]).tolist()
+        p_part = [-1] * len(part)
+        d_part = [0] * len(part)
+        for i in range(len(part)):
+            t, start, stop = t_part[i], s_part[i], e_part[i]
+            if t != last_tid:
+                stack, ends, last_tid = [], [], t
+            while ends and (ends[-1] <= start or ends[-1] < stop):  # ended before, or overlaps without holding
+                stack.pop()
+                ends.pop()
+            if stack:
+                p_part[i] = stack[-1]
+                d_part[i] = len(stack)  # the stack is the chain of intervals holding this one
+            stack.append(lo + i)
+            ends.append(stop)
+        parent[lo:lo + len(part)] = p_part
+        depth[lo:lo + len(part)] = d_part
+    return order, parent, depth
 
 
-def _innermost(order: np.ndarray, parent: np.ndarray, tid: np.ndarray, ts: np.ndarray, end: np.ndarray,
+def _sort_order(tid: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> np.ndarray:
+    """Positions sorting intervals by thread, start, longest first, as int32. Kineto writes most threads' ops in
+    that order already: a stable sort by thread (linear on small ints) and a check then do; else a full sort."""
+    by_tid = np.argsort(tid, kind="stable").astype(np.int32)
+    if len(by_tid) < 2:
+        return by_tid
+    t, s = tid[by_tid], ts[by_tid]
+    same = t[1:] == t[:-1]
+    ds = s[1:] - s[:-1]
+    del s
+    d = dur[by_tid]
+    ordered = ~same | (ds > 0) | ((ds == 0) & (d[1:] <= d[:-1]))
+    del t, ds, d, same
+    if ordered.all():
+        return by_tid
+    del by_tid, ordered
+    return np.lexsort((-dur, ts, tid)).astype(np.int32)
+
+
+def _up(values: np.ndarray, parent: np.ndarray, depth: np.ndarray) -> np.ndarray:
+    """Each interval's value plus all its descendants' (children first: the deepest level is added to its
+    parents, then the next), vectorized per level."""
+    total = values.astype(float, copy=True)
+    if not len(total) or not total.any():
+        return total
+    for level in range(int(depth.max()), 0, -1):  # one pass a level: a mask, never a sort of every interval
+        at = np.flatnonzero(depth == level)
+        np.add.at(total, parent[at], total[at])
+    return total
+
+
+def _innermost(s_tid: np.ndarray, s_ts: np.ndarray, s_end: np.ndarray, parent: np.ndarray,
                q_tid: np.ndarray, q_ts: np.ndarray) -> np.ndarray:
-    """For each query (thread, time): the position in ``order`` of the innermost interval on that thread open at that
-    time, -1 for none."""
-    if not len(order) or not len(q_ts):
+    """For each query (thread, time): the position of the innermost interval on that thread open at that time, -1
+    for none; the intervals' threads, starts and ends in ``_nest``'s order, with its ``parent``."""
+    if not len(s_ts) or not len(q_ts):
         return np.full(len(q_ts), -1, dtype=np.int64)
-    s_tid, s_ts, s_end = tid[order], ts[order], end[order]
     out = np.full(len(q_ts), -1, dtype=np.int64)
     bounds = np.flatnonzero(np.diff(s_tid)) + 1
     starts = np.concatenate(([0], bounds))
     stops = np.concatenate((bounds, [len(s_tid)]))
-    par = parent.tolist()
-    ends = s_end.tolist()
+    par, ends = array("q"), array("d")  # 8 bytes an interval, read one number at a time
+    par.frombytes(parent.astype(np.int64).tobytes())
+    ends.frombytes(s_end.astype(np.float64).tobytes())
     for lo, hi in zip(starts.tolist(), stops.tolist()):
         mine = np.flatnonzero(q_tid == s_tid[lo])
         if not len(mine):
@@ -268,70 +317,86 @@ def detail_tables(raw: RawDetail, windows: list[tuple[int, float, float]], t0_us
         notes.append(f"{raw.left_out:,} value{'s' if raw.left_out > 1 else ''} that cannot be left out of the "
                      f"operator, kernel and memory tables: the first, {raw.left_out_first}")
     names = np.array(raw.names, dtype=object) if raw.names else np.zeros(0, dtype=object)
-    op_ts, op_end, op_tid = _np(raw, "op_ts"), _np(raw, "op_end"), _np(raw, "op_tid")
-    op_name, op_shape, op_ext = _np(raw, "op_name"), _np(raw, "op_shape"), _np(raw, "op_ext")
-    order, parent_sorted = _nest(op_tid, op_ts, op_end)
+    # Operators. Memory: a 1 GiB trace holds ~2 M ops, so every array here costs ~16 MB for each 8 bytes an op;
+    # each is made when needed and dropped after (peak RSS under 400 MB: bench/trace_import.py).
+    op_ts, op_dur, op_tid = _np(raw, "op_ts"), _np(raw, "op_dur"), _np(raw, "op_tid")
+    order, parent_sorted, depth = _nest(op_tid, op_ts, op_dur)
     n_ops = len(order)
-    # positions in sorted order; arrays below are in sorted order
-    s_ts, s_end, s_tid = op_ts[order], op_end[order], op_tid[order]
-    s_name, s_shape, s_ext = op_name[order], op_shape[order], op_ext[order]
-    dur = s_end - s_ts
-    child = np.zeros(n_ops)
+    # in _nest's order from here; what was read goes as soon as it is copied (the starts stay for _starts_ends)
+    dur, s_tid = op_dur[order], op_tid[order]
+    del op_dur, op_tid
+    for name in ("op_dur", "op_tid"):
+        raw.arrays[name] = array(raw.arrays[name].typecode)
+
+    def starts_ends() -> tuple[np.ndarray, np.ndarray]:
+        """Each op's start and end in _nest's order, made only where a time must be placed in an op."""
+        s_ts = op_ts[order]
+        return s_ts, s_ts + dur
+    # every per-op sum is added up per (thread, name and shapes) as soon as it is made, and the op array dropped:
+    # one bin a pair (ids interned by the collector), folded into devices once each thread's device is known
+    pair_name = np.array([p[0] for p in raw.shapes], dtype=np.int32) if raw.shapes else np.zeros(0, np.int32)
+    s_pair = _np(raw, "op_shape")[order]
+    width = max(len(raw.shapes), 1)
+    bins = max(len(raw.tids), 1) * width
+    key = s_tid.astype(np.int32 if bins < 2 ** 31 else np.int64) * width + s_pair
+    acc: dict[str, np.ndarray] = {"calls": np.bincount(key, minlength=bins),
+                                  "host_total_ms": np.bincount(key, weights=dur, minlength=bins)}
     has_parent = parent_sorted >= 0
-    np.add.at(child, parent_sorted[has_parent], dur[has_parent])
-    host_self = dur - child
+    children = np.bincount(parent_sorted[has_parent], weights=dur[has_parent], minlength=n_ops)
+    del has_parent
+    acc["host_self_ms"] = acc["host_total_ms"] - np.bincount(key, weights=children, minlength=bins)
+    del children
 
-    # kernels -> launches -> ops
-    k_ts, k_end, k_gpu = _np(raw, "k_ts"), _np(raw, "k_end"), _np(raw, "k_gpu")
+    # kernels -> launches -> ops (positions in ``order``)
+    k_ts, k_dur, k_gpu = _np(raw, "k_ts"), _np(raw, "k_dur"), _np(raw, "k_gpu")
+    k_end = k_ts + k_dur
     k_name, k_corr, k_ext, k_cfg = _np(raw, "k_name"), _np(raw, "k_corr"), _np(raw, "k_ext"), _np(raw, "k_cfg")
-    k_dur = k_end - k_ts
-    rt_corr, rt_ext, rt_ts, rt_tid = _np(raw, "rt_corr"), _np(raw, "rt_ext"), _np(raw, "rt_ts"), _np(raw, "rt_tid")
-    ext_order = np.argsort(s_ext, kind="stable")
-    ext_sorted = s_ext[ext_order]
-
-    def op_of_ext(ext: np.ndarray) -> np.ndarray:
-        pos = np.searchsorted(ext_sorted, ext)
-        pos = np.minimum(pos, max(len(ext_sorted) - 1, 0))
-        if not len(ext_sorted):
-            return np.full(len(ext), -1, dtype=np.int64)
-        found = (ext_sorted[pos] == ext) & (ext >= 0)
-        return np.where(found, ext_order[pos], -1)
-
-    # each launch's op: its External id, else the innermost op open on its thread when it was made
-    rt_op = op_of_ext(rt_ext)
-    lost = rt_op < 0
-    if lost.any():
-        rt_op[lost] = _innermost(order, parent_sorted, op_tid, op_ts, op_end, rt_tid[lost], rt_ts[lost])
     k_op = np.full(len(k_ts), -1, dtype=np.int64)
-    if len(rt_corr) and len(k_corr):
-        corr_order = np.argsort(rt_corr, kind="stable")
-        corr_sorted = rt_corr[corr_order]
-        pos = np.minimum(np.searchsorted(corr_sorted, k_corr), len(corr_sorted) - 1)
-        hit = (corr_sorted[pos] == k_corr) & (k_corr >= 0)
-        k_op[hit] = rt_op[corr_order[pos[hit]]]
-    no_launch = k_op < 0
-    if no_launch.any():
-        k_op[no_launch] = op_of_ext(k_ext[no_launch])
+    if len(k_ts) and n_ops:
+        rank_of = np.empty(n_ops, dtype=np.int32)  # original index -> position in order
+        rank_of[order] = np.arange(n_ops, dtype=np.int32)
+        op_ext = _np(raw, "op_ext")
+        ext_order = np.argsort(op_ext, kind="stable").astype(np.int32)
+        ext_sorted = op_ext[ext_order]
+
+        def op_of_ext(ext: np.ndarray) -> np.ndarray:
+            """The position in ``order`` of the op with each External id, -1 for none."""
+            pos = np.minimum(np.searchsorted(ext_sorted, ext), n_ops - 1)
+            found = (ext_sorted[pos] == ext) & (ext >= 0)
+            return np.where(found, rank_of[ext_order[pos]], -1)
+
+        rt_corr, rt_ext, rt_ts, rt_tid = (_np(raw, "rt_corr"), _np(raw, "rt_ext"), _np(raw, "rt_ts"),
+                                          _np(raw, "rt_tid"))
+        # each launch's op: its External id, else the innermost op open on its thread when it was made
+        rt_op = op_of_ext(rt_ext)
+        lost = rt_op < 0
+        if lost.any():
+            rt_op[lost] = _innermost(s_tid, *starts_ends(), parent_sorted, rt_tid[lost], rt_ts[lost])
+        if len(rt_corr):
+            corr_order = np.argsort(rt_corr, kind="stable")
+            corr_sorted = rt_corr[corr_order]
+            pos = np.minimum(np.searchsorted(corr_sorted, k_corr), len(corr_sorted) - 1)
+            hit = (corr_sorted[pos] == k_corr) & (k_corr >= 0)
+            k_op[hit] = rt_op[corr_order[pos[hit]]]
+        no_launch = k_op < 0  # no launch with its correlation, or one of no op: its own External id's op
+        if no_launch.any():
+            k_op[no_launch] = op_of_ext(k_ext[no_launch])
+        del rank_of, ext_order, ext_sorted
     unlinked = int((k_op < 0).sum())
     if unlinked and n_ops:
         notes.append(f"{unlinked:,} of {len(k_ts):,} kernels linked to no operator (no launch with their "
                      "correlation, no op with their External id): they count in the kernel tables only")
     tc_kernel = np.array([uses_tensor_cores(n) for n in raw.names], dtype=bool) if raw.names else np.zeros(0, bool)
     k_tc = tc_kernel[k_name] if len(k_name) else np.zeros(0, dtype=bool)
-    dev_self = np.zeros(n_ops)
-    tc_self = np.zeros(n_ops)
     linked = k_op >= 0
-    np.add.at(dev_self, k_op[linked], k_dur[linked])
-    np.add.at(tc_self, k_op[linked & k_tc], k_dur[linked & k_tc])
-    dev_total, tc_total = dev_self.copy(), tc_self.copy()
-    par = parent_sorted.tolist()
-    dt, tt = dev_total, tc_total
-    if linked.any():
-        for k in range(n_ops - 1, -1, -1):  # children sort after their parents
-            p = par[k]
-            if p >= 0 and dt[k]:
-                dt[p] += dt[k]
-                tt[p] += tt[k]
+    dev_self = np.bincount(k_op[linked], weights=k_dur[linked], minlength=n_ops)
+    acc["device_self_ms"] = np.bincount(key, weights=dev_self, minlength=bins)
+    acc["device_total_ms"] = np.bincount(key, weights=_up(dev_self, parent_sorted, depth), minlength=bins)
+    tc_on = linked & k_tc
+    acc["tc_ms"] = (np.bincount(key, weights=_up(np.bincount(k_op[tc_on], weights=k_dur[tc_on], minlength=n_ops),
+                                                 parent_sorted, depth), minlength=bins)
+                    if tc_on.any() else np.zeros(bins))
+    del tc_on, key
 
     # each thread's device
     tid_device: dict[int, str] = {}
@@ -344,27 +409,34 @@ def detail_tables(raw: RawDetail, windows: list[tuple[int, float, float]], t0_us
             else:
                 if isinstance(t, str) and t.isdigit() and int(t) in device_of_thread:
                     tid_device[i] = device_of_thread[int(t)]
-    if linked.any():
-        pairs = pd.DataFrame({"tid": s_tid[k_op[linked]], "gpu": k_gpu[linked]})
-        for t, gpus in pairs.groupby("tid")["gpu"]:
-            tid_device.setdefault(int(t), label(int(gpus.mode().iloc[0])))
-    op_device = np.array([tid_device.get(int(t), host) for t in s_tid], dtype=object) if n_ops \
-        else np.zeros(0, dtype=object)
-
-    ops = pd.DataFrame({"device": op_device, "name": names[s_name] if n_ops else [],
-                        "input_shapes": s_shape, "host_total_ms": dur / 1e3, "host_self_ms": host_self / 1e3,
-                        "device_total_ms": dev_total / 1e3, "device_self_ms": dev_self / 1e3,
-                        "tc_ms": tc_total / 1e3})
+    explicit = dict(tid_device)  # the threads device_of_thread names: their CPU memory is their device's
+    if linked.any():  # a thread's GPU: the one it launched most kernels to
+        pair, count = np.unique((s_tid[k_op[linked]].astype(np.int64) << 32) | k_gpu[linked], return_counts=True)
+        best: dict[int, tuple[int, int]] = {}
+        for key, n in zip(pair.tolist(), count.tolist()):
+            t, gpu = key >> 32, key & 0xFFFFFFFF
+            if t not in best or n > best[t][0]:
+                best[t] = (n, gpu)
+        for t, (_, gpu) in best.items():
+            tid_device.setdefault(t, label(gpu))
     gpus_present = len(k_ts) > 0
+    used = np.flatnonzero(acc["calls"])
+    per_pair = pd.DataFrame({"device": [tid_device.get(int(b) // width, host) for b in used],
+                             "pair": used % width, **{c: v[used] for c, v in acc.items()}})
+    acc.clear()
+    per_pair["name"] = [raw.names[raw.shapes[int(p)][0]] for p in per_pair["pair"]]
+    per_pair["input_shapes"] = [_shape_text(raw.shapes[int(p)][1]) for p in per_pair["pair"]]
+    sums = ["calls", "host_total_ms", "host_self_ms", "device_total_ms", "device_self_ms", "tc_ms"]
 
     def by(keys: list[str]) -> pd.DataFrame:
-        g = ops.groupby(keys, sort=False)
-        out = g.agg(calls=("host_total_ms", "size"), host_total_ms=("host_total_ms", "sum"),
-                    host_self_ms=("host_self_ms", "sum"), device_total_ms=("device_total_ms", "sum"),
-                    device_self_ms=("device_self_ms", "sum"), tc_ms=("tc_ms", "sum")).reset_index()
+        """The (thread, name and shapes) sums folded by ``keys``."""
+        out = per_pair.groupby(keys, sort=False)[sums].sum().reset_index()
+        out["calls"] = out["calls"].astype(np.int64)
+        for column in sums[1:]:
+            out[column] = out[column] / 1e3
         out["tc_eligible"] = out["name"].map(tc_eligible).astype(bool)
-        out["tc_pct"] = np.where(out["device_total_ms"] > 0,
-                                 100.0 * out["tc_ms"] / out["device_total_ms"].where(out["device_total_ms"] > 0), np.nan)
+        total = out["device_total_ms"]
+        out["tc_pct"] = np.where(total > 0, 100.0 * out["tc_ms"] / total.where(total > 0), np.nan)
         if not gpus_present:  # a CPU-only trace: no device time at all, not zero
             out["device_total_ms"] = np.nan
             out["device_self_ms"] = np.nan
@@ -372,22 +444,18 @@ def detail_tables(raw: RawDetail, windows: list[tuple[int, float, float]], t0_us
         return out.drop(columns="tc_ms").sort_values("host_total_ms", ascending=False, kind="stable")
 
     operators = by(["device", "name"])[OPERATOR_COLUMNS] if n_ops else _empty(OPERATOR_COLUMNS)
-    if n_ops:
-        shaped = by(["device", "name", "input_shapes"])
-        shape_text = [_shape_text(s) for s in raw.shapes]
-        shaped["input_shapes"] = [shape_text[i] for i in shaped["input_shapes"]]
-        operators_by_shape = shaped[SHAPE_COLUMNS]
-    else:
-        operators_by_shape = _empty(SHAPE_COLUMNS)
+    operators_by_shape = by(["device", "name", "input_shapes"])[SHAPE_COLUMNS] if n_ops else _empty(SHAPE_COLUMNS)
+    s_name = pair_name[s_pair] if n_ops else np.zeros(0, dtype=np.int32)  # each op's name id
+    del s_pair
 
     kernels, kernels_by_op = _kernel_tables(raw, names, k_ts, k_dur, k_gpu, k_name, k_cfg, k_tc, k_op,
                                             s_name, label)
     gpu_metrics = _gpu_metrics(raw, k_ts, k_end, k_gpu, k_cfg, windows, label)
     timeline, peaks, mem_events, op_memory, mem_notes = _memory_tables(
-        raw, names, windows, t0_us, label, host, tid_device, order, parent_sorted, op_tid, op_ts, op_end, s_name,
-        op_device, gpu_memory or {}, cumulative_gpus or set())
+        raw, names, windows, t0_us, label, host, explicit, s_tid, starts_ends, parent_sorted, s_name,
+        operators, gpu_memory or {}, cumulative_gpus or set(), bool(label_of) or len(k_ts) > 0)
     notes += mem_notes
-    modules = _modules(raw, names, order, op_tid, op_ts, op_end, dev_self, tid_device, host)
+    modules = _modules(raw, names, s_tid, starts_ends, dev_self, tid_device, host)
     return Detail(operators=operators.reset_index(drop=True), operators_by_shape=operators_by_shape.reset_index(drop=True),
                   kernels=kernels, kernels_by_op=kernels_by_op, gpu_metrics=gpu_metrics, memory_timeline=timeline,
                   memory_peaks=peaks, memory_events=mem_events, operator_memory=op_memory, modules=modules,
@@ -410,17 +478,16 @@ def _kernel_tables(raw: RawDetail, names: np.ndarray, k_ts: np.ndarray, k_dur: n
     if not len(k_ts):
         return _empty(KERNEL_COLUMNS), _empty(KERNEL_OP_COLUMNS)
     bpsm, occ = _kernel_estimates(raw, k_gpu, k_cfg)
-    df = pd.DataFrame({"gpu": k_gpu, "name": names[k_name], "dur": k_dur / 1e3, "cfg": k_cfg,
-                       "bpsm_w": bpsm * k_dur / 1e3, "bpsm_d": np.where(np.isnan(bpsm), 0.0, k_dur / 1e3),
-                       "occ_w": occ * k_dur / 1e3, "occ_d": np.where(np.isnan(occ), 0.0, k_dur / 1e3),
+    ms = k_dur / 1e3
+    # integer keys only (a kernel's name is often hundreds of characters: a frame of them per kernel is not kept)
+    df = pd.DataFrame({"gpu": k_gpu, "name_id": k_name, "dur": ms, "cfg": k_cfg,
+                       "bpsm_w": np.where(np.isnan(bpsm), 0.0, bpsm * ms), "bpsm_d": np.where(np.isnan(bpsm), 0.0, ms),
+                       "occ_w": np.where(np.isnan(occ), 0.0, occ * ms), "occ_d": np.where(np.isnan(occ), 0.0, ms),
                        "tensor_cores": k_tc,
-                       "operator": np.where(k_op >= 0, names[s_name[np.maximum(k_op, 0)]] if len(s_name) else None,
-                                            None)})
-    df["bpsm_w"] = df["bpsm_w"].fillna(0.0)
-    df["occ_w"] = df["occ_w"].fillna(0.0)
+                       "op_id": np.where(k_op >= 0, s_name[np.maximum(k_op, 0)] if len(s_name) else -1, -1)})
 
     def agg(keys: list[str]) -> pd.DataFrame:
-        g = df.groupby(keys, sort=False, dropna=False)
+        g = df.groupby(keys, sort=False)
         out = g.agg(calls=("dur", "size"), total_ms=("dur", "sum"), min_ms=("dur", "min"), max_ms=("dur", "max"),
                     bw=("bpsm_w", "sum"), bd=("bpsm_d", "sum"), ow=("occ_w", "sum"), od=("occ_d", "sum"),
                     tensor_cores=("tensor_cores", "first")).reset_index()
@@ -428,10 +495,13 @@ def _kernel_tables(raw: RawDetail, names: np.ndarray, k_ts: np.ndarray, k_dur: n
         out["mean_blocks_per_sm"] = out["bw"] / out["bd"].where(out["bd"] > 0)
         out["mean_occupancy_pct"] = out["ow"] / out["od"].where(out["od"] > 0)
         out["device"] = [label(int(g)) for g in out["gpu"]]
+        out["name"] = [raw.names[i] for i in out["name_id"]]
+        if "op_id" in out:
+            out["operator"] = [raw.names[i] if i >= 0 else None for i in out["op_id"]]
         return out.sort_values("total_ms", ascending=False, kind="stable").reset_index(drop=True)
 
-    kernels = agg(["gpu", "name"])[KERNEL_COLUMNS]
-    by_op = agg(["gpu", "name", "operator", "cfg"])
+    kernels = agg(["gpu", "name_id"])[KERNEL_COLUMNS]
+    by_op = agg(["gpu", "name_id", "op_id", "cfg"])
     cfgs = raw.configs
     by_op["grid"] = [_dims_text(cfgs[c][0]) for c in by_op["cfg"]]
     by_op["block"] = [_dims_text(cfgs[c][1]) for c in by_op["cfg"]]
@@ -541,14 +611,17 @@ def _gpu_metrics(raw: RawDetail, k_ts: np.ndarray, k_end: np.ndarray, k_gpu: np.
 
 
 def _memory_tables(raw: RawDetail, names: np.ndarray, windows: list[tuple[int, float, float]], t0_us: float,
-                   label: Any, host: str, tid_device: dict[int, str], order: np.ndarray, parent: np.ndarray,
-                   op_tid: np.ndarray, op_ts: np.ndarray, op_end: np.ndarray, s_name: np.ndarray,
-                   op_device: np.ndarray, gpu_memory: Mapping[int, tuple[array, array, array]],
-                   cumulative_gpus: set[int]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame, list[str]]:
+                   label: Any, host: str, tid_device: dict[int, str], s_tid: np.ndarray, starts_ends: _Times,
+                   parent: np.ndarray, s_name: np.ndarray,
+                   operators: pd.DataFrame, gpu_memory: Mapping[int, tuple[array, array, array]],
+                   cumulative_gpus: set[int], label_of_gpus: bool) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame, list[str]]:
     notes: list[str] = []
     m_ts, m_tid, m_gpu = _np(raw, "m_ts"), _np(raw, "m_tid"), _np(raw, "m_gpu")
     m_addr, m_bytes, m_alloc, m_res = _np(raw, "m_addr"), _np(raw, "m_bytes"), _np(raw, "m_alloc"), _np(raw, "m_res")
-    m_dev = np.array([label(int(g)) if g >= 0 else tid_device.get(int(t), host) for g, t in zip(m_gpu, m_tid)],
+    # CPU memory: its thread's device where threads are devices (dpprof's CPU workers), the process's device in a
+    # trace without GPUs, else "host" (the process's memory, not a GPU's)
+    cpu_label = host if not label_of_gpus else HOST_MEMORY
+    m_dev = np.array([label(int(g)) if g >= 0 else tid_device.get(int(t), cpu_label) for g, t in zip(m_gpu, m_tid)],
                      dtype=object) if len(m_ts) else np.zeros(0, dtype=object)
     step_starts = np.array([w[1] for w in windows]) if windows else np.zeros(0)
     step_ids = [w[0] for w in windows]
@@ -597,7 +670,7 @@ def _memory_tables(raw: RawDetail, names: np.ndarray, windows: list[tuple[int, f
     # memory events: allocation and free paired by address on a device
     if not len(m_ts):
         return timeline, peaks, _empty(MEMORY_EVENT_COLUMNS), _empty(OPERATOR_MEMORY_COLUMNS), notes
-    inner = _innermost(order, parent, op_tid, op_ts, op_end, m_tid, m_ts)
+    inner = _innermost(s_tid, *starts_ends(), parent, m_tid, m_ts)
     op_names = np.where(inner >= 0, names[s_name[np.maximum(inner, 0)]] if len(s_name) else None, None)
     ev = pd.DataFrame({"device": m_dev, "operator": op_names, "bytes": m_bytes, "ts": m_ts, "addr": m_addr})
     ev["alloc"] = ev["bytes"] > 0
@@ -606,7 +679,7 @@ def _memory_tables(raw: RawDetail, names: np.ndarray, windows: list[tuple[int, f
     op_memory = stats.groupby(["device", "operator"], sort=False).agg(
         allocations=("alloc", "sum"), allocated_bytes=("allocated", "sum"), frees=("alloc", lambda a: int((~a).sum())),
         freed_bytes=("freed", "sum")).reset_index().rename(columns={"operator": "name"})
-    calls = pd.DataFrame({"device": op_device, "name": names[s_name] if len(s_name) else []}).value_counts()
+    calls = {(d, n): c for d, n, c in zip(operators["device"], operators["name"], operators["calls"])}
     op_memory["calls"] = [int(calls.get((d, n), 0)) for d, n in zip(op_memory["device"], op_memory["name"])]
     op_memory["size_increase_bytes"] = op_memory["allocated_bytes"] - op_memory["freed_bytes"]
     op_memory = op_memory[OPERATOR_MEMORY_COLUMNS].sort_values("allocated_bytes", ascending=False, kind="stable")
@@ -664,12 +737,13 @@ def _bucketed(dev: str, t_ms: np.ndarray, alloc: np.ndarray, res: np.ndarray) ->
     return out
 
 
-def _modules(raw: RawDetail, names: np.ndarray, order: np.ndarray, op_tid: np.ndarray, op_ts: np.ndarray,
-             op_end: np.ndarray, dev_self: np.ndarray, tid_device: dict[int, str], host: str) -> pd.DataFrame:
-    py_ts, py_end, py_tid, py_name = _np(raw, "py_ts"), _np(raw, "py_end"), _np(raw, "py_tid"), _np(raw, "py_name")
+def _modules(raw: RawDetail, names: np.ndarray, s_tid: np.ndarray, starts_ends: _Times, dev_self: np.ndarray,
+             tid_device: dict[int, str], host: str) -> pd.DataFrame:
+    py_ts, py_dur, py_tid, py_name = _np(raw, "py_ts"), _np(raw, "py_dur"), _np(raw, "py_tid"), _np(raw, "py_name")
+    py_end = py_ts + py_dur
     if not len(py_ts):
         return _empty(MODULE_COLUMNS)
-    m_order, m_parent = _nest(py_tid, py_ts, py_end)
+    m_order, m_parent, _ = _nest(py_tid, py_ts, py_dur)
     n = len(m_order)
     s_name = py_name[m_order]
     paths: list[str] = []
@@ -678,8 +752,7 @@ def _modules(raw: RawDetail, names: np.ndarray, order: np.ndarray, op_tid: np.nd
         own = str(names[s_name[k]])
         paths.append(f"{paths[p]}/{own}" if p >= 0 else own)
     # each op (in the ops' sorted order) in its innermost module occurrence
-    s_op_ts, s_op_tid = op_ts[order], op_tid[order]
-    inner = _innermost(m_order, m_parent, py_tid, py_ts, py_end, s_op_tid, s_op_ts)
+    inner = _innermost(py_tid[m_order], py_ts[m_order], py_end[m_order], m_parent, s_tid, starts_ends()[0])
     ops_in = np.zeros(n, dtype=np.int64)
     dev = np.zeros(n)
     has = inner >= 0
@@ -692,7 +765,7 @@ def _modules(raw: RawDetail, names: np.ndarray, order: np.ndarray, op_tid: np.nd
     df = pd.DataFrame({"device": [tid_device.get(int(t), host) for t in py_tid[m_order]], "path": paths,
                        "module": [str(names[i]) for i in s_name],
                        "parent": [paths[p] if p >= 0 else None for p in par],
-                       "host_ms": (py_end[m_order] - py_ts[m_order]) / 1e3, "ops": ops_in, "dev": dev / 1e3})
+                       "host_ms": py_dur[m_order] / 1e3, "ops": ops_in, "dev": dev / 1e3})
     out = df.groupby(["device", "path", "module"], sort=False, dropna=False).agg(
         parent=("parent", "first"), occurrences=("host_ms", "size"), operators=("ops", "sum"),
         host_total_ms=("host_ms", "sum"), device_total_ms=("dev", "sum")).reset_index()

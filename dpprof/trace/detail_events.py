@@ -47,6 +47,14 @@ def _dims(value: Any) -> tuple[int, ...] | None:
     return None if any(v is None for v in out) else out  # type: ignore[return-value]
 
 
+def _tid_key(tid: Any) -> Any:
+    """A thread id as one key whatever its JSON type: the 2021 format writes an op's tid as "25738" and its memory
+    events' as 25738."""
+    if isinstance(tid, str) and tid.isdigit() and len(tid) < 19:
+        return int(tid)
+    return tid if isinstance(tid, (str, int, float)) or tid is None else str(tid)
+
+
 class _Table:
     """Strings (or other keys) interned to ints: names repeat millions of times, each is kept once."""
 
@@ -115,7 +123,7 @@ class RawDetail:
     """What ``DetailCollector`` kept of one file: typed arrays and interned tables, picklable and compact."""
 
     names: list[str] = field(default_factory=list)
-    shapes: list[bytes] = field(default_factory=list)
+    shapes: list[tuple[int, bytes]] = field(default_factory=list)  # (name id, Input Dims JSON): an op's shape key
     tids: list[Any] = field(default_factory=list)
     configs: list[tuple[Any, ...]] = field(default_factory=list)  # (grid, block, registers, shared memory)
     arrays: dict[str, array] = field(default_factory=dict)
@@ -125,12 +133,12 @@ class RawDetail:
 
 
 _ARRAYS = {  # name -> typecode: ops, launches, kernels, memory events, modules
-    "op_ts": "d", "op_end": "d", "op_tid": "i", "op_name": "i", "op_shape": "i", "op_ext": "q",
+    "op_ts": "d", "op_dur": "d", "op_tid": "i", "op_shape": "i", "op_ext": "q",  # op_shape: (name, shapes) id
     "rt_ts": "d", "rt_tid": "i", "rt_corr": "q", "rt_ext": "q",
-    "k_ts": "d", "k_end": "d", "k_gpu": "i", "k_name": "i", "k_corr": "q", "k_ext": "q", "k_cfg": "i",
+    "k_ts": "d", "k_dur": "d", "k_gpu": "i", "k_name": "i", "k_corr": "q", "k_ext": "q", "k_cfg": "i",
     "k_bpsm": "d", "k_occ": "d",
     "m_ts": "d", "m_tid": "i", "m_gpu": "i", "m_addr": "q", "m_bytes": "q", "m_alloc": "d", "m_res": "d",
-    "py_ts": "d", "py_end": "d", "py_tid": "i", "py_name": "i",
+    "py_ts": "d", "py_dur": "d", "py_tid": "i", "py_name": "i",
 }
 
 
@@ -143,11 +151,13 @@ class DetailCollector:
         self.shapes = _Table()
         self.tids = _Table()
         self.configs = _Table()
-        self.shapes(b"")
         self.a: dict[str, array[Any]] = {k: array(t) for k, t in _ARRAYS.items()}
         a = self.a
-        self._op = (a["op_ts"].append, a["op_end"].append, a["op_tid"].append, a["op_name"].append,
-                    a["op_shape"].append, a["op_ext"].append)
+        self._op_ts, self._op_dur, self._op_tid = a["op_ts"].append, a["op_dur"].append, a["op_tid"].append
+        self._op_shape, self._op_ext = a["op_shape"].append, a["op_ext"].append
+        self._tid_ids, self._name_ids, self._shape_ids = self.tids.ids, self.names.ids, self.shapes.ids
+        self._launch_names: dict[str, bool] = {}
+        self._raw_configs: dict[Any, int] = {}
         self.left_out = 0
         self.left_out_first = ""
 
@@ -156,8 +166,13 @@ class DetailCollector:
         if self.left_out == 1:
             self.left_out_first = what
 
-    def op(self, ts: float, end: float, tid: Any, name: str, raw_args: Any) -> None:
-        """A ``cpu_op`` whose times ``collect`` checked (a ``ProfilerStep#N`` is a step, not an operator)."""
+    def op(self, ts: float, dur: float | None, tid: Any, name: str, raw_args: Any) -> None:
+        """A ``cpu_op`` whose times ``collect`` checked (a ``ProfilerStep#N`` is a step, not an operator); one
+        without a duration (``dur`` None: missing, or not a number) is left out and counted. The hottest call of
+        the import after decoding (every op): lookups inlined."""
+        if dur is None:
+            self._bad(f"operator {name[:60]}: dur is missing or not a number")
+            return
         if name.startswith(STEP_PREFIX):
             return
         try:
@@ -165,32 +180,58 @@ class DetailCollector:
         except (msgspec.DecodeError, RecursionError):
             args = _NO_OP_ARGS
         ext = args.external_id
-        ext = ext if type(ext) is int and ext >= 0 else _id(ext)
-        add_ts, add_end, add_tid, add_name, add_shape, add_ext = self._op
-        add_ts(ts)
-        add_end(end)
-        add_tid(self.tids(tid))
-        add_name(self.names(name))
-        add_shape(self.shapes(bytes(args.input_dims)))
-        add_ext(ext)
+        if type(ext) is not int or ext < 0:
+            ext = _id(ext)
+        key = tid if type(tid) is int else _tid_key(tid)
+        t = self._tid_ids.get(key)
+        if t is None:
+            t = self.tids(key)
+        n = self._name_ids.get(name)
+        if n is None:
+            n = self.names(name)
+        pair = (n, bytes(args.input_dims))  # the op and its shapes: the second grouping, one id
+        d = self._shape_ids.get(pair)
+        if d is None:
+            d = self.shapes(pair)
+        self._op_ts(ts)
+        self._op_dur(dur)
+        self._op_tid(t)
+        self._op_shape(d)
+        self._op_ext(ext)
 
-    def launch(self, ts: float, tid: Any, raw_args: Any) -> None:
-        """A ``cuda_runtime`` / ``cuda_driver`` (``Runtime``) call: its correlation and its op's External id."""
+    def launch(self, ts: float, tid: Any, name: str, raw_args: Any) -> None:
+        """A ``cuda_runtime`` / ``cuda_driver`` (``Runtime``) call that launches (``cudaLaunchKernel``,
+        ``cuLaunchKernel``, ``cudaGraphLaunch``, ...): its correlation and its op's External id. The other calls
+        (a third of a trace's events: cudaEventRecord, cudaStreamIsCapturing, ...) launch no kernel and are
+        skipped unread."""
+        launches = self._launch_names.get(name)
+        if launches is None:
+            launches = self._launch_names[name] = "aunch" in name
+        if not launches:
+            return
         try:
             args = _decode_op(raw_args) if raw_args else _NO_OP_ARGS
         except (msgspec.DecodeError, RecursionError):
             return
-        corr = _id(args.correlation)
-        if corr == NO_ID:
-            return
+        corr = args.correlation
+        if type(corr) is not int or corr < 0:
+            corr = _id(corr)
+            if corr == NO_ID:
+                return
         ext = args.external_id if args.external_id is not None else args.external_id_2021
+        if type(ext) is not int or ext < 0:
+            ext = _id(ext)
+        key = tid if type(tid) is int else _tid_key(tid)
+        t = self._tid_ids.get(key)
+        if t is None:
+            t = self.tids(key)
         a = self.a
         a["rt_ts"].append(ts)
-        a["rt_tid"].append(self.tids(tid))
+        a["rt_tid"].append(t)
         a["rt_corr"].append(corr)
-        a["rt_ext"].append(_id(ext))
+        a["rt_ext"].append(ext)
 
-    def kernel(self, ts: float, end: float, gpu: int, name: str, raw_args: Any) -> None:
+    def kernel(self, ts: float, dur: float, gpu: int, name: str, raw_args: Any) -> None:
         """A kernel on ``gpu`` whose times ``collect`` checked."""
         try:
             args = _decode_kernel(raw_args) if raw_args else _NO_KERNEL_ARGS
@@ -198,21 +239,35 @@ class DetailCollector:
             args = _NO_KERNEL_ARGS
         a = self.a
         a["k_ts"].append(ts)
-        a["k_end"].append(end)
+        a["k_dur"].append(dur)
         a["k_gpu"].append(gpu)
-        a["k_name"].append(self.names(name))
-        a["k_corr"].append(_id(args.correlation))
+        n = self._name_ids.get(name)
+        a["k_name"].append(n if n is not None else self.names(name))
+        corr = args.correlation
+        a["k_corr"].append(corr if type(corr) is int and corr >= 0 else _id(corr))
         ext = args.external_id if args.external_id is not None else args.external_id_2021
-        a["k_ext"].append(_id(ext))
-        regs = whole(args.registers, 0, 2 ** 31)
-        smem = whole(args.shared_memory, 0, MAX_BYTES)
-        a["k_cfg"].append(self.configs((_dims(args.grid), _dims(args.block), regs, smem)))
-        bpsm, occ = _number(args.blocks_per_sm), _number(args.occupancy)
-        if (args.blocks_per_sm is not None and not bpsm >= 0) or (args.occupancy is not None and not occ >= 0):
-            self._bad(f"kernel {name[:60]}: blocks per SM {args.blocks_per_sm!r} or occupancy "
-                      f"{args.occupancy!r} is not a number from 0")
-            bpsm = bpsm if bpsm >= 0 else math.nan
-            occ = occ if occ >= 0 else math.nan
+        a["k_ext"].append(ext if type(ext) is int and ext >= 0 else _id(ext))
+        grid, block = args.grid, args.block
+        raw_cfg: Any = (tuple(grid) if type(grid) is list else grid, tuple(block) if type(block) is list else block,
+                   args.registers, args.shared_memory)
+        try:
+            c = self._raw_configs.get(raw_cfg)
+        except TypeError:  # an object where a number goes: unhashable, checked below
+            c, raw_cfg = None, None
+        if c is None:  # checked once per launch configuration
+            c = self.configs((_dims(args.grid), _dims(args.block), whole(args.registers, 0, 2 ** 31),
+                              whole(args.shared_memory, 0, MAX_BYTES)))
+            if raw_cfg is not None:
+                self._raw_configs[raw_cfg] = c
+        a["k_cfg"].append(c)
+        bpsm, occ = args.blocks_per_sm, args.occupancy
+        if type(bpsm) is not float or type(occ) is not float or not bpsm >= 0 or not occ >= 0:
+            bpsm, occ = _number(bpsm), _number(occ)
+            if (args.blocks_per_sm is not None and not bpsm >= 0) or (args.occupancy is not None and not occ >= 0):
+                self._bad(f"kernel {name[:60]}: blocks per SM {args.blocks_per_sm!r} or occupancy "
+                          f"{args.occupancy!r} is not a number from 0")
+                bpsm = bpsm if bpsm >= 0 else math.nan
+                occ = occ if occ >= 0 else math.nan
         a["k_bpsm"].append(bpsm)
         a["k_occ"].append(occ)
 
@@ -244,7 +299,7 @@ class DetailCollector:
         res = whole(args.total_reserved, 0, MAX_BYTES)
         a = self.a
         a["m_ts"].append(float(ts))
-        a["m_tid"].append(self.tids(tid))
+        a["m_tid"].append(self.tids(tid if type(tid) is int else _tid_key(tid)))
         a["m_gpu"].append(gpu)
         addr = whole(args.addr, 0, 2 ** 63 - 1)
         a["m_addr"].append(NO_ID if addr is None else addr)
@@ -252,7 +307,7 @@ class DetailCollector:
         a["m_alloc"].append(math.nan if alloc is None else float(alloc))
         a["m_res"].append(math.nan if res is None else float(res))
 
-    def python(self, ts: float, end: float, tid: Any, name: str, raw_args: Any) -> None:
+    def python(self, ts: float, dur: float, tid: Any, name: str, raw_args: Any) -> None:
         """A ``python_function`` event: kept where it is an ``nn.Module`` (it has a ``Python module id``)."""
         if not name.startswith("nn.Module: "):
             return
@@ -264,8 +319,8 @@ class DetailCollector:
             return
         a = self.a
         a["py_ts"].append(ts)
-        a["py_end"].append(end)
-        a["py_tid"].append(self.tids(tid))
+        a["py_dur"].append(dur)
+        a["py_tid"].append(self.tids(tid if type(tid) is int else _tid_key(tid)))
         a["py_name"].append(self.names(name[len("nn.Module: "):]))
 
     def raw(self, meta: Mapping[str, Any]) -> RawDetail:
