@@ -113,9 +113,7 @@ def test_the_run_stores_each_workers_operators_under_its_device(captured):
         assert mine.index.str.startswith("aten::").all() and "aten::conv2d" in mine.index
         for name in ("aten::conv2d", "aten::linear", "aten::relu"):
             assert mine.loc[name, "calls"] == calls[(device, name)] > 0
-            # within a few ns a call: the aggregation times ops from their rounded timestamps, not their dur fields
-            assert mine.loc[name, "host_total_ms"] == pytest.approx(host_ms[(device, name)], abs=1e-5 * mine.loc[
-                name, "calls"])
+            assert mine.loc[name, "host_total_ms"] == pytest.approx(host_ms[(device, name)], rel=1e-9)
     # backward runs on the training thread (CPU autograd): none of it is counted as a worker's
     workers_ops = set(ops[ops["device"].isin(["cpu:0", "cpu:1"])]["name"])
     assert not any("Backward" in name for name in workers_ops)

@@ -285,13 +285,15 @@ class CaptureSession:
 def _experimental_config() -> Any:
     """torch.profiler's settings for a capture: every thread, and no Python events built at stop (``trace_only``)
     where this torch has it; None where it cannot profile every thread."""
-    make = torch._C._profiler._ExperimentalConfig
-    for kwargs in ({"profile_all_threads": True, "trace_only": True}, {"profile_all_threads": True}):
-        try:
-            return make(**kwargs)
-        except TypeError:  # an older torch without the setting
-            continue
-    return None
+    make: Any = torch._C._profiler._ExperimentalConfig
+    try:
+        return make(profile_all_threads=True, trace_only=True)
+    except TypeError:  # a torch without trace_only
+        pass
+    try:
+        return make(profile_all_threads=True)
+    except TypeError:  # nor profile_all_threads
+        return None
 
 
 def _first_line(err: BaseException) -> str:
