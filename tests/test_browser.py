@@ -173,7 +173,7 @@ def test_new_run_starts_only_from_start_and_stops(server, browser, tmp_path):
     _heading(page, "New run")
     page.locator('[data-testid="stSelectbox"]').filter(has_text="Workload").click()
     page.get_by_role("option", name="tutorial-linear").click()
-    steps = page.get_by_label("Steps")
+    steps = page.get_by_label("Steps", exact=True)  # not the capture field's "Capture steps A:B"
     steps.fill("10000000")  # the page's most: the run must still be going when Stop is clicked
     steps.press("Enter")  # Enter in a field: no run starts
     name = page.get_by_label("Name (optional)")
