@@ -483,3 +483,39 @@ def test_bad_values_are_left_out_and_counted(cpu_trace, tmp_path):
     # a NaN Total Allocated reads as none (the decoder's rule): that device's curve is the running sum of Bytes
     assert bool(detail.memory_peaks["cumulative"].iloc[0]) and not bool(good.memory_peaks["cumulative"].iloc[0])
     assert detail.memory_events["bytes"].count() < good.memory_events["bytes"].count()
+
+
+@pytest.mark.parametrize("bad", ["'x'", "1e300 * 1e300", "-1e300 * 1e300", "2.5", "x'00ff'", "NULL", "1e18"])
+def test_a_damaged_detail_table_reads_its_bad_values_as_missing(imported, tmp_path, capsys, bad):
+    """Every value of every detail table replaced by one that is no figure (text, ±inf, a fraction, a blob, NULL, a
+    count past the store's MAX_VALUE): the readers, the three commands and the CSVs still work, reading it as missing;
+    names that are no text still print. The run file given is a copy: the user's is never written."""
+    import shutil
+    import sqlite3
+
+    from dpprof.store.schema import DETAIL_TABLES
+
+    source = imported[SINGLE[0]].path
+    path = tmp_path / Path(source).name
+    shutil.copy(source, path)
+    con = sqlite3.connect(path)
+    with con:
+        for table, columns in DETAIL_TABLES.items():
+            sets = ", ".join(f'"{c}" = {bad}' for c, kind in columns.items() if kind in ("REAL", "INTEGER"))
+            if sets:
+                con.execute(f"UPDATE {table} SET {sets}")
+        con.execute("UPDATE operators SET name = 7 WHERE rowid % 2 = 0")  # a name that is a number
+    con.close()
+    run = dpprof.load_run(path)
+    frames = [run.operators(), run.kernels(), run.gpu_metrics(), run.memory_timeline(), run.memory_events(),
+              run.modules()]
+    assert len(frames[0]) > 0 and frames[0]["calls"].isna().all()  # rows kept, each bad count missing
+    for df in frames:
+        numeric = df.select_dtypes("number")
+        assert not numeric.isin([float("inf"), float("-inf")]).any().any()
+    for command in ("ops", "kernels", "memory"):
+        code = main([command, str(path), "--json"])
+        out = capsys.readouterr().out
+        assert code in (0, 1) and (code == 1 or json.loads(out))  # JSON, or one line saying there is nothing to show
+    assert main(["export", str(path), "--out", str(tmp_path / "csv")]) in (0, 1)
+    assert (tmp_path / "csv" / "operators.csv").exists()

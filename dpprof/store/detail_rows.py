@@ -13,9 +13,11 @@ import sqlite3
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import pandas as pd
 
 from dpprof.store.schema import DETAIL_TABLES, detail_ddl
+from dpprof.store.validation import MAX_VALUE
 
 if TYPE_CHECKING:
     from dpprof.store.reader import StoredRun
@@ -131,14 +133,21 @@ def _read(run: StoredRun, table: str, where: Mapping[str, Any], order: str = "",
 
 def _typed(df: pd.DataFrame, table: str) -> pd.DataFrame:
     """Each column as its SQL type says, whatever SQLite gave (an all-NULL column reads as objects): REAL as
-    float (NULL: NaN), INTEGER as Int64 (NULL: NA), the flags as boolean."""
+    float (NULL: NaN), INTEGER as Int64 (NULL: NA), the flags as boolean.
+
+    A value that is no such figure (text in a number's column, a fraction in a count's, an infinity, a count past
+    MAX_VALUE: a damaged file, dpprof.store.validation) reads as missing, never as an error."""
     for column, kind in DETAIL_TABLES[table].items():
+        if kind not in ("REAL", "INTEGER"):
+            continue
+        values = pd.to_numeric(df[column], errors="coerce").astype(float)
+        values = values.where(np.isfinite(values) & (values.abs() <= MAX_VALUE))
         if column in _BOOLEAN:
-            df[column] = df[column].astype("boolean")
-        elif kind == "REAL":
-            df[column] = pd.to_numeric(df[column], errors="coerce").astype(float)
+            df[column] = values.where(values.isin([0.0, 1.0])).astype("boolean")
         elif kind == "INTEGER":
-            df[column] = pd.to_numeric(df[column], errors="coerce").astype("Int64")
+            df[column] = values.where(values == values.round()).astype("Int64")
+        else:
+            df[column] = values
     return df
 
 
