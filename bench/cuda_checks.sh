@@ -5,7 +5,8 @@
 #      the dashboard's tests are left out with --no-dashboard (they need streamlit and plotly, no GPU);
 #   3. a recorded run on cuda:0 (CUDA events, allocator counters, real NVML), shown and exported as CSV;
 #   4. DDP: two ranks sharing GPU 0 over gloo (NCCL refuses two ranks on one GPU);
-#   5. bench/overhead.py --device cuda: recording against torch.profiler with CUDA activities.
+#   5. a deep capture on cuda:0 (--capture): its kernels and operators per device, and its raw trace kept in OUTDIR;
+#   6. bench/overhead.py --device cuda: recording against torch.profiler with CUDA activities.
 # One GPU cannot show DataParallel over several GPUs: the two-GPU parity tests skip.
 #
 # The rest of the suite runs last and gets what is left of --budget SECONDS (a GPU lease is short);
@@ -49,6 +50,13 @@ newest='import dpprof; print(dpprof.list_runs().loc[0, "id"])'
 run_id=$("$py" -c "$newest")
 step cuda-show 120 "$py" -m dpprof show "$run_id"
 step cuda-export 120 "$py" -m dpprof export "$run_id" --out "$out/csv"
+step capture-run 180 "$py" -m dpprof profile cifar-lenet --devices cuda --steps 60 --capture 20:25 \
+  --name "cifar-lenet on cuda:0, steps 20-24 captured" --quiet
+capture_id=$("$py" -c "$newest")
+step capture-ops 60 "$py" -m dpprof ops "$capture_id" --top 15
+step capture-kernels 60 "$py" -m dpprof kernels "$capture_id" --top 15
+step capture-memory 60 "$py" -m dpprof memory "$capture_id"
+cp "$DPPROF_REPORTS"/*.capture-*.pt.trace.json.gz "$out/" 2>/dev/null  # the raw trace, for reading elsewhere
 step ddp-gloo 300 "$py" -m dpprof profile cifar-lenet --ddp --nproc 2 --devices cuda --steps 100 --batch-size 128 \
   --name "cifar-lenet, 2 DDP ranks sharing cuda:0 over gloo" --quiet
 ddp_id=$("$py" -c "$newest")

@@ -268,3 +268,77 @@ def test_the_balanced_criterion_on_one_gpu_gives_the_plain_loss():
     with dpprof.record(name="balanced-gpu", store=False):
         loss = criterion(model(x), y)
     assert_close(loss, nn.functional.cross_entropy(module(x), y))
+
+
+def _raw_kernels(trace) -> dict[str, tuple[int, float]]:
+    """Kernel name -> (calls, total ms), read straight from a trace file's events (independent of dpprof)."""
+    import gzip
+    import json
+    from pathlib import Path
+
+    path = Path(trace)
+    with (gzip.open(path, "rt") if path.name.endswith(".gz") else open(path)) as f:
+        events = json.load(f)["traceEvents"]
+    out: dict[str, tuple[int, float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "Kernel"):
+            calls, ms = out.get(e["name"], (0, 0.0))
+            out[e["name"]] = (calls + 1, ms + e["dur"] / 1e3)
+    return out
+
+
+def test_a_fresh_cuda_trace_links_its_operators_to_their_kernels(tmp_path):
+    """A trace this torch writes on this GPU (CUDA 12: launches in cuda_runtime/cuda_driver): every kernel's calls
+    and time as the raw events say, each kernel linked to the op that launched it (the operators' device self time
+    adds up to the kernels'), GPU utilization a share of the step, and the allocator's peak on cuda:0."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from dpprof.trace.importer import import_traces
+
+    net = conv_bn_net().cuda(0)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(256, 3, 8, 8, device="cuda:0")
+    trace = tmp_path / "fresh.pt.trace.json"
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, profile_memory=True,
+                 schedule=schedule(wait=0, warmup=1, active=4),
+                 on_trace_ready=lambda p: p.export_chrome_trace(str(trace))) as prof:
+        for _ in range(5):
+            optimizer.zero_grad()
+            net(x).sum().backward()
+            optimizer.step()
+            prof.step()
+    run = dpprof.load_run(import_traces([trace], tmp_path / "reports").paths[0])
+    kernels = run.kernels(top=None)
+    raw = _raw_kernels(trace)
+    stored = {n: (int(c), t) for n, c, t in zip(kernels["name"], kernels["calls"], kernels["total_ms"])}
+    assert raw and set(stored) == set(raw)
+    for name, (calls, ms) in raw.items():  # calls exact; sums as exact as summing floats in another order allows
+        assert stored[name][0] == calls and abs(stored[name][1] - ms) <= 1e-9 * max(ms, 1.0), name
+    ops = run.operators(top=None, device="cuda:0")
+    linked = ops["device_self_ms"].fillna(0).sum()
+    assert abs(linked - sum(t for _, t in raw.values())) <= 1e-3 * sum(t for _, t in raw.values())
+    assert (ops.loc[ops["name"].str.contains("conv"), "device_total_ms"] > 0).any()
+    gpu = run.gpu_metrics()
+    assert len(gpu) and ((gpu["utilization_pct"] > 0) & (gpu["utilization_pct"] <= 100)).all()
+    peaks = run.memory_timeline()
+    assert (peaks.loc[peaks["device"] == "cuda:0", "allocated_bytes"] > 0).any()
+
+
+def test_a_deep_capture_on_cuda_stores_the_window_s_kernels_under_the_gpu(reports):
+    """dpprof.record(capture="2:4") on cuda:0: the window's kernels are stored under cuda:0, as many and as long
+    as its raw trace says, and the raw trace is kept beside the run."""
+    from dpprof.store.files import CAPTURE_TRACE
+
+    torch.manual_seed(0)
+    net = dpprof.DataParallel(conv_bn_net().cuda(0), device_ids=[0])
+    x = torch.randn(64, 3, 8, 8, device="cuda:0")
+    with dpprof.record(name="captured on cuda", capture="2:4") as run:
+        for _ in range(6):
+            with run.step():
+                net(x).sum().backward()
+    [trace] = [p for p in reports.iterdir() if CAPTURE_TRACE.match(p.name)]
+    stored = dpprof.load_run(run.id)
+    kernels = stored.kernels(top=None)
+    assert len(kernels) and set(kernels["device"]) == {"cuda:0"}
+    raw = _raw_kernels(trace)
+    assert int(kernels["calls"].sum()) == sum(c for c, _ in raw.values()) > 0
