@@ -646,7 +646,8 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         _print_json({"devices": _records(peaks, MEMORY_JSON)})
         return EXIT_OK
     if peaks.empty:
-        print("no [memory] events in this run (profile_memory=False)")
+        print("no [memory] events in this run's trace: profiled without profile_memory, or torch.profiler wrote none "
+              "(a deep capture on CUDA with torch 2.11 writes none)")
         return EXIT_OK
     print(_table(peaks, "{:.1f}"))
     ops = operator_memory(run, rank=args.rank, device=args.device, top=args.top)  # type: ignore[arg-type]
