@@ -96,7 +96,14 @@ def kind_section(data: overview.Overview) -> None:
         st.markdown("Each rank's gradient buckets per step: how long the all-reduce was busy, and how much of that "
                     "ran while backward was still computing.")
         common.table(data.comms, "allreduce_per_rank")
-    elif len(data.gpu):
+    if data.waits is not None:
+        st.subheader("Who waits for whom: the wait inside the collectives")
+        st.markdown("Each rank's time inside its collectives beyond the shortest rank's (which is the time to move the "
+                    "data once all have arrived), per step. The row that stays pale is the rank the others wait for.")
+        for note in data.waits.notes:
+            st.caption(markdown_text(f"{note[:1].upper()}{note[1:]}."))
+        common.chart(charts.collective_waits(data.waits.heatmap))
+    if data.tax_pct is None and not len(data.comms) and len(data.gpu):
         st.subheader("GPU time (from the trace)")
         st.markdown("Each GPU's step by what it ran: computation, communication, their overlap, copies and idle time.")
 

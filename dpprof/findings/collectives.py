@@ -126,7 +126,7 @@ def match_collectives(ranks: Callable[[], Iterable[tuple[int, pd.DataFrame]]], k
                                 "matched": [matched.get(r, 0) for r in counts]})
     notes = []
     if len(set(counts.values())) > 1:
-        usual = int(pd.Series(list(counts.values())).mode().iloc[0])
+        usual = int(pd.Series(list(counts.values())).mode().max())  # the most common count (a tie: the larger)
         odd = [f"rank {r}: {n:,}" for r, n in counts.items() if n != usual]
         notes.append(f"ranks hold different numbers of collectives ({usual:,} on most; {', '.join(odd[:8])}"
                      f"{', ...' if len(odd) > 8 else ''}): each is matched where other ranks have it")
@@ -219,7 +219,12 @@ def collective_verdict(t: Tables) -> CollectiveVerdict | None:
         reason = (f"{cost:.2f} ms a step is under the {TIME_FLOOR_MS} ms floor a finding needs" if cost < TIME_FLOOR_MS
                   else f"{cost / step_ms:.1%} of the median step is under the {STEP_SHARE_FLOOR:.0%} floor")
     matched = per[per["step"] != first].groupby("rank")["collectives"].median()
+    notes = [*waits.notes]
+    world = t.model.world_size
+    if world and comms["rank"].nunique() < world:
+        notes.insert(0, f"{comms['rank'].nunique()} of {world} ranks present: each wait is among them (a rank "
+                        "whose file is not here may be the one they all wait for)")
     return CollectiveVerdict(straggler=devices.get(slow, f"rank:{slow}"), ranks=int(table.shape[1]), wait_ms=cost,
                              others_wait_ms=float(others.median()), own_wait_ms=float(table[slow].median()),
                              share=share, steps=len(table), collectives=float(matched.median()), threshold=threshold,
-                             step_ms=float(step_ms), reason=reason, notes=tuple(waits.notes))
+                             step_ms=float(step_ms), reason=reason, notes=tuple(notes))
