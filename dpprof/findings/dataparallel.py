@@ -93,9 +93,9 @@ class Straggler:
         f, slow = self.found, self.slowest
         c = self.collectives
         if c is not None and self.reported:
-            return (f"{slow} is the straggler: inside their collectives the others wait {c.wait_ms:.2f} ms per step "
-                    f"for it ({c.wait_ms / c.step_ms:.0%} of the median step); it waited least in {c.share:.0%} of "
-                    f"{c.steps} steps.")
+            return (f"{slow} is the slowest to reach the collectives: inside them they wait {c.wait_ms:.2f} ms per "
+                    f"step for it ({c.wait_ms / c.step_ms:.0%} of the median step); it waited least in {c.share:.0%} "
+                    f"of {c.steps} steps.")
         if c is not None:
             return (f"No straggler: inside the collectives {slow} waits least, the others "
                     f"{c.wait_ms:.2f} ms per step more, but {self.reason}.")
