@@ -199,24 +199,22 @@ def _wrap_post_forward(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def register_pre_backward_hook(self: Any, output: Any) -> Any:
         probe = _probe()
-        root = probe is not None and self._state_ctx.iter_forward_root is self
-        out = original(self, output)
-        if probe is None or not root:
-            return out
-        t1 = time.perf_counter_ns()
-        probe.phase("forward", probe.forward_t0, t1)
-        probe.io_bytes = (probe.io_bytes[0], tensor_bytes(out))
-        probe.read_allocator("forward")
-        probe.step.devices_used = 1
-        if torch.is_grad_enabled():
+        if probe is None or self._state_ctx.iter_forward_root is not self:
+            return original(self, output)
+        if torch.is_grad_enabled():  # before FSDP's own hook, so backward starts before its unshard there
             def on_grad(grad: torch.Tensor) -> None:
                 if probe.backward_t0 is None:
                     probe.backward_t0 = time.perf_counter_ns()
 
-            for t in iter_tensors(out):
+            for t in iter_tensors(output):
                 if t.requires_grad:
                     t.register_hook(on_grad)
-        else:
+        out = original(self, output)
+        probe.phase("forward", probe.forward_t0, time.perf_counter_ns())
+        probe.io_bytes = (probe.io_bytes[0], tensor_bytes(out))
+        probe.read_allocator("forward")
+        probe.step.devices_used = 1
+        if not torch.is_grad_enabled():
             probe.memory()
         return out
 

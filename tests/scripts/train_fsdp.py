@@ -2,7 +2,8 @@
 
 Run under torchrun. Environment: FSDP_STEPS (default 4), FSDP_RESHARD (1: reshard after forward, the default; 0:
 keep the gathered parameters until backward), FSDP_PREFETCH (1: explicit forward and backward prefetching),
-FSDP_OUT (a path: rank 0 saves the trained full state dict there), FSDP_WIDTH (hidden width, default 64).
+FSDP_OUT (a path: rank 0 saves the trained full state dict there), FSDP_WIDTH (hidden width, default 64),
+FSDP_UNEVEN (1: add a 3-row table of 589,824 columns, its own fully_shard group: on 2 ranks its shards are 2 rows and 1).
 """
 import os
 
@@ -16,6 +17,22 @@ rank = dist.get_rank()
 torch.manual_seed(0)
 width = int(os.environ.get("FSDP_WIDTH", "64"))
 layers = [torch.nn.Sequential(torch.nn.Linear(width if i else 20, width), torch.nn.ReLU()) for i in range(3)]
+UNEVEN_COLUMNS = 589_824  # one row is 2.25 MiB: over dpprof's memory floor (2 MiB)
+
+
+class Offset(torch.nn.Module):
+    """Adds the mean of a 3-row table to its input: a parameter whose dim 0 does not divide by 2 ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.zeros(3, UNEVEN_COLUMNS))
+
+    def forward(self, x):
+        return x + self.table.mean()
+
+
+if os.environ.get("FSDP_UNEVEN") == "1":
+    layers.append(Offset())
 model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 7))
 reshard = os.environ.get("FSDP_RESHARD", "1") == "1"
 for layer in layers:
