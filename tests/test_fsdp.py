@@ -199,3 +199,18 @@ def test_the_fsdp_table_is_empty_for_other_kinds(tmp_path):
 
     table = fsdp_collective_table(record(tmp_path, "dp", steps=3, batch_size=8))
     assert isinstance(table, pd.DataFrame) and table.empty
+
+
+def test_the_overview_and_the_csvs_carry_the_fsdp_table(runs, tmp_path):
+    from dpprof.views.export import export_run, export_tables
+    from dpprof.views.overview import overview
+
+    run = runs["reshard"]
+    table = fsdp_collective_table(run)
+    assert sorted(table["collective"].unique()) == ["all-gather", "reduce-scatter"] and len(table) == 2 * WORLD
+    assert overview(run).fsdp.equals(table)
+    assert "fsdp_collectives" in set(export_tables(run)["table"])
+    written = {p.name for p in export_run(run, tmp_path / "csv")}
+    assert "fsdp_collectives.csv" in written
+    exported = pd.read_csv(tmp_path / "csv" / "fsdp_collectives.csv")
+    assert exported["sent_bytes_per_step"].tolist() == table["sent_bytes_per_step"].tolist()

@@ -16,6 +16,7 @@ from dpprof.store import queries
 from dpprof.store.model import RunModel
 from dpprof.store.reader import StoredRun
 from dpprof.units import mib
+from dpprof.views.fsdp import fsdp_collective_table
 
 __all__ = ["Glance", "Overview", "glance", "overview", "comm_stats"]
 
@@ -67,6 +68,7 @@ class Overview:
     tax_pct: float | None = None  # scatter + replicate (+ gather), % of step time: DataParallel runs only
     tax_ms: float | None = None  # ... in ms per step
     comms: pd.DataFrame = field(default_factory=pd.DataFrame)  # comm_stats: DDP ranks
+    fsdp: pd.DataFrame = field(default_factory=pd.DataFrame)  # views.fsdp.fsdp_collective_table: FSDP ranks
     gpu: pd.DataFrame = field(default_factory=pd.DataFrame)  # queries.gpu_time: imported traces with GPUs
     outliers: pd.DataFrame = field(default_factory=pd.DataFrame)  # queries.outlier_steps: a long run's, marked
 
@@ -201,6 +203,8 @@ def overview(run: StoredRun) -> Overview:
         data.tax_pct, data.tax_ms = _nan_to_none(float(tax["share_pct"].sum())), float(tax["per_step_ms"].sum())
     if "comms" in model.has:
         data.comms = comm_stats(run)
+    if model.kind == "fsdp":
+        data.fsdp = fsdp_collective_table(run)
     if "gpu_time" in model.has:
         data.gpu = queries.gpu_time(run)
     return data
