@@ -85,6 +85,13 @@ def kind_section(data: overview.Overview) -> None:
             st.markdown(f"Scatter and replicate take **{data.tax_pct:.1f}%** of the step (**{data.tax_ms:.2f} ms** per "
                         "step). Nothing is gathered: each device keeps its outputs and computes its share of the loss "
                         "(the balanced model and criterion).")
+    elif len(data.fsdp):
+        st.subheader("FSDP collectives")
+        st.markdown("Each rank's all-gathers and reduce-scatters per step: how many, the bytes they moved, the time "
+                    "from launch to completion (issued), the part the rank waited for (exposed), the share hidden "
+                    "behind compute, and how many ran in forward and in backward (resharding after forward gathers "
+                    "again in backward). On gloo every FSDP collective blocks the host: issued is all exposed.")
+        common.table(data.fsdp, "fsdp_collectives_per_rank")
     elif len(data.comms) and model.imported:
         st.subheader("Collectives (from the trace)")
         st.markdown("Each rank's collective kernels per step, named by what they are: how long they were busy "

@@ -18,6 +18,7 @@ from dpprof.store.collective_rows import rank_collectives
 from dpprof.store.model import RunModel
 from dpprof.store.reader import StoredRun
 from dpprof.units import mib
+from dpprof.views.fsdp import fsdp_collective_table
 
 __all__ = ["Glance", "Overview", "CollectiveWaitView", "glance", "overview", "comm_stats", "collective_wait_view"]
 
@@ -69,6 +70,7 @@ class Overview:
     tax_pct: float | None = None  # scatter + replicate (+ gather), % of step time: DataParallel runs only
     tax_ms: float | None = None  # ... in ms per step
     comms: pd.DataFrame = field(default_factory=pd.DataFrame)  # comm_stats: DDP ranks
+    fsdp: pd.DataFrame = field(default_factory=pd.DataFrame)  # views.fsdp.fsdp_collective_table: FSDP ranks
     gpu: pd.DataFrame = field(default_factory=pd.DataFrame)  # queries.gpu_time: imported traces with GPUs
     outliers: pd.DataFrame = field(default_factory=pd.DataFrame)  # queries.outlier_steps: a long run's, marked
     waits: CollectiveWaitView | None = None  # collective_wait_view: runs of two or more ranks with collectives
@@ -230,6 +232,8 @@ def overview(run: StoredRun) -> Overview:
     if "comms" in model.has:
         data.comms = comm_stats(run)
         data.waits = collective_wait_view(run)
+    if model.kind == "fsdp":
+        data.fsdp = fsdp_collective_table(run)
     if "gpu_time" in model.has:
         data.gpu = queries.gpu_time(run)
     return data
