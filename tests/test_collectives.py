@@ -18,7 +18,9 @@ import dpprof
 from dpprof.findings import run_findings
 from dpprof.findings.collectives import collective_waits, match_collectives, wait_heatmap
 from dpprof.trace import import_traces
-from dpprof.views.overview import collective_wait_view, glance
+from dpprof import charts
+from dpprof.cli import main
+from dpprof.views.overview import collective_wait_view, glance, overview
 
 pytestmark = pytest.mark.slow
 
@@ -61,13 +63,24 @@ def _assert_straggler(run: dpprof.StoredRun, rank: str) -> None:
     assert said.sentences[0] == verdict.sentence()
 
 
-def test_a_late_rank_of_a_recorded_ddp_run_is_the_straggler_with_its_delay_as_the_wait(tmp_path):
+def test_a_late_rank_of_a_recorded_ddp_run_is_the_straggler_with_its_delay_as_the_wait(tmp_path, capsys):
     _torchrun(4, "--steps", "6", "--load-ms", str(LOAD_MS), "--delay", f"2:{DELAY_MS:g}", record=tmp_path)
     run = _only_run(tmp_path)
     assert run.ranks == 4
     _assert_straggler(run, "rank:2")
+    # dpprof show prints the same finding
+    row = run_findings(run).table.set_index("kind").loc["straggler_rank"]
+    assert main(["--reports-dir", str(tmp_path), "show", run.id]) == 0
+    shown = capsys.readouterr().out
+    assert row["title"] in shown and row["evidence"] in shown
+    # the Overview's heatmap: read one rank file at a time, the same waits as from the whole table
+    view = overview(run).waits
+    assert view is not None and view.notes == []
     heat = wait_heatmap(collective_waits(run.comms).per_step)
+    pd.testing.assert_frame_equal(view.heatmap, heat)
     assert heat.shape == (4, 6) and heat.loc["rank:2"].iloc[1:].max() < DELAY_MS / 4  # the late rank waits for none
+    figure = charts.collective_waits(view.heatmap)
+    assert list(figure.data[0].y) == ["rank:0", "rank:1", "rank:2", "rank:3"]
 
 
 def test_a_recorded_ddp_run_with_no_late_rank_has_no_straggler(tmp_path):
