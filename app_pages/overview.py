@@ -85,6 +85,13 @@ def kind_section(data: overview.Overview) -> None:
             st.markdown(f"Scatter and replicate take **{data.tax_pct:.1f}%** of the step (**{data.tax_ms:.2f} ms** per "
                         "step). Nothing is gathered: each device keeps its outputs and computes its share of the loss "
                         "(the balanced model and criterion).")
+    elif len(data.fsdp):
+        st.subheader("FSDP collectives")
+        st.markdown("Each rank's all-gathers and reduce-scatters per step: how many, the bytes they moved, the time "
+                    "from launch to completion (issued), the part the rank waited for (exposed), the share hidden "
+                    "behind compute, and how many ran in forward and in backward (resharding after forward gathers "
+                    "again in backward). On gloo every FSDP collective blocks the host: issued is all exposed.")
+        common.table(data.fsdp, "fsdp_collectives_per_rank")
     elif len(data.comms) and model.imported:
         st.subheader("Collectives (from the trace)")
         st.markdown("Each rank's collective kernels per step, named by what they are: how long they were busy "
@@ -96,7 +103,14 @@ def kind_section(data: overview.Overview) -> None:
         st.markdown("Each rank's gradient buckets per step: how long the all-reduce was busy, and how much of that "
                     "ran while backward was still computing.")
         common.table(data.comms, "allreduce_per_rank")
-    elif len(data.gpu):
+    if data.waits is not None:
+        st.subheader("Who waits for whom: the wait inside the collectives")
+        st.markdown("Each rank's time inside its collectives beyond the shortest rank's (which is the time to move the "
+                    "data once all have arrived), per step. The row that stays pale is the rank the others wait for.")
+        for note in data.waits.notes:
+            st.caption(markdown_text(f"{note[:1].upper()}{note[1:]}."))
+        common.chart(charts.collective_waits(data.waits.heatmap))
+    if data.tax_pct is None and not len(data.comms) and len(data.gpu):
         st.subheader("GPU time (from the trace)")
         st.markdown("Each GPU's step by what it ran: computation, communication, their overlap, copies and idle time.")
 

@@ -4,7 +4,8 @@
 #   2. the rest of the suite with a GPU visible (CPU-worker paths must not change when CUDA is there);
 #      the dashboard's tests are left out with --no-dashboard (they need streamlit and plotly, no GPU);
 #   3. a recorded run on cuda:0 (CUDA events, allocator counters, real NVML), shown and exported as CSV;
-#   4. DDP: two ranks sharing GPU 0 over gloo (NCCL refuses two ranks on one GPU);
+#   4. DDP: two ranks sharing GPU 0 over gloo (NCCL refuses two ranks on one GPU); FSDP2 likewise (--fsdp), each
+#      rank's allocator figures in dpprof show;
 #   5. a deep capture on cuda:0 (--capture): its kernels and operators per device, and its raw trace kept in OUTDIR;
 #   6. bench/overhead.py --device cuda: recording against torch.profiler with CUDA activities.
 # One GPU cannot show DataParallel over several GPUs: the two-GPU parity tests skip.
@@ -61,6 +62,10 @@ step ddp-gloo 300 "$py" -m dpprof profile cifar-lenet --ddp --nproc 2 --devices 
   --name "cifar-lenet, 2 DDP ranks sharing cuda:0 over gloo" --quiet
 ddp_id=$("$py" -c "$newest")
 step ddp-show 120 "$py" -m dpprof show "$ddp_id"
+step fsdp-gloo 300 "$py" -m dpprof profile tutorial-linear --fsdp --nproc 2 --devices cuda --steps 30 \
+  --name "tutorial-linear, 2 FSDP ranks sharing cuda:0 over gloo" --quiet
+fsdp_id=$("$py" -c "$newest")
+step fsdp-show 120 "$py" -m dpprof show "$fsdp_id"
 step overhead 200 nice -n -5 "$py" -u bench/overhead.py --device cuda --rounds "$rounds" --cprofile
 
 ignore=()

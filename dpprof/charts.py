@@ -513,6 +513,21 @@ def gpu_time(per_device: pd.DataFrame) -> go.Figure:
 
 
 @_plain
+def collective_waits(heatmap: pd.DataFrame) -> go.Figure:
+    """The wait inside the collectives, rank by step (a multi-rank run's Overview): a late rank is the row of no wait.
+
+    Args:
+        heatmap: dpprof.views.overview.CollectiveWaitView.heatmap (ms; rows rank:N, columns steps).
+    """
+    fig = _fig("Wait inside the collectives (ms): rank by step", xaxis_title="step", yaxis_title="rank")
+    fig.add_trace(go.Heatmap(z=heatmap.to_numpy(dtype=float), x=[int(s) for s in heatmap.columns],
+                             y=[str(r) for r in heatmap.index], colorscale="Reds", colorbar=dict(title="ms"),
+                             hovertemplate="%{y}, step %{x}: waited %{z:.2f} ms<extra></extra>"))
+    fig.update_yaxes(autorange="reversed", type="category")
+    return fig
+
+
+@_plain
 def advice_parts(parts: pd.DataFrame, scenarios: pd.DataFrame) -> go.Figure:
     """Each scenario's predicted step, stacked by part, with its interval as an error bar on the total.
 

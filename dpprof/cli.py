@@ -72,7 +72,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     profile = Profile.from_args(args).with_run_id()
-    if profile.ddp:
+    if profile.distributed:
         return _profile_ddp(profile, args.quiet)
     progress = lambda it: tqdm(it, total=profile.steps,  # noqa: E731
                                desc=f"{profile.workload_name} on {profile.devices_text}", unit="step",
@@ -330,6 +330,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from dpprof.store import queries
     from dpprof.store.reader import load_run
     from dpprof.views import job_of
+    from dpprof.views.fsdp import fsdp_collective_table
     from dpprof.views.overview import comm_stats
     from dpprof.views.text import display_table, dropped_records, status_sentence
 
@@ -379,7 +380,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if len(means):
         print("\nmean ms per step, by phase:")
         print(_table(display_table(means.reset_index()).set_index("device"), "{:,.2f}"))
-    if "comms" in model.has and (model.kind == "ddp" or model.imported):
+    if "comms" in model.has and model.kind == "fsdp":
+        print("\nFSDP collectives per step (issued: launch to completion; exposed: the rank waited for it):")
+        print(_table(display_table(fsdp_collective_table(run)).set_index("device"), "{:,.2f}"))
+    elif "comms" in model.has and (model.kind == "ddp" or model.imported):
         print("\ncollectives per step (from the trace):" if model.imported else "\ngradient all-reduce per step:")
         print(_table(display_table(comm_stats(run)).set_index("device"), "{:,.2f}"))
     if "gpu_time" in model.has:
@@ -771,7 +775,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run under torchrun with dpprof.DistributedDataParallel, one process per rank: on the "
                    "CPU over gloo, or with --devices cuda on GPU local_rank %% GPUs (NCCL; gloo when ranks "
                    "share GPUs)")
-    p.add_argument("--nproc", type=int, default=2, help="with --ddp: ranks to start (default: 2)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="train under torchrun with FSDP2 (fully_shard on each top-level child module and the root), "
+                        "--nproc ranks (gloo on CPU, NCCL on GPUs), each rank recorded")
+    p.add_argument("--nproc", type=int, default=2, help="with --ddp or --fsdp: ranks to start (default: 2)")
     p.add_argument("--detail", choices=["bounded", "all"], default="bounded",
                    help="bounded (default): every step's time and per-block aggregates, full detail for the first and "
                    "last 1,000 steps, one step in 100 and outliers, so a day-long run stays small; all: every record")

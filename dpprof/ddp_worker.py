@@ -1,5 +1,6 @@
-"""One rank of ``dpprof profile --ddp``: run under torchrun, trains a built-in workload (or a user's model,
-``--model``) with dpprof.DistributedDataParallel and records it.
+"""One rank of ``dpprof profile --ddp`` (or ``--fsdp``): run under torchrun, trains a built-in workload (or a user's
+model, ``--model``) with dpprof.DistributedDataParallel (or FSDP2's ``fully_shard`` on each top-level child module
+with parameters and on the root, recorded by dpprof.parallel.fsdp) and records it.
 
 On the CPU the ranks talk over gloo. With ``--device cuda`` each rank takes GPU
 ``local_rank % GPUs``: NCCL when every rank has a GPU of its own, gloo when ranks share GPUs
@@ -54,6 +55,7 @@ def _main() -> None:
     parser.add_argument("--detail", choices=list(DETAIL_MODES), default="bounded", help="as dpprof.record's detail")
     parser.add_argument("--capture", default=None, metavar="A:B", help="as dpprof.record's capture: steps A to B-1 "
                         "profiled with torch.profiler, on each rank")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                         help="default: gloo on the CPU or when ranks share GPUs, else NCCL")
     args = parser.parse_args()
@@ -83,15 +85,19 @@ def _main() -> None:
         model = workload.model
         if cuda:
             model = model.cuda(gpu)
-        ddp = dpprof.DistributedDataParallel(model, device_ids=[gpu] if cuda else None,
-                                             bucket_cap_mb=args.bucket_cap_mb)
+        if args.fsdp:
+            ddp = _fully_shard(model)
+        else:
+            ddp = dpprof.DistributedDataParallel(model, device_ids=[gpu] if cuda else None,
+                                                 bucket_cap_mb=args.bucket_cap_mb)
+        kind = "fsdp" if args.fsdp else "ddp"
         delay_rank, delay_ms = (int(x) for x in args.delay_rank.split(":")) if args.delay_rank else (-1, 0)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
         batches = workload.batches()
         reports = args.reports_dir.format(rank=rank) if args.reports_dir else None
-        name = args.name or f"{workload.name} (ddp x{dist.get_world_size()})"
-        run_args = {**workload.args, "ddp": True, "threads": torch.get_num_threads(), "world_size": dist.get_world_size(), "steps": args.steps,
-                    "bucket_cap_mb": args.bucket_cap_mb, "backend": backend,
+        name = args.name or f"{workload.name} ({kind} x{dist.get_world_size()})"
+        run_args = {**workload.args, kind: True, "threads": torch.get_num_threads(), "world_size": dist.get_world_size(), "steps": args.steps,
+                    **({} if args.fsdp else {"bucket_cap_mb": args.bucket_cap_mb}), "backend": backend,
                     "device": f"cuda:{gpu}" if cuda else "cpu"}
         with dpprof.record(name=name, reports_dir=reports, workload=workload.name, workload_args=run_args,
                            detail=args.detail, run_id=args.run_id, capture=args.capture) as run:
@@ -111,6 +117,21 @@ def _main() -> None:
             print(f"recorded run {run.id} ({args.steps} steps on {dist.get_world_size()} ranks)", flush=True)
     finally:
         dist.destroy_process_group()
+
+
+def _fully_shard(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2 as its documentation applies it: each top-level child module that holds parameters, then the root;
+    dpprof.parallel.fsdp's hooks installed so the steps are recorded."""
+    from torch.distributed.fsdp import fully_shard
+
+    from dpprof.parallel import fsdp
+
+    fsdp.install()
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child)
+    fully_shard(model)
+    return model
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ backward nor an optimizer step before it (evaluation), starts a step of its own.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -29,6 +30,7 @@ from dpprof.capture.window import parse_capture
 from dpprof.device_ids import cpu_devices, resolve_devices
 from dpprof.nvml import DEFAULT_SAMPLE_HZ
 from dpprof.parallel import distributed as _ddp
+from dpprof.parallel import fsdp as _fsdp
 from dpprof.parallel.data_parallel import DataParallel as _DataParallel
 from dpprof.parallel.data_parallel import data_parallel as _data_parallel
 from dpprof.parallel.probe import iter_tensors
@@ -36,8 +38,8 @@ from dpprof.recording import Run, record
 
 __all__ = ["instrument", "NO_PARALLEL_NOTE"]
 
-NO_PARALLEL_NOTE = ("the script built no DataParallel or DistributedDataParallel (nor called data_parallel): "
-                    "nothing was recorded")
+NO_PARALLEL_NOTE = ("the script built no DataParallel, DistributedDataParallel or FSDP (nor called data_parallel "
+                    "or fully_shard): nothing was recorded")
 
 # torch.nn.parallel.data_parallel is also the name of the function, so the modules are looked up
 _TORCH_DP = importlib.import_module("torch.nn.parallel.data_parallel").DataParallel
@@ -51,6 +53,8 @@ _NAMES = {
     "data_parallel": [("torch.nn.parallel", "data_parallel"), ("torch.nn.parallel.data_parallel", "data_parallel")],
     "DistributedDataParallel": [("torch.nn.parallel", "DistributedDataParallel"),
                                 ("torch.nn.parallel.distributed", "DistributedDataParallel")],
+    "fully_shard": [("torch.distributed.fsdp", "fully_shard"), ("torch.distributed.fsdp._fully_shard", "fully_shard"),
+                    ("torch.distributed._composable.fsdp", "fully_shard")],
 }
 
 _session: _Session | None = None
@@ -194,8 +198,22 @@ def data_parallel(module: torch.nn.Module, inputs: Any, device_ids: Sequence[Any
 
 data_parallel.__module__, data_parallel.__doc__ = _TORCH_DATA_PARALLEL.__module__, _TORCH_DATA_PARALLEL.__doc__
 
+_TORCH_FULLY_SHARD = importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard").fully_shard
+
+
+@functools.wraps(_TORCH_FULLY_SHARD)
+def fully_shard(*args: Any, **kwargs: Any) -> Any:
+    """torch.distributed.fsdp.fully_shard inside an instrument block: torch's, the run started at its first call
+    (under torchrun, when the process group is up); dpprof.parallel.fsdp records the steps."""
+    module = _TORCH_FULLY_SHARD(*args, **kwargs)
+    session = _session
+    if session is not None:
+        session.built()
+    return module
+
+
 _STAND_INS = {"DataParallel": DataParallel, "data_parallel": data_parallel,
-              "DistributedDataParallel": DistributedDataParallel}
+              "DistributedDataParallel": DistributedDataParallel, "fully_shard": fully_shard}
 
 
 def _under_launcher() -> bool:
@@ -224,6 +242,7 @@ class _Session:
         self.told = False
         self._patched: list[tuple[Any, str, Any]] = []
         self._hook: Any = None
+        self._fsdp_installed_here = False
 
     # the patch
     def patch(self) -> None:
@@ -233,6 +252,8 @@ class _Session:
                 self._patched.append((module, attr, getattr(module, attr)))
                 setattr(module, attr, _STAND_INS[kind])
         _ddp._install_optimizer_hooks()  # DDP's optimizer timing runs before the step ends
+        self._fsdp_installed_here = not _fsdp.installed()
+        _fsdp.install()  # FSDP2's steps (its hooks do nothing outside a recording)
         self._hook = register_optimizer_step_post_hook(self._on_optimizer_step)
 
     def unpatch(self) -> None:
@@ -242,6 +263,8 @@ class _Session:
         for module, attr, original in reversed(self._patched):
             setattr(module, attr, original)
         self._patched.clear()
+        if self._fsdp_installed_here:
+            _fsdp.uninstall()
 
     # the run
     def say(self, message: str) -> None:

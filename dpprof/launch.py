@@ -142,6 +142,8 @@ class Profile:
         steps: training steps recorded.
         balanced: DataParallelModel + DataParallelCriterion.
         ddp: under torchrun with dpprof.DistributedDataParallel, ``nproc`` ranks.
+        fsdp: under torchrun with FSDP2 (``fully_shard`` on each top-level child module and the root, recorded by
+            dpprof.parallel.fsdp), ``nproc`` ranks.
         detail: "bounded" or "all" (dpprof.record's detail).
         name: the run's name (None: the workload's).
         run_id: the run's id, chosen before the start (with_run_id); None: chosen by the recording.
@@ -159,6 +161,7 @@ class Profile:
     steps: int = 50
     balanced: bool = False
     ddp: bool = False
+    fsdp: bool = False
     nproc: int = DEFAULT_NPROC
     detail: str = "bounded"
     name: str | None = None
@@ -183,9 +186,13 @@ class Profile:
             raise ProfileError(f"give a built-in workload ({self.workload}) or --model, not both")
         if self.workload is not None and self.workload not in WORKLOAD_NAMES:
             raise ProfileError(f"unknown workload {self.workload!r}; choose one of {', '.join(WORKLOAD_NAMES)}")
+        if self.ddp and self.fsdp:
+            raise ProfileError("give --ddp or --fsdp, not both")
         if self.ddp and self.balanced:
             raise ProfileError("--ddp computes each rank's loss on its own outputs already: no --balanced")
-        if self.ddp and self.nproc < 1:
+        if self.fsdp and self.balanced:
+            raise ProfileError("--fsdp computes each rank's loss on its own outputs already: no --balanced")
+        if self.distributed and self.nproc < 1:
             raise ProfileError(f"--nproc must be positive, got {self.nproc}")
         if self.model and not self.input_shape:
             raise ProfileError("--model needs --input-shape (the shape of one sample, e.g. 3,224,224)")
@@ -216,6 +223,11 @@ class Profile:
     # -- what it is --------------------------------------------------------------------------------
 
     @property
+    def distributed(self) -> bool:
+        """Whether this profile runs under torchrun (--ddp or --fsdp)."""
+        return self.ddp or self.fsdp
+
+    @property
     def workload_name(self) -> str:
         """The built-in workload trained, or the model's factory."""
         return self.model or self.workload or DEFAULT_WORKLOAD
@@ -235,8 +247,8 @@ class Profile:
         shape = args.input_shape
         return cls(workload=args.workload, model=args.model, input_shape=tuple(shape) if shape else None,
                    devices=args.devices, batch_size=args.batch_size, steps=args.steps, balanced=args.balanced,
-                   ddp=args.ddp, nproc=args.nproc, detail=args.detail, name=args.name,
-                   run_id=args.run_id, reports_dir=args.reports_dir, capture=args.capture)
+                   ddp=args.ddp, fsdp=getattr(args, "fsdp", False), nproc=args.nproc, detail=args.detail,
+                   name=args.name, run_id=args.run_id, reports_dir=args.reports_dir, capture=args.capture)
 
     # -- as words ----------------------------------------------------------------------------------
 
@@ -250,7 +262,9 @@ class Profile:
             out.append(self.workload)
         if self.ddp:
             out.append("--ddp")
-        if self.ddp or self.nproc != DEFAULT_NPROC:  # nproc applies under --ddp; written out where not default
+        if self.fsdp:
+            out.append("--fsdp")
+        if self.distributed or self.nproc != DEFAULT_NPROC:  # nproc applies under --ddp/--fsdp; written where not default
             out += ["--nproc", str(self.nproc)]
         if self.devices is not None:
             out += _option("--devices", self.devices)
@@ -315,7 +329,7 @@ class Profile:
             LaunchError: a child failed, or the recording did (what was recorded is kept).
         """
         profile = self.with_run_id()
-        if profile.ddp:
+        if profile.distributed:
             profile.run_ddp()
             return str(profile.run_id)
         if profile.env:
@@ -335,8 +349,8 @@ class Profile:
         from dpprof.device_ids import resolve_devices
         from dpprof.workloads import build_workload, train, user_workload
 
-        if self.ddp:
-            raise ProfileError("a --ddp profile runs under torchrun: use run() or run_ddp()")
+        if self.distributed:
+            raise ProfileError("a --ddp or --fsdp profile runs under torchrun: use run() or run_ddp()")
         self._check_id_free()
         self._model_importable()
         devices = parse_devices(self.devices_text)
@@ -378,7 +392,7 @@ class Profile:
                 if self.model else [self.workload or DEFAULT_WORKLOAD])
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.nproc}",
                "-m", "dpprof.ddp_worker", *what, "--steps", str(self.steps),
-               "--device", "cuda" if on_gpus else "cpu", "--detail", self.detail]
+               "--device", "cuda" if on_gpus else "cpu", "--detail", self.detail, *(["--fsdp"] if self.fsdp else [])]
         for flag, value in (("--batch-size", self.batch_size), ("--name", self.name),
                             ("--reports-dir", self.reports_dir), ("--run-id", self.run_id),
                             ("--capture", self.capture)):
@@ -397,8 +411,8 @@ class Profile:
         from dpprof.ddp_worker import FAILED_PREFIX, STEP_PREFIX
         from dpprof.device_ids import is_cpu_worker_list
 
-        if not self.ddp:
-            raise ProfileError("not a --ddp profile: use record() or run()")
+        if not self.distributed:
+            raise ProfileError("not a --ddp or --fsdp profile: use record() or run()")
         profile = self.with_run_id()
         profile._check_id_free()
         if profile.model:  # the shape checked here, in one line, before torchrun starts any rank

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PHASE_ORDER", "PHASES", "DDP_PHASES", "DP_TAX_PHASES", "MEMORY_BYTES", "SEVERITIES", "SLOWDOWN_REASONS", "device_key", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
+__all__ = ["PHASE_ORDER", "PHASES", "DDP_PHASES", "FSDP_PHASES", "FSDP_ONLY_PHASES", "DP_TAX_PHASES", "MEMORY_BYTES", "SEVERITIES", "SLOWDOWN_REASONS", "device_key", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
            "DeviceRecord", "NoteRecord", "FindingRecord", "CommRecord", "GpuTimeRecord", "Record",
            "TABLE_OF", "CHECK_OF_ENV"]
 
@@ -19,10 +19,19 @@ PHASES = ("scatter", "replicate", "parallel_apply", "apply", "gather", "loss", "
 # backward_compute (until the last bucket was launched) and comm_wait (from then until the last
 # all-reduce completed), and the optimizer step.
 DDP_PHASES = ("data", "forward", "backward", "backward_compute", "comm_wait", "optimizer")
+# FSDP's phases, per rank (dpprof.parallel.fsdp): data, the root's forward and backward (each holding the FSDP work
+# below that ran inside it), the exposed part of its all-gathers and reduce-scatters (the host blocked in the
+# collective or its wait), FSDP's copies around them (copy_in: shards into the all-gather buffer, gradients into the
+# reduce-scatter buffer; copy_out: the gathered buffer into the unsharded parameters, the reduced shard into .grad),
+# and the optimizer step.
+FSDP_PHASES = ("data", "forward", "backward", "all_gather_wait", "reduce_scatter_wait", "copy_in", "copy_out",
+               "optimizer")
+FSDP_ONLY_PHASES = ("all_gather_wait", "reduce_scatter_wait", "copy_in", "copy_out")  # a run with one is FSDP's
 # Every phase in the order it runs in a step, the one order every table, legend and the advisor's parts list them in
 # (a parent before its parts: backward before backward_compute and comm_wait).
 PHASE_ORDER = ("data", "scatter", "replicate", "apply", "parallel_apply", "gather", "loss", "reduce", "forward",
-               "backward", "backward_compute", "comm_wait", "optimizer")
+               "backward", "backward_compute", "comm_wait", "copy_in", "all_gather_wait", "copy_out",
+               "reduce_scatter_wait", "optimizer")
 # "loss" is a whole-batch loss measured on the output device (MeasuredLoss, after a plain gather);
 # "reduce" is DataParallelCriterion's: the per-device losses combined on the output device.
 DP_TAX_PHASES = ("scatter", "replicate", "gather")  # work only DataParallel does (DDP has none of it)

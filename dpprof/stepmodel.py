@@ -12,6 +12,7 @@ stated priority, whose kinds are all running then; an instant where none runs is
 | DataParallel (dpprof's phases) | scatter, replicate, parallel_apply, gather, loss, reduce, backward | rest |
 | a process (DDP ranks, imported traces) | forward, backward_compute, comm_wait, optimizer, data | rest |
 |   (a process whose backward is not split) | forward, backward, optimizer, data | rest |
+| an FSDP rank | all_gather_wait, reduce_scatter_wait, copy_in, copy_out, forward, backward, optimizer, data | rest |
 | a GPU (imported traces) | overlap (kernel + collective), computation, communication, memcpy, memset | idle |
 
 Every figure that says "N% of the step" or stacks parts of a step is read from ``partition``; nothing sums
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-__all__ = ["Part", "DATAPARALLEL_PARTS", "PROCESS_PARTS", "GPU_PARTS", "REST", "IDLE", "SHARED_PARTS", "SHARED_OF",
+__all__ = ["Part", "DATAPARALLEL_PARTS", "PROCESS_PARTS", "FSDP_PARTS", "GPU_PARTS", "REST", "IDLE", "SHARED_PARTS", "SHARED_OF",
            "PHASE_WORDS", "SHARED_PART_WORDS", "parts_for", "part_names", "partition", "partition_one"]
 
 Part = tuple[str, tuple[str, ...]]  # (part name, the kinds that must all be running for an instant to be it)
@@ -41,6 +42,10 @@ DATAPARALLEL_PARTS: tuple[Part, ...] = tuple((p, (p,)) for p in (
 # "backward" is backward_compute + comm_wait (its parent): a part of its own only in a run without its parts.
 PROCESS_PARTS: tuple[Part, ...] = tuple((p, (p,)) for p in (
     "forward", "backward_compute", "comm_wait", "backward", "optimizer", "data"))
+# An FSDP rank (dpprof.parallel.fsdp): its forward and backward hold FSDP's own work, so the exposed collectives and
+# FSDP's copies come first; what is left of forward and backward is their compute.
+FSDP_PARTS: tuple[Part, ...] = tuple((p, (p,)) for p in (
+    "all_gather_wait", "reduce_scatter_wait", "copy_in", "copy_out", "forward", "backward", "optimizer", "data"))
 # A GPU: kernels over copies over memsets (the plugin's kernel > memcpy > memset > communication order); a
 # compute kernel and a collective kernel running together are the overlap, a part of its own.
 GPU_PARTS: tuple[Part, ...] = (("overlap", ("compute", "communication")), ("computation", ("compute",)),
@@ -56,12 +61,15 @@ SHARED_OF = {
     "parallel_apply": "compute", "loss": "compute", "reduce": "compute", "backward": "compute",
     "forward": "compute", "backward_compute": "compute", "comm_wait": "exposed communication",
     "optimizer": "optimizer", "data": "data", REST: REST,
+    "all_gather_wait": "exposed communication", "reduce_scatter_wait": "exposed communication",
+    "copy_in": "compute", "copy_out": "compute",
 }
 
 # The words for a phase whose name is not one, wherever a phase is named for people (charts' legends, dpprof advise,
 # the advisor's notes). A place that says more about a phase (a legend's "loss (output device)") adds to these.
 PHASE_WORDS = {"parallel_apply": "apply (all devices)", "backward_compute": "backward compute",
-               "comm_wait": "all-reduce wait"}
+               "comm_wait": "all-reduce wait", "all_gather_wait": "all-gather wait",
+               "reduce_scatter_wait": "reduce-scatter wait", "copy_in": "FSDP copy-in", "copy_out": "FSDP copy-out"}
 # The shared parts as a sentence names them (Compare's differences); the others by their own names.
 SHARED_PART_WORDS = {REST: "the rest of the step", "exposed communication": "exposed communication (the wait for it)",
                      "DataParallel tax": "the DataParallel tax (scatter + replicate + gather)"}
@@ -71,6 +79,8 @@ def parts_for(phases: Sequence[str]) -> tuple[Part, ...]:
     """The host parts of a run with these phases: a process's when it has forward but no apply, else
     DataParallel's; only the parts whose phase the run recorded."""
     process = "forward" in phases and "apply" not in phases
+    if process and any(p in phases for p, _ in FSDP_PARTS[:4]):  # records.FSDP_ONLY_PHASES
+        return tuple(p for p in FSDP_PARTS if set(p[1]) <= set(phases))
     table = PROCESS_PARTS if process else DATAPARALLEL_PARTS
     split = process and "backward_compute" in phases  # backward is its parts
     return tuple(p for p in table if set(p[1]) <= set(phases) and not (split and p[0] == "backward"))

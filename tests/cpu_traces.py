@@ -1,11 +1,12 @@
 """Real torch.profiler traces of CPU-only processes, made here for tests: a tiny model trained under
-DistributedDataParallel on 2 gloo ranks (torch.multiprocessing), each rank profiled with a schedule (so its
+DistributedDataParallel (or sharded by FSDP2's ``fully_shard``) on gloo ranks (torch.multiprocessing), each rank profiled with a schedule (so its
 steps are ProfilerStep#N ranges) and exported with ``prof.export_chrome_trace``, and one plain process with
 no torch.distributed at all (training, or an inference loop: steps with neither a forward range nor backward)."""
 from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 
 import torch
@@ -14,34 +15,48 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, schedule
 
-__all__ = ["gloo_ddp_traces", "single_process_trace", "inference_trace"]
+__all__ = ["gloo_ddp_traces", "fsdp_traces", "single_process_trace", "inference_trace"]
 
 
-def _train(model: nn.Module, steps: int, out: Path) -> None:
+def _train(model: nn.Module, steps: int, out: Path, delay_s: float = 0.0, width: int = 64) -> None:
+    """``steps`` profiled steps (after one warm-up), each sleeping ``delay_s`` before its forward (a straggler)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     # the trace is written when the schedule's cycle ends, as torch.profiler.tensorboard_trace_handler does
     with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
                  on_trace_ready=lambda p: p.export_chrome_trace(str(out))) as prof:
         for _ in range(steps + 1):
-            loss = model(torch.randn(32, 64)).sum()
+            if delay_s:
+                time.sleep(delay_s)
+            loss = model(torch.randn(32, width)).sum()
             opt.zero_grad()
             loss.backward()
             opt.step()
             prof.step()
 
 
-def _net() -> nn.Module:
+def _net(width: int = 64) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    return nn.Sequential(nn.Linear(width, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
-def _rank(rank: int, world: int, port: int, directory: str, stem: str, steps: int) -> None:
+def _rank(rank: int, world: int, port: int, directory: str, stem: str, steps: int, delay: tuple[int, float],
+          fsdp: bool, width: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model = nn.parallel.DistributedDataParallel(_net())
-        _train(model, steps, Path(directory) / f"{stem}-rank{rank}.pt.trace.json")
+        if fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            model = _net(width)
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer)
+            fully_shard(model)
+        else:
+            model = nn.parallel.DistributedDataParallel(_net(width))
+        _train(model, steps, Path(directory) / f"{stem}-rank{rank}.pt.trace.json",
+               delay[1] if rank == delay[0] else 0.0, width)
     finally:
         dist.destroy_process_group()
 
@@ -52,10 +67,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def gloo_ddp_traces(directory: Path, stem: str = "tinyddp", steps: int = 3, world: int = 2) -> list[Path]:
-    """Each rank's trace of a DDP job on ``world`` gloo ranks, ``steps`` profiled steps: the files, by rank."""
+def gloo_ddp_traces(directory: Path, stem: str = "tinyddp", steps: int = 3, world: int = 2,
+                    delay: tuple[int, float] = (-1, 0.0), width: int = 64) -> list[Path]:
+    """Each rank's trace of a DDP job on ``world`` gloo ranks, ``steps`` profiled steps: the files, by rank.
+    ``delay``: (rank, seconds) that rank sleeps before every forward (a straggler); ``width``: the model's input."""
     directory.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_rank, args=(world, _free_port(), str(directory), stem, steps), nprocs=world, join=True)
+    mp.spawn(_rank, args=(world, _free_port(), str(directory), stem, steps, delay, False, width), nprocs=world,
+             join=True)
+    return [directory / f"{stem}-rank{r}.pt.trace.json" for r in range(world)]
+
+
+def fsdp_traces(directory: Path, stem: str = "tinyfsdp", steps: int = 3, world: int = 2,
+                delay: tuple[int, float] = (-1, 0.0), width: int = 64) -> list[Path]:
+    """Each rank's trace of an FSDP2 job (``fully_shard`` on each Linear and on the root) on ``world`` gloo ranks,
+    ``steps`` profiled steps: the files, by rank. ``delay`` and ``width`` as for gloo_ddp_traces."""
+    directory.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_rank, args=(world, _free_port(), str(directory), stem, steps, delay, True, width), nprocs=world,
+             join=True)
     return [directory / f"{stem}-rank{r}.pt.trace.json" for r in range(world)]
 
 

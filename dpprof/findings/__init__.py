@@ -7,6 +7,7 @@ rules of its kind (``rules_for``) on its tables:
 | --- | --- |
 | dataparallel, balanced | DATAPARALLEL_RULES: straggler, memory skew, the DataParallel tax, uneven and idle chunks, under-used and throttled GPUs, backward's share, outlier steps |
 | ddp | PROCESS_RULES: straggler rank, all-reduce share and buckets, uneven inputs, under-used and throttled GPUs, outlier steps |
+| fsdp | FSDP_RULES_OF_RUN: straggler rank, all-gather and reduce-scatter exposed, reshard-after-forward, uneven shards, uneven inputs, under-used and throttled GPUs, outlier steps |
 | trace_gpu, trace_cpu | DATAPARALLEL_RULES for a trace of dpprof.DataParallel, else PROCESS_RULES; with GPUs also TRACE_GPU_RULES (idle GPUs, DataParallel on several GPUs) and, where the shared rules found nothing of their kind, the GPU-side communication share and the allocator's skew |
 | every kind but empty | DETAIL_RULES (dpprof.findings.detail): data loading's share of the step; from a trace's or a capture's operators, kernels and memory, low GPU utilization, tensor-core-eligible work without tensor cores, peak memory near the GPU's capacity |
 | empty | none |
@@ -33,6 +34,7 @@ from dpprof.findings.ddp import (COMM_SHARE_WARN, FEW_BUCKETS, MANY_BUCKETS, SMA
                                  straggler_rank, uneven_inputs)
 from dpprof.findings.detail import (DATA_SHARE_WARN, DETAIL_RULES, GPU_UTIL_LOW_PCT, MEMORY_FULL_SHARE,
                                     SUPERSEDES, TC_UNUSED_SHARE, explain, operator_data)
+from dpprof.findings.fsdp import FSDP_RULES
 from dpprof.findings.floors import (CRITICAL_STEP_SHARE, MEMORY_FLOOR_BYTES, STEP_SHARE_FLOOR, TIME_FLOOR_MS,
                                     Imbalance, imbalance, worth_bytes, worth_time)
 from dpprof.findings.gpu import (GPU_IDLE_WARN, THROTTLED_SAMPLES_SHARE, UNDERUSED_UTIL_RATIO, allocator_skew,
@@ -44,7 +46,7 @@ from dpprof.store.model import RunModel
 from dpprof.store.reader import StoredRun
 
 __all__ = ["FINDING_COLUMNS", "FINDINGS_MIN_STEPS", "FINDINGS_FULL_STEPS", "Findings", "Tables", "Rule",
-           "DATAPARALLEL_RULES", "PROCESS_RULES", "TRACE_GPU_RULES", "FALLBACK_RULES", "rules_for", "run_findings",
+           "DATAPARALLEL_RULES", "PROCESS_RULES", "FSDP_RULES_OF_RUN", "TRACE_GPU_RULES", "FALLBACK_RULES", "rules_for", "run_findings",
            "findings_from", "tables_of", "findings_withheld", "finding", "imbalance", "Imbalance", "Straggler",
            "straggler_verdict", "worth_time",
            "worth_bytes", "TIME_FLOOR_MS", "STEP_SHARE_FLOOR", "MEMORY_FLOOR_BYTES", "CRITICAL_STEP_SHARE",
@@ -69,6 +71,9 @@ DATAPARALLEL_RULES: tuple[Rule, ...] = (straggler, memory_skew, dataparallel_tax
                                         throttling, backward_share, outlier_steps)
 PROCESS_RULES: tuple[Rule, ...] = (straggler_rank, communication, uneven_inputs, gpu_underused, throttling,
                                    outlier_steps)
+# An FSDP rank's: the collectives in FSDP's own terms (dpprof.findings.fsdp) in place of DDP's all-reduce share
+FSDP_RULES_OF_RUN: tuple[Rule, ...] = (straggler_rank, *FSDP_RULES, uneven_inputs, gpu_underused, throttling,
+                                       outlier_steps)
 TRACE_GPU_RULES: tuple[Rule, ...] = (gpu_idle, use_ddp)
 # Rules of an imported trace's GPUs that say what a shared rule may already have said from the host's view:
 # each runs only when no finding of the kind named was raised.
@@ -92,6 +97,8 @@ def rules_for(model: RunModel) -> tuple[tuple[Rule, ...], tuple[tuple[Rule, str]
     """The rules a run of this kind runs, and its fallback rules (see the module's table)."""
     if model.kind == "empty":
         return (), ()
+    if model.kind == "fsdp":
+        return FSDP_RULES_OF_RUN + DETAIL_RULES, ()
     base = (DATAPARALLEL_RULES if model.dataparallel else PROCESS_RULES) + DETAIL_RULES
     if model.kind == "trace_gpu":
         return base + TRACE_GPU_RULES, FALLBACK_RULES

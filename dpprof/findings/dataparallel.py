@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from dpprof.findings.base import Tables, finding, per_step
+from dpprof.findings.collectives import CollectiveVerdict, collective_verdict
 from dpprof.findings.floors import (CRITICAL_STEP_SHARE, STEP_SHARE_FLOOR, TIME_FLOOR_MS, Imbalance, cost_text,
                                     imbalance, mib, worth_bytes, worth_time)
 from dpprof.records import DP_TAX_PHASES, MEMORY_BYTES
@@ -60,18 +61,28 @@ class Straggler:
     step_ms: float  # the median step the wait is weighed against (the first step left out)
     later_steps: int  # the steps the wait is paid over (the run's, less its first)
     reason: str | None  # None for a straggler; else the first of the rule's tests it failed, in words
+    # the verdict from the collectives themselves (dpprof.findings.collectives), where the run's ranks have matched
+    # collectives: it decides the rank and the wait then, and ``found`` gives each rank's work beside it
+    collectives: CollectiveVerdict | None = None
 
     @property
     def slowest(self) -> str:
-        return self.found.slowest
+        return self.collectives.straggler if self.collectives is not None else self.found.slowest
 
     @property
     def ratio(self) -> float:
-        return self.found.ratio
+        """The slowest's median work over the others' median (``found``'s figures for the device named)."""
+        if self.collectives is None:
+            return self.found.ratio
+        medians = self.found.medians
+        if self.slowest not in medians.index:
+            return float("nan")
+        others = float(medians.drop(self.slowest).median())
+        return float(medians[self.slowest] / others) if others else float("inf")
 
     @property
     def wait_ms(self) -> float:
-        return self.found.wait_ms_per_step
+        return self.collectives.wait_ms if self.collectives is not None else self.found.wait_ms_per_step
 
     @property
     def reported(self) -> bool:
@@ -80,6 +91,14 @@ class Straggler:
     def sentence(self) -> str:
         """The verdict in one sentence, with its figures: the Overview's headline."""
         f, slow = self.found, self.slowest
+        c = self.collectives
+        if c is not None and self.reported:
+            return (f"{slow} is the slowest to reach the collectives: inside them they wait {c.wait_ms:.2f} ms per "
+                    f"step for it ({c.wait_ms / c.step_ms:.0%} of the median step); it waited least in {c.share:.0%} "
+                    f"of {c.steps} steps.")
+        if c is not None:
+            return (f"No straggler: inside the collectives {slow} waits least, the others "
+                    f"{c.wait_ms:.2f} ms per step more, but {self.reason}.")
         if self.reported:
             return (f"{slow} is the slowest: {self.work} {f.medians[slow]:.2f} ms per step, {self.ratio:.2f}x the "
                     f"others' {f.others_ms:.2f} ms; they wait {self.wait_ms:.2f} ms per step for it.")
@@ -98,6 +117,11 @@ def straggler_verdict(t: Tables) -> Straggler | None:
     found = imbalance(per_step(t, phases))
     if found is None:
         return None
+    if not t.model.dataparallel and (by_collectives := collective_verdict(t)) is not None:
+        # one verdict per run: where the ranks' collectives match, the wait inside them names the straggler
+        return Straggler(found=found, work=work, unit=t.model.unit, threshold=by_collectives.threshold,
+                         step_ms=t.median_step_ms, later_steps=t.later_step_count, reason=by_collectives.reason,
+                         collectives=by_collectives)
     threshold, step_ms, wait = straggler_threshold(t), t.median_step_ms, found.wait_ms_per_step
     reason = None
     if found.ratio < threshold:

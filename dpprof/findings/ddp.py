@@ -9,7 +9,7 @@ import pandas as pd
 
 from dpprof.findings.base import Tables, finding
 from dpprof.findings.dataparallel import straggler_row, straggler_verdict
-from dpprof.findings.floors import cost_text, worth_time
+from dpprof.findings.floors import CRITICAL_STEP_SHARE, cost_text, worth_time
 from dpprof.stepmodel import partition
 
 __all__ = ["COMM_SHARE_WARN", "FEW_BUCKETS", "MANY_BUCKETS", "SMALL_BUCKET_BYTES", "straggler_rank",
@@ -31,6 +31,14 @@ def straggler_rank(t: Tables) -> list[dict]:
     if v is None or not v.reported:
         return []
     slow = v.slowest
+    c = v.collectives
+    if c is not None:  # the collectives' verdict: the wait inside them is the evidence
+        return [finding("straggler_rank", "critical" if c.wait_ms >= CRITICAL_STEP_SHARE * c.step_ms else "warning",
+                        slow, f"{slow} is the straggler: the others wait for it inside their collectives",
+                        c.evidence(t.later_step_count),
+                        f"Look at what {slow} does before its collectives: its data loading, its forward and backward "
+                        "(a slower or shared device, throttling), its share of the data. The job steps at its pace.",
+                        c.wait_ms / c.step_ms)]
     return [straggler_row(v, "straggler_rank", f"{slow} is the straggler: the others wait for it at every all-reduce",
                           f"median time to gradients ready ({v.work})",
                           f"Look at {slow}'s forward and backward (its device: slower or shared GPU, throttling) and its "

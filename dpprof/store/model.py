@@ -11,6 +11,7 @@ Kinds:
 | ``dataparallel`` | dpprof.DataParallel on CPU workers or GPUs | apply per device, the DataParallel tax |
 | ``balanced`` | DataParallelModel + DataParallelCriterion | apply per device, nothing gathered |
 | ``ddp`` | DistributedDataParallel, one file per rank | forward + backward compute per rank, all-reduce |
+| ``fsdp`` | FSDP2 (fully_shard), one file per rank | forward + backward per rank, all-gather, reduce-scatter |
 | ``trace_gpu`` | an imported torch.profiler trace with GPU activity | host phases, GPU time per GPU |
 | ``trace_cpu`` | an imported trace of a CPU-only process | host phases only |
 | ``empty`` | no step recorded; ``empty_reason`` says why | |
@@ -22,7 +23,7 @@ import sqlite3
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dpprof.records import PHASE_ORDER, device_key
+from dpprof.records import FSDP_ONLY_PHASES, PHASE_ORDER, device_key
 from dpprof.store.faults import RunFileError
 from dpprof.store.retention import Retention, stored_retention
 from dpprof.store.schema import TABLES
@@ -33,10 +34,10 @@ if TYPE_CHECKING:
 __all__ = ["KINDS", "KIND_TITLES", "MEASUREMENTS", "TRACE_SOURCE", "ROWS_READ_STEPS", "Work", "RunModel", "describe",
            "present_phases", "distinct", "distributed_backend", "backend_label"]
 
-KINDS = ("dataparallel", "balanced", "ddp", "trace_gpu", "trace_cpu", "empty")
+KINDS = ("dataparallel", "balanced", "ddp", "fsdp", "trace_gpu", "trace_cpu", "empty")
 KIND_TITLES = {
     "dataparallel": "DataParallel", "balanced": "DataParallel, balanced (DataParallelModel + DataParallelCriterion)",
-    "ddp": "DistributedDataParallel", "trace_gpu": "imported torch.profiler trace",
+    "ddp": "DistributedDataParallel", "fsdp": "FSDP (fully_shard)", "trace_gpu": "imported torch.profiler trace",
     "trace_cpu": "imported torch.profiler trace (CPU only)", "empty": "no steps",
 }
 # What a run can hold besides its steps, each a table (dpprof.records.TABLE_OF) but "work": the phases that
@@ -61,6 +62,9 @@ class Work:
 DATAPARALLEL_WORK = Work(("apply",), "apply", "apply")
 # A process's work (a DDP rank, an imported trace): what it computes, whichever of the two it recorded.
 PROCESS_WORK = Work(("forward", "backward_compute"), "forward + backward compute", "compute")
+# An FSDP rank's: its forward and backward, which hold FSDP's exposed collectives and copies (the step partition,
+# dpprof.stepmodel.FSDP_PARTS, separates them)
+FSDP_WORK = Work(("forward", "backward"), "forward + backward (with FSDP's collectives inside)", "compute")
 
 
 def distributed_backend(meta: dict) -> str | None:
@@ -173,7 +177,7 @@ class RunModel:
         if self.kind in ("dataparallel", "balanced") and self.devices:
             return f"{KIND_TITLES[self.kind]} on {n} {where}"
         dist = f" ({self.dist_backend})" if self.dist_backend else ""
-        if self.kind == "ddp":
+        if self.kind in ("ddp", "fsdp"):
             return f"{KIND_TITLES[self.kind]}{dist}, {n} rank{'s' if n != 1 else ''}"
         if self.imported:
             what = ("DataParallel" if self.dataparallel else
@@ -267,6 +271,8 @@ def _work(phases: list[str], kind: str) -> Work:
     backward compute (whichever of the two it recorded; both where it recorded neither, said in ``missing``)."""
     if "apply" in phases or kind in ("dataparallel", "balanced") or (kind == "empty" and "forward" not in phases):
         return DATAPARALLEL_WORK
+    if kind == "fsdp":
+        return FSDP_WORK
     if "forward" in phases and "backward_compute" not in phases:
         return Work(("forward",), "forward", "compute")
     return PROCESS_WORK
@@ -278,7 +284,7 @@ def _kind(run: StoredRun, steps: int, phases: list[str]) -> str:
     if run.meta.get("source") == TRACE_SOURCE:
         return "trace_gpu" if run.meta.get("backend") == "cuda" else "trace_cpu"
     if run.meta.get("backend") == "rank" or ("forward" in phases and "apply" not in phases):
-        return "ddp"
+        return "fsdp" if set(FSDP_ONLY_PHASES) & set(phases) else "ddp"
     if "reduce" in phases or (run.meta.get("workload_args") or {}).get("balanced"):
         return "balanced"
     return "dataparallel"
@@ -316,7 +322,7 @@ def _missing(run: StoredRun, kind: str, has: set[str], backend: str | None, work
         elif backend == "cpu":
             out["allocator"] = ("CPU workers have no CUDA caching allocator: memory is what dpprof accounts to each "
                                 "device (chunk, outputs, activations, gathered outputs, weights).")
-        elif kind == "ddp":
+        elif kind in ("ddp", "fsdp"):
             out["allocator"] = ("Ranks on CPUs have no CUDA caching allocator: memory is what dpprof accounts to "
                                 "each rank.")
         else:
@@ -326,7 +332,8 @@ def _missing(run: StoredRun, kind: str, has: set[str], backend: str | None, work
         base = {"trace_gpu": "torch.profiler traces carry no NVML samples of the GPUs.",
                 "trace_cpu": "A CPU-only trace has no GPUs to sample.",
                 "ddp": ("No GPU samples were recorded for these ranks." if "allocator" in has else
-                        "These ranks ran on CPUs (no CUDA allocator records): there are no GPUs to sample.")}.get(kind)
+                        "These ranks ran on CPUs (no CUDA allocator records): there are no GPUs to sample.")}.get(
+            "ddp" if kind == "fsdp" else kind)
         if base is None:
             base = ("This run used CPU workers: there are no GPUs to sample." if backend == "cpu"
                     else "No GPU samples were recorded for this run.")
@@ -338,6 +345,8 @@ def _missing(run: StoredRun, kind: str, has: set[str], backend: str | None, work
         out["gpu_time"] = "The trace has no GPU kernels inside its steps."
     if kind == "ddp" and "comms" not in has:
         out["comms"] = "No gradient all-reduce was recorded (one rank, or no backward yet)."
+    if kind == "fsdp" and "comms" not in has:
+        out["comms"] = "No all-gather or reduce-scatter was recorded (one rank: FSDP shards nothing)."
     if "work" not in has and kind != "empty":
         out["work"] = (f"The trace's steps have no {work.label}: no forward range (DataParallel.forward, "
                        "DistributedDataParallel.forward) and no backward op in them, so there is no compute per "
@@ -366,7 +375,7 @@ def describe(run: StoredRun) -> RunModel:
         seen = [str(d) for d in (distinct(run, "memory", "device") or distinct(run, "phases", "device"))]
     seen += [str(d) for d in distinct(run, "allocator", "device") if d not in seen]
     listed = [str(d) for d in run.meta.get("devices") or []]
-    if run.ranks > 1 or kind == "ddp" or any(d.startswith("rank:") for d in listed):
+    if run.ranks > 1 or kind in ("ddp", "fsdp") or any(d.startswith("rank:") for d in listed):
         listed = sorted(listed, key=device_key)  # a rank's files list its own devices: order them by rank
     devices = listed + sorted((d for d in seen if d not in listed), key=device_key)
     worked = set(seen)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dpprof.records import DDP_PHASES, MEMORY_BYTES, PHASES, device_key
+from dpprof.records import DDP_PHASES, FSDP_ONLY_PHASES, MEMORY_BYTES, PHASES, device_key
 from dpprof.store.blocks import WORK
 from dpprof.store.reader import StoredRun
 from dpprof.store.sketch import grouped_quantile, quantiles
@@ -59,7 +59,9 @@ def stacked_phases(present: list[str] | tuple[str, ...]) -> list[str]:
     for a process's steps (DDP ranks, imported traces) data, forward, backward (or its parts) and optimizer.
     """
     names = {name for name, _ in parts_for(present)}
-    order = {p: i for i, p in enumerate((*PHASES, *DDP_PHASES))}
+    order: dict[str, float] = {p: i for i, p in enumerate((*PHASES, *DDP_PHASES))}
+    # FSDP's own phases after backward's, before the optimizer
+    order.update({p: order["comm_wait"] + (i + 1) / 10 for i, p in enumerate(FSDP_ONLY_PHASES)})
     return sorted(names, key=lambda p: order.get(p, len(order)))
 
 

@@ -285,6 +285,10 @@ class StoredRun:
             frames.append(df)
         return frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
 
+    def file_rank(self, path: Path) -> int:
+        """The rank one of the run's files holds (its name's <id>.rank<N>.sqlite, else the run's rank, else 0)."""
+        return self._file_rank(path)
+
     def _file_rank(self, path: Path) -> int:
         """The rank a file holds: from its name (<id>.rank<N>.sqlite), else the run's rank, else 0."""
         rank = _rank_of(path)

@@ -37,6 +37,11 @@ _MEMCPY_CATS = frozenset({"gpu_memcpy", "Memcpy"})
 _MEMSET_CATS = frozenset({"gpu_memset", "Memset"})
 _STEP = re.compile(r"ProfilerStep#([0-9]+)")  # fullmatch: ASCII digits only, no newline after them
 _COLLECTIVE = re.compile(r"^(nccl|gloo|mpi|ucc|xccl):")
+# torch's c10d op that launched a collective (c10d::_reduce_scatter_base_): what it is where the backend's op is
+# named otherwise (gloo runs a reduce-scatter as gloo:all_reduce)
+_C10D = "c10d::"
+# FSDP's ranges: FSDP2 (fully_shard) names FSDP::pre_forward, FSDP::all_gather, ...; FSDP1 FullyShardedDataParallel.*
+_FSDP = ("FSDP::", "FullyShardedDataParallel.")
 # Backward ops: the autograd engine's per-function ranges (torch >= 1.10), else the older names of
 # the backward functions themselves (the 2021 format: "CudnnConvolutionBackward").
 _BACKWARD = re.compile(r"^autograd::engine::evaluate_function|Backward\d*$|^torch::autograd::AccumulateGrad$")
@@ -72,6 +77,7 @@ class Collective:
     bytes: int | None
     kernel_start_us: float | None = None
     kernel_end_us: float | None = None
+    op: str | None = None  # the c10d op that launched it (c10d::_reduce_scatter_base_), where the trace pairs them
 
 
 class _Intervals:
@@ -106,6 +112,8 @@ class Collected:
     data: list[Range] = field(default_factory=list)  # enumerate(DataLoader)#...
     backward: _Intervals = field(default_factory=_Intervals)  # autograd ops
     collectives: list[Collective] = field(default_factory=list)
+    c10d: list[Range] = field(default_factory=list)  # c10d::<collective> ops, the launches of the collectives
+    fsdp_ranges: int = 0  # FSDP's ranges seen (FSDP::*, FullyShardedDataParallel.*): the job shards with FSDP
     # (gpu, start, end, bytes, what: collective_name of its "Collective name" arg or its kernel's name)
     comm_kernels: list[tuple[int, float, float, int | None, str]] = field(default_factory=list)
     gpu: dict[tuple[int, str], _Intervals] = field(default_factory=dict)  # (gpu, kind) -> intervals
@@ -243,6 +251,10 @@ def _name_kind(name: str) -> tuple[str, int] | None:
         return ("data", 0)
     if _COLLECTIVE.match(name):
         return ("collective", 0)
+    if name.startswith(_C10D) and collective_name(name) != "collective":
+        return ("c10d", 0)
+    if name.startswith(_FSDP):
+        return ("fsdp", 0)
     if _BACKWARD.search(name):
         return ("backward", 0)
     return None
@@ -320,6 +332,10 @@ def collect(trace: TraceFile) -> Collected:
                         out.optimizer.append(Range(name, float(ts), float(end), event.tid))
                     elif what == "data":
                         out.data.append(Range(name, float(ts), float(end), event.tid))
+                    elif what == "c10d":
+                        out.c10d.append(Range(name, float(ts), float(end), event.tid))
+                    elif what == "fsdp":
+                        out.fsdp_ranges += 1
                     else:
                         out.collectives.append(Collective(name, float(ts), float(end),
                                                           _message_bytes(args_of(event))))
@@ -384,8 +400,20 @@ def collect(trace: TraceFile) -> Collected:
     out.data.sort(key=lambda r: r.start_us)
     out.collectives.sort(key=lambda c: c.start_us)
     out.comm_kernels.sort(key=lambda k: k[1])
+    out.c10d.sort(key=lambda r: r.start_us)
+    _name_by_c10d(out)
     _pair_collectives(out)
     return out
+
+
+def _name_by_c10d(out: Collected) -> None:
+    """Give each backend collective op (gloo:all_reduce) the c10d op that launched it (c10d::_reduce_scatter_base_),
+    where the trace has as many of one as of the other: the backend runs them in the order c10d launched them.
+    Where the counts differ (the profiler's window cut one of a pair) each keeps its own name."""
+    if len(out.c10d) != len(out.collectives) or not out.c10d:
+        return
+    for op, launch in zip(out.collectives, out.c10d):
+        op.op = launch.name
 
 
 def _where(trace: TraceFile, batch: list, event: Any) -> str:

@@ -50,6 +50,7 @@ class Converted:
     notes: list[str] = field(default_factory=list)
     dataparallel: str | None = None  # "exact" (dpprof ranges) or "torch" (DataParallel.forward, GPUs)
     detail: Detail | None = None  # operators, kernels, GPU metrics, memory over time, modules (dpprof.trace.detail)
+    fsdp: bool = False  # the process shards its model with FSDP (its trace has FSDP's ranges)
 
 
 def process_label(c: Collected, rank: int | None) -> str:
@@ -342,6 +343,11 @@ def convert(c: Collected, t0_us: float, rank: int | None) -> Converted:
         out.notes.append("no GPU activity in this trace (a CPU-only process): no kernel, idle or overlap times")
     label = process_label(c, rank) if not dp_exact else devices[0]
     out.records += _comms(c, windows, label, label_of, ms)
+    if c.fsdp_ranges:
+        out.fsdp = True
+        kinds = sorted({r.collective for r in out.records if isinstance(r, CommRecord) and r.collective})
+        out.notes.append(f"FSDP: {c.fsdp_ranges:,} FSDP ranges (FSDP::*, FullyShardedDataParallel.*); its collectives "
+                         f"are each under its own name ({', '.join(kinds) or 'none in the steps'})")
     for step, lo, hi in windows:
         fw = len(_in(c.forwards, lo, hi))
         out.records.append(StepRecord(step=step, start_ms=ms(lo), duration_ms=(hi - lo) / 1e3, batch_size=None,
@@ -375,7 +381,7 @@ def _comms(c: Collected, windows: list[tuple[int, float, float]], label: str, la
     ops = c.collectives  # sorted by start
     if c.comm_kernels:
         op_starts = [o.start_us for o in ops]
-        op_names = [collective_name(o.name) for o in ops]
+        op_names = [collective_name(o.op or o.name) for o in ops]
         op_bytes = {o.kernel_start_us: o.bytes for o in ops if o.kernel_start_us is not None}
         for gpu, start, end, nbytes, what in c.comm_kernels:
             if what in ("send/recv", "collective"):
@@ -389,7 +395,7 @@ def _comms(c: Collected, windows: list[tuple[int, float, float]], label: str, la
     else:
         for x in ops:
             end = x.kernel_end_us if x.kernel_end_us is not None else x.end_us
-            record(step_of(x.start_us), label, x.bytes, x.start_us, end, collective_name(x.name))
+            record(step_of(x.start_us), label, x.bytes, x.start_us, end, collective_name(x.op or x.name))
     return out
 
 

@@ -285,6 +285,7 @@ def _write(staging: Path, run_id: str, name: str, files: list[Collected], ranks:
         world = files[0].world_size or len(files)
     # torch's DataParallel.forward driving GPUs ("torch"), or dpprof's ranges ("exact")
     dataparallel = next((c.dataparallel for c in converted if c.dataparallel), None)
+    fsdp = any(c.fsdp for c in converted)  # a job sharded with FSDP: its ranges are in the trace
     paths = [staging / f"{run_id}{f'.rank{rank}' if distributed else ''}{RUN_SUFFIX}"
              for rank in (ranks if distributed else [None])]
 
@@ -296,7 +297,8 @@ def _write(staging: Path, run_id: str, name: str, files: list[Collected], ranks:
             "pid": None, "torch_version": None, "cuda_version": None,
             "backend": "cuda" if f.gpus else "cpu", "devices": conv.devices, "workload": workload,
             "workload_args": {"trace_files": listing, "trace_file": f.name,
-                              "distributedInfo": f.meta.get("distributedInfo"), "dataparallel": dataparallel},
+                              "distributedInfo": f.meta.get("distributedInfo"), "dataparallel": dataparallel,
+                              **({"fsdp": True} if fsdp else {})},
             "status": "finished", "error": None, "rank": rank, "world_size": world, "source": SOURCE,
         }
         steps = [x for x in conv.records if isinstance(x, StepRecord)]

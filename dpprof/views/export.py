@@ -17,9 +17,10 @@ from dpprof.store import detail_rows, queries, table_rows
 from dpprof.store.reader import TABLES, StoredRun
 from dpprof.store.schema import AGGREGATE_TABLES
 from dpprof.store.sketch import grouped_quantile
+from dpprof.views.fsdp import fsdp_collective_table
 from dpprof.trace.export import plan_trace, rank_path, trace_bytes, write_trace
 
-__all__ = ["TABLE_DESCRIPTIONS", "AGGREGATE_DESCRIPTIONS", "DETAIL_DESCRIPTIONS", "EXTRA_TABLES", "export_tables", "table_csv", "run_zip",
+__all__ = ["TABLE_DESCRIPTIONS", "AGGREGATE_DESCRIPTIONS", "DETAIL_DESCRIPTIONS", "EXTRA_TABLES", "KIND_TABLES", "export_tables", "table_csv", "run_zip",
            "export_table", "export_run", "EXPORTED", "exported", "trace_text", "run_trace", "rank_traces_zip"]
 
 TABLE_DESCRIPTIONS = {
@@ -32,7 +33,8 @@ TABLE_DESCRIPTIONS = {
     "gpu_samples": "NVML readings over time (CUDA runs with NVML only)",
     "findings": "the run's findings, worst first",
     "notes": "why some data is missing",
-    "comms": "each gradient bucket's all-reduce (DistributedDataParallel runs), or each collective (imported traces)",
+    "comms": ("each gradient bucket's all-reduce (DistributedDataParallel runs), each all-gather and reduce-scatter "
+              "(FSDP runs), or each collective (imported traces)"),
     "gpu_time": "per step and GPU: compute, communication, overlap, memcpy, memset and idle time (imported traces)",
 }
 # The same tables described in the terms of a run that is not DataParallel (DDP ranks, imported traces).
@@ -67,6 +69,9 @@ DETAIL_DESCRIPTIONS = {
 # Tables made from the run rather than stored in it.
 EXTRA_TABLES = {"run": "the run's metadata", "device_summary": "per device or rank: its work's time and its memory",
                 "phase_totals": "each phase's share of the step"}
+# Made tables only some kinds of run have, with the kind
+KIND_TABLES = {"fsdp_collectives": ("fsdp", "per FSDP rank and collective: per step, bytes, issued and exposed ms, "
+                                            "hidden %, in forward and in backward")}
 
 
 def export_tables(run: StoredRun) -> pd.DataFrame:
@@ -79,6 +84,8 @@ def export_tables(run: StoredRun) -> pd.DataFrame:
               "what": AGGREGATE_DESCRIPTIONS[t]} for t in _aggregates(run)]
     rows += [{"table": t, "rows": 1 if t == "run" else None, "what": what} for t, what in EXTRA_TABLES.items()]
     rows += [{"table": t, "rows": len(export_table(run, t)), "what": DETAIL_DESCRIPTIONS[t]} for t in _details(run)]
+    rows += [{"table": t, "rows": None, "what": what} for t, (kind, what) in KIND_TABLES.items()
+             if run.model.kind == kind]
     return pd.DataFrame(rows)
 
 
@@ -131,6 +138,8 @@ def export_table(run: StoredRun, name: str) -> pd.DataFrame:
         return summary_of(run).reset_index()
     if name == "phase_totals":
         return queries.phase_totals(run)
+    if name in KIND_TABLES and run.model.kind == KIND_TABLES[name][0]:
+        return fsdp_collective_table(run)
     if name in TABLES:
         return table_rows.whole_table(run, name)
     if name in _aggregates(run):
@@ -151,9 +160,10 @@ EXPORTED = ("run", *TABLES, "device_summary", "phase_totals")
 
 
 def exported(run: StoredRun) -> tuple[str, ...]:
-    """The tables an export of this run writes: EXPORTED, then its aggregate tables, then its operators, kernels,
-    GPU metrics and memory where it holds them."""
-    return (*EXPORTED, *_aggregates(run), *_details(run))
+    """The tables an export of this run writes: EXPORTED, its kind's own tables, then its aggregate tables, then its
+    operators, kernels, GPU metrics and memory where it holds them."""
+    own = tuple(t for t, (kind, _) in KIND_TABLES.items() if run.model.kind == kind)
+    return (*EXPORTED, *own, *_aggregates(run), *_details(run))
 
 
 def export_run(run: StoredRun, out_dir: str | os.PathLike[str], files: Outputs | None = None) -> list[Path]:

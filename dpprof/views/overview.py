@@ -9,15 +9,18 @@ import pandas as pd
 
 from dpprof.findings import Findings, run_findings
 from dpprof.findings.ddp import BUCKETS, collective_busy, overlapped_ms
+from dpprof.findings.collectives import match_collectives, wait_heatmap
 from dpprof.findings.dataparallel import MEMORY_SKEW_RATIO
 from dpprof.findings.floors import MEMORY_FLOOR_BYTES
 from dpprof.records import DP_TAX_PHASES
 from dpprof.store import queries
+from dpprof.store.collective_rows import rank_collectives
 from dpprof.store.model import RunModel
 from dpprof.store.reader import StoredRun
 from dpprof.units import mib
+from dpprof.views.fsdp import fsdp_collective_table
 
-__all__ = ["Glance", "Overview", "glance", "overview", "comm_stats"]
+__all__ = ["Glance", "Overview", "CollectiveWaitView", "glance", "overview", "comm_stats", "collective_wait_view"]
 
 # Devices are marked exactly where a finding names them: the slowest where the straggler finding does
 # (dpprof.findings.straggler_verdict), the fullest where the memory-skew finding does, each with the finding's figures.
@@ -67,8 +70,35 @@ class Overview:
     tax_pct: float | None = None  # scatter + replicate (+ gather), % of step time: DataParallel runs only
     tax_ms: float | None = None  # ... in ms per step
     comms: pd.DataFrame = field(default_factory=pd.DataFrame)  # comm_stats: DDP ranks
+    fsdp: pd.DataFrame = field(default_factory=pd.DataFrame)  # views.fsdp.fsdp_collective_table: FSDP ranks
     gpu: pd.DataFrame = field(default_factory=pd.DataFrame)  # queries.gpu_time: imported traces with GPUs
     outliers: pd.DataFrame = field(default_factory=pd.DataFrame)  # queries.outlier_steps: a long run's, marked
+    waits: CollectiveWaitView | None = None  # collective_wait_view: runs of two or more ranks with collectives
+
+
+@dataclass
+class CollectiveWaitView:
+    """The wait inside the collectives (dpprof.findings.collectives), rank by step: what the heatmap draws."""
+
+    heatmap: pd.DataFrame  # ms a rank waited inside its collectives (rows "rank:N") per step (columns)
+    notes: list[str]  # ranks absent from the job, ranks with other numbers of collectives, ...
+
+
+def collective_wait_view(run: StoredRun) -> CollectiveWaitView | None:
+    """Each rank's wait inside its collectives per step, matched across the ranks one rank file at a time (bounded
+    memory: dpprof.findings.collectives.match_collectives); None for a run of one rank or with no collectives."""
+    model = run.model
+    if run.ranks < 2 or "comms" not in model.has:
+        return None
+    waits = match_collectives(lambda: rank_collectives(run))
+    if waits.per_step.empty:
+        return None
+    notes = [*waits.notes]
+    if model.world_size and run.ranks < model.world_size:
+        notes.insert(0, f"{run.ranks} of {model.world_size} ranks present: each wait is among them (a rank whose file "
+                        "is not here may be the one they all wait for)")
+    devices = {int(r): f"rank:{int(r)}" for r in waits.counts["rank"]}
+    return CollectiveWaitView(heatmap=wait_heatmap(waits.per_step, devices), notes=notes)
 
 
 def _nan_to_none(value: Any) -> Any:
@@ -201,6 +231,9 @@ def overview(run: StoredRun) -> Overview:
         data.tax_pct, data.tax_ms = _nan_to_none(float(tax["share_pct"].sum())), float(tax["per_step_ms"].sum())
     if "comms" in model.has:
         data.comms = comm_stats(run)
+        data.waits = collective_wait_view(run)
+    if model.kind == "fsdp":
+        data.fsdp = fsdp_collective_table(run)
     if "gpu_time" in model.has:
         data.gpu = queries.gpu_time(run)
     return data

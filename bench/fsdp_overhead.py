@@ -1,0 +1,107 @@
+"""What recording FSDP2 costs, against what torch.profiler adds: two gloo ranks on loopback.
+
+    python bench/fsdp_overhead.py [--rounds 8] [--steps 20]
+
+Starts itself under torchrun (2 ranks). Each rank trains two models sharded with ``fully_shard`` (per layer and on
+the root): an MLP and a small transformer encoder. Rounds interleave three arms in rotating order, in one process
+so machine noise hits them alike: nothing recording ("off"), ``dpprof.record`` with dpprof.parallel.fsdp's hooks
+("dpprof"), and ``torch.profiler.profile`` of the CPU activity ("torch.profiler"). Each arm's figure is the mean step
+time over its blocks of ``--steps`` steps (the first block of each arm is a warm-up and left out); rank 0 prints the
+time each recorder adds and the ratio of dpprof's to torch.profiler's. Aim: at most half of torch.profiler's.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from typing import Any
+
+ARMS = ("off", "dpprof", "torch.profiler")
+
+
+def _models(torch: Any) -> dict[str, Any]:
+    nn = torch.nn
+    mlp = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(4)], nn.Linear(256, 10))
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=128,
+                                                               batch_first=True, dropout=0.0), num_layers=2,
+                                    enable_nested_tensor=False)
+    return {"mlp": (mlp, lambda g: torch.randn(32, 256, generator=g), list(mlp)[:-1]),
+            "transformer": (encoder, lambda g: torch.randn(16, 32, 64, generator=g), list(encoder.layers))}
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.profiler import ProfilerActivity, profile
+
+    import dpprof
+    from dpprof.parallel import fsdp
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    fsdp.install()
+    torch.manual_seed(0)
+    for name, (model, batch, layers) in _models(torch).items():
+        for layer in layers:
+            fully_shard(layer)
+        fully_shard(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        gen = torch.Generator().manual_seed(rank)
+
+        def block(n: int) -> float:
+            """Mean seconds per step over n steps."""
+            t0 = time.perf_counter()
+            for _ in range(n):
+                optimizer.zero_grad(set_to_none=True)
+                model(batch(gen)).float().pow(2).mean().backward()
+                optimizer.step()
+            return (time.perf_counter() - t0) / n
+
+        def recorder(arm: str) -> Any:
+            if arm == "dpprof":
+                return dpprof.record(name=f"bench-fsdp-{name}", sample_hz=None)
+            if arm == "torch.profiler":
+                return profile(activities=[ProfilerActivity.CPU])
+            return nullcontext()
+
+        means: dict[str, list[float]] = {arm: [] for arm in ARMS}
+        for r in range(args.rounds + 1):
+            order = ARMS[r % 3:] + ARMS[:r % 3]
+            for arm in order:
+                with recorder(arm):
+                    seconds = block(args.steps)
+                if r > 0:  # the first round warms every arm up
+                    means[arm].append(seconds)
+        if rank == 0:
+            ms = {arm: statistics.mean(v) * 1e3 for arm, v in means.items()}
+            dp, tp = ms["dpprof"] - ms["off"], ms["torch.profiler"] - ms["off"]
+            print(f"{name}: 2 gloo ranks, {args.rounds} rounds x {args.steps} steps per arm (mean ms per step)")
+            for arm in ARMS:
+                print(f"  {arm:15s} {ms[arm]:8.2f} ms/step")
+            print(f"  dpprof adds {dp:+.2f} ms ({dp / ms['off']:+.1%}), torch.profiler {tp:+.2f} ms "
+                  f"({tp / ms['off']:+.1%}); dpprof / torch.profiler = {dp / tp:.2f} (aim: <= 0.5)", flush=True)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        _worker(args)
+        return
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+           "--worker", "--rounds", str(args.rounds), "--steps", str(args.steps)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DPPROF_REPORTS": os.environ.get("DPPROF_REPORTS", "/tmp/dpprof-bench")}
+    sys.exit(subprocess.call(cmd, env=env))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,390 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) recorded per rank, through the hooks torch's FSDP already calls.
+
+Nothing of torch's FSDP is copied: ``install()`` wraps, in place and reversibly, the few functions FSDP2 calls
+for each step (the root's pre-forward, the root's post-forward registration of its pre-backward hook, the root's post-backward callback, and the three
+collective helpers its parameter groups call: ``foreach_all_gather``, ``foreach_all_gather_copy_out``,
+``foreach_reduce``), and the collective object each helper is handed, so the collective call itself is timed.
+Outside a recording the wrappers call torch's functions and do nothing else.
+
+What is measured per rank and step, on the host clock (``time.perf_counter_ns``):
+
+- ``forward``: the root module's forward, from its pre-forward hook to its post-forward hook (where the root
+  registers its pre-backward hook, after resharding its own parameters);
+- ``backward``: the first gradient reaching the root's output to the end of FSDP's root post-backward callback;
+- ``all_gather_wait`` / ``reduce_scatter_wait``: the time the rank's host was blocked in the collective: inside a
+  synchronous collective call (gloo, and every FSDP2 reduce-scatter), or in ``Work.wait()`` before the copy-out of an
+  asynchronous all-gather. This is the *exposed* part: on CPU gloo every FSDP2 collective is synchronous, so it
+  all is. On a GPU (NCCL) the host only enqueues the collective, so the host's exposed time is the launch and the
+  collective's own time is on the GPU (import a torch.profiler trace for it);
+- ``copy_in`` / ``copy_out``: FSDP's copies around the collectives: the all-gather's copy-in of the local shards
+  and its copy-out into the unsharded parameters, the reduce-scatter's copy-in of the gradients and what follows
+  the collective (the gradient copied into the sharded ``.grad``);
+- ``optimizer``: ``optimizer.step()`` (torch's global optimizer hooks);
+- ``data``: the gap since the previous step ended (data loading), as for DDP.
+
+Each collective is also one ``CommRecord`` (``collective`` "all-gather" or "reduce-scatter"): its bytes (the
+all-gather's whole output, the reduce-scatter's whole input: both the padded unsharded size of the group's
+parameters), its launch and its completion (the end of the call for a synchronous one; the end of ``wait()`` for an
+asynchronous all-gather: when the rank learned it was done). ``bucket`` is its index among the step's
+collectives of its kind, the order the collectives engineer's per-collective matching reads.
+
+Memory on CPU is dpprof's accounting, one ``DeviceMemoryRecord`` per rank and step: ``param_bytes`` the rank's
+sharded parameters, ``gathered_bytes`` the peak of the unsharded (gathered) parameters the rank held at once in
+the step, ``input_bytes`` / ``output_bytes`` the root forward's. On a GPU the allocator's counters are recorded
+too (``AllocatorRecord`` at the end of forward and of backward).
+"""
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from dpprof.device_ids import DeviceSet
+from dpprof.parallel.probe import allocator_bytes, iter_tensors, tensor_bytes
+from dpprof.recording import Run, current_run
+from dpprof.records import AllocatorRecord, CommRecord, DeviceMemoryRecord, PhaseRecord
+
+__all__ = ["install", "uninstall", "installed", "FSDP_WAIT_PHASES", "ALL_GATHER", "REDUCE_SCATTER"]
+
+ALL_GATHER = "all-gather"  # CommRecord.collective, in dpprof.trace.collect.collective_name's words
+REDUCE_SCATTER = "reduce-scatter"
+FSDP_WAIT_PHASES = {ALL_GATHER: "all_gather_wait", REDUCE_SCATTER: "reduce_scatter_wait"}
+
+_lock = threading.Lock()
+_patches: list[tuple[Any, str, Any]] = []  # (owner, attribute, torch's original), to put back
+_state: dict[str, Any] = {"probe": None, "previous": None, "hooks": []}
+
+
+class _StepProbe:
+    """One recorded FSDP step on one rank."""
+
+    def __init__(self, run: Run, rank: int, module: torch.nn.Module, t0: int, previous: _StepProbe | None) -> None:
+        self.run = run
+        self.devices = DeviceSet("rank", (rank,), rank)
+        self.label = self.devices.label(rank)
+        run.note_devices(self.devices)
+        self.step = run.step_for_forward(True)
+        self.module = module
+        first = next(module.parameters(), None)
+        self.cuda_index = first.device.index if first is not None and first.is_cuda else None
+        if self.cuda_index is not None:
+            torch.cuda.reset_peak_memory_stats(self.cuda_index)
+        self.forward_t0 = t0
+        self.backward_t0: int | None = None
+        self.optimizer_t0: int | None = None
+        self.last_end_ns = t0
+        self.count = {ALL_GATHER: 0, REDUCE_SCATTER: 0}
+        self.pending: dict[int, tuple[int, int, int]] = {}  # id(AllGatherResult) -> (index, bytes, launch_ns)
+        self.gathered_bytes = 0
+        self.gathered_peak_bytes = 0
+        self.io_bytes = (0, 0)
+        if previous is not None and previous.run is run:
+            step, data_start = self.step, previous.last_end_ns
+            if not step.explicit and step.calls == 1:
+                step.start_ns = min(step.start_ns, data_start)
+            data_start = max(data_start, step.start_ns)
+            if t0 > data_start:
+                self.phase("data", data_start, t0)
+
+    def phase(self, name: str, t0: int, t1: int) -> None:
+        self.run.emit(PhaseRecord(step=self.step.index, call=0, phase=name, device=self.label,
+                                  start_ms=self.run.ms(t0), duration_ms=(t1 - t0) / 1e6))
+        self.step.touch(t1)
+        self.last_end_ns = max(self.last_end_ns, t1)
+
+    def collective(self, what: str, nbytes: int, launch_ns: int, done_ns: int) -> None:
+        index = self.count[what]
+        self.count[what] = index + 1
+        self.run.emit(CommRecord(step=self.step.index, device=self.label, bucket=index, bucket_bytes=nbytes,
+                                 launch_ms=self.run.ms(launch_ns), duration_ms=(done_ns - launch_ns) / 1e6,
+                                 collective=what))
+
+    def gathered(self, delta_bytes: int) -> None:
+        self.gathered_bytes = max(0, self.gathered_bytes + delta_bytes)
+        self.gathered_peak_bytes = max(self.gathered_peak_bytes, self.gathered_bytes)
+
+    def read_allocator(self, phase: str) -> None:
+        if self.cuda_index is not None:
+            allocated, peak, reserved = allocator_bytes(self.cuda_index)
+            self.run.emit(AllocatorRecord(self.step.index, 0, self.label, phase, allocated, peak, reserved))
+
+    def memory(self) -> None:
+        """This rank's memory for the step by dpprof's accounting (sharded and peak gathered parameters)."""
+        sharded, buffers = self.run.cached(("fsdp shard bytes", id(self.module)), lambda: _shard_bytes(self.module))
+        inputs, outputs = self.io_bytes
+        self.run.emit(DeviceMemoryRecord(self.step.index, 0, self.label, self.step.batch_size, inputs, outputs, 0,
+                                         self.gathered_peak_bytes, sharded, buffers))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's sharded parameters), else the tensor."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _shard_bytes(module: torch.nn.Module) -> tuple[int, int]:
+    """(parameter bytes, buffer bytes) this rank holds of the module: its shards."""
+    params = sum(_local(p).numel() * p.element_size() for p in module.parameters())
+    return params, sum(b.numel() * b.element_size() for b in module.buffers())
+
+
+def _group_unsharded_bytes(group: Any) -> int:
+    """The bytes of an FSDP parameter group's parameters unsharded (gathered), unpadded."""
+    return sum(p._orig_size.numel() * p.sharded_param.element_size() for p in group.fsdp_params)
+
+
+class _TimedComm:
+    """FSDP's collective object (DefaultAllGather, DefaultReduceScatter, ...) with its call timed."""
+
+    def __init__(self, inner: Any, bytes_of: str) -> None:
+        self.inner = inner
+        self.bytes_of = bytes_of  # the keyword argument whose tensor the collective's bytes are
+        self.launch_ns: int | None = None
+        self.done_ns: int | None = None
+        self.nbytes = 0
+        self.result: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        tensor = kwargs.get(self.bytes_of)
+        self.nbytes = tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
+        self.launch_ns = time.perf_counter_ns()
+        self.result = self.inner(*args, **kwargs)
+        self.done_ns = time.perf_counter_ns()
+        return self.result
+
+
+def _probe() -> _StepProbe | None:
+    probe: _StepProbe | None = _state["probe"]
+    if probe is not None and current_run() is not probe.run:
+        _state["probe"] = _state["previous"] = None
+        return None
+    return probe
+
+
+# the wrappers: each calls torch's function; with a probe open it also times it
+def _wrap_root_pre_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def root_pre_forward(self: Any, module: Any, args: Any, kwargs: Any) -> Any:
+        run = current_run()
+        if run is None:
+            return original(self, module, args, kwargs)
+        first = self._state_ctx.iter_forward_root is None
+        t0 = time.perf_counter_ns()
+        out = original(self, module, args, kwargs)
+        if first and self._state_ctx.iter_forward_root is self:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            previous = _state["previous"]
+            probe = _StepProbe(run, rank, module, t0, previous if previous is not None and previous.run is run
+                               else None)
+            first_tensor = next(iter_tensors(out[0]), None)
+            if first_tensor is not None and first_tensor.dim() > 0:
+                probe.step.batch_size = (probe.step.batch_size or 0) + first_tensor.size(0)
+            probe.io_bytes = (tensor_bytes(out), 0)
+            _state["probe"] = _state["previous"] = probe
+        return out
+
+    return root_pre_forward
+
+
+def _wrap_post_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def register_pre_backward_hook(self: Any, output: Any) -> Any:
+        probe = _probe()
+        if probe is None or self._state_ctx.iter_forward_root is not self:
+            return original(self, output)
+        if torch.is_grad_enabled():  # before FSDP's own hook, so backward starts before its unshard there
+            def on_grad(grad: torch.Tensor) -> None:
+                if probe.backward_t0 is None:
+                    probe.backward_t0 = time.perf_counter_ns()
+
+            for t in iter_tensors(output):
+                if t.requires_grad:
+                    t.register_hook(on_grad)
+        out = original(self, output)
+        probe.phase("forward", probe.forward_t0, time.perf_counter_ns())
+        probe.io_bytes = (probe.io_bytes[0], tensor_bytes(out))
+        probe.read_allocator("forward")
+        probe.step.devices_used = 1
+        if not torch.is_grad_enabled():
+            probe.memory()
+        return out
+
+    return register_pre_backward_hook
+
+
+def _wrap_post_backward_callback(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def root_post_backward_final_callback(self: Any) -> Any:
+        out = original(self)
+        probe = _probe()
+        if probe is not None and probe.backward_t0 is not None:
+            t0, probe.backward_t0 = probe.backward_t0, None
+            probe.phase("backward", t0, time.perf_counter_ns())
+            probe.read_allocator("backward")
+            probe.memory()
+        return out
+
+    return root_post_backward_final_callback
+
+
+def _wrap_all_gather(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def foreach_all_gather(fsdp_params: Any, group: Any, async_op: Any, copy_in_stream: Any, stream: Any,
+                           device: Any, all_gather_comm: Any) -> Any:
+        probe = _probe()
+        if probe is None:
+            return original(fsdp_params, group, async_op, copy_in_stream, stream, device, all_gather_comm)
+        timed = _TimedComm(all_gather_comm, "output_tensor")
+        t0 = time.perf_counter_ns()
+        result = original(fsdp_params, group, async_op, copy_in_stream, stream, device, timed)
+        t1 = time.perf_counter_ns()
+        if timed.launch_ns is None or timed.done_ns is None:
+            return result
+        probe.phase("copy_in", t0, timed.launch_ns)
+        if isinstance(timed.result, dist.Work):  # asynchronous: done when copy-out's wait returns
+            index = probe.count[ALL_GATHER]
+            probe.count[ALL_GATHER] = index + 1
+            probe.pending[id(result)] = (index, timed.nbytes, timed.launch_ns)
+        else:
+            probe.phase("all_gather_wait", timed.launch_ns, timed.done_ns)
+            probe.collective(ALL_GATHER, timed.nbytes, timed.launch_ns, timed.done_ns)
+        if t1 > timed.done_ns:
+            probe.step.touch(t1)
+        return result
+
+    return foreach_all_gather
+
+
+def _wrap_copy_out(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def foreach_all_gather_copy_out(all_gather_result: Any, fsdp_params: Any, group: Any) -> Any:
+        probe = _probe()
+        if probe is None:
+            return original(all_gather_result, fsdp_params, group)
+        t0 = time.perf_counter_ns()
+        pending = probe.pending.pop(id(all_gather_result), None)
+        work = getattr(all_gather_result, "all_gather_work", None)
+        if pending is not None and isinstance(work, dist.Work):
+            work.wait()  # what torch's copy-out waits for first; a second wait returns at once
+            t_wait = time.perf_counter_ns()
+            probe.phase("all_gather_wait", t0, t_wait)
+            index, nbytes, launch = pending
+            probe.run.emit(CommRecord(step=probe.step.index, device=probe.label, bucket=index, bucket_bytes=nbytes,
+                                      launch_ms=probe.run.ms(launch), duration_ms=(t_wait - launch) / 1e6,
+                                      collective=ALL_GATHER))
+            t0 = t_wait
+        out = original(all_gather_result, fsdp_params, group)
+        probe.phase("copy_out", t0, time.perf_counter_ns())
+        return out
+
+    return foreach_all_gather_copy_out
+
+
+def _wrap_reduce(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def foreach_reduce(*args: Any, **kwargs: Any) -> Any:
+        probe = _probe()
+        if probe is None or len(args) < 5:
+            return original(*args, **kwargs)
+        timed = _TimedComm(args[4], "input_tensor")
+        t0 = time.perf_counter_ns()
+        out = original(*args[:4], timed, *args[5:], **kwargs)
+        t1 = time.perf_counter_ns()
+        if timed.launch_ns is None or timed.done_ns is None:  # one rank: no reduce-scatter ran
+            return out
+        probe.phase("copy_in", t0, timed.launch_ns)
+        probe.phase("reduce_scatter_wait", timed.launch_ns, timed.done_ns)
+        probe.phase("copy_out", timed.done_ns, t1)
+        probe.collective(REDUCE_SCATTER, timed.nbytes, timed.launch_ns, timed.done_ns)
+        return out
+
+    return foreach_reduce
+
+
+def _wrap_wait_for_unshard(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wait_for_unshard(self: Any) -> Any:
+        probe = _probe()
+        was = self.is_unsharded
+        out = original(self)
+        if probe is not None and not was and self.is_unsharded:
+            probe.gathered(_group_unsharded_bytes(self))
+        return out
+
+    return wait_for_unshard
+
+
+def _wrap_reshard(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def reshard(self: Any) -> Any:
+        probe = _probe()
+        was = self.is_unsharded
+        out = original(self)
+        if probe is not None and was and not self.is_unsharded:
+            probe.gathered(-_group_unsharded_bytes(self))
+        return out
+
+    return reshard
+
+
+def _optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+    probe = _probe()
+    if probe is not None:
+        probe.optimizer_t0 = time.perf_counter_ns()
+
+
+def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
+    probe = _probe()
+    if probe is not None and probe.optimizer_t0 is not None:
+        probe.phase("optimizer", probe.optimizer_t0, time.perf_counter_ns())
+        probe.optimizer_t0 = None
+
+
+def installed() -> bool:
+    """Whether FSDP2's functions are wrapped now."""
+    return bool(_patches)
+
+
+def install() -> None:
+    """Wrap FSDP2's per-step functions so that steps inside a recording are recorded (idempotent)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+    from torch.distributed.fsdp._fully_shard import _fsdp_state as state_module
+
+    with _lock:
+        if _patches:
+            return
+        state_cls, group_cls = state_module.FSDPState, group_module.FSDPParamGroup
+        for owner, name, wrap in (
+                (state_cls, "_root_pre_forward", _wrap_root_pre_forward),
+                (state_cls, "_register_pre_backward_hook", _wrap_post_forward),
+                (state_cls, "_root_post_backward_final_callback", _wrap_post_backward_callback),
+                (group_cls, "wait_for_unshard", _wrap_wait_for_unshard),
+                (group_cls, "reshard", _wrap_reshard),
+                (group_module, "foreach_all_gather", _wrap_all_gather),
+                (group_module, "foreach_all_gather_copy_out", _wrap_copy_out),
+                (group_module, "foreach_reduce", _wrap_reduce)):
+            original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            _patches.append((owner, name, original))
+            setattr(owner, name, wrap(original))
+        _state["hooks"] = [register_optimizer_step_pre_hook(_optimizer_pre),
+                           register_optimizer_step_post_hook(_optimizer_post)]
+
+
+def uninstall() -> None:
+    """Put torch's own FSDP2 functions back."""
+    with _lock:
+        for owner, name, original in reversed(_patches):
+            setattr(owner, name, original)
+        _patches.clear()
+        for hook in _state["hooks"]:
+            hook.remove()
+        _state.update(probe=None, previous=None, hooks=[])

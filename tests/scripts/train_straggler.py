@@ -1,0 +1,61 @@
+"""A data-parallel script for torchrun (gloo) whose ranks spend a fixed time loading each batch, one rank longer: a
+straggler of known size. DistributedDataParallel, or FSDP2 (``--fsdp``: fully_shard on each Linear and the root).
+``--trace DIR``: profile each rank with torch.profiler (a schedule, so steps are ProfilerStep#N) and export
+DIR/<stem>-rank<N>.pt.trace.json, as a user would without dpprof."""
+import argparse
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, schedule
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=6)
+parser.add_argument("--load-ms", type=float, default=60.0, help="every rank's time to load a batch")
+parser.add_argument("--delay", default=None, metavar="RANK:MS", help="RANK loads each batch MS longer")
+parser.add_argument("--fsdp", action="store_true")
+parser.add_argument("--trace", default=None, metavar="DIR")
+parser.add_argument("--stem", default="straggler")
+args = parser.parse_args()
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+if args.fsdp:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+else:
+    model = nn.parallel.DistributedDataParallel(model)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+batches = torch.Generator().manual_seed(rank)
+delay_rank, delay_ms = (int(x) for x in args.delay.split(":")) if args.delay else (-1, 0)
+load_s = (args.load_ms + (delay_ms if rank == delay_rank else 0)) / 1e3
+
+
+def step() -> None:
+    time.sleep(load_s)  # loading the batch: a slow disk, a busy input pipeline
+    x, y = torch.randn(32, 32, generator=batches), torch.randint(0, 4, (32,), generator=batches)
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+
+
+if args.trace:
+    out = Path(args.trace) / f"{args.stem}-rank{rank}.pt.trace.json"
+    with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=args.steps, repeat=1),
+                 on_trace_ready=lambda p: p.export_chrome_trace(str(out))) as prof:
+        for _ in range(args.steps + 1):
+            step()
+            prof.step()
+else:
+    for _ in range(args.steps):
+        step()
+dist.destroy_process_group()

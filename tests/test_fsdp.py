@@ -1,0 +1,216 @@
+"""FSDP2 (fully_shard) on two gloo ranks (torchrun --standalone), recorded by dpprof: `dpprof run` of an unchanged
+script (tests/scripts/train_fsdp.py) and `dpprof profile --fsdp`."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import dpprof
+from dpprof.cli import main
+from dpprof.findings import run_findings
+from dpprof.findings.fsdp import EXPOSED_SHARE_WARN, UNEVEN_SHARD_RATIO
+from dpprof.records import FSDP_PHASES
+from dpprof.units import mib
+from dpprof.views.fsdp import fsdp_collective_table
+from test_invariants import assert_parts_partition_the_steps
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).parent / "scripts" / "train_fsdp.py"
+ROOT = Path(__file__).parent.parent
+WORLD = 2
+STEPS = 5
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
+FLOAT_BYTES = 4
+
+
+def _torchrun(args, env, timeout=300):
+    out = subprocess.run(TORCHRUN + [str(a) for a in args], capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, **ENV, "FSDP_STEPS": str(STEPS), **env})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def _recorded(directory: Path, **env: str):
+    """`dpprof run` of the script under torchrun into ``directory``; the run, opened."""
+    _torchrun(["-m", "dpprof", "run", SCRIPT], {"DPPROF_REPORTS": str(directory), **env})
+    runs = dpprof.list_runs(directory)
+    assert len(runs) == 1, runs
+    return dpprof.load_run(runs.loc[0, "id"], directory)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The script recorded with FSDP2's default (reshard after forward) and with reshard_after_forward=False, and its
+    trained weights with and without dpprof."""
+    base = tmp_path_factory.mktemp("fsdp")
+    weights = {"plain": base / "plain.pt", "recorded": base / "recorded.pt"}
+    _torchrun([SCRIPT], {"FSDP_OUT": str(weights["plain"]), "DPPROF_REPORTS": str(base / "unused")})
+    reshard = _recorded(base / "reshard", FSDP_OUT=str(weights["recorded"]))
+    keep = _recorded(base / "keep", FSDP_RESHARD="0")
+    return {"reshard": reshard, "keep": keep, "weights": weights}
+
+
+def _group_shapes(width: int = 64) -> list[list[torch.Size]]:
+    """The script's fully_shard groups' parameter shapes, from the same modules built here: each layer, then the
+    root's own parameters (the last Linear)."""
+    layers = [nn.Linear(width if i else 20, width) for i in range(3)]
+    return [[p.shape for p in layer.parameters()] for layer in layers] + [[p.shape for p in
+                                                                            nn.Linear(width, 7).parameters()]]
+
+
+def _padded_bytes(shapes: list[torch.Size]) -> int:
+    """A group's bytes as FSDP2 gathers them: each parameter's dim 0 padded to a multiple of the ranks."""
+    return sum(math.ceil(s[0] / WORLD) * WORLD * math.prod(s[1:]) * FLOAT_BYTES for s in shapes)
+
+
+def test_every_step_is_recorded_per_rank_with_fsdps_parts(runs):
+    run = runs["reshard"]
+    assert run.model.kind == "fsdp" and run.model.devices == ("rank:0", "rank:1")
+    assert run.meta["status"] == "finished" and run.model.dist_backend == "gloo"
+    assert run.steps.groupby("rank")["step"].apply(list).to_dict() == {r: list(range(STEPS)) for r in range(WORLD)}
+    per = run.phases.groupby(["rank", "step", "phase"]).size().unstack(fill_value=0)
+    for phase in ("forward", "backward", "optimizer", "all_gather_wait", "reduce_scatter_wait", "copy_in",
+                  "copy_out"):
+        assert (per[phase] >= 1).all(), phase
+    assert (per.loc[per.index.get_level_values("step") > 0, "data"] == 1).all()
+    assert set(run.phases["phase"]) <= set(FSDP_PHASES)
+    # FSDP's own phases lie inside the root's forward or backward on their rank
+    p = run.phases.assign(end=run.phases["start_ms"] + run.phases["duration_ms"])
+    outer = p[p["phase"].isin(["forward", "backward"])]
+    for (rank, step), inner in p[p["phase"].isin(["all_gather_wait", "reduce_scatter_wait"])].groupby(["rank", "step"]):
+        spans = outer[(outer["rank"] == rank) & (outer["step"] == step)]
+        for start, end in zip(inner["start_ms"], inner["end"]):
+            assert ((spans["start_ms"] <= start + 1e-6) & (end <= spans["end"] + 1e-6)).any()
+
+
+@pytest.mark.parametrize("name", ["reshard", "keep"])
+def test_the_parts_partition_every_step(runs, name):
+    totals = assert_parts_partition_the_steps(runs[name])
+    assert {"all_gather_wait", "reduce_scatter_wait", "forward", "backward"} <= set(totals["phase"])
+
+
+def test_weights_after_training_are_bit_identical_to_the_unprofiled_script(runs):
+    plain, recorded = (torch.load(runs["weights"][k]) for k in ("plain", "recorded"))
+    assert plain.keys() == recorded.keys() and len(plain) == 8
+    for key in plain:
+        assert torch.equal(plain[key], recorded[key]), key
+    assert not torch.equal(plain["0.0.weight"], nn.Linear(20, 64).weight)  # trained: the weights moved
+
+
+def test_collectives_carry_the_bytes_the_shards_imply(runs):
+    groups = sorted(_padded_bytes(g) for g in _group_shapes())
+    for name, gathers_per_group in (("reshard", None), ("keep", 1)):
+        comms = runs[name].comms
+        for (rank, step), c in comms.groupby(["rank", "step"]):
+            scatters = sorted(c.loc[c["collective"] == "reduce-scatter", "bucket_bytes"])
+            assert scatters == groups, (name, rank, step)  # one reduce-scatter of each group's gradients
+            gathers = Counter(c.loc[c["collective"] == "all-gather", "bucket_bytes"])
+            if gathers_per_group == 1:  # kept from forward to backward: each group gathered once
+                assert sorted(gathers.elements()) == groups
+            else:  # resharded after forward: the layers gathered again in backward (the root keeps its own)
+                assert set(gathers) == set(groups) and sum(gathers.values()) > len(groups)
+        assert (comms["duration_ms"] >= 0).all() and set(comms["collective"]) == {"all-gather", "reduce-scatter"}
+
+
+def test_memory_is_each_ranks_shard_and_the_gathered_peak(runs):
+    total = sum(p.numel() for g in _group_shapes() for s in g for p in [torch.empty(s)]) * FLOAT_BYTES
+    for name in ("reshard", "keep"):
+        mem = runs[name].memory.groupby("device")[["param_bytes", "gathered_bytes"]].max()
+        assert mem["param_bytes"].sum() == total  # the shards add up to the model
+        assert (mem["param_bytes"] < total).all()
+    keep = runs["keep"].memory["gathered_bytes"].max()
+    reshard = runs["reshard"].memory["gathered_bytes"].max()
+    assert keep == total  # every group held gathered at once until backward
+    assert 0 < reshard < keep  # resharding after forward holds fewer at once
+
+
+def test_the_reshard_after_forward_finding_fires_only_where_backward_gathers_again(runs):
+    for name in ("reshard", "keep"):
+        table = fsdp_collective_table(runs[name])
+        gathers = table[table["collective"] == "all-gather"]
+        found = run_findings(runs[name]).table
+        fired = "reshard_after_forward" in set(found["kind"])
+        assert fired == (gathers["in_backward_per_step"] > 0).any(), (name, table)
+    assert "reshard_after_forward" in set(run_findings(runs["reshard"]).table["kind"])
+    assert "reshard_after_forward" not in set(run_findings(runs["keep"]).table["kind"])
+
+
+def test_exposed_collective_findings_follow_the_recorded_waits(runs):
+    """On gloo every FSDP2 collective blocks the host: issued time is all exposed, and a finding is raised exactly
+    where the wait is over EXPOSED_SHARE_WARN of the median step."""
+    for name in ("reshard", "keep"):
+        run = runs[name]
+        table = fsdp_collective_table(run)
+        assert ((table["exposed_ms"] - table["issued_ms"]).abs() <= 1e-6 + 1e-9 * table["issued_ms"]).all()
+        steps = run.steps[run.steps["step"] > 0].groupby("step")["duration_ms"].max()
+        later = run.phases[run.phases["step"] > 0]
+        kinds = set(run_findings(run).table["kind"])
+        for phase, kind in (("all_gather_wait", "all_gather_exposed"), ("reduce_scatter_wait", "reduce_scatter_exposed")):
+            worst = later[later["phase"] == phase].groupby("device")["duration_ms"].sum().max() / len(steps)
+            assert (kind in kinds) == (worst / steps.median() >= EXPOSED_SHARE_WARN and worst >= 0.25), (name, kind)
+
+
+def test_uneven_shards_are_found_only_where_dim_0_does_not_divide(runs, tmp_path):
+    assert "uneven_shards" not in set(run_findings(runs["reshard"]).table["kind"])
+    run = _recorded(tmp_path / "uneven", FSDP_UNEVEN="1", FSDP_STEPS="4")
+    held = run.memory.groupby("device")["param_bytes"].max()
+    base = runs["reshard"].memory.groupby("device")["param_bytes"].max()
+    row = 589_824 * FLOAT_BYTES  # the script's table: 3 rows, 2 on rank 0 and 1 on rank 1
+    assert held["rank:0"] - held["rank:1"] == row + base["rank:0"] - base["rank:1"]
+    assert held.max() / held.min() >= UNEVEN_SHARD_RATIO
+    found = run_findings(run).table.set_index("kind")
+    assert found.loc["uneven_shards", "device"] == "rank:0"
+    assert mib(held["rank:0"] - held["rank:1"]) in found.loc["uneven_shards", "evidence"]
+
+
+def test_profile_fsdp_runs_a_builtin_on_two_ranks(tmp_path, capsys):
+    assert main(["--reports-dir", str(tmp_path), "profile", "tutorial-linear", "--fsdp", "--nproc", "2",
+                 "--steps", "4", "--quiet"]) == 0
+    runs = dpprof.list_runs(tmp_path)
+    run = dpprof.load_run(runs.loc[0, "id"], tmp_path)
+    assert run.model.kind == "fsdp" and run.meta["workload_args"]["fsdp"] is True
+    assert run.steps.groupby("rank").size().tolist() == [4, 4]
+    assert set(run.comms["collective"]) == {"all-gather", "reduce-scatter"}
+    assert main(["--reports-dir", str(tmp_path), "show", run.id]) == 0
+    out = capsys.readouterr().out
+    assert "FSDP (fully_shard) (gloo), 2 ranks" in out and "FSDP collectives per step" in out
+
+
+def test_profile_refuses_ddp_and_fsdp_together(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["profile", "tutorial-linear", "--fsdp", "--ddp"])
+    assert exit_.value.code == 2
+    assert "give --ddp or --fsdp, not both" in capsys.readouterr().err
+
+
+def test_the_fsdp_table_is_empty_for_other_kinds(tmp_path):
+    from recorded import record
+
+    table = fsdp_collective_table(record(tmp_path, "dp", steps=3, batch_size=8))
+    assert isinstance(table, pd.DataFrame) and table.empty
+
+
+def test_the_overview_and_the_csvs_carry_the_fsdp_table(runs, tmp_path):
+    from dpprof.views.export import export_run, export_tables
+    from dpprof.views.overview import overview
+
+    run = runs["reshard"]
+    table = fsdp_collective_table(run)
+    assert sorted(table["collective"].unique()) == ["all-gather", "reduce-scatter"] and len(table) == 2 * WORLD
+    assert overview(run).fsdp.equals(table)
+    assert "fsdp_collectives" in set(export_tables(run)["table"])
+    written = {p.name for p in export_run(run, tmp_path / "csv")}
+    assert "fsdp_collectives.csv" in written
+    exported = pd.read_csv(tmp_path / "csv" / "fsdp_collectives.csv")
+    assert exported["sent_bytes_per_step"].tolist() == table["sent_bytes_per_step"].tolist()
