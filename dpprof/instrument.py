@@ -197,10 +197,18 @@ def data_parallel(module: torch.nn.Module, inputs: Any, device_ids: Sequence[Any
 
 data_parallel.__module__, data_parallel.__doc__ = _TORCH_DATA_PARALLEL.__module__, _TORCH_DATA_PARALLEL.__doc__
 
-_TORCH_FULLY_SHARD = importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard").fully_shard
+def _torch_fully_shard() -> Any:
+    """torch's fully_shard (FSDP2), or None in a torch built without torch.distributed."""
+    try:
+        return importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard").fully_shard
+    except ImportError:
+        return None
 
 
-@functools.wraps(_TORCH_FULLY_SHARD)
+_TORCH_FULLY_SHARD = _torch_fully_shard()
+
+
+@functools.wraps(_TORCH_FULLY_SHARD or (lambda *a, **k: None))
 def fully_shard(*args: Any, **kwargs: Any) -> Any:
     """torch.distributed.fsdp.fully_shard inside an instrument block: torch's, the run started at its first call
     (under torchrun, when the process group is up); dpprof.parallel.fsdp records the steps."""
@@ -246,6 +254,8 @@ class _Session:
     # the patch
     def patch(self) -> None:
         for kind, names in _NAMES.items():
+            if kind == "fully_shard" and _TORCH_FULLY_SHARD is None:
+                continue
             for module_name, attr in names:
                 module = importlib.import_module(module_name)
                 self._patched.append((module, attr, getattr(module, attr)))

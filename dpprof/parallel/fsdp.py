@@ -354,29 +354,40 @@ def installed() -> bool:
     return bool(_patches)
 
 
-def install() -> None:
-    """Wrap FSDP2's per-step functions so that steps inside a recording are recorded (idempotent)."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
-    from torch.distributed.fsdp._fully_shard import _fsdp_state as state_module
+def install() -> bool:
+    """Wrap FSDP2's per-step functions so that steps inside a recording are recorded (idempotent).
 
+    Returns:
+        whether they are wrapped: False where this torch has no FSDP2 or its functions are not the ones this module
+        knows (then nothing is wrapped, and FSDP runs unrecorded).
+    """
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+        from torch.distributed.fsdp._fully_shard import _fsdp_state as state_module
+    except ImportError:  # a torch built without torch.distributed
+        return False
     with _lock:
         if _patches:
-            return
+            return True
         state_cls, group_cls = state_module.FSDPState, group_module.FSDPParamGroup
-        for owner, name, wrap in (
-                (state_cls, "_root_pre_forward", _wrap_root_pre_forward),
-                (state_cls, "_register_pre_backward_hook", _wrap_post_forward),
-                (state_cls, "_root_post_backward_final_callback", _wrap_post_backward_callback),
-                (group_cls, "wait_for_unshard", _wrap_wait_for_unshard),
-                (group_cls, "reshard", _wrap_reshard),
-                (group_module, "foreach_all_gather", _wrap_all_gather),
-                (group_module, "foreach_all_gather_copy_out", _wrap_copy_out),
-                (group_module, "foreach_reduce", _wrap_reduce)):
-            original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        targets = ((state_cls, "_root_pre_forward", _wrap_root_pre_forward),
+                   (state_cls, "_register_pre_backward_hook", _wrap_post_forward),
+                   (state_cls, "_root_post_backward_final_callback", _wrap_post_backward_callback),
+                   (group_cls, "wait_for_unshard", _wrap_wait_for_unshard),
+                   (group_cls, "reshard", _wrap_reshard),
+                   (group_module, "foreach_all_gather", _wrap_all_gather),
+                   (group_module, "foreach_all_gather_copy_out", _wrap_copy_out),
+                   (group_module, "foreach_reduce", _wrap_reduce))
+        found = [(owner.__dict__ if isinstance(owner, type) else vars(owner)).get(name) for owner, name, _ in targets]
+        originals: list[Callable[..., Any]] = [f for f in found if callable(f)]
+        if len(originals) < len(targets):
+            return False
+        for (owner, name, wrap), original in zip(targets, originals):
             _patches.append((owner, name, original))
             setattr(owner, name, wrap(original))
         _state["hooks"] = [register_optimizer_step_pre_hook(_optimizer_pre),
                            register_optimizer_step_post_hook(_optimizer_post)]
+        return True
 
 
 def uninstall() -> None:
