@@ -66,6 +66,8 @@ class _StepProbe:
 
     def __init__(self, run: Run, rank: int, module: torch.nn.Module, t0: int, previous: _StepProbe | None) -> None:
         self.run = run
+        self.put = run.sink.put  # what run.emit calls, one call less on every record
+        self.t0_ns = run._t0_ns  # the run's clock origin (run.ms), as dpprof.parallel.probe reads it
         self.devices = DeviceSet("rank", (rank,), rank)
         self.label = self.devices.label(rank)
         run.note_devices(self.devices)
@@ -93,10 +95,11 @@ class _StepProbe:
                 self.phase("data", data_start, t0)
 
     def phase(self, name: str, t0: int, t1: int) -> None:
-        self.run.emit(PhaseRecord(step=self.step.index, call=0, phase=name, device=self.label,
-                                  start_ms=self.run.ms(t0), duration_ms=(t1 - t0) / 1e6))
+        # positional: PhaseRecord(step, call, phase, device, start_ms, duration_ms)
+        self.put(PhaseRecord(self.step.index, 0, name, self.label, (t0 - self.t0_ns) / 1e6, (t1 - t0) / 1e6))
         self.step.touch(t1)
-        self.last_end_ns = max(self.last_end_ns, t1)
+        if t1 > self.last_end_ns:
+            self.last_end_ns = t1
 
     def collective(self, what: str, nbytes: int, launch_ns: int, done_ns: int) -> None:
         index = self.count[what]
@@ -135,8 +138,13 @@ def _shard_bytes(module: torch.nn.Module) -> tuple[int, int]:
 
 
 def _group_unsharded_bytes(group: Any) -> int:
-    """The bytes of an FSDP parameter group's parameters unsharded (gathered), unpadded."""
-    return sum(p._orig_size.numel() * p.sharded_param.element_size() for p in group.fsdp_params)
+    """The bytes of an FSDP parameter group's parameters unsharded (gathered), unpadded (counted once per group:
+    parameters do not change size)."""
+    found = group.__dict__.get("_dpprof_unsharded_bytes")
+    if found is None:
+        found = sum(p._orig_size.numel() * p.sharded_param.element_size() for p in group.fsdp_params)
+        group.__dict__["_dpprof_unsharded_bytes"] = found
+    return int(found)
 
 
 class _TimedComm:
