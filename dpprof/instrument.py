@@ -233,7 +233,7 @@ def _under_launcher() -> bool:
 
 class _Session:
     """One instrument block: the patched names, the run (started at once, or under torchrun at the
-    first DataParallel or DDP, when the process group is up), the step rule and the --steps limit."""
+    first DataParallel, DDP or fully_shard, when the process group is up), the step rule and the --steps limit."""
 
     def __init__(self, record_args: dict[str, Any] | None, cpu_workers: int | None, steps: int | None) -> None:
         self.record_args = record_args  # None: the stand-ins and CPU workers, nothing recorded
@@ -408,7 +408,7 @@ def instrument(name: str | None = None, reports_dir: str | os.PathLike[str] | No
                workload: str | None = None, workload_args: dict[str, Any] | None = None, store: bool = True,
                sample_hz: float | None = DEFAULT_SAMPLE_HZ, sample_gpus: bool | None = None,
                detail: str = "bounded") -> Iterator[Run | None]:
-    """Record every DataParallel and DDP that code inside the block builds with torch's own names.
+    """Record every DataParallel, DDP and FSDP2 (fully_shard) that code inside the block builds with torch's own names.
 
     Args:
         name: a name for the run (default: its id).

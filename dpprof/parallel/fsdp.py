@@ -1,9 +1,10 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) recorded per rank, through the hooks torch's FSDP already calls.
 
 Nothing of torch's FSDP is copied: ``install()`` wraps, in place and reversibly, the few functions FSDP2 calls
-for each step (the root's pre-forward, the root's post-forward registration of its pre-backward hook, the root's post-backward callback, and the three
-collective helpers its parameter groups call: ``foreach_all_gather``, ``foreach_all_gather_copy_out``,
-``foreach_reduce``), and the collective object each helper is handed, so the collective call itself is timed.
+for each step (the root's pre-forward, the root's post-forward registration of its pre-backward hook, the root's
+post-backward callback, the parameter groups' unshard wait and reshard, and the three collective helpers they call:
+``foreach_all_gather``, ``foreach_all_gather_copy_out``, ``foreach_reduce``), and the collective object each helper
+is handed, so the collective call itself is timed.
 Outside a recording the wrappers call torch's functions and do nothing else.
 
 What is measured per rank and step, on the host clock (``time.perf_counter_ns``):
