@@ -53,14 +53,14 @@ def _worker(args: argparse.Namespace) -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         gen = torch.Generator().manual_seed(rank)
 
-        def block(n: int) -> float:
-            """Mean seconds per step over n steps."""
-            t0 = time.perf_counter()
+        def block(n: int) -> tuple[float, float]:
+            """Mean seconds per step over n steps, wall clock and this process's CPU time (all its threads)."""
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(n):
                 optimizer.zero_grad(set_to_none=True)
                 model(batch(gen)).float().pow(2).mean().backward()
                 optimizer.step()
-            return (time.perf_counter() - t0) / n
+            return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
 
         def recorder(arm: str) -> Any:
             if arm == "dpprof":
@@ -70,21 +70,27 @@ def _worker(args: argparse.Namespace) -> None:
             return nullcontext()
 
         means: dict[str, list[float]] = {arm: [] for arm in ARMS}
+        cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
         for r in range(args.rounds + 1):
             order = ARMS[r % 3:] + ARMS[:r % 3]
             for arm in order:
                 with recorder(arm):
-                    seconds = block(args.steps)
+                    seconds, cpu_seconds = block(args.steps)
                 if r > 0:  # the first round warms every arm up
                     means[arm].append(seconds)
+                    cpu[arm].append(cpu_seconds)
         if rank == 0:
             ms = {arm: statistics.mean(v) * 1e3 for arm, v in means.items()}
+            cpu_ms = {arm: statistics.mean(v) * 1e3 for arm, v in cpu.items()}
             dp, tp = ms["dpprof"] - ms["off"], ms["torch.profiler"] - ms["off"]
             print(f"{name}: 2 gloo ranks, {args.rounds} rounds x {args.steps} steps per arm (mean ms per step)")
             for arm in ARMS:
                 print(f"  {arm:15s} {ms[arm]:8.2f} ms/step")
             print(f"  dpprof adds {dp:+.2f} ms ({dp / ms['off']:+.1%}), torch.profiler {tp:+.2f} ms "
                   f"({tp / ms['off']:+.1%}); dpprof / torch.profiler = {dp / tp:.2f} (aim: <= 0.5)", flush=True)
+            cdp, ctp = cpu_ms["dpprof"] - cpu_ms["off"], cpu_ms["torch.profiler"] - cpu_ms["off"]
+            print(f"  rank 0's CPU time per step: off {cpu_ms['off']:.2f} ms, dpprof {cdp:+.2f} ms, torch.profiler "
+                  f"{ctp:+.2f} ms; ratio {cdp / ctp:.2f}", flush=True)
     dist.destroy_process_group()
 
 

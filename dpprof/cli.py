@@ -106,7 +106,7 @@ def _profile_ddp(profile: Profile, quiet: bool) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    """Run a script (or -m module) as python would, with torch's DataParallel and DDP recording."""
+    """Run a script (or -m module) as python would, with torch's DataParallel, DDP and FSDP2 recording."""
     import os
     import runpy
 
@@ -798,7 +798,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     p.set_defaults(func=_cmd_check, parser=p)
 
-    p = sub.add_parser("run", help="run a training script unchanged, its DataParallel and DDP recorded",
+    p = sub.add_parser("run", help="run a training script unchanged, its DataParallel, DDP and FSDP2 recorded",
                        usage="dpprof run [-h] [--name NAME] [--cpu-workers N] [--steps N] [--no-record] [--detail bounded|all] "
                        "[--capture A:B] "
                        "(SCRIPT.py | -m MODULE) [ARGS...]",

@@ -198,10 +198,18 @@ def data_parallel(module: torch.nn.Module, inputs: Any, device_ids: Sequence[Any
 
 data_parallel.__module__, data_parallel.__doc__ = _TORCH_DATA_PARALLEL.__module__, _TORCH_DATA_PARALLEL.__doc__
 
-_TORCH_FULLY_SHARD = importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard").fully_shard
+def _torch_fully_shard() -> Any:
+    """torch's fully_shard (FSDP2), or None in a torch built without torch.distributed."""
+    try:
+        return importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard").fully_shard
+    except ImportError:
+        return None
 
 
-@functools.wraps(_TORCH_FULLY_SHARD)
+_TORCH_FULLY_SHARD = _torch_fully_shard()
+
+
+@functools.wraps(_TORCH_FULLY_SHARD or (lambda *a, **k: None))
 def fully_shard(*args: Any, **kwargs: Any) -> Any:
     """torch.distributed.fsdp.fully_shard inside an instrument block: torch's, the run started at its first call
     (under torchrun, when the process group is up); dpprof.parallel.fsdp records the steps."""
@@ -226,7 +234,7 @@ def _under_launcher() -> bool:
 
 class _Session:
     """One instrument block: the patched names, the run (started at once, or under torchrun at the
-    first DataParallel or DDP, when the process group is up), the step rule and the --steps limit."""
+    first DataParallel, DDP or fully_shard, when the process group is up), the step rule and the --steps limit."""
 
     def __init__(self, record_args: dict[str, Any] | None, cpu_workers: int | None, steps: int | None) -> None:
         self.record_args = record_args  # None: the stand-ins and CPU workers, nothing recorded
@@ -247,6 +255,8 @@ class _Session:
     # the patch
     def patch(self) -> None:
         for kind, names in _NAMES.items():
+            if kind == "fully_shard" and _TORCH_FULLY_SHARD is None:
+                continue
             for module_name, attr in names:
                 module = importlib.import_module(module_name)
                 self._patched.append((module, attr, getattr(module, attr)))
@@ -399,7 +409,7 @@ def instrument(name: str | None = None, reports_dir: str | os.PathLike[str] | No
                workload: str | None = None, workload_args: dict[str, Any] | None = None, store: bool = True,
                sample_hz: float | None = DEFAULT_SAMPLE_HZ, sample_gpus: bool | None = None,
                detail: str = "bounded", capture: str | None = None) -> Iterator[Run | None]:
-    """Record every DataParallel and DDP that code inside the block builds with torch's own names.
+    """Record every DataParallel, DDP and FSDP2 (fully_shard) that code inside the block builds with torch's own names.
 
     Args:
         name: a name for the run (default: its id).

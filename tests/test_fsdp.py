@@ -156,7 +156,8 @@ def test_exposed_collective_findings_follow_the_recorded_waits(runs):
         steps = run.steps[run.steps["step"] > 0].groupby("step")["duration_ms"].max()
         later = run.phases[run.phases["step"] > 0]
         kinds = set(run_findings(run).table["kind"])
-        for phase, kind in (("all_gather_wait", "all_gather_exposed"), ("reduce_scatter_wait", "reduce_scatter_exposed")):
+        for phase, kind in (("all_gather_wait", "all_gather_exposed"),
+                            ("reduce_scatter_wait", "reduce_scatter_exposed")):
             worst = later[later["phase"] == phase].groupby("device")["duration_ms"].sum().max() / len(steps)
             assert (kind in kinds) == (worst / steps.median() >= EXPOSED_SHARE_WARN and worst >= 0.25), (name, kind)
 

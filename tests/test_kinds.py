@@ -56,6 +56,10 @@ def kinds(tmp_path_factory, profiled):
     profiled(directory, "tutorial-linear", "--ddp", "--nproc", "2", "--steps", "4")  # recorded once a session
     listing = dpprof.list_runs(directory)
     runs["ddp"] = (listing[listing["ranks"] == 2]["id"].iloc[0], "ddp")
+    assert main(["--reports-dir", str(directory), "profile", "tutorial-linear", "--fsdp", "--nproc", "2", "--steps",
+                 "4", "--quiet"]) == 0
+    listing = dpprof.list_runs(directory)
+    runs["fsdp"] = (listing[(listing["ranks"] == 2) & (listing["id"] != runs["ddp"][0])]["id"].iloc[0], "fsdp")
     done = subprocess.run([sys.executable, "-m", "dpprof", "--reports-dir", str(directory), "run",
                            str(ROOT / "tests" / "scripts" / "no_parallel.py")], capture_output=True, text=True,
                           timeout=120)
@@ -69,7 +73,7 @@ def kinds(tmp_path_factory, profiled):
     return SimpleNamespace(dir=directory, runs=runs)
 
 
-KINDS = ["dataparallel", "balanced", "failed", "ddp", "no_parallel", "trace_cpu",
+KINDS = ["dataparallel", "balanced", "failed", "ddp", "fsdp", "no_parallel", "trace_cpu",
          *sorted(p.name for p in TRACES.glob("*.json.gz"))]
 
 
@@ -138,6 +142,8 @@ def test_every_run_page_reads_right_for_every_kind(kinds, monkeypatch, name, pag
     assert not _empty_traces(_chart_data(at)), _empty_traces(_chart_data(at))
     text = _page_text(at)
     if kind not in ("dataparallel", "balanced"):
+        if kind == "fsdp":  # FSDP's own collective, not DataParallel's scatter
+            text = re.sub(r"reduce[-_ ]scatter", "", text, flags=re.I)
         said = [w for w in DATAPARALLEL_WORDS if w.lower() in text.lower()]
         assert not said, (said, text)
     if kind == "empty":

@@ -1,9 +1,10 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) recorded per rank, through the hooks torch's FSDP already calls.
 
 Nothing of torch's FSDP is copied: ``install()`` wraps, in place and reversibly, the few functions FSDP2 calls
-for each step (the root's pre-forward, the root's post-forward registration of its pre-backward hook, the root's post-backward callback, and the three
-collective helpers its parameter groups call: ``foreach_all_gather``, ``foreach_all_gather_copy_out``,
-``foreach_reduce``), and the collective object each helper is handed, so the collective call itself is timed.
+for each step (the root's pre-forward, the root's post-forward registration of its pre-backward hook, the root's
+post-backward callback, the parameter groups' unshard wait and reshard, and the three collective helpers they call:
+``foreach_all_gather``, ``foreach_all_gather_copy_out``, ``foreach_reduce``), and the collective object each helper
+is handed, so the collective call itself is timed.
 Outside a recording the wrappers call torch's functions and do nothing else.
 
 What is measured per rank and step, on the host clock (``time.perf_counter_ns``):
@@ -66,6 +67,8 @@ class _StepProbe:
 
     def __init__(self, run: Run, rank: int, module: torch.nn.Module, t0: int, previous: _StepProbe | None) -> None:
         self.run = run
+        self.put = run.sink.put  # what run.emit calls, one call less on every record
+        self.t0_ns = run._t0_ns  # the run's clock origin (run.ms), as dpprof.parallel.probe reads it
         self.devices = DeviceSet("rank", (rank,), rank)
         self.label = self.devices.label(rank)
         run.note_devices(self.devices)
@@ -93,10 +96,11 @@ class _StepProbe:
                 self.phase("data", data_start, t0)
 
     def phase(self, name: str, t0: int, t1: int) -> None:
-        self.run.emit(PhaseRecord(step=self.step.index, call=0, phase=name, device=self.label,
-                                  start_ms=self.run.ms(t0), duration_ms=(t1 - t0) / 1e6))
+        # positional: PhaseRecord(step, call, phase, device, start_ms, duration_ms)
+        self.put(PhaseRecord(self.step.index, 0, name, self.label, (t0 - self.t0_ns) / 1e6, (t1 - t0) / 1e6))
         self.step.touch(t1)
-        self.last_end_ns = max(self.last_end_ns, t1)
+        if t1 > self.last_end_ns:
+            self.last_end_ns = t1
 
     def collective(self, what: str, nbytes: int, launch_ns: int, done_ns: int) -> None:
         index = self.count[what]
@@ -135,8 +139,13 @@ def _shard_bytes(module: torch.nn.Module) -> tuple[int, int]:
 
 
 def _group_unsharded_bytes(group: Any) -> int:
-    """The bytes of an FSDP parameter group's parameters unsharded (gathered), unpadded."""
-    return sum(p._orig_size.numel() * p.sharded_param.element_size() for p in group.fsdp_params)
+    """The bytes of an FSDP parameter group's parameters unsharded (gathered), unpadded (counted once per group:
+    parameters do not change size)."""
+    found = group.__dict__.get("_dpprof_unsharded_bytes")
+    if found is None:
+        found = sum(p._orig_size.numel() * p.sharded_param.element_size() for p in group.fsdp_params)
+        group.__dict__["_dpprof_unsharded_bytes"] = found
+    return int(found)
 
 
 class _TimedComm:
@@ -354,29 +363,40 @@ def installed() -> bool:
     return bool(_patches)
 
 
-def install() -> None:
-    """Wrap FSDP2's per-step functions so that steps inside a recording are recorded (idempotent)."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
-    from torch.distributed.fsdp._fully_shard import _fsdp_state as state_module
+def install() -> bool:
+    """Wrap FSDP2's per-step functions so that steps inside a recording are recorded (idempotent).
 
+    Returns:
+        whether they are wrapped: False where this torch has no FSDP2 or its functions are not the ones this module
+        knows (then nothing is wrapped, and FSDP runs unrecorded).
+    """
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+        from torch.distributed.fsdp._fully_shard import _fsdp_state as state_module
+    except ImportError:  # a torch built without torch.distributed
+        return False
     with _lock:
         if _patches:
-            return
+            return True
         state_cls, group_cls = state_module.FSDPState, group_module.FSDPParamGroup
-        for owner, name, wrap in (
-                (state_cls, "_root_pre_forward", _wrap_root_pre_forward),
-                (state_cls, "_register_pre_backward_hook", _wrap_post_forward),
-                (state_cls, "_root_post_backward_final_callback", _wrap_post_backward_callback),
-                (group_cls, "wait_for_unshard", _wrap_wait_for_unshard),
-                (group_cls, "reshard", _wrap_reshard),
-                (group_module, "foreach_all_gather", _wrap_all_gather),
-                (group_module, "foreach_all_gather_copy_out", _wrap_copy_out),
-                (group_module, "foreach_reduce", _wrap_reduce)):
-            original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        targets = ((state_cls, "_root_pre_forward", _wrap_root_pre_forward),
+                   (state_cls, "_register_pre_backward_hook", _wrap_post_forward),
+                   (state_cls, "_root_post_backward_final_callback", _wrap_post_backward_callback),
+                   (group_cls, "wait_for_unshard", _wrap_wait_for_unshard),
+                   (group_cls, "reshard", _wrap_reshard),
+                   (group_module, "foreach_all_gather", _wrap_all_gather),
+                   (group_module, "foreach_all_gather_copy_out", _wrap_copy_out),
+                   (group_module, "foreach_reduce", _wrap_reduce))
+        found = [(owner.__dict__ if isinstance(owner, type) else vars(owner)).get(name) for owner, name, _ in targets]
+        originals: list[Callable[..., Any]] = [f for f in found if callable(f)]
+        if len(originals) < len(targets):
+            return False
+        for (owner, name, wrap), original in zip(targets, originals):
             _patches.append((owner, name, original))
             setattr(owner, name, wrap(original))
         _state["hooks"] = [register_optimizer_step_pre_hook(_optimizer_pre),
                            register_optimizer_step_post_hook(_optimizer_post)]
+        return True
 
 
 def uninstall() -> None:

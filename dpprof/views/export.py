@@ -33,8 +33,7 @@ TABLE_DESCRIPTIONS = {
     "gpu_samples": "NVML readings over time (CUDA runs with NVML only)",
     "findings": "the run's findings, worst first",
     "notes": "why some data is missing",
-    "comms": ("each gradient bucket's all-reduce (DistributedDataParallel runs), each all-gather and reduce-scatter "
-              "(FSDP runs), or each collective (imported traces)"),
+    "comms": "each gradient bucket's all-reduce (DistributedDataParallel runs), or each collective (imported traces)",
     "gpu_time": "per step and GPU: compute, communication, overlap, memcpy, memset and idle time (imported traces)",
 }
 # The same tables described in the terms of a run that is not DataParallel (DDP ranks, imported traces).
@@ -79,6 +78,8 @@ def export_tables(run: StoredRun) -> pd.DataFrame:
     counts = {t: table_rows.row_count(run, t) for t in TABLES if t != "findings"}
     counts["findings"] = None  # computed (or stored) when asked for
     words = TABLE_DESCRIPTIONS if run.model.dataparallel else {**TABLE_DESCRIPTIONS, **PROCESS_DESCRIPTIONS}
+    if run.model.kind == "fsdp":
+        words = {**words, "comms": "each all-gather and reduce-scatter of each FSDP rank: bytes, launch, duration"}
     rows = [{"table": t, "rows": counts[t], "what": words.get(t, "")} for t in TABLES]
     rows += [{"table": t, "rows": table_rows.row_count(run, t),
               "what": AGGREGATE_DESCRIPTIONS[t]} for t in _aggregates(run)]
