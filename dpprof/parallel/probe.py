@@ -199,11 +199,11 @@ class _BackwardWatch:
         torch.autograd.Variable._execution_engine.queue_callback(self.on_done)
 
     def on_done(self) -> None:
-        if self.range is not None:
-            self.range.__exit__(None, None, None)
-        t0, ev0, self.t0, self.ev0, self.range = self.t0, self.ev0, None, None, None
-        if self.probe is not None:
+        t0, ev0, span, self.t0, self.ev0, self.range = self.t0, self.ev0, self.range, None, None, None
+        if self.probe is not None:  # timed before the range closes: the timer lies inside it, as every phase's does
             self.probe.finish_phase("backward", self.label, t0, ev0)
+        if span is not None:
+            span.__exit__(None, None, None)
 
 
 def watch_backward(output: Any, probe: ForwardProbe | None, label: str) -> None:
