@@ -72,21 +72,24 @@ class _Table:
         return i
 
 
-class OpArgs(msgspec.Struct, gc=False):
-    """The args of an operator or launch that dpprof reads; the input shapes undecoded (their JSON is the key)."""
+class _Linked(msgspec.Struct, gc=False):
+    """The args that link an operator, its launches and their kernels: External id (``external id`` in the 2021
+    format) and correlation."""
 
     external_id: Any = msgspec.field(default=None, name="External id")
     external_id_2021: Any = msgspec.field(default=None, name="external id")
     correlation: Any = None
+
+
+class OpArgs(_Linked, gc=False):
+    """The args of an operator or launch that dpprof reads; the input shapes undecoded (their JSON is the key)."""
+
     input_dims: msgspec.Raw = msgspec.field(default=msgspec.Raw(), name="Input Dims")
 
 
-class KernelArgs(msgspec.Struct, gc=False):
+class KernelArgs(_Linked, gc=False):
     """The args of a kernel that dpprof reads."""
 
-    external_id: Any = msgspec.field(default=None, name="External id")
-    external_id_2021: Any = msgspec.field(default=None, name="external id")
-    correlation: Any = None
     grid: Any = None
     block: Any = None
     registers: Any = msgspec.field(default=None, name="registers per thread")
