@@ -35,7 +35,9 @@ pytestmark = pytest.mark.skipif(not RESNET.exists(), reason="../shared/traces is
 
 # The child: dpprof's CLI with one step wrapped to SIGKILL itself (``after`` is "publish": right after the first
 # file is given its name in the reports directory; "published": after the last, before the staging directory
-# goes; "write": once the run files are written, before any is published; "pause": wait there until killed).
+# goes; "removing": as it removes that directory, its owner file gone; "claimed": the staging directory claimed,
+# before it has its name; "write": once the run files are written, before any is published; "pause": wait there
+# until killed).
 _KILLED_CHILD = """
 import os, signal, sys
 import dpprof.store.publish as publish
@@ -58,6 +60,18 @@ elif after == "published":
     def stop(stage, everything=False):
         os.kill(os.getpid(), signal.SIGKILL)
     publish._remove_stage = stop
+elif after == "removing":
+    real_remove = publish._remove_stage
+    def remove(stage, everything=False):
+        os.rmdir = lambda path: os.kill(os.getpid(), signal.SIGKILL)  # its last step, the owner file gone
+        real_remove(stage, everything)
+    publish._remove_stage = remove
+elif after == "claimed":
+    real_claim = publish._claim
+    def claim(stage, reports):
+        real_claim(stage, reports)
+        os.kill(os.getpid(), signal.SIGKILL)
+    publish._claim = claim
 elif after == "pause":
     def findings(written):
         open(os.environ["PAUSED"], "w").close()
@@ -162,6 +176,36 @@ def test_an_import_killed_after_publishing_every_file_is_listed_whole_and_its_st
     assert _stages(reports) == [] and dpprof.list_runs(reports)[["status", "ranks"]].values.tolist() == [["finished", 2]]
 
 
+def test_an_import_killed_as_it_removes_its_staging_directory_leaves_a_whole_run_and_the_next_command_removes_it(
+        reports):
+    """The owner file goes before the directory: a staging directory without one is a dead process's, removed by
+    the next command at once (it was taken for one being claimed, and kept for a minute)."""
+    done = _child("removing", reports, *DDP128)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    [stage] = _stages(reports)
+    assert list(stage.iterdir()) == []
+    listing = dpprof.list_runs(reports)
+    assert listing[listing["reason"].isna()][["status", "ranks"]].values.tolist() == [["finished", 2]]
+    [left] = listing[listing["reason"].notna()]["reason"].tolist()
+    assert f"leaving no run file in {stage}" in left
+    [line] = recover(reports)
+    assert line == f"dpprof: removed {stage}, which an interrupted import left with no run file in it"
+    assert [p for p in reports.iterdir() if p.name.startswith(".")] == []
+
+
+def test_an_import_killed_while_claiming_its_staging_directory_lists_nothing_and_the_next_command_removes_it(reports):
+    done = _child("claimed", reports, *DDP128)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert _stages(reports) == []  # the staging directory never had its name
+    [claim] = [p for p in reports.iterdir() if p.name.startswith(".claim.import-")]
+    assert sorted(p.name for p in claim.iterdir()) == [OWNER_FILE]
+    assert dpprof.list_runs(reports).empty
+    again = _dpprof("--reports-dir", str(reports), "import", str(RESNET), "--quiet")
+    assert again.returncode == 0, again.stderr
+    assert f"dpprof: removed {claim}, which an import killed while claiming it left (it holds no run file)" in again.stderr
+    assert [p for p in reports.iterdir() if p.name.startswith(".")] == []
+
+
 def test_an_import_whose_process_group_is_killed_when_its_first_rank_file_appears_never_lists_a_finished_part(
         reports, tmp_path):
     """As the issue measured it: the process group (the import and its reading workers) SIGKILLed the moment the
@@ -186,8 +230,10 @@ def test_an_import_whose_process_group_is_killed_when_its_first_rank_file_appear
     runs = listing[listing["reason"].isna()]
     assert len(runs) <= 1, listing
     for _, run in runs.iterrows():  # the rank files published before the kill, if any
-        assert run["status"] == "finished" if run["ranks"] == world else (
-            run["status"] == "incomplete" and run["error"].startswith(f"{run['ranks']} of the {world} run files")), run
+        ranks = int(run["ranks"])  # a float where the listing has an interrupted import's row (no ranks)
+        assert run["status"] == "finished" if ranks == world else (
+            run["status"] == "incomplete" and run["error"].startswith(f"{ranks} of the {world} run files")), \
+            run.to_dict()
     assert main(["--reports-dir", str(reports), "import", str(RESNET), "--quiet"]) == 0  # the next command writing
     listing = dpprof.list_runs(reports)
     assert listing["reason"].isna().all() and not [p for p in reports.iterdir() if p.name.startswith(".")]

@@ -4,7 +4,9 @@ incomplete, never one listed as finished with some of its files.
 A command that writes several run files at once (``dpprof import`` of a job's traces, ``dpprof merge``) builds
 them in a hidden staging directory, ``.import-<run id>`` or ``.merge-<token>``, in the reports directory (on local
 disk where that is on a network filesystem: dpprof.store.staging). Inside lies ``owner.json`` (the process's id,
-host and the reports directory), locked (flock) while the process lives. Once every file is whole the process
+host and the reports directory), locked (flock) while the process lives. The directory is made under another name
+(``.claim.import-<run id>``) and gets its own only once that file is in it, locked, so a staging directory without
+an owner file has no process (one killed while removing it). Once every file is whole the process
 writes ``ready.json`` naming them, then gives each its name in the reports directory, never over another file.
 Each rank file of a distributed run says how many files the run has (a recording's ``world_size``, an imported
 run's trace files), so the listing shows a run holding fewer as incomplete, with the count
@@ -14,7 +16,8 @@ A staging directory whose process is gone (SIGKILL, a power cut) is finished by 
 the reports directory (``recover``: ``dpprof import``, ``merge``, ``profile``, any recording): with ``ready.json``
 the files not yet published are published, and the run is whole; without it nothing of it was published, and it
 is removed. Until then ``list_runs`` lists it (``interrupted``) as an interrupted import or merge with the reason.
-A staging directory whose process lives is never touched, nor any file outside staging directories.
+A staging directory whose process lives is never touched, nor any file outside staging directories. A claim
+directory left by a process killed while claiming holds no run file; the next command writing there removes it.
 """
 from __future__ import annotations
 
@@ -37,14 +40,15 @@ try:
 except ImportError:  # Windows: no flock; a staging directory's process is then judged by its pid
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["OWNER_FILE", "READY_FILE", "STAGE_KINDS", "UNCLAIMED_GRACE_S", "Stage", "interrupted", "recover"]
+__all__ = ["CLAIM_PREFIX", "OWNER_FILE", "READY_FILE", "STAGE_KINDS", "UNCLAIMED_GRACE_S", "Stage", "interrupted", "recover"]
 
 STAGE_KINDS = {".import-": "import", ".merge-": "merge"}  # staging directory name prefix -> the command
+CLAIM_PREFIX = ".claim"  # a staging directory being claimed: ".claim" + its name, until its owner file is in it
 OWNER_FILE = "owner.json"  # who builds the staging directory; locked while that process lives
 READY_FILE = "ready.json"  # written once every file is whole: from then on the files are published, never dropped
-# A staging directory gets its locked owner file a moment after it is made (two system calls); one older than
-# this without it was left by a process killed in between. A minute is far beyond any such moment, even on a
-# loaded machine.
+# A claim directory gets its locked owner file a moment after it is made (two system calls); one older than this
+# without it was left by a process killed in between. A minute is far beyond any such moment, even on a loaded
+# machine.
 UNCLAIMED_GRACE_S = 60.0
 
 log = logging.getLogger("dpprof")
@@ -83,11 +87,18 @@ class Stage:
         self._lock: int | None = None
 
     def __enter__(self) -> Stage:  # noqa: PYI034 - typing.Self is 3.11+, dpprof runs on 3.10
-        self.path.mkdir()
+        claiming = self.path.with_name(CLAIM_PREFIX + self.path.name)
+        claiming.mkdir()
         try:
-            self._lock = _claim(self.path, self.reports)
+            self._lock = _claim(claiming, self.reports)
+            if self.path.exists():  # os.rename would replace an empty directory of that name
+                raise FileExistsError(f"{self.path} exists")
+            os.rename(claiming, self.path)  # the lock goes with its file: the directory is owned from its first instant
         except BaseException:
-            shutil.rmtree(self.path, ignore_errors=True)
+            if self._lock is not None:
+                os.close(self._lock)
+                self._lock = None
+            shutil.rmtree(claiming, ignore_errors=True)
             raise
         return self
 
@@ -99,7 +110,6 @@ class Stage:
             FileExistsError: a file of that name is in the reports directory (what was published is taken back).
             OSError: a file could not be moved (the same).
         """
-        # imported here: staging builds on the writer, which this module (read by the listing) does not need
         _write_json(self.path / READY_FILE, {"files": [f.name for f in files], "reports": str(self.reports)})
         for f in files:
             target = self.reports / f.name
@@ -169,8 +179,10 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 def _owned_by_the_living(stage: Path, owner: dict[str, Any] | None) -> bool:
     """Whether a process that lives holds ``stage`` (without taking anything: for the listing)."""
-    if owner is None:  # not claimed yet, or never: alive while it is young
-        try:
+    if owner is None:
+        if not stage.name.startswith(CLAIM_PREFIX):
+            return False  # a staging directory has its owner file from its first instant: its process removed it
+        try:  # a claim directory: its process may be about to write it
             return time.time() - stage.stat().st_mtime < UNCLAIMED_GRACE_S
         except OSError:
             return True
@@ -190,9 +202,8 @@ def _owned_by_the_living(stage: Path, owner: dict[str, Any] | None) -> bool:
 
 
 def _take_over(stage: Path) -> int | None:
-    """The lock of a staging directory whose process is gone, for the command recovering it: a descriptor
-    (-1 where there is no owner file to lock, the directory being past UNCLAIMED_GRACE_S), or None while a
-    process holds it."""
+    """The lock of a staging (or claim) directory whose process is gone, for the command recovering it: a
+    descriptor (-1 where there is no owner file to lock), or None while a process holds it."""
     owner = _read_json(stage / OWNER_FILE)
     if owner is None:
         return None if _owned_by_the_living(stage, None) else -1
@@ -201,10 +212,11 @@ def _take_over(stage: Path) -> int | None:
     return lock_if_free(stage / OWNER_FILE)  # None too where another command recovered it meanwhile
 
 
-def _stages(reports: Path) -> list[Path]:
-    """The staging directories for ``reports``: in it, and in the local staging directory those of its imports
-    written there (their owner file names ``reports``)."""
-    # imported here, as in Stage.publish; importing it does no I/O
+def _stages(reports: Path, claims: bool = False) -> list[Path]:
+    """The staging directories for ``reports`` (``claims``: the claim directories): in it, and in the local
+    staging directory those of its imports written there (their owner file names ``reports``; a claim directory
+    without one holds nothing and goes with any)."""
+    prefixes = tuple(CLAIM_PREFIX + prefix if claims else prefix for prefix in STAGE_KINDS)
     found: list[Path] = []
     for directory in dict.fromkeys((reports, Path(os.path.abspath(staging_dir())))):
         try:
@@ -212,11 +224,13 @@ def _stages(reports: Path) -> list[Path]:
         except OSError:
             continue
         for entry in entries:
-            if not entry.name.startswith(tuple(STAGE_KINDS)) or not entry.is_dir() or entry.is_symlink():
+            if not entry.name.startswith(prefixes) or not entry.is_dir() or entry.is_symlink():
                 continue
             if directory != reports:
-                owner = _read_json(entry / OWNER_FILE) or _read_json(entry / READY_FILE) or {}
-                if owner.get("reports") != str(reports):
+                owner = _read_json(entry / OWNER_FILE) or _read_json(entry / READY_FILE)
+                if owner is None and claims:
+                    found.append(entry)
+                if (owner or {}).get("reports") != str(reports):
                     continue
             found.append(entry)
     return found
@@ -231,7 +245,8 @@ def _run_files(stage: Path) -> list[Path]:
 
 
 def _kind(stage: Path) -> str:
-    return next(kind for prefix, kind in STAGE_KINDS.items() if stage.name.startswith(prefix))
+    name = stage.name.removeprefix(CLAIM_PREFIX)
+    return next(kind for prefix, kind in STAGE_KINDS.items() if name.startswith(prefix))
 
 
 def interrupted(reports: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -290,6 +305,18 @@ def recover(reports: str | os.PathLike[str]) -> list[str]:
         if line:
             log.warning("%s", line)
             said.append(line)
+    for claim in _stages(reports, claims=True):
+        lock = _take_over(claim)
+        if lock is None:
+            continue
+        try:
+            shutil.rmtree(claim, ignore_errors=True)
+        finally:
+            if lock >= 0:
+                os.close(lock)
+        line = f"dpprof: removed {claim}, which an {_kind(claim)} killed while claiming it left (it holds no run file)"
+        log.warning("%s", line)
+        said.append(line)
     return said
 
 
@@ -334,12 +361,15 @@ def _remove_stage(stage: Path, everything: bool = False) -> None:
         if stage.exists():
             raise OSError(f"cannot remove {stage}")
         return
-    for name in (READY_FILE, OWNER_FILE):
-        try:
-            (stage / name).unlink()
-        except FileNotFoundError:
-            pass
+    try:
+        (stage / READY_FILE).unlink()
+    except FileNotFoundError:
+        pass
     for leftover in stage.iterdir():  # side files of the staged runs (-journal) and half-written bookkeeping
         if leftover.name.startswith(".") or leftover.name.endswith(("-wal", "-shm", "-journal")):
             leftover.unlink()
+    try:  # the owner file last: a directory without one is taken for a dead process's (the next command removes it)
+        (stage / OWNER_FILE).unlink()
+    except FileNotFoundError:
+        pass
     stage.rmdir()
