@@ -1,10 +1,44 @@
 """Shared fixtures: every test records into its own reports directory, never the checkout's."""
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# Where the controller of a pytest-xdist session put the calibration the workers share (calibration_home)
+CALIBRATION_ENV = "DPPROF_TEST_CALIBRATION_HOME"
+
+
+def _calibrate_into(home: Path) -> None:
+    """dpprof advise --calibrate's calibration of this machine for 2 CPU workers, cached under ``home``."""
+    from dpprof.advise.calibrate import calibrate
+
+    saved = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(home)
+    try:
+        calibrate(2)
+    finally:
+        if saved is None:
+            del os.environ["XDG_CACHE_HOME"]
+        else:
+            os.environ["XDG_CACHE_HOME"] = saved
+
+
+def pytest_configure(config):
+    """In tests run by pytest-xdist's workers, the calibration the advisor's tests share is measured here, in the
+    controller, before any worker starts: measured beside another worker's tests it reads a loaded machine (a
+    thread speedup near 1, a backward that does not grow with the batch), and the predictions drawn from it fail."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None) \
+            or os.environ.get(CALIBRATION_ENV):
+        return
+    home = Path(tempfile.mkdtemp(prefix="dpprof-test-calibration-"))
+    _calibrate_into(home)
+    os.environ[CALIBRATION_ENV] = str(home)  # the workers, started after this, inherit it
+    config.add_cleanup(lambda: (shutil.rmtree(home, ignore_errors=True), os.environ.pop(CALIBRATION_ENV, None)))
 
 
 @pytest.fixture(autouse=True)
@@ -48,21 +82,12 @@ def mount(tmp_path):
 @pytest.fixture(scope="session")
 def calibration_home(tmp_path_factory):
     """An $XDG_CACHE_HOME holding a real calibration of this machine (dpprof advise --calibrate's) for 2 CPU
-    workers at this process's intra-op threads, measured once per session: point XDG_CACHE_HOME here."""
-    import os
-
-    from dpprof.advise.calibrate import calibrate
-
+    workers at this process's intra-op threads, measured once per session (by the controller, under pytest-xdist):
+    point XDG_CACHE_HOME here."""
+    if os.environ.get(CALIBRATION_ENV):
+        return Path(os.environ[CALIBRATION_ENV])
     home = tmp_path_factory.mktemp("xdg-cache")
-    saved = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(home)
-    try:
-        calibrate(2)
-    finally:
-        if saved is None:
-            del os.environ["XDG_CACHE_HOME"]
-        else:
-            os.environ["XDG_CACHE_HOME"] = saved
+    _calibrate_into(home)
     return home
 
 

@@ -135,7 +135,7 @@ class SqliteSink:
     """
 
     def __init__(self, path: str, run_row: dict[str, Any], max_buffered: int = MAX_BUFFERED_RECORDS,
-                 flush_interval_s: float = FLUSH_INTERVAL_S, retention: Retention = BOUNDED) -> None:
+                 flush_interval_s: float | None = None, retention: Retention = BOUNDED) -> None:
         self.path = path
         self._aggregator: Aggregator | None = Aggregator(retention)
         self._samples = SampleWindows(retention) if retention.bounded else None
@@ -147,7 +147,7 @@ class SqliteSink:
             raise start_failure(os.path.dirname(path) or ".", err) from None
         self._buffer: deque[Record] = deque()
         self._max = max_buffered
-        self._interval = flush_interval_s
+        self._interval = FLUSH_INTERVAL_S if flush_interval_s is None else flush_interval_s  # read now: tests set it
         self.dropped = 0
         self._drop_lock = threading.Lock()
         self._run_updates: dict[str, Any] = {}
