@@ -28,12 +28,21 @@ def _calibrate_into(home: Path) -> None:
             os.environ["XDG_CACHE_HOME"] = saved
 
 
+def _may_calibrate(config) -> bool:
+    """Whether the tests asked for may use calibration_home: a directory, or a file that names it."""
+    for arg in config.args:
+        path = Path(config.invocation_params.dir, arg.split("::")[0])
+        if path.is_dir() or (path.is_file() and "calibration_home" in path.read_text(encoding="utf-8")):
+            return True
+    return False
+
+
 def pytest_configure(config):
     """In tests run by pytest-xdist's workers, the calibration the advisor's tests share is measured here, in the
     controller, before any worker starts: measured beside another worker's tests it reads a loaded machine (a
     thread speedup near 1, a backward that does not grow with the batch), and the predictions drawn from it fail."""
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None) \
-            or os.environ.get(CALIBRATION_ENV):
+            or os.environ.get(CALIBRATION_ENV) or not _may_calibrate(config):
         return
     home = Path(tempfile.mkdtemp(prefix="dpprof-test-calibration-"))
     _calibrate_into(home)
