@@ -1,13 +1,16 @@
 """What recording FSDP2 costs, against what torch.profiler adds: two gloo ranks on loopback.
 
-    python bench/fsdp_overhead.py [--rounds 8] [--steps 20]
-
 Starts itself under torchrun (2 ranks). Each rank trains two models sharded with ``fully_shard`` (per layer and on
 the root): an MLP and a small transformer encoder. Rounds interleave three arms in rotating order, in one process
 so machine noise hits them alike: nothing recording ("off"), ``dpprof.record`` with dpprof.parallel.fsdp's hooks
 ("dpprof"), and ``torch.profiler.profile`` of the CPU activity ("torch.profiler"). Each arm's figure is the mean step
 time over its blocks of ``--steps`` steps (the first block of each arm is a warm-up and left out); rank 0 prints the
 time each recorder adds and the ratio of dpprof's to torch.profiler's. Aim: at most half of torch.profiler's.
+Rank 0 also says the machine's load (bench/conditions.py: before, and while each model's rounds ran, the cores
+taken by the two ranks and by every other process); where other processes took more than a quarter of a core, it
+prints the arms' mean steps without the ratios (``--allow-load`` prints them anyway).
+
+    python bench/fsdp_overhead.py [--rounds 8] [--steps 20] [--allow-load]
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import sys
 import time
 from contextlib import nullcontext
 from typing import Any
+
+from conditions import Conditions
 
 ARMS = ("off", "dpprof", "torch.profiler")
 
@@ -71,6 +76,9 @@ def _worker(args: argparse.Namespace) -> None:
 
         means: dict[str, list[float]] = {arm: [] for arm in ARMS}
         cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
+        conditions = Conditions(root=os.getppid())  # torchrun: both ranks are below it
+        if rank == 0:
+            conditions.__enter__()
         for r in range(args.rounds + 1):
             order = ARMS[r % 3:] + ARMS[:r % 3]
             for arm in order:
@@ -80,12 +88,18 @@ def _worker(args: argparse.Namespace) -> None:
                     means[arm].append(seconds)
                     cpu[arm].append(cpu_seconds)
         if rank == 0:
+            conditions.__exit__(None, None, None)
+            refused = None if args.allow_load else conditions.refusal()
             ms = {arm: statistics.mean(v) * 1e3 for arm, v in means.items()}
             cpu_ms = {arm: statistics.mean(v) * 1e3 for arm, v in cpu.items()}
             dp, tp = ms["dpprof"] - ms["off"], ms["torch.profiler"] - ms["off"]
             print(f"{name}: 2 gloo ranks, {args.rounds} rounds x {args.steps} steps per arm (mean ms per step)")
             for arm in ARMS:
                 print(f"  {arm:15s} {ms[arm]:8.2f} ms/step")
+            print(f"  {conditions.line()}")
+            if refused:
+                print(f"  ratios {refused}", flush=True)
+                continue
             print(f"  dpprof adds {dp:+.2f} ms ({dp / ms['off']:+.1%}), torch.profiler {tp:+.2f} ms "
                   f"({tp / ms['off']:+.1%}); dpprof / torch.profiler = {dp / tp:.2f} (aim: <= 0.5)", flush=True)
             cdp, ctp = cpu_ms["dpprof"] - cpu_ms["off"], cpu_ms["torch.profiler"] - cpu_ms["off"]
@@ -98,13 +112,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--allow-load", action="store_true",
+                        help="report the ratios even where other processes took the processor during the run")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         _worker(args)
         return
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-           "--worker", "--rounds", str(args.rounds), "--steps", str(args.steps)]
+           "--worker", "--rounds", str(args.rounds), "--steps", str(args.steps),
+           *(["--allow-load"] if args.allow_load else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DPPROF_REPORTS": os.environ.get("DPPROF_REPORTS", "/tmp/dpprof-bench")}
     sys.exit(subprocess.call(cmd, env=env))
 

@@ -38,7 +38,11 @@ are outside the blocks and reported once, with the collection of the garbage the
 arm ends with gc.collect(), so no arm's block pays for another's: torch.profiler's parsed trace is
 cyclic garbage, and the first recording block after it used to pay 70-150 ms to collect it).
 
-    python bench/overhead.py [--rounds N] [--workers 2] [--only cifar-lenet|mlp] [--device cpu|cuda]
+Each step's table ends with the machine's load (bench/conditions.py): the load average before, and the cores the
+machine, the bench and every other process kept busy while it ran. Where other processes took more than a quarter
+of a core on average, only the arms' mean steps are printed, not the ratios (``--allow-load`` prints them anyway).
+
+    python bench/overhead.py [--rounds N] [--workers 2] [--only cifar-lenet|mlp] [--device cpu|cuda] [--allow-load]
 """
 from __future__ import annotations
 
@@ -62,6 +66,8 @@ from torch.profiler import ProfilerActivity, profile
 import dpprof
 from dpprof.parallel import workers as cpu_workers
 from dpprof.workloads import build_workload
+
+from conditions import Conditions
 
 ARMS = ("plain", "off", "memory", "dpprof explicit", "dpprof implicit", "dpprof captured", "torch.profiler")
 CUDA_ARMS = ("plain", "torch DataParallel", "off", "memory", "dpprof explicit", "dpprof implicit", "dpprof captured",
@@ -223,7 +229,9 @@ def _median_interval(values: list[float]) -> tuple[float, float]:
 
 
 def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str, list[float]]],
-           cuda: bool = False) -> None:
+           cuda: bool = False, refused: str | None = None) -> None:
+    """Print the arms' figures and ratios; with ``refused`` (the machine was loaded: bench/conditions.py), the
+    arms' mean steps only, then why nothing else is reported."""
     def per_round(k: str, field: str, f: Callable[[float, float], float]) -> list[float]:
         """Each round's ``f(arm k, off)``: the rounds are paired, noise moves a round's arms alike."""
         return [f(a, b) for a, b in zip(out[k][field], out["off"][field])]
@@ -250,7 +258,7 @@ def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str
     for k in CUDA_ARMS if cuda else ARMS:
         mean_ms = statistics.fmean(out[k]["step_s"]) * 1e3
         cpu_ms = statistics.fmean(out[k]["cpu_s"]) * 1e3
-        if k in ("plain", "off", "torch DataParallel"):
+        if k in ("plain", "off", "torch DataParallel") or refused:
             print(f"  {k:18s} {mean_ms:8.3f}ms {'':>9s} {'':>11s} {cpu_ms:8.3f}ms")
             continue
         added = paired(k, "step_s", lambda a, b: a / b - 1)
@@ -258,6 +266,9 @@ def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str
         cpu_added = paired(k, "cpu_s", lambda a, b: a / b - 1)
         print(f"  {k:18s} {mean_ms:8.3f}ms {added:+9.2%} {added_us:+9.1f}us {cpu_ms:8.3f}ms {cpu_added:+9.2%}"
               f"{spread(k)}")
+    if refused:
+        print(f"  ratios {refused}")
+        return
     mem = paired("memory", "step_s", lambda a, b: (a - b) * 1e6)
     prof = paired("torch.profiler", "step_s", lambda a, b: (a - b) * 1e6)
     workers_ratios = [o / p for o, p in zip(out["off"]["step_s"], out["plain"]["step_s"])]
@@ -348,6 +359,8 @@ def main() -> None:
     parser.add_argument("--only", choices=["cifar-lenet", "mlp"])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cpu: CPU workers (default); cuda: the steps on GPU 0")
+    parser.add_argument("--allow-load", action="store_true",
+                        help="report the ratios even where other processes took the processor during the run")
     parser.add_argument("--cprofile", action="store_true",
                         help="then one more block of the dpprof arm under cProfile: where its time goes")
     args = parser.parse_args()
@@ -366,8 +379,11 @@ def main() -> None:
             step = _on_gpu(make()) if cuda else make()
             with tempfile.TemporaryDirectory(prefix="dpprof-bench-") as reports_dir:  # not the user's reports/
                 rounds = args.rounds or step.rounds
-                out = measure(step, args.workers, rounds, reports_dir, cuda)
-                report(step.name, args.workers, rounds, step.block_steps, out, cuda)
+                with Conditions() as conditions:
+                    out = measure(step, args.workers, rounds, reports_dir, cuda)
+                refused = None if args.allow_load else conditions.refusal()
+                report(step.name, args.workers, rounds, step.block_steps, out, cuda, refused)
+                print(f"  {conditions.line()}")
                 if args.cprofile:
                     where_time_goes(step, args.workers, reports_dir, cuda)
 
