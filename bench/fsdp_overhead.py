@@ -100,11 +100,14 @@ def _worker(args: argparse.Namespace) -> None:
             if refused:
                 print(f"  ratios {refused}", flush=True)
                 continue
+            # a ratio to an added time that is not above zero says nothing: the rounds moved more than the profiler
+            ratio = f"{dp / tp:.2f}" if tp > 0 else "not measurable (torch.profiler's added time is not above zero)"
             print(f"  dpprof adds {dp:+.2f} ms ({dp / ms['off']:+.1%}), torch.profiler {tp:+.2f} ms "
-                  f"({tp / ms['off']:+.1%}); dpprof / torch.profiler = {dp / tp:.2f} (aim: <= 0.5)", flush=True)
+                  f"({tp / ms['off']:+.1%}); dpprof / torch.profiler = {ratio} (aim: <= 0.5)", flush=True)
             cdp, ctp = cpu_ms["dpprof"] - cpu_ms["off"], cpu_ms["torch.profiler"] - cpu_ms["off"]
+            cpu_ratio = f"{cdp / ctp:.2f}" if ctp > 0 else "not measurable"
             print(f"  rank 0's CPU time per step: off {cpu_ms['off']:.2f} ms, dpprof {cdp:+.2f} ms, torch.profiler "
-                  f"{ctp:+.2f} ms; ratio {cdp / ctp:.2f}", flush=True)
+                  f"{ctp:+.2f} ms; ratio {cpu_ratio}", flush=True)
     dist.destroy_process_group()
 
 
