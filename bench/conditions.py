@@ -84,7 +84,9 @@ class Conditions:
         self.supported = Path("/proc/stat").exists()
         self.load_before: float | None = None
         self.busy_before: list[str] = []
-        self.machine_cores = self.own_cores = self.other_cores = None  # type: float | None
+        self.machine_cores: float | None = None
+        self.own_cores: float | None = None
+        self.other_cores: float | None = None
         self.load_after: float | None = None
 
     def __enter__(self) -> Conditions:
