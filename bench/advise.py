@@ -28,6 +28,7 @@ import gc
 import io
 import os
 import re
+import shlex
 import sys
 import tempfile
 import time
@@ -53,7 +54,7 @@ def main() -> None:
     import pandas as pd
 
     from dpprof.advise.calibrate import calibrate, refresh_load
-    from dpprof.advise.check import _argv, measured
+    from dpprof.advise.check import measured
     from dpprof.cli import main
     from dpprof.advise.measured import measure
     from dpprof.advise.predict import advise
@@ -68,7 +69,12 @@ def main() -> None:
     def run(command: str, name: str) -> str:
         """A scenario's command, in this process (torch imported once: a run costs its steps, not a start-up);
         DDP's still starts torchrun and its ranks."""
-        _, argv = _argv(command)
+        # a scenario's command as a user types it: its environment (OMP_NUM_THREADS=1 for DDP's ranks, which
+        # torchrun starts) is the child's business, the rest is dpprof's argv
+        words = shlex.split(command)
+        while words and re.match(r"[A-Za-z_]\w*=", words[0]):
+            words.pop(0)
+        argv = words[1:] if words[:1] == ["dpprof"] else words
         with contextlib.redirect_stdout(io.StringIO()) as said:
             code = main(["--reports-dir", str(out), *argv, "--quiet", "--name", name])
         gc.collect()  # no run pays for collecting another's garbage

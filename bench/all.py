@@ -16,12 +16,15 @@ import argparse
 import datetime
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# log lines, not figures: Kineto's (USDT:), torch's glog (W1126 ...), Streamlit's bare-mode warnings (a timestamp)
+_LOG_LINE = re.compile(r"USDT:|[WIE]\d{4} |\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
 
 # name -> (script, full arguments, --quick arguments, what it measures)
 BENCHES: dict[str, tuple[str, list[str], list[str], str]] = {
@@ -90,7 +93,7 @@ def run_one(name: str, quick: bool, logs: Path) -> list[str]:
         code = None
     seconds = time.monotonic() - t0
     lines = [line for line in log.read_text(encoding="utf-8", errors="replace").splitlines()
-             if line.strip() and not line.startswith(("USDT:", "W1", "I1"))]  # the profiler's and torch's log lines
+             if line.strip() and not _LOG_LINE.match(line)]
     status = "interrupted" if code is None else ("ok" if code == 0 else f"exit code {code}")
     section = [f"## {name}: {what}", "", f"`{shown}`: {status}, {seconds:.0f} s; load average {before} before, "
                f"{_load()} after; whole output in `{log}`", "", "```text", *lines[-25:], "```", ""]
