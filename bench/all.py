@@ -48,14 +48,10 @@ BENCHES: dict[str, tuple[str, list[str], list[str], str]] = {
 
 
 def _machine() -> list[str]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    sys.path.insert(0, str(ROOT))  # this checkout's dpprof
+    from dpprof.devices import cpu_info
+
+    cpu = cpu_info()
     try:
         memory = f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB"
     except (ValueError, OSError, AttributeError):
@@ -69,7 +65,8 @@ def _machine() -> list[str]:
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, check=False).stdout.strip() or "unknown"
     return [f"- date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}",
-            f"- machine: {cpu}, {os.cpu_count()} cores, {memory}, {platform.system()} {platform.release()}",
+            f"- machine: {cpu['cpu_model'] or platform.machine()}, {cpu['cores']} cores ({cpu['threads']} threads), "
+            f"{memory}, {platform.system()} {platform.release()}",
             f"- Python {platform.python_version()}, torch {torch_version}, dpprof at commit {commit}"]
 
 

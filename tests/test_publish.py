@@ -45,33 +45,34 @@ import dpprof.trace.importer as importer
 from dpprof.cli import main
 
 after = sys.argv[1]
+
+
+def kill_after(owner, name):  # owner.name runs, then the process is SIGKILLed
+    real = getattr(owner, name)
+    def wrapped(*args, **kwargs):
+        real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+    setattr(owner, name, wrapped)
+
+
+def kill_instead(owner, name):  # the process is SIGKILLed where owner.name would run
+    setattr(owner, name, lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL))
+
+
 if after == "publish":
-    real = publish.move_into_place
-    def move(src, dest):
-        real(src, dest)
-        os.kill(os.getpid(), signal.SIGKILL)
-    publish.move_into_place = move
+    kill_after(publish, "move_into_place")
 elif after == "write":
-    def findings(written):
-        os.kill(os.getpid(), signal.SIGKILL)
-    importer._store_findings = findings
+    kill_instead(importer, "_store_findings")
 elif after == "published":
-    import dpprof.store.publish as publish
-    def stop(stage, everything=False):
-        os.kill(os.getpid(), signal.SIGKILL)
-    publish._remove_stage = stop
+    kill_instead(publish, "_remove_stage")
 elif after == "removing":
     real_remove = publish._remove_stage
     def remove(stage, everything=False):
-        os.rmdir = lambda path: os.kill(os.getpid(), signal.SIGKILL)  # its last step, the owner file gone
+        kill_instead(os, "rmdir")  # its last step, the owner file gone
         real_remove(stage, everything)
     publish._remove_stage = remove
 elif after == "claimed":
-    real_claim = publish._claim
-    def claim(stage, reports):
-        real_claim(stage, reports)
-        os.kill(os.getpid(), signal.SIGKILL)
-    publish._claim = claim
+    kill_after(publish, "_claim")
 elif after == "pause":
     def findings(written):
         open(os.environ["PAUSED"], "w").close()
