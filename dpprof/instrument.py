@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.abc
+import importlib.machinery
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -198,6 +200,10 @@ def data_parallel(module: torch.nn.Module, inputs: Any, device_ids: Sequence[Any
 
 data_parallel.__module__, data_parallel.__doc__ = _TORCH_DATA_PARALLEL.__module__, _TORCH_DATA_PARALLEL.__doc__
 
+# torch.distributed.fsdp costs a second to import (DTensor, sympy): it is patched when the script imports it
+_FSDP_MODULE = "torch.distributed.fsdp"
+
+
 def _torch_fully_shard() -> Any:
     """torch's fully_shard (FSDP2), or None in a torch built without torch.distributed."""
     try:
@@ -206,18 +212,43 @@ def _torch_fully_shard() -> Any:
         return None
 
 
-_TORCH_FULLY_SHARD = _torch_fully_shard()
-
-
-@functools.wraps(_TORCH_FULLY_SHARD or (lambda *a, **k: None))
 def fully_shard(*args: Any, **kwargs: Any) -> Any:
     """torch.distributed.fsdp.fully_shard inside an instrument block: torch's, the run started at its first call
     (under torchrun, when the process group is up); dpprof.parallel.fsdp records the steps."""
-    module = _TORCH_FULLY_SHARD(*args, **kwargs)
+    module = _torch_fully_shard()(*args, **kwargs)
     session = _session
     if session is not None:
         session.built()
     return module
+
+
+class _WhenImported(importlib.abc.MetaPathFinder):
+    """Calls ``then()`` once module ``name`` is imported (its body run), in whichever import first loads it."""
+
+    def __init__(self, name: str, then: Callable[[], None]) -> None:
+        self.name = name
+        self.then = then
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        self.remove()
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        loader = spec.loader if spec is not None else None
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def exec_then(module: Any) -> None:
+            exec_module(module)
+            self.then()  # raises nothing: what it cannot patch stays torch's
+
+        loader.exec_module = exec_then  # type: ignore[method-assign]  # this spec's own loader
+        return spec
+
+    def remove(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
 
 
 _STAND_INS = {"DataParallel": DataParallel, "data_parallel": data_parallel,
@@ -251,22 +282,45 @@ class _Session:
         self._patched: list[tuple[Any, str, Any]] = []
         self._hook: Any = None
         self._fsdp_installed_here = False
+        self._fsdp_waiting: _WhenImported | None = None
 
     # the patch
     def patch(self) -> None:
         for kind, names in _NAMES.items():
-            if kind == "fully_shard" and _TORCH_FULLY_SHARD is None:
-                continue
-            for module_name, attr in names:
-                module = importlib.import_module(module_name)
-                self._patched.append((module, attr, getattr(module, attr)))
-                setattr(module, attr, _STAND_INS[kind])
+            if kind != "fully_shard":
+                self._patch_names(kind, names)
         _ddp._install_optimizer_hooks()  # DDP's optimizer timing runs before the step ends
-        self._fsdp_installed_here = not _fsdp.installed()
-        _fsdp.install()  # FSDP2's steps (its hooks do nothing outside a recording)
+        if _FSDP_MODULE in sys.modules:
+            self._patch_fsdp()
+        else:  # when the script imports it
+            self._fsdp_waiting = _WhenImported(_FSDP_MODULE, self._patch_fsdp)
+            sys.meta_path.insert(0, self._fsdp_waiting)
         self._hook = register_optimizer_step_post_hook(self._on_optimizer_step)
 
+    def _patch_names(self, kind: str, names: list[tuple[str, str]]) -> None:
+        for module_name, attr in names:
+            module = importlib.import_module(module_name)
+            self._patched.append((module, attr, getattr(module, attr)))
+            setattr(module, attr, _STAND_INS[kind])
+
+    def _patch_fsdp(self) -> None:
+        """fully_shard's names, and FSDP2's per-step functions wrapped (dpprof.parallel.fsdp)."""
+        self._fsdp_waiting = None
+        try:
+            original = _torch_fully_shard()
+            if original is None:  # a torch built without torch.distributed
+                return
+            functools.update_wrapper(fully_shard, original)
+            self._patch_names("fully_shard", _NAMES["fully_shard"])
+            self._fsdp_installed_here = not _fsdp.installed()
+            _fsdp.install()  # FSDP2's steps (its hooks do nothing outside a recording)
+        except Exception as err:  # a torch whose FSDP moved: the script runs, its FSDP steps unrecorded
+            self.say(f"cannot record FSDP ({type(err).__name__}: {err}); its steps run unrecorded")
+
     def unpatch(self) -> None:
+        if self._fsdp_waiting is not None:
+            self._fsdp_waiting.remove()
+            self._fsdp_waiting = None
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -275,6 +329,7 @@ class _Session:
         self._patched.clear()
         if self._fsdp_installed_here:
             _fsdp.uninstall()
+            self._fsdp_installed_here = False
 
     # the run
     def say(self, message: str) -> None:

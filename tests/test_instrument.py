@@ -292,6 +292,34 @@ def test_instrument_swaps_torchs_names_and_puts_them_back_even_on_error():
     assert run.status == "failed" and run.error.startswith("ZeroDivisionError")
 
 
+def test_fsdp_is_patched_when_the_script_imports_it_and_put_back_after_the_block():
+    """torch.distributed.fsdp (a second of imports) is not imported by the block: importing it inside gives the
+    stand-in under each of fully_shard's names and FSDP2's steps wrapped; leaving puts torch's back."""
+    out = _python("-c", """
+import sys, dpprof
+from dpprof.instrument import fully_shard as stand_in
+from dpprof.parallel import fsdp
+with dpprof.instrument(store=False):
+    from dpprof.instrument import _torch_fully_shard
+    print("imported inside before", "torch.distributed.fsdp" in sys.modules)
+    from torch.distributed.fsdp import fully_shard
+    import torch.distributed._composable.fsdp as composable
+    fsdp_doc = _torch_fully_shard().__doc__
+    print("stand-in", fully_shard is stand_in, composable.fully_shard is stand_in, fsdp.installed())
+    print("looks like torch's", fully_shard.__name__, fully_shard.__module__, fully_shard.__doc__ == fsdp_doc)
+import torch.distributed.fsdp as after
+print("after", after.fully_shard is stand_in, fsdp.installed(), [f for f in sys.meta_path if "WhenImported" in repr(f)])
+with dpprof.instrument(store=False):
+    print("again", after.fully_shard is stand_in, fsdp.installed())
+print("after again", after.fully_shard is stand_in, fsdp.installed())
+""")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "imported inside before False", "stand-in True True True",
+        "looks like torch's fully_shard torch.distributed.fsdp True",
+        "after False False []", "again True True", "after again False False"]
+
+
 def test_isinstance_holds_both_ways_and_only_for_torchs_class():
     made_before = nn.DataParallel(nn.Linear(2, 2))
     with instrument(store=False):

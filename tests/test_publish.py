@@ -324,7 +324,8 @@ def test_a_merge_that_fails_as_it_publishes_takes_back_what_it_published(reports
 def test_a_full_disk_during_an_import_exits_1_with_one_line_and_leaves_nothing(mount, reports, capsys):
     """On a real tmpfs, filled to leave from 80% to 115% of the room the run files take (measured first, by the same
     import elsewhere): each import either imports the whole run (exit 0, finished, every step) or exits 1 with one
-    line naming the directory and the disk, leaving nothing."""
+    line naming the directory and the disk, leaving nothing. The room is bisected between the two ends down to the
+    sweep's old step (a 13th of the range): the imports are made where the outcome turns, with the last pages."""
     where = mount("8m")
     if where is None:
         pytest.skip("mounting a tmpfs is not permitted here: test_an_import_whose_writes_fail_on_a_full_disk_exits_1 "
@@ -332,8 +333,8 @@ def test_a_full_disk_during_an_import_exits_1_with_one_line_and_leaves_nothing(m
     assert main(["--reports-dir", str(reports), "import", *map(str, DDP128), "--quiet"]) == 0
     need_kb = sum(-(-p.stat().st_size // 4096) * 4 for p in reports.iterdir())  # in the tmpfs's 4 KiB pages
     capsys.readouterr()
-    outcomes = []
-    for free_kb in range(int(need_kb * 0.8), int(need_kb * 1.15) + 1, max(4, int(need_kb * 0.35 / 13))):
+
+    def import_with(free_kb: int) -> int:
         for p in where.iterdir():
             p.unlink() if p.is_file() else None
         assert not list(where.iterdir())
@@ -354,9 +355,18 @@ def test_a_full_disk_during_an_import_exits_1_with_one_line_and_leaves_nothing(m
             assert code == 1 and "imported run" not in out, (free_kb, out)
             assert err.splitlines() == [f"dpprof: cannot write {directory}: disk full; nothing was written"], free_kb
             assert not directory.exists()  # the reports directory this import made goes again, empty
-        outcomes.append(code)
         (where / "filler").unlink()
-    assert 1 in outcomes and 0 in outcomes, outcomes  # the sizes span the room the run needs
+        return code
+
+    low, high = int(need_kb * 0.8), int(need_kb * 1.15)
+    outcomes = {low: import_with(low), high: import_with(high)}
+    assert outcomes[low] == 1 and outcomes[high] == 0, outcomes  # the sizes span the room the run needs
+    step = max(4, int(need_kb * 0.35 / 13))
+    while high - low > step:  # the room where the import stops fitting, to within a step
+        middle = (low + high) // 2
+        outcomes[middle] = import_with(middle)
+        low, high = (middle, high) if outcomes[middle] else (low, middle)
+    assert len(outcomes) >= 5, outcomes
 
 
 def _failing_writes(monkeypatch, fail: callable) -> None:
