@@ -137,7 +137,10 @@ def fake_gpus(monkeypatch):
 @pytest.fixture(scope="session")
 def profiled(tmp_path_factory):
     """``profiled(directory, "tutorial-linear", "--ddp", "--nproc", "2", "--steps", "4")``: that ``dpprof profile``
-    run, recorded once per session, copied into ``directory`` (recorded.ProfiledOnce)."""
+    run, recorded once per session (by one of pytest-xdist's workers, in the directory above theirs), copied into
+    ``directory`` (recorded.ProfiledOnce)."""
     from recorded import ProfiledOnce
 
-    return ProfiledOnce(tmp_path_factory.mktemp("profiled-once"))
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # pytest-N/, above popen-gwK/
+    return ProfiledOnce(shared / "profiled-once")

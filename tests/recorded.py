@@ -188,26 +188,33 @@ class ProfiledOnce:
     """``dpprof profile`` runs recorded once per test session and copied into each reports directory that asks.
 
     Recording a DDP run starts torchrun and two ranks (several seconds); modules that read the same run (the same
-    ``profile`` arguments) share one recording. The run's files (one per rank) are copied, so a test that changes
-    its directory's copy changes no other's.
+    ``profile`` arguments) share one recording, across pytest-xdist's workers too: ``cache`` is a directory they
+    share, and a lock file per recording makes the first worker that asks record it while the others wait for it.
+    The run's files (one per rank) are copied, so a test that changes its directory's copy changes no other's.
     """
 
     def __init__(self, cache: Path) -> None:
         self.cache = cache
-        self._made: dict[tuple[str, ...], Path] = {}
+        self.cache.mkdir(parents=True, exist_ok=True)
 
     def __call__(self, directory: Path, *argv: str) -> list[str]:
         """``dpprof --reports-dir directory profile *argv --quiet``, recorded on the first call with these ``argv``
         and copied into ``directory`` on every call. Returns the names of the run's files copied."""
+        import fcntl
+        import hashlib
+
         from dpprof.cli import main
 
-        key = tuple(argv)
-        if key not in self._made:
-            where = self.cache / f"profile-{len(self._made)}"
-            where.mkdir(parents=True)
-            assert main(["--reports-dir", str(where), "profile", *argv, "--quiet"]) == 0, argv
-            self._made[key] = where
-        files = sorted(p for p in self._made[key].iterdir() if p.is_file())
+        key = hashlib.sha1("\0".join(argv).encode()).hexdigest()[:16]
+        where, done = self.cache / f"profile-{key}", self.cache / f"profile-{key}.done"
+        with open(self.cache / f"profile-{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another worker recording it: wait for its files
+            if not done.exists():
+                shutil.rmtree(where, ignore_errors=True)  # a worker that failed here left a part
+                where.mkdir()
+                assert main(["--reports-dir", str(where), "profile", *argv, "--quiet"]) == 0, argv
+                done.touch()
+        files = sorted(p for p in where.iterdir() if p.is_file())
         assert files, f"dpprof profile {' '.join(argv)} left no run file"
         Path(directory).mkdir(parents=True, exist_ok=True)
         for path in files:

@@ -56,8 +56,7 @@ def kinds(tmp_path_factory, profiled):
     profiled(directory, "tutorial-linear", "--ddp", "--nproc", "2", "--steps", "4")  # recorded once a session
     listing = dpprof.list_runs(directory)
     runs["ddp"] = (listing[listing["ranks"] == 2]["id"].iloc[0], "ddp")
-    assert main(["--reports-dir", str(directory), "profile", "tutorial-linear", "--fsdp", "--nproc", "2", "--steps",
-                 "4", "--quiet"]) == 0
+    profiled(directory, "tutorial-linear", "--fsdp", "--nproc", "2", "--steps", "4")  # recorded once a session
     listing = dpprof.list_runs(directory)
     runs["fsdp"] = (listing[(listing["ranks"] == 2) & (listing["id"] != runs["ddp"][0])]["id"].iloc[0], "fsdp")
     done = subprocess.run([sys.executable, "-m", "dpprof", "--reports-dir", str(directory), "run",

@@ -16,7 +16,6 @@ import pytest
 import dpprof
 import fake_pynvml
 from recorded import BUS, record, record_failed, record_with_gpu_samples
-from test_distributed import _torchrun
 from test_instrument import SCRIPTS, _dpprof_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,13 +86,15 @@ def _python(code: str, *args: object, env: dict[str, str] | None = None) -> list
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """One run of each kind dpprof makes, recorded (or imported) into one directory, 3-4 steps each."""
+def runs(tmp_path_factory, profiled):
+    """One run of each kind dpprof makes, recorded (or imported) into one directory, 4 steps each: by name
+    (``ddp`` is the DDP run's)."""
     directory = tmp_path_factory.mktemp("reports")
     env = {"DPPROF_REPORTS": str(directory)}
     record(directory, "plain", workers=2, steps=4)  # dpprof.DataParallel on CPU workers
     record(directory, "balanced", workers=2, steps=4, balanced=True)
-    _torchrun("tutorial-linear", "--steps", "3", "--name", "ddp", env=env)  # DDP, 2 gloo ranks
+    profiled(directory, "tutorial-linear", "--ddp", "--nproc", "2", "--steps", "4")  # DDP, 2 gloo ranks, once a session
+    ddp = dpprof.list_runs(directory).query("ranks == 2")["name"].iloc[0]
     record_failed(directory)
     assert _dpprof_run(SCRIPTS / "no_parallel.py", env=env).returncode == 3  # `dpprof run`, no DataParallel built
     if all(p.exists() for paths in TRACE_JOBS.values() for p in paths):
@@ -102,21 +103,21 @@ def runs(tmp_path_factory):
         for name, paths in TRACE_JOBS.items():
             import_traces(paths, directory, name=name)
     listing = dpprof.list_runs(directory)
-    return SimpleNamespace(dir=directory, ids=dict(zip(listing["name"], listing["id"])))
+    return SimpleNamespace(dir=directory, ids=dict(zip(listing["name"], listing["id"])), ddp=ddp)
 
 
 def test_every_kind_of_run_is_read_shown_and_exported_without_the_collect_side(runs, tmp_path):
     read, loaded = _python(READ_EVERYTHING, runs.dir, tmp_path)
-    assert set(runs.ids) >= {"plain", "balanced", "ddp", "failed", "no_parallel.py"}
+    assert set(runs.ids) >= {"plain", "balanced", runs.ddp, "failed", "no_parallel.py"}
     assert sorted(read) == sorted(runs.ids)
     assert read["plain"]["steps"] == read["balanced"]["steps"] == 4 and read["plain"]["devices"] == 2
-    assert read["ddp"]["steps"] == 6 and read["ddp"]["devices"] == 2  # 3 steps on each of 2 ranks
+    assert read[runs.ddp]["steps"] == 8 and read[runs.ddp]["devices"] == 2  # 4 steps on each of 2 ranks
     assert read["failed"]["status"] == "failed" and read["no_parallel.py"]["steps"] == 0
     assert all(r["zip_bytes"] > 0 and r["compared"] == 2 for r in read.values())
     for name in ("plain", "balanced"):  # CPU runs, no calibration here: the page predicts nothing and says how to
         assert read[name]["scenarios"].startswith("No calibration of this machine for 2 CPU workers")
         assert read[name]["advise_command"] == f"dpprof advise {runs.ids[name]}"
-    assert "DistributedDataParallel run" in read["ddp"]["scenarios"] and "at least 3" in read["failed"]["scenarios"]
+    assert "DistributedDataParallel run" in read[runs.ddp]["scenarios"] and "at least 3" in read["failed"]["scenarios"]
     assert loaded == []
 
 
