@@ -101,6 +101,7 @@ class Conditions:
                        if pid in first and pid not in own), reverse=True)
         self.busy_before = [f"pid {pid} {share / 0.5:.2f} cores" for share, pid in busy[:3] if share / 0.5 >= 0.05]
         self._jiffies = _busy_jiffies()
+        self._times = os.times()
         self._t0 = time.monotonic()
         return self
 
@@ -114,7 +115,11 @@ class Conditions:
         self.machine_cores = self.cores * (busy1 - busy0) / max(total1 - total0, 1)
         end = process_cpu_s()
         own = _tree(end, self.root) | _tree(self._start, self.root)
-        self.own_cores = sum(end[p][1] - self._start[p][1] for p in own if p in end and p in self._start) / wall
+        own_cpu = sum(end[p][1] - self._start[p][1] for p in own if p in end and p in self._start)
+        if self.root == os.getpid():  # children that ended while it ran: their CPU, once waited for, is this one's
+            t0, t1 = self._times, os.times()
+            own_cpu += (t1.children_user - t0.children_user) + (t1.children_system - t0.children_system)
+        self.own_cores = own_cpu / wall
         self.other_cores = sum(end[p][1] - cpu for p, (_, cpu) in self._start.items()
                                if p in end and p not in own) / wall
         self.load_after = os.getloadavg()[0]

@@ -27,7 +27,8 @@ takes out of host self time, the memcpy/memset it counts as device time, the sam
 merges, the nccl:* annotations it nests, the launches it cannot read in a CUDA 12 trace); a difference no rule
 accounts for is printed as unexplained. The GPU figures are recomputed over both step windows, the memory peaks
 from the ``[memory]`` events. ``OUT/comparison.json`` holds both sides' figures matched by name, with the causes.
-``--rounds N`` times both loads N times, taking turns. Write-up: docs/benchmarks.md, "dpprof beside the
+``--rounds N`` times both loads N times, taking turns, and says the machine's load while the rounds after the first
+ran (bench/conditions.py). Write-up: docs/benchmarks.md, "dpprof beside the
 TensorBoard plugin".
 
 The plugin's environment, beside the checkout (or the main checkout's, from a worktree), made once with::
@@ -61,6 +62,8 @@ import urllib.request
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from conditions import Conditions
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "traces" / "resnet50-1gpu-tb-sample.pt.trace.json.gz"
@@ -819,6 +822,8 @@ def timing_rounds(args: argparse.Namespace, out: Path, plugin: dict, dp: dict) -
                                      "tensorboard_cpu_s": [plugin.get("tensorboard_cpu_s")],
                                      "dpprof_import_s": [dp["import_s"]], "dpprof_import_cpu_s": [dp["import_cpu_s"]],
                                      "load_average": [os.getloadavg()[0]]}
+    conditions = Conditions()  # both sides run as this process's children
+    conditions.__enter__()
     for k in range(1, args.rounds):
         for side in (("dpprof", "plugin") if k % 2 else ("plugin", "dpprof")):
             if side == "dpprof":
@@ -831,11 +836,17 @@ def timing_rounds(args: argparse.Namespace, out: Path, plugin: dict, dp: dict) -
                 times["plugin_serve_wall_s"].append(again["serve_wall_s"])
                 times["tensorboard_cpu_s"].append(again["tensorboard_cpu_s"])
         times["load_average"].append(os.getloadavg()[0])
+    conditions.__exit__(None, None, None)
     median = {key: statistics.median([x for x in v if x is not None]) for key, v in times.items() if None not in v}
     print(f"\n{args.rounds} rounds, taking turns (seconds; median last):")
     for key, values in times.items():
         print(f"  {key:<22} {_list(values)}   median {_fmt(median.get(key), '.2f')}")
-    return {"times": times, "median": median}
+    print(f"  rounds after the first: {conditions.line()}")
+    loaded = conditions.refusal() is not None  # no ratio is printed here: the load is said beside the seconds
+    if loaded:
+        print(f"  other processes took {conditions.other_cores:.2f} cores while these rounds ran: the seconds are "
+              "the machine's load as much as the tools'")
+    return {"times": times, "median": median, "conditions": conditions.line(), "loaded": loaded}
 
 
 def _list(values: list) -> str:

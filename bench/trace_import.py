@@ -3,6 +3,7 @@ rank files of one job, read one after another (``--jobs 1``) and at once (the de
 
     python bench/trace_import.py [--size-mb 1024] [--rank-size-mb 1024] [--ranks 4] [--rounds 2] [--pairs 2]
                                  [--arms dpprof,hta-json,jobs] [--hta-python .hta-venv/bin/python] [--keep DIR]
+                                 [--allow-load]
 
 Traces are made in a temporary directory (or ``--keep DIR``, reused when the files are there) by repeating
 the steps of a shared real trace (../shared/traces/ddp-2ranks-rank0-nccl.json.gz: DDP on NCCL, 3 steps) with
@@ -25,6 +26,10 @@ workers'), which a shared machine moves less than the wall clock. Before the rou
 dpprof's stages on the one file, wall clock and CPU: reading the bytes, decoding the events, collecting
 them, converting, writing the run file and its findings. HTA runs in its own virtual environment (it pins other versions);
 without one its arms are skipped with a message.
+
+The rounds end with the machine's load (bench/conditions.py): the load average before, and the cores the machine,
+the bench's own processes and every other process kept busy during the rounds. Where other processes took more
+than a quarter of a core on average, the means are printed but not the ratios (``--allow-load`` prints them anyway).
 """
 from __future__ import annotations
 
@@ -39,6 +44,8 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
+
+from conditions import Conditions
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT.parent / "shared" / "traces" / "ddp-2ranks-rank0-nccl.json.gz"
@@ -229,6 +236,8 @@ def main() -> None:
     parser.add_argument("--hta-python", default=None, help="a python with holistictraceanalysis installed")
     parser.add_argument("--arms", default="dpprof,hta-json,jobs", help="of dpprof, hta-json, hta-ijson, jobs")
     parser.add_argument("--keep", default=None, help="make the traces here and keep them (reused when there)")
+    parser.add_argument("--allow-load", action="store_true",
+                        help="print the ratios even where other processes took the processor during the rounds")
     args = parser.parse_args()
 
     arms = args.arms.split(",")
@@ -273,6 +282,8 @@ def main() -> None:
                 rate = (f"  {size_mb / wall:6.0f} MiB/s wall, {size_mb / cpu:6.0f} MiB/s CPU" if wall > 0.5 else "")
                 print(f"  {stage:34s} {wall:6.2f} s, CPU {cpu:6.2f} s{rate}")
 
+        conditions = Conditions()  # the arms are this process's children: its own tree
+        conditions.__enter__()
         timed = [*single, *(["jobs-1", "jobs-default"] if "jobs" in arms else [])]
         paths = {a: ([one] if a in single else ranks) for a in timed}
         for arm in timed:
@@ -301,7 +312,10 @@ def main() -> None:
                               f"{mb / res['seconds']:.1f} MiB/s, peak RSS {res['peak_rss_mb']:,.0f} MiB{workers} "
                               f"({res['result']}; load average {res['load']:.1f})")
 
-        print("\nmean over rounds:")
+        conditions.__exit__(None, None, None)
+        refused = None if args.allow_load else conditions.refusal()
+        print(f"\n{conditions.line()}")
+        print("mean over rounds:")
         means = {}
         for arm, rs in results.items():
             ok = [x for x in rs if "error" not in x]
@@ -316,13 +330,15 @@ def main() -> None:
             spread = f"{min(x['seconds'] for x in ok):.1f} to {max(x['seconds'] for x in ok):.1f} s"
             print(f"  {arm}: {s:.1f} s ({spread}), {mb / s:.1f} MiB/s, CPU {cpu:.1f} s, peak RSS {rss:,.0f} MiB "
                   f"({len(ok)} runs, load average {min(x['load'] for x in ok):.1f} to {max(x['load'] for x in ok):.1f})")
-        if "dpprof" in means:
+        if refused:
+            print(f"  ratios {refused}")
+        elif "dpprof" in means:
             for arm in ("hta-json", "hta-ijson"):
                 if arm in means:
                     print(f"  dpprof against {arm}: {means[arm][0] / means['dpprof'][0]:.1f}x its speed "
                           f"({means[arm][2] / means['dpprof'][2]:.1f}x in CPU time), "
                           f"{means['dpprof'][1] / means[arm][1]:.2f}x its peak RSS")
-        if "jobs-1" in means and "jobs-default" in means:
+        if "jobs-1" in means and "jobs-default" in means and not refused:
             ones = [x["seconds"] for x in results["jobs-1"] if "error" not in x]
             defaults = [x["seconds"] for x in results["jobs-default"] if "error" not in x]
             pairs = [d / o for o, d in zip(ones, defaults)]
