@@ -257,6 +257,7 @@ def test_without_a_calibration_the_read_side_predicts_nothing_and_gives_the_comm
     assert any("taken as free" in a for a in advise(measure(runs.plain), None).assumptions)
 
 
+@pytest.mark.slow
 def test_advise_calibrates_itself_the_first_time_and_then_reads_the_cache(runs, tmp_path, monkeypatch, capsys):
     one = record(tmp_path / "reports", "one", workers=1, steps=4, batch_size=16)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -407,6 +408,7 @@ def test_advise_without_a_run_is_a_usage_error(capsys):
     assert exit_.value.code == 2 and "advise needs a run" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_calibrate_measures_this_machine_says_what_and_caches_it(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert main(["advise", "--calibrate", "--devices", "cpu:1"]) == 0
@@ -447,6 +449,7 @@ def test_check_runs_a_scenario_and_reads_what_it_measured(runs, calibrated, tmp_
     assert rows == [[runs.linear.id, "linear"], ["└", checked.run_id]]
 
 
+@pytest.mark.slow
 def test_profile_ddp_runs_a_users_model_and_advise_runs_it_too(tmp_path, monkeypatch, calibrated):
     (tmp_path / "advisemodels.py").write_text(MODEL_FILE)
     monkeypatch.chdir(tmp_path)

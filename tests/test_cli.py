@@ -189,6 +189,7 @@ def _console_script(tmp_path, cwd, *args):
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_model_from_the_current_directory_as_the_console_script_runs_it(tmp_path, reports):
     folder = tmp_path / "project"
     folder.mkdir()

@@ -315,6 +315,7 @@ def _fuzzed(reports: Path, sound, rng: random.Random, index: int, source: Path,
     return target, other, [mutate(target, rng, table)] + [mutate(target, rng) for _ in range(more)]
 
 
+@pytest.mark.slow
 def test_fuzz_bad_values_in_a_run_file_never_break_runs_show_or_export(reports, sound, capsys, monkeypatch):
     rng = random.Random(FUZZ_SEED)
     cases = _every_table(sound)
@@ -339,6 +340,7 @@ def test_fuzz_bad_values_in_a_run_file_never_break_runs_show_or_export(reports, 
     assert len(cases) >= 20, f"only {len(cases)} tables with rows in the two sound runs"
 
 
+@pytest.mark.slow
 def test_fuzz_bad_values_in_a_run_file_never_break_a_page(reports, sound):
     rng = random.Random(FUZZ_SEED + 1)
     opened = 0

@@ -34,7 +34,8 @@ SMALL_GPU_BYTES = int(2.8 * 2**30)  # the ResNet-50 trace's GPU peaks at 2.6 GiB
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-pytestmark = pytest.mark.skipif(not RESNET.exists(), reason="../shared/traces is not beside the project")
+pytestmark = [pytest.mark.skipif(not RESNET.exists(), reason="../shared/traces is not beside the project"),
+              pytest.mark.slow]  # its fixture records DDP under torchrun and captures
 
 
 @pytest.fixture(scope="module")

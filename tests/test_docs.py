@@ -213,6 +213,7 @@ def test_every_command_that_is_not_run_parses():
         _check_parses(where, command)
 
 
+@pytest.mark.slow
 def test_the_fast_commands_run_as_written(tmp_path):
     """README's and the docs' fast commands, in order, as a user types them after set-up and `source
     .venv/bin/activate`, in a checkout whose reports/ holds a recorded run."""

@@ -324,6 +324,7 @@ def test_the_dashboard_shows_that_line_instead_of_starting_a_run(mount, monkeypa
 
 # -- the directory -------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_read_only_reports_directory_is_one_line_and_leaves_no_file(mount, monkeypatch, reports):
     where = mount("64k", read_only=True)
     if where is not None:
@@ -367,6 +368,7 @@ def test_other_failures_at_the_start_name_the_directory_and_the_cause(err, cause
     assert _files(reports) == []
 
 
+@pytest.mark.slow
 def test_the_cli_says_why_it_cannot_record_without_a_traceback(tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")

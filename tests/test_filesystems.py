@@ -222,6 +222,7 @@ def test_rank_files_are_each_staged_and_moved(on_nfs, staged_dir, caplog):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 def test_ddp_ranks_under_torchrun_stage_their_files_too(reports, staged_dir, monkeypatch):
     """$DPPROF_NETWORK_FS=stage (a filesystem the detection does not know): every rank process stages."""
     from dpprof.cli import main

@@ -21,6 +21,8 @@ import dpprof
 from dpprof.cli import main
 from dpprof.instrument import NO_PARALLEL_NOTE, instrument
 
+pytestmark = pytest.mark.slow  # most tests run `dpprof run` (or torchrun) in a fresh process that imports torch
+
 SCRIPTS = Path(__file__).parent / "scripts"
 ROOT = Path(__file__).parent.parent
 # the scripts here are written for a machine with no GPU (--cpu-workers applies only there): hide any

@@ -35,6 +35,8 @@ from dpprof.views.export import run_zip
 from recorded import record, record_failed, record_straggler
 from test_retention import SMALL, STALLS
 
+pytestmark = pytest.mark.slow  # its fixture records every kind of run, DDP under torchrun among them
+
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT.parent / "shared" / "traces"
 SHARE_TOLERANCE_PCT = 0.5  # the bound: shares partition the step to 100 +- 0.5%

@@ -26,6 +26,8 @@ from dpprof.trace import import_traces
 from dpprof.trace.importer import LEGACY_WORKLOAD, job_name
 from dpprof.views import compare, load
 
+pytestmark = pytest.mark.slow  # its fixture profiles gloo ranks and records DDP under torchrun
+
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "app.py"
 TRACES = ROOT.parent / "shared" / "traces"

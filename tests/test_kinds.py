@@ -20,6 +20,8 @@ from dpprof.plaintext import shown_text
 from dpprof.trace import import_traces
 from recorded import record, record_failed
 
+pytestmark = pytest.mark.slow  # its fixture records a run of every kind, DDP and FSDP under torchrun among them
+
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "app.py"
 TRACES = ROOT.parent / "shared" / "traces"

@@ -124,6 +124,7 @@ def test_run_in_process_records_under_the_id_it_was_given(tmp_path):
     assert len(run.steps) == 3 and run.meta["devices"] == ["cpu:0", "cpu:1"]
 
 
+@pytest.mark.slow
 def test_a_child_process_reports_the_run_id_it_was_given(tmp_path):
     started = Profile(workload="tutorial-linear", devices="cpu:2", steps=3, name="child",
                       reports_dir=str(tmp_path)).start(log=tmp_path / "child.log")
@@ -137,6 +138,7 @@ def test_a_child_process_reports_the_run_id_it_was_given(tmp_path):
     assert run.meta["pid"] == started.pid and len(run.steps) == 3
 
 
+@pytest.mark.slow
 def test_stop_ends_the_child_with_sigterm_and_keeps_the_steps_it_recorded(tmp_path):
     started = Profile(workload="tutorial-linear", devices="cpu:2", steps=1_000_000,
                       reports_dir=str(tmp_path)).start(log=tmp_path / "long.log")
@@ -157,6 +159,7 @@ def test_stop_ends_the_child_with_sigterm_and_keeps_the_steps_it_recorded(tmp_pa
     assert run_row(dpprof.list_runs(tmp_path), started.run_id)["status"] == "interrupted"
 
 
+@pytest.mark.slow
 def test_a_child_that_fails_is_one_error_with_its_last_lines_and_leaves_no_run(tmp_path):
     profile = Profile(workload="tutorial-linear", devices="cpu:0", steps=2, reports_dir=str(tmp_path))
     with pytest.raises(LaunchError) as err:
@@ -181,6 +184,7 @@ def test_a_run_id_already_taken_leaves_the_run_that_has_it_whole(tmp_path):
     assert len(dpprof.load_run("taken", tmp_path).steps) == 2
 
 
+@pytest.mark.slow
 def test_ddp_under_torchrun_records_under_the_id_it_was_given(tmp_path):
     ticks = []
     profile = Profile(workload="tutorial-linear", ddp=True, nproc=2, steps=3, reports_dir=str(tmp_path),

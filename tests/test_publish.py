@@ -321,6 +321,7 @@ def test_a_merge_that_fails_as_it_publishes_takes_back_what_it_published(reports
     assert dpprof.list_runs(reports).empty and list(reports.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_an_import_exits_1_with_one_line_and_leaves_nothing(mount, reports, capsys):
     """On a real tmpfs, filled to leave from 80% to 115% of the room the run files take (measured first, by the same
     import elsewhere): each import either imports the whole run (exit 0, finished, every step) or exits 1 with one
@@ -457,6 +458,7 @@ def test_a_value_sqlite_cannot_store_names_the_trace_file_never_a_staging_path(r
     assert not reports.exists() or list(reports.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_ddp_recording_with_a_ranks_file_elsewhere_is_incomplete_until_merged(reports, tmp_path):
     """A DDP run whose rank 1 file is on another machine (moved out here) is listed incomplete with the count, never
     finished with one rank; ``dpprof merge`` of the other machine's directory makes it whole."""

@@ -18,6 +18,8 @@ import fake_pynvml
 from recorded import BUS, record, record_failed, record_with_gpu_samples
 from test_instrument import SCRIPTS, _dpprof_run
 
+pytestmark = pytest.mark.slow  # its fixture records every kind of run; each test reads in a fresh process
+
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT.parent / "shared" / "traces"
 TRACE_JOBS = {  # one imported run each

@@ -93,6 +93,7 @@ def test_sigkill_leaves_an_incomplete_run_holding_every_committed_step(reports):
     assert listed.loc[0, "status"] == "incomplete" and pd.isna(listed.loc[0, "reason"])
 
 
+@pytest.mark.slow
 def test_four_processes_recording_at_once_each_get_a_whole_run(reports):
     cmd = [sys.executable, "-m", "dpprof", "profile", "tutorial-linear", "--steps", "15", "--devices",
            "cpu:2", "--quiet"]

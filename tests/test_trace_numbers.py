@@ -346,6 +346,7 @@ FUZZ_EXAMPLES = int(os.environ.get("DPPROF_FUZZ_EXAMPLES", "20"))
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize="DPPROF_FUZZ_EXAMPLES" not in os.environ,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@pytest.mark.slow
 @given(mutations=_mutations())
 @example(mutations=[("value", 0, "cat", []), ("value", 3218, "cat", {"a": 1})])  # found by a longer search: a crash
 def test_a_mutated_trace_imports_with_finite_figures_that_hold_the_invariants_or_is_one_line(mutations, tmp_path):
