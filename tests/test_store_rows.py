@@ -49,6 +49,12 @@ def test_the_steps_a_trace_holds_are_those_that_kept_their_detail(thinned):
     held = trace_rows.held_steps(run, steps)
     assert set(held.tolist()) == set(run.table("phases")["step"]) | set(run.table("memory")["step"])
     assert set(_sample(run)) <= set(held.tolist()) < set(steps.tolist())
+    # chosen in SQLite, with each step's longest row: the same steps, and the steps table's own figures
+    spans = trace_rows.held_step_spans(run)
+    assert spans["step"].tolist() == held.tolist()
+    longest = run.table("steps").groupby("step")["duration_ms"].max()
+    assert spans.set_index("step")["longest_ms"].to_dict() == longest[held].to_dict()
+    assert trace_rows.steps_total_ms(run) == pytest.approx(run.table("steps")["duration_ms"].sum())
     rows = trace_rows.chunk_rows(run, 0, run.model.steps - 1)
     assert len(rows.phases) == len(run.table("phases"))
     assert set(rows.memory["step"]) == set(run.table("memory")["step"])

@@ -24,7 +24,9 @@ __all__ = [
     "gpu_sample_batches",
     "gpu_sample_rows",
     "held_steps",
+    "held_step_spans",
     "step_rows",
+    "steps_total_ms",
 ]
 
 
@@ -51,6 +53,22 @@ def held_steps(run: StoredRun, steps: np.ndarray) -> np.ndarray:
 def step_rows(run: StoredRun) -> pd.DataFrame:
     """Every step: columns step, start_ms, duration_ms, batch_size, devices_used, forward_calls, rank."""
     return run.query("SELECT step, start_ms, duration_ms, batch_size, devices_used, forward_calls FROM steps")
+
+
+def held_step_spans(run: StoredRun) -> pd.DataFrame:
+    """The steps held in full (held_steps, chosen in SQLite: a 300,000-step run's step rows take a second to read,
+    its held steps' a hundredth of it), each rank's longest row: columns step, longest_ms (a step of several
+    forward calls has a row each), rank."""
+    model = run.model
+    if not model.thinned:
+        return run.query("SELECT step, MAX(duration_ms) AS longest_ms FROM steps GROUP BY step")
+    return run.query("SELECT step, MAX(duration_ms) AS longest_ms FROM steps WHERE step >= ? OR step IN "
+                     "(SELECT step FROM phases UNION SELECT step FROM memory) GROUP BY step", (model.detail_from,))
+
+
+def steps_total_ms(run: StoredRun) -> float:
+    """The sum of every row of the steps table, every rank's."""
+    return float(run.query("SELECT TOTAL(duration_ms) AS ms FROM steps")["ms"].sum())
 
 
 def event_counts(run: StoredRun, first_step: int, last_step: int) -> pd.DataFrame:

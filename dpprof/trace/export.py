@@ -132,7 +132,6 @@ class TracePlan:
     run_steps: int  # the steps the run recorded
     held: int  # of them, those held in full (every step of a run whose detail was not thinned)
     steps: np.ndarray  # the steps to write, sorted
-    step_rows: pd.DataFrame  # their rows of the steps table (every rank's), with "rank"
     asked: tuple[int | None, int | None] | None  # --steps A:B
     events: int  # estimated events
     bytes: int  # estimated JSON bytes, uncompressed
@@ -140,6 +139,19 @@ class TracePlan:
     over: bool = False  # what --steps asked for is over the limit (written all the same)
     thinned: bool = False
     held_ranges: str = ""  # the steps held in full, as ranges: what --steps can pick from
+
+    _run: StoredRun | None = field(default=None, repr=False)
+    _step_rows: pd.DataFrame | None = field(default=None, repr=False)
+
+    @property
+    def step_rows(self) -> pd.DataFrame:
+        """The written steps' rows of the steps table (every rank's), with "rank": read when a trace is written,
+        never to plan one (a 300,000-step run's rows take a second to read)."""
+        if self._step_rows is None:
+            assert self._run is not None, "a plan made without its run"
+            rows = trace_rows.step_rows(self._run)
+            self._step_rows = rows[rows["step"].isin(self.steps)].reset_index(drop=True)
+        return self._step_rows
 
     @property
     def ranges(self) -> list[list[int]]:
@@ -188,10 +200,6 @@ def _events_per_step(run: StoredRun, steps: np.ndarray, cuda: bool) -> float:
     return events / counted if counted else 0.0
 
 
-def _sample_events(run: StoredRun, share: float) -> int:
-    """Counter events NVML's samples make over ``share`` of the run's time (every metric of every sample)."""
-    rows = trace_rows.gpu_sample_rows(run).sum()  # never deleted: the count
-    return int(rows * len(SAMPLE_COUNTERS) * share)
 
 
 def plan_trace(run: StoredRun, steps: tuple[int | None, int | None] | None = None, max_events: int | None = None,
@@ -202,9 +210,8 @@ def plan_trace(run: StoredRun, steps: tuple[int | None, int | None] | None = Non
     Returns:
         the plan: steps, their rows, estimated events and bytes, and ``why()`` in words.
     """
-    rows = trace_rows.step_rows(run)
-    all_steps = np.unique(rows["step"].to_numpy(dtype=np.int64))
-    held = trace_rows.held_steps(run, all_steps)
+    durations = trace_rows.held_step_spans(run).groupby("step")["longest_ms"].max()  # by step, sorted
+    held = durations.index.to_numpy(dtype=np.int64)
     chosen = held
     if steps is not None:
         lo, hi = steps
@@ -214,19 +221,21 @@ def plan_trace(run: StoredRun, steps: tuple[int | None, int | None] | None = Non
             chosen = chosen[chosen < hi]
     cuda = any(str(d).startswith("cuda:") for d in run.model.devices)
     per_step = _events_per_step(run, chosen, cuda)
-    total_ms = float(rows["duration_ms"].sum()) or 1.0
-    durations = rows.groupby("step")["duration_ms"].max()
+    samples = int(trace_rows.gpu_sample_rows(run).sum())  # never deleted: the count
+    total_ms = (trace_rows.steps_total_ms(run) or 1.0) if samples else 1.0  # read only where it weighs samples
 
     named = METADATA_EVENTS * (len(run.model.devices) + 1)  # processes and lanes named, a GPU or two sampled
 
     def estimate(chosen_steps: np.ndarray) -> int:
-        share = float(durations.reindex(chosen_steps).sum()) * run.ranks / total_ms
-        return int(per_step * len(chosen_steps)) + _sample_events(run, min(1.0, share)) + named
+        """Events of the steps' rows, and the counter events NVML's samples make over their share of the run's
+        time (every metric of every sample)."""
+        share = float(durations.reindex(chosen_steps).sum()) * run.ranks / total_ms if samples else 0.0
+        return int(per_step * len(chosen_steps)) + int(samples * len(SAMPLE_COUNTERS) * min(1.0, share)) + named
 
     events = estimate(chosen)
-    plan = TracePlan(run_steps=run.model.steps, held=len(held), steps=chosen, step_rows=rows, asked=steps,
-                     events=events, bytes=events * EVENT_BYTES, thinned=run.model.thinned,
-                     held_ranges=_ranges_text(_ranges(held)))
+    plan = TracePlan(run_steps=run.model.steps, held=len(held), steps=chosen, asked=steps, events=events,
+                     bytes=events * EVENT_BYTES, thinned=run.model.thinned, held_ranges=_ranges_text(_ranges(held)),
+                     _run=run)
     max_events = MAX_EVENTS if max_events is None else max_events
     max_bytes = MAX_BYTES if max_bytes is None else max_bytes
     limit = min(max_events, max_bytes // EVENT_BYTES)
@@ -241,7 +250,6 @@ def plan_trace(run: StoredRun, steps: tuple[int | None, int | None] | None = Non
             plan.cut = True
         else:
             plan.over = True
-    plan.step_rows = rows[rows["step"].isin(plan.steps)].reset_index(drop=True)
     return plan
 
 
