@@ -11,7 +11,6 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
-import numpy as np
 import pandas as pd
 
 from dpprof.records import MEMORY_BYTES
@@ -23,7 +22,6 @@ __all__ = [
     "event_counts",
     "gpu_sample_batches",
     "gpu_sample_rows",
-    "held_steps",
     "held_step_spans",
     "step_rows",
     "steps_total_ms",
@@ -39,26 +37,16 @@ class ChunkRows(NamedTuple):
     comms: pd.DataFrame  # every column of the comms table
 
 
-def held_steps(run: StoredRun, steps: np.ndarray) -> np.ndarray:
-    """Of ``steps`` (the run's step numbers, int64), those that keep their detail rows: every step of a run not
-    thinned; of a thinned one, the steps from ``detail_from`` on and those that retention kept (with phase or
-    memory rows: dpprof.store.retention), in the order given."""
-    model = run.model
-    if not model.thinned:
-        return steps
-    kept = run.query("SELECT DISTINCT step FROM phases UNION SELECT DISTINCT step FROM memory")["step"]
-    return steps[(steps >= model.detail_from) | np.isin(steps, kept.to_numpy(dtype=np.int64))]
-
-
 def step_rows(run: StoredRun) -> pd.DataFrame:
     """Every step: columns step, start_ms, duration_ms, batch_size, devices_used, forward_calls, rank."""
     return run.query("SELECT step, start_ms, duration_ms, batch_size, devices_used, forward_calls FROM steps")
 
 
 def held_step_spans(run: StoredRun) -> pd.DataFrame:
-    """The steps held in full (held_steps, chosen in SQLite: a 300,000-step run's step rows take a second to read,
-    its held steps' a hundredth of it), each rank's longest row: columns step, longest_ms (a step of several
-    forward calls has a row each), rank."""
+    """The steps that keep their detail rows, each rank's longest row of each: columns step, longest_ms (a step of
+    several forward calls has a row each), rank. Every step of a run not thinned; of a thinned one, the steps from
+    ``detail_from`` on and those that retention kept (with phase or memory rows: dpprof.store.retention). Chosen in
+    SQLite: a 300,000-step run's step rows take a second to read, its held steps' a tenth of it."""
     model = run.model
     if not model.thinned:
         return run.query("SELECT step, MAX(duration_ms) AS longest_ms FROM steps GROUP BY step")
