@@ -240,10 +240,14 @@ class _WhenImported(importlib.abc.MetaPathFinder):
         exec_module = loader.exec_module
 
         def exec_then(module: Any) -> None:
+            if getattr(module, "__name__", None) != self.name:  # a loader shared by several modules: theirs as ever
+                exec_module(module)
+                return
+            loader.exec_module = exec_module  # type: ignore[method-assign]  # once: the loader as it was
             exec_module(module)
             self.then()  # raises nothing: what it cannot patch stays torch's
 
-        loader.exec_module = exec_then  # type: ignore[method-assign]  # this spec's own loader
+        loader.exec_module = exec_then  # type: ignore[method-assign]  # this spec's loader, until it runs
         return spec
 
     def remove(self) -> None:
