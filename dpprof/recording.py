@@ -137,6 +137,7 @@ class _StepBlock:
         run = self.run
         # one store, no lock: every reader of _explicit (step_for_forward, forward_starts_step) reads it once
         run._explicit = None
+        assert self.step is not None, "run.step() left before it was entered"
         run._close_step(self.step, end_ns)
 
 
@@ -226,6 +227,9 @@ class Run:
 
     def _start_sampler(self) -> None:
         self._monitor_pending = False
+        hz = self.sample_hz
+        if not hz:  # start_monitor starts none then
+            return
         try:
             self._nvml = Nvml()
         except NvmlUnavailable as err:
@@ -233,7 +237,7 @@ class Run:
             return
         self._nvml.on_reason = lambda message: self.note("nvml", message)
         handles = nvml_handles(self._nvml, range(torch.cuda.device_count()))
-        self._sampler = GpuSampler(self._nvml, handles, self.emit, self.now_ms, hz=self.sample_hz)
+        self._sampler = GpuSampler(self._nvml, handles, self.emit, self.now_ms, hz=hz)
 
     def note(self, source: str, message: str, tell: bool = True) -> None:
         """Record why some data is missing, once per message, and tell the user in one line."""
@@ -413,6 +417,7 @@ class Run:
         if not isinstance(self.sink, MemorySink):
             if self.ended_at is None:
                 raise RuntimeError("the run is still recording; read it after the with block")
+            assert self.path is not None, "a closed run stored in a file has its path"
             return load_run(self.path).frames()
         out = {}
         for cls, table in TABLE_OF.items():

@@ -112,20 +112,21 @@ def _ranks(files: list[Collected]) -> list[int | None]:
     if len(files) == 1:
         return [files[0].rank]
     infos = [f.rank for f in files]
+    ranks: list[int]
     if all(r is not None for r in infos):
-        ranks = infos
+        ranks = [r for r in infos if r is not None]
     elif any(r is not None for r in infos):
         odd = files[infos.index(None)]
         raise TraceError(f"{odd.name}: has no distributedInfo while the other files do: files of two different jobs")
     else:
         named = [_RANK_IN_NAME.search(f.name) for f in files]
-        ranks = [int(m.group(1)) for m in named] if all(named) else list(range(len(files)))
+        ranks = [int(m.group(1)) for m in named if m] if all(named) else list(range(len(files)))
     seen: dict[int, str] = {}
     for f, r in zip(files, ranks):
         if r in seen:
             raise TraceError(f"{f.name}: rank {r} again (also {seen[r]}): files of two different jobs, or one given twice")
         seen[r] = f.name
-    return ranks
+    return list(ranks)
 
 
 def _check_one_job(files: list[Collected]) -> None:

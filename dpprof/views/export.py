@@ -7,6 +7,7 @@ import os
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from dpprof.csvfile import meta_frame, to_csv_bytes
@@ -75,7 +76,7 @@ KIND_TABLES = {"fsdp_collectives": ("fsdp", "per FSDP rank and collective: per s
 
 def export_tables(run: StoredRun) -> pd.DataFrame:
     """The run's tables and their row counts (what the Export page offers), then the made ones."""
-    counts = {t: table_rows.row_count(run, t) for t in TABLES if t != "findings"}
+    counts: dict[str, int | None] = {t: table_rows.row_count(run, t) for t in TABLES if t != "findings"}
     counts["findings"] = None  # computed (or stored) when asked for
     words = TABLE_DESCRIPTIONS if run.model.dataparallel else {**TABLE_DESCRIPTIONS, **PROCESS_DESCRIPTIONS}
     if run.model.kind == "fsdp":
@@ -124,7 +125,7 @@ def _with_quantiles(table: pd.DataFrame) -> pd.DataFrame:
     out = table.drop(columns="sketch")
     rows = range(len(table))
     for q, col in ((0.5, "p50_ms"), (0.95, "p95_ms")):
-        found, values = grouped_quantile(table["sketch"].tolist(), list(rows), q)
+        found, values = grouped_quantile(table["sketch"].tolist(), np.arange(len(table)), q)
         out[col] = pd.Series(values, index=found).reindex(rows).to_numpy()
     return out
 

@@ -171,7 +171,7 @@ def glance(run: StoredRun, stats: dict[str, Any] | None = None, found: Findings 
                          f"{MEMORY_SKEW_RATIO:.2f}x the others' average, or under {mib(MEMORY_FLOOR_BYTES)} more")
             sentences.append(said + ".")
     elif not has_memory and model.missing.get("memory") and model.kind != "empty":
-        sentences.append(model.missing.get("allocator") if model.imported else model.missing["memory"])
+        sentences.append((model.missing.get("allocator") if model.imported else None) or model.missing["memory"])
     if idle:
         sentences.append(f"{', '.join(idle)} got no chunk in any step: idle (the batch is smaller than the devices "
                          "times torch.chunk's chunk).")
