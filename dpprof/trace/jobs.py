@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from dpprof.trace.collect import Collected, collect
 from dpprof.trace.decode import TraceError, TraceFile
@@ -177,7 +177,8 @@ class _Workers:
         self.paths = [Path(p) for p in paths]
         self.jobs = jobs
         self.progress = progress
-        self.context = multiprocessing.get_context(start_method)
+        # typed as the default context: get_context's BaseContext has no Process in typeshed, every start method's does
+        self.context: multiprocessing.context.DefaultContext = multiprocessing.get_context(start_method)  # type: ignore[assignment]
         sizes = [_size(p) for p in self.paths]
         self.queue = sorted(range(len(self.paths)), key=lambda i: -sizes[i])  # the largest first: all end together
         self.busy: dict[Connection, tuple[Any, int | None]] = {}  # connection -> (process, index of its file)
@@ -195,8 +196,10 @@ class _Workers:
             for conn in list(self.busy):
                 self._hand_next(conn)
             while any(index is not None for _, index in self.busy.values()):
-                for conn in wait([c for c, (_, i) in self.busy.items() if i is not None]):
+                for ready in wait([c for c, (_, i) in self.busy.items() if i is not None]):
+                    conn = cast(Connection, ready)  # wait() hands back what it was given: our connections
                     process, index = self.busy[conn]
+                    assert index is not None  # only connections handed a file are waited on
                     try:
                         kind, index, payload = conn.recv()
                     except (EOFError, OSError):
