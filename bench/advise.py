@@ -3,8 +3,8 @@
 For each built-in workload and a user's model (``--model bench.advise_model:mlp``), recorded as DataParallel on
 2 CPU workers: calibrate once, predict every scenario from the recorded run (DDP on 2 ranks, DataParallel on 1 to
 4 workers, balanced, half and twice the batch), run each scenario's own command (the ``dpprof profile ...`` line
-dpprof advise prints, run by ``dpprof.cli.main`` in this process so that a run costs its steps rather than a
-Python start-up; DDP starts torchrun and its ranks as ever), and print predicted against measured in one table with
+dpprof advise prints, started from the scenario's ``dpprof.launch.Profile`` in this process so that a run costs its
+steps rather than a Python start-up; DDP starts torchrun and its ranks as ever), and print predicted against measured in one table with
 
 - the median relative error of the step time over every scenario (aim: at most 10%; never above 15%),
 - how many measured medians fall inside their predicted interval (aim: at least 2 of 3),
@@ -23,20 +23,17 @@ medians over rounds.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import io
 import os
-import re
-import shlex
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = ["tutorial-linear", "cifar-lenet", "sorted-gru", "seg-fcn", "model"]
-MODEL = ["--model", "bench.advise_model:mlp", "--input-shape", "256", "--batch-size", "64"]
+MODEL = {"model": "bench.advise_model:mlp", "input_shape": (256,), "batch_size": 64}  # dpprof.launch.Profile's
 
 
 def main() -> None:
@@ -55,7 +52,7 @@ def main() -> None:
 
     from dpprof.advise.calibrate import calibrate, refresh_load
     from dpprof.advise.check import measured
-    from dpprof.cli import main
+    from dpprof.launch import Profile
     from dpprof.advise.measured import measure
     from dpprof.advise.predict import advise
     from dpprof.store.reader import load_run
@@ -66,22 +63,13 @@ def main() -> None:
     cal = calibrate(2)
     print("\n".join(cal.lines()), flush=True)
 
-    def run(command: str, name: str) -> str:
-        """A scenario's command, in this process (torch imported once: a run costs its steps, not a start-up);
-        DDP's still starts torchrun and its ranks."""
-        # a scenario's command as a user types it: its environment (OMP_NUM_THREADS=1 for DDP's ranks, which
-        # torchrun starts) is the child's business, the rest is dpprof's argv
-        words = shlex.split(command)
-        while words and re.match(r"[A-Za-z_]\w*=", words[0]):
-            words.pop(0)
-        argv = words[1:] if words[:1] == ["dpprof"] else words
-        with contextlib.redirect_stdout(io.StringIO()) as said:
-            code = main(["--reports-dir", str(out), *argv, "--quiet", "--name", name])
+    def run(profile: Profile, name: str) -> str:
+        """A scenario's profile (the one its command starts), in this process (torch imported once: a run costs its
+        steps, not a start-up); DDP's still starts torchrun and its ranks. Its environment (OMP_NUM_THREADS, set
+        above for every process) is left out: with one, Profile.run would start a child."""
+        run_id = replace(profile, env={}, reports_dir=str(out), name=name).run()
         gc.collect()  # no run pays for collecting another's garbage
-        found = re.search(r"recorded run (\S+) ", said.getvalue())
-        if code != 0 or not found:
-            raise RuntimeError(f"{command}: exit {code}: {said.getvalue()[-500:]}")
-        return found.group(1)
+        return run_id
 
     rows = []  # one per workload, scenario and round
     memory_rows = []
@@ -89,12 +77,11 @@ def main() -> None:
     waits = []  # and DDP's wait
     for r in range(args.rounds):
         for w in workloads:
-            what = MODEL if w == "model" else [w]
+            what = MODEL if w == "model" else {"workload": w}
             cal = refresh_load(cal)  # the cores and DDP's wait now, as dpprof advise --calibrate right after a run
             cores.append(cal.effective_cores)
             waits.append(cal.ddp_sync_ms)
-            base_id = run("dpprof profile " + " ".join(what) + f" --devices cpu:2 --steps {args.steps}",
-                          f"base {w} round {r}")
+            base_id = run(Profile(**what, devices="cpu:2", steps=args.steps), f"base {w} round {r}")
             advice = advise(measure(load_run(base_id, out)), cal, steps=args.steps)
             order = list(advice.scenarios)
             shift = (r * 3) % len(order)
@@ -102,7 +89,7 @@ def main() -> None:
             if r % 2:
                 order.reverse()
             for s in order:
-                run_id = run(s.command, f"{w}: {s.label} round {r}")
+                run_id = run(s.profile, f"{w}: {s.label} round {r}")
                 step, held = measured(run_id, out)
                 rows.append({"workload": w, "scenario": s.label.replace(" (recorded)", " (recorded, again)"),
                              "kind": s.scenario, "devices": s.devices, "batch": s.batch_size, "round": r,
