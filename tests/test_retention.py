@@ -3,7 +3,6 @@ run's aggregates. Every run here is recorded by the CPU backend; the rules are c
 from __future__ import annotations
 
 import sqlite3
-import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -64,9 +63,8 @@ def test_every_step_time_is_kept_and_the_detail_follows_the_rules(bounded):
     # one of the outliers that stayed, is no slower than the slowest of them, and was over twice the running median
     # (the writer's, recomputed as the steps double: at least 0.9x the least median of the first k steps, k >= x/2)
     durations = run.steps.set_index("step")["duration_ms"].sort_index()
-    first = durations.tolist()
-    least_median = {x: min(statistics.median(first[:k]) for k in range(max(1, x // 2), x + 1)) if x else first[0]
-                    for x in range(len(first))}
+    prefix = durations.expanding().median().to_numpy()  # prefix[k - 1]: the median of the first k steps
+    least_median = {x: prefix[max(1, x // 2) - 1:x].min() if x else prefix[0] for x in range(len(prefix))}
     chunk_of = outliers["step"] // SMALL.chunk_steps
     quota_full = outliers.groupby(chunk_of)["duration_ms"].agg(["size", "min"]).query(
         f"size >= {SMALL.outliers_per_chunk}")["min"]
