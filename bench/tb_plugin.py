@@ -822,21 +822,19 @@ def timing_rounds(args: argparse.Namespace, out: Path, plugin: dict, dp: dict) -
                                      "tensorboard_cpu_s": [plugin.get("tensorboard_cpu_s")],
                                      "dpprof_import_s": [dp["import_s"]], "dpprof_import_cpu_s": [dp["import_cpu_s"]],
                                      "load_average": [os.getloadavg()[0]]}
-    conditions = Conditions()  # both sides run as this process's children
-    conditions.__enter__()
-    for k in range(1, args.rounds):
-        for side in (("dpprof", "plugin") if k % 2 else ("plugin", "dpprof")):
-            if side == "dpprof":
-                wall, cpu = time_dpprof_import(args.trace)
-                times["dpprof_import_s"].append(wall)
-                times["dpprof_import_cpu_s"].append(cpu)
-            else:
-                again = run_plugin(args.trace, venv, out / f"round-{k}")  # its log and routes kept there
-                times["plugin_load_s"].append(again["load_s"])
-                times["plugin_serve_wall_s"].append(again["serve_wall_s"])
-                times["tensorboard_cpu_s"].append(again["tensorboard_cpu_s"])
-        times["load_average"].append(os.getloadavg()[0])
-    conditions.__exit__(None, None, None)
+    with Conditions() as conditions:  # both sides run as this process's children
+        for k in range(1, args.rounds):
+            for side in (("dpprof", "plugin") if k % 2 else ("plugin", "dpprof")):
+                if side == "dpprof":
+                    wall, cpu = time_dpprof_import(args.trace)
+                    times["dpprof_import_s"].append(wall)
+                    times["dpprof_import_cpu_s"].append(cpu)
+                else:
+                    again = run_plugin(args.trace, venv, out / f"round-{k}")  # its log and routes kept there
+                    times["plugin_load_s"].append(again["load_s"])
+                    times["plugin_serve_wall_s"].append(again["serve_wall_s"])
+                    times["tensorboard_cpu_s"].append(again["tensorboard_cpu_s"])
+            times["load_average"].append(os.getloadavg()[0])
     median = {key: statistics.median([x for x in v if x is not None]) for key, v in times.items() if None not in v}
     print(f"\n{args.rounds} rounds, taking turns (seconds; median last):")
     for key, values in times.items():
