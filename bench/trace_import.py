@@ -282,37 +282,35 @@ def main() -> None:
                 rate = (f"  {size_mb / wall:6.0f} MiB/s wall, {size_mb / cpu:6.0f} MiB/s CPU" if wall > 0.5 else "")
                 print(f"  {stage:34s} {wall:6.2f} s, CPU {cpu:6.2f} s{rate}")
 
-        conditions = Conditions()  # the arms are this process's children: its own tree
-        conditions.__enter__()
-        timed = [*single, *(["jobs-1", "jobs-default"] if "jobs" in arms else [])]
-        paths = {a: ([one] if a in single else ranks) for a in timed}
-        for arm in timed:
-            base = run_arm(arm, python[arm], paths[arm], baseline=True)
-            print(f"  {arm}: imports alone peak at {base.get('peak_rss_mb', float('nan')):.0f} MiB RSS")
-        results: dict[str, list[dict]] = {a: [] for a in timed}
-        turns = [*single, *(["jobs"] if "jobs" in arms else [])]
-        for r in range(args.rounds):
-            order = turns[r % len(turns):] + turns[:r % len(turns)]  # a different arm first each round
-            for turn in order:
-                if turn == "jobs":
-                    pair = ["jobs-1", "jobs-default"] if r % 2 == 0 else ["jobs-default", "jobs-1"]
-                    batch = [a for k in range(args.pairs) for a in (pair if k % 2 == 0 else pair[::-1])]
-                else:
-                    batch = [turn]
-                for arm in batch:
-                    res = run_arm(arm, python[arm], paths[arm])
-                    results[arm].append(res)
-                    mb = size_mb if arm in single else ranks_mb
-                    if "error" in res:
-                        print(f"round {r + 1} {arm}: failed after {res['wall_s']:.0f} s: {res['error']}")
+        with Conditions() as conditions:  # the arms are this process's children: its own tree
+            timed = [*single, *(["jobs-1", "jobs-default"] if "jobs" in arms else [])]
+            paths = {a: ([one] if a in single else ranks) for a in timed}
+            for arm in timed:
+                base = run_arm(arm, python[arm], paths[arm], baseline=True)
+                print(f"  {arm}: imports alone peak at {base.get('peak_rss_mb', float('nan')):.0f} MiB RSS")
+            results: dict[str, list[dict]] = {a: [] for a in timed}
+            turns = [*single, *(["jobs"] if "jobs" in arms else [])]
+            for r in range(args.rounds):
+                order = turns[r % len(turns):] + turns[:r % len(turns)]  # a different arm first each round
+                for turn in order:
+                    if turn == "jobs":
+                        pair = ["jobs-1", "jobs-default"] if r % 2 == 0 else ["jobs-default", "jobs-1"]
+                        batch = [a for k in range(args.pairs) for a in (pair if k % 2 == 0 else pair[::-1])]
                     else:
-                        workers = (f", largest worker {res['workers_peak_rss_mb']:,.0f} MiB"
-                                   if arm == "jobs-default" and res["workers_peak_rss_mb"] else "")
-                        print(f"round {r + 1} {arm}: {res['seconds']:.1f} s (CPU {res['cpu_s']:.1f} s), "
-                              f"{mb / res['seconds']:.1f} MiB/s, peak RSS {res['peak_rss_mb']:,.0f} MiB{workers} "
-                              f"({res['result']}; load average {res['load']:.1f})")
+                        batch = [turn]
+                    for arm in batch:
+                        res = run_arm(arm, python[arm], paths[arm])
+                        results[arm].append(res)
+                        mb = size_mb if arm in single else ranks_mb
+                        if "error" in res:
+                            print(f"round {r + 1} {arm}: failed after {res['wall_s']:.0f} s: {res['error']}")
+                        else:
+                            workers = (f", largest worker {res['workers_peak_rss_mb']:,.0f} MiB"
+                                       if arm == "jobs-default" and res["workers_peak_rss_mb"] else "")
+                            print(f"round {r + 1} {arm}: {res['seconds']:.1f} s (CPU {res['cpu_s']:.1f} s), "
+                                  f"{mb / res['seconds']:.1f} MiB/s, peak RSS {res['peak_rss_mb']:,.0f} MiB{workers} "
+                                  f"({res['result']}; load average {res['load']:.1f})")
 
-        conditions.__exit__(None, None, None)
         refused = None if args.allow_load else conditions.refusal()
         print(f"\n{conditions.line()}")
         print("mean over rounds:")
