@@ -159,7 +159,34 @@ def test_the_import_button_is_disabled_while_an_import_is_under_way(tmp_path, mo
     assert not at.button(key="import_traces").disabled
 
 
-def test_two_tabs_pressing_import_at_once_make_one_run(tmp_path, monkeypatch):
+@pytest.fixture
+def tabs_at_once(monkeypatch):
+    """AppTest runs concurrently in threads, as two browser tabs run on one server. AppTest keeps its mock
+    Runtime in one class attribute, set when a run starts and cleared when it ends, so the first run to end
+    would clear it under the other (``Runtime hasn't been created!`` at the other's end); here it is cleared
+    only when the last run in flight ends."""
+    from streamlit.runtime import Runtime
+    from streamlit.testing.v1 import app_test
+
+    in_flight = [0]
+    guard = threading.Lock()
+
+    class Shared(type):
+        def __setattr__(cls, name, value):
+            if name != "_instance":
+                return super().__setattr__(name, value)
+            with guard:
+                in_flight[0] += 1 if value is not None else -1
+                if value is not None or in_flight[0] == 0:
+                    Runtime._instance = value
+
+    class SharedRuntime(Runtime, metaclass=Shared):
+        pass
+
+    monkeypatch.setattr(app_test, "Runtime", SharedRuntime)
+
+
+def test_two_tabs_pressing_import_at_once_make_one_run(tmp_path, monkeypatch, tabs_at_once):
     _copy("ddp-2ranks-rank0-nccl.json.gz", tmp_path, age_s=100)
     tabs = [_runs_page(monkeypatch, tmp_path, rows=[0]) for _ in range(2)]
     for at in tabs:
@@ -169,6 +196,7 @@ def test_two_tabs_pressing_import_at_once_make_one_run(tmp_path, monkeypatch):
         press.start()
     for press in presses:
         press.join(120)
+    assert not any(press.is_alive() for press in presses)
     assert not any(at.exception for at in tabs), [e.message for at in tabs for e in at.exception]
     [run_id] = dpprof.list_runs(tmp_path)["id"]  # the second import waited for the first, then found its run
     said = sorted(shown_text(m.value) for at in tabs for m in [*at.success, *at.warning])
