@@ -11,10 +11,13 @@ from typing import Union
 
 import torch
 
-__all__ = ["DeviceLike", "DeviceSet", "MAX_DEVICE_INDEX", "MAX_CPU_WORKERS", "cpu_devices", "resolve_devices",
+__all__ = ["DeviceLike", "CudaIds", "DeviceSet", "MAX_DEVICE_INDEX", "MAX_CPU_WORKERS", "cpu_devices", "resolve_devices",
            "is_cpu_worker_list"]
 
 DeviceLike = Union[int, str, torch.device]
+# The ids torch's own CUDA pieces (scatter, gather, replicate, parallel_apply) are typed to take. Each id goes
+# through torch's _get_device_index, which takes "cuda:N" strings too: dpprof hands them DeviceLike ids as given.
+CudaIds = Sequence[Union[int, torch.device]]
 # torch keeps a device's index in one signed byte (c10::DeviceIndex): torch.device("cpu", 128) is cpu:-128 and
 # "cpu:255" is a device with no index, so an index past this is refused before torch wraps it.
 MAX_DEVICE_INDEX = 127
@@ -81,7 +84,7 @@ def _parse(device: DeviceLike, what: str) -> torch.device:
     return device
 
 
-def is_cpu_worker_list(devices: Sequence[DeviceLike] | None) -> bool:
+def is_cpu_worker_list(devices: Sequence[DeviceLike | None] | None) -> bool:
     """Whether ``devices`` names CPU workers (the first entry decides; resolve_devices checks the rest)."""
     if not devices:
         return False

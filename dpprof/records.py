@@ -102,7 +102,7 @@ class AllocatorRecord:
     phase: str
     allocated_bytes: int
     peak_allocated_bytes: int  # peak since the step started
-    reserved_bytes: int
+    reserved_bytes: int | None  # None: an imported trace's memory events in the step said none
 
 
 # Clock-throttle reasons that mean "slower than it could be" (idle and application-clock settings do not), by
@@ -178,7 +178,7 @@ class CommRecord:
     step: int
     device: str  # "rank:N"
     bucket: int  # the bucket's index in DDP's reducer
-    bucket_bytes: int
+    bucket_bytes: int | None  # None: an imported collective whose kernel and op both give no size
     launch_ms: float  # since the run started: when the bucket was ready and its all-reduce launched
     duration_ms: float  # launch to completion (the future's callback)
     collective: str | None = None  # what it is (imported traces): all-reduce, reduce-scatter, all-gather, all-to-all,

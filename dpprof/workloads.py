@@ -177,7 +177,9 @@ class _SquaredOutput(nn.Module):
 
     def forward(self, output: Any, target: Any = None) -> torch.Tensor:
         from dpprof.parallel.probe import iter_tensors
-        return sum(t.float().pow(2).mean() for t in iter_tensors(output) if t.is_floating_point())
+        # started from a zero tensor, not sum()'s int 0: a tensor even for an output with no floating tensor
+        return sum((t.float().pow(2).mean() for t in iter_tensors(output) if t.is_floating_point()),
+                   torch.zeros(()))
 
 
 def user_workload(spec: str, input_shape: Sequence[int], batch_size: int | None = None,
@@ -238,6 +240,7 @@ def train(workload: Workload, device_ids: Sequence[DeviceLike], steps: int, name
     if on_gpus:
         workload.model.to(torch.device("cuda", devices.indices[0]))
         workload.criterion.to(torch.device("cuda", devices.indices[0]))
+    net: DataParallel
     if balanced:
         net = DataParallelModel(workload.model, device_ids=device_ids)
         criterion: nn.Module = DataParallelCriterion(workload.criterion, device_ids=device_ids)

@@ -67,7 +67,7 @@ class _RankProbe:
         if cuda_index is not None and self.forward.call == 0:
             torch.cuda.reset_peak_memory_stats(cuda_index)  # the step's peak, as DataParallel records it
         self.previous_end_ns = previous.last_end_ns if previous is not None else None
-        self.last_end_ns = time.perf_counter_ns()
+        self.last_end_ns: int = time.perf_counter_ns()
         self.optimizer_t0: int | None = None
         self.backward_t0: int | None = None
         self.graph_end_ns: int | None = None
@@ -130,7 +130,7 @@ def _timed_hook(owner: DistributedDataParallel, inner: Callable[[Any, Any], Any]
     """Wrap a DDP communication hook so each bucket's launch and completion are recorded."""
 
     def dpprof_comm_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        probe: _RankProbe | None = owner._dpprof_probe
+        probe: _RankProbe | None = owner.__dict__["_dpprof_probe"]
         if probe is None:
             return inner(state, bucket)
         launch = time.perf_counter_ns()

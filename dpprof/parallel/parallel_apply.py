@@ -10,10 +10,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from contextlib import nullcontext
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch._utils import ExceptionWrapper
+from torch.nn import Module
 from torch.nn.parallel.parallel_apply import get_a_var
 from torch.nn.parallel.parallel_apply import parallel_apply as _torch_parallel_apply
 
@@ -76,7 +77,7 @@ def _cpu_parallel_apply(modules: Sequence[Callable[..., Any]], inputs: Sequence[
     else:
         # calls alike in length are calls of one class of module (a model's forward, a criterion's)
         first = modules[0]
-        kind = type(first.module) if isinstance(first, MeasuredReplica) else type(first)
+        kind: type = type(first.module) if isinstance(first, MeasuredReplica) else type(first)
         outputs = run_on_workers([worker_index(d) for d in devices], tasks, kind)
     for output in outputs:
         if isinstance(output, ExceptionWrapper):
@@ -118,6 +119,9 @@ def parallel_apply(modules: Sequence[Callable[..., Any]], inputs: Sequence[Any],
         # torch takes the device from the inputs; with none on a GPU (CPU tensors, no tensor,
         # None) the replicas run on CPU workers 0..n-1
         devices = [torch.device("cpu", i) for i in range(len(modules))]
-    if devices is not None and is_cpu_worker_list(devices):
-        return _cpu_parallel_apply(modules, inputs, kwargs_tup, devices)
-    return _torch_parallel_apply(modules, inputs, kwargs_tup, devices)
+    if devices is not None and is_cpu_worker_list(devices):  # CPU workers, every one named (resolve_devices)
+        return _cpu_parallel_apply(modules, inputs, kwargs_tup, cast(Sequence[DeviceLike], devices))
+    # torch's is typed for modules and int or device ids; it calls each module and passes each id through
+    # _get_device_index, so MeasuredReplica callables and "cuda:N" strings go through as they are
+    return _torch_parallel_apply(cast(Sequence[Module], modules), inputs, kwargs_tup,
+                                 cast("Sequence[int | torch.device | None] | None", devices))

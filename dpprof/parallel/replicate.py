@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import chain
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 from torch.autograd import Function
@@ -22,7 +22,7 @@ from torch.nn.modules import module as _module_hooks
 from torch.nn.parallel.replicate import _replicatable_module
 from torch.nn.parallel.replicate import replicate as _torch_replicate
 
-from dpprof.device_ids import DeviceLike, is_cpu_worker_list
+from dpprof.device_ids import CudaIds, DeviceLike, is_cpu_worker_list
 from dpprof.parallel.workers import on_worker_thread, run_on_workers, worker_index
 
 __all__ = ["replicate"]
@@ -202,7 +202,7 @@ def _cpu_replicate(network: T, workers: list[int], detach: bool) -> list[T]:
                         replica.__dict__[key] = copy
                     else:
                         setattr(replica, key, copy)
-                    replica._former_parameters[key] = copy
+                    replica.__dict__["_former_parameters"][key] = copy
         for key, buf in module._buffers.items():
             for j in range(num_replicas):
                 replica = module_copies[j][i]
@@ -223,7 +223,7 @@ def _cpu_replicate(network: T, workers: list[int], detach: bool) -> list[T]:
 def replicate(network: T, devices: Sequence[DeviceLike], detach: bool = False) -> list[T]:
     """One replica of ``network`` per device; torch's own replicate on CUDA."""
     if not is_cpu_worker_list(devices):
-        return _torch_replicate(network, devices, detach)
+        return _torch_replicate(network, cast(CudaIds, devices), detach)
     if not devices:
         if not _replicatable_module(network):
             raise RuntimeError("Cannot replicate network where python modules are children of ScriptModule")

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.nn.parallel import scatter_gather as _torch_sg
 
-from dpprof.device_ids import DeviceLike, is_cpu_worker_list
+from dpprof.device_ids import CudaIds, DeviceLike, is_cpu_worker_list
 
 __all__ = ["scatter", "scatter_kwargs", "scatter_sized", "gather", "check_scatter_dim"]
 
@@ -66,7 +66,7 @@ def _scatter_map(inputs: Any, split: Callable[[torch.Tensor], tuple[torch.Tensor
     try:
         return scatter_map(inputs)
     finally:
-        scatter_map = None  # break the closure's reference cycle, as torch does
+        scatter_map = None  # type: ignore[assignment]  # break the closure's reference cycle, as torch does
 
 
 def _cpu_scatter(inputs: Any, target: Sequence[DeviceLike], dim: int) -> Any:
@@ -79,7 +79,7 @@ def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any
     check_scatter_dim(inputs, dim)
     if is_cpu_worker_list(target_gpus):
         return _cpu_scatter(inputs, target_gpus, dim)
-    return _torch_sg.scatter(inputs, target_gpus, dim)
+    return _torch_sg.scatter(inputs, cast(CudaIds, target_gpus), dim)
 
 
 def scatter_kwargs(
@@ -163,7 +163,7 @@ def _cpu_gather(outputs: Any, dim: int) -> Any:
     try:
         return gather_map(outputs)
     finally:
-        gather_map = None
+        gather_map = None  # type: ignore[assignment]
 
 
 def gather(outputs: Any, target_device: DeviceLike, dim: int = 0) -> Any:
@@ -173,4 +173,4 @@ def gather(outputs: Any, target_device: DeviceLike, dim: int = 0) -> Any:
         if isinstance(target_device, int) and target_device == -1:
             warnings.warn(_CPU_AS_MINUS_ONE_WARNING, FutureWarning, stacklevel=2)
         return _cpu_gather(outputs, dim)
-    return _torch_sg.gather(outputs, target_device, dim)
+    return _torch_sg.gather(outputs, cast("int | torch.device", target_device), dim)

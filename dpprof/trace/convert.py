@@ -178,8 +178,8 @@ def _host_phases(c: Collected, windows: list[tuple[int, float, float]], label: s
                 out.append(PhaseRecord(step=step, call=0, phase=name, device=label, start_ms=ms(start),
                                        duration_ms=(end - start) / 1e3))
         i, j = np.searchsorted(bw_s, lo, "left"), np.searchsorted(bw_s, hi, "left")
-        b0 = float(bw_s[i]) if j > i else None
-        b1 = float(bw_e[i:j].max()) if j > i else None
+        # backward's first op start and last op end in the step, where it has any
+        b0, b1 = (float(bw_s[i]), float(bw_e[i:j].max())) if j > i else (None, None)
         data = _in(c.data, lo, hi)
         for r in data:
             phase("data", r.start_us, r.end_us)
@@ -194,7 +194,7 @@ def _host_phases(c: Collected, windows: list[tuple[int, float, float]], label: s
             phase("forward", start, b0)
             notes.add("forward: no DataParallel or DistributedDataParallel forward range, so forward is from the "
                       "step's start (after loading data) to its first backward op")
-        if b0 is not None:
+        if b0 is not None and b1 is not None:
             colls = _in(c.collectives, b0, hi)
             if colls:
                 last_launch = max(x.start_us for x in colls)
