@@ -111,8 +111,8 @@ def _finding(kind: str, severity: str, device: str | None, title: str, evidence:
 
 def _ratio_rule(devices: DeviceSet, values: dict[int, float], what: str, kind: str, threshold: float,
                 unit: str) -> list[FindingRecord]:
-    weak = min(values, key=values.get)
-    strong = max(values, key=values.get)
+    weak = min(values, key=values.__getitem__)
+    strong = max(values, key=values.__getitem__)
     ratio = values[weak] / values[strong] if values[strong] else 1.0
     if ratio >= threshold:
         return []
@@ -217,14 +217,15 @@ def _nvml_rules(devices: DeviceSet, nvml: Nvml) -> list[FindingRecord]:
             free[label] = mem.free
         others[label] = nvml.sample(handle, label, 0.0).other_process_memory_bytes or 0
         link = nvml.pcie_link(handle, label)
-        if None not in link.values() and (link["gen"] < link["max_gen"] or link["width"] < link["max_width"]):
+        known = {k: v for k, v in link.items() if v is not None}  # every figure NVML gave
+        if len(known) == len(link) and (known["gen"] < known["max_gen"] or known["width"] < known["max_width"]):
             findings.append(_finding(
                 "pcie_link_degraded", "warning", label,
-                f"{label}'s PCIe link runs at gen {link['gen']} x{link['width']}",
-                f"current gen {link['gen']} x{link['width']}, maximum gen {link['max_gen']} x{link['max_width']}",
+                f"{label}'s PCIe link runs at gen {known['gen']} x{known['width']}",
+                f"current gen {known['gen']} x{known['width']}, maximum gen {known['max_gen']} x{known['max_width']}",
                 "Scatter and gather cross this link every step. Idle GPUs drop link speed to save power, so "
                 "check under load; if it stays low, reseat the card or check the slot and BIOS settings.",
-                float(link["gen"])))
+                float(known["gen"])))
         mask = nvml.get(label, "throttle reasons", lib.nvmlDeviceGetCurrentClocksThrottleReasons, handle)
         if mask is not None:
             slow = [r for r in throttle_names(mask) if r in SLOWDOWN_REASONS]
@@ -235,7 +236,7 @@ def _nvml_rules(devices: DeviceSet, nvml: Nvml) -> list[FindingRecord]:
                     "A throttled GPU becomes the straggler: check cooling, power limits (nvidia-smi -q -d "
                     "PERFORMANCE) and other jobs on it.", float(mask)))
     if len(free) > 1:
-        best = max(free, key=free.get)
+        best = max(free, key=free.__getitem__)
         for label, value in free.items():
             # smaller GPUs are the memory rule's business; this one is about other processes
             if free[best] and value / free[best] < FREE_MEMORY_RATIO_WARN and others[label]:

@@ -89,17 +89,21 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # in CUDA bu
 
 def _cuda_event(index: int | None) -> torch.cuda.Event | None:
     """A timing event recorded now on GPU ``index``'s current stream (None for a CPU label)."""
-    if index is None:
-        return None
+    return None if index is None else _event_now(index)
+
+
+def _event_now(index: int) -> torch.cuda.Event:
+    """A timing event recorded now on GPU ``index``'s current stream."""
     free = _free_events.get(index)
     event = free.pop() if free else torch.cuda.Event(enable_timing=True)
     if _raw_stream is None:
         stream = torch.cuda.current_stream(index)
     else:
         raw = _raw_stream(index)
-        stream = _streams.get((index, raw))
-        if stream is None:
-            stream = _streams[(index, raw)] = torch.cuda.current_stream(index)
+        cached = _streams.get((index, raw))
+        if cached is None:
+            cached = _streams[(index, raw)] = torch.cuda.current_stream(index)
+        stream = cached
     event.record(stream)
     return event
 
@@ -185,7 +189,7 @@ class _BackwardWatch:
     def __init__(self, probe: ForwardProbe | None, label: str) -> None:
         self.probe, self.label = probe, label
         self.t0: int | None = None
-        self.ev0 = None
+        self.ev0: torch.cuda.Event | None = None
         self.range: Any = None
 
     def on_grad(self, grad: torch.Tensor) -> None:
@@ -200,7 +204,7 @@ class _BackwardWatch:
 
     def on_done(self) -> None:
         t0, ev0, span, self.t0, self.ev0, self.range = self.t0, self.ev0, self.range, None, None, None
-        if self.probe is not None:  # timed before the range closes: the timer lies inside it, as every phase's does
+        if self.probe is not None and t0 is not None:  # timed before the range closes: the timer lies inside it
             self.probe.finish_phase("backward", self.label, t0, ev0)
         if span is not None:
             span.__exit__(None, None, None)
@@ -261,12 +265,12 @@ class ForwardProbe:
             torch.cuda.synchronize(index)
         t1 = time.perf_counter_ns()
         self.step.touch(t1)
-        if ev0 is None:
+        if ev0 is None or index is None:  # the host's phases (an event is only started on a GPU's label)
             run.emit(PhaseRecord(self.step.index, self.call, name, label, run.ms(t0), (t1 - t0) / 1e6))
             return
         fields = dict(step=self.step.index, call=self.call, phase=name, device=label,
                       start_ms=run.ms(t0), duration_ms=(t1 - t0) / 1e6)
-        run.defer(_PendingPhase(fields, index, ev0, _cuda_event(index)))
+        run.defer(_PendingPhase(fields, index, ev0, _event_now(index)))
         every = _ALLOCATOR_READS.get(name)
         if every is None:
             return
@@ -344,12 +348,12 @@ class ForwardProbe:
             sum(b.numel() * b.element_size() for b in module.buffers())))
         step, call, put = self.step.index, self.call, self.put
         for label, m in self.memory.items():
-            applied = "input_bytes" in m
+            held = "input_bytes" in m  # a replica ran here (else only the gathered output is)
             # positional: DeviceMemoryRecord(step, call, device, chunk_size, input_bytes, output_bytes,
             # activation_bytes, gathered_bytes, param_bytes, buffer_bytes)
             put(DeviceMemoryRecord(step, call, label, m.get("chunk_size"), m.get("input_bytes", 0),
                                    m.get("output_bytes", 0), m.get("activation_bytes", 0), m.get("gathered_bytes", 0),
-                                   param_bytes if applied else 0, buffer_bytes if applied else 0))
+                                   param_bytes if held else 0, buffer_bytes if held else 0))
 
     def watch_backward(self, output: Any) -> None:
         watch_backward(output, self, self.output_label)
@@ -360,7 +364,7 @@ class MeasuredReplica:
 
     __slots__ = ("module", "probe", "label", "shared_args", "phase", "range_name")
 
-    def __init__(self, module: Callable[..., Any], probe: ForwardProbe | None, label: str,
+    def __init__(self, module: Module, probe: ForwardProbe | None, label: str,
                  shared_args: int = 0, phase: str = "apply") -> None:
         self.module, self.probe, self.label = module, probe, label
         self.shared_args = shared_args  # leading args already counted elsewhere (a model's outputs)
