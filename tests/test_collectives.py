@@ -29,8 +29,10 @@ SCRIPT = ROOT / "tests" / "scripts" / "train_straggler.py"
 TRACES = ROOT.parent / "shared" / "traces"
 RANKS_128 = ["ddp-128ranks-rank0-sampled.json.gz", "ddp-128ranks-rank1-sampled.json.gz"]
 LOAD_MS = 200.0  # every rank's time to load a batch (a sleep: steady on a loaded machine)
-DELAY_MS = 100.0  # the late rank's extra, about 30% of its ~320 ms step: large beside the 5-15 ms by which 4-6 ranks
-# sharing 2 loaded cores move each other's collectives
+# the late rank's extra, about 40% of its ~370 ms step: large beside the 5-15 ms by which 4-6 ranks sharing 2 loaded
+# cores move each other's collectives, and over the 20% of the step a straggler needs where ranks share the host's
+# cores even when load stretches the step (a 100 ms delay was measured as an 83 ms wait in a 418 ms step, under it)
+DELAY_MS = 150.0
 TOLERANCE = 0.25  # the stated wait per step is within 25% of the delay
 
 
@@ -78,7 +80,7 @@ def test_a_late_rank_of_a_recorded_ddp_run_is_the_straggler_with_its_delay_as_th
     assert view is not None and view.notes == []
     heat = wait_heatmap(collective_waits(run.comms).per_step)
     pd.testing.assert_frame_equal(view.heatmap, heat)
-    assert heat.shape == (4, 6) and heat.loc["rank:2"].iloc[1:].max() < DELAY_MS / 4  # the late rank waits for none
+    assert heat.shape == (4, 6) and heat.loc["rank:2"].iloc[1:].max() < 25.0  # the late rank waits for none
     figure = charts.collective_waits(view.heatmap)
     assert list(figure.data[0].y) == ["rank:0", "rank:1", "rank:2", "rank:3"]
 
