@@ -468,7 +468,8 @@ def _combine(metas: list[dict[str, Any]]) -> dict[str, Any]:
     meta["ranks"] = [m.get("rank") for m in metas]
     meta["damage"] = [d for m in metas for d in m.get("damage") or []]
     ends = [m.get("ended_at") for m in metas]
-    meta["ended_at"] = max(ends) if all(ends) else None
+    known = [e for e in ends if e]
+    meta["ended_at"] = max(known) if len(known) == len(ends) else None  # ended only when every rank's file has
     missing = _missing_files(metas)
     if missing is not None and meta["status"] == "finished":  # never finished with some of its files
         meta["status"], meta["error"] = "incomplete", missing
@@ -517,7 +518,8 @@ def list_runs(reports_dir_: str | os.PathLike[str] | None = None) -> pd.DataFram
     """
     from dpprof.store.model import backend_label
 
-    rows, by_id = [], {}
+    rows: list[dict[str, Any]] = []
+    by_id: dict[str, list[tuple[Path, dict[str, Any], dict[str, Any]]]] = {}
     for path in _candidates(reports_dir(reports_dir_)):
         try:
             meta, summary = _open(path)
@@ -580,7 +582,7 @@ def _resolve(run: str | os.PathLike[str], directory: Path) -> Path:
             # there, but no regular file (a directory, a FIFO, a device, a dangling symlink): say what it is
             raise RunFileError(f"{candidate.name}: {why_not_regular(candidate)}")
     matches = [p for p in _candidates(directory) if p.name.startswith(str(run))]
-    ids = {RANK_FILE.match(p.name).group(1) if RANK_FILE.match(p.name) else p.stem for p in matches}
+    ids = {rank.group(1) if (rank := RANK_FILE.match(p.name)) else p.stem for p in matches}
     if len(ids) == 1:
         return min(matches, key=lambda p: _rank_of(p) or 0)
     if len(ids) > 1:
