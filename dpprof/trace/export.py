@@ -200,8 +200,6 @@ def _events_per_step(run: StoredRun, steps: np.ndarray, cuda: bool) -> float:
     return events / counted if counted else 0.0
 
 
-
-
 def plan_trace(run: StoredRun, steps: tuple[int | None, int | None] | None = None, max_events: int | None = None,
                max_bytes: int | None = None) -> TracePlan:
     """Which steps a trace of ``run`` holds: those held in full (of ``steps``, ``--steps A:B``), the newest that
