@@ -1,17 +1,16 @@
 """dpprof: a profiling and diagnostics workbench for PyTorch data-parallel training.
 
-Reading runs (``list_runs``, ``load_run``) loads neither torch nor pynvml: the names that record
-(``DataParallel``, ``record``, ``instrument``, ...) are imported on first use (PEP 562).
+Every name is imported from its module on first use (PEP 562, dpprof.lazy): reading runs (``list_runs``,
+``load_run``) loads neither torch nor pynvml, and a process that uses one part of dpprof (an import's worker
+reading trace files) loads no other (pandas, the store).
 """
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-from dpprof.store import RunFileError, StoredRun, list_runs, load_run
-from dpprof.store.faults import RecordingError
+from dpprof.lazy import lazy_names
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__ below imports these
     from dpprof.devices import check_balance
@@ -19,10 +18,12 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__
     from dpprof.parallel import (DataParallel, DataParallelCriterion, DataParallelModel, DistributedDataParallel,
                                  cpu_devices, data_parallel, gather, parallel_apply, replicate, scatter, scatter_kwargs)
     from dpprof.recording import Run, current_run, record
+    from dpprof.store.faults import RecordingError, RunFileError
+    from dpprof.store.reader import StoredRun, list_runs, load_run
 
 __version__ = "0.1.0"
 
-# The collect side, by the module each name comes from: imported (with torch) the first time one is used.
+# The collect side (imports torch), by the module each name comes from
 _COLLECT = {
     **dict.fromkeys(["DataParallel", "data_parallel", "DataParallelModel", "DataParallelCriterion",
                      "DistributedDataParallel", "cpu_devices", "scatter", "scatter_kwargs", "replicate",
@@ -31,25 +32,16 @@ _COLLECT = {
     "instrument": "dpprof.instrument",
     "check_balance": "dpprof.devices",
 }
+# The read side (imports pandas)
+_READ = {**dict.fromkeys(["list_runs", "load_run", "StoredRun"], "dpprof.store.reader"),
+         **dict.fromkeys(["RunFileError", "RecordingError"], "dpprof.store.faults")}
 
 __all__ = ["DataParallel", "data_parallel", "DataParallelModel", "DataParallelCriterion",
            "DistributedDataParallel", "cpu_devices", "scatter", "scatter_kwargs", "replicate",
            "parallel_apply", "gather", "record", "current_run", "Run", "list_runs", "load_run", "StoredRun",
            "RunFileError", "RecordingError", "check_balance", "instrument", "__version__"]
 
-
-def __getattr__(name: str) -> Any:
-    """A collect-side name, imported on first use and kept in the module's globals from then on."""
-    module = _COLLECT.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, {**_COLLECT, **_READ}, globals())
 
 
 class _Package(types.ModuleType):

@@ -7,7 +7,8 @@ file that cannot be read stops the others at once, and its error is raised as it
 
 Workers are forked where that is safe (Linux, and no other thread in the calling process that a fork
 could copy in the middle of holding a lock): they start at once, with dpprof imported already.
-Elsewhere they are fresh interpreters (spawn), which import dpprof first (about 0.5 s each).
+Elsewhere (a dashboard's thread, a test runner's) they are fresh interpreters (spawn) that import only the
+trace reader: 0.17 s of CPU each on a 2-core machine, where importing dpprof's store with pandas took 1.0 s.
 """
 from __future__ import annotations
 
