@@ -11,6 +11,7 @@ import statistics
 import time
 from pathlib import Path
 
+import forked
 import torch
 from torch import nn
 
@@ -170,8 +171,8 @@ def record_until_killed(script: str, step: int, env: dict[str, str]) -> tuple[st
     Returns:
         (its first line, the last step it printed, its stderr, its exit code)
     """
-    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env={**os.environ, **env})
+    child = forked.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env={**os.environ, **env})
     try:
         first = child.stdout.readline().strip()
         last = -1

@@ -6,12 +6,12 @@ from __future__ import annotations
 import gzip
 import json
 import re
-import subprocess
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 
@@ -154,9 +154,9 @@ def test_a_window_past_the_end_stops_at_the_last_step_or_never_starts(tmp_path):
 
 def test_dpprof_run_captures_the_implicit_steps_of_an_unchanged_script(tmp_path):
     """A script's steps end at optimizer.step() (2 batches each here): the window is steps 1 and 2."""
-    done = subprocess.run([sys.executable, "-m", "dpprof", "--reports-dir", str(tmp_path), "run", "--cpu-workers", "2",
-                           "--capture", "1:3", str(ROOT / "tests" / "scripts" / "train_accum.py"), "--batches", "8"],
-                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    done = forked.run([sys.executable, "-m", "dpprof", "--reports-dir", str(tmp_path), "run", "--cpu-workers", "2",
+                       "--capture", "1:3", str(ROOT / "tests" / "scripts" / "train_accum.py"), "--batches", "8"],
+                      capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     [trace] = _captures(tmp_path)
     events = _events(trace)

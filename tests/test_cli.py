@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pandas as pd
 import pytest
 import torch
@@ -169,7 +170,7 @@ def test_profile_a_users_model_from_a_factory(tmp_path, monkeypatch):
 
 
 def test_python_dash_m_and_the_console_script_agree(reports):
-    out = subprocess.run([sys.executable, "-m", "dpprof", "runs"], capture_output=True, text=True, check=True)
+    out = forked.run([sys.executable, "-m", "dpprof", "runs"], capture_output=True, text=True, check=True)
     assert "no runs yet" in out.stdout
 
 
@@ -185,8 +186,8 @@ def _console_script(tmp_path, cwd, *args):
     script.parent.mkdir(exist_ok=True)
     script.write_text("import sys\nfrom dpprof.cli import main\nsys.exit(main())\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, str(script), *args], cwd=cwd, capture_output=True, text=True, env=env,
-                          timeout=300)
+    return forked.run([sys.executable, str(script), *args], cwd=cwd, capture_output=True, text=True, env=env,
+                      timeout=300)
 
 
 @pytest.mark.slow
@@ -242,8 +243,8 @@ def test_a_reader_that_closes_the_pipe_early_gets_no_traceback(tmp_path, reports
     read, write = os.pipe()
     os.close(read)  # `dpprof runs | head` after head has gone
     try:
-        out = subprocess.run([sys.executable, "-m", "dpprof", "runs"], stdout=write, stderr=subprocess.PIPE,
-                             text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        out = forked.run([sys.executable, "-m", "dpprof", "runs"], stdout=write, stderr=subprocess.PIPE,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     finally:
         os.close(write)
     assert "Traceback" not in out.stderr and "BrokenPipeError" not in out.stderr, out.stderr

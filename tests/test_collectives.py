@@ -7,10 +7,10 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pandas as pd
 import pytest
 
@@ -39,9 +39,9 @@ TOLERANCE = 0.25  # the stated wait per step is within 25% of the delay
 def _torchrun(nproc: int, *args: str, record: Path | None = None) -> None:
     """The script on ``nproc`` gloo ranks under torchrun, recorded by ``dpprof run`` into ``record`` if given."""
     runner = ["-m", "dpprof", "--reports-dir", str(record), "run", str(SCRIPT)] if record else [str(SCRIPT)]
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                          *runner, *args], capture_output=True, text=True, timeout=240,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    out = forked.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                      *runner, *args], capture_output=True, text=True, timeout=240,
+                     env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
 

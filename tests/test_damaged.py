@@ -11,7 +11,6 @@ import os
 import random
 import shutil
 import sqlite3
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +20,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from damaged import damaged_copy, mutate, tables_with_rows
+import forked
 from dpprof.cli import main
 from dpprof.store import queries
 from dpprof.store.reader import list_runs, load_run
@@ -216,15 +216,15 @@ def test_a_directory_fifo_device_or_dangling_symlink_named_sqlite_is_listed_with
     expected = _fifo_directory(reports, sound)
     # in a child process with a deadline: opening the FIFO would block it for good
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "dpprof", "runs"], capture_output=True, text=True, timeout=120,
-                          env=env)
+    done = forked.run([sys.executable, "-m", "dpprof", "runs"], capture_output=True, text=True, timeout=120,
+                      env=env)
     assert done.returncode == 0, done.stderr
     for name, reason in expected.items():
         assert f"unreadable: {reports / name}: {reason}\n" in done.stdout
     assert sound.plain.id in done.stdout
     for name, reason in expected.items():
-        done = subprocess.run([sys.executable, "-m", "dpprof", "show", name], capture_output=True, text=True,
-                              timeout=120, env=env)
+        done = forked.run([sys.executable, "-m", "dpprof", "show", name], capture_output=True, text=True,
+                          timeout=120, env=env)
         assert (done.returncode, done.stderr) == (1, f"dpprof: {name}: {reason}\n")
     runs = list_runs(reports).set_index("path")
     assert {Path(p).name: r for p, r in runs["reason"].items() if isinstance(r, str)} == expected
@@ -405,8 +405,8 @@ def test_a_step_number_far_past_a_thinned_runs_steps_never_makes_a_read_hang(rep
     damaged_copy(Path(run.path), reports / "bad.sqlite", sql)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     for argv in (["show", "bad"], ["export", "bad", "--trace", str(reports.parent / "bad.json")]):
-        done = subprocess.run([sys.executable, "-m", "dpprof", *argv], capture_output=True, text=True, timeout=180,
-                              env=env)
+        done = forked.run([sys.executable, "-m", "dpprof", *argv], capture_output=True, text=True, timeout=180,
+                          env=env)
         assert done.returncode == 0, (argv, done.stderr[-2000:])
 
 

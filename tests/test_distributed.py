@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import forked
 import pytest
 
 import dpprof
@@ -21,8 +22,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 
 def _torchrun(*args, env=None, timeout=180):
-    out = subprocess.run(TORCHRUN + list(args), capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    out = forked.run(TORCHRUN + list(args), capture_output=True, text=True, timeout=timeout,
+                     env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 
@@ -61,9 +62,9 @@ def test_a_slowed_rank_is_found_as_the_straggler():
 
 
 def test_a_rank_killed_mid_run_leaves_the_other_ranks_data_whole(reports):
-    proc = subprocess.Popen(TORCHRUN + ["tutorial-linear", "--steps", "100000", "--timeout-s", "20"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = forked.Popen(TORCHRUN + ["tutorial-linear", "--steps", "100000", "--timeout-s", "20"],
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         started = None
         for line in proc.stdout:

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from torch import nn
@@ -40,8 +41,8 @@ def _row(fault: str, trained: int | str, kept: int | str, status: str, line: str
 def _profile(reports: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "dpprof", "--reports-dir", str(reports), "profile", "tutorial-linear",
            "--devices", "cpu:2", "--steps", str(steps), "--batch-size", "8", "--quiet", *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    return forked.run(cmd, capture_output=True, text=True, timeout=300,
+                      env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
 
 
 def _one_line(stderr: str) -> str:
@@ -228,8 +229,8 @@ def test_a_run_cut_short_by_a_full_disk_reads_as_such_and_its_log_folds_back_onc
     where = mount("4m")
     if where is None:
         pytest.skip("needs a tmpfs (root)")
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, "none"], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "DPPROF_REPORTS": str(where), "PYTHONPATH": str(ROOT)})
+    child = forked.Popen([sys.executable, "-c", _CHILD, "none"], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "DPPROF_REPORTS": str(where), "PYTHONPATH": str(ROOT)})
     try:
         path = Path(child.stdout.readline().strip())
         while int(child.stdout.readline()) < 20:
@@ -456,9 +457,9 @@ print("went on", i, flush=True)
 
 
 def _signalled(reports: Path, signum: int, handler: str = "none", after: int = 20):
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, handler], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "DPPROF_REPORTS": str(reports), "PYTHONPATH": str(ROOT)})
+    child = forked.Popen([sys.executable, "-c", _CHILD, handler], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "DPPROF_REPORTS": str(reports), "PYTHONPATH": str(ROOT)})
     path = child.stdout.readline().strip()
     last = -1
     while last < after:

@@ -11,10 +11,10 @@ import errno
 import os
 import re
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from torch import nn
@@ -401,9 +401,9 @@ def test_the_cli_refuses_in_one_line_without_a_traceback(tmp_path, reports):
     """`dpprof profile` in its own process: staging forced, onto a directory that cannot be made."""
     (tmp_path / "file").write_text("x")
     place = tmp_path / "file" / "staging"
-    done = subprocess.run([sys.executable, "-m", "dpprof", "profile", "tutorial-linear", "--devices", "cpu:2",
-                           "--steps", "2", "--quiet"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+    done = forked.run([sys.executable, "-m", "dpprof", "profile", "tutorial-linear", "--devices", "cpu:2",
+                       "--steps", "2", "--quiet"], capture_output=True, text=True, timeout=300,
+                      env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
                                "DPPROF_NETWORK_FS": "stage", "DPPROF_STAGING_DIR": str(place)})
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.splitlines() == [

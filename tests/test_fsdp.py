@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
+import forked
 import pandas as pd
 import pytest
 import torch
@@ -35,8 +35,8 @@ FLOAT_BYTES = 4
 
 
 def _torchrun(args, env, timeout=300):
-    out = subprocess.run(TORCHRUN + [str(a) for a in args], capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, **ENV, "FSDP_STEPS": str(STEPS), **env})
+    out = forked.run(TORCHRUN + [str(a) for a in args], capture_output=True, text=True, timeout=timeout,
+                     env={**os.environ, **ENV, "FSDP_STEPS": str(STEPS), **env})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 

@@ -1,7 +1,7 @@
 """dpprof run / dpprof.instrument on unchanged scripts (tests/scripts, which never import dpprof).
 
 The scripts run in their own processes, as users start them: `python -m dpprof run ...` against
-plain `python ...`, on CPU workers.
+plain `python ...`, on CPU workers (forked from a server that imported torch once: tests/forked.py).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from torch import nn
@@ -36,9 +37,10 @@ TORCH_NAMES = {
 }
 
 
-def _python(*args, cwd=None, env=None, timeout=240):
-    """Run python with these arguments; returns the CompletedProcess."""
-    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+def _python(*args, cwd=None, env=None, timeout=240, fresh=False):
+    """Run python with these arguments (forked.run; in a fresh interpreter that has imported nothing if ``fresh``);
+    returns the CompletedProcess."""
+    return (subprocess.run if fresh else forked.run)([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
                           cwd=cwd, env={**os.environ, **ENV, **(env or {})})
 
 
@@ -171,7 +173,7 @@ def test_e_type_isinstance_and_checkpoints_are_torchs(tmp_path, workers):
             [pkl] = [n for n in archive.namelist() if n.endswith("data.pkl")]
             pickles.append(archive.read(pkl))
     assert b"dpprof" not in pickles[1] and b"torch.nn.parallel.data_parallel" in pickles[1]
-    loads = [_python("-c", LOAD, tmp_path / f"{name}.whole.pt").stdout for name in ("plain", "dpprof")]
+    loads = [_python("-c", LOAD, tmp_path / f"{name}.whole.pt", fresh=True).stdout for name in ("plain", "dpprof")]
     assert loads[0] == loads[1] and loads[0].startswith("torch.nn.parallel.data_parallel DataParallel [")
     assert loads[0].strip().endswith("[] False")
     assert len(_only_run().steps) == 1

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import forked
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -44,7 +44,7 @@ with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup
     for _ in range(6):
         loss = m(torch.randn(16, 32)).sum(); opt.zero_grad(); loss.backward(); opt.step(); p.step()
 """
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
+    forked.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
     return path
 
 
@@ -61,9 +61,9 @@ def kinds(tmp_path_factory, profiled):
     profiled(directory, "tutorial-linear", "--fsdp", "--nproc", "2", "--steps", "4")  # recorded once a session
     listing = dpprof.list_runs(directory)
     runs["fsdp"] = (listing[(listing["ranks"] == 2) & (listing["id"] != runs["ddp"][0])]["id"].iloc[0], "fsdp")
-    done = subprocess.run([sys.executable, "-m", "dpprof", "--reports-dir", str(directory), "run",
-                           str(ROOT / "tests" / "scripts" / "no_parallel.py")], capture_output=True, text=True,
-                          timeout=120)
+    done = forked.run([sys.executable, "-m", "dpprof", "--reports-dir", str(directory), "run",
+                       str(ROOT / "tests" / "scripts" / "no_parallel.py")], capture_output=True, text=True,
+                      timeout=120)
     assert done.returncode == 3, done.stderr
     listing = dpprof.list_runs(directory)
     runs["no_parallel"] = (listing[listing["name"] == "no_parallel.py"]["id"].iloc[0], "empty")

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import forked
 import pytest
 from cpu_traces import single_process_trace
 from recorded import record
@@ -90,13 +91,13 @@ def _child(after: str, reports: Path, *args: str, paused: Path | None = None, wa
     cmd = [sys.executable, "-c", _KILLED_CHILD, after, "--reports-dir", str(reports), command, *map(str, args),
            *(["--quiet"] if command == "import" else [])]
     if not wait:
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+        return forked.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return forked.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
 def _dpprof(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dpprof", *args], capture_output=True, text=True, timeout=300, check=False,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    return forked.run([sys.executable, "-m", "dpprof", *args], capture_output=True, text=True, timeout=300, check=False,
+                      env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
 
 
 def _stages(reports: Path) -> list[Path]:
@@ -214,10 +215,10 @@ def test_an_import_whose_process_group_is_killed_when_its_first_rank_file_appear
     some ranks; the next command writing there makes it whole, or removes what was never published."""
     world = 8
     traces = _ranks_of_one_job(tmp_path / "job", world)
-    child = subprocess.Popen([sys.executable, "-m", "dpprof", "--reports-dir", str(reports), "import",
-                              str(tmp_path / "job"), "--jobs", "2", "--quiet"],
-                             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    child = forked.Popen([sys.executable, "-m", "dpprof", "--reports-dir", str(reports), "import",
+                          str(tmp_path / "job"), "--jobs", "2", "--quiet"],
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
         while not (reports.is_dir() and any(reports.glob("*.rank*.sqlite"))):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import forked
 import pandas as pd
 import pytest
 import torch
@@ -97,8 +98,8 @@ def test_sigkill_leaves_an_incomplete_run_holding_every_committed_step(reports):
 def test_four_processes_recording_at_once_each_get_a_whole_run(reports):
     cmd = [sys.executable, "-m", "dpprof", "profile", "tutorial-linear", "--steps", "15", "--devices",
            "cpu:2", "--quiet"]
-    procs = [subprocess.Popen(cmd + ["--name", f"p{i}"], env={**os.environ, "DPPROF_REPORTS": str(reports)},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i in range(4)]
+    procs = [forked.Popen(cmd + ["--name", f"p{i}"], env={**os.environ, "DPPROF_REPORTS": str(reports)},
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i in range(4)]
     for p in procs:
         assert p.wait(timeout=120) == 0, p.stderr.read()
     runs = dpprof.list_runs()

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pandas as pd
 import pytest
 import torch
@@ -306,8 +307,8 @@ def test_bad_input_is_one_line_naming_the_file_exit_1_and_nothing_written(name, 
     BAD[name](path)
     reports.mkdir(parents=True, exist_ok=True)
     before = sorted(reports.iterdir())
-    proc = subprocess.run([sys.executable, "-m", "dpprof", "--reports-dir", str(reports), "import", str(path)],
-                          capture_output=True, text=True, timeout=120)
+    proc = forked.run([sys.executable, "-m", "dpprof", "--reports-dir", str(reports), "import", str(path)],
+                      capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and name in lines[0] and expected in lines[0], proc.stderr
@@ -323,12 +324,12 @@ def test_files_of_two_different_jobs_are_refused_with_nothing_written(reports):
 
 
 def test_the_command_imports_and_show_prints_the_run(reports):
-    proc = subprocess.run([sys.executable, "-m", "dpprof", "--reports-dir", str(reports), "import", *map(str, DDP128),
-                           "--name", "two ranks"], capture_output=True, text=True, timeout=120)
+    proc = forked.run([sys.executable, "-m", "dpprof", "--reports-dir", str(reports), "import", *map(str, DDP128),
+                       "--name", "two ranks"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     run_id = re.search(r"imported run (\S+)", proc.stdout).group(1)
-    show = subprocess.run([sys.executable, "-m", "dpprof", "--reports-dir", str(reports), "show", run_id],
-                          capture_output=True, text=True, timeout=120)
+    show = forked.run([sys.executable, "-m", "dpprof", "--reports-dir", str(reports), "show", run_id],
+                      capture_output=True, text=True, timeout=120)
     assert show.returncode == 0 and "rank:0" in show.stdout and "rank:1" in show.stdout
     assert "idle" in show.stdout  # a trace-only finding: the GPU idle share
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import gzip
 import multiprocessing
 import sqlite3
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 
 from dpprof.trace import TraceError, import_traces
@@ -99,8 +99,8 @@ def test_a_file_that_fails_among_several_leaves_nothing_behind(bad_at, jobs, tmp
 def test_the_command_with_jobs_says_the_failing_file_in_one_line_and_writes_nothing(tmp_path, reports):
     bad = _truncated(DDP128[1], tmp_path / "rank1.json.gz")
     reports.mkdir(parents=True)
-    proc = subprocess.run([sys.executable, "-m", "dpprof", "--reports-dir", str(reports), "import", "--jobs", "2",
-                           str(DDP128[0]), str(bad)], capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    proc = forked.run([sys.executable, "-m", "dpprof", "--reports-dir", str(reports), "import", "--jobs", "2",
+                       str(DDP128[0]), str(bad)], capture_output=True, text=True, timeout=120, cwd=str(ROOT))
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"dpprof: {bad.name}: truncated or corrupt gzip"), proc.stderr
@@ -108,8 +108,8 @@ def test_the_command_with_jobs_says_the_failing_file_in_one_line_and_writes_noth
 
 
 def test_the_command_imports_with_jobs(reports):
-    proc = subprocess.run([sys.executable, "-m", "dpprof", "--reports-dir", str(reports), "import", "--jobs", "2",
-                           *map(str, DDP128)], capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    proc = forked.run([sys.executable, "-m", "dpprof", "--reports-dir", str(reports), "import", "--jobs", "2",
+                       *map(str, DDP128)], capture_output=True, text=True, timeout=120, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr
     assert "imported run" in proc.stdout and len(list(reports.glob("*.rank*.sqlite"))) == 2
 

@@ -15,11 +15,11 @@ import math
 import os
 import re
 import sqlite3
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import forked
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings
@@ -160,8 +160,8 @@ def test_the_command_refuses_in_one_line_from_a_fresh_process(tmp_path, reports)
     doc = copy.deepcopy(BASE)
     _first_step(doc)["dur"] = math.inf
     path = _write(doc, tmp_path / "inf.json")
-    proc = subprocess.run([sys.executable, "-m", "dpprof", "--reports-dir", str(reports), "import", str(path)],
-                          capture_output=True, text=True, timeout=300, check=False)
+    proc = forked.run([sys.executable, "-m", "dpprof", "--reports-dir", str(reports), "import", str(path)],
+                      capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "dur infinite" in proc.stderr
     assert _left(reports) == []
