@@ -11,6 +11,8 @@ import pytest
 
 import forked
 
+pytestmark = pytest.mark.slow  # each test starts fresh interpreters that import torch, to compare with
+
 _PROBE = """
 import atexit, os, sys, threading, time
 import torch
