@@ -651,7 +651,8 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         return EXIT_OK
     if peaks.empty:
         print("no [memory] events in this run's trace: profiled without profile_memory, or torch.profiler wrote none "
-              "(a deep capture on CUDA with torch 2.11 writes none)")
+              "(it writes none when it profiles every thread, as a DataParallel run's deep capture does; a DDP or "
+              "FSDP rank's capture has them)")
         return EXIT_OK
     print(_table(peaks, "{:.1f}"))
     ops = operator_memory(run, rank=args.rank, device=args.device, top=args.top)  # type: ignore[arg-type]

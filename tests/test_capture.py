@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 import sys
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 import forked
 import pytest
 import torch
+from cpu_traces import _free_port
 
 import dpprof
 from dpprof.capture import CaptureError, parse_capture
@@ -162,6 +164,48 @@ def test_dpprof_run_captures_the_implicit_steps_of_an_unchanged_script(tmp_path)
     events = _events(trace)
     assert sorted(_steps_in(events)) == [1, 2]
     assert sum(e["name"] == "aten::linear" for e in events) >= 2 * 2 * 2  # 2 steps x 2 batches x 2 workers
+
+
+def test_each_ranks_capture_stores_its_memory_over_time_memory_events_and_modules_as_its_raw_trace_has_them(
+        tmp_path):
+    """A DDP rank trains on the thread that starts the profiler: its capture has torch's [memory] events and Python's
+    calls with module ids (a DataParallel run's, profiling every thread, has neither). Two gloo ranks of
+    ``dpprof.ddp_worker`` (as torchrun starts them: RANK, WORLD_SIZE, MASTER_*), steps 1 and 2 captured; each rank's
+    stored memory curve, memory events and modules are those of its raw trace."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    ranks = [forked.Popen([sys.executable, "-m", "dpprof.ddp_worker", "tutorial-linear", "--steps", "4",
+                           "--capture", "1:3", "--reports-dir", str(tmp_path), "--run-id", "ranks"],
+                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=forked.PIPE, stderr=forked.PIPE,
+                          text=True) for r in (0, 1)]
+    for rank in ranks:
+        _, err = rank.communicate(timeout=240)
+        assert rank.returncode == 0, err[-3000:]
+    run = dpprof.load_run("ranks", tmp_path)
+    timeline, events, modules = run.memory_timeline(), run.memory_events(), run.modules()
+    for r in (0, 1):
+        [trace] = tmp_path.glob(f"ranks.rank{r}.capture-1-3.pt.trace.json.gz")
+        with gzip.open(trace, "rt") as f:
+            raw = json.load(f)["traceEvents"]
+        memory = [e["args"] for e in raw if e.get("name") == "[memory]"]
+        assert memory  # allocations and frees, each with the running totals
+        ours = timeline[timeline["rank"] == r]
+        assert int(ours["allocated_bytes"].max()) == max(m["Total Allocated"] for m in memory)
+        assert len(events[events["rank"] == r]) == sum(m["Bytes"] > 0 for m in memory)  # one row per allocation
+        named = {e["name"].removeprefix("nn.Module: ") for e in raw
+                 if e.get("cat") == "python_function" and "Python module id" in e.get("args", {})}
+        assert set(modules[modules["rank"] == r]["module"]) == named
+        assert {"DistributedDataParallel_0", "Linear_0"} <= named
+
+
+def test_a_dataparallel_capture_profiles_every_thread_and_has_no_memory_events(captured):
+    """torch 2.13's all-threads profiling reports no [memory] events: the run says so instead of a curve."""
+    run, trace = captured
+    with gzip.open(trace, "rt") as f:
+        raw = json.load(f)["traceEvents"]
+    assert not [e for e in raw if e.get("name") == "[memory]"]
+    stored = dpprof.load_run(run.path)
+    assert stored.memory_timeline().empty and stored.memory_events().empty
 
 
 BAD_WINDOWS = [

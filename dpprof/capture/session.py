@@ -6,11 +6,18 @@ profiler, each later step of the window closes the previous ``ProfilerStep#N`` r
 torch.profiler.profile.step() does), and the step after the window stops the profiler. Outside a window
 ``capture_edge`` is -1 and a step costs the run one integer comparison.
 
-The profiler records every thread (``profile_all_threads``: the CPU workers are threads that started before it),
-CPU activities, and CUDA's on a run that uses a GPU, with shapes, memory and module names, no Python stacks. Its
-stop runs on the training thread (torch ends the session there, building no Python events: ``trace_only``); the
-raw trace is written and aggregated into the run's operator tables on a thread of the session's own while
-training goes on.
+The profiler records CPU activities, and CUDA's on a run that uses a GPU, with shapes and memory. How depends on
+where the model runs (torch 2.13 cannot have both):
+
+- a DataParallel run's replicas run on threads of their own (the CPU workers, started before the profiler): it
+  records every thread (``profile_all_threads``), building no Python events at its stop (``trace_only``). torch
+  then reports no ``[memory]`` events at all, and Python's calls (the module tree) of no thread;
+- a DDP or FSDP rank trains on the thread that starts the profiler (autograd's threads inherit its state): the
+  profiler of that thread, with ``[memory]`` events and Python's calls with module ids (``with_stack``,
+  ``with_modules``), so the capture has memory over time, memory events and modules.
+
+Its stop runs on the training thread; the raw trace is written and aggregated into the run's operator tables on a
+thread of the session's own while training goes on.
 
 On CPU workers each worker thread's ops go to its device (dpprof.parallel.workers.worker_native_ids); the
 training thread's own ops (scatter, gather, the loss, backward, which CPU autograd runs on the thread that calls
@@ -123,11 +130,12 @@ class CaptureSession:
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             activities.append(ProfilerActivity.CUDA)
-        config = _experimental_config()
-        if config is None:
+        on_workers = self.run.rank is None  # DataParallel: replicas on threads of their own (the module docstring)
+        config = _experimental_config() if on_workers else None
+        if on_workers and config is None:
             self.run.note("capture", f"torch {torch.__version__} cannot profile every thread (profile_all_threads): "
                                      "the capture sees the training thread only, not the CPU workers'")
-        profiler = profile(activities=activities, record_shapes=True, profile_memory=True, with_stack=False,
+        profiler = profile(activities=activities, record_shapes=True, profile_memory=True, with_stack=not on_workers,
                            with_modules=True, experimental_config=config)
         try:
             profiler.start()

@@ -27,8 +27,9 @@ def missing_text(run: StoredRun) -> str | None:
             return ("No memory over time: this trace has no [memory] events (profile with "
                     "torch.profiler.profile(profile_memory=True) and import it again).")
         return ("No memory over time: the deep capture's trace holds no [memory] events for this run's devices "
-                "(torch.profiler wrote none; on CPU workers import a trace profiled with profile_memory=True "
-                "instead: dpprof import FILE).")
+                "(torch.profiler writes none when it profiles every thread, as for DataParallel's replicas; a DDP "
+                "or FSDP rank's capture has them, as does a trace profiled with profile_memory=True and imported: "
+                "dpprof import FILE).")
     return None
 
 
