@@ -197,7 +197,7 @@ def run_header(row: pd.Series) -> None:
 def capture_button(row: pd.Series) -> None:
     """On a running run's page: ask it to profile its next steps with torch.profiler (dpprof capture), and say when
     they are stored. Thin: dpprof.capture.request writes the request and reads the answer."""
-    if row["status"] != "running" or isinstance(row.get("source"), str) or (row.get("ranks") or 1) > 1:
+    if row["status"] != "running" or isinstance(row.get("source"), str):
         return
     key = f"capture-{row['id']}"
     left, right = st.columns([1, 3], vertical_alignment="bottom")
@@ -214,12 +214,15 @@ def capture_button(row: pd.Series) -> None:
     if asked is not None:
         answer = answer_to(asked)
         if answer is None:
-            st.caption(f"Asked for {plural(asked.steps, 'step')}: the run starts at its next step and stores them.")
+            start = "its next step" if asked.first_step is None else f"step {asked.first_step}, on every rank"
+            st.caption(f"Asked for {plural(asked.steps, 'step')}: the run starts at {start} and stores them.")
         elif answer.error:
             st.warning("The capture failed:")
             st.text(answer.error)
         else:
-            st.text(f"Captured steps {answer.first_step} to {(answer.end_step or 1) - 1}: raw trace {answer.trace}")
+            traces = ", ".join(answer.traces or [answer.trace or ""])
+            st.text(f"Captured steps {answer.first_step} to {(answer.end_step or 1) - 1}: raw trace"
+                    f"{'s' if len(answer.traces) > 1 else ''} {traces}")
 
 
 def live(body: Callable[[pd.Series], None]) -> None:

@@ -201,9 +201,9 @@ def _cmd_capture(args: argparse.Namespace) -> int:
     if answer.error is not None:
         print(f"dpprof: run {run.id}: {answer.error}", file=sys.stderr)
         return EXIT_FAILURE
-    trace = os.path.join(asked.directory, answer.trace) if answer.trace else None
+    traces = [os.path.join(asked.directory, t) for t in (answer.traces or [answer.trace]) if t]
     print(f"captured steps {answer.first_step} to {(answer.end_step or 0) - 1} of run {run.id}: operators in the run, "
-          f"raw trace {trace}")
+          f"raw trace{'s' if len(traces) > 1 else ''} {', '.join(traces) or None}")
     return EXIT_OK
 
 
@@ -827,9 +827,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("capture", help="profile the next N steps of a running run with torch.profiler",
                        description="Asks a run being recorded now to profile its next N steps with torch.profiler (from "
-                       "its next step boundary, within about a second) and waits until its operators are stored in "
-                       "the run and its raw trace beside it. Exit 1, in one line, for a run that has ended, was "
-                       "imported, is distributed, or does not answer within --timeout.")
+                       "its next step boundary, within about a second; every rank of a distributed run the same steps, a few "
+                       "seconds ahead) and waits until its operators are stored in the run and its raw trace (one per "
+                       "rank) beside it. Exit 1, in one line, for a run that has ended, was imported, or does not "
+                       "answer within --timeout.")
     p.add_argument("run", help="run id (or a unique prefix) or path to a run file")
     p.add_argument("--steps", type=_positive_int, default=5, help="steps to capture (default: 5)")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",

@@ -25,7 +25,7 @@ from dpprof.cli import main
 from dpprof.launch import Profile, ProfileError
 from dpprof.parallel.workers import worker_native_ids
 from dpprof.store.files import CAPTURE_TRACE, capture_request_name
-from dpprof.store.reader import list_runs
+from dpprof.store.reader import RunFileError, list_runs
 from dpprof.trace import import_traces, pending_traces, trace_files
 from dpprof.workloads import build_workload, train
 from recorded import RunningRun
@@ -271,6 +271,41 @@ def test_a_running_run_captures_on_request_at_a_step_boundary(reports, capsys):
     assert code == 1 and err == (f"dpprof: run {run.id} is finished, not running: only a run being recorded can "
                                  "capture (use --capture A:B when starting one)")
     assert not (reports / capture_request_name(run.id)).exists()
+
+
+def test_a_distributed_run_captures_the_same_steps_on_every_rank_on_request(tmp_path):
+    """Two gloo ranks of dpprof.ddp_worker recording (rank 0 delayed 50 ms a step): a request names a step ahead of
+    every rank's, each rank profiles the same window from it and answers, and the asker gets both traces."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    ranks = [forked.Popen([sys.executable, "-m", "dpprof.ddp_worker", "tutorial-linear", "--steps", "100000",
+                           "--delay-rank", "0:50", "--reports-dir", str(tmp_path), "--run-id", "live"],
+                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=forked.DEVNULL,
+                          stderr=forked.PIPE, text=True) for r in (0, 1)]
+    try:
+        deadline = time.monotonic() + ANSWER_TIMEOUT_S
+        while True:  # both ranks' files on disk, with a few steps each
+            try:
+                run = dpprof.load_run("live", tmp_path)
+                if len(run.paths) == 2 and run.steps.groupby("rank")["step"].max().min() >= 3:
+                    break
+            except RunFileError:
+                pass
+            assert time.monotonic() < deadline and all(r.poll() is None for r in ranks), "the ranks never stepped"
+            time.sleep(0.2)
+        asked = ask(run, 2)
+        assert asked.ranks == (0, 1) and asked.first_step > int(run.steps["step"].max()) + 1
+        answer = wait_for_answer(asked, ANSWER_TIMEOUT_S)
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.communicate(timeout=60)
+    first = asked.first_step
+    assert answer.error is None and (answer.first_step, answer.end_step) == (first, first + 2)
+    assert answer.traces == tuple(f"live.rank{r}.capture-{first}-{first + 2}.pt.trace.json.gz" for r in (0, 1))
+    for name in answer.traces:
+        assert sorted(_steps_in(_events(tmp_path / name))) == [first, first + 1]
+    assert not list(tmp_path.glob(".live*capture-*.json"))  # the request and both answers are gone once read
 
 
 def test_an_imported_run_or_an_unknown_one_is_refused_in_one_line(captured, tmp_path, capsys):

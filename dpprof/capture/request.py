@@ -6,6 +6,11 @@ thread of its own (dpprof.capture.session, never on the training thread), profil
 step boundary on, and writes its answer beside it (``.<run id>.capture-answer.json``): the steps captured and the
 raw trace's name, or why there is none. Loads no torch: the CLI and the dashboard ask without it.
 
+The ranks of a distributed run each read the request and must profile the same steps: the request names its first
+step, the step after the furthest any rank has recorded plus what the ranks step through in LEAD_S (the time a rank
+takes to see a request and a step to be on disk). Each rank answers in a file of its own
+(``.<run id>.rank<N>.capture-answer.json``), and the asker waits for every rank's.
+
 Example:
     >>> asked = ask(dpprof.load_run("20261126-040000-3fa9c1"), steps=5)  # doctest: +SKIP
     >>> wait_for_answer(asked, timeout_s=60).trace                          # doctest: +SKIP
@@ -14,10 +19,11 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -29,6 +35,8 @@ from dpprof.store.reader import RunFileError, StoredRun, read_run_file
 __all__ = ["CaptureRequest", "CaptureAnswer", "ask", "wait_for_answer", "answer_to", "read_request", "write_answer",
            "ANSWER_POLL_S"]
 
+LEAD_S = 4.0  # a distributed run's window starts this far ahead: a rank's request poll (1 s), its steps' commit (0.5 s)
+MIN_LEAD_STEPS = 2
 ANSWER_POLL_S = 0.2  # how often the asker looks for the answer: a person waiting notices ~0.2 s, the disk does not
 _STATUS_EVERY_S = 2.0  # how often the asker reads the run's status, to say at once that it ended without answering
 
@@ -42,6 +50,8 @@ class CaptureRequest:
     steps: int
     nonce: str
     run_path: str
+    first_step: int | None = None  # a distributed run's: the step every rank starts at
+    ranks: tuple[int, ...] = ()  # a distributed run's ranks, each of which answers
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,7 @@ class CaptureAnswer:
     end_step: int | None = None
     trace: str | None = None
     error: str | None = None
+    traces: tuple[str, ...] = ()  # a distributed run's: each rank's raw trace, in rank order
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:
@@ -68,8 +79,8 @@ def ask(run: StoredRun, steps: int) -> CaptureRequest:
 
     Raises:
         CaptureError: the run is not being recorded now (ended, or its process is gone), was imported from a trace
-            rather than recorded by dpprof, is a distributed run, or ``steps`` is out of range; or the request
-            cannot be written (one line each).
+            rather than recorded by dpprof, or ``steps`` is out of range; or the request cannot be written (one
+            line each).
     """
     if not 1 <= steps <= MAX_CAPTURE_STEPS:
         raise CaptureError(f"--steps {steps}: capture 1 to {MAX_CAPTURE_STEPS:,} steps")
@@ -79,19 +90,32 @@ def ask(run: StoredRun, steps: int) -> CaptureRequest:
     if not run.live:
         raise CaptureError(f"run {run.id} is {run.meta.get('status')}, not running: only a run being recorded "
                            "can capture (use --capture A:B when starting one)")
-    if run.meta.get("rank") is not None or len(run.paths) > 1:
-        raise CaptureError(f"run {run.id} is a distributed run: capture on demand takes one process's run (start "
-                           "its ranks with --capture A:B instead)")
     directory = run.path.parent
     request = CaptureRequest(run_id=run.id, directory=str(directory), steps=steps, nonce=uuid.uuid4().hex,
                              run_path=str(run.path))
-    remove_files(str(directory / capture_answer_name(run.id)))  # an earlier request's answer, never read
+    ranks = [r for r in run.meta.get("ranks") or [] if isinstance(r, int)]
+    if run.meta.get("rank") is not None or len(run.paths) > 1:
+        request = replace(request, first_step=_first_step_of_all(run), ranks=tuple(sorted(ranks)))
+    remove_files(*(str(directory / capture_answer_name(run.id, r)) for r in request.ranks or [None]))  # never read
     try:
         _write_json(directory / capture_request_name(run.id),
-                    {"request": request.nonce, "steps": steps, "asked_at": datetime.now(timezone.utc).isoformat()})
+                    {"request": request.nonce, "steps": steps, "first_step": request.first_step,
+                     "asked_at": datetime.now(timezone.utc).isoformat()})
     except OSError as err:
         raise CaptureError(f"cannot write the capture request in {directory}: {err.strerror or err}") from None
     return request
+
+
+def _first_step_of_all(run: StoredRun) -> int:
+    """The step a distributed run's ranks can all start a window at: past the furthest any has recorded by the
+    steps they take in LEAD_S (their median step of late), at least MIN_LEAD_STEPS."""
+    steps = run.steps
+    if steps.empty:
+        return MIN_LEAD_STEPS
+    recent = steps[steps["step"] >= steps["step"].max() - 20]["duration_ms"].dropna()
+    step_s = float(recent.median()) / 1e3 if len(recent) else 0.0
+    lead = MIN_LEAD_STEPS if step_s <= 0 else max(MIN_LEAD_STEPS, math.ceil(LEAD_S / step_s))
+    return int(steps["step"].max()) + 1 + lead
 
 
 def wait_for_answer(request: CaptureRequest, timeout_s: float | None = None) -> CaptureAnswer:
@@ -101,32 +125,44 @@ def wait_for_answer(request: CaptureRequest, timeout_s: float | None = None) -> 
         CaptureError: the run ended, or ``timeout_s`` passed, without an answer (the request is withdrawn).
     """
     directory = Path(request.directory)
-    answer_path = directory / capture_answer_name(request.run_id)
+    answer_paths = [directory / capture_answer_name(request.run_id, r) for r in request.ranks or [None]]
     start = last_status = time.monotonic()
     try:
         while True:
-            answer = _read_answer(answer_path)
-            if answer is not None and answer.request == request.nonce:
+            answer = answer_to(request)
+            if answer is not None:
                 return answer
             now = time.monotonic()
             if now - last_status >= _STATUS_EVERY_S:
                 last_status = now
                 status = _status(request.run_path)
-                if status != "running" and _read_answer(answer_path) is None:
+                if status != "running" and answer_to(request) is None:
                     raise CaptureError(f"run {request.run_id} ended ({status}) before it captured the steps asked")
             if timeout_s is not None and now - start > timeout_s:
                 raise CaptureError(f"run {request.run_id} did not capture {request.steps} steps in {timeout_s:g} s "
                                    "(its steps are slower than that, or it stopped stepping); the request is withdrawn")
             time.sleep(ANSWER_POLL_S)
     finally:
-        remove_files(str(directory / capture_request_name(request.run_id)), str(answer_path))
+        remove_files(str(directory / capture_request_name(request.run_id)), *map(str, answer_paths))
 
 
 def answer_to(request: CaptureRequest) -> CaptureAnswer | None:
-    """The answer to ``request`` if the run has written it, without waiting (a page that re-reads every few
-    seconds); None until then."""
-    answer = _read_answer(Path(request.directory) / capture_answer_name(request.run_id))
-    return answer if answer is not None and answer.request == request.nonce else None
+    """The answer to ``request`` if the run (every rank of a distributed run) has written it, without waiting (a
+    page that re-reads every few seconds); None until then. A distributed run's answer is its ranks' together: their
+    traces in rank order, or each failing rank's error."""
+    directory = Path(request.directory)
+    answers = [_read_answer(directory / capture_answer_name(request.run_id, r)) for r in request.ranks or [None]]
+    if any(a is None or a.request != request.nonce for a in answers):
+        return None
+    if not request.ranks:
+        return answers[0]
+    failed = [f"rank {r}: {a.error}" for r, a in zip(request.ranks, answers) if a is not None and a.error]
+    if failed:
+        return CaptureAnswer(request=request.nonce, error="; ".join(failed))
+    first = answers[0]
+    assert first is not None
+    return CaptureAnswer(request=request.nonce, first_step=first.first_step, end_step=first.end_step,
+                         trace=first.trace, traces=tuple(a.trace for a in answers if a is not None and a.trace))
 
 
 def _status(run_path: str) -> str:
@@ -144,23 +180,29 @@ def _read_answer(path: Path) -> CaptureAnswer | None:
         return None
 
 
-def read_request(directory: str | os.PathLike[str], run_id: str) -> tuple[str, int] | None:
-    """The request for run ``run_id`` waiting in ``directory``: its nonce and steps; None where there is none or it
-    is not a request (the recorder's side; a bad file is ignored, never an error in training)."""
+def read_request(directory: str | os.PathLike[str], run_id: str) -> tuple[str, int, int | None] | None:
+    """The request for run ``run_id`` waiting in ``directory``: its nonce, steps and first step (a distributed
+    run's; None: the next step); None where there is none or it is not a request (the recorder's side; a bad file
+    is ignored, never an error in training)."""
     try:
         value = json.loads((Path(directory) / capture_request_name(run_id)).read_text())
-        nonce, steps = value["request"], value["steps"]
-    except (OSError, ValueError, TypeError, KeyError):
+        nonce, steps, first = value["request"], value["steps"], value.get("first_step")
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
-    if not isinstance(nonce, str) or not isinstance(steps, int) or isinstance(steps, bool):
+    if not isinstance(nonce, str) or not _count(steps) or not (first is None or _count(first)):
         return None
-    return nonce, steps
+    return nonce, steps, first
 
 
-def write_answer(directory: str | os.PathLike[str], run_id: str, answer: CaptureAnswer) -> None:
-    """The recorder's answer to a request, written whole beside it (an unwritable directory is ignored: the asker
-    times out and says so)."""
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def write_answer(directory: str | os.PathLike[str], run_id: str, answer: CaptureAnswer, rank: int | None = None
+                 ) -> None:
+    """The recorder's (or one rank's) answer to a request, written whole beside it (an unwritable directory is
+    ignored: the asker times out and says so)."""
     try:
-        _write_json(Path(directory) / capture_answer_name(run_id), asdict(answer))
+        _write_json(Path(directory) / capture_answer_name(run_id, rank), asdict(answer))
     except OSError:
         pass

@@ -101,9 +101,8 @@ class CaptureSession:
             return
         if window is not None:
             self._schedule(window, None)
-        if run.rank is None:  # a distributed run's ranks capture their --capture window only
-            self._poller = threading.Thread(target=self._poll, name=f"dpprof-capture-{run.id}", daemon=True)
-            self._poller.start()
+        self._poller = threading.Thread(target=self._poll, name=f"dpprof-capture-{run.id}", daemon=True)
+        self._poller.start()
 
     # -- the step boundary (training thread, under the run's lock) ---------------------------------------------
 
@@ -181,7 +180,7 @@ class CaptureSession:
         self.window = None
         self.run.note("capture", message)
         if self._nonce is not None and self.directory is not None:
-            write_answer(self.directory, self.run.id, CaptureAnswer(request=self._nonce, error=message))
+            write_answer(self.directory, self.run.id, CaptureAnswer(request=self._nonce, error=message), self.run.rank)
 
     def _device_of_thread(self) -> dict[int, str] | None:
         """Each thread's device for the aggregation: CPU workers' threads their own, the training thread
@@ -223,7 +222,8 @@ class CaptureSession:
         if nonce is not None and self.directory is not None:
             name = os.path.basename(trace) if trace else None
             write_answer(self.directory, self.run.id, CaptureAnswer(request=nonce, first_step=steps.first_step,
-                                                                    end_step=steps.end_step, trace=name, error=error))
+                                                                    end_step=steps.end_step, trace=name, error=error),
+                         self.run.rank)
 
     def _write_trace(self, profiler: Any, steps: CaptureWindow) -> str:
         assert self.directory is not None and self.run.path is not None
@@ -251,19 +251,22 @@ class CaptureSession:
             found = read_request(self.directory, self.run.id)
             if found is None or found[0] in self._handled:
                 continue
-            nonce, steps = found
+            nonce, steps, first = found
             self._handled.add(nonce)
+            rank = self.run.rank
             with self.run._lock:
                 busy = self.window is not None or any(job.is_alive() for job in self._jobs)
-                if not busy:
-                    try:
-                        start = self.run.steps_started  # the next step to begin: the first captured
+                started = self.run.steps_started  # the next step to begin
+                if not busy and (first is None or first >= started):
+                    try:  # a distributed run's ranks all start at the step the request names; one process at its next
+                        start = started if first is None else first
                         self._schedule(CaptureWindow(start, start + steps), nonce)
                     except CaptureError as err:
-                        write_answer(self.directory, self.run.id, CaptureAnswer(request=nonce, error=str(err)))
+                        write_answer(self.directory, self.run.id, CaptureAnswer(request=nonce, error=str(err)), rank)
                     continue
-            write_answer(self.directory, self.run.id, CaptureAnswer(
-                request=nonce, error="a capture is under way in this run; ask again once it is stored"))
+            error = ("a capture is under way in this run; ask again once it is stored" if busy else
+                     f"step {first} had begun ({started} steps) when the request was read; ask again")
+            write_answer(self.directory, self.run.id, CaptureAnswer(request=nonce, error=error), rank)
 
     def wait(self, timeout_s: float | None = None) -> list[CapturedWindow]:
         """Wait until every window that ended is stored (trace written, tables in the run); the windows stored."""

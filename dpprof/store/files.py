@@ -45,9 +45,10 @@ def capture_request_name(run_id: str) -> str:
     return f".{run_id}.capture-request.json"
 
 
-def capture_answer_name(run_id: str) -> str:
-    """The file a running run writes beside its request once the capture it asked for is stored (or failed)."""
-    return f".{run_id}.capture-answer.json"
+def capture_answer_name(run_id: str, rank: int | None = None) -> str:
+    """The file a running run (or one rank of it) writes beside its request once the capture it asked for is stored
+    (or failed)."""
+    return f".{run_id}{'' if rank is None else f'.rank{rank}'}.capture-answer.json"
 
 
 def hidden_name(path: str) -> str:
