@@ -357,3 +357,47 @@ def run(args: Sequence[Any], *, capture_output: bool = False, timeout: float | N
     if check:
         done.check_returncode()
     return done
+
+
+def run_ranks(nproc: int, args: Sequence[Any], env: dict[str, str] | None = None, timeout: float = 240
+              ) -> list[subprocess.CompletedProcess]:
+    """``[sys.executable, *args]`` on ``nproc`` ranks of one job on this host, forked, each with the environment
+    torchrun gives its ranks (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, MASTER_ADDR,
+    MASTER_PORT): for tests about what ranks do, not about torchrun, which costs a launcher and a fresh interpreter
+    per rank. Returns each rank's CompletedProcess (text) once all have ended; once one fails, the others (which
+    would wait in a collective for it) are killed.
+
+    Raises:
+        subprocess.TimeoutExpired: not all ended within ``timeout`` seconds (all are killed).
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {**(os.environ if env is None else env), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0"}
+    with tempfile.TemporaryDirectory(prefix="dpprof-ranks-") as tmp:
+        outs = [(open(os.path.join(tmp, f"{r}.out"), "w+"), open(os.path.join(tmp, f"{r}.err"), "w+"))
+                for r in range(nproc)]
+        ranks = [Popen([sys.executable, *map(os.fspath, args)], stdout=out, stderr=err,
+                       env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)})
+                 for r, (out, err) in enumerate(outs)]
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p.poll() is None for p in ranks):
+                if any(p.returncode not in (None, 0) for p in ranks):
+                    break  # the others would wait for it in their next collective
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired([sys.executable, *map(str, args)], timeout)
+                time.sleep(0.05)
+        finally:
+            for p in ranks:
+                p.kill()
+                p.wait()
+        done = []
+        for p, (out, err) in zip(ranks, outs):
+            out.seek(0)
+            err.seek(0)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read()))
+            out.close()
+            err.close()
+        return done

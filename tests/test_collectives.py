@@ -1,5 +1,7 @@
 """The straggler from the collectives (dpprof.findings.collectives): a rank made late by a known delay is found from
-the wait inside the others' collectives, in a DDP run recorded by dpprof on 4 gloo ranks and in the torch.profiler
+the wait inside the others' collectives, in a DDP run recorded by dpprof on 4 gloo ranks (started with torchrun's
+environment, forked: `dpprof run` under torchrun itself is tested in test_instrument, test_distributed and
+test_fsdp) and in the torch.profiler
 traces of DDP (4 ranks) and FSDP2 (2 ranks) jobs imported; with no delay there is no straggler. The matching is
 checked on the shared 128-rank traces against the same split computed here straight from their raw events."""
 from __future__ import annotations
@@ -7,7 +9,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import sys
 from pathlib import Path
 
 import forked
@@ -36,13 +37,13 @@ DELAY_MS = 150.0
 TOLERANCE = 0.25  # the stated wait per step is within 25% of the delay
 
 
-def _torchrun(nproc: int, *args: str, record: Path | None = None) -> None:
-    """The script on ``nproc`` gloo ranks under torchrun, recorded by ``dpprof run`` into ``record`` if given."""
+def _ranks(nproc: int, *args: str, record: Path | None = None) -> None:
+    """The script on ``nproc`` gloo ranks (started with torchrun's environment: forked.run_ranks), recorded by
+    ``dpprof run`` into ``record`` if given."""
     runner = ["-m", "dpprof", "--reports-dir", str(record), "run", str(SCRIPT)] if record else [str(SCRIPT)]
-    out = forked.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                      *runner, *args], capture_output=True, text=True, timeout=240,
-                     env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for rank, out in enumerate(forked.run_ranks(nproc, [*runner, *args], timeout=240,
+                                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})):
+        assert out.returncode == 0, f"rank {rank}: " + out.stdout[-3000:] + out.stderr[-3000:]
 
 
 def _only_run(directory: Path) -> dpprof.StoredRun:
@@ -66,7 +67,7 @@ def _assert_straggler(run: dpprof.StoredRun, rank: str) -> None:
 
 
 def test_a_late_rank_of_a_recorded_ddp_run_is_the_straggler_with_its_delay_as_the_wait(tmp_path, capsys):
-    _torchrun(4, "--steps", "6", "--load-ms", str(LOAD_MS), "--delay", f"2:{DELAY_MS:g}", record=tmp_path)
+    _ranks(4, "--steps", "6", "--load-ms", str(LOAD_MS), "--delay", f"2:{DELAY_MS:g}", record=tmp_path)
     run = _only_run(tmp_path)
     assert run.ranks == 4
     _assert_straggler(run, "rank:2")
@@ -86,7 +87,7 @@ def test_a_late_rank_of_a_recorded_ddp_run_is_the_straggler_with_its_delay_as_th
 
 
 def test_a_recorded_ddp_run_with_no_late_rank_has_no_straggler(tmp_path):
-    _torchrun(4, "--steps", "6", "--load-ms", str(LOAD_MS), record=tmp_path)
+    _ranks(4, "--steps", "6", "--load-ms", str(LOAD_MS), record=tmp_path)
     run = _only_run(tmp_path)
     found = run_findings(run)
     assert "straggler_rank" not in set(found.table["kind"])
@@ -95,14 +96,14 @@ def test_a_recorded_ddp_run_with_no_late_rank_has_no_straggler(tmp_path):
 
 
 def test_a_late_rank_of_a_recorded_fsdp_run_is_the_straggler_with_its_delay_as_the_wait(tmp_path):
-    _torchrun(2, "--steps", "6", "--load-ms", str(LOAD_MS), "--delay", f"1:{DELAY_MS:g}", "--fsdp", record=tmp_path)
+    _ranks(2, "--steps", "6", "--load-ms", str(LOAD_MS), "--delay", f"1:{DELAY_MS:g}", "--fsdp", record=tmp_path)
     run = _only_run(tmp_path)
     assert run.model.kind == "fsdp" and set(run.comms["collective"]) == {"all-gather", "reduce-scatter"}
     _assert_straggler(run, "rank:1")
 
 
 def test_imported_ddp_traces_find_the_late_rank(tmp_path):
-    _torchrun(4, "--steps", "5", "--load-ms", str(LOAD_MS), "--delay", f"1:{DELAY_MS:g}", "--trace", str(tmp_path),
+    _ranks(4, "--steps", "5", "--load-ms", str(LOAD_MS), "--delay", f"1:{DELAY_MS:g}", "--trace", str(tmp_path),
               "--stem", "ddp4")
     run = dpprof.load_run(import_traces(sorted(tmp_path.glob("ddp4-rank*.json")), tmp_path / "reports").id,
                           tmp_path / "reports")
@@ -111,7 +112,7 @@ def test_imported_ddp_traces_find_the_late_rank(tmp_path):
 
 
 def test_imported_fsdp_traces_name_each_collective_and_find_the_late_rank(tmp_path):
-    _torchrun(2, "--steps", "5", "--load-ms", str(LOAD_MS), "--delay", f"0:{DELAY_MS:g}", "--fsdp", "--trace",
+    _ranks(2, "--steps", "5", "--load-ms", str(LOAD_MS), "--delay", f"0:{DELAY_MS:g}", "--fsdp", "--trace",
               str(tmp_path), "--stem", "fsdp2")
     reports = tmp_path / "reports"
     run = dpprof.load_run(import_traces(sorted(tmp_path.glob("fsdp2-rank*.json")), reports).id, reports)
