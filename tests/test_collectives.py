@@ -1,9 +1,9 @@
 """The straggler from the collectives (dpprof.findings.collectives): a rank made late by a known delay is found from
 the wait inside the others' collectives, in a DDP run recorded by dpprof on 4 gloo ranks (started with torchrun's
 environment, forked: `dpprof run` under torchrun itself is tested in test_instrument, test_distributed and
-test_fsdp) and in the torch.profiler
-traces of DDP (4 ranks) and FSDP2 (2 ranks) jobs imported; with no delay there is no straggler. The matching is
-checked on the shared 128-rank traces against the same split computed here straight from their raw events."""
+test_fsdp) and in the torch.profiler traces of DDP (4 ranks) and FSDP2 (2 ranks) jobs imported; with no delay there
+is no straggler. The matching is checked on the shared 128-rank traces against the same split computed here
+straight from their raw events."""
 from __future__ import annotations
 
 import gzip
