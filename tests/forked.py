@@ -86,8 +86,11 @@ def child(request, fds):
         sys.excepthook(type(err), err.with_traceback(tb), tb)
         if isinstance(err, KeyboardInterrupt):  # python ends by SIGINT then, after its exit handlers
             import atexit
-            atexit.register(os.kill, os.getpid(), signal.SIGINT)
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
             signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
         raise SystemExit(1) from None
 
 

@@ -51,6 +51,13 @@ def test_a_script_and_a_module_see_their_file_argv_and_path_and_raise_as_python_
         assert ours.stderr == fresh.stderr, (ours.stderr, fresh.stderr)
 
 
+def test_an_interrupted_command_runs_its_exit_handlers_then_ends_by_sigint_as_python_does(tmp_path):
+    code = "import atexit\natexit.register(print, 'handled')\nraise KeyboardInterrupt"
+    ours, fresh = _both([sys.executable, "-c", code], cwd=tmp_path)
+    assert (ours.returncode, ours.stdout, ours.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert ours.returncode == -signal.SIGINT and ours.stdout == "handled\n"
+
+
 def test_a_child_is_killed_timed_out_and_put_in_a_session_of_its_own_as_subprocess_does(tmp_path):
     code = "import os, time\nprint(os.getsid(0) == os.getpid(), flush=True)\ntime.sleep(60)"
     child = forked.Popen([sys.executable, "-c", code], stdout=forked.PIPE, text=True, start_new_session=True)
