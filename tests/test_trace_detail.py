@@ -334,6 +334,34 @@ def _cpu_trace(path: Path) -> int:
     return threading.get_native_id()
 
 
+def _raw_pairs(memory: list[dict]) -> list[tuple[int, float | None]]:
+    """(bytes, lifetime in µs or None) of each allocation in raw [memory] events, paired by walking each device's
+    events in time order with the addresses open: an allocation at an open address leaves the earlier unfreed."""
+    out: list[tuple[int, float | None]] = []
+    by_device: dict[tuple, list[dict]] = defaultdict(list)
+    for e in memory:
+        by_device[(e["args"].get("Device Type"), e["args"].get("Device Id"))].append(e)
+    for found in by_device.values():
+        open_at: dict[int, dict] = {}
+        for e in sorted(found, key=lambda e: e["ts"]):
+            size, addr = e["args"]["Bytes"], e["args"]["Addr"]
+            if size > 0:
+                if addr in open_at:
+                    out.append((open_at[addr]["args"]["Bytes"], None))
+                open_at[addr] = e
+            elif size < 0 and addr in open_at:
+                opened = open_at.pop(addr)
+                out.append((opened["args"]["Bytes"], round(e["ts"] - opened["ts"], 3)))
+        out += [(e["args"]["Bytes"], None) for e in open_at.values()]
+    return out
+
+
+def _pairs(events: pd.DataFrame) -> list[tuple[int, float | None]]:
+    """(bytes, lifetime in µs or None) of each stored memory event."""
+    return [(int(b), None if pd.isna(life) else round(life * 1e3, 3))
+            for b, life in zip(events["bytes"], events["lifetime_ms"])]
+
+
 @pytest.fixture(scope="module")
 def cpu_trace(tmp_path_factory):
     path = tmp_path_factory.mktemp("cpu") / "cpu.pt.trace.json"
@@ -365,6 +393,8 @@ def test_cpu_trace_operators_memory_and_modules(cpu_trace, tmp_path):
     assert len(events) == allocs
     paired = events["free_t_ms"].notna().sum()
     assert paired <= frees and paired > 0
+    # each allocation with its address's next event on the device if that is a free, computed here event by event
+    assert sorted(_pairs(events)) == sorted(_raw_pairs(mem))
     assert (events.dropna(subset=["lifetime_ms"])["lifetime_ms"] >= 0).all()
     assert events["bytes"].sum() == sum(e["args"]["Bytes"] for e in mem if e["args"]["Bytes"] > 0)
     op_mem = detail_rows.operator_memory(run)

@@ -35,7 +35,8 @@ Definitions (each figure is computed once, here; the pages and commands read the
 - **Memory over time** per device: ``Total Allocated`` / ``Total Reserved`` of the ``[memory]`` events, else the
   running sum of their ``Bytes`` (as dpprof's allocator curve: ``Collected.memory`` for GPUs), bucketed to at most
   ``MEMORY_POINTS`` points (each bucket's maximum: the peak is never lost), the peak and its step. **Memory events**
-  pair an allocation with the next free of the same address (``Addr``) on the same device: the operator (innermost
+  pair an allocation with the next event at the same address (``Addr``) on the same device if that is a free (another
+  allocation there first leaves its free unknown), in arrays, not event by event: the operator (innermost
   op open on the thread at the allocation), bytes, when, how long it lived (None: never freed in the trace). Every
   pair counts in the per-operator statistics; the ``MEMORY_EVENTS_KEPT`` largest are kept as rows, and the number
   left out is said in the notes.
@@ -817,46 +818,32 @@ def _memory_tables(raw: RawDetail, names: np.ndarray, windows: list[tuple[int, f
                      "paired, the per-operator statistics and the curve are")
         return timeline, peaks, _empty(MEMORY_EVENT_COLUMNS), op_memory.reset_index(drop=True), notes
     with_addr = with_addr[np.lexsort((m_ts[with_addr], dev_code[with_addr]))]  # by device, then time
-    # each pair in typed arrays: device code, op id, bytes, allocated at, freed at (NaN: not freed in the trace)
-    p_dev, p_op, p_bytes, p_at, p_free = array("q"), array("q"), array("q"), array("d"), array("d")
-
-    def pair(dev: int, at: tuple[float, int, int], freed: float) -> None:
-        p_dev.append(dev)
-        p_op.append(at[2])
-        p_bytes.append(at[1])
-        p_at.append(at[0])
-        p_free.append(freed)
-
-    open_: dict[int, tuple[float, int, int]] = {}
-    last_dev = -1
-    for dev, ts, size, addr, op in zip(dev_code[with_addr].tolist(), m_ts[with_addr].tolist(),
-                                       m_bytes[with_addr].tolist(), m_addr[with_addr].tolist(),
-                                       op_id[with_addr].tolist()):
-        if dev != last_dev:
-            for left in open_.values():
-                pair(last_dev, left, math.nan)
-            open_, last_dev = {}, dev
-        if size > 0:
-            if addr in open_:  # allocated again without a free in the trace: the first one's free is unknown
-                pair(dev, open_.pop(addr), math.nan)
-            open_[addr] = (ts, size, op)
-        elif size < 0 and addr in open_:
-            pair(dev, open_.pop(addr), ts)
-    for left in open_.values():
-        pair(last_dev, left, math.nan)
+    with_addr = with_addr[m_bytes[with_addr] != 0]
+    # each address's events on a device in time order: an allocation's free is the next event there if that is a
+    # free; another allocation first (or nothing) leaves its free unknown (NaN); a free with no allocation open at
+    # its address pairs with nothing
+    in_group = np.lexsort((np.arange(len(with_addr)), m_addr[with_addr], dev_code[with_addr]))
+    g = with_addr[in_group]
+    g_dev, g_size = dev_code[g], m_bytes[g]
+    freed_next = np.zeros(len(g), dtype=bool)
+    freed_next[:-1] = (g_dev[1:] == g_dev[:-1]) & (m_addr[g][1:] == m_addr[g][:-1]) & (g_size[1:] < 0)
+    allocs = np.flatnonzero(g_size > 0)
+    allocs = allocs[np.argsort(in_group[allocs], kind="stable")]  # the pairs in their allocations' order
+    p_dev, p_op, p_bytes, p_at = g_dev[allocs], op_id[g[allocs]], g_size[allocs].astype(np.int64), m_ts[g[allocs]]
+    p_free = np.full(len(allocs), np.nan)
+    closed = freed_next[allocs]
+    p_free[closed] = m_ts[g[allocs[closed] + 1]]
     n_pairs = len(p_bytes)
     keep = np.arange(n_pairs)
-    sizes = np.frombuffer(p_bytes, dtype=np.int64) if n_pairs else np.zeros(0, dtype=np.int64)
+    sizes = p_bytes
     if n_pairs > MEMORY_EVENTS_KEPT:
         notes.append(f"{n_pairs - MEMORY_EVENTS_KEPT:,} of {n_pairs:,} memory events (the smallest "
                      f"allocations) left out of the memory events table: it keeps the {MEMORY_EVENTS_KEPT:,} "
                      "largest; every one counts in the per-operator statistics")
         keep = np.sort(np.argsort(-sizes, kind="stable")[:MEMORY_EVENTS_KEPT])
-    at_us = np.frombuffer(p_at, dtype=np.float64)[keep] if n_pairs else np.zeros(0)
-    free_us = np.frombuffer(p_free, dtype=np.float64)[keep] if n_pairs else np.zeros(0)
-    ops_kept = np.frombuffer(p_op, dtype=np.int64)[keep] if n_pairs else np.zeros(0, dtype=np.int64)
+    at_us, free_us, ops_kept = p_at[keep].astype(np.float64), p_free[keep], p_op[keep].astype(np.int64)
     events = pd.DataFrame({
-        "device": [dev_labels[d] for d in (np.frombuffer(p_dev, dtype=np.int64)[keep].tolist() if n_pairs else [])],
+        "device": [dev_labels[d] for d in p_dev[keep].tolist()],
         "operator": [raw.names[o] if o >= 0 else None for o in ops_kept.tolist()],
         "bytes": sizes[keep], "alloc_t_ms": (at_us - t0_us) / 1e3, "free_t_ms": (free_us - t0_us) / 1e3,
         "lifetime_ms": (free_us - at_us) / 1e3})
