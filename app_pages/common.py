@@ -203,8 +203,9 @@ def capture_button(row: pd.Series) -> None:
     left, right = st.columns([1, 3], vertical_alignment="bottom")
     steps = left.number_input("Steps", min_value=1, max_value=MAX_CAPTURE_STEPS, value=5, key=f"{key}-steps")
     if right.button("Capture with torch.profiler", key=f"{key}-ask", help="Profile the run's next steps with "
-                    "torch.profiler (every thread; shapes, memory, modules): their operators are stored in the run per "
-                    "device, the raw trace beside it for Perfetto. Steps outside the window cost what they did."):
+                    "torch.profiler (shapes; every worker thread of a DataParallel run, a rank's memory and modules): "
+                    "their operators are stored in the run per device, the raw trace beside it for Perfetto. Steps "
+                    "outside the window cost what they did."):
         try:
             st.session_state[key] = ask(load_run(row["path"]), int(steps))
         except (CaptureError, RunFileError) as err:
