@@ -373,10 +373,9 @@ def run_ranks(nproc: int, args: Sequence[Any], env: dict[str, str] | None = None
     Raises:
         subprocess.TimeoutExpired: not all ended within ``timeout`` seconds (all are killed).
     """
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    base = {**(os.environ if env is None else env), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    from cpu_traces import _free_port
+
+    base = {**(os.environ if env is None else env), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
             "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0"}
     with tempfile.TemporaryDirectory(prefix="dpprof-ranks-") as tmp:
         outs = [(open(os.path.join(tmp, f"{r}.out"), "w+"), open(os.path.join(tmp, f"{r}.err"), "w+"))

@@ -172,15 +172,10 @@ def test_each_ranks_capture_stores_its_memory_over_time_memory_events_and_module
     calls with module ids (a DataParallel run's, profiling every thread, has neither). Two gloo ranks of
     ``dpprof.ddp_worker`` (as torchrun starts them: RANK, WORLD_SIZE, MASTER_*), steps 1 and 2 captured; each rank's
     stored memory curve, memory events and modules are those of its raw trace."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    ranks = [forked.Popen([sys.executable, "-m", "dpprof.ddp_worker", "tutorial-linear", "--steps", "4",
-                           "--capture", "1:3", "--reports-dir", str(tmp_path), "--run-id", "ranks"],
-                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=forked.PIPE, stderr=forked.PIPE,
-                          text=True) for r in (0, 1)]
-    for rank in ranks:
-        _, err = rank.communicate(timeout=240)
-        assert rank.returncode == 0, err[-3000:]
+    for out in forked.run_ranks(2, ["-m", "dpprof.ddp_worker", "tutorial-linear", "--steps", "4", "--capture", "1:3",
+                                    "--reports-dir", str(tmp_path), "--run-id", "ranks"],
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}):
+        assert out.returncode == 0, out.stderr[-3000:]
     run = dpprof.load_run("ranks", tmp_path)
     timeline, events, modules = run.memory_timeline(), run.memory_events(), run.modules()
     for r in (0, 1):
