@@ -19,7 +19,7 @@ from cpu_traces import _free_port
 
 import dpprof
 from dpprof.capture import CaptureError, parse_capture
-from dpprof.capture.request import ask, wait_for_answer
+from dpprof.capture.request import CaptureAnswer, ask, wait_for_answer
 from dpprof.capture.session import NO_CAPTURE, TRAINING_THREAD_DEVICE
 from dpprof.cli import main
 from dpprof.launch import Profile, ProfileError
@@ -290,11 +290,18 @@ def test_a_distributed_run_captures_the_same_steps_on_every_rank_on_request(tmp_
             time.sleep(0.2)
         asked = ask(run, 2)
         assert asked.ranks == (0, 1) and asked.first_step > int(run.steps["step"].max()) + 1
-        answer = wait_for_answer(asked, ANSWER_TIMEOUT_S)
+        try:
+            answer = wait_for_answer(asked, ANSWER_TIMEOUT_S)
+        except CaptureError as err:
+            answer = CaptureAnswer(request="", error=str(err))
     finally:
         for rank in ranks:
             rank.kill()
-            rank.communicate(timeout=60)
+        said = [rank.communicate(timeout=60)[1] for rank in ranks]
+    if answer.error is not None:  # the ranks' own words on why they ended, and their runs' errors and notes
+        ended = dpprof.load_run("live", tmp_path)
+        raise AssertionError(f"{answer.error}; ranks said {said}; the run's error: {ended.meta.get('error')}; "
+                             f"notes: {ended.notes.to_dict('records')}")
     first = asked.first_step
     assert answer.error is None and (answer.first_step, answer.end_step) == (first, first + 2)
     assert answer.traces == tuple(f"live.rank{r}.capture-{first}-{first + 2}.pt.trace.json.gz" for r in (0, 1))

@@ -5,6 +5,7 @@ within 0.5 points. Plus a trace recorded here on CPU with shapes, memory, stacks
 bad values in the events."""
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import math
@@ -95,6 +96,9 @@ class Reference:
 
     def _nest(self) -> None:
         self.parent = self._parents(self.ops)
+        self.ops_of_tid: dict[object, list[tuple[int, dict]]] = defaultdict(list)  # (index, op), in file order
+        for i, e in enumerate(self.ops):
+            self.ops_of_tid[_tid(e["tid"])].append((i, e))
         self.children_ms = [0.0] * len(self.ops)
         for i, p in enumerate(self.parent):
             if p is not None:
@@ -102,10 +106,10 @@ class Reference:
 
     def _innermost(self, tid: object, ts: float) -> int | None:
         # the open op that began last; of two beginning together, the shorter; of two alike, the later in the file
-        # (it nests in the earlier: _parents)
+        # (it nests in the earlier: _parents). Each of the thread's ops is looked at, in file order.
         best = None
-        for i, e in enumerate(self.ops):
-            if _tid(e["tid"]) == tid and e["ts"] <= ts <= e["ts"] + e["dur"]:
+        for i, e in self.ops_of_tid.get(tid, ()):
+            if e["ts"] <= ts <= e["ts"] + e["dur"]:
                 if best is None or (e["ts"], -e["dur"]) >= (self.ops[best]["ts"], -self.ops[best]["dur"]):
                     best = i
         return best
@@ -193,6 +197,19 @@ class Reference:
         return 100 * busy / window, 100 * sm / window, occ / weight if weight else math.nan
 
 
+@functools.cache
+def _reference(path: Path) -> Reference:
+    """A trace file's Reference, made once: the traces of ../shared/traces and the module's CPU trace are read by
+    several tests, and a Reference is only read after it is made."""
+    return Reference(path)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _references_dropped_after_the_module():
+    yield
+    _reference.cache_clear()
+
+
 def _close(a: float, b: float, rel: float) -> bool:
     return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=rel, abs_tol=1e-9)
 
@@ -213,7 +230,7 @@ def _cases():
 
 @pytest.mark.parametrize("trace,run,rank", _cases())
 def test_operators_match_the_raw_events(imported, trace, run, rank):
-    ref = Reference(TRACES / trace).operators()
+    ref = _reference(TRACES / trace).operators()
     got = detail_rows.operators(imported[run], rank=rank)
     assert set(got["name"]) == set(ref), "every operator name, and no other"
     assert got.groupby("name").size().max() == 1, "one device per name in a one-process trace"
@@ -228,7 +245,7 @@ def test_operators_match_the_raw_events(imported, trace, run, rank):
 
 @pytest.mark.parametrize("trace,run,rank", _cases())
 def test_kernels_match_the_raw_events(imported, trace, run, rank):
-    ref = Reference(TRACES / trace).kernel_stats()
+    ref = _reference(TRACES / trace).kernel_stats()
     got = detail_rows.kernels(imported[run], rank=rank)
     assert set(got["name"]) == set(ref)
     for row in got.itertuples():
@@ -242,7 +259,7 @@ def test_kernels_match_the_raw_events(imported, trace, run, rank):
 
 @pytest.mark.parametrize("trace,run,rank", _cases())
 def test_gpu_metrics_match_the_plugins_definitions(imported, trace, run, rank):
-    ref = Reference(TRACES / trace)
+    ref = _reference(TRACES / trace)
     per_step = detail_rows.gpu_metrics(imported[run], rank=rank)
     assert len(per_step) == len(ref.steps)
     steps = {n: (lo, hi) for lo, hi, n in ref.steps}
@@ -262,7 +279,7 @@ def test_gpu_metrics_match_the_plugins_definitions(imported, trace, run, rank):
 def test_tensor_core_share_of_eligible_ops(imported):
     """The nccl trace's convolution backward runs tensor-core kernels (A100, TF32): its tc_pct is their time's share,
     from the raw events."""
-    ref = Reference(TRACES / SINGLE[1])
+    ref = _reference(TRACES / SINGLE[1])
     tc_ms: dict[str, float] = defaultdict(float)
     for k, op in zip(ref.kernels, ref.kernel_op):
         if op is None or not any(p in k["name"] for p in TC_KERNEL_PATTERNS):
@@ -282,7 +299,7 @@ def test_resnet_memory_curve_and_operator_memory(imported):
     """The 2021 format has no Total Allocated: the curve is the running sum of Bytes (never below 0), its peak and
     step exact; memory events carry no address, so none are paired, and the notes say so."""
     events, _ = _events(TRACES / SINGLE[0])
-    ref = Reference(TRACES / SINGLE[0])
+    ref = _reference(TRACES / SINGLE[0])
     gpu = sorted((e["ts"], e["args"]["Bytes"]) for e in events if e.get("name") == "[memory]"
                  and e["args"].get("Device Type") == 1)
     running, peak, peak_ts = 0, 0, None
@@ -373,7 +390,7 @@ def cpu_trace(tmp_path_factory):
 
 
 def test_cpu_trace_operators_memory_and_modules(cpu_trace, tmp_path):
-    ref = Reference(cpu_trace)
+    ref = _reference(cpu_trace)
     run = dpprof.load_run(import_traces([cpu_trace], tmp_path).paths[0])
     ops = detail_rows.operators(run)
     want = ref.operators()
@@ -444,7 +461,7 @@ def test_write_detail_adds_the_tables_to_a_recorded_run(tmp_path, cpu_trace):
     detail_rows.write_detail(run.path, detail_of_trace(cpu_trace))
     again = dpprof.load_run(run.path)
     assert detail_rows.detail_missing(again) is None
-    assert detail_rows.operators(again)["calls"].sum() == len(Reference(cpu_trace).ops)
+    assert detail_rows.operators(again)["calls"].sum() == len(_reference(cpu_trace).ops)
     assert again.steps.equals(run.steps), "the run's own tables are untouched"
 
 
