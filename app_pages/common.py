@@ -26,9 +26,10 @@ from dpprof.views import export
 from dpprof.views import opdiff
 from dpprof.views.opdiff import Pick
 from dpprof.views.text import display_table, dropped_records, finding_heading, run_label, status_sentence
+from dpprof.store import detail_rows
 from dpprof.store.faults import RecordingError
 from dpprof.store.files import dir_signature, run_signature
-from dpprof.store.reader import RunFileError, list_runs, load_run, reports_dir
+from dpprof.store.reader import RunFileError, StoredRun, list_runs, load_run, reports_dir
 from dpprof.store.staging import check_reports_dir
 from dpprof.trace.importer import LEGACY_WORKLOAD
 from dpprof.units import plural
@@ -59,28 +60,52 @@ def readable(runs: pd.DataFrame) -> pd.DataFrame:
     return runs[runs["reason"].isna()]
 
 
+def _loaded(path: str, capture: int | None = None) -> StoredRun:
+    run = load_run(path)
+    run.capture = capture
+    return run
+
+
 @st.cache_data(show_spinner="Reading the run…", max_entries=128)
-def _view(_fn: Callable[..., Any], name: str, path: str, signature: tuple, *args: Any) -> Any:
-    return _fn(load_run(path), *args)
+def _view(_fn: Callable[..., Any], name: str, path: str, signature: tuple, capture: int | None, *args: Any) -> Any:
+    return _fn(_loaded(path, capture), *args)
 
 
-def view(fn: Callable[..., Any], row: pd.Series, *args: Any) -> Any:
-    """``fn(run, *args)`` (a function of dpprof.views) for a run of the listing, cached by the function, the run's
-    files and their modification times."""
+def view(fn: Callable[..., Any], row: pd.Series, *args: Any, capture: int | None = None) -> Any:
+    """``fn(run, *args)`` (a function of dpprof.views) for a run of the listing, its operator tables read from the
+    deep capture starting at step ``capture`` (None: the latest), cached by the function, the run's files and their
+    modification times."""
     path = Path(row["path"])
-    return _view(fn, f"{fn.__module__}.{fn.__qualname__}", str(path), run_signature(path, row["id"]), *args)
+    return _view(fn, f"{fn.__module__}.{fn.__qualname__}", str(path), run_signature(path, row["id"]), capture, *args)
+
+
+def capture_box(row: pd.Series) -> int | None:
+    """The deep capture a page reads (its first step), picked where the run keeps more than one; None: the latest."""
+    listed = view(detail_rows.captures, row)
+    if len(listed) < 2:
+        return None
+    by_first = {c.first_step: c for c in listed}
+    return st.selectbox("Capture", list(reversed(by_first)), key=f"capture_{row['id']}",
+                        format_func=lambda first: by_first[first].label + (" (latest)" if first == listed[-1].first_step
+                                                                             else ""),
+                        help="The run keeps each deep capture's operators, kernels and memory; the latest is shown "
+                             "unless another is picked.")
 
 
 @st.cache_data(show_spinner="Comparing…", max_entries=32)
-def _operator_diff(path_a: str, sig_a: tuple, pick_a: Pick, path_b: str, sig_b: tuple, pick_b: Pick) -> pd.DataFrame:
-    return opdiff.operator_diff(load_run(path_a), pick_a, load_run(path_b), pick_b)
+def _operator_diff(path_a: str, sig_a: tuple, pick_a: Pick, path_b: str, sig_b: tuple, pick_b: Pick,
+                   capture: int | None) -> pd.DataFrame:
+    return opdiff.operator_diff(_loaded(path_a, capture if path_a == path_b else None), pick_a,
+                                _loaded(path_b, capture), pick_b)
 
 
-def operator_diff(row_a: pd.Series, pick_a: Pick, row_b: pd.Series, pick_b: Pick) -> pd.DataFrame:
-    """dpprof.views.opdiff.operator_diff of two sides, each a run of the listing (the same or two) and a pick,
-    cached by both runs' files and their modification times."""
+def operator_diff(row_a: pd.Series, pick_a: Pick, row_b: pd.Series, pick_b: Pick,
+                  capture: int | None = None) -> pd.DataFrame:
+    """dpprof.views.opdiff.operator_diff of two sides, each a run of the listing (the same or two) and a pick, B's
+    run (and A's, where it is B's) read from the capture starting at step ``capture`` (None: the latest), cached by
+    both runs' files and their modification times."""
     return _operator_diff(str(row_a["path"]), run_signature(Path(row_a["path"]), row_a["id"]), pick_a,
-                          str(row_b["path"]), run_signature(Path(row_b["path"]), row_b["id"]), pick_b)
+                          str(row_b["path"]), run_signature(Path(row_b["path"]), row_b["id"]), pick_b, capture)
 
 
 def run_csv(row: pd.Series, table: str) -> Callable[[], bytes]:

@@ -16,14 +16,15 @@ def body(row: pd.Series) -> None:
     if missing:
         common.missing(missing)
         return
-    picks = common.view(kernels.picks, row)
+    capture = common.capture_box(row)
+    picks = common.view(kernels.picks, row, capture=capture)
     c1, c2, c3 = st.columns([2, 2, 3])
     with c1:
         pick = common.pick_box("Rank and device", picks, "k_pick")
     by = c2.radio("Group by", ["name", "operator"], horizontal=True, key="k_by",
                   format_func={"name": "kernel", "operator": "kernel + operator"}.get)
     search = c3.text_input("Search names", key="k_search")
-    data = common.view(kernels.kernels_page, row, pick, by, search)
+    data = common.view(kernels.kernels_page, row, pick, by, search, capture=capture)
     st.subheader("GPU utilization, SM efficiency and occupancy")
     common.table(data.summary, "gpu_summary")
     if data.per_step.empty:

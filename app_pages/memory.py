@@ -17,8 +17,9 @@ def body(row: pd.Series) -> None:
     if missing:
         common.missing(missing)
         return
-    pick = common.pick_box("Rank and device", common.view(memory.picks, row), "mem_pick")
-    data = common.view(memory.memory_page, row, pick)
+    capture = common.capture_box(row)
+    pick = common.pick_box("Rank and device", common.view(memory.picks, row, capture=capture), "mem_pick")
+    data = common.view(memory.memory_page, row, pick, capture=capture)
     st.markdown("\n".join(f"- {markdown_text(line)}" for line in memory.peak_lines(data.peaks)))
     common.chart(charts.memory_over_time(data.curve, data.peaks))
     st.caption("Allocated: Total Allocated of the trace's [memory] events (else the running sum of their Bytes); "

@@ -15,7 +15,7 @@ from dpprof.views.text import run_label
 ANOTHER_RUN = "another run…"
 
 
-def side_by_side(row: pd.Series, picks: list[Pick], pick: Pick) -> None:
+def side_by_side(row: pd.Series, picks: list[Pick], pick: Pick, capture: int | None = None) -> None:
     st.subheader("Side by side")
     st.caption("Operators of A and B with B's difference in self time (on the GPU where both ran kernels, else on "
                "the host), largest first; self time, so nested operators do not count one kernel twice.")
@@ -45,7 +45,7 @@ def side_by_side(row: pd.Series, picks: list[Pick], pick: Pick) -> None:
             return
         a = common.pick_box("A's rank or device", common.view(operators.picks, row_a), "ops_pick_a")
     assert isinstance(a, Pick)
-    diff = common.operator_diff(row_a, a, row, pick)
+    diff = common.operator_diff(row_a, a, row, pick, capture)
     label_a = a.label() if row_a is row else f"{row_a['name'] or row_a['id']} {a.label()}".strip()
     steps = int(row["steps"]) if row_a is row and pd.notna(row["steps"]) else None  # one run: the same steps
     st.markdown(markdown_words(opdiff.diff_sentence(diff, label_a, pick.label(), steps=steps)))
@@ -61,14 +61,15 @@ def body(row: pd.Series) -> None:
     if missing:
         common.missing(missing)
         return
-    picks = common.view(operators.picks, row)
+    capture = common.capture_box(row)
+    picks = common.view(operators.picks, row, capture=capture)
     c1, c2, c3 = st.columns([2, 2, 3])
     with c1:
         pick = common.pick_box("Rank and device", picks, "ops_pick")
     by = c2.radio("Group by", ["name", "shape"], horizontal=True, key="ops_by",
                   format_func={"name": "name", "shape": "name + input shapes"}.get)
     search = c3.text_input("Search names", key="ops_search")
-    data = common.view(operators.operators_page, row, pick, by, search)
+    data = common.view(operators.operators_page, row, pick, by, search, capture=capture)
     common.chart(charts.top_operators(data.top, data.value))
     table = data.table
     st.caption(f"{len(table):,} rows. Host times: the ops' own durations (self: less their children). Device times: "
@@ -84,7 +85,7 @@ def body(row: pd.Series) -> None:
     else:
         common.table(tree, "modules")
     if len(picks) > 1 or len(common.readable(common.listing())) > 1:
-        side_by_side(row, picks, pick if pick != Pick() else picks[-1])
+        side_by_side(row, picks, pick if pick != Pick() else picks[-1], capture)
     if data.notes:
         st.caption(markdown_text(" ".join(data.notes)))
 

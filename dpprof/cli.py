@@ -46,6 +46,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _step_index(text: str) -> int:
+    """A step index: a whole number from 0 (``--capture A``, a capture's first step)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step (a whole number from 0)")
+    return value
+
+
 # --memory-gib: one device's memory. Past a pebibyte no device exists, and 2**30 times the number stays finite.
 MAX_MEMORY_GIB = 2.0**20
 
@@ -547,7 +558,7 @@ def _records(df: pd.DataFrame, columns: list[str]) -> list[dict[str, object]]:
 
 def _detail_run(args: argparse.Namespace) -> object:
     """The run of ops / kernels / memory, or None after saying on stderr why it has no operator data."""
-    from dpprof.store.detail_rows import detail_missing
+    from dpprof.store.detail_rows import captures, chosen_capture, detail_missing
     from dpprof.store.reader import load_run
 
     run = load_run(args.run, args.reports_dir)
@@ -555,6 +566,16 @@ def _detail_run(args: argparse.Namespace) -> object:
     if why is not None:
         print(f"dpprof: run {run.id}: {why}", file=sys.stderr)
         return None
+    run.capture = args.capture
+    try:
+        listed, chosen = captures(run), chosen_capture(run)
+    except ValueError as err:
+        print(f"dpprof: {err}", file=sys.stderr)
+        return None
+    if chosen is not None and len(listed) > 1 and not args.json:  # which of them the tables below are
+        others = ", ".join(str(c.first_step) for c in listed if c.first_step != chosen.first_step)
+        print(f"capture of {chosen.label}{' (the latest)' if args.capture is None else ''}; "
+              f"the run's other capture{'s start' if len(listed) > 2 else ' starts'} at step {others} (--capture A)\n")
     return run
 
 
@@ -667,6 +688,8 @@ def _detail_options(p: argparse.ArgumentParser, by: tuple[str, ...] | None) -> N
     p.add_argument("--rank", type=int, default=None, help="only this rank")
     p.add_argument("--device", default=None, help="only this device (cuda:0, cpu:1, rank:2)")
     p.add_argument("--top", type=_positive_int, default=20, metavar="N", help="the first N rows (default 20)")
+    p.add_argument("--capture", type=_step_index, default=None, metavar="A",
+                   help="a recorded run's deep capture that starts at step A (default: its latest)")
     if by:
         p.add_argument("--by", choices=by, default=by[0], help=f"group by {' or '.join(by)} (default {by[0]})")
     p.add_argument("--json", action="store_true", help="print JSON (the fields docs/cli.md lists)")

@@ -24,6 +24,7 @@ from dpprof.capture.session import NO_CAPTURE, TRAINING_THREAD_DEVICE
 from dpprof.cli import main
 from dpprof.launch import Profile, ProfileError
 from dpprof.parallel.workers import worker_native_ids
+from dpprof.store.detail_rows import Capture, captures
 from dpprof.store.files import CAPTURE_TRACE, capture_request_name
 from dpprof.store.reader import RunFileError, list_runs
 from dpprof.trace import import_traces, pending_traces, trace_files
@@ -260,6 +261,22 @@ def test_a_running_run_captures_on_request_at_a_step_boundary(reports, capsys):
         # a second request while the run goes on: captured too, later steps
         answer = wait_for_answer(ask(dpprof.load_run(live.path), 1), ANSWER_TIMEOUT_S)
         assert answer.error is None and answer.first_step > last and answer.end_step == answer.first_step + 1
+    # the run keeps both captures' tables, each the operators of its own raw trace; the latest is read by default
+    stored = dpprof.load_run(live.path)
+    second = reports / answer.trace
+    assert captures(stored) == [Capture(first, last + 1, (trace.name,)),
+                                Capture(answer.first_step, answer.end_step, (second.name,))]
+    for window, raw in ((first, trace), (answer.first_step, second), (None, second)):
+        stored.capture = window
+        ops = [e for e in _events(raw) if e.get("cat") == "cpu_op" and not STEP_NAME.match(e["name"])]
+        assert stored.operators()["calls"].sum() == len(ops), window
+    assert main(["ops", run.id, "--capture", str(first)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"capture of steps {first} to {last}; the run's other capture starts at step "
+                          f"{answer.first_step} (--capture A)"), out
+    assert main(["ops", run.id, "--capture", "999999"]) == 1
+    assert capsys.readouterr().err.strip() == (f"dpprof: run {run.id} has no capture starting at step 999999: its "
+                                               f"captures start at steps {first}, {answer.first_step}")
     # ended now: a request is one line, and nothing is written
     code = main(["capture", run.id, "--steps", "2"])
     err = capsys.readouterr().err.strip()

@@ -18,6 +18,7 @@ from dpprof.findings.detail import DATA_SHARE_WARN, GPU_UTIL_LOW_PCT, MEMORY_FUL
 from dpprof.plaintext import shown_text
 from dpprof.store import detail_rows
 from dpprof.trace import import_traces
+from dpprof.trace.detail import detail_of_trace
 from dpprof.views import kernels, memory, operators, opdiff
 from dpprof.views.opdiff import Pick
 from detail_traces import slow_loader_trace, straggler_ddp_traces, with_gpu_memory
@@ -317,3 +318,37 @@ def test_pages_on_a_captured_run_show_each_worker_and_say_what_the_capture_lacks
         _page(at, page)
         assert not at.get("plotly_chart")
         assert words in "\n".join(shown_text(e.value) for e in at.info)
+
+
+def test_the_pages_read_the_capture_picked_and_the_latest_by_default(runs, tmp_path, monkeypatch):
+    """A run keeping two captures' tables (the captured run's raw trace as steps 2-3, the ResNet-50 trace as steps
+    10-11): the Operators page offers both, shows the latest at first and the other once picked; a run with one
+    capture offers no picker."""
+    reports = tmp_path / "reports"
+    two = record(reports, "two captures", workers=2, steps=3)
+    [raw] = [p for p in runs.reports.iterdir() if p.name.startswith(f"{runs.captured.id}.capture-")]
+    detail_rows.write_detail(two.path, detail_of_trace(raw), detail_rows.Capture(2, 4, (raw.name,)))
+    detail_rows.write_detail(two.path, detail_of_trace(RESNET), detail_rows.Capture(10, 12))
+    one = record(reports, "one capture", workers=2, steps=3)
+    detail_rows.write_detail(one.path, detail_of_trace(raw), detail_rows.Capture(2, 4, (raw.name,)))
+    monkeypatch.setenv("DPPROF_REPORTS", str(reports))
+    at = AppTest.from_file(str(APP), default_timeout=120)
+    at.run()
+    at.session_state["chosen_run"] = two.id
+    _page(at, "operators")
+    box = at.selectbox(key=f"capture_{two.id}")
+    assert box.options == ["steps 10 to 11 (latest)", "steps 2 to 3"]
+
+    def shown_calls() -> int:
+        return int(at.dataframe[0].value["calls"].sum())
+
+    stored = dpprof.load_run(two.path)
+    assert shown_calls() == detail_rows.operators(stored)["calls"].sum() == runs.resnet.operators()["calls"].sum()
+    box.select(2).run()
+    assert not at.exception, [e.message for e in at.exception]
+    stored.capture = 2
+    assert shown_calls() == detail_rows.operators(stored)["calls"].sum() != runs.resnet.operators()["calls"].sum()
+    at.session_state["chosen_run"] = one.id  # one capture: nothing to pick
+    _page(at, "operators")
+    assert shown_calls() == detail_rows.operators(dpprof.load_run(one.path))["calls"].sum()
+    assert not [b for b in at.selectbox if b.key and b.key.startswith("capture_")]

@@ -18,6 +18,7 @@ import pandas as pd
 import pytest
 
 import dpprof
+from dpprof.store.schema import DETAIL_TABLES
 from dpprof.cli import main
 from dpprof.store import detail_rows
 from dpprof.trace.detail import TC_ELIGIBLE_OPS, TC_KERNEL_PATTERNS, detail_of_trace
@@ -463,6 +464,45 @@ def test_write_detail_adds_the_tables_to_a_recorded_run(tmp_path, cpu_trace):
     assert detail_rows.detail_missing(again) is None
     assert detail_rows.operators(again)["calls"].sum() == len(_reference(cpu_trace).ops)
     assert again.steps.equals(run.steps), "the run's own tables are untouched"
+
+
+def test_a_run_keeps_each_captures_tables_and_a_capture_of_the_same_steps_replaces_its_own(tmp_path, cpu_trace):
+    """Captures are kept apart by first step (read: the latest, or the one asked for); the same first step again
+    replaces its own; a file whose tables predate the capture column reads as one set, replaced by the next capture;
+    an import's tables (no capture) replace everything."""
+    from recorded import record
+
+    run = record(tmp_path, "captures", steps=3)
+    cpu_ops, resnet_ops = len(_reference(cpu_trace).ops), len(_reference(TRACES / SINGLE[0]).ops)
+    cpu, resnet = detail_of_trace(cpu_trace), detail_of_trace(TRACES / SINGLE[0])
+    assert cpu_ops != resnet_ops
+
+    def calls(window=None) -> int:
+        stored = dpprof.load_run(run.path)
+        stored.capture = window
+        return int(stored.operators()["calls"].sum())
+
+    detail_rows.write_detail(run.path, cpu, detail_rows.Capture(0, 2, ("a",)))
+    detail_rows.write_detail(run.path, resnet, detail_rows.Capture(5, 7, ("b",)))
+    stored = dpprof.load_run(run.path)
+    assert detail_rows.captures(stored) == [detail_rows.Capture(0, 2, ("a",)), detail_rows.Capture(5, 7, ("b",))]
+    assert (calls(), calls(5), calls(0)) == (resnet_ops, resnet_ops, cpu_ops)
+    with pytest.raises(ValueError, match="no capture starting at step 3: its captures start at steps 0, 5"):
+        calls(3)
+    detail_rows.write_detail(run.path, cpu, detail_rows.Capture(5, 8, ("c",)))  # steps 5 on again
+    assert detail_rows.captures(dpprof.load_run(run.path))[-1] == detail_rows.Capture(5, 8, ("c",))
+    assert (calls(5), calls(0)) == (cpu_ops, cpu_ops)
+    with sqlite3.connect(run.path) as con:  # the layout of a file written before captures were kept apart
+        for table in DETAIL_TABLES:
+            con.execute(f"ALTER TABLE {table} DROP COLUMN capture")
+        con.execute("DROP TABLE captures")
+    con.close()
+    assert detail_rows.captures(dpprof.load_run(run.path)) == [] and calls() == 2 * cpu_ops  # one set: every row
+    detail_rows.write_detail(run.path, resnet, detail_rows.Capture(9, 10))
+    assert detail_rows.captures(dpprof.load_run(run.path)) == [detail_rows.Capture(9, 10)]
+    assert calls() == resnet_ops, "the rows of unknown steps were replaced"
+    detail_rows.write_detail(run.path, cpu)  # an import's tables: the file's whole set
+    assert detail_rows.captures(dpprof.load_run(run.path)) == [] and calls() == cpu_ops
 
 
 def test_an_import_without_the_tables_reads_with_the_reason(tmp_path, capsys):

@@ -7,7 +7,6 @@ that hold the invariants of tests/test_invariants.py or exits 1 with one line an
 from __future__ import annotations
 
 import contextlib
-import copy
 import gzip
 import io
 import json

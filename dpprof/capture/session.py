@@ -204,7 +204,7 @@ class CaptureSession:
         if error is None:
             try:
                 trace = self._write_trace(profiler, steps)
-                self._aggregate(trace, device_of_thread)
+                self._aggregate(trace, steps, device_of_thread)
             except Exception as err:  # noqa: BLE001 - a full disk, a trace the aggregation refuses: a note
                 error = f"{type(err).__name__}: {_first_line(err)}"
         export_ms = (time.perf_counter() - t0) * 1e3
@@ -236,12 +236,14 @@ class CaptureSession:
             remove_files(built)
         return path
 
-    def _aggregate(self, trace: str, device_of_thread: dict[int, str] | None) -> None:
-        from dpprof.store.detail_rows import write_detail
+    def _aggregate(self, trace: str, steps: CaptureWindow, device_of_thread: dict[int, str] | None) -> None:
+        """The trace's tables into the run file, beside its earlier captures' (each kept under its first step)."""
+        from dpprof.store.detail_rows import Capture, write_detail
         from dpprof.trace.detail import detail_of_trace
 
         assert self.run.path is not None
-        write_detail(self.run.path, detail_of_trace(trace, device_of_thread))
+        write_detail(self.run.path, detail_of_trace(trace, device_of_thread),
+                     Capture(steps.first_step, steps.end_step, (os.path.basename(trace),)))
 
     # -- requests (the session's own thread) ---------------------------------------------------------------------
 

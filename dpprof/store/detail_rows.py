@@ -11,18 +11,19 @@ import math
 import os
 import sqlite3
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import pandas as pd
 
-from dpprof.store.schema import DETAIL_TABLES, detail_ddl
+from dpprof.store.schema import CAPTURE_COLUMN, DETAIL_TABLES, detail_ddl
 from dpprof.store.validation import MAX_VALUE
 
 if TYPE_CHECKING:
     from dpprof.store.reader import StoredRun
 
-__all__ = ["DetailTables", "write_detail", "detail_missing", "operators", "kernels", "gpu_metrics", "gpu_summary",
+__all__ = ["DetailTables", "Capture", "write_detail", "captures", "chosen_capture", "detail_missing", "operators", "kernels", "gpu_metrics", "gpu_summary",
            "memory_timeline", "memory_peaks", "memory_events", "operator_memory", "modules", "stream_spans",
            "detail_notes",
            "WRITE_TIMEOUT_S", "TABLE_OF_FRAME"]
@@ -56,13 +57,30 @@ def _value(v: Any) -> Any:
     return v
 
 
-def write_detail(run_path: str | os.PathLike[str], detail: DetailTables) -> None:
+@dataclass(frozen=True)
+class Capture:
+    """One deep capture a run keeps the tables of: steps ``first_step`` to ``end_step - 1``, and its raw traces
+    (file names in the reports directory, one per rank file that holds it)."""
+
+    first_step: int
+    end_step: int
+    traces: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        return f"steps {self.first_step} to {self.end_step - 1}"
+
+
+def write_detail(run_path: str | os.PathLike[str], detail: DetailTables, capture: Capture | None = None) -> None:
     """Store a trace's operator, kernel, GPU-metric, memory and module tables in an existing run file (one rank's
-    file), replacing any it held, in one transaction: a failure leaves the file as it was.
+    file), in one transaction: a failure leaves the file as it was.
 
     Args:
         run_path: the run file (``<id>.sqlite``, or one rank's ``<id>.rank<N>.sqlite``).
         detail: ``dpprof.trace.detail.detail_of_trace(...)`` or an import's ``Converted.detail``.
+        capture: the deep capture the tables are of: the file keeps every capture's tables, and one of the same
+            first step replaces its own (and tables written before captures were kept apart). None (an imported
+            trace): the tables replace whatever the file held.
 
     Raises:
         sqlite3.Error, OSError: the file cannot be written (a full disk, say); nothing was changed.
@@ -71,24 +89,84 @@ def write_detail(run_path: str | os.PathLike[str], detail: DetailTables) -> None
         >>> write_detail(run.path, detail_of_trace("capture.pt.trace.json", {tid: "cpu:0"}))
     """
     frames = detail.frames()
+    first = None if capture is None else int(capture.first_step)
     con = sqlite3.connect(str(run_path), timeout=WRITE_TIMEOUT_S)
     try:
         with con:
             for statement in detail_ddl():
                 con.execute(statement)
+            for table in DETAIL_TABLES:  # a file whose tables were made before captures were kept apart
+                if CAPTURE_COLUMN not in {row[1] for row in con.execute(f"PRAGMA table_info({table})")}:
+                    con.execute(f"ALTER TABLE {table} ADD COLUMN {CAPTURE_COLUMN} INTEGER")
+                if first is None:
+                    con.execute(f"DELETE FROM {table}")
+                else:
+                    con.execute(f"DELETE FROM {table} WHERE {CAPTURE_COLUMN} IS NULL OR {CAPTURE_COLUMN} = ?",
+                                (first,))
+            if capture is None:
+                con.execute("DELETE FROM captures")
+            else:
+                con.execute("INSERT OR REPLACE INTO captures (first_step, end_step, trace) VALUES (?, ?, ?)",
+                            (first, int(capture.end_step), capture.traces[0] if capture.traces else None))
             for frame_name, table in TABLE_OF_FRAME.items():
                 columns = list(DETAIL_TABLES[table])
                 df = frames[frame_name]
-                con.execute(f"DELETE FROM {table}")
                 if not len(df):
                     continue
-                rows = [tuple(_value(v) for v in row) for row in df[columns].itertuples(index=False, name=None)]
-                marks = ", ".join("?" * len(columns))
-                con.executemany(f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks})", rows)
-            con.execute("DELETE FROM detail_notes")
-            con.executemany("INSERT INTO detail_notes (message) VALUES (?)", [(n,) for n in detail.notes])
+                rows = [(*(_value(v) for v in row), first)
+                        for row in df[columns].itertuples(index=False, name=None)]
+                marks = ", ".join("?" * (len(columns) + 1))
+                con.executemany(f"INSERT INTO {table} ({', '.join(columns)}, {CAPTURE_COLUMN}) VALUES ({marks})",
+                                rows)
+            con.executemany(f"INSERT INTO detail_notes (message, {CAPTURE_COLUMN}) VALUES (?, ?)",
+                            [(n, first) for n in detail.notes])
     finally:
         con.close()
+
+
+def captures(run: StoredRun) -> list[Capture]:
+    """The deep captures whose tables the run keeps, by first step; [] for an imported trace's run, a run with no
+    capture, or a file written before captures were kept apart (its tables read as one capture)."""
+    have = run.query("SELECT COUNT(*) AS n FROM sqlite_master WHERE type = 'table' AND name = 'captures'")["n"]
+    if not len(have) or not (have > 0).all():
+        return []
+    df = run.query("SELECT first_step, end_step, trace FROM captures ORDER BY first_step")
+    out: dict[int, Capture] = {}
+    for first, end, trace in df[["first_step", "end_step", "trace"]].itertuples(index=False, name=None):
+        if not (_whole(first) and _whole(end) and end > first):  # a damaged row: not a capture to offer
+            continue
+        known = out.get(int(first))
+        traces = (*(known.traces if known else ()), *([str(trace)] if isinstance(trace, str) else []))
+        out[int(first)] = Capture(int(first), int(end), traces)
+    return [out[k] for k in sorted(out)]
+
+
+def _whole(v: Any) -> bool:
+    """A step index as a damaged file may hold it: a finite whole number from 0 up to MAX_VALUE."""
+    return bool(isinstance(v, (int, float, np.integer, np.floating)) and math.isfinite(v) and v == int(v)
+                and 0 <= v <= MAX_VALUE)
+
+
+def chosen_capture(run: StoredRun) -> Capture | None:
+    """The capture the run's tables are read from: ``run.capture``'s, else the latest; None where the run keeps its
+    tables as one (an imported trace, or a file written before captures were kept apart).
+
+    Raises:
+        ValueError: ``run.capture`` is no capture of the run (the message lists those it has).
+    """
+    listed = captures(run)
+    if not listed:
+        if run.capture is not None:
+            raise ValueError(f"run {run.id} has no deep captures kept apart: --capture applies to a recorded run's "
+                             "captures")
+        return None
+    if run.capture is None:
+        return listed[-1]
+    for c in listed:
+        if c.first_step == run.capture:
+            return c
+    raise ValueError(f"run {run.id} has no capture starting at step {run.capture}: its captures start at step"
+                     f"{'s' if len(listed) > 1 else ''} {', '.join(str(c.first_step) for c in listed)}")
 
 
 def detail_missing(run: StoredRun) -> str | None:
@@ -110,7 +188,12 @@ def _read(run: StoredRun, table: str, where: Mapping[str, Any], order: str = "",
     columns = list(DETAIL_TABLES[table])
     if detail_missing(run) is not None:
         return _typed(pd.DataFrame({c: [] for c in [*columns, "rank"]}), table)
-    conds, params = [], []
+    conds: list[str] = []
+    params: list[Any] = []
+    chosen = chosen_capture(run) if table != "stream_spans" else None  # the Timeline's lanes: every captured step
+    if chosen is not None:
+        conds.append(f"{CAPTURE_COLUMN} = ?")
+        params.append(chosen.first_step)
     for column, value in where.items():
         if column != "rank" and value is not None:
             conds.append(f"{column} = ?")
@@ -276,4 +359,8 @@ def detail_notes(run: StoredRun) -> list[str]:
     """What was left out of the detail tables and why, one line each (every rank's)."""
     if detail_missing(run) is not None:
         return []
-    return [str(m) for m in run.query("SELECT message FROM detail_notes")["message"]]
+    chosen = chosen_capture(run)
+    if chosen is None:
+        return [str(m) for m in run.query("SELECT message FROM detail_notes")["message"]]
+    return [str(m) for m in run.query(f"SELECT message FROM detail_notes WHERE {CAPTURE_COLUMN} = ?",
+                                      (chosen.first_step,))["message"]]

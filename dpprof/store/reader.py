@@ -212,6 +212,9 @@ class StoredRun:
     # where figures are read from: "auto" (RunModel.aggregated decides), "rows" (the detail rows, never the
     # per-block aggregates: a run recorded with detail="all" then gives full detail's figures) or "aggregates"
     read: str = "auto"
+    # which deep capture the operator, kernel and memory tables are read from (its first step, one of
+    # dpprof.store.detail_rows.captures); None: the latest
+    capture: int | None = None
     # files with damaged tables: a connection reading only their usable rows (dpprof.store.validation), kept open
     _cleaned: dict[Path, sqlite3.Connection] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

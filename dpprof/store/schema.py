@@ -8,7 +8,8 @@ from dataclasses import fields
 from dpprof.records import MEMORY_BYTES, TABLE_OF
 
 __all__ = ["SCHEMA_VERSION", "FORMAT", "RECORD_TABLES", "RUN_COLUMNS", "INDEXES", "LEGACY_INDEXES",
-           "AGGREGATE_TABLES", "TABLES", "CHECKED_TABLES", "ddl", "columns_of", "DETAIL_TABLES", "detail_ddl"]
+           "AGGREGATE_TABLES", "TABLES", "CHECKED_TABLES", "ddl", "columns_of", "DETAIL_TABLES", "detail_ddl",
+           "CAPTURE_COLUMN", "CAPTURES_TABLE"]
 
 # 2: per-block aggregates (dpprof.store.blocks) and bounded detail (dpprof.store.retention); a version-1 file
 # holds every row and no aggregates, and reads as before.
@@ -145,6 +146,17 @@ DETAIL_TABLES: dict[str, dict[str, str]] = {
 }
 
 
+# A recorded run keeps every deep capture's tables: each detail table's rows carry the capture they belong to (its
+# first step; NULL in an imported trace's run, which has one set of tables), a column the readers filter on and do
+# not return. A file written before it has the tables without the column: they read as one capture, and the next
+# capture written into the file replaces them (dpprof.store.detail_rows.write_detail).
+CAPTURE_COLUMN = "capture"
+# One row per deep capture stored in the file: its window and raw trace (a file name in the reports directory).
+CAPTURES_TABLE = {"first_step": "INTEGER PRIMARY KEY", "end_step": "INTEGER", "trace": "TEXT"}
+
+
 def detail_ddl() -> list[str]:
-    """Statements that create the detail tables (DETAIL_TABLES) where a run file has none."""
-    return [_create(t, cols) for t, cols in DETAIL_TABLES.items()]
+    """Statements that create the detail tables (DETAIL_TABLES, each with CAPTURE_COLUMN) and the captures table
+    where a run file has none."""
+    return [*(_create(t, {**cols, CAPTURE_COLUMN: "INTEGER"}) for t, cols in DETAIL_TABLES.items()),
+            _create("captures", CAPTURES_TABLE)]
