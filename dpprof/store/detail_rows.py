@@ -23,7 +23,7 @@ from dpprof.store.validation import MAX_VALUE
 if TYPE_CHECKING:
     from dpprof.store.reader import StoredRun
 
-__all__ = ["DetailTables", "Capture", "write_detail", "captures", "chosen_capture", "detail_missing", "operators", "kernels", "gpu_metrics", "gpu_summary",
+__all__ = ["DetailTables", "Capture", "write_detail", "captures", "read_captures", "chosen_capture", "detail_missing", "operators", "kernels", "gpu_metrics", "gpu_summary",
            "memory_timeline", "memory_peaks", "memory_events", "operator_memory", "modules", "stream_spans",
            "detail_notes",
            "WRITE_TIMEOUT_S", "TABLE_OF_FRAME"]
@@ -126,7 +126,13 @@ def write_detail(run_path: str | os.PathLike[str], detail: DetailTables, capture
 
 def captures(run: StoredRun) -> list[Capture]:
     """The deep captures whose tables the run keeps, by first step; [] for an imported trace's run, a run with no
-    capture, or a file written before captures were kept apart (its tables read as one capture)."""
+    capture, or a file written before captures were kept apart (its tables read as one capture). Read once per
+    StoredRun (``StoredRun.captures``)."""
+    return run.captures()
+
+
+def read_captures(run: StoredRun) -> list[Capture]:
+    """``captures`` read from the run's files."""
     have = run.query("SELECT COUNT(*) AS n FROM sqlite_master WHERE type = 'table' AND name = 'captures'")["n"]
     if not len(have) or not (have > 0).all():
         return []

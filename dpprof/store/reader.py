@@ -215,6 +215,7 @@ class StoredRun:
     # which deep capture the operator, kernel and memory tables are read from (its first step, one of
     # dpprof.store.detail_rows.captures); None: the latest
     capture: int | None = None
+    _captures: list[Any] | None = field(default=None, repr=False)  # captures(), read once
     # files with damaged tables: a connection reading only their usable rows (dpprof.store.validation), kept open
     _cleaned: dict[Path, sqlite3.Connection] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -340,6 +341,15 @@ class StoredRun:
 
     def frames(self) -> dict[str, pd.DataFrame]:
         return {name: self.table(name) for name in TABLES}
+
+    def captures(self) -> list[Any]:
+        """The deep captures whose tables the run keeps (dpprof.store.detail_rows.read_captures), read once: every
+        read of the operator tables picks its rows by them."""
+        if self._captures is None:
+            from dpprof.store import detail_rows
+
+            self._captures = detail_rows.read_captures(self)
+        return self._captures
 
     def operators(self, **kw: Any) -> pd.DataFrame:
         """The run's operators (dpprof.store.detail_rows.operators: by, rank, device, top, search, sort)."""
