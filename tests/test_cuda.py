@@ -342,3 +342,65 @@ def test_a_deep_capture_on_cuda_stores_the_window_s_kernels_under_the_gpu(report
     assert len(kernels) and set(kernels["device"]) == {"cuda:0"}
     raw = _raw_kernels(trace)
     assert int(kernels["calls"].sum()) == sum(c for c, _ in raw.values()) > 0
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_share_one_gpu_over_gloo():
+    """FSDP2 on cuda:0 from two ranks: every step on both ranks with FSDP's parts partitioning it, the all-gathers and
+    reduce-scatters, the shards adding up to the model, and each rank's own allocator at forward and backward."""
+    from dpprof.cli import main
+    from dpprof.workloads import build_workload
+    from test_invariants import assert_parts_partition_the_steps
+
+    steps = 6
+    assert main(["profile", "tutorial-linear", "--fsdp", "--nproc", "2", "--devices", "cuda", "--steps", str(steps),
+                 "--quiet"]) == 0
+    [run_id] = dpprof.list_runs()["id"]
+    run = dpprof.load_run(run_id)
+    assert run.meta["status"] == "finished" and run.model.kind == "fsdp"
+    assert run.model.devices == ("rank:0", "rank:1")
+    assert run.meta["workload_args"]["backend"] == ("gloo" if torch.cuda.device_count() < 2 else "nccl")
+    assert run.meta["workload_args"]["device"].startswith("cuda:")
+    assert run.steps.groupby("rank").size().tolist() == [steps, steps]
+    assert_parts_partition_the_steps(run)
+    assert set(run.comms["collective"]) == {"all-gather", "reduce-scatter"}
+    total = sum(p.numel() for p in build_workload("tutorial-linear").model.parameters()) * 4
+    assert run.memory.groupby("device")["param_bytes"].max().sum() == total
+    alloc = run.allocator
+    assert sorted(alloc.groupby(["device", "phase"]).size().items()) == [
+        ((f"rank:{r}", p), steps) for r in (0, 1) for p in ("backward", "forward")]
+    assert (alloc["peak_allocated_bytes"] >= alloc["allocated_bytes"]).all()
+    assert (alloc["allocated_bytes"] > 0).all() and (alloc["reserved_bytes"] >= alloc["peak_allocated_bytes"]).all()
+
+
+def _raw_events(trace) -> list[dict]:
+    import gzip
+    import json
+
+    with gzip.open(trace, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+@pytest.mark.slow
+def test_each_ddp_ranks_capture_on_cuda_stores_its_kernels_and_the_gpus_memory_curve(reports):
+    """Two DDP ranks on cuda:0, steps 2 and 3 captured: each rank's stored kernels are its raw trace's, under cuda:0,
+    and its memory curve on cuda:0 peaks where the trace's [memory] events for that GPU do (a rank profiles its
+    training thread, so torch writes them)."""
+    from dpprof.cli import main
+
+    assert main(["profile", "cifar-lenet", "--ddp", "--nproc", "2", "--devices", "cuda", "--steps", "5",
+                 "--batch-size", "32", "--capture", "2:4", "--quiet"]) == 0
+    [run_id] = dpprof.list_runs()["id"]
+    run = dpprof.load_run(run_id)
+    kernels, timeline = run.kernels(top=None), run.memory_timeline()
+    for r in (0, 1):
+        [trace] = reports.glob(f"{run_id}.rank{r}.capture-2-4.pt.trace.json.gz")
+        raw = _raw_events(trace)
+        ours = kernels[kernels["rank"] == r]
+        assert set(ours["device"]) == {"cuda:0"}
+        assert int(ours["calls"].sum()) == sum(e.get("ph") == "X" and e.get("cat") in ("kernel", "Kernel")
+                                              for e in raw) > 0
+        gpu_memory = [e["args"] for e in raw if e.get("name") == "[memory]" and e["args"].get("Device Type") == 1]
+        assert gpu_memory, "no [memory] events for the GPU in the rank's capture"
+        curve = timeline[(timeline["rank"] == r) & (timeline["device"] == "cuda:0")]
+        assert int(curve["allocated_bytes"].max()) == max(m["Total Allocated"] for m in gpu_memory)
