@@ -75,7 +75,10 @@ if [ $dashboard -eq 0 ]; then
           --deselect=tests/test_faults.py::test_the_dashboard_shows_that_line_instead_of_starting_a_run)
 fi
 "$py" -c 'import xdist' 2>/dev/null && ignore+=(-n 8)  # pytest-xdist, where installed
-step suite 900 "$py" -m pytest tests -q -p no:cacheprovider "${ignore[@]}" --ignore=tests/test_cuda.py
+# -v: each test's outcome with its name as it ends, so a run the budget stops still names what failed (-q names
+# none before its summary, which a stopped run never prints)
+step suite 900 "$py" -m pytest tests -v -p no:cacheprovider "${ignore[@]}" --ignore=tests/test_cuda.py
+grep -E "(FAILED|ERROR)( |$)" "$out/suite.log" | grep -v "^FAILED\|^ERROR" | sed 's/^/   /' | head -n 40
 
 echo
 [ ${#skipped[@]} -eq 0 ] || echo "SKIPPED (budget): ${skipped[*]}"
