@@ -316,10 +316,29 @@ class _Session:
                 return
             functools.update_wrapper(fully_shard, original)
             self._patch_names("fully_shard", _NAMES["fully_shard"])
+            self._patch_fsdp1_init()
             self._fsdp_installed_here = not _fsdp.installed()
-            _fsdp.install()  # FSDP2's steps (its hooks do nothing outside a recording)
+            _fsdp.install()  # FSDP2's and FSDP1's steps (their hooks do nothing outside a recording)
         except Exception as err:  # a torch whose FSDP moved: the script runs, its FSDP steps unrecorded
             self.say(f"cannot record FSDP ({type(err).__name__}: {err}); its steps run unrecorded")
+
+    def _patch_fsdp1_init(self) -> None:
+        """FullyShardedDataParallel (FSDP1) starts the run when it is built, as fully_shard does."""
+        try:
+            cls = importlib.import_module("torch.distributed.fsdp").FullyShardedDataParallel
+        except (ImportError, AttributeError):
+            return
+        original = cls.__dict__["__init__"]
+
+        @functools.wraps(original)
+        def __init__(module: Any, *args: Any, **kwargs: Any) -> None:
+            original(module, *args, **kwargs)
+            session = _session
+            if session is not None:
+                session.built()
+
+        self._patched.append((cls, "__init__", original))
+        cls.__init__ = __init__
 
     def unpatch(self) -> None:
         if self._fsdp_waiting is not None:

@@ -185,7 +185,7 @@ def test_profile_fsdp_runs_a_builtin_on_two_ranks(tmp_path, capsys):
     assert set(run.comms["collective"]) == {"all-gather", "reduce-scatter"}
     assert main(["--reports-dir", str(tmp_path), "show", run.id]) == 0
     out = capsys.readouterr().out
-    assert "FSDP (fully_shard) (gloo), 2 ranks" in out and "FSDP collectives per step" in out
+    assert "FSDP (gloo), 2 ranks" in out and "FSDP collectives per step" in out
 
 
 def test_profile_refuses_ddp_and_fsdp_together(capsys):
@@ -215,3 +215,84 @@ def test_the_overview_and_the_csvs_carry_the_fsdp_table(runs, tmp_path):
     assert "fsdp_collectives.csv" in written
     exported = pd.read_csv(tmp_path / "csv" / "fsdp_collectives.csv")
     assert exported["sent_bytes_per_step"].tolist() == table["sent_bytes_per_step"].tolist()
+
+
+# FSDP1: FullyShardedDataParallel around each layer and the root (tests/scripts/train_fsdp1.py), the same phases,
+# collectives and memory in FSDP1's units (one flat parameter per FSDP module)
+SCRIPT1 = Path(__file__).parent / "scripts" / "train_fsdp1.py"
+
+
+@pytest.fixture(scope="module")
+def runs1(tmp_path_factory):
+    """train_fsdp1.py recorded with FULL_SHARD (reshard after forward) and SHARD_GRAD_OP, and its trained weights
+    with and without dpprof."""
+    base = tmp_path_factory.mktemp("fsdp1")
+    weights = {"plain": base / "plain.pt", "recorded": base / "recorded.pt"}
+    _torchrun([SCRIPT1], {"FSDP_OUT": str(weights["plain"]), "DPPROF_REPORTS": str(base / "unused")})
+    out: dict = {"weights": weights}
+    for name, env in (("reshard", {"FSDP_OUT": str(weights["recorded"])}), ("keep", {"FSDP_RESHARD": "0"})):
+        _torchrun(["-m", "dpprof", "run", SCRIPT1], {"DPPROF_REPORTS": str(base / name), **env})
+        listed = dpprof.list_runs(base / name)
+        assert len(listed) == 1, listed
+        out[name] = dpprof.load_run(listed.loc[0, "id"], base / name)
+    return out
+
+
+def _flat_bytes(shapes: list[torch.Size], padded: bool) -> int:
+    """An FSDP1 module's flat parameter in bytes: its parameters flattened into one, padded to a multiple of the
+    ranks where FSDP1 pads it (the all-gather's output and the reduce-scatter's input)."""
+    numel = sum(math.prod(s) for s in shapes)
+    return (math.ceil(numel / WORLD) * WORLD if padded else numel) * FLOAT_BYTES
+
+
+def test_fsdp1_steps_are_recorded_per_rank_in_fsdps_parts_with_its_collectives_inside(runs1):
+    for name in ("reshard", "keep"):
+        run = runs1[name]
+        assert run.model.kind == "fsdp" and run.model.devices == ("rank:0", "rank:1"), name
+        assert run.steps.groupby("rank")["step"].apply(list).to_dict() == {r: list(range(STEPS)) for r in range(WORLD)}
+        per = run.phases.groupby(["rank", "step", "phase"]).size().unstack(fill_value=0)
+        for phase in ("forward", "backward", "optimizer", "all_gather_wait", "reduce_scatter_wait"):
+            assert (per[phase] >= 1).all(), (name, phase)
+        assert set(run.phases["phase"]) <= set(FSDP_PHASES)
+        assert_parts_partition_the_steps(run)
+        # before the last step (after which the script gathers a full state dict), every wait is inside the root's
+        # forward or backward on its rank
+        p = run.phases.assign(end=run.phases["start_ms"] + run.phases["duration_ms"])
+        outer = p[p["phase"].isin(["forward", "backward"])]
+        waits = p[p["phase"].isin(["all_gather_wait", "reduce_scatter_wait"]) & (p["step"] < STEPS - 1)]
+        for (rank, step), inner in waits.groupby(["rank", "step"]):
+            spans = outer[(outer["rank"] == rank) & (outer["step"] == step)]
+            for start, end in zip(inner["start_ms"], inner["end"]):
+                assert ((spans["start_ms"] <= start + 1e-6) & (end <= spans["end"] + 1e-6)).any(), (name, rank, step)
+
+
+def test_fsdp1_weights_after_training_are_bit_identical_to_the_unprofiled_script(runs1):
+    plain, recorded = (torch.load(runs1["weights"][k]) for k in ("plain", "recorded"))
+    assert plain.keys() == recorded.keys() and len(plain) == 8
+    for key in plain:
+        assert torch.equal(plain[key], recorded[key]), key
+
+
+def test_fsdp1_collectives_carry_each_flat_parameters_bytes_and_memory_is_the_shards(runs1):
+    units = _group_shapes()  # the same modules: each layer's Linear, then the root's own Linear
+    padded = sorted(_flat_bytes(u, padded=True) for u in units)
+    total = sum(_flat_bytes(u, padded=False) for u in units)
+    for name in ("reshard", "keep"):
+        run = runs1[name]
+        for (rank, step), c in run.comms[run.comms["step"] < STEPS - 1].groupby(["rank", "step"]):
+            assert sorted(c.loc[c["collective"] == "reduce-scatter", "bucket_bytes"]) == padded, (name, rank, step)
+            gathers = Counter(c.loc[c["collective"] == "all-gather", "bucket_bytes"])
+            if name == "keep":  # SHARD_GRAD_OP: each module gathered once a step
+                assert sorted(gathers.elements()) == padded
+            else:  # FULL_SHARD: the layers gathered again in backward
+                assert set(gathers) == set(padded) and sum(gathers.values()) > len(padded)
+        # the last step also holds the full state dict's gathers, after backward: in neither forward nor backward
+        table = fsdp_collective_table(run)
+        gathers = table[table["collective"] == "all-gather"]
+        assert (gathers["in_forward_per_step"] + gathers["in_backward_per_step"] < gathers["per_step"]).all(), name
+        mem = run.memory.groupby("device")[["param_bytes", "gathered_bytes"]].max()
+        assert mem["param_bytes"].sum() == total and (mem["param_bytes"] < total).all()  # shards, less padding
+    assert runs1["keep"].memory["gathered_bytes"].max() == total
+    assert 0 < runs1["reshard"].memory["gathered_bytes"].max() < total
+    assert "reshard_after_forward" in set(run_findings(runs1["reshard"]).table["kind"])
+    assert "reshard_after_forward" not in set(run_findings(runs1["keep"]).table["kind"])

@@ -35,7 +35,8 @@ def fsdp_collectives(t: Tables) -> pd.DataFrame:
         columns device, collective, per_step (how many), bytes_per_step, issued_ms (launch to completion, summed),
         exposed_ms (the rank's host blocked in them: the ``*_wait`` phases), hidden_pct (the share of issued time
         that was not exposed: ran while the rank computed), forward_per_step and backward_per_step (those launched
-        inside the root's forward, and after it).
+        inside the root's forward, and inside its backward; one launched outside both, such as FSDP1 gathering a
+        full state dict between steps, is in neither).
     """
     cols = ["device", "collective", "per_step", "bytes_per_step", "issued_ms", "exposed_ms", "hidden_pct",
             "forward_per_step", "backward_per_step"]
@@ -44,13 +45,20 @@ def fsdp_collectives(t: Tables) -> pd.DataFrame:
         return pd.DataFrame(columns=cols)
     comms = comms[comms["collective"].isin(list(_WAIT)) & (comms["step"] != t.first_step)]
     steps = t.steps[t.steps["step"] != t.first_step].groupby("rank")["step"].nunique()
-    fwd = t.phases[t.phases["phase"] == "forward"]
-    fwd_end = (fwd.assign(end=fwd["start_ms"] + fwd["duration_ms"]).groupby(["step", "device"])["end"].max())
+    spans = {}  # phase -> (start, end) per step and device: its first start, its last end
+    for phase in ("forward", "backward"):
+        p = t.phases[t.phases["phase"] == phase]
+        spans[phase] = p.assign(end=p["start_ms"] + p["duration_ms"]).groupby(["step", "device"]).agg(
+            start=("start_ms", "min"), end=("end", "max"))
     rows = []
     for (device, what), c in comms.groupby(["device", "collective"]):
         n = int(steps.get(int(c["rank"].iloc[0]), c["step"].nunique())) or 1
-        ends = fwd_end.reindex(pd.MultiIndex.from_frame(c[["step", "device"]])).to_numpy()
-        in_forward = int((c["launch_ms"].to_numpy() < ends).sum())
+        at = pd.MultiIndex.from_frame(c[["step", "device"]])
+        launch = c["launch_ms"].to_numpy()
+        fwd, bwd = spans["forward"].reindex(at), spans["backward"].reindex(at)
+        in_forward = int((launch < fwd["end"].to_numpy()).sum())
+        in_backward = int(((launch >= bwd["start"].to_numpy()) & (launch <= bwd["end"].to_numpy())
+                           & ~(launch < fwd["end"].to_numpy())).sum())
         waits = per_step(t, [_WAIT[what]])
         exposed = float(waits[device].sum()) / n if device in waits else 0.0
         issued = float(c["duration_ms"].sum()) / n
@@ -58,7 +66,7 @@ def fsdp_collectives(t: Tables) -> pd.DataFrame:
                      "bytes_per_step": float(c["bucket_bytes"].sum()) / n, "issued_ms": issued,
                      "exposed_ms": exposed,
                      "hidden_pct": max(0.0, 100 * (1 - exposed / issued)) if issued > 0 else float("nan"),
-                     "forward_per_step": in_forward / n, "backward_per_step": (len(c) - in_forward) / n})
+                     "forward_per_step": in_forward / n, "backward_per_step": in_backward / n})
     return pd.DataFrame(rows, columns=cols)
 
 
@@ -92,7 +100,9 @@ def all_gather_exposed(t: Tables) -> list[dict]:
     return _exposed(t, "all-gather",
                     "Prefetch the next layer's parameters earlier: FSDP2 prefetches one layer ahead implicitly; "
                     "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch start it sooner, and "
-                    "wrapping fewer, larger modules with fully_shard makes fewer, larger all-gathers.")
+                    "wrapping fewer, larger modules with fully_shard makes fewer, larger all-gathers (FSDP1: "
+                    "forward_prefetch=True and backward_prefetch=BackwardPrefetch.BACKWARD_PRE, and a coarser "
+                    "auto_wrap_policy).")
 
 
 def reduce_scatter_exposed(t: Tables) -> list[dict]:
@@ -100,7 +110,8 @@ def reduce_scatter_exposed(t: Tables) -> list[dict]:
     return _exposed(t, "reduce-scatter",
                     "Let the reduce-scatter run under the next layer's backward: fewer, larger fully_shard groups, "
                     "set_requires_gradient_sync(False) on accumulation micro-batches, or a reduce dtype of bf16 "
-                    "(MixedPrecisionPolicy(reduce_dtype=...)) to halve the bytes.")
+                    "(MixedPrecisionPolicy(reduce_dtype=...)) to halve the bytes (FSDP1: no_sync() on accumulation "
+                    "micro-batches, MixedPrecision(reduce_dtype=...)).")
 
 
 def reshard_after_forward(t: Tables) -> list[dict]:
@@ -125,7 +136,8 @@ def reshard_after_forward(t: Tables) -> list[dict]:
                     + (f"; the gathered parameters it held at once peaked at {mib(peak)}" if peak else ""),
                     "fully_shard(..., reshard_after_forward=False) keeps each group's gathered parameters from "
                     "forward to backward (no second all-gather) at the cost of holding them all at once; an int "
-                    "reshards to a smaller group instead. Worth it when the memory is there.",
+                    "reshards to a smaller group instead (FSDP1: sharding_strategy=ShardingStrategy.SHARD_GRAD_OP "
+                    "keeps them, HYBRID_SHARD gathers within a node). Worth it when the memory is there.",
                     extra_ms)]
 
 

@@ -65,8 +65,11 @@ _state: dict[str, Any] = {"probe": None, "previous": None, "hooks": []}
 class _StepProbe:
     """One recorded FSDP step on one rank."""
 
-    def __init__(self, run: Run, rank: int, module: torch.nn.Module, t0: int, previous: _StepProbe | None) -> None:
+    def __init__(self, run: Run, rank: int, module: torch.nn.Module, t0: int, previous: _StepProbe | None,
+                 shard_bytes: Callable[[torch.nn.Module], tuple[int, int]] | None = None) -> None:
         self.run = run
+        self.shard_bytes = shard_bytes or _shard_bytes  # FSDP2's DTensor shards, or FSDP1's flat parameters'
+        self.gathered_handles: dict[int, int] = {}  # FSDP1: id(FlatParamHandle) -> its bytes, while gathered
         self.put = run.sink.put  # what run.emit calls, one call less on every record
         self.t0_ns = run._t0_ns  # the run's clock origin (run.ms), as dpprof.parallel.probe reads it
         self.devices = DeviceSet("rank", (rank,), rank)
@@ -120,7 +123,7 @@ class _StepProbe:
 
     def memory(self) -> None:
         """This rank's memory for the step by dpprof's accounting (sharded and peak gathered parameters)."""
-        sharded, buffers = self.run.cached(("fsdp shard bytes", id(self.module)), lambda: _shard_bytes(self.module))
+        sharded, buffers = self.run.cached(("fsdp shard bytes", id(self.module)), lambda: self.shard_bytes(self.module))
         inputs, outputs = self.io_bytes
         self.run.emit(DeviceMemoryRecord(self.step.index, 0, self.label, self.step.batch_size, inputs, outputs, 0,
                                          self.gathered_peak_bytes, sharded, buffers))
@@ -232,8 +235,8 @@ def _wrap_post_forward(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _wrap_post_backward_callback(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def root_post_backward_final_callback(self: Any) -> Any:
-        out = original(self)
+    def root_post_backward_final_callback(*args: Any, **kwargs: Any) -> Any:  # FSDP2's (self), FSDP1's (state, module)
+        out = original(*args, **kwargs)
         probe = _probe()
         if probe is not None and probe.backward_t0 is not None:
             t0, probe.backward_t0 = probe.backward_t0, None
@@ -345,6 +348,133 @@ def _wrap_reshard(original: Callable[..., Any]) -> Callable[..., Any]:
     return reshard
 
 
+# FSDP1 (FullyShardedDataParallel): the root is the outermost FSDP forward; its own functions are wrapped where
+# torch looks them up at each call (the class's forward, the runtime module's hooks, FlatParamHandle's methods).
+_fsdp1: dict[str, Any] = {"in_forward": False}
+
+
+def _fsdp1_shard_bytes(root: torch.nn.Module) -> tuple[int, int]:
+    """(parameter bytes, buffer bytes) this rank holds of an FSDP1 model: each flat parameter's local shard less
+    its padding."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    params = 0
+    for module in FullyShardedDataParallel.fsdp_modules(root):
+        handle = getattr(module, "_handle", None)
+        if handle is None:
+            continue
+        flat = handle.flat_param
+        local = getattr(flat, "_local_shard", flat)
+        params += (local.numel() - int(getattr(flat, "_shard_numel_padded", 0))) * flat.element_size()
+    return params, sum(b.numel() * b.element_size() for b in root.buffers())
+
+
+def _wrap_fsdp1_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        run = current_run()
+        if run is None or _fsdp1["in_forward"]:  # not recording, or an inner FSDP module inside the root's forward
+            return original(self, *args, **kwargs)
+        t0 = time.perf_counter_ns()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        previous = _state["previous"]
+        probe = _StepProbe(run, rank, self, t0, previous if previous is not None and previous.run is run else None,
+                           _fsdp1_shard_bytes)
+        first_tensor = next(iter_tensors(args), None)
+        if first_tensor is not None and first_tensor.dim() > 0:
+            probe.step.batch_size = (probe.step.batch_size or 0) + first_tensor.size(0)
+        probe.io_bytes = (tensor_bytes((args, kwargs)), 0)
+        _state["probe"] = _state["previous"] = probe
+        _fsdp1["in_forward"] = True
+        try:
+            out = original(self, *args, **kwargs)
+        finally:
+            _fsdp1["in_forward"] = False
+        probe.phase("forward", t0, time.perf_counter_ns())
+        probe.io_bytes = (probe.io_bytes[0], tensor_bytes(out))
+        probe.read_allocator("forward")
+        probe.step.devices_used = 1
+        if not torch.is_grad_enabled():
+            probe.memory()
+        return out
+
+    return forward
+
+
+def _wrap_fsdp1_pre_backward(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def pre_backward_hook(*args: Any, **kwargs: Any) -> Any:
+        probe = _probe()
+        if probe is not None and probe.backward_t0 is None:  # the first: before its unshard and prefetch
+            probe.backward_t0 = time.perf_counter_ns()
+        return original(*args, **kwargs)
+
+    return pre_backward_hook
+
+
+def _wrap_fsdp1_all_gather(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def all_gather_flat_param(self: Any, padded_unsharded_flat_param: torch.Tensor) -> Any:
+        probe = _probe()
+        if probe is None:
+            return original(self, padded_unsharded_flat_param)
+        t0 = time.perf_counter_ns()
+        out = original(self, padded_unsharded_flat_param)
+        t1 = time.perf_counter_ns()
+        probe.phase("all_gather_wait", t0, t1)
+        probe.collective(ALL_GATHER, padded_unsharded_flat_param.numel() * padded_unsharded_flat_param.element_size(),
+                         t0, t1)
+        if id(self) not in probe.gathered_handles:
+            flat = self.flat_param
+            nbytes = int(flat._unpadded_unsharded_size.numel()) * flat.element_size()
+            probe.gathered_handles[id(self)] = nbytes
+            probe.gathered(nbytes)
+        return out
+
+    return all_gather_flat_param
+
+
+def _wrap_fsdp1_free(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def free_unsharded_flat_param(self: Any) -> Any:
+        out = original(self)
+        probe = _probe()
+        if probe is not None and id(self) in probe.gathered_handles:
+            probe.gathered(-probe.gathered_handles.pop(id(self)))
+        return out
+
+    return free_unsharded_flat_param
+
+
+class _TimedDist:
+    """torch.distributed as FSDP1's runtime module sees it: its reduce-scatter (``reduce_scatter_tensor``, or
+    ``reduce_scatter_single`` in newer torch) timed inside a recording; every other name torch's own."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def _timed(self, name: str, output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+        call = getattr(self._inner, name)
+        probe = _probe()
+        if probe is None or not isinstance(input, torch.Tensor):
+            return call(output, input, *args, **kwargs)
+        t0 = time.perf_counter_ns()
+        out = call(output, input, *args, **kwargs)
+        t1 = time.perf_counter_ns()
+        probe.phase("reduce_scatter_wait", t0, t1)
+        probe.collective(REDUCE_SCATTER, input.numel() * input.element_size(), t0, t1)
+        return out
+
+    def reduce_scatter_tensor(self, output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._timed("reduce_scatter_tensor", output, input, *args, **kwargs)
+
+    def reduce_scatter_single(self, output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._timed("reduce_scatter_single", output, input, *args, **kwargs)
+
+
 def _optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
     probe = _probe()
     if probe is not None:
@@ -359,48 +489,70 @@ def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 
 def installed() -> bool:
-    """Whether FSDP2's functions are wrapped now."""
+    """Whether FSDP's functions are wrapped now."""
     return bool(_patches)
 
 
+def _fsdp2_targets() -> list[tuple[Any, str, Callable[..., Any]]]:
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+    from torch.distributed.fsdp._fully_shard import _fsdp_state as state_module
+
+    state_cls, group_cls = state_module.FSDPState, group_module.FSDPParamGroup
+    return [(state_cls, "_root_pre_forward", _wrap_root_pre_forward),
+            (state_cls, "_register_pre_backward_hook", _wrap_post_forward),
+            (state_cls, "_root_post_backward_final_callback", _wrap_post_backward_callback),
+            (group_cls, "wait_for_unshard", _wrap_wait_for_unshard),
+            (group_cls, "reshard", _wrap_reshard),
+            (group_module, "foreach_all_gather", _wrap_all_gather),
+            (group_module, "foreach_all_gather_copy_out", _wrap_copy_out),
+            (group_module, "foreach_reduce", _wrap_reduce)]
+
+
+def _fsdp1_targets() -> list[tuple[Any, str, Callable[..., Any]]]:
+    from torch.distributed.fsdp import _flat_param, _runtime_utils
+    from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
+
+    handle = _flat_param.FlatParamHandle
+    return [(FullyShardedDataParallel, "forward", _wrap_fsdp1_forward),
+            (_runtime_utils, "_pre_backward_hook", _wrap_fsdp1_pre_backward),
+            (_runtime_utils, "_post_backward_final_callback", _wrap_post_backward_callback),
+            (handle, "_all_gather_flat_param", _wrap_fsdp1_all_gather),
+            (handle, "_free_unsharded_flat_param", _wrap_fsdp1_free),
+            (_runtime_utils, "dist", lambda inner: _TimedDist(inner))]
+
+
 def install() -> bool:
-    """Wrap FSDP2's per-step functions so that steps inside a recording are recorded (idempotent).
+    """Wrap FSDP2's and FSDP1's per-step functions so that steps inside a recording are recorded (idempotent).
+    Each API is wrapped whole or not at all.
 
     Returns:
-        whether they are wrapped: False where this torch has no FSDP2 or its functions are not the ones this module
+        whether any is wrapped: False where this torch has neither or its functions are not the ones this module
         knows (then nothing is wrapped, and FSDP runs unrecorded).
     """
-    try:
-        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
-        from torch.distributed.fsdp._fully_shard import _fsdp_state as state_module
-    except ImportError:  # a torch built without torch.distributed
-        return False
     with _lock:
         if _patches:
             return True
-        state_cls, group_cls = state_module.FSDPState, group_module.FSDPParamGroup
-        targets = ((state_cls, "_root_pre_forward", _wrap_root_pre_forward),
-                   (state_cls, "_register_pre_backward_hook", _wrap_post_forward),
-                   (state_cls, "_root_post_backward_final_callback", _wrap_post_backward_callback),
-                   (group_cls, "wait_for_unshard", _wrap_wait_for_unshard),
-                   (group_cls, "reshard", _wrap_reshard),
-                   (group_module, "foreach_all_gather", _wrap_all_gather),
-                   (group_module, "foreach_all_gather_copy_out", _wrap_copy_out),
-                   (group_module, "foreach_reduce", _wrap_reduce))
-        found = [(owner.__dict__ if isinstance(owner, type) else vars(owner)).get(name) for owner, name, _ in targets]
-        originals: list[Callable[..., Any]] = [f for f in found if callable(f)]
-        if len(originals) < len(targets):
+        for targets_of in (_fsdp2_targets, _fsdp1_targets):
+            try:
+                targets = targets_of()
+            except (ImportError, AttributeError):  # a torch built without torch.distributed, or one whose FSDP moved
+                continue
+            found = [(owner.__dict__ if isinstance(owner, type) else vars(owner)).get(name)
+                     for owner, name, _ in targets]
+            if any(f is None or (name != "dist" and not callable(f)) for f, (_, name, _) in zip(found, targets)):
+                continue
+            for (owner, name, wrap), original in zip(targets, found):
+                _patches.append((owner, name, original))
+                setattr(owner, name, wrap(original))
+        if not _patches:
             return False
-        for (owner, name, wrap), original in zip(targets, originals):
-            _patches.append((owner, name, original))
-            setattr(owner, name, wrap(original))
         _state["hooks"] = [register_optimizer_step_pre_hook(_optimizer_pre),
                            register_optimizer_step_post_hook(_optimizer_post)]
         return True
 
 
 def uninstall() -> None:
-    """Put torch's own FSDP2 functions back."""
+    """Put torch's own FSDP functions back."""
     with _lock:
         for owner, name, original in reversed(_patches):
             setattr(owner, name, original)
@@ -408,3 +560,4 @@ def uninstall() -> None:
         for hook in _state["hooks"]:
             hook.remove()
         _state.update(probe=None, previous=None, hooks=[])
+        _fsdp1["in_forward"] = False

@@ -11,7 +11,7 @@ Kinds:
 | ``dataparallel`` | dpprof.DataParallel on CPU workers or GPUs | apply per device, the DataParallel tax |
 | ``balanced`` | DataParallelModel + DataParallelCriterion | apply per device, nothing gathered |
 | ``ddp`` | DistributedDataParallel, one file per rank | forward + backward compute per rank, all-reduce |
-| ``fsdp`` | FSDP2 (fully_shard), one file per rank | forward + backward per rank, all-gather, reduce-scatter |
+| ``fsdp`` | FSDP2 (fully_shard) or FSDP1 (FullyShardedDataParallel), one file per rank | forward + backward per rank, all-gather, reduce-scatter |
 | ``trace_gpu`` | an imported torch.profiler trace with GPU activity | host phases, GPU time per GPU |
 | ``trace_cpu`` | an imported trace of a CPU-only process | host phases only |
 | ``empty`` | no step recorded; ``empty_reason`` says why | |
@@ -37,7 +37,7 @@ __all__ = ["KINDS", "KIND_TITLES", "MEASUREMENTS", "TRACE_SOURCE", "ROWS_READ_ST
 KINDS = ("dataparallel", "balanced", "ddp", "fsdp", "trace_gpu", "trace_cpu", "empty")
 KIND_TITLES = {
     "dataparallel": "DataParallel", "balanced": "DataParallel, balanced (DataParallelModel + DataParallelCriterion)",
-    "ddp": "DistributedDataParallel", "fsdp": "FSDP (fully_shard)", "trace_gpu": "imported torch.profiler trace",
+    "ddp": "DistributedDataParallel", "fsdp": "FSDP", "trace_gpu": "imported torch.profiler trace",
     "trace_cpu": "imported torch.profiler trace (CPU only)", "empty": "no steps",
 }
 # What a run can hold besides its steps, each a table (dpprof.records.TABLE_OF) but "work": the phases that

@@ -383,9 +383,23 @@ def work_stats(run: StoredRun, samples: pd.DataFrame | None = None, percentiles:
         out["work_p50_ms"] = out["device"].map(q[0.5])
         out["work_p95_ms"] = out["device"].map(q[0.95])
         out["sampled"] = out["device"].map(samples.groupby("device").size()).fillna(0) < out["steps"]
-    mean_step = (run_stats(run) if stats is None else stats)["mean_step_ms"]
-    out["work_share_of_step_pct"] = 100 * out["work_mean_ms"] / mean_step if mean_step else float("nan")
+    out["work_share_of_step_pct"] = 100 * out["work_mean_ms"] / out["device"].map(_mean_step_of(run, stats))
     return out[cols]
+
+
+def _mean_step_of(run: StoredRun, stats: dict[str, Any] | None) -> dict[str, float]:
+    """Device -> the mean step its work is a share of: the run's, or in a run of several rank files each rank's own
+    (ranks step together, but each measures its own steps: a rank that waited for a late one at the first collective
+    has a longer first step)."""
+    devices = list(run.model.devices)
+    if run.ranks > 1:
+        per = run.query("SELECT SUM(sum_ms) / SUM(steps) AS ms FROM step_blocks" if run.model.aggregated
+                        else "SELECT AVG(duration_ms) AS ms FROM steps")
+        own = {f"rank:{int(r)}": float(ms) for r, ms in zip(per["rank"], per["ms"]) if pd.notna(ms) and ms > 0}
+        if all(d in own for d in devices):
+            return own
+    mean_step = (run_stats(run) if stats is None else stats)["mean_step_ms"]
+    return {d: mean_step if mean_step else float("nan") for d in devices}
 
 
 def _work_stats_of_blocks(run: StoredRun, percentiles: bool, stats: dict[str, Any] | None) -> pd.DataFrame:
@@ -408,8 +422,7 @@ def _work_stats_of_blocks(run: StoredRun, percentiles: bool, stats: dict[str, An
                      "work_p50_ms": p50, "work_p95_ms": p95, "sampled": percentiles})
     out = pd.DataFrame(rows, columns=["device", "steps", "work_mean_ms", "work_min_ms", "work_max_ms", "work_p50_ms",
                                       "work_p95_ms", "sampled"])
-    mean_step = (run_stats(run) if stats is None else stats)["mean_step_ms"]
-    out["work_share_of_step_pct"] = 100 * out["work_mean_ms"] / mean_step if mean_step else float("nan")
+    out["work_share_of_step_pct"] = 100 * out["work_mean_ms"] / out["device"].map(_mean_step_of(run, stats))
     return out
 
 

@@ -1,0 +1,36 @@
+"""FSDP1 (FullyShardedDataParallel around each layer and the root) on gloo ranks: a small MLP, trained; unchanged
+for dpprof.
+
+Run under torchrun. Environment: FSDP_STEPS (default 4), FSDP_RESHARD (1: FULL_SHARD, resharding after forward, the
+default; 0: SHARD_GRAD_OP, keeping the gathered parameters until backward), FSDP_OUT (a path: rank 0 saves the trained
+full state dict there).
+"""
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, ShardingStrategy, StateDictType
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+strategy = ShardingStrategy.FULL_SHARD if os.environ.get("FSDP_RESHARD", "1") == "1" else ShardingStrategy.SHARD_GRAD_OP
+cpu = torch.device("cpu")
+layers = [FullyShardedDataParallel(torch.nn.Sequential(torch.nn.Linear(64 if i else 20, 64), torch.nn.ReLU()),
+                                   device_id=cpu, sharding_strategy=strategy) for i in range(3)]
+model = FullyShardedDataParallel(torch.nn.Sequential(*layers, torch.nn.Linear(64, 7)), device_id=cpu,
+                                 sharding_strategy=strategy)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(1 + rank)
+for _ in range(int(os.environ.get("FSDP_STEPS", "4"))):
+    x, y = torch.randn(16, 20, generator=g), torch.randint(0, 7, (16,), generator=g)
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                              FullStateDictConfig(rank0_only=True)):
+    state = model.state_dict()
+if rank == 0 and os.environ.get("FSDP_OUT"):
+    torch.save(state, os.environ["FSDP_OUT"])
+dist.destroy_process_group()
