@@ -296,3 +296,20 @@ def test_fsdp1_collectives_carry_each_flat_parameters_bytes_and_memory_is_the_sh
     assert 0 < runs1["reshard"].memory["gathered_bytes"].max() < total
     assert "reshard_after_forward" in set(run_findings(runs1["reshard"]).table["kind"])
     assert "reshard_after_forward" not in set(run_findings(runs1["keep"]).table["kind"])
+
+
+def test_each_ranks_compute_share_is_of_its_own_steps_and_never_over_the_step(runs1):
+    """Ranks step together but each measures its own steps (rank 0 waits for rank 1 at the first collective, so its
+    first step is longer): a rank's compute share is its compute per step over its own mean step, from the tables."""
+    from dpprof.store import queries
+
+    for name in ("reshard", "keep"):
+        run = runs1[name]
+        stats = queries.work_stats(run).set_index("device")
+        work = run.phases[run.phases["phase"].isin(run.model.work.phases)]
+        for rank in range(WORLD):
+            mine = work[work["rank"] == rank].groupby("step")["duration_ms"].sum()
+            steps = run.steps[run.steps["rank"] == rank]["duration_ms"]
+            expected = 100 * mine.mean() / steps.mean()
+            share = stats.loc[f"rank:{rank}", "work_share_of_step_pct"]
+            assert abs(share - expected) <= 1e-9 * expected and 0 < share <= 100, (name, rank, share, expected)
