@@ -202,6 +202,12 @@ def test_two_ddp_ranks_share_one_gpu_over_gloo():
     from dpprof.report import summary_of
 
     assert summary_of(run).loc[["rank:0", "rank:1"], "peak_allocated_bytes"].gt(2 * params).all()
+    # a rank on a GPU: its data part holds the wait for the GPU before a blocking copy, and the finding says so
+    from dpprof.findings import run_findings
+
+    found = run_findings(run).table
+    for evidence in found.loc[found["kind"] == "data_loading", "evidence"]:
+        assert "blocking copy of the batch" in evidence
     if torch.cuda.device_count() < 2:
         # both ranks hold memory on the one GPU: each rank's NVML samples see the other's as another process's
         samples = run.gpu_samples

@@ -69,13 +69,21 @@ def data_loading(t: Tables) -> list[dict]:
         data_ms, mean_step = float(col.mean()), float(step_ms.mean())
         if share <= DATA_SHARE_WARN or not worth_time(data_ms, mean_step):
             continue
+        # a process whose model is on a GPU (its allocator read): the host's part before forward also holds the
+        # wait for the GPU to finish the previous step, where the batch's copy to the GPU blocks (pageable memory)
+        on_gpu = not t.allocator.empty and str(device) in set(t.allocator["device"])
         out.append(finding(
             "data_loading", "critical" if share >= CRITICAL_STEP_SHARE else "warning", str(device),
             f"{device} spends {share:.0%} of the step loading data",
             f"loading the batch takes {data_ms:.2f} ms of a {mean_step:.2f} ms step on average "
-            f"({plural(len(col), 'step')}, the first left out): it {cost_text(data_ms, t.later_step_count)}",
+            f"({plural(len(col), 'step')}, the first left out): it {cost_text(data_ms, t.later_step_count)}"
+            + ("; on a GPU this host time also holds any wait for the GPU to finish the previous step's work "
+               "before a blocking copy of the batch (from memory that is not pinned), which dpprof does not "
+               "separate from loading yet" if on_gpu else ""),
             "The step waits for its input: load in DataLoader worker processes (num_workers=4 or more, "
-            "persistent_workers=True), with pin_memory=True, and move decoding and augmentation there or to the GPU.",
+            "persistent_workers=True), with pin_memory=True, and move decoding and augmentation there or to the GPU."
+            + (" Copy the batch with .to(device, non_blocking=True) from pinned memory, so the copy does not wait "
+               "for the GPU: what is left of this part is then loading." if on_gpu else ""),
             share))
     return out
 
