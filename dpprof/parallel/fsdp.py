@@ -1,10 +1,15 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``) recorded per rank, through the hooks torch's FSDP already calls.
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) and FSDP1 (``FullyShardedDataParallel``) recorded per rank, through
+the hooks torch's FSDP already calls.
 
 Nothing of torch's FSDP is copied: ``install()`` wraps, in place and reversibly, the few functions FSDP2 calls
 for each step (the root's pre-forward, the root's post-forward registration of its pre-backward hook, the root's
 post-backward callback, the parameter groups' unshard wait and reshard, and the three collective helpers they call:
 ``foreach_all_gather``, ``foreach_all_gather_copy_out``, ``foreach_reduce``), and the collective object each helper
 is handed, so the collective call itself is timed.
+For FSDP1, the class's ``forward`` (the outermost call is the root's), the runtime's pre-backward hook and
+post-backward final callback, ``FlatParamHandle._all_gather_flat_param`` and ``_free_unsharded_flat_param``, and the
+reduce-scatter the runtime calls (through its module's ``dist``, which alone is wrapped). FSDP1 has one flat
+parameter per FSDP module and no separate copy-in or copy-out: those parts stay empty.
 Outside a recording the wrappers call torch's functions and do nothing else.
 
 What is measured per rank and step, on the host clock (``time.perf_counter_ns``):
