@@ -164,9 +164,21 @@ def tabs_at_once(monkeypatch):
     """AppTest runs concurrently in threads, as two browser tabs run on one server. AppTest keeps its mock
     Runtime in one class attribute, set when a run starts and cleared when it ends, so the first run to end
     would clear it under the other (``Runtime hasn't been created!`` at the other's end); here it is cleared
-    only when the last run in flight ends."""
+    only when the last run in flight ends. And Python 3.11's ``ast.parse`` keeps its recursion depth in shared
+    state, so two threads compiling the page at once can fail with "AST constructor recursion depth mismatch":
+    Streamlit's parse of the script (``magic.add_magic``) runs one thread at a time here."""
     from streamlit.runtime import Runtime
+    from streamlit.runtime.scriptrunner import magic
     from streamlit.testing.v1 import app_test
+
+    parse_lock = threading.Lock()
+    add_magic = magic.add_magic
+
+    def add_magic_alone(*args, **kwargs):
+        with parse_lock:
+            return add_magic(*args, **kwargs)
+
+    monkeypatch.setattr(magic, "add_magic", add_magic_alone)
 
     in_flight = [0]
     guard = threading.Lock()
