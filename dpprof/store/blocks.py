@@ -192,7 +192,11 @@ class Aggregator:
         self._phases: dict[tuple[str, str, int], _Stat] = {}
         self._memory: dict[tuple[str, int], _Memory] = {}
         self._allocator: dict[tuple[str, str, int], _Allocator] = {}
-        self._dirty: set[tuple[str, Any]] = set()
+        # the blocks changed since the last statements(), by table
+        self._dirty_steps: set[int] = set()
+        self._dirty_phases: set[tuple[str, str, int]] = set()
+        self._dirty_memory: set[tuple[str, int]] = set()
+        self._dirty_allocator: set[tuple[str, str, int]] = set()
         self._chunks: dict[tuple[str, int | None], int] = {}
         self._chunks_dirty = False
         self._run_sketch = Sketch()  # every settled step's duration but the first: the outlier rule's median
@@ -308,19 +312,28 @@ class Aggregator:
                 s.batch = acc.batch
             s.devices_used = max(s.devices_used, acc.devices_used or 0)
             self._total("step", "").add(acc.duration)
-            self._dirty.add(("step", block))
+            self._dirty_steps.add(block)
             if not first:
                 self._outlier(step, acc.duration)
         work: dict[str, float] = {}
+        phases, dirty = self._phases, self._dirty_phases
         for (phase, device), (ms, calls, device_ms) in acc.phases.items():
-            self._stat(self._phases, (phase, device, block), block).add(step, ms, calls, device_ms)
-            self._dirty.add(("phase", (phase, device, block)))
+            key = (phase, device, block)
+            stat = phases.get(key)
+            if stat is None:
+                stat = self._stat(phases, key, block)
+            stat.add(step, ms, calls, device_ms)
+            dirty.add(key)
             if phase in WORK_PHASES:
                 work[device] = work.get(device, 0.0) + ms
         for device, ms in work.items():
-            self._stat(self._phases, (WORK, device, block), block).add(step, ms)
+            key = (WORK, device, block)
+            stat = phases.get(key)
+            if stat is None:
+                stat = self._stat(phases, key, block)
+            stat.add(step, ms)
             self._total(WORK, device).add(ms)
-            self._dirty.add(("phase", (WORK, device, block)))
+            dirty.add(key)
         if len(work) > 1 and step != self._first_step:  # the imbalance leaves the first step out
             self._imbalance(work, block)
         for device, (calls, *kinds) in acc.memory.items():
@@ -335,7 +348,7 @@ class Aggregator:
                 m.peak, m.peak_step, m.kinds = held, step, kinds
             if held > self._peaks.get(device, (-1, 0))[0]:
                 self._peaks[device] = (held, step)
-            self._dirty.add(("memory", (device, block)))
+            self._dirty_memory.add((device, block))
         for (device, phase), (rows, allocated, peak, reserved) in acc.allocator.items():
             a = self._stat(self._allocator, (device, phase, block), block)
             a.rows += rows
@@ -345,7 +358,7 @@ class Aggregator:
                 a.peak, a.peak_step = peak, step
             if peak > self._alloc_peaks.get(device, (-1, 0))[0]:
                 self._alloc_peaks[device] = (peak, step)
-            self._dirty.add(("allocator", (device, phase, block)))
+            self._dirty_allocator.add((device, phase, block))
 
     def _total(self, kind: str, device: str) -> Sketch:
         self._totals_dirty = True
@@ -435,26 +448,26 @@ class Aggregator:
             self._settle(max([self._newest + 1, *(s + 1 for s in self._pending)]))
         out: list[Statement] = self._outlier_sql
         self._outlier_sql = []
-        for kind, key in self._dirty:
-            if kind == "step":
-                s = self._steps[key]
-                out.append((_STEP_SQL[s.late], (key, s.first_step, s.last_step, s.steps, s.sum, _finite(s.min),
-                                                _finite(s.max), s.batch, s.devices_used, s.sketch_bytes())))
-            elif kind == "phase":
-                s = self._phases[key]
-                out.append((_PHASE_SQL[s.late], (*key, s.first_step, s.last_step, s.steps, s.calls, s.sum,
-                                                 _finite(s.min), _finite(s.max), s.device_sum, s.slowest, s.wait_sum,
-                                                 s.sketch_bytes())))
-            elif kind == "memory":
-                m = self._memory[key]
-                out.append((_MEMORY_SQL[m.late], (*key, m.first_step, m.last_step, m.steps, m.calls, m.held_sum,
-                                                  m.peak_step, m.peak, *m.kinds)))
-            else:
-                a = self._allocator[key]
-                out.append((_ALLOCATOR_SQL[a.late], (*key, a.rows, _none_below_zero(a.allocated),
-                                                     _none_below_zero(a.peak), _none_below_zero(a.reserved),
-                                                     a.peak_step if a.peak >= 0 else None)))
-        self._dirty.clear()
+        for block in self._dirty_steps:
+            s = self._steps[block]
+            out.append((_STEP_SQL[s.late], (block, s.first_step, s.last_step, s.steps, s.sum, _finite(s.min),
+                                            _finite(s.max), s.batch, s.devices_used, s.sketch_bytes())))
+        for key in self._dirty_phases:
+            s = self._phases[key]
+            out.append((_PHASE_SQL[s.late], (*key, s.first_step, s.last_step, s.steps, s.calls, s.sum,
+                                             _finite(s.min), _finite(s.max), s.device_sum, s.slowest, s.wait_sum,
+                                             s.sketch_bytes())))
+        for mkey in self._dirty_memory:
+            m = self._memory[mkey]
+            out.append((_MEMORY_SQL[m.late], (*mkey, m.first_step, m.last_step, m.steps, m.calls, m.held_sum,
+                                              m.peak_step, m.peak, *m.kinds)))
+        for akey in self._dirty_allocator:
+            a = self._allocator[akey]
+            out.append((_ALLOCATOR_SQL[a.late], (*akey, a.rows, _none_below_zero(a.allocated),
+                                                 _none_below_zero(a.peak), _none_below_zero(a.reserved),
+                                                 a.peak_step if a.peak >= 0 else None)))
+        for dirty in (self._dirty_steps, self._dirty_phases, self._dirty_memory, self._dirty_allocator):
+            dirty.clear()
         if self._totals_dirty:
             out += [("INSERT OR REPLACE INTO run_sketches (kind, device, sketch) VALUES (?, ?, ?)",
                      (kind, device, sketch.to_bytes())) for (kind, device), sketch in self._totals.items()]
