@@ -37,6 +37,8 @@ BENCHES: dict[str, tuple[str, list[str], list[str], str]] = {
     "run": ("run_overhead.py", [], ["--rounds", "2", "--blocks", "6"],
             "what dpprof run costs an unchanged script"),
     "store": ("store.py", [], ["--records", "200000"], "the writer's records a second"),
+    "writer": ("writer.py", [], ["--steps", "1000", "--rounds", "3"],
+               "the writer thread's CPU per recorded step, with and without the aggregates"),
     "read_side": ("read_side.py", [], ["--runs", "2"], "the read side without torch: show, pages"),
     "long_run": ("long_run.py", [], ["--long", "30000", "--repeat", "1"],
                  "a long run's file size and its pages against a short run's"),
