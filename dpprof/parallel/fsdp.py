@@ -126,6 +126,16 @@ class _StepProbe:
             allocated, peak, reserved = allocator_bytes(self.cuda_index)
             self.run.emit(AllocatorRecord(self.step.index, 0, self.label, phase, allocated, peak, reserved))
 
+    def forward_done(self, output: Any) -> None:
+        """The root's forward ended with ``output``: its phase, output bytes and the allocator; under no_grad (no
+        backward to come) the step's memory too."""
+        self.phase("forward", self.forward_t0, time.perf_counter_ns())
+        self.io_bytes = (self.io_bytes[0], tensor_bytes(output))
+        self.read_allocator("forward")
+        self.step.devices_used = 1
+        if not torch.is_grad_enabled():
+            self.memory()
+
     def memory(self) -> None:
         """This rank's memory for the step by dpprof's accounting (sharded and peak gathered parameters)."""
         sharded, buffers = self.run.cached(("fsdp shard bytes", id(self.module)), lambda: self.shard_bytes(self.module))
@@ -187,6 +197,22 @@ def _probe() -> _StepProbe | None:
     return probe
 
 
+def _open_step(run: Run, module: torch.nn.Module, t0: int, batch: Any, inputs: Any,
+               shard_bytes: Callable[[torch.nn.Module], tuple[int, int]] | None = None) -> _StepProbe:
+    """The probe of the step the root's forward (started at ``t0``) opens on this rank, made the current one: the
+    batch size from ``batch``'s first tensor, the input bytes of ``inputs``."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    previous = _state["previous"]
+    probe = _StepProbe(run, rank, module, t0, previous if previous is not None and previous.run is run else None,
+                       shard_bytes)
+    first_tensor = next(iter_tensors(batch), None)
+    if first_tensor is not None and first_tensor.dim() > 0:
+        probe.step.batch_size = (probe.step.batch_size or 0) + first_tensor.size(0)
+    probe.io_bytes = (tensor_bytes(inputs), 0)
+    _state["probe"] = _state["previous"] = probe
+    return probe
+
+
 # the wrappers: each calls torch's function; with a probe open it also times it
 def _wrap_root_pre_forward(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
@@ -198,15 +224,7 @@ def _wrap_root_pre_forward(original: Callable[..., Any]) -> Callable[..., Any]:
         t0 = time.perf_counter_ns()
         out = original(self, module, args, kwargs)
         if first and self._state_ctx.iter_forward_root is self:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            previous = _state["previous"]
-            probe = _StepProbe(run, rank, module, t0, previous if previous is not None and previous.run is run
-                               else None)
-            first_tensor = next(iter_tensors(out[0]), None)
-            if first_tensor is not None and first_tensor.dim() > 0:
-                probe.step.batch_size = (probe.step.batch_size or 0) + first_tensor.size(0)
-            probe.io_bytes = (tensor_bytes(out), 0)
-            _state["probe"] = _state["previous"] = probe
+            _open_step(run, module, t0, out[0], out)
         return out
 
     return root_pre_forward
@@ -227,12 +245,7 @@ def _wrap_post_forward(original: Callable[..., Any]) -> Callable[..., Any]:
                 if t.requires_grad:
                     t.register_hook(on_grad)
         out = original(self, output)
-        probe.phase("forward", probe.forward_t0, time.perf_counter_ns())
-        probe.io_bytes = (probe.io_bytes[0], tensor_bytes(out))
-        probe.read_allocator("forward")
-        probe.step.devices_used = 1
-        if not torch.is_grad_enabled():
-            probe.memory()
+        probe.forward_done(out)
         return out
 
     return register_pre_backward_hook
@@ -380,27 +393,13 @@ def _wrap_fsdp1_forward(original: Callable[..., Any]) -> Callable[..., Any]:
         run = current_run()
         if run is None or _fsdp1["in_forward"]:  # not recording, or an inner FSDP module inside the root's forward
             return original(self, *args, **kwargs)
-        t0 = time.perf_counter_ns()
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        previous = _state["previous"]
-        probe = _StepProbe(run, rank, self, t0, previous if previous is not None and previous.run is run else None,
-                           _fsdp1_shard_bytes)
-        first_tensor = next(iter_tensors(args), None)
-        if first_tensor is not None and first_tensor.dim() > 0:
-            probe.step.batch_size = (probe.step.batch_size or 0) + first_tensor.size(0)
-        probe.io_bytes = (tensor_bytes((args, kwargs)), 0)
-        _state["probe"] = _state["previous"] = probe
+        probe = _open_step(run, self, time.perf_counter_ns(), args, (args, kwargs), _fsdp1_shard_bytes)
         _fsdp1["in_forward"] = True
         try:
             out = original(self, *args, **kwargs)
         finally:
             _fsdp1["in_forward"] = False
-        probe.phase("forward", t0, time.perf_counter_ns())
-        probe.io_bytes = (probe.io_bytes[0], tensor_bytes(out))
-        probe.read_allocator("forward")
-        probe.step.devices_used = 1
-        if not torch.is_grad_enabled():
-            probe.memory()
+        probe.forward_done(out)
         return out
 
     return forward
