@@ -200,6 +200,7 @@ class Run:
         # dpprof.instrument's step rule: whether a forward call joins the open implicit step (None: never)
         self.joins_open_step: Callable[[], bool] | None = None
         self._pending: list[Any] = []  # CUDA timings whose events have not completed yet
+        self._pending_lock = threading.Lock()
         self._noted: set[str] = set()
         self._cache: dict[Any, Any] = {}
         self._nvml: Nvml | None = None
@@ -348,16 +349,20 @@ class Run:
 
     # CUDA timings that complete after the step
     def defer(self, pending: Any) -> None:
-        self._pending.append(pending)
+        """A record whose CUDA events may still be in flight, emitted once they complete (any thread: a DDP rank
+        defers from its backward's and its collectives' threads too)."""
+        with self._pending_lock:
+            self._pending.append(pending)
 
     def resolve_pending(self, block: bool) -> None:
         if not self._pending:  # every CPU step: nothing to build a new list for
             return
-        still = []
-        for item in self._pending:
-            if not item.try_emit(self, block):
-                still.append(item)
-        self._pending = still
+        with self._pending_lock:
+            items, self._pending = self._pending, []
+        still = [item for item in items if not item.try_emit(self, block)]
+        if still:
+            with self._pending_lock:
+                self._pending[:0] = still
 
     # lifecycle
     def close(self, status: str = "finished", error: str | None = None) -> None:

@@ -202,12 +202,23 @@ def test_two_ddp_ranks_share_one_gpu_over_gloo():
     from dpprof.report import summary_of
 
     assert summary_of(run).loc[["rank:0", "rank:1"], "peak_allocated_bytes"].gt(2 * params).all()
-    # a rank on a GPU: its data part holds the wait for the GPU before a blocking copy, and the finding says so
+    # each part of a rank's step also has its GPU time, from CUDA events on the rank's stream, once they complete:
+    # every part of every step, data from the second step on (the first has no previous step's end on the GPU)
+    phases = run.phases
+    assert set(phases["phase"]) >= {"data", "forward", "backward", "backward_compute", "comm_wait", "optimizer"}
+    assert phases["device_duration_ms"].notna().all(), phases[phases["device_duration_ms"].isna()]
+    assert (phases["device_duration_ms"] >= 0).all()
+    assert sorted(phases.loc[phases["phase"] == "data"].groupby("device")["step"].min()) == [1, 1]
+    # backward's compute and its wait for the last all-reduce share the event between them: on the GPU as on the
+    # host, the two add up to backward (elapsed_time's resolution is about half a microsecond)
+    gpu = phases.pivot_table(index=["device", "step"], columns="phase", values="device_duration_ms", aggfunc="sum")
+    assert ((gpu["backward_compute"] + gpu["comm_wait"] - gpu["backward"]).abs() < 0.005).all()
+    # the data finding splits the host's part into the GPU's wait for the batch and the host's wait for the GPU
     from dpprof.findings import run_findings
 
     found = run_findings(run).table
     for evidence in found.loc[found["kind"] == "data_loading", "evidence"]:
-        assert "blocking copy of the batch" in evidence
+        assert "waiting for the batch" in evidence and "waiting for the GPU to finish the previous step" in evidence
     if torch.cuda.device_count() < 2:
         # both ranks hold memory on the one GPU: each rank's NVML samples see the other's as another process's
         samples = run.gpu_samples

@@ -52,8 +52,24 @@ def operator_data(run: StoredRun) -> OperatorData | None:
                         devices=run.table("devices"))
 
 
+def _gpu_data_ms(t: Tables, device: str, steps: pd.Index) -> float | None:
+    """The mean over ``steps`` of the data part's GPU time on ``device`` (a DDP rank on a GPU: CUDA events from the
+    previous step's last work on the GPU to forward's first), or None where the run has none for every one of them."""
+    if "device_duration_ms" not in t.phases.columns:
+        return None
+    rows = t.phases[(t.phases["phase"] == "data") & (t.phases["device"] == device) & t.phases["step"].isin(steps)]
+    gpu = rows.groupby("step")["device_duration_ms"].sum(min_count=1)
+    if gpu.empty or gpu.isna().any() or len(gpu) < len(steps):
+        return None
+    return float(gpu.mean())
+
+
 def data_loading(t: Tables) -> list[dict]:
-    """Loading the batch (the step model's ``data`` part) over DATA_SHARE_WARN of the step, per device or rank."""
+    """Loading the batch (the step model's ``data`` part) over DATA_SHARE_WARN of the step, per device or rank.
+
+    A rank on a GPU with its parts' CUDA-event times (dpprof.parallel.distributed) also gets the data part's GPU
+    time: how long the GPU had nothing to do for want of the batch. The rest of the host's part is the host waiting,
+    in a blocking copy, for the GPU to finish the previous step; the advice follows whichever is larger."""
     if "data" not in t.model.phases or t.phases.empty:
         return []
     data = per_step(t, ["data"])
@@ -69,22 +85,36 @@ def data_loading(t: Tables) -> list[dict]:
         data_ms, mean_step = float(col.mean()), float(step_ms.mean())
         if share <= DATA_SHARE_WARN or not worth_time(data_ms, mean_step):
             continue
+        evidence = (f"loading the batch takes {data_ms:.2f} ms of a {mean_step:.2f} ms step on average "
+                    f"({plural(len(col), 'step')}, the first left out): it {cost_text(data_ms, t.later_step_count)}")
+        advice = ("The step waits for its input: load in DataLoader worker processes (num_workers=4 or more, "
+                  "persistent_workers=True), with pin_memory=True, and move decoding and augmentation there or to the "
+                  "GPU.")
+        gpu_ms = _gpu_data_ms(t, str(device), col.index)
         # a process whose model is on a GPU (its allocator read): the host's part before forward also holds the
         # wait for the GPU to finish the previous step, where the batch's copy to the GPU blocks (pageable memory)
         on_gpu = not t.allocator.empty and str(device) in set(t.allocator["device"])
-        out.append(finding(
-            "data_loading", "critical" if share >= CRITICAL_STEP_SHARE else "warning", str(device),
-            f"{device} spends {share:.0%} of the step loading data",
-            f"loading the batch takes {data_ms:.2f} ms of a {mean_step:.2f} ms step on average "
-            f"({plural(len(col), 'step')}, the first left out): it {cost_text(data_ms, t.later_step_count)}"
-            + ("; on a GPU this host time also holds any wait for the GPU to finish the previous step's work "
-               "before a blocking copy of the batch (from memory that is not pinned), which dpprof does not "
-               "separate from loading yet" if on_gpu else ""),
-            "The step waits for its input: load in DataLoader worker processes (num_workers=4 or more, "
-            "persistent_workers=True), with pin_memory=True, and move decoding and augmentation there or to the GPU."
-            + (" Copy the batch with .to(device, non_blocking=True) from pinned memory, so the copy does not wait "
-               "for the GPU: what is left of this part is then loading." if on_gpu else ""),
-            share))
+        copy_advice = (" Copy the batch with .to(device, non_blocking=True) from pinned memory, so the copy does not "
+                       "wait for the GPU: what is left of this part is then loading.")
+        if gpu_ms is not None:
+            waiting = max(0.0, data_ms - gpu_ms)
+            evidence += (f"; of it, the GPU sat {gpu_ms:.2f} ms a step waiting for the batch and the host spent the "
+                         f"other {waiting:.2f} ms waiting for the GPU to finish the previous step's work (CUDA "
+                         "events on the rank's stream)")
+            if waiting > gpu_ms:
+                advice = ("Most of this part is the host waiting for the GPU, not loading: a blocking copy of the "
+                          "batch (from memory that is not pinned) waits for the previous step's work. The GPU is "
+                          "the bound here;" + copy_advice + " Then faster input buys back at most the GPU's "
+                          f"{gpu_ms:.2f} ms.")
+            else:
+                advice += copy_advice
+        elif on_gpu:
+            evidence += ("; on a GPU this host time also holds any wait for the GPU to finish the previous step's "
+                         "work before a blocking copy of the batch (from memory that is not pinned), which this run "
+                         "does not separate from loading")
+            advice += copy_advice
+        out.append(finding("data_loading", "critical" if share >= CRITICAL_STEP_SHARE else "warning", str(device),
+                           f"{device} spends {share:.0%} of the step loading data", evidence, advice, share))
     return out
 
 

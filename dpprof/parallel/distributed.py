@@ -6,7 +6,12 @@ bucket's all-reduce (through a communication hook that wraps the default all-red
 user's own hook, timing launch and completion), the time backward waits for the last
 all-reduce, and the optimizer step. The rank is the device axis ("rank:N"). A rank whose module
 is on a GPU also records its process's caching-allocator counters at the end of forward and of
-backward, the peak counted from the step's start.
+backward, the peak counted from the step's start, and each part's time on the GPU from CUDA events
+recorded on the current stream at the part's ends (``device_duration_ms``, read once the events
+complete; the step never waits for them). The host's parts and the GPU's differ where the host waits:
+the data part's GPU time runs from the previous step's last work on the GPU to forward's first, so a
+host that waits in a blocking copy for the GPU to finish the previous step shows a long host data part
+and a short GPU one.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from dpprof.device_ids import DeviceSet
-from dpprof.parallel.probe import ForwardProbe, allocator_bytes, iter_tensors
+from dpprof.parallel.probe import ForwardProbe, PendingPhase, allocator_bytes, event_now, iter_tensors
 from dpprof.recording import Run, current_run
 from dpprof.records import AllocatorRecord, CommRecord, PhaseRecord
 
@@ -42,13 +47,15 @@ def _install_optimizer_hooks() -> None:
         def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
             probe = _latest["probe"]
             if probe is not None:
+                probe.optimizer_ev0 = probe.event()
                 probe.optimizer_t0 = time.perf_counter_ns()
 
         def post(optimizer: Any, args: Any, kwargs: Any) -> None:
             probe = _latest["probe"]
             if probe is not None and probe.optimizer_t0 is not None:
-                probe.phase_done("optimizer", probe.optimizer_t0, time.perf_counter_ns())
-                probe.optimizer_t0 = None
+                t1 = time.perf_counter_ns()
+                probe.phase_done("optimizer", probe.optimizer_t0, t1, probe.optimizer_ev0, probe.event())
+                probe.optimizer_t0 = probe.optimizer_ev0 = None
 
         _optimizer_hooks.append(register_optimizer_step_pre_hook(pre))
         _optimizer_hooks.append(register_optimizer_step_post_hook(post))
@@ -68,18 +75,41 @@ class _RankProbe:
             torch.cuda.reset_peak_memory_stats(cuda_index)  # the step's peak, as DataParallel records it
         self.previous_end_ns = previous.last_end_ns if previous is not None else None
         self.last_end_ns: int = time.perf_counter_ns()
+        # on a GPU: the CUDA event at the end of the previous step's last part (the GPU's start of this step's data)
+        self.previous_end_event = previous.last_end_event if previous is not None else None
+        self.last_end_event: torch.cuda.Event | None = None
         self.optimizer_t0: int | None = None
+        self.optimizer_ev0: torch.cuda.Event | None = None
         self.backward_t0: int | None = None
+        self.backward_ev0: torch.cuda.Event | None = None
         self.graph_end_ns: int | None = None
         self.launches: list[int] = []
+        self.last_launch_event: torch.cuda.Event | None = None
         self.completions: list[int] = []
         self.lock = threading.Lock()
 
-    def phase_done(self, name: str, t0: int, t1: int) -> None:
-        self.run.emit(PhaseRecord(step=self.step.index, call=0, phase=name, device=self.label,
-                                  start_ms=self.run.ms(t0), duration_ms=(t1 - t0) / 1e6))
+    def event(self) -> torch.cuda.Event | None:
+        """A CUDA timing event recorded now on this rank's GPU's current stream (None for a rank on the CPU)."""
+        return None if self.cuda_index is None else event_now(self.cuda_index)
+
+    def phase_done(self, name: str, t0: int, t1: int, ev0: torch.cuda.Event | None = None,
+                   ev1: torch.cuda.Event | None = None) -> None:
+        """A part from host time t0 to t1; with its CUDA events (a rank on a GPU), its GPU time too, emitted once
+        they complete (Run.resolve_pending). Events are shared between parts (one part's end is the next step's
+        data start), so they are not reused."""
+        if ev0 is not None and ev1 is not None and self.cuda_index is not None:
+            fields = dict(step=self.step.index, call=0, phase=name, device=self.label, start_ms=self.run.ms(t0),
+                          duration_ms=(t1 - t0) / 1e6)
+            self.run.defer(PendingPhase(fields, self.cuda_index, ev0, ev1, release=False))
+        else:
+            self.run.emit(PhaseRecord(step=self.step.index, call=0, phase=name, device=self.label,
+                                      start_ms=self.run.ms(t0), duration_ms=(t1 - t0) / 1e6))
         self.step.touch(t1)
-        self.last_end_ns = max(self.last_end_ns, t1)
+        with self.lock:
+            if t1 >= self.last_end_ns:
+                self.last_end_ns = t1
+                if ev1 is not None:
+                    self.last_end_event = ev1
 
     def read_allocator(self, phase: str) -> None:
         """The caching allocator's allocated, peak and reserved bytes on this rank's GPU, now."""
@@ -88,8 +118,11 @@ class _RankProbe:
             self.run.emit(AllocatorRecord(self.step.index, 0, self.label, phase, allocated, peak, reserved))
 
     def launched(self, launch_ns: int) -> None:
+        event = self.event()  # the GPU's view of the launch: backward's compute queued before it is done there
         with self.lock:
             self.launches.append(launch_ns)
+            if self.launches[-1] == max(self.launches):
+                self.last_launch_event = event
 
     def comm(self, bucket: int, nbytes: int, launch_ns: int, done_ns: int) -> None:
         self.run.emit(CommRecord(step=self.step.index, device=self.label, bucket=bucket, bucket_bytes=nbytes,
@@ -103,6 +136,14 @@ class _RankProbe:
             self.graph_end_ns = t_end
         self._maybe_finish_backward()
 
+    def backward_started(self) -> None:
+        """The first gradient reached the output: backward's start (once a step)."""
+        if self.backward_t0 is None:
+            self.backward_ev0 = self.event()
+            self.backward_t0 = time.perf_counter_ns()
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self.backward_done(time.perf_counter_ns()))
+
     def _maybe_finish_backward(self) -> None:
         """Once the graph task has ended and every launched all-reduce completed (in either order),
         split backward into compute and the wait for the last all-reduce."""
@@ -112,11 +153,15 @@ class _RankProbe:
                 return
             last_launch = max(self.launches, default=t_end)
             end = max(t_end, max(self.completions, default=t_end))
-            self.backward_t0 = self.graph_end_ns = None
+            ev0, launch_event = self.backward_ev0, self.last_launch_event
+            self.backward_t0 = self.graph_end_ns = self.backward_ev0 = self.last_launch_event = None
             self.launches, self.completions = [], []
-        self.phase_done("backward", t0, end)
-        self.phase_done("backward_compute", t0, last_launch)
-        self.phase_done("comm_wait", last_launch, end)
+        ev_end = self.event()
+        if launch_event is None:  # no all-reduce launched: backward's compute ends with it
+            launch_event = ev_end
+        self.phase_done("backward", t0, end, ev0, ev_end)
+        self.phase_done("backward_compute", t0, last_launch, ev0, launch_event)
+        self.phase_done("comm_wait", last_launch, end, launch_event, ev_end)
         self.read_allocator("backward")
 
 
@@ -197,6 +242,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self.__dict__["_dpprof_probe"] = probe
         self.__dict__["_dpprof_previous"] = probe
         _latest["probe"] = probe
+        ev0 = probe.event()
         t0 = time.perf_counter_ns()
         if probe.previous_end_ns is not None:
             # data is inside its step (dpprof.stepmodel): an implicit step this forward starts begins where the
@@ -206,12 +252,15 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 step.start_ns = min(step.start_ns, data_start)
             data_start = max(data_start, step.start_ns)
             if t0 > data_start:
-                probe.phase_done("data", data_start, t0)
+                # on a GPU, the data part's GPU time only where it starts at the previous step's end (not at an
+                # explicit step's start, which no event marks)
+                data_ev0 = probe.previous_end_event if data_start == probe.previous_end_ns else None
+                probe.phase_done("data", data_start, t0, data_ev0, ev0)
         probe.forward.note_batch(inputs, kwargs)
         with record_function("dpprof.forward"):
             output, activation_bytes = probe.forward.call_counting_activations(super().forward, self.module,
                                                                                inputs, kwargs)
-        probe.phase_done("forward", t0, time.perf_counter_ns())
+        probe.phase_done("forward", t0, time.perf_counter_ns(), ev0, probe.event())
         probe.read_allocator("forward")
         probe.forward.note_device(probe.label, inputs, kwargs, output, activation_bytes)
         probe.forward.end(self.module, used=1)
@@ -225,10 +274,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         tensors = [t for t in iter_tensors(output) if t.requires_grad]
 
         def on_grad(grad: torch.Tensor) -> None:
-            if probe.backward_t0 is None:
-                probe.backward_t0 = time.perf_counter_ns()
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    lambda: probe.backward_done(time.perf_counter_ns()))
+            probe.backward_started()
 
         for t in tensors:
             t.register_hook(on_grad)

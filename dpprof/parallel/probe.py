@@ -19,7 +19,8 @@ from dpprof.parallel.ranges import profiler_range
 from dpprof.recording import Run
 from dpprof.records import AllocatorRecord, DeviceMemoryRecord, PhaseRecord
 
-__all__ = ["ForwardProbe", "MeasuredReplica", "tensor_bytes", "iter_tensors", "watch_backward", "allocator_bytes"]
+__all__ = ["ForwardProbe", "MeasuredReplica", "PendingPhase", "tensor_bytes", "iter_tensors", "watch_backward",
+           "allocator_bytes", "event_now"]
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -89,10 +90,10 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # in CUDA bu
 
 def _cuda_event(index: int | None) -> torch.cuda.Event | None:
     """A timing event recorded now on GPU ``index``'s current stream (None for a CPU label)."""
-    return None if index is None else _event_now(index)
+    return None if index is None else event_now(index)
 
 
-def _event_now(index: int) -> torch.cuda.Event:
+def event_now(index: int) -> torch.cuda.Event:
     """A timing event recorded now on GPU ``index``'s current stream."""
     free = _free_events.get(index)
     event = free.pop() if free else torch.cuda.Event(enable_timing=True)
@@ -139,13 +140,15 @@ def _weight_storages(module: Module) -> set[int]:
     return ptrs
 
 
-class _PendingPhase:
+class PendingPhase:
     """A phase whose CUDA events may still be in flight."""
 
-    __slots__ = ("fields", "index", "start", "end")
+    __slots__ = ("fields", "index", "start", "end", "release")
 
-    def __init__(self, fields: dict[str, Any], index: int, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+    def __init__(self, fields: dict[str, Any], index: int, start: torch.cuda.Event, end: torch.cuda.Event,
+                 release: bool = True) -> None:
         self.fields, self.index, self.start, self.end = fields, index, start, end
+        self.release = release  # False: the events are shared with another phase (a DDP rank's), not reused
 
     def try_emit(self, run: Run, block: bool) -> bool:
         if block:
@@ -153,7 +156,8 @@ class _PendingPhase:
         elif not self.end.query():
             return False
         run.emit(PhaseRecord(**self.fields, device_duration_ms=self.start.elapsed_time(self.end)))
-        _release_events(self.index, self.start, self.end)
+        if self.release:
+            _release_events(self.index, self.start, self.end)
         return True
 
 
@@ -270,7 +274,7 @@ class ForwardProbe:
             return
         fields = dict(step=self.step.index, call=self.call, phase=name, device=label,
                       start_ms=run.ms(t0), duration_ms=(t1 - t0) / 1e6)
-        run.defer(_PendingPhase(fields, index, ev0, _event_now(index)))
+        run.defer(PendingPhase(fields, index, ev0, event_now(index)))
         every = _ALLOCATOR_READS.get(name)
         if every is None:
             return
