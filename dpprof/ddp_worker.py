@@ -86,7 +86,7 @@ def _main() -> None:
         if cuda:
             model = model.cuda(gpu)
         if args.fsdp:
-            ddp = _fully_shard(model)
+            ddp = _fully_shard(model, cuda)
         else:
             ddp = dpprof.DistributedDataParallel(model, device_ids=[gpu] if cuda else None,
                                                  bucket_cap_mb=args.bucket_cap_mb)
@@ -119,18 +119,23 @@ def _main() -> None:
         dist.destroy_process_group()
 
 
-def _fully_shard(model: torch.nn.Module) -> torch.nn.Module:
+def _fully_shard(model: torch.nn.Module, cuda: bool) -> torch.nn.Module:
     """FSDP2 as its documentation applies it: each top-level child module that holds parameters, then the root;
-    dpprof.parallel.fsdp's hooks installed so the steps are recorded."""
+    dpprof.parallel.fsdp's hooks installed so the steps are recorded.
+
+    The mesh is on the ranks' own device type: fully_shard's default mesh is on the accelerator wherever one is
+    visible, which CPU ranks over gloo on a GPU machine cannot use."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from dpprof.parallel import fsdp
 
     fsdp.install()
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),))
     for child in model.children():
         if any(True for _ in child.parameters()):
-            fully_shard(child)
-    fully_shard(model)
+            fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 

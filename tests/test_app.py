@@ -17,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from streamlit.testing.v1 import AppTest
 
 import dpprof
@@ -248,6 +249,12 @@ def test_compare_from_the_runs_table_takes_the_older_run_as_baseline(reports_wit
 
 def test_devices_shows_this_machine_and_the_preflight_check(reports_with_runs):
     at = _page(_app(), "devices")
+    if torch.cuda.is_available():  # a GPU machine (bench/cuda_checks.sh runs this suite there too): its GPUs
+        n = torch.cuda.device_count()
+        assert torch.cuda.get_device_name(0) in at.dataframe[0].value.astype(str).to_string()
+        assert f"No findings: {n} device(s) at batch size 30 look balanced." in _texts(at.success)
+        assert _charts(at) == 1
+        return
     assert "No CUDA GPU is visible here" in _texts(at.info)
     assert "No findings: 2 device(s) at batch size 30 look balanced." in _texts(at.success)
     at.number_input(key="dev_workers").set_value(4)
