@@ -42,6 +42,9 @@ step() {  # step NAME SECONDS CMD...: run, log to $out/NAME.log, remember a fail
   [ $rc -eq 0 ] || failed+=("$name")
 }
 
+# the suite's commands run `dpprof` as the README's set-up installs it: on a bare GPU machine, install this checkout
+# (editable, no dependencies fetched: the machine's torch stays)
+command -v dpprof >/dev/null || "$py" -m pip install -q --no-deps --no-build-isolation -e . || echo "dpprof not installed"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$py" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "GPUs", torch.cuda.device_count(), torch.cuda.get_device_name(0))'
 
