@@ -106,10 +106,8 @@ class _RankProbe:
                                       start_ms=self.run.ms(t0), duration_ms=(t1 - t0) / 1e6))
         self.step.touch(t1)
         with self.lock:
-            if t1 >= self.last_end_ns:
-                self.last_end_ns = t1
-                if ev1 is not None:
-                    self.last_end_event = ev1
+            if t1 >= self.last_end_ns:  # the newest part's end, and its event where it has one
+                self.last_end_ns, self.last_end_event = t1, ev1
 
     def read_allocator(self, phase: str) -> None:
         """The caching allocator's allocated, peak and reserved bytes on this rank's GPU, now."""
