@@ -213,12 +213,12 @@ def test_two_ddp_ranks_share_one_gpu_over_gloo():
     # host, the two add up to backward (elapsed_time's resolution is about half a microsecond)
     gpu = phases.pivot_table(index=["device", "step"], columns="phase", values="device_duration_ms", aggfunc="sum")
     assert ((gpu["backward_compute"] + gpu["comm_wait"] - gpu["backward"]).abs() < 0.005).all()
-    # the data finding splits the host's part into the GPU's wait for the batch and the host's wait for the GPU
+    # the data finding splits the host's part into the GPU's wait for the batch and what ran while the GPU was busy
     from dpprof.findings import run_findings
 
     found = run_findings(run).table
     for evidence in found.loc[found["kind"] == "data_loading", "evidence"]:
-        assert "waiting for the batch" in evidence and "waiting for the GPU to finish the previous step" in evidence
+        assert "waiting for the batch" in evidence and "while the GPU was still busy with the previous step" in evidence
     if torch.cuda.device_count() < 2:
         # both ranks hold memory on the one GPU: each rank's NVML samples see the other's as another process's
         samples = run.gpu_samples

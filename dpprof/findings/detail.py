@@ -68,8 +68,9 @@ def data_loading(t: Tables) -> list[dict]:
     """Loading the batch (the step model's ``data`` part) over DATA_SHARE_WARN of the step, per device or rank.
 
     A rank on a GPU with its parts' CUDA-event times (dpprof.parallel.distributed) also gets the data part's GPU
-    time: how long the GPU had nothing to do for want of the batch. The rest of the host's part is the host waiting,
-    in a blocking copy, for the GPU to finish the previous step; the advice follows whichever is larger."""
+    time: how long the GPU had nothing to do for want of the batch. The rest of the host's part ran while the GPU was
+    still busy with the previous step (the host loading behind it, or waiting for it in a blocking copy of the batch):
+    it costs the GPU nothing. The advice follows whichever is larger, and the severity the GPU's own wait."""
     if "data" not in t.model.phases or t.phases.empty:
         return []
     data = per_step(t, ["data"])
@@ -97,15 +98,15 @@ def data_loading(t: Tables) -> list[dict]:
         copy_advice = (" Copy the batch with .to(device, non_blocking=True) from pinned memory, so the copy does not "
                        "wait for the GPU: what is left of this part is then loading.")
         if gpu_ms is not None:
-            waiting = max(0.0, data_ms - gpu_ms)
-            evidence += (f"; of it, the GPU sat {gpu_ms:.2f} ms a step waiting for the batch and the host spent the "
-                         f"other {waiting:.2f} ms waiting for the GPU to finish the previous step's work (CUDA "
-                         "events on the rank's stream)")
-            if waiting > gpu_ms:
-                advice = ("Most of this part is the host waiting for the GPU, not loading: a blocking copy of the "
-                          "batch (from memory that is not pinned) waits for the previous step's work. The GPU is "
-                          "the bound here;" + copy_advice + " Then faster input buys back at most the GPU's "
-                          f"{gpu_ms:.2f} ms.")
+            behind = max(0.0, data_ms - gpu_ms)  # ran while the GPU was still busy with the previous step
+            evidence += (f"; of it, the GPU sat {gpu_ms:.2f} ms a step waiting for the batch, and the other "
+                         f"{behind:.2f} ms ran while the GPU was still busy with the previous step's work (the host "
+                         "loading behind it, or waiting for it in a blocking copy of the batch; CUDA events on the "
+                         "rank's stream)")
+            if behind > gpu_ms:
+                advice = ("Most of this part runs while the GPU is still busy with the previous step, so the GPU is "
+                          f"the bound: faster input buys back at most the GPU's {gpu_ms:.2f} ms a step. A batch "
+                          "copied from memory that is not pinned also waits for the GPU." + copy_advice)
             else:
                 advice += copy_advice
         elif on_gpu:
@@ -113,7 +114,10 @@ def data_loading(t: Tables) -> list[dict]:
                          "work before a blocking copy of the batch (from memory that is not pinned), which this run "
                          "does not separate from loading")
             advice += copy_advice
-        out.append(finding("data_loading", "critical" if share >= CRITICAL_STEP_SHARE else "warning", str(device),
+        # how bad: the host's share, or where the GPU's own wait is known, that (the rest cost the GPU nothing)
+        bound = share if gpu_ms is None else gpu_ms / mean_step
+        severity = ("critical" if bound >= CRITICAL_STEP_SHARE else "warning" if bound > DATA_SHARE_WARN else "info")
+        out.append(finding("data_loading", severity, str(device),
                            f"{device} spends {share:.0%} of the step loading data", evidence, advice, share))
     return out
 
