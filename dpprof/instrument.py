@@ -319,6 +319,9 @@ class _Session:
             self._patch_fsdp1_init()
             self._fsdp_installed_here = not _fsdp.installed()
             _fsdp.install()  # FSDP2's and FSDP1's steps (their hooks do nothing outside a recording)
+            if self._hook is not None:  # the step ends after FSDP's optimizer timing: global hooks run in order made
+                self._hook.remove()
+                self._hook = register_optimizer_step_post_hook(self._on_optimizer_step)
         except Exception as err:  # a torch whose FSDP moved: the script runs, its FSDP steps unrecorded
             self.say(f"cannot record FSDP ({type(err).__name__}: {err}); its steps run unrecorded")
 

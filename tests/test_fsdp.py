@@ -298,6 +298,20 @@ def test_fsdp1_collectives_carry_each_flat_parameters_bytes_and_memory_is_the_sh
     assert "reshard_after_forward" not in set(run_findings(runs1["keep"]).table["kind"])
 
 
+def test_every_part_lies_inside_its_step_the_first_step_included(runs, runs1):
+    """A step begins no later than its root's forward: FSDP2's root pre-forward (lazy init, the first all-gathers) and
+    FSDP1's root forward start before the probe makes the step, and the first step has no previous step's end to begin
+    at. Each phase row lies inside its own step's span, on every rank (a microsecond's margin for the ms floats)."""
+    for name, run in (("fsdp2 reshard", runs["reshard"]), ("fsdp2 keep", runs["keep"]),
+                      ("fsdp1 reshard", runs1["reshard"]), ("fsdp1 keep", runs1["keep"])):
+        steps = run.steps.set_index(["rank", "step"])[["start_ms", "duration_ms"]].add_suffix("_of_step")
+        rows = run.phases.join(steps, on=["rank", "step"])
+        assert rows["start_ms_of_step"].notna().all(), name
+        early = rows[rows["start_ms"] < rows["start_ms_of_step"] - 1e-3]
+        late = rows[rows["start_ms"] + rows["duration_ms"] > rows["start_ms_of_step"] + rows["duration_ms_of_step"] + 1e-3]
+        assert early.empty and late.empty, (name, early, late)
+
+
 def test_each_ranks_compute_share_is_of_its_own_steps_and_never_over_the_step(runs1):
     """Ranks step together but each measures its own steps (rank 0 waits for rank 1 at the first collective, so its
     first step is longer): a rank's compute share is its compute per step over its own mean step, from the tables."""

@@ -81,6 +81,10 @@ class _StepProbe:
         self.label = self.devices.label(rank)
         run.note_devices(self.devices)
         self.step = run.step_for_forward(True)
+        if not self.step.explicit and self.step.calls == 1:
+            # the root's forward began (t0) before this probe made its step: the step begins no later, or the first
+            # step (no previous step's end to start from) would hold less than its own forward
+            self.step.start_ns = min(self.step.start_ns, t0)
         self.module = module
         first = next(module.parameters(), None)
         self.cuda_index = first.device.index if first is not None and first.is_cuda else None
@@ -425,7 +429,10 @@ def _wrap_fsdp1_all_gather(original: Callable[..., Any]) -> Callable[..., Any]:
         t0 = time.perf_counter_ns()
         out = original(self, padded_unsharded_flat_param)
         t1 = time.perf_counter_ns()
-        probe.phase("all_gather_wait", t0, t1)
+        if _fsdp1["in_forward"] or probe.backward_t0 is not None:
+            # a part of the step only inside its forward or backward: a full state dict gathered between steps or
+            # after the last is a collective of the run, but no part of the step whose probe is still current
+            probe.phase("all_gather_wait", t0, t1)
         probe.collective(ALL_GATHER, padded_unsharded_flat_param.numel() * padded_unsharded_flat_param.element_size(),
                          t0, t1)
         if id(self) not in probe.gathered_handles:
