@@ -316,24 +316,17 @@ class Aggregator:
             if not first:
                 self._outlier(step, acc.duration)
         work: dict[str, float] = {}
-        phases, dirty = self._phases, self._dirty_phases
         for (phase, device), (ms, calls, device_ms) in acc.phases.items():
             key = (phase, device, block)
-            stat = phases.get(key)
-            if stat is None:
-                stat = self._stat(phases, key, block)
-            stat.add(step, ms, calls, device_ms)
-            dirty.add(key)
+            self._stat(self._phases, key, block).add(step, ms, calls, device_ms)
+            self._dirty_phases.add(key)
             if phase in WORK_PHASES:
                 work[device] = work.get(device, 0.0) + ms
         for device, ms in work.items():
             key = (WORK, device, block)
-            stat = phases.get(key)
-            if stat is None:
-                stat = self._stat(phases, key, block)
-            stat.add(step, ms)
+            self._stat(self._phases, key, block).add(step, ms)
             self._total(WORK, device).add(ms)
-            dirty.add(key)
+            self._dirty_phases.add(key)
         if len(work) > 1 and step != self._first_step:  # the imbalance leaves the first step out
             self._imbalance(work, block)
         for device, (calls, *kinds) in acc.memory.items():
