@@ -65,16 +65,21 @@ def stacked_phases(present: list[str] | tuple[str, ...]) -> list[str]:
     return sorted(names, key=lambda p: order.get(p, len(order)))
 
 
+def _steps_per_file(run: StoredRun) -> pd.DataFrame:
+    """Per run file (a distributed run's ranks, each with its ``rank``): step count, first and last step, mean and
+    total step time, batch size and devices used."""
+    if run.model.aggregated:
+        return run.query("SELECT SUM(steps) AS steps, MIN(first_step) AS first_step, MAX(last_step) AS last_step, "
+                         "SUM(sum_ms) / SUM(steps) AS mean_step_ms, SUM(sum_ms) AS total_ms, "
+                         "MAX(batch_size) AS batch_size, MAX(devices_used) AS devices_used FROM step_blocks")
+    return run.query("SELECT COUNT(*) AS steps, MIN(step) AS first_step, MAX(step) AS last_step, "
+                     "AVG(duration_ms) AS mean_step_ms, SUM(duration_ms) AS total_ms, "
+                     "MAX(batch_size) AS batch_size, MAX(devices_used) AS devices_used FROM steps")
+
+
 def run_stats(run: StoredRun) -> dict[str, Any]:
     """Step count, first and last step, mean, median and total step time, batch size and devices used."""
-    if run.model.aggregated:
-        per = run.query("SELECT SUM(steps) AS steps, MIN(first_step) AS first_step, MAX(last_step) AS last_step, "
-                        "SUM(sum_ms) / SUM(steps) AS mean_step_ms, SUM(sum_ms) AS total_ms, MAX(batch_size) AS batch_size, "
-                        "MAX(devices_used) AS devices_used FROM step_blocks")
-    else:
-        per = run.query("SELECT COUNT(*) AS steps, MIN(step) AS first_step, MAX(step) AS last_step, "
-                        "AVG(duration_ms) AS mean_step_ms, SUM(duration_ms) AS total_ms, "
-                        "MAX(batch_size) AS batch_size, MAX(devices_used) AS devices_used FROM steps")
+    per = _steps_per_file(run)
     # ranks of a distributed run step together: their steps are the same steps, their batches add up
     row = per.agg({"steps": "max", "first_step": "min", "last_step": "max", "mean_step_ms": "mean",
                    "total_ms": "mean", "batch_size": "sum" if len(per) > 1 else "max", "devices_used": "sum"})
@@ -393,9 +398,8 @@ def _mean_step_of(run: StoredRun, stats: dict[str, Any] | None) -> dict[str, flo
     has a longer first step)."""
     devices = list(run.model.devices)
     if run.ranks > 1:
-        per = run.query("SELECT SUM(sum_ms) / SUM(steps) AS ms FROM step_blocks" if run.model.aggregated
-                        else "SELECT AVG(duration_ms) AS ms FROM steps")
-        own = {f"rank:{int(r)}": float(ms) for r, ms in zip(per["rank"], per["ms"]) if pd.notna(ms) and ms > 0}
+        per = _steps_per_file(run)
+        own = {f"rank:{int(r)}": float(ms) for r, ms in zip(per["rank"], per["mean_step_ms"]) if pd.notna(ms) and ms > 0}
         if all(d in own for d in devices):
             return own
     mean_step = (run_stats(run) if stats is None else stats)["mean_step_ms"]
