@@ -388,6 +388,15 @@ def test_two_fsdp_ranks_share_one_gpu_over_gloo():
         ((f"rank:{r}", p), steps) for r in (0, 1) for p in ("backward", "forward")]
     assert (alloc["peak_allocated_bytes"] >= alloc["allocated_bytes"]).all()
     assert (alloc["allocated_bytes"] > 0).all() and (alloc["reserved_bytes"] >= alloc["peak_allocated_bytes"]).all()
+    # data, forward, backward and the optimizer also have their GPU time, from CUDA events on the rank's current
+    # stream (data from the second step on); the collectives and copies, on FSDP's own streams, keep host times only
+    phases = run.phases
+    timed = phases["phase"].isin(["data", "forward", "backward", "optimizer"])
+    assert phases.loc[timed, "device_duration_ms"].notna().all(), phases[timed & phases["device_duration_ms"].isna()]
+    assert phases.loc[~timed, "device_duration_ms"].isna().all()
+    assert (phases.loc[timed, "device_duration_ms"] >= 0).all()
+    assert sorted(phases.loc[phases["phase"] == "data"].groupby("device")["step"].min()) == [1, 1]
+    assert sorted(phases.loc[phases["phase"] == "optimizer"].groupby("device").size()) == [steps, steps]
 
 
 def _raw_events(trace) -> list[dict]:

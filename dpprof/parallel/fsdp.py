@@ -28,6 +28,12 @@ What is measured per rank and step, on the host clock (``time.perf_counter_ns``)
 - ``optimizer``: ``optimizer.step()`` (torch's global optimizer hooks);
 - ``data``: the gap since the previous step ended (data loading), as for DDP.
 
+On a rank whose module is on a GPU, ``data``, ``forward``, ``backward`` and ``optimizer`` also get their time on the
+GPU (``device_duration_ms``) from CUDA events recorded on the current stream at their ends, read once they complete
+(the step never waits for them), as DDP's parts do. Backward's GPU time ends after FSDP's root post-backward callback,
+which makes the current stream wait for the last reduce-scatter. The collectives and copies keep their host times
+only: FSDP runs them on its own streams, where an event on the current stream would time something else.
+
 Each collective is also one ``CommRecord`` (``collective`` "all-gather" or "reduce-scatter"): its bytes (the
 all-gather's whole output, the reduce-scatter's whole input: both the padded unsharded size of the group's
 parameters), its launch and its completion (the end of the call for a synchronous one; the end of ``wait()`` for an
@@ -52,7 +58,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from dpprof.device_ids import DeviceSet
-from dpprof.parallel.probe import allocator_bytes, iter_tensors, tensor_bytes
+from dpprof.parallel.probe import PendingPhase, allocator_bytes, event_now, iter_tensors, tensor_bytes
 from dpprof.recording import Run, current_run
 from dpprof.records import AllocatorRecord, CommRecord, DeviceMemoryRecord, PhaseRecord
 
@@ -71,7 +77,8 @@ class _StepProbe:
     """One recorded FSDP step on one rank."""
 
     def __init__(self, run: Run, rank: int, module: torch.nn.Module, t0: int, previous: _StepProbe | None,
-                 shard_bytes: Callable[[torch.nn.Module], tuple[int, int]] | None = None) -> None:
+                 shard_bytes: Callable[[torch.nn.Module], tuple[int, int]] | None = None,
+                 ev0: torch.cuda.Event | None = None) -> None:
         self.run = run
         self.shard_bytes = shard_bytes or _shard_bytes  # FSDP2's DTensor shards, or FSDP1's flat parameters'
         self.gathered_handles: dict[int, int] = {}  # FSDP1: id(FlatParamHandle) -> its bytes, while gathered
@@ -86,14 +93,17 @@ class _StepProbe:
             # step (no previous step's end to start from) would hold less than its own forward
             self.step.start_ns = min(self.step.start_ns, t0)
         self.module = module
-        first = next(module.parameters(), None)
-        self.cuda_index = first.device.index if first is not None and first.is_cuda else None
+        self.cuda_index = _gpu_of(module)
         if self.cuda_index is not None:
             torch.cuda.reset_peak_memory_stats(self.cuda_index)
         self.forward_t0 = t0
+        self.forward_ev0 = ev0  # on a GPU: CUDA events at the parts' starts (the GPU's view of them)
         self.backward_t0: int | None = None
+        self.backward_ev0: torch.cuda.Event | None = None
         self.optimizer_t0: int | None = None
+        self.optimizer_ev0: torch.cuda.Event | None = None
         self.last_end_ns = t0
+        self.last_end_event: torch.cuda.Event | None = None  # the newest part's end on the GPU, where it has one
         self.count = {ALL_GATHER: 0, REDUCE_SCATTER: 0}
         self.pending: dict[int, tuple[int, int, int]] = {}  # id(AllGatherResult) -> (index, bytes, launch_ns)
         self.gathered_bytes = 0
@@ -105,14 +115,27 @@ class _StepProbe:
                 step.start_ns = min(step.start_ns, data_start)
             data_start = max(data_start, step.start_ns)
             if t0 > data_start:
-                self.phase("data", data_start, t0)
+                # on a GPU, from the previous step's last part's end there (not from an explicit step's start)
+                data_ev0 = previous.last_end_event if data_start == previous.last_end_ns else None
+                self.phase("data", data_start, t0, data_ev0, ev0)
 
-    def phase(self, name: str, t0: int, t1: int) -> None:
-        # positional: PhaseRecord(step, call, phase, device, start_ms, duration_ms)
-        self.put(PhaseRecord(self.step.index, 0, name, self.label, (t0 - self.t0_ns) / 1e6, (t1 - t0) / 1e6))
+    def event(self) -> torch.cuda.Event | None:
+        """A CUDA timing event recorded now on this rank's GPU's current stream (None for a rank on the CPU)."""
+        return None if self.cuda_index is None else event_now(self.cuda_index)
+
+    def phase(self, name: str, t0: int, t1: int, ev0: torch.cuda.Event | None = None,
+              ev1: torch.cuda.Event | None = None) -> None:
+        """A part from host time t0 to t1; with its CUDA events (a rank on a GPU), its GPU time too, emitted once they
+        complete (Run.resolve_pending). One part's end event is the next step's data start: events are not reused."""
+        if ev0 is not None and ev1 is not None and self.cuda_index is not None:
+            fields = dict(step=self.step.index, call=0, phase=name, device=self.label,
+                          start_ms=(t0 - self.t0_ns) / 1e6, duration_ms=(t1 - t0) / 1e6)
+            self.run.defer(PendingPhase(fields, self.cuda_index, ev0, ev1, release=False))
+        else:  # positional: PhaseRecord(step, call, phase, device, start_ms, duration_ms)
+            self.put(PhaseRecord(self.step.index, 0, name, self.label, (t0 - self.t0_ns) / 1e6, (t1 - t0) / 1e6))
         self.step.touch(t1)
         if t1 > self.last_end_ns:
-            self.last_end_ns = t1
+            self.last_end_ns, self.last_end_event = t1, ev1
 
     def collective(self, what: str, nbytes: int, launch_ns: int, done_ns: int) -> None:
         index = self.count[what]
@@ -133,7 +156,7 @@ class _StepProbe:
     def forward_done(self, output: Any) -> None:
         """The root's forward ended with ``output``: its phase, output bytes and the allocator; under no_grad (no
         backward to come) the step's memory too."""
-        self.phase("forward", self.forward_t0, time.perf_counter_ns())
+        self.phase("forward", self.forward_t0, time.perf_counter_ns(), self.forward_ev0, self.event())
         self.io_bytes = (self.io_bytes[0], tensor_bytes(output))
         self.read_allocator("forward")
         self.step.devices_used = 1
@@ -146,6 +169,17 @@ class _StepProbe:
         inputs, outputs = self.io_bytes
         self.run.emit(DeviceMemoryRecord(self.step.index, 0, self.label, self.step.batch_size, inputs, outputs, 0,
                                          self.gathered_peak_bytes, sharded, buffers))
+
+
+def _gpu_of(module: torch.nn.Module) -> int | None:
+    """The index of the GPU a module's parameters are on (its first parameter's, a DTensor's local device), or None;
+    looked up once per module."""
+    found = module.__dict__.get("_dpprof_cuda", False)
+    if found is False:
+        first = next(module.parameters(), None)
+        found = first.device.index if first is not None and first.device.type == "cuda" else None
+        module.__dict__["_dpprof_cuda"] = found
+    return found
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -202,13 +236,14 @@ def _probe() -> _StepProbe | None:
 
 
 def _open_step(run: Run, module: torch.nn.Module, t0: int, batch: Any, inputs: Any,
-               shard_bytes: Callable[[torch.nn.Module], tuple[int, int]] | None = None) -> _StepProbe:
-    """The probe of the step the root's forward (started at ``t0``) opens on this rank, made the current one: the
-    batch size from ``batch``'s first tensor, the input bytes of ``inputs``."""
+               shard_bytes: Callable[[torch.nn.Module], tuple[int, int]] | None = None,
+               ev0: torch.cuda.Event | None = None) -> _StepProbe:
+    """The probe of the step the root's forward (started at ``t0``, on a GPU at event ``ev0``) opens on this rank,
+    made the current one: the batch size from ``batch``'s first tensor, the input bytes of ``inputs``."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     previous = _state["previous"]
     probe = _StepProbe(run, rank, module, t0, previous if previous is not None and previous.run is run else None,
-                       shard_bytes)
+                       shard_bytes, ev0)
     first_tensor = next(iter_tensors(batch), None)
     if first_tensor is not None and first_tensor.dim() > 0:
         probe.step.batch_size = (probe.step.batch_size or 0) + first_tensor.size(0)
@@ -225,10 +260,12 @@ def _wrap_root_pre_forward(original: Callable[..., Any]) -> Callable[..., Any]:
         if run is None:
             return original(self, module, args, kwargs)
         first = self._state_ctx.iter_forward_root is None
+        index = _gpu_of(module) if first else None
+        ev0 = event_now(index) if index is not None else None
         t0 = time.perf_counter_ns()
         out = original(self, module, args, kwargs)
         if first and self._state_ctx.iter_forward_root is self:
-            _open_step(run, module, t0, out[0], out)
+            _open_step(run, module, t0, out[0], out, ev0=ev0)
         return out
 
     return root_pre_forward
@@ -243,6 +280,7 @@ def _wrap_post_forward(original: Callable[..., Any]) -> Callable[..., Any]:
         if torch.is_grad_enabled():  # before FSDP's own hook, so backward starts before its unshard there
             def on_grad(grad: torch.Tensor) -> None:
                 if probe.backward_t0 is None:
+                    probe.backward_ev0 = probe.event()
                     probe.backward_t0 = time.perf_counter_ns()
 
             for t in iter_tensors(output):
@@ -261,8 +299,8 @@ def _wrap_post_backward_callback(original: Callable[..., Any]) -> Callable[..., 
         out = original(*args, **kwargs)
         probe = _probe()
         if probe is not None and probe.backward_t0 is not None:
-            t0, probe.backward_t0 = probe.backward_t0, None
-            probe.phase("backward", t0, time.perf_counter_ns())
+            t0, ev0, probe.backward_t0, probe.backward_ev0 = probe.backward_t0, probe.backward_ev0, None, None
+            probe.phase("backward", t0, time.perf_counter_ns(), ev0, probe.event())
             probe.read_allocator("backward")
             probe.memory()
         return out
@@ -397,7 +435,9 @@ def _wrap_fsdp1_forward(original: Callable[..., Any]) -> Callable[..., Any]:
         run = current_run()
         if run is None or _fsdp1["in_forward"]:  # not recording, or an inner FSDP module inside the root's forward
             return original(self, *args, **kwargs)
-        probe = _open_step(run, self, time.perf_counter_ns(), args, (args, kwargs), _fsdp1_shard_bytes)
+        index = _gpu_of(self)
+        ev0 = event_now(index) if index is not None else None
+        probe = _open_step(run, self, time.perf_counter_ns(), args, (args, kwargs), _fsdp1_shard_bytes, ev0)
         _fsdp1["in_forward"] = True
         try:
             out = original(self, *args, **kwargs)
@@ -414,6 +454,7 @@ def _wrap_fsdp1_pre_backward(original: Callable[..., Any]) -> Callable[..., Any]
     def pre_backward_hook(*args: Any, **kwargs: Any) -> Any:
         probe = _probe()
         if probe is not None and probe.backward_t0 is None:  # the first: before its unshard and prefetch
+            probe.backward_ev0 = probe.event()
             probe.backward_t0 = time.perf_counter_ns()
         return original(*args, **kwargs)
 
@@ -489,14 +530,15 @@ class _TimedDist:
 def _optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
     probe = _probe()
     if probe is not None:
+        probe.optimizer_ev0 = probe.event()
         probe.optimizer_t0 = time.perf_counter_ns()
 
 
 def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
     probe = _probe()
     if probe is not None and probe.optimizer_t0 is not None:
-        probe.phase("optimizer", probe.optimizer_t0, time.perf_counter_ns())
-        probe.optimizer_t0 = None
+        probe.phase("optimizer", probe.optimizer_t0, time.perf_counter_ns(), probe.optimizer_ev0, probe.event())
+        probe.optimizer_t0 = probe.optimizer_ev0 = None
 
 
 def installed() -> bool:
