@@ -155,6 +155,25 @@ def test_a_window_past_the_end_stops_at_the_last_step_or_never_starts(tmp_path):
         assert not torch.autograd.profiler._is_profiler_enabled
 
 
+def test_a_run_that_fails_as_its_window_begins_raises_its_own_error_and_stops_the_profiler(tmp_path, monkeypatch):
+    """An error after the profiler started and before the window's first step did (here in marking that step) is the
+    one the user sees, not the capture's; the profiler is stopped and the run file says the run failed."""
+    from dpprof.capture.session import CaptureSession
+
+    def fail(self, index):
+        raise RuntimeError("failed while the window began")
+
+    monkeypatch.setattr(CaptureSession, "_mark", fail)
+    net = dpprof.DataParallel(torch.nn.Linear(8, 2), device_ids=dpprof.cpu_devices(2))
+    with pytest.raises(RuntimeError, match="failed while the window began"):
+        with dpprof.record(reports_dir=str(tmp_path), capture="0:2") as run:
+            with run.step():
+                net(torch.randn(8, 8)).sum().backward()
+    assert not torch.autograd.profiler._is_profiler_enabled
+    meta = dpprof.load_run(run.path).meta
+    assert meta["status"] == "failed" and "failed while the window began" in meta["error"]
+
+
 def test_dpprof_run_captures_the_implicit_steps_of_an_unchanged_script(tmp_path):
     """A script's steps end at optimizer.step() (2 batches each here): the window is steps 1 and 2."""
     done = forked.run([sys.executable, "-m", "dpprof", "--reports-dir", str(tmp_path), "run", "--cpu-workers", "2",

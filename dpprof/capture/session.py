@@ -168,7 +168,9 @@ class CaptureSession:
         stop_ms = (time.perf_counter() - t0) * 1e3
         self._profiler, self.window = None, None
         self.run.capture_edge = NO_CAPTURE
-        steps = CaptureWindow(self._first, end_step)
+        # at least the window's first step: a run that failed as its window began (the profiler started, the step not)
+        # still stops the profiler and stores what it holds, and its own error is the one raised
+        steps = CaptureWindow(self._first, max(end_step, self._first + 1))
         job = threading.Thread(target=self._store, args=(profiler, steps, self._nonce, error, stop_ms,
                                                          self._device_of_thread()),
                                name=f"dpprof-capture-store-{self.run.id}", daemon=True)
