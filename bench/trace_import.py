@@ -2,7 +2,8 @@
 rank files of one job, read one after another (``--jobs 1``) and at once (the default).
 
     python bench/trace_import.py [--size-mb 1024] [--rank-size-mb 1024] [--ranks 4] [--rounds 2] [--pairs 2]
-                                 [--arms dpprof,hta-json,jobs] [--hta-python .hta-venv/bin/python] [--keep DIR]
+                                 [--arms dpprof,dpprof-1,hta-json,jobs] [--hta-python .hta-venv/bin/python]
+                                 [--keep DIR]
                                  [--allow-load]
 
 Traces are made in a temporary directory (or ``--keep DIR``, reused when the files are there) by repeating
@@ -11,7 +12,9 @@ shifted timestamps and step numbers: one of about --size-mb MB (uncompressed JSO
 --rank-size-mb MB each, the same events with ``distributedInfo`` saying rank k of --ranks. Each arm runs in a
 fresh process of its own; arms take turns round by round, a different one first each round:
 
-- dpprof: ``dpprof.trace.import_traces`` on the one file (read, convert, write the run file, findings);
+- dpprof: ``dpprof.trace.import_traces`` on the one file (read, convert, write the run file, findings), with the
+  default jobs: one worker per core, each reading a part of the file (``dpprof.trace.jobs``);
+- dpprof-1: the same with ``jobs=1``: the file read in the importing process alone;
 - hta-json: ``hta.common.trace_parser.parse_trace_dataframe`` with HTA's default backend (json.load);
 - hta-ijson: the same with ``ParserBackend.IJSON_BATCH_AND_COMPRESS`` (its streaming back-end; not run by
   default: slower than its default and longer than the rest of the bench together);
@@ -20,7 +23,8 @@ fresh process of its own; arms take turns round by round, a different one first 
 
 Each arm prints its seconds (from the start of its process's imports to the end) and its peak RSS
 (``ru_maxrss``: the whole process, interpreter and imports included, whose share alone is printed first;
-for the jobs arms also the largest worker's, which counts the pages a forked worker shares with its parent).
+for the dpprof and jobs arms also the largest worker's, which counts the pages a forked worker shares with its
+parent).
 The load average is printed beside each figure, and the CPU seconds (the process's and its
 workers'), which a shared machine moves less than the wall clock. Before the rounds, one process times
 dpprof's stages on the one file, wall clock and CPU: reading the bytes, decoding the events, collecting
@@ -114,6 +118,11 @@ ARM_CODE = {
                "with tempfile.TemporaryDirectory(prefix='dpprof-bench-') as reports:\n"
                "    run = dpprof.trace.import_traces(PATHS, reports)\n"
                "RESULT = f'{{run.steps}} steps'\n"),
+    "dpprof-1": ("import dpprof.trace, tempfile\n"
+                 "{stop}"
+                 "with tempfile.TemporaryDirectory(prefix='dpprof-bench-') as reports:\n"
+                 "    run = dpprof.trace.import_traces(PATHS, reports, jobs=1)\n"
+                 "RESULT = f'{{run.steps}} steps, one process'\n"),
     "jobs-1": ("import dpprof.trace, tempfile\n"
                "{stop}"
                "with tempfile.TemporaryDirectory(prefix='dpprof-bench-') as reports:\n"
@@ -234,7 +243,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--pairs", type=int, default=2, help="jobs 1 / default pairs a round")
     parser.add_argument("--hta-python", default=None, help="a python with holistictraceanalysis installed")
-    parser.add_argument("--arms", default="dpprof,hta-json,jobs", help="of dpprof, hta-json, hta-ijson, jobs")
+    parser.add_argument("--arms", default="dpprof,dpprof-1,hta-json,jobs",
+                        help="of dpprof, dpprof-1, hta-json, hta-ijson, jobs")
     parser.add_argument("--keep", default=None, help="make the traces here and keep them (reused when there)")
     parser.add_argument("--allow-load", action="store_true",
                         help="print the ratios even where other processes took the processor during the rounds")
@@ -306,7 +316,7 @@ def main() -> None:
                             print(f"round {r + 1} {arm}: failed after {res['wall_s']:.0f} s: {res['error']}")
                         else:
                             workers = (f", largest worker {res['workers_peak_rss_mb']:,.0f} MiB"
-                                       if arm == "jobs-default" and res["workers_peak_rss_mb"] else "")
+                                       if arm in ("jobs-default", "dpprof") and res["workers_peak_rss_mb"] else "")
                             print(f"round {r + 1} {arm}: {res['seconds']:.1f} s (CPU {res['cpu_s']:.1f} s), "
                                   f"{mb / res['seconds']:.1f} MiB/s, peak RSS {res['peak_rss_mb']:,.0f} MiB{workers} "
                                   f"({res['result']}; load average {res['load']:.1f})")
@@ -322,20 +332,23 @@ def main() -> None:
                 continue
             s = _mean([x["seconds"] for x in ok])
             rss = max(x["peak_rss_mb"] for x in ok)
+            worker = max(x.get("workers_peak_rss_mb", 0) for x in ok)
             cpu = _mean([x["cpu_s"] for x in ok])
             means[arm] = (s, rss, cpu)
             mb = size_mb if arm in single else ranks_mb
             spread = f"{min(x['seconds'] for x in ok):.1f} to {max(x['seconds'] for x in ok):.1f} s"
-            print(f"  {arm}: {s:.1f} s ({spread}), {mb / s:.1f} MiB/s, CPU {cpu:.1f} s, peak RSS {rss:,.0f} MiB "
+            largest = f", largest worker {worker:,.0f} MiB" if worker and arm in ("dpprof", "jobs-default") else ""
+            print(f"  {arm}: {s:.1f} s ({spread}), {mb / s:.1f} MiB/s, CPU {cpu:.1f} s, peak RSS {rss:,.0f} MiB{largest} "
                   f"({len(ok)} runs, load average {min(x['load'] for x in ok):.1f} to {max(x['load'] for x in ok):.1f})")
         if refused:
             print(f"  ratios {refused}")
-        elif "dpprof" in means:
-            for arm in ("hta-json", "hta-ijson"):
-                if arm in means:
-                    print(f"  dpprof against {arm}: {means[arm][0] / means['dpprof'][0]:.1f}x its speed "
-                          f"({means[arm][2] / means['dpprof'][2]:.1f}x in CPU time), "
-                          f"{means['dpprof'][1] / means[arm][1]:.2f}x its peak RSS")
+        else:
+            for ours in ("dpprof", "dpprof-1"):
+                for arm in ("hta-json", "hta-ijson"):
+                    if ours in means and arm in means:
+                        print(f"  {ours} against {arm}: {means[arm][0] / means[ours][0]:.1f}x its speed "
+                              f"({means[arm][2] / means[ours][2]:.1f}x in CPU time), "
+                              f"{means[ours][1] / means[arm][1]:.2f}x its peak RSS")
         if "jobs-1" in means and "jobs-default" in means and not refused:
             ones = [x["seconds"] for x in results["jobs-1"] if "error" not in x]
             defaults = [x["seconds"] for x in results["jobs-default"] if "error" not in x]

@@ -878,8 +878,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="import files a run in the reports directory was imported from already, as another run")
     p.add_argument("--jobs", type=_positive_int, default=None, metavar="N",
                    help="files read at once, each in a process of its own (default: one per core, fewer where "
-                        "memory would not hold them; 1: one after another; never more than the cores or the files, "
-                        "said in a warning line)")
+                        "memory would not hold them; a plain .json of 64 MiB or more is read in parts where there are "
+                        "fewer files than workers; 1: one after another; never more than the cores or the files and "
+                        "parts, said in a warning line)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_import, parser=p)
 

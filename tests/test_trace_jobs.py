@@ -1,6 +1,6 @@
 """dpprof.trace.jobs: the files of one job read in worker processes give the run that reading them one after
 another gives, table for table; a file that fails among several leaves nothing behind and no worker running;
-how many files are read at once by default."""
+how many files are read at once by default; a large plain JSON file read in parts gives what one pass gives."""
 from __future__ import annotations
 
 import gzip
@@ -14,11 +14,11 @@ import pytest
 
 from dpprof.trace import TraceError, import_traces
 from dpprof.trace import jobs as jobs_module
-from dpprof.trace.collect import collect
+from dpprof.trace.collect import Collected, collect, collect_part, finish, merge_parts
 from dpprof.trace.convert import convert
 from dpprof.trace.importer import jobs_for
-from dpprof.trace.jobs import GZIP_RATIO, WORKER_BASE_BYTES, collect_files, default_jobs, worker_bytes
-from dpprof.trace.decode import TraceFile
+from dpprof.trace.jobs import GZIP_RATIO, WORKER_BASE_BYTES, collect_files, default_jobs, task_sizes, worker_bytes
+from dpprof.trace.decode import Span, TraceFile, split_points
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT.parent / "shared" / "traces"
@@ -178,3 +178,121 @@ def test_one_file_or_one_job_reads_in_this_process(monkeypatch):
     assert [c.name for c in collect_files(DDP128, jobs=1)] == [p.name for p in DDP128]
     assert [c.name for c in collect_files(DDP128[:1], jobs=4)] == [DDP128[0].name]
     assert collect_files([DDP2], jobs=1)[0].events == collect(TraceFile(DDP2)).events
+
+
+# A large plain JSON file read in parts (dpprof.trace.decode.split_points, collect.merge_parts)
+
+def _plain(source: Path, out: Path) -> Path:
+    """A shared .json.gz trace as the plain JSON Kineto writes (only those are read in parts)."""
+    with gzip.open(source, "rb") as f:
+        out.write_bytes(f.read())
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_traces(tmp_path_factory):
+    """Every shared trace as plain JSON, and a CPU trace recorded here with record_shapes, profile_memory, with_stack
+    and with_modules (operators with shapes, [memory] events, module frames)."""
+    from detail_traces import slow_loader_trace
+
+    directory = tmp_path_factory.mktemp("plain")
+    files = [_plain(p, directory / p.name.removesuffix(".gz")) for p in sorted(TRACES.glob("*.json.gz"))]
+    return [*files, slow_loader_trace(directory / "recorded")]
+
+
+def _same(one: Collected, parts: Collected) -> None:
+    """Every field of two Collected of one file equal: lists, typed arrays and the interned tables alike."""
+    for name in ("events", "steps", "forwards", "dpprof_ranges", "optimizer", "data", "collectives", "c10d",
+                 "fsdp_ranges", "comm_kernels", "first_us", "last_us", "gpu_labels", "left_out", "left_out_first",
+                 "notes", "meta", "memory_cumulative"):
+        assert getattr(one, name) == getattr(parts, name), name
+    assert (one.backward.starts, one.backward.ends) == (parts.backward.starts, parts.backward.ends)
+    assert {k: (v.starts, v.ends) for k, v in one.gpu.items()} == {k: (v.starts, v.ends) for k, v in parts.gpu.items()}
+    def raw(columns: dict) -> dict:  # typed arrays by their bytes: NaN (no reserved bytes, no occupancy) is NaN
+        return {k: tuple(c.tobytes() for c in v) if isinstance(v, tuple) else v.tobytes() for k, v in columns.items()}
+
+    assert raw(one.memory) == raw(parts.memory) and raw(one.memory_summed) == raw(parts.memory_summed)
+    a, b = one.detail, parts.detail
+    assert (a.names, a.shapes, a.tids, a.configs, a.device_properties, a.left_out, a.left_out_first) == (
+        b.names, b.shapes, b.tids, b.configs, b.device_properties, b.left_out, b.left_out_first)
+    assert raw(a.arrays) == raw(b.arrays)
+
+
+@pytest.mark.parametrize("parts", [2, 3, 7])
+def test_a_file_read_in_parts_collects_what_one_pass_does(plain_traces, parts):
+    """Each file cut into parts, each part collected on its own and the parts merged: every field as one pass over
+    the file gives it. A file Kineto wrote (an event's fields over several lines) is cut where asked; one written on a
+    single line has no boundary a string cannot hold, and is one part."""
+    split = 0
+    for path in plain_traces:
+        spans = split_points(path, parts)
+        one_line = path.read_bytes().count(b"\n") < 10
+        assert len(spans) == (1 if one_line else parts), path.name
+        assert [s.index for s in spans] == list(range(len(spans))) and spans[-1].stop is None
+        for before, after in zip(spans, spans[1:]):  # each cut just after an event's closing brace
+            assert before.stop == after.start and path.read_bytes()[after.start - 1:after.start] == b"}"
+        merged = merge_parts([collect_part(TraceFile(path, span=s)) for s in spans])
+        assert merged is not None
+        _same(collect(TraceFile(path)), finish(merged))
+        split += len(spans) > 1
+    assert split >= 3  # the 2-rank NCCL trace, the ResNet-50 one and the trace recorded here
+
+
+def test_a_split_import_gives_the_run_tables_of_one_pass(plain_traces, reports):
+    """dpprof import with two jobs reads one large file in two worker processes: its run file holds, table for table,
+    what reading it in one pass writes (here with the size threshold lowered to these files')."""
+    for path in plain_traces[2:]:
+        one = import_traces([path], reports, jobs=1, again=True)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(jobs_module, "SPLIT_MIN_BYTES", 1)
+            read: list[int] = []
+            two = import_traces([path], reports, jobs=2, again=True, progress=read.append)
+        assert sum(read) == path.stat().st_size  # every byte told once, whatever part read it
+        ta, tb = _tables(one.paths[0]), _tables(two.paths[0])
+        assert ta.keys() == tb.keys() and "operators" in ta
+        for table in ta:
+            assert ta[table] == tb[table], (path.name, table)
+    assert not multiprocessing.active_children()
+
+
+def _edited(source: Path, out: Path, old: bytes, new: bytes, after: float, within: bytes = b"") -> Path:
+    """``source`` with the first ``old`` past ``after`` of its length (and past the next ``within``) replaced by
+    ``new``."""
+    data = source.read_bytes()
+    at = data.index(old, data.index(within, int(len(data) * after)))
+    out.write_bytes(data[:at] + new + data[at + len(old):])
+    return out
+
+
+def test_a_part_that_refuses_or_leaves_an_event_out_says_what_one_pass_says(plain_traces, tmp_path):
+    """A step with a negative duration in the file's second half stops the import with the message reading the file
+    in one pass gives (the event numbered from the file's start, not the part's); an event with a negative time
+    (a kernel) is left out, counted and named alike."""
+    source = next(p for p in plain_traces if p.name.startswith("resnet50"))
+    text = source.read_bytes()
+    step = text.index(b'"ProfilerStep#', int(len(text) * 0.55))
+    dur = text.index(b'"dur":', step)
+    refused = tmp_path / "refused.json"
+    refused.write_bytes(text[:dur] + b'"dur": -5,' + text[text.index(b",", dur) + 1:])
+    with pytest.raises(TraceError) as alone:
+        collect(TraceFile(refused))
+    with pytest.raises(TraceError) as in_parts:
+        collect_files([refused], jobs=2, split_min_bytes=1)
+    assert str(in_parts.value) == str(alone.value) and "traceEvents[" in str(alone.value)
+    left = _edited(source, tmp_path / "left.json", b'"ts":', b'"ts": -3, "was":', 0.8, b'"cat": "Kernel"')
+    one = collect(TraceFile(left))
+    [parts] = collect_files([left], jobs=2, split_min_bytes=1)
+    assert one.left_out == 1 and "traceEvents[" in one.left_out_first
+    _same(one, parts)
+    assert not multiprocessing.active_children()
+
+
+def test_a_gzipped_or_small_file_is_read_whole(plain_traces, monkeypatch):
+    """Only a plain JSON file of SPLIT_MIN_BYTES or more is read in parts; the default jobs count its parts."""
+    monkeypatch.setattr(jobs_module, "usable_cores", lambda: 2)
+    monkeypatch.setattr(jobs_module, "available_memory_bytes", lambda: None)
+    assert split_points(DDP2, 2) == [Span(0, None, 0)]
+    small = plain_traces[2]
+    assert small.stat().st_size < jobs_module.SPLIT_MIN_BYTES and jobs_for([small]) == 1
+    monkeypatch.setattr(jobs_module, "SPLIT_MIN_BYTES", 1)
+    assert jobs_for([small]) == 2 and jobs_for([DDP2]) == 1 and len(task_sizes([small])) == 2

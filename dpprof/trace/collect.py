@@ -9,6 +9,7 @@ follow the rules written there, said in ``Collected.notes``.
 """
 from __future__ import annotations
 
+import math
 import re
 from array import array
 from dataclasses import dataclass, field
@@ -19,10 +20,10 @@ import msgspec
 from dpprof.trace.numbers import (MAX_BYTES, MAX_GPU_INDEX, MAX_STEP, MAX_STEP_DIGITS, MAX_TIME_US,
                                   base_time_problem, distributed_problem, is_time, shown, time_problem, whole)
 from dpprof.trace.decode import Event, OddEvent, TraceError, TraceFile
-from dpprof.trace.detail_events import LAUNCH_CATS, OP_CATS, DetailCollector, RawDetail
+from dpprof.trace.detail_events import LAUNCH_CATS, OP_CATS, DetailCollector, RawDetail, merge_details
 
-__all__ = ["Range", "Collective", "Collected", "collect", "DTYPE_BYTES", "gpu_kind", "Args", "args_of",
-           "collective_name", "COLLECTIVES"]
+__all__ = ["Range", "Collective", "Collected", "collect", "collect_part", "merge_parts", "finish", "DTYPE_BYTES",
+           "gpu_kind", "Args", "args_of", "collective_name", "COLLECTIVES"]
 
 # Bytes per element of the dtypes collectives name ("dtype": "Float"; "Input type": "float").
 DTYPE_BYTES = {
@@ -119,6 +120,9 @@ class Collected:
     gpu: dict[tuple[int, str], _Intervals] = field(default_factory=dict)  # (gpu, kind) -> intervals
     memory: dict[int, tuple[array, array, array]] = field(default_factory=dict)  # gpu -> ts, allocated, reserved
     memory_cumulative: set[int] = field(default_factory=set)  # GPUs whose allocated bytes are summed from Bytes
+    # gpu -> each reading's Bytes where its allocated bytes were summed from them (NaN where Total Allocated gave
+    # them): what merge_parts sums again across parts
+    memory_summed: dict[int, array] = field(default_factory=dict)
     first_us: float = float("inf")
     last_us: float = float("-inf")
     gpu_labels: dict[int, str] = field(default_factory=dict)  # pid -> "GPU 0"
@@ -270,6 +274,16 @@ def collect(trace: TraceFile) -> Collected:
         TraceError: the file cannot be read, or a number in it cannot be (a step's time, a step number past
             2**53, baseTimeNanoseconds, distributedInfo: ``dpprof.trace.numbers``); one line naming the event.
     """
+    return finish(collect_part(trace))
+
+
+def collect_part(trace: TraceFile) -> Collected:
+    """What ``collect`` keeps of the events ``trace`` reads (the whole file, or one ``Span`` of it), in file order,
+    before the rules that need every event of the file (``finish``): parts of one file are ``merge_parts``-ed first.
+
+    Raises:
+        TraceError: as ``collect``.
+    """
     out = Collected(name=trace.name, size_bytes=trace.size_bytes, meta=trace.meta)
     gpu = out.gpu
     backward = out.backward
@@ -382,12 +396,22 @@ def collect(trace: TraceFile) -> Collected:
                 pid = whole(event.pid, 0, MAX_GPU_INDEX)
                 if isinstance(labels, str) and labels.startswith("GPU") and pid is not None:
                     out.gpu_labels[pid] = labels
-    for problem in (base_time_problem(trace.meta), distributed_problem(trace.meta)):
-        if problem:
-            raise TraceError(f"{trace.name}: {problem}")
     out.first_us, out.last_us = float(first_us), float(last_us)
     out.events = trace.events_read
     out.detail = detail.raw(trace.meta)
+    return out
+
+
+def finish(out: Collected) -> Collected:
+    """The rules over a whole file's events, once (``collect``, or after ``merge_parts``): its top-level fields
+    checked, steps in order with one range each, ranges sorted, collectives named and paired with their kernels.
+
+    Raises:
+        TraceError: baseTimeNanoseconds or distributedInfo cannot be (``dpprof.trace.numbers``).
+    """
+    for problem in (base_time_problem(out.meta), distributed_problem(out.meta)):
+        if problem:
+            raise TraceError(f"{out.name}: {problem}")
     out.steps.sort(key=lambda s: s[1])
     _one_range_per_step(out)
     if out.left_out:
@@ -403,6 +427,56 @@ def collect(trace: TraceFile) -> Collected:
     out.c10d.sort(key=lambda r: r.start_us)
     _name_by_c10d(out)
     _pair_collectives(out)
+    return out
+
+
+def merge_parts(parts: list[Collected]) -> Collected | None:
+    """One file's ``collect_part`` results, its parts in file order, as one ``collect_part`` of the whole file would
+    have made them; ``finish`` it next. The 2021 format's running sum of allocations (each part's starts at zero) is
+    summed again over the whole file. None where that cannot be told from the parts alone: a later part left an event
+    out (its message would number the event from the part's start); the caller reads such a file whole instead.
+    """
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if any(p.left_out for p in parts[1:]):
+        return None
+    out = Collected(name=first.name, size_bytes=first.size_bytes, meta={k: v for p in parts for k, v in p.meta.items()})
+    for p in parts:
+        out.events += p.events
+        out.steps += p.steps
+        out.forwards += p.forwards
+        out.dpprof_ranges += p.dpprof_ranges
+        out.optimizer += p.optimizer
+        out.data += p.data
+        out.backward.starts += p.backward.starts
+        out.backward.ends += p.backward.ends
+        out.collectives += p.collectives
+        out.c10d += p.c10d
+        out.fsdp_ranges += p.fsdp_ranges
+        out.comm_kernels += p.comm_kernels
+        for key, spans in p.gpu.items():
+            mine = out.gpu.setdefault(key, _Intervals())
+            mine.starts += spans.starts
+            mine.ends += spans.ends
+        for gpu, columns in p.memory.items():
+            if gpu not in out.memory:
+                out.memory[gpu] = (array("d"), array("d"), array("d"))
+                out.memory_summed[gpu] = array("d")
+            for mine, theirs in zip(out.memory[gpu], columns):
+                mine += theirs
+            out.memory_summed[gpu] += p.memory_summed[gpu]
+        out.memory_cumulative |= p.memory_cumulative
+        out.gpu_labels.update(p.gpu_labels)
+        out.first_us = min(out.first_us, p.first_us)
+        out.last_us = max(out.last_us, p.last_us)
+    for gpu in out.memory_cumulative:  # each reading summed from the one before it, across the parts
+        allocated, summed = out.memory[gpu][1], out.memory_summed[gpu]
+        for i, nbytes in enumerate(summed):
+            if nbytes == nbytes:  # not NaN: this reading's allocated bytes are the running sum
+                allocated[i] = _summed(allocated[i - 1] if i else 0.0, nbytes)
+    out.left_out, out.left_out_first = first.left_out, first.left_out_first
+    out.detail = merge_details([p.detail for p in parts], out.meta)
     return out
 
 
@@ -510,15 +584,23 @@ def _memory(out: Collected, event: Event | OddEvent) -> str | None:
         return f"Total Allocated {shown(total)} is not a number of bytes"
     if device not in out.memory:
         out.memory[device] = (array("d"), array("d"), array("d"))
+        out.memory_summed[device] = array("d")
     times, allocated, reserved = out.memory[device]
+    out.memory_summed[device].append(float(nbytes) if cumulative else math.nan)
     if cumulative:  # allocated is the running sum of the allocations' Bytes
         out.memory_cumulative.add(device)
-        total = min(max((allocated[-1] if allocated else 0.0) + nbytes, 0.0), float(MAX_BYTES))
+        total = _summed(allocated[-1] if allocated else 0.0, nbytes)
     times.append(float(ts))
     allocated.append(float(total))
     res = whole(args.total_reserved, 0, MAX_BYTES)  # out of range: unknown, as where the format has none
     reserved.append(float(res) if res is not None else float("nan"))
     return None
+
+
+def _summed(before: float, nbytes: float) -> float:
+    """The allocated bytes after an allocation (or a free: negative) of ``nbytes``, in the format that gives only
+    each one's Bytes: the running sum, never below 0 nor past MAX_BYTES."""
+    return min(max(before + nbytes, 0.0), float(MAX_BYTES))
 
 
 def _pair_collectives(out: Collected) -> None:

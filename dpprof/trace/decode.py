@@ -38,12 +38,13 @@ import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 import types
+from dataclasses import dataclass
 from typing import Any, ClassVar, Union
 
 import msgspec
 
 __all__ = ["TraceError", "TraceFile", "Event", "Flow", "OddEvent", "TRACE_SUFFIXES", "is_trace_name", "CHUNK_BYTES",
-           "MAX_VALUE_BYTES", "PHASES"]
+           "MAX_VALUE_BYTES", "PHASES", "Span", "split_points"]
 
 TRACE_SUFFIXES = (".json", ".json.gz")
 CHUNK_BYTES = 1 << 20  # 1 MiB per read: large enough that per-read and per-batch costs vanish, small next to the import
@@ -135,17 +136,41 @@ class _Broken(Exception):
         self.msg, self.at = msg, at
 
 
+@dataclass(frozen=True)
+class Span:
+    """A part of a plain JSON trace's events, read on its own (``TraceFile(path, span=...)``): bytes ``start`` to
+    ``stop`` of the file, cut at event boundaries (``split_points``). The first part holds the top-level fields
+    before ``traceEvents`` and the events up to ``stop``; a later one begins at an event, and the last reads the
+    fields after ``traceEvents`` too."""
+
+    start: int
+    stop: int | None  # None: to the end of the file
+    index: int  # the part's place among the file's parts: 0 is the first
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stop is None
+
+
 class _Chunks:
     """The file's bytes in chunks, read (and decompressed) by a thread ahead of the caller: zlib and file
     reads let go of the GIL, so on two cores decompression costs the decoder little. Errors are raised
-    in the caller, at the chunk where they happened."""
+    in the caller, at the chunk where they happened. With a ``span``, only its bytes."""
 
-    def __init__(self, path: Path, progress: Callable[[int], None] | None) -> None:
+    def __init__(self, path: Path, progress: Callable[[int], None] | None, span: Span | None = None) -> None:
         self.progress = progress
         self._queue: queue.Queue = queue.Queue(maxsize=READ_AHEAD_CHUNKS)
         self._stop = threading.Event()
         raw = open(path, "rb")  # an OSError here is the caller's (cannot read)
         stream = gzip.GzipFile(fileobj=raw, mode="rb") if path.name.endswith(".gz") else raw
+        self._left: int | None = None
+        if span is not None:
+            raw.seek(span.start)
+            self._left = None if span.stop is None else span.stop - span.start
         self._thread = threading.Thread(target=self._read, args=(raw, stream), name=f"dpprof-read-{path.name}",
                                         daemon=True)
         self._thread.start()
@@ -160,11 +185,14 @@ class _Chunks:
         return False
 
     def _read(self, raw: Any, stream: Any) -> None:
-        before = 0
+        before = raw.tell()  # a span's start: its bytes alone are told
         try:
             with raw, stream:
                 while True:
-                    chunk = stream.read(CHUNK_BYTES)
+                    left = self._left
+                    chunk = stream.read(CHUNK_BYTES if left is None else min(CHUNK_BYTES, left))
+                    if left is not None:
+                        self._left = left - len(chunk)
                     position = raw.tell()
                     if not self._put((chunk, position - before)) or not chunk:
                         return
@@ -253,11 +281,13 @@ class TraceFile:
         >>> trace.meta.get("distributedInfo")
     """
 
-    def __init__(self, path: str | os.PathLike[str], progress: Callable[[int], None] | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], progress: Callable[[int], None] | None = None,
+                 span: Span | None = None) -> None:
         self.path = Path(path)
         self.name = self.path.name
         self.size_bytes = self.path.stat().st_size
         self.progress = progress
+        self.span = span  # a part of the file's events only (dpprof.trace.jobs reads a large file in parts)
         self.meta: dict[str, Any] = {}
         self.events_read = 0
         self.kineto_events = 0  # counted until the first is seen: all that is asked of it is whether there is one
@@ -277,7 +307,7 @@ class TraceFile:
 
     def _read(self, decode: Callable[[bytes], list], from_dict: Callable[[dict], Any]) -> Iterator[list]:
         try:
-            chunks = _Chunks(self.path, self.progress)
+            chunks = _Chunks(self.path, self.progress, self.span)
         except OSError as err:
             raise self._error(f"cannot read: {err.strerror or err}") from None
         try:
@@ -301,17 +331,30 @@ class TraceFile:
             chunks.close()
         if not self.events_read:
             raise self._error("no events (traceEvents is empty or missing)")
+        if self.span is not None and not self.span.first:
+            return  # what the file is, is the first part's to say: its header holds schemaVersion
         if not self.kineto_events and "schemaVersion" not in self.meta:
             raise self._error("a Chrome trace from another tool, not a torch.profiler trace (no Kineto "
                               "event categories, no schemaVersion)")
 
     def _walk(self, text: _Buffer, decode: Callable[[bytes], list], from_dict: Callable[[dict], Any]) -> Iterator[list]:
+        if self.span is not None and not self.span.first:  # a later part begins inside traceEvents, at an event
+            yield from self._events(text, decode, from_dict)
+            if not self.span.last:
+                return
+            yield from self._fields(text, decode, from_dict)
+            return
         first = text.peek()
         if first == b"[":
             raise self._error("a JSON array of events (a Chrome trace from another tool), not a torch.profiler trace")
         if first != b"{":
             raise self._error("empty file" if first == b"" else "not JSON (a torch.profiler trace is a JSON object)")
         text.pos += 1
+        yield from self._fields(text, decode, from_dict)
+
+    def _fields(self, text: _Buffer, decode: Callable[[bytes], list],
+                from_dict: Callable[[dict], Any]) -> Iterator[list]:
+        """The top-level object's fields from the cursor to its closing brace; ``traceEvents``' events in batches."""
         while True:
             c = text.peek()
             if c == b"}":
@@ -326,6 +369,8 @@ class TraceFile:
             if key == "traceEvents" and text.peek() == b"[":
                 text.pos += 1
                 yield from self._events(text, decode, from_dict)
+                if self.span is not None and not self.span.last:  # the part ends inside traceEvents
+                    return
             else:
                 self.meta[key] = text.value()
 
@@ -345,12 +390,18 @@ class TraceFile:
             pos = text.pos = skip(buf, text.pos).end()
             if pos >= len(buf):
                 if not text.more():
+                    if self.span is not None and not self.span.last:  # the part's end: an event boundary
+                        return
                     raise _Broken("the file ends inside traceEvents", text.consumed + pos)
                 continue
             if buf[pos] == 0x5D:  # "]"
                 text.pos = pos + 1
                 return
             cut = _last_boundary(buf, pos, len(buf))
+            if cut is None and text.eof and self.span is not None and not self.span.last:
+                # a part's bytes end with its last event's closing brace (split_points): decoded as the others are
+                end = len(buf.rstrip())
+                cut = end if end > pos and buf[end - 1] == 0x7D else None
             if cut is None and not text.eof:  # the buffer ends inside its first event: read on
                 text.more(len(buf) - pos)
                 continue
@@ -402,6 +453,55 @@ class TraceFile:
 
 
 _SEPARATORS_STR = re.compile(r"[ \t\n\r,]*")
+
+
+# Where a plain JSON trace may be cut into parts read on their own: an event's closing brace, a comma and a new line
+# before the next event's opening brace. A JSON string holds no raw new line, so no such place is inside one.
+_PART_BOUNDARY = re.compile(rb"}[ \t\r]*,[ \t\r]*\n[ \t\r\n]*{")
+_PART_WINDOW = 1 << 20  # bytes looked at around each cut for a boundary
+_decode_any = msgspec.json.Decoder().decode
+
+
+def split_points(path: str | os.PathLike[str], parts: int) -> list[Span]:
+    """Cut a plain JSON trace into ``parts`` spans of about equal size at event boundaries inside ``traceEvents``,
+    each checked by decoding the events after it (an array of objects that each have a ``ph``); fewer where no
+    checked boundary is found near a cut (a gzipped file, or a small one, is one span: the whole file)."""
+    path = Path(path)
+    size = path.stat().st_size
+    if parts < 2 or path.name.endswith(".gz"):
+        return [Span(0, None, 0)]
+    cuts: list[int] = []
+    with open(path, "rb") as f:
+        for k in range(1, parts):
+            at = size * k // parts
+            if cuts and at <= cuts[-1]:
+                continue
+            f.seek(at)
+            window = f.read(_PART_WINDOW)
+            cut = _checked_boundary(window)
+            if cut is not None and (not cuts or at + cut > cuts[-1]):
+                cuts.append(at + cut)
+    bounds = [0, *cuts]
+    return [Span(lo, hi, i) for i, (lo, hi) in enumerate(zip(bounds, [*cuts, None]))]
+
+
+def _checked_boundary(window: bytes) -> int | None:
+    """The offset in ``window`` just past the first event boundary whose following events decode as event objects
+    (up to the window's last boundary), None where there is none."""
+    found = _PART_BOUNDARY.search(window)
+    while found is not None:
+        cut = found.start() + 1  # just past the closing brace: the part before ends with an event
+        begin = found.end() - 1  # the next event's opening brace
+        last = _last_boundary(window, begin, len(window))
+        if last is not None and last > begin:
+            try:
+                events = _decode_any(b"".join((b"[", window[begin:last], b"]")))
+            except (msgspec.DecodeError, RecursionError):
+                events = None
+            if events and all(type(e) is dict and "ph" in e for e in events):
+                return cut
+        found = _PART_BOUNDARY.search(window, found.end())
+    return None
 
 
 def _in_one_call(buf: bytes, pos: int, cut: int | None, decode: Callable[[bytes], list]) -> tuple[list | None, int | None]:

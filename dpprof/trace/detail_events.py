@@ -15,7 +15,7 @@ import msgspec
 
 from dpprof.trace.numbers import MAX_BYTES, MAX_GPU_INDEX, is_time, whole
 
-__all__ = ["DetailCollector", "RawDetail", "OP_CATS", "LAUNCH_CATS", "NO_ID", "STEP_PREFIX"]
+__all__ = ["DetailCollector", "RawDetail", "merge_details", "OP_CATS", "LAUNCH_CATS", "NO_ID", "STEP_PREFIX"]
 
 OP_CATS = frozenset({"cpu_op", "Operator"})
 LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver", "Runtime"})
@@ -330,12 +330,51 @@ class DetailCollector:
 
     def raw(self, meta: Mapping[str, Any]) -> RawDetail:
         """What was kept, with the trace's ``deviceProperties`` (for occupancy where Kineto wrote none)."""
-        props: dict[int, dict[str, Any]] = {}
-        listed = meta.get("deviceProperties")
-        if isinstance(listed, list):
-            for p in listed:
-                if isinstance(p, dict) and (i := whole(p.get("id"), 0, MAX_GPU_INDEX)) is not None:
-                    props[i] = p
         return RawDetail(names=self.names.keys, shapes=self.shapes.keys, tids=self.tids.keys,
-                         configs=self.configs.keys, arrays=self.a, device_properties=props,
+                         configs=self.configs.keys, arrays=self.a, device_properties=_device_properties(meta),
                          left_out=self.left_out, left_out_first=self.left_out_first)
+
+
+def _device_properties(meta: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
+    props: dict[int, dict[str, Any]] = {}
+    listed = meta.get("deviceProperties")
+    if isinstance(listed, list):
+        for p in listed:
+            if isinstance(p, dict) and (i := whole(p.get("id"), 0, MAX_GPU_INDEX)) is not None:
+                props[i] = p
+    return props
+
+
+# Which arrays hold ids of which interned table: a later part's ids are renumbered into the first's tables.
+_IDS_OF = {"names": ("k_name", "py_name"), "shapes": ("op_shape",), "tids": ("op_tid", "rt_tid", "k_stream", "m_tid",
+                                                                           "py_tid"),
+           "configs": ("k_cfg",)}
+
+
+def merge_details(parts: list[RawDetail], meta: Mapping[str, Any]) -> RawDetail:
+    """The ``RawDetail`` of one file read in parts (in file order), as one pass over the whole file makes it: the
+    later parts' names, shapes, threads and launch configurations interned into one set of tables (each kept once,
+    in the order first met), their arrays appended with their ids renumbered."""
+    import numpy as np  # here: a worker process that only reads traces does not import it
+
+    names, shapes, tids, configs = _Table(), _Table(), _Table(), _Table()
+    arrays: dict[str, array[Any]] = {k: array(t) for k, t in _ARRAYS.items()}
+    left_out, left_out_first = 0, ""
+    for part in parts:
+        name_ids = [names(n) for n in part.names]
+        new = {"names": name_ids,
+               "shapes": [shapes((name_ids[n], dims)) for n, dims in part.shapes],
+               "tids": [tids(t) for t in part.tids],
+               "configs": [configs(c) for c in part.configs]}
+        renumber = {column: ids for table, ids in new.items() for column in _IDS_OF[table]}
+        for column, values in part.arrays.items():
+            ids = renumber.get(column)
+            if ids is None or ids == list(range(len(ids))):  # nothing to renumber
+                arrays[column] += values
+            else:
+                renumbered = np.asarray(ids, dtype=np.intc)[np.frombuffer(values, dtype=np.intc)]
+                arrays[column].frombytes(renumbered.tobytes())
+        left_out += part.left_out
+        left_out_first = left_out_first or part.left_out_first
+    return RawDetail(names=names.keys, shapes=shapes.keys, tids=tids.keys, configs=configs.keys, arrays=arrays,
+                     device_properties=_device_properties(meta), left_out=left_out, left_out_first=left_out_first)

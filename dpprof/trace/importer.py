@@ -40,7 +40,7 @@ from dpprof.store.staging import staging_for
 from dpprof.store.writer import SqliteSink, replace_findings
 from dpprof.trace.collect import Collected
 from dpprof.trace.convert import Converted, convert
-from dpprof.trace.jobs import capped_jobs, collect_files, default_jobs, worker_bytes
+from dpprof.trace.jobs import capped_jobs, collect_files, default_jobs, task_sizes
 from dpprof.trace.decode import TraceError, is_trace_name
 
 __all__ = ["AlreadyImported", "ImportedRun", "import_traces", "trace_files", "imported_traces", "pending_traces",
@@ -226,7 +226,7 @@ def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | 
         runs = {p.name: imported[key] for p in paths if (key := (p.name, p.stat().st_size)) in imported}
         if runs:
             raise AlreadyImported(runs, [p.name for p in paths if p.name not in runs])
-    jobs = jobs_for(paths) if jobs is None else capped_jobs(jobs, len(paths))
+    jobs = jobs_for(paths) if jobs is None else capped_jobs(jobs, len(task_sizes(paths, jobs)))
 
     def read(index: int, nbytes: int) -> None:
         if progress is not None:
@@ -373,9 +373,9 @@ def _store_findings(written: list[Path]) -> None:
 
 
 def jobs_for(paths: Sequence[str | os.PathLike[str]]) -> int:
-    """The default number of files to read at once: one per core, fewer where memory would not hold them
-    (dpprof.trace.jobs.default_jobs)."""
-    return default_jobs([worker_bytes(p) for p in paths])
+    """The default number of files (or parts of a large plain JSON file) to read at once: one per core, fewer where
+    memory would not hold them (dpprof.trace.jobs.default_jobs, task_sizes)."""
+    return default_jobs(task_sizes(paths))
 
 
 def imported_traces(reports_dir: str | os.PathLike[str] | None = None) -> dict[tuple[str, int], list[str]]:

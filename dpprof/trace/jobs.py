@@ -5,6 +5,13 @@ every event) and hands back the ``Collected`` of each, a few MB of ranges and ty
 files against each other, converting and writing the run stay with the caller, as with one process. A
 file that cannot be read stops the others at once, and its error is raised as it would be read alone.
 
+With fewer files than workers, a plain JSON file of ``SPLIT_MIN_BYTES`` or more is read in parts, one per worker
+(``dpprof.trace.decode.split_points``: cut at event boundaries a JSON string cannot hold), and the parts' results
+are merged into the file's (``collect.merge_parts``), table for table what one pass makes. A part that fails, or
+whose results cannot be merged as they are (an event left out after the first part, whose message would number it
+from the part's start), has its file read again whole in this process, which raises or words its problems as
+reading it alone does.
+
 Workers are forked where that is safe (Linux, and no other thread in the calling process that a fork
 could copy in the middle of holding a lock): they start at once, with dpprof imported already.
 Elsewhere (a dashboard's thread, a test runner's) they are fresh interpreters (spawn) that import only the
@@ -24,10 +31,15 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, cast
 
-from dpprof.trace.collect import Collected, collect
-from dpprof.trace.decode import TraceError, TraceFile
+from dpprof.trace.collect import Collected, collect, collect_part, finish, merge_parts
+from dpprof.trace.decode import Span, TraceError, TraceFile, split_points
 
-__all__ = ["default_jobs", "capped_jobs", "collect_files", "usable_cores", "available_memory_bytes", "worker_bytes"]
+__all__ = ["default_jobs", "capped_jobs", "collect_files", "usable_cores", "available_memory_bytes", "worker_bytes",
+           "task_sizes", "SPLIT_MIN_BYTES"]
+
+# A plain JSON file at least this large is read in parts when there are fewer files than workers: below it, starting
+# a worker and merging cost more than the part saves.
+SPLIT_MIN_BYTES = 64 << 20
 
 # What one worker may hold at its peak, to choose how many fit in memory (measured on the bench's traces:
 # a spawned worker's interpreter and imports take ~106 MiB, and collecting a 252 MiB trace adds ~22 MiB of
@@ -78,6 +90,32 @@ def worker_bytes(path: str | os.PathLike[str]) -> int:
     return WORKER_BASE_BYTES + int(json_bytes * COLLECTED_PER_JSON_BYTE)
 
 
+def _splittable(path: Path, min_bytes: int) -> bool:
+    return not path.name.endswith(".gz") and _size(path) >= min_bytes
+
+
+def _parts_each(paths: Sequence[Path], jobs: int) -> int:
+    """Parts of each splittable file: the workers shared among the files (one part each where there are more files)."""
+    return max(1, jobs // max(1, len(paths)))
+
+
+def task_sizes(paths: Sequence[str | os.PathLike[str]], jobs: int | None = None,
+               min_bytes: int | None = None) -> list[int]:
+    """Each thing a worker would read, as ``worker_bytes`` estimates it: a file, or each part of a plain JSON file of
+    ``min_bytes`` (default ``SPLIT_MIN_BYTES``) or more where there are fewer files than ``jobs`` (default: the usable
+    cores)."""
+    min_bytes = SPLIT_MIN_BYTES if min_bytes is None else min_bytes
+    files = [Path(p) for p in paths]
+    each = _parts_each(files, usable_cores() if jobs is None else jobs)
+    out: list[int] = []
+    for p in files:
+        if each > 1 and _splittable(p, min_bytes):
+            out += [WORKER_BASE_BYTES + int(_size(p) / each * COLLECTED_PER_JSON_BYTE)] * each
+        else:
+            out.append(worker_bytes(p))
+    return out
+
+
 def default_jobs(sizes_bytes: Sequence[int], cores: int | None = None, available_bytes: int | None = -1) -> int:
     """How many files to read at once: one per core, no more than the files, fewer where memory would not
     hold them (each worker's estimate from ``worker_bytes``, the largest files counted first), at least one.
@@ -121,23 +159,49 @@ def capped_jobs(requested: int, files: int, cores: int | None = None) -> int:
 
 
 def collect_files(paths: Sequence[Path], jobs: int = 1, progress: Callable[[int, int], None] | None = None,
-                  start_method: str | None = None) -> list[Collected]:
+                  start_method: str | None = None, split_min_bytes: int | None = None) -> list[Collected]:
     """Each file's ``Collected``, in the order given, read ``jobs`` at a time in worker processes (in this
-    process for one job or one file).
+    process for one job, or one file that is not read in parts).
 
     Args:
         paths: the trace files.
-        jobs: how many files to read at once.
+        jobs: how many files (or parts of files) to read at once.
         progress: called with (index of the file in ``paths``, bytes read from disk since the last call).
         start_method: a multiprocessing start method for the workers (default: fork where safe, else spawn).
+        split_min_bytes: the smallest plain JSON file read in parts where there are fewer files than ``jobs``
+            (default ``SPLIT_MIN_BYTES``).
 
     Raises:
         TraceError: a file cannot be read (the first to fail; the other workers are stopped).
     """
-    if jobs <= 1 or len(paths) <= 1:
+    paths = [Path(p) for p in paths]
+    each = _parts_each(paths, jobs) if jobs > 1 else 1
+    min_bytes = SPLIT_MIN_BYTES if split_min_bytes is None else split_min_bytes
+    tasks = [(i, span) for i, p in enumerate(paths) for span in _spans(p, each, min_bytes)]
+    if jobs <= 1 or len(tasks) <= 1:
         return [collect(TraceFile(p, None if progress is None else _for_file(progress, i)))
                 for i, p in enumerate(paths)]
-    return _Workers(paths, min(jobs, len(paths)), progress, start_method or _start_method()).run()
+    found = _Workers(paths, tasks, min(jobs, len(tasks)), progress, start_method or _start_method()).run()
+    out: list[Collected] = []
+    for i, p in enumerate(paths):
+        parts = found[i]
+        if len(parts) == 1 and parts[0] is not None:  # read whole (and finished) by its worker
+            out.append(parts[0])
+            continue
+        merged = None if any(part is None for part in parts) else merge_parts(parts)  # type: ignore[arg-type]
+        # a part failed, or cannot be merged as it is: the file read whole, here (which raises or words it)
+        out.append(collect(TraceFile(p)) if merged is None else finish(merged))
+    return out
+
+
+def _spans(path: Path, parts: int, min_bytes: int) -> list[Span | None]:
+    """The parts a worker each reads of a file: ``[None]`` (the file whole) unless it is a plain JSON file of
+    ``min_bytes`` or more and ``parts`` is 2 or more, and cut points are found."""
+    if parts > 1 and _splittable(path, min_bytes):
+        spans = split_points(path, parts)
+        if len(spans) > 1:
+            return list(spans)
+    return [None]
 
 
 def _for_file(progress: Callable[[int, int], None], index: int) -> Callable[[int], None]:
@@ -159,9 +223,10 @@ def _worker(conn: Connection) -> None:
         task = conn.recv()
         if task is None:
             return
-        index, path = task
+        index, path, span = task
         try:
-            found = collect(TraceFile(path, progress=lambda n: conn.send(("read", index, n))))
+            trace = TraceFile(path, progress=lambda n: conn.send(("read", index, n)), span=span)
+            found = collect(trace) if span is None else collect_part(trace)
         except TraceError as err:
             conn.send(("error", index, str(err)))
         except BaseException:  # a bug, or memory: said as the traceback, raised by the parent
@@ -171,21 +236,25 @@ def _worker(conn: Connection) -> None:
 
 
 class _Workers:
-    """Up to ``jobs`` worker processes, each sent the next file (the largest first) as it finishes one."""
+    """Up to ``jobs`` worker processes, each sent the next task (a file, or a part of one; the largest first) as it
+    finishes one."""
 
-    def __init__(self, paths: Sequence[Path], jobs: int, progress: Callable[[int, int], None] | None,
-                 start_method: str) -> None:
+    def __init__(self, paths: Sequence[Path], tasks: Sequence[tuple[int, Span | None]], jobs: int,
+                 progress: Callable[[int, int], None] | None, start_method: str) -> None:
         self.paths = [Path(p) for p in paths]
+        self.tasks = list(tasks)
         self.jobs = jobs
         self.progress = progress
         # typed as the default context: get_context's BaseContext has no Process in typeshed, every start method's does
         self.context: multiprocessing.context.DefaultContext = multiprocessing.get_context(start_method)  # type: ignore[assignment]
-        sizes = [_size(p) for p in self.paths]
-        self.queue = sorted(range(len(self.paths)), key=lambda i: -sizes[i])  # the largest first: all end together
-        self.busy: dict[Connection, tuple[Any, int | None]] = {}  # connection -> (process, index of its file)
+        sizes = [_task_size(self.paths[i], span) for i, span in self.tasks]
+        self.queue = sorted(range(len(self.tasks)), key=lambda t: -sizes[t])  # the largest first: all end together
+        self.busy: dict[Connection, tuple[Any, int | None]] = {}  # connection -> (process, index of its task)
 
-    def run(self) -> list[Collected]:
-        results: list[Collected | None] = [None] * len(self.paths)
+    def run(self) -> list[list[Collected | None]]:
+        """Each file's results, a part each in file order (one for a file read whole); None for a part that failed
+        (its file is read again whole by the caller)."""
+        results: list[Collected | None] = [None] * len(self.tasks)
         try:
             for _ in range(self.jobs):
                 ours, theirs = self.context.Pipe()
@@ -199,36 +268,41 @@ class _Workers:
             while any(index is not None for _, index in self.busy.values()):
                 for ready in wait([c for c, (_, i) in self.busy.items() if i is not None]):
                     conn = cast(Connection, ready)  # wait() hands back what it was given: our connections
-                    process, index = self.busy[conn]
-                    assert index is not None  # only connections handed a file are waited on
+                    process, task = self.busy[conn]
+                    assert task is not None  # only connections handed a task are waited on
+                    file, span = self.tasks[task]
+                    name = self.paths[file].name
                     try:
-                        kind, index, payload = conn.recv()
+                        kind, _, payload = conn.recv()
                     except (EOFError, OSError):
                         process.join(1)
-                        raise TraceError(f"{self.paths[index].name}: the process reading it ended unexpectedly "
+                        raise TraceError(f"{name}: the process reading it ended unexpectedly "
                                          f"(exit code {process.exitcode})") from None
                     if kind == "read":
                         if self.progress is not None:
-                            self.progress(index, payload)
+                            self.progress(file, payload)
                     elif kind == "done":
-                        results[index] = payload
+                        results[task] = payload
+                        self._hand_next(conn)
+                    elif kind == "error" and span is not None:  # a part: its file is read again whole by the caller
                         self._hand_next(conn)
                     elif kind == "error":
                         raise TraceError(payload)
                     else:
-                        raise RuntimeError(f"reading {self.paths[index].name} failed in a worker process:\n{payload}")
+                        raise RuntimeError(f"reading {name} failed in a worker process:\n{payload}")
         except BaseException:
             self._stop(at_once=True)
             raise
         self._stop(at_once=False)
-        return results  # type: ignore[return-value]  # every file done
+        return [[results[t] for t, (i, _) in enumerate(self.tasks) if i == file] for file in range(len(self.paths))]
 
     def _hand_next(self, conn: Connection) -> None:
         process, _ = self.busy[conn]
         if self.queue:
-            index = self.queue.pop(0)
-            conn.send((index, str(self.paths[index])))
-            self.busy[conn] = (process, index)
+            task = self.queue.pop(0)
+            file, span = self.tasks[task]
+            conn.send((file, str(self.paths[file]), span))
+            self.busy[conn] = (process, task)
         else:
             self.busy[conn] = (process, None)
 
@@ -250,6 +324,12 @@ class _Workers:
                 process.join()
             conn.close()
         self.busy.clear()
+
+
+def _task_size(path: Path, span: Span | None) -> int:
+    if span is None:
+        return _size(path)
+    return (span.stop if span.stop is not None else _size(path)) - span.start
 
 
 def _size(path: Path) -> int:
