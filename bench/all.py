@@ -45,6 +45,8 @@ BENCHES: dict[str, tuple[str, list[str], list[str], str]] = {
     "trace_import": ("trace_import.py", [], ["--size-mb", "128", "--rank-size-mb", "64", "--rounds", "1",
                                              "--pairs", "1"],
                      "importing torch.profiler traces: one large file, and four rank files at once"),
+    "trace_pages": ("trace_pages.py", [], ["--size-mb", "128", "--repeat", "1"],
+                    "the dashboard's pages on the run of a large imported trace"),
     "advise": ("advise.py", [], ["--rounds", "1"], "the advisor's predictions against measured runs"),
 }
 
