@@ -1,11 +1,13 @@
 """The dashboard's pages on the run of a large imported trace: how long each takes to open, the operator, kernel and
 memory pages included (issue 33's aim: each under 1 s on the run of a 1 GiB trace).
 
-    python bench/trace_pages.py [--size-mb 1024] [--repeat 3] [--keep DIR]
+    python bench/trace_pages.py [--size-mb 1024] [--repeat 3] [--keep DIR] [--source ddp-2ranks|resnet50]
 
-1. Make the trace bench/trace_import.py makes (the steps of ../shared/traces/ddp-2ranks-rank0-nccl.json.gz repeated
-   with shifted timestamps, about --size-mb MB of plain JSON; in --keep DIR, reused when there) and import it with
-   ``dpprof.trace.import_traces`` (the default jobs) into a reports directory of its own.
+1. Make a trace as bench/trace_import.py makes its own (the steps of a shared trace repeated with shifted
+   timestamps, about --size-mb MB of plain JSON; in --keep DIR, reused when there) and import it with
+   ``dpprof.trace.import_traces`` (the default jobs) into a reports directory of its own. The source:
+   ../shared/traces/ddp-2ranks-rank0-nccl.json.gz (DDP on NCCL: operators, kernels, collectives; no [memory] events),
+   or the ResNet-50 sample (one GPU, with [memory] events: the memory page's curve and events).
 2. --repeat times, each page of app.py under streamlit's AppTest, its caches emptied first: the run chosen, the
    page opened, and the seconds of that page's run. Print each page's median and slowest.
 
@@ -25,7 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from trace_import import SOURCE, make_traces  # noqa: E402  (this directory's bench, beside this file)
+from trace_import import make_traces  # noqa: E402  (this directory's bench, beside this file)
+
+SOURCES = {"ddp-2ranks": "ddp-2ranks-rank0-nccl.json.gz", "resnet50": "resnet50-1gpu-tb-sample.pt.trace.json.gz"}
 
 PAGE_BUDGET_S = 1.0
 PAGES = ("overview", "load", "timeline", "operators", "kernels", "memory", "devices", "export")
@@ -53,14 +57,16 @@ def main() -> int:
     parser.add_argument("--size-mb", type=float, default=1024)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--keep", default=None, help="make the trace here and keep it (reused when there)")
+    parser.add_argument("--source", choices=sorted(SOURCES), default="ddp-2ranks")
     args = parser.parse_args()
     logging.getLogger("streamlit").setLevel(logging.ERROR)  # AppTest outside a server warns on every run
     with tempfile.TemporaryDirectory(prefix="dpprof-trace-pages-") as tmp:
         where = Path(args.keep or tmp)
         where.mkdir(parents=True, exist_ok=True)
-        trace = where / f"big-{args.size_mb:.0f}mb.pt.trace.json"
+        prefix = "big" if args.source == "ddp-2ranks" else args.source  # "big": bench/trace_import.py's file
+        trace = where / f"{prefix}-{args.size_mb:.0f}mb.pt.trace.json"
         if not trace.exists():
-            make_traces(SOURCE, [(trace, None)], args.size_mb)
+            make_traces(ROOT.parent / "shared" / "traces" / SOURCES[args.source], [(trace, None)], args.size_mb)
         reports = Path(tmp) / "reports"
         os.environ["DPPROF_REPORTS"] = str(reports)
         import dpprof.trace
