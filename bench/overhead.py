@@ -141,18 +141,21 @@ def _block(net: nn.Module, step: Step, optimizer: torch.optim.Optimizer, batches
     _steps(net, step, optimizer, batches, max(2, n // 10), run)
     if cuda:
         torch.cuda.synchronize()
-    if run is not None:
-        run.capture.wait()  # a window in the untimed steps: stored before the timed ones
-    # every arm's garbage collected here, not only a capture's (the profiler's), so that no timed step pays for it
-    # and every arm's timed steps start from the same collector state: a collection just before 300 steps of the
-    # MLP made them about 50 us a step slower (a paired test, 30 rounds), and the captured arm alone collecting
-    # here once read as the capture's cost outside its window (+58 to +190 us a step)
-    gc.collect()
+    frozen = run is not None and bool(run.capture.wait())  # a window in the untimed steps: stored before the timed ones
+    if frozen:
+        # the profiler's garbage must not be collected in a timed step (70-150 ms), nor collected here: a collection
+        # just before 300 steps of the MLP made them about 50 us a step slower (a paired test, 30 rounds), and
+        # this arm alone collecting here read as the capture's cost outside its window (+58 to +190 us a step).
+        # Frozen, the collector leaves it alone and the heap stays as the other arms' is; collected after the block.
+        gc.freeze()
     t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
     _steps(net, step, optimizer, batches, n, run)
     if cuda:
         torch.cuda.synchronize()
-    return time.perf_counter() - t0, time.process_time() - c0, t0 - t_settle, time.thread_time() - m0
+    wall, cpu, caller = time.perf_counter() - t0, time.process_time() - c0, time.thread_time() - m0
+    if frozen:
+        gc.unfreeze()  # collected with the arm's garbage, once its block is timed
+    return wall, cpu, t0 - t_settle, caller
 
 
 def measure(step: Step, workers: int, rounds: int, reports_dir: str,
