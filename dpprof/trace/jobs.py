@@ -10,7 +10,9 @@ With fewer files than workers, a plain JSON file of ``SPLIT_MIN_BYTES`` or more 
 are merged into the file's (``collect.merge_parts``), table for table what one pass makes. A part that fails, or
 whose results cannot be merged as they are (an event left out after the first part, whose message would number it
 from the part's start), has its file read again whole in this process, which raises or words its problems as
-reading it alone does.
+reading it alone does. A cut in the wrong place (between objects nested in an event, were a trace to hold some that
+look like events) leaves the part before it ending inside an event, which cannot be read: that file too is read
+whole.
 
 Workers are forked where that is safe (Linux, and no other thread in the calling process that a fork
 could copy in the middle of holding a lock): they start at once, with dpprof imported already.
@@ -198,7 +200,10 @@ def _spans(path: Path, parts: int, min_bytes: int) -> list[Span | None]:
     """The parts a worker each reads of a file: ``[None]`` (the file whole) unless it is a plain JSON file of
     ``min_bytes`` or more and ``parts`` is 2 or more, and cut points are found."""
     if parts > 1 and _splittable(path, min_bytes):
-        spans = split_points(path, parts)
+        try:
+            spans = split_points(path, parts)
+        except OSError:  # unreadable: the worker reading it whole says so as one pass does
+            return [None]
         if len(spans) > 1:
             return list(spans)
     return [None]
