@@ -435,14 +435,20 @@ def merge_parts(parts: list[Collected]) -> Collected | None:
     have made them; ``finish`` it next. The 2021 format's running sum of allocations (each part's starts at zero) is
     summed again over the whole file. None where that cannot be told from the parts alone: a later part left an event
     out (its message would number the event from the part's start); the caller reads such a file whole instead.
+
+    The first part becomes the whole (its lists and arrays extended in place) and each later one is emptied as it is
+    added, so that the file's arrays are never held twice.
     """
     first = parts[0]
     if len(parts) == 1:
         return first
     if any(p.left_out for p in parts[1:]):
         return None
-    out = Collected(name=first.name, size_bytes=first.size_bytes, meta={k: v for p in parts for k, v in p.meta.items()})
-    for p in parts:
+    out = first
+    for p in parts[1:]:
+        out.meta.update(p.meta)
+    details = [p.detail for p in parts]
+    for p in parts[1:]:
         out.events += p.events
         out.steps += p.steps
         out.forwards += p.forwards
@@ -470,13 +476,13 @@ def merge_parts(parts: list[Collected]) -> Collected | None:
         out.gpu_labels.update(p.gpu_labels)
         out.first_us = min(out.first_us, p.first_us)
         out.last_us = max(out.last_us, p.last_us)
+        p.gpu, p.memory, p.memory_summed, p.backward = {}, {}, {}, _Intervals()  # added: not held twice
     for gpu in out.memory_cumulative:  # each reading summed from the one before it, across the parts
         allocated, summed = out.memory[gpu][1], out.memory_summed[gpu]
         for i, nbytes in enumerate(summed):
             if nbytes == nbytes:  # not NaN: this reading's allocated bytes are the running sum
                 allocated[i] = _summed(allocated[i - 1] if i else 0.0, nbytes)
-    out.left_out, out.left_out_first = first.left_out, first.left_out_first
-    out.detail = merge_details([p.detail for p in parts], out.meta)
+    out.detail = merge_details(details, out.meta)
     return out
 
 

@@ -354,19 +354,26 @@ _IDS_OF = {"names": ("k_name", "py_name"), "shapes": ("op_shape",), "tids": ("op
 def merge_details(parts: list[RawDetail], meta: Mapping[str, Any]) -> RawDetail:
     """The ``RawDetail`` of one file read in parts (in file order), as one pass over the whole file makes it: the
     later parts' names, shapes, threads and launch configurations interned into one set of tables (each kept once,
-    in the order first met), their arrays appended with their ids renumbered."""
+    in the order first met), their arrays appended with their ids renumbered. The first part's arrays are extended
+    in place (its ids stay as they are) and each later part's are dropped once added: never held twice."""
     import numpy as np  # here: a worker process that only reads traces does not import it
 
     names, shapes, tids, configs = _Table(), _Table(), _Table(), _Table()
-    arrays: dict[str, array[Any]] = {k: array(t) for k, t in _ARRAYS.items()}
+    arrays: dict[str, array[Any]] = parts[0].arrays if parts else {}
+    for column, typecode in _ARRAYS.items():
+        arrays.setdefault(column, array(typecode))
     left_out, left_out_first = 0, ""
-    for part in parts:
+    for k, part in enumerate(parts):
         name_ids = [names(n) for n in part.names]
         new = {"names": name_ids,
                "shapes": [shapes((name_ids[n], dims)) for n, dims in part.shapes],
                "tids": [tids(t) for t in part.tids],
                "configs": [configs(c) for c in part.configs]}
         renumber = {column: ids for table, ids in new.items() for column in _IDS_OF[table]}
+        left_out += part.left_out
+        left_out_first = left_out_first or part.left_out_first
+        if k == 0:  # the first part's ids are the tables' own, and its arrays are the whole's
+            continue
         for column, values in part.arrays.items():
             ids = renumber.get(column)
             if ids is None or ids == list(range(len(ids))):  # nothing to renumber
@@ -374,7 +381,6 @@ def merge_details(parts: list[RawDetail], meta: Mapping[str, Any]) -> RawDetail:
             else:
                 renumbered = np.asarray(ids, dtype=np.intc)[np.frombuffer(values, dtype=np.intc)]
                 arrays[column].frombytes(renumbered.tobytes())
-        left_out += part.left_out
-        left_out_first = left_out_first or part.left_out_first
+        part.arrays = {}  # added: not held twice
     return RawDetail(names=names.keys, shapes=shapes.keys, tids=tids.keys, configs=configs.keys, arrays=arrays,
                      device_properties=_device_properties(meta), left_out=left_out, left_out_first=left_out_first)

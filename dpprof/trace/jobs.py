@@ -237,6 +237,13 @@ def _worker(conn: Connection) -> None:
         except BaseException:  # a bug, or memory: said as the traceback, raised by the parent
             conn.send(("crash", index, traceback.format_exc()))
         else:
+            # the operator, launch and kernel arrays (most of what was collected) a column at a time, each dropped
+            # once sent: a send pickles what it sends whole, and all of them at once would be held twice here
+            columns = found.detail.arrays
+            while columns:
+                name, values = columns.popitem()
+                conn.send(("column", index, (name, values)))
+                del values
             conn.send(("done", index, found))
 
 
@@ -260,6 +267,7 @@ class _Workers:
         """Each file's results, a part each in file order (one for a file read whole); None for a part that failed
         (its file is read again whole by the caller)."""
         results: list[Collected | None] = [None] * len(self.tasks)
+        columns: dict[int, dict[str, Any]] = {}  # task -> the detail arrays its worker sent ahead of its result
         try:
             for _ in range(self.jobs):
                 ours, theirs = self.context.Pipe()
@@ -286,7 +294,11 @@ class _Workers:
                     if kind == "read":
                         if self.progress is not None:
                             self.progress(file, payload)
+                    elif kind == "column":
+                        name_of_column, values = payload
+                        columns.setdefault(task, {})[name_of_column] = values
                     elif kind == "done":
+                        payload.detail.arrays = columns.pop(task, {})
                         results[task] = payload
                         self._hand_next(conn)
                     elif kind == "error" and span is not None:  # a part: its file is read again whole by the caller
@@ -308,7 +320,11 @@ class _Workers:
             file, span = self.tasks[task]
             conn.send((file, str(self.paths[file]), span))
             self.busy[conn] = (process, task)
-        else:
+        else:  # nothing left for it: it ends now, its memory freed while the others still read
+            try:
+                conn.send(None)
+            except OSError:
+                pass
             self.busy[conn] = (process, None)
 
     def _stop(self, at_once: bool) -> None:
