@@ -24,7 +24,8 @@ fresh process of its own; arms take turns round by round, a different one first 
 Each arm prints its seconds (from the start of its process's imports to the end) and its peak RSS
 (``ru_maxrss``: the whole process, interpreter and imports included, whose share alone is printed first;
 for the dpprof and jobs arms also the largest worker's, which counts the pages a forked worker shares with its
-parent).
+parent), and the peak proportional set size of the arm's process and its workers together (sampled every 50 ms from
+Linux's /proc: a page shared by n processes counts 1/n in each, so the sum is what the import held at once).
 The load average is printed beside each figure, and the CPU seconds (the process's and its
 workers'), which a shared machine moves less than the wall clock. Before the rounds, one process times
 dpprof's stages on the one file, wall clock and CPU: reading the bytes, decoding the events, collecting
@@ -45,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -203,19 +205,64 @@ print(json.dumps({"stages": out, "events": n}))
 """
 
 
+def _tree(pid: int) -> list[int]:
+    """A process and its descendants (Linux's /proc; the process alone elsewhere)."""
+    out = [pid]
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                for child in f.read().split():
+                    out += _tree(int(child))
+    except OSError:
+        pass
+    return out
+
+
+def _pss_bytes(pid: int) -> int:
+    """A process's proportional set size (a page shared by n processes counts 1/n), 0 where unknown."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class _TreePeak(threading.Thread):
+    """The largest PSS a process and its workers held together, sampled every PSS_EVERY_S while it runs."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.peak, self.done = pid, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(PSS_EVERY_S):
+            self.peak = max(self.peak, sum(_pss_bytes(p) for p in _tree(self.pid)))
+
+
+PSS_EVERY_S = 0.05
+
+
 def run_code(code: str, python: str, paths: list[Path]) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     load = os.getloadavg()[0]
     wall = time.perf_counter()
-    proc = subprocess.run([python, "-c", code, *map(str, paths)], capture_output=True, text=True, env=env,
-                          cwd=str(ROOT))
+    proc = subprocess.Popen([python, "-c", code, *map(str, paths)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=str(ROOT))
+    peak = _TreePeak(proc.pid)
+    peak.start()
+    stdout, stderr = proc.communicate()
+    peak.done.set()
+    peak.join()
     wall = time.perf_counter() - wall
     load = max(load, os.getloadavg()[0])
     if proc.returncode != 0:
-        return {"error": (proc.stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1], "wall_s": wall,
+        return {"error": (stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1], "wall_s": wall,
                 "load": load}
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    out["wall_s"], out["load"] = wall, load
+    out = json.loads(stdout.strip().splitlines()[-1])
+    out["wall_s"], out["load"], out["tree_pss_mb"] = wall, load, peak.peak / 2**20
     return out
 
 
@@ -317,6 +364,8 @@ def main() -> None:
                         else:
                             workers = (f", largest worker {res['workers_peak_rss_mb']:,.0f} MiB"
                                        if arm in ("jobs-default", "dpprof") and res["workers_peak_rss_mb"] else "")
+                            if res.get("tree_pss_mb"):
+                                workers += f", the process tree's peak PSS {res['tree_pss_mb']:,.0f} MiB"
                             print(f"round {r + 1} {arm}: {res['seconds']:.1f} s (CPU {res['cpu_s']:.1f} s), "
                                   f"{mb / res['seconds']:.1f} MiB/s, peak RSS {res['peak_rss_mb']:,.0f} MiB{workers} "
                                   f"({res['result']}; load average {res['load']:.1f})")
@@ -338,6 +387,8 @@ def main() -> None:
             mb = size_mb if arm in single else ranks_mb
             spread = f"{min(x['seconds'] for x in ok):.1f} to {max(x['seconds'] for x in ok):.1f} s"
             largest = f", largest worker {worker:,.0f} MiB" if worker and arm in ("dpprof", "jobs-default") else ""
+            tree = max(x.get("tree_pss_mb", 0) for x in ok)
+            largest += f", the process tree's peak PSS {tree:,.0f} MiB" if tree else ""
             print(f"  {arm}: {s:.1f} s ({spread}), {mb / s:.1f} MiB/s, CPU {cpu:.1f} s, peak RSS {rss:,.0f} MiB{largest} "
                   f"({len(ok)} runs, load average {min(x['load'] for x in ok):.1f} to {max(x['load'] for x in ok):.1f})")
         if refused:

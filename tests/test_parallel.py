@@ -1045,6 +1045,10 @@ def test_workers_are_long_lived_threads(workers):
 
 
 def _forward_on_workers_in_child(conn) -> None:
+    # one intra-op thread, as torch's DataLoader sets in each worker it forks: OpenMP's and MKL's pools are not
+    # fork-safe, and a child that used the parent's crashed once in torch's linear (SIGSEGV, the full suite under
+    # xdist, 2026-11-27); what is tested here is dpprof's workers, which the child must start afresh either way
+    torch.set_num_threads(1)
     net = nn.Linear(4, 4)
     x = torch.randn(8, 4)
     out = dpprof.DataParallel(net, W(2))(x)
