@@ -231,31 +231,36 @@ def detail_page_builders(path: str) -> dict[str, object]:
             "Timeline (5 steps, streams)": timeline_page}
 
 
-def apptest_pages(paths: list[str], pages: tuple[str, ...] = ("runs", "overview", "load", "timeline", "compare",
-                                                                "export")) -> dict[str, float]:
-    """Seconds for AppTest to run each page of app.py on the first run, cold (empty caches)."""
+def page_seconds(run_id: str, page: str, compare_ids: list[str] | None = None, timeout_s: float = 300) -> float:
+    """Seconds for AppTest to run one page of app.py on run ``run_id`` (and ``compare_ids`` on Compare), cold: the
+    app run once on its first page, the caches emptied, then the page's own run timed. The reports directory is
+    $DPPROF_REPORTS's. Raises RuntimeError where the page raised."""
     import streamlit as st
     from streamlit.testing.v1 import AppTest
 
+    at = AppTest.from_file(str(Path(__file__).resolve().parents[1] / "app.py"), default_timeout=timeout_s)
+    at.session_state["chosen_run"] = run_id
+    if compare_ids:
+        at.session_state["compare_ids"] = compare_ids
+    at.run()
+    at.switch_page(f"app_pages/{page}.py")
+    st.cache_data.clear()
+    t0 = time.perf_counter()
+    at.run()
+    seconds = time.perf_counter() - t0
+    if at.exception:
+        raise RuntimeError(f"{page}: {at.exception[0].message}")
+    return seconds
+
+
+def apptest_pages(paths: list[str], pages: tuple[str, ...] = ("runs", "overview", "load", "timeline", "compare",
+                                                                "export")) -> dict[str, float]:
+    """Seconds for AppTest to run each page of app.py on the first run, cold (empty caches)."""
     from dpprof.store.reader import load_run
 
-    app = Path(__file__).resolve().parents[1] / "app.py"
     os.environ["DPPROF_REPORTS"] = str(Path(paths[0]).parent)
     ids = [load_run(p).id for p in paths]
-    out = {}
-    for page in pages:
-        at = AppTest.from_file(str(app), default_timeout=120)
-        at.session_state["chosen_run"] = ids[0]
-        at.session_state["compare_ids"] = ids
-        at.run()
-        at.switch_page(f"app_pages/{page}.py")
-        st.cache_data.clear()
-        t0 = time.perf_counter()
-        at.run()
-        out[page] = time.perf_counter() - t0
-        if at.exception:
-            raise RuntimeError(f"{page}: {at.exception[0].message}")
-    return out
+    return {page: page_seconds(ids[0], page, ids, timeout_s=120) for page in pages}
 
 
 def _lengths(text: str) -> list[int]:

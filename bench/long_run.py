@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dashboard import page_seconds  # this directory's bench, beside this file
+
 ROOT = Path(__file__).resolve().parents[1]
 LONG_FILE_BUDGET_BYTES = 25e6  # 300,000 steps of tutorial-linear on 2 workers in at most 25 MB
 RATIO_BUDGET = 2.0  # each page of the long run within twice the short run's time
@@ -72,24 +74,6 @@ def _describe(reports: Path, run_id: str) -> str:
             f"({size / max(1, durations):.0f} bytes a step)")
 
 
-def _page_seconds(reports: Path, run_id: str, other_id: str, page: str) -> float:
-    import streamlit as st
-    from streamlit.testing.v1 import AppTest
-
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=300)
-    at.session_state["chosen_run"] = run_id
-    at.session_state["compare_ids"] = [run_id, other_id]
-    at.run()
-    at.switch_page(f"app_pages/{page}.py")
-    st.cache_data.clear()
-    t0 = time.perf_counter()
-    at.run()
-    seconds = time.perf_counter() - t0
-    if at.exception:
-        raise RuntimeError(f"{page}: {at.exception[0].message}")
-    return seconds
-
-
 def _show_seconds(reports: Path, run_id: str) -> float:
     from dpprof.cli import main
 
@@ -124,7 +108,7 @@ def main() -> None:
             for arm in ("short", "long") if rep % 2 == 0 else ("long", "short"):
                 other = ids["long" if arm == "short" else "short"]
                 took = (_show_seconds(reports, ids[arm]) if what == "dpprof show"
-                        else _page_seconds(reports, ids[arm], other, what))
+                        else page_seconds(ids[arm], what, [ids[arm], other]))
                 seconds.setdefault((what, arm), []).append(took)
     print(f"median of {args.repeat}, caches emptied before each (aim: long / short <= {RATIO_BUDGET:g}):")
     worst = 0.0

@@ -27,29 +27,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from trace_import import make_traces  # noqa: E402  (this directory's bench, beside this file)
+from dashboard import page_seconds  # noqa: E402  (this directory's benches, beside this file)
+from trace_import import make_traces  # noqa: E402
 
 SOURCES = {"ddp-2ranks": "ddp-2ranks-rank0-nccl.json.gz", "resnet50": "resnet50-1gpu-tb-sample.pt.trace.json.gz"}
 
 PAGE_BUDGET_S = 1.0
 PAGES = ("overview", "load", "timeline", "operators", "kernels", "memory", "devices", "export")
-
-
-def _page_seconds(run_id: str, page: str) -> float:
-    import streamlit as st
-    from streamlit.testing.v1 import AppTest
-
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=300)
-    at.session_state["chosen_run"] = run_id
-    at.run()
-    at.switch_page(f"app_pages/{page}.py")
-    st.cache_data.clear()
-    t0 = time.perf_counter()
-    at.run()
-    seconds = time.perf_counter() - t0
-    if at.exception:
-        raise RuntimeError(f"{page}: {at.exception[0].message}")
-    return seconds
 
 
 def main() -> int:
@@ -81,7 +65,7 @@ def main() -> int:
         for _ in range(args.repeat):
             for page in PAGES:
                 try:
-                    seconds[page].append(_page_seconds(run.id, page))
+                    seconds[page].append(page_seconds(run.id, page))
                 except RuntimeError as err:
                     failed.append(str(err))
         print(f"each page opened {args.repeat} times, caches emptied before each (aim: under {PAGE_BUDGET_S:g} s):")
