@@ -26,9 +26,9 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from dpprof.device_ids import DeviceSet
-from dpprof.parallel.probe import ForwardProbe, PendingPhase, allocator_bytes, event_now, iter_tensors
+from dpprof.parallel.probe import ForwardProbe, allocator_bytes, cuda_event, gpu_of, iter_tensors, rank_part
 from dpprof.recording import Run, current_run
-from dpprof.records import AllocatorRecord, CommRecord, PhaseRecord
+from dpprof.records import AllocatorRecord, CommRecord
 
 __all__ = ["DistributedDataParallel"]
 
@@ -90,20 +90,12 @@ class _RankProbe:
 
     def event(self) -> torch.cuda.Event | None:
         """A CUDA timing event recorded now on this rank's GPU's current stream (None for a rank on the CPU)."""
-        return None if self.cuda_index is None else event_now(self.cuda_index)
+        return cuda_event(self.cuda_index)
 
     def phase_done(self, name: str, t0: int, t1: int, ev0: torch.cuda.Event | None = None,
                    ev1: torch.cuda.Event | None = None) -> None:
-        """A part from host time t0 to t1; with its CUDA events (a rank on a GPU), its GPU time too, emitted once
-        they complete (Run.resolve_pending). Events are shared between parts (one part's end is the next step's
-        data start), so they are not reused."""
-        if ev0 is not None and ev1 is not None and self.cuda_index is not None:
-            fields = dict(step=self.step.index, call=0, phase=name, device=self.label, start_ms=self.run.ms(t0),
-                          duration_ms=(t1 - t0) / 1e6)
-            self.run.defer(PendingPhase(fields, self.cuda_index, ev0, ev1, release=False))
-        else:
-            self.run.emit(PhaseRecord(step=self.step.index, call=0, phase=name, device=self.label,
-                                      start_ms=self.run.ms(t0), duration_ms=(t1 - t0) / 1e6))
+        """A part from host time t0 to t1; with its CUDA events (a rank on a GPU), its GPU time too (``rank_part``)."""
+        rank_part(self.run, self.step.index, name, self.label, t0, t1, self.cuda_index, ev0, ev1)
         self.step.touch(t1)
         with self.lock:
             if t1 >= self.last_end_ns:  # the newest part's end, and its event where it has one
@@ -161,12 +153,6 @@ class _RankProbe:
         self.phase_done("backward_compute", t0, last_launch, ev0, launch_event)
         self.phase_done("comm_wait", last_launch, end, launch_event, ev_end)
         self.read_allocator("backward")
-
-
-def gpu_of(module: torch.nn.Module) -> int | None:
-    """The index of the GPU a module's parameters are on (its first parameter's), or None."""
-    first = next(module.parameters(), None)
-    return first.device.index if first is not None and first.is_cuda else None
 
 
 def _timed_hook(owner: DistributedDataParallel, inner: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:

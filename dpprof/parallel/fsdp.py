@@ -58,9 +58,9 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from dpprof.device_ids import DeviceSet
-from dpprof.parallel.probe import PendingPhase, allocator_bytes, event_now, iter_tensors, tensor_bytes
+from dpprof.parallel.probe import allocator_bytes, cuda_event, gpu_of, iter_tensors, rank_part, tensor_bytes
 from dpprof.recording import Run, current_run
-from dpprof.records import AllocatorRecord, CommRecord, DeviceMemoryRecord, PhaseRecord
+from dpprof.records import AllocatorRecord, CommRecord, DeviceMemoryRecord
 
 __all__ = ["install", "uninstall", "installed", "FSDP_WAIT_PHASES", "ALL_GATHER", "REDUCE_SCATTER"]
 
@@ -82,8 +82,6 @@ class _StepProbe:
         self.run = run
         self.shard_bytes = shard_bytes or _shard_bytes  # FSDP2's DTensor shards, or FSDP1's flat parameters'
         self.gathered_handles: dict[int, int] = {}  # FSDP1: id(FlatParamHandle) -> its bytes, while gathered
-        self.put = run.sink.put  # what run.emit calls, one call less on every record
-        self.t0_ns = run._t0_ns  # the run's clock origin (run.ms), as dpprof.parallel.probe reads it
         self.devices = DeviceSet("rank", (rank,), rank)
         self.label = self.devices.label(rank)
         run.note_devices(self.devices)
@@ -121,18 +119,12 @@ class _StepProbe:
 
     def event(self) -> torch.cuda.Event | None:
         """A CUDA timing event recorded now on this rank's GPU's current stream (None for a rank on the CPU)."""
-        return None if self.cuda_index is None else event_now(self.cuda_index)
+        return cuda_event(self.cuda_index)
 
     def phase(self, name: str, t0: int, t1: int, ev0: torch.cuda.Event | None = None,
               ev1: torch.cuda.Event | None = None) -> None:
-        """A part from host time t0 to t1; with its CUDA events (a rank on a GPU), its GPU time too, emitted once they
-        complete (Run.resolve_pending). One part's end event is the next step's data start: events are not reused."""
-        if ev0 is not None and ev1 is not None and self.cuda_index is not None:
-            fields = dict(step=self.step.index, call=0, phase=name, device=self.label,
-                          start_ms=(t0 - self.t0_ns) / 1e6, duration_ms=(t1 - t0) / 1e6)
-            self.run.defer(PendingPhase(fields, self.cuda_index, ev0, ev1, release=False))
-        else:  # positional: PhaseRecord(step, call, phase, device, start_ms, duration_ms)
-            self.put(PhaseRecord(self.step.index, 0, name, self.label, (t0 - self.t0_ns) / 1e6, (t1 - t0) / 1e6))
+        """A part from host time t0 to t1; with its CUDA events (a rank on a GPU), its GPU time too (``rank_part``)."""
+        rank_part(self.run, self.step.index, name, self.label, t0, t1, self.cuda_index, ev0, ev1)
         self.step.touch(t1)
         if t1 > self.last_end_ns:
             self.last_end_ns, self.last_end_event = t1, ev1
@@ -176,9 +168,7 @@ def _gpu_of(module: torch.nn.Module) -> int | None:
     looked up once per module."""
     found = module.__dict__.get("_dpprof_cuda", False)
     if found is False:
-        first = next(module.parameters(), None)
-        found = first.device.index if first is not None and first.device.type == "cuda" else None
-        module.__dict__["_dpprof_cuda"] = found
+        found = module.__dict__["_dpprof_cuda"] = gpu_of(module)
     return found
 
 
@@ -261,7 +251,7 @@ def _wrap_root_pre_forward(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, module, args, kwargs)
         first = self._state_ctx.iter_forward_root is None
         index = _gpu_of(module) if first else None
-        ev0 = event_now(index) if index is not None else None
+        ev0 = cuda_event(index)
         t0 = time.perf_counter_ns()
         out = original(self, module, args, kwargs)
         if first and self._state_ctx.iter_forward_root is self:
@@ -435,8 +425,7 @@ def _wrap_fsdp1_forward(original: Callable[..., Any]) -> Callable[..., Any]:
         run = current_run()
         if run is None or _fsdp1["in_forward"]:  # not recording, or an inner FSDP module inside the root's forward
             return original(self, *args, **kwargs)
-        index = _gpu_of(self)
-        ev0 = event_now(index) if index is not None else None
+        ev0 = cuda_event(_gpu_of(self))
         probe = _open_step(run, self, time.perf_counter_ns(), args, (args, kwargs), _fsdp1_shard_bytes, ev0)
         _fsdp1["in_forward"] = True
         try:

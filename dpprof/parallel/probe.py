@@ -20,7 +20,7 @@ from dpprof.recording import Run
 from dpprof.records import AllocatorRecord, DeviceMemoryRecord, PhaseRecord
 
 __all__ = ["ForwardProbe", "MeasuredReplica", "PendingPhase", "tensor_bytes", "iter_tensors", "watch_backward",
-           "allocator_bytes", "event_now"]
+           "allocator_bytes", "event_now", "cuda_event", "gpu_of", "rank_part"]
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -88,8 +88,8 @@ _streams: dict[tuple[int, int], torch.cuda.Stream] = {}
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # in CUDA builds of torch only
 
 
-def _cuda_event(index: int | None) -> torch.cuda.Event | None:
-    """A timing event recorded now on GPU ``index``'s current stream (None for a CPU label)."""
+def cuda_event(index: int | None) -> torch.cuda.Event | None:
+    """A timing event recorded now on GPU ``index``'s current stream (None for no GPU: a CPU label or rank)."""
     return None if index is None else event_now(index)
 
 
@@ -110,7 +110,7 @@ def event_now(index: int) -> torch.cuda.Event:
 
 
 def _release_events(index: int, *events: torch.cuda.Event) -> None:
-    """Events whose times have been read, for _cuda_event to record again."""
+    """Events whose times have been read, for cuda_event to record again."""
     _free_events.setdefault(index, []).extend(events)
 
 
@@ -161,6 +161,25 @@ class PendingPhase:
         return True
 
 
+def gpu_of(module: Module) -> int | None:
+    """The index of the GPU a module's parameters are on (its first parameter's; a DTensor's, its shard's), or None."""
+    first = next(module.parameters(), None)
+    return first.device.index if first is not None and first.device.type == "cuda" else None
+
+
+def rank_part(run: Run, step: int, name: str, label: str, t0: int, t1: int, cuda_index: int | None,
+              ev0: torch.cuda.Event | None = None, ev1: torch.cuda.Event | None = None) -> None:
+    """One part of a DDP or FSDP rank's step, from host time ``t0`` to ``t1`` (perf_counter_ns): emitted now, or, on
+    a GPU with CUDA events at both its ends, once they complete, with its GPU time (Run.resolve_pending). One part's
+    end event is the next part's start, so these events are not reused."""
+    start_ms, duration_ms = (t0 - run._t0_ns) / 1e6, (t1 - t0) / 1e6
+    if ev0 is not None and ev1 is not None and cuda_index is not None:
+        fields = dict(step=step, call=0, phase=name, device=label, start_ms=start_ms, duration_ms=duration_ms)
+        run.defer(PendingPhase(fields, cuda_index, ev0, ev1, release=False))
+    else:  # positional: PhaseRecord(step, call, phase, device, start_ms, duration_ms)
+        run.sink.put(PhaseRecord(step, 0, name, label, start_ms, duration_ms))
+
+
 class _SavedBytes:
     """saved_tensors_hooks pack hook that adds up the activations a replica saves for backward."""
 
@@ -203,7 +222,7 @@ class _BackwardWatch:
         self.range.__enter__()
         self.t0 = time.perf_counter_ns()
         if self.probe is not None and self.probe.cuda_indices:
-            self.ev0 = _cuda_event(_cuda_index(self.label))
+            self.ev0 = cuda_event(_cuda_index(self.label))
         torch.autograd.Variable._execution_engine.queue_callback(self.on_done)
 
     def on_done(self) -> None:
@@ -252,7 +271,7 @@ class ForwardProbe:
     # time: a phase is start_event (CUDA only) and a host clock reading, then finish_phase
     def start_event(self, label: str) -> torch.cuda.Event | None:
         """A phase's starting CUDA event on the device ``label`` names (None on CPU workers or the host)."""
-        return _cuda_event(_cuda_index(label)) if self.cuda_indices else None
+        return cuda_event(_cuda_index(label)) if self.cuda_indices else None
 
     def finish_phase(self, name: str, label: str, t0: int, ev0: torch.cuda.Event | None) -> None:
         if not self.cuda_indices:  # CPU workers or the host: a host time, nothing to wait for
