@@ -50,7 +50,6 @@ import argparse
 import gc
 import math
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -68,6 +67,7 @@ from dpprof.parallel import workers as cpu_workers
 from dpprof.workloads import build_workload
 
 from conditions import Conditions
+from stats import interval, median_interval
 
 ARMS = ("plain", "off", "memory", "dpprof explicit", "dpprof implicit", "dpprof captured", "torch.profiler")
 CUDA_ARMS = ("plain", "torch DataParallel", "off", "memory", "dpprof explicit", "dpprof implicit", "dpprof captured",
@@ -219,23 +219,6 @@ def measure(step: Step, workers: int, rounds: int, reports_dir: str,
     return out
 
 
-BOOTSTRAP = 2000  # resamples of the rounds for a median's 95% interval
-
-
-def _interval(rounds: int, stat: Callable[[list[int]], float]) -> tuple[float, float]:
-    """The 95% interval of ``stat`` over the rounds resampled with replacement, a resample keeping each
-    round's arms together (the rounds are paired: noise moves a round's arms alike). Seeded: the same
-    rounds give the same interval."""
-    rng = random.Random(0)
-    values = sorted(stat(rng.choices(range(rounds), k=rounds)) for _ in range(BOOTSTRAP))
-    return values[int(0.025 * BOOTSTRAP)], values[int(0.975 * BOOTSTRAP) - 1]
-
-
-def _median_interval(values: list[float]) -> tuple[float, float]:
-    """The 95% interval of the median of per-round ``values``."""
-    return _interval(len(values), lambda idx: statistics.median(values[i] for i in idx))
-
-
 def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str, list[float]]],
            cuda: bool = False, refused: str | None = None) -> None:
     """Print the arms' figures and ratios; with ``refused`` (the machine was loaded: bench/conditions.py), the
@@ -286,7 +269,7 @@ def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str
         print(f"  dpprof.DataParallel off / plain module: {workers_ratio:.3f}x; / torch.nn.DataParallel: {theirs:.3f}x"
               " (medians of rounds)")
     else:
-        lo, hi = _median_interval(workers_ratios)
+        lo, hi = median_interval(workers_ratios)
         of_means = statistics.fmean(out["off"]["step_s"]) / statistics.fmean(out["plain"]["step_s"])
         print(f"  CPU workers / plain module: {workers_ratio:.2f}x (median of rounds; 95% interval {lo:.2f}x to"
               f" {hi:.2f}x); of the mean steps: {of_means:.2f}x")
@@ -299,7 +282,7 @@ def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str
     profilers = per_round("torch.profiler", "step_s", lambda a, b: a - b)
     for k in RECORDED:
         ratios = per_round(k, "step_s", lambda a, b: a / b - 1)
-        lo, hi = _median_interval(ratios)
+        lo, hi = median_interval(ratios)
         print(f"  {k} adds {statistics.median(ratios):+.2%} a step (95% interval of that median: {lo:+.2%} to"
               f" {hi:+.2%})")
         ours = per_round(k, "step_s", lambda a, b: a - b)
@@ -308,7 +291,7 @@ def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str
             den = statistics.median(profilers[i] for i in idx)
             return statistics.median(ours[i] for i in idx) / den if den > 0 else math.inf
 
-        lo, hi = _interval(len(ours), share)
+        lo, hi = interval(len(ours), share)
         if prof <= 0 or math.isinf(hi):
             print(f"  {k} / torch.profiler: not measurable here: the profiler's added time cannot be told from zero")
         else:
@@ -316,13 +299,13 @@ def report(name: str, workers: int, rounds: int, n: int, out: dict[str, dict[str
                   f" (95% interval {lo:.2f} to {hi:.2f}; aim: <= 0.5)")
     # paired per round like every figure here: the two arms ran in the same round, each beside `off`
     over = [(a - b) * 1e6 for a, b in zip(out["dpprof explicit"]["step_s"], out["dpprof implicit"]["step_s"])]
-    lo, hi = _median_interval(over)
+    lo, hi = median_interval(over)
     print(f"  explicit steps over implicit ones: {statistics.median(over):+.1f} us a step (95% interval {lo:+.1f} to"
           f" {hi:+.1f}; aim: <= 0)")
     # the deep capture's cost outside its window: the captured arm beside the explicit one, paired per round
     outside = [(a - b) * 1e6 for a, b in zip(out["dpprof captured"]["step_s"], out["dpprof explicit"]["step_s"])]
     ratios = [a / b for a, b in zip(out["dpprof captured"]["step_s"], out["dpprof explicit"]["step_s"])]
-    lo, hi = _median_interval(outside)
+    lo, hi = median_interval(outside)
     print(f"  a deep capture's steps outside its window over dpprof explicit: {statistics.median(outside):+.1f} us a "
           f"step, {statistics.median(ratios):.3f}x (95% interval {lo:+.1f} to {hi:+.1f} us; aim: 0)")
     once = {k: statistics.median(out[k]["once_s"]) * 1e3 for k in ("off", *RECORDED, "dpprof captured",

@@ -60,7 +60,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from dpprof.device_ids import DeviceSet
 from dpprof.parallel.probe import allocator_bytes, cuda_event, gpu_of, iter_tensors, rank_part, tensor_bytes
 from dpprof.recording import Run, current_run
-from dpprof.records import AllocatorRecord, CommRecord, DeviceMemoryRecord
+from dpprof.records import AllocatorRecord, CommRecord, DeviceMemoryRecord, PhaseRecord
 
 __all__ = ["install", "uninstall", "installed", "FSDP_WAIT_PHASES", "ALL_GATHER", "REDUCE_SCATTER"]
 
@@ -80,6 +80,8 @@ class _StepProbe:
                  shard_bytes: Callable[[torch.nn.Module], tuple[int, int]] | None = None,
                  ev0: torch.cuda.Event | None = None) -> None:
         self.run = run
+        self.put = run.sink.put  # what run.emit calls, one call less on each of the step's ~50 records
+        self.t0_ns = run._t0_ns  # the run's clock origin (run.ms)
         self.shard_bytes = shard_bytes or _shard_bytes  # FSDP2's DTensor shards, or FSDP1's flat parameters'
         self.gathered_handles: dict[int, int] = {}  # FSDP1: id(FlatParamHandle) -> its bytes, while gathered
         self.devices = DeviceSet("rank", (rank,), rank)
@@ -124,17 +126,46 @@ class _StepProbe:
     def phase(self, name: str, t0: int, t1: int, ev0: torch.cuda.Event | None = None,
               ev1: torch.cuda.Event | None = None) -> None:
         """A part from host time t0 to t1; with its CUDA events (a rank on a GPU), its GPU time too (``rank_part``)."""
-        rank_part(self.run, self.step.index, name, self.label, t0, t1, self.cuda_index, ev0, ev1)
-        self.step.touch(t1)
+        if ev0 is None or ev1 is None or self.cuda_index is None:  # a host time: rank_part's, one call less
+            # positional: PhaseRecord(step, call, phase, device, start_ms, duration_ms)
+            self.put(PhaseRecord(self.step.index, 0, name, self.label, (t0 - self.t0_ns) / 1e6, (t1 - t0) / 1e6))
+        else:
+            rank_part(self.run, self.step.index, name, self.label, t0, t1, self.cuda_index, ev0, ev1)
+        step = self.step
+        if t1 > step.last_end_ns:  # step.touch(t1)
+            step.last_end_ns = t1
         if t1 > self.last_end_ns:
             self.last_end_ns, self.last_end_event = t1, ev1
 
-    def collective(self, what: str, nbytes: int, launch_ns: int, done_ns: int) -> None:
-        index = self.count[what]
-        self.count[what] = index + 1
-        self.run.emit(CommRecord(step=self.step.index, device=self.label, bucket=index, bucket_bytes=nbytes,
-                                 launch_ms=self.run.ms(launch_ns), duration_ms=(done_ns - launch_ns) / 1e6,
-                                 collective=what))
+    def collective(self, what: str, nbytes: int, launch_ns: int, done_ns: int, index: int | None = None) -> None:
+        """One collective's CommRecord (``index``: its place among the step's of its kind, counted now if None)."""
+        if index is None:
+            index = self.count[what]
+            self.count[what] = index + 1
+        # positional: CommRecord(step, device, bucket, bucket_bytes, launch_ms, duration_ms, collective)
+        self.put(CommRecord(self.step.index, self.label, index, nbytes, (launch_ns - self.t0_ns) / 1e6,
+                            (done_ns - launch_ns) / 1e6, what))
+
+    def exchange(self, what: str, t0: int, timed: _TimedComm, t1: int | None) -> None:
+        """A synchronous collective's parts from FSDP's helper call that began at ``t0`` (and ended at ``t1``, where
+        the helper's copy-out is its own part): its copy-in up to the launch, its wait (the call), its copy-out after
+        it, and its CommRecord. The three parts follow one another: this is what every all-gather on gloo and every
+        reduce-scatter records, so it is written out rather than made of three phase() calls."""
+        launch, done = timed.launch_ns, timed.done_ns
+        assert launch is not None and done is not None
+        put, label, index, t0_ns = self.put, self.label, self.step.index, self.t0_ns
+        put(PhaseRecord(index, 0, "copy_in", label, (t0 - t0_ns) / 1e6, (launch - t0) / 1e6))
+        put(PhaseRecord(index, 0, FSDP_WAIT_PHASES[what], label, (launch - t0_ns) / 1e6, (done - launch) / 1e6))
+        end = done
+        if t1 is not None:
+            put(PhaseRecord(index, 0, "copy_out", label, (done - t0_ns) / 1e6, (t1 - done) / 1e6))
+            end = t1
+        self.collective(what, timed.nbytes, launch, done)
+        step = self.step
+        if end > step.last_end_ns:
+            step.last_end_ns = end
+        if end > self.last_end_ns:
+            self.last_end_ns, self.last_end_event = end, None
 
     def gathered(self, delta_bytes: int) -> None:
         self.gathered_bytes = max(0, self.gathered_bytes + delta_bytes)
@@ -196,6 +227,8 @@ def _group_unsharded_bytes(group: Any) -> int:
 
 class _TimedComm:
     """FSDP's collective object (DefaultAllGather, DefaultReduceScatter, ...) with its call timed."""
+
+    __slots__ = ("inner", "bytes_of", "launch_ns", "done_ns", "nbytes", "result")
 
     def __init__(self, inner: Any, bytes_of: str) -> None:
         self.inner = inner
@@ -311,14 +344,13 @@ def _wrap_all_gather(original: Callable[..., Any]) -> Callable[..., Any]:
         t1 = time.perf_counter_ns()
         if timed.launch_ns is None or timed.done_ns is None:
             return result
-        probe.phase("copy_in", t0, timed.launch_ns)
         if isinstance(timed.result, dist.Work):  # asynchronous: done when copy-out's wait returns
+            probe.phase("copy_in", t0, timed.launch_ns)
             index = probe.count[ALL_GATHER]
             probe.count[ALL_GATHER] = index + 1
             probe.pending[id(result)] = (index, timed.nbytes, timed.launch_ns)
         else:
-            probe.phase("all_gather_wait", timed.launch_ns, timed.done_ns)
-            probe.collective(ALL_GATHER, timed.nbytes, timed.launch_ns, timed.done_ns)
+            probe.exchange(ALL_GATHER, t0, timed, None)
         if t1 > timed.done_ns:
             probe.step.touch(t1)
         return result
@@ -340,9 +372,7 @@ def _wrap_copy_out(original: Callable[..., Any]) -> Callable[..., Any]:
             t_wait = time.perf_counter_ns()
             probe.phase("all_gather_wait", t0, t_wait)
             index, nbytes, launch = pending
-            probe.run.emit(CommRecord(step=probe.step.index, device=probe.label, bucket=index, bucket_bytes=nbytes,
-                                      launch_ms=probe.run.ms(launch), duration_ms=(t_wait - launch) / 1e6,
-                                      collective=ALL_GATHER))
+            probe.collective(ALL_GATHER, nbytes, launch, t_wait, index)
             t0 = t_wait
         out = original(all_gather_result, fsdp_params, group)
         probe.phase("copy_out", t0, time.perf_counter_ns())
@@ -363,10 +393,7 @@ def _wrap_reduce(original: Callable[..., Any]) -> Callable[..., Any]:
         t1 = time.perf_counter_ns()
         if timed.launch_ns is None or timed.done_ns is None:  # one rank: no reduce-scatter ran
             return out
-        probe.phase("copy_in", t0, timed.launch_ns)
-        probe.phase("reduce_scatter_wait", timed.launch_ns, timed.done_ns)
-        probe.phase("copy_out", timed.done_ns, t1)
-        probe.collective(REDUCE_SCATTER, timed.nbytes, timed.launch_ns, timed.done_ns)
+        probe.exchange(REDUCE_SCATTER, t0, timed, t1)
         return out
 
     return foreach_reduce
