@@ -24,7 +24,7 @@ from dpprof.capture.window import CaptureWindow, parse_capture
 from dpprof.device_ids import DeviceSet
 from dpprof.devices import inventory, nvml_handles
 from dpprof.nvml import DEFAULT_SAMPLE_HZ, GpuSampler, Nvml, NvmlUnavailable
-from dpprof.records import CHECK_OF_ENV, TABLE_OF, NoteRecord, Record, StepRecord
+from dpprof.records import CHECK_OF_ENV, STEP_ROW, TABLE_OF, NoteRecord, Record, Row, record_of_row
 from dpprof.signals import Interrupted, SignalGuard, signal_name
 from dpprof.store.faults import start_failure
 from dpprof.store.ids import new_run_id
@@ -59,7 +59,7 @@ def current_run() -> Run | None:
 
 
 class Sink(Protocol):
-    def put(self, record: Record) -> None: ...
+    def put(self, record: Record | Row) -> None: ...  # a Row: dpprof.records' rows of the hottest records
     def update_run(self, **values: Any) -> None: ...
     def close(self, steps_total: int | None = None) -> None: ...
 
@@ -70,8 +70,11 @@ class MemorySink:
     def __init__(self) -> None:
         self.tables: dict[str, list[Record]] = {name: [] for name in TABLE_OF.values()}
 
-    def put(self, record: Record) -> None:
-        self.tables[TABLE_OF[type(record)]].append(record)  # list.append is atomic under the GIL
+    def put(self, record: Record | Row) -> None:
+        if isinstance(record, tuple):  # a row (dpprof.records.Row): (table, *fields)
+            self.tables[record[0]].append(record_of_row(record))  # list.append is atomic under the GIL
+        else:
+            self.tables[TABLE_OF[type(record)]].append(record)
 
     def update_run(self, **values: Any) -> None:
         pass
@@ -264,7 +267,8 @@ class Run:
         return self.ms(time.perf_counter_ns())
 
     # records
-    def emit(self, record: Record) -> None:
+    def emit(self, record: Record | Row) -> None:
+        """A record, or a row of one (dpprof.records.Row), to the run's sink."""
         self.sink.put(record)
 
     def note_devices(self, devices: DeviceSet) -> None:
@@ -299,9 +303,10 @@ class Run:
     def _close_step(self, step: _Step, end_ns: int) -> None:
         if self._pending:  # CUDA timings only: a CPU step has none
             self.resolve_pending(block=False)
-        # positional: StepRecord(step, start_ms, duration_ms, batch_size, devices_used, forward_calls, explicit)
-        self.sink.put(StepRecord(step.index, (step.start_ns - self._t0_ns) / 1e6, (end_ns - step.start_ns) / 1e6,
-                                 step.batch_size, step.devices_used, step.calls, step.explicit))
+        # a row (dpprof.records.Row): STEP_ROW, then StepRecord's step, start_ms, duration_ms, batch_size, devices_used,
+        # forward_calls, explicit
+        self.sink.put((STEP_ROW, step.index, (step.start_ns - self._t0_ns) / 1e6, (end_ns - step.start_ns) / 1e6,
+                       step.batch_size, step.devices_used, step.calls, step.explicit))
 
     def step(self) -> _StepBlock:
         """``with run.step() as index:`` marks one training step (forward, loss, backward, optimizer)."""

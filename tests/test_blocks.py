@@ -14,6 +14,7 @@ import pytest
 
 import dpprof
 from dpprof.findings import imbalance
+from dpprof.records import StepRecord
 from dpprof.store import queries
 from dpprof.store.retention import Retention
 from dpprof.store.sketch import RELATIVE_ACCURACY
@@ -118,3 +119,36 @@ def test_the_imbalance_sums_give_the_glances_figures(both):
     assert found.slowest == "cpu:0" == overview.glance(rows).slowest
     assert work.loc["cpu:0", "slowest"] / (STEPS - 1) == found.slowest_share  # the first step left out, as there
     assert _close(work.loc["cpu:0", "wait"] / (STEPS - 1), float(found.excess_ms.mean()), rel=1e-9)
+
+
+def test_a_commits_steps_are_settled_as_they_come():
+    """A commit of many steps holds no more than SETTLE_STEPS of them unsettled at once: held all together until the
+    commit's end, their accumulators lived through the garbage collector's collections into its oldest generation
+    and set off full collections of the training process. The aggregates are those of settling once a commit."""
+    from dpprof.store.blocks import SETTLE_STEPS, Aggregator
+
+    run = record_straggler(None, 60)
+    # in the order the writer receives them: a step's phases and memory, then the step itself when it closes
+    records = sorted((r for table in ("steps", "phases", "memory") for r in run.sink.tables[table]),
+                     key=lambda r: (r.step, isinstance(r, StepRecord)))
+    assert sum(isinstance(r, StepRecord) for r in records) == 60
+    most = 0
+
+    class Watched(Aggregator):
+        def _acc(self, step):
+            nonlocal most
+            acc = super()._acc(step)
+            most = max(most, len(self._pending))
+            return acc
+
+    watched = Watched(RETENTION)
+    watched.add(records)
+    assert most <= SETTLE_STEPS + 1
+    steps_of = {}
+    for aggregator in (watched, Aggregator(RETENTION)):
+        if aggregator is not watched:
+            for record in records:  # one record at a time: each settled as late as the rule allows
+                aggregator.add([record])
+        steps_of[aggregator is watched] = sorted((k, v.steps, v.calls, v.sum, v.min, v.max)
+                                                 for k, v in aggregator._phases.items())
+    assert steps_of[True] == steps_of[False] and steps_of[True]

@@ -5,12 +5,13 @@ from dataclasses import fields
 
 import pytest
 
-from dpprof.records import (MEMORY_BYTES, AllocatorRecord, DeviceMemoryRecord, PhaseRecord, StepRecord,
+from dpprof.records import (MEMORY_BYTES, AllocatorRecord, CommRecord, DeviceMemoryRecord, PhaseRecord, StepRecord,
                             device_key)
 
-# Records built positionally on the hot path (dpprof/recording.py, dpprof/parallel/probe.py,
-# dpprof/parallel/distributed.py): a field moved in records.py would store wrong data silently, so the order
-# those call sites assume is pinned here. Change both together.
+# Records built positionally on the hot path, or written there as rows (dpprof.records.Row: the table, then the
+# fields in this order) (dpprof/recording.py, dpprof/parallel/probe.py, dpprof/parallel/distributed.py,
+# dpprof/parallel/fsdp.py): a field moved in records.py would store wrong data silently, so the order those call
+# sites assume is pinned here. Change both together.
 POSITIONAL = [
     (StepRecord, ["step", "start_ms", "duration_ms", "batch_size", "devices_used", "forward_calls", "explicit"]),
     (PhaseRecord, ["step", "call", "phase", "device", "start_ms", "duration_ms", "device_duration_ms"]),
@@ -18,6 +19,7 @@ POSITIONAL = [
                           "gathered_bytes", "param_bytes", "buffer_bytes"]),
     (AllocatorRecord, ["step", "call", "device", "phase", "allocated_bytes", "peak_allocated_bytes",
                        "reserved_bytes"]),
+    (CommRecord, ["step", "device", "bucket", "bucket_bytes", "launch_ms", "duration_ms", "collective"]),
 ]
 
 

@@ -1,6 +1,7 @@
 """The run store: what is written is what is read, whatever happens to the process or the files."""
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import re
@@ -9,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from dataclasses import astuple
 
 import forked
 import pandas as pd
@@ -19,6 +21,9 @@ from torch import nn
 import dpprof
 from dpprof.store.reader import RunFileError
 from dpprof.cli import main
+from dpprof.records import (COMM_ROW, PHASE_ROW, CommRecord, DeviceMemoryRecord, PhaseRecord, StepRecord,
+                            record_of_row)
+from dpprof.store import writer
 from dpprof.store.writer import SqliteSink
 from dpprof.views.text import dropped_records
 from recorded import killed_child, record_until_killed
@@ -54,6 +59,60 @@ def test_records_written_equal_records_read(reports):
         assert list(got.columns) == [*df.columns, "rank"] and (got["rank"] == 0).all()
         pd.testing.assert_frame_equal(got.drop(columns="rank").reset_index(drop=True), df.reset_index(drop=True),
                                       check_dtype=False)
+
+
+def test_a_row_is_stored_as_its_record_is(reports):
+    """The hot path's rows (dpprof.records.Row) and the records they stand for make the same run file."""
+    mem = _record(store=False)
+    reports.mkdir(exist_ok=True)
+    stored = {}
+    for kind in ("records", "rows"):
+        sink = SqliteSink(str(reports / f"{kind}.sqlite"), mem.metadata())
+        for table, recs in mem.sink.tables.items():
+            for rec in recs:
+                as_row = kind == "rows" and table in (PHASE_ROW, COMM_ROW)
+                sink.put((table, *astuple(rec)) if as_row else rec)
+        sink.put(CommRecord(0, "rank:0", 0, 1024, 1.5, 0.25, "all-gather") if kind == "records"
+                 else (COMM_ROW, 0, "rank:0", 0, 1024, 1.5, 0.25, "all-gather"))
+        sink.close()
+        stored[kind] = dpprof.load_run(reports / f"{kind}.sqlite")
+    assert len(stored["rows"].table("phases")) == len(mem.sink.tables["phases"]) > 0
+    for table in ("steps", "phases", "memory", "comms"):
+        pd.testing.assert_frame_equal(stored["rows"].table(table), stored["records"].table(table))
+    for table in ("phase_blocks", "step_blocks"):  # the per-block aggregates the writer keeps from them
+        blocks = {kind: pd.read_sql(f"SELECT * FROM {table}", sqlite3.connect(run.path)).sort_values(
+            ["block", "phase", "device"] if table == "phase_blocks" else ["block"], ignore_index=True)
+            for kind, run in stored.items()}
+        assert len(blocks["rows"]) > 0
+        pd.testing.assert_frame_equal(blocks["rows"], blocks["records"])
+    assert record_of_row((COMM_ROW, 0, "rank:0", 0, 1024, 1.5, 0.25, None)) == CommRecord(0, "rank:0", 0, 1024, 1.5,
+                                                                                         0.25)
+
+
+def test_the_rows_a_step_leaves_for_the_writer_leave_the_garbage_collectors_lists(reports, monkeypatch):
+    """What the training thread hands the writer is not tracked by the garbage collector once it has lived through
+    one collection: records waiting for the next commit would otherwise be moved into the oldest generation and set
+    off full collections of the whole process (dpprof.records.Row)."""
+    monkeypatch.setattr(writer, "FLUSH_INTERVAL_S", 600.0)  # nothing committed while the steps run
+    torch.manual_seed(0)
+    net = dpprof.DataParallel(nn.Linear(5, 2), device_ids=dpprof.cpu_devices(2))
+    with dpprof.record(name="rows") as run:
+        for _ in range(3):
+            with run.step():
+                net(torch.randn(7, 5)).sum().backward()
+        waiting = list(run.sink._buffer)
+        rows = [r for r in waiting if isinstance(r, tuple)]
+        gc.collect()
+        assert not [r for r in rows if gc.is_tracked(r)]
+        made = [record_of_row(r) for r in rows]
+    # every step, phase and device's memory of the steps is a row: scatter, replicate, parallel_apply, each worker's
+    # apply, gather, backward
+    phases = [r for r in made if isinstance(r, PhaseRecord)]
+    assert {r.phase for r in phases} == {"scatter", "replicate", "parallel_apply", "apply", "gather", "backward"}
+    stored = dpprof.load_run(run.path)
+    assert len(phases) == len(stored.table("phases"))
+    assert sum(isinstance(r, StepRecord) for r in made) == len(stored.table("steps")) == 3
+    assert sum(isinstance(r, DeviceMemoryRecord) for r in made) == len(stored.table("memory")) == 6
 
 
 def test_a_recorded_run_lands_in_reports_with_its_metadata(reports):

@@ -28,7 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from dpprof.device_ids import DeviceSet
 from dpprof.parallel.probe import ForwardProbe, allocator_bytes, cuda_event, gpu_of, iter_tensors, rank_part
 from dpprof.recording import Run, current_run
-from dpprof.records import AllocatorRecord, CommRecord
+from dpprof.records import COMM_ROW, AllocatorRecord
 
 __all__ = ["DistributedDataParallel"]
 
@@ -115,8 +115,10 @@ class _RankProbe:
                 self.last_launch_event = event
 
     def comm(self, bucket: int, nbytes: int, launch_ns: int, done_ns: int) -> None:
-        self.run.emit(CommRecord(step=self.step.index, device=self.label, bucket=bucket, bucket_bytes=nbytes,
-                                 launch_ms=self.run.ms(launch_ns), duration_ms=(done_ns - launch_ns) / 1e6))
+        # a row (dpprof.records.Row): COMM_ROW, then CommRecord's step, device, bucket, bucket_bytes, launch_ms,
+        # duration_ms, collective (None: DDP's bucket all-reduce)
+        self.run.emit((COMM_ROW, self.step.index, self.label, bucket, nbytes, self.run.ms(launch_ns),
+                       (done_ns - launch_ns) / 1e6, None))
         with self.lock:
             self.completions.append(done_ns)
         self._maybe_finish_backward()

@@ -60,7 +60,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from dpprof.device_ids import DeviceSet
 from dpprof.parallel.probe import allocator_bytes, cuda_event, gpu_of, iter_tensors, rank_part, tensor_bytes
 from dpprof.recording import Run, current_run
-from dpprof.records import AllocatorRecord, CommRecord, DeviceMemoryRecord, PhaseRecord
+from dpprof.records import COMM_ROW, MEMORY_ROW, PHASE_ROW, AllocatorRecord
 
 __all__ = ["install", "uninstall", "installed", "FSDP_WAIT_PHASES", "ALL_GATHER", "REDUCE_SCATTER"]
 
@@ -127,8 +127,9 @@ class _StepProbe:
               ev1: torch.cuda.Event | None = None) -> None:
         """A part from host time t0 to t1; with its CUDA events (a rank on a GPU), its GPU time too (``rank_part``)."""
         if ev0 is None or ev1 is None or self.cuda_index is None:  # a host time: rank_part's, one call less
-            # positional: PhaseRecord(step, call, phase, device, start_ms, duration_ms)
-            self.put(PhaseRecord(self.step.index, 0, name, self.label, (t0 - self.t0_ns) / 1e6, (t1 - t0) / 1e6))
+            # a row (dpprof.records.Row): PHASE_ROW, then PhaseRecord's step, call, phase, device, start_ms, duration_ms,
+            # device_duration_ms
+            self.put((PHASE_ROW, self.step.index, 0, name, self.label, (t0 - self.t0_ns) / 1e6, (t1 - t0) / 1e6, None))
         else:
             rank_part(self.run, self.step.index, name, self.label, t0, t1, self.cuda_index, ev0, ev1)
         step = self.step
@@ -142,9 +143,9 @@ class _StepProbe:
         if index is None:
             index = self.count[what]
             self.count[what] = index + 1
-        # positional: CommRecord(step, device, bucket, bucket_bytes, launch_ms, duration_ms, collective)
-        self.put(CommRecord(self.step.index, self.label, index, nbytes, (launch_ns - self.t0_ns) / 1e6,
-                            (done_ns - launch_ns) / 1e6, what))
+        # a row: COMM_ROW, then CommRecord's step, device, bucket, bucket_bytes, launch_ms, duration_ms, collective
+        self.put((COMM_ROW, self.step.index, self.label, index, nbytes, (launch_ns - self.t0_ns) / 1e6,
+                  (done_ns - launch_ns) / 1e6, what))
 
     def exchange(self, what: str, t0: int, timed: _TimedComm, t1: int | None) -> None:
         """A synchronous collective's parts from FSDP's helper call that began at ``t0`` (and ended at ``t1``, where
@@ -154,11 +155,11 @@ class _StepProbe:
         launch, done = timed.launch_ns, timed.done_ns
         assert launch is not None and done is not None
         put, label, index, t0_ns = self.put, self.label, self.step.index, self.t0_ns
-        put(PhaseRecord(index, 0, "copy_in", label, (t0 - t0_ns) / 1e6, (launch - t0) / 1e6))
-        put(PhaseRecord(index, 0, FSDP_WAIT_PHASES[what], label, (launch - t0_ns) / 1e6, (done - launch) / 1e6))
+        put((PHASE_ROW, index, 0, "copy_in", label, (t0 - t0_ns) / 1e6, (launch - t0) / 1e6, None))
+        put((PHASE_ROW, index, 0, FSDP_WAIT_PHASES[what], label, (launch - t0_ns) / 1e6, (done - launch) / 1e6, None))
         end = done
         if t1 is not None:
-            put(PhaseRecord(index, 0, "copy_out", label, (done - t0_ns) / 1e6, (t1 - done) / 1e6))
+            put((PHASE_ROW, index, 0, "copy_out", label, (done - t0_ns) / 1e6, (t1 - done) / 1e6, None))
             end = t1
         self.collective(what, timed.nbytes, launch, done)
         step = self.step
@@ -190,8 +191,9 @@ class _StepProbe:
         """This rank's memory for the step by dpprof's accounting (sharded and peak gathered parameters)."""
         sharded, buffers = self.run.cached(("fsdp shard bytes", id(self.module)), lambda: self.shard_bytes(self.module))
         inputs, outputs = self.io_bytes
-        self.run.emit(DeviceMemoryRecord(self.step.index, 0, self.label, self.step.batch_size, inputs, outputs, 0,
-                                         self.gathered_peak_bytes, sharded, buffers))
+        # a row (dpprof.records.Row): MEMORY_ROW, then DeviceMemoryRecord's fields in order
+        self.put((MEMORY_ROW, self.step.index, 0, self.label, self.step.batch_size, inputs, outputs, 0,
+                  self.gathered_peak_bytes, sharded, buffers))
 
 
 def _gpu_of(module: torch.nn.Module) -> int | None:

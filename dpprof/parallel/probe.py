@@ -17,7 +17,7 @@ from torch.nn import Module
 from dpprof.device_ids import DeviceSet
 from dpprof.parallel.ranges import profiler_range
 from dpprof.recording import Run
-from dpprof.records import AllocatorRecord, DeviceMemoryRecord, PhaseRecord
+from dpprof.records import MEMORY_ROW, PHASE_ROW, AllocatorRecord, PhaseRecord
 
 __all__ = ["ForwardProbe", "MeasuredReplica", "PendingPhase", "tensor_bytes", "iter_tensors", "watch_backward",
            "allocator_bytes", "event_now", "cuda_event", "gpu_of", "rank_part"]
@@ -176,8 +176,8 @@ def rank_part(run: Run, step: int, name: str, label: str, t0: int, t1: int, cuda
     if ev0 is not None and ev1 is not None and cuda_index is not None:
         fields = dict(step=step, call=0, phase=name, device=label, start_ms=start_ms, duration_ms=duration_ms)
         run.defer(PendingPhase(fields, cuda_index, ev0, ev1, release=False))
-    else:  # positional: PhaseRecord(step, call, phase, device, start_ms, duration_ms)
-        run.sink.put(PhaseRecord(step, 0, name, label, start_ms, duration_ms))
+    else:  # a row (dpprof.records.Row): PHASE_ROW, then PhaseRecord's fields in order
+        run.sink.put((PHASE_ROW, step, 0, name, label, start_ms, duration_ms, None))
 
 
 class _SavedBytes:
@@ -279,8 +279,9 @@ class ForwardProbe:
             step = self.step
             if t1 > step.last_end_ns:
                 step.last_end_ns = t1
-            # positional: PhaseRecord(step, call, phase, device, start_ms, duration_ms)
-            self.put(PhaseRecord(step.index, self.call, name, label, (t0 - self.t0_ns) / 1e6, (t1 - t0) / 1e6))
+            # a row (dpprof.records.Row): PHASE_ROW, then PhaseRecord's step, call, phase, device, start_ms,
+            # duration_ms, device_duration_ms
+            self.put((PHASE_ROW, step.index, self.call, name, label, (t0 - self.t0_ns) / 1e6, (t1 - t0) / 1e6, None))
             return
         run = self.run
         index = _cuda_index(label)
@@ -372,11 +373,11 @@ class ForwardProbe:
         step, call, put = self.step.index, self.call, self.put
         for label, m in self.memory.items():
             held = "input_bytes" in m  # a replica ran here (else only the gathered output is)
-            # positional: DeviceMemoryRecord(step, call, device, chunk_size, input_bytes, output_bytes,
-            # activation_bytes, gathered_bytes, param_bytes, buffer_bytes)
-            put(DeviceMemoryRecord(step, call, label, m.get("chunk_size"), m.get("input_bytes", 0),
-                                   m.get("output_bytes", 0), m.get("activation_bytes", 0), m.get("gathered_bytes", 0),
-                                   param_bytes if held else 0, buffer_bytes if held else 0))
+            # a row (dpprof.records.Row): MEMORY_ROW, then DeviceMemoryRecord's step, call, device, chunk_size,
+            # input_bytes, output_bytes, activation_bytes, gathered_bytes, param_bytes, buffer_bytes
+            put((MEMORY_ROW, step, call, label, m.get("chunk_size"), m.get("input_bytes", 0), m.get("output_bytes", 0),
+                 m.get("activation_bytes", 0), m.get("gathered_bytes", 0), param_bytes if held else 0,
+                 buffer_bytes if held else 0))
 
     def watch_backward(self, output: Any) -> None:
         watch_backward(output, self, self.output_label)

@@ -29,8 +29,8 @@ from collections.abc import Iterable
 from itertools import combinations
 from typing import Any
 
-from dpprof.records import (AllocatorRecord, DeviceMemoryRecord, GpuSampleRecord, MEMORY_BYTES, PhaseRecord, Record,
-                            StepRecord)
+from dpprof.records import (COMM_ROW, MEMORY_BYTES, PHASE_ROW, AllocatorRecord, DeviceMemoryRecord, GpuSampleRecord,
+                            PhaseRecord, Record, Row, StepRecord, record_of_row)
 from dpprof.store.retention import DETAIL_TABLES, OUTLIER_RATIO, Retention
 from dpprof.store.sketch import Sketch
 
@@ -213,53 +213,71 @@ class Aggregator:
         self.detail_from = 0  # every step from here on still has all its detail
 
     # records in
-    def add(self, records: Iterable[Record]) -> None:
+    def add(self, records: Iterable[Record | Row]) -> None:
         pending = self._pending
         settled = self._settled_to
         for r in records:  # type(r) is X written out in each test: mypy narrows r by it, and it costs what `cls is X` did
-            if type(r) is PhaseRecord:
-                acc = pending.get(r.step) if r.step >= settled else None
-                if acc is None:
-                    acc = self._acc(r.step)
-                key = (r.phase, r.device)
-                cell = acc.phases.get(key)
-                if cell is None:
-                    acc.phases[key] = [r.duration_ms, 1, r.device_duration_ms]
-                else:
-                    cell[0] += r.duration_ms
-                    cell[1] += 1
-                    if r.device_duration_ms is not None:
-                        cell[2] = (cell[2] or 0.0) + r.device_duration_ms
-            elif type(r) is StepRecord:
-                acc = self._acc(r.step)
-                acc.duration, acc.batch, acc.devices_used = r.duration_ms, r.batch_size, r.devices_used
-                if r.step > self._newest:
-                    self._newest = r.step
-            elif type(r) is DeviceMemoryRecord:
-                cell = self._acc(r.step).memory.get(r.device)
-                values = (_or(r.input_bytes, 0), _or(r.output_bytes, 0), _or(r.activation_bytes, 0),
-                          _or(r.gathered_bytes, 0), _or(r.param_bytes, 0), _or(r.buffer_bytes, 0))
-                if cell is None:
-                    self._acc(r.step).memory[r.device] = [1, *values]
-                else:
-                    cell[0] += 1
-                    for i, v in enumerate(values, 1):
-                        cell[i] += v
-                chunk = (r.device, r.chunk_size)
-                self._chunks[chunk] = self._chunks.get(chunk, 0) + 1
-                self._chunks_dirty = True
-            elif type(r) is AllocatorRecord:  # an imported trace may lack a figure: -1 stands for none
-                acc = self._acc(r.step)
-                held = (_or(r.allocated_bytes), _or(r.peak_allocated_bytes), _or(r.reserved_bytes))
-                cell = acc.allocator.get((r.device, r.phase))
-                if cell is None:
-                    acc.allocator[(r.device, r.phase)] = [1, *held]
-                else:
-                    cell[0] += 1
-                    cell[1] = max(cell[1], held[0])
-                    cell[2] = max(cell[2], held[1])
-                    cell[3] = max(cell[3], held[2])
+            if isinstance(r, tuple):  # a row (dpprof.records.Row): a phase's is (PHASE_ROW, step, call, phase, device,
+                # start_ms, duration_ms, device_duration_ms); a collective's has no aggregate; a step's and a memory
+                # row's (a few a step) are made into their records here
+                if r[0] != PHASE_ROW:
+                    if r[0] != COMM_ROW:
+                        self._add_other(record_of_row(r))
+                    continue
+                step, key, ms, device_ms = r[1], (r[3], r[4]), r[6], r[7]
+            elif type(r) is PhaseRecord:
+                step, key, ms, device_ms = r.step, (r.phase, r.device), r.duration_ms, r.device_duration_ms
+            else:
+                self._add_other(r)
+                continue
+            acc = pending.get(step) if step >= settled else None
+            if acc is None:
+                acc = self._acc(step)
+            cell = acc.phases.get(key)
+            if cell is None:
+                acc.phases[key] = [ms, 1, device_ms]
+            else:
+                cell[0] += ms
+                cell[1] += 1
+                if device_ms is not None:
+                    cell[2] = (cell[2] or 0.0) + device_ms
         self._settle(self._newest - SETTLE_STEPS + 1)
+
+    def _add_other(self, r: Record) -> None:
+        """A record other than a phase: a step's duration and batch, a device's memory, the allocator's counters."""
+        if type(r) is StepRecord:
+            acc = self._acc(r.step)
+            acc.duration, acc.batch, acc.devices_used = r.duration_ms, r.batch_size, r.devices_used
+            if r.step > self._newest:
+                self._newest = r.step
+                # settled as the steps come, not once a commit: a commit's hundreds of steps waiting together here
+                # lived through the garbage collector's collections into its oldest generation, and set off full
+                # collections of the training process (~200 ms each, about one per 10,000 steps of the MLP)
+                self._settle(r.step - SETTLE_STEPS + 1)
+        elif type(r) is DeviceMemoryRecord:
+            cell = self._acc(r.step).memory.get(r.device)
+            values = (_or(r.input_bytes, 0), _or(r.output_bytes, 0), _or(r.activation_bytes, 0),
+                      _or(r.gathered_bytes, 0), _or(r.param_bytes, 0), _or(r.buffer_bytes, 0))
+            if cell is None:
+                self._acc(r.step).memory[r.device] = [1, *values]
+            else:
+                cell[0] += 1
+                for i, v in enumerate(values, 1):
+                    cell[i] += v
+            chunk = (r.device, r.chunk_size)
+            self._chunks[chunk] = self._chunks.get(chunk, 0) + 1
+            self._chunks_dirty = True
+        elif type(r) is AllocatorRecord:  # an imported trace may lack a figure: -1 stands for none
+            acc = self._acc(r.step)
+            held = (_or(r.allocated_bytes), _or(r.peak_allocated_bytes), _or(r.reserved_bytes))
+            cell = acc.allocator.get((r.device, r.phase))
+            if cell is None:
+                acc.allocator[(r.device, r.phase)] = [1, *held]
+            else:
+                cell[0] += 1
+                cell[1] = max(cell[1], held[0])
+                cell[2] = max(cell[2], held[1])
+                cell[3] = max(cell[3], held[2])
 
     def _acc(self, step: int) -> _StepAcc:
         acc = self._pending.get(step)
@@ -499,11 +517,11 @@ class SampleWindows:
         self.window_ms = retention.sample_window_s * 1e3
         self._open: dict[str, tuple[int, list[GpuSampleRecord]]] = {}
 
-    def thin(self, records: list[Record], final: bool = False) -> list[Record]:
+    def thin(self, records: list[Record | Row], final: bool = False) -> list[Record | Row]:
         """``records`` with the samples past the first minutes replaced by their windows' records."""
         if not any(type(r) is GpuSampleRecord for r in records) and not (final and self._open):
             return records
-        out: list[Record] = []
+        out: list[Record | Row] = []
         for r in records:
             if type(r) is not GpuSampleRecord or r.t_ms < self.full_ms:
                 out.append(r)

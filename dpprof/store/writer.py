@@ -25,7 +25,7 @@ from itertools import chain
 from pathlib import Path
 from typing import Any, Callable
 
-from dpprof.records import FindingRecord, NoteRecord, Record, StepRecord
+from dpprof.records import STEP_ROW, FindingRecord, NoteRecord, Record, Row, StepRecord
 from dpprof.store.blocks import Aggregator, SampleWindows
 from dpprof.store.files import SIDE_FILES, hidden_name, publish_file, remove_files
 from dpprof.store.faults import cause_of, failure_line, is_disk_full, start_failure
@@ -45,6 +45,7 @@ MIN_KEPT_SLICE = 16  # after a failed commit, ever smaller slices of it are trie
 log = logging.getLogger("dpprof")
 
 _ROW_OF = {cls: operator.attrgetter(*(f.name for f in fields(cls))) for cls in RECORD_TABLES}
+_RECORD_OF_TABLE = {table: cls for cls, table in RECORD_TABLES.items()}
 
 
 def _insert_many(cls: type, n: int) -> str:
@@ -145,7 +146,7 @@ class SqliteSink:
                                                "detail": retention.to_json(), "detail_from": 0})
         except _WRITE_ERRORS as err:
             raise start_failure(os.path.dirname(path) or ".", err) from None
-        self._buffer: deque[Record] = deque()
+        self._buffer: deque[Record | Row] = deque()
         self._max = max_buffered
         self._interval = FLUSH_INTERVAL_S if flush_interval_s is None else flush_interval_s  # read now: tests set it
         self.dropped = 0
@@ -169,7 +170,8 @@ class SqliteSink:
         self._thread = threading.Thread(target=self._loop, name="dpprof-writer", daemon=True)
         self._thread.start()
 
-    def put(self, record: Record) -> None:
+    def put(self, record: Record | Row) -> None:
+        """Buffer a record, or a row (dpprof.records.Row), for the next commit; drop and count it when full."""
         if len(self._buffer) < self._max:
             self._buffer.append(record)
         else:
@@ -202,7 +204,7 @@ class SqliteSink:
             with self._committed:
                 self._committed.notify_all()
 
-    def _drain(self) -> list[Record]:
+    def _drain(self) -> list[Record | Row]:
         buffer, records = self._buffer, []
         while buffer:
             records.append(buffer.popleft())
@@ -233,15 +235,19 @@ class SqliteSink:
             self._commits += 1
             self._committed.notify_all()
 
-    def _write(self, records: list[Record], updates: dict[str, Any], aggregate: bool = False,
+    def _write(self, records: list[Record | Row], updates: dict[str, Any], aggregate: bool = False,
                final: bool = False) -> None:
         """Insert ``records`` and apply ``updates`` to the runs row in one transaction; with ``aggregate``, also
         the aggregates' statements for them (a retried slice of a failed commit is not counted again)."""
         if aggregate and self._samples is not None:
             records = self._samples.thin(records, final)
-        batches: dict[type, list[Record]] = {}
+        batches: dict[type, list[tuple[Any, ...]]] = {}  # each table's rows, as the record's fields in order
         for record in records:
-            batches.setdefault(type(record), []).append(record)
+            if isinstance(record, tuple):  # a row: (table, *fields)
+                batches.setdefault(_RECORD_OF_TABLE[record[0]], []).append(record[1:])
+            else:
+                cls = type(record)
+                batches.setdefault(cls, []).append(_ROW_OF[cls](record))
         statements: list[tuple[str, Any]] = []
         if aggregate and self._aggregator is not None:
             try:
@@ -257,11 +263,11 @@ class SqliteSink:
                 # each statement's rows are built just before it runs: SQLite runs it with the GIL
                 # released, so the training threads get the GIL back between chunks instead of
                 # waiting out the interpreter's switch interval behind one long Python loop
-                n, row_of = _ROWS_PER_INSERT[cls], _ROW_OF[cls]
+                n = _ROWS_PER_INSERT[cls]
                 for i in range(0, len(rows), n):
                     chunk = rows[i:i + n]
                     sql = _INSERT_BLOCK[cls] if len(chunk) == n else _insert_many(cls, len(chunk))
-                    self._con.execute(sql, list(chain.from_iterable(map(row_of, chunk))))
+                    self._con.execute(sql, list(chain.from_iterable(chunk)))
             for sql, params in statements:
                 self._con.execute(sql, params)
             if updates:
@@ -281,7 +287,7 @@ class SqliteSink:
                           "the run keeps every row from there on and is read from its rows")
         return [note], {**updates, "detail": None}
 
-    def _stop_writing(self, err: BaseException, records: list[Record]) -> None:
+    def _stop_writing(self, err: BaseException, records: list[Record | Row]) -> None:
         """A commit failed: store the failure with the run's columns the commit carried (its devices), then what
         of its records still fits, in the order they were recorded, each slice with the failure's line for the
         steps then kept; then stop writing. Whatever fits last on a full disk, the run says its status, its
@@ -292,7 +298,8 @@ class SqliteSink:
         kept, size = 0, len(records) // 2
         while size >= MIN_KEPT_SLICE and kept < len(records):
             part = records[kept:kept + size]
-            steps = self.steps_kept + sum(isinstance(r, StepRecord) for r in part)
+            steps = self.steps_kept + sum(isinstance(r, StepRecord) or (isinstance(r, tuple) and r[0] == STEP_ROW)
+                                          for r in part)
             try:
                 self._write(part, self._failure_columns(self._stopped_line(steps)))
                 kept += len(part)  # the last slice may be shorter than ``size``
