@@ -30,6 +30,8 @@ _LOG_LINE = re.compile(r"USDT:|[WIE]\d{4} |\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
 BENCHES: dict[str, tuple[str, list[str], list[str], str]] = {
     "overhead": ("overhead.py", [], ["--only", "mlp", "--rounds", "8"],
                  "what recording adds to a DataParallel step on CPU workers, against torch.profiler"),
+    "gc": ("gc_cost.py", [], ["--steps", "2000", "--rounds", "2"],
+           "what recording adds in the garbage collector's collections over long runs"),
     "ddp": ("ddp_overhead.py", [], ["--rounds", "3", "--steps", "20"],
             "what recording adds to a DDP step (2 gloo ranks)"),
     "fsdp": ("fsdp_overhead.py", [], ["--rounds", "3", "--steps", "20"],
