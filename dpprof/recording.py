@@ -59,7 +59,7 @@ def current_run() -> Run | None:
 
 
 class Sink(Protocol):
-    def put(self, record: Record | Row) -> None: ...  # a Row: dpprof.records' rows of the hottest records
+    def put(self, record: Record | Row) -> None: ...  # a record, or a row of one (dpprof.records.Row)
     def update_run(self, **values: Any) -> None: ...
     def close(self, steps_total: int | None = None) -> None: ...
 

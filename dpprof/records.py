@@ -41,17 +41,17 @@ DP_TAX_PHASES = ("scatter", "replicate", "gather")  # work only DataParallel doe
 SEVERITIES = ("critical", "warning", "info")
 
 
-# The records made on every step, on the training thread (steps, phases, memory, allocator, collectives), are not
-# frozen: a frozen dataclass sets each field through object.__setattr__, which made a PhaseRecord take 0.58 us to
-# build against 0.12 us, and an FSDP rank builds about 60 records a step. Nothing changes a record once made, and
-# nothing hashes one.
 def device_key(label: object) -> tuple[str, int, str]:
     """Sort key for device labels: by kind, then index, so cpu:2 comes before cpu:10 and rank:9 before rank:10."""
     kind, _, index = str(label).partition(":")
     return (kind, int(index), "") if index.isdigit() else (kind, -1, str(label))
 
 
-@dataclass(slots=True)  # built on every step: not frozen (see above device_key)
+# The records made on every step, on the training thread (steps, phases, memory, allocator, collectives), are not
+# frozen: a frozen dataclass sets each field through object.__setattr__, which made a PhaseRecord take 0.58 us to
+# build against 0.12 us, and an FSDP rank builds about 60 records a step. Nothing changes a record once made, and
+# nothing hashes one. (Most now reach the sink as rows: see Row at the end.)
+@dataclass(slots=True)  # built on every step: not frozen (see above)
 class StepRecord:
     """One training step: an explicit ``run.step()`` block, or one forward and its backward."""
 
@@ -64,7 +64,7 @@ class StepRecord:
     explicit: bool  # True when marked with run.step()
 
 
-@dataclass(slots=True)  # built on every step: not frozen (see above device_key)
+@dataclass(slots=True)  # built on every step: not frozen (see above StepRecord)
 class PhaseRecord:
     """One phase of one forward call on one device, timed on the host (and on the GPU for CUDA)."""
 
@@ -77,7 +77,7 @@ class PhaseRecord:
     device_duration_ms: float | None = None  # CUDA event time; None on CPU workers
 
 
-@dataclass(slots=True)  # built on every step: not frozen (see above device_key)
+@dataclass(slots=True)  # built on every step: not frozen (see above StepRecord)
 class DeviceMemoryRecord:
     """What one device held for one forward call: its chunk, outputs, saved activations, weights."""
 
@@ -97,7 +97,7 @@ class DeviceMemoryRecord:
 MEMORY_BYTES = tuple(name for name in DeviceMemoryRecord.__dataclass_fields__ if name.endswith("_bytes"))
 
 
-@dataclass(slots=True)  # built on every step: not frozen (see above device_key)
+@dataclass(slots=True)  # built on every step: not frozen (see above StepRecord)
 class AllocatorRecord:
     """The CUDA caching allocator's view of one device at the end of a phase: of each replica's apply (on its
     device) and of backward (on every device); of a DDP rank's forward and backward (its GPU, as "rank:N")."""
@@ -176,7 +176,7 @@ class FindingRecord:
     value: float | None = None  # the finding's headline number, in the unit its kind names
 
 
-@dataclass(slots=True)  # built on every step: not frozen (see above device_key)
+@dataclass(slots=True)  # built on every step: not frozen (see above StepRecord)
 class CommRecord:
     """One collective in one step on one rank: a DistributedDataParallel gradient bucket's all-reduce (recorded),
     or an imported trace's collective kernel on the GPU (its host op where the trace has no collective kernels)."""
@@ -236,9 +236,9 @@ TABLE_OF: dict[type, str] = {
 # (PHASE_ROW, step, call, phase, device, start_ms, duration_ms, None). A tuple of numbers and strings leaves the
 # garbage collector's lists at the first collection it lives through; a record instance stays on them until the
 # writer has committed it (up to half a second later), and is moved into the oldest generation, whose growth sets
-# off full collections: on an FSDP rank, one every ~1,500 steps at ~190 ms each, 0.1 ms a step, as much as all of
-# dpprof's own work there; on the MLP on 2 CPU workers, 56 us a step. A sink stores a row as it is (SqliteSink) or makes it into its record (MemorySink,
-# ``record_of_row``).
+# off full collections of the whole process (150-200 ms each with torch loaded): on the MLP on 2 CPU workers, 37 us
+# a step over long runs (bench/gc_cost.py); on an FSDP rank, one every ~1,500 steps. A sink stores a row as it is
+# (SqliteSink) or makes it into its record (MemorySink, ``record_of_row``).
 Row = tuple[Any, ...]
 PHASE_ROW = TABLE_OF[PhaseRecord]
 COMM_ROW = TABLE_OF[CommRecord]

@@ -139,7 +139,8 @@ class _StepProbe:
             self.last_end_ns, self.last_end_event = t1, ev1
 
     def collective(self, what: str, nbytes: int, launch_ns: int, done_ns: int, index: int | None = None) -> None:
-        """One collective's CommRecord (``index``: its place among the step's of its kind, counted now if None)."""
+        """One collective's row (a CommRecord's; ``index``: its place among the step's of its kind, counted now if
+        None)."""
         if index is None:
             index = self.count[what]
             self.count[what] = index + 1
@@ -150,7 +151,7 @@ class _StepProbe:
     def exchange(self, what: str, t0: int, timed: _TimedComm, t1: int | None) -> None:
         """A synchronous collective's parts from FSDP's helper call that began at ``t0`` (and ended at ``t1``, where
         the helper's copy-out is its own part): its copy-in up to the launch, its wait (the call), its copy-out after
-        it, and its CommRecord. The three parts follow one another: this is what every all-gather on gloo and every
+        it, and its collective's row. The three parts follow one another: this is what every all-gather on gloo and every
         reduce-scatter records, so it is written out rather than made of three phase() calls."""
         launch, done = timed.launch_ns, timed.done_ns
         assert launch is not None and done is not None

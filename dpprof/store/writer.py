@@ -241,13 +241,10 @@ class SqliteSink:
         the aggregates' statements for them (a retried slice of a failed commit is not counted again)."""
         if aggregate and self._samples is not None:
             records = self._samples.thin(records, final)
-        batches: dict[type, list[tuple[Any, ...]]] = {}  # each table's rows, as the record's fields in order
+        batches: dict[type, list[Record | Row]] = {}  # each table's records and rows (a row: (table, *fields))
         for record in records:
-            if isinstance(record, tuple):  # a row: (table, *fields)
-                batches.setdefault(_RECORD_OF_TABLE[record[0]], []).append(record[1:])
-            else:
-                cls = type(record)
-                batches.setdefault(cls, []).append(_ROW_OF[cls](record))
+            cls = _RECORD_OF_TABLE[record[0]] if isinstance(record, tuple) else type(record)
+            batches.setdefault(cls, []).append(record)
         statements: list[tuple[str, Any]] = []
         if aggregate and self._aggregator is not None:
             try:
@@ -263,11 +260,12 @@ class SqliteSink:
                 # each statement's rows are built just before it runs: SQLite runs it with the GIL
                 # released, so the training threads get the GIL back between chunks instead of
                 # waiting out the interpreter's switch interval behind one long Python loop
-                n = _ROWS_PER_INSERT[cls]
+                n, row_of = _ROWS_PER_INSERT[cls], _ROW_OF[cls]
                 for i in range(0, len(rows), n):
                     chunk = rows[i:i + n]
                     sql = _INSERT_BLOCK[cls] if len(chunk) == n else _insert_many(cls, len(chunk))
-                    self._con.execute(sql, list(chain.from_iterable(chunk)))
+                    self._con.execute(sql, list(chain.from_iterable(
+                        r[1:] if isinstance(r, tuple) else row_of(r) for r in chunk)))
             for sql, params in statements:
                 self._con.execute(sql, params)
             if updates:
