@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["Conditions", "process_cpu_s"]
+__all__ = ["Conditions", "process_cpu_s", "process_tree"]
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -58,6 +58,11 @@ def _tree(processes: dict[int, tuple[int, float]], root: int) -> set[int]:
             tree.add(pid)
             todo.extend(children.get(pid, ()))
     return tree
+
+
+def process_tree(root: int) -> set[int]:
+    """``root`` and every process below it now (Linux's /proc)."""
+    return _tree(process_cpu_s(), root)
 
 
 def _busy_jiffies() -> tuple[int, int]:

@@ -51,7 +51,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-from conditions import Conditions
+from conditions import Conditions, process_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT.parent / "shared" / "traces" / "ddp-2ranks-rank0-nccl.json.gz"
@@ -205,19 +205,6 @@ print(json.dumps({"stages": out, "events": n}))
 """
 
 
-def _tree(pid: int) -> list[int]:
-    """A process and its descendants (Linux's /proc; the process alone elsewhere)."""
-    out = [pid]
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                for child in f.read().split():
-                    out += _tree(int(child))
-    except OSError:
-        pass
-    return out
-
-
 def _pss_bytes(pid: int) -> int:
     """A process's proportional set size (a page shared by n processes counts 1/n), 0 where unknown."""
     try:
@@ -239,7 +226,7 @@ class _TreePeak(threading.Thread):
 
     def run(self) -> None:
         while not self.done.wait(PSS_EVERY_S):
-            self.peak = max(self.peak, sum(_pss_bytes(p) for p in _tree(self.pid)))
+            self.peak = max(self.peak, sum(_pss_bytes(p) for p in process_tree(self.pid)))
 
 
 PSS_EVERY_S = 0.05
