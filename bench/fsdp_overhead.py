@@ -11,9 +11,7 @@ blocks). The first round warms every arm up and is left out. Rank 0 prints each 
 (what a user pays, the writer's periodic commits included), what each recorder adds a step (the mean of each round's
 difference to ``off``) and dpprof's added time over torch.profiler's, each with a 95% interval (the rounds resampled
 together, bench/stats.py), for the wall clock, for rank 0's CPU time (all its threads) and for its training
-thread's. Aim: at most half of
-torch.profiler's.
-Rank 0 also says the machine's load (bench/conditions.py: before, and while each model's rounds ran, the cores
+thread's. Aim: at most half of torch.profiler's. Rank 0 also says the machine's load (bench/conditions.py: before, and while each model's rounds ran, the cores
 taken by the two ranks and by every other process); where other processes took more than a quarter of a core, it
 prints the arms' mean steps without the ratios (``--allow-load`` prints them anyway).
 

@@ -144,11 +144,11 @@ def test_a_commits_steps_are_settled_as_they_come():
     watched = Watched(RETENTION)
     watched.add(records)
     assert most <= SETTLE_STEPS + 1
-    steps_of = {}
-    for aggregator in (watched, Aggregator(RETENTION)):
-        if aggregator is not watched:
-            for record in records:  # one record at a time: each settled as late as the rule allows
-                aggregator.add([record])
-        steps_of[aggregator is watched] = sorted((k, v.steps, v.calls, v.sum, v.min, v.max)
-                                                 for k, v in aggregator._phases.items())
-    assert steps_of[True] == steps_of[False] and steps_of[True]
+    one_at_a_time = Aggregator(RETENTION)
+    for record in records:  # each settled as late as the rule allows
+        one_at_a_time.add([record])
+
+    def phases(aggregator):
+        return sorted((k, v.steps, v.calls, v.sum, v.min, v.max) for k, v in aggregator._phases.items())
+
+    assert phases(watched) == phases(one_at_a_time) and phases(watched)
