@@ -30,6 +30,9 @@ _LOG_LINE = re.compile(r"USDT:|[WIE]\d{4} |\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
 BENCHES: dict[str, tuple[str, list[str], list[str], str]] = {
     "overhead": ("overhead.py", [], ["--only", "mlp", "--rounds", "8"],
                  "what recording adds to a DataParallel step on CPU workers, against torch.profiler"),
+    "overhead-t1": ("overhead.py", ["--only", "mlp", "--threads", "1"], ["--only", "mlp", "--threads", "1", "--rounds", "8"],
+                    "the same on the MLP with the calling thread on one intra-op thread (no OpenMP helper spinning on a"
+                    " core): issue 35's measure"),
     "gc": ("gc_cost.py", [], ["--steps", "2000", "--rounds", "2"],
            "what recording adds in the garbage collector's collections over long runs"),
     "ddp": ("ddp_overhead.py", [], ["--rounds", "3", "--steps", "20"],

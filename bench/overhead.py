@@ -42,7 +42,15 @@ Each step's table ends with the machine's load (bench/conditions.py): the load a
 machine, the bench and every other process kept busy while it ran. Where other processes took more than a quarter
 of a core on average, only the arms' mean steps are printed, not the ratios (``--allow-load`` prints them anyway).
 
-    python bench/overhead.py [--rounds N] [--workers 2] [--only cifar-lenet|mlp] [--device cpu|cuda] [--allow-load]
+``--threads 1`` runs the calling thread (its loss, backward and optimizer) on one intra-op thread; each worker
+runs on one either way (the caller's count split between 2 workers). With the default 2 on this 2-core machine, the
+caller's OpenMP helper spins after every parallel region of the MLP's step and keeps a core busy (615 us of CPU a
+0.7 ms step, read from /proc per thread), so every arm's threads share one core with it and the MLP's rounds move
+by +-100 us; at 1 the middle half of the rounds' added microseconds narrowed from [-3, +198] to [+49, +75] on the
+same machine (2026-11-27), the arms' means within each other's spread.
+
+    python bench/overhead.py [--rounds N] [--workers 2] [--only cifar-lenet|mlp] [--threads N] [--device cpu|cuda]
+                             [--allow-load]
 """
 from __future__ import annotations
 
@@ -352,12 +360,19 @@ def main() -> None:
                         help="cpu: CPU workers (default); cuda: the steps on GPU 0")
     parser.add_argument("--allow-load", action="store_true",
                         help="report the ratios even where other processes took the processor during the run")
+    parser.add_argument("--threads", type=int,
+                        help="the calling thread's intra-op threads (default: torch's own, one per core); 1 keeps its"
+                             " OpenMP helper from spinning on a core every step (see the docstring)")
     parser.add_argument("--cprofile", action="store_true",
                         help="then one more block of the dpprof arm under cProfile: where its time goes")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU is visible here")
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)  # before any parallel region: the helper threads are never started
     steps = {"cifar-lenet": _cifar, "mlp": _mlp}
     spin = os.environ.get("GOMP_SPINCOUNT")
     released = ("the caller's OpenMP helpers released before long worker calls" if cpu_workers._omp_pause is not None
