@@ -90,8 +90,12 @@ class Step:
     model: nn.Module
     criterion: nn.Module
     batches: Callable[[], Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]]]
-    block_steps: int  # about a second of steps on cifar-lenet: each dpprof block sees the writer commit
-    rounds: int  # default rounds: the MLP's rounds are short and move by +-250 us a step, so it gets more
+    # over a second of steps (1.2 s of cifar-lenet, 1.4 s of the MLP): the run file's writer commits every
+    # FLUSH_INTERVAL_S (0.5 s) from the recording's start, so each recorded block holds its commits at their
+    # steady rate. The MLP's blocks were 300 steps (0.2 s) until 2026-11-27 and held none: their figures left out
+    # the writer's work (measured in one process, 3,000-step blocks added +92 us a step against +63 for 300-step ones)
+    block_steps: int
+    rounds: int  # default rounds
 
 
 def _cifar() -> Step:
@@ -108,7 +112,7 @@ def _mlp() -> Step:
         while True:
             yield (x,), y
 
-    return Step("MLP 64-128-128-10, batch 64", model, nn.CrossEntropyLoss(), batches, 300, 40)
+    return Step("MLP 64-128-128-10, batch 64", model, nn.CrossEntropyLoss(), batches, 2000, 16)
 
 
 def _on_gpu(step: Step) -> Step:
@@ -123,8 +127,9 @@ def _on_gpu(step: Step) -> Step:
         while True:
             yield (x,), y
 
-    # a GPU step is several times shorter: blocks of about a second again, so each sees the writer commit
-    return Step(step.name, step.model, step.criterion, batches, step.block_steps * (6 if step.block_steps < 100 else 2),
+    # cifar-lenet's GPU step is several times shorter than on CPU workers: six times its blocks, over a second again
+    # (the MLP's is not shorter: its 2,000 steps stay)
+    return Step(step.name, step.model, step.criterion, batches, step.block_steps * (6 if step.block_steps < 100 else 1),
                 step.rounds)
 
 
@@ -353,7 +358,7 @@ def where_time_goes(step: Step, workers: int, reports_dir: str, cuda: bool) -> N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, help="rounds per step (default: 16 on cifar-lenet, 40 on the MLP)")
+    parser.add_argument("--rounds", type=int, help="rounds per step (default: 16)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--only", choices=["cifar-lenet", "mlp"])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
