@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dpprof.store.sketch import RELATIVE_ACCURACY, Sketch, quantiles
+from dpprof.store.sketch import RELATIVE_ACCURACY, Sketch, bucket, quantiles
 
 
 def _sketch(values) -> Sketch:
@@ -43,3 +43,13 @@ def test_sketches_merge_by_their_blobs_as_one_sketch_of_every_value():
 def test_zeros_and_no_values():
     assert _sketch([0.0, 0.0, 5.0]).quantile(0.5) == 0.0
     assert np.isnan(quantiles([None, b""], (0.5,))[0])
+
+
+def test_a_value_bucketed_once_counts_as_adding_it():
+    """The writer buckets a step's duration once for the three sketches it goes into (Sketch.add_bucket)."""
+    values = [0.0, -1e-3, 1e-12, 1e-9, 0.5, 1.0, 7.25, 1e6, *np.random.default_rng(3).lognormal(0.0, 2.0, 500)]
+    added, bucketed = Sketch(), Sketch()
+    for v in values:
+        added.add(float(v))
+        bucketed.add_bucket(bucket(float(v)))
+    assert bucketed.counts == added.counts

@@ -29,10 +29,10 @@ from collections.abc import Iterable
 from itertools import combinations
 from typing import Any
 
-from dpprof.records import (COMM_ROW, MEMORY_BYTES, PHASE_ROW, AllocatorRecord, DeviceMemoryRecord, GpuSampleRecord,
-                            PhaseRecord, Record, Row, StepRecord, record_of_row)
+from dpprof.records import (COMM_ROW, MEMORY_BYTES, MEMORY_ROW, PHASE_ROW, STEP_ROW, AllocatorRecord,
+                            DeviceMemoryRecord, GpuSampleRecord, PhaseRecord, Record, Row, StepRecord, record_of_row)
 from dpprof.store.retention import DETAIL_TABLES, OUTLIER_RATIO, Retention
-from dpprof.store.sketch import Sketch
+from dpprof.store.sketch import Sketch, bucket
 
 __all__ = ["SETTLE_STEPS", "WORK", "WORK_PHASES", "Aggregator", "SampleWindows"]
 
@@ -65,7 +65,9 @@ class _Stat:
         self.batch: int | None = None  # step blocks: the largest batch and most devices used
         self.devices_used = 0
 
-    def add(self, step: int, value: float, calls: int = 1, device_value: float | None = None) -> None:
+    def add(self, step: int, value: float, calls: int = 1, device_value: float | None = None,
+            key: int | None = None) -> None:
+        """Count one step's ``value``; ``key``, where given, is its sketch bucket (``bucket(value)``)."""
         if self.first_step is None or step < self.first_step:
             self.first_step = step
         if self.last_step is None or step > self.last_step:
@@ -80,7 +82,7 @@ class _Stat:
         if device_value is not None:
             self.device_sum = (self.device_sum or 0.0) + device_value
         if self.sketch is not None:
-            self.sketch.add(value)
+            self.sketch.add_bucket(bucket(value) if key is None else key)
 
     def sketch_bytes(self) -> bytes | None:
         return self.sketch.to_bytes() if self.sketch is not None else None
@@ -221,7 +223,11 @@ class Aggregator:
                 # start_ms, duration_ms, device_duration_ms); a collective's has no aggregate; a step's and a memory
                 # row's (a few a step) are made into their records here
                 if r[0] != PHASE_ROW:
-                    if r[0] != COMM_ROW:
+                    if r[0] == STEP_ROW:  # step, start_ms, duration_ms, batch_size, devices_used, ...
+                        self._add_step(r[1], r[3], r[4], r[5])
+                    elif r[0] == MEMORY_ROW:  # step, call, device, chunk_size, then MEMORY_BYTES' six in order
+                        self._add_memory(r[1], r[3], r[4], r[5:11])
+                    elif r[0] != COMM_ROW:
                         self._add_other(record_of_row(r))
                     continue
                 step, key, ms, device_ms = r[1], (r[3], r[4]), r[6], r[7]
@@ -246,27 +252,10 @@ class Aggregator:
     def _add_other(self, r: Record) -> None:
         """A record other than a phase: a step's duration and batch, a device's memory, the allocator's counters."""
         if type(r) is StepRecord:
-            acc = self._acc(r.step)
-            acc.duration, acc.batch, acc.devices_used = r.duration_ms, r.batch_size, r.devices_used
-            if r.step > self._newest:
-                self._newest = r.step
-                # settled as the steps come, not once a commit: a commit's hundreds of steps waiting together here
-                # lived through the garbage collector's collections into its oldest generation, and set off full
-                # collections of the training process (~200 ms each, about one per 10,000 steps of the MLP)
-                self._settle(r.step - SETTLE_STEPS + 1)
+            self._add_step(r.step, r.duration_ms, r.batch_size, r.devices_used)
         elif type(r) is DeviceMemoryRecord:
-            cell = self._acc(r.step).memory.get(r.device)
-            values = (_or(r.input_bytes, 0), _or(r.output_bytes, 0), _or(r.activation_bytes, 0),
-                      _or(r.gathered_bytes, 0), _or(r.param_bytes, 0), _or(r.buffer_bytes, 0))
-            if cell is None:
-                self._acc(r.step).memory[r.device] = [1, *values]
-            else:
-                cell[0] += 1
-                for i, v in enumerate(values, 1):
-                    cell[i] += v
-            chunk = (r.device, r.chunk_size)
-            self._chunks[chunk] = self._chunks.get(chunk, 0) + 1
-            self._chunks_dirty = True
+            self._add_memory(r.step, r.device, r.chunk_size, (r.input_bytes, r.output_bytes, r.activation_bytes,
+                                                              r.gathered_bytes, r.param_bytes, r.buffer_bytes))
         elif type(r) is AllocatorRecord:  # an imported trace may lack a figure: -1 stands for none
             acc = self._acc(r.step)
             held = (_or(r.allocated_bytes), _or(r.peak_allocated_bytes), _or(r.reserved_bytes))
@@ -278,6 +267,32 @@ class Aggregator:
                 cell[1] = max(cell[1], held[0])
                 cell[2] = max(cell[2], held[1])
                 cell[3] = max(cell[3], held[2])
+
+    def _add_step(self, step: int, duration_ms: float, batch_size: int | None, devices_used: int) -> None:
+        """A step's record (or row): its duration, batch and devices."""
+        acc = self._acc(step)
+        acc.duration, acc.batch, acc.devices_used = duration_ms, batch_size, devices_used
+        if step > self._newest:
+            self._newest = step
+            # settled as the steps come, not once a commit: a commit's hundreds of steps waiting together here
+            # lived through the garbage collector's collections into its oldest generation, and set off full
+            # collections of the training process (~200 ms each, about one per 10,000 steps of the MLP)
+            self._settle(step - SETTLE_STEPS + 1)
+
+    def _add_memory(self, step: int, device: str, chunk_size: int | None, held: Iterable[int | None]) -> None:
+        """A device's memory record (or row): ``held`` is its bytes in MEMORY_BYTES' order, None for none."""
+        acc = self._acc(step)
+        cell = acc.memory.get(device)
+        if cell is None:
+            acc.memory[device] = [1, *(0 if v is None else v for v in held)]
+        else:
+            cell[0] += 1
+            for i, v in enumerate(held, 1):
+                if v is not None:
+                    cell[i] += v
+        chunk = (device, chunk_size)
+        self._chunks[chunk] = self._chunks.get(chunk, 0) + 1
+        self._chunks_dirty = True
 
     def _acc(self, step: int) -> _StepAcc:
         acc = self._pending.get(step)
@@ -325,14 +340,15 @@ class Aggregator:
             self._first_step = step
         if acc.duration is not None:
             s = self._stat(self._steps, block, block)
-            s.add(step, acc.duration)
+            duration_bucket = bucket(acc.duration)  # for the block's sketch, the run's and the outlier rule's
+            s.add(step, acc.duration, key=duration_bucket)
             if acc.batch is not None and (s.batch is None or acc.batch > s.batch):
                 s.batch = acc.batch
             s.devices_used = max(s.devices_used, acc.devices_used or 0)
-            self._total("step", "").add(acc.duration)
+            self._total("step", "").add_bucket(duration_bucket)
             self._dirty_steps.add(block)
             if not first:
-                self._outlier(step, acc.duration)
+                self._outlier(step, acc.duration, duration_bucket)
         work: dict[str, float] = {}
         for (phase, device), (ms, calls, device_ms) in acc.phases.items():
             key = (phase, device, block)
@@ -342,8 +358,9 @@ class Aggregator:
                 work[device] = work.get(device, 0.0) + ms
         for device, ms in work.items():
             key = (WORK, device, block)
-            self._stat(self._phases, key, block).add(step, ms)
-            self._total(WORK, device).add(ms)
+            ms_bucket = bucket(ms)
+            self._stat(self._phases, key, block).add(step, ms, key=ms_bucket)
+            self._total(WORK, device).add_bucket(ms_bucket)
             self._dirty_phases.add(key)
         if len(work) > 1 and step != self._first_step:  # the imbalance leaves the first step out
             self._imbalance(work, block)
@@ -396,9 +413,10 @@ class Aggregator:
                 stat.slowest += 1
 
     # outliers and retention
-    def _outlier(self, step: int, ms: float) -> None:
+    def _outlier(self, step: int, ms: float, key: int) -> None:
+        """``key``: the step's duration's sketch bucket."""
         sketch = self._run_sketch
-        sketch.add(ms)
+        sketch.add_bucket(key)
         self._since_median += 1
         self._median_steps += 1
         # recomputed as often as the steps seen so far double, then every _MEDIAN_EVERY steps: a median read from

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-__all__ = ["RELATIVE_ACCURACY", "GAMMA", "ZERO_BUCKET", "Sketch", "decode", "quantiles", "grouped_quantile"]
+__all__ = ["RELATIVE_ACCURACY", "GAMMA", "ZERO_BUCKET", "Sketch", "bucket", "decode", "quantiles", "grouped_quantile"]
 
 RELATIVE_ACCURACY = 0.01  # a quantile read back is within 1% of the exact one
 GAMMA = (1 + RELATIVE_ACCURACY) / (1 - RELATIVE_ACCURACY)
@@ -24,6 +24,11 @@ _LOG_GAMMA = math.log(GAMMA)
 ZERO_BUCKET = -(2**31)  # counts values <= MIN_VALUE
 MIN_VALUE = 1e-9  # 1 femtosecond in ms, 1e-9 bytes: below anything dpprof measures
 _PAIR = np.dtype([("bucket", "<i4"), ("count", "<i4")])
+
+
+def bucket(value: float) -> int:
+    """The bucket ``value`` counts in: a value that goes into several sketches is bucketed once."""
+    return math.ceil(math.log(value) / _LOG_GAMMA) if value > MIN_VALUE else ZERO_BUCKET
 
 
 class Sketch:
@@ -36,6 +41,11 @@ class Sketch:
 
     def add(self, value: float) -> None:
         key = math.ceil(math.log(value) / _LOG_GAMMA) if value > MIN_VALUE else ZERO_BUCKET
+        counts = self.counts
+        counts[key] = counts.get(key, 0) + 1
+
+    def add_bucket(self, key: int) -> None:
+        """Count one value already bucketed (``bucket(value)``)."""
         counts = self.counts
         counts[key] = counts.get(key, 0) + 1
 
