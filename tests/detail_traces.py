@@ -16,7 +16,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, schedule
 from torch.utils.data import DataLoader, Dataset
 
-from cpu_traces import _free_port
+from cpu_traces import _free_port, leave_rank
 
 __all__ = ["slow_loader_trace", "straggler_ddp_traces", "with_gpu_memory"]
 
@@ -92,6 +92,7 @@ def _rank(rank: int, world: int, port: int, directory: str, steps: int) -> None:
                 prof.step()
     finally:
         dist.destroy_process_group()
+    leave_rank()
 
 
 def straggler_ddp_traces(directory: Path, steps: int = 6) -> list[Path]:

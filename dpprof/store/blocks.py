@@ -221,7 +221,7 @@ class Aggregator:
         for r in records:  # type(r) is X written out in each test: mypy narrows r by it, and it costs what `cls is X` did
             if isinstance(r, tuple):  # a row (dpprof.records.Row): a phase's is (PHASE_ROW, step, call, phase, device,
                 # start_ms, duration_ms, device_duration_ms); a collective's has no aggregate; a step's and a memory
-                # row's (a few a step) are made into their records here
+                # row's fields are read in place, as their records' are (_add_step, _add_memory)
                 if r[0] != PHASE_ROW:
                     if r[0] == STEP_ROW:  # step, start_ms, duration_ms, batch_size, devices_used, ...
                         self._add_step(r[1], r[3], r[4], r[5])

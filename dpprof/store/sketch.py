@@ -40,9 +40,7 @@ class Sketch:
         self.counts: dict[int, int] = counts if counts is not None else {}
 
     def add(self, value: float) -> None:
-        key = math.ceil(math.log(value) / _LOG_GAMMA) if value > MIN_VALUE else ZERO_BUCKET
-        counts = self.counts
-        counts[key] = counts.get(key, 0) + 1
+        self.add_bucket(bucket(value))
 
     def add_bucket(self, key: int) -> None:
         """Count one value already bucketed (``bucket(value)``)."""
