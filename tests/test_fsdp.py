@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import sys
 from collections import Counter
 from pathlib import Path
@@ -35,29 +34,16 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--n
 FLOAT_BYTES = 4
 
 
-# torch's gloo groups abort a rank now and then at interpreter exit, after the script's work is done: gloo's threads
-# still hold tensors the finalizing interpreter frees (pytorch/pytorch#179291). Measured here: 1 of 20 runs of the
-# script without dpprof ended so. Such a job is run once more; any other failure fails the test.
-TEARDOWN_ABORT = "terminate called without an active exception"
-
-
-def _torchrun(args, env, timeout=300, outputs: Path | None = None):
-    """The job under torchrun; once more if a rank aborted in torch's teardown (TEARDOWN_ABORT), ``outputs`` (a
-    directory the job writes) emptied first."""
-    for attempt in range(2):
-        out = forked.run(TORCHRUN + [str(a) for a in args], capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, **ENV, "FSDP_STEPS": str(STEPS), **env})
-        if out.returncode == 0 or attempt or TEARDOWN_ABORT not in out.stdout + out.stderr:
-            break
-        if outputs is not None:
-            shutil.rmtree(outputs, ignore_errors=True)
+def _torchrun(args, env, timeout=300):
+    out = forked.run(TORCHRUN + [str(a) for a in args], capture_output=True, text=True, timeout=timeout,
+                     env={**os.environ, **ENV, "FSDP_STEPS": str(STEPS), **env})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 
 
 def _recorded(directory: Path, **env: str):
     """`dpprof run` of the script under torchrun into ``directory``; the run, opened."""
-    _torchrun(["-m", "dpprof", "run", SCRIPT], {"DPPROF_REPORTS": str(directory), **env}, outputs=directory)
+    _torchrun(["-m", "dpprof", "run", SCRIPT], {"DPPROF_REPORTS": str(directory), **env})
     runs = dpprof.list_runs(directory)
     assert len(runs) == 1, runs
     return dpprof.load_run(runs.loc[0, "id"], directory)

@@ -5,6 +5,7 @@ keep the gathered parameters until backward), FSDP_PREFETCH (1: explicit forward
 FSDP_OUT (a path: rank 0 saves the trained full state dict there), FSDP_WIDTH (hidden width, default 64),
 FSDP_UNEVEN (1: add a 3-row table of 589,824 columns, its own fully_shard group: on 2 ranks its shards are 2 rows and 1).
 """
+import gc
 import os
 
 import torch
@@ -53,4 +54,9 @@ for _ in range(int(os.environ.get("FSDP_STEPS", "4"))):
 state = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items()}
 if rank == 0 and os.environ.get("FSDP_OUT"):
     torch.save(state, os.environ["FSDP_OUT"])
+# The gloo objects these globals hold (DDP's reducer, FSDP's state) abort the process now and then when the
+# interpreter frees them at its exit ("terminate called without an active exception"; pytorch/pytorch#179291):
+# 1 of 20 runs of this script ended so. Freed here, while the interpreter is whole.
+del model, opt, loss, state
+gc.collect()
 dist.destroy_process_group()

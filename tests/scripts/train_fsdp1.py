@@ -5,6 +5,7 @@ Run under torchrun. Environment: FSDP_STEPS (default 4), FSDP_RESHARD (1: FULL_S
 default; 0: SHARD_GRAD_OP, keeping the gathered parameters until backward), FSDP_OUT (a path: rank 0 saves the trained
 full state dict there).
 """
+import gc
 import os
 
 import torch
@@ -33,4 +34,9 @@ with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DI
     state = model.state_dict()
 if rank == 0 and os.environ.get("FSDP_OUT"):
     torch.save(state, os.environ["FSDP_OUT"])
+# The gloo objects these globals hold (DDP's reducer, FSDP's state) abort the process now and then when the
+# interpreter frees them at its exit ("terminate called without an active exception"; pytorch/pytorch#179291):
+# as in train_ddp.py and train_fsdp.py. Freed here, while the interpreter is whole.
+del model, opt, loss, state
+gc.collect()
 dist.destroy_process_group()

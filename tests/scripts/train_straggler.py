@@ -3,6 +3,7 @@ straggler of known size. DistributedDataParallel, or FSDP2 (``--fsdp``: fully_sh
 ``--trace DIR``: profile each rank with torch.profiler (a schedule, so steps are ProfilerStep#N) and export
 DIR/<stem>-rank<N>.pt.trace.json, as a user would without dpprof."""
 import argparse
+import gc
 import time
 from pathlib import Path
 
@@ -58,4 +59,9 @@ if args.trace:
 else:
     for _ in range(args.steps):
         step()
+# The gloo objects these globals hold (DDP's reducer, FSDP's state) abort the process now and then when the
+# interpreter frees them at its exit ("terminate called without an active exception"; pytorch/pytorch#179291):
+# as in train_ddp.py. Freed here, while the interpreter is whole.
+model = optimizer = None  # step() reads them: rebound, not deleted
+gc.collect()
 dist.destroy_process_group()
