@@ -1,7 +1,8 @@
 """The run file writer's CPU per recorded step: what the background writer thread spends on each step a run records.
 
 Records one run in memory (the MLP 64-128-128-10, batch 64, on 2 CPU workers, ``run.step()`` around each step: about
-10 records a step), then writes those records into fresh run files in commit-sized batches (a quarter second of
+10 records a step), then writes those records, the per-step ones as the rows a run file's writer gets, into fresh
+run files in commit-sized batches (a quarter second of
 steps at 500 steps a second), as the writer thread does: with the per-block aggregates that long runs are read from,
 and without them (the rows alone). The two arms alternate, ``--rounds`` times; each prints the least CPU time per
 step over its rounds (CPU time, not wall: the machine's other work moves it least).
@@ -13,14 +14,18 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from dataclasses import fields
 
 import torch
 from torch import nn
 
 import dpprof
+from dpprof.records import TABLE_OF, CommRecord, DeviceMemoryRecord, PhaseRecord, StepRecord
 from dpprof.store.writer import SqliteSink
 
 COMMIT_STEPS = 125  # a quarter second of steps at 500 steps a second
+# the records that reach a run file's writer as rows (dpprof.records.Row: their table, then their fields in order)
+ROW_RECORDS = (PhaseRecord, CommRecord, StepRecord, DeviceMemoryRecord)
 
 
 def recorded(steps: int) -> list:
@@ -37,7 +42,9 @@ def recorded(steps: int) -> list:
                 opt.step()
     records = [r for table in run.sink.tables.values() for r in table]
     records.sort(key=lambda r: getattr(r, "step", 0) or 0)  # in step order, as the training thread puts them
-    return records
+    # a run kept in memory makes its rows into records; a run file's writer gets the per-step ones as rows
+    return [(TABLE_OF[type(r)], *(getattr(r, f.name) for f in fields(r))) if type(r) in ROW_RECORDS else r
+            for r in records]
 
 
 def main() -> None:
