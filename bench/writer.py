@@ -3,8 +3,9 @@
 Records one run in memory (the MLP 64-128-128-10, batch 64, on 2 CPU workers, ``run.step()`` around each step: about
 10 records a step), then writes those records (the per-step ones as the rows a run file's writer gets) into fresh
 run files in commit-sized batches (a quarter second of steps at 500 steps a second), as the writer thread does: with
-the per-block aggregates that long runs are read from, and without them (the rows alone). The two arms alternate, ``--rounds`` times; each prints the least CPU time per
-step over its rounds (CPU time, not wall: the machine's other work moves it least).
+the per-block aggregates that long runs are read from, and without them (the rows alone). The two arms alternate,
+``--rounds`` times; each prints the least CPU time per step over its rounds (CPU time, not wall: the machine's other
+work moves it least).
 
     python bench/writer.py [--steps 3000] [--rounds 5]
 """
