@@ -29,8 +29,8 @@ from collections.abc import Iterable
 from itertools import combinations
 from typing import Any
 
-from dpprof.records import (COMM_ROW, MEMORY_BYTES, MEMORY_ROW, PHASE_ROW, STEP_ROW, AllocatorRecord,
-                            DeviceMemoryRecord, GpuSampleRecord, PhaseRecord, Record, Row, StepRecord, record_of_row)
+from dpprof.records import (MEMORY_BYTES, MEMORY_ROW, PHASE_ROW, STEP_ROW, AllocatorRecord, DeviceMemoryRecord,
+                            GpuSampleRecord, PhaseRecord, Record, Row, StepRecord)
 from dpprof.store.retention import DETAIL_TABLES, OUTLIER_RATIO, Retention
 from dpprof.store.sketch import Sketch, bucket
 
@@ -227,9 +227,7 @@ class Aggregator:
                         self._add_step(r[1], r[3], r[4], r[5])
                     elif r[0] == MEMORY_ROW:  # step, call, device, chunk_size, then MEMORY_BYTES' six in order
                         self._add_memory(r[1], r[3], r[4], r[5:11])
-                    elif r[0] != COMM_ROW:
-                        self._add_other(record_of_row(r))
-                    continue
+                    continue  # else COMM_ROW, the one row kind left
                 step, key, ms, device_ms = r[1], (r[3], r[4]), r[6], r[7]
             elif type(r) is PhaseRecord:
                 step, key, ms, device_ms = r.step, (r.phase, r.device), r.duration_ms, r.device_duration_ms
