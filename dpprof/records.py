@@ -7,7 +7,7 @@ from typing import Any
 __all__ = ["PHASE_ORDER", "PHASES", "DDP_PHASES", "FSDP_PHASES", "FSDP_ONLY_PHASES", "DP_TAX_PHASES", "MEMORY_BYTES", "SEVERITIES", "SLOWDOWN_REASONS", "device_key", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
            "DeviceRecord", "NoteRecord", "FindingRecord", "CommRecord", "GpuTimeRecord", "Record",
            "TABLE_OF", "CHECK_OF_ENV", "Row", "PHASE_ROW", "COMM_ROW", "STEP_ROW", "MEMORY_ROW",
-           "record_of_row"]
+           "RECORD_OF_TABLE", "record_of_row"]
 
 # ``dpprof advise RUN --check`` sets this in the environment of the runs it records (one per scenario): a run
 # recorded under it stores the id of the run it checks as ``check_of`` in its workload_args, so that listings
@@ -244,11 +244,10 @@ PHASE_ROW = TABLE_OF[PhaseRecord]
 COMM_ROW = TABLE_OF[CommRecord]
 STEP_ROW = TABLE_OF[StepRecord]
 MEMORY_ROW = TABLE_OF[DeviceMemoryRecord]
-_RECORD_OF_ROW: dict[str, type] = {PHASE_ROW: PhaseRecord, COMM_ROW: CommRecord, STEP_ROW: StepRecord,
-                                   MEMORY_ROW: DeviceMemoryRecord}
+RECORD_OF_TABLE: dict[str, type] = {table: cls for cls, table in TABLE_OF.items()}  # a row's record type, by its table
 
 
 def record_of_row(row: Row) -> Record:
     """The record a row stands for."""
-    record: Record = _RECORD_OF_ROW[row[0]](*row[1:])
+    record: Record = RECORD_OF_TABLE[row[0]](*row[1:])
     return record

@@ -25,7 +25,7 @@ from itertools import chain
 from pathlib import Path
 from typing import Any, Callable
 
-from dpprof.records import STEP_ROW, FindingRecord, NoteRecord, Record, Row, StepRecord
+from dpprof.records import RECORD_OF_TABLE, STEP_ROW, FindingRecord, NoteRecord, Record, Row, StepRecord
 from dpprof.store.blocks import Aggregator, SampleWindows
 from dpprof.store.files import SIDE_FILES, hidden_name, publish_file, remove_files
 from dpprof.store.faults import cause_of, failure_line, is_disk_full, start_failure
@@ -45,7 +45,6 @@ MIN_KEPT_SLICE = 16  # after a failed commit, ever smaller slices of it are trie
 log = logging.getLogger("dpprof")
 
 _ROW_OF = {cls: operator.attrgetter(*(f.name for f in fields(cls))) for cls in RECORD_TABLES}
-_RECORD_OF_TABLE = {table: cls for cls, table in RECORD_TABLES.items()}
 
 
 def _insert_many(cls: type, n: int) -> str:
@@ -243,7 +242,7 @@ class SqliteSink:
             records = self._samples.thin(records, final)
         batches: dict[type, list[Record | Row]] = {}  # each table's records and rows (a row: (table, *fields))
         for record in records:
-            cls = _RECORD_OF_TABLE[record[0]] if isinstance(record, tuple) else type(record)
+            cls = RECORD_OF_TABLE[record[0]] if isinstance(record, tuple) else type(record)
             batches.setdefault(cls, []).append(record)
         statements: list[tuple[str, Any]] = []
         if aggregate and self._aggregator is not None:
