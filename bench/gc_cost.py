@@ -24,12 +24,12 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
-from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import dpprof  # noqa: E402
 
 from conditions import Conditions  # noqa: E402
+from overhead import _mlp, _steps  # noqa: E402
 
 ARMS = ("off", "dpprof")
 
@@ -63,20 +63,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="blocks per arm (default 3)")
     parser.add_argument("--allow-load", action="store_true", help="report the figures even under load")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
-    net = dpprof.DataParallel(model, device_ids=dpprof.cpu_devices(2))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    criterion = nn.CrossEntropyLoss()
-    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    mlp = _mlp()  # bench/overhead.py's step
+    net = dpprof.DataParallel(mlp.model, device_ids=dpprof.cpu_devices(2))
+    optimizer = torch.optim.SGD(mlp.model.parameters(), lr=0.01, momentum=0.9)
+    batches = mlp.batches()
     reports = tempfile.mkdtemp(prefix="dpprof-gc-")
 
     def steps(n: int, run: Any = None) -> None:
-        for _ in range(n):
-            with run.step() if run is not None else nullcontext():
-                optimizer.zero_grad(set_to_none=True)
-                criterion(net(x), y).backward()
-                optimizer.step()
+        _steps(net, mlp, optimizer, batches, n, run)
 
     steps(200)
     print(f"torch {torch.__version__}; {len(gc.get_objects())} objects tracked by the collector; blocks of "
