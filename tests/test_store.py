@@ -21,8 +21,8 @@ from torch import nn
 import dpprof
 from dpprof.store.reader import RunFileError
 from dpprof.cli import main
-from dpprof.records import (COMM_ROW, PHASE_ROW, CommRecord, DeviceMemoryRecord, PhaseRecord, StepRecord,
-                            record_of_row)
+from dpprof.records import (COMM_ROW, MEMORY_ROW, PHASE_ROW, STEP_ROW, CommRecord, DeviceMemoryRecord, PhaseRecord,
+                            StepRecord, record_of_row)
 from dpprof.store import writer
 from dpprof.store.writer import SqliteSink
 from dpprof.views.text import dropped_records
@@ -70,7 +70,7 @@ def test_a_row_is_stored_as_its_record_is(reports):
         sink = SqliteSink(str(reports / f"{kind}.sqlite"), mem.metadata())
         for table, recs in mem.sink.tables.items():
             for rec in recs:
-                as_row = kind == "rows" and table in (PHASE_ROW, COMM_ROW)
+                as_row = kind == "rows" and table in (PHASE_ROW, COMM_ROW, STEP_ROW, MEMORY_ROW)
                 sink.put((table, *astuple(rec)) if as_row else rec)
         sink.put(CommRecord(0, "rank:0", 0, 1024, 1.5, 0.25, "all-gather") if kind == "records"
                  else (COMM_ROW, 0, "rank:0", 0, 1024, 1.5, 0.25, "all-gather"))
@@ -79,10 +79,10 @@ def test_a_row_is_stored_as_its_record_is(reports):
     assert len(stored["rows"].table("phases")) == len(mem.sink.tables["phases"]) > 0
     for table in ("steps", "phases", "memory", "comms"):
         pd.testing.assert_frame_equal(stored["rows"].table(table), stored["records"].table(table))
-    for table in ("phase_blocks", "step_blocks"):  # the per-block aggregates the writer keeps from them
+    keys = {"phase_blocks": ["block", "phase", "device"], "step_blocks": ["block"], "memory_blocks": ["block", "device"]}
+    for table, key in keys.items():  # the per-block aggregates the writer keeps from them
         blocks = {kind: pd.read_sql(f"SELECT * FROM {table}", sqlite3.connect(run.path)).sort_values(
-            ["block", "phase", "device"] if table == "phase_blocks" else ["block"], ignore_index=True)
-            for kind, run in stored.items()}
+            key, ignore_index=True) for kind, run in stored.items()}
         assert len(blocks["rows"]) > 0
         pd.testing.assert_frame_equal(blocks["rows"], blocks["records"])
     assert record_of_row((COMM_ROW, 0, "rank:0", 0, 1024, 1.5, 0.25, None)) == CommRecord(0, "rank:0", 0, 1024, 1.5,
