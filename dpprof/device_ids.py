@@ -4,6 +4,7 @@ A leaf below recording and parallel/: a run notes the devices a call uses, and e
 parallel/ takes device ids; neither needs the other to know what a device id is."""
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from typing import Union
 
 import torch
 
-__all__ = ["DeviceLike", "CudaIds", "DeviceSet", "MAX_DEVICE_INDEX", "MAX_CPU_WORKERS", "cpu_devices", "resolve_devices",
+__all__ = ["DeviceLike", "CudaIds", "DeviceSet", "MAX_DEVICE_INDEX", "MAX_CPU_WORKERS", "cpu_devices", "rank_devices", "resolve_devices",
            "is_cpu_worker_list"]
 
 DeviceLike = Union[int, str, torch.device]
@@ -108,6 +109,12 @@ class DeviceSet:
     @property
     def labels(self) -> list[str]:
         return [self.label(i) for i in self.indices]
+
+
+@functools.lru_cache(maxsize=1024)
+def rank_devices(rank: int) -> DeviceSet:
+    """A DDP or FSDP rank as a device set (label ``rank:N``): one object per rank, made once."""
+    return DeviceSet("rank", (rank,), rank)
 
 
 def resolve_devices(device_ids: Sequence[DeviceLike], output_device: DeviceLike | None = None) -> DeviceSet:

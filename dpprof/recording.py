@@ -205,6 +205,7 @@ class Run:
         self._pending: list[Any] = []  # CUDA timings whose events have not completed yet
         self._pending_lock = threading.Lock()
         self._noted: set[str] = set()
+        self._device_sets: dict[int, DeviceSet] = {}  # the device sets note_devices has seen, by id
         self._cache: dict[Any, Any] = {}
         self._nvml: Nvml | None = None
         self._sampler: GpuSampler | None = None
@@ -273,6 +274,10 @@ class Run:
 
     def note_devices(self, devices: DeviceSet) -> None:
         """Add devices a forward call uses; the first time, store their inventory."""
+        if self._device_sets.get(id(devices)) is devices:  # a module's own set, seen at its earlier calls
+            return
+        if len(self._device_sets) < 64:  # held, so that its id is no other set's; a few, whoever makes new ones
+            self._device_sets[id(devices)] = devices
         new = [i for i, label in zip(devices.indices, devices.labels) if label not in self.devices]
         if new:
             if self._monitor_pending:

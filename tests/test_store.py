@@ -222,6 +222,28 @@ def test_a_full_buffer_drops_and_counts_records_without_blocking(reports):
     assert sum(len(stored.table(t)) for t in ("steps", "phases", "memory", "allocator")) == 10
 
 
+def test_records_put_through_the_fast_append_are_bounded_and_counted_when_the_writer_falls_behind(reports, monkeypatch):
+    """Far from full, a probe puts its call's records with the buffer's own append (SqliteSink.put): a writer that
+    falls behind still leaves the buffer at its limit, and every record is stored or counted as dropped."""
+    monkeypatch.setattr(writer, "FLUSH_INTERVAL_S", 60)  # no commit until close: the writer has fallen behind
+    monkeypatch.setattr(writer, "PUT_HEADROOM", 20)  # over one step's records of this run (11)
+    reports.mkdir(exist_ok=True)
+    made = sum(len(t) for t in _record(steps=40, store=False).sink.tables.values())
+    torch.manual_seed(0)
+    net = dpprof.DataParallel(nn.Linear(5, 2), device_ids=dpprof.cpu_devices(2))
+    most = 0
+    with dpprof.record(name="behind") as run:
+        run.sink._max = 100
+        for _ in range(40):
+            with run.step():
+                net(torch.randn(7, 5)).sum().backward()
+            most = max(most, len(run.sink._buffer))
+    assert most == 100 and made > 300
+    stored = dpprof.load_run(run.path)
+    kept = sum(len(stored.table(t)) for t in ("steps", "phases", "memory", "devices", "notes"))
+    assert kept == 100 and stored.meta["dropped_records"] == made - kept
+
+
 def test_a_run_that_dropped_records_says_so_in_one_sentence_wherever_it_is_shown(reports, capsys):
     mem = _record(steps=5, store=False)
     records = [r for table in mem.sink.tables.values() for r in table]

@@ -53,6 +53,12 @@ def _first_misplaced(module: Module, device: torch.device) -> torch.device | Non
     return None
 
 
+@functools.lru_cache(maxsize=256)
+def _device_label(kind: str, index: int) -> str:
+    """DeviceSet.label's text, made once per device: labels are asked for several times a step."""
+    return DeviceSet(kind, (index,), index).label(index)
+
+
 _RANGE_NAMES = {phase: f"dpprof.{phase}" for phase in ("scatter", "replicate", "parallel_apply", "gather")}
 
 
@@ -70,7 +76,7 @@ class _PhaseRange:
         self.range.__enter__()
         probe = self.probe
         if probe is not None:
-            self.ev0 = probe.start_event(self.label)
+            self.ev0 = probe.start_event(self.label) if probe.cuda_indices else None
             self.t0 = time.perf_counter_ns()
 
     def __exit__(self, *exc: object) -> None:
@@ -150,7 +156,7 @@ class DataParallel(torch.nn.DataParallel):
         devices = self.__dict__["_devices"]
         if devices is None:
             return HOST_LABEL
-        return "cpu" if index == -1 else devices.label(index)
+        return "cpu" if index == -1 else _device_label(devices.type, index)
 
     def _phase(self, name: str, index: int) -> _PhaseRange:
         """``with self._phase("scatter", device):`` a dpprof.<name> range, timed when recording."""
@@ -170,15 +176,16 @@ class DataParallel(torch.nn.DataParallel):
         # the probe first, then the range: a call that starts a step may start (or stop) a deep capture's
         # torch.profiler there (dpprof.capture), and torch's fast range must not span that (entered with no
         # profiler, it cannot be exited with one: an internal assert). torch sets no dim when there are no devices
+        module = self._modules["module"]  # not self.module: Module.__getattr__ is a Python call, twice a step
         probe = ForwardProbe(run, devices or _HOST, out_label, getattr(self, "dim", 0), self._starts_step,
-                             root=self.module)
+                             root=module)
         with profiler_range("DataParallel.forward"):
             self.__dict__["_probe"] = probe
             try:
                 output = self._forward(inputs, kwargs)
             finally:
                 self.__dict__["_probe"] = None
-                probe.end(self.module)
+                probe.end(module)
             if self._watch_backward:
                 probe.watch_backward(output)
             return output

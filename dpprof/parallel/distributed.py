@@ -25,7 +25,7 @@ from torch.autograd.profiler import record_function
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from dpprof.device_ids import DeviceSet
+from dpprof.device_ids import rank_devices
 from dpprof.parallel.probe import ForwardProbe, allocator_bytes, cuda_event, gpu_of, iter_tensors, rank_part
 from dpprof.recording import Run, current_run
 from dpprof.records import COMM_ROW, AllocatorRecord
@@ -66,7 +66,7 @@ class _RankProbe:
 
     def __init__(self, run: Run, rank: int, previous: _RankProbe | None, cuda_index: int | None = None) -> None:
         self.run = run
-        self.devices = DeviceSet("rank", (rank,), rank)
+        self.devices = rank_devices(rank)
         self.label = self.devices.label(rank)
         self.forward = ForwardProbe(run, self.devices, self.label, dim=0)
         self.step = self.forward.step

@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from dpprof.device_ids import DeviceSet
+from dpprof.device_ids import rank_devices
 from dpprof.parallel.probe import allocator_bytes, cuda_event, gpu_of, iter_tensors, rank_part, tensor_bytes
 from dpprof.recording import Run, current_run
 from dpprof.records import COMM_ROW, MEMORY_ROW, PHASE_ROW, AllocatorRecord
@@ -84,7 +84,7 @@ class _StepProbe:
         self.t0_ns = run._t0_ns  # the run's clock origin (run.ms)
         self.shard_bytes = shard_bytes or _shard_bytes  # FSDP2's DTensor shards, or FSDP1's flat parameters'
         self.gathered_handles: dict[int, int] = {}  # FSDP1: id(FlatParamHandle) -> its bytes, while gathered
-        self.devices = DeviceSet("rank", (rank,), rank)
+        self.devices = rank_devices(rank)
         self.label = self.devices.label(rank)
         run.note_devices(self.devices)
         self.step = run.step_for_forward(True)

@@ -38,16 +38,19 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
 def tensor_bytes(obj: Any) -> int:
     """Bytes of the tensors inside ``obj`` (numel × element size; views counted at their own size).
 
-    A plain recursion rather than a sum over iter_tensors: this runs several times a step."""
+    A plain recursion rather than a sum over iter_tensors, a container's tensors counted without a call of their
+    own: this runs several times a step."""
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()  # not .nbytes: sparse tensors refuse it
     total = 0
     if isinstance(obj, (list, tuple)):
-        for item in obj:
-            total += tensor_bytes(item)
+        items: Any = obj
     elif isinstance(obj, dict):
-        for item in obj.values():
-            total += tensor_bytes(item)
+        items = obj.values()
+    else:
+        return 0
+    for item in items:
+        total += item.numel() * item.element_size() if isinstance(item, torch.Tensor) else tensor_bytes(item)
     return total
 
 
@@ -238,7 +241,10 @@ def watch_backward(output: Any, probe: ForwardProbe | None, label: str) -> None:
     ends, and time it when ``probe`` is given."""
     if not torch.is_grad_enabled():
         return
-    tensors = [t for t in iter_tensors(output) if t.requires_grad]
+    if isinstance(output, torch.Tensor):  # most models' output: no walk
+        tensors = [output] if output.requires_grad else []
+    else:
+        tensors = [t for t in iter_tensors(output) if t.requires_grad]
     if tensors:
         watch = _BackwardWatch(probe, label)
         for t in tensors:
@@ -263,6 +269,8 @@ class ForwardProbe:
         # what each replica's call held, noted by its worker and counted by end() on the calling
         # thread: byte counts are Python, and on a worker they would contend with the other replicas
         self.applied: list[tuple[Any, ...]] = []
+        # (site, mode, input signature) -> [activation bytes, calls before a recount] (call_counting_activations)
+        self.activation_counts: dict[Any, list[int]] = run.cached("activation counts", dict)
         run.note_devices(devices)
         if self.call == 0:
             for index in self.cuda_indices:
@@ -324,8 +332,12 @@ class ForwardProbe:
             return fn(*args, **kwargs), 0
         counts = None
         if site is not None:
-            key = (site, weights.training, _signature(args), _signature(kwargs))
-            counts = self.run.cached("activation counts", dict)
+            # one tensor and no keywords (most calls) without a walk: the key is what _signature gives them
+            first = args[0] if len(args) == 1 else None
+            key = (site, weights.training,
+                   ((first.shape, first.dtype),) if type(first) is torch.Tensor else _signature(args),
+                   _signature(kwargs) if kwargs else ())
+            counts = self.activation_counts
             known = counts.get(key)
             if known is not None and known[1] > 0:
                 known[1] -= 1
@@ -348,10 +360,12 @@ class ForwardProbe:
 
     def note_device(self, label: str, args: Any, kwargs: Any, output: Any, activation_bytes: int,
                     shared_args: int = 0, chunked: bool = True) -> None:
-        first = _first_tensor(args, kwargs) if chunked else None
+        first = (args[0] if args and isinstance(args[0], torch.Tensor) else _first_tensor(args, kwargs)) if chunked \
+            else None
+        inputs = args[shared_args:]
         self.memory.setdefault(label, {}).update(
             chunk_size=first.size(self.dim) if first is not None and first.dim() > 0 else None,
-            input_bytes=tensor_bytes((args[shared_args:], kwargs)), output_bytes=tensor_bytes(output),
+            input_bytes=tensor_bytes((inputs, kwargs) if kwargs else inputs), output_bytes=tensor_bytes(output),
             activation_bytes=activation_bytes,
         )
 
@@ -399,7 +413,7 @@ class MeasuredReplica:
             probe = self.probe
             if probe is None:
                 return self.module(*args, **kwargs)
-            ev0 = probe.start_event(self.label)
+            ev0 = probe.start_event(self.label) if probe.cuda_indices else None
             t0 = time.perf_counter_ns()
             try:
                 output, activation_bytes = probe.call_counting_activations(

@@ -39,6 +39,7 @@ __all__ = ["SqliteSink", "FLUSH_INTERVAL_S", "MAX_BUFFERED_RECORDS", "create_run
 FLUSH_INTERVAL_S = 0.5  # the issue asks for at least one commit a second; half that leaves margin
 FOLD_RETRY_S = 2.0  # how long close() waits for readers to let go before leaving the run in WAL mode
 REFOLD_INTERVAL_S = 5.0  # after the disk filled, how often a live writer tries again to fold its log back
+PUT_HEADROOM = 4096  # records one forward call or step may put between two looks at the buffer's size (put)
 MAX_BUFFERED_RECORDS = 200_000  # ~30 MB of records; 100 s of an 8-device run at 100 steps/s
 MIN_KEPT_SLICE = 16  # after a failed commit, ever smaller slices of it are tried, down to this many records
 
@@ -169,8 +170,19 @@ class SqliteSink:
         self._thread = threading.Thread(target=self._loop, name="dpprof-writer", daemon=True)
         self._thread.start()
 
-    def put(self, record: Record | Row) -> None:
-        """Buffer a record, or a row (dpprof.records.Row), for the next commit; drop and count it when full."""
+    @property
+    def put(self) -> Callable[[Record | Row], None]:
+        """``sink.put(record)`` buffers a record, or a row (dpprof.records.Row), for the next commit; drops and counts
+        it when full.
+
+        Far from full this is the buffer's own append, one C call a record: a probe takes ``put`` once per forward
+        call or step (dpprof.parallel.probe, dpprof.parallel.fsdp) and puts that call's records with it, so the
+        buffer may pass its limit by at most what one call puts (PUT_HEADROOM is ample); near full, every record
+        is checked."""
+        buffer = self._buffer
+        return buffer.append if len(buffer) + PUT_HEADROOM < self._max else self._put_checked
+
+    def _put_checked(self, record: Record | Row) -> None:
         if len(self._buffer) < self._max:
             self._buffer.append(record)
         else:
