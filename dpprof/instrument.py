@@ -303,6 +303,12 @@ class _Session:
 
     def _patch_names(self, kind: str, names: list[tuple[str, str]]) -> None:
         for module_name, attr in names:
+            partial = sys.modules.get(module_name)
+            if partial is not None and not hasattr(partial, attr):
+                # being imported now, its own import having brought in the module patched here (a script's
+                # `from torch.distributed._composable.fsdp import fully_shard`): it takes the stand-in from there as it
+                # finishes, and unpatch puts torch's back
+                continue
             module = importlib.import_module(module_name)
             self._patched.append((module, attr, getattr(module, attr)))
             setattr(module, attr, _STAND_INS[kind])
@@ -353,6 +359,11 @@ class _Session:
         for module, attr, original in reversed(self._patched):
             setattr(module, attr, original)
         self._patched.clear()
+        torch_fully_shard = _torch_fully_shard() if _FSDP_MODULE in sys.modules else None
+        for module_name, attr in _NAMES["fully_shard"]:  # those that took the stand-in as their import finished
+            module = sys.modules.get(module_name)
+            if module is not None and getattr(module, attr, None) is fully_shard and torch_fully_shard is not None:
+                setattr(module, attr, torch_fully_shard)
         if self._fsdp_installed_here:
             _fsdp.uninstall()
             self._fsdp_installed_here = False
@@ -380,6 +391,7 @@ class _Session:
             self.say(f"cannot record ({type(err).__name__}: {err}); the script runs unrecorded")
             return
         self.run.joins_open_step = self._joins_open_step
+        self.run.forward_ended = self.after_forward
 
     def finish(self, exc: BaseException | None) -> None:
         """Close the run: finished, unless the script raised (SystemExit 0 is a finish)."""
@@ -433,10 +445,11 @@ class _Session:
     def _on_backward(self, grad: torch.Tensor) -> None:
         self.backward_seen = True
 
-    def _joins_open_step(self) -> bool:
+    def _joins_open_step(self, step: Any) -> bool:
         """A forward joins the open step when training is under way: a backward since the step's last
-        forward (gradient accumulation), or an optimizer that ends steps; never under no_grad."""
-        return torch.is_grad_enabled() and (self.optimizer_seen or self.backward_seen)
+        forward (gradient accumulation), or an optimizer that ends steps; never under no_grad, and never a step
+        opened under no_grad (an evaluation pass: no optimizer step ends it)."""
+        return step.grad and torch.is_grad_enabled() and (self.optimizer_seen or self.backward_seen)
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         run = self.run

@@ -97,12 +97,16 @@ def _distributed_identity(name: str | None, run_id: str | None = None
 
 
 class _Step:
-    __slots__ = ("index", "start_ns", "explicit", "calls", "batch_size", "devices_used", "last_end_ns")
+    __slots__ = ("index", "start_ns", "explicit", "calls", "batch_size", "devices_used", "last_end_ns", "grad",
+                 "passes", "weighed")
 
     def __init__(self, index: int, start_ns: int, explicit: bool) -> None:
         self.index = index
         self.start_ns = start_ns
         self.explicit = explicit
+        self.grad = True  # an implicit step under a step rule: whether its first forward ran with grad enabled
+        self.passes = 0  # backward passes ended in the step (several: gradient accumulation)
+        self.weighed: tuple[int, ...] | None = None  # the modules whose weights the step's memory counts (ids)
         self.calls = 0
         self.batch_size: int | None = None
         self.devices_used = 0
@@ -200,8 +204,10 @@ class Run:
         self._next_step = 0
         self._explicit: _Step | None = None
         self._implicit: _Step | None = None
-        # dpprof.instrument's step rule: whether a forward call joins the open implicit step (None: never)
-        self.joins_open_step: Callable[[], bool] | None = None
+        # dpprof.instrument's step rule: whether a forward call joins the open implicit step (None: never), and what
+        # it is told of each recorded forward call's output where no stand-in's forward sees it (FSDP's root)
+        self.joins_open_step: Callable[[_Step], bool] | None = None
+        self.forward_ended: Callable[[Any], None] | None = None
         self._pending: list[Any] = []  # CUDA timings whose events have not completed yet
         self._pending_lock = threading.Lock()
         self._noted: set[str] = set()
@@ -327,14 +333,16 @@ class Run:
             step = self._explicit  # read once: run.step()'s exit clears it without the lock
             if step is None:
                 step = self._implicit
-                if step is None or (starts_step and not self._rule_joins()):
+                if step is None or (starts_step and not self._rule_joins(step)):
                     self._flush_implicit()
                     step = self._implicit = self._new_step(explicit=False)
+                    if self.joins_open_step is not None:
+                        step.grad = torch.is_grad_enabled()
             step.calls += 1
             return step
 
-    def _rule_joins(self) -> bool:
-        return self.joins_open_step is not None and self.joins_open_step()
+    def _rule_joins(self, step: _Step) -> bool:
+        return self.joins_open_step is not None and self.joins_open_step(step)
 
     def end_step(self) -> None:
         """End the open implicit step now (dpprof.instrument calls it at each optimizer.step())."""
@@ -346,7 +354,7 @@ class Run:
     def forward_starts_step(self) -> bool:
         """Whether a forward call made now would start a new step."""
         with self._lock:
-            return self._explicit is None and (self._implicit is None or not self._rule_joins())
+            return self._explicit is None and (self._implicit is None or not self._rule_joins(self._implicit))
 
     @property
     def steps_started(self) -> int:

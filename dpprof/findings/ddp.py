@@ -55,14 +55,28 @@ def union_ms(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def overlapped_ms(comms: pd.DataFrame, compute_end: Any) -> dict[tuple[Any, Any], float]:
-    """Per (step, device): how long its collectives ran while backward was still computing (the union of their spans
-    cut at backward compute's end, ``compute_end.get((step, device))``; 0 where the step has none)."""
+def overlapped_ms(comms: pd.DataFrame, compute: pd.DataFrame) -> dict[tuple[Any, Any], float]:
+    """Per (step, device): how long its collectives ran while backward was computing: the union of their spans within
+    the union of the step's ``backward_compute`` spans (one per backward pass: gradient accumulation makes several),
+    0 where the step has none.
+
+    Args:
+        comms: step, device, launch_ms, duration_ms; compute: the backward_compute phases' step, device, start_ms,
+            duration_ms.
+    """
+    ends = compute["start_ms"] + compute["duration_ms"]
+    busy: dict[tuple[Any, Any], list[tuple[float, float]]] = {}
+    for key, a, b in zip(zip(compute["step"], compute["device"]), compute["start_ms"], ends):
+        busy.setdefault(key, []).append((a, b))
     out = {}
-    for (step, device), c in comms.groupby(["step", "device"]):
-        end = compute_end.get((step, device))
-        spans = zip(c["launch_ms"], c["launch_ms"] + c["duration_ms"])
-        out[(step, device)] = union_ms([(a, min(b, end)) for a, b in spans if a < end]) if end is not None else 0.0
+    for key, c in comms.groupby(["step", "device"]):
+        spans = busy.get(key)
+        if not spans:
+            out[key] = 0.0
+            continue
+        sent = list(zip(c["launch_ms"], c["launch_ms"] + c["duration_ms"]))
+        # |A within B| = |A| + |B| - |A or B|, each a union of intervals
+        out[key] = max(0.0, union_ms(sent) + union_ms(spans) - union_ms(sent + spans))
     return out
 
 
@@ -125,10 +139,9 @@ def communication(t: Tables) -> list[dict]:
     busy_table = collective_busy(comms, t.steps)
     if busy_table.empty:
         return []
-    compute_end = phases[phases["phase"] == "backward_compute"].assign(
-        end_ms=lambda d: d["start_ms"] + d["duration_ms"]).set_index(["step", "device"])["end_ms"]
     windows = busy_table.set_index(["step", "device"])
-    overlapped = [ms for key, ms in overlapped_ms(comms, compute_end).items() if key in windows.index]
+    overlapped = [ms for key, ms in overlapped_ms(comms, phases[phases["phase"] == "backward_compute"]).items()
+                  if key in windows.index]
     comm_ms = float(busy_table["busy_ms"].mean())
     step_ms = float(busy_table["window_ms"].mean())
     share = comm_ms / step_ms if step_ms else 0.0

@@ -124,6 +124,7 @@ class _RankProbe:
         self._maybe_finish_backward()
 
     def backward_done(self, t_end: int) -> None:
+        self.step.passes += 1  # the next forward in this step is a later micro-batch (ForwardProbe.later_pass)
         with self.lock:
             self.graph_end_ns = t_end
         self._maybe_finish_backward()

@@ -187,9 +187,17 @@ class _StepProbe:
         self.step.devices_used = 1
         if not torch.is_grad_enabled():
             self.memory()
+        told = self.run.forward_ended
+        if told is not None:  # dpprof.instrument's step rule: a backward through it lets the next forward join
+            told(output)
 
     def memory(self) -> None:
-        """This rank's memory for the step by dpprof's accounting (sharded and peak gathered parameters)."""
+        """This rank's memory for the step by dpprof's accounting (sharded and peak gathered parameters), once a step:
+        at its first backward's end (micro-batches of gradient accumulation do not coexist), or at its forward's under
+        no_grad."""
+        if self.step.passes:
+            return
+        self.step.passes += 1
         sharded, buffers = self.run.cached(("fsdp shard bytes", id(self.module)), lambda: self.shard_bytes(self.module))
         inputs, outputs = self.io_bytes
         # a row (dpprof.records.Row): MEMORY_ROW, then DeviceMemoryRecord's fields in order

@@ -5,6 +5,7 @@ unless the run asked for synchronous timing.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from itertools import chain
@@ -23,8 +24,15 @@ __all__ = ["ForwardProbe", "MeasuredReplica", "PendingPhase", "tensor_bytes", "i
            "allocator_bytes", "event_now", "cuda_event", "gpu_of", "rank_part"]
 
 
+def _dataclass_values(obj: Any) -> list[Any] | None:
+    """A dataclass instance's field values (torch's DDP finds a model's output tensors in them too), else None."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    return None
+
+
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside nested tuples, lists and dicts."""
+    """Every tensor inside nested tuples, lists, dicts and dataclasses."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
@@ -33,6 +41,10 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, dict):
         for item in obj.values():
             yield from iter_tensors(item)
+    else:
+        values = _dataclass_values(obj)
+        if values is not None:
+            yield from iter_tensors(values)
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -48,7 +60,9 @@ def tensor_bytes(obj: Any) -> int:
     elif isinstance(obj, dict):
         items = obj.values()
     else:
-        return 0
+        items = _dataclass_values(obj)
+        if items is None:
+            return 0
     for item in items:
         total += item.numel() * item.element_size() if isinstance(item, torch.Tensor) else tensor_bytes(item)
     return total
@@ -232,6 +246,7 @@ class _BackwardWatch:
         t0, ev0, span, self.t0, self.ev0, self.range = self.t0, self.ev0, self.range, None, None, None
         if self.probe is not None and t0 is not None:  # timed before the range closes: the timer lies inside it
             self.probe.finish_phase("backward", self.label, t0, ev0)
+            self.probe.step.passes += 1
         if span is not None:
             span.__exit__(None, None, None)
 
@@ -262,6 +277,9 @@ class ForwardProbe:
         self.root = root  # the module the replicas are made from
         self.step = run.step_for_forward(starts_step)
         self.call = self.step.calls - 1
+        # a backward ended in this step before this call (gradient accumulation): the micro-batches do not coexist, so
+        # the step's memory is its first pass's (what a later one holds is not added to it)
+        self.later_pass = self.step.passes > 0
         self.dim = dim
         self.output_label = output_label
         self.cuda_indices = list(devices.indices) if devices.type == "cuda" else []
@@ -376,6 +394,11 @@ class ForwardProbe:
         """Close the forward call: count what each replica held and emit each device's memory record.
 
         ``used``: replicas that ran (default: the devices that held something)."""
+        if self.later_pass:  # a later micro-batch: what it holds replaces the first one's, which the step keeps
+            used = max(len(self.applied), 1) if used is None else used
+            self.step.devices_used = max(self.step.devices_used, used)
+            self.applied.clear()
+            return
         for applied in self.applied:
             self.note_device(*applied)
         self.applied.clear()
@@ -384,6 +407,13 @@ class ForwardProbe:
         param_bytes, buffer_bytes = self.run.cached(("weight bytes", id(module)), lambda: (
             sum(p.numel() * p.element_size() for p in module.parameters()),
             sum(b.numel() * b.element_size() for b in module.buffers())))
+        weighed, key = self.step.weighed, id(module)
+        if weighed is None:  # the step's first call: its module's weights are counted
+            self.step.weighed = (key,)
+        elif key in weighed:  # a module called again in the step holds its weights once
+            param_bytes = buffer_bytes = 0
+        else:
+            self.step.weighed = (*weighed, key)
         step, call, put = self.step.index, self.call, self.put
         for label, m in self.memory.items():
             held = "input_bytes" in m  # a replica ran here (else only the gathered output is)

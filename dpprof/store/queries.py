@@ -581,20 +581,21 @@ def timeline(run: StoredRun, first_step: int, last_step: int) -> tuple[pd.DataFr
 
 
 def sampled_comm_rows(run: StoredRun) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """The collectives, the steps and each rank's end of backward compute, over the steps whose detail stands for the
+    """The collectives, the steps and each rank's backward compute, over the steps whose detail stands for the
     run (every step, or a long run's sample: RunModel.sampled_steps_sql), for dpprof.views.overview.comm_stats.
 
     Returns:
         (comms: step, device, bucket, bucket_bytes, launch_ms, duration_ms, collective, rank;
-        steps: step, start_ms, duration_ms, rank; ends: step, device, end_ms, rank).
+        steps: step, start_ms, duration_ms, rank; compute: the backward_compute phases' step, device, start_ms,
+        duration_ms, rank).
     """
     sampled = run.model.sampled_steps_sql()
     comms = run.query("SELECT step, device, bucket, bucket_bytes, launch_ms, duration_ms, collective FROM comms "
                       f"WHERE {sampled}")
     steps = run.query(f"SELECT step, start_ms, duration_ms FROM steps WHERE {sampled}")
-    ends = run.query("SELECT step, device, start_ms + duration_ms AS end_ms FROM phases "
-                     f"WHERE phase = 'backward_compute' AND {sampled}")
-    return comms, steps, ends
+    compute = run.query("SELECT step, device, start_ms, duration_ms FROM phases "
+                        f"WHERE phase = 'backward_compute' AND {sampled}")
+    return comms, steps, compute
 
 
 def detail_steps(run: StoredRun, first_step: int, last_step: int) -> list[int]:

@@ -195,11 +195,10 @@ def comm_stats(run: StoredRun) -> pd.DataFrame:
     cols = ["device", "collectives", "steps", "buckets_per_step", "sent_per_step_bytes", "busy_ms", "overlap_pct"]
     if "comms" not in run.model.has:
         return pd.DataFrame(columns=cols)
-    comms, steps, ends = queries.sampled_comm_rows(run)  # a long run: the steps whose detail stands for it
-    compute_end = ends.set_index(["step", "device"])["end_ms"].to_dict()
+    comms, steps, compute = queries.sampled_comm_rows(run)  # a long run: the steps whose detail stands for it
     busy = collective_busy(comms, steps).set_index(["step", "device"])
     kinds = [k for k in busy.columns if k not in ("window_ms", "busy_ms")]
-    overlap = overlapped_ms(comms, compute_end)
+    overlap = overlapped_ms(comms, compute)
     rows = []
     for (step, device), c in comms.groupby(["step", "device"]):
         rows.append({"device": device, "step": step, "buckets": c["bucket"].nunique(),

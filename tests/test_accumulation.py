@@ -1,0 +1,146 @@
+"""Gradient accumulation and evaluation passes under `dpprof run`, on two gloo ranks: DDP (its model returning a
+dataclass), FSDP2 (fully_shard imported from torch.distributed._composable.fsdp) and FSDP1 (tests/scripts/
+train_accum_eval.py). A step is an optimizer step, whatever the number of micro-batches; an evaluation batch is a
+step of its own; a step's memory is one micro-batch's, its weights counted once."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import forked
+import numpy as np
+import pytest
+import torch
+
+import dpprof
+from dpprof.cli import main
+from dpprof.findings.ddp import overlapped_ms
+from dpprof.views.overview import comm_stats
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).parent / "scripts" / "train_accum_eval.py"
+ROOT = Path(__file__).parent.parent
+EPOCHS, STEPS, ACCUM, EVAL = 2, 3, 3, 2  # the script's defaults
+MICRO_BATCH, EVAL_BATCH = 8, 12
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+JOBS = {"ddp": {"WRAP": "ddp", "OUTPUT": "dataclass"}, "fsdp2": {"WRAP": "fsdp2", "IMPORT": "composable"},
+        "fsdp1": {"WRAP": "fsdp1"}}
+# the script's Net: Linear(20, 48), two Linear(48, 48), Linear(48, 5), float32
+WEIGHT_BYTES = 4 * (20 * 48 + 48 + 2 * (48 * 48 + 48) + 48 * 5 + 5)
+
+
+def _torchrun(args, env):
+    out = forked.run(TORCHRUN + [str(a) for a in args], capture_output=True, text=True, timeout=300,
+                     env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "",
+                          **env})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Each job recorded by `dpprof run`; DDP's and FSDP2's also run without dpprof, their weights saved."""
+    base = tmp_path_factory.mktemp("accumulation")
+    out = {}
+    for name, env in JOBS.items():
+        reports = base / name
+        recorded = _torchrun(["-m", "dpprof", "run", SCRIPT], {**env, "DPPROF_REPORTS": str(reports),
+                                                                 "OUT": str(base / f"{name}-recorded.pt")})
+        plain = None
+        if name != "fsdp1":
+            plain = _torchrun([SCRIPT], {**env, "OUT": str(base / f"{name}-plain.pt")})
+        [run_id] = dpprof.list_runs(reports)["id"]
+        out[name] = {"run": dpprof.load_run(run_id, reports), "reports": reports, "recorded": recorded,
+                     "plain": plain, "weights": (base / f"{name}-recorded.pt", base / f"{name}-plain.pt")}
+    return out
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_a_step_is_an_optimizer_step_and_an_evaluation_batch_a_step_of_its_own(jobs, name):
+    run = jobs[name]["run"]
+    assert run.meta["status"] == "finished"
+    expected = [(ACCUM, ACCUM * MICRO_BATCH)] * STEPS + [(1, EVAL_BATCH)] * EVAL
+    for rank, steps in run.steps.groupby("rank"):
+        got = list(zip(steps.sort_values("step")["forward_calls"], steps.sort_values("step")["batch_size"]))
+        assert got == expected * EPOCHS, (rank, got)
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_a_steps_memory_is_one_micro_batch_and_its_weights_once(jobs, name):
+    run = jobs[name]["run"]
+    memory = run.table("memory")
+    # one row a step and rank, whatever the micro-batches: the first pass's
+    assert memory.groupby(["step", "device"]).size().eq(1).all()
+    assert len(memory) == 2 * EPOCHS * (STEPS + EVAL)
+    training = memory["step"].map(lambda s: s % (STEPS + EVAL) < STEPS)
+    assert (memory.loc[training, "chunk_size"] == MICRO_BATCH).all()
+    assert (memory.loc[~training, "chunk_size"] == EVAL_BATCH).all()
+    per_rank = memory.groupby("device")["param_bytes"].agg(["min", "max"])
+    assert (per_rank["min"] == per_rank["max"]).all()  # never multiplied by the micro-batches
+    if name == "ddp":
+        assert (per_rank["max"] == WEIGHT_BYTES).all()
+    else:  # each rank holds a shard: about half, the two together at least the whole (shards are padded)
+        assert per_rank["max"].sum() >= WEIGHT_BYTES and (per_rank["max"] < WEIGHT_BYTES).all()
+
+
+def test_a_ddp_model_returning_a_dataclass_has_its_backward_recorded(jobs):
+    run = jobs["ddp"]["run"]
+    phases = run.phases
+    training = phases["step"].map(lambda s: s % (STEPS + EVAL) < STEPS)
+    counts = phases[training].groupby(["phase"]).size()
+    for phase in ("backward", "backward_compute", "comm_wait"):  # one a micro-batch, on each rank
+        assert counts[phase] == 2 * EPOCHS * STEPS * ACCUM, phase
+    assert not phases[~training]["phase"].isin(["backward", "backward_compute", "comm_wait", "optimizer"]).any()
+
+
+def _inside_ms(spans, within):
+    """The length of the union of ``spans`` inside the union of ``within``, by walking every boundary: a computation
+    of its own, not the one findings.ddp makes."""
+    cuts = sorted({t for span in spans + within for t in span})
+    total = 0.0
+    for a, b in zip(cuts, cuts[1:]):
+        mid = (a + b) / 2
+        if any(s <= mid < e for s, e in spans) and any(s <= mid < e for s, e in within):
+            total += b - a
+    return total
+
+
+def test_the_all_reduce_overlap_is_its_time_inside_each_micro_batchs_backward(jobs):
+    run = jobs["ddp"]["run"]
+    comms, phases = run.comms, run.phases
+    compute = phases[phases["phase"] == "backward_compute"]
+    got = overlapped_ms(comms, compute)
+    assert len(got) == comms.groupby(["step", "device"]).ngroups
+    for (step, device), ms in got.items():
+        c = comms[(comms["step"] == step) & (comms["device"] == device)]
+        b = compute[(compute["step"] == step) & (compute["device"] == device)]
+        assert len(b) == ACCUM  # each micro-batch's backward
+        expected = _inside_ms(list(zip(c["launch_ms"], c["launch_ms"] + c["duration_ms"])),
+                              list(zip(b["start_ms"], b["start_ms"] + b["duration_ms"])))
+        assert ms == pytest.approx(expected, abs=1e-9)
+    stats = comm_stats(run)
+    assert len(stats) == 2 and stats["overlap_pct"].between(0, 100).all()
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_show_and_export_read_every_such_run(jobs, name, tmp_path, capsys, monkeypatch):
+    job = jobs[name]
+    monkeypatch.setenv("DPPROF_REPORTS", str(job["reports"]))
+    assert main(["show", job["run"].id]) == 0
+    assert main(["export", job["run"].id, "--out", str(tmp_path / "csv")]) == 0
+    said = capsys.readouterr().out
+    assert f"{EPOCHS * (STEPS + EVAL)} steps" in said
+    assert (tmp_path / "csv" / "device_summary.csv").exists()
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_the_trained_weights_are_the_unprofiled_scripts(jobs, name):
+    job = jobs[name]
+    assert job["recorded"].stdout == job["plain"].stdout
+    recorded, plain = (torch.load(p) for p in job["weights"])
+    assert list(recorded) == list(plain)
+    for key in plain:
+        assert torch.equal(recorded[key], plain[key]), key
+    assert np.isfinite([float(v.float().sum()) for v in plain.values()]).all()
