@@ -29,7 +29,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from dpprof.capture.window import parse_capture
-from dpprof.device_ids import cpu_devices, resolve_devices
+from dpprof.device_ids import cpu_devices, is_cpu_worker_list, resolve_devices
 from dpprof.nvml import DEFAULT_SAMPLE_HZ
 from dpprof.parallel import distributed as _ddp
 from dpprof.parallel import fsdp as _fsdp
@@ -117,7 +117,11 @@ class DataParallel(_SessionForward, _DataParallel, metaclass=_StandIn):
                  output_device: Any = None, dim: int = 0) -> None:
         session = _session
         workers = session.cpu_workers_for(device_ids) if session is not None else None
-        super().__init__(module, workers or device_ids, output_device, dim)
+        if workers is not None:  # the script's output_device names a GPU: the output goes to the first worker
+            device_ids, output_device = workers, None
+        elif not torch.cuda.is_available() and not is_cpu_worker_list(device_ids):
+            device_ids = output_device = None  # torch's pass-through: with no GPU, its device_ids are not looked at
+        super().__init__(module, device_ids, output_device, dim)
         self.__dict__["_dpprof_cpu_workers"] = workers is not None
         if session is not None:
             session.built()
@@ -187,8 +191,10 @@ def data_parallel(module: torch.nn.Module, inputs: Any, device_ids: Sequence[Any
     """torch.nn.parallel.data_parallel inside an instrument block: dpprof's, recorded."""
     session = _session
     workers = session.cpu_workers_for(device_ids) if session is not None else None
-    if workers is None and device_ids is None and not torch.cuda.is_available():
-        return _TORCH_DATA_PARALLEL(module, inputs, device_ids, output_device, dim, module_kwargs)
+    if workers is None and not is_cpu_worker_list(device_ids) and not torch.cuda.is_available():
+        return _TORCH_DATA_PARALLEL(module, inputs, device_ids, output_device, dim, module_kwargs)  # torch's error
+    if workers is not None:
+        output_device = None  # the first worker
     if session is not None:
         session.built()
         session.before_forward()
@@ -417,8 +423,9 @@ class _Session:
 
     # what the stand-ins call
     def cpu_workers_for(self, device_ids: Sequence[Any] | None) -> list[torch.device] | None:
-        """CPU workers for a DataParallel built with no device_ids where torch would pass through (no GPU)."""
-        if self.cpu_workers and device_ids is None and not torch.cuda.is_available():
+        """CPU workers for a DataParallel where torch would pass through: no GPU, and no CPU workers named (no
+        device_ids, or GPU ones: torch ignores them where it finds no GPU)."""
+        if self.cpu_workers and not torch.cuda.is_available() and not is_cpu_worker_list(device_ids):
             return cpu_devices(self.cpu_workers)
         return None
 

@@ -20,7 +20,7 @@ from torch import nn
 
 import dpprof
 from dpprof.cli import main
-from dpprof.instrument import NO_PARALLEL_NOTE, instrument
+from dpprof.instrument import _TORCH_DP, NO_PARALLEL_NOTE, instrument
 
 pytestmark = pytest.mark.slow  # most tests run `dpprof run` (or torchrun) in a fresh process that imports torch
 
@@ -322,6 +322,44 @@ print("after again", after.fully_shard is stand_in, fsdp.installed())
         "imported inside before False", "stand-in True True True",
         "looks like torch's fully_shard torch.distributed.fsdp True",
         "after False False []", "again True True", "after again False False"]
+
+
+def test_fully_shard_imported_first_from_its_composable_path_is_the_stand_in_and_torchs_after():
+    """`from torch.distributed._composable.fsdp import fully_shard` imports torch.distributed.fsdp inside its own import:
+    the patch made then must not look at the half-imported module, which takes the stand-in as it finishes."""
+    out = _python("-c", """
+import sys, dpprof
+from dpprof.instrument import fully_shard as stand_in
+with dpprof.instrument(store=False):
+    from torch.distributed._composable.fsdp import fully_shard
+    import torch.distributed.fsdp as public
+    print("stand-in", fully_shard is stand_in, public.fully_shard is stand_in)
+import torch.distributed._composable.fsdp as composable
+from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as torchs
+print("after", composable.fully_shard is torchs, public.fully_shard is torchs)
+""")
+    assert out.returncode == 0, out.stderr
+    assert "cannot record FSDP" not in out.stderr
+    assert out.stdout.splitlines() == ["stand-in True True", "after True True"]
+
+
+@needs_no_gpu
+@pytest.mark.parametrize("kwargs", [{"device_ids": [0, 1], "output_device": 1}, {"device_ids": []},
+                                    {"output_device": 0}])
+def test_gpu_device_ids_on_a_machine_without_gpus_run_as_torch_runs_them(kwargs):
+    """torch's DataParallel passes through to the module where it finds no GPU, whatever device_ids and output_device
+    name: the stand-in does as torch does, and with CPU workers asked for runs on them, its output on the first."""
+    torch.manual_seed(0)
+    model, x = nn.Linear(4, 2), torch.randn(6, 4)
+    theirs = _TORCH_DP(model, **kwargs)
+    with instrument(store=False) as run:
+        ours = nn.DataParallel(model, **kwargs)
+        assert ours.device_ids == theirs.device_ids == [] and torch.equal(ours(x), theirs(x))
+    assert run.frames()["steps"]["devices_used"].tolist() == [1]
+    with instrument(store=False, cpu_workers=2) as run:
+        ours = nn.DataParallel(model, **kwargs)
+        assert ours.device_ids == [0, 1] and torch.allclose(ours(x), model(x))
+    assert run.devices == ["cpu:0", "cpu:1"]
 
 
 def test_isinstance_holds_both_ways_and_only_for_torchs_class():

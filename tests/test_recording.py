@@ -253,6 +253,102 @@ def test_buffers_saved_for_backward_are_weights_on_every_replica():
     assert mem["activation_bytes"].nunique() == 1  # both replicas account the same activations
 
 
+def _hook_count(module, *args):
+    """What a saved-tensor pack hook sees a call save, weights left out: a count independent of saved_bytes' walk
+    over the graph."""
+    from torch.autograd.graph import saved_tensors_hooks
+
+    from dpprof.parallel.probe import _weight_storages
+
+    weights, seen, total = _weight_storages(module), set(), [0]
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights and (t.data_ptr(), t.numel()) not in seen:
+            seen.add((t.data_ptr(), t.numel()))
+            total[0] += t.numel() * t.element_size()
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        module(*args)
+    return total[0]
+
+
+@pytest.mark.parametrize("kind", ["mlp", "inplace relu", "conv batchnorm", "lstm", "gru", "transformer", "embedding"])
+def test_saved_bytes_read_from_the_graph_are_what_autograd_saves(kind):
+    from dpprof.parallel.probe import _weight_storages, saved_bytes
+
+    torch.manual_seed(0)
+    module, args = {
+        "mlp": (nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), (torch.randn(5, 8),)),
+        "inplace relu": (nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 4)), (torch.randn(5, 8),)),
+        "conv batchnorm": (nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                                         nn.Linear(72, 10)), (torch.randn(4, 3, 8, 8),)),
+        "lstm": (nn.LSTM(6, 10, batch_first=True), (torch.randn(3, 5, 6),)),
+        "gru": (nn.GRU(6, 10, num_layers=2, batch_first=True), (torch.randn(3, 5, 6),)),
+        "transformer": (nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), (torch.randn(2, 7, 16),)),
+        "embedding": (nn.Sequential(nn.Embedding(50, 8), nn.Flatten(), nn.Linear(32, 3)), (torch.randint(0, 50, (4, 4)),)),
+    }[kind]
+    expected = _hook_count(module, *args)
+    assert expected > 0
+    assert saved_bytes(module(*args), args, _weight_storages(module)) == expected
+
+
+def test_recording_keeps_autograds_checks_and_what_torch_func_needs():
+    """Activations are counted from the graph after the call: autograd still refuses a saved tensor modified in
+    place, torch.func works inside a replica, and a dropped output's graph is freed at once (no cycle)."""
+    import gc
+    import weakref
+
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x).sigmoid()  # sigmoid saves its output ...
+            y.mul_(2)  # ... which this changes
+            return y
+
+    class FuncGrad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 1)
+
+        def forward(self, x):
+            return torch.func.vmap(torch.func.grad(lambda v: self.lin(v).squeeze()))(x)
+
+    kept = []
+
+    class KeepsRef(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            s = self.lin(x).sigmoid()
+            kept.append(weakref.ref(s))
+            return s.exp()
+
+    inplace = dpprof.DataParallel(InPlace(), dpprof.cpu_devices(2))
+    func = dpprof.DataParallel(FuncGrad(), dpprof.cpu_devices(2))
+    keeps = dpprof.DataParallel(KeepsRef(), dpprof.cpu_devices(2))
+    with dpprof.record(store=False) as run:
+        with run.step():  # the first call of its shapes: the one whose activations are counted
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                inplace(torch.randn(6, 4)).sum().backward()
+        with run.step():
+            assert func(torch.randn(6, 3)).shape == (6, 3)
+        gc.disable()
+        try:
+            with run.step():
+                out = keeps(torch.randn(6, 4))
+                del out
+                assert len(kept) == 2 and all(r() is None for r in kept)  # freed by reference counts alone
+        finally:
+            gc.enable()
+    assert len(run.frames()["steps"]) == 3
+
+
 class _SavesMoreWhenPositive(nn.Module):
     """Saves one tensor for backward, or two when its input's mean is positive: data-dependent."""
 

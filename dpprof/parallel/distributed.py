@@ -245,8 +245,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 probe.phase_done("data", data_start, t0, data_ev0, ev0)
         probe.forward.note_batch(inputs, kwargs)
         with record_function("dpprof.forward"):
-            output, activation_bytes = probe.forward.call_counting_activations(super().forward, self.module,
-                                                                               inputs, kwargs)
+            # calls alike (this module, its input shapes) counted from the graph once, then every so many calls
+            output, activation_bytes = probe.forward.call_counting_activations(
+                super().forward, self.module, inputs, kwargs, site=(probe.label, "forward", id(self.module)))
         probe.phase_done("forward", t0, time.perf_counter_ns(), ev0, probe.event())
         probe.read_allocator("forward")
         probe.forward.note_device(probe.label, inputs, kwargs, output, activation_bytes)

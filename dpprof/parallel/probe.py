@@ -12,7 +12,6 @@ from itertools import chain
 from typing import Any, Callable
 
 import torch
-from torch.autograd.graph import saved_tensors_hooks
 from torch.nn import Module
 
 from dpprof.device_ids import DeviceSet
@@ -197,27 +196,56 @@ def rank_part(run: Run, step: int, name: str, label: str, t0: int, t1: int, cuda
         run.sink.put((PHASE_ROW, step, 0, name, label, start_ms, duration_ms, None))
 
 
-class _SavedBytes:
-    """saved_tensors_hooks pack hook that adds up the activations a replica saves for backward."""
-
-    __slots__ = ("exclude", "seen", "bytes")
-
-    def __init__(self, exclude: set[int]) -> None:
-        self.exclude = exclude
-        self.seen: set[tuple[int, int]] = set()
-        self.bytes = 0
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in self.exclude:
-            key = (t.data_ptr(), t.numel())
-            if key not in self.seen:
-                self.seen.add(key)
-                self.bytes += t.numel() * t.element_size()
-        return t
+_RAW_SAVED: dict[type, tuple[str, ...]] = {}  # a graph node's class -> its saved-variable attributes ("_raw_saved_*")
 
 
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
+def _raw_saved_names(node: Any) -> tuple[str, ...]:
+    cls = type(node)
+    names = _RAW_SAVED.get(cls)
+    if names is None:
+        names = _RAW_SAVED[cls] = tuple(n for n in dir(node) if n.startswith("_raw_saved_"))
+    return names
+
+
+def saved_bytes(output: Any, before: Any, exclude: set[int]) -> int:
+    """Bytes of the tensors autograd saved for backward in the graph a call built: from ``output``'s nodes back to
+    those of ``before`` (the call's inputs and weights, made before it), each tensor once, ``exclude``'s storages
+    (the weights) not counted.
+
+    Read from the graph's saved variables after the call, never with saved-tensor hooks around it: those turn off
+    autograd's check that a saved tensor was not modified in place, torch.func refuses them, and a hook that keeps
+    a saved output keeps its graph alive until the collector runs. A variable saved with hooks of its own
+    (activation checkpointing, offloading) is not held as such, and is not counted."""
+    stop = {t.grad_fn for t in iter_tensors(before) if t.grad_fn is not None}
+    stack: list[Any] = [t.grad_fn for t in iter_tensors(output) if t.grad_fn is not None]
+    visited: set[Any] = set()
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited or node in stop:
+            continue
+        visited.add(node)
+        for name in _raw_saved_names(node):
+            try:
+                raw = getattr(node, name)
+            except RuntimeError:  # released
+                continue
+            for variable in raw if isinstance(raw, (list, tuple)) else (raw,):
+                if not hasattr(variable, "unpack_hook") or variable.unpack_hook is not None:
+                    continue
+                try:
+                    t = variable.data
+                except RuntimeError:  # an undefined or released tensor
+                    continue
+                if not isinstance(t, torch.Tensor) or t.untyped_storage().data_ptr() in exclude:
+                    continue
+                key = (t.data_ptr(), t.numel())
+                if key not in seen:
+                    seen.add(key)
+                    total += t.numel() * t.element_size()
+        stack.extend(fn for fn, _ in node.next_functions)
+    return total
 
 
 class _BackwardWatch:
@@ -341,7 +369,7 @@ class ForwardProbe:
         ``weights``' own tensors not counted.
 
         With ``site`` (what makes calls alike: the replica's place and module), the bytes are counted
-        with saved-tensor hooks on the first call of each input signature (shapes, dtypes, grad and
+        from the graph (saved_bytes) on the first call of each input signature (shapes, dtypes, grad and
         training mode) and again every ACTIVATIONS_RECOUNT_EVERY calls; in between the count is reused,
         and a signature whose recount ever differs (a model whose saved tensors depend on the data) is
         counted on every call from then on.
@@ -360,15 +388,15 @@ class ForwardProbe:
             if known is not None and known[1] > 0:
                 known[1] -= 1
                 return fn(*args, **kwargs), known[0]
-        saved = _SavedBytes(self.weight_storages(weights))
-        with saved_tensors_hooks(saved.pack, _unpack):
-            output = fn(*args, **kwargs)
+        output = fn(*args, **kwargs)
+        nbytes = saved_bytes(output, (args, kwargs, [p for p in weights.parameters() if p.grad_fn is not None]),
+                             self.weight_storages(weights))
         if counts is not None:
             known = counts.get(key)
-            alike = known is None or (known[1] >= 0 and known[0] == saved.bytes)
+            alike = known is None or (known[1] >= 0 and known[0] == nbytes)
             # [bytes, calls left before a recount]; -1: this signature saved other bytes once, so count it every call
-            counts[key] = [saved.bytes, ACTIVATIONS_RECOUNT_EVERY - 1 if alike else -1]
-        return output, saved.bytes
+            counts[key] = [nbytes, ACTIVATIONS_RECOUNT_EVERY - 1 if alike else -1]
+        return output, nbytes
 
     # bytes
     def note_batch(self, inputs: Any, kwargs: Any) -> None:
