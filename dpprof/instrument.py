@@ -36,6 +36,7 @@ from dpprof.parallel import fsdp as _fsdp
 from dpprof.parallel.data_parallel import DataParallel as _DataParallel
 from dpprof.parallel.data_parallel import data_parallel as _data_parallel
 from dpprof.parallel.probe import iter_tensors
+from dpprof.parallel.workers import on_worker_thread
 from dpprof.recording import Run, record
 
 __all__ = ["instrument", "NO_PARALLEL_NOTE"]
@@ -100,7 +101,7 @@ class _SessionForward:
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         session = _session
-        if session is None:
+        if session is None or on_worker_thread():  # none, or inside a replica: the outer call's step
             return super().forward(*inputs, **kwargs)
         session.before_forward()
         output = super().forward(*inputs, **kwargs)

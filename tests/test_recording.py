@@ -386,3 +386,22 @@ def test_activation_bytes_of_alike_calls_are_counted_once_and_recounted():
     assert counted[0] == 2 * negative
     # from the recount that saw the difference on, every call is counted
     assert counted[every:] == [negative] * (every + 4)
+
+
+def test_a_data_parallel_inside_a_replica_is_part_of_that_replicas_apply():
+    """A DataParallel wrapped in another: the inner one runs inside the outer's replicas, on their workers, and opens
+    no step of its own (steps, batches and calls are the outer call's)."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    outer = dpprof.DataParallel(dpprof.DataParallel(model, dpprof.cpu_devices(2)), dpprof.cpu_devices(2))
+    x = torch.randn(10, 8)
+    for explicit in (True, False):
+        with dpprof.record(store=False) as run:
+            for _ in range(3):
+                with run.step() if explicit else nullcontext():
+                    assert torch.allclose(outer(x), model(x), atol=1e-6)
+        frames = run.frames()
+        steps = frames["steps"]
+        assert steps["batch_size"].tolist() == [10] * 3 and steps["forward_calls"].tolist() == [1] * 3, explicit
+        applies = frames["phases"][frames["phases"]["phase"] == "apply"]
+        assert applies.groupby("step").size().tolist() == [2] * 3  # the outer call's two replicas, each once

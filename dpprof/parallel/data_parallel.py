@@ -22,6 +22,7 @@ from dpprof.parallel.probe import ForwardProbe, MeasuredReplica, watch_backward
 from dpprof.parallel.ranges import profiler_on, profiler_range
 from dpprof.parallel.replicate import replicate
 from dpprof.parallel.scatter_gather import gather, scatter_kwargs
+from dpprof.parallel.workers import on_worker_thread
 from dpprof.recording import current_run
 
 __all__ = ["DataParallel", "data_parallel"]
@@ -163,7 +164,9 @@ class DataParallel(torch.nn.DataParallel):
         return _PhaseRange(self.__dict__["_probe"], name, self._label(index))
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        run = current_run()
+        # a DataParallel inside a replica (on a CPU worker) is part of that replica's apply, which the outer call times:
+        # it opens no step and records nothing of its own
+        run = current_run() if not on_worker_thread() else None
         if run is None:
             with profiler_range("DataParallel.forward"):
                 output = self._forward(inputs, kwargs)
