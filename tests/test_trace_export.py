@@ -337,3 +337,21 @@ def test_the_export_pages_downloads_are_the_same_trace(runs, tmp_path):
     files = [tmp_path / n for n in names]
     check_format(run, plan_trace(run), [read_trace(f) for f in files])
     check_round_trip(run, plan_trace(run), files, tmp_path / "back")
+
+
+@pytest.mark.parametrize("base_ns", [0, 1_764_230_400_123_456_789, 1_800_000_000_000_000_001])
+def test_an_imported_traces_first_step_starts_at_zero_whatever_its_base_time_and_exports_back(tmp_path, base_ns):
+    """ts are microseconds after baseTimeNanoseconds (~1.8e15 us since the epoch, where a float keeps a quarter of a
+    microsecond): the run's origin is the first step's own ts, so no step starts before it and its export, which
+    writes no negative ts, imports back."""
+    from cpu_traces import single_process_trace
+
+    path = single_process_trace(tmp_path / "made", steps=3)
+    doc = json.loads(path.read_text())
+    doc["baseTimeNanoseconds"] = base_ns
+    path.write_text(json.dumps(doc))
+    run = dpprof.load_run(import_traces([path], tmp_path / "reports").id, tmp_path / "reports")
+    assert run.steps["start_ms"].min() == 0.0 and (run.phases["start_ms"] >= 0).all()
+    plan, written, docs = _export(run, tmp_path)
+    assert min(e["ts"] for d in docs for e in d["traceEvents"] if "ts" in e) >= 0
+    check_round_trip(run, plan, [w.path for w in written], tmp_path / "back")

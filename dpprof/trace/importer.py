@@ -107,6 +107,12 @@ def _abs_offset_us(c: Collected) -> float:
     return float(base) / 1e3 if isinstance(base, (int, float)) else 0.0
 
 
+def _base_ns(c: Collected) -> int:
+    """The file's baseTimeNanoseconds as a whole number (0 without one): differences between files kept exact."""
+    base = c.meta.get("baseTimeNanoseconds")
+    return int(base) if isinstance(base, (int, float)) else 0
+
+
 def _ranks(files: list[Collected]) -> list[int | None]:
     """Each file's rank: distributedInfo, else a number in its name (rank3), else its place in the list."""
     if len(files) == 1:
@@ -241,8 +247,12 @@ def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | 
     order = sorted(range(len(files)), key=lambda i: (ranks[i] is None, ranks[i] if ranks[i] is not None else i))
     files, ranks = [files[i] for i in order], [ranks[i] for i in order]
     starts = [(min([s[1] for s in f.steps] or [f.first_us]), f) for f in files]
-    t0_abs = min(s + _abs_offset_us(f) for s, f in starts)
-    converted: list[Converted] = [convert(f, t0_abs - _abs_offset_us(f), r if distributed else None)
+    first_us, first = min(starts, key=lambda sf: sf[0] + _abs_offset_us(sf[1]))
+    t0_abs = first_us + _abs_offset_us(first)
+    # each file's origin in its own ts: the first file's is its first start exactly (never t0_abs less its offset,
+    # ~1.8e15 us, where a float keeps a quarter of a microsecond: its first step began at -0.06 us, and the
+    # run's exported trace was refused), the others' its start plus the whole nanoseconds between the bases
+    converted: list[Converted] = [convert(f, first_us + (_base_ns(first) - _base_ns(f)) / 1e3, r if distributed else None)
                                   for f, r in zip(files, ranks)]
     if not any(any(isinstance(x, StepRecord) for x in c.records) for c in converted):
         raise TraceError(f"{files[0].name}: no CPU ranges to make steps of (a trace with GPU activity only)")
