@@ -213,7 +213,7 @@ def _imported(doc: dict, tmp_path: Path, reports: Path) -> tuple[str, str]:
 @pytest.mark.parametrize("field, value, said", [
     ("dur", math.inf, "dur infinite is not a time"), ("dur", math.nan, "dur NaN is not a time"),
     ("ts", 1e308, "ts 1e+308 µs is past any time"), ("dur", 2 ** 70, "dur 2**70+ µs"),
-    ("ts", -5.0, "ts -5.0 is negative"), ("dur", -5.0, "dur -5.0 is negative"),
+    ("ts", -5.0, "ts -5.0 is negative"), ("dur", -5.0, "dur -5.0 is negative"), ("ts", "12.5", "ts '12.5'"),
 ])
 def test_one_kernel_with_a_time_that_cannot_be_is_left_out_counted_and_shows_and_exports_finite(field, value, said,
                                                                                                tmp_path, reports):
@@ -221,7 +221,7 @@ def test_one_kernel_with_a_time_that_cannot_be_is_left_out_counted_and_shows_and
     kernel = _kernel(doc)
     kernel[field] = value
     run_id, out = _imported(doc, tmp_path, reports)
-    note = f"1 event with a time or number that cannot be (NaN, infinite, negative, or past 2**52 µs) left out: " \
+    note = f"1 event with a time or number that cannot be (not a number, NaN, infinite, negative, or past 2**52 µs) left out: " \
            f"the first, {kernel['name'][:60]}"
     assert note in out and said in out, out  # said when it is imported
     run = dpprof.load_run(run_id, reports)

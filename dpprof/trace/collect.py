@@ -355,9 +355,8 @@ def collect_part(trace: TraceFile) -> Collected:
                                                           _message_bytes(args_of(event))))
                 elif cat in gpu_cats:
                     ts, dur = event.ts, event.dur
-                    if not isinstance(ts, number):
-                        continue
-                    if not 0 <= ts <= top or (isinstance(dur, number) and not 0 <= dur <= top):
+                    if not (isinstance(ts, number) and 0 <= ts <= top) or (
+                            isinstance(dur, number) and not 0 <= dur <= top):
                         _bad_time(out, trace, batch, event, kinds)
                         continue
                     end = ts + dur if isinstance(dur, number) else ts
@@ -416,7 +415,7 @@ def finish(out: Collected) -> Collected:
     _one_range_per_step(out)
     if out.left_out:
         out.notes.append(f"{out.left_out:,} event{'s' if out.left_out > 1 else ''} with a time or number that "
-                         f"cannot be (NaN, infinite, negative, or past 2**52 µs) left out: the first, "
+                         f"cannot be (not a number, NaN, infinite, negative, or past 2**52 µs) left out: the first, "
                          f"{out.left_out_first}")
     out.forwards.sort(key=lambda r: r.start_us)
     out.dpprof_ranges.sort(key=lambda r: r.start_us)
@@ -523,9 +522,9 @@ def _bad_time(out: Collected, trace: TraceFile, batch: list, event: Any,
     name = event.name
     if event.cat in _CPU_CATS and isinstance(name, str) and _STEP.fullmatch(name):
         _refuse(trace, batch, event, why)
-    if not isinstance(ts, (int, float)):  # no time at all: not an event dpprof can place (as before: skipped)
+    if ts is None:  # no time at all: not an event dpprof can place
         return
-    _left_out(out, trace, batch, event, why)
+    _left_out(out, trace, batch, event, why)  # a time that cannot be (a string, NaN, negative, absurd): counted
 
 
 def _one_range_per_step(out: Collected) -> None:
