@@ -512,3 +512,25 @@ def test_collectives_busy_is_their_union_in_the_step_never_more_than_it(case, na
             pytest.approx(row.busy_ms, abs=1e-6)
     expected = sum(_clipped_union(spans, lo, hi) > 0 for _, lo, hi in windows)
     assert len(busy) == expected
+
+
+def test_a_collective_kernel_the_profiler_dropped_costs_its_own_op_only(tmp_path):
+    """Each collective op gets the kernel it launched (External id: its record_param_comms op), not the next in
+    order: with one all-reduce kernel of the middle removed, every other op keeps its kernel, and every phase stays
+    inside its step."""
+    from dpprof.trace.collect import collect
+
+    doc = json.loads(gzip.decompress(DDP2.read_bytes()))
+    comm = [i for i, e in enumerate(doc["traceEvents"]) if e.get("cat") == "kernel" and "nccl" in e.get("name", "")]
+    dropped = doc["traceEvents"].pop(comm[len(comm) // 2])
+    path = tmp_path / "dropped.pt.trace.json"
+    path.write_text(json.dumps(doc))
+    whole, less = collect(TraceFile(DDP2)), collect(TraceFile(path))
+    assert len(less.comm_kernels) == len(whole.comm_kernels) - 1 and len(less.collectives) == len(whole.collectives)
+    kept = [(a.kernel_start_us, b.kernel_start_us) for a, b in zip(whole.collectives, less.collectives)]
+    changed = [pair for pair in kept if pair[0] != pair[1]]
+    assert changed == [(dropped["ts"], None)]  # its own op lost its kernel, and only it
+    run = dpprof.load_run(import_traces([path], tmp_path / "reports").id, tmp_path / "reports")
+    phases = run.phases.merge(run.steps[["step", "start_ms", "duration_ms"]], on="step", suffixes=("", "_step"))
+    assert (phases["start_ms"] >= phases["start_ms_step"] - 1e-6).all()
+    assert (phases["start_ms"] + phases["duration_ms"] <= phases["start_ms_step"] + phases["duration_ms_step"] + 1e-6).all()

@@ -203,7 +203,7 @@ def plain_traces(tmp_path_factory):
 def _same(one: Collected, parts: Collected) -> None:
     """Every field of two Collected of one file equal: lists, typed arrays and the interned tables alike."""
     for name in ("events", "steps", "forwards", "dpprof_ranges", "optimizer", "data", "collectives", "c10d",
-                 "fsdp_ranges", "comm_kernels", "first_us", "last_us", "gpu_labels", "left_out", "left_out_first",
+                 "fsdp_ranges", "comm_kernels", "comm_launches", "first_us", "last_us", "gpu_labels", "left_out", "left_out_first",
                  "notes", "meta", "memory_cumulative"):
         assert getattr(one, name) == getattr(parts, name), name
     assert (one.backward.starts, one.backward.ends) == (parts.backward.starts, parts.backward.ends)

@@ -9,6 +9,7 @@ follow the rules written there, said in ``Collected.notes``.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from array import array
@@ -115,8 +116,11 @@ class Collected:
     collectives: list[Collective] = field(default_factory=list)
     c10d: list[Range] = field(default_factory=list)  # c10d::<collective> ops, the launches of the collectives
     fsdp_ranges: int = 0  # FSDP's ranges seen (FSDP::*, FullyShardedDataParallel.*): the job shards with FSDP
-    # (gpu, start, end, bytes, what: collective_name of its "Collective name" arg or its kernel's name)
-    comm_kernels: list[tuple[int, float, float, int | None, str]] = field(default_factory=list)
+    # (gpu, start, end, bytes, what: collective_name of its "Collective name" arg or its kernel's name, External id:
+    # the CPU op that launched it, a record_param_comms inside its collective op, or None)
+    comm_kernels: list[tuple[int, float, float, int | None, str, int | None]] = field(default_factory=list)
+    # a record_param_comms op's External id -> its start and end (the collective's op runs inside it, or it inside that)
+    comm_launches: dict[int, tuple[float, float]] = field(default_factory=dict)
     gpu: dict[tuple[int, str], _Intervals] = field(default_factory=dict)  # (gpu, kind) -> intervals
     memory: dict[int, tuple[array, array, array]] = field(default_factory=dict)  # gpu -> ts, allocated, reserved
     memory_cumulative: set[int] = field(default_factory=set)  # GPUs whose allocated bytes are summed from Bytes
@@ -188,6 +192,7 @@ class Args(msgspec.Struct, gc=False):
     bytes: Any = msgspec.field(default=None, name="Bytes")
     labels: Any = None
     collective_name: Any = msgspec.field(default=None, name="Collective name")
+    external_id: Any = msgspec.field(default=None, name="External id")
 
 
 NO_ARGS = Args()
@@ -321,6 +326,10 @@ def collect_part(trace: TraceFile) -> Collected:
                         continue
                     if cat in op_cats:
                         on_op(ts, dur if isinstance(dur, number) else None, event.tid, name, event.args)
+                        if name == "record_param_comms":  # where a collective's kernel was launched (_pair_collectives)
+                            ext = args_of(event).external_id
+                            if type(ext) is int:
+                                out.comm_launches[ext] = (float(ts), float(end))
                     elif cat == "python_function":
                         on_python(ts, dur if isinstance(dur, number) else 0, event.tid, name, event.args)
                     kind = kinds.get(name, ())
@@ -378,8 +387,9 @@ def collect_part(trace: TraceFile) -> Collected:
                     gpu[key].add(ts, end)
                     if kind == "communication":
                         what = args.collective_name if isinstance(args.collective_name, str) else name
+                        ext = args.external_id
                         out.comm_kernels.append((index, float(ts), float(end), _message_bytes(args),
-                                                 collective_name(what)))
+                                                 collective_name(what), ext if type(ext) is int else None))
                 elif cat in launch_cats:
                     ts = event.ts
                     if isinstance(ts, number) and 0 <= ts <= top:
@@ -460,6 +470,7 @@ def merge_parts(parts: list[Collected]) -> Collected | None:
         out.c10d += p.c10d
         out.fsdp_ranges += p.fsdp_ranges
         out.comm_kernels += p.comm_kernels
+        out.comm_launches.update(p.comm_launches)
         for key, spans in p.gpu.items():
             mine = out.gpu.setdefault(key, _Intervals())
             mine.starts += spans.starts
@@ -609,17 +620,50 @@ def _summed(before: float, nbytes: float) -> float:
 
 
 def _pair_collectives(out: Collected) -> None:
-    """Give each collective op the next communication kernel launched after it, in order (NCCL runs one
-    kernel per collective on its own stream); the kernel's message size wins where the op has none."""
-    kernels = out.comm_kernels
-    k = 0
-    for op in out.collectives:
-        while k < len(kernels) and kernels[k][1] < op.start_us:
-            k += 1
-        if k >= len(kernels):
-            break
-        _, start, end, nbytes, _ = kernels[k]
+    """Give each collective op its communication kernel; the kernel's message size wins where the op has none.
+
+    A kernel whose External id names a record_param_comms op (the op that launched it) goes to the collective op that
+    runs inside it (nccl:all_reduce, as torch records them) or that it runs inside; the others, in order, each to the next op launched before it (NCCL runs one kernel per
+    collective on its own stream). Paired by launch, a kernel the profiler dropped costs its own op only: in order
+    alone, every later op would take its neighbour's kernel."""
+    kernels, ops = out.comm_kernels, out.collectives  # both sorted by start
+    used = [False] * len(kernels)
+    paired = [False] * len(ops)
+
+    def pair(i: int, k: int) -> None:
+        _, start, end, nbytes, _, _ = kernels[k]
+        op = ops[i]
         op.kernel_start_us, op.kernel_end_us = start, end
         if op.bytes is None:
             op.bytes = nbytes
+        paired[i] = used[k] = True
+
+    launches = out.comm_launches
+    if launches:
+        starts = [op.start_us for op in ops]
+        for k, kernel in enumerate(kernels):
+            span = launches.get(kernel[5]) if kernel[5] is not None else None
+            if span is None:
+                continue
+            lo, hi = span
+            i = bisect.bisect_left(starts, lo)  # the first op begun inside it
+            while i < len(ops) and starts[i] <= hi and paired[i]:
+                i += 1
+            if i < len(ops) and starts[i] <= hi:
+                pair(i, k)
+                continue
+            i = bisect.bisect_right(starts, lo) - 1  # else the latest op begun before it that holds it
+            while i >= 0 and (ops[i].end_us < lo or paired[i]):
+                i -= 1
+            if i >= 0:
+                pair(i, k)
+    k = 0
+    for i, op in enumerate(ops):
+        if paired[i]:
+            continue
+        while k < len(kernels) and (used[k] or kernels[k][1] < op.start_us):
+            k += 1
+        if k >= len(kernels):
+            break
+        pair(i, k)
         k += 1

@@ -197,8 +197,9 @@ def _host_phases(c: Collected, windows: list[tuple[int, float, float]], label: s
         if b0 is not None and b1 is not None:
             colls = _in(c.collectives, b0, hi)
             if colls:
-                last_launch = max(x.start_us for x in colls)
-                done = max((x.kernel_end_us or x.end_us) for x in colls)
+                last_launch = min(hi, max(x.start_us for x in colls))
+                # the last collective's end, in the step: a kernel that runs on past it waits in the next step
+                done = max(last_launch, min(hi, max((x.kernel_end_us or x.end_us) for x in colls)))
                 phase("backward", b0, max(b1, done))
                 phase("backward_compute", b0, last_launch)
                 phase("comm_wait", last_launch, done)
@@ -383,7 +384,7 @@ def _comms(c: Collected, windows: list[tuple[int, float, float]], label: str, la
         op_starts = [o.start_us for o in ops]
         op_names = [collective_name(o.op or o.name) for o in ops]
         op_bytes = {o.kernel_start_us: o.bytes for o in ops if o.kernel_start_us is not None}
-        for gpu, start, end, nbytes, what in c.comm_kernels:
+        for gpu, start, end, nbytes, what, _ in c.comm_kernels:
             if what in ("send/recv", "collective"):
                 i = bisect.bisect_right(op_starts, start) - 1
                 while i >= 0 and what == "send/recv" and op_names[i] not in _P2P:
