@@ -374,6 +374,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
         return EXIT_OK
     stats = queries.run_stats(run)
     ranks = f" on each of {run.ranks} ranks" if run.ranks > 1 else ""
+    if run.ranks > 1 and stats["steps_fewest"] != stats["steps"]:
+        fewest = stats["ranks_fewest"]
+        ranks = (f" on the most of {run.ranks} ranks, {stats['steps_fewest']:,} on rank"
+                 f"{'s' if len(fewest) > 1 else ''} {', '.join(str(r) for r in fewest)}")
     print(f"  {plural(stats['steps'], 'step')}{ranks}, median {stats['median_step_ms']:.2f} ms, "
           f"batch {stats['batch_size'] if stats['batch_size'] else '-'}")
     if model.detail_text():

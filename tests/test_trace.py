@@ -534,3 +534,30 @@ def test_a_collective_kernel_the_profiler_dropped_costs_its_own_op_only(tmp_path
     phases = run.phases.merge(run.steps[["step", "start_ms", "duration_ms"]], on="step", suffixes=("", "_step"))
     assert (phases["start_ms"] >= phases["start_ms_step"] - 1e-6).all()
     assert (phases["start_ms"] + phases["duration_ms"] <= phases["start_ms_step"] + phases["duration_ms_step"] + 1e-6).all()
+
+
+def test_ranks_that_hold_different_step_counts_are_said_so_and_each_gpu_reads_its_own(tmp_path, capsys):
+    """A job whose rank 1 profiler stopped a step early: `show` says how many each holds, and each GPU's figures are
+    spread over its own rank's steps."""
+    from dpprof.cli import main
+    from dpprof.findings.detail import operator_data
+
+    paths = []
+    for rank in (0, 1):
+        doc = json.loads(gzip.decompress((TRACES / f"ddp-128ranks-rank{rank}-sampled.json.gz").read_bytes()))
+        if rank == 1:
+            steps = [e for e in doc["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")]
+            last = max(steps, key=lambda e: e["ts"])
+            doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("ts", 0) < last["ts"] or e.get("ph") == "M"]
+        paths.append(tmp_path / f"job-rank{rank}.pt.trace.json")
+        paths[-1].write_text(json.dumps(doc))
+    reports = tmp_path / "reports"
+    run = dpprof.load_run(import_traces(paths, reports).id, reports)
+    held = run.steps.groupby("rank")["step"].nunique().to_dict()
+    assert held[0] == held[1] + 1
+    assert main(["--reports-dir", str(reports), "show", run.id]) == 0
+    assert f"{held[0]} steps on the most of 2 ranks, {held[1]} on rank 1" in capsys.readouterr().out
+    d = operator_data(run)
+    assert d is not None and {rank for rank, _ in d.gpu_steps_of} == {0, 1}
+    for (rank, _), n in d.gpu_steps_of.items():
+        assert n == held[rank]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import pandas as pd
 
@@ -22,6 +23,7 @@ class OperatorData:
     kernel_ops: pd.DataFrame  # detail_rows.kernels(by="operator")
     gpu: pd.DataFrame  # detail_rows.gpu_summary: each GPU over all steps
     gpu_steps: int  # how many steps the GPU figures span
+    gpu_steps_of: dict[tuple[Any, str], int]  # (rank, device) -> the steps its GPU figures span (ranks may differ)
     peaks: pd.DataFrame  # detail_rows.memory_peaks
     operator_memory: pd.DataFrame  # detail_rows.operator_memory
     devices: pd.DataFrame  # the run's device inventory (total_memory_bytes: deviceProperties' totalGlobalMem)

@@ -46,8 +46,11 @@ def operator_data(run: StoredRun) -> OperatorData | None:
     if detail_rows.detail_missing(run) is not None:
         return None
     gpu_steps = detail_rows.gpu_metrics(run)
+    steps_of = {(rank, device): int(n) for (rank, device), n in
+                gpu_steps.groupby(["rank", "device"], dropna=False)["step"].nunique().items()}
     return OperatorData(operators=detail_rows.operators(run), kernel_ops=detail_rows.kernels(run, by="operator"),
                         gpu=detail_rows.gpu_summary(run), gpu_steps=int(gpu_steps["step"].nunique()),
+                        gpu_steps_of=steps_of,
                         peaks=detail_rows.memory_peaks(run), operator_memory=detail_rows.operator_memory(run),
                         devices=run.table("devices"))
 
@@ -130,7 +133,7 @@ def gpu_utilization(t: Tables) -> list[dict]:
     out = []
     for row in d.gpu.dropna(subset=["utilization_pct"]).itertuples(index=False):
         util = float(row.utilization_pct)
-        steps = max(d.gpu_steps, 1)
+        steps = max(d.gpu_steps_of.get((row.rank, row.device), d.gpu_steps), 1)  # this GPU's own steps
         idle_ms, step_ms = (row.window_ms - row.busy_ms) / steps, row.window_ms / steps
         if util >= GPU_UTIL_LOW_PCT or not worth_time(idle_ms, step_ms):
             continue

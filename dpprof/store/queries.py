@@ -85,6 +85,12 @@ def run_stats(run: StoredRun) -> dict[str, Any]:
                    "total_ms": "mean", "batch_size": "sum" if len(per) > 1 else "max", "devices_used": "sum"})
     stats = {k: (None if pd.isna(v) else v.item() if hasattr(v, "item") else v) for k, v in row.items()}
     stats["steps"] = int(stats["steps"] or 0)
+    # a distributed run whose ranks hold different step counts (an imported job a rank's profiler cut short): the
+    # fewest, and the ranks that hold them
+    fewest = int(per["steps"].min() or 0) if len(per) else 0
+    stats["steps_fewest"] = fewest
+    stats["ranks_fewest"] = sorted(int(r) for r in per.loc[per["steps"] == fewest, "rank"]) if "rank" in per and \
+        len(per) > 1 else []
     stats["batch_size"] = int(stats["batch_size"]) if stats["batch_size"] else None
     stats["devices_used"] = int(stats["devices_used"]) if stats["devices_used"] else None
     stats["median_step_ms"] = median_step_ms(run) if stats["steps"] else None
