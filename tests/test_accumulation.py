@@ -26,7 +26,7 @@ EPOCHS, STEPS, ACCUM, EVAL = 2, 3, 3, 2  # the script's defaults
 MICRO_BATCH, EVAL_BATCH = 8, 12
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 JOBS = {"ddp": {"WRAP": "ddp", "OUTPUT": "dataclass"}, "fsdp2": {"WRAP": "fsdp2", "IMPORT": "composable"},
-        "fsdp1": {"WRAP": "fsdp1"}}
+        "fsdp2 bf16": {"WRAP": "fsdp2", "MP": "bf16"}, "fsdp1": {"WRAP": "fsdp1"}}
 # the script's Net: Linear(20, 48), two Linear(48, 48), Linear(48, 5), float32
 WEIGHT_BYTES = 4 * (20 * 48 + 48 + 2 * (48 * 48 + 48) + 48 * 5 + 5)
 
@@ -45,11 +45,11 @@ def jobs(tmp_path_factory):
     base = tmp_path_factory.mktemp("accumulation")
     out = {}
     for name, env in JOBS.items():
-        reports = base / name
+        reports = base / name.replace(" ", "-")
         recorded = _torchrun(["-m", "dpprof", "run", SCRIPT], {**env, "DPPROF_REPORTS": str(reports),
                                                                  "OUT": str(base / f"{name}-recorded.pt")})
         plain = None
-        if name != "fsdp1":
+        if name in ("ddp", "fsdp2"):
             plain = _torchrun([SCRIPT], {**env, "OUT": str(base / f"{name}-plain.pt")})
         [run_id] = dpprof.list_runs(reports)["id"]
         out[name] = {"run": dpprof.load_run(run_id, reports), "reports": reports, "recorded": recorded,
@@ -144,3 +144,14 @@ def test_the_trained_weights_are_the_unprofiled_scripts(jobs, name):
     for key in plain:
         assert torch.equal(recorded[key], plain[key]), key
     assert np.isfinite([float(v.float().sum()) for v in plain.values()]).all()
+
+
+def test_parameters_gathered_in_bfloat16_count_at_its_size(jobs):
+    """Under a MixedPrecisionPolicy FSDP2 gathers parameters in param_dtype: the gathered parameters a rank holds
+    at its peak are half the float32 run's, which gathers the same groups."""
+    def gathered(name):
+        memory = jobs[name]["run"].table("memory")
+        return memory.groupby("device")["gathered_bytes"].max()
+
+    assert (gathered("fsdp2") > 0).all()
+    assert (gathered("fsdp2 bf16") * 2 == gathered("fsdp2")).all()

@@ -226,12 +226,18 @@ def _shard_bytes(module: torch.nn.Module) -> tuple[int, int]:
     return params, sum(b.numel() * b.element_size() for b in module.buffers())
 
 
+def _gathered_itemsize(param: Any) -> int:
+    """Bytes per element of an FSDPParam as it is gathered: its param_dtype under mixed precision, else its own."""
+    dtype = getattr(param, "param_dtype", None) or param.sharded_param.dtype
+    return int(dtype.itemsize)
+
+
 def _group_unsharded_bytes(group: Any) -> int:
-    """The bytes of an FSDP parameter group's parameters unsharded (gathered), unpadded (counted once per group:
-    parameters do not change size)."""
+    """The bytes of an FSDP parameter group's parameters unsharded (gathered), unpadded, in the dtype they are gathered
+    in (a MixedPrecisionPolicy's param_dtype, else their own); counted once per group: they do not change size."""
     found = group.__dict__.get("_dpprof_unsharded_bytes")
     if found is None:
-        found = sum(p._orig_size.numel() * p.sharded_param.element_size() for p in group.fsdp_params)
+        found = sum(p._orig_size.numel() * _gathered_itemsize(p) for p in group.fsdp_params)
         group.__dict__["_dpprof_unsharded_bytes"] = found
     return int(found)
 

@@ -7,7 +7,7 @@ prints one line per optimizer step and per evaluation batch, and saves the train
 
 Environment: WRAP (ddp, fsdp2, fsdp1; default ddp), EPOCHS (2), STEPS (3), ACCUM (3), EVAL (2), OUT,
 OUTPUT (tensor, or dataclass: the model returns its logits in a dataclass), IMPORT (public, or composable: FSDP2's
-fully_shard imported from torch.distributed._composable.fsdp).
+fully_shard imported from torch.distributed._composable.fsdp), MP (bf16: FSDP2 gathers its parameters in bfloat16).
 """
 import contextlib
 import dataclasses
@@ -57,9 +57,14 @@ elif WRAP == "fsdp2":
         from torch.distributed._composable.fsdp import fully_shard
     else:
         from torch.distributed.fsdp import fully_shard
+    policy = {}
+    if os.environ.get("MP") == "bf16":  # parameters gathered in bfloat16
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}
     for layer in net.layers:
-        fully_shard(layer)
-    model = fully_shard(net)
+        fully_shard(layer, **policy)
+    model = fully_shard(net, **policy)
 
     @contextlib.contextmanager
     def sync(wrapped, last):
