@@ -155,3 +155,24 @@ def test_parameters_gathered_in_bfloat16_count_at_its_size(jobs):
 
     assert (gathered("fsdp2") > 0).all()
     assert (gathered("fsdp2 bf16") * 2 == gathered("fsdp2")).all()
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp1"])
+def test_each_micro_batchs_all_gathers_count_in_its_own_forward_or_backward(jobs, name):
+    """A collective is in the forward or backward of its own micro-batch: each micro-batch's backward re-gathers the
+    three layers (their parameters freed after forward); only those gathered after the last forward (FSDP1's full
+    state dict, in the run's last step) are in neither."""
+    from dpprof.views.fsdp import fsdp_collective_table
+
+    run = jobs[name]["run"]
+    table = fsdp_collective_table(run).set_index(["device", "collective"])
+    later = EPOCHS * (STEPS + EVAL) - 1  # the steps after the first, over which the table's means are
+    training = EPOCHS * STEPS - 1
+    for device in ("rank:0", "rank:1"):
+        row = table.loc[(device, "all-gather")]
+        forwards = run.phases[(run.phases["device"] == device) & (run.phases["phase"] == "forward")]
+        comms = run.comms[(run.comms["device"] == device) & (run.comms["collective"] == "all-gather")]
+        after = int((comms["launch_ms"] > (forwards["start_ms"] + forwards["duration_ms"]).max()).sum())
+        unplaced = row["per_step"] - row["in_forward_per_step"] - row["in_backward_per_step"]
+        assert unplaced * later == pytest.approx(after, abs=1e-9)
+        assert row["in_backward_per_step"] * later == pytest.approx(3 * ACCUM * training)

@@ -45,20 +45,21 @@ def fsdp_collectives(t: Tables) -> pd.DataFrame:
         return pd.DataFrame(columns=cols)
     comms = comms[comms["collective"].isin(list(_WAIT)) & (comms["step"] != t.first_step)]
     steps = t.steps[t.steps["step"] != t.first_step].groupby("rank")["step"].nunique()
-    spans = {}  # phase -> (start, end) per step and device: its first start, its last end
-    for phase in ("forward", "backward"):
-        p = t.phases[t.phases["phase"] == phase]
-        spans[phase] = p.assign(end=p["start_ms"] + p["duration_ms"]).groupby(["step", "device"]).agg(
-            start=("start_ms", "min"), end=("end", "max"))
+    # each collective belongs to the first forward or backward of its step (and device) not ended when it was launched
+    # (a micro-batch's own: gradient accumulation runs several of each a step); in that backward only if launched
+    # after it began, in that forward even just before it (the root's pre-forward all-gather)
+    passes = t.phases[t.phases["phase"].isin(["forward", "backward"])]
+    passes = passes.assign(end_ms=passes["start_ms"] + passes["duration_ms"]).sort_values("end_ms")[
+        ["step", "device", "phase", "start_ms", "end_ms"]]
+    comms = pd.merge_asof(comms.reset_index(drop=True).assign(_row=lambda d: range(len(d))).sort_values("launch_ms"),
+                          passes, left_on="launch_ms", right_on="end_ms", by=["step", "device"],
+                          direction="forward").sort_values("_row")
+    comms["in_forward"] = comms["phase"].eq("forward")
+    comms["in_backward"] = comms["phase"].eq("backward") & (comms["launch_ms"] >= comms["start_ms"])
     rows = []
     for (device, what), c in comms.groupby(["device", "collective"]):
         n = int(steps.get(int(c["rank"].iloc[0]), c["step"].nunique())) or 1
-        at = pd.MultiIndex.from_frame(c[["step", "device"]])
-        launch = c["launch_ms"].to_numpy()
-        fwd, bwd = spans["forward"].reindex(at), spans["backward"].reindex(at)
-        in_forward = int((launch < fwd["end"].to_numpy()).sum())
-        in_backward = int(((launch >= bwd["start"].to_numpy()) & (launch <= bwd["end"].to_numpy())
-                           & ~(launch < fwd["end"].to_numpy())).sum())
+        in_forward, in_backward = int(c["in_forward"].sum()), int(c["in_backward"].sum())
         waits = per_step(t, [_WAIT[what]])
         exposed = float(waits[device].sum()) / n if device in waits else 0.0
         issued = float(c["duration_ms"].sum()) / n
