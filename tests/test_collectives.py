@@ -117,6 +117,7 @@ def test_imported_fsdp_traces_name_each_collective_and_find_the_late_rank(tmp_pa
     reports = tmp_path / "reports"
     run = dpprof.load_run(import_traces(sorted(tmp_path.glob("fsdp2-rank*.json")), reports).id, reports)
     assert run.meta["workload_args"]["fsdp"] is True
+    assert run.model.title.startswith("imported torch.profiler trace of FSDP (gloo), ")  # not "of DDP"
     # gloo runs FSDP's reduce-scatter as gloo:all_reduce: named from the c10d op that launched it
     per_step = run.comms.groupby(["rank", "step", "collective"]).size().unstack("collective")
     assert set(per_step.columns) == {"all-gather", "reduce-scatter"}

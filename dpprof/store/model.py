@@ -110,6 +110,7 @@ class RunModel:
     world_size: int | None = None  # ranks in the torch.distributed job (None: not distributed, or not said)
     ranks: tuple[int, ...] = ()  # the job's ranks this run holds (a file each); () for one process
     dist_backend: str | None = None  # "gloo", "nccl" (distributed_backend); None where not distributed or not said
+    sharded: bool = False  # an imported trace of a job sharded with FSDP (its FSDP ranges are in the trace)
 
     @property
     def thinned(self) -> bool:
@@ -181,7 +182,7 @@ class RunModel:
             return f"{KIND_TITLES[self.kind]}{dist}, {n} rank{'s' if n != 1 else ''}"
         if self.imported:
             what = ("DataParallel" if self.dataparallel else
-                    f"DDP{dist}, {self.scope}" if self.ranks else
+                    f"{'FSDP' if self.sharded else 'DDP'}{dist}, {self.scope}" if self.ranks else
                     f"one process on {n} GPU{'s' if n != 1 else ''}" if self.kind == "trace_gpu" else
                     "one CPU process")
             return f"imported torch.profiler trace of {what}" + (", CPU only" if self.kind == "trace_cpu" and self.ranks
@@ -390,4 +391,5 @@ def describe(run: StoredRun) -> RunModel:
                         run.read == "aggregates" or (retention.bounded and detail_from > 0) or steps > ROWS_READ_STEPS),
                     world_size=int(run.meta["world_size"]) if run.meta.get("world_size") else None,
                     ranks=tuple(sorted(int(r) for r in run.meta.get("ranks") or [] if r is not None)),
-                    dist_backend=distributed_backend(run.meta))
+                    dist_backend=distributed_backend(run.meta),
+                    sharded=bool((run.meta.get("workload_args") or {}).get("fsdp")))
