@@ -98,7 +98,7 @@ def _distributed_identity(name: str | None, run_id: str | None = None
 
 class _Step:
     __slots__ = ("index", "start_ns", "explicit", "calls", "batch_size", "devices_used", "last_end_ns", "grad",
-                 "passes", "weighed")
+                 "passes", "weighed", "closed")
 
     def __init__(self, index: int, start_ns: int, explicit: bool) -> None:
         self.index = index
@@ -107,6 +107,7 @@ class _Step:
         self.grad = True  # an implicit step under a step rule: whether its first forward ran with grad enabled
         self.passes = 0  # backward passes ended in the step (several: gradient accumulation)
         self.weighed: tuple[int, ...] | None = None  # the modules whose weights the step's memory counts (ids)
+        self.closed = False  # its step record is made: what a stale probe does after it belongs to no step
         self.calls = 0
         self.batch_size: int | None = None
         self.devices_used = 0
@@ -312,6 +313,7 @@ class Run:
         return step
 
     def _close_step(self, step: _Step, end_ns: int) -> None:
+        step.closed = True
         if self._pending:  # CUDA timings only: a CPU step has none
             self.resolve_pending(block=False)
         # a row (dpprof.records.Row): STEP_ROW, then StepRecord's step, start_ms, duration_ms, batch_size, devices_used,

@@ -176,3 +176,18 @@ def test_each_micro_batchs_all_gathers_count_in_its_own_forward_or_backward(jobs
         unplaced = row["per_step"] - row["in_forward_per_step"] - row["in_backward_per_step"]
         assert unplaced * later == pytest.approx(after, abs=1e-9)
         assert row["in_backward_per_step"] * later == pytest.approx(3 * ACCUM * training)
+
+
+def test_a_rank_that_joins_early_records_its_own_steps_and_no_shadow_all_reduce(tmp_path):
+    """DDP under Join: the rank out of inputs shadows the others' all-reduces after its last step; those belong to no
+    step of its own (they were filed in its last step, after it ended)."""
+    reports = tmp_path / "reports"
+    _torchrun(["-m", "dpprof", "run", SCRIPT.parent / "train_join.py"], {"DPPROF_REPORTS": str(reports)})
+    [run_id] = dpprof.list_runs(reports)["id"]
+    run = dpprof.load_run(run_id, reports)
+    assert run.steps.groupby("rank").size().to_dict() == {0: 9, 1: 6}
+    windows = run.steps.set_index(["rank", "step"])
+    ends = (windows["start_ms"] + windows["duration_ms"]).rename("step_end_ms")
+    comms = run.comms.join(ends, on=["rank", "step"])
+    assert len(comms) and comms["step_end_ms"].notna().all()
+    assert (comms["launch_ms"] <= comms["step_end_ms"]).all()

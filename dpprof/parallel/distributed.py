@@ -163,8 +163,8 @@ def _timed_hook(owner: DistributedDataParallel, inner: Callable[[Any, Any], Any]
 
     def dpprof_comm_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         probe: _RankProbe | None = owner.__dict__["_dpprof_probe"]
-        if probe is None:
-            return inner(state, bucket)
+        if probe is None or probe.step.closed:  # not recording; or a step ended (Join's shadow all-reduces of a
+            return inner(state, bucket)  # rank out of inputs, after its last step): no step's
         launch = time.perf_counter_ns()
         probe.launched(launch)
         index, nbytes = bucket.index(), bucket.buffer().numel() * bucket.buffer().element_size()
