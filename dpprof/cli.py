@@ -570,6 +570,11 @@ def _detail_run(args: argparse.Namespace) -> object:
     if why is not None:
         print(f"dpprof: run {run.id}: {why}", file=sys.stderr)
         return None
+    held = run.model.ranks
+    if args.rank is not None and held and args.rank not in held:  # an empty table would read as "nothing ran"
+        print(f"dpprof: run {run.id} has no rank {args.rank}: it holds rank{'s' if len(held) > 1 else ''} "
+              f"{', '.join(str(r) for r in held)}", file=sys.stderr)
+        return None
     run.capture = args.capture
     try:
         listed, chosen = captures(run), chosen_capture(run)

@@ -561,3 +561,23 @@ def test_ranks_that_hold_different_step_counts_are_said_so_and_each_gpu_reads_it
     assert d is not None and {rank for rank, _ in d.gpu_steps_of} == {0, 1}
     for (rank, _), n in d.gpu_steps_of.items():
         assert n == held[rank]
+
+
+def test_ranks_named_by_their_files_alone_are_not_taken_for_the_whole_job(tmp_path):
+    """Without distributedInfo, files named job-rank2 and job-rank10 are two ranks of a job of unknown size (not "a
+    2-rank job"); files of ranks 0 to n-1 are taken for the job."""
+    def named(ranks):
+        paths = []
+        for i, rank in enumerate(ranks):
+            doc = json.loads(gzip.decompress(DDP128[i].read_bytes()))
+            doc.pop("distributedInfo", None)
+            paths.append(tmp_path / f"{'-'.join(map(str, ranks))}" / f"job-rank{rank}.pt.trace.json")
+            paths[-1].parent.mkdir(exist_ok=True)
+            paths[-1].write_text(json.dumps(doc))
+        run = import_traces(paths, tmp_path / "reports")
+        return dpprof.load_run(run.id, tmp_path / "reports")
+
+    apart = named([2, 10])
+    assert apart.meta["world_size"] is None and apart.model.scope == "ranks 2 and 10"
+    whole = named([0, 1])
+    assert whole.meta["world_size"] == 2 and whole.model.scope == "2 ranks"

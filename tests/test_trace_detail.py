@@ -544,6 +544,10 @@ def test_commands_print_json_in_the_issues_shapes(imported, capsys):
     assert set(devices[0]) == {"rank", "device", "peak_allocated_bytes", "peak_reserved_bytes", "peak_step"}
     assert main(["ops", str(run.path), "--by", "shape", "--device", "rank:0", "--top", "5"]) == 0
     assert "input_shapes" in capsys.readouterr().out
+    for command in ("ops", "kernels", "memory"):  # a rank the run does not hold: said, not an empty table
+        assert main([command, str(run.path), "--rank", "5"]) == 1
+        said = capsys.readouterr()
+        assert said.out == "" and f"has no rank 5: it holds ranks {', '.join(map(str, run.model.ranks))}" in said.err
 
 
 def test_export_writes_the_detail_csvs(imported, tmp_path):

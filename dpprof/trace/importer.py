@@ -293,7 +293,9 @@ def _write(staging: Path, run_id: str, name: str, files: list[Collected], ranks:
     workload = job_name([f.name for f in files])
     world = None
     if distributed:
-        world = files[0].world_size or len(files)
+        # without distributedInfo, the files given are the job only where their ranks are 0 to n-1: files named
+        # job-rank2 and job-rank10 are two ranks of a job of unknown size, not a 2-rank job
+        world = files[0].world_size or (len(files) if sorted(r or 0 for r in ranks) == list(range(len(files))) else None)
     # torch's DataParallel.forward driving GPUs ("torch"), or dpprof's ranges ("exact")
     dataparallel = next((c.dataparallel for c in converted if c.dataparallel), None)
     fsdp = any(c.fsdp for c in converted)  # a job sharded with FSDP: its ranges are in the trace
