@@ -295,12 +295,15 @@ BAD = {
         {"name": "ParseHTML", "cat": "devtools.timeline", "ph": "X", "ts": 1, "dur": 5, "pid": 1, "tid": 1}],
         "metadata": {"source": "DevTools"}})),
     "empty.json": lambda p: p.write_text(json.dumps({"schemaVersion": 1, "traceEvents": []})),
+    "metadata-only.json": lambda p: p.write_text(json.dumps({"schemaVersion": 1, "traceEvents": [
+        {"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "python"}},
+        {"name": "ProfilerStep#0", "cat": "user_annotation", "ph": "i", "ts": 5, "pid": 1, "tid": 1, "s": "t"}]})),
 }
 
 
 @pytest.mark.parametrize("name, expected", [
     ("not-json.json", "not JSON"), ("truncated.json.gz", "truncated"), ("chrome.json", "another tool"),
-    ("empty.json", "no events"),
+    ("empty.json", "no events"), ("metadata-only.json", "no CPU ranges to make steps of (no operator or range"),
 ])
 def test_bad_input_is_one_line_naming_the_file_exit_1_and_nothing_written(name, expected, tmp_path, reports):
     path = tmp_path / name

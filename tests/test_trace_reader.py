@@ -4,6 +4,7 @@ file is broken."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import msgspec
@@ -121,3 +122,23 @@ def test_a_reader_left_early_stops_its_reading_thread(tmp_path):
     assert threading.active_count() == before + 1
     batches.close()
     assert threading.active_count() == before
+
+
+def test_a_file_that_is_no_trace_says_what_it_is_and_a_byte_order_mark_is_read_past(tmp_path):
+    import gzip
+
+    whole = tmp_path / "whole.json"
+    _write(whole, CASES["plain"](), "compact", True)
+    text = whole.read_bytes()
+    cases = {"scalar.json": (b"42", "a JSON number, not a torch.profiler trace"),
+             "string.json": (b'"trace"', "a JSON string, not a torch.profiler trace"),
+             "gzip.json": (gzip.compress(text), "gzip data in a file whose name does not end in .gz (name it .json.gz)"),
+             "plain.json.gz": (text, "not gzip data, though its name ends in .gz (name it .json)"),
+             "object.json": (b'{"traceEvents": {"0": {}}}', "traceEvents is a JSON object, not an array of events")}
+    for name, (data, said) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(TraceError, match=f"^{re.escape(name)}: {re.escape(said)}"):
+            list(TraceFile(tmp_path / name).batches())
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + text)  # written by an editor that marks UTF-8
+    assert sum(len(b) for b in TraceFile(tmp_path / "bom.json").batches()) == \
+        sum(len(b) for b in TraceFile(whole).batches())

@@ -214,6 +214,25 @@ class _Chunks:
         self._thread.join()
 
 
+def _json_kind(head: bytes) -> str | None:
+    """What a JSON value beginning with the bytes ``head`` is ("a JSON number"), None where they begin none."""
+    for literal in (b"true", b"false", b"null"):
+        if head.startswith(literal):
+            return f"a JSON {literal.decode()}"
+    kinds = {b'"': "a JSON string", b"{": "a JSON object", b"[": "a JSON array"}
+    first = head[:1]
+    return kinds.get(first) or ("a JSON number" if first and first in b"-0123456789" else None)
+
+
+def _not_an_object(head: bytes) -> str:
+    """Why a file beginning with the bytes ``head`` is no torch.profiler trace (a JSON object)."""
+    if head[:1] == b"\x1f":
+        return "gzip data in a file whose name does not end in .gz (name it .json.gz)"
+    what = _json_kind(head)
+    return f"{what}, not a torch.profiler trace (a JSON object)" if what else "not JSON (a torch.profiler trace is " \
+        "a JSON object)"
+
+
 class _Buffer:
     """The unread part of the file's bytes, with a cursor."""
 
@@ -312,9 +331,13 @@ class TraceFile:
             raise self._error(f"cannot read: {err.strerror or err}") from None
         try:
             yield from self._walk(_Buffer(chunks), decode, from_dict)
+        except gzip.BadGzipFile as err:  # an OSError: before that branch
+            if str(err).startswith("Not a gzipped file"):
+                raise self._error("not gzip data, though its name ends in .gz (name it .json)") from None
+            raise self._error(f"truncated or corrupt gzip ({err})") from None
         except OSError as err:
             raise self._error(f"cannot read: {err.strerror or err}") from None
-        except (EOFError, zlib.error, gzip.BadGzipFile) as err:
+        except (EOFError, zlib.error) as err:
             raise self._error(f"truncated or corrupt gzip ({err})") from None
         except UnicodeDecodeError:
             raise self._error("not JSON (not UTF-8 text)") from None
@@ -345,10 +368,13 @@ class TraceFile:
             yield from self._fields(text, decode, from_dict)
             return
         first = text.peek()
+        if first == b"\xef" and text.buf[text.pos:text.pos + 3] == b"\xef\xbb\xbf":  # a UTF-8 byte order mark
+            text.pos += 3
+            first = text.peek()
         if first == b"[":
             raise self._error("a JSON array of events (a Chrome trace from another tool), not a torch.profiler trace")
         if first != b"{":
-            raise self._error("empty file" if first == b"" else "not JSON (a torch.profiler trace is a JSON object)")
+            raise self._error("empty file" if first == b"" else _not_an_object(text.buf[text.pos:text.pos + 8]))
         text.pos += 1
         yield from self._fields(text, decode, from_dict)
 
@@ -371,6 +397,9 @@ class TraceFile:
                 yield from self._events(text, decode, from_dict)
                 if self.span is not None and not self.span.last:  # the part ends inside traceEvents
                     return
+            elif key == "traceEvents" and text.peek() not in (b"n", b""):  # an object, a number: not the events' array
+                raise self._error(f"traceEvents is {_json_kind(text.buf[text.pos:text.pos + 8]) or 'not JSON'}, not an "
+                                  "array of events")
             else:
                 self.meta[key] = text.value()
 

@@ -255,7 +255,9 @@ def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | 
     converted: list[Converted] = [convert(f, first_us + (_base_ns(first) - _base_ns(f)) / 1e3, r if distributed else None)
                                   for f, r in zip(files, ranks)]
     if not any(any(isinstance(x, StepRecord) for x in c.records) for c in converted):
-        raise TraceError(f"{files[0].name}: no CPU ranges to make steps of (a trace with GPU activity only)")
+        gpu_only = any(f.gpu for f in files)
+        raise TraceError(f"{files[0].name}: no CPU ranges to make steps of ("
+                         + ("a trace with GPU activity only)" if gpu_only else "no operator or range with a time)"))
     run_id = new_run_id()
     # the run files whole or none (dpprof.store.publish: built in a staging directory, published once whole; a kill
     # leaves the directory for the next command to finish or remove); the reports directory, if this made it, goes
