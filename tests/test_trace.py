@@ -584,3 +584,16 @@ def test_ranks_named_by_their_files_alone_are_not_taken_for_the_whole_job(tmp_pa
     assert apart.meta["world_size"] is None and apart.model.scope == "ranks 2 and 10"
     whole = named([0, 1])
     assert whole.meta["world_size"] == 2 and whole.model.scope == "2 ranks"
+
+
+def test_profiling_cycles_of_one_process_are_refused_as_ranks_with_what_they_are(tmp_path, reports):
+    """tensorboard_trace_handler writes one file per cycle of a schedule with repeat, named <worker>.<time>: two of one
+    process are no ranks of a job."""
+    from cpu_traces import single_process_trace
+
+    for stamp in ("1764230400000", "1764230405000"):
+        single_process_trace(tmp_path / "tb", stem=f"host_4242.{stamp}")
+    with pytest.raises(TraceError, match=r"host_4242\.1764230400000\.pt\.trace\.json, host_4242\.1764230405000\.pt\."
+                                         r"trace\.json: 2 profiling cycles of one process \(host_4242, "):
+        import_traces([tmp_path / "tb"], reports)
+    assert not reports.exists() or not any(reports.iterdir())

@@ -139,6 +139,16 @@ def _check_one_job(files: list[Collected]) -> None:
     """Files given together must be ranks of one job: same world size and backend, overlapping in time."""
     if len(files) < 2:
         return
+    cycles: dict[tuple[str, Any], list[str]] = {}  # tensorboard_trace_handler's <host>_<pid>, and rank -> its files
+    for f in files:
+        handled = _HANDLER_NAME.match(f.name)
+        if handled is not None:
+            cycles.setdefault((handled.group(1), f.rank), []).append(f.name)
+    for (worker, _), names in cycles.items():
+        if len(names) > 1:
+            raise TraceError(f"{', '.join(sorted(names))}: {len(names)} profiling cycles of one process ({worker}, "
+                             "tensorboard_trace_handler's files of a schedule with repeat): not ranks of a job; "
+                             "import each file on its own")
     first = files[0]
     info0 = first.meta.get("distributedInfo") or {}  # an object, checked by collect (dpprof.trace.numbers)
     for f in files[1:]:
@@ -162,6 +172,8 @@ def _check_one_job(files: list[Collected]) -> None:
 _TRACE_EXTENSIONS = re.compile(r"(\.pt)?(\.trace)?\.json(\.gz)?$", re.IGNORECASE)
 _RANK_TOKEN = re.compile(r"[-_.]?rank[-_.]?\d+(?=$|[-_.])", re.IGNORECASE)
 _HANDLER_SUFFIX = re.compile(r"_\d+\.\d{10,}$")  # _<pid>.<epoch ms>
+# tensorboard_trace_handler's file: <worker name, by default host_pid>.<epoch ms or ns>.pt.trace.json
+_HANDLER_NAME = re.compile(r"^(.+)\.\d{10,}(\.pt)?\.trace\.json(\.gz)?$")
 LEGACY_WORKLOAD = "torch.profiler trace"  # every imported run's workload before job_name (and a nameless file's)
 
 
