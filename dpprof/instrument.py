@@ -39,8 +39,11 @@ from dpprof.parallel.probe import iter_tensors
 from dpprof.parallel.workers import on_worker_thread
 from dpprof.recording import Run, record
 
-__all__ = ["instrument", "NO_PARALLEL_NOTE"]
+__all__ = ["instrument", "NO_PARALLEL_NOTE", "NO_OPTIMIZER_NOTE"]
 
+NO_OPTIMIZER_NOTE = ("no torch.optim optimizer stepped, so no step ended: the {:,} backward passes were taken for "
+                     "gradient accumulation in few steps. A script that updates its weights by hand has no step "
+                     "boundary dpprof can see: wrap each step in run.step() (dpprof.instrument)")
 NO_PARALLEL_NOTE = ("the script built no DataParallel, DistributedDataParallel or FSDP (nor called data_parallel "
                     "or fully_shard): nothing was recorded")
 
@@ -289,6 +292,7 @@ class _Session:
         self.built_any = False
         self.optimizer_seen = False
         self.backward_seen = False
+        self.backwards = 0  # backward passes through a recorded forward's output
         self.told = False
         self._patched: list[tuple[Any, str, Any]] = []
         self._hook: Any = None
@@ -404,6 +408,8 @@ class _Session:
         """Close the run: finished, unless the script raised (SystemExit 0 is a finish)."""
         if self._recording is None:
             return
+        if self.run is not None and self.backwards > 1 and not self.optimizer_seen:
+            self.run.note("dpprof", NO_OPTIMIZER_NOTE.format(self.backwards), tell=False)
         recording, self._recording = self._recording, None
         if isinstance(exc, SystemExit) and exc.code in (None, 0):
             exc = None
@@ -452,6 +458,7 @@ class _Session:
 
     def _on_backward(self, grad: torch.Tensor) -> None:
         self.backward_seen = True
+        self.backwards += 1
 
     def _joins_open_step(self, step: Any) -> bool:
         """A forward joins the open step when training is under way: a backward since the step's last

@@ -465,3 +465,22 @@ def test_the_scripts_exit_is_the_commands_and_the_runs_status(tmp_path, body, co
     assert run.meta["status"] == status and len(run.steps) == 1
     if code == 130:
         assert capsys.readouterr().err.rstrip().endswith("KeyboardInterrupt")
+
+
+def test_a_script_with_no_optimizer_says_its_steps_could_not_be_told_apart():
+    """Weights updated by hand: no optimizer.step() ends a step, and the run's notes say why it holds so few."""
+    from dpprof.instrument import NO_OPTIMIZER_NOTE
+
+    model = nn.Linear(8, 2)
+    with instrument(store=False, cpu_workers=2) as run:
+        net = nn.DataParallel(model)
+        for _ in range(4):
+            loss = net(torch.randn(10, 8)).pow(2).mean()
+            model.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+    frames = run.frames()
+    assert len(frames["steps"]) == 1 and frames["steps"]["forward_calls"].tolist() == [4]
+    assert NO_OPTIMIZER_NOTE.format(4) in frames["notes"]["message"].tolist()
