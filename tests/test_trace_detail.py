@@ -580,6 +580,9 @@ def test_bad_values_are_left_out_and_counted(cpu_trace, tmp_path):
     # a NaN Total Allocated reads as none (the decoder's rule): that device's curve is the running sum of Bytes
     assert bool(detail.memory_peaks["cumulative"].iloc[0]) and not bool(good.memory_peaks["cumulative"].iloc[0])
     assert detail.memory_events["bytes"].count() < good.memory_events["bytes"].count()
+    imported = import_traces([bad], tmp_path / "reports")  # and the import says it, as it says the events it left out
+    assert any(n.startswith("bad.pt.trace.json: 2 values that cannot be left out") for n in imported.notes), \
+        imported.notes
 
 
 @pytest.mark.parametrize("bad", ["'x'", "1e300 * 1e300", "-1e300 * 1e300", "2.5", "x'00ff'", "NULL", "1e18"])

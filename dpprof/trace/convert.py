@@ -337,9 +337,9 @@ def convert(c: Collected, t0_us: float, rank: int | None) -> Converted:
         out.notes.append("allocated bytes are the running sum of the trace's [memory] events (this format has no "
                          "Total Allocated): what was allocated before the profiler started is not counted, and "
                          "reserved bytes are unknown")
-    elif not c.memory:
-        out.notes.append("no [memory] events (profile_memory=False, or no GPU): allocator memory per device is "
-                         "not in this trace")
+    elif not c.memory and gpus:  # a CPU-only trace: the note below says it; its own [memory] events are the host's
+        out.notes.append("no GPU [memory] events (profile_memory=False): the GPUs' allocator memory is not in this "
+                         "trace")
     if not gpus:
         out.notes.append("no GPU activity in this trace (a CPU-only process): no kernel, idle or overlap times")
     label = process_label(c, rank) if not dp_exact else devices[0]
