@@ -408,7 +408,7 @@ class _Session:
         """Close the run: finished, unless the script raised (SystemExit 0 is a finish)."""
         if self._recording is None:
             return
-        if self.run is not None and self.backwards > 1 and not self.optimizer_seen:
+        if self.run is not None and not self.optimizer_seen and self.run.steps_started < self.backwards:  # none ended
             self.run.note("dpprof", NO_OPTIMIZER_NOTE.format(self.backwards), tell=False)
         recording, self._recording = self._recording, None
         if isinstance(exc, SystemExit) and exc.code in (None, 0):

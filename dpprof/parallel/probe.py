@@ -422,7 +422,7 @@ class ForwardProbe:
         """Close the forward call: count what each replica held and emit each device's memory record.
 
         ``used``: replicas that ran (default: the devices that held something)."""
-        if self.later_pass:  # a later micro-batch: what it holds replaces the first one's, which the step keeps
+        if self.later_pass:  # a later micro-batch: the step's memory is its first pass's, and this call adds none
             used = max(len(self.applied), 1) if used is None else used
             self.step.devices_used = max(self.step.devices_used, used)
             self.applied.clear()
