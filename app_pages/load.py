@@ -46,7 +46,8 @@ def body(row: pd.Series) -> None:
         common.missing(data.missing["memory"])
     else:
         if data.memory_chart:
-            common.chart(charts.memory_per_device(data.memory, data.idle))
+            common.chart(charts.memory_per_device(data.memory, data.idle, unit_word=model.unit, gathered=(
+                "gathered parameters" if model.kind == "fsdp" else "gathered outputs")))
         else:  # one device's allocator peaks: words, not a chart of one marker
             st.markdown(markdown_text(data.memory_text))
         for key in ("allocator", "memory_accounting"):

@@ -34,9 +34,10 @@ if busy:
                             "machine's cores and slow each other down)", key=f"nr_confirm_{max(busy)}")
 if st.button("Start", type="primary", key="nr_start", disabled=not confirmed):
     devices = f"cpu:{workers}" if on == "CPU workers" else "cuda"
-    common.start_run(workload, devices, steps, batch or None, name.strip() or None, balanced=balanced,
-                     capture=capture.strip() or None)
-    st.rerun()  # draw the page again with the run going: a second start now asks first
+    if common.start_run(workload, devices, steps, batch or None, name.strip() or None, balanced=balanced,
+                        capture=capture.strip() or None):
+        st.rerun()  # draw the page again with the run going: a second start now asks first
+    # else the reason stays on the page (a bad capture window, a reports directory that cannot be written)
 common.watch_started_run()
 
 mine = [p for p in st.session_state.get("started", []) if p in common.processes()]

@@ -47,7 +47,7 @@ def side_by_side(row: pd.Series, picks: list[Pick], pick: Pick, capture: int | N
     assert isinstance(a, Pick)
     diff = common.operator_diff(row_a, a, row, pick, capture)
     label_a = a.label() if row_a is row else f"{row_a['name'] or row_a['id']} {a.label()}".strip()
-    steps = int(row["steps"]) if row_a is row and pd.notna(row["steps"]) else None  # one run: the same steps
+    steps = common.capture_steps(row, capture) if row_a is row else None  # one run: the same steps (its capture's)
     st.markdown(markdown_words(opdiff.diff_sentence(diff, label_a, pick.label(), steps=steps)))
     if diff.empty:
         return

@@ -15,7 +15,8 @@ def body(row: pd.Series) -> None:
     common.run_header(row)
     first, last = common.view(timeline.step_bounds, row)
     if first is None:
-        common.missing("No steps recorded yet: the run has not finished its first step.")
+        common.missing("No steps recorded yet: the run has not finished its first step." if row["status"] == "running"
+                       else "The run recorded no steps: nothing to show on a timeline.")
         return
     follow = row["status"] == "running" and st.toggle("Follow the latest steps", value=True, key="tl_follow")
     c1, c2 = st.columns(2)

@@ -274,20 +274,25 @@ def _device_ticks(memory: pd.DataFrame) -> list[str]:
 
 
 @_plain
-def memory_per_device(memory: pd.DataFrame, idle: list[str] | tuple[str, ...] = ()) -> go.Figure:
+def memory_per_device(memory: pd.DataFrame, idle: list[str] | tuple[str, ...] = (), unit_word: str = "device",
+                      gathered: str = "gathered outputs") -> go.Figure:
     """What each device held in its peak step, by kind, stacked; the CUDA allocator's peak allocated
     and reserved bytes as markers where recorded; the output device marked; idle devices at zero.
 
     Args:
         memory: dpprof.store.queries.memory_peaks.
         idle: devices of the run that did no work: drawn at zero, labelled idle.
+        unit_word: what a lane is called ("device", "rank": RunModel.unit).
+        gathered: what gathered_bytes are in the run's kind (an FSDP rank's are its all-gathered parameters).
     """
     ticks = _device_ticks(memory)
     peaks = [memory[c].max() for c in ("peak_held_bytes", "peak_allocated_bytes", "peak_reserved_bytes") if c in memory]
     unit, scale = bytes_unit(float(pd.Series(peaks, dtype=float).max()) if peaks and len(memory) else 0.0)
-    fig = _fig(f"Memory per device ({unit}, in each device's peak step)", yaxis_title=unit, barmode="stack",
+    fig = _fig(f"Memory per {unit_word} ({unit}, in each {unit_word}'s peak step)", yaxis_title=unit, barmode="stack",
                yaxis_tickformat=",.3~f")
     for (col, label), color in zip(_MEMORY_KINDS.items(), _MEMORY_COLORS):
+        if col == "gathered_bytes":
+            label = gathered
         if col in memory and memory[col].fillna(0).any():
             fig.add_trace(go.Bar(x=ticks, y=memory[col] * scale, name=label, marker_color=color))
     for col, label, symbol in (("peak_allocated_bytes", "peak allocated (allocator)", "diamond"),

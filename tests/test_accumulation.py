@@ -191,3 +191,14 @@ def test_a_rank_that_joins_early_records_its_own_steps_and_no_shadow_all_reduce(
     comms = run.comms.join(ends, on=["rank", "step"])
     assert len(comms) and comms["step_end_ms"].notna().all()
     assert (comms["launch_ms"] <= comms["step_end_ms"]).all()
+
+
+def test_ranks_holding_the_same_memory_are_said_so_not_compared_with_themselves(jobs):
+    from dpprof.views.overview import overview
+
+    run = jobs["ddp"]["run"]
+    peaks = run.table("memory").groupby("device").apply(lambda m: (m["param_bytes"] + m["input_bytes"]
+                                                                   + m["output_bytes"] + m["activation_bytes"]).max())
+    assert peaks.nunique() == 1  # both ranks: the same model, the same micro-batch shapes
+    said = " ".join(overview(run).glance.sentences)
+    assert "Memory: " in said and " on each rank" in said and "1.00x" not in said, said

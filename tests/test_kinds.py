@@ -141,7 +141,12 @@ def test_every_run_page_reads_right_for_every_kind(kinds, monkeypatch, name, pag
     assert not at.exception, [e.message for e in at.exception]
     assert at.sidebar.selectbox[0].value == run_id
     assert not _empty_traces(_chart_data(at)), _empty_traces(_chart_data(at))
-    text = _page_text(at)
+    # the charts' words too: their titles, trace names (a legend) and category labels (an axis)
+    words = [str(f.get("layout", {}).get("title", {}).get("text", "")) for f in _chart_data(at)]
+    words += [str(t.get("name", "")) for f in _chart_data(at) for t in f.get("data", [])]
+    words += [str(x) for f in _chart_data(at) for t in f.get("data", []) for x in (t.get("x") or [])
+              if isinstance(t.get("x"), list) and isinstance(x, str)]
+    text = _page_text(at) + "\n" + "\n".join(words)
     if kind not in ("dataparallel", "balanced"):
         if kind == "fsdp":  # FSDP's own collective, not DataParallel's scatter
             text = re.sub(r"reduce[-_ ]scatter", "", text, flags=re.I)
@@ -181,3 +186,20 @@ def test_an_imported_traces_allocator_peak_is_in_show_and_the_device_summary(kin
     shown = "peak allocated (GiB)" if peak >= 2**30 else "peak allocated (MiB)"
     out = capsys.readouterr().out
     assert shown in out and f"{peak / (2**30 if peak >= 2**30 else 2**20):,.2f}" in out
+
+
+def test_a_run_with_no_steps_is_no_figure_in_compare_and_its_timeline_is_not_waiting(kinds, monkeypatch):
+    """Compare against a run that recorded nothing makes up no share of its step; its Timeline does not say "yet"."""
+    from dpprof.views.compare import compare
+
+    empty, _ = kinds.runs["no_parallel"]
+    recorded, _ = kinds.runs["dataparallel"]
+    said = " ".join(compare([dpprof.load_run(i, kinds.dir) for i in (recorded, empty)]).differences)
+    assert "% of" not in said and "points" not in said, said
+    monkeypatch.setenv("DPPROF_REPORTS", str(kinds.dir))
+    at = AppTest.from_file(str(APP), default_timeout=90)
+    at.query_params["run"] = empty
+    at.run()
+    at.switch_page("app_pages/timeline.py").run()
+    shown = _page_text(at)
+    assert "The run recorded no steps" in shown and "yet" not in shown

@@ -523,7 +523,9 @@ def memory_peaks(run: StoredRun, chunks: pd.DataFrame | None = None, detail: boo
     if not rows:
         return pd.DataFrame(columns=cols)
     out = pd.DataFrame(rows)
-    out["output_device"] = (out["_gathered"] == out["_gathered"].max()) & (out["_gathered"] > 0)
+    # DataParallel's gather lands on one device; FSDP's gathered_bytes are its all-gathered parameters, on every rank
+    out["output_device"] = (out["_gathered"] == out["_gathered"].max()) & (out["_gathered"] > 0) & (
+        run.model.kind != "fsdp")
     if chunks is None:
         chunks = chunk_counts(run) if detail else pd.DataFrame(columns=["device", "chunk_size", "calls"])
     sized = chunks.dropna(subset=["chunk_size"]).astype({"chunk_size": float, "calls": float})

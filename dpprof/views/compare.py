@@ -196,7 +196,11 @@ def _differences(rows: list[dict[str, Any]]) -> list[str]:
                        f"{base['samples_per_s']:,.0f} samples/s "
                        f"({other['samples_per_s'] / base['samples_per_s'] - 1:+.0%}).")
         deltas = []
-        for col in sorted({c for c in (*base, *other) if c.endswith("_share_pct")}):
+        # a run with no steps has no shares at all: none is made up for it (a phase one run of two with steps lacks
+        # takes 0% of its step)
+        shares = sorted({c for c in (*base, *other) if c.endswith("_share_pct")}) if base["median_step_ms"] and \
+            other["median_step_ms"] else []
+        for col in shares:
             x, y = base.get(col) or 0.0, other.get(col) or 0.0  # a phase one run does not have takes 0% of its step
             deltas.append((abs(y - x), col[: -len("_share_pct")], x, y))
         for _, phase, x, y in sorted(deltas, reverse=True)[:2]:

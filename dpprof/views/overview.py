@@ -163,9 +163,12 @@ def glance(run: StoredRun, stats: dict[str, Any] | None = None, found: Findings 
             memory_ratio = float(row["value"])  # over the others' average, as the finding measures it
             title = str(row["title"])
             sentences.append(f"{title[0].upper()}{title[1:]}: {str(row['evidence']).split(';')[0]}.")
+        elif peaks.max() == peaks.min():  # no device the fullest: none is compared with itself
+            said = f"Memory: {mib(peaks.max())} on each {model.unit}"
         else:
             said = (f"Memory: {mib(peaks.min())} to {mib(peaks.max())} per {model.unit} ({heaviest} the fullest, "
                     f"{memory_ratio:.2f}x {lightest})")
+        if not len(skew):
             if model.dataparallel:  # the memory-skew rule, as it was made (other kinds have no such rule to miss)
                 said += (f"; no memory skew: the output device (the fullest where nothing is gathered) holds under "
                          f"{MEMORY_SKEW_RATIO:.2f}x the others' average, or under {mib(MEMORY_FLOOR_BYTES)} more")
