@@ -9,7 +9,8 @@ from dpprof import charts
 from dpprof.findings import Findings
 from dpprof.plaintext import markdown_text
 from dpprof.views import overview
-from dpprof.views.text import sentence
+from dpprof.units import plural
+from dpprof.views.text import sentence, steps_per_rank
 from app_pages import common
 
 
@@ -126,7 +127,11 @@ def body(row: pd.Series) -> None:
         return
     per_device(data)
     c = st.columns(5)
-    c[0].metric("Steps", f"{stats['steps']:,}")
+    ranks = int(row["ranks"]) if pd.notna(row.get("ranks")) else 1
+    spread = steps_per_rank(stats, ranks)
+    c[0].metric("Steps", f"{stats['steps']:,}", help=f"{plural(stats['steps'], 'step')}{spread}" if spread else None)
+    if "on the most of" in spread:  # ranks that hold fewer steps than the others: said beside the figure
+        st.caption(markdown_text(f"{plural(stats['steps'], 'step')}{spread}."))
     c[1].metric("Median step", f"{stats['median_step_ms']:.2f} ms")
     c[2].metric("Mean step", f"{stats['mean_step_ms']:.2f} ms")
     if stats["batch_size"]:

@@ -343,7 +343,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from dpprof.views import job_of
     from dpprof.views.fsdp import fsdp_collective_table
     from dpprof.views.overview import comm_stats
-    from dpprof.views.text import display_table, dropped_records, status_sentence
+    from dpprof.views.text import display_table, dropped_records, status_sentence, steps_per_rank
 
     run = load_run(args.run, args.reports_dir)
     m, model = run.meta, run.model
@@ -373,11 +373,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
         _print_notes(run, skip={model.empty_reason})
         return EXIT_OK
     stats = queries.run_stats(run)
-    ranks = f" on each of {run.ranks} ranks" if run.ranks > 1 else ""
-    if run.ranks > 1 and stats["steps_fewest"] != stats["steps"]:
-        fewest = stats["ranks_fewest"]
-        ranks = (f" on the most of {run.ranks} ranks, {stats['steps_fewest']:,} on rank"
-                 f"{'s' if len(fewest) > 1 else ''} {', '.join(str(r) for r in fewest)}")
+    ranks = steps_per_rank(stats, run.ranks)
     print(f"  {plural(stats['steps'], 'step')}{ranks}, median {stats['median_step_ms']:.2f} ms, "
           f"batch {stats['batch_size'] if stats['batch_size'] else '-'}")
     if model.detail_text():

@@ -95,3 +95,16 @@ def status_sentence(status: str, error: str | None) -> tuple[str, str | None] | 
         return ("The run is incomplete: its process stopped without closing it (killed, or the machine went down). "
                 "What it recorded until then is shown.", None)
     return None
+
+
+def steps_per_rank(stats: dict[str, Any], ranks: int) -> str:
+    """Where a distributed run's steps are, after its step count (queries.run_stats): " on each of 2 ranks", or, where
+    its ranks hold different counts (a rank's profiler cut short), " on the most of 2 ranks, 6 on rank 1"; "" for one
+    process. ``dpprof show`` and the Overview say it so."""
+    if ranks < 2:
+        return ""
+    if stats.get("steps_fewest", stats["steps"]) == stats["steps"]:
+        return f" on each of {ranks} ranks"
+    fewest = stats["ranks_fewest"]
+    return (f" on the most of {ranks} ranks, {stats['steps_fewest']:,} on rank{'s' if len(fewest) > 1 else ''} "
+            f"{', '.join(str(r) for r in fewest)}")
