@@ -88,7 +88,18 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     progress = lambda it: tqdm(it, total=profile.steps,  # noqa: E731
                                desc=f"{profile.workload_name} on {profile.devices_text}", unit="step",
                                disable=args.quiet)
-    run = profile.record(progress)
+    try:
+        run = profile.record(progress)
+    except (ProfileError, UsageError):
+        raise
+    except Exception as err:  # noqa: BLE001 - the workload failed while training (out of memory, the model's own
+        # error): one line, as any failure; its run is kept, failed, with the steps before it (dpprof.record)
+        lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()] or [""]
+        # a replica's error (torch's "Caught X in replica i on device d.") ends with the original one
+        said = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+        print(f"dpprof: the workload failed while training: {type(err).__name__}: {said}", file=sys.stderr)
+        print(f"  dpprof show {profile.run_id}", file=sys.stderr)
+        return EXIT_FAILURE
     if run.recording_failed:  # training finished; the one line on stderr said what was not recorded
         if os.path.exists(run.path):
             print(f"  dpprof show {run.id}")

@@ -111,17 +111,21 @@ def check_input_shape(workload: object, spec: str, shape: Sequence[int]) -> None
     import torch
 
     model = workload.model  # type: ignore[attr-defined]
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ProfileError(f"--model {spec} has no parameter that takes a gradient: nothing to train")
     training = model.training
     try:
         model.eval()  # no BatchNorm statistics learnt from the check's random batch
-        with torch.no_grad():
-            model(torch.randn(2, *shape))
+        output = model(torch.randn(2, *shape))
+        loss = workload.criterion(output, torch.zeros(2))  # type: ignore[attr-defined]  # the mean square
+        loss.backward()  # an output that needs no gradient fails here, not in the run
     except Exception as err:  # noqa: BLE001 - whatever the model raises: the message is what the user needs
         first = (str(err).strip().splitlines() or [""])[0]
         raise ProfileError(f"--model {spec} fails on --input-shape {','.join(map(str, shape))} "
-                           f"(a batch of 2): {type(err).__name__}: {first}") from None
+                           f"(a batch of 2, one training step): {type(err).__name__}: {first}") from None
     finally:
         model.train(training)
+        model.zero_grad(set_to_none=True)  # the check's gradients are not the run's
 
 
 def _option(flag: str, value: str) -> list[str]:

@@ -182,6 +182,10 @@ class _SquaredOutput(nn.Module):
                    torch.zeros(()))
 
 
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0]
+
+
 def user_workload(spec: str, input_shape: Sequence[int], batch_size: int | None = None,
                   seed: int = 0) -> Workload:
     """A user's model from ``package.module:factory``, trained on random inputs of (batch, *input_shape)."""
@@ -192,12 +196,15 @@ def user_workload(spec: str, input_shape: Sequence[int], batch_size: int | None 
         raise ValueError(f"--model takes package.module:factory, got {spec!r}")
     try:
         factory = getattr(importlib.import_module(module_name), factory_name)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"cannot load model factory {spec!r}: {err}") from None
+    except Exception as err:  # noqa: BLE001 - ImportError, AttributeError, the module's own SyntaxError or raise
+        raise ValueError(f"cannot load model factory {spec!r}: {type(err).__name__}: {_first_line(err)}") from None
     if not input_shape or any(d < 1 for d in input_shape):
         raise ValueError(f"--input-shape needs positive sizes, got {list(input_shape)}")
     torch.manual_seed(seed)
-    model = factory()
+    try:
+        model = factory()
+    except Exception as err:  # noqa: BLE001 - a factory that needs arguments, or fails: its message, in one line
+        raise ValueError(f"{spec}() failed: {type(err).__name__}: {_first_line(err)}") from None
     if not isinstance(model, nn.Module):
         raise ValueError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module")
     batch_size = batch_size or 32

@@ -133,6 +133,71 @@ def test_exit_codes_for_bad_input(capsys, monkeypatch):
     assert dpprof.list_runs().empty  # nothing half-made was left behind
 
 
+_FAILING = """
+import torch
+from torch import nn
+
+
+def needs_args(width):
+    return nn.Linear(width, 2)
+
+
+def raises():
+    raise RuntimeError("no weights file here")
+
+
+def frozen():
+    return nn.Identity()
+
+
+def integer_out():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.lin(x).argmax(dim=1)
+    return M()
+
+
+def batchnorm():
+    return nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+"""
+
+
+@pytest.mark.parametrize("factory, says", [("needs_args", "needs_args() failed: TypeError"),
+                                           ("raises", "raises() failed: RuntimeError: no weights file here"),
+                                           ("frozen", "has no parameter that takes a gradient"),
+                                           ("integer_out", "(a batch of 2, one training step): RuntimeError"),
+                                           ("missing", "cannot load model factory 'failing:missing': AttributeError")])
+def test_a_model_that_cannot_train_is_refused_in_one_line_before_any_run(factory, says, tmp_path, monkeypatch, capsys):
+    (tmp_path / "failing.py").write_text(_FAILING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SystemExit) as exit_:
+        main(["profile", "--model", f"failing:{factory}", "--input-shape", "4", "--steps", "2", "--quiet"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    message = [line for line in err.splitlines() if line.startswith("dpprof profile: error:")]
+    assert len(message) == 1 and says in message[0], err
+    assert "Traceback" not in err and dpprof.list_runs().empty
+
+
+def test_a_workload_that_fails_while_training_says_so_in_one_line_and_keeps_its_run(tmp_path, monkeypatch, capsys):
+    """BatchNorm in training mode on a replica of one sample: torch's error, from inside the run."""
+    (tmp_path / "failing.py").write_text(_FAILING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["profile", "--model", "failing:batchnorm", "--input-shape", "4", "--batch-size", "2", "--devices",
+                 "cpu:2", "--steps", "2", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("dpprof: the workload failed while training: ValueError: Caught ValueError in replica")
+    assert "Expected more than 1 value per channel" in lines[0] and lines[1].startswith("  dpprof show ")
+    [status] = dpprof.list_runs()["status"]
+    assert status == "failed"
+
+
 @pytest.mark.parametrize("argv, says", [
     (["profile", "--devices", "cpu:99999"],
      "--devices 'cpu:99999': 99,999 CPU workers asked, at most 128 exist (cpu:0 to cpu:127"),
