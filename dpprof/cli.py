@@ -73,6 +73,16 @@ def _memory_gib(text: str) -> float:
     return value
 
 
+def _terminal(value: object) -> object:
+    """Text a terminal shows as written: control and format characters (ESC, BEL, U+202E...) as their escapes, not
+    obeyed; anything else as it is."""
+    if not isinstance(value, str):
+        return value
+    import unicodedata
+
+    return "".join(repr(ch)[1:-1] if unicodedata.category(ch)[0] == "C" else ch for ch in value)
+
+
 def _table(df: pd.DataFrame, float_format: str = "{:.3f}") -> str:
     if df.empty:
         return "(none)"
@@ -333,15 +343,17 @@ def _cmd_runs(args: argparse.Namespace) -> int:
     shown = readable[cols].copy()
     # the runs dpprof advise --check recorded, under the run they check
     shown["id"] = [f"└ {i}" if pd.notna(of) else i for i, of in zip(readable["id"], readable["check_of"])]
+    for col in ("id", "name", "workload", "devices"):  # names are the users' (and a file's): shown, never obeyed
+        shown[col] = shown[col].map(_terminal)
     print(_table(shown.set_index("id"), "{:.1f}"))
     for _, short in readable[(readable["status"] == "incomplete") & readable["error"].notna()].iterrows():
-        print(f"incomplete: {short['id']}: {short['error']}")
+        print(_terminal(f"incomplete: {short['id']}: {short['error']}"))
     for _, copy in readable[readable["copy_of"].notna()].iterrows():
-        print(f"copy: {copy['id']} is a copy of run {copy['copy_of']} ({copy['path']})")
+        print(_terminal(f"copy: {copy['id']} is a copy of run {copy['copy_of']} ({copy['path']})"))
     for _, damaged in readable[readable["damage"].notna()].iterrows():
-        print(f"damaged: {damaged['id']}: {damaged['damage']}")
+        print(_terminal(f"damaged: {damaged['id']}: {damaged['damage']}"))
     for _, bad in runs[runs["reason"].notna()].iterrows():  # "unreadable", "interrupted import" (a staging directory)
-        print(f"{bad['status']}: {bad['path']}: {bad['reason']}")
+        print(_terminal(f"{bad['status']}: {bad['path']}: {bad['reason']}"))
     return EXIT_OK
 
 
@@ -766,8 +778,15 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     checked = None
     if args.check:
         from dpprof.advise.check import check
+        from dpprof.store.faults import RecordingError
+        from dpprof.store.staging import check_reports_dir
 
         out_dir = args.check_dir or reports_dir(args.reports_dir)
+        try:  # a directory the check's runs cannot go to: the line a run would give, before any scenario runs
+            check_reports_dir(out_dir)
+        except RecordingError as err:
+            print(f"dpprof: --check-dir: {err}", file=sys.stderr)
+            return EXIT_FAILURE
         progress = (lambda s: print(f"dpprof: running {s.label}: {s.command}", file=sys.stderr, flush=True))
         checked = check(view.advice, out_dir, progress=None if args.quiet else progress)
     if args.json:

@@ -91,6 +91,9 @@ def inventory(devices: DeviceSet, nvml: Nvml | None = None) -> list[DeviceRecord
     return records
 
 
+MAX_BATCH_SIZE = 2**40  # samples: past any device's memory, and well inside torch's sizes
+
+
 def chunk_sizes(batch_size: int, n_devices: int) -> list[int]:
     """The chunk each device gets, exactly as torch.chunk splits a batch (devices past the end idle)."""
     return [len(c) for c in torch.empty(batch_size, 0).chunk(n_devices)]
@@ -164,6 +167,8 @@ def check_balance(device_ids: Sequence[DeviceLike] | None = None, batch_size: in
     """
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch size must be positive, got {batch_size}")
+    if batch_size is not None and batch_size > MAX_BATCH_SIZE:  # torch.chunk's sizes are 64-bit: no batch is near
+        raise ValueError(f"batch size {batch_size:,} is past any batch a device holds (at most {MAX_BATCH_SIZE:,})")
     if device_ids is None:
         if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
             return [_finding("no_gpu", "critical", None, "no CUDA GPU is visible",

@@ -542,3 +542,13 @@ def test_a_run_on_gpus_is_predicted_from_its_own_transfers(tmp_path):
         assert math.isclose(s.step_ms, sum(s.parts_ms.values()), rel_tol=1e-12)
     assert set(advice.max_batch_size) == {"cuda:0", "cuda:1"} and "total memory" in advice.max_batch_note
     assert any("not been checked against GPU runs" in a for a in advice.assumptions)
+
+
+def test_a_check_directory_that_is_a_file_is_one_line_before_any_scenario_runs(runs, calibrated, tmp_path, capsys):
+    target = tmp_path / "a-file"
+    target.write_text("mine")
+    assert main(["--reports-dir", str(runs.dir), "advise", runs.plain.id, "--check", "--check-dir", str(target)]) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("dpprof:")]
+    assert len(lines) == 1 and lines[0].startswith("dpprof: --check-dir: ") and "Traceback" not in err, err
+    assert "running" not in err and target.read_text() == "mine"

@@ -337,3 +337,23 @@ def test_exported_csvs_hold_machine_values_without_float_noise_or_python_text(tm
     summary = pd.read_csv(out / "device_summary.csv")
     assert summary["peak_held_bytes"].dtype.kind == "i"  # bytes as whole numbers, not 47503964.0
     assert (summary["peak_held_bytes"] == dpprof.report.summary_of(run)["peak_held_bytes"].values).all()
+
+
+def test_runs_shows_control_characters_in_names_escaped_never_obeyed(tmp_path, capsys):
+    """A run named with an escape sequence, a bell and a right-to-left override: `runs` prints them as escapes."""
+    net = dpprof.DataParallel(torch.nn.Linear(3, 1), dpprof.cpu_devices(2))
+    with dpprof.record(name="\x1b[31mred\x1b[0m\x07 \u202eevil"):
+        net(torch.randn(4, 3)).sum().backward()
+    assert main(["runs"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out
+    assert "\\x1b[31mred\\x1b[0m\\x07 \\u202eevil" in out
+
+
+@pytest.mark.parametrize("size", ["99999999999999999999999", str(2**63 - 1)])
+def test_check_refuses_a_batch_past_any_device_in_one_line(size, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["check", "--device-ids", "cpu:0,cpu:1", "--batch-size", size])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "is past any batch a device holds" in err and "Traceback" not in err and "frame" not in err

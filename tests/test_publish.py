@@ -510,3 +510,14 @@ def test_ctrl_c_during_an_import_leaves_nothing(reports, monkeypatch):
         import_traces(DDP128, reports)
     assert not reports.exists() or list(reports.iterdir()) == []
     assert dpprof.list_runs(reports).empty
+
+
+def test_a_merge_into_a_file_is_one_line_and_copies_nothing(reports, tmp_path, capsys):
+    source = tmp_path / "machine-b"
+    import_traces(DDP128, source)
+    target = tmp_path / "a-file"
+    target.write_text("mine")
+    assert main(["--reports-dir", str(reports), "merge", str(source), "--out", str(target)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"dpprof: --out {target}: an existing file, not a directory; nothing was copied"]
+    assert target.read_text() == "mine"

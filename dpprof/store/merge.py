@@ -60,7 +60,11 @@ def merge_rank_files(sources: Iterable[str | Path], out_dir: str | Path) -> dict
             raise RunFileError(f"{target} already exists and differs from {path}; nothing was copied")
     if not chosen:
         raise RunFileError("no rank files found in the sources")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file where the directory goes, no permission: one line, nothing copied
+        raise RunFileError(f"--out {out}: {'an existing file, not a directory' if out.is_file() else err.strerror or err}"
+                           "; nothing was copied") from None
     recover(out)  # what an import or merge killed here left: published whole, or removed
     merged: dict[str, list[int]] = {}
     # copied into a staging directory, then published together (dpprof.store.publish): a kill mid-copy leaves no
