@@ -92,16 +92,6 @@ def capture_box(row: pd.Series) -> int | None:
                              "unless another is picked.")
 
 
-def capture_steps(row: pd.Series, capture: int | None) -> int | None:
-    """How many steps the operator tables a page reads span: the chosen deep capture's (None: the latest), else,
-    for a run with no capture (an imported trace), the run's."""
-    listed = view(detail_rows.captures, row)
-    chosen = next((c for c in listed if c.first_step == capture), listed[-1] if listed else None)
-    if chosen is not None:
-        return int(chosen.end_step - chosen.first_step)
-    return int(row["steps"]) if pd.notna(row["steps"]) else None
-
-
 @st.cache_data(show_spinner="Comparing…", max_entries=32)
 def _operator_diff(path_a: str, sig_a: tuple, pick_a: Pick, path_b: str, sig_b: tuple, pick_b: Pick,
                    capture: int | None) -> pd.DataFrame:

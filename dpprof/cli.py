@@ -633,7 +633,7 @@ def _cmd_ops(args: argparse.Namespace) -> int:
 def _ops_vs(args: argparse.Namespace, run: object) -> int:
     """``dpprof ops RUN --vs DEVICE|RUN2``: the run's operators (--rank, --device) against another device of it, or
     against another run (all its devices), the difference per operator largest first (dpprof.views.opdiff)."""
-    from dpprof.store.detail_rows import detail_missing
+    from dpprof.store.detail_rows import detail_missing, detail_step_count
     from dpprof.store.reader import StoredRun, load_run
     from dpprof.views.opdiff import Pick, diff_sentence, operator_diff
 
@@ -653,7 +653,7 @@ def _ops_vs(args: argparse.Namespace, run: object) -> int:
     label_b = pick_b.label(run) if other is run or args.device or args.rank is not None \
         else str(run.meta.get("name") or run.id)
     diff = operator_diff(other, pick_a, run, pick_b)
-    steps = run.model.steps if other is run else None
+    steps = detail_step_count(run) if other is run else None  # the capture's steps, not the run's
     sentence = diff_sentence(diff, label_a, label_b, quote="", steps=steps)
     top = diff.head(args.top)
     if args.json:

@@ -381,3 +381,11 @@ def test_the_running_run_page_asks_for_a_capture_and_says_when_it_is_stored(repo
         [trace] = _captures(reports)
         assert said.endswith(f"raw trace {trace.name}")
     assert dpprof.load_run(run_id).operators()["device"].isin(["cpu:0", "cpu:1"]).any()
+
+
+def test_ops_vs_speaks_of_the_captures_steps_not_the_runs(captured, capsys):
+    """`dpprof ops RUN --device cpu:1 --vs cpu:0` compares the capture's operators: its 2 steps, not the run's 6."""
+    run, _ = captured
+    assert main(["ops", str(run.path), "--device", "cpu:1", "--vs", "cpu:0"]) == 0
+    sentence = capsys.readouterr().out.splitlines()[0]
+    assert "over 2 steps" in sentence and "over 6 steps" not in sentence, sentence

@@ -23,7 +23,7 @@ from dpprof.store.validation import MAX_VALUE
 if TYPE_CHECKING:
     from dpprof.store.reader import StoredRun
 
-__all__ = ["DetailTables", "Capture", "write_detail", "captures", "read_captures", "chosen_capture", "detail_missing", "operators", "kernels", "gpu_metrics", "gpu_summary",
+__all__ = ["DetailTables", "Capture", "write_detail", "captures", "read_captures", "chosen_capture", "detail_step_count", "detail_missing", "operators", "kernels", "gpu_metrics", "gpu_summary",
            "memory_timeline", "memory_peaks", "memory_events", "operator_memory", "modules", "stream_spans",
            "detail_notes",
            "WRITE_TIMEOUT_S", "TABLE_OF_FRAME"]
@@ -151,6 +151,13 @@ def _whole(v: Any) -> bool:
     """A step index as a damaged file may hold it: a finite whole number from 0 up to MAX_VALUE."""
     return bool(isinstance(v, (int, float, np.integer, np.floating)) and math.isfinite(v) and v == int(v)
                 and 0 <= v <= MAX_VALUE)
+
+
+def detail_step_count(run: StoredRun) -> int:
+    """How many steps the operator tables read span: the chosen deep capture's (chosen_capture), else, for a run that
+    keeps them as one (an imported trace), the run's."""
+    chosen = chosen_capture(run)
+    return int(chosen.end_step - chosen.first_step) if chosen is not None else int(run.model.steps)
 
 
 def chosen_capture(run: StoredRun) -> Capture | None:
