@@ -589,6 +589,12 @@ def _detail_run(args: argparse.Namespace) -> object:
     if why is not None:
         print(f"dpprof: run {run.id}: {why}", file=sys.stderr)
         return None
+    ranked = re.fullmatch(r"rank:(\d+)", args.device or "")
+    if ranked:  # --device rank:N names a rank, whatever its device is called in its tables (cpu:0, cuda:0)
+        if args.rank is not None and args.rank != int(ranked.group(1)):
+            print(f"dpprof: --device {args.device} and --rank {args.rank} name two ranks", file=sys.stderr)
+            return None
+        args.rank, args.device = int(ranked.group(1)), None
     held = run.model.ranks
     if args.rank is not None and held and args.rank not in held:  # an empty table would read as "nothing ran"
         print(f"dpprof: run {run.id} has no rank {args.rank}: it holds rank{'s' if len(held) > 1 else ''} "
@@ -640,9 +646,13 @@ def _ops_vs(args: argparse.Namespace, run: object) -> int:
     assert isinstance(run, StoredRun)
     pick_b = Pick(args.rank, args.device)
     devices = set(run.operators()["device"])
+    ranked = re.fullmatch(r"rank:(\d+)", args.vs)
     if args.vs in devices:
         other, pick_a = run, Pick(None, args.vs)
         label_a = args.vs
+    elif ranked and int(ranked.group(1)) in run.model.ranks:  # another rank of this run, by its rank
+        other, pick_a = run, Pick(int(ranked.group(1)), None)
+        label_a = pick_a.label(run)
     else:
         other = load_run(args.vs, args.reports_dir)
         why = detail_missing(other)

@@ -187,7 +187,7 @@ def test_dpprof_run_captures_the_implicit_steps_of_an_unchanged_script(tmp_path)
 
 
 def test_each_ranks_capture_stores_its_memory_over_time_memory_events_and_modules_as_its_raw_trace_has_them(
-        tmp_path):
+        tmp_path, capsys):
     """A DDP rank trains on the thread that starts the profiler: its capture has torch's [memory] events and Python's
     calls with module ids (a DataParallel run's, profiling every thread, has neither). Two gloo ranks of
     ``dpprof.ddp_worker`` (as torchrun starts them: RANK, WORLD_SIZE, MASTER_*), steps 1 and 2 captured; each rank's
@@ -211,6 +211,13 @@ def test_each_ranks_capture_stores_its_memory_over_time_memory_events_and_module
                  if e.get("cat") == "python_function" and "Python module id" in e.get("args", {})}
         assert set(modules[modules["rank"] == r]["module"]) == named
         assert {"DistributedDataParallel_0", "Linear_0"} <= named
+    # a rank named as a device (rank:N), whatever its tables call its device (cpu:0 on each rank here)
+    capsys.readouterr()
+    assert main(["--reports-dir", str(tmp_path), "ops", "ranks", "--device", "rank:1", "--json"]) == 0
+    assert {o["rank"] for o in json.loads(capsys.readouterr().out)["operators"]} == {1}
+    assert main(["--reports-dir", str(tmp_path), "ops", "ranks", "--rank", "1", "--vs", "rank:0"]) == 0
+    sentence = capsys.readouterr().out.splitlines()[0]
+    assert sentence.startswith("rank 1 is ") and " than rank 0 in " in sentence and "over 2 steps" in sentence, sentence
 
 
 def test_a_dataparallel_capture_profiles_every_thread_and_has_no_memory_events(captured):
