@@ -27,11 +27,22 @@ FAILED_PREFIX = "dpprof rank "
 STEP_PREFIX = "rank 0 step "  # rank 0's line at each step: the progress bar's tick
 
 
+def _say_failed(why: str) -> None:
+    """This rank's one line on why it stopped, written whole in one write: the ranks share torchrun's pipe."""
+    sys.stderr.write(f"{FAILED_PREFIX}{os.environ.get('RANK', '?')}: {why}\n")
+    sys.stderr.flush()
+
+
 def main() -> None:
     try:
         _main()
     except RecordingError as err:
-        print(f"{FAILED_PREFIX}{os.environ.get('RANK', '?')}: {err}", file=sys.stderr, flush=True)
+        _say_failed(str(err))
+        sys.exit(1)
+    except Exception as err:  # noqa: BLE001 - the workload failed while training: why, in one line
+        lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()] or [""]
+        said = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+        _say_failed(f"the workload failed while training: {type(err).__name__}: {said}")
         sys.exit(1)
 
 

@@ -437,8 +437,8 @@ class Profile:
             assert proc.stdout is not None
             for line in proc.stdout:
                 tail.append(line.rstrip())
-                if line.startswith(FAILED_PREFIX):
-                    said.append(line.rstrip())
+                if FAILED_PREFIX in line:  # a rank's reason; another process's partial write may precede it
+                    said += [FAILED_PREFIX + part.rstrip() for part in line.split(FAILED_PREFIX)[1:]]
                 elif on_step is not None:
                     # each rank writes its lines whole, but another process's partial write (torchrun's log, a
                     # rank's warning) can put rank 0's line after it on the same line: counted wherever it is

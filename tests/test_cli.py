@@ -357,3 +357,17 @@ def test_check_refuses_a_batch_past_any_device_in_one_line(size, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "is past any batch a device holds" in err and "Traceback" not in err and "frame" not in err
+
+
+@pytest.mark.slow
+def test_a_ddp_rank_whose_workload_fails_says_why_in_one_line_each(tmp_path, monkeypatch, capsys):
+    """Ranks that fail while training (BatchNorm on one sample) each say why in one line, not torchrun's report."""
+    (tmp_path / "failing.py").write_text(_FAILING)
+    monkeypatch.chdir(tmp_path)  # the ranks import the model from the current directory, as python -m does
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert main(["profile", "--model", "failing:batchnorm", "--input-shape", "4", "--ddp", "--nproc", "2",
+                 "--batch-size", "1", "--steps", "2", "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "dpprof: torchrun exited with 1; the ranks' records so far are kept", err
+    assert sorted(err[:-1]) == [f"dpprof rank {r}: the workload failed while training: ValueError: Expected more than "
+                                "1 value per channel when training, got input size torch.Size([1, 3])" for r in (0, 1)]
