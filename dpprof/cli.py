@@ -104,10 +104,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         raise
     except Exception as err:  # noqa: BLE001 - the workload failed while training (out of memory, the model's own
         # error): one line, as any failure; its run is kept, failed, with the steps before it (dpprof.record)
-        lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()] or [""]
-        # a replica's error (torch's "Caught X in replica i on device d.") ends with the original one
-        said = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
-        print(f"dpprof: the workload failed while training: {type(err).__name__}: {said}", file=sys.stderr)
+        from dpprof.plaintext import error_line
+
+        print(f"dpprof: the workload failed while training: {error_line(err)}", file=sys.stderr)
         print(f"  dpprof show {profile.run_id}", file=sys.stderr)
         return EXIT_FAILURE
     if run.recording_failed:  # training finished; the one line on stderr said what was not recorded

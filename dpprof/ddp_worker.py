@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import dpprof
 from dpprof.store.retention import DETAIL_MODES
+from dpprof.plaintext import error_line
 from dpprof.store.faults import RecordingError
 from dpprof.workloads import WORKLOADS, build_workload, user_workload
 
@@ -40,9 +41,7 @@ def main() -> None:
         _say_failed(str(err))
         sys.exit(1)
     except Exception as err:  # noqa: BLE001 - the workload failed while training: why, in one line
-        lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()] or [""]
-        said = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
-        _say_failed(f"the workload failed while training: {type(err).__name__}: {said}")
+        _say_failed(f"the workload failed while training: {error_line(err)}")
         sys.exit(1)
 
 

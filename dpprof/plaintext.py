@@ -20,7 +20,8 @@ import re
 import string
 import unicodedata
 
-__all__ = ["JOINER", "markdown_code", "markdown_text", "markdown_words", "one_line", "plotly_text", "shown_text"]
+__all__ = ["JOINER", "error_line", "markdown_code", "markdown_text", "markdown_words", "one_line", "plotly_text",
+           "shown_text"]
 
 # CommonMark lets a backslash escape every ASCII punctuation character, and an escaped one is always literal text:
 # no emphasis, link, image, code, HTML, entity, heading or list marker. Escaping all of them (not only those
@@ -104,3 +105,11 @@ def plotly_text(value: object) -> str:
     """``value`` as text in a plotly figure (titles, legend entries, tick labels, hover text), where ``<b>``,
     ``<a href>`` and ``<br>`` are markup and entities are decoded: ``& < >`` as entities, on one line."""
     return one_line(value).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def error_line(err: BaseException) -> str:
+    """An exception in one line: its type and message's first line, and its last where it has several (torch's
+    "Caught X in replica i on device d." ends with the replica's own error)."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()] or [""]
+    said = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+    return f"{type(err).__name__}: {said}"
