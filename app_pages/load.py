@@ -23,7 +23,7 @@ def body(row: pd.Series) -> None:
         common.missing(data.missing.get("work") or f"No {work} phases recorded.")
     else:
         kind = st.segmented_control("Draw as", ["box", "violin"], default="box", key="apply_kind") or "box"
-        common.chart(charts.work_distribution(data.work_samples, kind, work, data.idle))
+        common.chart(charts.work_distribution(data.work_samples, kind, work, data.idle, unit_word=model.unit))
         if model.aggregated:
             per = int(data.work_samples.groupby("device").size().max()) if len(data.work_samples) else 0
             st.caption(f"The distributions use {per:,} steps per {model.unit}: the first steps, one step in "

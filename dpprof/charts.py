@@ -240,7 +240,7 @@ def phase_shares(totals: pd.DataFrame) -> go.Figure:
 
 @_plain
 def work_distribution(samples: pd.DataFrame, kind: str = "box", phase: str = "apply",
-                       idle: list[str] | tuple[str, ...] = ()) -> go.Figure:
+                       idle: list[str] | tuple[str, ...] = (), unit_word: str = "device") -> go.Figure:
     """Each device's work per step (DataParallel's apply, a rank's forward + backward compute), as box plots (or
     violins, clipped to the data): a straggler stands out.
 
@@ -249,8 +249,9 @@ def work_distribution(samples: pd.DataFrame, kind: str = "box", phase: str = "ap
         kind: "box" or "violin".
         phase: the phase the samples are of ("forward" for DistributedDataParallel ranks).
         idle: devices of the run that did no work: drawn at zero, labelled idle.
+        unit_word: what a lane is called ("device", "rank": RunModel.unit).
     """
-    fig = _fig(f"{phase.capitalize()} time per device (ms per step)", yaxis_title="ms", showlegend=False,
+    fig = _fig(f"{phase.capitalize()} time per {unit_word} (ms per step)", yaxis_title="ms", showlegend=False,
                yaxis_rangemode="tozero")
     trace = go.Violin if kind == "violin" else go.Box
     extra = dict(box_visible=True, meanline_visible=True, points=False, spanmode="hard") if kind == "violin" else dict(

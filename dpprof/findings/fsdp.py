@@ -34,9 +34,10 @@ def fsdp_collectives(t: Tables) -> pd.DataFrame:
     Returns:
         columns device, collective, per_step (how many), bytes_per_step, issued_ms (launch to completion, summed),
         exposed_ms (the rank's host blocked in them: the ``*_wait`` phases), hidden_pct (the share of issued time
-        that was not exposed: ran while the rank computed), forward_per_step and backward_per_step (those launched
-        inside the root's forward, and inside its backward; one launched outside both, such as FSDP1 gathering a
-        full state dict between steps, is in neither).
+        that was not exposed: ran while the rank computed), forward_per_step and backward_per_step (each in
+        the first of its step's forwards and backwards not ended at its launch: a micro-batch's own, gradient
+        accumulation running several of each a step; one launched after all of them, such as FSDP1 gathering a full
+        state dict after the last step, is in neither).
     """
     cols = ["device", "collective", "per_step", "bytes_per_step", "issued_ms", "exposed_ms", "hidden_pct",
             "forward_per_step", "backward_per_step"]
@@ -46,16 +47,17 @@ def fsdp_collectives(t: Tables) -> pd.DataFrame:
     comms = comms[comms["collective"].isin(list(_WAIT)) & (comms["step"] != t.first_step)]
     steps = t.steps[t.steps["step"] != t.first_step].groupby("rank")["step"].nunique()
     # each collective belongs to the first forward or backward of its step (and device) not ended when it was launched
-    # (a micro-batch's own: gradient accumulation runs several of each a step); in that backward only if launched
-    # after it began, in that forward even just before it (the root's pre-forward all-gather)
+    # (a micro-batch's own: gradient accumulation runs several of each a step), even launched just before it began:
+    # the root's pre-forward all-gather, or the unshard for a backward launched between the loss and its first
+    # gradient; one launched after the step's last forward and backward (a full state dict's) is in neither
     passes = t.phases[t.phases["phase"].isin(["forward", "backward"])]
     passes = passes.assign(end_ms=passes["start_ms"] + passes["duration_ms"]).sort_values("end_ms")[
-        ["step", "device", "phase", "start_ms", "end_ms"]]
+        ["step", "device", "phase", "end_ms"]]
     comms = pd.merge_asof(comms.reset_index(drop=True).assign(_row=lambda d: range(len(d))).sort_values("launch_ms"),
                           passes, left_on="launch_ms", right_on="end_ms", by=["step", "device"],
                           direction="forward").sort_values("_row")
     comms["in_forward"] = comms["phase"].eq("forward")
-    comms["in_backward"] = comms["phase"].eq("backward") & (comms["launch_ms"] >= comms["start_ms"])
+    comms["in_backward"] = comms["phase"].eq("backward")
     rows = []
     for (device, what), c in comms.groupby(["device", "collective"]):
         n = int(steps.get(int(c["rank"].iloc[0]), c["step"].nunique())) or 1
