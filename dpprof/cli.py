@@ -92,6 +92,10 @@ def _table(df: pd.DataFrame, float_format: str = "{:.3f}") -> str:
 def _cmd_profile(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from dpprof.outputs import OutputError
+    from dpprof.store.faults import RecordingError
+    from dpprof.store.reader import RunFileError
+
     profile = Profile.from_args(args).with_run_id()
     if profile.distributed:
         return _profile_ddp(profile, args.quiet)
@@ -100,8 +104,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
                                disable=args.quiet)
     try:
         run = profile.record(progress)
-    except (ProfileError, UsageError):
-        raise
+    except (ProfileError, UsageError, RecordingError, RunFileError, OutputError):
+        raise  # main says these in their own line
     except Exception as err:  # noqa: BLE001 - the workload failed while training (out of memory, the model's own
         # error): one line, as any failure; its run is kept, failed, with the steps before it (dpprof.record)
         from dpprof.plaintext import error_line
@@ -589,7 +593,9 @@ def _detail_run(args: argparse.Namespace) -> object:
         print(f"dpprof: run {run.id}: {why}", file=sys.stderr)
         return None
     ranked = re.fullmatch(r"rank:(\d+)", args.device or "")
-    if ranked:  # --device rank:N names a rank, whatever its device is called in its tables (cpu:0, cuda:0)
+    if ranked and args.device not in set(run.operators()["device"]):
+        # --device rank:N names a rank, whatever its device is called in its tables (cpu:0, cuda:0); an imported
+        # trace's tables may call their devices rank:N themselves
         if args.rank is not None and args.rank != int(ranked.group(1)):
             print(f"dpprof: --device {args.device} and --rank {args.rank} name two ranks", file=sys.stderr)
             return None
@@ -646,7 +652,7 @@ def _ops_vs(args: argparse.Namespace, run: object) -> int:
     pick_b = Pick(args.rank, args.device)
     devices = set(run.operators()["device"])
     ranked = re.fullmatch(r"rank:(\d+)", args.vs)
-    if args.vs in devices:
+    if args.vs in devices:  # a device of the tables' own name first (an imported trace's may be rank:N)
         other, pick_a = run, Pick(None, args.vs)
         label_a = args.vs
     elif ranked and int(ranked.group(1)) in run.model.ranks:  # another rank of this run, by its rank
