@@ -130,7 +130,7 @@ def body(row: pd.Series) -> None:
     ranks = int(row["ranks"]) if pd.notna(row.get("ranks")) else 1
     spread = steps_per_rank(stats, ranks)
     c[0].metric("Steps", f"{stats['steps']:,}", help=f"{plural(stats['steps'], 'step')}{spread}" if spread else None)
-    if "on the most of" in spread:  # ranks that hold fewer steps than the others: said beside the figure
+    if ranks > 1 and stats["steps_fewest"] != stats["steps"]:  # ranks holding fewer steps: said beside the figure
         st.caption(markdown_text(f"{plural(stats['steps'], 'step')}{spread}."))
     c[1].metric("Median step", f"{stats['median_step_ms']:.2f} ms")
     c[2].metric("Mean step", f"{stats['mean_step_ms']:.2f} ms")

@@ -117,7 +117,7 @@ class Collected:
     c10d: list[Range] = field(default_factory=list)  # c10d::<collective> ops, the launches of the collectives
     fsdp_ranges: int = 0  # FSDP's ranges seen (FSDP::*, FullyShardedDataParallel.*): the job shards with FSDP
     # (gpu, start, end, bytes, what: collective_name of its "Collective name" arg or its kernel's name, External id:
-    # the CPU op that launched it, a record_param_comms inside its collective op, or None)
+    # the CPU op that launched it, a record_param_comms op around or inside its collective op, or None)
     comm_kernels: list[tuple[int, float, float, int | None, str, int | None]] = field(default_factory=list)
     # a record_param_comms op's External id -> its start and end (the collective's op runs inside it, or it inside that)
     comm_launches: dict[int, tuple[float, float]] = field(default_factory=dict)
@@ -622,10 +622,11 @@ def _summed(before: float, nbytes: float) -> float:
 def _pair_collectives(out: Collected) -> None:
     """Give each collective op its communication kernel; the kernel's message size wins where the op has none.
 
-    A kernel whose External id names a record_param_comms op (the op that launched it) goes to the collective op that
-    runs inside it (nccl:all_reduce, as torch records them) or that it runs inside; the others, in order, each to the next op launched before it (NCCL runs one kernel per
-    collective on its own stream). Paired by launch, a kernel the profiler dropped costs its own op only: in order
-    alone, every later op would take its neighbour's kernel."""
+    A kernel whose External id names a record_param_comms op (the op that launched it) goes to the collective op
+    that runs inside it (nccl:all_reduce, as torch records them) or that it runs inside. Then, in order, each op left
+    gets the next kernel left that starts after it (NCCL runs one kernel per collective on its own stream). Paired
+    by launch, a kernel the profiler dropped costs its own op only: in order alone, every later op would take its
+    neighbour's kernel."""
     kernels, ops = out.comm_kernels, out.collectives  # both sorted by start
     used = [False] * len(kernels)
     paired = [False] * len(ops)
