@@ -337,7 +337,7 @@ class Aggregator:
         if first:
             self._first_step = step
         if acc.duration is not None:
-            s = self._stat(self._steps, block, block)
+            s = self._steps.get(block) or self._stat(self._steps, block, block)
             duration_bucket = bucket(acc.duration)  # for the block's sketch, the run's and the outlier rule's
             s.add(step, acc.duration, key=duration_bucket)
             if acc.batch is not None and (s.batch is None or acc.batch > s.batch):
@@ -348,22 +348,25 @@ class Aggregator:
             if not first:
                 self._outlier(step, acc.duration, duration_bucket)
         work: dict[str, float] = {}
+        phases, dirty = self._phases, self._dirty_phases
         for (phase, device), (ms, calls, device_ms) in acc.phases.items():
             key = (phase, device, block)
-            self._stat(self._phases, key, block).add(step, ms, calls, device_ms)
-            self._dirty_phases.add(key)
+            stat = phases.get(key)  # the block's row, made by _stat at its first step (a call less on every other)
+            (stat if stat is not None else self._stat(phases, key, block)).add(step, ms, calls, device_ms)
+            dirty.add(key)
             if phase in WORK_PHASES:
                 work[device] = work.get(device, 0.0) + ms
         for device, ms in work.items():
             key = (WORK, device, block)
             ms_bucket = bucket(ms)
-            self._stat(self._phases, key, block).add(step, ms, key=ms_bucket)
+            stat = phases.get(key)
+            (stat if stat is not None else self._stat(phases, key, block)).add(step, ms, key=ms_bucket)
             self._total(WORK, device).add_bucket(ms_bucket)
-            self._dirty_phases.add(key)
+            dirty.add(key)
         if len(work) > 1 and step != self._first_step:  # the imbalance leaves the first step out
             self._imbalance(work, block)
         for device, (calls, *kinds) in acc.memory.items():
-            m = self._stat(self._memory, (device, block), block)
+            m = self._memory.get((device, block)) or self._stat(self._memory, (device, block), block)
             held = sum(kinds)
             m.first_step = step if m.first_step is None else min(m.first_step, step)
             m.last_step = step if m.last_step is None else max(m.last_step, step)
