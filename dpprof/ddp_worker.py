@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 import dpprof
-from dpprof.store.retention import DETAIL_MODES
 from dpprof.plaintext import error_line
 from dpprof.store.faults import RecordingError
+from dpprof.store.retention import DETAIL_MODES
 from dpprof.workloads import WORKLOADS, build_workload, user_workload
 
 # How a rank says in one line why it stopped (its recording could not start); the

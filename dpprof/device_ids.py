@@ -12,8 +12,8 @@ from typing import Union
 
 import torch
 
-__all__ = ["DeviceLike", "CudaIds", "DeviceSet", "MAX_DEVICE_INDEX", "MAX_CPU_WORKERS", "cpu_devices", "rank_devices", "resolve_devices",
-           "is_cpu_worker_list"]
+__all__ = ["DeviceLike", "CudaIds", "DeviceSet", "MAX_DEVICE_INDEX", "MAX_CPU_WORKERS", "cpu_devices", "rank_devices",
+           "resolve_devices", "is_cpu_worker_list"]
 
 DeviceLike = Union[int, str, torch.device]
 # The ids torch's own CUDA pieces (scatter, gather, replicate, parallel_apply) are typed to take. Each id goes

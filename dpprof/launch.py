@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from dpprof.capture.window import CaptureError, parse_capture
+from dpprof.plaintext import error_line
 from dpprof.processes import LaunchError, Started
 from dpprof.store.ids import new_run_id
 from dpprof.workload_names import WORKLOAD_NAMES
@@ -120,9 +121,8 @@ def check_input_shape(workload: object, spec: str, shape: Sequence[int]) -> None
         loss = workload.criterion(output, torch.zeros(2))  # type: ignore[attr-defined]  # the mean square
         loss.backward()  # an output that needs no gradient fails here, not in the run
     except Exception as err:  # noqa: BLE001 - whatever the model raises: the message is what the user needs
-        first = (str(err).strip().splitlines() or [""])[0]
         raise ProfileError(f"--model {spec} fails on --input-shape {','.join(map(str, shape))} "
-                           f"(a batch of 2, one training step): {type(err).__name__}: {first}") from None
+                           f"(a batch of 2, one training step): {error_line(err)}") from None
     finally:
         model.train(training)
         model.zero_grad(set_to_none=True)  # the check's gradients are not the run's

@@ -105,7 +105,9 @@ class _Step:
         self.start_ns = start_ns
         self.explicit = explicit
         self.grad = True  # an implicit step under a step rule: whether its first forward ran with grad enabled
-        self.passes = 0  # backward passes ended in the step (several: gradient accumulation)
+        # backward passes ended in the step (several: gradient accumulation); an FSDP rank's counts one once its memory
+        # for the step is written (dpprof.parallel.fsdp: at the first backward's end, or a no_grad forward's)
+        self.passes = 0
         self.weighed: tuple[int, ...] | None = None  # the modules whose weights the step's memory counts (ids)
         self.closed = False  # its step record is made: what a stale probe does after it belongs to no step
         self.calls = 0

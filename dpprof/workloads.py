@@ -13,6 +13,7 @@ from torch import nn
 from dpprof.device_ids import DeviceLike, resolve_devices
 from dpprof.parallel import DataParallel, DataParallelCriterion, DataParallelModel
 from dpprof.parallel.balanced import MeasuredLoss
+from dpprof.plaintext import error_line
 from dpprof.recording import Run, record
 
 __all__ = ["Workload", "WORKLOADS", "build_workload", "user_workload", "train", "TutorialLinear", "CifarNet",
@@ -182,10 +183,6 @@ class _SquaredOutput(nn.Module):
                    torch.zeros(()))
 
 
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [""])[0]
-
-
 def user_workload(spec: str, input_shape: Sequence[int], batch_size: int | None = None,
                   seed: int = 0) -> Workload:
     """A user's model from ``package.module:factory``, trained on random inputs of (batch, *input_shape)."""
@@ -197,14 +194,14 @@ def user_workload(spec: str, input_shape: Sequence[int], batch_size: int | None 
     try:
         factory = getattr(importlib.import_module(module_name), factory_name)
     except Exception as err:  # noqa: BLE001 - ImportError, AttributeError, the module's own SyntaxError or raise
-        raise ValueError(f"cannot load model factory {spec!r}: {type(err).__name__}: {_first_line(err)}") from None
+        raise ValueError(f"cannot load model factory {spec!r}: {error_line(err)}") from None
     if not input_shape or any(d < 1 for d in input_shape):
         raise ValueError(f"--input-shape needs positive sizes, got {list(input_shape)}")
     torch.manual_seed(seed)
     try:
         model = factory()
     except Exception as err:  # noqa: BLE001 - a factory that needs arguments, or fails: its message, in one line
-        raise ValueError(f"{spec}() failed: {type(err).__name__}: {_first_line(err)}") from None
+        raise ValueError(f"{spec}() failed: {error_line(err)}") from None
     if not isinstance(model, nn.Module):
         raise ValueError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module")
     batch_size = batch_size or 32

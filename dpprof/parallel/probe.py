@@ -406,6 +406,8 @@ class ForwardProbe:
 
     def note_device(self, label: str, args: Any, kwargs: Any, output: Any, activation_bytes: int,
                     shared_args: int = 0, chunked: bool = True) -> None:
+        if self.later_pass:  # a later micro-batch's bytes are not the step's (end): not counted at all
+            return
         first = (args[0] if args and isinstance(args[0], torch.Tensor) else _first_tensor(args, kwargs)) if chunked \
             else None
         inputs = args[shared_args:]

@@ -63,8 +63,8 @@ def merge_rank_files(sources: Iterable[str | Path], out_dir: str | Path) -> dict
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:  # a file where the directory goes, no permission: one line, nothing copied
-        raise RunFileError(f"--out {out}: {'an existing file, not a directory' if out.is_file() else err.strerror or err}"
-                           "; nothing was copied") from None
+        why = "an existing file, not a directory" if out.is_file() else err.strerror or err
+        raise RunFileError(f"--out {out}: {why}; nothing was copied") from None
     recover(out)  # what an import or merge killed here left: published whole, or removed
     merged: dict[str, list[int]] = {}
     # copied into a staging directory, then published together (dpprof.store.publish): a kill mid-copy leaves no
