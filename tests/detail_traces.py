@@ -56,7 +56,7 @@ def slow_loader_trace(directory: Path, steps: int = 5) -> Path:
 
 
 class _Uneven(nn.Module):
-    """The same model on every rank; rank 1's forward also multiplies a 384x384 matrix by itself 4 times."""
+    """The same model on every rank; rank 1's forward also multiplies a 384x384 matrix by itself 6 times."""
 
     def __init__(self, rank: int) -> None:
         super().__init__()
@@ -68,7 +68,7 @@ class _Uneven(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rank == 1:
             y = self.extra
-            for _ in range(4):
+            for _ in range(6):
                 y = torch.mm(y, self.extra) / 384
             x = x + y[: x.shape[0], : x.shape[1]].sum() * 0
         return self.net(x)
@@ -95,8 +95,10 @@ def _rank(rank: int, world: int, port: int, directory: str, steps: int) -> None:
     leave_rank()
 
 
-def straggler_ddp_traces(directory: Path, steps: int = 6) -> list[Path]:
-    """Each rank's trace of a 2-rank gloo DDP job in which rank 1 does extra work in its forward."""
+def straggler_ddp_traces(directory: Path, steps: int = 12) -> list[Path]:
+    """Each rank's trace of a 2-rank gloo DDP job in which rank 1 does extra work in its forward: 12 steps, so that
+    a few steps on a loaded machine where rank 0 was the one held up (its core taken by other work) leave rank 1
+    the rank that waited least in most of them, as the straggler rule needs."""
     directory.mkdir(parents=True, exist_ok=True)
     mp.spawn(_rank, args=(2, _free_port(), str(directory), steps), nprocs=2, join=True)
     return [directory / f"straggler-rank{r}.pt.trace.json" for r in range(2)]
