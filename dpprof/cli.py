@@ -852,7 +852,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp", action="store_true",
                    help="train under torchrun with FSDP2 (fully_shard on each top-level child module and the root), "
                         "--nproc ranks (gloo on CPU, NCCL on GPUs), each rank recorded")
-    p.add_argument("--nproc", type=int, default=2, help="with --ddp or --fsdp: ranks to start (default: 2)")
+    p.add_argument("--nproc", type=int, default=None, help="with --ddp or --fsdp: ranks to start (default: 2)")
     p.add_argument("--detail", choices=["bounded", "all"], default="bounded",
                    help="bounded (default): every step's time and per-block aggregates, full detail for the first and "
                    "last 1,000 steps, one step in 100 and outliers, so a day-long run stays small; all: every record")

@@ -54,6 +54,8 @@ __all__ = [
 DEFAULT_WORKLOAD = "cifar-lenet"
 DEFAULT_DEVICES = "cpu:2"
 DEFAULT_NPROC = 2  # ranks under --ddp, as dpprof profile's --nproc
+_NPROC_ALONE = ("--nproc {} starts ranks with --ddp or --fsdp only: without either the profile is one process "
+                "training on --devices (add --ddp or --fsdp, or leave --nproc out)")
 DETAIL_CHOICES = ("bounded", "all")  # dpprof.store.retention.DETAIL_MODES, named here without the store's import
 # A run id names its file (<id>.sqlite, <id>.rank<N>.sqlite): no dot, no slash, no space; dpprof's own ids
 # (20261126-020052-3fa9c1) are 22 characters.
@@ -198,6 +200,8 @@ class Profile:
             raise ProfileError("--fsdp computes each rank's loss on its own outputs already: no --balanced")
         if self.distributed and self.nproc < 1:
             raise ProfileError(f"--nproc must be positive, got {self.nproc}")
+        if not self.distributed and self.nproc != DEFAULT_NPROC:
+            raise ProfileError(_NPROC_ALONE.format(self.nproc))
         if self.model and not self.input_shape:
             raise ProfileError("--model needs --input-shape (the shape of one sample, e.g. 3,224,224)")
         if self.input_shape is not None and (not self.input_shape or any(d < 1 for d in self.input_shape)):
@@ -249,9 +253,12 @@ class Profile:
     def from_args(cls, args: argparse.Namespace) -> Profile:
         """The profile ``dpprof profile``'s parsed arguments describe (the inverse of argv)."""
         shape = args.input_shape
+        if args.nproc is not None and not (args.ddp or getattr(args, "fsdp", False)):
+            raise ProfileError(_NPROC_ALONE.format(args.nproc))
         return cls(workload=args.workload, model=args.model, input_shape=tuple(shape) if shape else None,
                    devices=args.devices, batch_size=args.batch_size, steps=args.steps, balanced=args.balanced,
-                   ddp=args.ddp, fsdp=getattr(args, "fsdp", False), nproc=args.nproc, detail=args.detail,
+                   ddp=args.ddp, fsdp=getattr(args, "fsdp", False),
+                   nproc=DEFAULT_NPROC if args.nproc is None else args.nproc, detail=args.detail,
                    name=args.name, run_id=args.run_id, reports_dir=args.reports_dir, capture=args.capture)
 
     # -- as words ----------------------------------------------------------------------------------
@@ -268,7 +275,7 @@ class Profile:
             out.append("--ddp")
         if self.fsdp:
             out.append("--fsdp")
-        if self.distributed or self.nproc != DEFAULT_NPROC:  # nproc applies under --ddp/--fsdp; written where not default
+        if self.distributed:
             out += ["--nproc", str(self.nproc)]
         if self.devices is not None:
             out += _option("--devices", self.devices)

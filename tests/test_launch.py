@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import dpprof
 from dpprof.cli import build_parser, main
-from dpprof.launch import LaunchError, Profile, ProfileError
+from dpprof.launch import DEFAULT_NPROC, LaunchError, Profile, ProfileError
 from dpprof.processes import progress_line, run_row
 from dpprof.workload_names import WORKLOAD_NAMES
 
@@ -35,7 +35,7 @@ def profiles(draw) -> Profile:
         input_shape=tuple(draw(st.lists(_positive, min_size=1, max_size=4))) if model else None,
         devices=draw(st.none() | st.sampled_from(["cpu:2", "cpu:0,cpu:1", "cuda", "0,1", "cpu:7", "-1"])),
         batch_size=draw(st.none() | _positive), steps=draw(_positive),
-        balanced=False if ddp else draw(st.booleans()), ddp=ddp, nproc=draw(_positive),
+        balanced=False if ddp else draw(st.booleans()), ddp=ddp, nproc=draw(_positive) if ddp else DEFAULT_NPROC,
         detail=draw(st.sampled_from(["bounded", "all"])), name=draw(st.none() | _text),
         run_id=draw(st.none() | st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_-]{0,30}", fullmatch=True)),
         reports_dir=draw(st.none() | _text),
@@ -104,6 +104,20 @@ def test_the_cli_refuses_a_bad_run_id_with_that_line_and_records_nothing(tmp_pat
     assert done.value.code == 2
     assert "dpprof profile: error: --run-id 'a.b': a run id is" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("nproc", ["2", "4"])
+def test_nproc_without_ddp_or_fsdp_is_refused_not_ignored(tmp_path, capsys, nproc):
+    with pytest.raises(SystemExit) as done:  # the default's own value too: the user asked for ranks
+        main(["--reports-dir", str(tmp_path), "profile", "tutorial-linear", "--steps", "2", "--nproc", nproc])
+    assert done.value.code == 2
+    assert f"dpprof profile: error: --nproc {nproc} starts ranks with --ddp or --fsdp only" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ProfileError, match="--nproc 4 starts ranks"):
+        Profile(workload="tutorial-linear", nproc=4)
+    assert Profile(workload="tutorial-linear", fsdp=True, nproc=4).argv()[-4:-2] == ["--nproc", "4"]
+    assert "--nproc" not in Profile(workload="tutorial-linear").argv()
+    assert Profile(workload="tutorial-linear").nproc == DEFAULT_NPROC
 
 
 def test_the_run_id_is_chosen_once_before_the_start():
