@@ -26,6 +26,7 @@ from typing import BinaryIO
 
 from dpprof.store import filesystems
 from dpprof.store.faults import RecordingError, cause_of
+from dpprof.store.files import SIDE_FILES, SQLITE_HEADER
 
 __all__ = ["OutputError", "Outputs", "why_not_written"]
 
@@ -107,7 +108,9 @@ class Outputs:
     def open(self, path: str | os.PathLike[str]) -> BinaryIO:
         """A binary stream writing ``path``'s contents, under a temporary name until the block ends well.
 
-        A symbolic link is written through (its target is replaced); an existing file keeps its permissions.
+        A symbolic link is written through (its target is replaced); an existing file keeps its permissions. An
+        SQLite database (a run file) or a side file of one (its write-ahead log, ...) is never replaced, named or
+        linked to: that is an OutputError.
         """
         shown = Path(os.path.abspath(path))  # as the user named it, in an error
         self._asked.append(shown)
@@ -120,6 +123,11 @@ class Outputs:
             if not stat.S_ISREG(st.st_mode):  # a device or pipe is not replaced by a file
                 raise OSError(errno.EINVAL, "not a regular file", str(shown))
             mode = stat.S_IMODE(st.st_mode)
+            database = _database_at(path)
+            if database is not None:
+                how = "is" if path == shown else f"links to {path}, which is"
+                raise OutputError(f"cannot write {shown}: it {how} {database}, which an output never replaces; "
+                                  "nothing was written")
         temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{PART_SUFFIX}")
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
@@ -199,6 +207,20 @@ class Outputs:
             raise OutputError(f"cannot write {path}: {why_not_written(path, err)}; nothing was written") from None
         if isinstance(err, RecordingError) and err.path is not None and err.cause is not None:  # a run file's
             raise OutputError(f"cannot write {self._named(err.path)}: {err.cause}; nothing was written") from None
+
+
+def _database_at(path: Path) -> str | None:
+    """What ``path`` is if it is an SQLite database ("an SQLite database (a run file?)") or one's side file
+    (``-wal``, ``-shm``, ``-journal`` beside it); None for any other file."""
+    for suffix in SIDE_FILES:
+        if path.name.endswith(suffix) and os.path.isfile(path.with_name(path.name[:-len(suffix)])):
+            return f"the {suffix[1:]} file of the SQLite database {path.name[:-len(suffix)]}"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(SQLITE_HEADER))
+    except OSError:
+        return None
+    return "an SQLite database (dpprof's runs are)" if head == SQLITE_HEADER else None
 
 
 def _unlink(path: Path) -> None:

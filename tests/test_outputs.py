@@ -148,6 +148,34 @@ def test_a_failed_export_leaves_the_files_it_would_replace_as_they_were(runs, tm
     assert not list(tmp_path.rglob("*.part"))
 
 
+@pytest.mark.parametrize("target", ["run", "wal", "other database"])
+def test_an_export_never_replaces_a_run_file_a_link_points_to(runs, tmp_path, capsys, target):
+    """A link named as an output (the trace, or a CSV of --out) that points to a run file, its write-ahead log or
+    any SQLite database: one line, exit 1, the file as it was and nothing written."""
+    directory, ids = runs
+    victim = tmp_path / "victim.sqlite"
+    victim.write_bytes((directory / f"{ids['dataparallel']}.sqlite").read_bytes())
+    if target == "wal":
+        victim = tmp_path / "victim.sqlite-wal"
+        victim.write_bytes(b"\0" * 64)
+    elif target == "other database":
+        victim = tmp_path / "notes.db"
+        sqlite3.connect(victim).execute("CREATE TABLE t (x)").connection.close()
+    out = tmp_path / "csv"
+    out.mkdir()
+    (out / "steps.csv").symlink_to(victim)
+    (tmp_path / "t.json.gz").symlink_to(victim)
+    before = _tree(tmp_path)
+    for asked, argv in ((tmp_path / "t.json.gz", ["--trace", str(tmp_path / "t.json.gz")]),
+                        (out / "steps.csv", ["--out", str(out)])):
+        line = _one_line_exit_1(["--reports-dir", str(directory), "export", ids["dataparallel"], *argv], capsys)
+        assert line.startswith(f"dpprof: cannot write {asked}: it links to {victim}, which is ")
+        assert line.endswith(", which an output never replaces; nothing was written")
+        assert _tree(tmp_path) == before
+    if target == "run":
+        assert dpprof.load_run(str(victim)).model.steps == 3
+
+
 def test_every_ranks_trace_file_is_written_or_none(runs, tmp_path, monkeypatch, capsys):
     """A distributed run's file per rank: the second failing takes the first with it."""
     directory, ids = runs

@@ -17,6 +17,7 @@ __all__ = ["SIDE_FILES", "RANK_FILE", "CAPTURE_TRACE", "capture_trace_name", "is
            "capture_answer_name", "hidden_name", "remove_files", "publish_file", "run_signature",
            "dir_signature", "lock_if_free", "move_into_place", "staging_dir", "STAGING_ENV"]
 
+SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database
 SIDE_FILES = ("-wal", "-shm", "-journal")  # SQLite's write-ahead log, its shared memory and its rollback journal
 RANK_FILE = re.compile(r"^(.+)\.rank(\d+)\.sqlite$")  # <run id>.rank<N>.sqlite: one rank of a distributed run
 STAGING_ENV = "DPPROF_STAGING_DIR"  # where runs bound for a network filesystem are staged (dpprof.store.staging)

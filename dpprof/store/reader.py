@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from dpprof.store.faults import RunFileError
-from dpprof.store.files import RANK_FILE, SIDE_FILES
+from dpprof.store.files import RANK_FILE, SIDE_FILES, SQLITE_HEADER
 from dpprof.store.schema import AGGREGATE_TABLES, CHECKED_TABLES, FORMAT, RECORD_TABLES, SCHEMA_VERSION, TABLES, columns_of
 from dpprof.store.status import FULL_DISK_FREE_BYTES, HEARTBEAT_TIMEOUT_S, effective_status
 from dpprof.store.validation import TableDamage, added, damage, run_meta, schema_version
@@ -34,7 +34,6 @@ __all__ = ["RUN_SUFFIX", "list_runs", "read_run_file", "checks_under_their_runs"
 RUN_SUFFIX = ".sqlite"
 # torch.profiler traces waiting to be imported (dpprof import; the Runs page lists them), not runs
 _TRACE_FILES = (".json", ".json.gz")
-_SQLITE_MAGIC = b"SQLite format 3\x00"
 _DAMAGE_CACHE_FILES = 256  # files whose check is remembered (by name, size and modification time)
 _damage_cache: dict[tuple[str, int, int, int, int], list[TableDamage]] = {}
 _damage_lock = threading.Lock()
@@ -80,8 +79,8 @@ def _connect_ro(path: Path) -> sqlite3.Connection:
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise RunFileError("not a regular file")
-        head = f.read(len(_SQLITE_MAGIC))
-    if head != _SQLITE_MAGIC:
+        head = f.read(len(SQLITE_HEADER))
+    if head != SQLITE_HEADER:
         raise RunFileError("not a dpprof run: not an SQLite file" if head else "empty file")
     try:
         return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=5,
