@@ -22,6 +22,7 @@ from dpprof.cli import main
 from dpprof.store.retention import Retention
 from dpprof.trace import TraceError, import_traces
 from dpprof.trace.export import MEMORY_COUNTER, export_trace, parse_steps, plan_trace, rank_path
+from dpprof.trace.readback import EXPORT_KEY
 from dpprof.views import export as export_view
 from recorded import BUS, record, record_straggler, record_with_gpu_samples
 
@@ -147,6 +148,15 @@ def check_round_trip(run, plan, paths: list[Path], reports: Path) -> None:
     got = _phase_totals(back)
     assert list(got.index) == list(original.index)
     assert ((got - original).abs() <= TOTALS_REL * original.abs() + 1e-6).all(), pd.concat([original, got], axis=1)
+    if EXPORT_KEY in json.loads(gzip.open(paths[0]).read() if paths[0].suffix == ".gz" else paths[0].read_bytes()):
+        # dpprof's own file: each step's phases come back in their own step, to the ns the file writes (an end at
+        # the next step's start, but for ts + dur's rounding, stays in its step)
+        def per_step(r) -> pd.Series:
+            p = r.phases[r.phases["step"].isin(written)]
+            return p.groupby(["step", "device", "phase"])["duration_ms"].sum()
+        mine, read = per_step(run), per_step(back)
+        assert list(read.index) == list(mine.index)
+        assert ((read - mine).abs() <= 2e-6).all(), pd.concat([mine, read], axis=1)[(read - mine).abs() > 2e-6]
     assert list(back.model.devices) == list(run.model.devices)
     assert back.model.dataparallel == run.model.dataparallel  # DataParallel's phases read back as DataParallel's
     check_allocator_peaks(run, back, written)
@@ -181,6 +191,32 @@ def test_each_kind_exports_a_trace_that_keeps_the_rules_and_imports_back(runs, n
     check_round_trip(run, plan, [w.path for w in written], tmp_path / "back")
     if name == "resnet trace":  # the check compares something: this trace's [memory] events peak at 2.6 GiB
         assert run.allocator["peak_allocated_bytes"].max() > 2**31
+
+
+def test_a_phase_ending_at_the_next_steps_start_reads_back_in_its_own_step(runs, tmp_path):
+    """A DDP rank's optimizer that ends where the next step begins, with a ts and dur whose float sum is past that
+    start by a rounding (as 573885.116 + 64.236 = 573949.3520000001 is): it reads back in its own step."""
+    run = dpprof.load_run(runs.ids["ddp"], runs.dir)
+    _, written, docs = _export(run, tmp_path)
+    doc = docs[0]
+    events = doc["traceEvents"]
+    steps = sorted((e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: e["ts"])
+    step, after = steps[1], steps[2]
+    number = int(step["name"].split("#")[1])
+    optimizer = next(e for e in events if e.get("name") == "dpprof.optimizer" and step["ts"] <= e["ts"] < after["ts"])
+    start = after["ts"]
+    dur = round(optimizer["dur"], 3)
+    while not (round(start - dur, 3) + dur > start and round(round(start - dur, 3) + dur, 3) == start):
+        dur = round(dur + 0.001, 3)  # a duration whose sum with its start rounds past the next step's start
+    optimizer["ts"], optimizer["dur"] = round(start - dur, 3), dur
+    step["dur"] = round(start - step["ts"], 3)
+    edited = tmp_path / "edited.rank0.json"
+    edited.write_text(json.dumps(doc))
+    back = dpprof.load_run(import_traces([edited], tmp_path / "back").id, tmp_path / "back")
+    mine = back.phases[(back.phases["phase"] == "optimizer")]
+    assert mine.groupby("step").size().to_dict() == {s: 1 for s in sorted(set(back.steps["step"]))}
+    assert mine.set_index("step").at[number, "duration_ms"] == pytest.approx(dur / 1e3, abs=1e-9)
+    assert not any("ended after the next began" in m for m in back.notes["message"])
 
 
 def test_the_checker_finds_slices_that_cross(runs, tmp_path):

@@ -260,6 +260,23 @@ def test_overlapping_steps_are_clipped_to_the_next_ones_start_and_say_so(tmp_pat
     _holds_the_invariants(reports, run_id)
 
 
+def test_a_step_ending_where_the_next_begins_is_no_overlap_though_ts_plus_dur_rounds_past_it(tmp_path, reports):
+    """428182.320 + 5776.590 is 433958.91000000003 in floats: the trace says the step ends at 433958.910, where the
+    next begins. No clipping note, both steps whole."""
+    doc = _base()
+    first, second = _steps(doc)[:2]
+    first["ts"], first["dur"] = 428182.320, 5776.590
+    second["ts"] = 433958.910
+    assert first["ts"] + first["dur"] > second["ts"]  # the float sum is past the next start
+    run_id, out = _imported(doc, tmp_path, reports)
+    assert "ended after the next began" not in out
+    run = dpprof.load_run(run_id, reports)
+    assert not any("ended after the next began" in m for m in run.notes["message"])
+    steps = run.steps.sort_values("start_ms")
+    assert steps["duration_ms"].iloc[0] == pytest.approx(5.776590, abs=1e-9)
+    _holds_the_invariants(reports, run_id)
+
+
 def test_a_stored_time_that_is_not_finite_leaves_its_row_out_of_the_exported_trace(tmp_path, reports):
     """A run file can hold what an import no longer writes (a run imported before, a file changed by hand): the
     store leaves such a row out when it reads the file (dpprof.store.validation), export --trace says which in the

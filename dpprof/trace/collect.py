@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from dpprof.trace.numbers import (MAX_BYTES, MAX_GPU_INDEX, MAX_STEP, MAX_STEP_DIGITS, MAX_TIME_US,
-                                  base_time_problem, distributed_problem, is_time, shown, time_problem, whole)
+                                  base_time_problem, distributed_problem, is_time, shown, slack_us, time_problem, whole)
 from dpprof.trace.decode import Event, OddEvent, TraceError, TraceFile
 from dpprof.trace.detail_events import LAUNCH_CATS, OP_CATS, DetailCollector, RawDetail, merge_details
 
@@ -556,8 +556,9 @@ def _one_range_per_step(out: Collected) -> None:
     steps: list[tuple[int, float, float]] = []
     for i, (n, lo, hi) in enumerate(kept):
         if i + 1 < len(kept) and hi > kept[i + 1][1]:
+            if hi - kept[i + 1][1] > slack_us(hi):  # past the next step's start by more than ts + dur's rounding
+                clipped.append(n)
             hi = kept[i + 1][1]
-            clipped.append(n)
         if hi > lo:
             steps.append((n, lo, hi))
         else:

@@ -24,7 +24,7 @@ import math
 from typing import Any
 
 __all__ = ["MAX_BASE_NS", "MAX_BYTES", "MAX_GPU_INDEX", "MAX_STEP", "MAX_STEP_DIGITS", "MAX_TIME_US", "MAX_WORLD_SIZE",
-           "base_time_problem", "distributed_problem", "is_time", "shown", "time_problem", "whole"]
+           "base_time_problem", "distributed_problem", "is_time", "shown", "slack_us", "time_problem", "whole"]
 
 # 142 years in µs. With baseTimeNanoseconds under MAX_BASE_NS (2116) every absolute time stays before 2262, the
 # last instant pandas' datetime64[ns] (and so the read side's dates) holds; float64 holds each whole µs exactly.
@@ -38,6 +38,14 @@ MAX_WORLD_SIZE = 2 ** 24
 MAX_BYTES = 2 ** 62  # bytes stored as SQLite INTEGER (int64), with room to sum a step's many collectives
 MAX_GPU_INDEX = 2 ** 31 - 1  # a GPU index, or the pid Kineto gives a GPU's events: a pid_t (int32)
 _SHOWN_CHARS = 40  # a bad value is quoted up to this many characters
+
+
+def slack_us(t: float) -> float:
+    """How far from ``t`` float arithmetic may put a time a trace states exactly: an end is ``ts + dur``, and that
+    sum of two decimals comes out an ulp or so off the decimal the trace would write (573885.116 + 64.236 =
+    573949.3520000001), so a phase or step ending where the next begins would compare as ending after it. Two ulps
+    of ``t``: 1e-10 µs for times from the profiler's start, 0.5 µs for times in µs since 1970."""
+    return 2 * math.ulp(t)
 
 
 def shown(value: Any) -> str:
