@@ -11,7 +11,7 @@ import torch
 
 from dpprof.device_ids import DeviceLike, DeviceSet, resolve_devices
 from dpprof.nvml import Nvml, NvmlUnavailable, throttle_names
-from dpprof.records import SEVERITIES, SLOWDOWN_REASONS, DeviceRecord, FindingRecord
+from dpprof.records import SEVERITIES, SLOWDOWN_REASONS, DeviceRecord, FindingRecord, idle_severity
 
 __all__ = ["inventory", "check_balance", "chunk_sizes", "even_batch_sizes", "cpu_info",
            "MEMORY_RATIO_WARN", "MULTIPROCESSOR_RATIO_WARN", "FREE_MEMORY_RATIO_WARN"]
@@ -141,7 +141,7 @@ def _batch_rule(devices: DeviceSet, batch_size: int) -> list[FindingRecord]:
     suggestions = even_batch_sizes(batch_size, n)
     advice = f"Use a batch size that {n} divides evenly: {' or '.join(map(str, suggestions))}."
     if idle:
-        return [_finding("idle_devices", "critical" if idle >= n / 2 else "warning",
+        return [_finding("idle_devices", idle_severity(idle, n),
                          devices.label(devices.indices[len(sizes)]),
                          f"{idle} of {n} devices will idle at batch size {batch_size}", evidence, advice, idle)]
     return [_finding("uneven_chunks", "warning" if max(sizes) - min(sizes) > 1 or batch_size < 8 * n else "info",

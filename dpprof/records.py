@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PHASE_ORDER", "PHASES", "DDP_PHASES", "FSDP_PHASES", "FSDP_ONLY_PHASES", "DP_TAX_PHASES", "MEMORY_BYTES", "SEVERITIES", "SLOWDOWN_REASONS", "device_key", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
+__all__ = ["PHASE_ORDER", "PHASES", "DDP_PHASES", "FSDP_PHASES", "FSDP_ONLY_PHASES", "DP_TAX_PHASES", "MEMORY_BYTES", "SEVERITIES", "SLOWDOWN_REASONS", "device_key", "idle_severity", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
            "DeviceRecord", "NoteRecord", "FindingRecord", "CommRecord", "GpuTimeRecord", "Record",
            "TABLE_OF", "CHECK_OF_ENV", "Row", "PHASE_ROW", "COMM_ROW", "STEP_ROW", "MEMORY_ROW",
            "RECORD_OF_TABLE", "record_of_row"]
@@ -39,6 +39,12 @@ PHASE_ORDER = ("data", "scatter", "replicate", "apply", "parallel_apply", "gathe
 DP_TAX_PHASES = ("scatter", "replicate", "gather")  # work only DataParallel does (DDP has none of it)
 # Finding severities, worst first: the order findings are listed and graded in.
 SEVERITIES = ("critical", "warning", "info")
+
+
+def idle_severity(idle: int, devices: int) -> str:
+    """The severity of ``idle`` of ``devices`` getting no chunk: critical where at least half idle (the pre-flight
+    check's idle_devices finding and a run's alike)."""
+    return "critical" if idle >= devices / 2 else "warning"
 
 
 def device_key(label: object) -> tuple[str, int, str]:

@@ -75,6 +75,13 @@ def test_wide_outputs_skew_memory_onto_the_output_device_and_uneven_chunks_show(
     assert "gathered outputs on cpu:0: 12.0 MiB" in skew["evidence"]  # 63 x 50,000 float32
     assert "DataParallelCriterion" in skew["advice"]
     assert "e.g. step 0: chunks [32, 31];" in findings.loc["uneven_chunks", "evidence"]
+    assert "the largest chunk is 3% bigger than the smallest" in findings.loc["uneven_chunks", "evidence"]  # 32/31
+
+
+def test_uneven_chunks_say_how_much_bigger_the_largest_is_than_the_smallest():
+    run = _record(nn.Linear(5, 2), lambda i: (torch.randn(10, 5),), workers=3, steps=3)  # [4, 4, 2]: 100% bigger
+    evidence = findings_of(run).set_index("kind").loc["uneven_chunks", "evidence"]
+    assert "chunks [4, 4, 2]; the largest chunk is 100% bigger than the smallest" in evidence
 
 
 def test_the_dataparallel_tax_fires_when_replication_dominates():
@@ -99,6 +106,12 @@ def test_idle_devices_when_the_batch_is_smaller_than_the_devices():
     findings = findings_of(run).set_index("kind")
     assert findings.loc["idle_devices", "device"] == "cpu:3"
     assert findings.loc["idle_devices", "value"] == 1
+    # the same severity as the pre-flight check of the same split: 1 of 4 idle is a warning, half or more critical
+    [checked] = [f for f in dpprof.check_balance(dpprof.cpu_devices(4), 3) if f.kind == "idle_devices"]
+    assert findings.loc["idle_devices", "severity"] == checked.severity == "warning"
+    run = _record(nn.Linear(5, 2), lambda i: (torch.randn(2, 5),), workers=4, steps=3)
+    [checked] = [f for f in dpprof.check_balance(dpprof.cpu_devices(4), 2) if f.kind == "idle_devices"]
+    assert findings_of(run).set_index("kind").loc["idle_devices", "severity"] == checked.severity == "critical"
 
 
 def _timing_rules(run):

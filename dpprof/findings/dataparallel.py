@@ -10,7 +10,7 @@ from dpprof.findings.base import Tables, finding, per_step
 from dpprof.findings.collectives import CollectiveVerdict, collective_verdict
 from dpprof.findings.floors import (CRITICAL_STEP_SHARE, STEP_SHARE_FLOOR, TIME_FLOOR_MS, Imbalance, cost_text,
                                     imbalance, mib, worth_bytes, worth_time)
-from dpprof.records import DP_TAX_PHASES, MEMORY_BYTES
+from dpprof.records import DP_TAX_PHASES, MEMORY_BYTES, idle_severity
 
 __all__ = ["STRAGGLER_RATIO", "STRAGGLER_RATIO_CPU", "STRAGGLER_CONSISTENCY", "STRAGGLER_CRITICAL_RATIO",
            "MEMORY_SKEW_RATIO", "MEMORY_SKEW_CRITICAL_RATIO", "DP_TAX_WARN", "UNEVEN_STEPS_SHARE",
@@ -234,7 +234,7 @@ def uneven_chunks(t: Tables) -> list[dict]:
         first_call = chunked[chunked["step"] == step]["call"].min()
         sizes = [int(c) for c in chunked[(chunked["step"] == step) & (chunked["call"] == first_call)]
                  .sort_values("device", key=lambda s: s.map({d: i for i, d in enumerate(t.model.devices)}))["chunk_size"]]
-        spread = (uneven["max"] - uneven["min"]) / uneven["max"]
+        spread = (uneven["max"] - uneven["min"]) / uneven["min"]  # over the smallest: "bigger than the smallest"
         findings.append(finding("uneven_chunks", "warning", None, f"chunks were uneven in {share:.0%} of steps",
                                 f"{len(uneven)} of {len(per_step)} steps; e.g. step {step}: chunks {sizes}; the "
                                 f"largest chunk is {spread.mean():.0%} bigger than the smallest on average, work the "
@@ -244,7 +244,8 @@ def uneven_chunks(t: Tables) -> list[dict]:
     idle = list(t.model.idle)
     if idle:
         n = len(t.model.devices)
-        findings.append(finding("idle_devices", "critical", idle[0], f"{len(idle)} device(s) never got a chunk",
+        findings.append(finding("idle_devices", idle_severity(len(idle), n), idle[0],
+                                f"{len(idle)} device(s) never got a chunk",
                                 f"devices {', '.join(idle)} of {n} did no work in any step: the run used "
                                 f"{n - len(idle)} of its {n} devices",
                                 "The batch is smaller than the number of devices times the chunk torch.chunk makes; "
