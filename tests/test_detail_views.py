@@ -173,6 +173,16 @@ def test_a_straggler_finding_names_the_operators_behind_it(runs):
     assert "Operators behind it" in found["evidence"] and "'aten::mm'" in found["evidence"]
 
 
+def test_the_operators_behind_a_finding_of_a_captured_run_are_over_the_captures_steps(runs):
+    """The captured run's tables span its capture (steps 2 and 3 of 5): a straggler's operators are said over 2."""
+    from dpprof.findings import tables_of
+    from dpprof.findings.detail import explain
+    t = tables_of(runs.captured)
+    assert t.detail is not None and t.detail.operator_steps == detail_rows.detail_step_count(runs.captured) == 2
+    [row] = explain([{"kind": "straggler", "device": "cpu:1", "evidence": "cpu:1 is slower"}], t)
+    assert "Operators behind it" in row["evidence"] and " over 2 steps" in row["evidence"], row["evidence"]
+
+
 def test_show_prints_the_findings_the_page_reads(runs, capsys):
     from dpprof.cli import main
     assert main(["--reports-dir", str(runs.reports), "show", runs.ddp2.id]) == 0

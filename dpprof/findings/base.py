@@ -20,6 +20,7 @@ class OperatorData:
     frame has ``rank`` and ``device`` columns."""
 
     operators: pd.DataFrame  # detail_rows.operators
+    operator_steps: int  # how many steps the operator tables span (detail_rows.detail_step_count: a capture's)
     kernel_ops: pd.DataFrame  # detail_rows.kernels(by="operator")
     gpu: pd.DataFrame  # detail_rows.gpu_summary: each GPU over all steps
     gpu_steps: int  # how many steps the GPU figures span

@@ -48,7 +48,8 @@ def operator_data(run: StoredRun) -> OperatorData | None:
     gpu_steps = detail_rows.gpu_metrics(run)
     steps_of = {(rank, device): int(n) for (rank, device), n in
                 gpu_steps.groupby(["rank", "device"], dropna=False)["step"].nunique().items()}
-    return OperatorData(operators=detail_rows.operators(run), kernel_ops=detail_rows.kernels(run, by="operator"),
+    return OperatorData(operators=detail_rows.operators(run), operator_steps=detail_rows.detail_step_count(run),
+                        kernel_ops=detail_rows.kernels(run, by="operator"),
                         gpu=detail_rows.gpu_summary(run), gpu_steps=int(gpu_steps["step"].nunique()),
                         gpu_steps_of=steps_of,
                         peaks=detail_rows.memory_peaks(run), operator_memory=detail_rows.operator_memory(run),
@@ -246,7 +247,7 @@ def explain(rows: list[dict], t: Tables) -> list[dict]:
         else:
             diff = diff_rows(others_mean_of(ops, pick), side_of(ops, pick))
             sentence = diff_sentence(diff, "the others' mean", device, top=EXPLAIN_TOP, quote="'",
-                                     steps=t.model.steps) if len(diff) else None
+                                     steps=d.operator_steps) if len(diff) else None
         if sentence:
             row["evidence"] += f". Operators behind it (Operators page, side by side): {sentence}"
     return rows
