@@ -372,8 +372,9 @@ def detail_tables(raw: RawDetail, windows: list[tuple[int, float, float]], t0_us
     label = _label_fn(label_of, host)
     notes: list[str] = []
     if raw.left_out:
-        notes.append(f"{raw.left_out:,} value{'s' if raw.left_out > 1 else ''} that cannot be left out of the "
-                     f"operator, kernel and memory tables: the first, {raw.left_out_first}")
+        notes.append(f"{raw.left_out:,} value{'s' if raw.left_out > 1 else ''} that cannot be (a time or size no "
+                     f"event can have) left out of the operator, kernel and memory tables: the first, "
+                     f"{raw.left_out_first}")
     names = np.array(raw.names, dtype=object) if raw.names else np.zeros(0, dtype=object)
     # Operators. Memory: a 1 GiB trace holds ~2 M ops, so every array here costs ~16 MB for each 8 bytes an op;
     # each is made when needed and dropped after (peak RSS under 400 MB: bench/trace_import.py).
@@ -815,7 +816,8 @@ def _memory_tables(raw: RawDetail, names: np.ndarray, windows: list[tuple[int, f
     with_addr = np.flatnonzero(m_addr >= 0)
     if not len(with_addr):
         notes.append("the [memory] events carry no address (Addr; the 2021 format): allocations and frees are not "
-                     "paired, the per-operator statistics and the curve are")
+                     "paired, so no allocation's lifetime is known (the memory events table is empty); the curve and "
+                     "the per-operator statistics are read as usual")
         return timeline, peaks, _empty(MEMORY_EVENT_COLUMNS), op_memory.reset_index(drop=True), notes
     with_addr = with_addr[np.lexsort((m_ts[with_addr], dev_code[with_addr]))]  # by device, then time
     with_addr = with_addr[m_bytes[with_addr] != 0]
