@@ -129,6 +129,21 @@ def test_the_criterion_records_its_phases_in_the_models_step():
     assert mem["input_bytes"].tolist() == [4 * 8, 4 * 8, 2 * 8]  # each device's int64 targets only
 
 
+def test_on_one_device_the_criterion_is_the_loss_phase_and_the_advisor_reads_the_run(tmp_path):
+    """One device: the criterion runs whole where the outputs are, recorded as the loss (as MeasuredLoss's), not as a
+    second DataParallel apply; show's apply is the model's alone and the advisor predicts the recorded set-up."""
+    from dpprof.advise.measured import measure
+    run = train(build_workload("tutorial-linear", 8), dpprof.cpu_devices(1), steps=6, balanced=True,
+                reports_dir=str(tmp_path))
+    stored = dpprof.load_run(run.path)
+    per_step = stored.phases.groupby("step")["phase"].apply(sorted)
+    assert all(p.count("apply") == 1 and p.count("loss") == 1 for p in per_step), per_step
+    m = measure(stored)  # it refused: "runs DataParallel 2 times a step"
+    loss = stored.phases[stored.phases["phase"] == "loss"]["duration_ms"]
+    assert 0 < loss.min() <= m.parts_ms["loss"] <= loss.max()  # the typical steps' mean loss
+    assert m.loss_apply_ms == {"cpu:0": m.parts_ms["loss"]}  # the criterion's share on its one device: all of it
+
+
 def _held(run, device):
     mem = dpprof.load_run(run.path).memory
     cols = ["input_bytes", "output_bytes", "activation_bytes", "gathered_bytes", "param_bytes", "buffer_bytes"]

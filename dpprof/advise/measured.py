@@ -208,7 +208,8 @@ def measure(run: StoredRun) -> Measured:
     loss_parts = {}
     if criterion_call is not None and model.kind == "balanced":
         loss_parts = {p: mean(p, criterion_call) for p in ("scatter", "replicate", "parallel_apply")}
-        parts["loss"] = sum(loss_parts.values())
+        # on one device the criterion runs whole on the caller: its "loss" phase, no parallel_apply around it
+        parts["loss"] = sum(loss_parts.values()) + mean("loss", criterion_call)
         parts["reduce"] = mean("reduce", criterion_call)
     else:
         parts["loss"] = mean("loss", criterion_call) if criterion_call is not None else 0.0
@@ -217,7 +218,8 @@ def measure(run: StoredRun) -> Measured:
     typical_ms = float(per_step.mean())
     parts["rest"] = typical_ms - sum(parts.values())
     apply_ms = {d: mean("apply", 0, d) for d in devices}
-    loss_apply = {d: mean("apply", criterion_call, d) for d in devices} if loss_parts else {}
+    loss_apply = ({d: mean("apply", criterion_call, d) + mean("loss", criterion_call, d) for d in devices}
+                  if loss_parts else {})
 
     chunks_seen = advisor_rows.model_chunks_of_steps(run, ids)
     batch = int(typical["batch_size"].max()) if typical["batch_size"].notna().any() else 0

@@ -93,7 +93,9 @@ class DataParallelCriterion(DataParallel):
         probe = self.__dict__["_probe"]
         if len(per_device) == 1:
             label = self._label(self.device_ids[0]) if self.device_ids else HOST_LABEL
-            return MeasuredReplica(self.module, probe, label, shared_args=1)(per_device[0], *targets, **kwargs)
+            # one device: the criterion runs whole where the outputs are, measured as the loss (as MeasuredLoss's)
+            return MeasuredReplica(self.module, probe, label, shared_args=1, phase="loss")(per_device[0], *targets,
+                                                                                           **kwargs)
         if len(per_device) > len(self.device_ids):
             raise ValueError(f"{len(per_device)} outputs but only {len(self.device_ids)} devices in device_ids: "
                              "use the same device_ids as the DataParallelModel")
