@@ -35,7 +35,9 @@ def summary_of(run: StoredRun) -> pd.DataFrame:
     stats.columns = [c.replace("work_", f"{model.work.column}_", 1) for c in stats.columns]
     memory = queries.memory_peaks(run).set_index("device")
     gpu = queries.gpu_time(run).set_index("device")[["step_ms", "busy_ms", "idle_pct"]].add_prefix("gpu_")
-    devices = [d for d in model.devices if d in stats.index or d in memory.index or d in gpu.index] or list(model.devices)
+    idle = set(model.idle)  # devices DataParallel gave no chunk: a row each, of no work
+    devices = ([d for d in model.devices if d in stats.index or d in memory.index or d in gpu.index or d in idle]
+               or list(model.devices))
     if stats.empty:  # no work recorded: each device still has the run's steps
         stats = pd.DataFrame({"steps": model.steps}, index=pd.Index(devices, name="device"))
     drop = []
@@ -49,6 +51,9 @@ def summary_of(run: StoredRun) -> pd.DataFrame:
         drop += ["peak_allocated_bytes", "peak_reserved_bytes"]
     memory = memory.drop(columns=[c for c in dict.fromkeys(drop) if c in memory.columns])
     out = pd.concat([stats.reindex(devices), memory.reindex(devices)], axis=1)
+    for column in ("steps", "chunk_size_mean", "chunk_size_min", "chunk_size_max"):  # an idle device's: none
+        if idle and column in out.columns:
+            out.loc[out.index.isin(idle) & out[column].isna(), column] = 0
     if len(gpu):
         out = pd.concat([out, gpu.reindex(devices)], axis=1)
     out.index.name = "device"

@@ -106,6 +106,12 @@ def test_idle_devices_when_the_batch_is_smaller_than_the_devices():
     findings = findings_of(run).set_index("kind")
     assert findings.loc["idle_devices", "device"] == "cpu:3"
     assert findings.loc["idle_devices", "value"] == 1
+    # show's and the CSV's per-device summary has the idle device too: a row of no work, chunk 0
+    from dpprof.report import summary_of
+    summary = summary_of(run)
+    assert list(summary.index) == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
+    assert summary.loc["cpu:3", "steps"] == 0 and summary.loc["cpu:3", "chunk_size_mean"] == 0
+    assert pd.isna(summary.loc["cpu:3", "apply_mean_ms"]) and summary.loc["cpu:0", "steps"] == 3
     # the same severity as the pre-flight check of the same split: 1 of 4 idle is a warning, half or more critical
     [checked] = [f for f in dpprof.check_balance(dpprof.cpu_devices(4), 3) if f.kind == "idle_devices"]
     assert findings.loc["idle_devices", "severity"] == checked.severity == "warning"
