@@ -187,7 +187,10 @@ def test_a_killed_runs_aggregates_match_its_committed_rows(reports):
     assert 0 < run.model.detail_from <= committed - 20
     assert max(_steps_with(path, "phases")) <= committed  # no row of a step the steps table lacks but the last
     data = overview.overview(run)
-    assert data.stats["steps"] == counted and len(data.steps) and not data.breakdown.empty
+    # the step count is every committed step's, as `dpprof runs` and steps.csv say, the unsettled ones included
+    assert data.stats["steps"] == committed and len(data.steps) and not data.breakdown.empty
+    assert data.stats["last_step"] == committed - 1
+    assert data.stats["mean_step_ms"] == pytest.approx(run.steps["duration_ms"].mean())
 
 
 def test_a_fault_in_the_aggregates_costs_no_row(reports, monkeypatch, caplog):

@@ -69,9 +69,22 @@ def _steps_per_file(run: StoredRun) -> pd.DataFrame:
     """Per run file (a distributed run's ranks, each with its ``rank``): step count, first and last step, mean and
     total step time, batch size and devices used."""
     if run.model.aggregated:
-        return run.query("SELECT SUM(steps) AS steps, MIN(first_step) AS first_step, MAX(last_step) AS last_step, "
-                         "SUM(sum_ms) / SUM(steps) AS mean_step_ms, SUM(sum_ms) AS total_ms, "
-                         "MAX(batch_size) AS batch_size, MAX(devices_used) AS devices_used FROM step_blocks")
+        # the blocks hold every settled step; a run killed while recording also holds up to SETTLE_STEPS steps past
+        # the last block's (dpprof.store.blocks), counted from the steps table, which keeps every step
+        return run.query(
+            "WITH b AS (SELECT SUM(steps) AS steps, MIN(first_step) AS first_step, MAX(last_step) AS last_step, "
+            "SUM(sum_ms) AS total_ms, MAX(batch_size) AS batch_size, MAX(devices_used) AS devices_used "
+            "FROM step_blocks), "
+            "t AS (SELECT COUNT(*) AS steps, MIN(step) AS first_step, MAX(step) AS last_step, "
+            "SUM(duration_ms) AS total_ms, MAX(batch_size) AS batch_size, MAX(devices_used) AS devices_used "
+            "FROM steps WHERE step > COALESCE((SELECT MAX(last_step) FROM step_blocks), -1)) "
+            "SELECT COALESCE(b.steps, 0) + t.steps AS steps, COALESCE(b.first_step, t.first_step) AS first_step, "
+            "COALESCE(t.last_step, b.last_step) AS last_step, "
+            "(COALESCE(b.total_ms, 0) + COALESCE(t.total_ms, 0)) / NULLIF(COALESCE(b.steps, 0) + t.steps, 0) "
+            "AS mean_step_ms, COALESCE(b.total_ms, 0) + COALESCE(t.total_ms, 0) AS total_ms, "
+            "MAX(COALESCE(b.batch_size, t.batch_size), COALESCE(t.batch_size, b.batch_size)) AS batch_size, "
+            "MAX(COALESCE(b.devices_used, t.devices_used), COALESCE(t.devices_used, b.devices_used)) AS devices_used "
+            "FROM b, t")
     return run.query("SELECT COUNT(*) AS steps, MIN(step) AS first_step, MAX(step) AS last_step, "
                      "AVG(duration_ms) AS mean_step_ms, SUM(duration_ms) AS total_ms, "
                      "MAX(batch_size) AS batch_size, MAX(devices_used) AS devices_used FROM steps")
