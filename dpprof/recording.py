@@ -509,7 +509,7 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
         run.start_monitor(sample_gpus)
         yield run
     except BaseException as err:
-        guard.closing = True
+        guard.hold()
         with _active_lock:
             _active.remove(run)
         if isinstance(err, Interrupted):
@@ -524,8 +524,8 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
         guard.restore()
         if isinstance(err, Interrupted):
             guard.deliver(err.signum, only_default=True)  # the process ends by the signal, as without dpprof
-        raise
-    guard.closing = True
+        raise  # a Ctrl-C held while closing adds nothing to the error on its way up
+    guard.hold()
     with _active_lock:
         _active.remove(run)
     if guard.received is not None:  # the program's own handler let training go on to the end
@@ -535,6 +535,7 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
     guard.restore()
     if guard.pending is not None:  # arrived while the run closed: now do what it would have done
         guard.deliver(guard.pending)
+    guard.deliver_interrupt()  # a Ctrl-C while the run closed: KeyboardInterrupt now, the run whole
     if run.path is not None and not run.recording_failed:
         for hook in CLOSE_HOOKS:
             hook(run)

@@ -1,5 +1,5 @@
 """SIGTERM and SIGHUP while recording: the run is flushed and marked interrupted, then the signal does
-what it would have done without dpprof.
+what it would have done without dpprof. While the run closes, those and Ctrl-C wait for the close to finish.
 
 A job scheduler (and ``kill``) ends a job with SIGTERM, a closed terminal with SIGHUP. Without a
 handler of the program's own, either ends the process at once and the run would read as
@@ -54,6 +54,8 @@ class SignalGuard:
         self.received: int | None = None  # the first handled signal that arrived
         self.closing = False  # the run is closing: a signal now waits for the close to finish
         self.pending: int | None = None
+        self._interrupt: Any = None  # SIGINT's handler while the close holds it (hold), else None
+        self.held_interrupt = False  # a Ctrl-C came while the run closed
 
     def install(self) -> SignalGuard:
         if threading.current_thread() is not threading.main_thread():
@@ -81,11 +83,34 @@ class SignalGuard:
             return
         raise Interrupted(signum)
 
+    def hold(self) -> None:
+        """The run closes: a handled signal, and Ctrl-C (SIGINT), now waits for the close to finish (restore, then
+        deliver or deliver_interrupt), so that storing the last steps and a capture is never cut short."""
+        self.closing = True
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGINT)
+        if callable(previous):  # Python's KeyboardInterrupt or the program's own; an ignored one stays ignored
+            self._interrupt = previous
+            signal.signal(signal.SIGINT, self._hold_interrupt)
+
+    def _hold_interrupt(self, signum: int, frame: FrameType | None) -> None:
+        self.held_interrupt = True
+
     def restore(self) -> None:
         """Put back the handlers that were there before (unless the program has replaced ours since)."""
         for signum, previous in self._previous.items():
             if signal.getsignal(signum) == self._handle:
                 signal.signal(signum, previous)
+        if self._interrupt is not None and signal.getsignal(signal.SIGINT) == self._hold_interrupt:
+            signal.signal(signal.SIGINT, self._interrupt)
+
+    def deliver_interrupt(self) -> None:
+        """After restore(): a Ctrl-C held while the run closed does now what it would have done (KeyboardInterrupt,
+        or the program's handler)."""
+        if self.held_interrupt and self._interrupt is not None:
+            self.held_interrupt = False
+            self._interrupt(signal.SIGINT, None)
 
     def deliver(self, signum: int, only_default: bool = False) -> None:
         """After restore(): what the signal would have done without dpprof (end the process by it, or

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import dpprof
+from dpprof.store import detail_rows
 from dpprof.store.faults import RecordingError
 from dpprof.plaintext import shown_text
 
@@ -505,6 +506,45 @@ def test_ctrl_c_marks_the_run_interrupted_with_its_steps(reports):
     line = f"dpprof: interrupted by SIGINT (Ctrl-C) after step {kept}: {kept} steps kept in {path}"
     assert err.splitlines()[0] == line
     _row("SIGINT (Ctrl-C)", kept, kept, "interrupted", line)
+
+
+_CTRL_C_AT_CLOSE = r"""
+import os, signal, sys, torch, dpprof
+import dpprof.store.writer as writer
+signal.signal(signal.SIGINT, signal.default_int_handler)
+close = writer.SqliteSink.close
+
+def pressed_then_close(self, *args, **kwargs):  # Ctrl-C as the run file is closing (its capture stored before)
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(1000):  # Python runs the handler between two bytecodes: here, inside the close
+        pass
+    return close(self, *args, **kwargs)
+
+writer.SqliteSink.close = pressed_then_close
+net = dpprof.DataParallel(torch.nn.Linear(5, 2), device_ids=dpprof.cpu_devices(2))
+with dpprof.record(name="ctrl-c at close", capture="2:4") as run:
+    print(run.path, flush=True)
+    for i in range(6):
+        with run.step():
+            net(torch.randn(8, 5)).sum().backward()
+        if sys.argv[1] == "twice" and i == 4:
+            raise KeyboardInterrupt  # the first Ctrl-C, in training: the second comes as the run closes
+print("not reached", flush=True)
+"""
+
+
+@pytest.mark.parametrize("when", ["once", "twice"])
+def test_ctrl_c_while_the_run_closes_waits_for_the_close(reports, when):
+    """A Ctrl-C as the run closes (after training, or a second one after a first stopped training) waits until the
+    run is stored whole, its capture too; then Python's KeyboardInterrupt ends the program as it would have."""
+    child = subprocess.run([sys.executable, "-c", _CTRL_C_AT_CLOSE, when], capture_output=True, text=True,
+                           timeout=240, env={**os.environ, "DPPROF_REPORTS": str(reports), "PYTHONPATH": str(ROOT)})
+    assert child.returncode != 0 and "KeyboardInterrupt" in child.stderr and "not reached" not in child.stdout
+    stored = dpprof.load_run(child.stdout.splitlines()[0])
+    steps = 6 if when == "once" else 5
+    assert stored.meta["status"] == ("finished" if when == "once" else "interrupted"), stored.meta["error"]
+    assert stored.steps["step"].tolist() == list(range(steps))
+    assert detail_rows.detail_missing(stored) is None and len(detail_rows.operators(stored))  # the capture stored
 
 
 def test_sigkill_keeps_every_step_committed_before_it(reports):
