@@ -46,6 +46,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    """A time in seconds: a finite number over 0 (``capture --timeout``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds over 0")
+    return value
+
+
 def _step_index(text: str) -> int:
     """A step index: a whole number from 0 (``--capture A``, a capture's first step)."""
     try:
@@ -906,7 +917,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "answer within --timeout.")
     p.add_argument("run", help="run id (or a unique prefix) or path to a run file")
     p.add_argument("--steps", type=_positive_int, default=5, help="steps to capture (default: 5)")
-    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
+    p.add_argument("--timeout", type=_positive_seconds, default=600.0, metavar="S",
                    help="give up after S seconds without an answer (default: 600)")
     p.add_argument("--quiet", action="store_true", help="no line on stderr while waiting")
     p.set_defaults(func=_cmd_capture, parser=p)

@@ -7,6 +7,8 @@ import gzip
 import json
 import os
 import re
+import socket
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -309,6 +311,36 @@ def test_a_running_run_captures_on_request_at_a_step_boundary(reports, capsys):
     assert code == 1 and err == (f"dpprof: run {run.id} is finished, not running: only a run being recorded can "
                                  "capture (use --capture A:B when starting one)")
     assert not (reports / capture_request_name(run.id)).exists()
+
+
+def test_a_second_request_while_one_is_pending_is_refused_and_the_first_is_answered(reports, capsys):
+    """Two askers at once: the second is told in one line that a request is pending (it used to replace the first,
+    whose asker then waited out its timeout); a request whose asker is gone is withdrawn by the next one."""
+    with RunningRun(reports) as live:
+        run = dpprof.load_run(live.path)
+        first = ask(run, 2)
+        with pytest.raises(CaptureError, match=rf"run {run.id} has a capture request pending already \(asked by "
+                                               rf"process {os.getpid()} on "):
+            ask(run, 2)
+        assert main(["capture", run.id, "--steps", "2", "--quiet"]) == 1
+        assert "has a capture request pending already" in capsys.readouterr().err
+        answer = wait_for_answer(first, ANSWER_TIMEOUT_S)
+        assert answer.error is None and answer.end_step == answer.first_step + 2
+        assert not (reports / capture_request_name(run.id)).exists()
+        # an asker that died with its request on disk: the next ask withdraws it
+        gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        request = reports / capture_request_name(run.id)
+        request.write_text(json.dumps({"request": "0" * 32, "steps": 1, "first_step": None, "pid": int(gone.stdout),
+                                       "host": socket.gethostname(), "asked_at": "2026-01-01T00:00:00+00:00"}))
+        again = wait_for_answer(ask(run, 1), ANSWER_TIMEOUT_S)
+        assert again.error is None and again.first_step >= answer.end_step
+
+
+@pytest.mark.parametrize("timeout", ["-5", "0", "nan", "inf", "soon"])
+def test_a_capture_timeout_that_is_no_time_is_a_usage_error(timeout, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["capture", "any", "--timeout", timeout])
+    assert done.value.code == 2 and f"{timeout!r} is not a number of seconds over 0" in capsys.readouterr().err
 
 
 def test_a_distributed_run_captures_the_same_steps_on_every_rank_on_request(tmp_path):

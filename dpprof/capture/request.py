@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import time
 import uuid
 from dataclasses import asdict, dataclass, replace
@@ -31,6 +32,7 @@ from typing import Any
 from dpprof.capture.window import MAX_CAPTURE_STEPS, CaptureError
 from dpprof.store.files import capture_answer_name, capture_request_name, remove_files
 from dpprof.store.reader import RunFileError, StoredRun, read_run_file
+from dpprof.store.status import pid_alive
 
 __all__ = ["CaptureRequest", "CaptureAnswer", "ask", "wait_for_answer", "answer_to", "read_request", "write_answer",
            "ANSWER_POLL_S"]
@@ -38,6 +40,7 @@ __all__ = ["CaptureRequest", "CaptureAnswer", "ask", "wait_for_answer", "answer_
 LEAD_S = 4.0  # a distributed run's window starts this far ahead: a rank's request poll (1 s), its steps' commit (0.5 s)
 MIN_LEAD_STEPS = 2
 ANSWER_POLL_S = 0.2  # how often the asker looks for the answer: a person waiting notices ~0.2 s, the disk does not
+STALE_REQUEST_S = 3600.0  # a request asked from another host is withdrawn after this (its asker cannot be seen)
 _STATUS_EVERY_S = 2.0  # how often the asker reads the run's status, to say at once that it ended without answering
 
 
@@ -96,14 +99,52 @@ def ask(run: StoredRun, steps: int) -> CaptureRequest:
     ranks = [r for r in run.meta.get("ranks") or [] if isinstance(r, int)]
     if run.meta.get("rank") is not None or len(run.paths) > 1:
         request = replace(request, first_step=_first_step_of_all(run), ranks=tuple(sorted(ranks)))
-    remove_files(*(str(directory / capture_answer_name(run.id, r)) for r in request.ranks or [None]))  # never read
+    path = directory / capture_request_name(run.id)
+    value = {"request": request.nonce, "steps": steps, "first_step": request.first_step,
+             "asked_at": datetime.now(timezone.utc).isoformat(), "pid": os.getpid(), "host": socket.gethostname()}
     try:
-        _write_json(directory / capture_request_name(run.id),
-                    {"request": request.nonce, "steps": steps, "first_step": request.first_step,
-                     "asked_at": datetime.now(timezone.utc).isoformat()})
+        if not _write_new(path, value):  # another asker's request is there
+            pending = _pending(path)
+            if pending is not None:
+                raise CaptureError(f"run {run.id} has a capture request pending already ({pending}): wait for its "
+                                   "answer, then ask again")
+            remove_files(str(path))  # its asker is gone: the request is withdrawn
+            if not _write_new(path, value):
+                raise CaptureError(f"run {run.id} has a capture request pending already: wait for its answer, then "
+                                   "ask again")
     except OSError as err:
         raise CaptureError(f"cannot write the capture request in {directory}: {err.strerror or err}") from None
+    answers = [directory / capture_answer_name(run.id, r) for r in request.ranks or [None]]
+    remove_files(*(str(a) for a in answers if _answered(a) != request.nonce))  # earlier answers: never read
     return request
+
+
+def _write_new(path: Path, value: dict[str, Any]) -> bool:
+    """Write ``value`` whole under ``path`` unless a file of that name is there (False then): a reader never sees
+    half of it, and of two askers at once one gets the name."""
+    part = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part")
+    part.write_text(json.dumps(value))
+    try:
+        os.link(part, path)
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(part)
+    return True
+
+
+def _pending(path: Path) -> str | None:
+    """Who asked the request at ``path`` ("process 123 on host, at 12:01:02"), or None where that asker is gone (its
+    process on this host ended; on another host, asked over STALE_REQUEST_S ago) or the file is no request."""
+    try:
+        value = json.loads(path.read_text())
+        pid, host, asked = value.get("pid"), value.get("host"), datetime.fromisoformat(value["asked_at"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    age = (datetime.now(timezone.utc) - asked).total_seconds()
+    if (pid_alive(pid) if host == socket.gethostname() else age < STALE_REQUEST_S):
+        return f"asked by process {pid} on {host} at {asked:%H:%M:%S}"
+    return None
 
 
 def _first_step_of_all(run: StoredRun) -> int:
@@ -142,8 +183,11 @@ def wait_for_answer(request: CaptureRequest, timeout_s: float | None = None) -> 
                 raise CaptureError(f"run {request.run_id} did not capture {request.steps} steps in {timeout_s:g} s "
                                    "(its steps are slower than that, or it stopped stepping); the request is withdrawn")
             time.sleep(ANSWER_POLL_S)
-    finally:
-        remove_files(str(directory / capture_request_name(request.run_id)), *map(str, answer_paths))
+    finally:  # its own request and answers only: another asker's may be there once this one's is withdrawn
+        mine = read_request(directory, request.run_id)
+        if mine is not None and mine[0] == request.nonce:
+            remove_files(str(directory / capture_request_name(request.run_id)))
+        remove_files(*(str(p) for p in answer_paths if _answered(p) == request.nonce))
 
 
 def answer_to(request: CaptureRequest) -> CaptureAnswer | None:
@@ -170,6 +214,12 @@ def _status(run_path: str) -> str:
         return str(read_run_file(run_path)[0].get("status"))
     except (RunFileError, OSError):
         return "gone"
+
+
+def _answered(path: Path) -> str | None:
+    """The request the answer at ``path`` answers (its nonce); None where there is no answer."""
+    answer = _read_answer(path)
+    return answer.request if answer is not None else None
 
 
 def _read_answer(path: Path) -> CaptureAnswer | None:
