@@ -815,19 +815,20 @@ def _cmd_advise(args: argparse.Namespace) -> int:
             return EXIT_FAILURE
         progress = (lambda s: print(f"dpprof: running {s.label}: {s.command}", file=sys.stderr, flush=True))
         checked = check(view.advice, out_dir, progress=None if args.quiet else progress)
+    failed = EXIT_FAILURE if checked is not None and any(c.error is not None for c in checked) else EXIT_OK
     if args.json:
         data = view.advice.to_json()
         if checked is not None:
             data["check"] = [c.to_json() for c in checked]
         print(json.dumps(data, indent=1))
-        return EXIT_OK
+        return failed
     print("\n".join(text_lines(view)))
     if checked is not None:
         from dpprof.views.advise import check_lines
 
         print()
         print("\n".join(check_lines(checked)))
-    return EXIT_OK
+    return failed
 
 
 _CAPTURE_HELP = ("profile steps A to B-1 with torch.profiler (every thread; CUDA too on a GPU): their operators, "

@@ -552,3 +552,25 @@ def test_a_check_directory_that_is_a_file_is_one_line_before_any_scenario_runs(r
     lines = [line for line in err.splitlines() if line.startswith("dpprof:")]
     assert len(lines) == 1 and lines[0].startswith("dpprof: --check-dir: ") and "Traceback" not in err, err
     assert "running" not in err and target.read_text() == "mine"
+
+
+def test_check_runs_that_fail_say_the_childs_own_error_and_exit_1(tmp_path, monkeypatch, calibrated, capsys):
+    """A run of a user's model whose module is gone by the time of --check (another directory, a renamed file):
+    every check run fails, each row says the child's own error line (not argparse's usage text), the table says
+    how many failed, and the exit status is 1."""
+    (tmp_path / "gonemodels.py").write_text(MODEL_FILE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reports = tmp_path / "reports"
+    assert main(["--reports-dir", str(reports), "profile", "--model", "gonemodels:make", "--input-shape", "12",
+                 "--devices", "cpu:2", "--steps", "4", "--batch-size", "16", "--quiet"]) == 0
+    [run_id] = dpprof.list_runs(reports)["id"]
+    (tmp_path / "gonemodels.py").unlink()
+    monkeypatch.delitem(sys.modules, "gonemodels", raising=False)
+    capsys.readouterr()
+    assert main(["--reports-dir", str(reports), "advise", run_id, "--check", "--quiet"]) == 1
+    out = capsys.readouterr().out
+    scenarios = len(_advice(dpprof.load_run(run_id, reports)).scenarios)
+    assert f"{scenarios} of {scenarios} check runs failed" in out
+    said = "exited with 2: dpprof profile: error: cannot load model factory 'gonemodels:make'"
+    assert out.count(said) == scenarios and "[--nproc NPROC]" not in out

@@ -16,7 +16,7 @@ from dpprof.records import CHECK_OF_ENV
 from dpprof.store import queries
 from dpprof.store.reader import load_run
 
-__all__ = ["CHECK_TIMEOUT_S", "Checked", "check", "run_scenario"]
+__all__ = ["CHECK_TIMEOUT_S", "Checked", "check", "failed_reason", "run_scenario"]
 
 CHECK_TIMEOUT_S = 900  # one scenario's run; a DDP run starts torchrun and its ranks
 
@@ -102,5 +102,18 @@ def check(advice: Advice, reports_dir: str | os.PathLike[str], scenarios: Sequen
             step, held = measured(run_id, reports_dir)
             out.append(Checked(scenario, run_id, step, held))
         except (LaunchError, subprocess.TimeoutExpired, ValueError) as err:
-            out.append(Checked(scenario, None, None, {}, str(err).splitlines()[0] if str(err) else type(err).__name__))
+            out.append(Checked(scenario, None, None, {}, failed_reason(err)))
     return out
+
+
+def failed_reason(err: Exception) -> str:
+    """Why one check run failed, in a line: for a child that exited with an error, its exit status and its own
+    last error line (``dpprof profile: error: ...``, ``dpprof: ...``), else its last line of output."""
+    if isinstance(err, subprocess.TimeoutExpired):
+        return f"ran past {err.timeout:g} s and was stopped"
+    if isinstance(err, LaunchError):
+        said = [line.strip() for line in err.lines if line.strip()]
+        own = [line for line in said if line.startswith("dpprof")]
+        last = (own or said or [type(err).__name__])[-1]
+        return f"exited with {err.returncode}: {last}"
+    return str(err).splitlines()[0] if str(err) else type(err).__name__

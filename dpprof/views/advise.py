@@ -208,6 +208,9 @@ def check_lines(checked: list) -> list[str]:
     errors = [abs(c.step_error) for c in predicted]
     withheld = sum(1 for c in checked if c.scenario.withheld is not None)
     said = f"; {withheld} scenario(s) had no prediction and are left out" if withheld else ""
+    failed = [c for c in checked if c.error is not None]
+    if failed:
+        out.append(f"{len(failed)} of {len(checked)} check runs failed (the \"check run\" column says why)")
     if errors:
         inside = sum(1 for c in predicted if c.inside)
         out.append(f"median |error| of the step time {pd.Series(errors).median():.1%}; {inside} of {len(errors)} "
