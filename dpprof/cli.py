@@ -11,6 +11,7 @@ import re
 import sys
 import textwrap
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
@@ -18,6 +19,11 @@ from dpprof.launch import (DEFAULT_WORKLOAD, LaunchError, Profile, ProfileError,
                            parse_input_shape)
 from dpprof.units import plural
 from dpprof.workload_names import WORKLOAD_NAMES
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from dpprof.advise.calibration_cache import Calibration
 
 __all__ = ["main", "parse_devices"]
 
@@ -749,6 +755,21 @@ def _detail_options(p: argparse.ArgumentParser, by: tuple[str, ...] | None) -> N
     p.add_argument("--json", action="store_true", help="print JSON (the fields docs/cli.md lists)")
 
 
+def _calibrate_and_cache(devices: int, progress: bool) -> tuple[Calibration, Path | None]:
+    """dpprof advise's calibration of this machine for ``devices`` CPU workers, and where it was cached: None, said
+    in one line on stderr, where the cache cannot be written (the calibration is then used, not kept)."""
+    from dpprof.advise.calibrate import calibrate
+    from dpprof.advise.calibration_cache import save_calibration
+
+    calibration = calibrate(devices, save=False, progress=progress)
+    try:
+        return calibration, save_calibration(calibration)
+    except OSError as err:
+        print(f"dpprof: the calibration cannot be cached ({type(err).__name__}: {err}): it is used this once and "
+              "measured again next time", file=sys.stderr)
+        return calibration, None
+
+
 def _cmd_advise(args: argparse.Namespace) -> int:
     """Predict other set-ups from one recorded DataParallel run; --calibrate measures this machine first, --check
     runs every scenario for real."""
@@ -767,15 +788,13 @@ def _cmd_advise(args: argparse.Namespace) -> int:
         match = re.fullmatch(r"cpu:(\d+)", args.devices.strip())
         if not match or int(match.group(1)) < 1:
             raise UsageError(f"--devices {args.devices!r}: the calibration is of CPU workers, cpu:N")
-        from dpprof.advise.calibrate import calibrate
-        from dpprof.advise.calibration_cache import cache_path
-
-        calibration = calibrate(int(match.group(1)), progress=sys.stderr.isatty())
+        calibration, cached = _calibrate_and_cache(int(match.group(1)), progress=sys.stderr.isatty())
         print("\n".join(calibration.lines()))
         if calibration.loaded_reason():
             print(f"dpprof: {calibration.loaded_reason()}: dpprof advise predicts nothing with it; measure again "
                   "(dpprof advise --calibrate) once the machine is quieter", file=sys.stderr)
-        print(f"cached in {cache_path(calibration.backend, calibration.devices, calibration.threads)}")
+        if cached is not None:
+            print(f"cached in {cached}")
         return EXIT_OK
     run = load_run(args.run, args.reports_dir)
     try:
@@ -787,14 +806,17 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     if m.backend == "cpu" and (args.calibrate or calibration is None):
         import torch
 
-        from dpprof.advise.calibrate import calibrate
-        from dpprof.advise.calibration_cache import cache_path
+        from dpprof.advise.calibration_cache import cache_path, cached_calibration
 
+        _, unused = cached_calibration("cpu", m.n, m.threads)
+        if unused is not None and not args.calibrate:
+            print(f"dpprof: the cached calibration {cache_path('cpu', m.n, m.threads)} was not used: {unused}; "
+                  "measuring again", file=sys.stderr)
         torch.set_num_threads(m.threads)  # the calibration of the run's own thread count
         print(f"dpprof: calibrating this machine for {m.n} CPU workers at {m.threads} intra-op thread(s) (half a "
               f"minute, once; cached in {cache_path('cpu', m.n, m.threads)})", file=sys.stderr, flush=True)
         # a bar where someone watches: not under --json, nor into a file or a pipe
-        calibration = calibrate(m.n, progress=not args.json and sys.stderr.isatty())
+        calibration, _ = _calibrate_and_cache(m.n, progress=not args.json and sys.stderr.isatty())
         if args.calibrate:
             print("\n".join(calibration.lines()), file=sys.stderr if args.json else sys.stdout)
     view = advisor(run, args.memory_gib, args.batch_sizes, calibration=calibration)

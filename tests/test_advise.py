@@ -554,6 +554,7 @@ def test_a_check_directory_that_is_a_file_is_one_line_before_any_scenario_runs(r
     assert "running" not in err and target.read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_check_runs_that_fail_say_the_childs_own_error_and_exit_1(tmp_path, monkeypatch, calibrated, capsys):
     """A run of a user's model whose module is gone by the time of --check (another directory, a renamed file):
     every check run fails, each row says the child's own error line (not argparse's usage text), the table says
@@ -574,3 +575,53 @@ def test_check_runs_that_fail_say_the_childs_own_error_and_exit_1(tmp_path, monk
     assert f"{scenarios} of {scenarios} check runs failed" in out
     said = "exited with 2: dpprof profile: error: cannot load model factory 'gonemodels:make'"
     assert out.count(said) == scenarios and "[--nproc NPROC]" not in out
+
+
+def _damaged(cal: dict, how: str):
+    """A cache file's JSON damaged one way (the JSON text written)."""
+    if how == "a list":
+        return "[]"
+    if how == "not JSON":
+        return "{"
+    damaged = {**cal, **{"NaN copy": {"copy_ms_per_mib": float("nan")}, "no cores": {"cores": 0},
+                         "cores in words": {"cores": "two"}, "a negative hand-off": {"handoff_ms": {"2": -1.0}},
+                         "older": {"version": 1}}.get(how, {})}
+    if how == "host missing":
+        del damaged["host"]
+    return json.dumps(damaged)
+
+
+@pytest.mark.parametrize("how, why", [
+    ("a list", "it holds a JSON list"), ("not JSON", "it cannot be read"), ("NaN copy", "copy_ms_per_mib is nan"),
+    ("no cores", "cores is 0"), ("cores in words", "cores is 'two'"), ("a negative hand-off", "handoff_ms [2] is -1.0"),
+    ("host missing", "host is missing"), ("older", "it is of version 1")])
+def test_a_damaged_calibration_cache_is_none_and_says_why(runs, calibrated, tmp_path, monkeypatch, how, why):
+    from dpprof.advise.calibration_cache import cache_path, cached_calibration
+    from dpprof.views.advise import advisor
+
+    threads = torch.get_num_threads()
+    data = json.loads(cache_path("cpu", 2, threads).read_text())
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cache_path("cpu", 2, threads).parent.mkdir(parents=True)
+    cache_path("cpu", 2, threads).write_text(_damaged(data, how))
+    cal, said = cached_calibration("cpu", 2, threads)
+    assert cal is None and said.startswith(why)
+    view = advisor(runs.plain)  # the read side: no prediction, and why the cached file was not used
+    assert view.advice is None and f"the cached one not used: {said}" in view.reason
+
+
+@pytest.mark.slow
+def test_an_unreadable_and_unwritable_cache_is_measured_again_and_the_advice_printed(runs, tmp_path, monkeypatch,
+                                                                                       capsys):
+    from dpprof.advise.calibration_cache import cache_path
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = cache_path("cpu", 2, torch.get_num_threads())
+    path.mkdir(parents=True)  # the cache file's name is a directory: neither read nor written
+    assert main(["--reports-dir", str(runs.dir), "advise", runs.plain.id]) == 0
+    captured = capsys.readouterr()
+    [unused] = [line for line in captured.err.splitlines() if "was not used" in line]
+    assert unused.startswith(f"dpprof: the cached calibration {path} was not used: it cannot be read")
+    [uncached] = [line for line in captured.err.splitlines() if "cannot be cached" in line]
+    assert uncached.startswith("dpprof: the calibration cannot be cached (IsADirectoryError")
+    assert "Traceback" not in captured.err and "DDP on 2 ranks" in captured.out and path.is_dir()

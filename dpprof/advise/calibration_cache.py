@@ -7,13 +7,16 @@ host, backend, device count and intra-op thread count: ``vm-cpu2-t2.json``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Calibration", "cache_dir", "cache_path", "load_calibration", "save_calibration", "device_set_key",
+__all__ = ["Calibration", "cache_dir", "cache_path", "cached_calibration", "load_calibration", "save_calibration",
+           "device_set_key",
            "CALIBRATION_VERSION", "LOADED_THREAD_SPEEDUP"]
 
 CALIBRATION_VERSION = 3  # bumped when what is measured changes: an older file is measured again
@@ -158,23 +161,130 @@ def cache_path(backend: str, devices: int, threads: int, host: str | None = None
     return cache_dir() / f"{device_set_key(backend, devices, threads, host)}.json"
 
 
-def load_calibration(backend: str, devices: int, threads: int, host: str | None = None) -> Calibration | None:
-    """The cached calibration of this device set on ``host`` (default: this host), or None (none, unreadable, older)."""
+def cached_calibration(backend: str, devices: int, threads: int,
+                       host: str | None = None) -> tuple[Calibration | None, str | None]:
+    """The cached calibration of this device set on ``host`` (default: this host), or None and why the cached file
+    was not used, in a few words (None where there is no file: nothing to say)."""
     path = cache_path(backend, devices, threads, host)
     try:
         data = json.loads(path.read_text())
-        if data.get("version") != CALIBRATION_VERSION:
-            return None
-        return Calibration.from_json(data)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError) as err:
+        return None, f"it cannot be read ({type(err).__name__}: {err})"
+    why = _not_a_calibration(data)
+    if why is None and (data["backend"], data["devices"], data["threads"]) != (backend, devices, threads):
+        why = (f"it is of {data['backend']} x{data['devices']} at {data['threads']} thread(s), not {backend} "
+               f"x{devices} at {threads}")
+    if why is not None:
+        return None, why
+    return Calibration.from_json(data), None
+
+
+def load_calibration(backend: str, devices: int, threads: int, host: str | None = None) -> Calibration | None:
+    """The cached calibration of this device set on ``host`` (default: this host), or None (none, unreadable,
+    older, damaged: cached_calibration says why)."""
+    return cached_calibration(backend, devices, threads, host)[0]
 
 
 def save_calibration(calibration: Calibration) -> Path:
-    """Write the calibration to its cache file (whole, through a temporary name); returns the path."""
+    """Write the calibration to its cache file (whole, through a temporary name); returns the path.
+
+    Raises:
+        OSError: the cache cannot be written (its directory is a file, the file a directory, no permission).
+    """
     path = cache_path(calibration.backend, calibration.devices, calibration.threads, calibration.host)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(calibration.to_json(), indent=1))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(calibration.to_json(), indent=1))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
+
+
+# -- what a cache file must hold ------------------------------------------------------------------------------
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _text(value: Any) -> str | None:
+    return None if isinstance(value, str) else "is not text"
+
+
+def _count(value: Any) -> str | None:
+    """A device, thread or core count: a whole number, at least 1."""
+    return None if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else \
+        f"is {value!r}, not a whole number of at least 1"
+
+
+def _ms(value: Any) -> str | None:
+    """A duration (or a rate): a finite number, not below 0."""
+    return None if _number(value) and value >= 0 else f"is {value!r}, not a finite number of at least 0"
+
+
+def _ratio_or_none(value: Any) -> str | None:
+    """A speed-up or a core count measured: a finite number above 0, or null where not measured."""
+    return None if value is None or (_number(value) and value > 0) else f"is {value!r}, not a finite number above 0"
+
+
+def _text_or_none(value: Any) -> str | None:
+    return None if value is None or isinstance(value, str) else "is not text"
+
+
+def _by_k(value: Any, check: Callable[[Any], str | None]) -> str | None:
+    """A table keyed by a worker count ("1", "2", ...) whose every value passes ``check``."""
+    if not isinstance(value, dict):
+        return "is not a table"
+    for k, v in value.items():
+        if not str(k).isdigit() or int(k) < 1:
+            return f"has a key {k!r} that is no worker count"
+        why = check(v)
+        if why is not None:
+            return f"[{k}] {why}"
+    return None
+
+
+def _phases(value: Any) -> str | None:
+    """phase -> ms."""
+    if not isinstance(value, dict):
+        return "is not a table"
+    return next((f"[{p!r}] {why}" for p, ms in value.items() if (why := _ms(ms)) is not None), None)
+
+
+def _points(value: Any) -> str | None:
+    """(bytes, ms) pairs."""
+    if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
+        return "is not a list of (bytes, ms) pairs"
+    return next((f"holds {p!r}" for p in value if _ms(p[0]) is not None or _ms(p[1]) is not None), None)
+
+
+_FIELD_CHECKS: dict[str, Callable[[Any], str | None]] = {
+    "host": _text, "backend": _text, "devices": _count, "threads": _count, "cores": _count, "measured_at": _text,
+    "torch_version": _text, "handoff_ms": lambda v: _by_k(v, _ms), "copy_ms_per_mib": _ms, "op_ms": _ms,
+    "allreduce_latency_ms": _ms, "allreduce_ms_per_mib": _ms, "allreduce_points": _points, "ddp_sync_ms": _ms,
+    "ddp_overhead_ms": _ms, "thread_speedup": _ratio_or_none, "dataparallel_ms": lambda v: _by_k(v, _phases),
+    "effective_cores": _ratio_or_none, "cores_measured_at": _text_or_none, "balanced_ms": lambda v: _by_k(v, _phases),
+    "spread": _phases, "version": lambda v: None,
+}
+
+
+def _not_a_calibration(data: Any) -> str | None:
+    """Why a cache file's JSON is no calibration of this version, in a few words (a field missing, of the wrong
+    type, not finite or out of range); None where it is one."""
+    if not isinstance(data, dict):
+        return f"it holds a JSON {type(data).__name__}, not an object"
+    if data.get("version") != CALIBRATION_VERSION:
+        return f"it is of version {data.get('version')!r}, not {CALIBRATION_VERSION} (what is measured has changed)"
+    for f in fields(Calibration):
+        if f.name not in data:
+            if f.default is MISSING and f.default_factory is MISSING:
+                return f"{f.name} is missing"
+            continue
+        why = _FIELD_CHECKS[f.name](data[f.name])
+        if why is not None:
+            return f"{f.name} {why}"
+    return None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from dpprof.advise import NotAdvisable
-from dpprof.advise.calibration_cache import Calibration, cache_dir, cache_path, load_calibration
+from dpprof.advise.calibration_cache import Calibration, cache_dir, cache_path, cached_calibration
 from dpprof.advise.measured import Measured, measure
 from dpprof.advise.predict import MAX_INTERVAL_RATIO, PART_ORDER, Advice, Scenario, advise
 from dpprof.stepmodel import PHASE_WORDS
@@ -38,10 +38,11 @@ def calibration_for(m: Measured) -> tuple[Calibration | None, str]:
     with a calibration at one thread."""
     if m.backend != "cpu":
         return None, "GPU runs are not calibrated on this machine (it has no GPU): costs come from the run alone."
-    cal = load_calibration("cpu", m.n, m.threads)
+    cal, unused = cached_calibration("cpu", m.n, m.threads)
     if cal is None:
+        why = f", the cached one not used: {unused}" if unused is not None else ""
         return None, (f"No calibration of this machine for {m.n} CPU workers at {m.threads} intra-op thread(s) "
-                      f"({cache_path('cpu', m.n, m.threads)}): without one, DataParallel's own machinery, the hand-off "
+                      f"({cache_path('cpu', m.n, m.threads)}{why}): without one, DataParallel's own machinery, the hand-off "
                       f"to the workers and the all-reduce would count as free, so nothing is predicted. "
                       f"`dpprof advise {m.run_id}` calibrates this machine first (about half a minute, once) and "
                       "caches it.")
