@@ -171,6 +171,8 @@ class Run:
         self.name = name or self.id
         self.workload = workload
         self.workload_args = dict(workload_args or {})
+        # the intra-op threads the caller and its CPU workers share, for every recording (dpprof advise models them)
+        self.workload_args.setdefault("threads", torch.get_num_threads())
         if os.environ.get(CHECK_OF_ENV):  # a run dpprof advise --check records: marked as a check of that run
             self.workload_args.setdefault("check_of", os.environ[CHECK_OF_ENV])
         self.sync_timing = sync_timing

@@ -257,9 +257,7 @@ def train(workload: Workload, device_ids: Sequence[DeviceLike], steps: int, name
     if progress is not None:
         step_ids = progress(step_ids)
     default_name = f"{workload.name} (balanced)" if balanced else workload.name
-    args = {**workload.args, "devices": [str(d) for d in device_ids], "steps": steps, "balanced": balanced,
-            # the intra-op threads the caller and its CPU workers share (dpprof advise models them)
-            "threads": torch.get_num_threads()}
+    args = {**workload.args, "devices": [str(d) for d in device_ids], "steps": steps, "balanced": balanced}
     if os.environ.get("OMP_NUM_THREADS"):
         args["omp_num_threads"] = os.environ["OMP_NUM_THREADS"]
     with record(name=name or default_name, reports_dir=reports_dir, workload=workload.name,

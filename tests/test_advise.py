@@ -625,3 +625,11 @@ def test_an_unreadable_and_unwritable_cache_is_measured_again_and_the_advice_pri
     [uncached] = [line for line in captured.err.splitlines() if "cannot be cached" in line]
     assert uncached.startswith("dpprof: the calibration cannot be cached (IsADirectoryError")
     assert "Traceback" not in captured.err and "DDP on 2 ranks" in captured.out and path.is_dir()
+
+
+def test_a_run_recorded_with_dpprof_record_carries_its_threads_and_advise_reads_them(paused):
+    """dpprof.record (dpprof run's recording too) stores torch's intra-op threads with the run, as dpprof profile
+    does: the advisor reads them rather than taking the cores."""
+    assert paused.stalled.meta["workload_args"]["threads"] == torch.get_num_threads()
+    m = measure(paused.stalled)
+    assert (m.threads, m.threads_source) == (torch.get_num_threads(), "recorded with the run")

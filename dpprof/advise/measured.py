@@ -349,7 +349,7 @@ def _threads(run: StoredRun) -> tuple[int, str, int]:
     cores = int(devices["cores"].dropna().max()) if "cores" in devices and devices["cores"].notna().any() else 1
     recorded = (run.meta.get("workload_args") or {}).get("threads")
     if recorded:
-        return int(recorded), "recorded by dpprof profile", cores
+        return int(recorded), "recorded with the run", cores
     return cores, "not recorded: taken as the cores (torch's default)", cores
 
 
