@@ -633,3 +633,19 @@ def test_a_run_recorded_with_dpprof_record_carries_its_threads_and_advise_reads_
     assert paused.stalled.meta["workload_args"]["threads"] == torch.get_num_threads()
     m = measure(paused.stalled)
     assert (m.threads, m.threads_source) == (torch.get_num_threads(), "recorded with the run")
+
+
+def test_the_headline_names_only_a_scenario_whose_interval_lies_below_the_recorded_step(runs, calibrated, tmp_path):
+    """On one device the balanced pair is the recorded set-up again (nothing to balance): it is not proposed. Any
+    scenario headlined has its interval's high end under the recorded median step; none else is."""
+    one = record(tmp_path, "one", workers=1, steps=6, batch_size=16)
+    advice = advise(measure(one), calibrated)
+    assert {s.scenario for s in advice.scenarios} == {"ddp", "dataparallel"}
+    for a in (advice, *(_advice(getattr(runs, name)) for name in ADVISABLE)):
+        recorded = next(s for s in a.scenarios if s.recorded)
+        best = a.headline()
+        if best is None:  # withheld: a calibration measured under load
+            continue
+        faster = [s for s in a.scenarios if s.batch_size == recorded.batch_size and s.withheld is None
+                  and s.step_ms_high < recorded.step_ms]
+        assert best is (min(faster, key=lambda s: s.step_ms) if faster else recorded)

@@ -41,7 +41,7 @@ from dpprof.stepmodel import PHASE_WORDS
 if TYPE_CHECKING:
     from dpprof.launch import Profile
 
-__all__ = ["Scenario", "Advice", "advise", "EXTRAPOLATION_SHARE", "MAX_INTERVAL_RATIO", "RUN_TO_RUN_SHARE",
+__all__ = ["Scenario", "Advice", "advise", "faster_than_recorded", "EXTRAPOLATION_SHARE", "MAX_INTERVAL_RATIO", "RUN_TO_RUN_SHARE",
            "DDP_FIRST_BUCKET_BYTES", "DDP_BUCKET_BYTES",
            "PART_ORDER"]
 
@@ -130,12 +130,14 @@ class Advice:
         return self.measured.step_ms
 
     def headline(self) -> Scenario | None:
-        """The fastest predicted set-up at the recorded batch (the recorded one where none is faster); None where
-        the predictions are withheld."""
+        """The fastest predicted set-up at the recorded batch among those meaningfully faster than the recorded one
+        (faster_than_recorded); the recorded one where none is; None where the predictions are withheld."""
         if self.withheld is not None:
             return None
-        at_batch = [s for s in self.scenarios if s.batch_size == self.measured.batch_size and s.withheld is None]
-        return min(at_batch, key=lambda s: s.step_ms, default=None)
+        recorded = next((s for s in self.scenarios if s.recorded), None)
+        at_batch = [s for s in self.scenarios if s.batch_size == self.measured.batch_size and s.withheld is None
+                    and not s.recorded and recorded is not None and faster_than_recorded(s, recorded)]
+        return min(at_batch, key=lambda s: s.step_ms, default=recorded)
 
     def to_json(self) -> dict[str, Any]:
         m = self.measured
@@ -148,6 +150,12 @@ class Advice:
 
     def _recorded(self) -> dict[str, float]:
         return next((s.parts_ms for s in self.scenarios if s.recorded), {})
+
+
+def faster_than_recorded(s: Scenario, recorded: Scenario) -> bool:
+    """Whether ``s`` is meaningfully faster than the recorded set-up: its whole interval (whose width already
+    allows for two runs' medians and the run-to-run spread) lies below the recorded set-up's step."""
+    return s.step_ms_high < recorded.step_ms
 
 
 # -- compute along the batch -------------------------------------------------------------------------------
@@ -646,13 +654,14 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
             f"DataParallel on {k} {where if k != 1 else where[:-1]}" + (" (recorded)" if same else ""), notes,
             recorded=same)
 
-    # balanced on the recorded devices
-    parts = model.dataparallel(n, B, True)
-    notes = ([] if recorded_kind_balanced else
-             ["nothing is gathered: each device keeps its outputs and computes its share of the loss"])
-    add("balanced", n, B, parts, model.memory(n, B, True),
-        f"DataParallelModel + DataParallelCriterion on {n} {where}" + (" (recorded)" if recorded_kind_balanced else ""),
-        notes, recorded=recorded_kind_balanced)
+    # balanced on the recorded devices (not on one: it has no outputs to leave ungathered, nothing to balance)
+    if n > 1 or recorded_kind_balanced:
+        parts = model.dataparallel(n, B, True)
+        notes = ([] if recorded_kind_balanced else
+                 ["nothing is gathered: each device keeps its outputs and computes its share of the loss"])
+        add("balanced", n, B, parts, model.memory(n, B, True),
+            f"DataParallelModel + DataParallelCriterion on {n} {where}" + (" (recorded)" if recorded_kind_balanced else ""),
+            notes, recorded=recorded_kind_balanced)
 
     # other batch sizes, at the recorded device count and kind (DataParallel entries with their batch size)
     for batch in batch_sizes or sorted({max(1, B // 2), B * 2}):
