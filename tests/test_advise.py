@@ -649,3 +649,31 @@ def test_the_headline_names_only_a_scenario_whose_interval_lies_below_the_record
         faster = [s for s in a.scenarios if s.batch_size == recorded.batch_size and s.withheld is None
                   and s.step_ms_high < recorded.step_ms]
         assert best is (min(faster, key=lambda s: s.step_ms) if faster else recorded)
+
+
+@pytest.mark.slow
+def test_a_killed_run_is_said_incomplete_and_its_commands_run_the_steps_it_recorded(calibrated, tmp_path):
+    """dpprof profile asked for 100,000 steps, killed (SIGKILL) once it has recorded some: advise says the run is
+    incomplete, and every command runs the steps it recorded (at most MAX_STEPS), not the 100,000 asked for."""
+    import subprocess
+
+    from dpprof.advise.commands import MAX_STEPS
+
+    child = subprocess.Popen([sys.executable, "-m", "dpprof", "--reports-dir", str(tmp_path), "profile",
+                              "tutorial-linear", "--devices", "cpu:2", "--steps", "100000", "--quiet"])
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            listing = dpprof.list_runs(tmp_path)
+            if len(listing) and listing["steps"].fillna(0).iloc[0] >= 20:
+                break
+            time.sleep(0.5)
+    finally:
+        child.kill()
+        child.wait(60)
+    run = dpprof.load_run(dpprof.list_runs(tmp_path)["id"].iloc[0], tmp_path)
+    advice = advise(measure(run), calibrated)
+    [said] = [line for line in advice.said_first if "incomplete" in line]
+    assert said.startswith(f"Run {run.id} is incomplete") and "of the 100,000 asked for" in said
+    steps = min(run.model.steps, MAX_STEPS)
+    assert all(s.command.endswith(f"--steps {steps}") for s in advice.scenarios)

@@ -8,15 +8,25 @@ from dpprof.launch import Profile
 if TYPE_CHECKING:
     from dpprof.advise.measured import Measured
 
-__all__ = ["DEFAULT_STEPS", "command_for", "profile_for"]
+__all__ = ["DEFAULT_STEPS", "MAX_STEPS", "command_for", "profile_for", "scenario_steps"]
 
 DEFAULT_STEPS = 30  # a run recorded without its step count: enough steps past the first for a median
+# The most steps a scenario's command runs: a median step and its interval are settled well before (a run asked
+# for 100,000 steps would make --check take hours).
+MAX_STEPS = 100
 
 
 def _devices(m: Measured, k: int) -> str:
     if m.backend == "cpu":
         return f"cpu:{k}"
     return ",".join(str(i) for i in range(k))
+
+
+def scenario_steps(m: Measured) -> int:
+    """The steps each scenario's command runs: those the run recorded (fewer than it asked for where it did not
+    finish), at most MAX_STEPS."""
+    asked = int(m.workload_args.get("steps") or DEFAULT_STEPS)
+    return max(1, min(asked, m.steps or asked, MAX_STEPS))
 
 
 def profile_for(m: Measured, scenario: str, k: int, batch: int, steps: int | None = None) -> Profile | None:
@@ -33,7 +43,7 @@ def profile_for(m: Measured, scenario: str, k: int, batch: int, steps: int | Non
         what = {"model": str(m.workload), "input_shape": tuple(int(d) for d in args["input_shape"])}
     else:
         return None
-    steps = steps or int(args.get("steps") or DEFAULT_STEPS)
+    steps = steps or scenario_steps(m)
     omp = args.get("omp_num_threads")
     env = {"OMP_NUM_THREADS": str(int(omp))} if omp else {}
     if scenario == "ddp":

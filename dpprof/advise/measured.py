@@ -20,9 +20,10 @@ from typing import Any
 import pandas as pd
 
 from dpprof.advise import NotAdvisable
+from dpprof.advise.commands import MAX_STEPS
 from dpprof.findings.steps import OUTLIER_STEP_RATIO, stalls
 from dpprof.store import advisor_rows, queries
-from dpprof.store.reader import StoredRun
+from dpprof.store.reader import StoredRun, effective_status
 from dpprof.workload_names import WORKLOAD_NAMES
 
 __all__ = ["MIN_STEPS", "Measured", "DeviceMemory", "measure", "chunk_sizes"]
@@ -107,6 +108,7 @@ class Measured:
     # the stall finding's sentence where the run's steps stall (dpprof.findings.steps.stalls), said before any
     # prediction; None where they do not
     stall_note: str | None = None
+    incomplete_note: str | None = None  # that the run did not finish (its status, the steps it recorded)
 
     @property
     def n(self) -> int:
@@ -260,7 +262,19 @@ def measure(run: StoredRun) -> Measured:
         target_bytes_per_sample=float(targets.sum() or 0) / (batch * count) if batch else 0.0,
         total_memory_bytes=total, workload=workload, workload_args=dict(args), source=source, apply_ratios=ratios,
         step_spread_ms=tuple(float(q) for q in durations.quantile([0, 0.25, 0.75, 1])),  # type: ignore[arg-type]
-        stall_note=_stall_note(run))
+        stall_note=_stall_note(run), incomplete_note=_incomplete_note(run, model.steps))
+
+
+def _incomplete_note(run: StoredRun, steps: int) -> str | None:
+    """That the run did not finish, in a sentence said before the predictions; None for a finished run."""
+    status = effective_status(run.meta)
+    if status == "finished":
+        return None
+    asked = (run.meta.get("workload_args") or {}).get("steps")
+    of = f" of the {int(asked):,} asked for" if asked else ""
+    return (f"Run {run.id} is incomplete (status {status}): it recorded {steps:,} steps{of}. The predictions start "
+            "from the steps it recorded, and each command runs as many (at most "
+            f"{MAX_STEPS}).")
 
 
 def _stall_note(run: StoredRun) -> str | None:

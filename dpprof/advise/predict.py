@@ -682,7 +682,7 @@ def _withheld(m: Measured, cal: Calibration | None, scenarios: list[Scenario]) -
     predicted, where none is: a calibration whose own figures say the machine was loaded
     (Calibration.loaded_reason), or a run whose own spread makes even the recorded set-up's interval span over
     MAX_INTERVAL_RATIO. Marks every scenario but the recorded one withheld then."""
-    said = [m.stall_note] if m.stall_note else []
+    said = [note for note in (m.incomplete_note, m.stall_note) if note]
     withheld = None
     loaded = cal.loaded_reason() if cal is not None else None
     recorded = next((s for s in scenarios if s.recorded), None)
