@@ -264,7 +264,7 @@ def test_advise_calibrates_itself_the_first_time_and_then_reads_the_cache(runs, 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # someone watching: the progress bar (tqdm) is drawn
     assert main(["--reports-dir", str(tmp_path / "reports"), "advise", one.id]) == 0
     first = capsys.readouterr()
-    assert "calibrating this machine for 1 CPU workers" in first.err
+    assert "calibrating this machine for 1 CPU worker at" in first.err
     assert "calibrating for 1 CPU worker(s)" in first.err and "/11 [" in first.err  # 11 measurements at n = 1
     cal = load_calibration("cpu", 1, torch.get_num_threads())
     assert cal is not None and set(cal.dataparallel_ms) == {1, 2}  # measured and cached
@@ -677,3 +677,17 @@ def test_a_killed_run_is_said_incomplete_and_its_commands_run_the_steps_it_recor
     assert said.startswith(f"Run {run.id} is incomplete") and "of the 100,000 asked for" in said
     steps = min(run.model.steps, MAX_STEPS)
     assert all(s.command.endswith(f"--steps {steps}") for s in advice.scenarios)
+
+
+def test_one_device_is_said_in_the_singular_and_an_empty_run_once(calibrated, tmp_path):
+    from dpprof.views.advise import AdvisorView, text_lines
+
+    one = record(tmp_path, "one", workers=1, steps=6, batch_size=16)
+    text = "\n".join(text_lines(AdvisorView(advise(measure(one), calibrated), None, "")))
+    assert "DDP on 1 rank (gloo)" in text and "DataParallel on 1 CPU worker (recorded)" in text
+    assert "batch 32 on 1 CPU worker" in text and "1 ranks" not in text and "1 CPU workers" not in text
+    with dpprof.record(name="empty", reports_dir=str(tmp_path)) as run:
+        pass
+    with pytest.raises(NotAdvisable) as refused:
+        measure(dpprof.load_run(run.path))
+    assert str(refused.value) == f"run {run.id} has nothing to predict from: the run recorded no steps"

@@ -147,7 +147,8 @@ def _refuse(run: StoredRun) -> None:
     """NotAdvisable, in one line, for a run the model cannot start from."""
     model = run.model
     if model.kind == "empty":
-        raise NotAdvisable(f"run {run.id} recorded no steps: {model.empty_reason}")
+        reason = (model.empty_reason or "the run recorded no steps").rstrip(".")
+        raise NotAdvisable(f"run {run.id} has nothing to predict from: {reason[:1].lower()}{reason[1:]}")
     if model.imported:
         raise NotAdvisable(f"run {run.id} is an imported torch.profiler trace: it holds no dpprof accounting of what "
                            "each device computes per sample and holds to predict from; record the training with "

@@ -37,6 +37,7 @@ from dpprof.advise.commands import profile_for
 from dpprof.advise.measured import Measured, chunk_sizes
 from dpprof.records import PHASE_ORDER
 from dpprof.stepmodel import PHASE_WORDS
+from dpprof.units import plural
 
 if TYPE_CHECKING:
     from dpprof.launch import Profile
@@ -580,7 +581,7 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
         raise NotAdvisable(f"run {m.run_id} has no batch size in its steps: nothing to split over devices")
     model = _Model(m, cal)
     n, B = m.n, m.batch_size
-    where = "CPU workers" if m.backend == "cpu" else "GPUs"
+    device = "CPU worker" if m.backend == "cpu" else "GPU"
     recorded_kind_balanced = m.kind == "balanced"
     base_parts = model.dataparallel(n, B, recorded_kind_balanced)
     recorded_step = sum(base_parts.values())
@@ -615,7 +616,7 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
     ddp_parts, ranks = model.ddp()
     skew_ms = model.rank_skew_ms({p: ddp_parts[p] for p in ("forward", "loss", "backward_compute")})
     per_rank = chunk_sizes(B, n)
-    ddp_label = f"DDP on {n} ranks ({'gloo' if m.backend == 'cpu' else 'NCCL'}), {per_rank[0]} samples each"
+    ddp_label = f"DDP on {plural(n, 'rank')} ({'gloo' if m.backend == 'cpu' else 'NCCL'}), {per_rank[0]} samples each"
     buckets = model.buckets()
     ddp_notes = [f"no scatter, replicate or gather: each rank keeps its model and its own {per_rank[0]} samples; "
                  + ("one intra-op thread a rank; " if m.backend == "cpu" else "")
@@ -651,7 +652,7 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
         if k == 1:
             notes.append("one device: no replicate, no parallel apply, no gather; the model runs on the caller")
         add("dataparallel", k, B, parts, model.memory(k, B, False),
-            f"DataParallel on {k} {where if k != 1 else where[:-1]}" + (" (recorded)" if same else ""), notes,
+            f"DataParallel on {plural(k, device)}" + (" (recorded)" if same else ""), notes,
             recorded=same)
 
     # balanced on the recorded devices (not on one: it has no outputs to leave ungathered, nothing to balance)
@@ -660,7 +661,7 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
         notes = ([] if recorded_kind_balanced else
                  ["nothing is gathered: each device keeps its outputs and computes its share of the loss"])
         add("balanced", n, B, parts, model.memory(n, B, True),
-            f"DataParallelModel + DataParallelCriterion on {n} {where}" + (" (recorded)" if recorded_kind_balanced else ""),
+            f"DataParallelModel + DataParallelCriterion on {plural(n, device)}" + (" (recorded)" if recorded_kind_balanced else ""),
             notes, recorded=recorded_kind_balanced)
 
     # other batch sizes, at the recorded device count and kind (DataParallel entries with their batch size)
@@ -669,7 +670,7 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
             continue
         parts = model.dataparallel(n, batch, recorded_kind_balanced)
         add("balanced" if recorded_kind_balanced else "dataparallel", n, batch, parts,
-            model.memory(n, batch, recorded_kind_balanced), f"batch {batch} on {n} {where}")
+            model.memory(n, batch, recorded_kind_balanced), f"batch {batch} on {plural(n, device)}")
 
     fits, note = _max_batch(m, model, memory_bytes)
     said_first, withheld = _withheld(m, cal, scenarios)

@@ -14,7 +14,7 @@ from dpprof.advise.measured import Measured, measure
 from dpprof.advise.predict import MAX_INTERVAL_RATIO, PART_ORDER, Advice, Scenario, advise
 from dpprof.stepmodel import PHASE_WORDS
 from dpprof.store.reader import StoredRun
-from dpprof.units import mib
+from dpprof.units import mib, plural
 
 __all__ = ["AdvisorView", "advisor", "page_advisor", "calibration_files", "calibration_for", "check_lines",
            "scenario_table", "scenario_title", "MAX_INTERVAL_RATIO", "parts_table", "memory_table", "text_lines", "GIB"]
@@ -41,7 +41,7 @@ def calibration_for(m: Measured) -> tuple[Calibration | None, str]:
     cal, unused = cached_calibration("cpu", m.n, m.threads)
     if cal is None:
         why = f", the cached one not used: {unused}" if unused is not None else ""
-        return None, (f"No calibration of this machine for {m.n} CPU workers at {m.threads} intra-op thread(s) "
+        return None, (f"No calibration of this machine for {plural(m.n, 'CPU worker')} at {m.threads} intra-op thread(s) "
                       f"({cache_path('cpu', m.n, m.threads)}{why}): without one, DataParallel's own machinery, the hand-off "
                       f"to the workers and the all-reduce would count as free, so nothing is predicted. "
                       f"`dpprof advise {m.run_id}` calibrates this machine first (about half a minute, once) and "
@@ -50,7 +50,7 @@ def calibration_for(m: Measured) -> tuple[Calibration | None, str]:
 
 
 def _note(cal: Calibration) -> str:
-    return (f"Calibration of {cal.host} for {cal.devices} CPU workers at {cal.threads} thread(s), measured "
+    return (f"Calibration of {cal.host} for {plural(cal.devices, 'CPU worker')} at {cal.threads} thread(s), measured "
             f"{cal.measured_at} (`dpprof advise RUN --calibrate` measures again).")
 
 
@@ -144,8 +144,8 @@ def text_lines(view: AdvisorView) -> list[str]:
     if a is None:
         raise ValueError(f"no advice to print: {view.reason}")
     m = a.measured
-    where = "CPU workers" if m.backend == "cpu" else "GPUs"
-    out = [f"run {m.run_id}  {m.name!r}: {'balanced ' if m.kind == 'balanced' else ''}DataParallel on {m.n} {where}, "
+    on = plural(m.n, "CPU worker" if m.backend == "cpu" else "GPU")
+    out = [f"run {m.run_id}  {m.name!r}: {'balanced ' if m.kind == 'balanced' else ''}DataParallel on {on}, "
            f"batch {m.batch_size}, {m.threads} intra-op thread(s)",
            f"measured: median step {m.step_ms:.2f} ms over {m.steps} steps (90% interval of the median "
            f"{m.step_ms * m.median_interval[0]:.2f}-{m.step_ms * m.median_interval[1]:.2f} ms)",
@@ -180,7 +180,7 @@ def text_lines(view: AdvisorView) -> list[str]:
     out.append("")
     if a.max_batch_size:
         fits = ", ".join(f"{d} {b:,}" for d, b in a.max_batch_size.items())
-        out.append(f"largest global batch that fits on {m.n} {where}: {fits} ({a.max_batch_note})")
+        out.append(f"largest global batch that fits on {on}: {fits} ({a.max_batch_note})")
     else:
         out.append(f"largest batch that fits: {a.max_batch_note}")
     out.append("assumptions:")
