@@ -74,6 +74,18 @@ def test_compare_states_the_differences_against_the_first_run(runs):
     assert shares.round(6).tolist() == [100.0, 100.0]
 
 
+def test_compare_names_the_work_its_imbalance_ratio_is_of(tmp_path, profiled):
+    """A DDP rank's verdict weighs data + forward + backward compute (the straggler verdict's work), not the run's
+    work phases alone: Compare names what it measured, as the Overview does."""
+    profiled(tmp_path, "tutorial-linear", "--ddp", "--nproc", "2", "--steps", "4")  # recorded once a session
+    run = dpprof.load_run(dpprof.list_runs(tmp_path)["id"].iloc[0], tmp_path)
+    verdict = run_findings(run).straggler
+    assert verdict is not None and verdict.work != run.model.work.label  # the test's point
+    data = compare.compare([run, run])
+    assert data.summary["work"].tolist() == [verdict.work] * 2 == [overview.glance(run).work_phase] * 2
+    assert data.differences[-1].startswith(f"Slowest device's median {verdict.work} over the others': ")
+
+
 def test_table_csv_is_the_table_with_formulas_neutralised(runs):
     run = runs["plain"]
     steps = pd.read_csv(io.BytesIO(export.table_csv(run, "steps")))

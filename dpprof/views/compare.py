@@ -70,7 +70,7 @@ def compare_part(run: StoredRun, max_points: int = 1_000) -> ComparePart:
         "steps": stats["steps"], "batch_size": batch, "median_step_ms": median, "mean_step_ms": stats["mean_step_ms"],
         "samples_per_s": batch / median * 1e3 if batch and median else None,
         "dp_tax_pct": (float(share.get(TAX, 0.0)) if model.dataparallel and len(share) else None),
-        "work": model.work.label,
+        "work": found.work if found is not None else model.work.label,  # what imbalance_ratio is the medians of
         "imbalance_ratio": found.ratio if found is not None else None,
         "balanced": model.kind == "balanced",
         "fullest_device": held.loc[held["peak_held_bytes"].idxmax(), "device"] if len(held) else None,
