@@ -88,15 +88,17 @@ def body() -> None:
         else:
             common.chart(charts.compare_phase_shares(data.shares))
     with right:
-        if data.memory.empty:  # imported traces: no dpprof accounting per device (the allocator's is on Per-GPU load)
-            common.missing("None of these runs has dpprof's per-device memory accounting (imported traces have "
-                           "none): there is no memory to compare.")
+        if data.memory.empty:  # e.g. imported traces without the CUDA allocator's figures
+            common.missing("None of these runs recorded memory per device (neither dpprof's accounting nor the "
+                           "CUDA allocator's): there is no memory to compare.")
         else:
             common.chart(charts.compare_memory(data.memory))
     operator_side_by_side(rows)
-    if data.memory["peak_allocated_bytes"].isna().any():
-        st.caption("Memory is what dpprof accounts to each device (chunk, outputs, activations, gathered outputs, "
-                   "weights): some of these runs have no CUDA allocator figures.")
+    if data.memory["memory"].nunique() > 1:
+        st.caption("Each run's memory is its Overview's figure: the CUDA allocator's peak allocated where the run "
+                   "recorded it, else what dpprof accounts to each device in its peak step (chunk, outputs, "
+                   "activations, gathered outputs, weights). The two are different measures: the table says which "
+                   "each run's is.")
 
 
 common.refreshing(bool((runs[runs["id"].isin(chosen)]["status"] == "running").any()), body)

@@ -470,15 +470,15 @@ def compare_phase_shares(shares: pd.DataFrame) -> go.Figure:
 
 @_plain
 def compare_memory(memory: pd.DataFrame) -> go.Figure:
-    """The most each device held in one step, grouped by device, one bar per run; output devices marked.
+    """Each device's memory figure (the Overview's), grouped by device, one bar per run; output devices marked.
 
     Args:
-        memory: dpprof.views.compare(...).memory (run, device, output_device, peak_held_bytes,
-            peak_allocated_bytes).
+        memory: dpprof.views.compare(...).memory (run, device, output_device, peak_bytes, memory: the figure in
+            words).
     """
-    use_alloc = memory["peak_allocated_bytes"].notna().all() if len(memory) else False
-    col = "peak_allocated_bytes" if use_alloc else "peak_held_bytes"
-    what = "peak allocated" if use_alloc else "peak held in one step"
+    col = "peak_bytes"
+    sources = list(memory["memory"].unique()) if len(memory) else []
+    what = sources[0] if len(sources) == 1 else "each run's own figure (see the table)"
     unit, scale = bytes_unit(float(memory[col].max()) if len(memory) and memory[col].notna().any() else 0.0)
     fig = _fig("Memory per device by run", yaxis_title=f"{unit}, {what}", barmode="group", yaxis_tickformat=",.3~f")
     for run, df in memory.groupby("run", sort=False):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import zipfile
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -15,7 +16,11 @@ from dpprof.store.reader import TABLES
 from dpprof.store.schema import AGGREGATE_TABLES
 from dpprof.views import compare, export, load, overview
 from dpprof.views.text import display_table, run_label
+from dpprof.trace import import_traces
+from dpprof.units import mib
 from recorded import RunningRun, record
+
+TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +89,25 @@ def test_compare_names_the_work_its_imbalance_ratio_is_of(tmp_path, profiled):
     data = compare.compare([run, run])
     assert data.summary["work"].tolist() == [verdict.work] * 2 == [overview.glance(run).work_phase] * 2
     assert data.differences[-1].startswith(f"Slowest device's median {verdict.work} over the others': ")
+
+
+def test_compare_reads_each_device_s_memory_as_the_overview_does(runs, tmp_path):
+    """An imported GPU trace's memory is the CUDA allocator's peak allocated (dpprof accounts nothing to its device):
+    Compare sets it beside a recorded run's, each run's figure as its Overview reads it, and no ratio of the two."""
+    trace = dpprof.load_run(import_traces([TRACES / "resnet50-1gpu-tb-sample.pt.trace.json.gz"], tmp_path).id,
+                            tmp_path)
+    data = compare.compare([trace, runs["plain"]])
+    for run in (trace, runs["plain"]):
+        seen = overview.glance(run)
+        shown = data.memory[data.memory["run"] == run_label(run.meta)]
+        assert shown.set_index("device")["peak_bytes"].to_dict() == seen.devices.set_index("device")["peak_bytes"].to_dict()
+        assert set(shown["memory"]) == {seen.memory_source} and len(shown)
+    peak = float(data.summary.loc[0, "fullest_device_peak_bytes"])
+    assert peak == overview.glance(trace).devices["peak_bytes"].max() > 2**30  # the 2.60 GiB the Overview says
+    said = next(line for line in data.differences if line.startswith("Memory"))
+    assert said.startswith("Memory, measured differently: ")
+    assert f"({trace.model.devices[0]}) {mib(peak)} peak allocated (CUDA allocator)" in said
+    assert f"{mib(peak)} in" not in said and "x (" not in said  # no ratio of two measures
 
 
 def test_table_csv_is_the_table_with_formulas_neutralised(runs):

@@ -12,6 +12,7 @@ from dpprof.stepmodel import SHARED_OF, SHARED_PART_WORDS, SHARED_PARTS
 from dpprof.store import queries
 from dpprof.store.reader import StoredRun
 from dpprof.units import mib
+from dpprof.views.overview import MEMORY_SOURCES, memory_figure
 from dpprof.views.text import run_label
 
 TAX = SHARED_OF["scatter"]  # "DataParallel tax": scatter + replicate + gather (records.DP_TAX_PHASES)
@@ -28,7 +29,9 @@ class Comparison:
     # run, phase, share_pct, per_step_ms: each run's parts of the step (dpprof.stepmodel), in its kind's phases
     # when every run is of one kind, else in the vocabulary every kind shares (stepmodel.SHARED_PARTS)
     shares: pd.DataFrame
-    memory: pd.DataFrame  # run, device, output_device, peak_held_bytes, peak_allocated_bytes
+    # run, device, output_device, peak_bytes (each device's memory figure, as the Overview reads it:
+    # overview.memory_figure), memory (that figure in words), peak_held_bytes, peak_allocated_bytes
+    memory: pd.DataFrame
     differences: list[str]
 
 
@@ -57,13 +60,15 @@ def compare_part(run: StoredRun, max_points: int = 1_000) -> ComparePart:
     stats = queries.run_stats(run)
     totals = queries.phase_totals(run, stats)
     memory = queries.memory_peaks(run, detail=False)
-    held = memory.dropna(subset=["peak_held_bytes"])
+    figure = memory_figure(memory)  # the Overview's: the allocator's peak allocated where recorded, else held
+    peaks = memory.assign(peak_bytes=memory[figure], memory=MEMORY_SOURCES[figure]).dropna(subset=["peak_bytes"])
+    peak = peaks["peak_bytes"]
     found = run_findings(run).straggler  # the one verdict on the slowest device (its ratio, as the Overview says it)
     label = run_label(run.meta)
     shared = _shared(totals)
     share = shared.set_index("phase")["share_pct"] if not shared.empty else pd.Series(dtype=float)
     median, batch = stats["median_step_ms"], stats["batch_size"]
-    is_out = held["output_device"].astype(bool)
+    is_out = peaks["output_device"].fillna(False).astype(bool)
     row = {
         "run": label, "id": run.meta["id"], "kind": model.title, "status": run.meta["status"],
         "backend": model.backend_label, "devices": len(model.devices), "workload": run.meta.get("workload"),
@@ -73,12 +78,12 @@ def compare_part(run: StoredRun, max_points: int = 1_000) -> ComparePart:
         "work": found.work if found is not None else model.work.label,  # what imbalance_ratio is the medians of
         "imbalance_ratio": found.ratio if found is not None else None,
         "balanced": model.kind == "balanced",
-        "fullest_device": held.loc[held["peak_held_bytes"].idxmax(), "device"] if len(held) else None,
-        "fullest_device_peak_held_bytes": float(held["peak_held_bytes"].max()) if len(held) else None,
-        "memory_most_to_least": (float(held["peak_held_bytes"].max() / held["peak_held_bytes"].min())
-                                 if len(held) > 1 and held["peak_held_bytes"].min() > 0 else None),
-        "output_device_peak_held_bytes": float(held.loc[is_out, "peak_held_bytes"].max()) if is_out.any() else None,
-        "other_devices_peak_held_bytes": float(held.loc[~is_out, "peak_held_bytes"].mean()) if (~is_out).any() else None,
+        "memory": MEMORY_SOURCES[figure] if len(peaks) else None,  # what the *_peak_bytes figures are
+        "fullest_device": peaks.loc[peak.idxmax(), "device"] if len(peaks) else None,
+        "fullest_device_peak_bytes": float(peak.max()) if len(peaks) else None,
+        "memory_most_to_least": float(peak.max() / peak.min()) if len(peaks) > 1 and peak.min() > 0 else None,
+        "output_device_peak_bytes": float(peak[is_out].max()) if is_out.any() else None,
+        "other_devices_peak_bytes": float(peak[~is_out].mean()) if (~is_out).any() else None,
     }
     for phase, value in share.items():
         row[f"{phase}_share_pct"] = _value(float(value))
@@ -88,7 +93,8 @@ def compare_part(run: StoredRun, max_points: int = 1_000) -> ComparePart:
     cols = ["run", "phase", "share_pct", "per_step_ms"]
     return ComparePart(
         row=row, shares=totals.assign(run=label)[cols], shared=shared.assign(run=label)[cols],
-        memory=held.assign(run=label)[["run", "device", "output_device", "peak_held_bytes", "peak_allocated_bytes"]],
+        memory=peaks.assign(run=label)[["run", "device", "output_device", "peak_bytes", "memory", "peak_held_bytes",
+                                        "peak_allocated_bytes"]],
         steps=steps[["run", "step", "duration_ms"]], parts=tuple(totals["phase"]) if len(totals) else ())
 
 
@@ -172,6 +178,26 @@ def _bytes_text(a: float, b: float) -> str:
 
 
 
+def _memory_differences(base: dict[str, Any], other: dict[str, Any]) -> list[str]:
+    """The memory sentence: the output devices' figures, or the fullest devices' where a run has none; each run's
+    figure said in its own words, and no ratio, where the two runs' figures are not the same measure."""
+    a, b = base["run"], other["run"]
+    if not (base["fullest_device_peak_bytes"] and other["fullest_device_peak_bytes"]):
+        return []
+    if base["memory"] != other["memory"]:  # an allocator's peak against dpprof's accounting: two measures
+        return [f"Memory, measured differently: {b}'s fullest device ({other['fullest_device']}) "
+                f"{mib(other['fullest_device_peak_bytes'])} {other['memory']}, {a}'s ({base['fullest_device']}) "
+                f"{mib(base['fullest_device_peak_bytes'])} {base['memory']}."]
+    x, y = base["output_device_peak_bytes"], other["output_device_peak_bytes"]
+    if x and y:
+        return [f"The output device holds {mib(y)} in {b}, {mib(x)} in {a}: {_bytes_text(x, y)}."]
+    # a balanced run gathers nothing, so it has no output device: compare the fullest devices
+    x, y = base["fullest_device_peak_bytes"], other["fullest_device_peak_bytes"]
+    role = lambda r: ", the output device" if r["output_device_peak_bytes"] else ""  # noqa: E731
+    return [f"The fullest device holds {mib(y)} in {b} ({other['fullest_device']}{role(other)}), "
+            f"{mib(x)} in {a} ({base['fullest_device']}{role(base)}): {_bytes_text(x, y)}."]
+
+
 def _differences(rows: list[dict[str, Any]]) -> list[str]:
     """Sentences: how each run differs from the first. A figure one of the two runs does not have (an imported
     trace has no batch size) is left out, never written as nan."""
@@ -212,15 +238,7 @@ def _differences(rows: list[dict[str, Any]]) -> list[str]:
         if base["dp_tax_pct"] is not None and other["dp_tax_pct"] is not None and not taxed:
             out.append(f"DataParallel tax (scatter + replicate + gather): {b} {other['dp_tax_pct']:.1f}%, "
                        f"{a} {base['dp_tax_pct']:.1f}% of the step.")
-        x, y = base["output_device_peak_held_bytes"], other["output_device_peak_held_bytes"]
-        if x and y:
-            out.append(f"The output device holds {mib(y)} in {b}, {mib(x)} in {a}: {_bytes_text(x, y)}.")
-        elif base["fullest_device_peak_held_bytes"] and other["fullest_device_peak_held_bytes"]:
-            # a balanced run gathers nothing, so it has no output device: compare the fullest devices
-            x, y = base["fullest_device_peak_held_bytes"], other["fullest_device_peak_held_bytes"]
-            role = lambda r: ", the output device" if r["output_device_peak_held_bytes"] else ""  # noqa: E731
-            out.append(f"The fullest device holds {mib(y)} in {b} ({other['fullest_device']}{role(other)}), "
-                       f"{mib(x)} in {a} ({base['fullest_device']}{role(base)}): {_bytes_text(x, y)}.")
+        out += _memory_differences(base, other)
         x, y = base["memory_most_to_least"], other["memory_most_to_least"]
         if x and y and abs(x - y) >= 0.05:
             out.append(f"Memory spread (the fullest device over the emptiest): {b} {y:.2f}x, {a} {x:.2f}x.")

@@ -20,7 +20,7 @@ from dpprof.store.reader import StoredRun
 from dpprof.units import mib
 from dpprof.views.fsdp import fsdp_collective_table
 
-__all__ = ["Glance", "Overview", "CollectiveWaitView", "glance", "overview", "comm_stats", "collective_wait_view"]
+__all__ = ["MEMORY_SOURCES", "Glance", "Overview", "CollectiveWaitView", "memory_figure", "glance", "overview", "comm_stats", "collective_wait_view"]
 
 # Devices are marked exactly where a finding names them: the slowest where the straggler finding does
 # (dpprof.findings.straggler_verdict), the fullest where the memory-skew finding does, each with the finding's figures.
@@ -105,6 +105,18 @@ def _nan_to_none(value: Any) -> Any:
     return None if value is None or (isinstance(value, float) and pd.isna(value)) else value
 
 
+# A device's memory figure, by the column of queries.memory_peaks it is read from, in words.
+MEMORY_SOURCES = {"peak_allocated_bytes": "peak allocated (CUDA allocator)",
+                  "peak_held_bytes": "peak held in one step (dpprof's accounting)"}
+
+
+def memory_figure(memory: pd.DataFrame) -> str:
+    """The column of a run's queries.memory_peaks that is each device's memory figure: the CUDA allocator's peak
+    allocated where the run recorded it for any device, else what dpprof accounts to the device in its peak step."""
+    use_alloc = bool(len(memory) and memory["peak_allocated_bytes"].notna().any())
+    return "peak_allocated_bytes" if use_alloc else "peak_held_bytes"
+
+
 def glance(run: StoredRun, stats: dict[str, Any] | None = None, found: Findings | None = None) -> Glance:
     """Each device's median work per step and peak memory, idle devices as zero, and the device to blame named
     exactly where the straggler finding names it (the findings' verdict, ``found.straggler``: its medians are the
@@ -126,8 +138,7 @@ def glance(run: StoredRun, stats: dict[str, Any] | None = None, found: Findings 
         table = samples.pivot_table(index="step", columns="device", values="duration_ms") if len(samples) else None
         by_device["work_ms"] = table.median().reindex(order) if table is not None and len(table) else float("nan")
     memory = queries.memory_peaks(run, detail=False)
-    use_alloc = bool(len(memory) and memory["peak_allocated_bytes"].notna().any())
-    col = "peak_allocated_bytes" if use_alloc else "peak_held_bytes"
+    col = memory_figure(memory)
     by_device["peak_bytes"] = memory.set_index("device")[col].reindex(order) if len(memory) else float("nan")
     by_device["output_device"] = (memory.set_index("device")["output_device"].reindex(order).fillna(False).astype(bool)
                                   if len(memory) else False)
@@ -135,8 +146,7 @@ def glance(run: StoredRun, stats: dict[str, Any] | None = None, found: Findings 
     by_device["idle"] = by_device.index.isin(idle)
     by_device.loc[by_device["idle"], ["work_ms", "peak_bytes"]] = 0.0
     has_memory = bool(by_device["peak_bytes"].fillna(0).gt(0).any())
-    source = (("peak allocated (CUDA allocator)" if use_alloc else "peak held in one step (dpprof's accounting)")
-              if has_memory else None)
+    source = MEMORY_SOURCES[col] if has_memory else None
     work = verdict.work if verdict is not None else model.work.label  # what the bars are the medians of
     sentences: list[str] = []
     slowest = fastest = None
