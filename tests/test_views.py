@@ -110,6 +110,23 @@ def test_compare_reads_each_device_s_memory_as_the_overview_does(runs, tmp_path)
     assert f"{mib(peak)} in" not in said and "x (" not in said  # no ratio of two measures
 
 
+def test_compare_says_a_part_a_run_does_not_time_as_not_timed_never_zero(runs, tmp_path):
+    """A DataParallel run's data and optimizer are inside its rest: against an imported trace that times them, they
+    are said as not timed apart, never as 0.0% of its step."""
+    trace = dpprof.load_run(import_traces([TRACES / "resnet50-1gpu-tb-sample.pt.trace.json.gz"], tmp_path).id,
+                            tmp_path)
+    plain = runs["plain"]
+    for pair in ([plain, trace], [trace, plain]):
+        data = compare.compare(pair)
+        said = "\n".join(data.differences)
+        assert "0.0%" not in said and not any(line.startswith(("Data:", "Optimizer:")) for line in data.differences)
+        shares = data.summary.set_index("id").loc[trace.id]
+        assert (f"{run_label(plain.meta)} does not time data or optimizer apart (whatever of them runs inside its "
+                f"steps is in the rest of its step): {run_label(trace.meta)}'s step is "
+                f"{shares['data_share_pct']:.1f}% data, {shares['optimizer_share_pct']:.1f}% optimizer.") in said
+        assert "Compute: " in said  # a part both time is still set side by side
+
+
 def test_table_csv_is_the_table_with_formulas_neutralised(runs):
     run = runs["plain"]
     steps = pd.read_csv(io.BytesIO(export.table_csv(run, "steps")))

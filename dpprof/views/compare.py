@@ -178,6 +178,24 @@ def _bytes_text(a: float, b: float) -> str:
 
 
 
+def _timed_parts(row: dict[str, Any]) -> set[str]:
+    """The share columns of the parts of the step a run times (its kind's parts, stepmodel.SHARED_OF)."""
+    return {c for c, v in row.items() if c.endswith("_share_pct") and v is not None}
+
+
+def _untimed(has: dict[str, Any], lacks: dict[str, Any]) -> list[str]:
+    """The sentence on the parts of the step ``has`` times and ``lacks``'s kind does not time apart, with their
+    shares of ``has``'s step: in ``lacks`` they are in the rest, never 0%."""
+    parts = [p for p in SHARED_PARTS if f"{p}_share_pct" in _timed_parts(has) - _timed_parts(lacks)]
+    if not parts:
+        return []
+    words = [SHARED_PART_WORDS.get(p, p) for p in parts]
+    names = " or ".join([", ".join(words[:-1]), words[-1]] if len(words) > 1 else words)
+    shares = ", ".join(f"{has[f'{p}_share_pct']:.1f}% {SHARED_PART_WORDS.get(p, p)}" for p in parts)
+    return [f"{lacks['run']} does not time {names} apart (whatever of {'it' if len(parts) == 1 else 'them'} runs "
+            f"inside its steps is in the rest of its step): {has['run']}'s step is {shares}."]
+
+
 def _memory_differences(base: dict[str, Any], other: dict[str, Any]) -> list[str]:
     """The memory sentence: the output devices' figures, or the fullest devices' where a run has none; each run's
     figure said in its own words, and no ratio, where the two runs' figures are not the same measure."""
@@ -222,18 +240,18 @@ def _differences(rows: list[dict[str, Any]]) -> list[str]:
                        f"{base['samples_per_s']:,.0f} samples/s "
                        f"({other['samples_per_s'] / base['samples_per_s'] - 1:+.0%}).")
         deltas = []
-        # a run with no steps has no shares at all: none is made up for it (a phase one run of two with steps lacks
-        # takes 0% of its step)
-        shares = sorted({c for c in (*base, *other) if c.endswith("_share_pct")}) if base["median_step_ms"] and \
-            other["median_step_ms"] else []
-        for col in shares:
-            x, y = base.get(col) or 0.0, other.get(col) or 0.0  # a phase one run does not have takes 0% of its step
+        # a run with no steps has no shares at all, and a part one run's kind does not time apart (a DataParallel
+        # run's data and optimizer are in its rest) is no 0% of its step: only the parts both time are set side by side
+        timed = base["median_step_ms"] and other["median_step_ms"]
+        for col in sorted(_timed_parts(base) & _timed_parts(other)) if timed else []:
+            x, y = base[col], other[col]
             deltas.append((abs(y - x), col[: -len("_share_pct")], x, y))
         for _, phase, x, y in sorted(deltas, reverse=True)[:2]:
             if abs(y - x) >= 1.0:
                 name = SHARED_PART_WORDS.get(phase, phase)
                 out.append(f"{name[0].upper() + name[1:]}: {y:.1f}% of {b}'s step, {x:.1f}% of {a}'s "
                            f"({y - x:+.1f} points).")
+        out += [*_untimed(base, other), *_untimed(other, base)] if timed else []
         taxed = any(d[1] == TAX for d in sorted(deltas, reverse=True)[:2] if abs(d[3] - d[2]) >= 1.0)
         if base["dp_tax_pct"] is not None and other["dp_tax_pct"] is not None and not taxed:
             out.append(f"DataParallel tax (scatter + replicate + gather): {b} {other['dp_tax_pct']:.1f}%, "
