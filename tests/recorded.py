@@ -105,6 +105,16 @@ def record_failed(directory: Path, name: str = "failed") -> StoredRun:
     return dpprof.load_run(run.path)
 
 
+def record_failed_before_a_step(directory: Path, name: str = "failed early") -> StoredRun:
+    """A run whose code raises before its first step: failed, with no steps recorded."""
+    try:
+        with dpprof.record(name=name, reports_dir=str(directory)) as run:
+            raise ValueError("the data set is missing")
+    except ValueError:
+        pass
+    return dpprof.load_run(run.path)
+
+
 STALL_S = 0.3  # a stalled step: at least this, and 3x the median step so far (a loaded machine's steps grow)
 
 

@@ -18,7 +18,7 @@ from dpprof.views import compare, export, load, overview
 from dpprof.views.text import display_table, run_label
 from dpprof.trace import import_traces
 from dpprof.units import mib
-from recorded import RunningRun, record
+from recorded import RunningRun, record, record_failed, record_failed_before_a_step
 
 TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 
@@ -125,6 +125,28 @@ def test_compare_says_a_part_a_run_does_not_time_as_not_timed_never_zero(runs, t
                 f"steps is in the rest of its step): {run_label(trace.meta)}'s step is "
                 f"{shares['data_share_pct']:.1f}% data, {shares['optimizer_share_pct']:.1f}% optimizer.") in said
         assert "Compute: " in said  # a part both time is still set side by side
+
+
+def test_compare_says_first_when_runs_ran_different_workloads_or_did_not_finish(runs, tmp_path):
+    """Two models' step times are not set side by side without a word; a failed run (with steps or none) is said
+    failed; a run with no steps is said so in a sentence, and two such runs get one."""
+    plain, label = runs["plain"], lambda r: run_label(r.meta)  # noqa: E731
+    linear = record(tmp_path, "linear", workload="tutorial-linear")
+    said = compare.compare([plain, linear]).differences
+    assert said[0] == (f"{label(linear)} ran tutorial-linear, {label(plain)} cifar-lenet: different workloads, so "
+                       "their step times and throughput are of different work.")
+    assert "0.00x" not in " ".join(said)
+    failed = record_failed(tmp_path)
+    assert compare.compare([plain, failed]).differences[0] == f"{label(failed)} failed: the 2 steps it recorded are compared."
+    early, late = record_failed_before_a_step(tmp_path), record_failed_before_a_step(tmp_path, "failed late")
+    said = compare.compare([plain, early]).differences
+    assert said[0] == f"{label(early)} failed."
+    assert f"{label(early)} recorded no steps: there is no step time or share of it to compare." in said
+    assert " is no steps" not in " ".join(said)
+    said = compare.compare([early, late]).differences
+    assert said == [f"{label(early)} failed.", f"{label(late)} failed.",
+                    f"Neither {label(late)} nor {label(early)} recorded a step: there is no step time, share or memory "
+                    "to compare."]
 
 
 def test_table_csv_is_the_table_with_formulas_neutralised(runs):

@@ -2,6 +2,7 @@
 differs, in sentences against the first run (the baseline)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,17 +164,72 @@ def default_compare(runs: pd.DataFrame, chosen: str | None) -> tuple[list[str], 
     return pair["id"].tolist(), None
 
 
+def _ratio_text(r: float) -> str:
+    """A ratio to two decimals, or two significant digits below 0.1: "0.77x", "0.0073x" (never "0.00x")."""
+    decimals = 2 if r >= 0.1 or r <= 0 else min(8, 1 - math.floor(math.log10(r)))
+    return f"{r:.{decimals}f}x"
+
+
+def _less_text(r: float) -> str:
+    """How much less a ratio under 1 is, in percent: "23%", "over 99%" (never "100%" of something not zero)."""
+    return f"{1 - r:.0%}" if r >= 0.005 else "over 99%"
+
+
 def _times_text(a: float, b: float) -> str:
     """b's time against a's: "0.77x the time (23% faster)"."""
     r = b / a
-    change = f" ({1 - r:.0%} faster)" if r < 0.995 else f" ({r - 1:.0%} slower)" if r > 1.005 else ""
-    return f"{r:.2f}x the time{change}"
+    change = f" ({_less_text(r)} faster)" if r < 0.995 else f" ({r - 1:.0%} slower)" if r > 1.005 else ""
+    return f"{_ratio_text(r)} the time{change}"
 
 
 def _bytes_text(a: float, b: float) -> str:
     """b's bytes against a's: "1.20x (20% more)"."""
     r = b / a
-    return f"{r:.2f}x" + (f" ({1 - r:.0%} less)" if r < 0.995 else f" ({r - 1:.0%} more)" if r > 1.005 else "")
+    return _ratio_text(r) + (f" ({_less_text(r)} less)" if r < 0.995 else f" ({r - 1:.0%} more)" if r > 1.005 else "")
+
+
+# A run's status other than finished, in words after its name.
+STATUS_WORDS = {"failed": "failed", "interrupted": "was interrupted", "running": "is still running",
+                "incomplete": "is incomplete (its process stopped without closing it)",
+                "disk_full": "filled the disk while it recorded"}
+
+
+def _status_text(row: dict[str, Any]) -> list[str]:
+    """The sentence on a run that did not finish, and what of it is compared; none for a finished run."""
+    status = row["status"]
+    if status == "finished":
+        return []
+    steps = row["steps"] or 0
+    words = STATUS_WORDS.get(status, f"is {status}")
+    said = (f": the {steps:,} step{'s' if steps != 1 else ''} it recorded{' so far' if status == 'running' else ''} "
+            "are compared" if steps else "")
+    return [f"{row['run']} {words}{said}."]
+
+
+def _workload(row: dict[str, Any]) -> str | None:
+    """The job a run says it ran (its workload or model), None where it names none."""
+    name = row.get("workload") or ""
+    return None if name in UNNAMED_WORKLOADS else name
+
+
+def _workload_text(base: dict[str, Any], other: dict[str, Any]) -> list[str]:
+    """The sentence on two runs of different jobs: their times and throughput are not of the same work."""
+    wa, wb = _workload(base), _workload(other)
+    if wa == wb or not (wa or wb):
+        return []
+    a, b = base["run"], other["run"]
+    if wa and wb:
+        return [f"{b} ran {wb}, {a} {wa}: different workloads, so their step times and throughput are of "
+                "different work."]
+    named, unnamed = (base, other) if wa else (other, base)
+    return [f"{unnamed['run']} does not say which workload it ran ({named['run']} ran {_workload(named)}): they "
+            "may not be the same work."]
+
+
+def _kind_text(row: dict[str, Any]) -> str:
+    """What a run is, after its name: "is DataParallel on 2 CPU workers", "is an imported torch.profiler trace ..."."""
+    kind = str(row["kind"])
+    return f"is {'an ' if kind.startswith('imported') else ''}{kind}"
 
 
 
@@ -222,11 +278,18 @@ def _differences(rows: list[dict[str, Any]]) -> list[str]:
     if len(rows) < 2:
         return []
     base = {k: _value(v) for k, v in rows[0].items()}
-    out = []
+    out = _status_text(base)
     for other in ({k: _value(v) for k, v in r.items()} for r in rows[1:]):
         a, b = base["run"], other["run"]
-        if base["kind"] != other["kind"]:
-            out.append(f"{b} is {other['kind']}, {a} {base['kind']}.")
+        out += [*(_status_text(other) if other["id"] != base["id"] else []), *_workload_text(base, other)]
+        if not base["steps"] and not other["steps"]:
+            out.append(f"Neither {b} nor {a} recorded a step: there is no step time, share or memory to compare.")
+            continue
+        empty = [r["run"] for r in (other, base) if not r["steps"]]
+        if empty:
+            out.append(f"{empty[0]} recorded no steps: there is no step time or share of it to compare.")
+        elif base["kind"] != other["kind"]:
+            out.append(f"{b} {_kind_text(other)}, {a} {_kind_text(base)[len('is '):]}.")
         elif base["devices"] != other["devices"] or base["backend"] != other["backend"]:
             out.append(f"{b} runs on {other['devices']} {other['backend']} device(s), {a} on "
                        f"{base['devices']} {base['backend']} device(s).")
