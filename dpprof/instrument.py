@@ -507,7 +507,8 @@ def instrumented(record_args: dict[str, Any] | None, cpu_workers: int | None = N
         session.unpatch()
         if not session.stopped:
             session.start()  # a script that built nothing still gets its run, and a note saying so
-            if session.run is not None and not session.built_any:
+            # nothing built, and no step from a dpprof.DataParallel the script made itself: say why the run is empty
+            if session.run is not None and not session.built_any and not session.run.steps_started:
                 session.run.note("dpprof", NO_PARALLEL_NOTE, tell=False)
             session.finish(error)
 

@@ -187,6 +187,13 @@ def test_a_script_that_builds_no_data_parallel_says_so_and_keeps_its_exit_code()
     assert NO_PARALLEL_NOTE in run.notes["message"].tolist() and run.steps.empty
 
 
+def test_a_script_that_builds_dpprofs_own_dataparallel_is_recorded_without_the_nothing_built_note():
+    out = _dpprof_run(SCRIPTS / "own_dataparallel.py")
+    assert out.returncode == 0, out.stderr
+    run = _only_run()
+    assert len(run.steps) == 5 and NO_PARALLEL_NOTE not in run.notes["message"].tolist()
+
+
 @pytest.mark.parametrize("module", [False, True], ids=["script", "-m"])
 def test_the_script_sees_what_python_would_show_it(module):
     target = ["-m", "argv_echo"] if module else ["argv_echo.py"]
