@@ -14,6 +14,7 @@ import torch
 
 import dpprof
 import dpprof.report
+from recorded import record
 from dpprof.cli import main
 
 
@@ -348,6 +349,18 @@ def test_runs_shows_control_characters_in_names_escaped_never_obeyed(tmp_path, c
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out
     assert "\\x1b[31mred\\x1b[0m\\x07 \\u202eevil" in out
+
+
+def test_runs_counts_steps_in_whole_numbers_beside_a_file_that_is_no_run(tmp_path, capsys):
+    """A file that is no run has no step count: the others' stay whole numbers (3, not 3.0)."""
+    run = record(tmp_path, "three", workers=2, steps=3)
+    (tmp_path / "bad.sqlite").write_text("junk")
+    assert main(["--reports-dir", str(tmp_path), "runs"]) == 0
+    out = capsys.readouterr().out
+    [line] = [ln for ln in out.splitlines() if ln.startswith(run.id)]
+    assert " 3 " in line and " 3.0 " not in line, out
+    assert "unreadable: " in out and str(tmp_path / "bad.sqlite") in out
+    assert str(dpprof.list_runs(tmp_path)["steps"].dtype) == "Int64"
 
 
 @pytest.mark.parametrize("size", ["99999999999999999999999", str(2**63 - 1)])

@@ -559,6 +559,8 @@ def list_runs(reports_dir_: str | os.PathLike[str] | None = None) -> pd.DataFram
                "workload", "steps", "ranks", "dropped_records", "error", "balanced", "check_of", "source", "path",
                "reason", "copy_of", "damage"]
     df = pd.DataFrame(rows, columns=columns)
+    for count in ("steps", "ranks", "dropped_records"):  # whole numbers, missing for a file that is no run
+        df[count] = pd.to_numeric(df[count], errors="coerce").round().astype("Int64")
     return df.sort_values("created_at", ascending=False, na_position="last", kind="stable").reset_index(drop=True)
 
 
