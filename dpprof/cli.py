@@ -480,13 +480,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
     device_ids = None
     if args.device_ids:  # "0,1" are GPU indices, as torch takes them; "cuda:0" and "cpu:0" are names
         device_ids = [int(d) if d.isdigit() else d for d in (p.strip() for p in args.device_ids.split(","))]
-        if len(device_ids) == 1 and re.fullmatch(r"cpu:\d+", str(device_ids[0])):
-            # `profile --devices cpu:3` means three workers; here cpu:3 would be the one worker named cpu:3
+        if len(device_ids) == 1 and re.fullmatch(r"cpu:[1-9]\d*", str(device_ids[0])):
+            # `profile --devices cpu:3` means three workers; here cpu:3 would be the one worker named cpu:3 (cpu:0
+            # alone is one worker either way)
             n = int(str(device_ids[0])[4:])
-            listed = ",".join(f"cpu:{i}" for i in range(max(n, 1)))
+            listed = ",".join(f"cpu:{i}" for i in range(n))
             raise UsageError(f"--device-ids {device_ids[0]} is ambiguous: name every worker, e.g. --device-ids "
-                             f"{listed} for {max(n, 1)} worker(s) (as `dpprof profile --devices "
-                             f"cpu:{max(n, 1)}` means)")
+                             f"{listed} for {plural(n, 'worker')} (as `dpprof profile --devices cpu:{n}` means)")
     try:
         findings = dpprof.check_balance(device_ids, args.batch_size)
     except (ValueError, TypeError) as err:
@@ -518,7 +518,7 @@ def _checked_devices(device_ids: list | None) -> list[str]:
     records = inventory(resolve_devices(device_ids))
     if records[0].kind == "cpu":
         r = records[0]
-        return [f"checked {len(records)} CPU worker(s), {', '.join(x.device for x in records)}, on {r.cpu_model or 'a CPU'}"
+        return [f"checked {plural(len(records), 'CPU worker')}, {', '.join(x.device for x in records)}, on {r.cpu_model or 'a CPU'}"
                 f" ({r.cores} cores, {r.threads} threads)"]
     return [f"checked {r.device}: {r.name}, {r.total_memory_bytes / 2**30:.1f} GiB, {r.multiprocessor_count} SMs, "
             f"compute capability {r.capability}" for r in records]

@@ -286,7 +286,7 @@ def test_a_model_that_fails_on_the_input_shape_is_refused_in_one_line_before_any
     (["profile", "--model", "m:make", "--input-shape", "3,,32"], "'3,,32' is not a shape"),
     (["profile", "seg-fcn", "--model", "m:make", "--input-shape", "3,32,32"], "seg-fcn) or --model, not both"),
     (["profile", "--steps", "0"], "--steps must be positive"),
-    (["check", "--device-ids", "cpu:3"], "--device-ids cpu:0,cpu:1,cpu:2 for 3 worker(s)"),
+    (["check", "--device-ids", "cpu:3"], "--device-ids cpu:0,cpu:1,cpu:2 for 3 workers"),
 ])
 def test_usage_errors_exit_2_with_the_subcommands_usage(argv, says, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -361,6 +361,16 @@ def test_runs_counts_steps_in_whole_numbers_beside_a_file_that_is_no_run(tmp_pat
     assert " 3 " in line and " 3.0 " not in line, out
     assert "unreadable: " in out and str(tmp_path / "bad.sqlite") in out
     assert str(dpprof.list_runs(tmp_path)["steps"].dtype) == "Int64"
+
+
+def test_check_takes_one_worker_named_cpu0_and_asks_every_worker_named_for_cpu_n(capsys):
+    assert main(["check", "--device-ids", "cpu:0", "--batch-size", "10"]) == 0
+    assert capsys.readouterr().out.startswith("checked 1 CPU worker, cpu:0, on ")
+    with pytest.raises(SystemExit) as exit_:
+        main(["check", "--device-ids", "cpu:2", "--batch-size", "10"])
+    assert exit_.value.code == 2
+    assert ("--device-ids cpu:2 is ambiguous: name every worker, e.g. --device-ids cpu:0,cpu:1 for 2 workers (as "
+            "`dpprof profile --devices cpu:2` means)") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("size", ["99999999999999999999999", str(2**63 - 1)])
