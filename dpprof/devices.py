@@ -1,6 +1,7 @@
 """The hardware a run uses: device inventory, and the pre-flight balance check before training."""
 from __future__ import annotations
 
+import operator
 import os
 import socket
 from collections.abc import Sequence
@@ -162,9 +163,20 @@ def check_balance(device_ids: Sequence[DeviceLike] | None = None, batch_size: in
     Returns:
         findings, worst first; empty when nothing stands out.
 
+    Raises:
+        TypeError: ``batch_size`` is no whole number (10.0, True).
+        ValueError: ``batch_size`` is under 1 or past MAX_BATCH_SIZE.
+
     Example:
         >>> findings = dpprof.check_balance([0, 1, 2], batch_size=30)
     """
+    if batch_size is not None:  # an int, or one like numpy's; never a float or a bool
+        try:
+            if isinstance(batch_size, bool):
+                raise TypeError
+            batch_size = operator.index(batch_size)
+        except TypeError:
+            raise TypeError(f"batch size must be a whole number (an int), got {batch_size!r}") from None
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch size must be positive, got {batch_size}")
     if batch_size is not None and batch_size > MAX_BATCH_SIZE:  # torch.chunk's sizes are 64-bit: no batch is near

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import re
+
 import pytest
 import torch
 
@@ -90,6 +92,14 @@ def test_batch_split_as_torch_chunk_makes_it(batch, n, chunks, kind, suggest):
     assert f"{suggest[0]} or {suggest[1]}" in finding.advice
     if kind == "idle_devices":
         assert finding.value == n - len(chunks) and finding.device == f"cpu:{len(chunks)}"
+
+
+@pytest.mark.parametrize("batch", [10.0, True, "10"])
+def test_a_batch_size_that_is_no_whole_number_is_a_type_error_naming_it(batch):
+    with pytest.raises(TypeError, match=rf"batch size must be a whole number \(an int\), got {re.escape(repr(batch))}"):
+        dpprof.check_balance(dpprof.cpu_devices(2), batch)
+    import numpy as np
+    assert dpprof.check_balance(dpprof.cpu_devices(2), np.int64(10)) == dpprof.check_balance(dpprof.cpu_devices(2), 10)
 
 
 def _no_gpu(monkeypatch):
