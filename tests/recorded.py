@@ -46,17 +46,17 @@ def record_with_gpu_samples(directory: Path, steps: int = 6, detail: object = "b
 class RunningRun:
     """A run left recording in a background thread until stop(): its status reads 'running'."""
 
-    def __init__(self, directory: Path, name: str = "live", workers: int = 2) -> None:
+    def __init__(self, directory: Path, name: str = "live", workers: int = 2, capture: str | None = None) -> None:
         self._stop = threading.Event()
         self._ready = threading.Event()
         self.steps = 0
         self.path: str | None = None
-        self._thread = threading.Thread(target=self._train, args=(directory, name, workers), daemon=True)
+        self._thread = threading.Thread(target=self._train, args=(directory, name, workers, capture), daemon=True)
 
-    def _train(self, directory: Path, name: str, workers: int) -> None:
+    def _train(self, directory: Path, name: str, workers: int, capture: str | None) -> None:
         torch.manual_seed(0)
         net = dpprof.DataParallel(nn.Linear(5, 2), device_ids=dpprof.cpu_devices(workers))
-        with dpprof.record(name=name, reports_dir=str(directory)) as run:
+        with dpprof.record(name=name, reports_dir=str(directory), capture=capture) as run:
             self.path = run.path
             while not self._stop.is_set():
                 with run.step():

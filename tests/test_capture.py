@@ -336,6 +336,15 @@ def test_a_second_request_while_one_is_pending_is_refused_and_the_first_is_answe
         assert again.error is None and again.first_step >= answer.end_step
 
 
+def test_a_request_while_the_runs_own_window_waits_ahead_says_so(reports):
+    """A run started with --capture 100000:100002: a request before then is answered with that window, not 'a
+    capture is under way' (nothing is recording)."""
+    with RunningRun(reports, capture="100000:100002") as live:
+        answer = wait_for_answer(ask(dpprof.load_run(live.path), 2), ANSWER_TIMEOUT_S)
+    assert answer.error == ("this run captures steps 100000 to 100001 (its --capture 100000:100002), which begin "
+                            "later: one capture at a time; ask again once it is stored")
+
+
 @pytest.mark.parametrize("timeout", ["-5", "0", "nan", "inf", "soon"])
 def test_a_capture_timeout_that_is_no_time_is_a_usage_error(timeout, capsys):
     with pytest.raises(SystemExit) as done:

@@ -268,8 +268,17 @@ class CaptureSession:
                     except CaptureError as err:
                         write_answer(self.directory, self.run.id, CaptureAnswer(request=nonce, error=str(err)), rank)
                     continue
-            error = ("a capture is under way in this run; ask again once it is stored" if busy else
-                     f"step {first} had begun ({started} steps) when the request was read; ask again")
+                window, profiling, own = self.window, self._profiler is not None, self._nonce is None
+            if window is not None and not profiling and own:  # the run's own --capture window, later on
+                error = (f"this run captures steps {window.first_step} to {window.end_step - 1} (its --capture "
+                         f"{window}), which begin later: one capture at a time; ask again once it is stored")
+            elif window is not None:  # recording, or asked for and about to begin
+                error = (f"a capture of steps {window.first_step} to {window.end_step - 1} is under way in this run; "
+                         "ask again once it is stored")
+            elif busy:
+                error = "a capture is being stored; ask again in a moment"
+            else:
+                error = f"step {first} had begun ({started} steps) when the request was read; ask again"
             write_answer(self.directory, self.run.id, CaptureAnswer(request=nonce, error=error), rank)
 
     def wait(self, timeout_s: float | None = None) -> list[CapturedWindow]:
