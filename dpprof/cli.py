@@ -254,8 +254,10 @@ def _cmd_capture(args: argparse.Namespace) -> int:
         print(f"dpprof: run {run.id}: {answer.error}", file=sys.stderr)
         return EXIT_FAILURE
     traces = [os.path.join(asked.directory, t) for t in (answer.traces or [answer.trace]) if t]
-    print(f"captured steps {answer.first_step} to {(answer.end_step or 0) - 1} of run {run.id}: operators in the run, "
-          f"raw trace{'s' if len(traces) > 1 else ''} {', '.join(traces) or None}")
+    got = (answer.end_step or 0) - (answer.first_step or 0)
+    short = "" if got >= args.steps else f" ({got} of the {plural(args.steps, 'step')} asked: the run stopped stepping)"
+    print(f"captured steps {answer.first_step} to {(answer.end_step or 0) - 1} of run {run.id}{short}: operators in the "
+          f"run, raw trace{'s' if len(traces) > 1 else ''} {', '.join(traces) or None}")
     return EXIT_OK
 
 

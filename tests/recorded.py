@@ -51,13 +51,14 @@ class RunningRun:
         self._ready = threading.Event()
         self.steps = 0
         self.path: str | None = None
+        self.run: dpprof.Run | None = None
         self._thread = threading.Thread(target=self._train, args=(directory, name, workers, capture), daemon=True)
 
     def _train(self, directory: Path, name: str, workers: int, capture: str | None) -> None:
         torch.manual_seed(0)
         net = dpprof.DataParallel(nn.Linear(5, 2), device_ids=dpprof.cpu_devices(workers))
         with dpprof.record(name=name, reports_dir=str(directory), capture=capture) as run:
-            self.path = run.path
+            self.path, self.run = run.path, run
             while not self._stop.is_set():
                 with run.step():
                     net(torch.randn(8, 5)).sum().backward()

@@ -10,6 +10,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -343,6 +344,25 @@ def test_a_request_while_the_runs_own_window_waits_ahead_says_so(reports):
         answer = wait_for_answer(ask(dpprof.load_run(live.path), 2), ANSWER_TIMEOUT_S)
     assert answer.error == ("this run captures steps 100000 to 100001 (its --capture 100000:100002), which begin "
                             "later: one capture at a time; ask again once it is stored")
+
+
+def test_a_capture_the_run_ends_inside_says_how_many_of_the_steps_asked_it_holds(reports, capsys):
+    said: list[int] = []
+    with RunningRun(reports) as live:
+        asker = threading.Thread(target=lambda: said.append(main(["capture", live.run.id, "--steps", "1000",
+                                                                   "--quiet"])))
+        asker.start()
+        deadline = time.monotonic() + 120
+        while live.run.capture._profiler is None:  # the window began: the run now stops inside it
+            assert time.monotonic() < deadline, "the capture never began"
+            time.sleep(0.05)
+        time.sleep(0.3)
+    asker.join(120)
+    out = capsys.readouterr().out
+    m = re.search(r"captured steps (\d+) to (\d+) of run \S+ \((\d+) of the 1,000 steps asked: the run stopped "
+                  r"stepping\): ", out)
+    assert said == [0] and m, out
+    assert int(m.group(3)) == int(m.group(2)) - int(m.group(1)) + 1 < 1000
 
 
 @pytest.mark.parametrize("timeout", ["-5", "0", "nan", "inf", "soon"])
