@@ -365,6 +365,20 @@ def test_a_capture_the_run_ends_inside_says_how_many_of_the_steps_asked_it_holds
     assert int(m.group(3)) == int(m.group(2)) - int(m.group(1)) + 1 < 1000
 
 
+def test_a_capture_whose_trace_name_is_taken_says_so_in_plain_words(reports, caplog):
+    """The run file of an earlier run of the same id removed, its capture's raw trace left: the new run's capture is
+    not stored (never over another's file), said without an exception's repr."""
+    argv = ["--reports-dir", str(reports), "profile", "tutorial-linear", "--devices", "cpu:2", "--steps", "4",
+            "--capture", "1:3", "--run-id", "same", "--quiet"]
+    assert main(argv) == 0
+    (reports / "same.sqlite").unlink()
+    with caplog.at_level("WARNING", logger="dpprof"):
+        assert main(argv) == 0
+    said = [r.getMessage() for r in caplog.records if "not stored" in r.getMessage()]
+    assert said == ["dpprof: capture of steps 1 to 2 not stored: same.capture-1-3.pt.trace.json.gz is there "
+                    "already (never replaced)"]
+
+
 @pytest.mark.parametrize("timeout", ["-5", "0", "nan", "inf", "soon"])
 def test_a_capture_timeout_that_is_no_time_is_a_usage_error(timeout, capsys):
     with pytest.raises(SystemExit) as done:

@@ -39,6 +39,7 @@ from torch.autograd.profiler import record_function
 from dpprof.capture.request import CaptureAnswer, read_request, write_answer
 from dpprof.capture.window import CaptureError, CaptureWindow
 from dpprof.records import NoteRecord
+from dpprof.store.faults import cause_of
 from dpprof.store.files import capture_trace_name, hidden_name, publish_file, remove_files
 
 if TYPE_CHECKING:
@@ -207,7 +208,11 @@ class CaptureSession:
             try:
                 trace = self._write_trace(profiler, steps)
                 self._aggregate(trace, steps, device_of_thread)
-            except Exception as err:  # noqa: BLE001 - a full disk, a trace the aggregation refuses: a note
+            except FileExistsError as err:  # a file of the trace's name, never replaced: another run's of this id
+                error = f"{os.path.basename(str(err.filename2 or err.filename))} is there already (never replaced)"
+            except OSError as err:  # a full disk, a read-only directory: in a few words
+                error = f"{cause_of(err, str(self.directory))} writing its raw trace"
+            except Exception as err:  # noqa: BLE001 - a trace the aggregation refuses: a note
                 error = f"{type(err).__name__}: {_first_line(err)}"
         export_ms = (time.perf_counter() - t0) * 1e3
         done = CapturedWindow(steps.first_step, steps.end_step, trace, error, stop_ms, export_ms)
