@@ -9,9 +9,12 @@ import pandas as pd
 from dpprof.records import FindingRecord
 from dpprof.store.model import RunModel
 
-__all__ = ["FINDING_COLUMNS", "OperatorData", "Tables", "finding", "per_step"]
+__all__ = ["FINDING_COLUMNS", "MEDIAN_STEP", "OperatorData", "Tables", "finding", "per_step"]
 
 FINDING_COLUMNS = [f.name for f in fields(FindingRecord)]
+# What a finding weighs a cost against, in its words: the median of the steps past the first (which carries one-time
+# costs: Tables.median_step_ms), not the header's median of every step
+MEDIAN_STEP = "median step past the first"
 
 
 @dataclass

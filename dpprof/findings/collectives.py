@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from dpprof.findings.base import Tables
+from dpprof.findings.base import MEDIAN_STEP, Tables
 from dpprof.findings.floors import STEP_SHARE_FLOOR, TIME_FLOOR_MS, worth_time
 
 __all__ = ["KEY", "DDP_BUCKETS", "STRAGGLER_WAIT_SHARE", "STRAGGLER_WAIT_SHARE_CPU", "STRAGGLER_STEP_SHARE",
@@ -170,7 +170,7 @@ class CollectiveVerdict:
                 f"{self.ranks} ranks: {self.straggler} waits {self.own_wait_ms:.2f} ms per step inside them, the "
                 f"others {self.others_wait_ms:.2f} ms; it waited least in {self.share:.0%} of {self.steps} steps; the "
                 f"others wait {self.wait_ms:.2f} ms per step for it, {self.wait_ms * later_steps / 1e3:.2f} s over "
-                f"the run ({self.wait_ms / self.step_ms:.0%} of the median step)"
+                f"the run ({self.wait_ms / self.step_ms:.0%} of the {MEDIAN_STEP})"
                 + "".join(f"; {n}" for n in self.notes))
 
 
@@ -214,10 +214,10 @@ def collective_verdict(t: Tables) -> CollectiveVerdict | None:
     elif not step_ms or pd.isna(step_ms) or cost < threshold * step_ms:
         shared = " where ranks share the host's cores" if not on_gpus else ""
         reason = (f"the others wait {cost:.2f} ms per step for it, under the {threshold:.0%} of the "
-                  f"{step_ms:.2f} ms median step a straggler needs{shared}")
+                  f"{step_ms:.2f} ms {MEDIAN_STEP} a straggler needs{shared}")
     elif not worth_time(cost, step_ms):
         reason = (f"{cost:.2f} ms a step is under the {TIME_FLOOR_MS} ms floor a finding needs" if cost < TIME_FLOOR_MS
-                  else f"{cost / step_ms:.1%} of the median step is under the {STEP_SHARE_FLOOR:.0%} floor")
+                  else f"{cost / step_ms:.1%} of the {MEDIAN_STEP} is under the {STEP_SHARE_FLOOR:.0%} floor")
     matched = per[per["step"] != first].groupby("rank")["collectives"].median()
     notes = [*waits.notes]
     world = t.model.world_size

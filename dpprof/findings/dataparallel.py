@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from dpprof.findings.base import Tables, finding, per_step
+from dpprof.findings.base import MEDIAN_STEP, Tables, finding, per_step
 from dpprof.findings.collectives import CollectiveVerdict, collective_verdict
 from dpprof.findings.floors import (CRITICAL_STEP_SHARE, STEP_SHARE_FLOOR, TIME_FLOOR_MS, Imbalance, cost_text,
                                     imbalance, mib, worth_bytes, worth_time)
@@ -94,7 +94,7 @@ class Straggler:
         c = self.collectives
         if c is not None and self.reported:
             return (f"{slow} is the slowest to reach the collectives: inside them they wait {c.wait_ms:.2f} ms per "
-                    f"step for it ({c.wait_ms / c.step_ms:.0%} of the median step); it waited least in {c.share:.0%} "
+                    f"step for it ({c.wait_ms / c.step_ms:.0%} of the {MEDIAN_STEP}); it waited least in {c.share:.0%} "
                     f"of {c.steps} steps.")
         if c is not None:
             return (f"No straggler: inside the collectives {slow} waits least, the others "
@@ -133,7 +133,7 @@ def straggler_verdict(t: Tables) -> Straggler | None:
     elif not worth_time(wait, step_ms):
         reason = (f"{wait:.2f} ms a step is under the {TIME_FLOOR_MS} ms floor a finding needs"
                   if wait < TIME_FLOOR_MS or not step_ms or pd.isna(step_ms) else
-                  f"{wait / step_ms:.1%} of the {step_ms:.2f} ms median step is under the {STEP_SHARE_FLOOR:.0%} "
+                  f"{wait / step_ms:.1%} of the {step_ms:.2f} ms {MEDIAN_STEP} is under the {STEP_SHARE_FLOOR:.0%} "
                   "floor a finding needs")
     return Straggler(found=found, work=work, unit=t.model.unit, threshold=threshold, step_ms=step_ms,
                      later_steps=t.later_step_count, reason=reason)
@@ -145,8 +145,8 @@ def straggler_row(v: Straggler, kind: str, title: str, measure: str, advice: str
     return finding(kind, "critical" if v.ratio >= STRAGGLER_CRITICAL_RATIO else "warning", slow, title,
                    f"{measure} {f.medians[slow]:.2f} ms on {slow} vs {f.others_ms:.2f} ms on the others; slowest in "
                    f"{f.slowest_share:.0%} of {f.steps} steps; the others wait {v.wait_ms:.2f} ms per step, "
-                   f"{v.wait_ms * v.later_steps / 1e3:.2f} s over the run ({v.wait_ms / v.step_ms:.0%} of the median "
-                   "step)", advice, v.ratio)
+                   f"{v.wait_ms * v.later_steps / 1e3:.2f} s over the run ({v.wait_ms / v.step_ms:.0%} of the "
+                   f"{MEDIAN_STEP})", advice, v.ratio)
 
 
 def straggler(t: Tables) -> list[dict]:
@@ -212,7 +212,8 @@ def dataparallel_tax(t: Tables) -> list[dict]:
     parts = ", ".join(f"{p} {by_phase.get(p, 0):.2f} ms" for p in DP_TAX_PHASES)
     return [finding("dataparallel_tax", "critical" if share >= CRITICAL_STEP_SHARE else "warning", None,
                     f"scatter, replicate and gather take {share:.0%} of the step",
-                    f"per step: {parts} of a {step_ms:.2f} ms step; it {cost_text(tax_ms, t.later_step_count)}",
+                    f"per step past the first: {parts} of a {step_ms:.2f} ms mean step; it "
+                    f"{cost_text(tax_ms, t.later_step_count)}",
                     "This is work only DataParallel does: DistributedDataParallel runs one process per GPU with the "
                     "model resident there, so it has no replicate and no gather, and overlaps the gradient all-reduce "
                     "with backward. A larger batch per step also spreads this cost.", share)]

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from dpprof.findings.base import Tables, finding
+from dpprof.findings.base import MEDIAN_STEP, Tables, finding
 from dpprof.findings.floors import worth_time
 
 __all__ = ["OUTLIER_STEP_RATIO", "OUTLIER_TIME_SHARE", "OUTLIER_WARN_SHARE", "OUTLIER_STEPS_LISTED", "Stalls", "stalls",
@@ -65,8 +65,8 @@ def outlier_steps(t: Tables) -> list[dict]:
     more = f" and {len(worst) - OUTLIER_STEPS_LISTED} more" if len(worst) > OUTLIER_STEPS_LISTED else ""
     return [finding("outlier_steps", found.severity, None,
                     f"{len(worst)} of {found.steps} steps took over {OUTLIER_STEP_RATIO:g}x the median step",
-                    f"median step {median:.2f} ms; steps {listed}{more}; {excess / 1e3:.2f} s beyond the median, "
-                    f"{share:.0%} of the run's step time (the first step is left out)",
+                    f"{MEDIAN_STEP} {median:.2f} ms; steps {listed}{more}; {excess / 1e3:.2f} s beyond the median, "
+                    f"{share:.0%} of the run's step time past the first",
                     "Steps that stall like this come from outside the model: another process on the same cores or "
                     "GPU (another run started alongside), data loading, swapping or garbage collection. Check what "
                     "else ran at those steps; the per-device findings of such a run are less certain.", share)]
