@@ -381,14 +381,16 @@ def refused(tmp_path_factory, runs, profiled):
     directory = runs.dir
     profiled(directory, "tutorial-linear", "--ddp", "--nproc", "2", "--steps", "4")  # recorded once a session
     listing = dpprof.list_runs(directory)
+    idle = record(directory, "idle", workers=3, steps=4, batch_size=2, workload="tutorial-linear")
     out = {"ddp": (listing[listing["ranks"] == 2]["id"].iloc[0], "DistributedDataParallel run"),
-           "short": (runs.short.id, f"at least {MIN_STEPS}")}
+           "short": (runs.short.id, f"at least {MIN_STEPS}"),
+           "idle": (idle.id, "gave no chunk to cpu:2 (its batch is smaller than its 3 devices)")}
     if TRACE.exists():
         out["trace"] = (import_traces([TRACE], directory).id, "imported torch.profiler trace")
     return out
 
 
-@pytest.mark.parametrize("kind", ["ddp", "trace", "short"])
+@pytest.mark.parametrize("kind", ["ddp", "trace", "short", "idle"])
 def test_runs_it_cannot_predict_from_say_why_in_one_line_and_exit_1(runs, refused, kind, capsys):
     if kind not in refused:
         pytest.skip(f"no {TRACE}")

@@ -164,6 +164,11 @@ def _refuse(run: StoredRun) -> None:
                            "first step carries one-time costs, and a typical step needs two more)")
     if model.backend not in ("cpu", "cuda"):
         raise NotAdvisable(f"run {run.id} ran on no device ({model.backend}): DataParallel without device_ids")
+    if model.idle:  # DataParallel replicates onto the devices that got a chunk only: no set-up the model knows
+        n = len(model.devices)
+        raise NotAdvisable(f"run {run.id} gave no chunk to {', '.join(model.idle)} (its batch is smaller than its "
+                           f"{n} devices): the advisor predicts from runs whose every device works; record it with a "
+                           f"batch of at least {n}")
 
 
 def measure(run: StoredRun) -> Measured:
