@@ -11,11 +11,13 @@ import re
 import shutil
 import sqlite3
 import tempfile
+import time
 from pathlib import Path
 
 __all__ = ["SIDE_FILES", "RANK_FILE", "CAPTURE_TRACE", "capture_trace_name", "is_capture_trace", "capture_request_name",
            "capture_answer_name", "hidden_name", "remove_files", "publish_file", "run_signature",
-           "dir_signature", "lock_if_free", "move_into_place", "staging_dir", "STAGING_ENV"]
+           "dir_signature", "lock_if_free", "move_into_place", "staging_dir", "STAGING_ENV", "LEFTOVER_AGE_S",
+           "sweep_leftovers"]
 
 SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database
 SIDE_FILES = ("-wal", "-shm", "-journal")  # SQLite's write-ahead log, its shared memory and its rollback journal
@@ -56,6 +58,32 @@ def hidden_name(path: str) -> str:
     """Where a file is built before it appears under ``path``: a dot-name the listing skips."""
     directory, name = os.path.split(path)
     return os.path.join(directory, f".{name}.part")
+
+
+# A file dpprof builds under a hidden name (a run file or a capture's raw trace before it takes its name, an answer to
+# a capture request) lives seconds, minutes for the largest capture; one this old was left by a killed process
+LEFTOVER_AGE_S = 6 * 3600.0
+_LEFTOVER = re.compile(r"^\..+(?:\.sqlite\.part|\.capture-\d+-\d+\.pt\.trace\.json\.gz|\.capture-answer\.json)$")
+
+
+def sweep_leftovers(directory: str | os.PathLike[str], now: float | None = None) -> list[str]:
+    """Remove the hidden files killed processes left in ``directory`` (a run file or a capture's raw trace half built,
+    an answer no asker read), each over LEFTOVER_AGE_S old; returns their names. Never a run, never a young file."""
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        try:
+            if _LEFTOVER.match(entry.name) and entry.is_file(follow_symlinks=False) and \
+                    now - entry.stat(follow_symlinks=False).st_mtime > LEFTOVER_AGE_S:
+                os.unlink(entry.path)
+                removed.append(entry.name)
+        except OSError:
+            continue  # gone meanwhile, or not ours to remove
+    return removed
 
 
 def remove_files(*paths: str) -> None:

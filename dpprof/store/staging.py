@@ -26,7 +26,8 @@ from typing import Any
 from dpprof.store import filesystems
 from dpprof.store.faults import RecordingError, cause_of, start_failure
 from dpprof.store.publish import recover
-from dpprof.store.files import (SIDE_FILES, STAGING_ENV, hidden_name, lock_if_free, move_into_place, remove_files, staging_dir)
+from dpprof.store.files import (SIDE_FILES, STAGING_ENV, hidden_name, lock_if_free, move_into_place, remove_files,
+                                staging_dir, sweep_leftovers)
 from dpprof.store.writer import SqliteSink, create_run_file
 
 try:
@@ -168,6 +169,9 @@ def open_sink(path: str, run_row: dict[str, Any], **kwargs: Any) -> SqliteSink:
     imports and merges killed in the directory left is finished (dpprof.store.publish.recover)."""
     move_leftover_runs()
     recover(os.path.dirname(path) or ".")  # imports and merges killed here: their runs published whole, or removed
+    for name in sweep_leftovers(os.path.dirname(path) or "."):  # half-built files of processes killed long ago
+        log.warning("dpprof: removed %s, left in %s by a process killed while writing it", name,
+                    os.path.dirname(path) or ".")
     staging = staging_for(os.path.dirname(path) or ".")
     if staging is None:
         return SqliteSink(path, run_row, **kwargs)
