@@ -143,7 +143,8 @@ def gpu_utilization(t: Tables) -> list[dict]:
             f"{row.device}'s GPU utilization is {util:.0f}%",
             f"a kernel ran {row.busy_ms:,.1f} ms of {row.window_ms:,.1f} ms ({plural(steps, 'step')}); est. SM "
             f"efficiency {row.sm_efficiency_pct:.0f}%, est. achieved occupancy {row.achieved_occupancy_pct:.0f}%: "
-            f"the GPU's idle time {cost_text(idle_ms, steps)}",
+            f"the time no kernel runs (memcpy and memset count as idle here, as in the plugin's utilization; the "
+            f"GPU time table's idle leaves them out) {cost_text(idle_ms, steps)}",
             "The GPU waits on the host: give it more work per kernel (a bigger batch), fewer host synchronisations "
             "(.item(), .cpu(), printing tensors inside the step), faster input (DataLoader workers), or fewer "
             "launches (torch.compile, CUDA graphs).", util))
