@@ -70,7 +70,7 @@ def sweep_leftovers(directory: str | os.PathLike[str], now: float | None = None)
     """Remove the hidden files killed processes left in ``directory`` (a run file or a capture's raw trace half built,
     an answer no asker read), each over LEFTOVER_AGE_S old; returns their names. Never a run, never a young file."""
     now = time.time() if now is None else now
-    removed = []
+    removed: list[str] = []
     try:
         entries = list(os.scandir(directory))
     except OSError:
