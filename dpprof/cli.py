@@ -436,7 +436,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if len(means):
         print("\nmean ms per step, by phase:")
         print(_table(display_table(means.reset_index()).set_index("device"), "{:,.2f}"))
-    if "comms" in model.has and model.kind == "fsdp":
+    if "comms" in model.has and model.fsdp_phases:
         print("\nFSDP collectives per step (issued: launch to completion; exposed: the rank waited for it):")
         print(_table(display_table(fsdp_collective_table(run)).set_index("device"), "{:,.2f}"))
     elif "comms" in model.has and (model.kind == "ddp" or model.imported):

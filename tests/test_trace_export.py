@@ -24,6 +24,7 @@ from dpprof.trace import TraceError, import_traces
 from dpprof.trace.export import MEMORY_COUNTER, export_trace, parse_steps, plan_trace, rank_path
 from dpprof.trace.readback import EXPORT_KEY
 from dpprof.views import export as export_view
+from dpprof.views.fsdp import fsdp_collective_table
 from recorded import BUS, record, record_straggler, record_with_gpu_samples
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,6 +46,9 @@ def runs(tmp_path_factory, profiled):
     profiled(directory, "tutorial-linear", "--ddp", "--nproc", "2", "--steps", "4")  # recorded once a session
     listing = dpprof.list_runs(directory)
     ids["ddp"] = listing[listing["ranks"] == 2]["id"].iloc[0]
+    profiled(directory, "tutorial-linear", "--fsdp", "--nproc", "2", "--steps", "4")
+    listing = dpprof.list_runs(directory)
+    ids["fsdp"] = next(i for i in listing[listing["ranks"] == 2]["id"] if i != ids["ddp"])
     for name, files in IMPORTED.items():
         ids[name] = import_traces([TRACES / f for f in files], directory).id
     return SimpleNamespace(dir=directory, ids=ids)
@@ -176,7 +180,7 @@ def check_allocator_peaks(run, back, steps: set[int]) -> None:
         assert ((got[column].reindex(want.index) - want).abs() <= TOTALS_REL * want.abs()).all(), (column, want, got)
 
 
-KINDS = ["dataparallel", "balanced", "ddp", *IMPORTED]
+KINDS = ["dataparallel", "balanced", "ddp", "fsdp", *IMPORTED]
 
 
 @pytest.mark.parametrize("name", KINDS)
@@ -191,6 +195,21 @@ def test_each_kind_exports_a_trace_that_keeps_the_rules_and_imports_back(runs, n
     check_round_trip(run, plan, [w.path for w in written], tmp_path / "back")
     if name == "resnet trace":  # the check compares something: this trace's [memory] events peak at 2.6 GiB
         assert run.allocator["peak_allocated_bytes"].max() > 2**31
+
+
+def test_an_fsdp_run_reads_back_as_fsdp_with_its_phases_and_collectives(runs, tmp_path):
+    """An FSDP run's per-rank files import as an imported trace of FSDP: its waits and copies, its all-gathers and
+    reduce-scatters, its FSDP collectives table, and a note of what the file does not carry."""
+    run = dpprof.load_run(runs.ids["fsdp"], runs.dir)
+    assert run.model.kind == "fsdp"
+    _, written, _ = _export(run, tmp_path)
+    back = dpprof.load_run(import_traces([w.path for w in written], tmp_path / "back").id, tmp_path / "back")
+    assert {"copy_in", "all_gather_wait", "copy_out", "reduce_scatter_wait"} <= set(back.phases["phase"])
+    assert back.model.sharded and back.model.fsdp_phases and "FSDP" in back.model.title
+    count = ["device", "collective"]
+    assert back.comms.groupby(count).size().to_dict() == run.comms.groupby(count).size().to_dict()
+    assert list(fsdp_collective_table(back)["collective"]) == list(fsdp_collective_table(run)["collective"])
+    assert any("sharded and gathered bytes" in m for m in back.notes["message"])
 
 
 def test_a_phase_ending_at_the_next_steps_start_reads_back_in_its_own_step(runs, tmp_path):

@@ -113,6 +113,12 @@ class RunModel:
     sharded: bool = False  # an imported trace of a job sharded with FSDP (its FSDP ranges are in the trace)
 
     @property
+    def fsdp_phases(self) -> bool:
+        """Whether the run has FSDP's own phases (its waits and copies): a recorded FSDP run, or one that dpprof
+        exported and imported again (an imported trace of FSDP); what its FSDP collectives table is made of."""
+        return self.kind == "fsdp" or (self.sharded and bool(set(FSDP_ONLY_PHASES) & set(self.phases)))
+
+    @property
     def thinned(self) -> bool:
         """Whether some steps' detail rows were let go (a long run of detail "bounded")."""
         return self.retention is not None and self.retention.bounded and self.detail_from > 0

@@ -29,13 +29,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dpprof.records import (PHASES, AllocatorRecord, CommRecord, DeviceRecord, GpuTimeRecord, PhaseRecord, Record,
-                            StepRecord)
+from dpprof.records import (FSDP_ONLY_PHASES, PHASES, AllocatorRecord, CommRecord, DeviceRecord, GpuTimeRecord,
+                            PhaseRecord, Record, StepRecord)
 from dpprof.stepmodel import GPU_PARTS, IDLE, part_names, partition
 from dpprof.trace.collect import GPU_KINDS, Collected, collective_name
 from dpprof.trace.detail import Detail, detail_tables
 from dpprof.trace.detail_events import RawDetail
-from dpprof.trace.readback import export_info, exported_phases
+from dpprof.trace.readback import EXPORT_KEY, export_info, exported_phases
 from dpprof.trace.numbers import MAX_BYTES, MAX_GPU_INDEX, whole
 
 __all__ = ["Converted", "convert", "process_label"]
@@ -295,6 +295,12 @@ def convert(c: Collected, t0_us: float, rank: int | None) -> Converted:
         out.notes.append("written by dpprof export: each dpprof.<phase> range is that phase on the device its "
                          "thread belongs to (the file's dpprofThreads); forward calls and dpprof's memory "
                          "accounting are not in the file")
+        if c.meta[EXPORT_KEY].get("kind") == "fsdp" or any(
+                isinstance(p, PhaseRecord) and p.phase in FSDP_ONLY_PHASES for p in phases):
+            out.fsdp = True  # an FSDP run's file: its waits and copies read back, and its collectives below
+            out.notes.append("an FSDP run dpprof exported: its phases (copy_in, all_gather_wait, copy_out, "
+                             "reduce_scatter_wait) and its all-gathers and reduce-scatters read back; its sharded "
+                             "and gathered bytes (dpprof's memory accounting) are not in the file")
         dp_exact = True  # the device axis is the file's: collectives go to its first device
     elif dp_exact:
         applies = [a for a in c.dpprof_ranges if a.name == "apply"]

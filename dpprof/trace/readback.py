@@ -6,7 +6,9 @@ dpprof wrote names it: its metadata (``dpprofExport``, and ``dpprofThreads`` at 
 run's devices and the device each thread id belongs to. Read back, each ``dpprof.<phase>`` slice is that phase on
 that device, in the step whose ``ProfilerStep#N`` holds its end (a DDP rank's ``data`` phase begins in the gap
 before its step); forward calls are not in the file (every phase reads as call 0), nor is dpprof's memory
-accounting (its counters), so the run read back has its steps, phases, allocator figures and collectives.
+accounting (its counters), so the run read back has its steps, phases, allocator figures and collectives. An FSDP
+run's file (``dpprofExport.kind`` "fsdp") reads back as an imported trace of FSDP with FSDP's phases (copy_in,
+all_gather_wait, copy_out, reduce_scatter_wait) and its all-gathers and reduce-scatters.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import bisect
 from collections.abc import Callable
 from typing import Any
 
-from dpprof.records import DDP_PHASES, PHASES, PhaseRecord, Record
+from dpprof.records import PHASE_ORDER, PhaseRecord, Record
 from dpprof.trace.collect import Collected
 from dpprof.trace.decode import TraceError
 from dpprof.trace.numbers import slack_us
@@ -24,7 +26,7 @@ __all__ = ["EXPORT_KEY", "THREADS_KEY", "EXPORT_VERSION", "export_info", "export
 EXPORT_KEY = "dpprofExport"  # top-level field of a trace dpprof wrote: the run, its devices, the steps it holds
 THREADS_KEY = "dpprofThreads"  # top-level field after traceEvents: thread id -> device (lanes are made as written)
 EXPORT_VERSION = 1
-_PHASE_NAMES = frozenset(PHASES) | frozenset(DDP_PHASES)
+_PHASE_NAMES = frozenset(PHASE_ORDER)  # every kind's phases: DataParallel's, DDP's and FSDP's
 
 
 def export_info(meta: dict[str, Any]) -> dict[str, Any] | None:

@@ -74,12 +74,17 @@ KIND_TABLES = {"fsdp_collectives": ("fsdp", "per FSDP rank and collective: per s
                                             "hidden %, in forward and in backward")}
 
 
+def _of_kind(run: StoredRun, kind: str) -> bool:
+    """Whether the run has what a kind's own tables are made of (FSDP's: its phases, recorded or read back)."""
+    return run.model.fsdp_phases if kind == "fsdp" else run.model.kind == kind
+
+
 def export_tables(run: StoredRun) -> pd.DataFrame:
     """The run's tables and their row counts (what the Export page offers), then the made ones."""
     counts: dict[str, int | None] = {t: table_rows.row_count(run, t) for t in TABLES if t != "findings"}
     counts["findings"] = None  # computed (or stored) when asked for
     words = TABLE_DESCRIPTIONS if run.model.dataparallel else {**TABLE_DESCRIPTIONS, **PROCESS_DESCRIPTIONS}
-    if run.model.kind == "fsdp":
+    if run.model.fsdp_phases:
         words = {**words, "comms": "each all-gather and reduce-scatter of each FSDP rank: bytes, launch, duration"}
     rows = [{"table": t, "rows": counts[t], "what": words.get(t, "")} for t in TABLES]
     rows += [{"table": t, "rows": table_rows.row_count(run, t),
@@ -87,7 +92,7 @@ def export_tables(run: StoredRun) -> pd.DataFrame:
     rows += [{"table": t, "rows": 1 if t == "run" else None, "what": what} for t, what in EXTRA_TABLES.items()]
     rows += [{"table": t, "rows": len(export_table(run, t)), "what": DETAIL_DESCRIPTIONS[t]} for t in _details(run)]
     rows += [{"table": t, "rows": None, "what": what} for t, (kind, what) in KIND_TABLES.items()
-             if run.model.kind == kind]
+             if _of_kind(run, kind)]
     return pd.DataFrame(rows)
 
 
@@ -140,7 +145,7 @@ def export_table(run: StoredRun, name: str) -> pd.DataFrame:
         return summary_of(run).reset_index()
     if name == "phase_totals":
         return queries.phase_totals(run)
-    if name in KIND_TABLES and run.model.kind == KIND_TABLES[name][0]:
+    if name in KIND_TABLES and _of_kind(run, KIND_TABLES[name][0]):
         return fsdp_collective_table(run)
     if name in TABLES:
         return table_rows.whole_table(run, name)
@@ -164,7 +169,7 @@ EXPORTED = ("run", *TABLES, "device_summary", "phase_totals")
 def exported(run: StoredRun) -> tuple[str, ...]:
     """The tables an export of this run writes: EXPORTED, its kind's own tables, then its aggregate tables, then its
     operators, kernels, GPU metrics and memory where it holds them."""
-    own = tuple(t for t, (kind, _) in KIND_TABLES.items() if run.model.kind == kind)
+    own = tuple(t for t, (kind, _) in KIND_TABLES.items() if _of_kind(run, kind))
     return (*EXPORTED, *own, *_aggregates(run), *_details(run))
 
 

@@ -22,7 +22,7 @@ def fsdp_collective_table(run: StoredRun) -> pd.DataFrame:
     """Per rank and collective, over the steps after the first: how many a step, their bytes a step, the time from
     launch to completion (issued), the part the rank waited for (exposed), the share hidden behind compute, and how
     many ran in forward and in backward. Empty for a run without FSDP collectives."""
-    if run.model.kind != "fsdp" or "comms" not in run.model.has:
+    if not run.model.fsdp_phases or "comms" not in run.model.has:
         return pd.DataFrame(columns=FSDP_COLLECTIVE_COLUMNS)
     table = fsdp_collectives(tables_of(run))
     return table.rename(columns={"bytes_per_step": "sent_bytes_per_step", "forward_per_step": "in_forward_per_step",

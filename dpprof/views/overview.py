@@ -244,7 +244,7 @@ def overview(run: StoredRun) -> Overview:
     if "comms" in model.has:
         data.comms = comm_stats(run)
         data.waits = collective_wait_view(run)
-    if model.kind == "fsdp":
+    if model.fsdp_phases:
         data.fsdp = fsdp_collective_table(run)
     if "gpu_time" in model.has:
         data.gpu = queries.gpu_time(run)
