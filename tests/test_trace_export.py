@@ -212,6 +212,18 @@ def test_an_fsdp_run_reads_back_as_fsdp_with_its_phases_and_collectives(runs, tm
     assert any("sharded and gathered bytes" in m for m in back.notes["message"])
 
 
+def test_a_gpu_ranks_file_keeps_its_gpu(runs, tmp_path):
+    """An imported NCCL rank's trace (its GPU an A100, no [memory] events) exported as its rank's file: the file has
+    the GPU's deviceProperties, and read back the rank is a GPU with its name, memory and SMs."""
+    run = dpprof.load_run(runs.ids["ddp trace"], runs.dir)
+    _, written, docs = _export(run, tmp_path)
+    assert [p["name"] for p in docs[0]["deviceProperties"]] == ["NVIDIA A100-PG509-200"]
+    back = dpprof.load_run(import_traces([w.path for w in written], tmp_path / "back").id, tmp_path / "back")
+    columns = ["device", "kind", "name", "total_memory_bytes", "multiprocessor_count", "capability"]
+    assert back.devices[columns].to_dict("records") == run.devices[columns].to_dict("records")
+    assert back.meta["backend"] == "cuda" and "CPU only" not in back.model.title
+
+
 def test_a_phase_ending_at_the_next_steps_start_reads_back_in_its_own_step(runs, tmp_path):
     """A DDP rank's optimizer that ends where the next step begins, with a ts and dur whose float sum is past that
     start by a rounding (as 573885.116 + 64.236 = 573949.3520000001 is): it reads back in its own step."""

@@ -35,7 +35,7 @@ from dpprof.stepmodel import GPU_PARTS, IDLE, part_names, partition
 from dpprof.trace.collect import GPU_KINDS, Collected, collective_name
 from dpprof.trace.detail import Detail, detail_tables
 from dpprof.trace.detail_events import RawDetail
-from dpprof.trace.readback import EXPORT_KEY, export_info, exported_phases
+from dpprof.trace.readback import EXPORT_KEY, export_info, exported_gpus, exported_phases
 from dpprof.trace.numbers import MAX_BYTES, MAX_GPU_INDEX, whole
 
 __all__ = ["Converted", "convert", "process_label"]
@@ -51,6 +51,11 @@ class Converted:
     dataparallel: str | None = None  # "exact" (dpprof ranges) or "torch" (DataParallel.forward, GPUs)
     detail: Detail | None = None  # operators, kernels, GPU metrics, memory over time, modules (dpprof.trace.detail)
     fsdp: bool = False  # the process shards its model with FSDP (its trace has FSDP's ranges)
+
+    @property
+    def gpus(self) -> list[str]:
+        """The devices recorded as GPUs: those the trace shows working, and those dpprof's own file names."""
+        return [r.device for r in self.records if isinstance(r, DeviceRecord) and r.kind == "cuda"]
 
 
 def process_label(c: Collected, rank: int | None) -> str:
@@ -337,6 +342,8 @@ def convert(c: Collected, t0_us: float, rank: int | None) -> Converted:
     c.detail = RawDetail()
     out.notes += out.detail.notes
     gpu_of = {label_of[g]: g for g in gpus}
+    if export_info(c.meta) is not None:  # dpprof's file names its GPUs, a rank's too (its file may show none)
+        gpu_of = {**exported_gpus(c.meta[EXPORT_KEY]), **gpu_of}
     out.records += _gpu_time(c, windows, label_of)
     out.records += _allocator(c, windows, label_of)
     if c.memory_cumulative:

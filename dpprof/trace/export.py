@@ -6,7 +6,7 @@ What the file holds:
 - Kineto's top-level fields: ``schemaVersion``, ``deviceProperties`` (the run's GPUs), ``distributedInfo`` (a
   rank's file), ``traceEvents``, ``traceName``, ``displayTimeUnit``, ``baseTimeNanoseconds`` (when the run
   started: ``ts`` and ``dur`` are microseconds since then); and dpprof's: ``dpprofExport`` (the run, its kind and
-  devices, which steps the file holds and why) and, after the events, ``dpprofThreads`` (the device of each
+  devices, the CUDA index of each GPU among them, which steps the file holds and why) and, after the events, ``dpprofThreads`` (the device of each
   thread id, so that ``dpprof import`` reads the file back exactly: dpprof.trace.readback).
 - A process per device (or rank), named by ``process_name`` metadata and ordered by ``process_sort_index`` in
   the run's device order. Its threads are lanes: ``steps`` (``ProfilerStep#N``, on the device that drives the
@@ -414,14 +414,15 @@ def _device_names(run: StoredRun) -> dict[str, str]:
     return names
 
 
-def _device_properties(run: StoredRun, devices: list[str]) -> list[dict[str, Any]]:
-    """Kineto's deviceProperties for the run's CUDA devices, from its device inventory."""
+def _device_properties(run: StoredRun, gpus: dict[str, int]) -> list[dict[str, Any]]:
+    """Kineto's deviceProperties for the file's CUDA devices (``gpus``: device -> its CUDA index, a rank's GPU
+    among them), from the run's device inventory."""
     out = []
     for row in run.devices.drop_duplicates("device").itertuples():
-        label = str(row.device)
-        if not label.startswith("cuda:") or label not in devices or not label[5:].isdigit():
+        gpu = gpus.get(str(row.device))
+        if gpu is None or any(p["id"] == gpu for p in out):
             continue
-        props: dict[str, Any] = {"id": int(label[5:]), "name": row.name}
+        props: dict[str, Any] = {"id": gpu, "name": row.name}
         if pd.notna(row.total_memory_bytes):
             props["totalGlobalMem"] = int(row.total_memory_bytes)
         if isinstance(row.capability, str) and "." in row.capability:
@@ -590,6 +591,10 @@ class _TraceWriter:
             if gpu is not None:  # Kineto's form, for torch's tools and the importer
                 self._memory_events(pid, device, gpu, step_start.get((rank, step), ts), ts, allocated, peak, reserved)
 
+    def gpus(self) -> dict[str, int]:
+        """The file's CUDA devices and the index each has in deviceProperties and the ``[memory]`` events."""
+        return {d: gpu for d in self.devices if (gpu := self._gpu_index(d)) is not None}
+
     def _gpu_index(self, device: str) -> int | None:
         """The CUDA index of a device ("cuda:1"; an imported trace's "rank:3" names its rank's GPU, its only one)."""
         if device.startswith("cuda:") and device[5:].isdigit():
@@ -709,7 +714,8 @@ def write_trace(run: StoredRun, target: str | os.PathLike[str] | IO[bytes], plan
         writer = _TraceWriter(run, view, plan, out)
         model = run.model
         head: dict[str, Any] = {"schemaVersion": 1}
-        props = _device_properties(run, writer.devices)
+        gpus = writer.gpus()
+        props = _device_properties(run, gpus)
         if props:
             head["deviceProperties"] = props
         info = _distributed_info(run, writer.ranks)
@@ -717,7 +723,7 @@ def write_trace(run: StoredRun, target: str | os.PathLike[str] | IO[bytes], plan
             head["distributedInfo"] = info
         head[EXPORT_KEY] = {
             "version": EXPORT_VERSION, "run": run.id, "name": run.meta.get("name"), "kind": model.kind,
-            "title": model.title, "devices": writer.devices, "ranks": writer.ranks if info else [],
+            "title": model.title, "devices": writer.devices, "gpus": gpus, "ranks": writer.ranks if info else [],
             "steps": {"recorded": plan.run_steps, "held_in_full": plan.held, "written": int(len(plan.steps)),
                       "ranges": plan.ranges, "asked": _asked_text(plan.asked) or None, "cut_to_fit": plan.cut,
                       "why": plan.why()},

@@ -324,7 +324,7 @@ def _write(staging: Path, run_id: str, name: str, files: list[Collected], ranks:
             "id": run_id, "name": name, "created_at": _created_at(f, t0_abs - _abs_offset_us(f)),
             "host": f.meta.get("host_name") if isinstance(f.meta.get("host_name"), str) else None,  # else unknown
             "pid": None, "torch_version": None, "cuda_version": None,
-            "backend": "cuda" if f.gpus else "cpu", "devices": conv.devices, "workload": workload,
+            "backend": "cuda" if f.gpus or conv.gpus else "cpu", "devices": conv.devices, "workload": workload,
             "workload_args": {"trace_files": listing, "trace_file": f.name,
                               "distributedInfo": f.meta.get("distributedInfo"), "dataparallel": dataparallel,
                               **({"fsdp": True} if fsdp else {})},

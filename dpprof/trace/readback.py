@@ -19,9 +19,9 @@ from typing import Any
 from dpprof.records import PHASE_ORDER, PhaseRecord, Record
 from dpprof.trace.collect import Collected
 from dpprof.trace.decode import TraceError
-from dpprof.trace.numbers import slack_us
+from dpprof.trace.numbers import MAX_GPU_INDEX, slack_us
 
-__all__ = ["EXPORT_KEY", "THREADS_KEY", "EXPORT_VERSION", "export_info", "exported_phases"]
+__all__ = ["EXPORT_KEY", "THREADS_KEY", "EXPORT_VERSION", "export_info", "exported_gpus", "exported_phases"]
 
 EXPORT_KEY = "dpprofExport"  # top-level field of a trace dpprof wrote: the run, its devices, the steps it holds
 THREADS_KEY = "dpprofThreads"  # top-level field after traceEvents: thread id -> device (lanes are made as written)
@@ -35,6 +35,15 @@ def export_info(meta: dict[str, Any]) -> dict[str, Any] | None:
     if not isinstance(info, dict) or not isinstance(meta.get(THREADS_KEY), dict):
         return None
     return info
+
+
+def exported_gpus(info: dict[str, Any]) -> dict[str, int]:
+    """The file's GPUs: device -> its CUDA index (``dpprofExport.gpus``: a rank's GPU, whose file may hold no kernel
+    and no ``[memory]`` event to show it), for its deviceProperties; {} in a file without them."""
+    gpus = info.get("gpus")
+    if not isinstance(gpus, dict):
+        return {}
+    return {str(d): g for d, g in gpus.items() if isinstance(g, int) and not isinstance(g, bool) and 0 <= g <= MAX_GPU_INDEX}
 
 
 def exported_phases(c: Collected, windows: list[tuple[int, float, float]],
