@@ -573,6 +573,9 @@ def _export_trace(run: object, path: str, steps: tuple[int | None, int | None] |
     elif plan.over:
         note = (f"--steps {args_steps} made {events:,} events{' in a file' if len(written) > 1 else ''}, more than "
                 f"chrome://tracing opens ({MAX_EVENTS:,}); the Perfetto UI (ui.perfetto.dev) opens more")
+    left_out = "; ".join(dict.fromkeys(w.left_out for w in written if w.left_out))  # the file's dpprofLeftOut
+    if left_out:
+        note = f"{note}; the trace: {left_out}" if note else f"the trace: {left_out}"
     return [w.path for w in written], note
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import sqlite3
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -222,6 +223,30 @@ def test_a_gpu_ranks_file_keeps_its_gpu(runs, tmp_path):
     columns = ["device", "kind", "name", "total_memory_bytes", "multiprocessor_count", "capability"]
     assert back.devices[columns].to_dict("records") == run.devices[columns].to_dict("records")
     assert back.meta["backend"] == "cuda" and "CPU only" not in back.model.title
+
+
+def test_a_run_file_with_damaged_steps_exports_saying_what_it_left_out(runs, tmp_path, capsys):
+    """Two steps' rows damaged in a copy of a recorded run (the store leaves them out as it reads): the header counts
+    every step recorded, the file and one stderr line say what was left out, as many rows as dpprof show lists."""
+    from damaged import damaged_copy
+
+    run = dpprof.load_run(runs.ids["dataparallel"], runs.dir)
+    copy = damaged_copy(run.path, tmp_path / "damaged.sqlite", "UPDATE steps SET duration_ms = 'abc' WHERE step = 1")
+    con = sqlite3.connect(copy)
+    con.execute("UPDATE steps SET start_ms = -1e300 WHERE step = 2")
+    con.commit()
+    con.close()
+    damaged = dpprof.load_run(copy)
+    assert damaged.damage == ["steps: 2 rows left out (start_ms not a number from -1e+15 to 1e+15, duration_ms not "
+                              "a number from 0 to 1e+15)"]
+    assert main(["export", str(copy), "--trace", str(tmp_path / "d.json")]) == 0
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "2 damaged rows of the run file" in err
+    doc = read_trace(tmp_path / "d.json")
+    steps = doc["dpprofExport"]["steps"]
+    assert (steps["recorded"], steps["damaged"], steps["written"]) == (run.model.steps, 2, run.model.steps - 2)
+    assert steps["ranges"] == [[0, 1], [3, run.model.steps]]
+    assert doc["dpprofLeftOut"].startswith("2 damaged rows of the run file")
 
 
 def test_a_phase_ending_at_the_next_steps_start_reads_back_in_its_own_step(runs, tmp_path):

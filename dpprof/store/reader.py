@@ -247,6 +247,17 @@ class StoredRun:
             said += [prefix + d.text for d in file_damage(path, self.live)]
         return said
 
+    @property
+    def damaged_rows(self) -> dict[str, dict[str, int]]:
+        """The rows of each table left out for a bad value, per file (file name -> table -> rows): what ``damage``
+        says in words, as counts (dpprof.store.validation); {} for a sound run."""
+        out: dict[str, dict[str, int]] = {}
+        for path in self.paths:
+            found = {d.table: d.rows for d in file_damage(path, self.live)}
+            if found:
+                out[path.name] = found
+        return out
+
     def file_meta(self) -> pd.DataFrame:
         """Each file's own run row, checked as ``meta`` is (dpprof.store.validation): columns rank, created_at (None
         where the file's is no date) and devices (a list)."""

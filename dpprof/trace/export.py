@@ -85,6 +85,7 @@ ALLOCATOR_COUNTERS = {"CUDA allocated (bytes)": "allocated_bytes", "CUDA reserve
                       "CUDA peak allocated in step (bytes)": "peak_allocated_bytes"}
 MEMORY_COUNTER = "dpprof memory (bytes)"
 _DENSE = (",", ":")
+TRACE_TABLES = ("steps", "phases", "memory", "allocator", "comms", "gpu_samples")  # the run's tables a trace shows
 
 
 def parse_steps(text: str | None) -> tuple[int | None, int | None] | None:
@@ -129,7 +130,7 @@ def _ranges_text(ranges: list[list[int]], most: int = 4) -> str:
 class TracePlan:
     """Which steps a trace of the run holds, and what they will make (events and bytes, estimated)."""
 
-    run_steps: int  # the steps the run recorded
+    run_steps: int  # the steps the run recorded (those whose rows are damaged among them)
     held: int  # of them, those held in full (every step of a run whose detail was not thinned)
     steps: np.ndarray  # the steps to write, sorted
     asked: tuple[int | None, int | None] | None  # --steps A:B
@@ -138,6 +139,8 @@ class TracePlan:
     cut: bool = False  # over the viewers' limit without --steps: the newest steps that fit
     over: bool = False  # what --steps asked for is over the limit (written all the same)
     thinned: bool = False
+    damaged_steps: int = 0  # of the steps recorded, those whose row the store left out as damaged (the most of a file)
+    damaged_rows: int = 0  # rows of the tables a trace is made of the store left out as damaged (dpprof.store.validation)
     held_ranges: str = ""  # the steps held in full, as ranges: what --steps can pick from
 
     _run: StoredRun | None = field(default=None, repr=False)
@@ -171,7 +174,22 @@ class TracePlan:
         if self.thinned:
             said += (f" (the run holds {self.held:,} of its {self.run_steps:,} steps in full: its detail was thinned, "
                      "the others keep only their step time and the aggregates)")
+        if self.damaged_steps:
+            said += (f" ({self.damaged_steps:,} of the run's {self.run_steps:,} steps left out: their rows in the run "
+                     "file are damaged)")
         return said
+
+    def left_out_text(self, unwritable: int = 0) -> str:
+        """What the file leaves out, in one sentence ("" for nothing): the run file's damaged rows (the store left
+        them out as it read them), and rows whose time the file cannot hold (``unwritable``)."""
+        said = []
+        if self.damaged_rows:
+            said.append(f"{self.damaged_rows:,} damaged row{'s' if self.damaged_rows != 1 else ''} of the run file "
+                        "(dpprof show lists them)")
+        if unwritable:
+            said.append(f"{unwritable:,} row{'s' if unwritable != 1 else ''} with a time that is not a number, "
+                        "infinite or negative")
+        return f"{' and '.join(said)} {'were' if self.damaged_rows + unwritable != 1 else 'was'} left out" if said else ""
 
     _full_events: int = field(default=0, repr=False)  # what every step asked for would have made
     _limits: tuple[int, int] = field(default=(MAX_EVENTS, MAX_BYTES), repr=False)  # (events, bytes) a file may hold
@@ -231,9 +249,13 @@ def plan_trace(run: StoredRun, steps: tuple[int | None, int | None] | None = Non
         return int(per_step * len(chosen_steps)) + int(samples * len(SAMPLE_COUNTERS) * min(1.0, share)) + named
 
     events = estimate(chosen)
-    plan = TracePlan(run_steps=run.model.steps, held=len(held), steps=chosen, asked=steps, events=events,
-                     bytes=events * EVENT_BYTES, thinned=run.model.thinned, held_ranges=_ranges_text(_ranges(held)),
-                     _run=run)
+    damaged = run.damaged_rows  # what dpprof show says of the run file, as counts
+    damaged_steps = max((tables.get("steps", 0) for tables in damaged.values()), default=0)
+    plan = TracePlan(run_steps=run.model.steps + damaged_steps, held=len(held), steps=chosen, asked=steps,
+                     events=events, bytes=events * EVENT_BYTES, thinned=run.model.thinned,
+                     damaged_steps=damaged_steps,
+                     damaged_rows=sum(n for tables in damaged.values() for t, n in tables.items() if t in TRACE_TABLES),
+                     held_ranges=_ranges_text(_ranges(held)), _run=run)
     max_events = MAX_EVENTS if max_events is None else max_events
     max_bytes = MAX_BYTES if max_bytes is None else max_bytes
     limit = min(max_events, max_bytes // EVENT_BYTES)
@@ -261,6 +283,7 @@ class TraceWritten:
     file_bytes: int
     seconds: float
     ranks: list[int]
+    left_out: str = ""  # what the file leaves out, in one sentence (its dpprofLeftOut); "" for nothing
 
 
 class _Out:
@@ -724,7 +747,8 @@ def write_trace(run: StoredRun, target: str | os.PathLike[str] | IO[bytes], plan
         head[EXPORT_KEY] = {
             "version": EXPORT_VERSION, "run": run.id, "name": run.meta.get("name"), "kind": model.kind,
             "title": model.title, "devices": writer.devices, "gpus": gpus, "ranks": writer.ranks if info else [],
-            "steps": {"recorded": plan.run_steps, "held_in_full": plan.held, "written": int(len(plan.steps)),
+            "steps": {"recorded": plan.run_steps, "damaged": plan.damaged_steps, "held_in_full": plan.held,
+                      "written": int(len(plan.steps)),
                       "ranges": plan.ranges, "asked": _asked_text(plan.asked) or None, "cut_to_fit": plan.cut,
                       "why": plan.why()},
             "detail": model.detail_text() or "every step keeps its detail",
@@ -738,13 +762,13 @@ def write_trace(run: StoredRun, target: str | os.PathLike[str] | IO[bytes], plan
         out.text("{\n" + "".join(f"{json.dumps(k)}: {json.dumps(v, separators=(', ', ': '))},\n"
                                   for k, v in head.items()) + '"traceEvents": [\n')
         writer.write()
-        left_out = (f',\n"dpprofLeftOut": "{writer.left_out} rows with a time that is not a number, infinite or '
-                    f'negative were left out"' if writer.left_out else "")
-        out.text(f"\n],\n{json.dumps(THREADS_KEY)}: {json.dumps(writer.lanes.device_of)}{left_out}\n}}\n")
+        left_out = plan.left_out_text(writer.left_out)
+        said = f',\n"dpprofLeftOut": {json.dumps(left_out)}' if left_out else ""
+        out.text(f"\n],\n{json.dumps(THREADS_KEY)}: {json.dumps(writer.lanes.device_of)}{said}\n}}\n")
         out.close()
         size = stream.tell() if path is not None else out.bytes
     return TraceWritten(path=path, events=out.events, json_bytes=out.bytes, file_bytes=size,
-                        seconds=time.perf_counter() - t0, ranks=writer.ranks)
+                        seconds=time.perf_counter() - t0, ranks=writer.ranks, left_out=left_out)
 
 
 def rank_path(path: str | os.PathLike[str], rank: int) -> Path:
