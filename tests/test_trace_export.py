@@ -20,6 +20,7 @@ import dpprof
 import dpprof.trace.export as trace_export
 import fake_pynvml
 from dpprof.cli import main
+from dpprof.store.reader import TABLES
 from dpprof.store.retention import Retention
 from dpprof.trace import TraceError, import_traces
 from dpprof.trace.export import MEMORY_COUNTER, export_trace, parse_steps, plan_trace, rank_path
@@ -247,6 +248,31 @@ def test_a_run_file_with_damaged_steps_exports_saying_what_it_left_out(runs, tmp
     assert (steps["recorded"], steps["damaged"], steps["written"]) == (run.model.steps, 2, run.model.steps - 2)
     assert steps["ranges"] == [[0, 1], [3, run.model.steps]]
     assert doc["dpprofLeftOut"].startswith("2 damaged rows of the run file")
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp"])
+def test_the_csvs_of_a_ranks_run_are_in_the_docs_with_their_rank_and_say_what_each_collective_is(runs, name,
+                                                                                               tmp_path, capsys):
+    """Every CSV dpprof export --out writes is in docs/cli.md; those per rank have a rank column (fsdp_collectives
+    too); a recorded DDP run's comms say all-reduce, the word its trace imported again says."""
+    run = dpprof.load_run(runs.ids[name], runs.dir)
+    assert main(["--reports-dir", str(runs.dir), "export", run.id, "--out", str(tmp_path / "csv")]) == 0
+    capsys.readouterr()
+    written = {p.name: pd.read_csv(p) for p in (tmp_path / "csv").glob("*.csv")}
+    docs = (ROOT / "docs" / "cli.md").read_text()
+    made = [n for n in written if n[:-len(".csv")] not in TABLES]  # the stored tables: "one file per table"
+    assert "fsdp_collectives.csv" in made or name != "fsdp"
+    assert [n for n in made if f"`{n}`" not in docs] == []
+    per_device = {"device_summary.csv", "findings.csv", "phase_totals.csv"}  # the docs name them
+    assert [n for n, df in written.items() if "rank" not in df.columns and n not in per_device] == []
+    comms = written["comms.csv"]
+    if name == "fsdp":
+        assert set(written["fsdp_collectives.csv"]["rank"]) == {0, 1}
+        assert set(comms["collective"]) == {"all-gather", "reduce-scatter"}
+    else:
+        _, exported, _ = _export(run, tmp_path)
+        back = dpprof.load_run(import_traces([w.path for w in exported], tmp_path / "back").id, tmp_path / "back")
+        assert set(comms["collective"]) == set(back.comms["collective"]) == {"all-reduce"}
 
 
 def test_a_phase_ending_at_the_next_steps_start_reads_back_in_its_own_step(runs, tmp_path):

@@ -40,7 +40,7 @@ def fsdp_collectives(t: Tables) -> pd.DataFrame:
         state dict after the last step, is in neither).
     """
     cols = ["device", "collective", "per_step", "bytes_per_step", "issued_ms", "exposed_ms", "hidden_pct",
-            "forward_per_step", "backward_per_step"]
+            "forward_per_step", "backward_per_step", "rank"]
     comms = t.comms
     if comms.empty or "collective" not in comms or t.first_step is None:
         return pd.DataFrame(columns=cols)
@@ -69,7 +69,8 @@ def fsdp_collectives(t: Tables) -> pd.DataFrame:
                      "bytes_per_step": float(c["bucket_bytes"].sum()) / n, "issued_ms": issued,
                      "exposed_ms": exposed,
                      "hidden_pct": max(0.0, 100 * (1 - exposed / issued)) if issued > 0 else float("nan"),
-                     "forward_per_step": in_forward / n, "backward_per_step": in_backward / n})
+                     "forward_per_step": in_forward / n, "backward_per_step": in_backward / n,
+                     "rank": int(c["rank"].iloc[0])})
     return pd.DataFrame(rows, columns=cols)
 
 

@@ -15,7 +15,7 @@ __all__ = ["FSDP_COLLECTIVE_COLUMNS", "fsdp_collective_table"]
 
 # The table's columns, units in their names (display_table turns them into headers)
 FSDP_COLLECTIVE_COLUMNS = ["device", "collective", "per_step", "sent_bytes_per_step", "issued_ms", "exposed_ms",
-                           "hidden_pct", "in_forward_per_step", "in_backward_per_step"]
+                           "hidden_pct", "in_forward_per_step", "in_backward_per_step", "rank"]
 
 
 def fsdp_collective_table(run: StoredRun) -> pd.DataFrame:
