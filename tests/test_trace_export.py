@@ -275,6 +275,24 @@ def test_the_csvs_of_a_ranks_run_are_in_the_docs_with_their_rank_and_say_what_ea
         assert set(comms["collective"]) == set(back.comms["collective"]) == {"all-reduce"}
 
 
+@pytest.mark.parametrize("name", ["dataparallel", "ddp"])
+def test_a_steps_batch_size_reads_back_and_what_does_not_is_as_the_docs_say(runs, name, tmp_path):
+    """Read back, each step keeps its batch size (its ProfilerStep's args); as docs/traces.md says, its steps are
+    ProfilerStep ranges (explicit), its times count from the run's first step, and forward calls read as 0."""
+    run = dpprof.load_run(runs.ids[name], runs.dir)
+    _, written, _ = _export(run, tmp_path)
+    back = dpprof.load_run(import_traces([w.path for w in written], tmp_path / "back").id, tmp_path / "back")
+    keys = ["rank", "step"]
+    mine, read = run.steps.sort_values(keys).reset_index(drop=True), back.steps.sort_values(keys).reset_index(drop=True)
+    assert read["batch_size"].tolist() == mine["batch_size"].tolist() and mine["batch_size"].notna().all()
+    assert read["explicit"].all() and mine["explicit"].all() == (name == "dataparallel")  # DDP's steps: implicit
+    shift = (read["start_ms"] - mine["start_ms"]).groupby(read["rank"])  # one shift per rank: its clock's
+    assert ((shift.max() - shift.min()) < 1e-5).all() and read["start_ms"].min() == 0 < mine["start_ms"].min()
+    assert (read["forward_calls"] == 0).all()
+    said = " ".join((ROOT / "docs" / "traces.md").read_text().split())
+    assert all(words in said for words in ("`steps.explicit`", "`start_ms`", "`batch_size` comes back"))
+
+
 def test_a_phase_ending_at_the_next_steps_start_reads_back_in_its_own_step(runs, tmp_path):
     """A DDP rank's optimizer that ends where the next step begins, with a ts and dur whose float sum is past that
     start by a rounding (as 573885.116 + 64.236 = 573949.3520000001 is): it reads back in its own step."""

@@ -108,6 +108,7 @@ class Collected:
     meta: dict[str, Any]
     events: int = 0
     steps: list[tuple[int, float, float]] = field(default_factory=list)  # (N, start_us, end_us) of ProfilerStep#N
+    batch_sizes: dict[int, int] = field(default_factory=dict)  # N -> its ProfilerStep's args.batch_size (dpprof's file)
     forwards: list[Range] = field(default_factory=list)  # DataParallel.forward / DistributedDataParallel.forward
     dpprof_ranges: list[Range] = field(default_factory=list)  # dpprof.<phase>
     optimizer: list[Range] = field(default_factory=list)  # Optimizer.step#...
@@ -193,6 +194,7 @@ class Args(msgspec.Struct, gc=False):
     labels: Any = None
     collective_name: Any = msgspec.field(default=None, name="Collective name")
     external_id: Any = msgspec.field(default=None, name="External id")
+    batch_size: Any = None  # a ProfilerStep's in a file dpprof export wrote
 
 
 NO_ARGS = Args()
@@ -344,6 +346,9 @@ def collect_part(trace: TraceFile) -> Collected:
                         if not isinstance(dur, number):
                             _refuse(trace, batch, event, time_problem("dur", dur))
                         out.steps.append((kind[1], float(ts), float(end)))
+                        size = whole(args_of(event).batch_size, 0, MAX_STEP)
+                        if size is not None:
+                            out.batch_sizes.setdefault(kind[1], size)
                     elif what == "bad step":
                         _refuse(trace, batch, event, f"the step number is past 2**53 "
                                                      f"({len(name) - len('ProfilerStep#'):,} digits)")
@@ -460,6 +465,7 @@ def merge_parts(parts: list[Collected]) -> Collected | None:
     for p in parts[1:]:
         out.events += p.events
         out.steps += p.steps
+        out.batch_sizes = {**p.batch_sizes, **out.batch_sizes}
         out.forwards += p.forwards
         out.dpprof_ranges += p.dpprof_ranges
         out.optimizer += p.optimizer

@@ -364,7 +364,8 @@ def convert(c: Collected, t0_us: float, rank: int | None) -> Converted:
                          f"are each under its own name ({', '.join(kinds) or 'none in the steps'})")
     for step, lo, hi in windows:
         fw = len(_in(c.forwards, lo, hi))
-        out.records.append(StepRecord(step=step, start_ms=ms(lo), duration_ms=(hi - lo) / 1e3, batch_size=None,
+        out.records.append(StepRecord(step=step, start_ms=ms(lo), duration_ms=(hi - lo) / 1e3,
+                                      batch_size=c.batch_sizes.get(step),
                                       devices_used=len(devices), forward_calls=fw, explicit=bool(c.steps)))
     out.records += _device_records(c, devices, gpu_of)
     return out
