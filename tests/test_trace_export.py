@@ -301,13 +301,21 @@ def test_a_phase_ending_at_the_next_steps_start_reads_back_in_its_own_step(runs,
     doc = docs[0]
     events = doc["traceEvents"]
     steps = sorted((e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: e["ts"])
+
+    def rounding_past(start: float, dur: float) -> bool:
+        return round(start - dur, 3) + dur > start and round(round(start - dur, 3) + dur, 3) == start
+
+    # the optimizer moved to end at the next step's start, with a duration within 1 ms of its own whose sum with its
+    # start rounds past that start; a next step's start may have none near it (a search for one past 1 ms moved the
+    # optimizer before its step began): the next step then starts up to 0.2 ms later, where one has
     step, after = steps[1], steps[2]
-    number = int(step["name"].split("#")[1])
     optimizer = next(e for e in events if e.get("name") == "dpprof.optimizer" and step["ts"] <= e["ts"] < after["ts"])
-    start = after["ts"]
-    dur = round(optimizer["dur"], 3)
-    while not (round(start - dur, 3) + dur > start and round(round(start - dur, 3) + dur, 3) == start):
-        dur = round(dur + 0.001, 3)  # a duration whose sum with its start rounds past the next step's start
+    end = round(after["ts"] + after["dur"], 3)
+    start, dur = next((t, d) for t in (round(after["ts"] + j / 1000, 3) for j in range(200))
+                      for d in (round(optimizer["dur"] + k / 1000, 3) for k in range(1000))
+                      if rounding_past(t, d) and t - d >= step["ts"])
+    after["ts"], after["dur"] = start, round(end - start, 3)
+    number = int(step["name"].split("#")[1])
     optimizer["ts"], optimizer["dur"] = round(start - dur, 3), dur
     step["dur"] = round(start - step["ts"], 3)
     edited = tmp_path / "edited.rank0.json"
