@@ -278,9 +278,9 @@ def _incomplete_note(run: StoredRun, steps: int) -> str | None:
         return None
     asked = (run.meta.get("workload_args") or {}).get("steps")
     of = f" of the {int(asked):,} asked for" if asked else ""
-    return (f"Run {run.id} is incomplete (status {status}): it recorded {steps:,} steps{of}. The predictions start "
-            "from the steps it recorded, and each command runs as many (at most "
-            f"{MAX_STEPS}).")
+    state = "is still recording" if status == "running" else f"is incomplete (status {status})"
+    return (f"Run {run.id} {state}: it recorded {steps:,} steps{of}. The predictions start from the steps it "
+            f"recorded, and each command runs as many (at most {MAX_STEPS}).")
 
 
 def _stall_note(run: StoredRun) -> str | None:
