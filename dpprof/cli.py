@@ -520,7 +520,8 @@ def _checked_devices(device_ids: list | None) -> list[str]:
     records = inventory(resolve_devices(device_ids))
     if records[0].kind == "cpu":
         r = records[0]
-        return [f"checked {plural(len(records), 'CPU worker')}, {', '.join(x.device for x in records)}, on {r.cpu_model or 'a CPU'}"
+        return [f"checked {plural(len(records), 'CPU worker')}, {', '.join(x.device for x in records)}, on "
+                f"{r.cpu_model or 'a CPU'}"
                 f" ({r.cores} cores, {r.threads} threads)"]
     return [f"checked {r.device}: {r.name}, {r.total_memory_bytes / 2**30:.1f} GiB, {r.multiprocessor_count} SMs, "
             f"compute capability {r.capability}" for r in records]

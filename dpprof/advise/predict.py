@@ -42,7 +42,8 @@ from dpprof.units import plural
 if TYPE_CHECKING:
     from dpprof.launch import Profile
 
-__all__ = ["Scenario", "Advice", "advise", "faster_than_recorded", "EXTRAPOLATION_SHARE", "MAX_INTERVAL_RATIO", "RUN_TO_RUN_SHARE",
+__all__ = ["Scenario", "Advice", "advise", "faster_than_recorded", "EXTRAPOLATION_SHARE", "MAX_INTERVAL_RATIO",
+           "RUN_TO_RUN_SHARE",
            "DDP_FIRST_BUCKET_BYTES", "DDP_BUCKET_BYTES",
            "PART_ORDER"]
 

@@ -67,7 +67,8 @@ def exported_phases(c: Collected, windows: list[tuple[int, float, float]],
         device = device_of.get(str(r.tid))
         if device is None or r.name not in _PHASE_NAMES or not windows:
             continue
-        # the last step to begin before the phase ended (an end at a step's start, but for ts + dur's rounding, is before it)
+        # the last step to begin before the phase ended (an end at a step's start, but for ts + dur's rounding, is
+        # before it)
         i = max(0, bisect.bisect_left(starts, r.end_us - slack_us(r.end_us)) - 1)
         out.append(PhaseRecord(step=windows[i][0], call=0, phase=r.name, device=device, start_ms=ms(r.start_us),
                                duration_ms=(r.end_us - r.start_us) / 1e3))

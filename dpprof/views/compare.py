@@ -232,8 +232,6 @@ def _kind_text(row: dict[str, Any]) -> str:
     return f"is {'an ' if kind.startswith('imported') else ''}{kind}"
 
 
-
-
 def _timed_parts(row: dict[str, Any]) -> set[str]:
     """The share columns of the parts of the step a run times (its kind's parts, stepmodel.SHARED_OF)."""
     return {c for c, v in row.items() if c.endswith("_share_pct") and v is not None}

@@ -20,7 +20,8 @@ from dpprof.store.reader import StoredRun
 from dpprof.units import mib
 from dpprof.views.fsdp import fsdp_collective_table
 
-__all__ = ["MEMORY_SOURCES", "Glance", "Overview", "CollectiveWaitView", "memory_figure", "glance", "overview", "comm_stats", "collective_wait_view"]
+__all__ = ["MEMORY_SOURCES", "Glance", "Overview", "CollectiveWaitView", "memory_figure", "glance", "overview",
+           "comm_stats", "collective_wait_view"]
 
 # Devices are marked exactly where a finding names them: the slowest where the straggler finding does
 # (dpprof.findings.straggler_verdict), the fullest where the memory-skew finding does, each with the finding's figures.
