@@ -6,8 +6,8 @@ What the file holds:
 - Kineto's top-level fields: ``schemaVersion``, ``deviceProperties`` (the run's GPUs), ``distributedInfo`` (a
   rank's file), ``traceEvents``, ``traceName``, ``displayTimeUnit``, ``baseTimeNanoseconds`` (when the run
   started: ``ts`` and ``dur`` are microseconds since then); and dpprof's: ``dpprofExport`` (the run, its kind and
-  devices, the CUDA index of each GPU among them, which steps the file holds and why) and, after the events, ``dpprofThreads`` (the device of each
-  thread id, so that ``dpprof import`` reads the file back exactly: dpprof.trace.readback).
+  devices, the CUDA index of each GPU among them, which steps the file holds and why) and, after the events,
+  ``dpprofThreads`` (the device of each thread id, so that ``dpprof import`` reads the file back exactly: dpprof.trace.readback).
 - A process per device (or rank), named by ``process_name`` metadata and ordered by ``process_sort_index`` in
   the run's device order. Its threads are lanes: ``steps`` (``ProfilerStep#N``, on the device that drives the
   steps), ``host`` (the phases the calling thread runs: scatter, replicate, parallel_apply, gather, loss, reduce,
@@ -140,7 +140,7 @@ class TracePlan:
     over: bool = False  # what --steps asked for is over the limit (written all the same)
     thinned: bool = False
     damaged_steps: int = 0  # of the steps recorded, those whose row the store left out as damaged (the most of a file)
-    damaged_rows: int = 0  # rows of the tables a trace is made of the store left out as damaged (dpprof.store.validation)
+    damaged_rows: int = 0  # rows of the trace's tables the store left out as damaged (dpprof.store.validation)
     held_ranges: str = ""  # the steps held in full, as ranges: what --steps can pick from
 
     _run: StoredRun | None = field(default=None, repr=False)
@@ -189,7 +189,8 @@ class TracePlan:
         if unwritable:
             said.append(f"{unwritable:,} row{'s' if unwritable != 1 else ''} with a time that is not a number, "
                         "infinite or negative")
-        return f"{' and '.join(said)} {'were' if self.damaged_rows + unwritable != 1 else 'was'} left out" if said else ""
+        verb = "were" if self.damaged_rows + unwritable != 1 else "was"
+        return f"{' and '.join(said)} {verb} left out" if said else ""
 
     _full_events: int = field(default=0, repr=False)  # what every step asked for would have made
     _limits: tuple[int, int] = field(default=(MAX_EVENTS, MAX_BYTES), repr=False)  # (events, bytes) a file may hold

@@ -43,7 +43,8 @@ def exported_gpus(info: dict[str, Any]) -> dict[str, int]:
     gpus = info.get("gpus")
     if not isinstance(gpus, dict):
         return {}
-    return {str(d): g for d, g in gpus.items() if isinstance(g, int) and not isinstance(g, bool) and 0 <= g <= MAX_GPU_INDEX}
+    return {str(d): g for d, g in gpus.items()
+            if isinstance(g, int) and not isinstance(g, bool) and 0 <= g <= MAX_GPU_INDEX}
 
 
 def exported_phases(c: Collected, windows: list[tuple[int, float, float]],
