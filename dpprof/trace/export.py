@@ -7,7 +7,8 @@ What the file holds:
   rank's file), ``traceEvents``, ``traceName``, ``displayTimeUnit``, ``baseTimeNanoseconds`` (when the run
   started: ``ts`` and ``dur`` are microseconds since then); and dpprof's: ``dpprofExport`` (the run, its kind and
   devices, the CUDA index of each GPU among them, which steps the file holds and why) and, after the events,
-  ``dpprofThreads`` (the device of each thread id, so that ``dpprof import`` reads the file back exactly: dpprof.trace.readback).
+  ``dpprofThreads`` (the device of each thread id, so that ``dpprof import`` reads the file back exactly:
+  dpprof.trace.readback).
 - A process per device (or rank), named by ``process_name`` metadata and ordered by ``process_sort_index`` in
   the run's device order. Its threads are lanes: ``steps`` (``ProfilerStep#N``, on the device that drives the
   steps), ``host`` (the phases the calling thread runs: scatter, replicate, parallel_apply, gather, loss, reduce,
