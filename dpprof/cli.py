@@ -819,8 +819,9 @@ def _cmd_advise(args: argparse.Namespace) -> int:
             print(f"dpprof: the cached calibration {cache_path('cpu', m.n, m.threads)} was not used: {unused}; "
                   "measuring again", file=sys.stderr)
         torch.set_num_threads(m.threads)  # the calibration of the run's own thread count
-        print(f"dpprof: calibrating this machine for {plural(m.n, 'CPU worker')} at {m.threads} intra-op thread(s) (half a "
-              f"minute, once; cached in {cache_path('cpu', m.n, m.threads)})", file=sys.stderr, flush=True)
+        print(f"dpprof: calibrating this machine for {plural(m.n, 'CPU worker')} at {m.threads} intra-op "
+              f"thread(s) (half a minute, once; cached in {cache_path('cpu', m.n, m.threads)})", file=sys.stderr,
+              flush=True)
         # a bar where someone watches: not under --json, nor into a file or a pipe
         calibration, _ = _calibrate_and_cache(m.n, progress=not args.json and sys.stderr.isatty())
         if args.calibrate:
