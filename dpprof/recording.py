@@ -51,6 +51,7 @@ CLOSE_HOOKS: list[Callable[[Run], None]] = [_store_findings]
 
 _active: list[Run] = []
 _active_lock = threading.Lock()
+_start_lock = threading.Lock()  # held while a record() checks the other threads' runs and starts its own
 
 
 def current_run() -> Run | None:
@@ -167,6 +168,7 @@ class Run:
         self._t0_ns = time.perf_counter_ns()
         self.retention = retention_of(detail)
         self.id = run_id or new_run_id(now)
+        self.thread_id = threading.get_ident()  # the thread whose record() made it: its calls are the run's
         self.rank, self.world_size = rank, world_size
         self.name = name or self.id
         self.workload = workload
@@ -326,7 +328,14 @@ class Run:
                        step.batch_size, step.devices_used, step.calls, step.explicit))
 
     def step(self) -> _StepBlock:
-        """``with run.step() as index:`` marks one training step (forward, loss, backward, optimizer)."""
+        """``with run.step() as index:`` marks one training step (forward, loss, backward, optimizer).
+
+        Raises:
+            RuntimeError: the run has ended (its ``record`` block is over): its steps are stored, none is added.
+        """
+        if self.ended_at is not None:
+            raise RuntimeError(f"run {self.id} has ended ({self.status}): run.step() marks steps inside its "
+                               "dpprof.record block")
         return _StepBlock(self)
 
     def step_for_forward(self, starts_step: bool = True) -> _Step:
@@ -490,22 +499,31 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
     Under torch.distributed with more than one rank, every rank must enter ``record`` (it is a
     collective): rank 0 names the run, and each rank writes its own file of that run.
 
+    Records nest within one thread (the innermost takes the calls); a record in a second thread while one is open
+    in another is refused (RuntimeError, before any file is made): the runs could not tell whose calls are whose.
+
     Example:
         >>> with dpprof.record(name="baseline") as run:
         ...     for x, y in loader:
         ...         with run.step():
         ...             loss = criterion(net(x), y); loss.backward(); opt.step()
     """
-    run_id, name, rank, world_size = _distributed_identity(name, run_id)
-    if rank is not None:  # the torch.distributed backend (gloo, nccl), for the pages and listings to name
-        import torch.distributed as dist
+    with _start_lock:  # two threads starting at once: one is refused, never both recorded
+        with _active_lock:
+            other = next((r for r in _active if r.thread_id != threading.get_ident()), None)
+        if other is not None:
+            raise RuntimeError(f"run {other.id} is being recorded in another thread: dpprof records one thread's "
+                               "training at a time (records nest within a thread); record this one after it ends")
+        run_id, name, rank, world_size = _distributed_identity(name, run_id)
+        if rank is not None:  # the torch.distributed backend (gloo, nccl), for the pages and listings to name
+            import torch.distributed as dist
 
-        workload_args = {"backend": dist.get_backend(), **(workload_args or {})}
-    run = Run(name=name, reports_dir=reports_dir, sync_timing=sync_timing, workload=workload,
-              workload_args=workload_args, store=store, sample_hz=sample_hz, run_id=run_id, rank=rank,
-              world_size=world_size, detail=detail, capture=capture)
-    with _active_lock:
-        _active.append(run)
+            workload_args = {"backend": dist.get_backend(), **(workload_args or {})}
+        run = Run(name=name, reports_dir=reports_dir, sync_timing=sync_timing, workload=workload,
+                  workload_args=workload_args, store=store, sample_hz=sample_hz, run_id=run_id, rank=rank,
+                  world_size=world_size, detail=detail, capture=capture)
+        with _active_lock:
+            _active.append(run)
     guard = SignalGuard(run.mark_interrupted).install()  # SIGTERM/SIGHUP: flush, mark interrupted, then end
     try:
         run.start_monitor(sample_gpus)

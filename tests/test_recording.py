@@ -405,3 +405,64 @@ def test_a_data_parallel_inside_a_replica_is_part_of_that_replicas_apply():
         assert steps["batch_size"].tolist() == [10] * 3 and steps["forward_calls"].tolist() == [1] * 3, explicit
         applies = frames["phases"][frames["phases"]["phase"] == "apply"]
         assert applies.groupby("step").size().tolist() == [2] * 3  # the outer call's two replicas, each once
+
+
+def test_a_record_in_a_second_thread_while_one_is_open_is_refused_and_the_first_keeps_its_steps(tmp_path):
+    """Two threads each recording: the second is refused before it makes a file (its calls would have gone to the
+    first's run, or the first's to its); the first run keeps exactly its own steps."""
+    import threading
+
+    net = dpprof.DataParallel(nn.Linear(4, 2), device_ids=dpprof.cpu_devices(2))
+    opened, done, refused = threading.Event(), threading.Event(), []
+
+    def second() -> None:
+        opened.wait(30)
+        try:
+            with dpprof.record(name="second", reports_dir=str(tmp_path)):
+                net(torch.randn(6, 4)).sum().backward()
+        except RuntimeError as err:
+            refused.append(str(err))
+        done.set()
+
+    other = threading.Thread(target=second)
+    other.start()
+    with dpprof.record(name="first", reports_dir=str(tmp_path)) as run:
+        for _ in range(3):
+            net(torch.randn(6, 4)).sum().backward()
+        opened.set()
+        assert done.wait(30)
+    other.join(30)
+    assert refused == [f"run {run.id} is being recorded in another thread: dpprof records one thread's training at "
+                       "a time (records nest within a thread); record this one after it ends"]
+    assert len(dpprof.load_run(run.path).steps) == 3 and [p.name for p in tmp_path.glob("*.sqlite")] == \
+        [f"{run.id}.sqlite"]
+    # after it ends, another thread records
+    other = threading.Thread(target=lambda: refused.append(_record_one(tmp_path, net)))
+    other.start()
+    other.join(60)
+    assert refused[-1] == 1
+
+
+def _record_one(directory, net) -> int:
+    with dpprof.record(name="later", reports_dir=str(directory)) as run:
+        net(torch.randn(6, 4)).sum().backward()
+    return len(dpprof.load_run(run.path).steps)
+
+
+def test_a_step_of_a_run_that_has_ended_is_refused():
+    net = dpprof.DataParallel(nn.Linear(4, 2), device_ids=dpprof.cpu_devices(2))
+    with dpprof.record(store=False) as run:
+        pass
+    with pytest.raises(RuntimeError, match=rf"run {run.id} has ended \(finished\): run.step\(\) marks steps inside"):
+        with run.step():
+            net(torch.randn(6, 4)).sum().backward()
+    assert run.frames()["steps"].empty
+
+
+def test_a_lazy_modules_own_error_is_raised_while_recording_as_without():
+    net = dpprof.DataParallel(nn.LazyLinear(3), device_ids=dpprof.cpu_devices(2))
+    with pytest.raises(RuntimeError, match="Modules with uninitialized parameters can't be used with `DataParallel`"):
+        net(torch.randn(6, 4))
+    with pytest.raises(RuntimeError, match="Modules with uninitialized parameters can't be used with `DataParallel`"):
+        with dpprof.record(store=False):
+            net(torch.randn(6, 4))

@@ -178,7 +178,6 @@ def test_scatter_kwargs_pads_positional_side_when_kwargs_have_more_chunks():
         (torch.randn(4, 3), -3, "(4, 3)"),
         ((torch.randn(4), [torch.randn(4, 5, 6)]), 3, "(4,)"),
         ({"a": torch.randn(2, 2, 2)}, 5, "(2, 2, 2)"),
-        (torch.tensor(1.0), 0, "()"),
     ],
 )
 def test_scatter_dim_out_of_range_names_the_shape(obj, dim, shape):
@@ -186,6 +185,17 @@ def test_scatter_dim_out_of_range_names_the_shape(obj, dim, shape):
         dpprof.scatter(obj, W(2), dim=dim)
     with pytest.raises(IndexError, match=re.escape(shape)):
         check_scatter_dim(obj, dim)
+
+
+def test_a_0_dim_input_raises_what_torch_chunk_raises():
+    """torch's scatter of a scalar reaches torch.chunk: RuntimeError "chunk expects at least a 1-dimensional tensor"."""
+    with pytest.raises(RuntimeError, match="chunk expects at least a 1-dimensional tensor") as theirs:
+        torch.tensor(1.0).chunk(2)
+    with pytest.raises(type(theirs.value), match="chunk expects at least a 1-dimensional tensor: an input to scatter"):
+        dpprof.scatter(torch.tensor(1.0), W(2))
+    net = dpprof.DataParallel(torch.nn.Linear(1, 1), device_ids=W(2))
+    with pytest.raises(RuntimeError, match="chunk expects at least a 1-dimensional tensor"):
+        net(torch.tensor(1.0))
 
 
 # gather

@@ -265,6 +265,9 @@ def test_unknown_run_is_a_clear_error(reports):
     _record(steps=1)
     with pytest.raises(RunFileError, match="no run 'nope'"):
         dpprof.load_run("nope")
+    for empty in ("", "  "):  # a prefix of every id: not the directory's one run
+        with pytest.raises(RunFileError, match="no run named: give a run id, a unique prefix of one"):
+            dpprof.load_run(empty)
 
 
 def test_a_reader_holding_the_file_while_the_run_closes_changes_nothing(reports, monkeypatch, caplog):

@@ -17,7 +17,7 @@ from torch import nn
 
 from dpprof.device_ids import DeviceLike, resolve_devices
 from dpprof.parallel.data_parallel import HOST_LABEL, DataParallel
-from dpprof.parallel.probe import ForwardProbe, MeasuredReplica, iter_tensors
+from dpprof.parallel.probe import ForwardProbe, MeasuredReplica, end_after_error, iter_tensors
 from dpprof.parallel.scatter_gather import gather, scatter_sized
 from dpprof.recording import current_run
 
@@ -144,7 +144,10 @@ class MeasuredLoss(nn.Module):
         label = self._devices.labels[0]
         probe = ForwardProbe(run, self._devices, label, dim=0, starts_step=False)
         try:
-            return MeasuredReplica(self.criterion, probe, label, shared_args=1, phase="loss")(
-                output, *targets, **kwargs)
-        finally:
-            probe.end(self.criterion, used=1)
+            loss = MeasuredReplica(self.criterion, probe, label, shared_args=1, phase="loss")(output, *targets,
+                                                                                               **kwargs)
+        except BaseException:
+            end_after_error(probe, self.criterion, used=1)
+            raise
+        probe.end(self.criterion, used=1)
+        return loss

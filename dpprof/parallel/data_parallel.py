@@ -18,7 +18,7 @@ from torch.nn import Module
 
 from dpprof.device_ids import DeviceLike, DeviceSet, resolve_devices
 from dpprof.parallel.parallel_apply import parallel_apply
-from dpprof.parallel.probe import ForwardProbe, MeasuredReplica, watch_backward
+from dpprof.parallel.probe import ForwardProbe, MeasuredReplica, end_after_error, watch_backward
 from dpprof.parallel.ranges import profiler_on, profiler_range
 from dpprof.parallel.replicate import replicate
 from dpprof.parallel.scatter_gather import gather, scatter_kwargs
@@ -186,9 +186,12 @@ class DataParallel(torch.nn.DataParallel):
             self.__dict__["_probe"] = probe
             try:
                 output = self._forward(inputs, kwargs)
-            finally:
+            except BaseException:
                 self.__dict__["_probe"] = None
-                probe.end(module)
+                end_after_error(probe, module)
+                raise
+            self.__dict__["_probe"] = None
+            probe.end(module)
             if self._watch_backward:
                 probe.watch_backward(output)
             return output

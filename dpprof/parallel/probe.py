@@ -19,7 +19,7 @@ from dpprof.parallel.ranges import profiler_range
 from dpprof.recording import Run
 from dpprof.records import MEMORY_ROW, PHASE_ROW, AllocatorRecord, PhaseRecord
 
-__all__ = ["ForwardProbe", "MeasuredReplica", "PendingPhase", "tensor_bytes", "iter_tensors", "watch_backward",
+__all__ = ["ForwardProbe", "MeasuredReplica", "end_after_error", "PendingPhase", "tensor_bytes", "iter_tensors", "watch_backward",
            "allocator_bytes", "event_now", "cuda_event", "gpu_of", "rank_part"]
 
 
@@ -455,6 +455,15 @@ class ForwardProbe:
 
     def watch_backward(self, output: Any) -> None:
         watch_backward(output, self, self.output_label)
+
+
+def end_after_error(probe: ForwardProbe, module: Module, used: int | None = None) -> None:
+    """``probe.end`` after a forward call that raised: that call's error is the one the caller sees, so an end that
+    fails on what the call left (a lazy module's weights never made) is dropped, never raised in its place."""
+    try:
+        probe.end(module, used)
+    except Exception:  # noqa: BLE001 - the forward's own error is being raised
+        pass
 
 
 class MeasuredReplica:

@@ -31,9 +31,13 @@ def _is_namedtuple(obj: Any) -> bool:
 
 
 def check_scatter_dim(obj: Any, dim: int) -> None:
-    """Raise IndexError naming the shape if ``dim`` is out of range for any tensor in ``obj``."""
+    """Raise what torch's scatter raises, naming the shape: IndexError where ``dim`` is out of range for a tensor in
+    ``obj``, RuntimeError for a 0-dim tensor (torch.chunk's "expects at least a 1-dimensional tensor")."""
     if isinstance(obj, torch.Tensor):
-        if not -max(obj.dim(), 1) <= dim < max(obj.dim(), 1) or obj.dim() == 0:
+        if obj.dim() == 0:
+            raise RuntimeError("chunk expects at least a 1-dimensional tensor: an input to scatter is a 0-dim "
+                               "tensor (a scalar), which has no batch dimension to split")
+        if not -obj.dim() <= dim < obj.dim():
             raise IndexError(
                 f"cannot scatter along dim={dim}: an input has shape {tuple(obj.shape)} "
                 f"({obj.dim()} dimension(s)); dim must be in [{-obj.dim()}, {obj.dim() - 1}]"

@@ -599,6 +599,8 @@ def _duration_s(meta: dict[str, Any]) -> float | None:
 
 
 def _resolve(run: str | os.PathLike[str], directory: Path) -> Path:
+    if not os.fspath(run).strip():  # a prefix of every id: never "the one run" of a directory holding one
+        raise RunFileError("no run named: give a run id, a unique prefix of one, or a run file's path")
     path = Path(run)
     for candidate in (path, directory / f"{run}{RUN_SUFFIX}", directory / str(run)):
         if candidate.is_file():
