@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import forked
 import pytest
@@ -13,7 +16,7 @@ import pytest
 import dpprof
 from dpprof.cli import main
 from dpprof.findings import run_findings
-from dpprof.store.reader import RunFileError
+from dpprof.store.reader import RUN_SUFFIX, RunFileError
 
 pytestmark = pytest.mark.slow
 
@@ -116,3 +119,61 @@ def test_a_rank_that_cannot_record_says_why_in_one_line(tmp_path, reports, capsy
     assert "Traceback" not in err and "ChildFailedError" not in err, err
     assert lines[-1].startswith("dpprof: torchrun exited with 1")
     assert blocker.read_text() == "kept as it was" and dpprof.list_runs().empty
+
+
+def _left_in_its_log(path: Path) -> None:
+    """What a rank killed while recording leaves: a commit (here one more step, a copy of its last) in the
+    write-ahead log beside its file, never folded in (the process ends without closing)."""
+    code = ("import os, sqlite3, sys\n"
+            "con = sqlite3.connect(sys.argv[1]); con.execute('PRAGMA journal_mode=WAL')\n"
+            "con.execute('PRAGMA wal_autocheckpoint=0')\n"
+            "with con:\n"
+            "    con.execute('INSERT INTO steps SELECT step + 1, start_ms + duration_ms, duration_ms, batch_size, "
+            "devices_used, forward_calls, explicit FROM steps ORDER BY step DESC LIMIT 1')\n"
+            "os._exit(0)\n")
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True)
+    assert Path(f"{path}-wal").stat().st_size > 0
+
+
+def test_merge_refuses_rank_files_it_must_not_copy_and_folds_a_killed_ranks_log(tmp_path, reports, capsys):
+    _torchrun("tutorial-linear", "--steps", "4", "--reports-dir", str(tmp_path / "machine{rank}"))
+    [rank0] = (tmp_path / "machine0").iterdir()
+    [rank1] = (tmp_path / "machine1").iterdir()
+    run_id = rank0.name.split(".rank")[0]
+
+    def refused(*sources: Path) -> str:
+        assert main(["merge", *map(str, sources)]) == 1
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert not list(reports.glob("*.sqlite"))
+        return line
+
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    renamed = odd / f"20260101-000000-aaaaaa.rank1{RUN_SUFFIX}"  # another run's name
+    shutil.copyfile(rank1, renamed)
+    assert refused(rank0, renamed).endswith(f"named as run 20260101-000000-aaaaaa rank 1, but it holds run {run_id} "
+                                            "rank 1; nothing was copied")
+    other = odd / rank1.name  # the same id, another job (a --run-id used twice)
+    shutil.copyfile(rank1, other)
+    with sqlite3.connect(other) as con:
+        con.execute("UPDATE runs SET name = 'another job'")
+    con.close()
+    assert refused(rank0, other) == (f"dpprof: {rank0} and {other} are two runs of one id ({run_id}): their name "
+                                     "differ; nothing was copied")
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    shutil.copyfile(rank1, damaged / rank1.name)
+    data = bytearray((damaged / rank1.name).read_bytes())
+    page = len(data) - 2 * 4096  # a table's page near the end, which opening the file never reads, scrambled
+    data[page:page + 4096] = os.urandom(4096)
+    (damaged / rank1.name).write_bytes(bytes(data))
+    said = refused(rank0, damaged / rank1.name)  # opening it finds the damage, else SQLite's quick_check does
+    assert said.startswith(f"dpprof: {damaged / rank1.name}: ") and ("corrupt" in said or "damaged inside" in said)
+    # a rank killed while recording: its last commit is in its log; the merged copy holds it, the source unchanged
+    _left_in_its_log(rank1)
+    before = rank1.read_bytes()
+    assert main(["merge", str(rank0.parent), str(rank1.parent)]) == 0
+    merged = dpprof.load_run(run_id)
+    assert merged.steps.groupby("rank")["step"].max().to_dict() == {0: 3, 1: 4}
+    assert rank1.read_bytes() == before and not Path(f"{reports / rank1.name}-wal").exists()
+    assert main(["merge", str(rank0.parent), str(rank1.parent)]) == 0  # again: the same, left alone

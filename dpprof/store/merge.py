@@ -4,13 +4,16 @@ from __future__ import annotations
 import filecmp
 import secrets
 import shutil
+import sqlite3
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 from dpprof.store.faults import cause_of
 from dpprof.store.publish import Stage, recover
-from dpprof.store.files import RANK_FILE
+from dpprof.store.files import RANK_FILE, remove_files
 from dpprof.store.reader import RUN_SUFFIX, RunFileError, read_run_file, why_not_regular
+from dpprof.store.status import effective_status
 
 __all__ = ["merge_rank_files"]
 
@@ -29,34 +32,97 @@ def _rank_files(sources: Iterable[str | Path]) -> list[Path]:
     return files
 
 
+# What the rank files of one run agree on (rank 0's values are every rank's): files of one id that differ here are
+# of two runs (a reused --run-id), never one
+_SAME_RUN = ("world_size", "name", "workload")
+
+
+def _check(path: Path, meta: dict) -> None:
+    """RunFileError, in one line, for a rank file merge must not copy: named for another run or rank than it holds,
+    still being recorded, or damaged inside (SQLite's quick_check)."""
+    named = RANK_FILE.match(path.name)
+    assert named is not None  # _rank_files takes rank files only
+    if (named.group(1), int(named.group(2))) != (meta["id"], int(meta["rank"])):
+        raise RunFileError(f"{path}: named as run {named.group(1)} rank {named.group(2)}, but it holds run "
+                           f"{meta['id']} rank {meta['rank']}; nothing was copied")
+    if effective_status(meta, path) == "running":
+        raise RunFileError(f"{path}: run {meta['id']} rank {meta['rank']} is still being recorded: merge it once it "
+                           "has ended; nothing was copied")
+    try:
+        con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            found = con.execute("PRAGMA quick_check").fetchone()[0]
+        finally:
+            con.close()
+    except sqlite3.Error as err:
+        found = str(err)
+    if found != "ok":
+        raise RunFileError(f"{path}: damaged inside ({found}); nothing was copied")
+
+
+def _whole(path: Path, into: Path) -> Path:
+    """The rank file as one file: ``path`` itself, or, where its write-ahead log beside it holds steps not yet in it
+    (a rank killed while recording), a copy in ``into`` with the log folded in (the source is left as it is)."""
+    wal = Path(f"{path}-wal")
+    if not wal.is_file() or wal.stat().st_size == 0:
+        return path
+    copy = into / path.name
+    shutil.copyfile(path, copy)
+    shutil.copyfile(wal, f"{copy}-wal")
+    con = sqlite3.connect(copy)
+    try:
+        con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        con.execute("PRAGMA journal_mode=DELETE")
+    finally:
+        con.close()
+    remove_files(f"{copy}-wal", f"{copy}-shm")
+    return copy
+
+
 def merge_rank_files(sources: Iterable[str | Path], out_dir: str | Path) -> dict[str, list[int]]:
     """Copy every rank file found in ``sources`` into ``out_dir`` so each run reads as one.
 
-    Files are checked before anything is copied: each must be a readable dpprof rank file, and a
-    (run, rank) found twice must be the same file. Nothing in ``out_dir`` is ever overwritten
-    (an identical file already there is left as it is). The copies are made in a staging directory and
-    published together (dpprof.store.publish).
+    Files are checked before anything is copied: each must be a readable dpprof rank file, named for the run and
+    rank it holds, no longer being recorded and sound inside; a (run, rank) found twice must be the same file; the
+    ranks of one run must agree on its world size, name and workload. A rank killed while recording has its
+    write-ahead log folded into its copy (its last committed steps). Nothing in ``out_dir`` is ever overwritten
+    (an identical file already there is left as it is). The copies are made in a staging directory and published
+    together (dpprof.store.publish).
 
     Returns:
         run id -> the ranks now in ``out_dir``.
 
     Raises:
-        RunFileError: a source is missing, unreadable, or conflicts with another (nothing copied); or ``out_dir``
-            cannot take the copies (a full disk: nothing of them is left).
+        RunFileError: a source is missing, unreadable, damaged, still recording, or conflicts with another (nothing
+            copied); or ``out_dir`` cannot take the copies (a full disk: nothing of them is left).
     """
     out = Path(out_dir)
+    with tempfile.TemporaryDirectory(prefix="dpprof-merge-") as folded:
+        return _merge(sources, out, Path(folded))
+
+
+def _merge(sources: Iterable[str | Path], out: Path, folded: Path) -> dict[str, list[int]]:
     chosen: dict[tuple[str, int], Path] = {}
+    runs: dict[str, tuple[Path, dict]] = {}
     for path in _rank_files(sources):
         try:
             meta, _ = read_run_file(path)
         except RunFileError as err:
             raise RunFileError(f"{path}: {err}") from None
+        _check(path, meta)
+        first = runs.setdefault(meta["id"], (path, meta))
+        differ = [k for k in _SAME_RUN if meta.get(k) != first[1].get(k)]
+        if differ:
+            raise RunFileError(f"{first[0]} and {path} are two runs of one id ({meta['id']}): their "
+                               f"{', '.join(differ)} differ; nothing was copied")
         key = (meta["id"], int(meta["rank"]))
-        if key in chosen and not filecmp.cmp(chosen[key], path, shallow=False):
+        (folded / str(len(chosen))).mkdir()
+        whole = _whole(path, folded / str(len(chosen)))
+        if key in chosen and not filecmp.cmp(chosen[key], whole, shallow=False):
             raise RunFileError(f"run {key[0]} rank {key[1]} is in both {chosen[key]} and {path}, and they differ")
-        chosen.setdefault(key, path)
+        chosen.setdefault(key, whole)
         target = out / path.name
-        if target.exists() and target.resolve() != path.resolve() and not filecmp.cmp(target, path, shallow=False):
+        if target.exists() and target.resolve() != path.resolve() and not filecmp.cmp(target, whole, shallow=False):
             raise RunFileError(f"{target} already exists and differs from {path}; nothing was copied")
     if not chosen:
         raise RunFileError("no rank files found in the sources")
