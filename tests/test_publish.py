@@ -460,7 +460,7 @@ def test_a_value_sqlite_cannot_store_names_the_trace_file_never_a_staging_path(r
 
 
 @pytest.mark.slow
-def test_a_ddp_recording_with_a_ranks_file_elsewhere_is_incomplete_until_merged(reports, tmp_path):
+def test_a_ddp_recording_with_a_ranks_file_elsewhere_is_incomplete_until_merged(reports, tmp_path, capsys):
     """A DDP run whose rank 1 file is on another machine (moved out here) is listed incomplete with the count, never
     finished with one rank; ``dpprof merge`` of the other machine's directory makes it whole."""
     assert main(["--reports-dir", str(reports), "profile", "tutorial-linear", "--ddp", "--nproc", "2", "--steps", "3",
@@ -472,6 +472,10 @@ def test_a_ddp_recording_with_a_ranks_file_elsewhere_is_incomplete_until_merged(
     listing = dpprof.list_runs(reports)
     assert listing[["status", "ranks"]].values.tolist() == [["incomplete", 1]]
     assert listing["error"].iloc[0].startswith("1 of the 2 run files of its ranks are here (rank 0)")
+    capsys.readouterr()
+    assert main(["--reports-dir", str(reports), "show", listing["id"].iloc[0]]) == 0
+    shown = capsys.readouterr().out
+    assert "The run is incomplete:" in shown and "dpprof merge gathers them" in shown, shown
     assert main(["--reports-dir", str(reports), "merge", str(other)]) == 0
     listing = dpprof.list_runs(reports)
     assert listing[["status", "ranks", "error"]].values.tolist() == [["finished", 2, None]]

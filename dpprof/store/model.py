@@ -228,8 +228,11 @@ class RunModel:
         if self.partial_job:
             of = f"a {self.world_size}-rank job" if self.world_size else "a distributed job"
             held = self.scope.split(" of ")[0]
-            return (f"{held[:1].upper()}{held[1:]} of {of}; the other ranks were not imported, so there is nothing to "
-                    "balance it against (import the ranks' files together to compare them).")
+            if self.imported:
+                return (f"{held[:1].upper()}{held[1:]} of {of}; the other ranks were not imported, so there is nothing "
+                        "to balance it against (import the ranks' files together to compare them).")
+            return (f"{held[:1].upper()}{held[1:]} of {of}; the other ranks' files are not here, so there is nothing "
+                    "to balance it against (dpprof merge gathers them from the machines that wrote them).")
         if self.kind == "trace_cpu":
             return "One process: nothing to balance."
         if self.kind == "trace_gpu":

@@ -90,7 +90,7 @@ def status_sentence(status: str, error: str | None) -> tuple[str, str | None] | 
     if status == "interrupted" and error:
         return f"The run was {error}.", None
     if status in ("failed", "incomplete") and error:
-        return f"The run {status}:", error
+        return f"The run {'failed' if status == 'failed' else 'is incomplete'}:", error
     if status == "incomplete":
         return ("The run is incomplete: its process stopped without closing it (killed, or the machine went down). "
                 "What it recorded until then is shown.", None)
