@@ -5,10 +5,12 @@ __all__ = ["mib", "bytes_unit", "plural"]
 
 
 def mib(value: float) -> str:
-    """Bytes in words: "512.0 KiB" under one MiB, "12.3 MiB", "1.50 GiB" from one GiB."""
+    """Bytes in words: "48 B" under one KiB, "512.0 KiB" under one MiB, "12.3 MiB", "1.50 GiB" from one GiB."""
     if value >= 2**30:
         return f"{value / 2**30:,.2f} GiB"
-    return f"{value / 2**20:,.1f} MiB" if value >= 2**20 else f"{value / 2**10:,.1f} KiB"
+    if value >= 2**20:
+        return f"{value / 2**20:,.1f} MiB"
+    return f"{value / 2**10:,.1f} KiB" if value >= 2**10 else f"{value:,.0f} B"
 
 
 def bytes_unit(max_bytes: float) -> tuple[str, float]:

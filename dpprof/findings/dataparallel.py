@@ -265,7 +265,7 @@ def backward_share(t: Tables) -> list[dict]:
         return []
     device = backward["device"].iloc[0]
     return [finding("backward_share", "info", device, f"backward takes {share:.0%} of the step",
-                    f"mean backward {backward_ms:.2f} ms of a {steps.mean():.2f} ms step; it includes summing every "
-                    f"replica's gradients onto {device}",
+                    f"mean backward {backward_ms:.2f} ms of a {steps.mean():.2f} ms mean step past the first; it "
+                    f"includes summing every replica's gradients onto {device}",
                     "Expected for small models; the reduction onto one device grows with devices and model size, "
                     "which DistributedDataParallel spreads across devices and overlaps with backward.", share)]

@@ -11,6 +11,7 @@ from dpprof.findings.base import Tables, finding
 from dpprof.findings.dataparallel import straggler_row, straggler_verdict
 from dpprof.findings.floors import CRITICAL_STEP_SHARE, cost_text, worth_time
 from dpprof.stepmodel import partition
+from dpprof.units import mib
 
 __all__ = ["COMM_SHARE_WARN", "FEW_BUCKETS", "MANY_BUCKETS", "SMALL_BUCKET_BYTES", "straggler_rank",
            "communication", "uneven_inputs", "union_ms", "overlapped_ms", "collective_busy", "BUCKETS"]
@@ -156,7 +157,8 @@ def communication(t: Tables) -> list[dict]:
         findings.append(finding("communication_share", "warning", None,
                                 f"{what} {'are' if named else 'is'} busy {share:.0%} of the step, {overlap:.0%} of "
                                 "it overlapped",
-                                f"{what} busy {comm_ms:.2f} ms per step per rank of a {step_ms:.2f} ms step{each}; "
+                                f"{what} busy {comm_ms:.2f} ms per step per rank of a {step_ms:.2f} ms mean "
+                                f"step{each}; "
                                 f"{overlap:.0%} of it ran while backward was still computing; the rest "
                                 f"{cost_text(exposed_ms, t.later_step_count + 1)}",
                                 "Raise the per-rank batch (communication is per step, compute per sample), or compress "
@@ -168,16 +170,16 @@ def communication(t: Tables) -> list[dict]:
     if per_step_buckets <= FEW_BUCKETS and share >= COMM_SHARE_WARN / 2 and worth_time(exposed_ms, step_ms):
         findings.append(finding("bucket_size", "info", None, "all gradients travel in one bucket",
                                 f"{per_step_buckets:.0f} bucket per step"
-                                + (f" of {mean_bytes / 2**20:.2f} MiB" if sized else " (its size is not in the trace)")
+                                + (f" of {mib(mean_bytes)}" if sized else " (its size is not in the trace)")
                                 + f"; {overlap:.0%} overlap; the all-reduce after backward "
                                 f"{cost_text(exposed_ms, t.later_step_count + 1)}",
                                 "With one bucket the all-reduce starts only when backward has finished: lower "
                                 "bucket_cap_mb (DDP's default is 25)"
-                                + (f" to below {max(mean_bytes / 2**20 / 4, 0.01):.2f}" if sized else "")
+                                + (f" to below {mean_bytes / 2**20 / 4:.2g}" if sized else "")
                                 + " so it overlaps.", per_step_buckets))
     elif per_step_buckets > MANY_BUCKETS and mean_bytes < SMALL_BUCKET_BYTES and worth_time(comm_ms, step_ms):
         findings.append(finding("bucket_size", "info", None, f"{per_step_buckets:.0f} small buckets per step",
-                                f"{per_step_buckets:.0f} buckets of {mean_bytes / 2**10:.0f} KiB on average; the "
+                                f"{per_step_buckets:.0f} buckets of {mib(mean_bytes)} on average; the "
                                 f"all-reduce is busy {comm_ms:.2f} ms a step",
                                 "Each all-reduce pays a fixed latency: raise bucket_cap_mb.", per_step_buckets))
     return findings

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from dpprof.findings.base import Tables, finding, per_step
+from dpprof.findings.base import MEDIAN_STEP, Tables, finding, per_step
 from dpprof.findings.floors import CRITICAL_STEP_SHARE, cost_text, worth_bytes, worth_time
 from dpprof.units import mib
 
@@ -92,7 +92,7 @@ def _exposed(t: Tables, what: str, advice: str) -> list[dict]:
                     f"{what} exposed: the ranks wait {100 * share:.0f}% of the step for it",
                     f"{worst['device']} waits {cost:.2f} ms a step for {worst['per_step']:.0f} {what}s of "
                     f"{mib(worst['bytes_per_step'])} a step ({worst['issued_ms']:.2f} ms issued, "
-                    f"{worst['hidden_pct']:.0f}% of it hidden behind compute), of a {step_ms:.2f} ms step; "
+                    f"{worst['hidden_pct']:.0f}% of it hidden behind compute), of a {step_ms:.2f} ms {MEDIAN_STEP}; "
                     f"{cost_text(cost, t.later_step_count)}"
                     + ("; on gloo every FSDP collective blocks the host, so none of it can overlap" if gloo else ""),
                     advice + (" On gloo (CPU) collectives are synchronous: only fewer, larger groups or a bigger batch "
@@ -136,7 +136,7 @@ def reshard_after_forward(t: Tables) -> list[dict]:
                     f"resharding after forward costs {worst['backward_per_step']:.0f} more all-gathers a step",
                     f"{worst['device']} gathers its parameters again in backward: {worst['backward_per_step']:.0f} "
                     f"of its {worst['per_step']:.0f} all-gathers a step ({mib(extra_bytes)}), about "
-                    f"{extra_ms:.2f} ms of a {step_ms:.2f} ms step"
+                    f"{extra_ms:.2f} ms of a {step_ms:.2f} ms {MEDIAN_STEP}"
                     + (f"; the gathered parameters it held at once peaked at {mib(peak)}" if peak else ""),
                     "fully_shard(..., reshard_after_forward=False) keeps each group's gathered parameters from "
                     "forward to backward (no second all-gather) at the cost of holding them all at once; an int "
