@@ -9,7 +9,7 @@ stated priority, whose kinds are all running then; an instant where none runs is
 
 | kind of step | priority (first wins) | rest |
 | --- | --- | --- |
-| DataParallel (dpprof's phases) | scatter, replicate, parallel_apply, gather, loss, reduce, backward | rest |
+| DataParallel (dpprof's phases) | scatter, replicate, parallel_apply, apply (one device's, outside any parallel_apply), gather, loss, reduce, backward | rest |
 | a process (DDP ranks, imported traces) | forward, backward_compute, comm_wait, optimizer, data | rest |
 |   (a process whose backward is not split) | forward, backward, optimizer, data | rest |
 | an FSDP rank | all_gather_wait, reduce_scatter_wait, copy_in, copy_out, forward, backward, optimizer, data | rest |
@@ -33,9 +33,10 @@ REST = "rest"  # the part of a host step no phase covers: Python between phases,
 IDLE = "idle"  # the part of a GPU's step window where it ran nothing
 
 # DataParallel's phases follow one another on the output device; each device's apply runs inside
-# parallel_apply, so apply is never a part of the step (it is each device's own work, not the step's).
+# parallel_apply, which takes its instants first. On one device torch's DataParallel calls the module itself,
+# with no parallel_apply around it: that apply is then a part of the step of its own (it was counted as rest).
 DATAPARALLEL_PARTS: tuple[Part, ...] = tuple((p, (p,)) for p in (
-    "scatter", "replicate", "parallel_apply", "gather", "loss", "reduce", "backward"))
+    "scatter", "replicate", "parallel_apply", "apply", "gather", "loss", "reduce", "backward"))
 # A process's step (a DDP rank, an imported trace): computing first, then the all-reduce it waits for (what
 # overlapped backward compute is counted as compute: only the exposed wait is communication), the optimizer, and
 # loading data last (a DataLoader range that runs beside forward is not time the step spent waiting for data).
@@ -58,7 +59,7 @@ GPU_PARTS: tuple[Part, ...] = (("overlap", ("compute", "communication")), ("comp
 SHARED_PARTS = ("compute", "exposed communication", "data", "optimizer", "DataParallel tax", REST)
 SHARED_OF = {
     "scatter": "DataParallel tax", "replicate": "DataParallel tax", "gather": "DataParallel tax",  # records.DP_TAX_PHASES
-    "parallel_apply": "compute", "loss": "compute", "reduce": "compute", "backward": "compute",
+    "parallel_apply": "compute", "apply": "compute", "loss": "compute", "reduce": "compute", "backward": "compute",
     "forward": "compute", "backward_compute": "compute", "comm_wait": "exposed communication",
     "optimizer": "optimizer", "data": "data", REST: REST,
     "all_gather_wait": "exposed communication", "reduce_scatter_wait": "exposed communication",
@@ -83,7 +84,10 @@ def parts_for(phases: Sequence[str]) -> tuple[Part, ...]:
         return tuple(p for p in FSDP_PARTS if set(p[1]) <= set(phases))
     table = PROCESS_PARTS if process else DATAPARALLEL_PARTS
     split = process and "backward_compute" in phases  # backward is its parts
-    return tuple(p for p in table if set(p[1]) <= set(phases) and not (split and p[0] == "backward"))
+    # apply is a part only where no parallel_apply holds it (one device): a long run's block sums never overlap
+    inside = not process and "parallel_apply" in phases
+    return tuple(p for p in table if set(p[1]) <= set(phases) and not (split and p[0] == "backward")
+                 and not (inside and p[0] == "apply"))
 
 
 def part_names(parts: Sequence[Part], rest: str = REST) -> list[str]:

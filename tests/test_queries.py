@@ -80,6 +80,21 @@ def test_phase_totals_are_shares_of_the_step_that_add_up_to_100(runs):
     assert totals.loc["backward", "per_step_ms"] == pytest.approx(backward / len(run.steps))
 
 
+@pytest.mark.parametrize("balanced", [False, True])
+def test_one_devices_apply_is_a_part_of_its_step_not_its_rest(tmp_path, balanced):
+    """On one device torch's DataParallel calls the module itself, with no parallel_apply around it: its apply is a
+    part of the step (it was counted in the rest), as show's apply share says; the balanced pair's loss likewise."""
+    run = dpprof.load_run(record(tmp_path, "one", workers=1, steps=5, workload="tutorial-linear",
+                                 balanced=balanced).path)
+    totals = queries.phase_totals(run).set_index("phase")
+    assert "parallel_apply" not in totals.index and totals["share_pct"].sum() == pytest.approx(100)
+    for phase in ("apply", "loss"):
+        recorded = run.phases.loc[run.phases["phase"] == phase, "duration_ms"].sum()
+        assert recorded > 0 and totals.loc[phase, "total_ms"] == pytest.approx(recorded), phase
+    breakdown = queries.phase_breakdown(run)
+    assert np.allclose(breakdown["apply_ms"] + breakdown["rest_ms"] <= breakdown["step_ms"] + 1e-9, True)
+
+
 @pytest.mark.parametrize("name", ["plain", "balanced", "uneven"])
 def test_work_stats_are_per_step_sums_of_every_device(runs, name):
     run = runs[name]

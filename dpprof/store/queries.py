@@ -55,7 +55,8 @@ def _one_row(df: pd.DataFrame, by: str | tuple[str, ...]) -> pd.Series:
 def stacked_phases(present: list[str] | tuple[str, ...]) -> list[str]:
     """The parts of this run's steps (dpprof.stepmodel.parts_for), in the order a step runs them.
 
-    For DataParallel every phase but ``apply`` (each device's apply runs inside parallel_apply);
+    For DataParallel every phase but ``apply`` (each device's apply runs inside parallel_apply), apply too on one
+    device (no parallel_apply around it);
     for a process's steps (DDP ranks, imported traces) data, forward, backward (or its parts) and optimizer.
     """
     names = {name for name, _ in parts_for(present)}
