@@ -6,7 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from dpprof import charts
-from dpprof.plaintext import markdown_text
+from dpprof.plaintext import capitalized, markdown_text
 from dpprof.views import load
 from app_pages import common
 
@@ -18,7 +18,7 @@ def body(row: pd.Series) -> None:
     if model.kind == "empty":
         return
     work = model.work.label
-    st.subheader(markdown_text(f"{work.capitalize()} time per {model.unit}"))
+    st.subheader(markdown_text(f"{capitalized(work)} time per {model.unit}"))
     if data.work_stats.empty:
         common.missing(data.missing.get("work") or f"No {work} phases recorded.")
     else:

@@ -7,7 +7,7 @@ import streamlit as st
 
 from dpprof import charts
 from dpprof.findings import Findings
-from dpprof.plaintext import markdown_text
+from dpprof.plaintext import capitalized, markdown_text
 from dpprof.views import overview
 from dpprof.units import plural
 from dpprof.views.text import sentence, steps_per_rank
@@ -32,7 +32,7 @@ def per_device(data: overview.Overview) -> None:
     c = st.columns(4)
     if g.time_uneven:
         c[0].metric(f"Slowest {markdown_text(unit)}", g.slowest, help=f"the longest median {g.work_phase} per step")
-        c[1].metric(f"{data.model.work.column.capitalize()} imbalance", f"{g.time_ratio:.2f}x",
+        c[1].metric(f"{capitalized(data.model.work.column)} imbalance", f"{g.time_ratio:.2f}x",
                     f"{g.wait_ms:.2f} ms a step", delta_color="off",
                     help=f"the slowest {unit}'s median {g.work_phase} over the others' (the first step left out); "
                     "what the others wait for it per step")

@@ -17,7 +17,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from dpprof.plaintext import plotly_text
+from dpprof.plaintext import capitalized, plotly_text
 from dpprof.records import MEMORY_BYTES, device_key
 from dpprof.stepmodel import PHASE_WORDS
 from dpprof.records import PHASE_ORDER
@@ -251,7 +251,7 @@ def work_distribution(samples: pd.DataFrame, kind: str = "box", phase: str = "ap
         idle: devices of the run that did no work: drawn at zero, labelled idle.
         unit_word: what a lane is called ("device", "rank": RunModel.unit).
     """
-    fig = _fig(f"{phase.capitalize()} time per {unit_word} (ms per step)", yaxis_title="ms", showlegend=False,
+    fig = _fig(f"{capitalized(phase)} time per {unit_word} (ms per step)", yaxis_title="ms", showlegend=False,
                yaxis_rangemode="tozero")
     trace = go.Violin if kind == "violin" else go.Box
     extra = dict(box_visible=True, meanline_visible=True, points=False, spanmode="hard") if kind == "violin" else dict(

@@ -20,7 +20,7 @@ import re
 import string
 import unicodedata
 
-__all__ = ["JOINER", "error_line", "markdown_code", "markdown_text", "markdown_words", "one_line", "plotly_text",
+__all__ = ["JOINER", "capitalized", "error_line", "markdown_code", "markdown_text", "markdown_words", "one_line", "plotly_text",
            "shown_text"]
 
 # CommonMark lets a backslash escape every ASCII punctuation character, and an escaped one is always literal text:
@@ -40,6 +40,11 @@ _BLOCK_BREAKS = frozenset("\u2028\u2029\x85")
 
 def _control(ch: str) -> bool:
     return ch in _BLOCK_BREAKS or unicodedata.category(ch) == "Cc"
+
+
+def capitalized(text: str) -> str:
+    """``text`` with its first letter upper case and the rest as it is ("FSDP's" stays; str.capitalize lowers it)."""
+    return text[:1].upper() + text[1:]
 
 
 def one_line(value: object) -> str:

@@ -154,6 +154,8 @@ def test_every_run_page_reads_right_for_every_kind(kinds, monkeypatch, name, pag
         assert not said, (said, text)
     if kind == "empty":
         assert "built no DataParallel" in text and not at.get("plotly_chart")
+    if kind == "fsdp":  # its own words: no all-reduce, and FSDP as it is written
+        assert "all-reduce" not in text.lower() and "fsdp's" not in text, text
 
 
 @pytest.mark.parametrize("name", KINDS)

@@ -158,7 +158,9 @@ def _refuse(run: StoredRun) -> None:
                            "from a DataParallel run; record the model with DataParallel (dpprof profile, or dpprof "
                            "run on a script that uses it) and advise on that run")
     if model.kind not in ("dataparallel", "balanced"):
-        raise NotAdvisable(f"run {run.id} is a {model.kind} run: the advisor predicts from DataParallel runs")
+        raise NotAdvisable(f"run {run.id} is a {model.title} run: the advisor predicts other set-ups from a "
+                           "DataParallel run; record the model with DataParallel (dpprof profile, or dpprof run on a "
+                           "script that uses it) and advise on that run")
     if model.steps < MIN_STEPS:
         raise NotAdvisable(f"run {run.id} has {model.steps} step(s): the advisor needs at least {MIN_STEPS} (the "
                            "first step carries one-time costs, and a typical step needs two more)")

@@ -264,8 +264,11 @@ def backward_share(t: Tables) -> list[dict]:
     if share < BACKWARD_SHARE_INFO or not worth_time(backward_ms, float(steps.mean())):
         return []
     device = backward["device"].iloc[0]
+    working = len([d for d in t.model.devices if d not in t.model.idle])
+    summed = (f"; it includes summing every replica's gradients onto {device}" if working > 1 else
+              f" (one device: no replica's gradients to sum onto {device})")
     return [finding("backward_share", "info", device, f"backward takes {share:.0%} of the step",
-                    f"mean backward {backward_ms:.2f} ms of a {steps.mean():.2f} ms mean step past the first; it "
-                    f"includes summing every replica's gradients onto {device}",
+                    f"mean backward {backward_ms:.2f} ms of a {steps.mean():.2f} ms mean step past the first{summed}",
                     "Expected for small models; the reduction onto one device grows with devices and model size, "
-                    "which DistributedDataParallel spreads across devices and overlaps with backward.", share)]
+                    "which DistributedDataParallel spreads across devices and overlaps with backward." if working > 1
+                    else "Expected for small models on one device: its backward is the model's own.", share)]

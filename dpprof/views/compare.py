@@ -241,13 +241,18 @@ def _untimed(has: dict[str, Any], lacks: dict[str, Any]) -> list[str]:
     """The sentence on the parts of the step ``has`` times and ``lacks``'s kind does not time apart, with their
     shares of ``has``'s step: in ``lacks`` they are in the rest, never 0%."""
     parts = [p for p in SHARED_PARTS if f"{p}_share_pct" in _timed_parts(has) - _timed_parts(lacks)]
+    out = []
+    if TAX in parts and lacks["dp_tax_pct"] is None:  # a kind with no scatter, replicate or gather at all
+        parts.remove(TAX)
+        out.append(f"{lacks['run']} has no DataParallel tax (it does no scatter, replicate or gather): "
+                   f"{has['run']}'s is {has[f'{TAX}_share_pct']:.1f}% of its step.")
     if not parts:
-        return []
+        return out
     words = [SHARED_PART_WORDS.get(p, p) for p in parts]
     names = " or ".join([", ".join(words[:-1]), words[-1]] if len(words) > 1 else words)
     shares = ", ".join(f"{has[f'{p}_share_pct']:.1f}% {SHARED_PART_WORDS.get(p, p)}" for p in parts)
-    return [f"{lacks['run']} does not time {names} apart (whatever of {'it' if len(parts) == 1 else 'them'} runs "
-            f"inside its steps is in the rest of its step): {has['run']}'s step is {shares}."]
+    return [*out, f"{lacks['run']} does not time {names} apart (whatever of {'it' if len(parts) == 1 else 'them'} "
+            f"runs inside its steps is in the rest of its step): {has['run']}'s step is {shares}."]
 
 
 def _memory_differences(base: dict[str, Any], other: dict[str, Any]) -> list[str]:
