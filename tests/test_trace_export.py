@@ -208,6 +208,7 @@ def test_an_fsdp_run_reads_back_as_fsdp_with_its_phases_and_collectives(runs, tm
     back = dpprof.load_run(import_traces([w.path for w in written], tmp_path / "back").id, tmp_path / "back")
     assert {"copy_in", "all_gather_wait", "copy_out", "reduce_scatter_wait"} <= set(back.phases["phase"])
     assert back.model.sharded and back.model.fsdp_phases and "FSDP" in back.model.title
+    assert back.model.work == run.model.work  # each rank's work as the recorded run's: forward + backward, inside
     count = ["device", "collective"]
     assert back.comms.groupby(count).size().to_dict() == run.comms.groupby(count).size().to_dict()
     assert list(fsdp_collective_table(back)["collective"]) == list(fsdp_collective_table(run)["collective"])

@@ -281,7 +281,7 @@ def _work(phases: list[str], kind: str) -> Work:
     backward compute (whichever of the two it recorded; both where it recorded neither, said in ``missing``)."""
     if "apply" in phases or kind in ("dataparallel", "balanced") or (kind == "empty" and "forward" not in phases):
         return DATAPARALLEL_WORK
-    if kind == "fsdp":
+    if kind == "fsdp" or set(FSDP_ONLY_PHASES) & set(phases):  # recorded, or dpprof's FSDP file read back
         return FSDP_WORK
     if "forward" in phases and "backward_compute" not in phases:
         return Work(("forward",), "forward", "compute")
