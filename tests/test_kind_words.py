@@ -235,8 +235,9 @@ def test_an_imported_trace_s_workload_is_its_job(runs):
 def test_compare_opens_on_two_runs_of_one_trace_job_never_two_unrelated_traces(runs):
     listing = dpprof.list_runs(runs.dir)
     readable = listing[listing["reason"].isna()]
-    pair, _ = compare.default_compare(readable, runs.ids["resnet"])
+    pair, need = compare.default_compare(readable, runs.ids["resnet"])
     assert pair == []  # no other run of its job
+    assert "record or import another run of it (the New run page records the built-in workloads only)" in need
     pair, _ = compare.default_compare(readable, runs.ids["gloo_rank0"])
     assert sorted(pair) == sorted([runs.ids["gloo_rank0"], runs.ids["gloo_both"]])
 

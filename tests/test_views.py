@@ -221,6 +221,6 @@ def test_compare_opens_on_the_open_run_and_the_newest_finished_one_of_its_worklo
     failed = listing.assign(status=["failed", "finished"] if listing.loc[0, "id"] == balanced else
                             ["finished", "failed"])
     ids, need = compare.default_compare(failed, plain)
-    assert ids == [] and "needs a second finished run of cifar-lenet" in need
+    assert ids == [] and "needs a second finished run of cifar-lenet" in need and "on the New run page (for" in need
     ids, need = compare.default_compare(listing, None)
     assert ids == [] and "Choose a run" in need and "above" in need  # the picker is above the message

@@ -13,6 +13,7 @@ from dpprof.stepmodel import SHARED_OF, SHARED_PART_WORDS, SHARED_PARTS
 from dpprof.store import queries
 from dpprof.store.reader import StoredRun
 from dpprof.units import mib
+from dpprof.workload_names import WORKLOAD_NAMES
 from dpprof.views.overview import MEMORY_SOURCES, memory_figure
 from dpprof.views.text import run_label
 
@@ -157,9 +158,13 @@ def default_compare(runs: pd.DataFrame, chosen: str | None) -> tuple[list[str], 
                   & (runs["workload"].fillna("") == (row["workload"] or ""))
                   & runs["check_of"].isna()]  # not a run dpprof advise --check recorded
     if others.empty:
+        builtin = row["workload"] in WORKLOAD_NAMES and row["source"] is None  # what the New run page records
+        how = ("record one on the New run page (for example with --balanced or another number of devices), or "
+               "choose runs above" if builtin else
+               "record or import another run of it (the New run page records the built-in workloads only), or "
+               "choose runs above")
         return [], (f"Comparing needs a second finished run of {row['workload'] or 'the same model'} besides "
-                    f"{row['name'] or row['id']}: record one on the New run page (for example with --balanced or "
-                    "another number of devices), or choose runs above.")
+                    f"{row['name'] or row['id']}: {how}.")
     pair = pd.concat([match, others.iloc[[0]]]).sort_values("created_at")
     return pair["id"].tolist(), None
 
