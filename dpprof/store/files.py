@@ -17,7 +17,7 @@ from pathlib import Path
 __all__ = ["SIDE_FILES", "RANK_FILE", "CAPTURE_TRACE", "capture_trace_name", "is_capture_trace", "capture_request_name",
            "capture_answer_name", "hidden_name", "remove_files", "publish_file", "run_signature",
            "dir_signature", "lock_if_free", "move_into_place", "staging_dir", "STAGING_ENV", "LEFTOVER_AGE_S",
-           "sweep_leftovers"]
+           "sweep_leftovers", "fold_log"]
 
 SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database
 SIDE_FILES = ("-wal", "-shm", "-journal")  # SQLite's write-ahead log, its shared memory and its rollback journal
@@ -84,6 +84,21 @@ def sweep_leftovers(directory: str | os.PathLike[str], now: float | None = None)
         except OSError:
             continue  # gone meanwhile, or not ours to remove
     return removed
+
+
+def fold_log(path: str | os.PathLike[str]) -> None:
+    """Fold a run file's write-ahead log back into it, so that the file alone is the whole run.
+
+    Raises:
+        sqlite3.Error: the log could not be folded (a reader holds it, the disk is full).
+    """
+    con = sqlite3.connect(path, timeout=5)
+    try:
+        con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        if con.execute("PRAGMA journal_mode=DELETE").fetchone()[0] != "delete":
+            raise sqlite3.OperationalError("its write-ahead log could not be folded back into it")
+    finally:
+        con.close()
 
 
 def remove_files(*paths: str) -> None:

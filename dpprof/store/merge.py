@@ -11,8 +11,8 @@ from pathlib import Path
 
 from dpprof.store.faults import cause_of
 from dpprof.store.publish import Stage, recover
-from dpprof.store.files import RANK_FILE, remove_files
-from dpprof.store.reader import RUN_SUFFIX, RunFileError, read_run_file, why_not_regular
+from dpprof.store.files import RANK_FILE, fold_log, remove_files
+from dpprof.store.reader import RUN_SUFFIX, RunFileError, integrity_problem, read_run_file, why_not_regular
 from dpprof.store.status import effective_status
 
 __all__ = ["merge_rank_files"]
@@ -48,15 +48,8 @@ def _check(path: Path, meta: dict) -> None:
     if effective_status(meta, path) == "running":
         raise RunFileError(f"{path}: run {meta['id']} rank {meta['rank']} is still being recorded: merge it once it "
                            "has ended; nothing was copied")
-    try:
-        con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
-        try:
-            found = con.execute("PRAGMA quick_check").fetchone()[0]
-        finally:
-            con.close()
-    except sqlite3.Error as err:
-        found = str(err)
-    if found != "ok":
+    found = integrity_problem(path)
+    if found is not None:
         raise RunFileError(f"{path}: damaged inside ({found}); nothing was copied")
 
 
@@ -69,12 +62,11 @@ def _whole(path: Path, into: Path) -> Path:
     copy = into / path.name
     shutil.copyfile(path, copy)
     shutil.copyfile(wal, f"{copy}-wal")
-    con = sqlite3.connect(copy)
     try:
-        con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        con.execute("PRAGMA journal_mode=DELETE")
-    finally:
-        con.close()
+        fold_log(copy)
+    except sqlite3.Error as err:
+        raise RunFileError(f"{path}: its write-ahead log cannot be folded into a copy ({err}); nothing was "
+                           "copied") from None
     remove_files(f"{copy}-wal", f"{copy}-shm")
     return copy
 

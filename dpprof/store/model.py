@@ -23,6 +23,7 @@ import sqlite3
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from dpprof.plaintext import capitalized
 from dpprof.records import FSDP_ONLY_PHASES, PHASE_ORDER, device_key
 from dpprof.store.faults import RunFileError
 from dpprof.store.retention import Retention, stored_retention
@@ -228,11 +229,11 @@ class RunModel:
         if self.partial_job:
             of = f"a {self.world_size}-rank job" if self.world_size else "a distributed job"
             held = self.scope.split(" of ")[0]
-            if self.imported:
-                return (f"{held[:1].upper()}{held[1:]} of {of}; the other ranks were not imported, so there is nothing "
-                        "to balance it against (import the ranks' files together to compare them).")
-            return (f"{held[:1].upper()}{held[1:]} of {of}; the other ranks' files are not here, so there is nothing "
-                    "to balance it against (dpprof merge gathers them from the machines that wrote them).")
+            why, how = (("the other ranks were not imported", "import the ranks' files together to compare them")
+                        if self.imported else
+                        ("the other ranks' files are not here", "dpprof merge gathers them from the machines that "
+                                                                "wrote them"))
+            return f"{capitalized(held)} of {of}; {why}, so there is nothing to balance it against ({how})."
         if self.kind == "trace_cpu":
             return "One process: nothing to balance."
         if self.kind == "trace_gpu":

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RUN_SUFFIX", "list_runs", "read_run_file", "checks_under_their_runs", "load_run", "StoredRun", "RunFileError",
            "reports_dir", "HEARTBEAT_TIMEOUT_S", "FULL_DISK_FREE_BYTES", "CHECKED_TABLES", "why_not_regular", "file_damage",
-           "effective_status"]
+           "effective_status", "integrity_problem"]
 
 RUN_SUFFIX = ".sqlite"
 # torch.profiler traces waiting to be imported (dpprof import; the Runs page lists them), not runs
@@ -87,6 +87,20 @@ def _connect_ro(path: Path) -> sqlite3.Connection:
                                check_same_thread=False)
     except sqlite3.Error as err:
         raise RunFileError(f"cannot open: {err}") from None
+
+
+def integrity_problem(path: Path) -> str | None:
+    """What SQLite's quick_check finds wrong inside a run file (a damaged page opening it never reads), opened read
+    only; None where it finds nothing."""
+    try:
+        con = _connect_ro(path)
+        try:
+            found = con.execute("PRAGMA quick_check").fetchone()[0]
+        finally:
+            con.close()
+    except (RunFileError, sqlite3.Error) as err:
+        found = str(err)
+    return None if found == "ok" else found
 
 
 def _file_key(path: Path) -> tuple[str, int, int, int, int]:

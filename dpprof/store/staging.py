@@ -26,8 +26,8 @@ from typing import Any
 from dpprof.store import filesystems
 from dpprof.store.faults import RecordingError, cause_of, start_failure
 from dpprof.store.publish import recover
-from dpprof.store.files import (SIDE_FILES, STAGING_ENV, hidden_name, lock_if_free, move_into_place, remove_files,
-                                staging_dir, sweep_leftovers)
+from dpprof.store.files import (SIDE_FILES, STAGING_ENV, fold_log, hidden_name, lock_if_free, move_into_place,
+                                remove_files, staging_dir, sweep_leftovers)
 from dpprof.store.writer import SqliteSink, create_run_file
 
 try:
@@ -244,7 +244,7 @@ def _left_over(sidecar: Path, lock: int) -> Path | None:
         remove_files(str(sidecar))
         return None
     try:
-        _fold(staged)
+        fold_log(staged)
         move_into_place(staged, destination)
     except FileExistsError:
         if not filecmp.cmp(staged, destination, shallow=False):
@@ -260,17 +260,6 @@ def _left_over(sidecar: Path, lock: int) -> Path | None:
                     destination)
     remove_files(*(staged + s for s in SIDE_FILES), str(sidecar))
     return Path(destination)
-
-
-def _fold(path: str) -> None:
-    """Fold a left-behind run's write-ahead log back into it, so that the file alone is the whole run."""
-    con = sqlite3.connect(path, timeout=5)
-    try:
-        con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        if con.execute("PRAGMA journal_mode=DELETE").fetchone()[0] != "delete":
-            raise sqlite3.OperationalError("its write-ahead log could not be folded back into it")
-    finally:
-        con.close()
 
 
 def check_reports_dir(directory: str | os.PathLike[str]) -> None:

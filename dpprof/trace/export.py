@@ -55,6 +55,7 @@ from dpprof.records import MEMORY_BYTES, device_key
 from dpprof.store import trace_rows
 from dpprof.store.reader import StoredRun
 from dpprof.trace.readback import EXPORT_KEY, EXPORT_VERSION, THREADS_KEY
+from dpprof.units import plural
 
 __all__ = ["MAX_EVENTS", "MAX_BYTES", "TracePlan", "TraceWritten", "parse_steps", "plan_trace", "write_trace",
            "export_trace", "rank_path", "trace_bytes"]
@@ -185,10 +186,10 @@ class TracePlan:
         them out as it read them), and rows whose time the file cannot hold (``unwritable``)."""
         said = []
         if self.damaged_rows:
-            said.append(f"{self.damaged_rows:,} damaged row{'s' if self.damaged_rows != 1 else ''} of the run file "
+            said.append(f"{plural(self.damaged_rows, 'damaged row')} of the run file "
                         "(dpprof show lists them)")
         if unwritable:
-            said.append(f"{unwritable:,} row{'s' if unwritable != 1 else ''} with a time that is not a number, "
+            said.append(f"{plural(unwritable, 'row')} with a time that is not a number, "
                         "infinite or negative")
         verb = "were" if self.damaged_rows + unwritable != 1 else "was"
         return f"{' and '.join(said)} {verb} left out" if said else ""

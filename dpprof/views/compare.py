@@ -12,7 +12,7 @@ from dpprof.findings import run_findings
 from dpprof.stepmodel import SHARED_OF, SHARED_PART_WORDS, SHARED_PARTS
 from dpprof.store import queries
 from dpprof.store.reader import StoredRun
-from dpprof.units import mib
+from dpprof.units import mib, plural
 from dpprof.workload_names import WORKLOAD_NAMES
 from dpprof.views.overview import MEMORY_SOURCES, memory_figure
 from dpprof.views.text import run_label
@@ -206,7 +206,7 @@ def _status_text(row: dict[str, Any]) -> list[str]:
         return []
     steps = row["steps"] or 0
     words = STATUS_WORDS.get(status, f"is {status}")
-    said = (f": the {steps:,} step{'s' if steps != 1 else ''} it recorded{' so far' if status == 'running' else ''} "
+    said = (f": the {plural(steps, 'step')} it recorded{' so far' if status == 'running' else ''} "
             "are compared" if steps else "")
     return [f"{row['run']} {words}{said}."]
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import pandas as pd
 
+from dpprof.plaintext import capitalized
 from dpprof.units import bytes_unit
 
 __all__ = ["DISPLAY_DECIMALS", "display_table", "dropped_records", "finding_heading", "run_label", "sentence",
@@ -67,7 +68,7 @@ def run_label(meta: dict[str, Any] | pd.Series, status: bool = False) -> str:
 def sentence(text: str) -> str:
     """Text as a sentence: a capital first letter and a full stop."""
     text = text.strip()
-    return (text[:1].upper() + text[1:]).rstrip(".") + "." if text else text
+    return capitalized(text).rstrip(".") + "." if text else text
 
 
 def dropped_records(meta: dict[str, Any] | pd.Series) -> str | None:
