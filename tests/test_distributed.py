@@ -177,3 +177,4 @@ def test_merge_refuses_rank_files_it_must_not_copy_and_folds_a_killed_ranks_log(
     assert merged.steps.groupby("rank")["step"].max().to_dict() == {0: 3, 1: 4}
     assert rank1.read_bytes() == before and not Path(f"{reports / rank1.name}-wal").exists()
     assert main(["merge", str(rank0.parent), str(rank1.parent)]) == 0  # again: the same, left alone
+    assert main(["merge", str(rank1.parent), str(rank1), str(rank0.parent)]) == 0  # one rank named twice at once

@@ -55,10 +55,12 @@ def _check(path: Path, meta: dict) -> None:
 
 def _whole(path: Path, into: Path) -> Path:
     """The rank file as one file: ``path`` itself, or, where its write-ahead log beside it holds steps not yet in it
-    (a rank killed while recording), a copy in ``into`` with the log folded in (the source is left as it is)."""
+    (a rank killed while recording), a copy in the new directory ``into`` with the log folded in (the source is left as
+    it is)."""
     wal = Path(f"{path}-wal")
     if not wal.is_file() or wal.stat().st_size == 0:
         return path
+    into.mkdir()
     copy = into / path.name
     shutil.copyfile(path, copy)
     shutil.copyfile(wal, f"{copy}-wal")
@@ -96,7 +98,7 @@ def merge_rank_files(sources: Iterable[str | Path], out_dir: str | Path) -> dict
 def _merge(sources: Iterable[str | Path], out: Path, folded: Path) -> dict[str, list[int]]:
     chosen: dict[tuple[str, int], Path] = {}
     runs: dict[str, tuple[Path, dict]] = {}
-    for path in _rank_files(sources):
+    for i, path in enumerate(_rank_files(sources)):
         try:
             meta, _ = read_run_file(path)
         except RunFileError as err:
@@ -108,8 +110,7 @@ def _merge(sources: Iterable[str | Path], out: Path, folded: Path) -> dict[str, 
             raise RunFileError(f"{first[0]} and {path} are two runs of one id ({meta['id']}): their "
                                f"{', '.join(differ)} differ; nothing was copied")
         key = (meta["id"], int(meta["rank"]))
-        (folded / str(len(chosen))).mkdir()
-        whole = _whole(path, folded / str(len(chosen)))
+        whole = _whole(path, folded / str(i))  # a directory per file: two copies of one rank never meet
         if key in chosen and not filecmp.cmp(chosen[key], whole, shallow=False):
             raise RunFileError(f"run {key[0]} rank {key[1]} is in both {chosen[key]} and {path}, and they differ")
         chosen.setdefault(key, whole)
