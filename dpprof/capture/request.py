@@ -139,9 +139,9 @@ def _pending(path: Path) -> str | None:
     try:
         value = json.loads(path.read_text())
         pid, host, asked = value.get("pid"), value.get("host"), datetime.fromisoformat(value["asked_at"])
+        age = (datetime.now(timezone.utc) - asked).total_seconds()  # a time with no zone: no request of ours
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
-    age = (datetime.now(timezone.utc) - asked).total_seconds()
     if (pid_alive(pid) if host == socket.gethostname() else age < STALE_REQUEST_S):
         return f"asked by process {pid} on {host} at {asked:%H:%M:%S}"
     return None
