@@ -1,14 +1,17 @@
 """How far dpprof advise's predictions are from runs of the scenarios themselves, on this machine.
 
 For each built-in workload and a user's model (``--model bench.advise_model:mlp``), recorded as DataParallel on
-2 CPU workers: calibrate once, predict every scenario from the recorded run (DDP on 2 ranks, DataParallel on 1 to
+2 CPU workers: calibrate once, measure the model alone for every split of its batch (dpprof.advise.compute, as
+``dpprof advise`` does), predict every scenario from the recorded run (DDP on 2 ranks, DataParallel on 1 to
 4 workers, balanced, half and twice the batch), run each scenario's own command (the ``dpprof profile ...`` line
 dpprof advise prints, started from the scenario's ``dpprof.launch.Profile`` in this process so that a run costs its
 steps rather than a Python start-up; DDP starts torchrun and its ranks as ever), and print predicted against measured in one table with
 
 - the median relative error of the step time over every scenario (aim: at most 10%; never above 15%),
 - how many measured medians fall inside their predicted interval (aim: at least 2 of 3),
-- the error of each device's peak held memory at twice the batch (aim: within 5%).
+- the error of each device's peak held memory at twice the batch (aim: within 5%),
+- beside each error, the same run's prediction from its recorded figures alone (without the measure of the model),
+  so that what the measure buys is read in one run.
 
 Every process runs with OMP_NUM_THREADS=1 by default (``--threads``): on the shared 2-core machine an OpenMP team
 of 2 threads runs many times slower whenever another job holds a core, which no model of the run predicts.
@@ -52,9 +55,10 @@ def main() -> None:
 
     from dpprof.advise.calibrate import calibrate, refresh_load
     from dpprof.advise.check import measured
+    from dpprof.advise.compute import measure_compute
     from dpprof.launch import Profile
     from dpprof.advise.measured import measure
-    from dpprof.advise.predict import advise
+    from dpprof.advise.predict import advise, compute_layouts
     from dpprof.store.reader import load_run
 
     workloads = args.only.split(",") if args.only else WORKLOADS
@@ -82,7 +86,11 @@ def main() -> None:
             cores.append(cal.effective_cores)
             waits.append(cal.ddp_sync_ms)
             base_id = run(Profile(**what, devices="cpu:2", steps=args.steps), f"base {w} round {r}")
-            advice = advise(measure(load_run(base_id, out)), cal, steps=args.steps)
+            m = measure(load_run(base_id, out))
+            probe = measure_compute(m, compute_layouts(m))  # as dpprof advise does, before it predicts
+            advice = advise(m, cal, steps=args.steps, compute=probe)
+            # the same run predicted from its recorded figures alone (no measure of the model): the step it would say
+            recorded_only = {s.label: s.step_ms for s in advise(m, cal, steps=args.steps).scenarios}
             order = list(advice.scenarios)
             shift = (r * 3) % len(order)
             order = order[shift:] + order[:shift]
@@ -94,6 +102,7 @@ def main() -> None:
                 rows.append({"workload": w, "scenario": s.label.replace(" (recorded)", " (recorded, again)"),
                              "kind": s.scenario, "devices": s.devices, "batch": s.batch_size, "round": r,
                              "predicted_ms": s.step_ms, "low_ms": s.step_ms_low, "high_ms": s.step_ms_high,
+                             "recorded_only_ms": recorded_only[s.label],
                              "measured_ms": step, "base_ms": advice.measured_step_ms})
                 if s.batch_size == 2 * advice.measured.batch_size:
                     for device, b in held.items():
@@ -103,8 +112,10 @@ def main() -> None:
     df = pd.DataFrame(rows)
     per = df.groupby(["workload", "scenario"], sort=False).agg(
         predicted_ms=("predicted_ms", "median"), low_ms=("low_ms", "median"), high_ms=("high_ms", "median"),
+        recorded_only_ms=("recorded_only_ms", "median"),
         measured_ms=("measured_ms", "median"), base_ms=("base_ms", "median")).reset_index()
     per["error"] = (per["predicted_ms"] - per["measured_ms"]) / per["measured_ms"]
+    per["recorded_only_error"] = (per["recorded_only_ms"] - per["measured_ms"]) / per["measured_ms"]
     per["inside"] = (per["low_ms"] <= per["measured_ms"]) & (per["measured_ms"] <= per["high_ms"])
     pd.set_option("display.width", 250)
     print()
@@ -112,9 +123,10 @@ def main() -> None:
           f"{args.rounds} round(s), {time.perf_counter() - t_start:.0f} s:")
     shown = per.assign(**{"interval (ms)": [f"{lo:.2f}-{hi:.2f}" for lo, hi in zip(per["low_ms"], per["high_ms"])],
                           "error": per["error"].map("{:+.1%}".format),
+                          "without the measure": per["recorded_only_error"].map("{:+.1%}".format),
                           "inside": per["inside"].map({True: "yes", False: "no"})})
     print(shown[["workload", "scenario", "base_ms", "predicted_ms", "interval (ms)", "measured_ms", "error",
-                 "inside"]].to_string(index=False, float_format="{:.2f}".format))
+                 "inside", "without the measure"]].to_string(index=False, float_format="{:.2f}".format))
     mem = pd.DataFrame(memory_rows)
     print()
     if len(mem):
@@ -127,6 +139,12 @@ def main() -> None:
     print(f"median |error| of the step time: {errors.median():.1%} over {len(per)} scenarios "
           f"(aim at most 10%, never above 15%); by workload: "
           + ", ".join(f"{w} {g.median():.1%}" for w, g in per.assign(e=errors).groupby("workload", sort=False)["e"]))
+    one = per[per["scenario"].str.contains("on 1 CPU worker")]
+    print(f"the same predicted from the recorded figures alone (no measure of the model alone): median |error| "
+          f"{per['recorded_only_error'].abs().median():.1%}, above 15% {int((per['recorded_only_error'].abs() > 0.15).sum())}"
+          f" of {len(per)} (with the measure: {int((errors > 0.15).sum())})")
+    print("one worker, with the measure / without: " + ", ".join(
+        f"{w} {e:+.1%} / {r:+.1%}" for w, e, r in zip(one["workload"], one["error"], one["recorded_only_error"])))
     print(f"measured inside the predicted interval: {int(per['inside'].sum())} of {len(per)} (aim at least 2 of 3)")
     if len(mem):
         print(f"peak memory at twice the batch: largest |error| {mem['error'].abs().max():.3%} (aim within 5%)")

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from dpprof.advise.calibration_cache import Calibration
+    from dpprof.advise.compute import ComputeProbe
+    from dpprof.advise.measured import Measured
 
 __all__ = ["main", "parse_devices"]
 
@@ -826,7 +828,9 @@ def _cmd_advise(args: argparse.Namespace) -> int:
         calibration, _ = _calibrate_and_cache(m.n, progress=not args.json and sys.stderr.isatty())
         if args.calibrate:
             print("\n".join(calibration.lines()), file=sys.stderr if args.json else sys.stdout)
-    view = advisor(run, args.memory_gib, args.batch_sizes, calibration=calibration)
+    view = advisor(run, args.memory_gib, args.batch_sizes, calibration=calibration,
+                   compute=_measure_compute(m, args.batch_sizes, calibration,
+                                            progress=not args.json and sys.stderr.isatty()))
     if view.advice is None:
         print(f"dpprof: {view.reason}", file=sys.stderr)
         return EXIT_FAILURE
@@ -858,6 +862,38 @@ def _cmd_advise(args: argparse.Namespace) -> int:
         print()
         print("\n".join(check_lines(checked)))
     return failed
+
+
+def _measure_compute(m: Measured, batch_sizes: list[int] | None, calibration: Calibration | None,
+                     progress: bool) -> ComputeProbe | None:
+    """The run's model measured alone for every split of its batch the scenarios need (dpprof.advise.compute),
+    measured here where this host's cache lacks a split (or holds another torch's than the calibration's) and
+    cached; None for a run dpprof cannot rebuild, or one whose model cannot be built here (said on stderr: the
+    predictions then go by the recorded figures). Read from the cache, torch is not imported."""
+    if m.backend != "cpu" or m.source == "script":
+        return None
+    from dpprof.advise.compute import cached_compute, compute_path, measure_compute, save_compute
+    from dpprof.advise.predict import compute_layouts
+    from dpprof.plaintext import error_line
+
+    known = cached_compute(m.run_id, calibration.torch_version if calibration is not None else None)
+    needed = compute_layouts(m, batch_sizes)
+    if known is not None and known.covers(needed):
+        return known
+    print(f"dpprof: measuring {m.workload} alone for each split of its batch (a few seconds, once; cached in "
+          f"{compute_path(m.run_id)})", file=sys.stderr, flush=True)
+    try:
+        probe = measure_compute(m, needed, known, progress=progress)
+    except Exception as err:  # noqa: BLE001 - the user's model factory, its import, its forward: said, not raised
+        print(f"dpprof: {m.workload} could not be measured alone ({error_line(err)}): the predictions go by the "
+              "recorded figures alone", file=sys.stderr)
+        return None
+    if probe is not None:
+        try:
+            save_compute(probe)
+        except OSError as err:
+            print(f"dpprof: the measure was not cached ({error_line(err)})", file=sys.stderr)
+    return probe
 
 
 _CAPTURE_HELP = ("profile steps A to B-1 with torch.profiler (every thread; CUDA too on a GPU): their operators, "

@@ -83,8 +83,13 @@ def calibrated(calibration_home, monkeypatch):
 
 
 def _advice(run, **kwargs):
+    """advise() as the Advisor page and dpprof advise give it: this machine's cached calibration, and the cached
+    measure of the run's model alone where an earlier dpprof advise made one."""
+    from dpprof.advise.compute import cached_compute
+
     m = measure(run)
-    return advise(m, load_calibration("cpu", m.n, m.threads), **kwargs)
+    cal = load_calibration("cpu", m.n, m.threads)
+    return advise(m, cal, **{"compute": cached_compute(m.run_id, cal.torch_version if cal else None), **kwargs})
 
 
 ADVISABLE = ["plain", "balanced", "linear"]
@@ -696,3 +701,118 @@ def test_one_device_is_said_in_the_singular_and_an_empty_run_once(calibrated, tm
     with pytest.raises(NotAdvisable) as refused:
         measure(dpprof.load_run(run.path))
     assert str(refused.value) == f"run {run.id} has nothing to predict from: the run recorded no steps"
+
+
+# -- the model measured alone (dpprof.advise.compute) -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def measured_alone(runs):
+    """The plain run's model (cifar-lenet, batch 32) measured alone for every split its scenarios need."""
+    from dpprof.advise.compute import measure_compute
+    from dpprof.advise.predict import compute_layouts
+
+    m = measure(runs.plain)
+    return m, measure_compute(m, compute_layouts(m))
+
+
+def test_the_model_is_measured_alone_for_every_split_the_scenarios_need(measured_alone):
+    from dpprof.advise.compute import MIN_PASSES, ComputeProbe
+    from dpprof.advise.predict import compute_layouts
+
+    m, probe = measured_alone
+    needed = compute_layouts(m)
+    # the recorded batch on 1 to 2n workers, each DDP rank's chunk alone, half and twice the batch on n
+    assert set(needed) == {(32, k) for k in range(1, 5)} | {(16, 1), (16, 2), (64, 2)}
+    assert probe.covers(needed) and set(probe.layouts) == set(needed)
+    for (batch, k), times in probe.layouts.items():
+        assert len(times.forward_ms) == len(chunk_sizes(batch, k)) and all(ms > 0 for ms in times.forward_ms)
+        assert times.backward_ms > 0 and times.passes >= MIN_PASSES
+    assert ComputeProbe.from_json(json.loads(json.dumps(probe.to_json()))) == probe  # the cache's round trip exact
+
+
+def test_measured_alone_the_prediction_is_the_measure_at_the_runs_level(measured_alone, calibrated):
+    """One device's apply is the whole batch's forward measured alone, on the caller's threads; its backward the
+    measured one-graph backward at the level the run's own backward shows over the measured two-graph one; a DDP
+    rank's forward its chunk's measure at the contention the recorded chunks showed over their measures; and the
+    recorded set-up is still exactly its recorded parts. The threads and cores as docs/advise.md works them."""
+    m, probe = measured_alone
+    advice = advise(m, calibrated, compute=probe)
+    assert advice.compute is probe and advice.to_json()["compute"] == probe.to_json()
+    assert any(a.startswith("Compute per chunk from the model itself") for a in advice.assumptions)
+    by = {(s.scenario, s.devices, s.batch_size): s for s in advice.scenarios}
+    recorded = by[("dataparallel", 2, 32)]
+    assert recorded.recorded
+    plain = advise(m, calibrated)  # the recorded set-up does not depend on how the others are predicted
+    assert recorded.parts_ms == pytest.approx(next(s for s in plain.scenarios if s.recorded).parts_ms, rel=1e-9)
+
+    T, C, n = m.threads, calibrated.effective_cores, m.n
+    top = calibrated.thread_speedup if calibrated.thread_speedup is not None else float(T)
+    speed = lambda t: 1.0 if t <= 1 or T <= 1 else 1 + (top - 1) * (min(t, T) - 1) / (T - 1)  # noqa: E731
+    over = lambda k, share: max(1.0, k * share / C)  # noqa: E731
+    share_n = max(1, T // n)
+    caller = over(1, T) / speed(T)  # the caller's time per ms of one thread's work alone
+    scale = m.step_ms / m.typical_step_ms
+    parts = {p: v * scale for p, v in m.parts_ms.items()}
+    machinery = lambda phase, k: calibrated.machinery(False, k, phase)  # noqa: E731
+    alone = [m.apply_ms[d] * scale * speed(share_n) / over(n, share_n) for d in m.devices]
+    contention = float(np.median([a / f for a, f in zip(alone, probe.get(32, 2).forward_ms)]))
+    one = by[("dataparallel", 1, 32)]
+    assert one.parts_ms["apply"] == pytest.approx(probe.get(32, 1).forward_ms[0] * caller, rel=1e-9)
+    level = (parts["backward"] - machinery("backward", 2)) / (probe.get(32, 2).backward_ms * caller)
+    assert one.parts_ms["backward"] == pytest.approx(
+        level * probe.get(32, 1).backward_ms * caller + machinery("backward", 1), rel=1e-9)
+    assert f"({level:.2f}x the measure)" in " ".join(advice.assumptions)
+    [ddp] = [s for s in advice.scenarios if s.scenario == "ddp"]
+    ranks = over(n, 1)  # n ranks of one thread on the cores this job gets
+    assert ddp.parts_ms["forward"] == pytest.approx(probe.get(16, 1).forward_ms[0] * contention * ranks, rel=1e-9)
+    assert ddp.parts_ms["backward_compute"] == pytest.approx(
+        level * probe.get(16, 1).backward_ms * contention * ranks, rel=1e-9)
+    for s in advice.scenarios:
+        assert math.isclose(s.step_ms, sum(s.parts_ms.values()), rel_tol=1e-12)
+
+
+def test_a_measure_that_lacks_a_split_is_not_used_and_the_assumptions_say_so(measured_alone, calibrated):
+    m, probe = measured_alone
+    advice = advise(m, calibrated, batch_sizes=[24], compute=probe)  # batch 24 on 2 workers was not measured
+    assert advice.compute is None
+    assert any("was not measured alone on this host" in a and f"dpprof advise {m.run_id}" in a
+               for a in advice.assumptions)
+
+
+def test_the_measure_is_cached_per_run_and_another_torch_s_is_not_read(measured_alone, tmp_path, monkeypatch):
+    from dpprof.advise.compute import cached_compute, compute_path, save_compute
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    m, probe = measured_alone
+    assert cached_compute(m.run_id) is None
+    save_compute(probe)
+    assert cached_compute(m.run_id, probe.torch_version) == probe
+    assert cached_compute(m.run_id, "0.0.1") is None
+    compute_path(m.run_id).write_text("{not json")
+    assert cached_compute(m.run_id) is None
+
+
+def test_advise_measures_the_model_alone_once_and_the_page_reads_it(runs, calibrated, monkeypatch, capsys):
+    from dpprof.advise.compute import cached_compute
+    from dpprof.advise.predict import compute_layouts
+    from dpprof.views.advise import advisor
+
+    run = runs.linear
+    assert main(["--reports-dir", str(runs.dir), "advise", run.id]) == 0
+    err = capsys.readouterr().err
+    assert "measuring tutorial-linear alone for each split of its batch" in err
+    probe = cached_compute(run.id)
+    assert probe is not None and probe.covers(compute_layouts(measure(run)))
+    assert main(["--reports-dir", str(runs.dir), "advise", run.id]) == 0
+    assert "measuring" not in capsys.readouterr().err  # read from the cache
+    assert advisor(run).advice.compute == probe  # the Advisor page, which never measures, reads it
+
+
+def test_a_run_recorded_from_a_script_is_not_measured_alone(paused):
+    from dpprof.advise.compute import measure_compute
+    from dpprof.advise.predict import compute_layouts
+
+    m = measure(paused.stalled)
+    assert m.source == "script" and measure_compute(m, compute_layouts(m)) is None
+    assert not any("measured alone" in a for a in advise(m, None).assumptions)

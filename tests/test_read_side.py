@@ -160,8 +160,17 @@ for page in ("overview", "load", "timeline", "advise", "export", "runs", "compar
 """ + LOADED
 
 
-def test_advise_reads_a_cached_calibration_without_torch(runs, calibration_home):
-    # the calibration measures (torch); advising from it is the read side: the run, the cache, the arithmetic
+def test_advise_reads_a_cached_calibration_without_torch(runs, calibration_home, monkeypatch):
+    # the calibration and the model's measure alone are measured (torch); advising from them is the read side: the
+    # run, the caches, the arithmetic
+    from dpprof.advise.compute import measure_compute, save_compute
+    from dpprof.advise.measured import measure
+    from dpprof.advise.predict import compute_layouts
+    from dpprof.store.reader import load_run
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(calibration_home))
+    m = measure(load_run(runs.ids["plain"], runs.dir))
+    save_compute(measure_compute(m, compute_layouts(m)))
     code = """
 import contextlib, io, json, sys
 from dpprof.cli import main

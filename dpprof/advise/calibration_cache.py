@@ -15,7 +15,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Calibration", "cache_dir", "cache_path", "cached_calibration", "load_calibration", "save_calibration",
+__all__ = ["Calibration", "cache_dir", "cache_path", "cached_calibration", "load_calibration", "save_calibration", "write_cache_file",
            "device_set_key",
            "CALIBRATION_VERSION", "LOADED_THREAD_SPEEDUP"]
 
@@ -193,11 +193,20 @@ def save_calibration(calibration: Calibration) -> Path:
     Raises:
         OSError: the cache cannot be written (its directory is a file, the file a directory, no permission).
     """
-    path = cache_path(calibration.backend, calibration.devices, calibration.threads, calibration.host)
+    return write_cache_file(cache_path(calibration.backend, calibration.devices, calibration.threads,
+                                       calibration.host), calibration.to_json())
+
+
+def write_cache_file(path: Path, value: dict[str, Any]) -> Path:
+    """``value`` as JSON at ``path`` in the cache, whole, through a temporary name (a reader never sees half).
+
+    Raises:
+        OSError: the cache cannot be written.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
-        tmp.write_text(json.dumps(calibration.to_json(), indent=1))
+        tmp.write_text(json.dumps(value, indent=1))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

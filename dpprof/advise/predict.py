@@ -28,12 +28,14 @@ change the prediction makes from the recorded step (what the model assumed rathe
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dpprof.advise import NotAdvisable
 from dpprof.advise.calibration_cache import Calibration
 from dpprof.advise.commands import profile_for
+from dpprof.advise.compute import ComputeProbe
 from dpprof.advise.measured import Measured, chunk_sizes
 from dpprof.records import PHASE_ORDER
 from dpprof.stepmodel import PHASE_WORDS
@@ -126,6 +128,7 @@ class Advice:
     assumptions: list[str]  # what the model assumed rather than measured, in sentences
     said_first: list[str] = field(default_factory=list)  # said before any figure: stalls, a loaded calibration
     withheld: str | None = None  # why no scenario is predicted (a run too noisy, a calibration under load)
+    compute: ComputeProbe | None = None  # the run's model measured alone, where the predictions used it
 
     @property
     def measured_step_ms(self) -> float:
@@ -148,7 +151,8 @@ class Advice:
                 "max_batch_note": self.max_batch_note, "batch_size": m.batch_size, "devices": list(m.devices),
                 "kind": m.kind, "backend": m.backend, "recorded_parts_ms": {k: round(v, 4) for k, v in self._recorded().items()},
                 "assumptions": list(self.assumptions), "said_first": list(self.said_first),
-                "withheld": self.withheld, "calibration": self.calibration.to_json() if self.calibration is not None else None}
+                "withheld": self.withheld, "calibration": self.calibration.to_json() if self.calibration is not None else None,
+                "compute": self.compute.to_json() if self.compute is not None else None}
 
     def _recorded(self) -> dict[str, float]:
         return next((s.parts_ms for s in self.scenarios if s.recorded), {})
@@ -165,6 +169,8 @@ def faster_than_recorded(s: Scenario, recorded: Scenario) -> bool:
 
 class _Compute:
     """Each recorded device's compute per sample, by its place in the batch, and the per-chunk part."""
+
+    sums_gradients = False  # the replicas' gradients' sums are not in the compute: _Model._grad_sum adds them
 
     def __init__(self, m: Measured, per_device_ms: dict[str, float], fixed_ms: float, share: float) -> None:
         self.batch = m.batch_size
@@ -198,6 +204,41 @@ class _Compute:
             start += size
         return out
 
+    def graphs_ms(self, batch: int, devices: int) -> float:
+        """What backward over the chunks' graphs is proportional to: their compute."""
+        return sum(self.chunks_ms(batch, devices))
+
+
+class _MeasuredCompute:
+    """Each chunk's compute from the run's model measured alone (dpprof.advise.compute), one thread, at the level
+    the run shows: on k >= 2 workers a chunk takes ``contention`` times its time alone (the recorded chunks' time on
+    their workers over the same chunks' alone: the workers beside each other, the recording's own work), on one
+    device, where the model runs on the caller with nothing beside it, its time alone (x ``level`` where the run
+    itself was on one device)."""
+
+    sums_gradients = True  # backward over k graphs, measured, holds their gradients' sums
+
+    def __init__(self, probe: ComputeProbe, alone: dict[str, float], m: Measured) -> None:
+        self.probe = probe
+        recorded = probe.get(m.batch_size, m.n).forward_ms
+        working = [d for d, c in zip(m.devices, m.chunks) if c > 0]
+        ratios = [alone[d] / ms for d, ms in zip(working, recorded) if ms > 0 and d in alone]
+        self.contention = statistics.median(ratios) if ratios else 1.0
+        self.level_one = self.contention if m.n == 1 else 1.0
+
+    def chunks_ms(self, batch: int, devices: int, per_chunk: bool = True) -> list[float]:
+        times = self.probe.get(batch, devices)
+        scale = self.level_one if len(times.forward_ms) == 1 else self.contention
+        return [ms * scale for ms in times.forward_ms]
+
+    def graphs_ms(self, batch: int, devices: int) -> float:
+        return self.probe.get(batch, devices).backward_ms
+
+    def rank_ms(self, chunk: int) -> tuple[float, float]:
+        """A DDP rank's forward and its backward basis on its own chunk: beside the other ranks, as the workers were."""
+        times = self.probe.get(chunk, 1)
+        return times.forward_ms[0] * self.contention, times.backward_ms * self.contention
+
 
 def _speedup(threads: int, t: int, measured: float | None) -> float:
     """How much faster a per-sample computation runs on t intra-op threads than on one: linear between 1 (one
@@ -222,7 +263,7 @@ def _present(used: int, balanced: bool) -> tuple[str, ...]:
 
 
 class _Model:
-    def __init__(self, m: Measured, cal: Calibration | None) -> None:
+    def __init__(self, m: Measured, cal: Calibration | None, probe: ComputeProbe | None = None) -> None:
         self.m, self.cal = m, cal
         n, T = m.n, m.threads
         # the cores this job gets: the calibration's measure of them (fewer than the host's where other jobs run)
@@ -240,7 +281,10 @@ class _Model:
         self.fixed = m.fixed_apply_ms * scale
         # per-sample compute at one thread, alone on its cores
         self.speed_n = _speedup(T, self.share_n, cal.thread_speedup if cal else None)
-        self.forward = _Compute(m, self.apply, self.fixed, self.over_n / self.speed_n if self.cpu else 1.0)
+        share = self.over_n / self.speed_n if self.cpu else 1.0
+        self.forward: _Compute | _MeasuredCompute = _Compute(m, self.apply, self.fixed, share)
+        if probe is not None and self.cpu:  # the model measured alone: compute per chunk and backward from that
+            self.forward = _MeasuredCompute(probe, {d: v / share for d, v in self.apply.items()}, m)
         self.balanced = m.kind == "balanced"
         self.grad_mib = m.param_bytes / 2**20
         self.copy_ms_per_mib = cal.copy_ms_per_mib if cal else 0.0
@@ -249,11 +293,11 @@ class _Model:
             self.copy_ms_per_mib = self.link_ms_per_mib
         # backward on the caller: each replica's graph (in proportion to its compute) plus the gradients' sum
         graphs = self.forward.chunks_ms(m.batch_size, n)
-        self.reduce_n = self._grad_sum(n)
+        self.reduce_n = 0.0 if self.forward.sums_gradients else self._grad_sum(n)
         # the caller's time per ms of one thread's work alone: its T threads' speed-up, the cores it gets
         self.caller_factor = (self._oversubscribed(1, T) / _speedup(T, T, cal.thread_speedup if cal else None)
                               if self.cpu else 1.0)
-        denominator = sum(graphs) * self.caller_factor
+        denominator = self.forward.graphs_ms(m.batch_size, n) * self.caller_factor
         if not self.cpu:  # GPUs run their replicas' backward at once: the slowest device's sets the time
             denominator = max(graphs, default=0.0)
         self.backward_per_compute = max(0.0, self.parts["backward"] - self.reduce_n - self._machinery("backward", n)) / (
@@ -329,8 +373,9 @@ class _Model:
             parts["loss"] = self.loss_compute * batch / m.batch_size + self._machinery(
                 "criterion_apply" if balanced else "loss", used, balanced)
             parts["reduce"] = 0.0
-        graphs = sum(compute) * self.caller_factor if self.cpu else max(compute)
-        parts["backward"] = (self.backward_per_compute * graphs + self._grad_sum(used)
+        graphs = self.forward.graphs_ms(batch, k) * self.caller_factor if self.cpu else max(compute)
+        parts["backward"] = (self.backward_per_compute * graphs
+                             + (0.0 if self.forward.sums_gradients else self._grad_sum(used))
                              + self._machinery("backward", used, balanced))
         parts["rest"] = self.parts["rest"] - self._machinery("rest", self.n) + self._machinery("rest", used, balanced)
         return parts
@@ -355,7 +400,10 @@ class _Model:
         ranks = []
         forwards = self.forward.chunks_ms(m.batch_size, n)
         for c, fwd in zip(chunk_sizes(m.batch_size, n), forwards):
-            backward = self.backward_per_compute * fwd  # the caller's backward per compute, on one thread
+            basis = fwd  # the caller's backward per compute, on one thread
+            if isinstance(self.forward, _MeasuredCompute):  # a rank's own chunk, measured alone
+                fwd, basis = self.forward.rank_ms(c)
+            backward = self.backward_per_compute * basis
             rank = {"forward": fwd * over,
                     "loss": self.loss_compute / self.caller_factor * c / m.batch_size * over,
                     "backward_compute": backward * over}
@@ -566,8 +614,22 @@ def _changes(parts: dict[str, float], base: dict[str, float], balanced_from_plai
     return out
 
 
+def other_batches(m: Measured, batch_sizes: list[int] | None = None) -> list[int]:
+    """The global batch sizes weighed at the recorded device count besides the recorded one (default: half and
+    twice it)."""
+    return [b for b in (batch_sizes or sorted({max(1, m.batch_size // 2), m.batch_size * 2})) if b != m.batch_size]
+
+
+def compute_layouts(m: Measured, batch_sizes: list[int] | None = None) -> list[tuple[int, int]]:
+    """Every (batch, devices) split the scenarios run the model on (dpprof.advise.compute measures each): the
+    recorded batch on 1 to 2n devices, each DDP rank's chunk on its own, the other batches on n."""
+    B, n = m.batch_size, m.n
+    return ([(B, k) for k in range(1, 2 * n + 1)] + [(c, 1) for c in sorted(set(chunk_sizes(B, n)))]
+            + [(b, n) for b in other_batches(m, batch_sizes)])
+
+
 def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None = None,
-           memory_bytes: int | None = None, steps: int | None = None) -> Advice:
+           memory_bytes: int | None = None, steps: int | None = None, compute: ComputeProbe | None = None) -> Advice:
     """Every scenario of one run: DDP on its devices, DataParallel on 1 .. 2n devices, balanced, other batch sizes.
 
     Args:
@@ -577,10 +639,14 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
         batch_sizes: other global batch sizes (default: half and twice the recorded one).
         memory_bytes: each device's capacity for the largest batch that fits (CPU workers; a GPU's is its own).
         steps: steps for each scenario's command (default: the run's own).
+        compute: the run's model measured alone (dpprof.advise.compute); used where it holds every split the
+            scenarios need (compute_layouts), else each chunk's compute is the recorded per sample.
     """
     if m.batch_size < 1:
         raise NotAdvisable(f"run {m.run_id} has no batch size in its steps: nothing to split over devices")
-    model = _Model(m, cal)
+    if compute is not None and not (m.backend == "cpu" and compute.covers(compute_layouts(m, batch_sizes))):
+        compute = None
+    model = _Model(m, cal, compute)
     n, B = m.n, m.batch_size
     device = "CPU worker" if m.backend == "cpu" else "GPU"
     recorded_kind_balanced = m.kind == "balanced"
@@ -666,9 +732,7 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
             notes, recorded=recorded_kind_balanced)
 
     # other batch sizes, at the recorded device count and kind (DataParallel entries with their batch size)
-    for batch in batch_sizes or sorted({max(1, B // 2), B * 2}):
-        if batch == B:
-            continue
+    for batch in other_batches(m, batch_sizes):
         parts = model.dataparallel(n, batch, recorded_kind_balanced)
         add("balanced" if recorded_kind_balanced else "dataparallel", n, batch, parts,
             model.memory(n, batch, recorded_kind_balanced), f"batch {batch} on {plural(n, device)}")
@@ -676,7 +740,8 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
     fits, note = _max_batch(m, model, memory_bytes)
     said_first, withheld = _withheld(m, cal, scenarios)
     return Advice(run_id=m.run_id, measured=m, calibration=cal, scenarios=scenarios, max_batch_size=fits,
-                  max_batch_note=note, assumptions=_assumptions(m, cal), said_first=said_first, withheld=withheld)
+                  max_batch_note=note, assumptions=_assumptions(m, cal, model), said_first=said_first, withheld=withheld,
+                  compute=compute)
 
 
 def _withheld(m: Measured, cal: Calibration | None, scenarios: list[Scenario]) -> tuple[list[str], str | None]:
@@ -746,11 +811,27 @@ def _max_batch(m: Measured, model: _Model, memory_bytes: int | None) -> tuple[di
     return out, f"from {what} against {source}"
 
 
-def _assumptions(m: Measured, cal: Calibration | None) -> list[str]:
-    out = [f"Compute per sample from each device's apply in the typical step ({m.typical_steps} steps past the "
-           f"first, the middle half by time); per chunk: {m.fixed_apply_source}.",
-           "Backward is each replica's graph in proportion to its forward compute, plus the sum of the replicas' "
-           "gradients on the first device; the loss scales with the samples it sees."]
+def _assumptions(m: Measured, cal: Calibration | None, model: _Model) -> list[str]:
+    measured = model.forward
+    if isinstance(measured, _MeasuredCompute):
+        probe = measured.probe
+        passes = sorted(t.passes for t in probe.layouts.values())
+        out = [f"Compute per chunk from the model itself, measured alone on this host ({probe.measured_at}; one "
+               f"intra-op thread, each split of the batch {passes[0]}-{passes[-1]} times, the medians): on 2 or more "
+               f"workers a chunk takes {measured.contention:.2f}x its time alone, as the recorded chunks did beside "
+               "each other; on one device, its time alone"
+               + (" at the run's level" if m.n == 1 else "") + ".",
+               "Backward is the chunks' graphs measured together (the sums of their gradients included) at the run's "
+               f"level ({model.backward_per_compute:.2f}x the measure); the loss scales with the samples it sees."]
+    else:
+        out = [f"Compute per sample from each device's apply in the typical step ({m.typical_steps} steps past the "
+               f"first, the middle half by time); per chunk: {m.fixed_apply_source}.",
+               "Backward is each replica's graph in proportion to its forward compute, plus the sum of the replicas' "
+               "gradients on the first device; the loss scales with the samples it sees."]
+        if m.backend == "cpu" and m.source != "script":
+            out.append(f"The model was not measured alone on this host (`dpprof advise {m.run_id}` measures it, a few "
+                       "seconds, once): smaller chunks run less efficiently than the recorded ones, and one device's "
+                       "backward sums no replicas' gradients, which the recorded figures alone cannot show.")
     if m.backend == "cpu":
         cores = (f"{cal.effective_cores:.2f} of the host's {m.cores} cores (the calibration's measure of what this "
                  f"job gets, {cal.cores_measured_at}: other jobs hold the rest)" if cal is not None and

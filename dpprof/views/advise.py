@@ -10,6 +10,7 @@ import pandas as pd
 
 from dpprof.advise import NotAdvisable
 from dpprof.advise.calibration_cache import Calibration, cache_dir, cache_path, cached_calibration
+from dpprof.advise.compute import ComputeProbe, cached_compute
 from dpprof.advise.measured import Measured, measure
 from dpprof.advise.predict import MAX_INTERVAL_RATIO, PART_ORDER, Advice, Scenario, advise
 from dpprof.stepmodel import PHASE_WORDS
@@ -55,8 +56,10 @@ def _note(cal: Calibration) -> str:
 
 
 def advisor(run: StoredRun, memory_gib: float | None = None, batch_sizes: list[int] | None = None,
-            calibration: Calibration | None = None) -> AdvisorView:
-    """Every scenario for ``run``, from the cached calibration (or ``calibration``); the reason where it has none."""
+            calibration: Calibration | None = None, compute: ComputeProbe | None = None) -> AdvisorView:
+    """Every scenario for ``run``, from the cached calibration (or ``calibration``) and the cached measure of the
+    run's model alone (or ``compute``; dpprof.advise.compute), where there is one; the reason where it has no
+    calibration."""
     try:
         m = measure(run)
         if calibration is None:
@@ -65,8 +68,10 @@ def advisor(run: StoredRun, memory_gib: float | None = None, batch_sizes: list[i
                 return AdvisorView(None, note, note, f"dpprof advise {m.run_id}")
         else:
             note = _note(calibration)
+        if compute is None:
+            compute = cached_compute(m.run_id, calibration.torch_version if calibration is not None else None)
         advice = advise(m, calibration, batch_sizes=batch_sizes,
-                        memory_bytes=int(memory_gib * GIB) if memory_gib else None)
+                        memory_bytes=int(memory_gib * GIB) if memory_gib else None, compute=compute)
     except NotAdvisable as err:
         return AdvisorView(None, str(err), "")
     return AdvisorView(advice, None, note)
