@@ -595,7 +595,7 @@ def _damaged(cal: dict, how: str):
         return "{"
     damaged = {**cal, **{"NaN copy": {"copy_ms_per_mib": float("nan")}, "no cores": {"cores": 0},
                          "cores in words": {"cores": "two"}, "a negative hand-off": {"handoff_ms": {"2": -1.0}},
-                         "older": {"version": 1}}.get(how, {})}
+                         "older": {"version": 1}, "another torch": {"torch_version": "1.13.1"}}.get(how, {})}
     if how == "host missing":
         del damaged["host"]
     return json.dumps(damaged)
@@ -604,7 +604,8 @@ def _damaged(cal: dict, how: str):
 @pytest.mark.parametrize("how, why", [
     ("a list", "it holds a JSON list"), ("not JSON", "it cannot be read"), ("NaN copy", "copy_ms_per_mib is nan"),
     ("no cores", "cores is 0"), ("cores in words", "cores is 'two'"), ("a negative hand-off", "handoff_ms [2] is -1.0"),
-    ("host missing", "host is missing"), ("older", "it is of version 1")])
+    ("host missing", "host is missing"), ("older", "it is of version 1"),
+    ("another torch", f"it was measured with torch 1.13.1, and torch {torch.__version__} is installed now")])
 def test_a_damaged_calibration_cache_is_none_and_says_why(runs, calibrated, tmp_path, monkeypatch, how, why):
     from dpprof.advise.calibration_cache import cache_path, cached_calibration
     from dpprof.views.advise import advisor

@@ -176,9 +176,23 @@ def cached_calibration(backend: str, devices: int, threads: int,
     if why is None and (data["backend"], data["devices"], data["threads"]) != (backend, devices, threads):
         why = (f"it is of {data['backend']} x{data['devices']} at {data['threads']} thread(s), not {backend} "
                f"x{devices} at {threads}")
+    installed = installed_torch()
+    if why is None and installed is not None and data["torch_version"] != installed:
+        why = f"it was measured with torch {data['torch_version']}, and torch {installed} is installed now"
     if why is not None:
         return None, why
     return Calibration.from_json(data), None
+
+
+def installed_torch() -> str | None:
+    """The installed torch's version, read from its package metadata (torch is not imported); None where it cannot
+    be read."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def load_calibration(backend: str, devices: int, threads: int, host: str | None = None) -> Calibration | None:
