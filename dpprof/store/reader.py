@@ -89,18 +89,25 @@ def _connect_ro(path: Path) -> sqlite3.Connection:
         raise RunFileError(f"cannot open: {err}") from None
 
 
+# quick_check's problems named in integrity_problem's line: the first few say where the damage is
+QUICK_CHECK_SHOWN = 3
+
+
 def integrity_problem(path: Path) -> str | None:
     """What SQLite's quick_check finds wrong inside a run file (a damaged page opening it never reads), opened read
-    only; None where it finds nothing."""
+    only, in one line (its first few problems, without SQLite's ``*** in database main ***`` heading); None where
+    it finds nothing."""
     try:
         con = _connect_ro(path)
         try:
-            found = con.execute("PRAGMA quick_check").fetchone()[0]
+            rows = con.execute(f"PRAGMA quick_check({QUICK_CHECK_SHOWN})").fetchall()
         finally:
             con.close()
     except (RunFileError, sqlite3.Error) as err:
-        found = str(err)
-    return None if found == "ok" else found
+        rows = [(str(err),)]
+    found = [line.strip() for row in rows for line in str(row[0]).splitlines()]
+    found = [line for line in found if line and not line.startswith("***")]
+    return None if found == ["ok"] else "; ".join(found) or "quick_check failed"
 
 
 def _file_key(path: Path) -> tuple[str, int, int, int, int]:
