@@ -67,8 +67,8 @@ def body(row: pd.Series) -> None:
     st.subheader("Assumptions")
     for line in a.assumptions:
         st.markdown(f"- {markdown_text(line)}")
-    st.caption(f"{markdown_code(f'dpprof advise {a.run_id}')} prints the same; `--check` runs every scenario for real and sets the "
-               "measured step beside the prediction.")
+    st.caption(f"{markdown_code(f'dpprof advise {a.run_id}')} prints the same; `--check` runs every scenario for real (at most 100 "
+               "steps each) and sets the measured step beside the prediction.")
 
 
 common.live(body)

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from dpprof.advise.calibration_cache import Calibration
     from dpprof.advise.compute import ComputeProbe
     from dpprof.advise.measured import Measured
+    from dpprof.advise.predict import Scenario
 
 __all__ = ["main", "parse_devices"]
 
@@ -846,7 +847,11 @@ def _cmd_advise(args: argparse.Namespace) -> int:
         except RecordingError as err:
             print(f"dpprof: --check-dir: {err}", file=sys.stderr)
             return EXIT_FAILURE
-        progress = (lambda s: print(f"dpprof: running {s.label}: {s.command}", file=sys.stderr, flush=True))
+        def progress(scenario: Scenario, profile: Profile | None) -> None:
+            """The command each check runs (its steps at most CHECK_MAX_STEPS), as it starts."""
+            command = scenario.command if profile is None else profile.command()
+            print(f"dpprof: running {scenario.label}: {command}", file=sys.stderr, flush=True)
+
         checked = check(view.advice, out_dir, progress=None if args.quiet else progress)
     failed = EXIT_FAILURE if checked is not None and any(c.error is not None for c in checked) else EXIT_OK
     if args.json:
@@ -1053,7 +1058,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "$XDG_CACHE_HOME/dpprof/advise (default ~/.cache/dpprof/advise)")
     p.add_argument("--devices", default="cpu:2", help="with --calibrate and no RUN: the CPU workers to calibrate for")
     p.add_argument("--check", action="store_true",
-                   help="run every scenario's command on this machine and print predicted against measured")
+                   help="run every scenario's command on this machine (at most 100 steps each) and print predicted "
+                   "against measured")
     p.add_argument("--check-dir", default=None, help="where --check records its runs (default: the reports directory)")
     p.add_argument("--memory-gib", type=_memory_gib, default=None, metavar="GIB",
                    help="each CPU worker's memory, for the largest batch that fits (a GPU's is its own)")

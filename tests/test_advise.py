@@ -459,6 +459,28 @@ def test_check_runs_a_scenario_and_reads_what_it_measured(runs, calibrated, tmp_
     assert rows == [[runs.linear.id, "linear"], ["└", checked.run_id]]
 
 
+def test_a_run_longer_than_a_check_shows_its_own_steps_and_only_check_runs_fewer(calibrated, tmp_path):
+    """A finished run of 120 steps: every command shown runs 120 steps, as the run did; --check runs
+    CHECK_MAX_STEPS of them, starts the command with those steps, and says so under its table."""
+    from dpprof.advise.check import CHECK_MAX_STEPS
+    from dpprof.views.advise import check_lines
+
+    steps = CHECK_MAX_STEPS + 20
+    long = record(tmp_path / "reports", "long", workers=2, steps=steps, batch_size=30, workload="tutorial-linear")
+    advice = _advice(long)
+    assert all(s.profile.steps == steps and s.command.endswith(f"--steps {steps}") for s in advice.scenarios)
+    [one] = [s for s in advice.scenarios if s.scenario == "dataparallel" and s.devices == 1]
+    started = []
+    [checked] = check(advice, tmp_path / "checks", scenarios=[one],
+                      progress=lambda s, profile: started.append(profile.command()))
+    assert started == [one.command.replace(f"--steps {steps}", f"--steps {CHECK_MAX_STEPS}")]
+    assert checked.error is None and checked.steps == CHECK_MAX_STEPS and checked.capped
+    assert len(dpprof.load_run(checked.run_id, tmp_path / "checks").steps) == CHECK_MAX_STEPS
+    assert checked.to_json()["check_steps"] == CHECK_MAX_STEPS
+    assert (f"each check run recorded {CHECK_MAX_STEPS} steps, not the {steps} of its command: --check runs at most "
+            f"{CHECK_MAX_STEPS} (a median step and its interval are settled well before)") in check_lines([checked])
+
+
 @pytest.mark.slow
 def test_profile_ddp_runs_a_users_model_and_advise_runs_it_too(tmp_path, monkeypatch, calibrated):
     (tmp_path / "advisemodels.py").write_text(MODEL_FILE)
@@ -665,10 +687,8 @@ def test_the_headline_names_only_a_scenario_whose_interval_lies_below_the_record
 @pytest.mark.slow
 def test_a_killed_run_is_said_incomplete_and_its_commands_run_the_steps_it_recorded(calibrated, tmp_path):
     """dpprof profile asked for 100,000 steps, killed (SIGKILL) once it has recorded some: advise says the run is
-    incomplete, and every command runs the steps it recorded (at most MAX_STEPS), not the 100,000 asked for."""
+    incomplete, and every command runs the steps it recorded, not the 100,000 asked for."""
     import subprocess
-
-    from dpprof.advise.commands import MAX_STEPS
 
     child = subprocess.Popen([sys.executable, "-m", "dpprof", "--reports-dir", str(tmp_path), "profile",
                               "tutorial-linear", "--devices", "cpu:2", "--steps", "100000", "--quiet"])
@@ -686,8 +706,9 @@ def test_a_killed_run_is_said_incomplete_and_its_commands_run_the_steps_it_recor
     advice = advise(measure(run), calibrated)
     [said] = [line for line in advice.said_first if "incomplete" in line]
     assert said.startswith(f"Run {run.id} is incomplete") and "of the 100,000 asked for" in said
-    steps = min(run.model.steps, MAX_STEPS)
-    assert all(s.command.endswith(f"--steps {steps}") for s in advice.scenarios)
+    assert said.endswith(f"recorded {run.model.steps:,} steps of the 100,000 asked for. The predictions start from "
+                         "the steps it recorded, and each command runs as many.")
+    assert all(s.command.endswith(f"--steps {run.model.steps}") for s in advice.scenarios)
 
 
 def test_one_device_is_said_in_the_singular_and_an_empty_run_once(calibrated, tmp_path):

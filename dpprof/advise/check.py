@@ -16,9 +16,12 @@ from dpprof.records import CHECK_OF_ENV
 from dpprof.store import queries
 from dpprof.store.reader import load_run
 
-__all__ = ["CHECK_TIMEOUT_S", "Checked", "check", "failed_reason", "run_scenario"]
+__all__ = ["CHECK_MAX_STEPS", "CHECK_TIMEOUT_S", "Checked", "check", "check_profile", "failed_reason", "run_scenario"]
 
 CHECK_TIMEOUT_S = 900  # one scenario's run; a DDP run starts torchrun and its ranks
+# The most steps a check run records: a median step and its interval are settled well before (a run of 100,000
+# steps would make --check take hours). The commands shown run the run's own steps; only --check is capped.
+CHECK_MAX_STEPS = 100
 
 
 @dataclass
@@ -30,6 +33,13 @@ class Checked:
     measured_step_ms: float | None
     measured_peak_bytes: dict[str, int]
     error: str | None = None  # why the scenario could not be run
+    steps: int | None = None  # the steps its check run recorded (at most CHECK_MAX_STEPS); None: no command
+
+    @property
+    def capped(self) -> bool:
+        """Whether the check ran fewer steps than the scenario's command (CHECK_MAX_STEPS)."""
+        profile = self.scenario.profile
+        return profile is not None and self.steps is not None and self.steps < profile.steps
 
     @property
     def step_error(self) -> float | None:
@@ -56,7 +66,7 @@ class Checked:
     def to_json(self) -> dict:
         return {**self.scenario.to_json(), "check_run": self.run_id, "measured_step_ms": self.measured_step_ms,
                 "step_error": self.step_error, "inside": self.inside, "measured_peak_bytes": self.measured_peak_bytes,
-                "peak_errors": self.peak_errors(), "check_error": self.error}
+                "peak_errors": self.peak_errors(), "check_error": self.error, "check_steps": self.steps}
 
 
 def run_scenario(profile: Profile, reports_dir: str | os.PathLike[str], name: str,
@@ -80,29 +90,38 @@ def measured(run_id: str, reports_dir: str | os.PathLike[str]) -> tuple[float | 
     return queries.median_step_ms(run), held
 
 
+def check_profile(profile: Profile) -> Profile:
+    """The profile --check runs for a scenario: its command's, at most CHECK_MAX_STEPS steps."""
+    return profile if profile.steps <= CHECK_MAX_STEPS else replace(profile, steps=CHECK_MAX_STEPS)
+
+
 def check(advice: Advice, reports_dir: str | os.PathLike[str], scenarios: Sequence[Scenario] | None = None,
-          progress: Callable[[Scenario], None] | None = None, env: dict[str, str] | None = None) -> list[Checked]:
+          progress: Callable[[Scenario, Profile | None], None] | None = None, env: dict[str, str] | None = None
+          ) -> list[Checked]:
     """Run each scenario (default: every one of ``advice``) for real, one after another; what each measured.
 
-    A scenario without a command (a run recorded from a script) or whose command fails is kept with its error.
-    Every run recorded carries ``check_of``: the id of ``advice``'s run (dpprof.records.CHECK_OF_ENV).
+    Each runs its command's profile with at most CHECK_MAX_STEPS steps (check_profile), the profile ``progress``
+    is told before it starts. A scenario without a command (a run recorded from a script) or whose command fails is
+    kept with its error. Every run recorded carries ``check_of``: the id of ``advice``'s run
+    (dpprof.records.CHECK_OF_ENV).
     """
     out = []
     env = {**(env or {}), CHECK_OF_ENV: advice.run_id}  # each run recorded is marked as a check of this one
     Path(reports_dir).mkdir(parents=True, exist_ok=True)
     for scenario in scenarios if scenarios is not None else advice.scenarios:
+        profile = None if scenario.profile is None else check_profile(scenario.profile)
         if progress is not None:
-            progress(scenario)
-        if scenario.profile is None:
+            progress(scenario, profile)
+        if profile is None:
             out.append(Checked(scenario, None, None, {}, "no command: the run was recorded from a script"))
             continue
         name = f"check of {advice.run_id}: {scenario.label}"
         try:
-            run_id = run_scenario(scenario.profile, reports_dir, name, env)
+            run_id = run_scenario(profile, reports_dir, name, env)
             step, held = measured(run_id, reports_dir)
-            out.append(Checked(scenario, run_id, step, held))
+            out.append(Checked(scenario, run_id, step, held, steps=profile.steps))
         except (LaunchError, subprocess.TimeoutExpired, ValueError) as err:
-            out.append(Checked(scenario, None, None, {}, failed_reason(err)))
+            out.append(Checked(scenario, None, None, {}, failed_reason(err), steps=profile.steps))
     return out
 
 

@@ -8,12 +8,9 @@ from dpprof.launch import Profile
 if TYPE_CHECKING:
     from dpprof.advise.measured import Measured
 
-__all__ = ["DEFAULT_STEPS", "MAX_STEPS", "command_for", "profile_for", "scenario_steps"]
+__all__ = ["DEFAULT_STEPS", "command_for", "profile_for", "scenario_steps"]
 
 DEFAULT_STEPS = 30  # a run recorded without its step count: enough steps past the first for a median
-# The most steps a scenario's command runs: a median step and its interval are settled well before (a run asked
-# for 100,000 steps would make --check take hours).
-MAX_STEPS = 100
 
 
 def _devices(m: Measured, k: int) -> str:
@@ -24,9 +21,10 @@ def _devices(m: Measured, k: int) -> str:
 
 def scenario_steps(m: Measured) -> int:
     """The steps each scenario's command runs: those the run recorded (fewer than it asked for where it did not
-    finish), at most MAX_STEPS."""
+    finish), so the command shown reproduces the run. ``dpprof advise --check`` runs at most
+    dpprof.advise.check.CHECK_MAX_STEPS of them."""
     asked = int(m.workload_args.get("steps") or DEFAULT_STEPS)
-    return max(1, min(asked, m.steps or asked, MAX_STEPS))
+    return max(1, min(asked, m.steps or asked))
 
 
 def profile_for(m: Measured, scenario: str, k: int, batch: int, steps: int | None = None) -> Profile | None:

@@ -20,7 +20,6 @@ from typing import Any
 import pandas as pd
 
 from dpprof.advise import NotAdvisable
-from dpprof.advise.commands import MAX_STEPS
 from dpprof.findings.steps import OUTLIER_STEP_RATIO, stalls
 from dpprof.store import advisor_rows, queries
 from dpprof.store.reader import StoredRun, effective_status
@@ -282,7 +281,7 @@ def _incomplete_note(run: StoredRun, steps: int) -> str | None:
     of = f" of the {int(asked):,} asked for" if asked else ""
     state = "is still recording" if status == "running" else f"is incomplete (status {status})"
     return (f"Run {run.id} {state}: it recorded {steps:,} steps{of}. The predictions start from the steps it "
-            f"recorded, and each command runs as many (at most {MAX_STEPS}).")
+            f"recorded, and each command runs as many.")
 
 
 def _stall_note(run: StoredRun) -> str | None:

@@ -210,6 +210,11 @@ def check_lines(checked: list) -> list[str]:
             "check run": c.run_id or (c.error or "-")})
     out = ["predicted against measured (each scenario's command run on this machine):"]
     out += pd.DataFrame(rows).to_string(index=False).splitlines()
+    capped = [(c.steps, c.scenario.profile.steps) for c in checked if c.capped]
+    if capped:  # --check runs at most dpprof.advise.check.CHECK_MAX_STEPS steps; the commands shown, the run's own
+        ran, commands = max(capped)
+        out.append(f"each check run recorded {plural(ran, 'step')}, not the {commands:,} of its command: --check runs "
+                   f"at most {ran} (a median step and its interval are settled well before)")
     predicted = [c for c in checked if c.step_error is not None and c.scenario.withheld is None]
     errors = [abs(c.step_error) for c in predicted]
     withheld = sum(1 for c in checked if c.scenario.withheld is not None)
