@@ -519,13 +519,25 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
             import torch.distributed as dist
 
             workload_args = {"backend": dist.get_backend(), **(workload_args or {})}
-        run = Run(name=name, reports_dir=reports_dir, sync_timing=sync_timing, workload=workload,
-                  workload_args=workload_args, store=store, sample_hz=sample_hz, run_id=run_id, rank=rank,
-                  world_size=world_size, detail=detail, capture=capture)
+        # SIGTERM/SIGHUP: flush, mark interrupted, then end. Installed before the run's file is made and held while
+        # it is (a signal then waits), so no signal finds a run file without the run that closes it
+        guard = SignalGuard().install()
+        guard.hold()
+        try:
+            run = Run(name=name, reports_dir=reports_dir, sync_timing=sync_timing, workload=workload,
+                      workload_args=workload_args, store=store, sample_hz=sample_hz, run_id=run_id, rank=rank,
+                      world_size=world_size, detail=detail, capture=capture)
+        except BaseException:  # no run (nothing left behind): a signal held meanwhile does what it would have done
+            guard.restore()
+            if guard.pending is not None:
+                guard.deliver(guard.pending)
+            guard.deliver_interrupt()
+            raise
+        guard.on_chain = run.mark_interrupted
         with _active_lock:
             _active.append(run)
-    guard = SignalGuard(run.mark_interrupted).install()  # SIGTERM/SIGHUP: flush, mark interrupted, then end
     try:
+        guard.release()  # a signal that came while the run started: acts now, and the run closes as interrupted
         run.start_monitor(sample_gpus)
         yield run
     except BaseException as err:

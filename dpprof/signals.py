@@ -43,13 +43,18 @@ class SignalGuard:
     """Handlers for HANDLED_SIGNALS over one recording; installed only from the main thread (the only
     one Python runs signal handlers in), a no-op elsewhere.
 
+    Installed and held (``install().hold()``) before the run's file is made, and released once the run is whole
+    (``release``), so that a signal in between waits for the run to start and then closes it, rather than ending the
+    process with a run file left 'running'.
+
     Args:
         on_chain: called with the signal number before a handler the program installed is called
-            (the run flushes and marks itself interrupted there, in case that handler ends the process).
+            (the run flushes and marks itself interrupted there, in case that handler ends the process); None: set
+            ``on_chain`` once the run exists, before ``release``.
     """
 
-    def __init__(self, on_chain: Callable[[int], None]) -> None:
-        self._on_chain = on_chain
+    def __init__(self, on_chain: Callable[[int], None] | None = None) -> None:
+        self.on_chain = on_chain
         self._previous: dict[int, Any] = {}
         self.received: int | None = None  # the first handled signal that arrived
         self.closing = False  # the run is closing: a signal now waits for the close to finish
@@ -78,7 +83,8 @@ class SignalGuard:
             self.pending = signum
             return
         if callable(previous):
-            self._on_chain(signum)
+            if self.on_chain is not None:
+                self.on_chain(signum)
             previous(signum, frame)
             return
         raise Interrupted(signum)
@@ -96,6 +102,21 @@ class SignalGuard:
 
     def _hold_interrupt(self, signum: int, frame: FrameType | None) -> None:
         self.held_interrupt = True
+
+    def release(self) -> None:
+        """The run has started (after ``install().hold()``): signals act again, and one that came while it started
+        acts now, where the run can be closed: Interrupted, the program's handler (after on_chain), or Ctrl-C's
+        KeyboardInterrupt."""
+        self.closing = False
+        interrupt, self._interrupt = self._interrupt, None
+        if interrupt is not None and signal.getsignal(signal.SIGINT) == self._hold_interrupt:
+            signal.signal(signal.SIGINT, interrupt)
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self._handle(pending, None)
+        if self.held_interrupt and interrupt is not None:
+            self.held_interrupt = False
+            interrupt(signal.SIGINT, None)
 
     def restore(self) -> None:
         """Put back the handlers that were there before (unless the program has replaced ours since)."""

@@ -547,6 +547,50 @@ def test_ctrl_c_while_the_run_closes_waits_for_the_close(reports, when):
     assert detail_rows.detail_missing(stored) is None and len(detail_rows.operators(stored))  # the capture stored
 
 
+_SIGNAL_AT_START = r"""
+import os, signal, sys, torch, dpprof
+import dpprof.recording as recording
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a test runner may have started us ignoring it
+opened = recording.open_sink
+signum = getattr(signal, sys.argv[1])
+
+def opened_then_signalled(*args, **kwargs):  # the signal the moment the run's file is made, before the run is whole
+    sink = opened(*args, **kwargs)
+    os.kill(os.getpid(), signum)
+    for _ in range(1000):  # Python runs the handler between two bytecodes: here, inside the start
+        pass
+    return sink
+
+recording.open_sink = opened_then_signalled
+net = dpprof.DataParallel(torch.nn.Linear(5, 2), device_ids=dpprof.cpu_devices(2))
+with dpprof.record(name="signalled at start") as run:
+    print("trained", flush=True)
+    with run.step():
+        net(torch.randn(8, 5)).sum().backward()
+"""
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_a_signal_as_the_run_file_is_made_closes_the_run_interrupted(reports, name):
+    """SIGTERM (or Ctrl-C) sent the moment the run's file is made, before the run had its signal handlers: the
+    signal waits until the run has started, then closes it as interrupted with no step, and ends the process as it
+    would have (by the signal; KeyboardInterrupt). Never a run left 'running' that reads incomplete."""
+    child = subprocess.run([sys.executable, "-c", _SIGNAL_AT_START, name], capture_output=True, text=True,
+                           timeout=240, env={**os.environ, "DPPROF_REPORTS": str(reports), "PYTHONPATH": str(ROOT)})
+    signum = getattr(signal, name)
+    if signum == signal.SIGTERM:
+        assert child.returncode == -signum, child.stderr  # ended by the signal, as without dpprof
+    else:
+        assert child.returncode != 0 and "KeyboardInterrupt" in child.stderr, child.stderr
+    assert "trained" not in child.stdout  # the block never ran
+    [path] = reports.glob("*.sqlite")
+    stored = dpprof.load_run(path)
+    what = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else name
+    assert stored.meta["status"] == "interrupted" and stored.meta["ended_at"], stored.meta
+    assert stored.meta["error"] == f"interrupted by {what} after step 0" and stored.steps.empty
+    assert child.stderr.splitlines()[0] == f"dpprof: interrupted by {what} after step 0: 0 steps kept in {path}"
+
+
 def test_sigkill_keeps_every_step_committed_before_it(reports):
     code, path, last, out, err = _signalled(reports, signal.SIGKILL)
     assert code == -signal.SIGKILL and err == ""  # nothing can say anything
