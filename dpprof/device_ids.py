@@ -85,6 +85,11 @@ def _parse(device: DeviceLike, what: str) -> torch.device:
     return device
 
 
+def _is_minus_one(device: object) -> bool:
+    """Whether ``device`` is the int -1 (not True, nor -1.0): torch's output_device for the host."""
+    return isinstance(device, int) and not isinstance(device, bool) and device == -1
+
+
 def is_cpu_worker_list(devices: Sequence[DeviceLike | None] | None) -> bool:
     """Whether ``devices`` names CPU workers (the first entry decides; resolve_devices checks the rest)."""
     if not devices:
@@ -120,6 +125,9 @@ def rank_devices(rank: int) -> DeviceSet:
 def resolve_devices(device_ids: Sequence[DeviceLike], output_device: DeviceLike | None = None) -> DeviceSet:
     """Check device_ids and output_device and return them as one DeviceSet.
 
+    output_device -1 is torch's "gather onto the host (CPU)", for CUDA devices and CPU workers alike: its
+    ``output_index`` is -1.
+
     Raises a ValueError naming the offending entry for: an empty list, a duplicate,
     CPU workers mixed with CUDA devices, or a CUDA device this machine does not have.
     """
@@ -148,8 +156,8 @@ def resolve_devices(device_ids: Sequence[DeviceLike], output_device: DeviceLike 
     if output_device is None:
         out = indices[0]
     else:
-        if kind == "cuda" and output_device in (-1, "cpu"):
-            out = -1  # torch's spelling of "gather onto the host"
+        if (kind == "cuda" and output_device in (-1, "cpu")) or (kind == "cpu" and _is_minus_one(output_device)):
+            out = -1  # torch's spelling of "gather onto the host": on CPU workers, the host's memory, no worker's
         else:
             od = _parse(output_device, "output_device")
             if od.type != kind:

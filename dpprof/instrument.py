@@ -144,7 +144,11 @@ class DataParallel(_SessionForward, _DataParallel, metaclass=_StandIn):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         device_ids = self.__dict__.get("device_ids") or []
-        self.__dict__["_devices"] = resolve_devices(device_ids, self.output_device) if device_ids else None
+        out = self.__dict__.get("output_device")
+        if isinstance(out, torch.device) and out.type == "cpu":  # CPU workers' cpu:N, or cpu: the host (-1)
+            out = out if out.index is not None else -1
+            device_ids = [torch.device("cpu", i) for i in device_ids]  # their indices, as torch keeps device_ids
+        self.__dict__["_devices"] = resolve_devices(device_ids, out) if device_ids else None
         self.__dict__["_probe"] = None
         self.__dict__["_dpprof_cpu_workers"] = False
 

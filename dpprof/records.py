@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PHASE_ORDER", "PHASES", "DDP_PHASES", "FSDP_PHASES", "FSDP_ONLY_PHASES", "DP_TAX_PHASES", "MEMORY_BYTES", "SEVERITIES", "SLOWDOWN_REASONS", "device_key", "idle_severity", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
+__all__ = ["HOST_OUTPUT", "PHASE_ORDER", "PHASES", "DDP_PHASES", "FSDP_PHASES", "FSDP_ONLY_PHASES", "DP_TAX_PHASES", "MEMORY_BYTES", "SEVERITIES", "SLOWDOWN_REASONS", "device_key", "idle_severity", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
            "DeviceRecord", "NoteRecord", "FindingRecord", "CommRecord", "GpuTimeRecord", "Record",
            "TABLE_OF", "CHECK_OF_ENV", "Row", "PHASE_ROW", "COMM_ROW", "STEP_ROW", "MEMORY_ROW",
            "RECORD_OF_TABLE", "record_of_row"]
@@ -45,6 +45,11 @@ def idle_severity(idle: int, devices: int) -> str:
     """The severity of ``idle`` of ``devices`` getting no chunk: critical where at least half idle (the pre-flight
     check's idle_devices finding and a run's alike)."""
     return "critical" if idle >= devices / 2 else "warning"
+
+
+# The device label of DataParallel's output_device -1 (torch's "gather onto the host"): the host's memory, no worker
+# or GPU of device_ids
+HOST_OUTPUT = "cpu"
 
 
 def device_key(label: object) -> tuple[str, int, str]:

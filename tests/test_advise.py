@@ -383,6 +383,25 @@ def test_batch_size_moves_the_compute_that_scales_with_samples(runs, calibrated)
     assert at32.peak_bytes["cpu:1"] == pytest.approx(int(measured["cpu:1"]), rel=0.01)
 
 
+def _recorded_onto_the_host(directory: Path) -> dpprof.StoredRun:
+    """DataParallel on 2 CPU workers with torch's output_device=-1 (outputs gathered onto the host), recorded."""
+    torch.manual_seed(0)
+    net = dpprof.DataParallel(torch.nn.Linear(16, 4), device_ids=dpprof.cpu_devices(2), output_device=-1)
+    with dpprof.record(name="onto the host", reports_dir=str(directory)) as run:
+        for _ in range(MIN_STEPS + 1):
+            with run.step():
+                net(torch.randn(32, 16)).sum().backward()
+    return dpprof.load_run(run.path)
+
+
+def test_a_run_gathered_onto_the_host_is_titled_by_the_workers_it_spread_over(tmp_path):
+    run = _recorded_onto_the_host(tmp_path)
+    assert run.model.devices == ("cpu:0", "cpu:1", "cpu")  # the host's lane holds the gather
+    assert run.model.spread == ("cpu:0", "cpu:1") and run.model.title == "DataParallel on 2 CPU workers"
+    gathers = run.phases[run.phases["phase"] == "gather"]
+    assert len(gathers) == MIN_STEPS + 1 and set(gathers["device"]) == {"cpu"}
+
+
 @pytest.fixture(scope="module")
 def refused(tmp_path_factory, runs, profiled):
     """Runs the advisor cannot predict from: a DDP run, an imported trace, a run of 2 steps."""
@@ -392,13 +411,14 @@ def refused(tmp_path_factory, runs, profiled):
     idle = record(directory, "idle", workers=3, steps=4, batch_size=2, workload="tutorial-linear")
     out = {"ddp": (listing[listing["ranks"] == 2]["id"].iloc[0], "DistributedDataParallel run"),
            "short": (runs.short.id, f"at least {MIN_STEPS}"),
-           "idle": (idle.id, "gave no chunk to cpu:2 (its batch is smaller than its 3 devices)")}
+           "idle": (idle.id, "gave no chunk to cpu:2 (its batch is smaller than its 3 devices)"),
+           "host": (_recorded_onto_the_host(directory).id, "gathered its outputs onto the host (output_device=-1)")}
     if TRACE.exists():
         out["trace"] = (import_traces([TRACE], directory).id, "imported torch.profiler trace")
     return out
 
 
-@pytest.mark.parametrize("kind", ["ddp", "trace", "short", "idle"])
+@pytest.mark.parametrize("kind", ["ddp", "trace", "short", "idle", "host"])
 def test_runs_it_cannot_predict_from_say_why_in_one_line_and_exit_1(runs, refused, kind, capsys):
     if kind not in refused:
         pytest.skip(f"no {TRACE}")

@@ -35,6 +35,7 @@ def test_cpu_devices_rejects_anything_but_a_positive_int(n):
         (("cpu:2", "cpu:0"), None, DeviceSet("cpu", (2, 0), 2)),
         (["cpu:2", "cpu:0"], "cpu:0", DeviceSet("cpu", (2, 0), 0)),
         ([torch.device("cpu", 1), "cpu:3"], torch.device("cpu", 3), DeviceSet("cpu", (1, 3), 3)),
+        (["cpu:0", "cpu:1"], -1, DeviceSet("cpu", (0, 1), -1)),  # torch's -1: gather onto the host
     ],
 )
 def test_resolve_devices_accepts_cpu_workers(device_ids, output_device, expected):
@@ -59,6 +60,8 @@ BAD_DEVICE_IDS = [
     pytest.param(["cpu:0", "cpu:1"], "cpu:2", ValueError, "not one of the CPU workers", id="output-elsewhere"),
     pytest.param(["cpu:0", "cpu:1"], "cuda:0", ValueError, "not of the same kind", id="output-cuda"),
     pytest.param(["cpu:0", "cpu:1"], "cpu", ValueError, "names no worker", id="output-cpu-without-index"),
+    pytest.param(["cpu:0", "cpu:1"], -2, ValueError, "negative", id="output-negative"),
+    pytest.param(["cpu:0", "cpu:1"], True, TypeError, "not a device", id="output-bool"),
 ]
 
 

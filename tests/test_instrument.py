@@ -20,6 +20,7 @@ from torch import nn
 
 import dpprof
 from dpprof.cli import main
+from dpprof.device_ids import DeviceSet
 from dpprof.instrument import _TORCH_DP, NO_PARALLEL_NOTE, instrument
 
 pytestmark = pytest.mark.slow  # most tests run `dpprof run` (or torchrun) in a fresh process that imports torch
@@ -398,6 +399,20 @@ def test_a_module_built_inside_pickles_and_copies_as_torchs_class_after_the_bloc
     assert sorted(plain.__dict__) == sorted(nn.DataParallel(nn.Linear(3, 2)).__dict__)
     twin = copy.deepcopy(model)
     assert type(twin) is nn.DataParallel and torch.equal(twin(torch.ones(1, 3)), model(torch.ones(1, 3)))
+
+
+@pytest.mark.parametrize("output_device, index", [(None, 0), ("cpu:1", 1), (-1, -1)])
+def test_a_stand_in_on_named_cpu_workers_pickles_back_onto_them(output_device, index):
+    """Built inside on CPU workers the script names: unpickled while instrumented, it is on the same workers with the
+    same output device (its device_ids, indices as torch keeps them, are not read as CUDA devices)."""
+    torch.manual_seed(0)
+    with instrument(store=False):
+        model = nn.DataParallel(nn.Linear(3, 2), device_ids=dpprof.cpu_devices(2), output_device=output_device)
+        twin = pickle.loads(pickle.dumps(model))
+        assert twin.__dict__["_devices"] == DeviceSet("cpu", (0, 1), index)
+        assert twin.output_device == model.output_device and twin.device_ids == [0, 1]
+        x = torch.randn(6, 3)
+        assert torch.allclose(twin(x), model.module(x))
 
 
 @needs_no_gpu

@@ -1534,7 +1534,8 @@ def test_it_is_a_torch_data_parallel_around_the_module():
     net = dpprof.DataParallel(module, W(2))
     assert isinstance(net, nn.DataParallel)
     assert net.module is module
-    assert net.device_ids == [0, 1] and net.output_device == 0 and net.dim == 0
+    # device_ids are indices, as torch keeps them; output_device a device tensor.to takes (an int would mean CUDA)
+    assert net.device_ids == [0, 1] and net.output_device == torch.device("cpu", 0) and net.dim == 0
     keys = list(net.state_dict())
     assert keys and all(k.startswith("module.") for k in keys)
     assert keys == list(nn.DataParallel(copy.deepcopy(module)).state_dict())
@@ -1546,6 +1547,40 @@ def test_it_is_a_torch_data_parallel_around_the_module():
             p.add_(1)
     net.load_state_dict({f"module.{k}": v for k, v in other.state_dict().items()})
     assert_close(module[0].weight, other[0].weight)
+
+
+@pytest.mark.parametrize("output_device, expected", [(None, torch.device("cpu", 0)), ("cpu:1", torch.device("cpu", 1)),
+                                                     (-1, torch.device("cpu"))])
+def test_cpu_workers_output_device_is_where_tensor_to_puts_the_output(output_device, expected):
+    """On CPU workers net.output_device is a torch.device: x.to(net.output_device) stays on the CPU (an int would be
+    a CUDA device). -1 is torch's "gather onto the host (CPU)": accepted, outputs and gradients as the plain
+    module's, with no deprecation warning of torch's comm.gather (which -1 as a gather target gives)."""
+    module = seeded(linear)
+    plain = copy.deepcopy(module)
+    x = torch.randn(20, 10, dtype=DOUBLE)
+    net = dpprof.DataParallel(module, W(2), output_device=output_device)
+    assert net.output_device == expected and net.src_device_obj == torch.device("cpu")
+    assert x.to(net.output_device).device == x.to(net.src_device_obj).device == torch.device("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = net(x)
+        functional = dpprof.data_parallel(copy.deepcopy(plain), x, W(3), output_device=output_device)
+    expected_out = plain(x)
+    assert_close(out, expected_out)
+    assert_close(functional, expected_out)
+    out.sum().backward()
+    expected_out.sum().backward()
+    assert_same_grads(module, plain)
+
+
+def test_a_balanced_criterion_reduces_onto_the_host_with_output_device_minus_one():
+    torch.manual_seed(0)
+    module = seeded(linear)
+    x, y = torch.randn(12, 10, dtype=DOUBLE), torch.randn(12, 5, dtype=DOUBLE)
+    model = dpprof.DataParallelModel(module, W(3), output_device=-1)
+    criterion = dpprof.DataParallelCriterion(nn.MSELoss(), W(3), output_device=-1)
+    assert model.output_device == criterion.output_device == torch.device("cpu")
+    assert_close(criterion(model(x), y), nn.MSELoss()(module(x), y))
 
 
 @needs_no_gpu

@@ -165,6 +165,9 @@ def _refuse(run: StoredRun) -> None:
                            "first step carries one-time costs, and a typical step needs two more)")
     if model.backend not in ("cpu", "cuda"):
         raise NotAdvisable(f"run {run.id} ran on no device ({model.backend}): DataParallel without device_ids")
+    if model.spread != model.devices:
+        raise NotAdvisable(f"run {run.id} gathered its outputs onto the host (output_device=-1): the advisor predicts "
+                           "from runs that gather onto one of their devices; record it without output_device=-1")
     if model.idle:  # DataParallel replicates onto the devices that got a chunk only: no set-up the model knows
         n = len(model.devices)
         raise NotAdvisable(f"run {run.id} gave no chunk to {', '.join(model.idle)} (its batch is smaller than its "

@@ -25,10 +25,24 @@ from dpprof.parallel.scatter_gather import gather, scatter_kwargs
 from dpprof.parallel.workers import on_worker_thread
 from dpprof.recording import current_run
 
-__all__ = ["DataParallel", "data_parallel"]
+__all__ = ["DataParallel", "data_parallel", "cpu_output_device", "device_index"]
 
 _HOST = DeviceSet("cpu", (0,), 0)  # where the module runs when there is no device to spread over
 HOST_LABEL = _HOST.label(0)  # the label of that device; dpprof.parallel.balanced uses it too
+
+
+def cpu_output_device(output_index: int) -> torch.device:
+    """A CPU-worker DataParallel's ``output_device`` as ``tensor.to`` takes it: ``cpu:N`` for worker N, the host's
+    ``cpu`` for -1 (torch's "gather onto the host"). Not an int: torch reads an int as a CUDA device."""
+    return torch.device("cpu") if output_index == -1 else torch.device("cpu", output_index)
+
+
+def device_index(device: int | torch.device) -> int:
+    """An output device as the index the pieces below take: ``cpu:N`` is N, the host's ``cpu`` (no index) -1, an
+    int itself."""
+    if isinstance(device, torch.device):
+        return -1 if device.index is None else device.index
+    return device
 
 
 @functools.lru_cache(maxsize=64)
@@ -96,7 +110,9 @@ class DataParallel(torch.nn.DataParallel):
         device_ids: CUDA devices (ints, "cuda:N", torch.device) or CPU workers ("cpu:N",
             torch.device("cpu", N), dpprof.cpu_devices(n)). Default: every GPU; with no GPU the
             module runs directly, as in torch.
-        output_device: where outputs are gathered (default: device_ids[0]).
+        output_device: where outputs are gathered (default: device_ids[0]); -1, as in torch: onto the host (the
+            CPU). On CPU workers ``self.output_device`` is a torch.device (``cpu:N``, or ``cpu`` for -1), so
+            ``x.to(net.output_device)`` stays on the CPU; ``device_ids`` are indices, as torch keeps them.
         dim: the dimension inputs are chunked and outputs concatenated along.
 
     Example:
@@ -119,7 +135,7 @@ class DataParallel(torch.nn.DataParallel):
             self.module = module
             self.dim = dim
             self.device_ids = list(devices.indices)
-            self.output_device = devices.output_index
+            self.output_device = cpu_output_device(devices.output_index)
             self.src_device_obj = torch.device("cpu")  # CPU tensors carry no worker index
         self.__dict__["_devices"] = devices
         self.__dict__["_probe"] = None
@@ -139,9 +155,12 @@ class DataParallel(torch.nn.DataParallel):
         self.module = module
         self.dim = dim
         self.device_ids = list(devices.indices)
-        self.output_device = devices.output_index
-        self.src_device_obj = torch.device(devices.type) if devices.type == "cpu" else torch.device(
-            "cuda", devices.indices[0])
+        if devices.type == "cpu":
+            self.output_device = cpu_output_device(devices.output_index)
+            self.src_device_obj = torch.device("cpu")
+        else:
+            self.output_device = devices.output_index
+            self.src_device_obj = torch.device("cuda", devices.indices[0])
         self.__dict__["_devices"] = devices
         self.__dict__["_probe"] = None
         return self
@@ -152,6 +171,11 @@ class DataParallel(torch.nn.DataParallel):
         if devices.type != "cpu":
             return list(device_ids)
         return list(_cpu_targets(tuple(device_ids)))
+
+    def _on_cpu(self) -> bool:
+        """Whether this DataParallel spreads over CPU workers."""
+        devices = self.__dict__["_devices"]
+        return devices is not None and devices.type == "cpu"
 
     def _label(self, index: int) -> str:
         devices = self.__dict__["_devices"]
@@ -175,7 +199,7 @@ class DataParallel(torch.nn.DataParallel):
                     watch_backward(output, None, HOST_LABEL)  # the dpprof.backward range, untimed
                 return output
         devices = self.__dict__["_devices"]
-        out_label = self._label(self.output_device) if devices is not None else HOST_LABEL
+        out_label = self._label(devices.output_index) if devices is not None else HOST_LABEL
         # the probe first, then the range: a call that starts a step may start (or stop) a deep capture's
         # torch.profiler there (dpprof.capture), and torch's fast range must not span that (entered with no
         # profiler, it cannot be exited with one: an internal assert). torch sets no dim when there are no devices
@@ -239,9 +263,10 @@ class DataParallel(torch.nn.DataParallel):
         with self._phase("parallel_apply", device_ids[0]):
             return parallel_apply(measured, inputs, kwargs, self._targets(device_ids))
 
-    def gather(self, outputs: Any, output_device: int) -> Any:
-        with self._phase("gather", output_device):
-            target = self._targets([output_device])[0] if output_device != -1 else -1
+    def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
+        index = device_index(output_device)
+        with self._phase("gather", index):
+            target = self._targets([index])[0] if index != -1 else cpu_output_device(-1) if self._on_cpu() else -1
             output = gather(outputs, target, dim=self.dim)
             probe = self.__dict__["_probe"]
             if probe is not None:

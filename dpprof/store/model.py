@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dpprof.plaintext import capitalized
-from dpprof.records import FSDP_ONLY_PHASES, PHASE_ORDER, device_key
+from dpprof.records import FSDP_ONLY_PHASES, HOST_OUTPUT, PHASE_ORDER, device_key
 from dpprof.store.faults import RunFileError
 from dpprof.store.retention import Retention, stored_retention
 from dpprof.store.schema import TABLES
@@ -177,12 +177,19 @@ class RunModel:
         return "rank" if self.devices and all(d.startswith("rank:") for d in self.devices) else "device"
 
     @property
+    def spread(self) -> tuple[str, ...]:
+        """The devices the work was spread over: every device but the host an output was gathered onto
+        (output_device -1, HOST_OUTPUT)."""
+        return tuple(d for d in self.devices if d != HOST_OUTPUT)
+
+    @property
     def title(self) -> str:
         """The kind in words, with where it ran: "DataParallel on 2 CPU workers", "DistributedDataParallel (gloo),
         2 ranks", "imported torch.profiler trace of DDP (nccl), rank 0 of 2"."""
         n = len(self.devices)
-        where = {"cpu": "CPU worker", "cuda": "GPU"}.get(self.backend or "", "device") + ("s" if n != 1 else "")
         if self.kind in ("dataparallel", "balanced") and self.devices:
+            n = len(self.spread)
+            where = {"cpu": "CPU worker", "cuda": "GPU"}.get(self.backend or "", "device") + ("s" if n != 1 else "")
             return f"{KIND_TITLES[self.kind]} on {n} {where}"
         dist = f" ({self.dist_backend})" if self.dist_backend else ""
         if self.kind in ("ddp", "fsdp"):
