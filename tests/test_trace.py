@@ -597,3 +597,35 @@ def test_profiling_cycles_of_one_process_are_refused_as_ranks_with_what_they_are
                                          r"trace\.json: 2 profiling cycles of one process \(host_4242, "):
         import_traces([tmp_path / "tb"], reports)
     assert not reports.exists() or not any(reports.iterdir())
+
+
+def test_a_trace_without_a_schedule_has_a_step_per_optimizer_step(tmp_path, reports):
+    """``prof.export_chrome_trace`` after profiling without a schedule (the tutorials' way) writes no ProfilerStep
+    ranges: each step ends as an Optimizer.step# range does, as ``dpprof run`` cuts a script's steps, instead of the
+    whole trace as one step whose backward held every later step's forward."""
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            loss = model(torch.randn(4, 8)).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    path = tmp_path / "plain.json"
+    prof.export_chrome_trace(str(path))
+    doc = _load(path)
+    assert not _steps(doc)
+    ops = sorted(e["ts"] + e["dur"] for e in doc["traceEvents"] if str(e.get("name")).startswith("Optimizer.step#"))
+    assert len(ops) == 3
+    run = dpprof.load_run(import_traces([path], reports).id, reports)
+    steps = run.steps.sort_values("step")
+    assert steps["step"].tolist() == [0, 1, 2]
+    # steps 1 and 2 run from one optimizer step's end to the next's
+    assert steps["duration_ms"].iloc[1:].tolist() == pytest.approx([(b - a) / 1e3 for a, b in zip(ops, ops[1:])],
+                                                                   abs=1e-5)
+    ends_ms = (steps["start_ms"] + steps["duration_ms"]).tolist()
+    assert [b - a for a, b in zip(ends_ms, ends_ms[1:])] == pytest.approx([(b - a) / 1e3 for a, b in zip(ops, ops[1:])],
+                                                                          abs=1e-5)
+    phases = run.phases
+    assert set(phases[phases.phase == "backward"]["step"]) == {0, 1, 2}  # each step's own backward
+    assert any("each step ends as an Optimizer.step# range does (3)" in n for n in run.notes["message"])

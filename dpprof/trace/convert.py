@@ -2,8 +2,9 @@
 
 Rules (each said in the run's notes when it applies):
 - Steps are ``ProfilerStep#N`` ranges; else the iterations of ``DataParallel.forward`` /
-  ``DistributedDataParallel.forward`` (each from one forward's start to the next's); else the whole
-  window is one step.
+  ``DistributedDataParallel.forward`` (each from one forward's start to the next's); else each ends as an
+  ``Optimizer.step#`` range does (the first from the trace's start, as ``dpprof run`` cuts a script's steps); else
+  the whole window is one step.
 - A trace of a ``dpprof.DataParallel`` has dpprof's ``dpprof.<phase>`` ranges: its phases are exact.
   The trace does not say which replica a worker thread ran, so the k-th ``dpprof.apply`` to start
   inside a ``dpprof.parallel_apply`` is device k (dpprof starts replica k's thread k-th).
@@ -79,6 +80,17 @@ def _windows(c: Collected) -> tuple[list[tuple[int, float, float]], str | None]:
             out.append((i, f.start_us, end))
         return out, (f"no ProfilerStep ranges (the profiler ran without a schedule): each step is one "
                      f"{forwards[0].name}, from its start to the next one's")
+    optimizer = [r for r in c.optimizer if r.tid == c.optimizer[0].tid] if c.optimizer else []
+    if optimizer:
+        # as `dpprof run` cuts a script's steps: each ends as an optimizer step does, the first from the trace's start
+        ends = sorted(r.end_us for r in optimizer)
+        out = [(i, lo, hi) for i, (lo, hi) in enumerate(zip([c.first_us] + ends[:-1], ends))]
+        note = (f"no ProfilerStep ranges and no DataParallel or DistributedDataParallel forward: each step ends as "
+                f"an Optimizer.step# range does ({len(ends)}), the first from the trace's start")
+        tail_ms = (c.last_us - ends[-1]) / 1e3
+        if tail_ms > 0:
+            note += f"; the {tail_ms:,.2f} ms after the last one are in no step"
+        return out, note
     if c.last_us >= c.first_us:
         return [(0, c.first_us, c.last_us)], ("no ProfilerStep ranges and no DataParallel or "
                                               "DistributedDataParallel forward: the whole trace is one step")
