@@ -9,6 +9,7 @@ import gzip
 import io
 import json
 import sqlite3
+import sys
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -213,6 +214,49 @@ def test_an_fsdp_run_reads_back_as_fsdp_with_its_phases_and_collectives(runs, tm
     assert back.comms.groupby(count).size().to_dict() == run.comms.groupby(count).size().to_dict()
     assert list(fsdp_collective_table(back)["collective"]) == list(fsdp_collective_table(run)["collective"])
     assert any("sharded and gathered bytes" in m for m in back.notes["message"])
+
+
+# one gloo rank sharding with FSDP2, profiled: its trace has FSDP's ranges (a rank alone runs no collectives)
+ONE_FSDP_RANK = """
+import sys, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.profiler import profile, ProfilerActivity, schedule
+out = sys.argv[1]
+dist.init_process_group("gloo", init_method="file://" + out + ".store", rank=0, world_size=1)
+net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+fully_shard(net[0])
+fully_shard(net)
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=2, repeat=1),
+             on_trace_ready=lambda p: p.export_chrome_trace(out)) as prof:
+    for _ in range(3):
+        net(torch.randn(4, 8)).sum().backward(); opt.step(); opt.zero_grad(); prof.step()
+dist.destroy_process_group()
+"""
+
+
+def test_an_imported_trace_of_fsdp_exported_again_reads_back_as_fsdp(tmp_path):
+    """An imported torch.profiler trace of an FSDP job has no FSDP ranges to write when exported: its file says it is
+    one (dpprofExport.fsdp), so read back it is an imported trace of FSDP again, not of DDP."""
+    import forked
+
+    trace = tmp_path / "onefsdp-rank0.pt.trace.json"
+    done = forked.run([sys.executable, "-c", ONE_FSDP_RANK, str(trace)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    once = dpprof.load_run(import_traces([trace], tmp_path / "once").id, tmp_path / "once")
+    assert once.model.sharded and "FSDP" in once.model.title
+    _, written, docs = _export(once, tmp_path)
+    assert [d[EXPORT_KEY].get("fsdp") for d in docs] == [True]
+    back = dpprof.load_run(import_traces([w.path for w in written], tmp_path / "back").id, tmp_path / "back")
+    assert back.model.sharded and "FSDP" in back.model.title and "DDP" not in back.model.title
+    assert back.steps["duration_ms"].tolist() == pytest.approx(once.steps["duration_ms"].tolist(), abs=1e-3)
+    assert any("an imported trace of an FSDP job" in m for m in back.notes["message"])
+
+
+def test_a_ddp_runs_file_says_nothing_of_fsdp(runs, tmp_path):
+    _, _, docs = _export(dpprof.load_run(runs.ids["ddp"], runs.dir), tmp_path)
+    assert docs and all("fsdp" not in d[EXPORT_KEY] for d in docs)
 
 
 def test_a_gpu_ranks_file_keeps_its_gpu(runs, tmp_path):

@@ -318,6 +318,10 @@ def convert(c: Collected, t0_us: float, rank: int | None) -> Converted:
             out.notes.append("an FSDP run dpprof exported: its phases (copy_in, all_gather_wait, copy_out, "
                              "reduce_scatter_wait) and its all-gathers and reduce-scatters read back; its sharded "
                              "and gathered bytes (dpprof's memory accounting) are not in the file")
+        elif c.meta[EXPORT_KEY].get("fsdp") is True:  # an imported trace of an FSDP job, exported again
+            out.fsdp = True
+            out.notes.append("an imported trace of an FSDP job that dpprof exported: its all-gathers and "
+                             "reduce-scatters read back (the file has no FSDP ranges of its own)")
         dp_exact = True  # the device axis is the file's: collectives go to its first device
     elif dp_exact:
         applies = [a for a in c.dpprof_ranges if a.name == "apply"]

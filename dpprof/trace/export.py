@@ -759,6 +759,8 @@ def write_trace(run: StoredRun, target: str | os.PathLike[str] | IO[bytes], plan
                       + ("; each rank's clock is placed by its file's created_at" if len(writer.ranks) > 1 else "")),
             "threads": f"the device of each thread id: {THREADS_KEY}, after traceEvents",
         }
+        if model.sharded:  # an imported trace of a job sharded with FSDP: its FSDP ranges are not written
+            head[EXPORT_KEY]["fsdp"] = True
         if run.damage:  # values of the run file the store read as missing or left out (dpprof.store.validation)
             head[EXPORT_KEY]["damaged"] = run.damage
         head.update({"traceName": f"dpprof run {run.id}", "displayTimeUnit": "ms", "baseTimeNanoseconds": writer.base_ns})
