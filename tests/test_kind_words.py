@@ -254,6 +254,11 @@ def test_a_trace_imported_before_is_still_known_by_its_files(runs):
     (["resnet50-1gpu-tb-sample.pt.trace.json.gz"], "resnet50-1gpu-tb-sample"),
     # torch.profiler.tensorboard_trace_handler: <host>_<pid>.<epoch ms>.pt.trace.json, a pid and time per rank
     (["vm_1234.1700000000000.pt.trace.json", "vm_99.1700000000123.pt.trace.json"], "vm"),
+    # ... with a worker_name of the script's: <worker_name>.<epoch ns>.pt.trace.json, no pid
+    (["trainer_rank0.1795790935661911523.pt.trace.json.gz", "trainer_rank1.1795790935647464699.pt.trace.json.gz"],
+     "trainer"),
+    (["rank0.1795790935661911523.pt.trace.json.gz", "rank1.1795790935647464699.pt.trace.json.gz"], LEGACY_WORKLOAD),
+    (["w.1795790867980670731.pt.trace.json.gz"], "w"),
     (["rank0.json"], LEGACY_WORKLOAD),  # nothing in the name but its rank
     (["a.json", "b.json"], LEGACY_WORKLOAD),  # nothing in common
     (["ranking-model.json"], "ranking-model"),  # "rank" inside a word is not a rank

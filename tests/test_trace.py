@@ -629,3 +629,23 @@ def test_a_trace_without_a_schedule_has_a_step_per_optimizer_step(tmp_path, repo
     phases = run.phases
     assert set(phases[phases.phase == "backward"]["step"]) == {0, 1, 2}  # each step's own backward
     assert any("each step ends as an Optimizer.step# range does (3)" in n for n in run.notes["message"])
+
+
+@pytest.mark.filterwarnings("ignore:Warning. Profiler clears events at the end of each cycle:UserWarning")
+def test_the_cycles_of_a_named_worker_are_one_workload(tmp_path, reports):
+    """tensorboard_trace_handler with the script's worker_name writes <worker_name>.<time ns>.pt.trace.json, one file
+    per cycle of a schedule with repeat: each imported on its own is a run of the job "trainer", not of a workload
+    named after the file's time that no other run shares."""
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    handler = torch.profiler.tensorboard_trace_handler(str(tmp_path / "tb"), worker_name="trainer")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], on_trace_ready=handler,
+                                schedule=torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=2)) as prof:
+        for _ in range(4):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            prof.step()
+    files = sorted((tmp_path / "tb").iterdir())
+    assert len(files) == 2 and all(re.fullmatch(r"trainer\.\d{10,}\.pt\.trace\.json", f.name) for f in files)
+    runs = [dpprof.load_run(import_traces([f], reports).id, reports) for f in files]
+    assert [r.meta["workload"] for r in runs] == ["trainer", "trainer"]

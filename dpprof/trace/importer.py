@@ -168,10 +168,11 @@ def _check_one_job(files: list[Collected]) -> None:
 
 # What a trace file's name carries besides its job: the extensions torch.profiler writes, the rank of one file of
 # several ("-rank3", "_rank_3", ".rank3"), and the "<host>_<pid>.<ms since 1970>" torch.profiler's
-# tensorboard_trace_handler names each worker's file with (the pid and time differ between the ranks of one job).
+# tensorboard_trace_handler names each worker's file with (the pid and time differ between the ranks of one job), or
+# "<worker_name>.<time>" where the script names its workers (worker_name=f"rank{rank}").
 _TRACE_EXTENSIONS = re.compile(r"(\.pt)?(\.trace)?\.json(\.gz)?$", re.IGNORECASE)
 _RANK_TOKEN = re.compile(r"[-_.]?rank[-_.]?\d+(?=$|[-_.])", re.IGNORECASE)
-_HANDLER_SUFFIX = re.compile(r"_\d+\.\d{10,}$")  # _<pid>.<epoch ms>
+_HANDLER_SUFFIX = re.compile(r"(_\d+)?\.\d{10,}$")  # [_<pid>].<epoch ms or ns>: a worker_name given has no pid
 # tensorboard_trace_handler's file: <worker name, by default host_pid>.<epoch ms or ns>.pt.trace.json
 _HANDLER_NAME = re.compile(r"^(.+)\.\d{10,}(\.pt)?\.trace\.json(\.gz)?$")
 LEGACY_WORKLOAD = "torch.profiler trace"  # every imported run's workload before job_name (and a nameless file's)
