@@ -190,6 +190,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         if not os.path.exists(target):
             raise UsageError(f"{target}: no such file")
+        try:  # before anything is recorded: a script that does not compile leaves no run behind
+            code = _script_code(target)
+        except (SyntaxError, ValueError) as err:  # ValueError: a null byte in the source
+            sys.excepthook(type(err), err.with_traceback(None), None)  # as python prints it: none of dpprof's frames
+            return EXIT_FAILURE
         if os.path.isfile(target) and not target.endswith(".zip"):  # a directory or zip: runpy puts it first
             sys.path[0] = os.path.dirname(os.path.abspath(target))  # as python script.py does
     shown = (f"-m {target}" if args.module else os.path.basename(target))
@@ -208,7 +213,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             if args.module:
                 runpy.run_module(target, run_name="__main__", alter_sys=True)
             else:
-                _run_path(target)
+                _run_path(target, code)
     except SystemExit:
         _tell_recorded(session)
         raise  # the script's exit code
@@ -264,23 +269,33 @@ def _cmd_capture(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _run_path(target: str) -> None:
-    """Run a script as python 3.9+ does: in a fresh __main__, __file__ absolute, sys.argv[0] as given
-    (runpy.run_path sets both to the path it is handed). A directory or zip goes to runpy.run_path."""
+def _script_code(target: str):
+    """The script's code object (a compiled .pyc as python runs one), or None for a directory or zip, which
+    runpy.run_path compiles. Raises SyntaxError (or ValueError) as python would on a script that does not compile."""
     import io
-    import runpy
-    import types
     from pkgutil import read_code
 
-    if not os.path.isfile(target) or target.endswith(".zip"):  # a directory or zip with a __main__.py
-        runpy.run_path(target, run_name="__main__")
-        return
+    if not os.path.isfile(target) or target.endswith(".zip"):
+        return None
     filename = os.path.abspath(target)
     with io.open_code(filename) as f:
-        code = read_code(f)  # a compiled .pyc runs as python runs one
+        code = read_code(f)
     if code is None:
         with io.open_code(filename) as f:
             code = compile(f.read(), filename, "exec", dont_inherit=True)
+    return code
+
+
+def _run_path(target: str, code) -> None:
+    """Run a script as python 3.9+ does: in a fresh __main__, __file__ absolute, sys.argv[0] as given
+    (runpy.run_path sets both to the path it is handed). A directory or zip (``code`` None) goes to runpy.run_path."""
+    import runpy
+    import types
+
+    if code is None:  # a directory or zip with a __main__.py
+        runpy.run_path(target, run_name="__main__")
+        return
+    filename = os.path.abspath(target)
     module = types.ModuleType("__main__")
     module.__dict__.update(__file__=filename, __cached__=None, __loader__=None, __package__=None, __spec__=None)
     saved = sys.modules.get("__main__")

@@ -394,3 +394,18 @@ def test_a_ddp_rank_whose_workload_fails_says_why_in_one_line_each(tmp_path, mon
     assert err[-1] == "dpprof: torchrun exited with 1; the ranks' records so far are kept", err
     assert sorted(err[:-1]) == [f"dpprof rank {r}: the workload failed while training: ValueError: Expected more than "
                                 "1 value per channel when training, got input size torch.Size([1, 3])" for r in (0, 1)]
+
+
+def test_run_of_a_script_that_does_not_compile_says_what_python_says_and_records_nothing(tmp_path, reports):
+    """A SyntaxError in the script: python's own lines (no traceback of dpprof's frames), exit 1, and no run of 0
+    steps left in the reports directory, since nothing ran."""
+    script = tmp_path / "broken.py"
+    script.write_text("import torch\nmodel = torch.nn.DataParallel(torch.nn.Linear(2, 2)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    plain = forked.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    out = forked.run([sys.executable, "-m", "dpprof", "run", str(script)], capture_output=True, text=True,
+                     timeout=120, env=env)
+    assert out.returncode == plain.returncode == 1
+    assert "SyntaxError: '(' was never closed" in plain.stderr
+    assert out.stderr == plain.stderr and "Traceback" not in out.stderr
+    assert not reports.exists() or not list(reports.glob("*.sqlite"))
