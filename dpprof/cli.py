@@ -190,6 +190,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         if not os.path.exists(target):
             raise UsageError(f"{target}: no such file")
+        if os.path.isdir(target) and not os.path.isfile(os.path.join(target, "__main__.py")):
+            raise UsageError(f"{target}: a directory with no __main__.py (python runs a directory's __main__.py)")
         try:  # before anything is recorded: a script that does not compile leaves no run behind
             code = _script_code(target)
         except (SyntaxError, ValueError) as err:  # ValueError: a null byte in the source

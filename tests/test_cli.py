@@ -409,3 +409,16 @@ def test_run_of_a_script_that_does_not_compile_says_what_python_says_and_records
     assert "SyntaxError: '(' was never closed" in plain.stderr
     assert out.stderr == plain.stderr and "Traceback" not in out.stderr
     assert not reports.exists() or not list(reports.glob("*.sqlite"))
+
+
+def test_run_of_a_directory_without_main_is_a_usage_error_and_records_nothing(tmp_path, reports, capsys):
+    """python runs a directory's __main__.py; a directory without one is refused in one line before anything is
+    recorded (it was a runpy traceback and a failed run of 0 steps)."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "train.py").write_text("print('train')\n")
+    with pytest.raises(SystemExit) as exited:
+        main(["run", str(tmp_path / "scripts")])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "a directory with no __main__.py" in err and "Traceback" not in err
+    assert not reports.exists() or not list(reports.glob("*.sqlite"))
