@@ -39,13 +39,20 @@ from dpprof.parallel.probe import iter_tensors
 from dpprof.parallel.workers import on_worker_thread
 from dpprof.recording import Run, record
 
-__all__ = ["instrument", "NO_PARALLEL_NOTE", "NO_OPTIMIZER_NOTE"]
+__all__ = ["instrument", "NO_PARALLEL_NOTE", "NO_OPTIMIZER_NOTE", "SPAWNED_NOTE"]
 
 NO_OPTIMIZER_NOTE = ("no torch.optim optimizer stepped, so no step ended: the {:,} backward passes were taken for "
                      "gradient accumulation in few steps. A script that updates its weights by hand has no step "
                      "boundary dpprof can see: wrap each step in run.step() (dpprof.instrument)")
 NO_PARALLEL_NOTE = ("the script built no DataParallel, DistributedDataParallel or FSDP (nor called data_parallel "
                     "or fully_shard): nothing was recorded")
+# the same, where the script started processes of its own (torch.multiprocessing.spawn's ranks, the DDP tutorial's
+# way): a spawned interpreter has none of dpprof's stand-ins, so what they build is not recorded
+SPAWNED_NOTE = ("the script built no DataParallel, DistributedDataParallel or FSDP in its own process; it started "
+                "{} of its own ({}), which dpprof run does not reach: nothing was recorded. Start the ranks with "
+                "torchrun (torchrun --nproc_per_node=N -m dpprof run train.py), or record in each with "
+                "dpprof.instrument or dpprof.record")
+_DATALOADER_WORKER = "torch.utils.data._utils.worker._worker_loop"  # a DataLoader's worker: builds no model
 
 # torch.nn.parallel.data_parallel is also the name of the function, so the modules are looked up
 _TORCH_DP = importlib.import_module("torch.nn.parallel.data_parallel").DataParallel
@@ -294,6 +301,7 @@ class _Session:
         self.started = False  # a start was tried (it may have failed)
         self.stopped = False  # recording ended before the block did (--steps, or a failure)
         self.built_any = False
+        self.started_processes: list[str] = []  # what each process the script started runs (DataLoader workers not)
         self.optimizer_seen = False
         self.backward_seen = False
         self.backwards = 0  # backward passes through a recorded forward's output
@@ -315,6 +323,25 @@ class _Session:
             self._fsdp_waiting = _WhenImported(_FSDP_MODULE, self._patch_fsdp)
             sys.meta_path.insert(0, self._fsdp_waiting)
         self._hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+        self._patch_process_start()
+
+    def _patch_process_start(self) -> None:
+        """multiprocessing's Process.start, counting the processes the script starts, then starting each as before."""
+        import multiprocessing.process
+
+        base = multiprocessing.process.BaseProcess
+        original = base.start
+        started = self.started_processes
+
+        def start(process: Any) -> None:
+            target = getattr(process, "_target", None)
+            what = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', '')}".strip(".")
+            if what != _DATALOADER_WORKER:
+                started.append(what or type(process).__name__)
+            original(process)
+
+        self._patched.append((base, "start", original))
+        base.start = start  # type: ignore[method-assign]
 
     def _patch_names(self, kind: str, names: list[tuple[str, str]]) -> None:
         for module_name, attr in names:
@@ -513,8 +540,17 @@ def instrumented(record_args: dict[str, Any] | None, cpu_workers: int | None = N
             session.start()  # a script that built nothing still gets its run, and a note saying so
             # nothing built, and no step from a dpprof.DataParallel the script made itself: say why the run is empty
             if session.run is not None and not session.built_any and not session.run.steps_started:
-                session.run.note("dpprof", NO_PARALLEL_NOTE, tell=False)
+                session.run.note("dpprof", _nothing_built(session.started_processes), tell=False)
             session.finish(error)
+
+
+def _nothing_built(started: list[str]) -> str:
+    """Why a run recorded nothing: the script built nothing, or built it in processes of its own."""
+    if not started:
+        return NO_PARALLEL_NOTE
+    spawn = [w for w in started if w.startswith("torch.multiprocessing.spawn.")]
+    what = "torch.multiprocessing.spawn" if len(spawn) == len(started) else "multiprocessing"
+    return SPAWNED_NOTE.format(f"{len(started):,} process{'' if len(started) == 1 else 'es'}", what)
 
 
 @contextmanager

@@ -21,7 +21,7 @@ from torch import nn
 import dpprof
 from dpprof.cli import main
 from dpprof.device_ids import DeviceSet
-from dpprof.instrument import _TORCH_DP, NO_PARALLEL_NOTE, instrument
+from dpprof.instrument import _TORCH_DP, NO_PARALLEL_NOTE, SPAWNED_NOTE, instrument
 
 pytestmark = pytest.mark.slow  # most tests run `dpprof run` (or torchrun) in a fresh process that imports torch
 
@@ -186,6 +186,18 @@ def test_a_script_that_builds_no_data_parallel_says_so_and_keeps_its_exit_code()
     assert out.returncode == 3 and out.stdout == "sum 3.0\n"
     run = _only_run()
     assert NO_PARALLEL_NOTE in run.notes["message"].tolist() and run.steps.empty
+
+
+def test_a_script_that_trains_in_spawned_processes_is_told_they_are_out_of_reach():
+    """torch.multiprocessing.spawn's processes are fresh interpreters without dpprof's stand-ins: the run's note says
+    the script started them and how to record them, not that the script built nothing."""
+    out = _dpprof_run(SCRIPTS / "train_spawn.py")
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == ["rank 0 trained", "rank 1 trained"]
+    run = _only_run()
+    notes = run.notes["message"].tolist()
+    assert SPAWNED_NOTE.format("2 processes", "torch.multiprocessing.spawn") in notes, notes
+    assert NO_PARALLEL_NOTE not in notes and run.steps.empty
 
 
 def test_a_script_that_builds_dpprofs_own_dataparallel_is_recorded_without_the_nothing_built_note():
