@@ -697,7 +697,7 @@ def _ops_vs(args: argparse.Namespace, run: object) -> int:
     ranked = re.fullmatch(r"rank:(\d+)", args.vs)
     if args.vs in devices:  # a device of the tables' own name first (an imported trace's may be rank:N)
         other, pick_a = run, Pick(None, args.vs)
-        label_a = args.vs
+        label_a = pick_a.label(run)
     elif ranked and int(ranked.group(1)) in run.model.ranks:  # another rank of this run, by its rank
         other, pick_a = run, Pick(int(ranked.group(1)), None)
         label_a = pick_a.label(run)

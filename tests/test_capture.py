@@ -214,7 +214,11 @@ def test_each_ranks_capture_stores_its_memory_over_time_memory_events_and_module
                  if e.get("cat") == "python_function" and "Python module id" in e.get("args", {})}
         assert set(modules[modules["rank"] == r]["module"]) == named
         assert {"DistributedDataParallel_0", "Linear_0"} <= named
-    # a rank named as a device (rank:N), whatever its tables call its device (cpu:0 on each rank here)
+    # every thread of a rank on CPU is its rank's device, rank:N, as its phases are (not the cpu:0 or host of a
+    # DataParallel process's threads)
+    for table in ("operators", "memory_timeline", "modules"):
+        stored = run.query(f"SELECT DISTINCT device FROM {table}")  # the query adds each file's rank
+        assert sorted(zip(stored["rank"], stored["device"])) == [(0, "rank:0"), (1, "rank:1")], table
     capsys.readouterr()
     assert main(["--reports-dir", str(tmp_path), "ops", "ranks", "--device", "rank:1", "--json"]) == 0
     assert {o["rank"] for o in json.loads(capsys.readouterr().out)["operators"]} == {1}

@@ -253,7 +253,7 @@ def test_the_operators_page_sets_two_ranks_side_by_side(runs, monkeypatch):
     assert not at.exception, [e.message for e in at.exception]
     texts = "\n".join(shown_text(e.value) for e in at.markdown).replace("`", "")
     diff = opdiff.operator_diff(runs.straggler, Pick(0, "rank:0"), runs.straggler, Pick(1, "rank:1"))
-    assert f"rank:1 is {diff['delta_ms'].sum():.1f} ms slower than rank:0" in texts
+    assert f"rank 1 is {diff['delta_ms'].sum():.1f} ms slower than rank 0" in texts
     assert diff.iloc[0]["name"] in texts
     assert len(at.get("plotly_chart")) == 2  # the top operators and the difference
 
@@ -300,7 +300,7 @@ def test_ops_vs_prints_the_pages_sentence_and_the_difference(runs, capsys):
     assert main([*base, runs.straggler.id, "--device", "rank:1", "--vs", "rank:0", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     diff = opdiff.operator_diff(runs.straggler, Pick(None, "rank:0"), runs.straggler, Pick(None, "rank:1"))
-    assert doc["sentence"] == opdiff.diff_sentence(diff, "rank:0", "rank:1", quote="", steps=runs.straggler.model.steps)
+    assert doc["sentence"] == opdiff.diff_sentence(diff, "rank 0", "rank 1", quote="", steps=runs.straggler.model.steps)
     assert [r["name"] for r in doc["operators"]] == diff["name"].head(20).tolist()
     assert [r["delta_ms"] for r in doc["operators"]] == pytest.approx(diff["delta_ms"].head(20).tolist())
     assert main([*base, runs.ddp2.id, "--vs", runs.recorded.id]) == 1  # a run without operators: one line

@@ -187,8 +187,9 @@ class CaptureSession:
 
     def _device_of_thread(self) -> dict[int, str] | None:
         """Each thread's device for the aggregation: CPU workers' threads their own, the training thread
-        TRAINING_THREAD_DEVICE; None on GPUs, where each kernel says its device."""
-        if self.run.backend != "cpu":
+        TRAINING_THREAD_DEVICE; None on GPUs, where each kernel says its device, and for a DDP or FSDP rank, whose
+        threads are its rank's (_process_device)."""
+        if self.run.backend != "cpu":  # GPUs, or a DDP or FSDP rank (its devices are rank:N): _process_device
             return None
         # here, not at the top: dpprof.parallel records into runs (it imports dpprof.recording, which imports this)
         from dpprof.parallel.workers import worker_native_ids
@@ -196,6 +197,11 @@ class CaptureSession:
         out = {tid: f"cpu:{index}" for tid, index in worker_native_ids().items()}
         out[self._training_tid] = TRAINING_THREAD_DEVICE
         return out
+
+    def _process_device(self) -> str | None:
+        """The device of the trace's threads where it shows no GPU: a DDP or FSDP rank's is ``rank:N``, as its
+        phases are (and as an imported rank file's are); None for DataParallel (cpu:0)."""
+        return f"rank:{self.run.rank}" if self.run.rank is not None else None
 
     # -- after the window (the session's own thread) -------------------------------------------------------------
 
@@ -249,7 +255,7 @@ class CaptureSession:
         from dpprof.trace.detail import detail_of_trace
 
         assert self.run.path is not None
-        write_detail(self.run.path, detail_of_trace(trace, device_of_thread),
+        write_detail(self.run.path, detail_of_trace(trace, device_of_thread, process_device=self._process_device()),
                      Capture(steps.first_step, steps.end_step, (os.path.basename(trace),)))
 
     # -- requests (the session's own thread) ---------------------------------------------------------------------

@@ -8,6 +8,8 @@ deltas sum to the difference of the two sides' whole time.
 """
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,9 +37,12 @@ class Pick:
     device: str | None = None
 
     def label(self, run: StoredRun | None = None) -> str:
-        """"cuda:2", "rank 1 cuda:0", or the run's name where the pick is the whole run."""
-        named = self.device is not None and self.device == f"rank:{self.rank}"  # an imported rank names its device "rank:N"
-        parts = [f"rank {self.rank}" if self.rank is not None and not named else "", self.device or ""]
+        """"cuda:2", "rank 1 cuda:0", "rank 1" (a rank's own device, rank:1: a DDP or FSDP rank on CPU, an imported
+        rank file), or the run's name where the pick is the whole run."""
+        own = re.fullmatch(r"rank:(\d+)", self.device or "")  # a rank's own device: said as the rank
+        if own and self.rank in (None, int(own[1])):
+            return f"rank {own[1]}"
+        parts = [f"rank {self.rank}" if self.rank is not None else "", self.device or ""]
         text = " ".join(p for p in parts if p)
         if run is not None and not text:
             return str(run.meta.get("name") or run.id)
