@@ -7,12 +7,19 @@ from typing import Any
 __all__ = ["HOST_OUTPUT", "PHASE_ORDER", "PHASES", "DDP_PHASES", "FSDP_PHASES", "FSDP_ONLY_PHASES", "DP_TAX_PHASES", "MEMORY_BYTES", "SEVERITIES", "SLOWDOWN_REASONS", "device_key", "idle_severity", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
            "DeviceRecord", "NoteRecord", "FindingRecord", "CommRecord", "GpuTimeRecord", "Record",
            "TABLE_OF", "CHECK_OF_ENV", "Row", "PHASE_ROW", "COMM_ROW", "STEP_ROW", "MEMORY_ROW",
-           "RECORD_OF_TABLE", "record_of_row"]
+           "RECORD_OF_TABLE", "record_of_row", "ALL_REDUCE", "ALL_REDUCE_RANGE"]
 
 # ``dpprof advise RUN --check`` sets this in the environment of the runs it records (one per scenario): a run
 # recorded under it stores the id of the run it checks as ``check_of`` in its workload_args, so that listings
 # group it under that run and no page opens on it by default.
 CHECK_OF_ENV = "DPPROF_CHECK_OF"
+
+# What an all-reduce is called wherever it is named: a DistributedDataParallel gradient bucket's collective in a
+# recorded run's comms rows, an imported trace's all-reduce (dpprof.trace.collect.COLLECTIVES), the findings and pages.
+ALL_REDUCE = "all-reduce"
+# The record_function range around each bucket's all-reduce (dpprof.parallel.distributed), and the name an exported
+# trace gives an all-reduce where the run names no torch.distributed backend (dpprof.trace.export).
+ALL_REDUCE_RANGE = "dpprof.allreduce"
 
 # Phase names, in the order a step runs them; record_function ranges are "dpprof.<phase>".
 PHASES = ("scatter", "replicate", "parallel_apply", "apply", "gather", "loss", "reduce", "backward")

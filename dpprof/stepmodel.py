@@ -25,6 +25,8 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
+from dpprof.records import ALL_REDUCE
+
 __all__ = ["Part", "DATAPARALLEL_PARTS", "PROCESS_PARTS", "FSDP_PARTS", "GPU_PARTS", "REST", "IDLE", "SHARED_PARTS", "SHARED_OF",
            "PHASE_WORDS", "SHARED_PART_WORDS", "parts_for", "part_names", "partition", "partition_one"]
 
@@ -69,7 +71,7 @@ SHARED_OF = {
 # The words for a phase whose name is not one, wherever a phase is named for people (charts' legends, dpprof advise,
 # the advisor's notes). A place that says more about a phase (a legend's "loss (output device)") adds to these.
 PHASE_WORDS = {"parallel_apply": "apply (all devices)", "backward_compute": "backward compute",
-               "comm_wait": "all-reduce wait", "all_gather_wait": "all-gather wait",
+               "comm_wait": f"{ALL_REDUCE} wait", "all_gather_wait": "all-gather wait",
                "reduce_scatter_wait": "reduce-scatter wait", "copy_in": "FSDP copy-in", "copy_out": "FSDP copy-out"}
 # The shared parts as a sentence names them (Compare's differences); the others by their own names.
 SHARED_PART_WORDS = {REST: "the rest of the step", "exposed communication": "exposed communication (the wait for it)",

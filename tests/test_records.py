@@ -1,11 +1,13 @@
 """Record types: the field order the hot path builds records in positionally, and the shared names."""
 from __future__ import annotations
 
+import ast
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
-from dpprof.records import (MEMORY_BYTES, AllocatorRecord, CommRecord, DeviceMemoryRecord, PhaseRecord, StepRecord,
+from dpprof.records import (ALL_REDUCE, ALL_REDUCE_RANGE, MEMORY_BYTES, AllocatorRecord, CommRecord, DeviceMemoryRecord, PhaseRecord, StepRecord,
                             device_key)
 
 # Records built positionally on the hot path, or written there as rows (dpprof.records.Row: the table, then the
@@ -31,6 +33,18 @@ def test_positional_records_keep_their_field_order(record_type, order):
 def test_memory_bytes_are_the_memory_records_byte_fields():
     assert MEMORY_BYTES == ("input_bytes", "output_bytes", "activation_bytes", "gathered_bytes", "param_bytes",
                             "buffer_bytes")
+
+
+def test_the_all_reduce_is_named_in_records_alone():
+    """The word for an all-reduce (a recorded DDP bucket's, an imported trace's, the findings' and the pages') and the
+    range around a bucket's all-reduce are written out once, in dpprof/records.py; every other module takes them
+    from there."""
+    root = Path(__file__).resolve().parents[1] / "dpprof"
+    spelled = {ALL_REDUCE, ALL_REDUCE_RANGE}
+    found = sorted(f"{f.relative_to(root)}:{node.lineno} {node.value!r}" for f in root.rglob("*.py")
+                   if f.name != "records.py" for node in ast.walk(ast.parse(f.read_text()))
+                   if isinstance(node, ast.Constant) and node.value in spelled)
+    assert found == []
 
 
 def test_devices_sort_by_kind_then_index():

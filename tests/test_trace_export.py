@@ -205,7 +205,12 @@ def test_an_fsdp_run_reads_back_as_fsdp_with_its_phases_and_collectives(runs, tm
     reduce-scatters, its FSDP collectives table, and a note of what the file does not carry."""
     run = dpprof.load_run(runs.ids["fsdp"], runs.dir)
     assert run.model.kind == "fsdp"
-    _, written, _ = _export(run, tmp_path)
+    _, written, docs = _export(run, tmp_path)
+    # its all-gathers and reduce-scatters lie on the lane of every collective, named so (not "all-reduce")
+    for doc in docs:
+        lanes = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
+        on = {lanes[e["tid"]] for e in doc["traceEvents"] if e.get("ph") == "X" and e["name"].startswith("gloo:")}
+        assert on == {"collectives"}
     back = dpprof.load_run(import_traces([w.path for w in written], tmp_path / "back").id, tmp_path / "back")
     assert {"copy_in", "all_gather_wait", "copy_out", "reduce_scatter_wait"} <= set(back.phases["phase"])
     assert back.model.sharded and back.model.fsdp_phases and "FSDP" in back.model.title

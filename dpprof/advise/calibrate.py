@@ -31,6 +31,7 @@ from datetime import datetime, timezone
 import torch
 
 from dpprof.advise.calibration_cache import Calibration, save_calibration
+from dpprof.records import ALL_REDUCE
 
 __all__ = ["calibrate", "effective_cores", "refresh_load", "ALLREDUCE_SIZES_BYTES"]
 
@@ -367,7 +368,7 @@ def calibrate(devices: int, save: bool = True, progress: bool = False) -> Calibr
             tick(f"balanced x{k}")
         gloo = _gloo(max(2, devices))
         tick("gloo all-reduce")
-        spread["all-reduce"] = gloo["allreduce_spread"]
+        spread[ALL_REDUCE] = gloo["allreduce_spread"]
         sync, overhead, spread["ddp wait"] = _ddp_step(max(2, devices))
         tick("DDP step")
     calibration = Calibration(

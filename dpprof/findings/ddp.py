@@ -10,11 +10,12 @@ import pandas as pd
 from dpprof.findings.base import Tables, finding
 from dpprof.findings.dataparallel import straggler_row, straggler_verdict
 from dpprof.findings.floors import CRITICAL_STEP_SHARE, cost_text, worth_time
+from dpprof.records import ALL_REDUCE
 from dpprof.stepmodel import partition
 from dpprof.units import mib
 
 __all__ = ["COMM_SHARE_WARN", "FEW_BUCKETS", "MANY_BUCKETS", "SMALL_BUCKET_BYTES", "straggler_rank",
-           "communication", "uneven_inputs", "union_ms", "overlapped_ms", "collective_busy", "BUCKETS"]
+           "communication", "uneven_inputs", "union_ms", "overlapped_ms", "collective_busy"]
 
 # All-reduce busy more than 20% of the step is worth acting on.
 COMM_SHARE_WARN = 0.20
@@ -81,9 +82,6 @@ def overlapped_ms(comms: pd.DataFrame, compute: pd.DataFrame) -> dict[tuple[Any,
     return out
 
 
-BUCKETS = "all-reduce"  # what a recorded DDP run's comms are (collective None): its gradient buckets' all-reduce
-
-
 def collective_busy(comms: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     """The time collectives were in flight in each step of each device, in ms: the union of their spans clipped
     to the step's window (several in flight count once; one still running when the next step starts counts in
@@ -100,7 +98,7 @@ def collective_busy(comms: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     """
     if comms.empty or steps.empty:
         return pd.DataFrame(columns=["step", "device", "window_ms", "busy_ms"])
-    comms = comms.assign(collective=comms["collective"].fillna(BUCKETS), rank=comms.get("rank", 0))
+    comms = comms.assign(collective=comms["collective"].fillna(ALL_REDUCE), rank=comms.get("rank", 0))
     steps = steps.assign(rank=steps.get("rank", 0)).sort_values(["rank", "start_ms"])
     kinds = comms.assign(ms=comms["duration_ms"]).groupby("collective")["ms"].sum().sort_values(
         ascending=False, kind="stable").index.tolist()

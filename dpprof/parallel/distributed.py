@@ -28,7 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from dpprof.device_ids import rank_devices
 from dpprof.parallel.probe import ForwardProbe, allocator_bytes, cuda_event, gpu_of, iter_tensors, rank_part
 from dpprof.recording import Run, current_run
-from dpprof.records import COMM_ROW, AllocatorRecord
+from dpprof.records import ALL_REDUCE_RANGE, COMM_ROW, AllocatorRecord
 
 __all__ = ["DistributedDataParallel"]
 
@@ -168,7 +168,7 @@ def _timed_hook(owner: DistributedDataParallel, inner: Callable[[Any, Any], Any]
         launch = time.perf_counter_ns()
         probe.launched(launch)
         index, nbytes = bucket.index(), bucket.buffer().numel() * bucket.buffer().element_size()
-        with record_function("dpprof.allreduce"):
+        with record_function(ALL_REDUCE_RANGE):
             fut = inner(state, bucket)
 
         def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:

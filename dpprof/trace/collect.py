@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from dpprof.records import ALL_REDUCE
 from dpprof.trace.numbers import (MAX_BYTES, MAX_GPU_INDEX, MAX_STEP, MAX_STEP_DIGITS, MAX_TIME_US,
                                   base_time_problem, distributed_problem, is_time, shown, slack_us, time_problem, whole)
 from dpprof.trace.decode import Event, OddEvent, TraceError, TraceFile
@@ -51,7 +52,7 @@ WRAPPER_FORWARDS = ("DataParallel.forward", "DistributedDataParallel.forward")
 # What a collective is, from its op's name (nccl:_reduce_scatter_base), its kernel's (ncclDevKernel_AllGather_RING_LL,
 # RCCL's the same) or the kernel's "Collective name" arg (allreduce): the first pattern found in the name, once
 # lower-cased and stripped of "_", "-" and " ", wins (reduce-scatter before all-reduce's "reduce").
-COLLECTIVES = (("reducescatter", "reduce-scatter"), ("allreduce", "all-reduce"), ("allgather", "all-gather"),
+COLLECTIVES = (("reducescatter", "reduce-scatter"), ("allreduce", ALL_REDUCE), ("allgather", "all-gather"),
                ("alltoall", "all-to-all"), ("broadcast", "broadcast"), ("sendrecv", "send/recv"),
                ("send", "send/recv"), ("recv", "send/recv"), ("barrier", "barrier"), ("reduce", "reduce"),
                ("gather", "gather"), ("scatter", "scatter"))

@@ -13,10 +13,10 @@ What the file holds:
   the run's device order. Its threads are lanes: ``steps`` (``ProfilerStep#N``, on the device that drives the
   steps), ``host`` (the phases the calling thread runs: scatter, replicate, parallel_apply, gather, loss, reduce,
   backward; a rank's data, forward, backward and its parts, optimizer), ``replica`` (the replica's apply),
-  ``all-reduce`` (DDP's bucket all-reduces from launch to completion; an imported trace's collectives) and
-  ``allocator`` (the CUDA allocator's readings as Kineto's ``[memory]`` events). Slices of one lane either nest
-  or are disjoint: one that would cross another goes to a lane of its own (``host #2``), since Perfetto drops
-  slices that cross.
+  ``collectives`` (DDP's bucket all-reduces and FSDP's all-gathers and reduce-scatters from launch to completion;
+  an imported trace's collectives) and ``allocator`` (the CUDA allocator's readings as Kineto's ``[memory]``
+  events). Slices of one lane either nest or are disjoint: one that would cross another goes to a lane of its own
+  (``host #2``), since Perfetto drops slices that cross.
 - Every phase as a complete event (``"ph": "X"``) named as its profiler range (``dpprof.scatter``,
   ``dpprof.apply``, ...), with ``step`` and ``call`` in ``args``; its host time is the slice, its CUDA event time
   ``args.device_duration_ms`` (CUDA runs).
@@ -51,7 +51,7 @@ import numpy as np
 import pandas as pd
 
 from dpprof.outputs import Outputs
-from dpprof.records import MEMORY_BYTES, device_key
+from dpprof.records import ALL_REDUCE_RANGE, MEMORY_BYTES, device_key
 from dpprof.store import trace_rows
 from dpprof.store.reader import StoredRun
 from dpprof.trace.readback import EXPORT_KEY, EXPORT_VERSION, THREADS_KEY
@@ -70,7 +70,7 @@ METADATA_EVENTS = 12  # per device: its process's name and order, and its lanes'
 EVENT_BYTES = 190  # mean JSON bytes of one event as written (measured on recorded runs: 150-210)
 SAMPLE_ROWS_PER_QUERY = 50_000  # NVML samples read at a time
 # Lanes of a device's process, in the order they are listed; a phase runs on the host lane but for apply.
-LANES = ("steps", "host", "replica", "all-reduce", "allocator")
+LANES = ("steps", "host", "replica", "collectives", "allocator")
 TID_STRIDE = 1_000  # thread ids are pid * TID_STRIDE + lane: unique in the file (dpprofThreads maps them)
 # NVML's metrics as counters: the counter's name (its unit in it) -> the gpu_samples columns it shows.
 SAMPLE_COUNTERS = {
@@ -509,7 +509,7 @@ class _TraceWriter:
             if len(run.devices) else set()  # the devices the run's inventory says are GPUs
         self.allocated: dict[str, int] = {}  # device -> the Total Allocated of its last [memory] event written
         self.left_out = 0  # rows whose time cannot be written (NaN, infinite: the store should not hold them)
-        self.collective = f"{backend}:all_reduce" if backend in ("gloo", "nccl", "mpi", "ucc") else "dpprof.allreduce"
+        self.collective = f"{backend}:all_reduce" if backend in ("gloo", "nccl", "mpi", "ucc") else ALL_REDUCE_RANGE
 
     def process(self, device: str) -> int:
         """The pid of a device, naming its process the first time."""
@@ -587,7 +587,7 @@ class _TraceWriter:
             args = {"step": step, "bucket": _int(bucket), "bucket_bytes": _int(nbytes)}
             if ":" in name and args["bucket_bytes"] is not None:  # Kineto's collective args: bytes as Byte elements
                 args.update({"In msg nelems": args["bucket_bytes"], "dtype": "Byte"})
-            slices.append((start, -end, self.process(device), device, "all-reduce", end, json.dumps(name), _json(args)))
+            slices.append((start, -end, self.process(device), device, "collectives", end, json.dumps(name), _json(args)))
         slices.sort(key=lambda x: (x[0], x[1]))
         event, place = self.out.event, self.lanes.place
         for start, _, pid, device, lane, end, name, args in slices:

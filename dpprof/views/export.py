@@ -12,8 +12,8 @@ import pandas as pd
 
 from dpprof.csvfile import meta_frame, to_csv_bytes
 from dpprof.findings import run_findings
-from dpprof.findings.collectives import DDP_BUCKETS
 from dpprof.outputs import Outputs
+from dpprof.records import ALL_REDUCE
 from dpprof.report import summary_of
 from dpprof.store import detail_rows, queries, table_rows
 from dpprof.store.reader import TABLES, StoredRun
@@ -151,7 +151,7 @@ def export_table(run: StoredRun, name: str) -> pd.DataFrame:
     if name == "comms" and run.model.kind == "ddp":  # a recorded DDP run's rows are its buckets' all-reduce
         comms = table_rows.whole_table(run, name)
         return comms.assign(collective=comms["collective"].astype(object).where(comms["collective"].notna(),
-                                                                                DDP_BUCKETS))
+                                                                                ALL_REDUCE))
     if name in TABLES:
         return table_rows.whole_table(run, name)
     if name in _aggregates(run):
