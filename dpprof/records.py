@@ -17,8 +17,7 @@ CHECK_OF_ENV = "DPPROF_CHECK_OF"
 # What an all-reduce is called wherever it is named: a DistributedDataParallel gradient bucket's collective in a
 # recorded run's comms rows, an imported trace's all-reduce (dpprof.trace.collect.COLLECTIVES), the findings and pages.
 ALL_REDUCE = "all-reduce"
-# The record_function range around each bucket's all-reduce (dpprof.parallel.distributed), and the name an exported
-# trace gives an all-reduce where the run names no torch.distributed backend (dpprof.trace.export).
+# The record_function range around each bucket's all-reduce (dpprof.parallel.distributed).
 ALL_REDUCE_RANGE = "dpprof.allreduce"
 
 # Phase names, in the order a step runs them; record_function ranges are "dpprof.<phase>".
@@ -205,8 +204,10 @@ class CommRecord:
     bucket_bytes: int | None  # None: an imported collective whose kernel and op both give no size
     launch_ms: float  # since the run started: when the bucket was ready and its all-reduce launched
     duration_ms: float  # launch to completion (the future's callback)
-    collective: str | None = None  # what it is (imported traces): all-reduce, reduce-scatter, all-gather, all-to-all,
-    # broadcast, send/recv (dpprof.trace.collect.collective_name); None: DDP's bucket all-reduce
+    collective: str | None = None  # what it is: a DDP bucket's ALL_REDUCE; FSDP's all-gather, reduce-scatter; an
+    # imported trace's all-reduce, reduce-scatter, all-gather, all-to-all, broadcast, send/recv
+    # (dpprof.trace.collect.collective_name). None only in a file written before dpprof stored a DDP bucket's: the
+    # reader names it (dpprof.store.reader.named_collectives)
 
 
 @dataclass(frozen=True, slots=True)

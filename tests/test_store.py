@@ -21,9 +21,10 @@ from torch import nn
 import dpprof
 from dpprof.store.reader import RunFileError
 from dpprof.cli import main
-from dpprof.records import (COMM_ROW, MEMORY_ROW, PHASE_ROW, STEP_ROW, CommRecord, DeviceMemoryRecord, PhaseRecord,
-                            StepRecord, record_of_row)
+from dpprof.records import (ALL_REDUCE, COMM_ROW, MEMORY_ROW, PHASE_ROW, STEP_ROW, CommRecord, DeviceMemoryRecord,
+                            PhaseRecord, StepRecord, record_of_row)
 from dpprof.store import writer
+from dpprof.store.collective_rows import rank_collectives
 from dpprof.store.writer import SqliteSink
 from dpprof.views.text import dropped_records
 from recorded import killed_child, record_until_killed
@@ -306,3 +307,32 @@ def test_a_file_older_than_a_table_or_column_the_schema_added_still_reads(report
         "step", "device", "bucket", "bucket_bytes", "launch_ms", "duration_ms", "collective", "rank"]
     assert stored.gpu_time.empty
     assert len(stored.steps) == 2
+
+
+def test_a_ddp_run_stores_what_its_collectives_are_and_an_older_file_reads_the_same(profiled, tmp_path, capsys):
+    """A recorded DDP rank stores each bucket's collective (records.ALL_REDUCE) as it records it; a run file written
+    before, whose comms hold NULL there, reads the same everywhere: its comms table, the collectives the straggler
+    matching streams (store.collective_rows), every CSV of dpprof export and dpprof show."""
+    new, old = tmp_path / "new", tmp_path / "old"
+    profiled(new, "tutorial-linear", "--ddp", "--nproc", "2", "--steps", "4")  # recorded once a session
+    profiled(old, "tutorial-linear", "--ddp", "--nproc", "2", "--steps", "4")
+    [run_id] = dpprof.list_runs(new)["id"]
+    for path in sorted(old.glob("*.sqlite")):
+        with sqlite3.connect(path) as con:
+            assert {c for (c,) in con.execute("SELECT DISTINCT collective FROM comms")} == {ALL_REDUCE}
+            con.execute("UPDATE comms SET collective = NULL")  # as every DDP run recorded before stored it
+        con.close()
+    read = {}
+    for directory in (new, old):
+        run = dpprof.load_run(run_id, directory)
+        assert main(["--reports-dir", str(directory), "export", run_id, "--out", str(directory / "csv")]) == 0
+        capsys.readouterr()  # the files it wrote
+        assert main(["--reports-dir", str(directory), "show", run_id]) == 0
+        read[directory] = (run.comms, [rows for _, rows in rank_collectives(run)], capsys.readouterr().out,
+                           {p.name: p.read_bytes() for p in sorted((directory / "csv").glob("*.csv"))})
+    assert set(read[old][0]["collective"]) == {ALL_REDUCE} and len(read[old][0]) >= 8
+    pd.testing.assert_frame_equal(read[old][0], read[new][0])
+    for mine, theirs in zip(read[old][1], read[new][1], strict=True):
+        pd.testing.assert_frame_equal(mine, theirs)
+    assert read[old][2] == read[new][2]
+    assert read[old][3] == read[new][3] and b"all-reduce" in read[old][3]["comms.csv"]

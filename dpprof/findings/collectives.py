@@ -25,7 +25,6 @@ import pandas as pd
 
 from dpprof.findings.base import MEDIAN_STEP, Tables
 from dpprof.findings.floors import STEP_SHARE_FLOOR, TIME_FLOOR_MS, worth_time
-from dpprof.records import ALL_REDUCE
 
 __all__ = ["KEY", "STRAGGLER_WAIT_SHARE", "STRAGGLER_WAIT_SHARE_CPU", "STRAGGLER_STEP_SHARE",
            "CollectiveWaits", "CollectiveVerdict", "keyed", "match_collectives", "collective_waits",
@@ -46,7 +45,6 @@ def keyed(frame: pd.DataFrame) -> pd.DataFrame:
     """One rank's collectives with their matching key: step, collective (a recorded DDP bucket's: all-reduce),
     ordinal (that collective's calls in the step, in launch order), launch_ms, duration_ms."""
     f = frame[["step", "launch_ms", "duration_ms", "collective"]].copy()
-    f["collective"] = f["collective"].astype(object).where(f["collective"].notna(), ALL_REDUCE)
     f = f.sort_values(["step", "launch_ms"], kind="stable").reset_index(drop=True)
     f["ordinal"] = f.groupby(["step", "collective"]).cumcount()
     return f

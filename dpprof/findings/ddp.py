@@ -10,7 +10,6 @@ import pandas as pd
 from dpprof.findings.base import Tables, finding
 from dpprof.findings.dataparallel import straggler_row, straggler_verdict
 from dpprof.findings.floors import CRITICAL_STEP_SHARE, cost_text, worth_time
-from dpprof.records import ALL_REDUCE
 from dpprof.stepmodel import partition
 from dpprof.units import mib
 
@@ -94,11 +93,11 @@ def collective_busy(comms: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
 
     Returns:
         columns step, device, window_ms, busy_ms and one ``<collective>`` column (ms) per kind, most time first;
-        a recorded DDP run's bucket all-reduces are "all-reduce".
+        a recorded DDP run's bucket all-reduces are records.ALL_REDUCE.
     """
     if comms.empty or steps.empty:
         return pd.DataFrame(columns=["step", "device", "window_ms", "busy_ms"])
-    comms = comms.assign(collective=comms["collective"].fillna(ALL_REDUCE), rank=comms.get("rank", 0))
+    comms = comms.assign(rank=comms.get("rank", 0))
     steps = steps.assign(rank=steps.get("rank", 0)).sort_values(["rank", "start_ms"])
     kinds = comms.assign(ms=comms["duration_ms"]).groupby("collective")["ms"].sum().sort_values(
         ascending=False, kind="stable").index.tolist()
@@ -147,7 +146,7 @@ def communication(t: Tables) -> list[dict]:
     overlap = min(1.0, sum(overlapped) / busy_table["busy_ms"].sum()) if busy_table["busy_ms"].sum() else 0.0
     exposed_ms = comm_ms * (1 - overlap)
     kinds = [k for k in busy_table.columns if k not in ("step", "device", "window_ms", "busy_ms")]
-    named = comms["collective"].notna().any()  # an imported trace: say what its collectives are
+    named = t.model.imported  # an imported trace: say what its collectives are (a recorded run's: its gradient buckets')
     what = "collectives" if named else "gradient all-reduce"
     each = ": " + ", ".join(f"{k} {busy_table[k].mean():.2f} ms" for k in kinds) if named else ""
     findings = []

@@ -28,7 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from dpprof.device_ids import rank_devices
 from dpprof.parallel.probe import ForwardProbe, allocator_bytes, cuda_event, gpu_of, iter_tensors, rank_part
 from dpprof.recording import Run, current_run
-from dpprof.records import ALL_REDUCE_RANGE, COMM_ROW, AllocatorRecord
+from dpprof.records import ALL_REDUCE, ALL_REDUCE_RANGE, COMM_ROW, AllocatorRecord
 
 __all__ = ["DistributedDataParallel"]
 
@@ -116,9 +116,9 @@ class _RankProbe:
 
     def comm(self, bucket: int, nbytes: int, launch_ns: int, done_ns: int) -> None:
         # a row (dpprof.records.Row): COMM_ROW, then CommRecord's step, device, bucket, bucket_bytes, launch_ms,
-        # duration_ms, collective (None: DDP's bucket all-reduce)
+        # duration_ms, collective
         self.run.emit((COMM_ROW, self.step.index, self.label, bucket, nbytes, self.run.ms(launch_ns),
-                       (done_ns - launch_ns) / 1e6, None))
+                       (done_ns - launch_ns) / 1e6, ALL_REDUCE))
         with self.lock:
             self.completions.append(done_ns)
         self._maybe_finish_backward()

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pandas as pd
 
-from dpprof.store.reader import RunFileError, StoredRun
+from dpprof.store.reader import RunFileError, StoredRun, named_collectives
 
 __all__ = ["rank_collectives"]
 
@@ -19,8 +19,8 @@ def rank_collectives(run: StoredRun) -> Iterator[tuple[int, pd.DataFrame]]:
     for path in run.paths:
         with run.connect(path) as con:
             try:
-                rows = pd.read_sql_query("SELECT step, launch_ms, duration_ms, collective FROM comms "
-                                         f"WHERE {sampled}", con)
+                rows = named_collectives(pd.read_sql_query("SELECT step, launch_ms, duration_ms, collective FROM comms "
+                                                           f"WHERE {sampled}", con))
             except (sqlite3.DatabaseError, pd.errors.DatabaseError) as err:
                 raise RunFileError(f"{path.name}: corrupt comms: {err}") from None
         yield run.file_rank(path), rows

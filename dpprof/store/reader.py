@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from dpprof.records import ALL_REDUCE
 from dpprof.store.faults import RunFileError
 from dpprof.store.files import RANK_FILE, SIDE_FILES, SQLITE_HEADER
 from dpprof.store.schema import AGGREGATE_TABLES, CHECKED_TABLES, FORMAT, RECORD_TABLES, SCHEMA_VERSION, TABLES, columns_of
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RUN_SUFFIX", "list_runs", "read_run_file", "checks_under_their_runs", "load_run", "StoredRun", "RunFileError",
            "reports_dir", "HEARTBEAT_TIMEOUT_S", "FULL_DISK_FREE_BYTES", "CHECKED_TABLES", "why_not_regular", "file_damage",
-           "effective_status", "integrity_problem"]
+           "effective_status", "integrity_problem", "named_collectives"]
 
 RUN_SUFFIX = ".sqlite"
 # torch.profiler traces waiting to be imported (dpprof import; the Runs page lists them), not runs
@@ -40,6 +41,17 @@ _damage_lock = threading.Lock()
 # a live run file's last check: its inode, each record table's largest rowid checked, and the damage found
 _live_scans: dict[str, tuple[int, dict[str, int], list[TableDamage]]] = {}
 READS = ("auto", "rows", "aggregates")  # load_run's read: where a run's figures come from
+
+
+def named_collectives(rows: pd.DataFrame) -> pd.DataFrame:
+    """Rows read from a comms table, each collective named: a file written before dpprof stored what a recorded DDP
+    bucket's collective is holds NULL there, and a gradient bucket's all-reduce is all it can be (no other row was
+    ever stored unnamed), so it reads as ``records.ALL_REDUCE``, as the run's files recorded since store it."""
+    if "collective" in rows.columns and rows["collective"].isna().any():
+        # as a column of names reads (pandas' str dtype), not one that was NULL throughout (object)
+        rows["collective"] = rows["collective"].astype(object).where(rows["collective"].notna(),
+                                                                     ALL_REDUCE).infer_objects()
+    return rows
 
 
 def reports_dir(path: str | os.PathLike[str] | None = None) -> Path:
@@ -313,7 +325,7 @@ class StoredRun:
         for rank, path in enumerate(self.paths):
             with self.connect(path) as con:
                 try:
-                    df = pd.read_sql_query(sql, con, params=params)
+                    df = named_collectives(pd.read_sql_query(sql, con, params=params))
                 except (sqlite3.DatabaseError, pd.errors.DatabaseError) as err:
                     raise RunFileError(f"{path.name}: corrupt {what}: {err}") from None
             df["rank"] = self._file_rank(path)

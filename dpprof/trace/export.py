@@ -51,7 +51,7 @@ import numpy as np
 import pandas as pd
 
 from dpprof.outputs import Outputs
-from dpprof.records import ALL_REDUCE_RANGE, MEMORY_BYTES, device_key
+from dpprof.records import MEMORY_BYTES, device_key
 from dpprof.store import trace_rows
 from dpprof.store.reader import StoredRun
 from dpprof.trace.readback import EXPORT_KEY, EXPORT_VERSION, THREADS_KEY
@@ -509,7 +509,8 @@ class _TraceWriter:
             if len(run.devices) else set()  # the devices the run's inventory says are GPUs
         self.allocated: dict[str, int] = {}  # device -> the Total Allocated of its last [memory] event written
         self.left_out = 0  # rows whose time cannot be written (NaN, infinite: the store should not hold them)
-        self.collective = f"{backend}:all_reduce" if backend in ("gloo", "nccl", "mpi", "ucc") else ALL_REDUCE_RANGE
+        # Kineto names a collective's op <backend>:<op> (gloo:all_reduce): the run's backend, where it is one
+        self.backend = backend if backend in ("gloo", "nccl", "mpi", "ucc") else None
 
     def process(self, device: str) -> int:
         """The pid of a device, naming its process the first time."""
@@ -581,9 +582,9 @@ class _TraceWriter:
                 self.left_out += 1
                 continue
             start, end = span
-            name = collective if isinstance(collective, str) and collective else self.collective
-            if ":" not in name and ":" in self.collective:  # an imported trace's "all-reduce": Kineto's nccl:all_reduce
-                name = f"{self.collective.split(':')[0]}:{name.replace('-', '_').replace('/', '_')}"
+            name = str(collective)  # every row's is named (dpprof.store.reader.named_collectives)
+            if ":" not in name and self.backend is not None:  # DDP's all-reduce, FSDP's all-gather: gloo:all_gather
+                name = f"{self.backend}:{name.replace('-', '_').replace('/', '_')}"
             args = {"step": step, "bucket": _int(bucket), "bucket_bytes": _int(nbytes)}
             if ":" in name and args["bucket_bytes"] is not None:  # Kineto's collective args: bytes as Byte elements
                 args.update({"In msg nelems": args["bucket_bytes"], "dtype": "Byte"})

@@ -13,7 +13,6 @@ import pandas as pd
 from dpprof.csvfile import meta_frame, to_csv_bytes
 from dpprof.findings import run_findings
 from dpprof.outputs import Outputs
-from dpprof.records import ALL_REDUCE
 from dpprof.report import summary_of
 from dpprof.store import detail_rows, queries, table_rows
 from dpprof.store.reader import TABLES, StoredRun
@@ -148,10 +147,6 @@ def export_table(run: StoredRun, name: str) -> pd.DataFrame:
         return queries.phase_totals(run)
     if name in KIND_TABLES and _of_kind(run, KIND_TABLES[name][0]):
         return fsdp_collective_table(run)
-    if name == "comms" and run.model.kind == "ddp":  # a recorded DDP run's rows are its buckets' all-reduce
-        comms = table_rows.whole_table(run, name)
-        return comms.assign(collective=comms["collective"].astype(object).where(comms["collective"].notna(),
-                                                                                ALL_REDUCE))
     if name in TABLES:
         return table_rows.whole_table(run, name)
     if name in _aggregates(run):

@@ -12,7 +12,7 @@ from dpprof.findings.ddp import collective_busy, overlapped_ms
 from dpprof.findings.collectives import match_collectives, wait_heatmap
 from dpprof.findings.dataparallel import MEMORY_SKEW_RATIO
 from dpprof.findings.floors import MEMORY_FLOOR_BYTES
-from dpprof.records import ALL_REDUCE, DP_TAX_PHASES
+from dpprof.records import DP_TAX_PHASES
 from dpprof.store import queries
 from dpprof.store.collective_rows import rank_collectives
 from dpprof.store.model import RunModel
@@ -222,7 +222,7 @@ def comm_stats(run: StoredRun) -> pd.DataFrame:
                                                    sent_per_step_bytes=("bytes", "mean"), busy_ms=("busy", "mean"),
                                                    overlap=("overlap", "mean"))
     per["overlap_pct"] = (100 * per["overlap"] / per["busy_ms"].where(per["busy_ms"] > 0)).clip(upper=100)
-    names = comms.assign(collective=comms["collective"].fillna(ALL_REDUCE)).groupby("device")["collective"].agg(set)
+    names = comms.groupby("device")["collective"].agg(set)
     per["collectives"] = [", ".join(k for k in kinds if k in names.get(d, set())) for d in per.index]
     per = per.reindex([d for d in run.model.devices if d in per.index])
     return per.reset_index()[cols]
