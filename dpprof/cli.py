@@ -1022,7 +1022,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "in the reports directory was imported from one of them (same name and size) without "
                        "--again.")
     p.add_argument("sources", nargs="+", metavar="TRACE_OR_DIR", help="trace files, or directories of them")
-    p.add_argument("--name", default=None, help="a name for the run (default: the first file's name)")
+    p.add_argument("--name", default=None, help="a name for the run (default: the name of the run dpprof export "
+                   "wrote the files of, else the first file's name)")
     p.add_argument("--again", action="store_true",
                    help="import files a run in the reports directory was imported from already, as another run")
     p.add_argument("--jobs", type=_positive_int, default=None, metavar="N",

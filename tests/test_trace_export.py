@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import shutil
 import sqlite3
 import sys
 import zipfile
@@ -27,6 +28,7 @@ from dpprof.trace import TraceError, import_traces
 from dpprof.trace.export import MEMORY_COUNTER, export_trace, parse_steps, plan_trace, rank_path
 from dpprof.trace.readback import EXPORT_KEY
 from dpprof.views import export as export_view
+from dpprof.views.compare import default_compare
 from dpprof.views.fsdp import fsdp_collective_table
 from recorded import BUS, record, record_straggler, record_with_gpu_samples
 
@@ -166,6 +168,8 @@ def check_round_trip(run, plan, paths: list[Path], reports: Path) -> None:
         assert ((read - mine).abs() <= 2e-6).all(), pd.concat([mine, read], axis=1)[(read - mine).abs() > 2e-6]
     assert list(back.model.devices) == list(run.model.devices)
     assert back.model.dataparallel == run.model.dataparallel  # DataParallel's phases read back as DataParallel's
+    # the run it was, by name and workload (not the file's): Compare pairs the two
+    assert (back.meta["name"], back.meta["workload"]) == (run.meta["name"], run.meta["workload"])
     check_allocator_peaks(run, back, written)
 
 
@@ -205,13 +209,21 @@ def test_an_fsdp_run_reads_back_as_fsdp_with_its_phases_and_collectives(runs, tm
     reduce-scatters, its FSDP collectives table, and a note of what the file does not carry."""
     run = dpprof.load_run(runs.ids["fsdp"], runs.dir)
     assert run.model.kind == "fsdp"
-    _, written, docs = _export(run, tmp_path)
+    _, written, docs = _export(run, tmp_path, "exported-fsdp.json.gz")
     # its all-gathers and reduce-scatters lie on the lane of every collective, named so (not "all-reduce")
     for doc in docs:
         lanes = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
         on = {lanes[e["tid"]] for e in doc["traceEvents"] if e.get("ph") == "X" and e["name"].startswith("gloo:")}
         assert on == {"collectives"}
-    back = dpprof.load_run(import_traces([w.path for w in written], tmp_path / "back").id, tmp_path / "back")
+    reports = tmp_path / "back"
+    reports.mkdir()
+    for path in run.paths:  # the original beside the run read back
+        shutil.copy2(path, reports / path.name)
+    back = dpprof.load_run(import_traces([w.path for w in written], reports).id, reports)
+    # the run it was, not the file's name ("exported-fsdp"): Compare opens on the two, the older as its baseline
+    assert back.meta["workload"] == run.meta["workload"] == "tutorial-linear"
+    assert back.meta["name"] == run.meta["name"] and back.id != run.id
+    assert default_compare(dpprof.list_runs(reports), back.id) == ([run.id, back.id], None)
     assert {"copy_in", "all_gather_wait", "copy_out", "reduce_scatter_wait"} <= set(back.phases["phase"])
     assert back.model.sharded and back.model.fsdp_phases and "FSDP" in back.model.title
     assert back.model.work == run.model.work  # each rank's work as the recorded run's: forward + backward, inside

@@ -5,10 +5,10 @@ What the file holds:
 
 - Kineto's top-level fields: ``schemaVersion``, ``deviceProperties`` (the run's GPUs), ``distributedInfo`` (a
   rank's file), ``traceEvents``, ``traceName``, ``displayTimeUnit``, ``baseTimeNanoseconds`` (when the run
-  started: ``ts`` and ``dur`` are microseconds since then); and dpprof's: ``dpprofExport`` (the run, its kind and
-  devices, the CUDA index of each GPU among them, which steps the file holds and why) and, after the events,
-  ``dpprofThreads`` (the device of each thread id, so that ``dpprof import`` reads the file back exactly:
-  dpprof.trace.readback).
+  started: ``ts`` and ``dur`` are microseconds since then); and dpprof's: ``dpprofExport`` (the run, its name,
+  workload, kind and devices, the CUDA index of each GPU among them, which steps the file holds and why) and, after
+  the events, ``dpprofThreads`` (the device of each thread id, so that ``dpprof import`` reads the file back
+  exactly: dpprof.trace.readback).
 - A process per device (or rank), named by ``process_name`` metadata and ordered by ``process_sort_index`` in
   the run's device order. Its threads are lanes: ``steps`` (``ProfilerStep#N``, on the device that drives the
   steps), ``host`` (the phases the calling thread runs: scatter, replicate, parallel_apply, gather, loss, reduce,
@@ -749,7 +749,8 @@ def write_trace(run: StoredRun, target: str | os.PathLike[str] | IO[bytes], plan
         if info:
             head["distributedInfo"] = info
         head[EXPORT_KEY] = {
-            "version": EXPORT_VERSION, "run": run.id, "name": run.meta.get("name"), "kind": model.kind,
+            "version": EXPORT_VERSION, "run": run.id, "name": run.meta.get("name"),
+            "workload": run.meta.get("workload"), "kind": model.kind,
             "title": model.title, "devices": writer.devices, "gpus": gpus, "ranks": writer.ranks if info else [],
             "steps": {"recorded": plan.run_steps, "damaged": plan.damaged_steps, "held_in_full": plan.held,
                       "written": int(len(plan.steps)),

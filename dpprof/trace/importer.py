@@ -42,6 +42,7 @@ from dpprof.trace.collect import Collected
 from dpprof.trace.convert import Converted, convert
 from dpprof.trace.jobs import capped_jobs, collect_files, default_jobs, task_sizes
 from dpprof.trace.decode import TraceError, is_trace_name
+from dpprof.trace.readback import exported_identity
 
 __all__ = ["AlreadyImported", "ImportedRun", "import_traces", "trace_files", "imported_traces", "pending_traces",
            "job_name",
@@ -213,7 +214,8 @@ def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | 
         sources: trace files (``.json``, ``.json.gz``) or directories of them; several files are the
             ranks of one job.
         reports_dir: where the run goes (default: $DPPROF_REPORTS, else ./reports).
-        name: the run's name (default: the first file's name).
+        name: the run's name (default: for files ``dpprof export`` wrote, the name of the run they hold; else the
+            first file's name).
         progress: called with bytes read from disk as the files are read (for a progress bar).
         again: import files that a run in the reports directory was imported from already.
         jobs: how many files to read at once, each in a process of its own (default: ``jobs_for(paths)``:
@@ -271,6 +273,7 @@ def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | 
         gpu_only = any(f.gpu for f in files)
         raise TraceError(f"{files[0].name}: no CPU ranges to make steps of ("
                          + ("a trace with GPU activity only)" if gpu_only else "no operator or range with a time)"))
+    own = exported_identity(files[0].meta)  # dpprof's own files: the run they hold
     run_id = new_run_id()
     # the run files whole or none (dpprof.store.publish: built in a staging directory, published once whole; a kill
     # leaves the directory for the next command to finish or remove); the reports directory, if this made it, goes
@@ -285,8 +288,9 @@ def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | 
             if local is not None:
                 log.warning("dpprof: %s: writing the run in %s on local disk and moving it into %s whole",
                             local.why(), stage.path, directory)
-            written = _write(stage.path, run_id, name or files[0].name, files, ranks if distributed else [None],
-                             converted, t0_abs, distributed)
+            written = _write(stage.path, run_id, name or own.get("name") or files[0].name,
+                             own["workload"] if "workload" in own else job_name([f.name for f in files]), files,
+                             ranks if distributed else [None], converted, t0_abs, distributed)
             _store_findings(written)
             for path in written:
                 if (directory / path.name).exists():
@@ -302,12 +306,11 @@ def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | 
     return ImportedRun(id=run_id, paths=final, steps=steps, devices=devices, notes=notes)
 
 
-def _write(staging: Path, run_id: str, name: str, files: list[Collected], ranks: list[int | None],
+def _write(staging: Path, run_id: str, name: str, workload: str | None, files: list[Collected], ranks: list[int | None],
            converted: list[Converted], t0_abs: float, distributed: bool) -> list[Path]:
     """One run file per trace file in ``staging``, several at once: threads, whatever ``jobs`` is, as a new run
     file's cost is mostly waiting for the disk to sync it, which sqlite does without the GIL."""
     listing = [{"file": f.name, "bytes": f.size_bytes, "events": f.events} for f in files]
-    workload = job_name([f.name for f in files])
     world = None
     if distributed:
         # without distributedInfo, the files given are the job only where their ranks are 0 to n-1: files named

@@ -6,9 +6,10 @@ dpprof wrote names it: its metadata (``dpprofExport``, and ``dpprofThreads`` at 
 run's devices and the device each thread id belongs to. Read back, each ``dpprof.<phase>`` slice is that phase on
 that device, in the step whose ``ProfilerStep#N`` holds its end (a DDP rank's ``data`` phase begins in the gap
 before its step); forward calls are not in the file (every phase reads as call 0), nor is dpprof's memory
-accounting (its counters), so the run read back has its steps, phases, allocator figures and collectives. An FSDP
-run's file (``dpprofExport.kind`` "fsdp") reads back as an imported trace of FSDP with FSDP's phases (copy_in,
-all_gather_wait, copy_out, reduce_scatter_wait) and its all-gathers and reduce-scatters.
+accounting (its counters), so the run read back has its steps, phases, allocator figures and collectives, under
+the name and workload of the run it was (``exported_identity``). An FSDP run's file (``dpprofExport.kind`` "fsdp")
+reads back as an imported trace of FSDP with FSDP's phases (copy_in, all_gather_wait, copy_out, reduce_scatter_wait)
+and its all-gathers and reduce-scatters.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from dpprof.trace.collect import Collected
 from dpprof.trace.decode import TraceError
 from dpprof.trace.numbers import MAX_GPU_INDEX, slack_us
 
-__all__ = ["EXPORT_KEY", "THREADS_KEY", "EXPORT_VERSION", "export_info", "exported_gpus", "exported_phases"]
+__all__ = ["EXPORT_KEY", "THREADS_KEY", "EXPORT_VERSION", "export_info", "exported_identity", "exported_gpus",
+           "exported_phases"]
 
 EXPORT_KEY = "dpprofExport"  # top-level field of a trace dpprof wrote: the run, its devices, the steps it holds
 THREADS_KEY = "dpprofThreads"  # top-level field after traceEvents: thread id -> device (lanes are made as written)
@@ -35,6 +37,16 @@ def export_info(meta: dict[str, Any]) -> dict[str, Any] | None:
     if not isinstance(info, dict) or not isinstance(meta.get(THREADS_KEY), dict):
         return None
     return info
+
+
+def exported_identity(meta: dict[str, Any]) -> dict[str, str | None]:
+    """The name and workload of the run a file dpprof exported holds (``dpprofExport.name``, ``.workload``), so that
+    it reads back as a run of the same job (Compare pairs it with its original): each the file gives, as text or
+    null (a run that named no workload reads back naming none); {} for a trace dpprof did not write, and no
+    workload in one written before dpprof wrote it."""
+    info = export_info(meta) or {}
+    return {key: info[key] or None for key in ("name", "workload")
+            if key in info and (info[key] is None or isinstance(info[key], str))}
 
 
 def exported_gpus(info: dict[str, Any]) -> dict[str, int]:
