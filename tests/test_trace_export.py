@@ -22,6 +22,7 @@ import dpprof
 import dpprof.trace.export as trace_export
 import fake_pynvml
 from dpprof.cli import main
+from dpprof.findings import run_findings
 from dpprof.store.reader import TABLES
 from dpprof.store.retention import Retention
 from dpprof.trace import TraceError, import_traces
@@ -231,6 +232,11 @@ def test_an_fsdp_run_reads_back_as_fsdp_with_its_phases_and_collectives(runs, tm
     assert back.comms.groupby(count).size().to_dict() == run.comms.groupby(count).size().to_dict()
     assert list(fsdp_collective_table(back)["collective"]) == list(fsdp_collective_table(run)["collective"])
     assert any("sharded and gathered bytes" in m for m in back.notes["message"])
+    # the findings of FSDP's rules, as the recorded run's (DDP's communication share was raised instead)
+    said = ["kind", "severity", "device", "title"]
+    found = run_findings(run).table
+    assert "reshard_after_forward" in set(found["kind"])  # structural: its all-gathers in backward
+    pd.testing.assert_frame_equal(run_findings(back).table[said], found[said])
 
 
 # one gloo rank sharding with FSDP2, profiled: its trace has FSDP's ranges (a rank alone runs no collectives)

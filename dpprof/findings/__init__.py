@@ -8,7 +8,7 @@ rules of its kind (``rules_for``) on its tables:
 | dataparallel, balanced | DATAPARALLEL_RULES: straggler, memory skew, the DataParallel tax, uneven and idle chunks, under-used and throttled GPUs, backward's share, outlier steps |
 | ddp | PROCESS_RULES: straggler rank, all-reduce share and buckets, uneven inputs, under-used and throttled GPUs, outlier steps |
 | fsdp | FSDP_RULES_OF_RUN: straggler rank, all-gather and reduce-scatter exposed, reshard-after-forward, uneven shards, uneven inputs, under-used and throttled GPUs, outlier steps |
-| trace_gpu, trace_cpu | DATAPARALLEL_RULES for a trace of dpprof.DataParallel, else PROCESS_RULES; with GPUs also TRACE_GPU_RULES (idle GPUs, DataParallel on several GPUs) and, where the shared rules found nothing of their kind, the GPU-side communication share and the allocator's skew |
+| trace_gpu, trace_cpu | DATAPARALLEL_RULES for a trace of dpprof.DataParallel, FSDP_RULES_OF_RUN for a trace of an FSDP run dpprof exported (its FSDP phases), else PROCESS_RULES; with GPUs also TRACE_GPU_RULES (idle GPUs, DataParallel on several GPUs) and, where the shared rules found nothing of their kind, the GPU-side communication share and the allocator's skew |
 | every kind but empty | DETAIL_RULES (dpprof.findings.detail): data loading's share of the step; from a trace's or a capture's operators, kernels and memory, low GPU utilization, tensor-core-eligible work without tensor cores, peak memory near the GPU's capacity |
 | empty | none |
 
@@ -97,9 +97,9 @@ def rules_for(model: RunModel) -> tuple[tuple[Rule, ...], tuple[tuple[Rule, str]
     """The rules a run of this kind runs, and its fallback rules (see the module's table)."""
     if model.kind == "empty":
         return (), ()
-    if model.kind == "fsdp":
-        return FSDP_RULES_OF_RUN + DETAIL_RULES, ()
-    base = (DATAPARALLEL_RULES if model.dataparallel else PROCESS_RULES) + DETAIL_RULES
+    # an FSDP run's, recorded or read back from the trace dpprof exported of it (RunModel.fsdp_phases)
+    steps_kind = FSDP_RULES_OF_RUN if model.fsdp_phases else DATAPARALLEL_RULES if model.dataparallel else PROCESS_RULES
+    base = steps_kind + DETAIL_RULES
     if model.kind == "trace_gpu":
         return base + TRACE_GPU_RULES, FALLBACK_RULES
     return base, ()
