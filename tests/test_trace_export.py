@@ -230,6 +230,9 @@ def test_an_fsdp_run_reads_back_as_fsdp_with_its_phases_and_collectives(runs, tm
     assert back.model.work == run.model.work  # each rank's work as the recorded run's: forward + backward, inside
     count = ["device", "collective"]
     assert back.comms.groupby(count).size().to_dict() == run.comms.groupby(count).size().to_dict()
+    # each collective as it was recorded: its bucket (its index among its step's of its kind), bytes and name
+    keys = ["rank", "step", "device", "bucket", "bucket_bytes", "collective"]
+    assert sorted(map(tuple, back.comms[keys].values.tolist())) == sorted(map(tuple, run.comms[keys].values.tolist()))
     assert list(fsdp_collective_table(back)["collective"]) == list(fsdp_collective_table(run)["collective"])
     assert any("sharded and gathered bytes" in m for m in back.notes["message"])
     # the findings of FSDP's rules, as the recorded run's (DDP's communication share was raised instead)

@@ -81,6 +81,7 @@ class Collective:
     kernel_start_us: float | None = None
     kernel_end_us: float | None = None
     op: str | None = None  # the c10d op that launched it (c10d::_reduce_scatter_base_), where the trace pairs them
+    bucket: int | None = None  # its args.bucket: in a file dpprof export wrote, the run's own index of it in its step
 
 
 class _Intervals:
@@ -196,6 +197,7 @@ class Args(msgspec.Struct, gc=False):
     collective_name: Any = msgspec.field(default=None, name="Collective name")
     external_id: Any = msgspec.field(default=None, name="External id")
     batch_size: Any = None  # a ProfilerStep's in a file dpprof export wrote
+    bucket: Any = None  # a collective's in a file dpprof export wrote
 
 
 NO_ARGS = Args()
@@ -366,8 +368,9 @@ def collect_part(trace: TraceFile) -> Collected:
                     elif what == "fsdp":
                         out.fsdp_ranges += 1
                     else:
-                        out.collectives.append(Collective(name, float(ts), float(end),
-                                                          _message_bytes(args_of(event))))
+                        op_args = args_of(event)
+                        out.collectives.append(Collective(name, float(ts), float(end), _message_bytes(op_args),
+                                                          bucket=whole(op_args.bucket, 0, MAX_STEP)))
                 elif cat in gpu_cats:
                     ts, dur = event.ts, event.dur
                     if not (isinstance(ts, number) and 0 <= ts <= top) or (

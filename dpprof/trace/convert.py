@@ -397,17 +397,21 @@ def _comms(c: Collected, windows: list[tuple[int, float, float]], label: str, la
     kernel's end, else its own end). A kernel's name comes from its "Collective name" arg, else its own name; a
     SendRecv kernel takes the name of the latest all-to-all, send, recv, gather or scatter op launched before it
     (NCCL runs those as SendRecv), an unnamed one that of the latest op of any kind. Bytes: the kernel's message,
-    else its op's."""
+    else its op's. ``bucket``: its place among the step's collectives on its device, or in a file dpprof exported
+    the run's own (args.bucket: a DDP bucket's index, an FSDP collective's among those of its kind)."""
     step_of = _stepper(windows)
     counts: dict[tuple[int, str], int] = {}
     out: list[Record] = []
+    own = export_info(c.meta) is not None  # dpprof's file: each collective's bucket is the run's (args.bucket)
 
-    def record(step: int | None, device: str, nbytes: int | None, start: float, end: float, what: str) -> None:
+    def record(step: int | None, device: str, nbytes: int | None, start: float, end: float, what: str,
+               bucket: int | None = None) -> None:
         if step is None:
             return
         k = counts[(step, device)] = counts.get((step, device), -1) + 1
-        out.append(CommRecord(step=step, device=device, bucket=k, bucket_bytes=nbytes, launch_ms=ms(start),
-                              duration_ms=(end - start) / 1e3, collective=what))
+        out.append(CommRecord(step=step, device=device, bucket=bucket if own and bucket is not None else k,
+                              bucket_bytes=nbytes, launch_ms=ms(start), duration_ms=(end - start) / 1e3,
+                              collective=what))
 
     ops = c.collectives  # sorted by start
     if c.comm_kernels:
@@ -426,7 +430,7 @@ def _comms(c: Collected, windows: list[tuple[int, float, float]], label: str, la
     else:
         for x in ops:
             end = x.kernel_end_us if x.kernel_end_us is not None else x.end_us
-            record(step_of(x.start_us), label, x.bytes, x.start_us, end, collective_name(x.op or x.name))
+            record(step_of(x.start_us), label, x.bytes, x.start_us, end, collective_name(x.op or x.name), x.bucket)
     return out
 
 
