@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
 import shutil
 import sqlite3
 import sys
@@ -21,6 +22,7 @@ import pytest
 import dpprof
 import dpprof.trace.export as trace_export
 import fake_pynvml
+import forked
 from dpprof.cli import main
 from dpprof.findings import run_findings
 from dpprof.store.reader import TABLES
@@ -35,6 +37,7 @@ from recorded import BUS, record, record_straggler, record_with_gpu_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT.parent / "shared" / "traces"
+STRAGGLER = ROOT / "tests" / "scripts" / "train_straggler.py"
 TOTALS_REL = 0.01  # the round trip keeps each device's phase totals within 1%
 THIN = Retention(first_steps=20, last_steps=20, every=10, chunk_steps=20, block_steps=10)
 IMPORTED = {"resnet trace": ["resnet50-1gpu-tb-sample.pt.trace.json.gz"],
@@ -283,6 +286,28 @@ def test_an_imported_trace_of_fsdp_exported_again_reads_back_as_fsdp(tmp_path):
 def test_a_ddp_runs_file_says_nothing_of_fsdp(runs, tmp_path):
     _, _, docs = _export(dpprof.load_run(runs.ids["ddp"], runs.dir), tmp_path)
     assert docs and all("fsdp" not in d[EXPORT_KEY] for d in docs)
+
+
+@pytest.mark.slow
+def test_a_ddp_run_whose_process_group_named_no_backend_reads_back_with_its_all_reduces(tmp_path):
+    """A process group made without naming a backend stores what torch says of it ("undefined", or one per device
+    type): its all-reduces are written as torch names them on its ranks' device (gloo:all_reduce on CPUs), so they
+    read back (they were written as a name no import reads, and the run read back had no collective)."""
+    reports = tmp_path / "reports"
+    for out in forked.run_ranks(2, ["-m", "dpprof", "--reports-dir", str(reports), "run", str(STRAGGLER), "--steps", "4",
+                                    "--load-ms", "5", "--no-backend"],
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}):
+        assert out.returncode == 0, out.stderr[-3000:]
+    [run_id] = dpprof.list_runs(reports)["id"]
+    run = dpprof.load_run(run_id, reports)
+    assert run.model.kind == "ddp" and run.meta["workload_args"]["backend"] not in ("gloo", "nccl")
+    _, written, docs = _export(run, tmp_path)
+    assert {e["name"] for doc in docs for e in doc["traceEvents"] if e.get("ph") == "X" and ":" in e["name"]} == \
+        {"gloo:all_reduce"}
+    back = dpprof.load_run(import_traces([w.path for w in written], tmp_path / "back").id, tmp_path / "back")
+    keys = ["rank", "step", "bucket", "bucket_bytes", "collective"]
+    assert len(run.comms) >= 8
+    assert sorted(map(tuple, back.comms[keys].values.tolist())) == sorted(map(tuple, run.comms[keys].values.tolist()))
 
 
 def test_a_gpu_ranks_file_keeps_its_gpu(runs, tmp_path):

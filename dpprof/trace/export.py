@@ -86,6 +86,7 @@ SAMPLE_COUNTERS = {
 ALLOCATOR_COUNTERS = {"CUDA allocated (bytes)": "allocated_bytes", "CUDA reserved (bytes)": "reserved_bytes",
                       "CUDA peak allocated in step (bytes)": "peak_allocated_bytes"}
 MEMORY_COUNTER = "dpprof memory (bytes)"
+KINETO_BACKENDS = ("gloo", "nccl", "mpi", "ucc")  # the backends whose collective ops Kineto names <backend>:<op>
 _DENSE = (",", ":")
 TRACE_TABLES = ("steps", "phases", "memory", "allocator", "comms", "gpu_samples")  # the run's tables a trace shows
 
@@ -430,6 +431,24 @@ class _Lanes:
         return self.place(pid, device, kind, 0, 0)
 
 
+def _kineto_backend(backend: Any, gpu: bool) -> str | None:
+    """The backend that names a run's collectives as Kineto names them (``gloo:all_reduce``, what ``dpprof import``
+    reads as a collective): the run's, where it is one of KINETO_BACKENDS; of one per device type
+    ("cpu:gloo,cuda:nccl"), the ranks' device's; for a process group made without naming one (torch's get_backend()
+    says "undefined"), the one torch uses on the ranks' device (nccl on a GPU, gloo on a CPU); else None.
+
+    Example:
+        >>> _kineto_backend("undefined", gpu=False), _kineto_backend("cpu:gloo,cuda:nccl", gpu=True)
+        ('gloo', 'nccl')
+    """
+    if backend in KINETO_BACKENDS or not isinstance(backend, str):
+        return backend if backend in KINETO_BACKENDS else None
+    per_device = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+    named = per_device.get("cuda" if gpu else "cpu") if per_device else \
+        ("nccl" if gpu else "gloo") if backend == "undefined" else None
+    return named if named in KINETO_BACKENDS else None
+
+
 def _device_names(run: StoredRun) -> dict[str, str]:
     """What each device is, from the run's inventory: "NVIDIA A100", "CPU worker thread", "on host-3"."""
     names = {}
@@ -509,8 +528,7 @@ class _TraceWriter:
             if len(run.devices) else set()  # the devices the run's inventory says are GPUs
         self.allocated: dict[str, int] = {}  # device -> the Total Allocated of its last [memory] event written
         self.left_out = 0  # rows whose time cannot be written (NaN, infinite: the store should not hold them)
-        # Kineto names a collective's op <backend>:<op> (gloo:all_reduce): the run's backend, where it is one
-        self.backend = backend if backend in ("gloo", "nccl", "mpi", "ucc") else None
+        self.backend = _kineto_backend(backend, gpu=bool(self.cuda))
 
     def process(self, device: str) -> int:
         """The pid of a device, naming its process the first time."""

@@ -19,9 +19,11 @@ parser.add_argument("--delay", default=None, metavar="RANK:MS", help="RANK loads
 parser.add_argument("--fsdp", action="store_true")
 parser.add_argument("--trace", default=None, metavar="DIR")
 parser.add_argument("--stem", default="straggler")
+parser.add_argument("--no-backend", action="store_true", help="init_process_group() naming no backend (torch's "
+                    "default for each device type)")
 args = parser.parse_args()
 
-dist.init_process_group("gloo")
+dist.init_process_group(None if args.no_backend else "gloo")
 rank = dist.get_rank()
 torch.set_num_threads(1)
 torch.manual_seed(0)
