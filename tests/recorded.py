@@ -134,9 +134,10 @@ class _Flagged(nn.Module):
 
 
 def record_straggler(directory: Path | None, steps: int, detail: object = "bounded", stall_steps: tuple[int, ...] = (),
-                     name: str = "straggler", sleep_s: float = 0.002):
+                     name: str = "straggler", sleep_s: float = 0.002, pause_s: float = 0.0):
     """A run on 2 CPU workers whose cpu:0 sleeps ``sleep_s`` in every apply (a straggler by construction), with
-    ``stall_steps`` stalled STALL_S more; ``directory`` None keeps it in memory. Returns the closed Run."""
+    ``stall_steps`` stalled STALL_S more and every step ``pause_s`` longer after its backward (outside the work);
+    ``directory`` None keeps it in memory. Returns the closed Run."""
     torch.manual_seed(0)
     net = dpprof.DataParallel(_Flagged(sleep_s), device_ids=dpprof.cpu_devices(2))
     x = torch.randn(16, 8)
@@ -149,6 +150,8 @@ def record_straggler(directory: Path | None, steps: int, detail: object = "bound
             t0 = time.perf_counter()
             with run.step():
                 net(x).sum().backward()
+                if pause_s:
+                    time.sleep(pause_s)
                 if i in stall_steps:  # over twice the median step however loaded the machine is
                     time.sleep(max(STALL_S, 3 * statistics.median(took or [0.0])))
             took.append(time.perf_counter() - t0)

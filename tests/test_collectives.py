@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 
 import dpprof
-from dpprof.findings import run_findings
+from dpprof.findings import run_findings, straggler_severity
 from dpprof.findings.collectives import collective_waits, match_collectives, wait_heatmap
 from dpprof.trace import import_traces
 from dpprof import charts
@@ -59,6 +59,7 @@ def _assert_straggler(run: dpprof.StoredRun, rank: str) -> None:
     assert abs(verdict.wait_ms - DELAY_MS) <= TOLERANCE * DELAY_MS, verdict.sentence()
     rows = found.table[found.table["kind"] == "straggler_rank"]
     assert rows["device"].tolist() == [rank]
+    assert rows["severity"].tolist() == [straggler_severity(verdict.wait_ms, verdict.step_ms)]  # the work-based rule's
     assert f"the others wait {verdict.wait_ms:.2f} ms per step for it" in rows["evidence"].iloc[0]
     # the Overview's headline says the same verdict, with the same figures
     said = glance(run, found=found)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import dpprof
-from dpprof.findings import (BACKWARD_SHARE_INFO, DP_TAX_WARN, MEMORY_SKEW_RATIO, OUTLIER_TIME_SHARE,
+from dpprof.findings import (BACKWARD_SHARE_INFO, CRITICAL_STEP_SHARE, DP_TAX_WARN, MEMORY_SKEW_RATIO, OUTLIER_TIME_SHARE,
                              STEP_SHARE_FLOOR, STRAGGLER_RATIO_CPU, TIME_FLOOR_MS, findings_from,
                              straggler_verdict, tables_of)
 from dpprof.store.blocks import SETTLE_STEPS
@@ -135,11 +135,13 @@ def test_findings_and_the_glance_of_a_thinned_run_agree_with_full_detail(tmp_pat
     va, vb = straggler_verdict(tables_of(whole)), straggler_verdict(tables_of(thin))
     # a finding whose figure is within a quarter of its rule's threshold may go either way on a sample (on a loaded
     # machine the backward's or the tax's share of the step wanders around its line): those kinds are left out; so is
-    # the straggler where its wait is within a quarter of a floor (a loaded machine's steps grow, its 2 ms do not)
+    # the straggler where its wait is within a quarter of a floor (a loaded machine's steps grow, its 2 ms do not) or
+    # of the share of the step that makes it critical
     near = {k for df in (a, b) for k, v in zip(df["kind"], df["value"])
             if k in THRESHOLDS and abs(v / THRESHOLDS[k] - 1) <= 0.25}
-    if any(abs(v.wait_ms / v.step_ms / STEP_SHARE_FLOOR - 1) <= 0.25 or abs(v.wait_ms / TIME_FLOOR_MS - 1) <= 0.25
-           for v in (va, vb)):
+    if any(abs(v.wait_ms / v.step_ms / share - 1) <= 0.25 for v in (va, vb)
+           for share in (STEP_SHARE_FLOOR, CRITICAL_STEP_SHARE)) or any(
+            abs(v.wait_ms / TIME_FLOOR_MS - 1) <= 0.25 for v in (va, vb)):
         near.add("straggler")
     key = ["kind", "severity", "device"]
     decided = [sorted(tuple(r) for r in df[key].values if r[0] not in near) for df in (a, b)]

@@ -26,10 +26,10 @@ import pandas as pd
 
 from dpprof.findings.base import FINDING_COLUMNS, Tables, finding
 from dpprof.findings.dataparallel import (BACKWARD_SHARE_INFO, DP_TAX_WARN, MEMORY_SKEW_CRITICAL_RATIO,
-                                          MEMORY_SKEW_RATIO, STRAGGLER_CONSISTENCY, STRAGGLER_CRITICAL_RATIO,
-                                          STRAGGLER_RATIO, STRAGGLER_RATIO_CPU, UNEVEN_STEPS_SHARE, Straggler,
-                                          backward_share, dataparallel_tax, memory_skew, straggler, straggler_verdict,
-                                          uneven_chunks)
+                                          MEMORY_SKEW_RATIO, STRAGGLER_CONSISTENCY, STRAGGLER_RATIO,
+                                          STRAGGLER_RATIO_CPU, UNEVEN_STEPS_SHARE, Straggler, backward_share,
+                                          dataparallel_tax, memory_skew, straggler, straggler_severity,
+                                          straggler_verdict, uneven_chunks)
 from dpprof.findings.ddp import (COMM_SHARE_WARN, FEW_BUCKETS, MANY_BUCKETS, SMALL_BUCKET_BYTES, communication,
                                  straggler_rank, uneven_inputs)
 from dpprof.findings.detail import (DATA_SHARE_WARN, DETAIL_RULES, GPU_UTIL_LOW_PCT, MEMORY_FULL_SHARE,
@@ -50,7 +50,7 @@ __all__ = ["FINDING_COLUMNS", "FINDINGS_MIN_STEPS", "FINDINGS_FULL_STEPS", "Find
            "findings_from", "tables_of", "findings_withheld", "finding", "imbalance", "Imbalance", "Straggler",
            "straggler_verdict", "worth_time",
            "worth_bytes", "TIME_FLOOR_MS", "STEP_SHARE_FLOOR", "MEMORY_FLOOR_BYTES", "CRITICAL_STEP_SHARE",
-           "STRAGGLER_RATIO", "STRAGGLER_RATIO_CPU", "STRAGGLER_CONSISTENCY", "STRAGGLER_CRITICAL_RATIO",
+           "STRAGGLER_RATIO", "STRAGGLER_RATIO_CPU", "STRAGGLER_CONSISTENCY", "straggler_severity",
            "MEMORY_SKEW_RATIO", "MEMORY_SKEW_CRITICAL_RATIO", "DP_TAX_WARN", "UNEVEN_STEPS_SHARE",
            "BACKWARD_SHARE_INFO", "COMM_SHARE_WARN", "FEW_BUCKETS", "MANY_BUCKETS", "SMALL_BUCKET_BYTES",
            "GPU_IDLE_WARN", "UNDERUSED_UTIL_RATIO", "THROTTLED_SAMPLES_SHARE", "OUTLIER_STEP_RATIO",

@@ -12,7 +12,7 @@ from dpprof.findings.floors import (CRITICAL_STEP_SHARE, STEP_SHARE_FLOOR, TIME_
                                     imbalance, mib, worth_bytes, worth_time)
 from dpprof.records import DP_TAX_PHASES, MEMORY_BYTES, idle_severity
 
-__all__ = ["STRAGGLER_RATIO", "STRAGGLER_RATIO_CPU", "STRAGGLER_CONSISTENCY", "STRAGGLER_CRITICAL_RATIO",
+__all__ = ["STRAGGLER_RATIO", "STRAGGLER_RATIO_CPU", "STRAGGLER_CONSISTENCY", "straggler_severity",
            "MEMORY_SKEW_RATIO", "MEMORY_SKEW_CRITICAL_RATIO", "DP_TAX_WARN", "UNEVEN_STEPS_SHARE",
            "BACKWARD_SHARE_INFO", "Straggler", "straggler_threshold", "straggler_verdict", "straggler_row", "straggler", "memory_skew", "dataparallel_tax",
            "uneven_chunks", "backward_share"]
@@ -25,8 +25,6 @@ STRAGGLER_RATIO = 1.15
 STRAGGLER_RATIO_CPU = 1.30
 # ... and it is the slowest device in at least 60% of steps (consistently, not one bad step).
 STRAGGLER_CONSISTENCY = 0.6
-# Critical from 1.5x: the other devices then sit idle for a third of the slowest one's apply, every step.
-STRAGGLER_CRITICAL_RATIO = 1.5
 # The output device holds 25% more than the average other device: beyond allocator rounding and
 # the loss's own tensors, that is gathered outputs, the skew DataParallel is known for.
 MEMORY_SKEW_RATIO = 1.25
@@ -40,6 +38,13 @@ DP_TAX_WARN = 0.10
 UNEVEN_STEPS_SHARE = 0.10
 # Backward over half the step: reported so the gradient reduction onto device_ids[0] is seen.
 BACKWARD_SHARE_INFO = 0.5
+
+
+def straggler_severity(wait_ms: float, step_ms: float) -> str:
+    """A straggler's severity, one rule however it was found (from the work times or from the collectives): critical
+    where the others' wait for it is at least CRITICAL_STEP_SHARE of the median step past the first, as any time
+    finding's cost, else a warning."""
+    return "critical" if step_ms and wait_ms >= CRITICAL_STEP_SHARE * step_ms else "warning"
 
 
 def straggler_threshold(t: Tables) -> float:
@@ -87,6 +92,11 @@ class Straggler:
     @property
     def reported(self) -> bool:
         return self.reason is None
+
+    @property
+    def severity(self) -> str:
+        """The straggler finding's severity (straggler_severity of its wait and the median step past the first)."""
+        return straggler_severity(self.wait_ms, self.step_ms)
 
     def sentence(self) -> str:
         """The verdict in one sentence, with its figures: the Overview's headline."""
@@ -142,7 +152,7 @@ def straggler_verdict(t: Tables) -> Straggler | None:
 def straggler_row(v: Straggler, kind: str, title: str, measure: str, advice: str) -> dict:
     """The straggler finding of a verdict: its figures, as the headline states them."""
     f, slow = v.found, v.slowest
-    return finding(kind, "critical" if v.ratio >= STRAGGLER_CRITICAL_RATIO else "warning", slow, title,
+    return finding(kind, v.severity, slow, title,
                    f"{measure} {f.medians[slow]:.2f} ms on {slow} vs {f.others_ms:.2f} ms on the others; slowest in "
                    f"{f.slowest_share:.0%} of {f.steps} steps; the others wait {v.wait_ms:.2f} ms per step, "
                    f"{v.wait_ms * v.later_steps / 1e3:.2f} s over the run ({v.wait_ms / v.step_ms:.0%} of the "

@@ -9,7 +9,7 @@ import pandas as pd
 
 from dpprof.findings.base import Tables, finding
 from dpprof.findings.dataparallel import straggler_row, straggler_verdict
-from dpprof.findings.floors import CRITICAL_STEP_SHARE, cost_text, worth_time
+from dpprof.findings.floors import cost_text, worth_time
 from dpprof.stepmodel import partition
 from dpprof.units import mib
 
@@ -34,8 +34,7 @@ def straggler_rank(t: Tables) -> list[dict]:
     slow = v.slowest
     c = v.collectives
     if c is not None:  # the collectives' verdict: the wait inside them is the evidence
-        return [finding("straggler_rank", "critical" if c.wait_ms >= CRITICAL_STEP_SHARE * c.step_ms else "warning",
-                        slow, f"{slow} is the straggler: the others wait for it inside their collectives",
+        return [finding("straggler_rank", v.severity, slow, f"{slow} is the straggler: the others wait for it inside their collectives",
                         c.evidence(t.later_step_count),
                         f"Look at what {slow} does before its collectives: its data loading, its forward and backward "
                         "(a slower or shared device, throttling), its share of the data. The job steps at its pace.",
