@@ -12,7 +12,7 @@ import torch
 
 from dpprof.device_ids import DeviceLike, DeviceSet, resolve_devices
 from dpprof.nvml import Nvml, NvmlUnavailable, throttle_names
-from dpprof.records import SEVERITIES, SLOWDOWN_REASONS, DeviceRecord, FindingRecord, idle_severity
+from dpprof.records import FINDING_UNITS, SEVERITIES, SLOWDOWN_REASONS, DeviceRecord, FindingRecord, idle_severity
 
 __all__ = ["inventory", "check_balance", "chunk_sizes", "even_batch_sizes", "cpu_info",
            "MEMORY_RATIO_WARN", "MULTIPROCESSOR_RATIO_WARN", "FREE_MEMORY_RATIO_WARN"]
@@ -108,9 +108,11 @@ def even_batch_sizes(batch_size: int, n_devices: int) -> list[int]:
 
 
 def _finding(kind: str, severity: str, device: str | None, title: str, evidence: str, advice: str,
-             value: float | None = None) -> FindingRecord:
+             value: float | None = None, unit: str | None = None) -> FindingRecord:
+    if (unit is None) != (value is None) or (unit is not None and unit not in FINDING_UNITS):
+        raise ValueError(f"a finding's value needs a unit, one of {', '.join(FINDING_UNITS)}: got {unit!r}")
     return FindingRecord(kind=kind, severity=severity, device=device, title=title, evidence=evidence,
-                         advice=advice, value=value)
+                         advice=advice, value=value, unit=unit)
 
 
 def _ratio_rule(devices: DeviceSet, values: dict[int, float], what: str, kind: str, threshold: float,
@@ -128,7 +130,7 @@ def _ratio_rule(devices: DeviceSet, values: dict[int, float], what: str, kind: s
         f"(torch warns below {threshold:.0%})",
         f"DataParallel gives every device an equal chunk, so cuda:{weak} sets the pace. Use "
         f"device_ids={keep} (or CUDA_VISIBLE_DEVICES) without it.",
-        ratio)]
+        ratio, "ratio")]
 
 
 def _batch_rule(devices: DeviceSet, batch_size: int) -> list[FindingRecord]:
@@ -144,11 +146,11 @@ def _batch_rule(devices: DeviceSet, batch_size: int) -> list[FindingRecord]:
     if idle:
         return [_finding("idle_devices", idle_severity(idle, n),
                          devices.label(devices.indices[len(sizes)]),
-                         f"{idle} of {n} devices will idle at batch size {batch_size}", evidence, advice, idle)]
+                         f"{idle} of {n} devices will idle at batch size {batch_size}", evidence, advice, idle, "count")]
     return [_finding("uneven_chunks", "warning" if max(sizes) - min(sizes) > 1 or batch_size < 8 * n else "info",
                      devices.label(devices.indices[-1]),
                      f"batch {batch_size} splits unevenly over {n} devices", evidence, advice,
-                     min(sizes) / max(sizes))]
+                     min(sizes) / max(sizes), "ratio")]
 
 
 def check_balance(device_ids: Sequence[DeviceLike] | None = None, batch_size: int | None = None,
@@ -198,7 +200,7 @@ def check_balance(device_ids: Sequence[DeviceLike] | None = None, batch_size: in
             findings.append(_finding(
                 "oversubscribed_cpu", "warning", None, f"{n} CPU workers on {info['threads']} hardware threads",
                 f"{n} worker threads, {info['cores']} cores, {info['threads']} threads",
-                f"Workers beyond {info['threads']} only take turns; use at most {info['threads']}.", n))
+                f"Workers beyond {info['threads']} only take turns; use at most {info['threads']}.", n, "count"))
     else:
         props = {i: torch.cuda.get_device_properties(i) for i in devices.indices}
         if len(props) > 1:
@@ -241,8 +243,7 @@ def _nvml_rules(devices: DeviceSet, nvml: Nvml) -> list[FindingRecord]:
                 f"{label}'s PCIe link runs at gen {known['gen']} x{known['width']}",
                 f"current gen {known['gen']} x{known['width']}, maximum gen {known['max_gen']} x{known['max_width']}",
                 "Scatter and gather cross this link every step. Idle GPUs drop link speed to save power, so "
-                "check under load; if it stays low, reseat the card or check the slot and BIOS settings.",
-                float(known["gen"])))
+                "check under load; if it stays low, reseat the card or check the slot and BIOS settings."))
         mask = nvml.get(label, "throttle reasons", lib.nvmlDeviceGetCurrentClocksThrottleReasons, handle)
         if mask is not None:
             slow = [r for r in throttle_names(mask) if r in SLOWDOWN_REASONS]
@@ -251,7 +252,7 @@ def _nvml_rules(devices: DeviceSet, nvml: Nvml) -> list[FindingRecord]:
                     "throttled_now", "warning", label, f"{label} clocks are throttled ({', '.join(slow)})",
                     f"NVML clock-throttle reasons now: {', '.join(throttle_names(mask))}",
                     "A throttled GPU becomes the straggler: check cooling, power limits (nvidia-smi -q -d "
-                    "PERFORMANCE) and other jobs on it.", float(mask)))
+                    "PERFORMANCE) and other jobs on it.", len(slow), "count"))
     if len(free) > 1:
         best = max(free, key=free.__getitem__)
         for label, value in free.items():
@@ -263,5 +264,5 @@ def _nvml_rules(devices: DeviceSet, nvml: Nvml) -> list[FindingRecord]:
                     f"free: {label} {value / 2**30:.2f} GiB, {best} {free[best] / 2**30:.2f} GiB; other processes "
                     f"hold {others[label] / 2**30:.2f} GiB on {label}",
                     f"Other processes are using {label}. Stop them, or leave {label} out of device_ids.",
-                    value / free[best]))
+                    value / free[best], "ratio"))
     return findings

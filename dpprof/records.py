@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["HOST_OUTPUT", "PHASE_ORDER", "PHASES", "DDP_PHASES", "FSDP_PHASES", "FSDP_ONLY_PHASES", "DP_TAX_PHASES", "MEMORY_BYTES", "SEVERITIES", "SLOWDOWN_REASONS", "device_key", "idle_severity", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
+__all__ = ["HOST_OUTPUT", "PHASE_ORDER", "PHASES", "DDP_PHASES", "FSDP_PHASES", "FSDP_ONLY_PHASES", "DP_TAX_PHASES", "MEMORY_BYTES", "SEVERITIES", "FINDING_UNITS", "SLOWDOWN_REASONS", "device_key", "idle_severity", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
            "DeviceRecord", "NoteRecord", "FindingRecord", "CommRecord", "GpuTimeRecord", "Record",
            "TABLE_OF", "CHECK_OF_ENV", "Row", "PHASE_ROW", "COMM_ROW", "STEP_ROW", "MEMORY_ROW",
            "RECORD_OF_TABLE", "record_of_row", "ALL_REDUCE", "ALL_REDUCE_RANGE"]
@@ -45,6 +45,17 @@ PHASE_ORDER = ("data", "scatter", "replicate", "apply", "parallel_apply", "gathe
 DP_TAX_PHASES = ("scatter", "replicate", "gather")  # work only DataParallel does (DDP has none of it)
 # Finding severities, worst first: the order findings are listed and graded in.
 SEVERITIES = ("critical", "warning", "info")
+# What a finding's value is (FindingRecord.unit), the one definition of that column: every finding's value is in one
+# of these, and says which (docs/findings.md lists them).
+FINDING_UNITS = {
+    "share": "a fraction from 0 to 1 of what the finding weighs it against (the step, the steps, the samples, the "
+             "memory), as its title says",
+    "ratio": "one figure over another (the device's over the others', the least over the most): 1.5 is half as "
+             "much again",
+    "ms": "milliseconds a step",
+    "bytes": "bytes",
+    "count": "how many (devices, buckets, GPUs, reasons)",
+}
 
 
 def idle_severity(idle: int, devices: int) -> str:
@@ -190,7 +201,8 @@ class FindingRecord:
     title: str
     evidence: str
     advice: str
-    value: float | None = None  # the finding's headline number, in the unit its kind names
+    value: float | None = None  # the finding's headline number, in ``unit``
+    unit: str | None = None  # what ``value`` is: a key of FINDING_UNITS (None where there is no value)
 
 
 @dataclass(slots=True)  # built on every step: not frozen (see above StepRecord)

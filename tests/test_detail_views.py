@@ -139,7 +139,8 @@ def test_low_gpu_utilization_is_the_kernels_pages_figure(runs):
     util = detail_rows.gpu_summary(runs.ddp2)["utilization_pct"].iloc[0]
     assert util < GPU_UTIL_LOW_PCT
     found = _kinds(runs.ddp2)
-    assert found["gpu_utilization"]["value"] == pytest.approx(util)
+    assert found["gpu_utilization"]["value"] == pytest.approx(util / 100)  # a share (FindingRecord.unit)
+    assert found["gpu_utilization"]["unit"] == "share"
     assert "gpu_idle" not in found  # said once, by the utilization finding
     resnet = detail_rows.gpu_summary(runs.resnet)["utilization_pct"].iloc[0]
     assert resnet >= GPU_UTIL_LOW_PCT and "gpu_utilization" not in _kinds(runs.resnet)  # 55%: the real figure decides

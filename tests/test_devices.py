@@ -140,4 +140,4 @@ def test_check_json_is_the_findings(capsys):
     findings = json.loads(capsys.readouterr().out)
     uneven = [f for f in findings if f["kind"] == "uneven_chunks"]
     assert uneven[0]["evidence"] == "batch 10 on 3 devices: torch.chunk gives [4, 4, 2]"
-    assert set(uneven[0]) == {"kind", "severity", "device", "title", "evidence", "advice", "value"}
+    assert set(uneven[0]) == {"kind", "severity", "device", "title", "evidence", "advice", "value", "unit"}

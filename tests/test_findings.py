@@ -1,8 +1,10 @@
 """Findings from runs the CPU backend records: each fires on the device to blame, none on a balanced run."""
 from __future__ import annotations
 
+import io
 import re
 import time
+import zipfile
 
 import pandas as pd
 import pytest
@@ -15,8 +17,10 @@ from dpprof.findings import (BACKWARD_SHARE_INFO, CRITICAL_STEP_SHARE, DP_TAX_WA
                              MEMORY_SKEW_RATIO, OUTLIER_STEP_RATIO, OUTLIER_TIME_SHARE, STRAGGLER_CONSISTENCY,
                              STRAGGLER_RATIO_CPU, findings_from, imbalance, run_findings, tables_of, worth_time)
 from dpprof.findings.base import per_step
+from dpprof.views.export import run_zip
 from dpprof.workloads import SortedGRU, build_workload, train
 from recorded import record_straggler
+from test_invariants import assert_values_in_their_units
 
 
 def findings_of(run):
@@ -94,6 +98,15 @@ def test_wide_outputs_skew_memory_onto_the_output_device_and_uneven_chunks_show(
     assert "DataParallelCriterion" in skew["advice"]
     assert "e.g. step 0: chunks [32, 31];" in findings.loc["uneven_chunks", "evidence"]
     assert "the largest chunk is 3% bigger than the smallest" in findings.loc["uneven_chunks", "evidence"]  # 32/31
+    # every value says its unit (FINDING_UNITS), and the CSV export carries it beside the value
+    assert skew["unit"] == "ratio"
+    assert_values_in_their_units(findings.reset_index())
+    with zipfile.ZipFile(io.BytesIO(run_zip(run))) as z:
+        [name] = [n for n in z.namelist() if n.endswith("findings.csv")]
+        exported = pd.read_csv(z.open(name))
+    shown = findings.reset_index()
+    assert exported[["kind", "unit"]].values.tolist() == shown[["kind", "unit"]].values.tolist()
+    assert exported["value"].tolist() == pytest.approx(shown["value"].tolist(), rel=1e-12)  # 15 digits in the CSV
 
 
 def test_uneven_chunks_say_how_much_bigger_the_largest_is_than_the_smallest():

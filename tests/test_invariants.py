@@ -27,6 +27,7 @@ from torch import nn
 import dpprof
 from dpprof.cli import main
 from dpprof.findings import run_findings
+from dpprof.records import FINDING_UNITS
 from dpprof.stepmodel import GPU_PARTS, IDLE, PROCESS_PARTS, REST, partition, part_names
 from dpprof.store import queries
 from dpprof.trace import import_traces
@@ -141,6 +142,14 @@ def test_every_recorded_phase_lies_inside_its_step(runs, name):
         assert len(later) and (later["step"] > 0).all()  # every step after the first loads its data inside itself
 
 
+def assert_values_in_their_units(found: pd.DataFrame) -> None:
+    """Every finding's value says its unit (one of FINDING_UNITS), and a share is a fraction of a whole: 0 to 1."""
+    valued = found[found["value"].notna()]
+    assert valued["unit"].isin(list(FINDING_UNITS)).all(), valued[["kind", "value", "unit"]]
+    shares = valued.loc[valued["unit"] == "share", "value"]
+    assert ((shares >= 0) & (shares <= 1.0)).all(), valued[["kind", "value", "unit"]]
+
+
 def _percents_of_a_step(text: str) -> list[float]:
     return [float(x) for x in re.findall(r"(\d+(?:\.\d+)?)% of (?:the |a |its )?(?:median )?step", text)]
 
@@ -149,8 +158,7 @@ def _percents_of_a_step(text: str) -> list[float]:
 def test_no_figure_says_more_than_a_whole_step(runs, name, capsys):
     run = _load(runs, name)
     found = run_findings(run).table
-    for kind in ("dataparallel_tax", "communication_share", "backward_share"):
-        assert (found.loc[found["kind"] == kind, "value"] <= 1.0).all(), found
+    assert_values_in_their_units(found)
     for text in (*found["title"], *found["evidence"]):
         assert all(p <= 100 for p in _percents_of_a_step(text)), text
     assert main(["--reports-dir", str(runs.dir), "show", runs.ids[name]]) == 0

@@ -299,9 +299,11 @@ def test_a_file_older_than_a_table_or_column_the_schema_added_still_reads(report
     con.execute("DROP TABLE gpu_time")
     con.execute("ALTER TABLE runs DROP COLUMN world_size")
     con.execute("ALTER TABLE runs DROP COLUMN source")
+    con.execute("ALTER TABLE findings DROP COLUMN unit")
     con.commit()
     con.close()
     stored = dpprof.load_run(old)
+    assert "unit" in stored.findings.columns  # a column a record type gained since: NULL
     assert stored.meta["world_size"] is None and stored.meta["source"] is None and stored.meta["name"] == "older"
     assert stored.comms.empty and list(stored.comms.columns) == [
         "step", "device", "bucket", "bucket_bytes", "launch_ms", "duration_ms", "collective", "rank"]

@@ -31,7 +31,7 @@ from dpprof.cli import main
 from dpprof.findings import run_findings
 from dpprof.store import queries
 from dpprof.trace import import_traces
-from test_invariants import SHARE_TOLERANCE_PCT, assert_parts_partition_the_steps
+from test_invariants import SHARE_TOLERANCE_PCT, assert_parts_partition_the_steps, assert_values_in_their_units
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT.parent / "shared" / "traces"
@@ -188,8 +188,7 @@ def _holds_the_invariants(reports: Path, run_id: str) -> None:
     _stored_numbers_are_finite(run)
     assert_parts_partition_the_steps(run)
     found = run_findings(run).table
-    for kind in ("dataparallel_tax", "communication_share", "backward_share"):
-        assert (found.loc[found["kind"] == kind, "value"] <= 1.0).all(), found
+    assert_values_in_their_units(found)
     gpu = queries.gpu_time(run)
     if len(gpu):
         stacked = gpu[list(queries.GPU_TIME_PARTS)].sum(axis=1)

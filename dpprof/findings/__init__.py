@@ -185,7 +185,7 @@ def run_findings(run: StoredRun, fresh: bool = False) -> Findings:
         return Findings(findings_from(tables), f"from all {model.steps:,} steps" + (" so far" if running else ""),
                         straggler=straggler_verdict(tables))
     if run.meta["status"] == "finished":
-        stored = run.findings.drop(columns=["rank"]).reset_index(drop=True)
+        stored = run.findings[FINDING_COLUMNS].reset_index(drop=True)
         # the verdict from the same steps and phases the stored findings read (tables_of), the work phases alone
         return Findings(stored, f"stored when the run finished, from all {model.steps:,} steps",
                         straggler=straggler_verdict(tables_of(run, work_only=True)))

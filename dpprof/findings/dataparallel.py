@@ -156,7 +156,7 @@ def straggler_row(v: Straggler, kind: str, title: str, measure: str, advice: str
                    f"{measure} {f.medians[slow]:.2f} ms on {slow} vs {f.others_ms:.2f} ms on the others; slowest in "
                    f"{f.slowest_share:.0%} of {f.steps} steps; the others wait {v.wait_ms:.2f} ms per step, "
                    f"{v.wait_ms * v.later_steps / 1e3:.2f} s over the run ({v.wait_ms / v.step_ms:.0%} of the "
-                   f"{MEDIAN_STEP})", advice, v.ratio)
+                   f"{MEDIAN_STEP})", advice, v.ratio, "ratio")
 
 
 def straggler(t: Tables) -> list[dict]:
@@ -206,7 +206,7 @@ def memory_skew(t: Tables) -> list[dict]:
                     f"{mib(gathered)} of gathered outputs on {out} (dpprof profile ... --balanced to measure)."
                     if gathered else
                     f"{out} holds more than the others without gathered outputs: look at what only it keeps (its "
-                    "chunk, buffers or tensors the model puts on device_ids[0]).", ratio)]
+                    "chunk, buffers or tensors the model puts on device_ids[0]).", ratio, "ratio")]
 
 
 def dataparallel_tax(t: Tables) -> list[dict]:
@@ -226,7 +226,7 @@ def dataparallel_tax(t: Tables) -> list[dict]:
                     f"{cost_text(tax_ms, t.later_step_count)}",
                     "This is work only DataParallel does: DistributedDataParallel runs one process per GPU with the "
                     "model resident there, so it has no replicate and no gather, and overlaps the gradient all-reduce "
-                    "with backward. A larger batch per step also spreads this cost.", share)]
+                    "with backward. A larger batch per step also spreads this cost.", share, "share")]
 
 
 def uneven_chunks(t: Tables) -> list[dict]:
@@ -251,7 +251,7 @@ def uneven_chunks(t: Tables) -> list[dict]:
                                 f"largest chunk is {spread.mean():.0%} bigger than the smallest on average, work the "
                                 "other devices wait for",
                                 f"torch.chunk splits the batch; use a batch size that {len(t.model.devices)} divides "
-                                "evenly (dpprof check --batch-size N shows the split).", share))
+                                "evenly (dpprof check --batch-size N shows the split).", share, "share"))
     idle = list(t.model.idle)
     if idle:
         n = len(t.model.devices)
@@ -260,7 +260,7 @@ def uneven_chunks(t: Tables) -> list[dict]:
                                 f"devices {', '.join(idle)} of {n} did no work in any step: the run used "
                                 f"{n - len(idle)} of its {n} devices",
                                 "The batch is smaller than the number of devices times the chunk torch.chunk makes; "
-                                "raise the batch size or use fewer devices.", len(idle)))
+                                "raise the batch size or use fewer devices.", len(idle), "count"))
     return findings
 
 
@@ -281,4 +281,4 @@ def backward_share(t: Tables) -> list[dict]:
                     f"mean backward {backward_ms:.2f} ms of a {steps.mean():.2f} ms mean step past the first{summed}",
                     "Expected for small models; the reduction onto one device grows with devices and model size, "
                     "which DistributedDataParallel spreads across devices and overlaps with backward." if working > 1
-                    else "Expected for small models on one device: its backward is the model's own.", share)]
+                    else "Expected for small models on one device: its backward is the model's own.", share, "share")]

@@ -38,7 +38,7 @@ def straggler_rank(t: Tables) -> list[dict]:
                         c.evidence(t.later_step_count),
                         f"Look at what {slow} does before its collectives: its data loading, its forward and backward "
                         "(a slower or shared device, throttling), its share of the data. The job steps at its pace.",
-                        c.wait_ms / c.step_ms)]
+                        c.wait_ms / c.step_ms, "share")]
     return [straggler_row(v, "straggler_rank", f"{slow} is the straggler: the others wait for it at every all-reduce",
                           f"median time to gradients ready ({v.work})",
                           f"Look at {slow}'s forward and backward (its device: slower or shared GPU, throttling) and its "
@@ -158,7 +158,7 @@ def communication(t: Tables) -> list[dict]:
                                 f"{overlap:.0%} of it ran while backward was still computing; the rest "
                                 f"{cost_text(exposed_ms, t.later_step_count + 1)}",
                                 "Raise the per-rank batch (communication is per step, compute per sample), or compress "
-                                "gradients with a communication hook (fp16/bf16 compress, PowerSGD).", share))
+                                "gradients with a communication hook (fp16/bf16 compress, PowerSGD).", share, "share"))
     later = comms[comms["step"] > comms["step"].min()] if comms["step"].nunique() > 1 else comms  # DDP rebuilds buckets after step 0
     per_step_buckets = later.groupby(["step", "device"])["bucket"].nunique().median()
     mean_bytes = later["bucket_bytes"].mean()
@@ -172,12 +172,13 @@ def communication(t: Tables) -> list[dict]:
                                 "With one bucket the all-reduce starts only when backward has finished: lower "
                                 "bucket_cap_mb (DDP's default is 25)"
                                 + (f" to below {mean_bytes / 2**20 / 4:.2g}" if sized else "")
-                                + " so it overlaps.", per_step_buckets))
+                                + " so it overlaps.", per_step_buckets, "count"))
     elif per_step_buckets > MANY_BUCKETS and mean_bytes < SMALL_BUCKET_BYTES and worth_time(comm_ms, step_ms):
         findings.append(finding("bucket_size", "info", None, f"{per_step_buckets:.0f} small buckets per step",
                                 f"{per_step_buckets:.0f} buckets of {mib(mean_bytes)} on average; the "
                                 f"all-reduce is busy {comm_ms:.2f} ms a step",
-                                "Each all-reduce pays a fixed latency: raise bucket_cap_mb.", per_step_buckets))
+                                "Each all-reduce pays a fixed latency: raise bucket_cap_mb.", per_step_buckets,
+                                "count"))
     return findings
 
 
@@ -197,4 +198,5 @@ def uneven_inputs(t: Tables) -> list[dict]:
                     f"e.g. step {first}: batch sizes by rank {sizes}; DDP weighs each rank's gradients equally, so "
                     "those steps train on a skewed average",
                     "DDP averages gradients as if every rank's batch were equal; use DistributedSampler with "
-                    "drop_last=True, or the join() context manager for uneven inputs.", len(uneven) / len(spread))]
+                    "drop_last=True, or the join() context manager for uneven inputs.", len(uneven) / len(spread),
+                    "share")]

@@ -122,7 +122,8 @@ def data_loading(t: Tables) -> list[dict]:
         bound = share if gpu_ms is None else gpu_ms / mean_step
         severity = ("critical" if bound >= CRITICAL_STEP_SHARE else "warning" if bound > DATA_SHARE_WARN else "info")
         out.append(finding("data_loading", severity, str(device),
-                           f"{device} spends {share:.0%} of the step loading data", evidence, advice, share))
+                           f"{device} spends {share:.0%} of the step loading data", evidence, advice, share,
+                           "share"))
     return out
 
 
@@ -147,7 +148,7 @@ def gpu_utilization(t: Tables) -> list[dict]:
             f"GPU time table's idle leaves them out) {cost_text(idle_ms, steps)}",
             "The GPU waits on the host: give it more work per kernel (a bigger batch), fewer host synchronisations "
             "(.item(), .cpu(), printing tensors inside the step), faster input (DataLoader workers), or fewer "
-            "launches (torch.compile, CUDA graphs).", util))
+            "launches (torch.compile, CUDA graphs).", util / 100, "share"))
     return out
 
 
@@ -178,7 +179,7 @@ def tensor_cores_unused(t: Tables) -> list[dict]:
             "Run these operators in mixed precision: torch.autocast(device_type='cuda', dtype=torch.bfloat16) (or "
             "float16 with torch.amp.GradScaler); on Ampere and later, TF32 for float32 matmuls and convolutions "
             "(torch.backends.cuda.matmul.allow_tf32 = True, torch.backends.cudnn.allow_tf32 = True).",
-            plain_ms / total))
+            plain_ms / total, "share"))
     return out
 
 
@@ -204,7 +205,8 @@ def memory_full(t: Tables) -> list[dict]:
             f"{row.peak_t_ms:,.1f} ms into the run: {mib(total - row.peak_allocated_bytes)} left, which the "
             "allocator's cache and fragmentation take; a bigger batch or a longer input runs out of memory",
             "Keep fewer activations: activation checkpointing (torch.utils.checkpoint) on the largest blocks, mixed "
-            "precision (half the bytes per activation), or a smaller batch with gradient accumulation.", share))
+            "precision (half the bytes per activation), or a smaller batch with gradient accumulation.", share,
+            "share"))
     return out
 
 

@@ -96,7 +96,7 @@ def _exposed(t: Tables, what: str, advice: str) -> list[dict]:
                     f"{cost_text(cost, t.later_step_count)}"
                     + ("; on gloo every FSDP collective blocks the host, so none of it can overlap" if gloo else ""),
                     advice + (" On gloo (CPU) collectives are synchronous: only fewer, larger groups or a bigger batch "
-                              "per rank help here; NCCL on GPUs overlaps them." if gloo else ""), 100 * share)]
+                              "per rank help here; NCCL on GPUs overlaps them." if gloo else ""), share, "share")]
 
 
 def all_gather_exposed(t: Tables) -> list[dict]:
@@ -142,7 +142,7 @@ def reshard_after_forward(t: Tables) -> list[dict]:
                     "forward to backward (no second all-gather) at the cost of holding them all at once; an int "
                     "reshards to a smaller group instead (FSDP1: sharding_strategy=ShardingStrategy.SHARD_GRAD_OP "
                     "keeps them, HYBRID_SHARD gathers within a node). Worth it when the memory is there.",
-                    extra_ms)]
+                    extra_ms, "ms")]
 
 
 def _gathered_peak(t: Tables, device: str) -> float | None:
@@ -168,7 +168,7 @@ def uneven_shards(t: Tables) -> list[dict]:
                     "FSDP2 shards each parameter on dim 0: a dim-0 size that does not divide by the number of ranks "
                     "leaves the last ranks short. Pad such dimensions to a multiple of the ranks, or pass "
                     "shard_placement_fn to shard those parameters on a dimension that divides.",
-                    float(held[most] - held[least]))]
+                    float(held[most] - held[least]), "bytes")]
 
 
 FSDP_RULES = (all_gather_exposed, reduce_scatter_exposed, reshard_after_forward, uneven_shards)

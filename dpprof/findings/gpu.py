@@ -34,7 +34,7 @@ def gpu_underused(t: Tables) -> list[dict]:
                     f"mean NVML GPU utilisation: {d} {u:.0f}%, {busiest} {util.max():.0f}%: {d} did "
                     f"{1 - u / util.max():.0%} less work per second than it could have",
                     f"{d} waits for the others; see the straggler and memory findings, or give it a bigger share.",
-                    u / util.max())
+                    u / util.max(), "ratio")
             for d, u in util.items() if d != busiest and u < UNDERUSED_UTIL_RATIO * util.max()]
 
 
@@ -50,7 +50,7 @@ def throttling(t: Tables) -> list[dict]:
                                     f"reasons: {', '.join(reasons)}; {len(s)} samples: its clocks were lowered "
                                     f"{share:.0%} of the time",
                                     "A throttled GPU slows every step: check cooling, power limits and other jobs.",
-                                    share))
+                                    share, "share"))
     return findings
 
 
@@ -72,7 +72,7 @@ def gpu_idle(t: Tables) -> list[dict]:
                                f"average ({plural(steps, 'step')}): idle time {cost_text(idle_ms, steps)}",
                                "The GPU waits on the host: look at data loading (more DataLoader workers, pinned "
                                "memory), host-side Python between kernels, and synchronising calls (.item(), .cpu()).",
-                               share))
+                               share, "share"))
     return out
 
 
@@ -98,7 +98,7 @@ def gpu_communication(t: Tables) -> list[dict]:
                     + f"; communication outside compute {cost_text(exposed_ms, steps)}",
                     "Raise the per-rank batch (communication is per step, compute per sample), let DDP overlap more "
                     "(smaller bucket_cap_mb so all-reduces start earlier in backward), or compress gradients with a "
-                    "communication hook.", share)]
+                    "communication hook.", share, "share")]
 
 
 def allocator_skew(t: Tables) -> list[dict]:
@@ -118,7 +118,7 @@ def allocator_skew(t: Tables) -> list[dict]:
                     f"{mib(others.mean())} on average: {mib(excess)} more on {first}",
                     "DataParallel gathers every output and computes the loss on the first device: compute the loss on "
                     "every device (dpprof.DataParallelModel with dpprof.DataParallelCriterion) or move to "
-                    "DistributedDataParallel.", ratio)]
+                    "DistributedDataParallel.", ratio, "ratio")]
 
 
 def use_ddp(t: Tables) -> list[dict]:
@@ -130,4 +130,5 @@ def use_ddp(t: Tables) -> list[dict]:
                     f"the trace shows DataParallel.forward driving {', '.join(gpus)} from one process",
                     "One process drives every GPU under the GIL, replicates the model every step and gathers outputs "
                     "on one GPU: DistributedDataParallel (one process per GPU) is PyTorch's recommendation and is "
-                    "usually faster; dpprof.DistributedDataParallel records it the same way.", float(len(gpus)))]
+                    "usually faster; dpprof.DistributedDataParallel records it the same way.", float(len(gpus)),
+                    "count")]

@@ -69,4 +69,4 @@ def outlier_steps(t: Tables) -> list[dict]:
                     f"{share:.0%} of the run's step time past the first",
                     "Steps that stall like this come from outside the model: another process on the same cores or "
                     "GPU (another run started alongside), data loading, swapping or garbage collection. Check what "
-                    "else ran at those steps; the per-device findings of such a run are less certain.", share)]
+                    "else ran at those steps; the per-device findings of such a run are less certain.", share, "share")]

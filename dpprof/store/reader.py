@@ -363,10 +363,14 @@ class StoredRun:
         if name not in TABLES:
             raise KeyError(f"no table {name!r}; tables are {', '.join(TABLES)}")
         if name not in self._frames:
+            cls = next(c for c, t in RECORD_TABLES.items() if t == name)
             if all(self._has_table(path, name) for path in self.paths):
-                self._frames[name] = self._read(f"SELECT * FROM {name}", (), f"table {name}")
+                frame = self._read(f"SELECT * FROM {name}", (), f"table {name}")
+                for column in columns_of(cls):  # a column added to the schema since the file was written: NULL
+                    if column not in frame.columns:
+                        frame[column] = None
+                self._frames[name] = frame
             else:  # a table added to the schema since the file was written: it holds no rows
-                cls = next(c for c, t in RECORD_TABLES.items() if t == name)
                 self._frames[name] = pd.DataFrame(columns=[*columns_of(cls), "rank"])
             if name == "steps":
                 self._frames[name]["explicit"] = self._frames[name]["explicit"].astype(bool)
