@@ -12,7 +12,8 @@ import torch
 
 from dpprof.device_ids import DeviceLike, DeviceSet, resolve_devices
 from dpprof.nvml import Nvml, NvmlUnavailable, throttle_names
-from dpprof.records import FINDING_UNITS, SEVERITIES, SLOWDOWN_REASONS, DeviceRecord, FindingRecord, idle_severity
+from dpprof.records import (FINDING_UNITS, SEVERITIES, SLOWDOWN_REASONS, DeviceRecord, FindingRecord, idle_severity,
+                            split_shares, uneven_severity)
 
 __all__ = ["inventory", "check_balance", "chunk_sizes", "even_batch_sizes", "cpu_info",
            "MEMORY_RATIO_WARN", "MULTIPROCESSOR_RATIO_WARN", "FREE_MEMORY_RATIO_WARN"]
@@ -139,18 +140,24 @@ def _batch_rule(devices: DeviceSet, batch_size: int) -> list[FindingRecord]:
     if len(sizes) == n and len(set(sizes)) == 1:
         return []
     idle = n - len(sizes)
+    uneven, idle_share = split_shares(sizes, n)
+    # what the split costs the device with the biggest chunk, which every step waits for (split_shares: the run's
+    # findings of the same split state the same shares of its apply, and what they cost a step)
     evidence = (f"batch {batch_size} on {n} devices: torch.chunk gives {sizes}"
-                + (f"; {idle} device(s) get nothing" if idle else ""))
+                + (f"; {idle} device(s) get nothing: spreading the batch over all {n} would take {idle_share:.0%} off "
+                   f"the work of a device with the biggest chunk, which every step waits for" if idle else
+                   f"; an even split of the same samples would take {uneven:.0%} off the work of a device with the "
+                   "biggest chunk, which every step waits for")
+                + (f" (evening out the chunks given, {uneven:.0%} more)" if idle and uneven else ""))
     suggestions = even_batch_sizes(batch_size, n)
     advice = f"Use a batch size that {n} divides evenly: {' or '.join(map(str, suggestions))}."
     if idle:
         return [_finding("idle_devices", idle_severity(idle, n),
                          devices.label(devices.indices[len(sizes)]),
-                         f"{idle} of {n} devices will idle at batch size {batch_size}", evidence, advice, idle, "count")]
-    return [_finding("uneven_chunks", "warning" if max(sizes) - min(sizes) > 1 or batch_size < 8 * n else "info",
-                     devices.label(devices.indices[-1]),
-                     f"batch {batch_size} splits unevenly over {n} devices", evidence, advice,
-                     min(sizes) / max(sizes), "ratio")]
+                         f"{idle} of {n} devices will idle at batch size {batch_size}", evidence, advice, idle_share,
+                         "share")]
+    return [_finding("uneven_chunks", uneven_severity(sizes, n), devices.label(devices.indices[-1]),
+                     f"batch {batch_size} splits unevenly over {n} devices", evidence, advice, uneven, "share")]
 
 
 def check_balance(device_ids: Sequence[DeviceLike] | None = None, batch_size: int | None = None,

@@ -1,10 +1,11 @@
 """Plain record types: what one step of a data-parallel run produced. Units are in the field names."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["HOST_OUTPUT", "PHASE_ORDER", "PHASES", "DDP_PHASES", "FSDP_PHASES", "FSDP_ONLY_PHASES", "DP_TAX_PHASES", "MEMORY_BYTES", "SEVERITIES", "FINDING_UNITS", "SLOWDOWN_REASONS", "device_key", "idle_severity", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
+__all__ = ["HOST_OUTPUT", "PHASE_ORDER", "PHASES", "DDP_PHASES", "FSDP_PHASES", "FSDP_ONLY_PHASES", "DP_TAX_PHASES", "MEMORY_BYTES", "SEVERITIES", "FINDING_UNITS", "SLOWDOWN_REASONS", "device_key", "idle_severity", "uneven_severity", "split_shares", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
            "DeviceRecord", "NoteRecord", "FindingRecord", "CommRecord", "GpuTimeRecord", "Record",
            "TABLE_OF", "CHECK_OF_ENV", "Row", "PHASE_ROW", "COMM_ROW", "STEP_ROW", "MEMORY_ROW",
            "RECORD_OF_TABLE", "record_of_row", "ALL_REDUCE", "ALL_REDUCE_RANGE"]
@@ -67,6 +68,31 @@ def idle_severity(idle: int, devices: int) -> str:
 # The device label of DataParallel's output_device -1 (torch's "gather onto the host"): the host's memory, no worker
 # or GPU of device_ids
 HOST_OUTPUT = "cpu"
+
+
+def uneven_severity(chunks: Sequence[int], devices: int) -> str:
+    """The severity of a batch split into uneven ``chunks`` over ``devices``: a warning where the chunks differ by
+    more than one sample or the batch is under 8 samples a device (the difference is then a large part of a
+    chunk), else info (the pre-flight check's uneven_chunks finding and a run's alike)."""
+    return "warning" if max(chunks) - min(chunks) > 1 or sum(chunks) < 8 * devices else "info"
+
+
+def split_shares(chunks: Sequence[float], devices: int) -> tuple[float, float]:
+    """What a batch split costs the device with the biggest chunk (the one the step waits for), as shares of its
+    work, against an even split of the same samples over every device: (uneven, idle). ``uneven``: the part an
+    even split among the devices given a chunk saves (1 - their mean chunk / the biggest); ``idle``: what spreading
+    the batch over the devices given none saves beyond that. The two sum to 1 - (batch / devices) / the biggest.
+    The uneven_chunks and idle_devices findings of the pre-flight check and of a run read them.
+
+    Example:
+        >>> split_shares([4, 4, 2], 3)  # batch 10 on 3 devices: (0.1667, 0.0)
+        >>> split_shares([1, 1, 1], 4)  # batch 3 on 4 devices: (0.0, 0.25)
+    """
+    given = [c for c in chunks if c > 0]
+    if not given or devices < 1:
+        return 0.0, 0.0
+    biggest, mean_given = max(given), sum(given) / len(given)
+    return 1 - mean_given / biggest, (mean_given - sum(given) / devices) / biggest
 
 
 def device_key(label: object) -> tuple[str, int, str]:

@@ -72,14 +72,17 @@ def test_nvml_missing_still_checks_what_torch_knows(fake_gpus):
     assert _kinds(dpprof.check_balance()) == [("memory_imbalance", "cuda:1")]
 
 
-@pytest.mark.parametrize("batch, n, chunks, kind, suggest", [
-    (10, 3, [4, 4, 2], "uneven_chunks", [9, 12]),
-    (10, 8, [2, 2, 2, 2, 2], "idle_devices", [8, 16]),
-    (30, 8, [4, 4, 4, 4, 4, 4, 4, 2], "uneven_chunks", [24, 32]),
-    (5, 4, [2, 2, 1], "idle_devices", [4, 8]),
-    (30, 3, [10, 10, 10], None, [30, 33]),
+# share: what the split costs the device with the biggest chunk, as a share of its work (records.split_shares):
+# 4 where an even split gives 10/3; 2 where spreading over all 8 gives 1.25; 4 where 30/8 is 3.75; 2 of [2, 2, 1]
+# where spreading 5 over all 4 gives 1.25, beyond the mean 1.67 of the chunks given
+@pytest.mark.parametrize("batch, n, chunks, kind, suggest, share", [
+    (10, 3, [4, 4, 2], "uneven_chunks", [9, 12], 1 - 10 / 3 / 4),
+    (10, 8, [2, 2, 2, 2, 2], "idle_devices", [8, 16], 1 - 1.25 / 2),
+    (30, 8, [4, 4, 4, 4, 4, 4, 4, 2], "uneven_chunks", [24, 32], 1 - 3.75 / 4),
+    (5, 4, [2, 2, 1], "idle_devices", [4, 8], (5 / 3 - 1.25) / 2),
+    (30, 3, [10, 10, 10], None, [30, 33], 0.0),
 ])
-def test_batch_split_as_torch_chunk_makes_it(batch, n, chunks, kind, suggest):
+def test_batch_split_as_torch_chunk_makes_it(batch, n, chunks, kind, suggest, share):
     assert chunk_sizes(batch, n) == chunks
     assert even_batch_sizes(batch, n) == suggest
     findings = [f for f in dpprof.check_balance(dpprof.cpu_devices(n), batch) if f.kind != "oversubscribed_cpu"]
@@ -90,8 +93,10 @@ def test_batch_split_as_torch_chunk_makes_it(batch, n, chunks, kind, suggest):
     assert finding.kind == kind
     assert str(chunks) in finding.evidence
     assert f"{suggest[0]} or {suggest[1]}" in finding.advice
+    assert (finding.value, finding.unit) == (pytest.approx(share), "share")
+    assert f"would take {share:.0%} off the work of a device with the biggest chunk" in finding.evidence
     if kind == "idle_devices":
-        assert finding.value == n - len(chunks) and finding.device == f"cpu:{len(chunks)}"
+        assert finding.title.startswith(f"{n - len(chunks)} of {n} devices") and finding.device == f"cpu:{len(chunks)}"
 
 
 @pytest.mark.parametrize("batch", [10.0, True, "10"])
@@ -139,5 +144,5 @@ def test_check_json_is_the_findings(capsys):
     assert main(["check", "--device-ids", "cpu:0,cpu:1,cpu:2", "--batch-size", "10", "--json"]) == 1
     findings = json.loads(capsys.readouterr().out)
     uneven = [f for f in findings if f["kind"] == "uneven_chunks"]
-    assert uneven[0]["evidence"] == "batch 10 on 3 devices: torch.chunk gives [4, 4, 2]"
+    assert uneven[0]["evidence"].startswith("batch 10 on 3 devices: torch.chunk gives [4, 4, 2]; ")
     assert set(uneven[0]) == {"kind", "severity", "device", "title", "evidence", "advice", "value", "unit"}

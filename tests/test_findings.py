@@ -13,9 +13,10 @@ from torch import nn
 
 import dpprof
 import fake_pynvml
-from dpprof.findings import (BACKWARD_SHARE_INFO, CRITICAL_STEP_SHARE, DP_TAX_WARN, FINDINGS_MIN_STEPS, MEMORY_FLOOR_BYTES,
-                             MEMORY_SKEW_RATIO, OUTLIER_STEP_RATIO, OUTLIER_TIME_SHARE, STRAGGLER_CONSISTENCY,
-                             STRAGGLER_RATIO_CPU, findings_from, imbalance, run_findings, tables_of, worth_time)
+from dpprof.findings import (BACKWARD_SHARE_INFO, CRITICAL_STEP_SHARE, DP_TAX_WARN, FINDINGS_MIN_STEPS,
+                             MEMORY_FLOOR_BYTES, MEMORY_SKEW_RATIO, OUTLIER_STEP_RATIO, OUTLIER_TIME_SHARE,
+                             STRAGGLER_CONSISTENCY, STRAGGLER_RATIO_CPU, findings_from, imbalance, run_findings,
+                             tables_of, worth_time)
 from dpprof.findings.base import per_step
 from dpprof.views.export import run_zip
 from dpprof.workloads import SortedGRU, build_workload, train
@@ -88,7 +89,41 @@ def test_a_stragglers_severity_is_the_share_of_the_step_its_wait_costs(reports):
     assert found.loc["straggler", "severity"] == ("critical" if wait >= CRITICAL_STEP_SHARE * step_ms else "warning")
 
 
-def test_wide_outputs_skew_memory_onto_the_output_device_and_uneven_chunks_show():
+class _PerSample(nn.Module):
+    """A model whose forward takes 2 ms a sample (a sleep: steady on a loaded machine), so a device's apply grows
+    with its chunk as a real model's compute does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.002 * len(x))
+        return self.lin(x)
+
+
+def _split_cost_of_records(run):
+    """What the split cost, from the run's own records (the rule of docs/findings.md, computed here): per step past
+    the first, the apply of a device with the biggest chunk times the share an even split among the devices given a
+    chunk (uneven), and spreading over every device beyond that (idle), would take off; means over the steps, and
+    the median step past the first."""
+    first = run.steps["step"].min()
+    n = len(run.meta["devices"])
+    memory = run.memory[(run.memory["step"] != first) & run.memory["chunk_size"].notna()]
+    chunks = memory.groupby(["step", "device"])["chunk_size"].sum().unstack()
+    phases = run.phases[(run.phases["phase"] == "apply") & (run.phases["step"] != first)]
+    apply = phases.groupby(["step", "device"])["duration_ms"].sum().unstack()
+    uneven_ms, idle_ms = [], []
+    for step, c in chunks.iterrows():
+        c = c[c > 0]
+        waited = apply.loc[step, c[c == c.max()].index].max()
+        uneven_ms.append(waited * (1 - c.mean() / c.max()))
+        idle_ms.append(waited * (c.mean() - c.sum() / n) / c.max())
+    median = run.steps.loc[run.steps["step"] != first, "duration_ms"].median()
+    return sum(uneven_ms) / len(uneven_ms), sum(idle_ms) / len(idle_ms), median
+
+
+def test_wide_outputs_skew_memory_onto_the_output_device():
     # a decoder-sized output (63 x 50,000 logits) gathered on cpu:0; batch 63 splits 32 + 31
     run = _record(nn.Linear(16, 50_000), lambda i: (torch.randn(63, 16),), workers=2, steps=4)
     findings = findings_of(run).set_index("kind")
@@ -96,8 +131,10 @@ def test_wide_outputs_skew_memory_onto_the_output_device_and_uneven_chunks_show(
     assert skew["device"] == "cpu:0" and skew["value"] >= MEMORY_SKEW_RATIO
     assert "gathered outputs on cpu:0: 12.0 MiB" in skew["evidence"]  # 63 x 50,000 float32
     assert "DataParallelCriterion" in skew["advice"]
-    assert "e.g. step 0: chunks [32, 31];" in findings.loc["uneven_chunks", "evidence"]
-    assert "the largest chunk is 3% bigger than the smallest" in findings.loc["uneven_chunks", "evidence"]  # 32/31
+    # 32 + 31 costs cpu:0 a 64th of its apply (2%): a finding only where that clears the floors, which it does not
+    # on an idle machine
+    uneven_ms, _, median = _split_cost_of_records(run)
+    assert ("uneven_chunks" in findings.index) == worth_time(uneven_ms, median)
     # every value says its unit (FINDING_UNITS), and the CSV export carries it beside the value
     assert skew["unit"] == "ratio"
     assert_values_in_their_units(findings.reset_index())
@@ -109,10 +146,23 @@ def test_wide_outputs_skew_memory_onto_the_output_device_and_uneven_chunks_show(
     assert exported["value"].tolist() == pytest.approx(shown["value"].tolist(), rel=1e-12)  # 15 digits in the CSV
 
 
-def test_uneven_chunks_say_how_much_bigger_the_largest_is_than_the_smallest():
-    run = _record(nn.Linear(5, 2), lambda i: (torch.randn(10, 5),), workers=3, steps=3)  # [4, 4, 2]: 100% bigger
-    evidence = findings_of(run).set_index("kind").loc["uneven_chunks", "evidence"]
-    assert "chunks [4, 4, 2]; the largest chunk is 100% bigger than the smallest" in evidence
+def test_uneven_chunks_state_what_they_cost_as_the_check_grades_the_split():
+    run = _record(_PerSample(), lambda i: (torch.randn(10, 5),), workers=3, steps=4)  # [4, 4, 2]: 100% bigger
+    findings = findings_of(run).set_index("kind")
+    uneven_ms, _, median = _split_cost_of_records(run)  # about 1.3 ms of a 9 ms step on an idle machine
+    assert ("uneven_chunks" in findings.index) == worth_time(uneven_ms, median)  # the floors, as every finding's
+    if "uneven_chunks" not in findings.index:
+        return
+    uneven = findings.loc["uneven_chunks"]
+    assert "chunks [4, 4, 2]; the largest chunk is 100% bigger than the smallest" in uneven["evidence"]
+    assert f"the uneven split costs {uneven_ms:.2f} ms a step" in uneven["evidence"]
+    assert (uneven["value"], uneven["unit"]) == (pytest.approx(uneven_ms / median), "share")
+    # the pre-flight check of the same split: the same share of the waited-for device's work, the same grade (a
+    # warning: two samples apart), which the run raises to critical only from a quarter of the step
+    [checked] = [f for f in dpprof.check_balance(dpprof.cpu_devices(3), 10) if f.kind == "uneven_chunks"]
+    assert checked.value == pytest.approx(1 / 6) and "would take 17% off" in checked.evidence
+    assert "would take 17% off it" in uneven["evidence"]
+    assert uneven["severity"] == ("critical" if uneven_ms >= CRITICAL_STEP_SHARE * median else checked.severity)
 
 
 def test_the_dataparallel_tax_fires_when_replication_dominates():
@@ -133,22 +183,33 @@ def test_the_dataparallel_tax_fires_when_replication_dominates():
 
 
 def test_idle_devices_when_the_batch_is_smaller_than_the_devices():
-    run = _record(nn.Linear(5, 2), lambda i: (torch.randn(3, 5),), workers=4, steps=3)
+    run = _record(_PerSample(), lambda i: (torch.randn(3, 5),), workers=4, steps=4)
     findings = findings_of(run).set_index("kind")
-    assert findings.loc["idle_devices", "device"] == "cpu:3"
-    assert findings.loc["idle_devices", "value"] == 1
+    _, idle_ms, median = _split_cost_of_records(run)  # a quarter of a 2 ms apply: about 0.5 ms of a 3 ms step
+    assert ("idle_devices" in findings.index) == worth_time(idle_ms, median)
+    if "idle_devices" not in findings.index:
+        return
+    idle = findings.loc["idle_devices"]
+    assert idle["device"] == "cpu:3" and "would take 25% off it" in idle["evidence"]
+    assert f"leaving them idle costs {idle_ms:.2f} ms a step" in idle["evidence"]
+    assert (idle["value"], idle["unit"]) == (pytest.approx(idle_ms / median), "share")
     # show's and the CSV's per-device summary has the idle device too: a row of no work, chunk 0
     from dpprof.report import summary_of
     summary = summary_of(run)
     assert list(summary.index) == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
     assert summary.loc["cpu:3", "steps"] == 0 and summary.loc["cpu:3", "chunk_size_mean"] == 0
-    assert pd.isna(summary.loc["cpu:3", "apply_mean_ms"]) and summary.loc["cpu:0", "steps"] == 3
-    # the same severity as the pre-flight check of the same split: 1 of 4 idle is a warning, half or more critical
+    assert pd.isna(summary.loc["cpu:3", "apply_mean_ms"]) and summary.loc["cpu:0", "steps"] == 4
+    # the same severity as the pre-flight check of the same split (1 of 4 idle is a warning, half or more critical),
+    # and the same share of the waited-for device's work; critical too from a quarter of the step
     [checked] = [f for f in dpprof.check_balance(dpprof.cpu_devices(4), 3) if f.kind == "idle_devices"]
-    assert findings.loc["idle_devices", "severity"] == checked.severity == "warning"
-    run = _record(nn.Linear(5, 2), lambda i: (torch.randn(2, 5),), workers=4, steps=3)
+    assert checked.value == pytest.approx(0.25) and "would take 25% off" in checked.evidence
+    assert idle["severity"] == ("critical" if idle_ms >= CRITICAL_STEP_SHARE * median else checked.severity)
+    run = _record(_PerSample(), lambda i: (torch.randn(2, 5),), workers=4, steps=4)
     [checked] = [f for f in dpprof.check_balance(dpprof.cpu_devices(4), 2) if f.kind == "idle_devices"]
-    assert findings_of(run).set_index("kind").loc["idle_devices", "severity"] == checked.severity == "critical"
+    _, idle_ms, median = _split_cost_of_records(run)  # half a 2 ms apply
+    found = findings_of(run).set_index("kind")
+    assert ("idle_devices" in found.index) == worth_time(idle_ms, median)
+    assert "idle_devices" not in found.index or found.loc["idle_devices", "severity"] == checked.severity == "critical"
 
 
 def _timing_rules(run):

@@ -188,11 +188,11 @@ import torch
 from torch import nn
 from dpprof.parallel import DataParallel, cpu_devices
 from dpprof.recording import CLOSE_HOOKS, record
-net = DataParallel(nn.Linear(5, 2), device_ids=cpu_devices(2))
+net = DataParallel(nn.Linear(16, 50_000), device_ids=cpu_devices(2))
 with record(name="hooked") as run:
     for _ in range(4):
         with run.step():
-            net(torch.randn(63, 5)).sum().backward()  # 63 splits 32 + 31: uneven chunks
+            net(torch.randn(63, 16)).sum().backward()  # 12 MiB of outputs gathered on cpu:0: memory skew
         loaded = "dpprof.report" in sys.modules
 import dpprof
 dpprof.record, dpprof.DataParallel  # the collect side through dpprof's lazy names: no second hook
@@ -206,7 +206,7 @@ def test_a_run_recorded_through_dpprof_recording_stores_its_findings_at_close_on
     assert out.returncode == 0, out.stderr
     loaded, hooks, path = out.stdout.split()
     assert loaded == "False" and hooks == "1"  # no analysis loaded while recording; one close hook
-    assert "uneven_chunks" in dpprof.load_run(path).findings["kind"].tolist()  # stored when it closed
+    assert "memory_skew" in dpprof.load_run(path).findings["kind"].tolist()  # stored when it closed
 
 
 def _all_threads_profile():

@@ -10,12 +10,12 @@ from dpprof.findings.base import MEDIAN_STEP, Tables, finding, per_step
 from dpprof.findings.collectives import CollectiveVerdict, collective_verdict
 from dpprof.findings.floors import (CRITICAL_STEP_SHARE, STEP_SHARE_FLOOR, TIME_FLOOR_MS, Imbalance, cost_text,
                                     imbalance, mib, worth_bytes, worth_time)
-from dpprof.records import DP_TAX_PHASES, MEMORY_BYTES, idle_severity
+from dpprof.records import DP_TAX_PHASES, MEMORY_BYTES, idle_severity, split_shares, uneven_severity
 
 __all__ = ["STRAGGLER_RATIO", "STRAGGLER_RATIO_CPU", "STRAGGLER_CONSISTENCY", "straggler_severity",
            "MEMORY_SKEW_RATIO", "MEMORY_SKEW_CRITICAL_RATIO", "DP_TAX_WARN", "UNEVEN_STEPS_SHARE",
            "BACKWARD_SHARE_INFO", "Straggler", "straggler_threshold", "straggler_verdict", "straggler_row", "straggler", "memory_skew", "dataparallel_tax",
-           "uneven_chunks", "backward_share"]
+           "SplitCost", "split_cost", "uneven_chunks", "backward_share"]
 
 # A device is a straggler when its median apply time is 15% above the others' (smaller gaps are
 # within run-to-run noise on shared machines) ...
@@ -229,38 +229,93 @@ def dataparallel_tax(t: Tables) -> list[dict]:
                     "with backward. A larger batch per step also spreads this cost.", share, "share")]
 
 
-def uneven_chunks(t: Tables) -> list[dict]:
-    """Steps whose chunks differ in size, and devices that never got one. Only the forward calls that
-    scattered a batch count (a whole-batch loss call has no chunk)."""
+@dataclass(frozen=True)
+class SplitCost:
+    """What the batch's split cost a run, per step past the first (split_cost): the apply of a device with the
+    biggest chunk, which the step waits for, and the shares of it an even split would take off (records.split_shares
+    of the step's chunks, the pre-flight check's figures of a split)."""
+
+    apply_ms: float  # mean apply of a device with the biggest chunk (the slower of several)
+    uneven: float  # mean share of it an even split among the devices given a chunk takes off
+    idle: float  # mean share of it spreading the batch over the devices given none takes off beyond that
+    uneven_ms: float  # mean ms a step: apply_ms x uneven, step by step
+    idle_ms: float  # mean ms a step: apply_ms x idle, step by step
+
+
+def split_cost(t: Tables) -> SplitCost | None:
+    """What uneven chunks and idle devices cost each step past the first: the apply of a device with the step's
+    biggest chunk (chunks of every forward call that scattered a batch summed) times records.split_shares of the
+    step's chunks over the run's devices; None where no step past the first has both chunks and apply times."""
     chunked = t.memory.dropna(subset=["chunk_size"])
-    if chunked.empty:
+    chunks = chunked[chunked["step"] != t.first_step].groupby(["step", "device"])["chunk_size"].sum().unstack("device")
+    apply = per_step(t, ["apply"])
+    steps = chunks.index.intersection(apply.index)
+    if steps.empty:
+        return None
+    chunks, apply = chunks.loc[steps], apply.loc[steps]
+    biggest = chunks.eq(chunks.max(axis=1), axis=0).reindex(columns=apply.columns, fill_value=False)
+    waited_ms = apply.where(biggest).max(axis=1)
+    n = len(t.model.devices)
+    shares = chunks.apply(lambda row: split_shares(row.dropna().tolist(), n), axis=1, result_type="expand")
+    shares.columns = ["uneven", "idle"]
+    keep = waited_ms.notna()
+    if not keep.any():
+        return None
+    waited_ms, shares = waited_ms[keep], shares[keep]
+    return SplitCost(apply_ms=float(waited_ms.mean()), uneven=float(shares["uneven"].mean()),
+                     idle=float(shares["idle"].mean()), uneven_ms=float((waited_ms * shares["uneven"]).mean()),
+                     idle_ms=float((waited_ms * shares["idle"]).mean()))
+
+
+def _split_severity(split: str, cost_ms: float, step_ms: float) -> str:
+    """A split finding's severity: the split's own grade (records.idle_severity, uneven_severity: the pre-flight
+    check's), critical where its cost is CRITICAL_STEP_SHARE of the step or more, as any time finding's."""
+    return "critical" if cost_ms >= CRITICAL_STEP_SHARE * step_ms else split
+
+
+def uneven_chunks(t: Tables) -> list[dict]:
+    """Steps whose chunks differ in size, and devices that never got one, each where what it costs (split_cost)
+    clears the floors. Only the forward calls that scattered a batch count (a whole-batch loss call has no chunk)."""
+    chunked = t.memory.dropna(subset=["chunk_size"])
+    cost, step_ms = split_cost(t), t.median_step_ms
+    if chunked.empty or cost is None:
         return []
     findings = []
+    n, later = len(t.model.devices), t.later_step_count
+    waited = (f"a device with the biggest chunk applies {cost.apply_ms:.2f} ms a step past the first, which every "
+              "step waits for")
     calls = chunked.groupby(["step", "call"])["chunk_size"].agg(["min", "max"])
-    per_step = calls.groupby("step").agg(min=("min", "min"), max=("max", "max"))
-    uneven = per_step[per_step["min"] != per_step["max"]]
-    share = len(uneven) / len(per_step)
-    if share > UNEVEN_STEPS_SHARE:
+    per_step_sizes = calls.groupby("step").agg(min=("min", "min"), max=("max", "max"))
+    uneven = per_step_sizes[per_step_sizes["min"] != per_step_sizes["max"]]
+    share = len(uneven) / len(per_step_sizes)
+    if share > UNEVEN_STEPS_SHARE and worth_time(cost.uneven_ms, step_ms):
         step = uneven.index[0]
         first_call = chunked[chunked["step"] == step]["call"].min()
+        order = {d: i for i, d in enumerate(t.model.devices)}
         sizes = [int(c) for c in chunked[(chunked["step"] == step) & (chunked["call"] == first_call)]
-                 .sort_values("device", key=lambda s: s.map({d: i for i, d in enumerate(t.model.devices)}))["chunk_size"]]
+                 .sort_values("device", key=lambda s: s.map(order))["chunk_size"]]
         spread = (uneven["max"] - uneven["min"]) / uneven["min"]  # over the smallest: "bigger than the smallest"
-        findings.append(finding("uneven_chunks", "warning", None, f"chunks were uneven in {share:.0%} of steps",
-                                f"{len(uneven)} of {len(per_step)} steps; e.g. step {step}: chunks {sizes}; the "
-                                f"largest chunk is {spread.mean():.0%} bigger than the smallest on average, work the "
-                                "other devices wait for",
-                                f"torch.chunk splits the batch; use a batch size that {len(t.model.devices)} divides "
-                                "evenly (dpprof check --batch-size N shows the split).", share, "share"))
+        costs = cost.uneven_ms / step_ms
+        findings.append(finding("uneven_chunks", _split_severity(uneven_severity(sizes, n), cost.uneven_ms, step_ms),
+                                None, f"chunks were uneven in {share:.0%} of steps, costing {costs:.0%} of the step",
+                                f"{len(uneven)} of {len(per_step_sizes)} steps; e.g. step {step}: chunks {sizes}; the "
+                                f"largest chunk is {spread.mean():.0%} bigger than the smallest on average; {waited}, "
+                                f"and an even split of the same samples would take {cost.uneven:.0%} off it: the "
+                                f"uneven split {cost_text(cost.uneven_ms, later)} ({costs:.0%} of the {MEDIAN_STEP})",
+                                f"torch.chunk splits the batch; use a batch size that {n} divides "
+                                "evenly (dpprof check --batch-size N shows the split).", cost.uneven_ms / step_ms,
+                                "share"))
     idle = list(t.model.idle)
-    if idle:
-        n = len(t.model.devices)
-        findings.append(finding("idle_devices", idle_severity(len(idle), n), idle[0],
-                                f"{len(idle)} device(s) never got a chunk",
+    if idle and worth_time(cost.idle_ms, step_ms):
+        findings.append(finding("idle_devices", _split_severity(idle_severity(len(idle), n), cost.idle_ms, step_ms),
+                                idle[0], f"{len(idle)} device(s) never got a chunk, costing "
+                                f"{cost.idle_ms / step_ms:.0%} of the step",
                                 f"devices {', '.join(idle)} of {n} did no work in any step: the run used "
-                                f"{n - len(idle)} of its {n} devices",
+                                f"{n - len(idle)} of its {n} devices; {waited}, and spreading the batch over all {n} "
+                                f"would take {cost.idle:.0%} off it: leaving them idle "
+                                f"{cost_text(cost.idle_ms, later)} ({cost.idle_ms / step_ms:.0%} of the {MEDIAN_STEP})",
                                 "The batch is smaller than the number of devices times the chunk torch.chunk makes; "
-                                "raise the batch size or use fewer devices.", len(idle), "count"))
+                                "raise the batch size or use fewer devices.", cost.idle_ms / step_ms, "share"))
     return findings
 
 
