@@ -28,11 +28,15 @@ def body(row: pd.Series) -> None:
             per = int(data.work_samples.groupby("device").size().max()) if len(data.work_samples) else 0
             st.caption(f"The distributions use {per:,} steps per {model.unit}: the first steps, one step in "
                        f"{model.retention.every} and the newest. Mean, min and max are over every step, from the "
-                       "per-block aggregates; p50 and p95 from their quantile sketches (within 1%).")
+                       "per-block aggregates; p50 and p95 over the steps past the first (as the findings' medians), "
+                       "from their quantile sketches (within 1%).")
         elif data.work_stats["sampled"].any():
             per = int(data.work_samples.groupby("device").size().max())
-            st.caption(f"The distributions and percentiles use every k-th step ({per:,} per device); mean, min and "
-                       "max are over every step.")
+            st.caption(f"The distributions and percentiles use every k-th step ({per:,} per device), the percentiles "
+                       "past the first (as the findings' medians); mean, min and max are over every step.")
+        else:
+            st.caption("Mean, min and max are over every step; p50 and p95 over the steps past the first, whose "
+                       "one-time costs they leave out as the findings' medians do.")
         stats = data.work_stats.drop(columns=["sampled"])
         stats.columns = [c.replace("work_", f"{model.work.column}_", 1) for c in stats.columns]
         common.table(stats, f"{model.work.column}_per_{model.unit}")

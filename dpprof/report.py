@@ -24,7 +24,8 @@ def summary_of(run: StoredRun) -> pd.DataFrame:
     Columns, with ``<work>`` the run's work (run.model.work.column: "apply" for DataParallel, "compute" for a
     process's forward and backward compute): steps; where the run has its work, <work>_mean_ms,
     <work>_min_ms, <work>_max_ms, <work>_p50_ms, <work>_p95_ms, <work>_share_of_step_pct and sampled
-    (percentiles from every k-th step, or a long run's quantile sketches); with dpprof's memory accounting,
+    (percentiles over the steps past the first, as the findings' medians: queries.work_stats; from every k-th step,
+    or a long run's quantile sketches); with dpprof's memory accounting,
     peak_step, peak_held_bytes and what was held then by kind (and output_device where outputs are gathered,
     chunk_size_mean/min/max for DataParallel); with the CUDA allocator, peak_allocated_bytes and
     peak_reserved_bytes; for an imported trace with GPUs, gpu_step_ms, gpu_busy_ms and gpu_idle_pct. Every device

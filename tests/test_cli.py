@@ -88,7 +88,8 @@ def test_export_writes_every_table_with_the_runs_values(tmp_path):
     assert list(summary.index) == ["cpu:0", "cpu:1", "cpu:2"]
     apply = run.phases.query("phase == 'apply'").groupby("device")["duration_ms"]
     assert summary["apply_mean_ms"].round(9).tolist() == apply.mean().round(9).tolist()
-    assert summary["apply_p95_ms"].round(9).tolist() == apply.quantile(0.95).round(9).tolist()
+    later = run.phases.query(f"phase == 'apply' and step > {run.steps['step'].min()}").groupby("device")["duration_ms"]
+    assert summary["apply_p95_ms"].round(9).tolist() == later.quantile(0.95).round(9).tolist()  # past the first
     assert summary["chunk_size_mean"].tolist() == pytest.approx(run.memory.groupby("device")["chunk_size"].mean().tolist(), rel=1e-14)
     meta = pd.read_csv(out / "run.csv")
     assert meta.loc[0, "id"] == run.id

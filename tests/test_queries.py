@@ -104,8 +104,26 @@ def test_work_stats_are_per_step_sums_of_every_device(runs, name):
     assert stats.index.tolist() == sorted(per_step.groups, key=run.meta["devices"].index)
     assert np.allclose(stats["work_mean_ms"], per_step.mean()[stats.index])
     assert np.allclose(stats["work_max_ms"], per_step.max()[stats.index])
-    assert np.allclose(stats["work_p95_ms"], per_step.quantile(0.95)[stats.index])
+    later = _per_step(run, "apply").drop(run.steps["step"].min(), level="step").groupby("device")
+    assert np.allclose(stats["work_p95_ms"], later.quantile(0.95)[stats.index])  # the percentiles: past the first
     assert (stats["steps"] == per_step.size()[stats.index]).all() and not stats["sampled"].any()
+
+
+@pytest.mark.parametrize("name", ["plain", "balanced", "uneven"])
+def test_the_p50_of_show_is_the_findings_median_work(runs, name, capsys):
+    """One figure: each device's p50 in dpprof show (and the Load page, device_summary.csv) is the median per step past
+    the first that the straggler verdict weighs and the Overview draws (the first step's one-time costs left out)."""
+    from dpprof.cli import main
+    from dpprof.findings import run_findings
+    from dpprof.report import summary_of
+
+    run = runs[name]
+    medians = run_findings(run).straggler.found.medians
+    p50 = summary_of(run)["apply_p50_ms"]
+    assert p50.to_dict() == pytest.approx(medians.to_dict(), rel=1e-12)
+    assert main(["--reports-dir", str(run.path.parent), "show", run.id]) == 0
+    shown = capsys.readouterr().out
+    assert all(f"{ms:,.2f}" in shown for ms in medians)
 
 
 def test_work_samples_take_every_kth_step_past_the_limit(runs):

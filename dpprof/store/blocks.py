@@ -12,8 +12,8 @@ A block is ``Retention.block_steps`` consecutive steps. For each block the write
 - ``memory_blocks``: per device, the mean held and the peak step with what it held by kind;
 - ``allocator_blocks``: per device and phase, the CUDA allocator's maxima;
 - ``chunk_counts``: per device and chunk size, the forward calls (whole run);
-- ``run_sketches``: the whole run's sketches of the step time and of each device's work (what a page's
-  median and percentiles read);
+- ``run_sketches``: the whole run's sketches of the step time and of each device's work past the first step
+  (what a page's median and percentiles read; the findings' medians leave the first step out too);
 - ``outlier_steps``: the outlier steps the retention keeps (dpprof.store.retention).
 
 A step's records are added up once the step is settled: ``SETTLE_STEPS`` newer steps have been seen
@@ -361,7 +361,8 @@ class Aggregator:
             ms_bucket = bucket(ms)
             stat = phases.get(key)
             (stat if stat is not None else self._stat(phases, key, block)).add(step, ms, key=ms_bucket)
-            self._total(WORK, device).add_bucket(ms_bucket)
+            if not first:  # the run's p50 and p95 of the work leave the first step out, as the findings' medians do
+                self._total(WORK, device).add_bucket(ms_bucket)
             dirty.add(key)
         if len(work) > 1 and step != self._first_step:  # the imbalance leaves the first step out
             self._imbalance(work, block)

@@ -368,13 +368,15 @@ def _sampled_steps(run: StoredRun, first: int, last: int, per_device: int) -> np
 
 def work_stats(run: StoredRun, samples: pd.DataFrame | None = None, percentiles: bool = True,
                stats: dict[str, Any] | None = None) -> pd.DataFrame:
-    """Per device: work steps, mean, min and max over every step (forward calls summed), p50 and p95 (of
-    ``samples``, default work_samples(run): exact up to WORK_SAMPLE_PER_DEVICE steps, from every k-th step
-    beyond; a long run's from its blocks' quantile sketches, within 1%), and the mean's share of the mean step.
-    The work is run.model.work (DataParallel's apply).
+    """Per device: work steps, mean, min and max over every step (forward calls summed), p50 and p95 over the steps
+    past the first (of ``samples``, default work_samples(run, skip_first=True): exact up to WORK_SAMPLE_PER_DEVICE
+    steps, from every k-th step beyond; a long run's from its quantile sketches, within 1%), and the mean's share of
+    the mean step. The work is run.model.work (DataParallel's apply). The p50 is the findings' median work per step
+    (the first step, with its one-time costs, left out: findings.imbalance's medians, the Overview's bars), so
+    ``dpprof show`` and the straggler finding state one figure.
 
     Args:
-        samples: work_samples(run), if the caller has it already.
+        samples: work_samples(run), if the caller has it already (its first step is left out here).
         percentiles: False leaves p50 and p95 out (NaN), which saves reading the samples.
         stats: run_stats(run), if the caller has it already.
 
@@ -389,11 +391,13 @@ def work_stats(run: StoredRun, samples: pd.DataFrame | None = None, percentiles:
         return _work_stats_of_blocks(run, percentiles, stats)[cols]
     rows = []
     phases = run.model.work.phases
+    first, _ = _span(run)
     for device in run.model.devices:  # one device at a time: SQLite walks the index, never sorts
-        r = _one_row(run.query("SELECT COUNT(*) AS steps, AVG(ms) AS work_mean_ms, MIN(ms) AS work_min_ms, "
-                               "MAX(ms) AS work_max_ms FROM (SELECT SUM(duration_ms) AS ms FROM phases "
-                               f"WHERE {_phase_in(phases)} AND device = ? GROUP BY step)", (*phases, device)),
-                     "steps")
+        r = _one_row(run.query("SELECT COUNT(*) AS steps, SUM(step > ?) AS later_steps, AVG(ms) AS work_mean_ms, "
+                               "MIN(ms) AS work_min_ms, MAX(ms) AS work_max_ms FROM (SELECT step, "
+                               f"SUM(duration_ms) AS ms FROM phases WHERE {_phase_in(phases)} AND device = ? "
+                               "GROUP BY step)",
+                               (first, *phases, device)), "steps")
         if r["steps"]:
             rows.append({"device": device, **r.to_dict()})
     if not rows:
@@ -403,11 +407,13 @@ def work_stats(run: StoredRun, samples: pd.DataFrame | None = None, percentiles:
     out["work_p50_ms"] = out["work_p95_ms"] = float("nan")
     out["sampled"] = False
     if percentiles:
-        samples = work_samples(run) if samples is None else samples
-        q = samples.groupby("device")["duration_ms"].quantile([0.5, 0.95]).unstack()
+        samples = work_samples(run, skip_first=True) if samples is None else samples
+        samples = samples[samples["step"] != first].astype({"duration_ms": float})  # as the findings' medians
+        q = (samples.groupby("device")["duration_ms"].quantile([0.5, 0.95]).unstack() if len(samples) else
+             pd.DataFrame(columns=[0.5, 0.95], dtype=float))  # one step: none past the first
         out["work_p50_ms"] = out["device"].map(q[0.5])
         out["work_p95_ms"] = out["device"].map(q[0.95])
-        out["sampled"] = out["device"].map(samples.groupby("device").size()).fillna(0) < out["steps"]
+        out["sampled"] = out["device"].map(samples.groupby("device").size()).fillna(0) < out["later_steps"]
     out["work_share_of_step_pct"] = 100 * out["work_mean_ms"] / out["device"].map(_mean_step_of(run, stats))
     return out[cols]
 
