@@ -256,8 +256,12 @@ def split_cost(t: Tables) -> SplitCost | None:
     biggest = chunks.eq(chunks.max(axis=1), axis=0).reindex(columns=apply.columns, fill_value=False)
     waited_ms = apply.where(biggest).max(axis=1)
     n = len(t.model.devices)
-    shares = chunks.apply(lambda row: split_shares(row.dropna().tolist(), n), axis=1, result_type="expand")
-    shares.columns = ["uneven", "idle"]
+    # split_shares once per distinct split (a run has one or two), not once per step: 2,000 steps took 0.1 s at close
+    filled = chunks.fillna(0.0)
+    devices = list(filled.columns)
+    splits = filled.drop_duplicates().reset_index(drop=True)
+    splits[["uneven", "idle"]] = [split_shares(list(row), n) for row in splits[devices].itertuples(index=False)]
+    shares = filled.merge(splits, on=devices, how="left")[["uneven", "idle"]].set_axis(filled.index)
     keep = waited_ms.notna()
     if not keep.any():
         return None
