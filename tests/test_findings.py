@@ -151,6 +151,9 @@ def test_uneven_chunks_state_what_they_cost_as_the_check_grades_the_split():
     findings = findings_of(run).set_index("kind")
     uneven_ms, _, median = _split_cost_of_records(run)  # about 1.3 ms of a 9 ms step on an idle machine
     assert ("uneven_chunks" in findings.index) == worth_time(uneven_ms, median)  # the floors, as every finding's
+    # the device with 4 samples is also the straggler (a ratio of work times): at one severity, the share of the
+    # step comes first, whatever the ratio's larger number (values of two units are not set against each other)
+    assert_values_in_their_units(findings.reset_index())
     if "uneven_chunks" not in findings.index:
         return
     uneven = findings.loc["uneven_chunks"]

@@ -11,6 +11,7 @@ interval sets (hypothesis) and against an independent sweep of the raw rows.
 from __future__ import annotations
 
 import io
+import math
 import re
 import zipfile
 from pathlib import Path
@@ -27,7 +28,7 @@ from torch import nn
 import dpprof
 from dpprof.cli import main
 from dpprof.findings import run_findings
-from dpprof.records import FINDING_UNITS
+from dpprof.records import FINDING_UNITS, SEVERITIES
 from dpprof.stepmodel import GPU_PARTS, IDLE, PROCESS_PARTS, REST, partition, part_names
 from dpprof.store import queries
 from dpprof.trace import import_traces
@@ -143,11 +144,17 @@ def test_every_recorded_phase_lies_inside_its_step(runs, name):
 
 
 def assert_values_in_their_units(found: pd.DataFrame) -> None:
-    """Every finding's value says its unit (one of FINDING_UNITS), and a share is a fraction of a whole: 0 to 1."""
+    """Every finding's value says its unit (one of FINDING_UNITS), and a share is a fraction of a whole: 0 to 1; and
+    the findings come worst first: by severity, then by unit in FINDING_UNITS' order (values of two units are never
+    set against each other), then by value, largest first, those without one last."""
     valued = found[found["value"].notna()]
     assert valued["unit"].isin(list(FINDING_UNITS)).all(), valued[["kind", "value", "unit"]]
     shares = valued.loc[valued["unit"] == "share", "value"]
     assert ((shares >= 0) & (shares <= 1.0)).all(), valued[["kind", "value", "unit"]]
+    units = list(FINDING_UNITS)
+    keys = [(SEVERITIES.index(f.severity), units.index(f.unit) if f.unit in units else len(units),
+             -f.value if pd.notna(f.value) else math.inf) for f in found.itertuples()]
+    assert keys == sorted(keys), found[["severity", "kind", "unit", "value"]]
 
 
 def _percents_of_a_step(text: str) -> list[float]:

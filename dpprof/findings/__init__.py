@@ -40,14 +40,14 @@ from dpprof.findings.floors import (CRITICAL_STEP_SHARE, MEMORY_FLOOR_BYTES, STE
 from dpprof.findings.gpu import (GPU_IDLE_WARN, THROTTLED_SAMPLES_SHARE, UNDERUSED_UTIL_RATIO, allocator_skew,
                                  gpu_communication, gpu_idle, gpu_underused, throttling, use_ddp)
 from dpprof.findings.steps import OUTLIER_STEP_RATIO, OUTLIER_TIME_SHARE, outlier_steps
-from dpprof.records import SEVERITIES
+from dpprof.records import FINDING_UNITS, SEVERITIES
 from dpprof.store import finding_rows
 from dpprof.store.model import RunModel
 from dpprof.store.reader import StoredRun
 
 __all__ = ["FINDING_COLUMNS", "FINDINGS_MIN_STEPS", "FINDINGS_FULL_STEPS", "Findings", "Tables", "Rule",
            "DATAPARALLEL_RULES", "PROCESS_RULES", "FSDP_RULES_OF_RUN", "TRACE_GPU_RULES", "FALLBACK_RULES", "rules_for", "run_findings",
-           "findings_from", "tables_of", "findings_withheld", "finding", "imbalance", "Imbalance", "Straggler",
+           "findings_from", "worst_first", "tables_of", "findings_withheld", "finding", "imbalance", "Imbalance", "Straggler",
            "straggler_verdict", "worth_time",
            "worth_bytes", "TIME_FLOOR_MS", "STEP_SHARE_FLOOR", "MEMORY_FLOOR_BYTES", "CRITICAL_STEP_SHARE",
            "STRAGGLER_RATIO", "STRAGGLER_RATIO_CPU", "STRAGGLER_CONSISTENCY", "straggler_severity",
@@ -150,8 +150,18 @@ def findings_from(tables: Tables) -> pd.DataFrame:
     df = pd.DataFrame(rows, columns=FINDING_COLUMNS)
     if df.empty:
         return df
-    df["_rank"] = df["severity"].map({s: i for i, s in enumerate(SEVERITIES)})
-    return df.sort_values(["_rank", "value"], ascending=[True, False]).drop(columns="_rank").reset_index(drop=True)
+    return worst_first(df)
+
+
+def worst_first(df: pd.DataFrame) -> pd.DataFrame:
+    """Findings worst first: by severity, then by unit in FINDING_UNITS' order (a share of the step before a ratio,
+    milliseconds, bytes or a count, which cannot be set against each other: 1.8x is not more than 0.3 of a step),
+    then by value, largest first, among the findings of one unit; findings without a value last in their severity."""
+    order = {u: i for i, u in enumerate(FINDING_UNITS)}
+    keys = pd.DataFrame({"severity": df["severity"].map({s: i for i, s in enumerate(SEVERITIES)}),
+                         "unit": df["unit"].map(order).fillna(len(order)), "value": -df["value"].astype(float)})
+    ranked = keys.sort_values(["severity", "unit", "value"], na_position="last", kind="stable").index
+    return df.loc[ranked].reset_index(drop=True)
 
 
 def findings_withheld(steps: int) -> str | None:
@@ -185,7 +195,7 @@ def run_findings(run: StoredRun, fresh: bool = False) -> Findings:
         return Findings(findings_from(tables), f"from all {model.steps:,} steps" + (" so far" if running else ""),
                         straggler=straggler_verdict(tables))
     if run.meta["status"] == "finished":
-        stored = run.findings[FINDING_COLUMNS].reset_index(drop=True)
+        stored = worst_first(run.findings[FINDING_COLUMNS]) if len(run.findings) else empty  # as written, or older
         # the verdict from the same steps and phases the stored findings read (tables_of), the work phases alone
         return Findings(stored, f"stored when the run finished, from all {model.steps:,} steps",
                         straggler=straggler_verdict(tables_of(run, work_only=True)))
