@@ -23,7 +23,8 @@ _BYTES_PER = re.compile(r"(?:.*_)?bytes_per_(?!s$)[a-z]+")
 
 def display_table(df: pd.DataFrame) -> pd.DataFrame:
     """A table as people read it: headers in words with their unit ("apply mean (ms)"), bytes in MiB (GiB
-    where a column reaches one), numbers to DISPLAY_DECIMALS places, whole-number columns as integers."""
+    where a column reaches one, KiB where it stays under one MiB: dpprof.units.bytes_unit), numbers to
+    DISPLAY_DECIMALS places, whole-number columns as integers."""
     out = pd.DataFrame(index=df.index)
     for col in df.columns:
         values, name = df[col], str(col)
@@ -34,8 +35,8 @@ def display_table(df: pd.DataFrame) -> pd.DataFrame:
             values, name = values * scale, f"{name} ({unit})"
         for ending, unit, scale in _UNITS if not name.endswith(")") else ():
             if name.endswith(ending) and pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_bool_dtype(values):
-                if unit == "MiB" and values.abs().max() >= 2**30:
-                    unit, scale = "GiB", 2**-30
+                if unit == "MiB":  # bytes in the unit the column reads best in: KiB, MiB or GiB by its largest
+                    unit, scale = bytes_unit(float(values.abs().max()) if values.notna().any() else 0.0)
                 values, name = values * scale, f"{name[: -len(ending)]} ({unit})"
                 break
         if pd.api.types.is_float_dtype(values):
