@@ -98,8 +98,8 @@ def _distributed_identity(name: str | None, run_id: str | None = None
 
 
 class _Step:
-    __slots__ = ("index", "start_ns", "explicit", "calls", "batch_size", "devices_used", "last_end_ns", "grad",
-                 "passes", "weighed", "closed")
+    __slots__ = ("index", "start_ns", "explicit", "calls", "batch_size", "batch_of", "devices_used", "last_end_ns",
+                 "grad", "passes", "weighed", "closed")
 
     def __init__(self, index: int, start_ns: int, explicit: bool) -> None:
         self.index = index
@@ -113,6 +113,9 @@ class _Step:
         self.closed = False  # its step record is made: what a stale probe does after it belongs to no step
         self.calls = 0
         self.batch_size: int | None = None
+        # the module whose calls the batch counts (id; 0 for a DDP rank's): the step's first, so that a step of two
+        # models (a GAN's generator and discriminator) counts its samples once, and micro-batches of one model add up
+        self.batch_of: int | None = None
         self.devices_used = 0
         self.last_end_ns = start_ns
 

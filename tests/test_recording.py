@@ -94,6 +94,22 @@ def test_two_forward_calls_in_one_step_are_two_calls():
     assert sorted(frames["memory"]["call"].unique().tolist()) == [0, 1]
 
 
+def test_a_step_of_two_models_counts_the_samples_of_its_first_model():
+    """A GAN's step: the generator on 12 noise samples, the discriminator on 12 real and 12 generated. The step's batch
+    is its first model's samples (12), not every call's (36); that model called twice adds up, as micro-batches do."""
+    devices = dpprof.cpu_devices(2)
+    generator, discriminator = dpprof.DataParallel(nn.Linear(4, 8), devices), dpprof.DataParallel(nn.Linear(8, 1), devices)
+    with dpprof.record(name="gan", store=False) as run:
+        with run.step():
+            fake = generator(torch.randn(12, 4))
+            (discriminator(torch.randn(12, 8)).mean() - discriminator(fake).mean()).backward()
+        with run.step():
+            fake = torch.cat([generator(torch.randn(12, 4)), generator(torch.randn(4, 4))])
+            discriminator(fake).mean().backward()
+    steps = run.frames()["steps"]
+    assert steps[["batch_size", "forward_calls"]].values.tolist() == [[12, 3], [16, 3]]
+
+
 def test_explicit_and_implicit_steps_mix_in_one_run():
     """Forward calls before a run.step() block are a step of their own, closed when the block opens; a
     forward on another thread inside the block joins it; one block object can be entered again."""

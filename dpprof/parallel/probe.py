@@ -400,9 +400,15 @@ class ForwardProbe:
 
     # bytes
     def note_batch(self, inputs: Any, kwargs: Any) -> None:
+        """Add this call's samples to the step's batch where the call is of the step's first module (_Step.batch_of):
+        gradient accumulation's micro-batches add up, a second model's calls (a GAN's) do not."""
         first = _first_tensor(inputs, kwargs)
         if first is not None and first.dim() > 0:
-            self.step.batch_size = (self.step.batch_size or 0) + first.size(self.dim)
+            step, module = self.step, id(self.root) if self.root is not None else 0
+            if step.batch_of is None:
+                step.batch_of = module
+            if step.batch_of == module:
+                step.batch_size = (step.batch_size or 0) + first.size(self.dim)
 
     def note_device(self, label: str, args: Any, kwargs: Any, output: Any, activation_bytes: int,
                     shared_args: int = 0, chunked: bool = True) -> None:
