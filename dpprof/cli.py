@@ -902,8 +902,9 @@ def _measure_compute(m: Measured, batch_sizes: list[int] | None, calibration: Ca
     needed = compute_layouts(m, batch_sizes)
     if known is not None and known.covers(needed):
         return known
-    print(f"dpprof: measuring {m.workload} alone for each split of its batch (a few seconds, once; cached in "
-          f"{compute_path(m.run_id)})", file=sys.stderr, flush=True)
+    splits = len({key for key in needed if known is None or key not in known.layouts})
+    print(f"dpprof: measuring {m.workload} alone for each split of its batch ({plural(splits, 'split')}, 4 to 31 "
+          f"passes each; once, cached in {compute_path(m.run_id)})", file=sys.stderr, flush=True)
     try:
         probe = measure_compute(m, needed, known, progress=progress)
     except Exception as err:  # noqa: BLE001 - the user's model factory, its import, its forward: said, not raised

@@ -31,10 +31,12 @@ if TYPE_CHECKING:
 __all__ = ["ChunkTimes", "ComputeProbe", "cached_compute", "compute_path", "measure_compute", "save_compute"]
 
 COMPUTE_VERSION = 1
-WARMUP = 2  # passes not timed: the first allocates what later ones reuse
-MIN_PASSES = 5
+WARMUP = 1  # passes not timed: the first allocates what later ones reuse
+# timed passes per split: at least MIN_PASSES (a model whose pass takes seconds pays (WARMUP + MIN_PASSES) passes a
+# split, no more), then more while the split has taken under PASS_BUDGET_S, up to MAX_PASSES (a small model's)
+MIN_PASSES = 3
 MAX_PASSES = 30
-PASS_BUDGET_S = 0.25  # per layout, past MIN_PASSES: a medium model's layouts take a second or two together
+PASS_BUDGET_S = 0.25
 
 
 @dataclass(frozen=True)
