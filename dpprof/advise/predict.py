@@ -829,8 +829,10 @@ def _assumptions(m: Measured, cal: Calibration | None, model: _Model) -> list[st
                "Backward is each replica's graph in proportion to its forward compute, plus the sum of the replicas' "
                "gradients on the first device; the loss scales with the samples it sees."]
         if m.backend == "cpu" and m.source != "script":
-            out.append(f"The model was not measured alone on this host (`dpprof advise {m.run_id}` measures it, a few "
-                       "seconds, once): smaller chunks run less efficiently than the recorded ones, and one device's "
+            out.append(f"The model was not measured alone on this host (`dpprof advise {m.run_id}` measures it once, "
+                       + ("run where its model imports from, as dpprof profile --model was): " if m.source == "model"
+                          else "in seconds): ")
+                       + "smaller chunks run less efficiently than the recorded ones, and one device's "
                        "backward sums no replicas' gradients, which the recorded figures alone cannot show.")
     if m.backend == "cpu":
         cores = (f"{cal.effective_cores:.2f} of the host's {m.cores} cores (the calibration's measure of what this "
