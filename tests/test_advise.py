@@ -858,3 +858,17 @@ def test_a_run_recorded_from_a_script_is_not_measured_alone(paused):
     m = measure(paused.stalled)
     assert m.source == "script" and measure_compute(m, compute_layouts(m)) is None
     assert not any("measured alone" in a for a in advise(m, None).assumptions)
+
+
+def test_a_split_of_fewer_chunks_than_devices_is_measured_and_cached_as_it_runs(tmp_path, monkeypatch):
+    """Batch 3 on 4 workers runs 3 replicas of 1 (torch.chunk): its measure holds 3 forward times, and the cache
+    reads it back (a check of one time per device would refuse it, and measure again every time)."""
+    from dpprof.advise.compute import cached_compute, measure_compute, save_compute
+    from dpprof.advise.predict import compute_layouts
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    m = measure(record(tmp_path, "small", workers=2, steps=4, batch_size=3, workload="tutorial-linear"))
+    probe = measure_compute(m, compute_layouts(m))
+    assert len(probe.get(3, 4).forward_ms) == len(chunk_sizes(3, 4)) == 3
+    save_compute(probe)
+    assert cached_compute(m.run_id) == probe

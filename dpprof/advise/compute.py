@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dpprof.advise.calibration_cache import cache_dir, write_cache_file
+from dpprof.advise.measured import chunk_sizes
 
 if TYPE_CHECKING:
     from dpprof.advise.measured import Measured
@@ -82,7 +83,8 @@ class ComputeProbe:
         for row in data["layouts"]:
             times = ChunkTimes(int(row["batch"]), int(row["k"]), tuple(float(v) for v in row["forward_ms"]),
                                float(row["backward_ms"]), int(row["passes"]))
-            if len(times.forward_ms) != times.k or times.backward_ms < 0 or any(v < 0 for v in times.forward_ms):
+            if (len(times.forward_ms) != len(chunk_sizes(times.batch, times.k)) or times.backward_ms < 0
+                    or any(v < 0 for v in times.forward_ms)):
                 raise ValueError(f"layout {times.batch}/{times.k} does not hold one forward time per chunk")
             layouts[(times.batch, times.k)] = times
         return cls(str(data["run_id"]), str(data["host"]), str(data["torch_version"]), str(data["measured_at"]),
