@@ -7,6 +7,7 @@ import streamlit as st
 
 from app_pages import common
 from dpprof import charts
+from dpprof.advise.commands import CHECK_MAX_STEPS
 from dpprof.plaintext import markdown_code, markdown_text, markdown_words
 from dpprof.units import mib
 from dpprof.views import advise
@@ -67,8 +68,8 @@ def body(row: pd.Series) -> None:
     st.subheader("Assumptions")
     for line in a.assumptions:
         st.markdown(f"- {markdown_text(line)}")
-    st.caption(f"{markdown_code(f'dpprof advise {a.run_id}')} prints the same; `--check` runs every scenario for real (at most 100 "
-               "steps each) and sets the measured step beside the prediction.")
+    st.caption(f"{markdown_code(f'dpprof advise {a.run_id}')} prints the same; `--check` runs every scenario for real (at most "
+               f"{CHECK_MAX_STEPS} steps each) and sets the measured step beside the prediction.")
 
 
 common.live(body)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
+from dpprof.advise.commands import CHECK_MAX_STEPS
 from dpprof.launch import (DEFAULT_WORKLOAD, LaunchError, Profile, ProfileError, parse_devices,
                            parse_input_shape)
 from dpprof.units import plural
@@ -1077,8 +1078,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "$XDG_CACHE_HOME/dpprof/advise (default ~/.cache/dpprof/advise)")
     p.add_argument("--devices", default="cpu:2", help="with --calibrate and no RUN: the CPU workers to calibrate for")
     p.add_argument("--check", action="store_true",
-                   help="run every scenario's command on this machine (at most 100 steps each) and print predicted "
-                   "against measured")
+                   help=f"run every scenario's command on this machine (at most {CHECK_MAX_STEPS} steps each) and "
+                   "print predicted against measured")
     p.add_argument("--check-dir", default=None, help="where --check records its runs (default: the reports directory)")
     p.add_argument("--memory-gib", type=_memory_gib, default=None, metavar="GIB",
                    help="each CPU worker's memory, for the largest batch that fits (a GPU's is its own)")

@@ -7,6 +7,7 @@
 | dpprof.advise.predict | the arithmetic: each scenario's step time, its parts and interval, memory per device | no |
 | dpprof.advise.commands | the command that runs each scenario for real | no |
 | dpprof.advise.calibrate | the calibration itself (CPU workers, gloo ranks) | yes |
+| dpprof.advise.compute | the run's own model measured alone on each split of its batch, cached per run | only measure_compute |
 | dpprof.advise.check | runs each scenario's command and reads the run it recorded | no (its subprocesses do) |
 
 The read side (dpprof.views.advise, the Advisor page) reads a cached calibration and never measures.

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from dpprof.advise.commands import CHECK_MAX_STEPS
 from dpprof.advise.predict import Advice, Scenario
 from dpprof.launch import LaunchError, Profile
 from dpprof.records import CHECK_OF_ENV
@@ -19,9 +20,6 @@ from dpprof.store.reader import load_run
 __all__ = ["CHECK_MAX_STEPS", "CHECK_TIMEOUT_S", "Checked", "check", "check_profile", "failed_reason", "run_scenario"]
 
 CHECK_TIMEOUT_S = 900  # one scenario's run; a DDP run starts torchrun and its ranks
-# The most steps a check run records: a median step and its interval are settled well before (a run of 100,000
-# steps would make --check take hours). The commands shown run the run's own steps; only --check is capped.
-CHECK_MAX_STEPS = 100
 
 
 @dataclass

@@ -8,8 +8,12 @@ from dpprof.launch import Profile
 if TYPE_CHECKING:
     from dpprof.advise.measured import Measured
 
-__all__ = ["DEFAULT_STEPS", "command_for", "profile_for", "scenario_steps"]
+__all__ = ["CHECK_MAX_STEPS", "DEFAULT_STEPS", "command_for", "profile_for", "scenario_steps"]
 
+# The most steps a check run records (dpprof.advise.check): a median step and its interval are settled well before (a
+# run of 100,000 steps would make --check take hours). The commands shown run the run's own steps; only --check is
+# capped. Here, beside the commands, for the help and the Advisor page to say it without importing the check.
+CHECK_MAX_STEPS = 100
 DEFAULT_STEPS = 30  # a run recorded without its step count: enough steps past the first for a median
 
 
@@ -22,7 +26,7 @@ def _devices(m: Measured, k: int) -> str:
 def scenario_steps(m: Measured) -> int:
     """The steps each scenario's command runs: those the run recorded (fewer than it asked for where it did not
     finish), so the command shown reproduces the run. ``dpprof advise --check`` runs at most
-    dpprof.advise.check.CHECK_MAX_STEPS of them."""
+    CHECK_MAX_STEPS of them."""
     asked = int(m.workload_args.get("steps") or DEFAULT_STEPS)
     return max(1, min(asked, m.steps or asked))
 

@@ -211,7 +211,7 @@ def check_lines(checked: list) -> list[str]:
     out = ["predicted against measured (each scenario's command run on this machine):"]
     out += pd.DataFrame(rows).to_string(index=False).splitlines()
     capped = [(c.steps, c.scenario.profile.steps) for c in checked if c.capped]
-    if capped:  # --check runs at most dpprof.advise.check.CHECK_MAX_STEPS steps; the commands shown, the run's own
+    if capped:  # --check runs at most dpprof.advise.commands.CHECK_MAX_STEPS steps; the commands shown, the run's own
         ran, commands = max(capped)
         out.append(f"each check run recorded {plural(ran, 'step')}, not the {commands:,} of its command: --check runs "
                    f"at most {ran} (a median step and its interval are settled well before)")
