@@ -9,7 +9,7 @@ import pandas as pd
 from dpprof.findings.base import MEDIAN_STEP, Tables, finding, per_step
 from dpprof.findings.collectives import CollectiveVerdict, collective_verdict
 from dpprof.findings.floors import (CRITICAL_STEP_SHARE, STEP_SHARE_FLOOR, TIME_FLOOR_MS, Imbalance, cost_text,
-                                    imbalance, mib, worth_bytes, worth_time)
+                                    critical_or, imbalance, mib, worth_bytes, worth_time)
 from dpprof.records import DP_TAX_PHASES, MEMORY_BYTES, idle_severity, split_shares, uneven_severity
 
 __all__ = ["STRAGGLER_RATIO", "STRAGGLER_RATIO_CPU", "STRAGGLER_CONSISTENCY", "straggler_severity",
@@ -44,7 +44,7 @@ def straggler_severity(wait_ms: float, step_ms: float) -> str:
     """A straggler's severity, one rule however it was found (from the work times or from the collectives): critical
     where the others' wait for it is at least CRITICAL_STEP_SHARE of the median step past the first, as any time
     finding's cost, else a warning."""
-    return "critical" if step_ms and wait_ms >= CRITICAL_STEP_SHARE * step_ms else "warning"
+    return critical_or("warning", wait_ms, step_ms)
 
 
 def straggler_threshold(t: Tables) -> float:
@@ -271,12 +271,6 @@ def split_cost(t: Tables) -> SplitCost | None:
                      idle_ms=float((waited_ms * shares["idle"]).mean()))
 
 
-def _split_severity(split: str, cost_ms: float, step_ms: float) -> str:
-    """A split finding's severity: the split's own grade (records.idle_severity, uneven_severity: the pre-flight
-    check's), critical where its cost is CRITICAL_STEP_SHARE of the step or more, as any time finding's."""
-    return "critical" if cost_ms >= CRITICAL_STEP_SHARE * step_ms else split
-
-
 def uneven_chunks(t: Tables) -> list[dict]:
     """Steps whose chunks differ in size, and devices that never got one, each where what it costs (split_cost)
     clears the floors. Only the forward calls that scattered a batch count (a whole-batch loss call has no chunk)."""
@@ -300,7 +294,7 @@ def uneven_chunks(t: Tables) -> list[dict]:
                  .sort_values("device", key=lambda s: s.map(order))["chunk_size"]]
         spread = (uneven["max"] - uneven["min"]) / uneven["min"]  # over the smallest: "bigger than the smallest"
         costs = cost.uneven_ms / step_ms
-        findings.append(finding("uneven_chunks", _split_severity(uneven_severity(sizes, n), cost.uneven_ms, step_ms),
+        findings.append(finding("uneven_chunks", critical_or(uneven_severity(sizes, n), cost.uneven_ms, step_ms),
                                 None, f"chunks were uneven in {share:.0%} of steps, costing {costs:.0%} of the step",
                                 f"{len(uneven)} of {len(per_step_sizes)} steps; e.g. step {step}: chunks {sizes}; the "
                                 f"largest chunk is {spread.mean():.0%} bigger than the smallest on average; {waited}, "
@@ -311,7 +305,7 @@ def uneven_chunks(t: Tables) -> list[dict]:
                                 "share"))
     idle = list(t.model.idle)
     if idle and worth_time(cost.idle_ms, step_ms):
-        findings.append(finding("idle_devices", _split_severity(idle_severity(len(idle), n), cost.idle_ms, step_ms),
+        findings.append(finding("idle_devices", critical_or(idle_severity(len(idle), n), cost.idle_ms, step_ms),
                                 idle[0], f"{len(idle)} device(s) never got a chunk, costing "
                                 f"{cost.idle_ms / step_ms:.0%} of the step",
                                 f"devices {', '.join(idle)} of {n} did no work in any step: the run used "

@@ -12,7 +12,7 @@ import pandas as pd
 
 from dpprof.units import mib
 
-__all__ = ["TIME_FLOOR_MS", "STEP_SHARE_FLOOR", "MEMORY_FLOOR_BYTES", "CRITICAL_STEP_SHARE", "worth_time",
+__all__ = ["TIME_FLOOR_MS", "STEP_SHARE_FLOOR", "MEMORY_FLOOR_BYTES", "CRITICAL_STEP_SHARE", "critical_or", "worth_time",
            "worth_bytes", "Imbalance", "imbalance", "cost_text", "mib"]
 
 # A finding about time is raised only when it costs at least this much a step ...
@@ -36,6 +36,12 @@ def worth_time(cost_ms: float, step_ms: float | None) -> bool:
     if not step_ms or pd.isna(cost_ms) or pd.isna(step_ms):
         return False
     return cost_ms >= TIME_FLOOR_MS and cost_ms / step_ms >= STEP_SHARE_FLOOR
+
+
+def critical_or(grade: str, cost_ms: float, step_ms: float | None) -> str:
+    """A time finding's severity: critical where its cost is CRITICAL_STEP_SHARE of the step or more, else ``grade``
+    (the finding's own)."""
+    return "critical" if step_ms and cost_ms >= CRITICAL_STEP_SHARE * step_ms else grade
 
 
 def worth_bytes(cost_bytes: float) -> bool:
