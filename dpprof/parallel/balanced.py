@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dpprof.device_ids import DeviceLike, resolve_devices
-from dpprof.parallel.data_parallel import HOST_LABEL, DataParallel, cpu_output_device, device_index
+from dpprof.parallel.data_parallel import HOST_LABEL, DataParallel, device_index
 from dpprof.parallel.probe import ForwardProbe, MeasuredReplica, end_after_error, iter_tensors
 from dpprof.parallel.scatter_gather import gather, scatter_sized
 from dpprof.recording import current_run
@@ -114,7 +114,7 @@ class DataParallelCriterion(DataParallel):
     def _reduce(self, losses: list[Any], weights: list[float]) -> Any:
         index = device_index(self.output_device)
         with self._phase("reduce", index):
-            target = self._targets([index])[0] if index != -1 else cpu_output_device(-1) if self._on_cpu() else -1
+            target = self._output_target(index)
             reduction = self.reduction or getattr(self.module, "reduction", "mean")
             if reduction == "none":
                 return gather(losses, target, dim=self.dim)

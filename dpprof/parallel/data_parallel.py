@@ -172,10 +172,13 @@ class DataParallel(torch.nn.DataParallel):
             return list(device_ids)
         return list(_cpu_targets(tuple(device_ids)))
 
-    def _on_cpu(self) -> bool:
-        """Whether this DataParallel spreads over CPU workers."""
+    def _output_target(self, index: int) -> Any:
+        """Where gather (and the balanced criterion's reduce) put outputs gathered onto output device ``index``: its
+        device, or for -1 the host (the CPU's torch.device on CPU workers, torch's -1 on GPUs)."""
+        if index != -1:
+            return self._targets([index])[0]
         devices = self.__dict__["_devices"]
-        return devices is not None and devices.type == "cpu"
+        return cpu_output_device(-1) if devices is not None and devices.type == "cpu" else -1
 
     def _label(self, index: int) -> str:
         devices = self.__dict__["_devices"]
@@ -266,8 +269,7 @@ class DataParallel(torch.nn.DataParallel):
     def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
         index = device_index(output_device)
         with self._phase("gather", index):
-            target = self._targets([index])[0] if index != -1 else cpu_output_device(-1) if self._on_cpu() else -1
-            output = gather(outputs, target, dim=self.dim)
+            output = gather(outputs, self._output_target(index), dim=self.dim)
             probe = self.__dict__["_probe"]
             if probe is not None:
                 probe.note_gathered(output)
