@@ -895,7 +895,8 @@ def _measure_compute(m: Measured, batch_sizes: list[int] | None, calibration: Ca
     predictions then go by the recorded figures). Read from the cache, torch is not imported."""
     if m.backend != "cpu" or m.source == "script":
         return None
-    from dpprof.advise.compute import cached_compute, compute_path, measure_compute, save_compute
+    from dpprof.advise.compute import (MAX_PASSES, MIN_PASSES, WARMUP, cached_compute, compute_path, measure_compute,
+                                       save_compute)
     from dpprof.advise.predict import compute_layouts
     from dpprof.plaintext import error_line
 
@@ -904,8 +905,9 @@ def _measure_compute(m: Measured, batch_sizes: list[int] | None, calibration: Ca
     if known is not None and known.covers(needed):
         return known
     splits = len({key for key in needed if known is None or key not in known.layouts})
-    print(f"dpprof: measuring {m.workload} alone for each split of its batch ({plural(splits, 'split')}, 4 to 31 "
-          f"passes each; once, cached in {compute_path(m.run_id)})", file=sys.stderr, flush=True)
+    print(f"dpprof: measuring {m.workload} alone for each split of its batch ({plural(splits, 'split')}, "
+          f"{WARMUP + MIN_PASSES} to {WARMUP + MAX_PASSES} passes each; once, cached in {compute_path(m.run_id)})",
+          file=sys.stderr, flush=True)
     try:
         probe = measure_compute(m, needed, known, progress=progress)
     except Exception as err:  # noqa: BLE001 - the user's model factory, its import, its forward: said, not raised
