@@ -872,3 +872,34 @@ def test_a_split_of_fewer_chunks_than_devices_is_measured_and_cached_as_it_runs(
     assert len(probe.get(3, 4).forward_ms) == len(chunk_sizes(3, 4)) == 3
     save_compute(probe)
     assert cached_compute(m.run_id) == probe
+
+
+def test_a_torch_whose_package_lacks_its_local_tag_keeps_its_calibration_and_measure(tmp_path, calibrated,
+                                                                                        monkeypatch):
+    """A build's torch.__version__ can carry a local tag its package metadata lacks (2.11.0+cu130 against 2.11.0, as
+    on a GPU image): what a calibration and a model's measure record is the version the reader compares, so neither
+    is refused as another torch's, and measured again, on every read."""
+    from importlib import metadata
+
+    from dpprof.advise.calibration_cache import cached_calibration, measured_torch, save_calibration
+    from dpprof.advise.compute import cached_compute, measure_compute, save_compute
+    from dpprof.advise.predict import compute_layouts
+
+    package = torch.__version__.split("+")[0] if "+" in torch.__version__ else f"{torch.__version__}+local"
+    real_version = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: package if name == "torch" else real_version(name))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert measured_torch() == package != torch.__version__
+
+    m = measure(record(tmp_path, "tagged", workers=2, steps=4, batch_size=8, workload="tutorial-linear"))
+    probe = measure_compute(m, compute_layouts(m))
+    assert probe.torch_version == package
+    save_compute(probe)
+    assert cached_compute(m.run_id, measured_torch()) == probe
+
+    save_calibration(replace(calibrated, torch_version=measured_torch()))
+    assert cached_calibration(calibrated.backend, calibrated.devices, calibrated.threads) == (
+        replace(calibrated, torch_version=package), None)
+    save_calibration(replace(calibrated, torch_version=torch.__version__))  # what calibrate recorded before
+    cal, why = cached_calibration(calibrated.backend, calibrated.devices, calibrated.threads)
+    assert cal is None and why == f"it was measured with torch {torch.__version__}, and torch {package} is installed now"

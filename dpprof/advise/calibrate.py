@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from dpprof.advise.calibration_cache import Calibration, save_calibration
+from dpprof.advise.calibration_cache import Calibration, measured_torch, save_calibration
 from dpprof.records import ALL_REDUCE
 
 __all__ = ["calibrate", "effective_cores", "refresh_load", "ALLREDUCE_SIZES_BYTES"]
@@ -373,7 +373,7 @@ def calibrate(devices: int, save: bool = True, progress: bool = False) -> Calibr
         tick("DDP step")
     calibration = Calibration(
         host=socket.gethostname(), backend="cpu", devices=devices, threads=threads, cores=os.cpu_count() or 1,
-        measured_at=_now(), torch_version=torch.__version__, effective_cores=round(cores, 3), cores_measured_at=_now(),
+        measured_at=_now(), torch_version=measured_torch(), effective_cores=round(cores, 3), cores_measured_at=_now(),
         handoff_ms=handoff, copy_ms_per_mib=copy_ms / (_COPY_BYTES / 2**20), op_ms=op_ms,
         allreduce_latency_ms=gloo["latency"], allreduce_ms_per_mib=gloo["per_mib"],
         allreduce_points=[(int(b), float(ms)) for b, ms in gloo["points"]], ddp_sync_ms=sync, ddp_overhead_ms=overhead,

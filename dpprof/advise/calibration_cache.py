@@ -15,7 +15,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Calibration", "cache_dir", "cache_path", "cached_calibration", "load_calibration", "save_calibration", "write_cache_file",
+__all__ = ["Calibration", "cache_dir", "cache_path", "cached_calibration", "load_calibration", "measured_torch", "save_calibration", "write_cache_file",
            "device_set_key",
            "CALIBRATION_VERSION", "LOADED_THREAD_SPEEDUP"]
 
@@ -193,6 +193,19 @@ def installed_torch() -> str | None:
         return metadata.version("torch")
     except metadata.PackageNotFoundError:
         return None
+
+
+def measured_torch() -> str:
+    """The torch version a calibration or a model's measure records: the installed package's, as the reader compares
+    it (installed_torch), else torch's own. The two can differ: a build's ``torch.__version__`` may carry a local tag
+    that its package metadata lacks (2.11.0+cu130 against 2.11.0), and a file written with one and read against the
+    other would be refused as another torch's every time."""
+    installed = installed_torch()
+    if installed is not None:
+        return installed
+    import torch
+
+    return str(torch.__version__)
 
 
 def load_calibration(backend: str, devices: int, threads: int, host: str | None = None) -> Calibration | None:

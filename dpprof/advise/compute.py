@@ -23,7 +23,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dpprof.advise.calibration_cache import cache_dir, write_cache_file
+from dpprof.advise.calibration_cache import cache_dir, measured_torch, write_cache_file
 from dpprof.advise.measured import chunk_sizes
 
 if TYPE_CHECKING:
@@ -195,5 +195,5 @@ def measure_compute(m: Measured, needed: list[tuple[int, int]], known: ComputePr
                     bar.update(1)
     finally:
         torch.set_num_threads(threads)
-    return ComputeProbe(m.run_id, socket.gethostname(), torch.__version__,
+    return ComputeProbe(m.run_id, socket.gethostname(), measured_torch(),
                         datetime.now(timezone.utc).isoformat(timespec="seconds"), layouts)
