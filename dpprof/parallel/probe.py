@@ -17,7 +17,7 @@ from torch.nn import Module
 from dpprof.device_ids import DeviceSet
 from dpprof.parallel.ranges import profiler_range
 from dpprof.recording import Run
-from dpprof.records import MEMORY_ROW, PHASE_ROW, AllocatorRecord, PhaseRecord
+from dpprof.records import MEMORY_ROW, PHASE_ROW, AllocatorRecord
 
 __all__ = ["ForwardProbe", "MeasuredReplica", "end_after_error", "PendingPhase", "tensor_bytes", "iter_tensors", "watch_backward",
            "allocator_bytes", "event_now", "cuda_event", "gpu_of", "rank_part"]
@@ -157,13 +157,15 @@ def _weight_storages(module: Module) -> set[int]:
 
 
 class PendingPhase:
-    """A phase whose CUDA events may still be in flight."""
+    """A phase whose CUDA events may still be in flight: its row (dpprof.records.Row) but for the GPU time, which
+    is read once its end event has completed."""
 
-    __slots__ = ("fields", "index", "start", "end", "release")
+    __slots__ = ("row", "index", "start", "end", "release")
 
-    def __init__(self, fields: dict[str, Any], index: int, start: torch.cuda.Event, end: torch.cuda.Event,
+    def __init__(self, row: tuple[Any, ...], index: int, start: torch.cuda.Event, end: torch.cuda.Event,
                  release: bool = True) -> None:
-        self.fields, self.index, self.start, self.end = fields, index, start, end
+        # row: (PHASE_ROW, step, call, phase, device, start_ms, duration_ms), PhaseRecord's fields but the last
+        self.row, self.index, self.start, self.end = row, index, start, end
         self.release = release  # False: the events are shared with another phase (a DDP rank's), not reused
 
     def try_emit(self, run: Run, block: bool) -> bool:
@@ -171,7 +173,7 @@ class PendingPhase:
             self.end.synchronize()
         elif not self.end.query():
             return False
-        run.emit(PhaseRecord(**self.fields, device_duration_ms=self.start.elapsed_time(self.end)))
+        run.sink.put((*self.row, self.start.elapsed_time(self.end)))
         if self.release:
             _release_events(self.index, self.start, self.end)
         return True
@@ -190,8 +192,8 @@ def rank_part(run: Run, step: int, name: str, label: str, t0: int, t1: int, cuda
     end event is the next part's start, so these events are not reused."""
     start_ms, duration_ms = (t0 - run._t0_ns) / 1e6, (t1 - t0) / 1e6
     if ev0 is not None and ev1 is not None and cuda_index is not None:
-        fields = dict(step=step, call=0, phase=name, device=label, start_ms=start_ms, duration_ms=duration_ms)
-        run.defer(PendingPhase(fields, cuda_index, ev0, ev1, release=False))
+        run.defer(PendingPhase((PHASE_ROW, step, 0, name, label, start_ms, duration_ms), cuda_index, ev0, ev1,
+                               release=False))
     else:  # a row (dpprof.records.Row): PHASE_ROW, then PhaseRecord's fields in order
         run.sink.put((PHASE_ROW, step, 0, name, label, start_ms, duration_ms, None))
 
@@ -342,19 +344,19 @@ class ForwardProbe:
         if index is not None and run.sync_timing:
             torch.cuda.synchronize(index)
         t1 = time.perf_counter_ns()
-        self.step.touch(t1)
+        step = self.step
+        step.touch(t1)
+        row = (PHASE_ROW, step.index, self.call, name, label, (t0 - self.t0_ns) / 1e6, (t1 - t0) / 1e6)
         if ev0 is None or index is None:  # the host's phases (an event is only started on a GPU's label)
-            run.emit(PhaseRecord(self.step.index, self.call, name, label, run.ms(t0), (t1 - t0) / 1e6))
+            self.put((*row, None))
             return
-        fields = dict(step=self.step.index, call=self.call, phase=name, device=label,
-                      start_ms=run.ms(t0), duration_ms=(t1 - t0) / 1e6)
-        run.defer(PendingPhase(fields, index, ev0, event_now(index)))
+        run.defer(PendingPhase(row, index, ev0, event_now(index)))
         every = _ALLOCATOR_READS.get(name)
         if every is None:
             return
         for i in self.cuda_indices if every else (index,):
             allocated, peak, reserved = allocator_bytes(i)
-            run.emit(AllocatorRecord(self.step.index, self.call, f"cuda:{i}", name, allocated, peak, reserved))
+            self.put(AllocatorRecord(step.index, self.call, f"cuda:{i}", name, allocated, peak, reserved))
 
     def weight_storages(self, module: Module) -> set[int]:
         """Storages of a module's weights: a replica's own (broadcast copies on GPUs, copies or views
