@@ -7,7 +7,8 @@
 #   4. DDP: two ranks sharing GPU 0 over gloo (NCCL refuses two ranks on one GPU); FSDP2 likewise (--fsdp), each
 #      rank's allocator figures in dpprof show;
 #   5. a deep capture on cuda:0 (--capture): its kernels and operators per device, and its raw trace kept in OUTDIR;
-#   6. bench/overhead.py --device cuda: recording against torch.profiler with CUDA activities.
+#   6. bench/overhead.py --device cuda: recording against torch.profiler with CUDA activities, and
+#      bench/overhead_parts.py --device cuda: which part of recording costs what (events, allocator, NVML, activations).
 # One GPU cannot show DataParallel over several GPUs: the two-GPU parity tests skip.
 #
 # The rest of the suite runs last and gets what is left of --budget SECONDS (a GPU lease is short);
@@ -70,6 +71,7 @@ step fsdp-gloo 300 "$py" -m dpprof profile tutorial-linear --fsdp --nproc 2 --de
 fsdp_id=$("$py" -c "$newest")
 step fsdp-show 120 "$py" -m dpprof show "$fsdp_id"
 step overhead 200 nice -n -5 "$py" -u bench/overhead.py --device cuda --rounds "$rounds" --cprofile
+step parts 120 nice -n -5 "$py" -u bench/overhead_parts.py --device cuda --rounds "$rounds"
 
 ignore=()
 if [ $dashboard -eq 0 ]; then
