@@ -62,6 +62,8 @@ def test_a_slowed_rank_is_found_as_the_straggler():
     assert findings.loc["straggler_rank", "device"] == "rank:1"
     waits = run.phases[run.phases["phase"] == "comm_wait"].groupby("device")["duration_ms"].median()
     assert waits["rank:0"] > 30 > waits["rank:1"]  # rank 0 waits ~40 ms at every all-reduce
+    # found from the collectives or from the work times, its value is the others' wait as a share of the step
+    assert findings.loc["straggler_rank", "unit"] == "share" and 0 < findings.loc["straggler_rank", "value"] <= 1
 
 
 def test_a_rank_killed_mid_run_leaves_the_other_ranks_data_whole(reports):

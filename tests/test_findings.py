@@ -87,6 +87,8 @@ def test_a_stragglers_severity_is_the_share_of_the_step_its_wait_costs(reports):
         return
     assert found.loc["straggler", "device"] == "cpu:0"
     assert found.loc["straggler", "severity"] == ("critical" if wait >= CRITICAL_STEP_SHARE * step_ms else "warning")
+    # its value is that share, as a straggler found from the collectives states it (one unit for one finding)
+    assert (found.loc["straggler", "value"], found.loc["straggler", "unit"]) == (pytest.approx(wait / step_ms), "share")
 
 
 class _PerSample(nn.Module):

@@ -150,13 +150,15 @@ def straggler_verdict(t: Tables) -> Straggler | None:
 
 
 def straggler_row(v: Straggler, kind: str, title: str, measure: str, advice: str) -> dict:
-    """The straggler finding of a verdict: its figures, as the headline states them."""
+    """The straggler finding of a verdict: its figures, as the headline states them. Its value is the others' wait
+    as a share of the median step past the first, as a straggler found from the collectives states it and as its
+    severity weighs it (straggler_severity); the ratio is in its title."""
     f, slow = v.found, v.slowest
     return finding(kind, v.severity, slow, title,
                    f"{measure} {f.medians[slow]:.2f} ms on {slow} vs {f.others_ms:.2f} ms on the others; slowest in "
                    f"{f.slowest_share:.0%} of {f.steps} steps; the others wait {v.wait_ms:.2f} ms per step, "
                    f"{v.wait_ms * v.later_steps / 1e3:.2f} s over the run ({v.wait_ms / v.step_ms:.0%} of the "
-                   f"{MEDIAN_STEP})", advice, v.ratio, "ratio")
+                   f"{MEDIAN_STEP})", advice, v.wait_ms / v.step_ms, "share")
 
 
 def straggler(t: Tables) -> list[dict]:
