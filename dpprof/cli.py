@@ -140,7 +140,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     print(f"recorded run {run.id} ({plural(profile.steps, 'step')}) in {os.path.abspath(run.path)}")
     print(f"  dpprof show {run.id}")
-    return EXIT_OK
+    # a deep capture asked for and not stored (its line on stderr says why): the run is kept, the command failed
+    return EXIT_FAILURE if any(w.error is not None for w in run.capture.captured) else EXIT_OK
 
 
 def _profile_ddp(profile: Profile, quiet: bool) -> int:
@@ -158,7 +159,17 @@ def _profile_ddp(profile: Profile, quiet: bool) -> int:
         return EXIT_FAILURE
     bar.close()
     print(f"recorded run {run_id} ({profile.steps} steps on {profile.nproc} ranks)")
-    return EXIT_OK
+    if profile.capture is None:
+        return EXIT_OK
+    from dpprof.capture.session import NOT_STORED
+    from dpprof.store.reader import load_run
+
+    notes = load_run(run_id, profile.reports_dir).notes
+    missed = notes[(notes["source"] == "capture") & notes["message"].str.contains(NOT_STORED, regex=False)]
+    for rank, message in zip(missed["rank"], missed["message"]):  # each rank's line (its own stderr went unread)
+        print(f"dpprof: rank {rank}: {message}", file=sys.stderr)
+    # a deep capture asked for and not stored on some rank: the run is kept, the command failed
+    return EXIT_FAILURE if len(missed) else EXIT_OK
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

@@ -369,18 +369,38 @@ def test_a_capture_the_run_ends_inside_says_how_many_of_the_steps_asked_it_holds
     assert int(m.group(3)) == int(m.group(2)) - int(m.group(1)) + 1 < 1000
 
 
-def test_a_capture_whose_trace_name_is_taken_says_so_in_plain_words(reports, caplog):
+def test_a_capture_whose_trace_name_is_taken_says_so_in_plain_words_and_fails_the_command(reports, caplog):
     """The run file of an earlier run of the same id removed, its capture's raw trace left: the new run's capture is
-    not stored (never over another's file), said without an exception's repr."""
+    not stored (never over another's file), said without an exception's repr; the run is kept, and the command,
+    which did not do what it was asked, exits 1."""
     argv = ["--reports-dir", str(reports), "profile", "tutorial-linear", "--devices", "cpu:2", "--steps", "4",
             "--capture", "1:3", "--run-id", "same", "--quiet"]
     assert main(argv) == 0
     (reports / "same.sqlite").unlink()
     with caplog.at_level("WARNING", logger="dpprof"):
-        assert main(argv) == 0
+        assert main(argv) == 1
     said = [r.getMessage() for r in caplog.records if "not stored" in r.getMessage()]
     assert said == ["dpprof: capture of steps 1 to 2 not stored: same.capture-1-3.pt.trace.json.gz is there "
                     "already (never replaced)"]
+    assert len(dpprof.load_run("same", reports).steps) == 4  # the run itself is kept whole
+
+
+@pytest.mark.slow
+def test_a_ddp_capture_not_stored_on_its_ranks_is_said_per_rank_and_fails_the_command(reports, capsys):
+    """The same on 2 gloo ranks: each rank's capture is not stored, the ranks' own warnings are not shown by the
+    launcher, so dpprof profile says each rank's line from the run's notes and exits 1."""
+    argv = ["--reports-dir", str(reports), "profile", "tutorial-linear", "--ddp", "--nproc", "2", "--steps", "4",
+            "--capture", "1:3", "--run-id", "same", "--quiet"]
+    assert main(argv) == 0
+    for rank in (0, 1):
+        (reports / f"same.rank{rank}.sqlite").unlink()
+    capsys.readouterr()
+    assert main(argv) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert [line for line in err if "not stored" in line] == [
+        f"dpprof: rank {rank}: capture of steps 1 to 2 not stored: same.rank{rank}.capture-1-3.pt.trace.json.gz is "
+        "there already (never replaced)" for rank in (0, 1)]
+    assert len(dpprof.load_run("same", reports).steps) == 8  # both ranks' 4 steps kept
 
 
 @pytest.mark.parametrize("timeout", ["-5", "0", "nan", "inf", "soon"])

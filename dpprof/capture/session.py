@@ -45,9 +45,12 @@ from dpprof.store.files import capture_trace_name, hidden_name, publish_file, re
 if TYPE_CHECKING:
     from dpprof.recording import Run
 
-__all__ = ["CaptureSession", "CapturedWindow", "REQUEST_POLL_S", "TRAINING_THREAD_DEVICE", "NO_CAPTURE"]
+__all__ = ["CaptureSession", "CapturedWindow", "REQUEST_POLL_S", "TRAINING_THREAD_DEVICE", "NO_CAPTURE", "NOT_STORED"]
 
 log = logging.getLogger("dpprof")
+# the words between a window's steps and why it was not stored, in its note and its warning: what dpprof profile reads
+# in a DDP run's notes to fail the command
+NOT_STORED = " not stored: "
 
 NO_CAPTURE = -1  # Run.capture_edge when no capture is due: no step index equals it
 # How often a run looks for a request from `dpprof capture` (a stat of one file, on the session's own thread): a
@@ -228,7 +231,7 @@ class CaptureSession:
                        f"{os.path.basename(str(trace))} (stop {stop_ms:.0f} ms on the training thread, trace and "
                        f"tables {export_ms:.0f} ms beside it)")
         else:
-            message = f"capture of steps {steps.first_step} to {steps.end_step - 1} not stored: {error}"
+            message = f"capture of steps {steps.first_step} to {steps.end_step - 1}{NOT_STORED}{error}"
         self.run.emit(NoteRecord(t_ms=self.run.now_ms(), source="capture", message=message))
         if error is not None:
             log.warning("dpprof: %s", message)
