@@ -8,8 +8,8 @@ import pandas as pd
 
 from dpprof.findings.base import MEDIAN_STEP, Tables, finding, per_step
 from dpprof.findings.collectives import CollectiveVerdict, collective_verdict
-from dpprof.findings.floors import (CRITICAL_STEP_SHARE, STEP_SHARE_FLOOR, TIME_FLOOR_MS, Imbalance, cost_text,
-                                    critical_or, imbalance, mib, worth_bytes, worth_time)
+from dpprof.findings.floors import (STEP_SHARE_FLOOR, TIME_FLOOR_MS, Imbalance, cost_text, critical_or,
+                                    critical_share_or, imbalance, mib, worth_bytes, worth_time)
 from dpprof.records import DP_TAX_PHASES, MEMORY_BYTES, idle_severity, split_shares, uneven_severity
 
 __all__ = ["STRAGGLER_RATIO", "STRAGGLER_RATIO_CPU", "STRAGGLER_CONSISTENCY", "straggler_severity",
@@ -222,7 +222,7 @@ def dataparallel_tax(t: Tables) -> list[dict]:
     if share < DP_TAX_WARN or not worth_time(tax_ms, step_ms):
         return []
     parts = ", ".join(f"{p} {by_phase.get(p, 0):.2f} ms" for p in DP_TAX_PHASES)
-    return [finding("dataparallel_tax", "critical" if share >= CRITICAL_STEP_SHARE else "warning", None,
+    return [finding("dataparallel_tax", critical_share_or("warning", share), None,
                     f"scatter, replicate and gather take {share:.0%} of the step",
                     f"per step past the first: {parts} of a {step_ms:.2f} ms mean step; it "
                     f"{cost_text(tax_ms, t.later_step_count)}",

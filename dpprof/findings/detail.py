@@ -11,7 +11,7 @@ from __future__ import annotations
 import pandas as pd
 
 from dpprof.findings.base import OperatorData, Tables, finding, per_step
-from dpprof.findings.floors import CRITICAL_STEP_SHARE, cost_text, mib, worth_time
+from dpprof.findings.floors import cost_text, critical_share_or, mib, worth_time
 from dpprof.store import detail_rows
 from dpprof.store.reader import StoredRun
 from dpprof.units import plural
@@ -120,7 +120,7 @@ def data_loading(t: Tables) -> list[dict]:
             advice += copy_advice
         # how bad: the host's share, or where the GPU's own wait is known, that (the rest cost the GPU nothing)
         bound = share if gpu_ms is None else gpu_ms / mean_step
-        severity = ("critical" if bound >= CRITICAL_STEP_SHARE else "warning" if bound > DATA_SHARE_WARN else "info")
+        severity = critical_share_or("warning" if bound > DATA_SHARE_WARN else "info", bound)
         out.append(finding("data_loading", severity, str(device),
                            f"{device} spends {share:.0%} of the step loading data", evidence, advice, share,
                            "share"))

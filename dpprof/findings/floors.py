@@ -12,7 +12,7 @@ import pandas as pd
 
 from dpprof.units import mib
 
-__all__ = ["TIME_FLOOR_MS", "STEP_SHARE_FLOOR", "MEMORY_FLOOR_BYTES", "CRITICAL_STEP_SHARE", "critical_or", "worth_time",
+__all__ = ["TIME_FLOOR_MS", "STEP_SHARE_FLOOR", "MEMORY_FLOOR_BYTES", "CRITICAL_STEP_SHARE", "critical_or", "critical_share_or", "worth_time",
            "worth_bytes", "Imbalance", "imbalance", "cost_text", "mib"]
 
 # A finding about time is raised only when it costs at least this much a step ...
@@ -42,6 +42,11 @@ def critical_or(grade: str, cost_ms: float, step_ms: float | None) -> str:
     """A time finding's severity: critical where its cost is CRITICAL_STEP_SHARE of the step or more, else ``grade``
     (the finding's own)."""
     return "critical" if step_ms and cost_ms >= CRITICAL_STEP_SHARE * step_ms else grade
+
+
+def critical_share_or(grade: str, share: float) -> str:
+    """critical_or for a cost already stated as a share of the step."""
+    return "critical" if share >= CRITICAL_STEP_SHARE else grade
 
 
 def worth_bytes(cost_bytes: float) -> bool:

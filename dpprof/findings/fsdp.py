@@ -10,7 +10,7 @@ from __future__ import annotations
 import pandas as pd
 
 from dpprof.findings.base import MEDIAN_STEP, Tables, finding, per_step
-from dpprof.findings.floors import CRITICAL_STEP_SHARE, cost_text, worth_bytes, worth_time
+from dpprof.findings.floors import cost_text, critical_share_or, worth_bytes, worth_time
 from dpprof.units import mib
 
 __all__ = ["EXPOSED_SHARE_WARN", "UNEVEN_SHARD_RATIO", "fsdp_collectives", "all_gather_exposed",
@@ -86,7 +86,7 @@ def _exposed(t: Tables, what: str, advice: str) -> list[dict]:
     if share < EXPOSED_SHARE_WARN or not worth_time(cost, step_ms):
         return []
     name = what.replace("-", "_")
-    severity = "critical" if share >= CRITICAL_STEP_SHARE else "warning"
+    severity = critical_share_or("warning", share)
     gloo = t.model.dist_backend == "gloo"
     return [finding(f"{name}_exposed", severity, str(worst["device"]),
                     f"{what} exposed: the ranks wait {100 * share:.0f}% of the step for it",
