@@ -12,8 +12,8 @@ import torch
 
 from dpprof.device_ids import DeviceLike, DeviceSet, resolve_devices
 from dpprof.nvml import Nvml, NvmlUnavailable, throttle_names
-from dpprof.records import (FINDING_UNITS, SEVERITIES, SLOWDOWN_REASONS, DeviceRecord, FindingRecord, idle_severity,
-                            split_shares, uneven_severity)
+from dpprof.records import (SEVERITIES, SLOWDOWN_REASONS, DeviceRecord, FindingRecord, finding_unit_error,
+                            idle_severity, split_shares, uneven_severity)
 
 __all__ = ["inventory", "check_balance", "chunk_sizes", "even_batch_sizes", "cpu_info",
            "MEMORY_RATIO_WARN", "MULTIPROCESSOR_RATIO_WARN", "FREE_MEMORY_RATIO_WARN"]
@@ -110,8 +110,9 @@ def even_batch_sizes(batch_size: int, n_devices: int) -> list[int]:
 
 def _finding(kind: str, severity: str, device: str | None, title: str, evidence: str, advice: str,
              value: float | None = None, unit: str | None = None) -> FindingRecord:
-    if (unit is None) != (value is None) or (unit is not None and unit not in FINDING_UNITS):
-        raise ValueError(f"a finding's value needs a unit, one of {', '.join(FINDING_UNITS)}: got {unit!r}")
+    why = finding_unit_error(value, unit)
+    if why is not None:
+        raise ValueError(why)
     return FindingRecord(kind=kind, severity=severity, device=device, title=title, evidence=evidence,
                          advice=advice, value=value, unit=unit)
 

@@ -5,7 +5,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["HOST_OUTPUT", "PHASE_ORDER", "PHASES", "DDP_PHASES", "FSDP_PHASES", "FSDP_ONLY_PHASES", "DP_TAX_PHASES", "MEMORY_BYTES", "SEVERITIES", "FINDING_UNITS", "SLOWDOWN_REASONS", "device_key", "idle_severity", "uneven_severity", "split_shares", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
+__all__ = ["HOST_OUTPUT", "PHASE_ORDER", "PHASES", "DDP_PHASES", "FSDP_PHASES", "FSDP_ONLY_PHASES", "DP_TAX_PHASES", "MEMORY_BYTES", "SEVERITIES", "FINDING_UNITS", "finding_unit_error", "SLOWDOWN_REASONS", "device_key", "idle_severity", "uneven_severity", "split_shares", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
            "DeviceRecord", "NoteRecord", "FindingRecord", "CommRecord", "GpuTimeRecord", "Record",
            "TABLE_OF", "CHECK_OF_ENV", "Row", "PHASE_ROW", "COMM_ROW", "STEP_ROW", "MEMORY_ROW",
            "RECORD_OF_TABLE", "record_of_row", "ALL_REDUCE", "ALL_REDUCE_RANGE"]
@@ -57,6 +57,15 @@ FINDING_UNITS = {
     "bytes": "bytes",
     "count": "how many (devices, buckets, GPUs, reasons)",
 }
+
+
+def finding_unit_error(value: float | None, unit: str | None) -> str | None:
+    """Why a finding's value and unit are not a pair, in one sentence (a value needs a unit of FINDING_UNITS, and a
+    unit a value); None where they are: every finding, from a run's rules or dpprof check's, is made through this."""
+    if (unit is None) != (value is None) or (unit is not None and unit not in FINDING_UNITS):
+        return (f"a finding's value needs a unit, one of {', '.join(FINDING_UNITS)}, and a unit a value: got "
+                f"{value!r} in {unit!r}")
+    return None
 
 
 def idle_severity(idle: int, devices: int) -> str:

@@ -50,3 +50,21 @@ def test_the_all_reduce_is_named_in_records_alone():
 def test_devices_sort_by_kind_then_index():
     labels = ["cpu:10", "cpu:2", "rank:10", "cuda:1", "rank:9", "cpu:0"]
     assert sorted(labels, key=device_key) == ["cpu:0", "cpu:2", "cpu:10", "cuda:1", "rank:9", "rank:10"]
+
+
+@pytest.mark.parametrize("value, unit", [(0.3, None), (None, "share"), (1.5, "x"), (2.0, "percent")])
+def test_both_finding_makers_refuse_a_value_and_unit_that_are_no_pair(value, unit):
+    """A run's rules (findings.base.finding) and dpprof check's (devices._finding) make findings through one check
+    (records.finding_unit_error): a value needs a unit of FINDING_UNITS, and a unit a value."""
+    from dpprof.devices import _finding
+    from dpprof.findings.base import finding
+    from dpprof.records import finding_unit_error
+
+    why = finding_unit_error(value, unit)
+    assert why is not None and repr(unit) in why
+    for make in (finding, _finding):
+        with pytest.raises(ValueError) as err:
+            make("k", "info", None, "title", "evidence", "advice", value, unit)
+        assert str(err.value) == why
+    assert finding("k", "info", None, "t", "e", "a", None, None)["unit"] is None  # no figure: neither
+    assert _finding("k", "info", None, "t", "e", "a", 0.25, "share").unit == "share"

@@ -6,7 +6,7 @@ from typing import Any
 
 import pandas as pd
 
-from dpprof.records import FINDING_UNITS, FindingRecord
+from dpprof.records import FindingRecord, finding_unit_error
 from dpprof.store.model import RunModel
 
 __all__ = ["FINDING_COLUMNS", "MEDIAN_STEP", "OperatorData", "Tables", "finding", "per_step"]
@@ -88,10 +88,12 @@ class Tables:
 
 
 def finding(kind: str, severity: str, device: str | None, title: str, evidence: str, advice: str,
-            value: float | None, unit: str) -> dict:
-    """One finding row (FindingRecord's fields); ``unit`` says what ``value`` is (a key of FINDING_UNITS)."""
-    if unit not in FINDING_UNITS:
-        raise ValueError(f"a finding's unit is one of {', '.join(FINDING_UNITS)}, not {unit!r}")
+            value: float | None, unit: str | None) -> dict:
+    """One finding row (FindingRecord's fields); ``unit`` says what ``value`` is (a key of FINDING_UNITS; both None
+    for a finding with no figure)."""
+    why = finding_unit_error(value, unit)
+    if why is not None:
+        raise ValueError(why)
     return dict(kind=kind, severity=severity, device=device, title=title, evidence=evidence, advice=advice,
                 value=None if value is None else float(value), unit=unit)
 
