@@ -595,3 +595,17 @@ def test_an_imported_traces_first_step_starts_at_zero_whatever_its_base_time_and
     plan, written, docs = _export(run, tmp_path)
     assert min(e["ts"] for d in docs for e in d["traceEvents"] if "ts" in e) >= 0
     check_round_trip(run, plan, [w.path for w in written], tmp_path / "back")
+
+
+@pytest.mark.parametrize("name", ["dataparallel", "balanced", "ddp", "fsdp"])
+def test_a_runs_machine_inventory_reads_back_whole(runs, name, tmp_path):
+    """Each device's inventory row (a CPU worker's name, model, cores and threads; a rank's; a GPU's PCI bus and NVML
+    index beside what Kineto's deviceProperties hold) goes in the file's dpprofExport.inventory and comes back as
+    it was recorded: devices.csv of the run read back is the recorded run's."""
+    run = dpprof.load_run(runs.ids[name], runs.dir)
+    _, written, _ = _export(run, tmp_path)
+    back = dpprof.load_run(import_traces([w.path for w in written], tmp_path / "back").id, tmp_path / "back")
+    keys = ["rank", "device"]
+    mine = run.devices.sort_values(keys).reset_index(drop=True)
+    assert mine["cpu_model"].notna().all() and mine["cores"].notna().all()  # there is something to carry
+    assert back.devices.sort_values(keys).reset_index(drop=True).equals(mine), (mine, back.devices)

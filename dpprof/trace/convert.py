@@ -36,7 +36,7 @@ from dpprof.stepmodel import GPU_PARTS, IDLE, part_names, partition
 from dpprof.trace.collect import GPU_KINDS, Collected, collective_name
 from dpprof.trace.detail import Detail, detail_tables
 from dpprof.trace.detail_events import RawDetail
-from dpprof.trace.readback import EXPORT_KEY, export_info, exported_gpus, exported_phases
+from dpprof.trace.readback import EXPORT_KEY, export_info, exported_gpus, exported_inventory, exported_phases
 from dpprof.trace.numbers import MAX_BYTES, MAX_GPU_INDEX, whole
 
 __all__ = ["Converted", "convert", "process_label"]
@@ -267,19 +267,24 @@ def _device_records(c: Collected, devices: list[str], gpu_of: dict[str, int]) ->
     for p in listed if isinstance(listed, list) else []:
         if isinstance(p, dict) and (gpu := whole(p.get("id"), 0, MAX_GPU_INDEX)) is not None:
             props.setdefault(gpu, p)
+    # a file dpprof exported also names what deviceProperties cannot hold: each device's whole inventory row
+    inventory = exported_inventory(export_info(c.meta) or {})
     out: list[Record] = []
     for label in devices:
         gpu = gpu_of.get(label)
         p = props.get(gpu, {}) if gpu is not None else {}
+        known = dict(inventory.get(label, {}))
         if gpu is None:
-            out.append(DeviceRecord(device=label, kind="cpu"))
+            out.append(DeviceRecord(device=label, **{"kind": "cpu", **known}))
         else:
+            known.pop("kind", None)  # a GPU is what the trace shows it to be
             major, minor = whole(p.get("computeMajor"), 0, 1000), whole(p.get("computeMinor"), 0, 1000)
             name = p.get("name") if isinstance(p.get("name"), str) else c.gpu_labels.get(gpu)
-            out.append(DeviceRecord(device=label, kind="cuda", name=name,
-                                    total_memory_bytes=whole(p.get("totalGlobalMem"), 0, MAX_BYTES),
-                                    multiprocessor_count=whole(p.get("numSms"), 0, MAX_GPU_INDEX),
-                                    capability=f"{major}.{minor}" if major is not None and minor is not None else None))
+            traced = dict(name=name, total_memory_bytes=whole(p.get("totalGlobalMem"), 0, MAX_BYTES),
+                          multiprocessor_count=whole(p.get("numSms"), 0, MAX_GPU_INDEX),
+                          capability=f"{major}.{minor}" if major is not None and minor is not None else None)
+            out.append(DeviceRecord(device=label, kind="cuda",
+                                    **{**known, **{k: v for k, v in traced.items() if v is not None}}))
     return out
 
 

@@ -43,6 +43,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import IO, Any
@@ -51,7 +52,7 @@ import numpy as np
 import pandas as pd
 
 from dpprof.outputs import Outputs
-from dpprof.records import MEMORY_BYTES, device_key
+from dpprof.records import MEMORY_BYTES, DeviceRecord, device_key
 from dpprof.store import trace_rows
 from dpprof.store.reader import StoredRun
 from dpprof.trace.readback import EXPORT_KEY, EXPORT_VERSION, THREADS_KEY
@@ -480,6 +481,18 @@ def _device_properties(run: StoredRun, gpus: dict[str, int]) -> list[dict[str, A
     return sorted(out, key=lambda p: p["id"])
 
 
+def _inventory(view: StoredRun, devices: list[str]) -> list[dict[str, Any]]:
+    """The file's devices' inventory rows (DeviceRecord's fields, each known one), for dpprof import to read back
+    whole (dpprof.trace.readback.exported_inventory): Kineto's deviceProperties hold a GPU's name, memory, SMs and
+    capability only, and nothing of a CPU worker's."""
+    table = view.devices
+    if table.empty:
+        return []
+    names = [f.name for f in dataclass_fields(DeviceRecord)]
+    rows = table[table["device"].isin(devices)].drop_duplicates("device")
+    return [_clean({f: None if pd.isna(row.get(f)) else row.get(f) for f in names}) for row in rows.to_dict("records")]
+
+
 def _file_meta(view: StoredRun) -> pd.DataFrame:
     """Each file's own run row: rank, created_at (None where it was no date), devices (a list)."""
     return view.file_meta()
@@ -779,6 +792,9 @@ def write_trace(run: StoredRun, target: str | os.PathLike[str] | IO[bytes], plan
                       + ("; each rank's clock is placed by its file's created_at" if len(writer.ranks) > 1 else "")),
             "threads": f"the device of each thread id: {THREADS_KEY}, after traceEvents",
         }
+        inventory = _inventory(view, writer.devices)
+        if inventory:
+            head[EXPORT_KEY]["inventory"] = inventory
         if model.sharded:  # an imported trace of a job sharded with FSDP: its FSDP ranges are not written
             head[EXPORT_KEY]["fsdp"] = True
         if run.damage:  # values of the run file the store read as missing or left out (dpprof.store.validation)

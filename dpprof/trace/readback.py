@@ -20,10 +20,10 @@ from typing import Any
 from dpprof.records import PHASE_ORDER, PhaseRecord, Record
 from dpprof.trace.collect import Collected
 from dpprof.trace.decode import TraceError
-from dpprof.trace.numbers import MAX_GPU_INDEX, slack_us
+from dpprof.trace.numbers import MAX_BYTES, MAX_GPU_INDEX, slack_us, whole
 
 __all__ = ["EXPORT_KEY", "THREADS_KEY", "EXPORT_VERSION", "export_info", "exported_identity", "exported_gpus",
-           "exported_phases"]
+           "exported_inventory", "exported_phases"]
 
 EXPORT_KEY = "dpprofExport"  # top-level field of a trace dpprof wrote: the run, its devices, the steps it holds
 THREADS_KEY = "dpprofThreads"  # top-level field after traceEvents: thread id -> device (lanes are made as written)
@@ -57,6 +57,32 @@ def exported_gpus(info: dict[str, Any]) -> dict[str, int]:
         return {}
     return {str(d): g for d, g in gpus.items()
             if isinstance(g, int) and not isinstance(g, bool) and 0 <= g <= MAX_GPU_INDEX}
+
+
+# The inventory's figures a file dpprof exported carries (``dpprofExport.inventory``), DeviceRecord's: text, or whole
+# numbers up to a bound; and a device with no GPU in the trace its kind, a CPU worker's or a DDP or FSDP rank's (a GPU
+# is "cuda" as the importer reads it from the trace, a rank's GPU too)
+_HOST_KINDS = ("cpu", "rank")
+_INVENTORY_TEXT = ("name", "capability", "pci_bus_id", "cpu_model")
+_INVENTORY_WHOLE = {"total_memory_bytes": MAX_BYTES, "multiprocessor_count": MAX_GPU_INDEX, "nvml_index": MAX_GPU_INDEX,
+                    "cores": MAX_GPU_INDEX, "threads": MAX_GPU_INDEX}
+
+
+def exported_inventory(info: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each device's inventory figures in a file dpprof exported (``dpprofExport.inventory``: a CPU worker's model,
+    cores and threads, a GPU's PCI bus and NVML index, which Kineto's deviceProperties do not hold), by device; a
+    figure of the wrong type or out of range is unknown, left out; {} in a file without them."""
+    rows = info.get("inventory")
+    out: dict[str, dict[str, Any]] = {}
+    for row in rows if isinstance(rows, list) else []:
+        if not isinstance(row, dict) or not isinstance(row.get("device"), str) or row["device"] in out:
+            continue
+        known: dict[str, Any] = {k: row[k] for k in _INVENTORY_TEXT if isinstance(row.get(k), str)}
+        if row.get("kind") in _HOST_KINDS:
+            known["kind"] = row["kind"]
+        known.update({k: n for k, hi in _INVENTORY_WHOLE.items() if (n := whole(row.get(k), 0, hi)) is not None})
+        out[row["device"]] = known
+    return out
 
 
 def exported_phases(c: Collected, windows: list[tuple[int, float, float]],
