@@ -485,7 +485,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
         print("\nnot in this run:")
         for text in lacks:
             print(f"  {text}")
-    _print_notes(run)
+    _print_notes(run, skip=set(lacks))  # a note "not in this run" already quotes is not said again
     return EXIT_OK
 
 

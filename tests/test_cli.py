@@ -44,6 +44,9 @@ def test_profile_records_a_run_that_runs_and_show_describe(capsys):
     assert "6 steps" in out and "apply mean (ms)" in out and "peak held (KiB)" in out  # a model of a few KiB
     for device in ("cpu:0", "cpu:1", "cpu:2"):
         assert device in out
+    # each of the recorder's notes said once: one that "not in this run" quotes is not repeated as a note
+    for message in dict.fromkeys(dpprof.load_run(run_id).notes["message"]):
+        assert out.count(message.rstrip(".")) == 1, (message, out)
     stored = dpprof.load_run(run_id)
     # the tutorial's batches of 30 over 100 samples: 30, 30, 30, 10, 30, 30
     assert stored.steps["batch_size"].tolist() == [30, 30, 30, 10, 30, 30]
