@@ -609,3 +609,22 @@ def test_a_runs_machine_inventory_reads_back_whole(runs, name, tmp_path):
     mine = run.devices.sort_values(keys).reset_index(drop=True)
     assert mine["cpu_model"].notna().all() and mine["cores"].notna().all()  # there is something to carry
     assert back.devices.sort_values(keys).reset_index(drop=True).equals(mine), (mine, back.devices)
+
+
+def test_an_edited_inventory_keeps_what_is_well_formed_and_leaves_the_rest_unknown(runs, tmp_path):
+    """A file's dpprofExport.inventory edited by hand: a figure of the wrong type or out of range, a kind that is no
+    host's, a row that is not one, a device the file does not have: each such thing is unknown (never stored, never
+    an error), and the well-formed figures come back."""
+    run = dpprof.load_run(runs.ids["dataparallel"], runs.dir)
+    _, written, [doc] = _export(run, tmp_path, name="trace.json")
+    first, second = doc["dpprofExport"]["inventory"][:2]
+    first.update(cores="two", threads=-1, cpu_model=7, kind="gpu", name="edited worker")
+    second.update(cores=2.5, threads=2 ** 40, kind=None)
+    doc["dpprofExport"]["inventory"] += ["a row", {"device": 3}, {"device": "cpu:9", "cores": 4}]
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(doc))
+    back = dpprof.load_run(import_traces([edited], tmp_path / "back").id, tmp_path / "back").devices.set_index("device")
+    assert sorted(back.index) == sorted(run.devices["device"])  # no device the file does not hold
+    a, b = back.loc[first["device"]], back.loc[second["device"]]
+    assert (a["name"], a["kind"]) == ("edited worker", "cpu") and a[["cpu_model", "cores", "threads"]].isna().all()
+    assert b["kind"] == "cpu" and b[["cores", "threads"]].isna().all() and b["cpu_model"] == second["cpu_model"]
