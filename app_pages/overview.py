@@ -93,7 +93,7 @@ def kind_section(data: overview.Overview) -> None:
                     "behind compute, and how many ran in forward and in backward (resharding after forward gathers "
                     "again in backward). On gloo every FSDP collective blocks the host: issued is all exposed.")
         common.table(data.fsdp, "fsdp_collectives_per_rank")
-    elif len(data.comms) and model.imported:
+    elif len(data.comms) and model.named_collectives:
         st.subheader("Collectives (from the trace)")
         st.markdown("Each rank's collective kernels per step, named by what they are: how long they were busy "
                     "(several in flight count once, clipped to the step), the bytes they sent, and how much of that "

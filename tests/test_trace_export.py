@@ -628,3 +628,27 @@ def test_an_edited_inventory_keeps_what_is_well_formed_and_leaves_the_rest_unkno
     a, b = back.loc[first["device"]], back.loc[second["device"]]
     assert (a["name"], a["kind"]) == ("edited worker", "cpu") and a[["cpu_model", "cores", "threads"]].isna().all()
     assert b["kind"] == "cpu" and b[["cores", "threads"]].isna().all() and b["cpu_model"] == second["cpu_model"]
+
+
+def test_a_ddp_run_read_back_words_its_collectives_as_the_recorded_run_does(runs, tmp_path, capsys):
+    """A DDP run's collectives are its gradient buckets' all-reduces: read back from the file dpprof exported, show,
+    the Overview and the communication finding say "gradient all-reduce" as for the recorded run, where an imported
+    trace of another job says "collectives (from the trace)" and names each."""
+    from dpprof.cli import main
+    from dpprof.findings import run_findings
+
+    run = dpprof.load_run(runs.ids["ddp"], runs.dir)
+    _, written, _ = _export(run, tmp_path)
+    back = dpprof.load_run(import_traces([w.path for w in written], tmp_path / "back").id, tmp_path / "back")
+    assert back.model.imported and not back.model.named_collectives and not run.model.named_collectives
+    other = dpprof.load_run(runs.ids[next(iter(IMPORTED))], runs.dir)
+    assert other.model.named_collectives
+    said = {}
+    for name, r, where in (("recorded", run, runs.dir), ("read back", back, tmp_path / "back")):
+        capsys.readouterr()
+        assert main(["--reports-dir", str(where), "show", r.id]) == 0
+        said[name] = capsys.readouterr().out
+    assert all("gradient all-reduce per step:" in out and "collectives per step (from the trace)" not in out
+               for out in said.values()), said
+    comm = [f for f in run_findings(back).table.to_dict("records") if f["kind"] == "communication_share"]
+    assert comm and all(f["title"].startswith("gradient all-reduce is busy") for f in comm), comm

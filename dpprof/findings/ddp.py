@@ -145,7 +145,7 @@ def communication(t: Tables) -> list[dict]:
     overlap = min(1.0, sum(overlapped) / busy_table["busy_ms"].sum()) if busy_table["busy_ms"].sum() else 0.0
     exposed_ms = comm_ms * (1 - overlap)
     kinds = [k for k in busy_table.columns if k not in ("step", "device", "window_ms", "busy_ms")]
-    named = t.model.imported  # an imported trace: say what its collectives are (a recorded run's: its gradient buckets')
+    named = t.model.named_collectives  # an imported trace: say what its collectives are (a DDP run's: its gradient buckets')
     what = "collectives" if named else "gradient all-reduce"
     each = ": " + ", ".join(f"{k} {busy_table[k].mean():.2f} ms" for k in kinds) if named else ""
     findings = []

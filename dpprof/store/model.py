@@ -112,12 +112,21 @@ class RunModel:
     ranks: tuple[int, ...] = ()  # the job's ranks this run holds (a file each); () for one process
     dist_backend: str | None = None  # "gloo", "nccl" (distributed_backend); None where not distributed or not said
     sharded: bool = False  # an imported trace of a job sharded with FSDP (its FSDP ranges are in the trace)
+    # a DDP run dpprof exported, imported again: its collectives are its gradient buckets' all-reduces, as recorded
+    ddp_buckets: bool = False
 
     @property
     def fsdp_phases(self) -> bool:
         """Whether the run has FSDP's own phases (its waits and copies): a recorded FSDP run, or one that dpprof
         exported and imported again (an imported trace of FSDP); what its FSDP collectives table is made of."""
         return self.kind == "fsdp" or (self.sharded and bool(set(FSDP_ONLY_PHASES) & set(self.phases)))
+
+    @property
+    def named_collectives(self) -> bool:
+        """Whether the run's collectives are said by what they are (an imported trace's: all-reduce, reduce-scatter,
+        all-to-all...), not as DDP's gradient all-reduce (a recorded DDP run's, and one dpprof exported and imported
+        again): the findings, ``show`` and the Overview word them alike."""
+        return self.imported and not self.ddp_buckets
 
     @property
     def thinned(self) -> bool:
@@ -409,4 +418,5 @@ def describe(run: StoredRun) -> RunModel:
                     world_size=int(run.meta["world_size"]) if run.meta.get("world_size") else None,
                     ranks=tuple(sorted(int(r) for r in run.meta.get("ranks") or [] if r is not None)),
                     dist_backend=distributed_backend(run.meta),
-                    sharded=bool((run.meta.get("workload_args") or {}).get("fsdp")))
+                    sharded=bool((run.meta.get("workload_args") or {}).get("fsdp")),
+                    ddp_buckets=bool((run.meta.get("workload_args") or {}).get("ddp_buckets")))

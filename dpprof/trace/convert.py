@@ -52,6 +52,7 @@ class Converted:
     dataparallel: str | None = None  # "exact" (dpprof ranges) or "torch" (DataParallel.forward, GPUs)
     detail: Detail | None = None  # operators, kernels, GPU metrics, memory over time, modules (dpprof.trace.detail)
     fsdp: bool = False  # the process shards its model with FSDP (its trace has FSDP's ranges)
+    ddp_buckets: bool = False  # a DDP run dpprof exported: its collectives are its gradient buckets' all-reduces
 
     @property
     def gpus(self) -> list[str]:
@@ -323,6 +324,8 @@ def convert(c: Collected, t0_us: float, rank: int | None) -> Converted:
             out.notes.append("an FSDP run dpprof exported: its phases (copy_in, all_gather_wait, copy_out, "
                              "reduce_scatter_wait) and its all-gathers and reduce-scatters read back; its sharded "
                              "and gathered bytes (dpprof's memory accounting) are not in the file")
+        elif c.meta[EXPORT_KEY].get("kind") == "ddp":
+            out.ddp_buckets = True
         elif c.meta[EXPORT_KEY].get("fsdp") is True:  # an imported trace of an FSDP job, exported again
             out.fsdp = True
             out.notes.append("an imported trace of an FSDP job that dpprof exported: its all-gathers and "
