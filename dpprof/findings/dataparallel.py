@@ -94,6 +94,12 @@ class Straggler:
         return self.reason is None
 
     @property
+    def wait_share(self) -> float:
+        """The others' wait for it as a share of the median step past the first: the straggler finding's value,
+        however it was found."""
+        return self.wait_ms / self.step_ms
+
+    @property
     def severity(self) -> str:
         """The straggler finding's severity (straggler_severity of its wait and the median step past the first)."""
         return straggler_severity(self.wait_ms, self.step_ms)
@@ -104,7 +110,7 @@ class Straggler:
         c = self.collectives
         if c is not None and self.reported:
             return (f"{slow} is the slowest to reach the collectives: inside them they wait {c.wait_ms:.2f} ms per "
-                    f"step for it ({c.wait_ms / c.step_ms:.0%} of the {MEDIAN_STEP}); it waited least in {c.share:.0%} "
+                    f"step for it ({self.wait_share:.0%} of the {MEDIAN_STEP}); it waited least in {c.share:.0%} "
                     f"of {c.steps} steps.")
         if c is not None:
             return (f"No straggler: inside the collectives {slow} waits least, the others "
@@ -157,8 +163,8 @@ def straggler_row(v: Straggler, kind: str, title: str, measure: str, advice: str
     return finding(kind, v.severity, slow, title,
                    f"{measure} {f.medians[slow]:.2f} ms on {slow} vs {f.others_ms:.2f} ms on the others; slowest in "
                    f"{f.slowest_share:.0%} of {f.steps} steps; the others wait {v.wait_ms:.2f} ms per step, "
-                   f"{v.wait_ms * v.later_steps / 1e3:.2f} s over the run ({v.wait_ms / v.step_ms:.0%} of the "
-                   f"{MEDIAN_STEP})", advice, v.wait_ms / v.step_ms, "share")
+                   f"{v.wait_ms * v.later_steps / 1e3:.2f} s over the run ({v.wait_share:.0%} of the "
+                   f"{MEDIAN_STEP})", advice, v.wait_share, "share")
 
 
 def straggler(t: Tables) -> list[dict]:
@@ -295,7 +301,7 @@ def uneven_chunks(t: Tables) -> list[dict]:
         sizes = [int(c) for c in chunked[(chunked["step"] == step) & (chunked["call"] == first_call)]
                  .sort_values("device", key=lambda s: s.map(order))["chunk_size"]]
         spread = (uneven["max"] - uneven["min"]) / uneven["min"]  # over the smallest: "bigger than the smallest"
-        costs = cost.uneven_ms / step_ms
+        costs = cost.uneven_ms / step_ms  # the finding's value: the share of the step the uneven split costs
         findings.append(finding("uneven_chunks", critical_or(uneven_severity(sizes, n), cost.uneven_ms, step_ms),
                                 None, f"chunks were uneven in {share:.0%} of steps, costing {costs:.0%} of the step",
                                 f"{len(uneven)} of {len(per_step_sizes)} steps; e.g. step {step}: chunks {sizes}; the "
@@ -303,19 +309,18 @@ def uneven_chunks(t: Tables) -> list[dict]:
                                 f"and an even split of the same samples would take {cost.uneven:.0%} off it: the "
                                 f"uneven split {cost_text(cost.uneven_ms, later)} ({costs:.0%} of the {MEDIAN_STEP})",
                                 f"torch.chunk splits the batch; use a batch size that {n} divides "
-                                "evenly (dpprof check --batch-size N shows the split).", cost.uneven_ms / step_ms,
-                                "share"))
+                                "evenly (dpprof check --batch-size N shows the split).", costs, "share"))
     idle = list(t.model.idle)
     if idle and worth_time(cost.idle_ms, step_ms):
+        costs = cost.idle_ms / step_ms
         findings.append(finding("idle_devices", critical_or(idle_severity(len(idle), n), cost.idle_ms, step_ms),
-                                idle[0], f"{len(idle)} device(s) never got a chunk, costing "
-                                f"{cost.idle_ms / step_ms:.0%} of the step",
+                                idle[0], f"{len(idle)} device(s) never got a chunk, costing {costs:.0%} of the step",
                                 f"devices {', '.join(idle)} of {n} did no work in any step: the run used "
                                 f"{n - len(idle)} of its {n} devices; {waited}, and spreading the batch over all {n} "
                                 f"would take {cost.idle:.0%} off it: leaving them idle "
-                                f"{cost_text(cost.idle_ms, later)} ({cost.idle_ms / step_ms:.0%} of the {MEDIAN_STEP})",
+                                f"{cost_text(cost.idle_ms, later)} ({costs:.0%} of the {MEDIAN_STEP})",
                                 "The batch is smaller than the number of devices times the chunk torch.chunk makes; "
-                                "raise the batch size or use fewer devices.", cost.idle_ms / step_ms, "share"))
+                                "raise the batch size or use fewer devices.", costs, "share"))
     return findings
 
 

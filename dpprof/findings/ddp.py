@@ -38,7 +38,7 @@ def straggler_rank(t: Tables) -> list[dict]:
                         c.evidence(t.later_step_count),
                         f"Look at what {slow} does before its collectives: its data loading, its forward and backward "
                         "(a slower or shared device, throttling), its share of the data. The job steps at its pace.",
-                        c.wait_ms / c.step_ms, "share")]
+                        v.wait_share, "share")]
     return [straggler_row(v, "straggler_rank", f"{slow} is the straggler: the others wait for it at every all-reduce",
                           f"median time to gradients ready ({v.work})",
                           f"Look at {slow}'s forward and backward (its device: slower or shared GPU, throttling) and its "
