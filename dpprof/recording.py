@@ -359,6 +359,11 @@ class Run:
             step.calls += 1
             return step
 
+    def open_step(self) -> _Step | None:
+        """The step open now: run.step()'s, else the implicit one; None between steps."""
+        with self._lock:
+            return self._explicit or self._implicit
+
     def _rule_joins(self, step: _Step) -> bool:
         return self.joins_open_step is not None and self.joins_open_step(step)
 

@@ -445,6 +445,34 @@ def test_the_functional_form_records_on_cpu_workers_and_steps_follow_the_optimiz
 
 
 @needs_no_gpu
+def test_a_gans_generator_backward_is_in_the_step_it_runs_in():
+    """A GAN, steps ended by its two optimizers: the generator's forward is in the discriminator's step, its backward
+    runs in the generator's step (through the discriminator's). That backward is a phase of the step it ran in, so
+    every phase lies inside its step (it was written under the closed step of its forward, after that step's end)."""
+    with instrument(store=False, cpu_workers=2) as run:
+        generator, discriminator = nn.DataParallel(nn.Linear(4, 8)), nn.DataParallel(nn.Linear(8, 1))
+        opt_g, opt_d = (torch.optim.SGD(m.parameters(), lr=0.01) for m in (generator, discriminator))
+        for _ in range(3):
+            fake = generator(torch.randn(6, 4))
+            d_loss = discriminator(torch.randn(6, 8)).mean() - discriminator(fake.detach()).mean()
+            opt_d.zero_grad()
+            d_loss.backward()
+            opt_d.step()
+            g_loss = -discriminator(fake).mean()
+            opt_g.zero_grad()
+            g_loss.backward()
+            opt_g.step()
+    frames = run.frames()
+    steps = frames["steps"].set_index("step")
+    phases = frames["phases"].join(steps[["start_ms", "duration_ms"]].add_suffix("_step"), on="step")
+    assert (phases["start_ms"] >= phases["start_ms_step"] - 1e-6).all()
+    assert (phases["start_ms"] + phases["duration_ms"] <= phases["start_ms_step"] + phases["duration_ms_step"] + 1e-6).all()
+    backward = phases[phases["phase"] == "backward"].groupby("step").size()
+    last_generator_step = steps.index.max()  # the discriminator's backward and the generator's, in one pass
+    assert backward[last_generator_step] == 2 and backward.sum() == 3 * 4
+
+
+@needs_no_gpu
 def test_without_recording_the_stand_ins_still_run_on_cpu_workers(reports):
     from dpprof.instrument import instrumented
 

@@ -275,8 +275,7 @@ class _BackwardWatch:
     def on_done(self) -> None:
         t0, ev0, span, self.t0, self.ev0, self.range = self.t0, self.ev0, self.range, None, None, None
         if self.probe is not None and t0 is not None:  # timed before the range closes: the timer lies inside it
-            self.probe.finish_phase("backward", self.label, t0, ev0)
-            self.probe.step.passes += 1
+            self.probe.finish_backward(self.label, t0, ev0)
         if span is not None:
             span.__exit__(None, None, None)
 
@@ -357,6 +356,17 @@ class ForwardProbe:
         for i in self.cuda_indices if every else (index,):
             allocated, peak, reserved = allocator_bytes(i)
             self.put(AllocatorRecord(step.index, self.call, f"cuda:{i}", name, allocated, peak, reserved))
+
+    def finish_backward(self, label: str, t0: int, ev0: torch.cuda.Event | None) -> None:
+        """Time a backward pass through this call's output in the step it ran in: the call's own, or, where that step
+        has ended, the step open now (a GAN's generator, called in the discriminator's step and backpropagated through
+        the discriminator in its own step after), as the step's newest call's."""
+        if self.step.closed:
+            now = self.run.open_step()
+            if now is not None:
+                self.step, self.call = now, max(now.calls - 1, 0)
+        self.finish_phase("backward", label, t0, ev0)
+        self.step.passes += 1
 
     def weight_storages(self, module: Module) -> set[int]:
         """Storages of a module's weights: a replica's own (broadcast copies on GPUs, copies or views
