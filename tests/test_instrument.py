@@ -127,6 +127,19 @@ def test_b_a_ddp_script_under_torchrun_records_both_ranks_into_one_run():
     assert len(run.comms) >= 6
 
 
+@pytest.mark.slow
+def test_a_ddp_script_whose_rank_raises_says_that_ranks_error_not_the_others():
+    """Rank 1 raises; rank 0 then fails in its all-reduce (its peer gone) or is stopped by torchrun, later. The run's
+    error is rank 1's, named by its rank: the cause, not what the other rank died of after it."""
+    out = _python("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dpprof", "run",
+                  SCRIPTS / "train_ddp.py", "--steps", "4", "--raise-at", "1:2")
+    assert out.returncode != 0 and "ValueError: a bad batch on rank 1 at step 2" in out.stderr
+    run = _only_run()
+    assert run.meta["status"] == "failed"
+    assert run.meta["error"] == "rank 1: ValueError: a bad batch on rank 1 at step 2"
+    assert dpprof.list_runs().loc[0, "error"] == run.meta["error"]
+
+
 # (c) a script that dies
 def test_c_a_script_that_raises_keeps_its_run_failed_with_its_steps_and_its_own_traceback():
     out = _dpprof_run("--cpu-workers", "2", SCRIPTS / "train_crash.py")

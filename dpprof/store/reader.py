@@ -522,7 +522,7 @@ def _combine(metas: list[dict[str, Any]]) -> dict[str, Any]:
     meta = dict(metas[0])
     meta["devices"] = [d for m in metas for d in m["devices"]]
     meta["status"] = min((m["status"] for m in metas), key=lambda s: _STATUS_RANK.get(s, _STATUS_RANK["unknown"]))
-    meta["error"] = next((m["error"] for m in metas if m.get("error")), None)
+    meta["error"] = _first_error(metas)
     meta["dropped_records"] = sum(m.get("dropped_records") or 0 for m in metas)
     meta["detail_from"] = max((m.get("detail_from") or 0 for m in metas), default=0)
     meta["ranks"] = [m.get("rank") for m in metas]
@@ -534,6 +534,17 @@ def _combine(metas: list[dict[str, Any]]) -> dict[str, Any]:
     if missing is not None and meta["status"] == "finished":  # never finished with some of its files
         meta["status"], meta["error"] = "incomplete", missing
     return meta
+
+
+def _first_error(metas: list[dict[str, Any]]) -> str | None:
+    """The error of the rank that ended first with one, named by its rank where the run has several: a rank that
+    raised is the cause, and the others' errors (a peer's closed connection, torchrun's stop) came after it."""
+    failed = [m for m in metas if m.get("error")]
+    if not failed:
+        return None
+    first = min(failed, key=lambda m: (m.get("ended_at") is None, m.get("ended_at") or ""))
+    return f"rank {first['rank']}: {first['error']}" if len(metas) > 1 and first.get("rank") is not None \
+        else str(first["error"])
 
 
 def _missing_files(metas: list[dict[str, Any]]) -> str | None:

@@ -9,6 +9,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=4)
+parser.add_argument("--raise-at", default=None, help="RANK:STEP: that rank raises a ValueError before that step")
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -19,6 +20,8 @@ assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 batches = torch.Generator().manual_seed(rank)
 for step in range(args.steps):
+    if args.raise_at == f"{rank}:{step}":
+        raise ValueError(f"a bad batch on rank {rank} at step {step}")
     x, y = torch.randn(32, 20, generator=batches), torch.randint(0, 4, (32,), generator=batches)
     optimizer.zero_grad()
     loss = nn.functional.cross_entropy(model(x), y)
