@@ -94,6 +94,22 @@ def test_two_forward_calls_in_one_step_are_two_calls():
     assert sorted(frames["memory"]["call"].unique().tolist()) == [0, 1]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="torch's pass-through is what it does without a GPU")
+def test_a_data_parallel_with_no_device_to_spread_over_counts_its_steps_batch():
+    """With no GPU and no device_ids, DataParallel calls the module itself (torch's pass-through, what a plain
+    nn.DataParallel script does on a laptop): its step's batch is still the samples it took, micro-batches added."""
+    net = dpprof.DataParallel(nn.Linear(5, 2))
+    assert net.device_ids == []
+    with dpprof.record(name="pass-through", store=False) as run:
+        with run.step():
+            net(torch.randn(7, 5)).sum().backward()
+        with run.step():
+            for size in (4, 6):
+                net(torch.randn(size, 5)).sum().backward()
+    steps = run.frames()["steps"]
+    assert steps[["batch_size", "forward_calls"]].values.tolist() == [[7, 1], [10, 2]]
+
+
 def test_a_step_of_two_models_counts_the_samples_of_its_first_model():
     """A GAN's step: the generator on 12 noise samples, the discriminator on 12 real and 12 generated. The step's batch
     is its first model's samples (12), not every call's (36); that model called twice adds up, as micro-batches do."""

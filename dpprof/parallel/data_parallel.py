@@ -227,7 +227,9 @@ class DataParallel(torch.nn.DataParallel):
         # torch's DataParallel.forward, except that the one-device and no-device paths
         # also run their module call as a measured "apply" phase.
         probe = self.__dict__["_probe"]
-        if not self.device_ids:
+        if not self.device_ids:  # nothing is scattered: the step's batch is noted here
+            if probe is not None:
+                probe.note_batch(inputs, kwargs)
             return MeasuredReplica(self.module, probe, HOST_LABEL)(*inputs, **kwargs)
         misplaced = _first_misplaced(self.module, self.src_device_obj)
         if misplaced is not None:
