@@ -214,6 +214,7 @@ class Run:
         self._next_step = 0
         self._explicit: _Step | None = None
         self._implicit: _Step | None = None
+        self.last_step_end_ns: int | None = None  # where the newest closed step ended (perf_counter_ns)
         # dpprof.instrument's step rule: whether a forward call joins the open implicit step (None: never), and what
         # it is told of each recorded forward call's output where no stand-in's forward sees it (FSDP's root)
         self.joins_open_step: Callable[[_Step], bool] | None = None
@@ -323,6 +324,7 @@ class Run:
 
     def _close_step(self, step: _Step, end_ns: int) -> None:
         step.closed = True
+        self.last_step_end_ns = end_ns
         if self._pending:  # CUDA timings only: a CPU step has none
             self.resolve_pending(block=False)
         # a row (dpprof.records.Row): STEP_ROW, then StepRecord's step, start_ms, duration_ms, batch_size, devices_used,

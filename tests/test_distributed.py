@@ -180,3 +180,46 @@ def test_merge_refuses_rank_files_it_must_not_copy_and_folds_a_killed_ranks_log(
     assert rank1.read_bytes() == before and not Path(f"{reports / rank1.name}-wal").exists()
     assert main(["merge", str(rank0.parent), str(rank1.parent)]) == 0  # again: the same, left alone
     assert main(["merge", str(rank1.parent), str(rank1), str(rank0.parent)]) == 0  # one rank named twice at once
+
+
+def test_a_gan_of_two_ddp_models_keeps_each_part_and_all_reduce_in_the_step_it_runs_in(tmp_path):
+    """Two DDP models, two optimizers (a GAN) on a gloo world of one: the generator's forward is in the
+    discriminator's step, its backward and all-reduce run in the generator's step after. They are recorded there, every
+    phase lies inside its step, and the steps do not overlap (the next step's data part starts at the end of the
+    step before it, not at the end of the generator's backward inside it)."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from dpprof.instrument import instrument
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with instrument(store=False) as run:
+            generator = nn.parallel.DistributedDataParallel(nn.Linear(4, 8))
+            discriminator = nn.parallel.DistributedDataParallel(nn.Linear(8, 1))
+            opt_g, opt_d = (torch.optim.SGD(m.parameters(), lr=0.01) for m in (generator, discriminator))
+            for _ in range(3):
+                fake = generator(torch.randn(6, 4))
+                d_loss = discriminator(torch.randn(6, 8)).mean() - discriminator(fake.detach()).mean()
+                opt_d.zero_grad()
+                d_loss.backward()
+                opt_d.step()
+                g_loss = -discriminator(fake).mean()
+                opt_g.zero_grad()
+                g_loss.backward()
+                opt_g.step()
+    finally:
+        dist.destroy_process_group()
+    frames = run.frames()
+    steps = frames["steps"].set_index("step")
+    ends = steps["start_ms"] + steps["duration_ms"]
+    assert (steps["start_ms"].iloc[1:].to_numpy() >= ends.iloc[:-1].to_numpy() - 1e-6).all(), steps
+    phases = frames["phases"].join(steps[["start_ms", "duration_ms"]].add_suffix("_step"), on="step")
+    assert (phases["start_ms"] >= phases["start_ms_step"] - 1e-6).all()
+    assert (phases["start_ms"] + phases["duration_ms"] <= phases["start_ms_step"] + phases["duration_ms_step"] + 1e-6).all()
+    generator_bytes = (4 * 8 + 8) * 4
+    last = steps.index.max()  # a generator step: the discriminator's gradients and the generator's are all-reduced
+    comms = frames["comms"]
+    assert sorted(comms.loc[comms["step"] == last, "bucket_bytes"]) == [(8 + 1) * 4, generator_bytes]
+    assert (comms["bucket_bytes"] == generator_bytes).sum() == 3

@@ -130,8 +130,12 @@ class _RankProbe:
         self._maybe_finish_backward()
 
     def backward_started(self) -> None:
-        """The first gradient reached the output: backward's start (once a step)."""
+        """The first gradient reached the output: backward's start (once a step). A backward run after its forward's
+        step ended (a GAN's generator, backpropagated through the discriminator in its own step) is the open step's,
+        its all-reduces too."""
         if self.backward_t0 is None:
+            if self.step.closed:
+                self.step = self.run.open_step() or self.step
             self.backward_ev0 = self.event()
             self.backward_t0 = time.perf_counter_ns()
             torch.autograd.Variable._execution_engine.queue_callback(
@@ -235,6 +239,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             # data is inside its step (dpprof.stepmodel): an implicit step this forward starts begins where the
             # previous one ended; an explicit run.step() keeps its start, and data before it is not this step's
             step, data_start = probe.step, probe.previous_end_ns
+            if run.last_step_end_ns is not None:  # never inside the step before (a GAN's generator ended in it)
+                data_start = max(data_start, run.last_step_end_ns)
             if not step.explicit and probe.forward.call == 0:
                 step.start_ns = min(step.start_ns, data_start)
             data_start = max(data_start, step.start_ns)
