@@ -310,6 +310,7 @@ class _Session:
         self._hook: Any = None
         self._fsdp_installed_here = False
         self._fsdp_waiting: _WhenImported | None = None
+        self.on_hard_exit: Callable[[], None] | None = None  # said after the run is closed by os._exit (dpprof run)
 
     # the patch
     def patch(self) -> None:
@@ -324,6 +325,24 @@ class _Session:
             sys.meta_path.insert(0, self._fsdp_waiting)
         self._hook = register_optimizer_step_post_hook(self._on_optimizer_step)
         self._patch_process_start()
+        self._patch_hard_exit()
+
+    def _patch_hard_exit(self) -> None:
+        """os._exit, closing the run first: a script that ends so (to skip gloo's or NCCL's teardown at the
+        interpreter's exit) runs no finally block, and its run would be left incomplete without its last steps. Only in
+        this process: a forked child (a DataLoader worker) ends with os._exit too, and the run is not its own."""
+        original = os._exit
+        pid = os.getpid()
+
+        def _exit(status: int) -> Any:
+            if os.getpid() == pid and _session is self:
+                self.finish(SystemExit(status))
+                if self.on_hard_exit is not None:
+                    self.on_hard_exit()
+            original(status)
+
+        self._patched.append((os, "_exit", original))
+        os._exit = _exit
 
     def _patch_process_start(self) -> None:
         """multiprocessing's Process.start, counting the processes the script starts, then starting each as before."""

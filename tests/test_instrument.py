@@ -542,6 +542,27 @@ def test_the_scripts_exit_is_the_commands_and_the_runs_status(tmp_path, body, co
         assert capsys.readouterr().err.rstrip().endswith("KeyboardInterrupt")
 
 
+@pytest.mark.parametrize("code, status", [(0, "finished"), (5, "failed")])
+def test_a_script_that_ends_with_os_exit_keeps_its_steps_and_its_exit_code(tmp_path, code, status):
+    """os._exit (what scripts call to skip gloo's or NCCL's teardown) runs no finally block: the run is closed first,
+    every step kept, and the line on stderr said; a DataLoader's forked workers, which end with os._exit too, leave it
+    alone."""
+    script = tmp_path / "hard_exit.py"
+    script.write_text(
+        "import os, torch\nfrom torch.utils.data import DataLoader, TensorDataset\n"
+        "data = DataLoader(TensorDataset(torch.randn(24, 4)), batch_size=8, num_workers=2)\n"
+        "model = torch.nn.DataParallel(torch.nn.Linear(4, 2))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for (x,) in data:\n"
+        "    model(x).sum().backward(); opt.step(); opt.zero_grad()\n"
+        f"os._exit({code})\n")
+    out = _dpprof_run("--cpu-workers", "2", script, env={"DPPROF_REPORTS": str(tmp_path / "reports")})
+    assert out.returncode == code, out.stderr
+    run = dpprof.load_run(dpprof.list_runs(tmp_path / "reports").loc[0, "id"], tmp_path / "reports")
+    assert run.meta["status"] == status and len(run.steps) == 3, out.stderr
+    assert f"recorded run {run.id} (3 steps)" in out.stderr
+
+
 def test_a_script_with_no_optimizer_says_its_steps_could_not_be_told_apart():
     """Weights updated by hand: no optimizer.step() ends a step, and the run's notes say why it holds so few."""
     from dpprof.instrument import NO_OPTIMIZER_NOTE
