@@ -223,7 +223,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                                                    capture=capture)
     session = None
     try:
-        with instrumented(record_args, args.cpu_workers, args.steps) as session:
+        with instrumented(record_args, args.cpu_workers, args.steps, yields=True) as session:
             session.on_hard_exit = lambda: _tell_recorded(session)
             if args.module:
                 runpy.run_module(target, run_name="__main__", alter_sys=True)

@@ -46,6 +46,8 @@ NO_OPTIMIZER_NOTE = ("no torch.optim optimizer stepped, so no step ended: the {:
                      "boundary dpprof can see: wrap each step in run.step() (dpprof.instrument)")
 NO_PARALLEL_NOTE = ("the script built no DataParallel, DistributedDataParallel or FSDP (nor called data_parallel "
                     "or fully_shard): nothing was recorded")
+# the same, where the script recorded itself in a dpprof.instrument block of its own (which dpprof run yields to)
+OWN_RUN_NOTE = "the script recorded itself with dpprof.instrument, into {}: nothing was recorded here"
 # the same, where the script started processes of its own (torch.multiprocessing.spawn's ranks, the DDP tutorial's
 # way): a spawned interpreter has none of dpprof's stand-ins, so what they build is not recorded
 SPAWNED_NOTE = ("the script built no DataParallel, DistributedDataParallel or FSDP in its own process; it started "
@@ -311,6 +313,8 @@ class _Session:
         self._fsdp_installed_here = False
         self._fsdp_waiting: _WhenImported | None = None
         self.on_hard_exit: Callable[[], None] | None = None  # said after the run is closed by os._exit (dpprof run)
+        self.yields = False  # dpprof run's block, around a whole script: an instrument block of the script's own runs
+        self.own_runs: list[str] = []  # the runs of such blocks (ids)
 
     # the patch
     def patch(self) -> None:
@@ -529,19 +533,22 @@ class _Session:
 
 @contextmanager
 def instrumented(record_args: dict[str, Any] | None, cpu_workers: int | None = None,
-                 steps: int | None = None) -> Iterator[_Session]:
+                 steps: int | None = None, yields: bool = False) -> Iterator[_Session]:
     """The instrument block itself, yielding its session (``session.run`` once started).
 
     ``record_args`` are ``dpprof.record``'s; None records nothing (the stand-ins and CPU workers only:
-    what ``dpprof run --no-record`` runs, to measure what recording costs)."""
+    what ``dpprof run --no-record`` runs, to measure what recording costs). ``yields``: the block of ``dpprof run``
+    around a whole script, inside which the script's own instrument block runs as under python, into its own run."""
     global _session
-    if _session is not None:
+    outer = _session
+    if outer is not None and not outer.yields:
         raise RuntimeError("dpprof.instrument blocks cannot be nested")
     if cpu_workers is not None and cpu_workers < 1:
         raise ValueError(f"cpu_workers must be positive, got {cpu_workers}")
     if steps is not None and steps < 1:
         raise ValueError(f"steps must be positive, got {steps}")
     session = _Session(record_args, cpu_workers, steps)
+    session.yields = yields
     session.patch()
     _session = session
     error: BaseException | None = None
@@ -553,18 +560,22 @@ def instrumented(record_args: dict[str, Any] | None, cpu_workers: int | None = N
         error = err
         raise
     finally:
-        _session = None
+        _session = outer
         session.unpatch()
         if not session.stopped:
             session.start()  # a script that built nothing still gets its run, and a note saying so
             # nothing built, and no step from a dpprof.DataParallel the script made itself: say why the run is empty
             if session.run is not None and not session.built_any and not session.run.steps_started:
-                session.run.note("dpprof", _nothing_built(session.started_processes), tell=False)
+                session.run.note("dpprof", _nothing_built(session.started_processes, session.own_runs), tell=False)
             session.finish(error)
+        if outer is not None and session.run is not None:
+            outer.own_runs.append(session.run.id)
 
 
-def _nothing_built(started: list[str]) -> str:
-    """Why a run recorded nothing: the script built nothing, or built it in processes of its own."""
+def _nothing_built(started: list[str], own_runs: Sequence[str] = ()) -> str:
+    """Why a run recorded nothing: the script built nothing, recorded itself, or built it in processes of its own."""
+    if own_runs:
+        return OWN_RUN_NOTE.format(", ".join(own_runs))
     if not started:
         return NO_PARALLEL_NOTE
     spawn = [w for w in started if w.startswith("torch.multiprocessing.spawn.")]
