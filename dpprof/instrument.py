@@ -37,7 +37,7 @@ from dpprof.parallel.data_parallel import DataParallel as _DataParallel
 from dpprof.parallel.data_parallel import data_parallel as _data_parallel
 from dpprof.parallel.probe import iter_tensors
 from dpprof.parallel.workers import on_worker_thread
-from dpprof.recording import Run, record
+from dpprof.recording import CLOSE_HOOKS, Run, record
 
 __all__ = ["instrument", "NO_PARALLEL_NOTE", "NO_OPTIMIZER_NOTE", "SPAWNED_NOTE"]
 
@@ -46,8 +46,9 @@ NO_OPTIMIZER_NOTE = ("no torch.optim optimizer stepped, so no step ended: the {:
                      "boundary dpprof can see: wrap each step in run.step() (dpprof.instrument)")
 NO_PARALLEL_NOTE = ("the script built no DataParallel, DistributedDataParallel or FSDP (nor called data_parallel "
                     "or fully_shard): nothing was recorded")
-# the same, where the script recorded itself in a dpprof.instrument block of its own (which dpprof run yields to)
-OWN_RUN_NOTE = "the script recorded itself with dpprof.instrument, into {}: nothing was recorded here"
+# the same, where the script recorded itself: dpprof.record, or a dpprof.instrument block of its own (which dpprof run
+# yields to)
+OWN_RUN_NOTE = "the script recorded itself (dpprof.record or dpprof.instrument), into {}: nothing was recorded here"
 # the same, where the script started processes of its own (torch.multiprocessing.spawn's ranks, the DDP tutorial's
 # way): a spawned interpreter has none of dpprof's stand-ins, so what they build is not recorded
 SPAWNED_NOTE = ("the script built no DataParallel, DistributedDataParallel or FSDP in its own process; it started "
@@ -314,7 +315,7 @@ class _Session:
         self._fsdp_waiting: _WhenImported | None = None
         self.on_hard_exit: Callable[[], None] | None = None  # said after the run is closed by os._exit (dpprof run)
         self.yields = False  # dpprof run's block, around a whole script: an instrument block of the script's own runs
-        self.own_runs: list[str] = []  # the runs of such blocks (ids)
+        self.own_runs: list[str] = []  # the runs the script recorded itself in such a block (ids)
 
     # the patch
     def patch(self) -> None:
@@ -475,6 +476,11 @@ class _Session:
         except Exception as err:
             self.say(f"closing the run failed ({type(err).__name__}: {err})")
 
+    def note_own_run(self, run: Run) -> None:
+        """A stored run closed in the block that is not this block's: the script recorded itself (a close hook)."""
+        if run is not self.run:
+            self.own_runs.append(run.id)
+
     def stop(self, reason: str) -> None:
         """End recording now; the script goes on unrecorded."""
         if self.run is not None:
@@ -551,6 +557,8 @@ def instrumented(record_args: dict[str, Any] | None, cpu_workers: int | None = N
     session.yields = yields
     session.patch()
     _session = session
+    if yields:
+        CLOSE_HOOKS.append(session.note_own_run)
     error: BaseException | None = None
     try:
         if not _under_launcher():
@@ -561,6 +569,8 @@ def instrumented(record_args: dict[str, Any] | None, cpu_workers: int | None = N
         raise
     finally:
         _session = outer
+        if yields:
+            CLOSE_HOOKS.remove(session.note_own_run)
         session.unpatch()
         if not session.stopped:
             session.start()  # a script that built nothing still gets its run, and a note saying so
@@ -568,8 +578,6 @@ def instrumented(record_args: dict[str, Any] | None, cpu_workers: int | None = N
             if session.run is not None and not session.built_any and not session.run.steps_started:
                 session.run.note("dpprof", _nothing_built(session.started_processes, session.own_runs), tell=False)
             session.finish(error)
-        if outer is not None and session.run is not None:
-            outer.own_runs.append(session.run.id)
 
 
 def _nothing_built(started: list[str], own_runs: Sequence[str] = ()) -> str:

@@ -213,25 +213,37 @@ def test_a_script_that_trains_in_spawned_processes_is_told_they_are_out_of_reach
     assert NO_PARALLEL_NOTE not in notes and run.steps.empty
 
 
-def test_a_script_with_an_instrument_block_of_its_own_runs_as_under_python(tmp_path):
-    """dpprof.instrument in the script (as the docs show for a notebook): under dpprof run it runs as under python,
-    into its own run, and dpprof run's run says where the steps went (it raised: blocks cannot be nested)."""
+OWN_INSTRUMENT = ("import torch, dpprof\n"
+                  "with dpprof.instrument(name='mine', cpu_workers=2) as run:\n"
+                  "    model = torch.nn.DataParallel(torch.nn.Linear(5, 2))\n"
+                  "    opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                  "    for _ in range(3):\n"
+                  "        model(torch.randn(6, 5)).sum().backward(); opt.step(); opt.zero_grad()\n"
+                  "print('mine', len(run.frames()['steps']), model.device_ids)\n")
+OWN_RECORD = ("import torch, dpprof\n"
+              "model = dpprof.DataParallel(torch.nn.Linear(5, 2), device_ids=dpprof.cpu_devices(2))\n"
+              "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+              "with dpprof.record(name='mine') as run:\n"
+              "    for _ in range(3):\n"
+              "        with run.step():\n"
+              "            model(torch.randn(6, 5)).sum().backward(); opt.step(); opt.zero_grad()\n"
+              "print('mine', len(run.frames()['steps']), model.device_ids)\n")
+
+
+@pytest.mark.parametrize("body", [OWN_INSTRUMENT, OWN_RECORD], ids=["instrument", "record"])
+def test_a_script_that_records_itself_runs_as_under_python_and_the_run_says_where(tmp_path, body):
+    """dpprof.instrument in the script (as the docs show for a notebook), or dpprof.record: under dpprof run it runs as
+    under python, into its own run, and dpprof run's run says where the steps went. (The instrument block raised:
+    blocks cannot be nested; both left dpprof run's run saying the script built no DataParallel.)"""
     from dpprof.instrument import OWN_RUN_NOTE
 
-    script = tmp_path / "own_instrument.py"
-    script.write_text(
-        "import torch, dpprof\n"
-        "with dpprof.instrument(name='mine', cpu_workers=2) as run:\n"
-        "    model = torch.nn.DataParallel(torch.nn.Linear(5, 2))\n"
-        "    opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-        "    for _ in range(3):\n"
-        "        model(torch.randn(6, 5)).sum().backward(); opt.step(); opt.zero_grad()\n"
-        "print('mine', len(run.frames()['steps']), model.device_ids)\n")
+    script = tmp_path / "records_itself.py"
+    script.write_text(body)
     out = _dpprof_run(script)
     assert out.returncode == 0, out.stderr
     assert out.stdout == "mine 3 [0, 1]\n"
     runs = dpprof.list_runs().set_index("name")
-    own, outer = dpprof.load_run(runs.loc["mine", "id"]), dpprof.load_run(runs.loc["own_instrument.py", "id"])
+    own, outer = dpprof.load_run(runs.loc["mine", "id"]), dpprof.load_run(runs.loc["records_itself.py", "id"])
     assert len(own.steps) == 3 and outer.steps.empty
     assert OWN_RUN_NOTE.format(own.id) in outer.notes["message"].tolist()
 
