@@ -1,7 +1,8 @@
 """Files a command writes for the user (CSV tables, trace files, an imported run): whole, or not at all.
 
 Each file is written under a hidden temporary name beside its own (``.steps.csv.<pid>.<random>.part``) and takes
-its own name, replacing a file of that name, only when every file of the command is whole and flushed to disk.
+its own name, replacing a file of that name, only when every file of the command is whole and flushed to disk (and
+a file the command supersedes by its absence, an earlier export's table, goes then: ``Outputs.remove``).
 On any failure the temporary files go, and so does every directory the command made that holds nothing else;
 a file or directory that was there before is never touched. An ``OSError`` on the way becomes one
 ``OutputError`` line naming the path and the reason: "read-only file system", "disk full", "permission
@@ -81,6 +82,7 @@ class Outputs:
         self._files: list[tuple[BinaryIO, Path, Path, Path]] = []
         self._made: list[Path] = []  # directories made, outermost first
         self._asked: list[Path] = []  # paths asked for, the last one being worked on last
+        self._removed: list[Path] = []  # files there before that go once every file is whole
         self._done = False
 
     def __enter__(self) -> Outputs:  # noqa: PYI034 - typing.Self is 3.11+, dpprof runs on 3.10
@@ -144,6 +146,11 @@ class Outputs:
         self._files.append((stream, temp, path, shown))
         return stream
 
+    def remove(self, path: str | os.PathLike[str]) -> None:
+        """Remove ``path``, a file there before (an earlier output's, which this one supersedes by its absence), when
+        the block ends well: together with the files taking their names, never on failure."""
+        self._removed.append(Path(os.path.abspath(path)))
+
     def _commit(self) -> None:
         for stream, temp, _, shown in self._files:
             self._asked.append(shown)
@@ -160,6 +167,8 @@ class Outputs:
         for _, temp, path, _ in self._files:
             os.replace(temp, path)
         self._done = True
+        for path in self._removed:
+            _unlink(path)
 
     def _clean(self) -> None:
         for stream, temp, _, _ in self._files:

@@ -78,3 +78,25 @@ def _number(cell: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def test_an_export_into_a_directory_of_another_runs_export_leaves_only_its_own_tables(hostile_run, tmp_path, capsys):
+    """`dpprof export RUN --out csv` for one run and then another (as the README's quick start writes it): the
+    directory holds the second run's tables only; the first's tables the second has none of (an imported trace's
+    operators.csv, kernels.csv, ...) went with it, instead of sitting beside them as if they were its. A user's own
+    file there stays."""
+    from pathlib import Path
+
+    from dpprof.trace import import_traces
+
+    trace = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "resnet50-1gpu-tb-sample.pt.trace.json.gz"
+    imported = import_traces([trace], tmp_path / "reports")
+    out = tmp_path / "csv"
+    assert main(["--reports-dir", str(tmp_path / "reports"), "export", imported.id, "--out", str(out)]) == 0
+    assert (out / "operators.csv").is_file() and (out / "kernels.csv").is_file()
+    (out / "notes.txt").write_text("mine")
+    assert main(["export", str(hostile_run.path), "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert sorted(p.stem for p in out.glob("*.csv")) == sorted(export.exported(hostile_run))
+    assert (out / "notes.txt").read_text() == "mine"
+    assert pd.read_csv(out / "run.csv", keep_default_na=False).loc[0, "id"] == hostile_run.id

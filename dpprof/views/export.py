@@ -22,7 +22,7 @@ from dpprof.views.fsdp import fsdp_collective_table
 from dpprof.trace.export import plan_trace, rank_path, trace_bytes, write_trace
 
 __all__ = ["TABLE_DESCRIPTIONS", "AGGREGATE_DESCRIPTIONS", "DETAIL_DESCRIPTIONS", "EXTRA_TABLES", "KIND_TABLES", "export_tables", "table_csv", "run_zip",
-           "export_table", "export_run", "EXPORTED", "exported", "trace_text", "run_trace", "rank_traces_zip"]
+           "export_table", "export_run", "EXPORTED", "EXPORTABLE", "exported", "trace_text", "run_trace", "rank_traces_zip"]
 
 TABLE_DESCRIPTIONS = {
     "steps": "one row per step: start, duration, batch size",
@@ -166,6 +166,11 @@ def table_csv(run: StoredRun, name: str) -> bytes:
 EXPORTED = ("run", *TABLES, "device_summary", "phase_totals")
 
 
+# Every table an export of some run writes: those of an earlier export into the same directory (another run's, of
+# another kind) that this one does not write go, so that the directory holds one run's tables
+EXPORTABLE = (*EXPORTED, *KIND_TABLES, *AGGREGATE_TABLES, *DETAIL_DESCRIPTIONS)
+
+
 def exported(run: StoredRun) -> tuple[str, ...]:
     """The tables an export of this run writes: EXPORTED, its kind's own tables, then its aggregate tables, then its
     operators, kernels, GPU metrics and memory where it holds them."""
@@ -186,10 +191,15 @@ def export_run(run: StoredRun, out_dir: str | os.PathLike[str], files: Outputs |
     files.directory(out_dir)
     out = Path(out_dir)
     written = []
-    for name in exported(run):
+    names = exported(run)
+    for name in names:
         path = out / f"{name}.csv"
         files.open(path).write(table_csv(run, name))
         written.append(path)
+    for name in EXPORTABLE:  # an earlier export's tables this run has none of (its fsdp_collectives.csv, ...)
+        stale = out / f"{name}.csv"
+        if name not in names and stale.is_file() and not stale.is_symlink():
+            files.remove(stale)
     return written
 
 
