@@ -95,6 +95,10 @@ def test_an_export_into_a_directory_of_another_runs_export_leaves_only_its_own_t
     assert main(["--reports-dir", str(tmp_path / "reports"), "export", imported.id, "--out", str(out)]) == 0
     assert (out / "operators.csv").is_file() and (out / "kernels.csv").is_file()
     (out / "notes.txt").write_text("mine")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "kernels.csv").write_text("name\nmy own table\n")  # no export was there: left alone
+    assert main(["export", str(hostile_run.path), "--out", str(tmp_path / "mine")]) == 0
+    assert (tmp_path / "mine" / "kernels.csv").read_text() == "name\nmy own table\n"
     assert main(["export", str(hostile_run.path), "--out", str(out)]) == 0
     capsys.readouterr()
     assert sorted(p.stem for p in out.glob("*.csv")) == sorted(export.exported(hostile_run))

@@ -190,13 +190,14 @@ def export_run(run: StoredRun, out_dir: str | os.PathLike[str], files: Outputs |
             return export_run(run, out_dir, own)
     files.directory(out_dir)
     out = Path(out_dir)
+    earlier = (out / "run.csv").is_file()  # an earlier export is there: its tables this run has none of go
     written = []
     names = exported(run)
     for name in names:
         path = out / f"{name}.csv"
         files.open(path).write(table_csv(run, name))
         written.append(path)
-    for name in EXPORTABLE:  # an earlier export's tables this run has none of (its fsdp_collectives.csv, ...)
+    for name in EXPORTABLE if earlier else ():  # (its fsdp_collectives.csv, operators.csv, ...)
         stale = out / f"{name}.csv"
         if name not in names and stale.is_file() and not stale.is_symlink():
             files.remove(stale)
