@@ -340,7 +340,7 @@ class _Session:
         pid = os.getpid()
 
         def _exit(status: int) -> Any:
-            if os.getpid() == pid and _session is self:
+            if os.getpid() == pid:  # an outer block's too (dpprof run's, around the script's own): its run was open
                 self.finish(SystemExit(status))
                 if self.on_hard_exit is not None:
                     self.on_hard_exit()
@@ -465,6 +465,9 @@ class _Session:
             return
         if self.run is not None and not self.optimizer_seen and self.run.steps_started < self.backwards:  # none ended
             self.run.note("dpprof", NO_OPTIMIZER_NOTE.format(self.backwards), tell=False)
+        # nothing built, and no step from a dpprof.DataParallel the script made itself: say why the run is empty
+        if self.run is not None and not self.built_any and not self.run.steps_started:
+            self.run.note("dpprof", _nothing_built(self.started_processes, self.own_runs), tell=False)
         recording, self._recording = self._recording, None
         if isinstance(exc, SystemExit) and exc.code in (None, 0):
             exc = None
@@ -573,10 +576,7 @@ def instrumented(record_args: dict[str, Any] | None, cpu_workers: int | None = N
             CLOSE_HOOKS.remove(session.note_own_run)
         session.unpatch()
         if not session.stopped:
-            session.start()  # a script that built nothing still gets its run, and a note saying so
-            # nothing built, and no step from a dpprof.DataParallel the script made itself: say why the run is empty
-            if session.run is not None and not session.built_any and not session.run.steps_started:
-                session.run.note("dpprof", _nothing_built(session.started_processes, session.own_runs), tell=False)
+            session.start()  # a script that built nothing still gets its run, and a note saying so (finish)
             session.finish(error)
 
 

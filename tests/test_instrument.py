@@ -248,6 +248,21 @@ def test_a_script_that_records_itself_runs_as_under_python_and_the_run_says_wher
     assert OWN_RUN_NOTE.format(own.id) in outer.notes["message"].tolist()
 
 
+def test_os_exit_inside_the_scripts_own_instrument_block_closes_both_runs(tmp_path):
+    """os._exit inside the script's own block (dpprof run's block around it): the script's run keeps its steps and
+    dpprof run's is closed too, saying where the steps went (it was left incomplete, with no note)."""
+    from dpprof.instrument import OWN_RUN_NOTE
+
+    script = tmp_path / "records_itself.py"
+    script.write_text(OWN_INSTRUMENT.replace("opt.zero_grad()\n", "opt.zero_grad()\n    import os; os._exit(0)\n"))
+    out = _dpprof_run(script)
+    assert out.returncode == 0 and out.stdout == "", out.stderr
+    runs = dpprof.list_runs().set_index("name")
+    own, outer = dpprof.load_run(runs.loc["mine", "id"]), dpprof.load_run(runs.loc["records_itself.py", "id"])
+    assert own.meta["status"] == outer.meta["status"] == "finished"
+    assert len(own.steps) == 3 and OWN_RUN_NOTE.format(own.id) in outer.notes["message"].tolist()
+
+
 def test_a_script_that_builds_dpprofs_own_dataparallel_is_recorded_without_the_nothing_built_note():
     out = _dpprof_run(SCRIPTS / "own_dataparallel.py")
     assert out.returncode == 0, out.stderr
