@@ -223,6 +223,7 @@ def test_one_kernel_with_a_time_that_cannot_be_is_left_out_counted_and_shows_and
     note = f"1 event with a time or number that cannot be (not a number, NaN, infinite, negative, or past 2**52 µs) left out: " \
            f"the first, {kernel['name'][:60]}"
     assert note in out and said in out, out  # said when it is imported
+    assert out.count(note) == 1, out  # once (the converted notes repeat the file's own)
     run = dpprof.load_run(run_id, reports)
     assert any(note in m and said in m for m in run.notes["message"])  # and kept in the run's notes
     _holds_the_invariants(reports, run_id)

@@ -300,9 +300,10 @@ def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | 
     final = [*published[-1:], *published[:-1]]
     devices = [d for c in converted for d in c.devices]
     steps = max(sum(1 for x in c.records if isinstance(x, StepRecord)) for c in converted)
-    # what the import left out is said as it happens: the file's notes, and its tables' (values that cannot be)
+    # what the import left out is said as it happens: the file's notes, and its tables' (values that cannot be);
+    # the converted notes hold the file's own again (its left-out events), said once
     notes = [f"{f.name}: {note}" for f, c in zip(files, converted)
-             for note in [*f.notes, *(n for n in c.notes if " left out" in n)]]
+             for note in dict.fromkeys([*f.notes, *(n for n in c.notes if " left out" in n)])]
     return ImportedRun(id=run_id, paths=final, steps=steps, devices=devices, notes=notes)
 
 
