@@ -287,6 +287,24 @@ def test_a_part_that_refuses_or_leaves_an_event_out_says_what_one_pass_says(plai
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.parametrize("parts", [2, 3, 7])
+def test_two_traces_joined_in_one_file_read_in_parts_are_refused_as_in_one_pass(plain_traces, parts, tmp_path):
+    """Two traces joined into one file (``cat a.json b.json``): one pass refuses what follows the first trace's end;
+    read in parts, a cut falls in the second trace's events, and the part before it met the first trace's end (it
+    skipped the rest of its bytes, an event and the first trace's distributedInfo among them, and the parts merged
+    into one trace of both): the part fails and the file read whole says what one pass says."""
+    source = next(p for p in plain_traces if p.name.startswith("resnet50"))
+    joined = tmp_path / "joined.json"
+    joined.write_bytes(source.read_bytes() * 2)
+    assert len(split_points(joined, parts)) == parts
+    with pytest.raises(TraceError) as alone:
+        collect(TraceFile(joined))
+    with pytest.raises(TraceError) as in_parts:
+        collect_files([joined], jobs=parts, split_min_bytes=1)
+    assert str(in_parts.value) == str(alone.value) and "more after the trace's end" in str(alone.value)
+    assert not multiprocessing.active_children()
+
+
 def test_a_gzipped_or_small_file_is_read_whole(plain_traces, monkeypatch):
     """Only a plain JSON file of SPLIT_MIN_BYTES or more is read in parts; the default jobs count its parts."""
     monkeypatch.setattr(jobs_module, "usable_cores", lambda: 2)

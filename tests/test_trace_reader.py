@@ -142,3 +142,26 @@ def test_a_file_that_is_no_trace_says_what_it_is_and_a_byte_order_mark_is_read_p
     (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + text)  # written by an editor that marks UTF-8
     assert sum(len(b) for b in TraceFile(tmp_path / "bom.json").batches()) == \
         sum(len(b) for b in TraceFile(whole).batches())
+
+
+def test_anything_after_the_trace_s_end_is_refused_as_json_load_does(tmp_path):
+    """Two traces joined into one file (``cat a.json b.json``, or two gzip members) read as the first alone, its
+    second trace's events silently lost; ``json.load`` refuses them. White space after the end is read past."""
+    import gzip
+
+    whole = tmp_path / "whole.json"
+    _write(whole, CASES["plain"](), "indented", True)
+    text = whole.read_bytes()
+    cases = {"joined.json": text + text, "joined.json.gz": gzip.compress(text) + gzip.compress(text),
+             "tail.json": text + b"\n}garbage"}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(json.JSONDecodeError, match="Extra data"):
+            json.loads(gzip.decompress(data) if name.endswith(".gz") else data)
+        at = len(text) + len(data[len(text):]) - len(data[len(text):].lstrip()) if name.endswith(".json") else len(text)
+        said = f"more after the trace's end (byte {at:,}"  # the first byte that is not white space
+        with pytest.raises(TraceError, match=f"^{re.escape(name)}: {re.escape(said)}"):
+            list(TraceFile(tmp_path / name).batches())
+    (tmp_path / "spaced.json").write_bytes(text + b" \n\t\r\n")
+    assert sum(len(b) for b in TraceFile(tmp_path / "spaced.json").batches()) == \
+        sum(len(b) for b in TraceFile(whole).batches())

@@ -366,6 +366,7 @@ class TraceFile:
             if not self.span.last:
                 return
             yield from self._fields(text, decode, from_dict)
+            self._end(text)
             return
         first = text.peek()
         if first == b"\xef" and text.buf[text.pos:text.pos + 3] == b"\xef\xbb\xbf":  # a UTF-8 byte order mark
@@ -377,6 +378,16 @@ class TraceFile:
             raise self._error("empty file" if first == b"" else _not_an_object(text.buf[text.pos:text.pos + 8]))
         text.pos += 1
         yield from self._fields(text, decode, from_dict)
+        if self.span is None or self.span.last:  # else the part ended inside traceEvents
+            self._end(text)
+
+    def _end(self, text: _Buffer) -> None:
+        """After the top-level object's closing brace only white space may follow, as ``json.load`` requires (two
+        traces joined into one file would read as the first alone)."""
+        text.pos += 1
+        if text.peek():
+            raise self._error(f"more after the trace's end (byte {text.consumed + text.pos:,}): not one JSON "
+                              "document (two traces joined into one file?)")
 
     def _fields(self, text: _Buffer, decode: Callable[[bytes], list],
                 from_dict: Callable[[dict], Any]) -> Iterator[list]:
@@ -424,6 +435,8 @@ class TraceFile:
                     raise _Broken("the file ends inside traceEvents", text.consumed + pos)
                 continue
             if buf[pos] == 0x5D:  # "]"
+                if self.span is not None and not self.span.last:  # cut inside traceEvents, so it cannot end here
+                    raise _Broken("traceEvents ends inside a part of the file", text.consumed + pos)
                 text.pos = pos + 1
                 return
             cut = _last_boundary(buf, pos, len(buf))
