@@ -649,3 +649,29 @@ def test_the_cycles_of_a_named_worker_are_one_workload(tmp_path, reports):
     assert len(files) == 2 and all(re.fullmatch(r"trainer\.\d{10,}\.pt\.trace\.json", f.name) for f in files)
     runs = [dpprof.load_run(import_traces([f], reports).id, reports) for f in files]
     assert [r.meta["workload"] for r in runs] == ["trainer", "trainer"]
+
+
+def test_collectives_whose_sizes_the_trace_lacks_show_no_bytes_rather_than_zero(tmp_path, reports):
+    """A gloo DDP job profiled without record_shapes: its collectives' sizes are not in the trace, which the bucket
+    finding says; the per-rank collectives table (dpprof show, the Overview) has no bytes for them either (it said
+    0.00 sent per step)."""
+    import contextlib
+    import io
+
+    from cpu_traces import gloo_ddp_traces
+    from dpprof.cli import main
+    from dpprof.views.overview import comm_stats
+
+    run = dpprof.load_run(import_traces(gloo_ddp_traces(tmp_path / "made", steps=4), reports).id, reports)
+    assert len(run.comms) and run.comms["bucket_bytes"].isna().all()
+    stats = comm_stats(run)
+    assert list(stats["device"]) == ["rank:0", "rank:1"] and stats["sent_per_step_bytes"].isna().all()
+    assert (stats["busy_ms"] > 0).all()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["--reports-dir", str(reports), "show", run.id]) == 0
+    table = out.getvalue().split("collectives per step (from the trace):")[1].split("\n\n")[0]
+    header, _, *ranks = table.strip("\n").splitlines()
+    end = header.index("sent per step (MiB)") + len("sent per step (MiB)")  # right-aligned under its header
+    assert [line[:end].split()[-1] for line in ranks] == ["-", "-"], table
+    assert "its size is not in the trace" in out.getvalue()

@@ -200,7 +200,8 @@ def comm_stats(run: StoredRun) -> pd.DataFrame:
     collective kernels, named: all-reduce, reduce-scatter, all-to-all...), the bytes they sent, the time they were
     busy (ddp.collective_busy: their union clipped to the step, never over the step) and the share of it that
     overlapped backward compute, over the steps whose detail stands for the run (every step, or a long run's
-    sample: RunModel.sampled_steps_sql). Empty without collective records.
+    sample: RunModel.sampled_steps_sql). Empty without collective records; the bytes are NaN where the collectives'
+    sizes are not known (a trace profiled without record_shapes).
 
     Returns:
         columns device, collectives (their names, most time first), steps, buckets_per_step, sent_per_step_bytes,
@@ -216,7 +217,9 @@ def comm_stats(run: StoredRun) -> pd.DataFrame:
     rows = []
     for (step, device), c in comms.groupby(["step", "device"]):
         rows.append({"device": device, "step": step, "buckets": c["bucket"].nunique(),
-                     "bytes": c["bucket_bytes"].sum(), "busy": busy["busy_ms"].get((step, device), 0.0),
+                     # unknown (NaN), not 0, where no collective's size is known (a trace without record_shapes)
+                     "bytes": pd.to_numeric(c["bucket_bytes"]).sum(min_count=1),
+                     "busy": busy["busy_ms"].get((step, device), 0.0),
                      "overlap": overlap[(step, device)]})
     per = pd.DataFrame(rows).groupby("device").agg(steps=("step", "count"), buckets_per_step=("buckets", "mean"),
                                                    sent_per_step_bytes=("bytes", "mean"), busy_ms=("busy", "mean"),
