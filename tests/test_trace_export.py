@@ -652,3 +652,28 @@ def test_a_ddp_run_read_back_words_its_collectives_as_the_recorded_run_does(runs
                for out in said.values()), said
     comm = [f for f in run_findings(back).table.to_dict("records") if f["kind"] == "communication_share"]
     assert comm and all(f["title"].startswith("gradient all-reduce is busy") for f in comm), comm
+
+
+def test_a_run_read_back_says_its_trace_holds_no_operators_rather_than_how_to_profile(tmp_path, capsys):
+    """The file dpprof exports holds a run's steps, phases and collectives, not torch.profiler's operators, kernels or
+    memory events: the run read back says so (dpprof ops, kernels and memory: one line, exit 1; the pages alike), where
+    it printed "(none)" and its pages asked for a trace profiled with ProfilerActivity.CPU and profile_memory=True."""
+    from cpu_traces import single_process_trace
+    from dpprof.views import kernels, memory, operators
+
+    path = single_process_trace(tmp_path / "made", steps=3)
+    reports, back_dir = tmp_path / "reports", tmp_path / "back"
+    run = dpprof.load_run(import_traces([path], reports).id, reports)
+    assert run.detail_missing is None and len(run.operators())
+    _, written, _ = _export(run, tmp_path)
+    back = dpprof.load_run(import_traces([w.path for w in written], back_dir).id, back_dir)
+    why = back.detail_missing
+    assert why is not None and "read back from a trace dpprof exported" in why
+    for command in ("ops", "kernels", "memory"):
+        capsys.readouterr()
+        assert main(["--reports-dir", str(back_dir), command, back.id]) == 1
+        out, err = capsys.readouterr()
+        assert not out and err == f"dpprof: run {back.id}: {why}\n"
+    for page in (operators, kernels, memory):
+        assert page.missing_text(back) == why[0].upper() + why[1:] + "."
+    assert "operators, kernels and memory events" in " ".join((ROOT / "docs" / "traces.md").read_text().split())

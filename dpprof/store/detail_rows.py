@@ -3,7 +3,8 @@ file, and read back as named reads returning DataFrames with a ``rank`` column, 
 
 ``write_detail`` adds the tables to a run file (an imported trace's, or a recorded run's deep capture: the file may
 be open by the run's writer, whose write-ahead log lets both write). A run file without them (imported before dpprof
-kept operators, or recorded without a capture) reads as no data, with the reason: ``detail_missing``.
+kept operators, recorded without a capture, or read back from a trace dpprof exported) reads as no data, with the
+reason: ``detail_missing``.
 """
 from __future__ import annotations
 
@@ -184,6 +185,10 @@ def chosen_capture(run: StoredRun) -> Capture | None:
 
 def detail_missing(run: StoredRun) -> str | None:
     """Why the run has no operator data (one sentence), or None where every file of it has the tables."""
+    if (run.meta.get("workload_args") or {}).get("dpprof_export"):  # its files' tables are there, and empty
+        return ("no operator data: this run was read back from a trace dpprof exported, which holds its steps, "
+                "phases and collectives, not torch.profiler's operators, kernels or memory events (the run it was "
+                "exported from has them)")
     have = run.query("SELECT COUNT(*) AS n FROM sqlite_master WHERE type = 'table' AND name = 'operators'")["n"]
     if len(have) and (have > 0).all():
         return None

@@ -53,6 +53,7 @@ class Converted:
     detail: Detail | None = None  # operators, kernels, GPU metrics, memory over time, modules (dpprof.trace.detail)
     fsdp: bool = False  # the process shards its model with FSDP (its trace has FSDP's ranges)
     ddp_buckets: bool = False  # a DDP run dpprof exported: its collectives are its gradient buckets' all-reduces
+    exported: bool = False  # a file dpprof export wrote: its phases, steps and collectives, no torch.profiler operators
 
     @property
     def gpus(self) -> list[str]:
@@ -310,6 +311,7 @@ def convert(c: Collected, t0_us: float, rank: int | None) -> Converted:
     # a dpprof.DataParallel: parallel_apply over several devices, or scatter then apply on one
     dp_exact = any(r.name in ("parallel_apply", "scatter") for r in c.dpprof_ranges) and rank is None
     if export_info(c.meta) is not None:  # a file dpprof export wrote: it names each thread's device
+        out.exported = True
         devices, phases = exported_phases(c, windows, ms)
         label_of = {g: f"cuda:{g}" for g in gpus}
         out.records += phases

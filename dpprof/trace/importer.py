@@ -321,6 +321,7 @@ def _write(staging: Path, run_id: str, name: str, workload: str | None, files: l
     dataparallel = next((c.dataparallel for c in converted if c.dataparallel), None)
     fsdp = any(c.fsdp for c in converted)  # a job sharded with FSDP: its ranges are in the trace
     ddp_buckets = any(c.ddp_buckets for c in converted)  # a DDP run dpprof exported: its gradient buckets
+    exported = all(c.exported for c in converted)  # read back from dpprof's export: no operators in the files
     paths = [staging / f"{run_id}{f'.rank{rank}' if distributed else ''}{RUN_SUFFIX}"
              for rank in (ranks if distributed else [None])]
 
@@ -333,7 +334,8 @@ def _write(staging: Path, run_id: str, name: str, workload: str | None, files: l
             "backend": "cuda" if f.gpus or conv.gpus else "cpu", "devices": conv.devices, "workload": workload,
             "workload_args": {"trace_files": listing, "trace_file": f.name,
                               "distributedInfo": f.meta.get("distributedInfo"), "dataparallel": dataparallel,
-                              **({"fsdp": True} if fsdp else {}), **({"ddp_buckets": True} if ddp_buckets else {})},
+                              **({"fsdp": True} if fsdp else {}), **({"ddp_buckets": True} if ddp_buckets else {}),
+                              **({"dpprof_export": True} if exported else {})},
             "status": "finished", "error": None, "rank": rank, "world_size": world, "source": SOURCE,
         }
         steps = [x for x in conv.records if isinstance(x, StepRecord)]
