@@ -326,6 +326,26 @@ def test_files_of_two_different_jobs_are_refused_with_nothing_written(reports):
     assert not reports.exists() or not list(reports.iterdir())
 
 
+def test_one_trace_given_twice_under_two_names_is_refused_not_read_as_two_ranks(tmp_path, reports):
+    """A trace without distributedInfo copied under another name: the files' ranks come from their order, and the
+    same times make them overlap, so the two copies read as a 2-rank job; Kineto's trace_id, new for every trace it
+    writes, says they are one. Two real ranks' files (each its own trace_id) still import as ranks."""
+    import shutil
+
+    from cpu_traces import gloo_ddp_traces, single_process_trace
+
+    one = single_process_trace(tmp_path / "made", steps=3)
+    copy = shutil.copy(one, tmp_path / "made" / "copy.pt.trace.json")
+    trace_id = json.loads(one.read_text())["trace_id"]
+    with pytest.raises(TraceError, match=f"^copy.pt.trace.json: the same trace as {one.name} \\(trace_id {trace_id}\\): "
+                                         "one trace given twice"):
+        import_traces([one, copy], reports)
+    assert not reports.exists() or not list(reports.iterdir())
+    ranks = gloo_ddp_traces(tmp_path / "ddp", steps=3)
+    assert len({json.loads(p.read_text())["trace_id"] for p in ranks}) == 2
+    assert import_traces(ranks, reports).devices == ["rank:0", "rank:1"]
+
+
 def test_the_command_imports_and_show_prints_the_run(reports):
     proc = forked.run([sys.executable, "-m", "dpprof", "--reports-dir", str(reports), "import", *map(str, DDP128),
                        "--name", "two ranks"], capture_output=True, text=True, timeout=120)

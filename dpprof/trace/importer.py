@@ -137,9 +137,18 @@ def _ranks(files: list[Collected]) -> list[int | None]:
 
 
 def _check_one_job(files: list[Collected]) -> None:
-    """Files given together must be ranks of one job: same world size and backend, overlapping in time."""
+    """Files given together must be ranks of one job: each its own trace, same world size and backend, overlapping
+    in time."""
     if len(files) < 2:
         return
+    traces: dict[str, str] = {}  # Kineto's trace_id, new for every trace it writes -> the file
+    for f in files:
+        trace_id = f.meta.get("trace_id")
+        if isinstance(trace_id, str) and trace_id:
+            if trace_id in traces:
+                raise TraceError(f"{f.name}: the same trace as {traces[trace_id]} (trace_id {trace_id}): one trace "
+                                 "given twice, not two ranks of a job")
+            traces[trace_id] = f.name
     cycles: dict[tuple[str, Any], list[str]] = {}  # tensorboard_trace_handler's <host>_<pid>, and rank -> its files
     for f in files:
         handled = _HANDLER_NAME.match(f.name)
