@@ -695,3 +695,24 @@ def test_collectives_whose_sizes_the_trace_lacks_show_no_bytes_rather_than_zero(
     end = header.index("sent per step (MiB)") + len("sent per step (MiB)")  # right-aligned under its header
     assert [line[:end].split()[-1] for line in ranks] == ["-", "-"], table
     assert "its size is not in the trace" in out.getvalue()
+
+
+def test_some_ranks_of_a_job_with_a_straggler_are_not_told_their_wait_is_communication(tmp_path, reports):
+    """Rank 1 of a 2-rank gloo job sleeps before each forward: imported together, rank 1 is the straggler; rank 0
+    imported alone waits ~30 ms a step inside its all-reduce with no straggler to name, and its communication finding
+    said only "raise the per-rank batch". It now says that a rank not in the run may be what it waits for."""
+    from cpu_traces import gloo_ddp_traces
+    from dpprof.findings import run_findings
+
+    files = gloo_ddp_traces(tmp_path / "made", steps=4, delay=(1, 0.03))
+    words = "only 1 of the job's 2 ranks is in this run: time inside a collective includes waiting for a slower rank"
+    alone = dpprof.load_run(import_traces(files[:1], reports).id, reports)
+    found = run_findings(alone).table.set_index("kind")
+    assert "straggler_rank" not in found.index
+    assert words in found.loc["communication_share", "evidence"]
+    assert found.loc["communication_share", "advice"].startswith("Bring every rank's file into the run first")
+    both = dpprof.load_run(import_traces(files, reports, again=True).id, reports)
+    found = run_findings(both).table
+    assert found.set_index("kind").loc["straggler_rank", "device"] == "rank:1"
+    assert not found["evidence"].str.contains("ranks is in this run|ranks are in this run").any()
+    assert not found["advice"].str.contains("Bring every rank's file").any()

@@ -11,6 +11,7 @@ from dpprof.findings.base import Tables, finding
 from dpprof.findings.dataparallel import straggler_row, straggler_verdict
 from dpprof.findings.floors import cost_text, worth_time
 from dpprof.stepmodel import partition
+from dpprof.store.model import RunModel
 from dpprof.units import mib
 
 __all__ = ["COMM_SHARE_WARN", "FEW_BUCKETS", "MANY_BUCKETS", "SMALL_BUCKET_BYTES", "straggler_rank",
@@ -156,8 +157,11 @@ def communication(t: Tables) -> list[dict]:
                                 f"{what} busy {comm_ms:.2f} ms per step per rank of a {step_ms:.2f} ms mean "
                                 f"step{each}; "
                                 f"{overlap:.0%} of it ran while backward was still computing; the rest "
-                                f"{cost_text(exposed_ms, t.later_step_count + 1)}",
-                                "Raise the per-rank batch (communication is per step, compute per sample), or compress "
+                                f"{cost_text(exposed_ms, t.later_step_count + 1)}" + _partial_job_words(t.model),
+                                ("Bring every rank's file into the run first (import them together, or dpprof merge): "
+                                 "a rank the others wait for is then named the straggler, and that wait is no cost of "
+                                 "communication. Otherwise: r" if t.model.partial_job else "R")
+                                + "aise the per-rank batch (communication is per step, compute per sample), or compress "
                                 "gradients with a communication hook (fp16/bf16 compress, PowerSGD).", share, "share"))
     later = comms[comms["step"] > comms["step"].min()] if comms["step"].nunique() > 1 else comms  # DDP rebuilds buckets after step 0
     per_step_buckets = later.groupby(["step", "device"])["bucket"].nunique().median()
@@ -180,6 +184,17 @@ def communication(t: Tables) -> list[dict]:
                                 "Each all-reduce pays a fixed latency: raise bucket_cap_mb.", per_step_buckets,
                                 "count"))
     return findings
+
+
+def _partial_job_words(model: RunModel) -> str:
+    """What a run of some of a job's ranks cannot tell apart inside its collectives ("" for a whole job): a rank that
+    waits there for a slower rank not in the run looks busy communicating, and no straggler finding names the other."""
+    if not model.partial_job:
+        return ""
+    of = f"the job's {model.world_size}" if model.world_size else "the job's"
+    held = len(model.ranks)
+    return (f"; only {held} of {of} ranks {'is' if held == 1 else 'are'} in this run: time inside a collective "
+            "includes waiting for a slower rank among the others")
 
 
 def uneven_inputs(t: Tables) -> list[dict]:
