@@ -174,6 +174,8 @@ def check_round_trip(run, plan, paths: list[Path], reports: Path) -> None:
     assert back.model.dataparallel == run.model.dataparallel  # DataParallel's phases read back as DataParallel's
     # the run it was, by name and workload (not the file's): Compare pairs the two
     assert (back.meta["name"], back.meta["workload"]) == (run.meta["name"], run.meta["workload"])
+    assert back.meta["host"] == run.meta["host"]  # Kineto's host_name (it came back unknown)
+    assert run.meta["host"] or run.meta["source"] == "trace"  # a recorded run's machine; a trace's, where it says
     check_allocator_peaks(run, back, written)
 
 

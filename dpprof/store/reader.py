@@ -293,15 +293,17 @@ class StoredRun:
 
     def file_meta(self) -> pd.DataFrame:
         """Each file's own run row, checked as ``meta`` is (dpprof.store.validation): columns rank, created_at (None
-        where the file's is no date) and devices (a list)."""
+        where the file's is no date), devices (a list) and host (None where unknown)."""
         rows = []
         for path in self.paths:
             try:
                 meta = _open(path)[0]
             except RunFileError as err:
                 raise RunFileError(f"{path.name}: {err}") from None
-            rows.append({"rank": self._file_rank(path), "created_at": meta["created_at"], "devices": meta["devices"]})
-        return pd.DataFrame(rows, columns=["rank", "created_at", "devices"])
+            host = meta.get("host")
+            rows.append({"rank": self._file_rank(path), "created_at": meta["created_at"], "devices": meta["devices"],
+                         "host": host if isinstance(host, str) and host else None})
+        return pd.DataFrame(rows, columns=["rank", "created_at", "devices", "host"])
 
     @contextmanager
     def connect(self, path: Path) -> Iterator[sqlite3.Connection]:

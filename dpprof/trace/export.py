@@ -4,7 +4,8 @@ chrome://tracing and Holistic Trace Analysis (``dpprof export RUN --trace FILE.j
 What the file holds:
 
 - Kineto's top-level fields: ``schemaVersion``, ``deviceProperties`` (the run's GPUs), ``distributedInfo`` (a
-  rank's file), ``traceEvents``, ``traceName``, ``displayTimeUnit``, ``baseTimeNanoseconds`` (when the run
+  rank's file), ``host_name`` (where every rank in the file ran on one host), ``traceEvents``, ``traceName``,
+  ``displayTimeUnit``, ``baseTimeNanoseconds`` (when the run
   started: ``ts`` and ``dur`` are microseconds since then); and dpprof's: ``dpprofExport`` (the run, its name,
   workload, kind and devices, the CUDA index of each GPU among them, which steps the file holds and why) and, after
   the events, ``dpprofThreads`` (the device of each thread id, so that ``dpprof import`` reads the file back
@@ -494,7 +495,7 @@ def _inventory(view: StoredRun, devices: list[str]) -> list[dict[str, Any]]:
 
 
 def _file_meta(view: StoredRun) -> pd.DataFrame:
-    """Each file's own run row: rank, created_at (None where it was no date), devices (a list)."""
+    """Each file's own run row: rank, created_at (None where it was no date), devices (a list), host."""
     return view.file_meta()
 
 
@@ -511,6 +512,8 @@ class _TraceWriter:
         self.model = run.model
         metas = _file_meta(view)
         self.ranks = sorted(int(r) for r in metas["rank"])
+        hosts = set(metas["host"].dropna())
+        self.host = hosts.pop() if len(hosts) == 1 and metas["host"].notna().all() else None  # the files' one host
         dated = {int(r): _epoch_ns(c) for r, c in zip(metas["rank"], metas["created_at"]) if c}
         # a file whose start was no date (dpprof.store.validation) is taken to start with the others
         created = {int(r): dated.get(int(r), min(dated.values(), default=0)) for r in metas["rank"]}
@@ -799,6 +802,8 @@ def write_trace(run: StoredRun, target: str | os.PathLike[str] | IO[bytes], plan
             head[EXPORT_KEY]["fsdp"] = True
         if run.damage:  # values of the run file the store read as missing or left out (dpprof.store.validation)
             head[EXPORT_KEY]["damaged"] = run.damage
+        if writer.host is not None:  # Kineto's host_name: the machine of every rank in the file
+            head["host_name"] = writer.host
         head.update({"traceName": f"dpprof run {run.id}", "displayTimeUnit": "ms", "baseTimeNanoseconds": writer.base_ns})
         out.text("{\n" + "".join(f"{json.dumps(k)}: {json.dumps(v, separators=(', ', ': '))},\n"
                                   for k, v in head.items()) + '"traceEvents": [\n')
