@@ -693,6 +693,11 @@ def _cmd_ops(args: argparse.Namespace) -> int:
     if args.json:
         _print_json({"operators": _records(df, OPS_JSON + (["input_shapes"] if args.by == "shape" else []))})
         return EXIT_OK
+    if df.empty and operators(run, top=1).empty:  # none in the whole run: why, as the Operators page says it
+        from dpprof.views.operators import missing_text
+
+        print(missing_text(run))
+        return EXIT_OK
     print(_table(df.drop(columns=["tc_eligible", "tc_pct"] if df["tc_pct"].isna().all() else [])))
     return EXIT_OK
 

@@ -526,6 +526,27 @@ def test_an_import_without_the_tables_reads_with_the_reason(tmp_path, capsys):
     assert not any(p.name.startswith("operators") for p in tmp_path.iterdir())
 
 
+def test_ops_of_a_trace_without_cpu_ops_says_why_as_the_operators_page_does(cpu_trace, tmp_path, capsys):
+    """A trace profiled without ProfilerActivity.CPU (here the CPU trace with its cpu_op events taken out) has
+    operator tables with no rows: dpprof ops printed "(none)"; it now says why in the Operators page's words (exit 0,
+    as kernels and memory say their empty tables), and a filter that picks no rows still prints "(none)"."""
+    from dpprof.views.operators import missing_text
+
+    doc = json.loads(cpu_trace.read_text())
+    doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("cat") != "cpu_op"]
+    path = tmp_path / "no-ops.pt.trace.json"
+    path.write_text(json.dumps(doc))
+    run = dpprof.load_run(import_traces([path], tmp_path).id, tmp_path)
+    said = missing_text(run)
+    assert run.detail_missing is None and said and "no cpu_op events" in said
+    capsys.readouterr()
+    assert main(["--reports-dir", str(tmp_path), "ops", run.id]) == 0
+    assert capsys.readouterr().out == said + "\n"
+    whole = dpprof.load_run(import_traces([cpu_trace], tmp_path).id, tmp_path)
+    assert main(["--reports-dir", str(tmp_path), "ops", whole.id, "--device", "cpu:7"]) == 0
+    assert capsys.readouterr().out == "(none)\n"
+
+
 def test_commands_print_json_in_the_issues_shapes(imported, capsys):
     run = imported["ranks"]
     assert main(["ops", str(run.path), "--json", "--top", "3"]) == 0
