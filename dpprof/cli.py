@@ -640,7 +640,7 @@ def _records(df: pd.DataFrame, columns: list[str]) -> list[dict[str, object]]:
 
 def _detail_run(args: argparse.Namespace) -> object:
     """The run of ops / kernels / memory, or None after saying on stderr why it has no operator data."""
-    from dpprof.store.detail_rows import captures, chosen_capture, detail_missing
+    from dpprof.store.detail_rows import captures, chosen_capture, detail_devices, detail_missing
     from dpprof.store.reader import load_run
 
     run = load_run(args.run, args.reports_dir)
@@ -656,8 +656,8 @@ def _detail_run(args: argparse.Namespace) -> object:
             print(f"dpprof: --device {args.device} and --rank {args.rank} name two ranks", file=sys.stderr)
             return None
         args.rank, args.device = int(ranked.group(1)), None
-    held = run.model.ranks
-    if args.rank is not None and held and args.rank not in held:  # an empty table would read as "nothing ran"
+    held = run.model.ranks or (0,)  # a one-file run's tables are rank 0's
+    if args.rank is not None and args.rank not in held:  # an empty table would read as "nothing ran"
         print(f"dpprof: run {run.id} has no rank {args.rank}: it holds rank{'s' if len(held) > 1 else ''} "
               f"{', '.join(str(r) for r in held)}", file=sys.stderr)
         return None
@@ -666,6 +666,12 @@ def _detail_run(args: argparse.Namespace) -> object:
         listed, chosen = captures(run), chosen_capture(run)
     except ValueError as err:
         print(f"dpprof: {err}", file=sys.stderr)
+        return None
+    named = detail_devices(run, args.rank) if args.device is not None else []
+    if args.device is not None and args.device not in named:  # as a rank: not "no kernels in this run"
+        where = f"rank {args.rank} of run {run.id}" if args.rank is not None else f"run {run.id}"
+        print(f"dpprof: {where} has no device {args.device}{f' in its capture of {chosen.label}' if chosen else ''}: "
+              f"its operator, kernel and memory tables name {', '.join(named) or 'none'}", file=sys.stderr)
         return None
     if chosen is not None and len(listed) > 1 and not args.json:  # which of them the tables below are
         others = ", ".join(str(c.first_step) for c in listed if c.first_step != chosen.first_step)

@@ -495,3 +495,19 @@ def test_ops_vs_speaks_of_the_captures_steps_not_the_runs(captured, capsys):
     assert main(["ops", str(run.path), "--device", "cpu:1", "--vs", "cpu:0"]) == 0
     sentence = capsys.readouterr().out.splitlines()[0]
     assert "over 2 steps" in sentence and "over 6 steps" not in sentence, sentence
+
+
+@pytest.mark.parametrize("command", ["ops", "kernels", "memory"])
+def test_a_device_or_rank_the_capture_does_not_hold_is_said_not_read_as_nothing(captured, capsys, command):
+    """`--device cpu:7` or `--rank 5` of a run on 2 CPU workers: one line naming what the capture holds and exit 1,
+    never an empty table, "no kernels in this run" or "no [memory] events" with exit 0."""
+    run, _ = captured
+    held = ", ".join(sorted(["cpu:0", "cpu:1", TRAINING_THREAD_DEVICE]))
+    for flags, said in ((["--device", "cpu:7"], f"has no device cpu:7 in its capture of steps 2 to 3: its operator, "
+                                                f"kernel and memory tables name {held}"),
+                        (["--rank", "5"], "has no rank 5: it holds rank 0")):
+        assert main([command, str(run.path), *flags]) == 1
+        out = capsys.readouterr()
+        assert out.out == "" and out.err.strip() == f"dpprof: run {run.id} {said}"
+    assert main([command, str(run.path), "--device", "cpu:1", "--rank", "0"]) == 0  # what it holds still reads
+    assert "has no" not in capsys.readouterr().err

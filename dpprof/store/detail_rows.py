@@ -24,7 +24,7 @@ from dpprof.store.validation import MAX_VALUE
 if TYPE_CHECKING:
     from dpprof.store.reader import StoredRun
 
-__all__ = ["DetailTables", "Capture", "write_detail", "captures", "read_captures", "chosen_capture", "detail_step_count", "detail_missing", "operators", "kernels", "gpu_metrics", "gpu_summary",
+__all__ = ["DetailTables", "Capture", "write_detail", "captures", "read_captures", "chosen_capture", "detail_step_count", "detail_missing", "detail_devices", "operators", "kernels", "gpu_metrics", "gpu_summary",
            "memory_timeline", "memory_peaks", "memory_events", "operator_memory", "modules", "stream_spans",
            "detail_notes",
            "WRITE_TIMEOUT_S", "TABLE_OF_FRAME"]
@@ -197,6 +197,23 @@ def detail_missing(run: StoredRun) -> str | None:
                 "(import its trace files again: dpprof import --again FILE)")
     return ("no operator data: a recorded run holds operators only from a deep capture with torch.profiler "
             "(dpprof profile ... --capture A:B)")
+
+
+DEVICE_TABLES = ("operators", "kernels", "memory_timeline")  # every device a detail read can be asked for is in one
+
+
+def detail_devices(run: StoredRun, rank: int | None = None) -> list[str]:
+    """The devices the operator, kernel and memory tables name (of the capture they are read from; of ``rank`` only),
+    sorted: what a read's ``device`` can pick; [] for a run without the tables."""
+    if detail_missing(run) is not None:
+        return []
+    chosen = chosen_capture(run)
+    where = f" WHERE {CAPTURE_COLUMN} = ?" if chosen is not None else ""
+    params = (chosen.first_step,) * len(DEVICE_TABLES) if chosen is not None else ()
+    df = run.query(" UNION ".join(f"SELECT DISTINCT device FROM {t}{where}" for t in DEVICE_TABLES), params)
+    if rank is not None:
+        df = df[df["rank"] == int(rank)]
+    return sorted({d for d in df["device"] if isinstance(d, str)})
 
 
 def _read(run: StoredRun, table: str, where: Mapping[str, Any], order: str = "", limit: int | None = None,
