@@ -9,7 +9,7 @@ from app_pages import common
 from dpprof.outputs import OutputError
 from dpprof.plaintext import markdown_code, markdown_text
 from dpprof.store.faults import RecordingError
-from dpprof.store.reader import checks_under_their_runs, reports_dir
+from dpprof.store.reader import checks_under_their_runs, reports_dir, reports_dir_problem
 from dpprof.trace import AlreadyImported, TraceError, import_traces, pending_traces
 from dpprof.units import plural
 
@@ -81,7 +81,9 @@ runs = common.listing()
 good = common.readable(runs)
 bad = runs[runs["reason"].notna()]
 
-if good.empty:
+if good.empty and (problem := reports_dir_problem()) is not None:  # a file where the directory should be
+    st.error(markdown_text(f"No runs: {problem}. Point DPPROF_REPORTS at a directory (or leave it unset for ./reports)."))
+elif good.empty:
     st.subheader("No runs yet")
     st.markdown(
         f"dpprof keeps one file per recorded run in {markdown_code(reports_dir())} and there is none yet. Record one from a "

@@ -387,9 +387,13 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
 
 def _cmd_runs(args: argparse.Namespace) -> int:
-    from dpprof.store.reader import checks_under_their_runs, list_runs
+    from dpprof.store.reader import checks_under_their_runs, list_runs, reports_dir_problem
 
     runs = list_runs(args.reports_dir)
+    problem = reports_dir_problem(args.reports_dir)
+    if problem is not None:  # a file given for the directory: not "no runs yet"
+        print(f"dpprof: {problem}", file=sys.stderr)
+        return EXIT_FAILURE
     if runs.empty:
         print("no runs yet: record one with `dpprof profile cifar-lenet --devices cpu:2`")
         return EXIT_OK

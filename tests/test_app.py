@@ -293,6 +293,15 @@ def test_the_empty_state_says_what_to_do_and_records_a_demo_run(reports, monkeyp
     assert at.session_state[common.RUN_KEY] == runs.loc[0, "id"]  # the page follows the new run
 
 
+
+def test_a_run_file_set_as_the_reports_directory_is_said_not_offered_a_demo_run(recorded, monkeypatch):
+    """DPPROF_REPORTS naming a run's file: the Runs page says it is a file, not "No runs yet" with a demo button."""
+    monkeypatch.setenv("DPPROF_REPORTS", str(recorded.plain.path))
+    at = _app()
+    assert shown_text(at.title[0].value) == "Runs" and not at.subheader
+    assert f"the reports directory {recorded.plain.path} is an existing file, not a directory" in _texts(at.error)
+    assert "demo" not in [b.key for b in at.button]
+
 def test_the_demo_button_starts_one_run_however_often_it_is_pressed(reports, monkeypatch):
     monkeypatch.setitem(common.DEMO_ARGS, "steps", 100_000)
     monkeypatch.setitem(common.DEMO_ARGS, "workload", "tutorial-linear")

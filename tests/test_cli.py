@@ -367,6 +367,23 @@ def test_runs_counts_steps_in_whole_numbers_beside_a_file_that_is_no_run(tmp_pat
     assert str(dpprof.list_runs(tmp_path)["steps"].dtype) == "Int64"
 
 
+
+def test_a_run_file_given_as_the_reports_directory_is_said_never_no_runs_yet(tmp_path, capsys):
+    """`--reports-dir reports/RUN.sqlite` (a file, not the directory): `runs` and `show` say so in one line and exit 1,
+    not "no runs yet" with exit 0 or "no run in" the file; the run's file is left as it was."""
+    run = record(tmp_path, "kept", workers=2, steps=3)
+    before = Path(run.path).read_bytes()
+    said = f"the reports directory {run.path} is an existing file, not a directory"
+    assert main(["--reports-dir", str(run.path), "runs"]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == f"dpprof: {said}\n"
+    assert main(["--reports-dir", str(run.path), "show", run.id]) == 1
+    assert capsys.readouterr().err == f"dpprof: no run {run.id!r}: {said}\n"
+    assert main(["--reports-dir", str(run.path), "show", str(run.path)]) == 0  # the file named as the run still reads
+    assert Path(run.path).read_bytes() == before
+    assert main(["--reports-dir", str(tmp_path / "none yet"), "runs"]) == 0  # no directory yet: no runs yet
+    assert "no runs yet" in capsys.readouterr().out
+
 def test_check_takes_one_worker_named_cpu0_and_asks_every_worker_named_for_cpu_n(capsys):
     assert main(["check", "--device-ids", "cpu:0", "--batch-size", "10"]) == 0
     assert capsys.readouterr().out.startswith("checked 1 CPU worker, cpu:0, on ")

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from dpprof.store.model import RunModel
 
 __all__ = ["RUN_SUFFIX", "list_runs", "read_run_file", "checks_under_their_runs", "load_run", "StoredRun", "RunFileError",
-           "reports_dir", "HEARTBEAT_TIMEOUT_S", "FULL_DISK_FREE_BYTES", "CHECKED_TABLES", "why_not_regular", "file_damage",
+           "reports_dir", "reports_dir_problem", "HEARTBEAT_TIMEOUT_S", "FULL_DISK_FREE_BYTES", "CHECKED_TABLES", "why_not_regular", "file_damage",
            "effective_status", "integrity_problem", "named_collectives"]
 
 RUN_SUFFIX = ".sqlite"
@@ -57,6 +57,22 @@ def named_collectives(rows: pd.DataFrame) -> pd.DataFrame:
 def reports_dir(path: str | os.PathLike[str] | None = None) -> Path:
     """The reports directory: ``path``, else $DPPROF_REPORTS, else ./reports."""
     return Path(path if path is not None else os.environ.get("DPPROF_REPORTS", "reports"))
+
+
+def reports_dir_problem(path: str | os.PathLike[str] | None = None) -> str | None:
+    """Why the reports directory (``reports_dir(path)``) can hold no runs although something is there ("the reports
+    directory D is an existing file, not a directory"); None for a directory, or where nothing is (no runs yet)."""
+    directory = reports_dir(path)
+    if directory.is_dir() or not os.path.lexists(directory):
+        return None
+    try:
+        mode = os.stat(directory).st_mode
+    except OSError:  # a dangling symlink, or one that cannot be followed
+        what = f"a symlink to {os.readlink(directory)}, which is not there" if directory.is_symlink() else "unreadable"
+    else:
+        what = "an existing file" if stat.S_ISREG(mode) else next(
+            (name for test, name in _FILE_TYPES if test(mode)), "no file")
+    return f"the reports directory {directory} is {what}, not a directory"
 
 
 _FILE_TYPES = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
@@ -664,6 +680,9 @@ def _resolve(run: str | os.PathLike[str], directory: Path) -> Path:
         return min(matches, key=lambda p: _rank_of(p) or 0)
     if len(ids) > 1:
         raise RunFileError(f"{run!r} matches {len(ids)} runs in {directory}: {', '.join(sorted(ids)[:5])}")
+    problem = reports_dir_problem(directory)
+    if problem is not None:  # not "no run": nothing in it could be
+        raise RunFileError(f"no run {os.fspath(run)!r}: {problem}")
     raise RunFileError(f"no run {os.fspath(run)!r} in {directory} (dpprof runs lists them)")
 
 
