@@ -31,9 +31,6 @@ from dpprof.store.files import SIDE_FILES, SQLITE_HEADER
 
 __all__ = ["OutputError", "Outputs", "why_not_written"]
 
-# Filesystems whose directories take no new files whoever asks (root too): the kernel's views of itself.
-KERNEL_FILESYSTEMS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "securityfs", "tracefs",
-                                "configfs", "efivarfs", "bpf", "pstore"})
 PART_SUFFIX = ".part"
 
 
@@ -59,14 +56,14 @@ def why_not_written(path: str | os.PathLike[str], err: OSError) -> str:
         if code == errno.EEXIST and found == path and not path.is_dir():
             return "it is an existing file, not a directory"
         if code == errno.ENOENT and found != path and found.is_dir():
-            kind = filesystems.filesystem_of(found).type
-            if kind in KERNEL_FILESYSTEMS:  # the directory is there and takes no new entry, whoever asks
-                return f"nothing can be made in {found} (a {kind} filesystem)"
+            made = filesystems.nothing_made_in(found)  # the directory is there and takes no new entry, whoever asks
+            if made is not None:
+                return made
             if found != path.parent:
                 return f"no such directory {path.parent}"
     if code == errno.EISDIR:
         return "it is a directory"
-    return cause_of(err)
+    return cause_of(err, path)  # /proc itself, say: nothing can be made in it
 
 
 class Outputs:

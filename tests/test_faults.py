@@ -370,6 +370,18 @@ def test_other_failures_at_the_start_name_the_directory_and_the_cause(err, cause
     assert _files(reports) == []
 
 
+
+@pytest.mark.parametrize("where", ["/proc", "/proc/dpprof-reports"])
+def test_a_run_in_proc_says_nothing_can_be_made_there_not_no_such_directory(where):
+    """/proc is there but takes no file (it answers "no such file or directory"): said as what it is."""
+    net = dpprof.DataParallel(nn.Linear(5, 2), device_ids=dpprof.cpu_devices(2))
+    with pytest.raises(RecordingError, match=f"^cannot record in {where}: nothing can be made in /proc \\(a proc "
+                                             "filesystem\\)$"):
+        with dpprof.record(name="x", reports_dir=where) as run:
+            with run.step():
+                net(torch.randn(8, 5)).sum().backward()
+    assert not os.path.lexists("/proc/dpprof-reports")
+
 @pytest.mark.slow
 def test_the_cli_says_why_it_cannot_record_without_a_traceback(tmp_path):
     not_a_dir = tmp_path / "file"

@@ -93,3 +93,18 @@ def test_merge_refuses_a_rank_still_being_recorded_and_takes_it_once_it_has_ende
         run.close()
     assert main(["merge", str(machine)]) == 0  # ended, the same file is merged
     assert dpprof.load_run(reports / live.name).steps["step"].tolist() == [0, 1, 2]
+
+
+def test_merge_into_proc_says_nothing_can_be_made_there_not_no_such_directory(tmp_path, capsys, profiled):
+    """--out /proc (which is there) or a directory under it: one line saying why, the rank files as they were."""
+    recorded = tmp_path / "recorded"
+    profiled(recorded, "tutorial-linear", "--ddp", "--nproc", "2", "--steps", "4")
+    files = sorted(recorded.glob("*.rank*.sqlite"))
+    before = [p.read_bytes() for p in files]
+    for out, said in (("/proc", "cannot write /proc: nothing can be made in /proc (a proc filesystem); nothing was "
+                                "merged"),
+                      ("/proc/dpprof-merge", "--out /proc/dpprof-merge: nothing can be made in /proc (a proc "
+                                             "filesystem); nothing was copied")):
+        assert main(["merge", *map(str, files), "--out", out]) == 1
+        assert capsys.readouterr().err == f"dpprof: {said}\n"
+    assert [p.read_bytes() for p in files] == before

@@ -204,6 +204,7 @@ IMPORT_CASES = {  # (reports directory, fault, what the line says)
     "disk-full-made": ("{t}/new/reports", ("sqlite", None), "cannot write {t}/new/reports: disk full"),
     "proc": ("/proc/dpprof-reports", None,
              "cannot write /proc/dpprof-reports: nothing can be made in /proc (a proc filesystem)"),
+    "proc-itself": ("/proc", None, "cannot write /proc: nothing can be made in /proc (a proc filesystem)"),
     "under-a-file": ("{t}/notes.txt/reports", None,
                      "cannot write {t}/notes.txt/reports: {t}/notes.txt is an existing file, not a directory"),
 }

@@ -11,6 +11,8 @@ import os
 import shutil
 import sqlite3
 
+from dpprof.store import filesystems
+
 __all__ = ["RunFileError", "RecordingError", "cause_of", "is_disk_full", "start_failure", "failure_line", "DISK_FULL", "STORAGE_CAUSES"]
 
 DISK_FULL = "disk full"
@@ -68,6 +70,10 @@ def cause_of(err: BaseException, where: str | os.PathLike[str] | None = None) ->
     index, a file's growth on tmpfs): with ``where`` (the file or directory written), that error on a disk with
     less than NEARLY_FULL_BYTES free is "disk full", the actual problem.
     """
+    if isinstance(err, OSError) and err.errno == errno.ENOENT and where is not None:
+        made = filesystems.nothing_made_in(where)  # /proc is there: "no such directory" would send the user looking
+        if made is not None:
+            return made
     if isinstance(err, OSError) and err.errno in _ERRNO_CAUSES:
         return _ERRNO_CAUSES[err.errno]
     if isinstance(err, sqlite3.Error):

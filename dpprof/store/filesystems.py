@@ -17,7 +17,12 @@ import re
 import sys
 from dataclasses import dataclass
 
-__all__ = ["Filesystem", "filesystem_of", "classify", "mount_type", "NETWORK_MAGIC", "NETWORK_TYPES"]
+__all__ = ["Filesystem", "filesystem_of", "classify", "mount_type", "nothing_made_in", "NETWORK_MAGIC", "NETWORK_TYPES",
+           "KERNEL_FILESYSTEMS"]
+
+# Filesystems whose directories take no new files whoever asks (root too): the kernel's views of itself.
+KERNEL_FILESYSTEMS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "securityfs", "tracefs",
+                                "configfs", "efivarfs", "bpf", "pstore"})
 
 # statfs f_type of the network, cluster and FUSE filesystems (linux/magic.h, coreutils' stat.c)
 NETWORK_MAGIC: dict[int, str] = {
@@ -62,6 +67,19 @@ class Filesystem:
 
     type: str
     network: bool
+
+
+def nothing_made_in(path: str | os.PathLike[str]) -> str | None:
+    """"nothing can be made in /proc (a proc filesystem)" where the nearest existing directory at or above ``path`` is
+    on one of the KERNEL_FILESYSTEMS (which answer a new file or directory with "no such file or directory"); None
+    elsewhere."""
+    found = os.path.abspath(path)
+    while not os.path.lexists(found) and os.path.dirname(found) != found:
+        found = os.path.dirname(found)
+    if not os.path.isdir(found):
+        return None
+    kind = filesystem_of(found).type
+    return f"nothing can be made in {found} (a {kind} filesystem)" if kind in KERNEL_FILESYSTEMS else None
 
 
 def filesystem_of(path: str | os.PathLike[str]) -> Filesystem:

@@ -122,7 +122,7 @@ def _merge(sources: Iterable[str | Path], out: Path, folded: Path) -> dict[str, 
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:  # a file where the directory goes, no permission: one line, nothing copied
-        why = "an existing file, not a directory" if out.is_file() else err.strerror or err
+        why = "an existing file, not a directory" if out.is_file() else cause_of(err, out)
         raise RunFileError(f"--out {out}: {why}; nothing was copied") from None
     recover(out)  # what an import or merge killed here left: published whole, or removed
     merged: dict[str, list[int]] = {}
