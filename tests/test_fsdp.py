@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -186,6 +187,12 @@ def test_profile_fsdp_runs_a_builtin_on_two_ranks(tmp_path, capsys):
     assert main(["--reports-dir", str(tmp_path), "show", run.id]) == 0
     out = capsys.readouterr().out
     assert "FSDP (gloo), 2 ranks" in out and "FSDP collectives per step" in out
+    # Linear(5, 2) is one group: one all-gather again in backward and one reduce-scatter a step, said in the singular
+    found = run_findings(run).table
+    said = " ".join(found["title"].tolist() + found["evidence"].tolist())
+    assert "resharding after forward costs 1 more all-gather a step" in said, said
+    assert "1 of its 2 all-gathers a step" in said, said
+    assert not re.search(r"\b1 (more )?(all-gathers|reduce-scatters)\b", said), said
 
 
 def test_profile_refuses_ddp_and_fsdp_together(capsys):

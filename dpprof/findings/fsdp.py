@@ -11,7 +11,7 @@ import pandas as pd
 
 from dpprof.findings.base import MEDIAN_STEP, Tables, finding, per_step
 from dpprof.findings.floors import cost_text, critical_share_or, worth_bytes, worth_time
-from dpprof.units import mib
+from dpprof.units import mib, plural
 
 __all__ = ["EXPOSED_SHARE_WARN", "UNEVEN_SHARD_RATIO", "fsdp_collectives", "all_gather_exposed",
            "reduce_scatter_exposed", "reshard_after_forward", "uneven_shards", "FSDP_RULES"]
@@ -90,13 +90,18 @@ def _exposed(t: Tables, what: str, advice: str) -> list[dict]:
     gloo = t.model.dist_backend == "gloo"
     return [finding(f"{name}_exposed", severity, str(worst["device"]),
                     f"{what} exposed: the ranks wait {100 * share:.0f}% of the step for it",
-                    f"{worst['device']} waits {cost:.2f} ms a step for {worst['per_step']:.0f} {what}s of "
+                    f"{worst['device']} waits {cost:.2f} ms a step for {_count(worst['per_step'], what)} of "
                     f"{mib(worst['bytes_per_step'])} a step ({worst['issued_ms']:.2f} ms issued, "
                     f"{worst['hidden_pct']:.0f}% of it hidden behind compute), of a {step_ms:.2f} ms {MEDIAN_STEP}; "
                     f"{cost_text(cost, t.later_step_count)}"
                     + ("; on gloo every FSDP collective blocks the host, so none of it can overlap" if gloo else ""),
                     advice + (" On gloo (CPU) collectives are synchronous: only fewer, larger groups or a bigger batch "
                               "per rank help here; NCCL on GPUs overlaps them." if gloo else ""), share, "share")]
+
+
+def _count(per_step: float, noun: str) -> str:
+    """A mean count per step, whole as the findings say it, with its noun: "1 reduce-scatter", "2 all-gathers"."""
+    return plural(int(round(float(per_step))), noun)
 
 
 def all_gather_exposed(t: Tables) -> list[dict]:
@@ -133,9 +138,9 @@ def reshard_after_forward(t: Tables) -> list[dict]:
     peak = _gathered_peak(t, str(worst["device"]))
     severity = "warning" if worth_time(extra_ms, step_ms) and extra_ms / step_ms >= EXPOSED_SHARE_WARN else "info"
     return [finding("reshard_after_forward", severity, str(worst["device"]),
-                    f"resharding after forward costs {worst['backward_per_step']:.0f} more all-gathers a step",
+                    f"resharding after forward costs {_count(worst['backward_per_step'], 'more all-gather')} a step",
                     f"{worst['device']} gathers its parameters again in backward: {worst['backward_per_step']:.0f} "
-                    f"of its {worst['per_step']:.0f} all-gathers a step ({mib(extra_bytes)}), about "
+                    f"of its {_count(worst['per_step'], 'all-gather')} a step ({mib(extra_bytes)}), about "
                     f"{extra_ms:.2f} ms of a {step_ms:.2f} ms {MEDIAN_STEP}"
                     + (f"; the gathered parameters it held at once peaked at {mib(peak)}" if peak else ""),
                     "fully_shard(..., reshard_after_forward=False) keeps each group's gathered parameters from "
