@@ -625,6 +625,8 @@ def _batch_sizes(text: str) -> list[int]:
     return [int(p) for p in parts]
 
 
+DEVICE_NAME = re.compile(r"(cpu|cuda|mps|xpu|rank|host)(:\d+)?")  # what --vs names as a device, not a run
+
 # The fields of each command's --json, as issue #33 gives them (dpprof.store.detail_rows has every column).
 OPS_JSON = ["rank", "device", "name", "calls", "host_total_ms", "host_self_ms", "device_total_ms", "device_self_ms"]
 KERNELS_JSON = ["rank", "device", "name", "calls", "total_ms", "mean_blocks_per_sm", "mean_occupancy_pct",
@@ -716,7 +718,7 @@ def _ops_vs(args: argparse.Namespace, run: object) -> int:
     """``dpprof ops RUN --vs DEVICE|RUN2``: the run's operators (--rank, --device) against another device of it, or
     against another run (all its devices), the difference per operator largest first (dpprof.views.opdiff)."""
     from dpprof.store.detail_rows import detail_missing, detail_step_count
-    from dpprof.store.reader import StoredRun, load_run
+    from dpprof.store.reader import RunFileError, StoredRun, load_run
     from dpprof.views.opdiff import Pick, diff_sentence, operator_diff
 
     assert isinstance(run, StoredRun)
@@ -730,7 +732,16 @@ def _ops_vs(args: argparse.Namespace, run: object) -> int:
         other, pick_a = run, Pick(int(ranked.group(1)), None)
         label_a = pick_a.label(run)
     else:
-        other = load_run(args.vs, args.reports_dir)
+        try:
+            other = load_run(args.vs, args.reports_dir)
+        except RunFileError:
+            if not DEVICE_NAME.fullmatch(args.vs):
+                raise
+            # a device the run does not have, not "no run 'cpu:9'"
+            held = sorted(devices) + [f"rank:{r}" for r in run.model.ranks if f"rank:{r}" not in devices]
+            print(f"dpprof: --vs {args.vs}: run {run.id} has no device {args.vs} (its operator tables name "
+                  f"{', '.join(held)}) and no run is called so", file=sys.stderr)
+            return EXIT_FAILURE
         why = detail_missing(other)
         if why is not None:
             print(f"dpprof: run {other.id}: {why}", file=sys.stderr)

@@ -511,3 +511,16 @@ def test_a_device_or_rank_the_capture_does_not_hold_is_said_not_read_as_nothing(
         assert out.out == "" and out.err.strip() == f"dpprof: run {run.id} {said}"
     assert main([command, str(run.path), "--device", "cpu:1", "--rank", "0"]) == 0  # what it holds still reads
     assert "has no" not in capsys.readouterr().err
+
+
+def test_ops_vs_a_device_the_capture_does_not_hold_says_so_not_no_run(captured, capsys):
+    """`dpprof ops RUN --device cpu:0 --vs cpu:9`: the device is named missing with the devices the capture holds,
+    not taken for a run ("no run 'cpu:9'"); a name that is no device is still looked up as a run."""
+    run, _ = captured
+    held = ", ".join(sorted(["cpu:0", "cpu:1", TRAINING_THREAD_DEVICE]))
+    assert main(["ops", str(run.path), "--device", "cpu:0", "--vs", "cpu:9"]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == (f"dpprof: --vs cpu:9: run {run.id} has no device cpu:9 (its operator tables "
+                                         f"name {held}) and no run is called so\n")
+    assert main(["ops", str(run.path), "--vs", "no-such-run"]) == 1
+    assert "no run 'no-such-run'" in capsys.readouterr().err
