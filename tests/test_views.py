@@ -92,6 +92,20 @@ def test_compare_names_the_work_its_imbalance_ratio_is_of(tmp_path, profiled):
     assert data.differences[-1].startswith(f"Slowest device's median {verdict.work} over the others': ")
 
 
+def test_compares_slowest_device_ratio_is_the_slowest_by_work_where_no_straggler_is_named(tmp_path, profiled):
+    """An FSDP rank's work holds its collectives, so the rank that waits least in them (the collectives' verdict) is
+    the fastest by work: where the verdict names no straggler, Compare's "slowest device's median work over the
+    others'" is the slowest device's by work (at least 1x), not that rank's (0.54x); a named one is the Overview's."""
+    profiled(tmp_path, "tutorial-linear", "--fsdp", "--nproc", "2", "--steps", "4")  # recorded once a session
+    run = dpprof.load_run(dpprof.list_runs(tmp_path)["id"].iloc[0], tmp_path)
+    verdict = run_findings(run).straggler
+    assert verdict is not None and verdict.collectives is not None
+    ratio = compare.compare([run, run]).summary["imbalance_ratio"].tolist()
+    if verdict.reported:  # the Overview's metric, for the straggler it names
+        assert ratio == [verdict.ratio] * 2 == [overview.glance(run).time_ratio] * 2
+    else:
+        assert ratio == [verdict.found.ratio] * 2 and ratio[0] >= 1.0, (ratio, verdict.slowest, verdict.found.slowest)
+
 def test_compare_reads_each_device_s_memory_as_the_overview_does(runs, tmp_path):
     """An imported GPU trace's memory is the CUDA allocator's peak allocated (dpprof accounts nothing to its device):
     Compare sets it beside a recorded run's, each run's figure as its Overview reads it, and no ratio of the two."""
