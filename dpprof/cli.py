@@ -185,6 +185,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     for flag, value in (("--cpu-workers", args.cpu_workers), ("--steps", args.steps)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be positive, got {value}")
+    if args.no_record:  # what only a recorded run has: refused, never dropped without a word
+        dropped = [flag for flag, given in (("--name", args.name is not None), ("--capture", args.capture is not None),
+                                            ("--detail all", args.detail == "all")) if given]
+        if dropped:
+            raise UsageError(f"--no-record records nothing, so {' and '.join(dropped)} would do nothing: leave "
+                             f"{'them' if len(dropped) > 1 else 'it'} out, or record without --no-record")
     capture = _capture_window(args.capture, args.steps)
     target, script_args = args.target[0], args.target[1:]
     saved_argv, saved_path0 = sys.argv, sys.path[0]

@@ -291,6 +291,10 @@ def test_a_model_that_fails_on_the_input_shape_is_refused_in_one_line_before_any
     (["profile", "seg-fcn", "--model", "m:make", "--input-shape", "3,32,32"], "seg-fcn) or --model, not both"),
     (["profile", "--steps", "0"], "--steps must be positive"),
     (["check", "--device-ids", "cpu:3"], "--device-ids cpu:0,cpu:1,cpu:2 for 3 workers"),
+    # a flag --no-record would drop without a word (the script never runs)
+    (["run", "--no-record", "--capture", "1:2", "train.py"], "--no-record records nothing, so --capture would do "
+                                                             "nothing: leave it out, or record without --no-record"),
+    (["run", "--no-record", "--name", "x", "--detail", "all", "train.py"], "so --name and --detail all would do nothing"),
 ])
 def test_usage_errors_exit_2_with_the_subcommands_usage(argv, says, capsys):
     with pytest.raises(SystemExit) as exit_:
