@@ -204,6 +204,9 @@ class Profile:
             raise ProfileError(_NPROC_ALONE.format(self.nproc))
         if self.model and not self.input_shape:
             raise ProfileError("--model needs --input-shape (the shape of one sample, e.g. 3,224,224)")
+        if self.input_shape is not None and not self.model:  # a built-in makes its own inputs: never dropped unsaid
+            raise ProfileError(f"--input-shape is the shape of --model's inputs; the built-in workload "
+                               f"({self.workload or DEFAULT_WORKLOAD}) makes its own: give --model, or leave it out")
         if self.input_shape is not None and (not self.input_shape or any(d < 1 for d in self.input_shape)):
             raise ProfileError(f"--input-shape {self.input_shape}: sizes must be positive")
         if self.batch_size is not None and self.batch_size < 1:

@@ -86,6 +86,8 @@ def test_the_commands_users_read_keep_their_order():
     ({"ddp": True, "balanced": True}, "--ddp computes each rank's loss on its own outputs already: no --balanced"),
     ({"ddp": True, "nproc": 0}, "--nproc must be positive, got 0"),
     ({"model": "m:f"}, "--model needs --input-shape (the shape of one sample, e.g. 3,224,224)"),
+    ({"input_shape": (3, 4)}, ("--input-shape is the shape of --model's inputs; the built-in workload (cifar-lenet) "
+                               "makes its own: give --model, or leave it out")),
     ({"batch_size": 0}, "batch size must be positive, got 0"),
     ({"detail": "some"}, "--detail 'some': choose one of bounded, all"),
     ({"run_id": "../x"}, ("--run-id '../x': a run id is 1 to 64 letters, digits, '-' and '_', starting with a "
