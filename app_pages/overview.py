@@ -88,7 +88,8 @@ def kind_section(data: overview.Overview) -> None:
                         "(the balanced model and criterion).")
     elif len(data.fsdp):
         st.subheader("FSDP collectives")
-        st.markdown("Each rank's all-gathers and reduce-scatters per step: how many, the bytes they moved, the time "
+        st.markdown("Each rank's all-gathers and reduce-scatters per step past the first (the first carries "
+                    "one-time costs; the findings weigh the same figures): how many, the bytes they moved, the time "
                     "from launch to completion (issued), the part the rank waited for (exposed), the share hidden "
                     "behind compute, and how many ran in forward and in backward (resharding after forward gathers "
                     "again in backward). On gloo every FSDP collective blocks the host: issued is all exposed.")

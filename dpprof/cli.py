@@ -480,7 +480,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
         print("\nmean ms per step, by phase:")
         print(_table(display_table(means.reset_index()).set_index("device"), "{:,.2f}"))
     if "comms" in model.has and model.fsdp_phases:
-        print("\nFSDP collectives per step (issued: launch to completion; exposed: the rank waited for it):")
+        print("\nFSDP collectives per step past the first, as the findings weigh them (issued: launch to "
+              "completion; exposed: the rank waited for it):")
         print(_table(display_table(fsdp_collective_table(run).drop(columns="rank")).set_index("device"), "{:,.2f}"))
     elif "comms" in model.has and (model.kind == "ddp" or model.imported):
         print("\ncollectives per step (from the trace):" if model.named_collectives else "\ngradient all-reduce per step:")
