@@ -16,7 +16,10 @@ from dpprof.views.text import run_label
 ANOTHER_RUN = "another run…"
 
 
-def side_by_side(row: pd.Series, picks: list[Pick], pick: Pick, capture: int | None = None) -> None:
+def side_by_side(row: pd.Series, picks: list[Pick], pick: Pick, capture: int | None = None,
+                 chosen: bool = True) -> None:
+    """A (another device, rank or run) against B: ``pick``, the device chosen above, or where all devices are chosen
+    (``chosen`` False) the last of them, said so in B's label."""
     st.subheader("Side by side")
     st.caption("Operators of A and B with B's difference in self time (on the GPU where both ran kernels, else on "
                "the host), largest first; self time, so nested operators do not count one kernel twice.")
@@ -27,8 +30,9 @@ def side_by_side(row: pd.Series, picks: list[Pick], pick: Pick, capture: int | N
     # another run is read only when asked for: with no other device here, nothing is chosen at first
     a = c1.selectbox("A (the reference)", choices, format_func=lambda p: p if isinstance(p, str) else p.label(),
                      key="ops_a", index=0 if others else None, placeholder="choose another run…")
-    c2.selectbox("B (explained: the device chosen above)", [pick], format_func=lambda p: p.label(), key="ops_b",
-                 disabled=True)
+    c2.selectbox("B (explained: the device chosen above)" if chosen else
+                 "B (explained: the last device, as all are chosen above; choose one there for another)", [pick],
+                 format_func=lambda p: p.label(), key="ops_b", disabled=True)
     if a is None:
         return
     row_a = row
@@ -87,7 +91,7 @@ def body(row: pd.Series) -> None:
     else:
         common.table(tree, "modules")
     if len(picks) > 1 or len(common.readable(common.listing())) > 1:
-        side_by_side(row, picks, pick if pick != Pick() else picks[-1], capture)
+        side_by_side(row, picks, pick if pick != Pick() else picks[-1], capture, chosen=pick != Pick())
     if data.notes:
         st.caption(markdown_text(" ".join(data.notes)))
 

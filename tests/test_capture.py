@@ -524,3 +524,26 @@ def test_ops_vs_a_device_the_capture_does_not_hold_says_so_not_no_run(captured, 
                                          f"name {held}) and no run is called so\n")
     assert main(["ops", str(run.path), "--vs", "no-such-run"]) == 1
     assert "no run 'no-such-run'" in capsys.readouterr().err
+
+
+
+def test_the_operators_side_by_side_says_which_device_b_is_when_all_are_chosen(captured, monkeypatch):
+    """With "all devices" chosen above (the page's default), B is the last device: its label says so rather than
+    "the device chosen above"; a device chosen above is B, named so."""
+    from streamlit.testing.v1 import AppTest
+
+    from dpprof.views.opdiff import Pick
+
+    run, _ = captured
+    monkeypatch.setenv("DPPROF_REPORTS", str(Path(run.path).parent))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60)
+    at.run()
+    at.switch_page("app_pages/operators.py").run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert at.selectbox(key="ops_pick").value == Pick()
+    b = at.selectbox(key="ops_b")
+    assert b.value == Pick(None, TRAINING_THREAD_DEVICE)
+    assert b.label == "B (explained: the last device, as all are chosen above; choose one there for another)"
+    at.selectbox(key="ops_pick").set_value(Pick(None, "cpu:1")).run()
+    b = at.selectbox(key="ops_b")
+    assert b.value == Pick(None, "cpu:1") and b.label == "B (explained: the device chosen above)"
