@@ -79,12 +79,13 @@ def kind_section(data: overview.Overview) -> None:
     if data.tax_pct is not None:
         st.subheader("The DataParallel tax")
         if model.gathers:
-            st.markdown(f"Scatter, replicate and gather take **{data.tax_pct:.1f}%** of the step "
-                        f"(**{data.tax_ms:.2f} ms** per step). DistributedDataParallel does none of this work: each "
-                        "process keeps its model replica and its own inputs.")
+            st.markdown(f"Scatter, replicate and gather take **{data.tax_pct:.1f}%** of the mean step past the first "
+                        f"(**{data.tax_ms:.2f} ms** per step; the first carries one-time costs, and the findings weigh "
+                        "the same figure). DistributedDataParallel does none of this work: each process keeps its "
+                        "model replica and its own inputs.")
         else:
-            st.markdown(f"Scatter and replicate take **{data.tax_pct:.1f}%** of the step (**{data.tax_ms:.2f} ms** per "
-                        "step). Nothing is gathered: each device keeps its outputs and computes its share of the loss "
+            st.markdown(f"Scatter and replicate take **{data.tax_pct:.1f}%** of the mean step past the first "
+                        f"(**{data.tax_ms:.2f} ms** per step; the findings weigh the same figure). Nothing is gathered: each device keeps its outputs and computes its share of the loss "
                         "(the balanced model and criterion).")
     elif len(data.fsdp):
         st.subheader("FSDP collectives")
@@ -139,8 +140,8 @@ def body(row: pd.Series) -> None:
         c[3].metric("Samples/s", f"{stats['batch_size'] / stats['median_step_ms'] * 1e3:,.0f}",
                     help=f"batch {stats['batch_size']} over the median step")
     if data.tax_pct is not None:
-        c[4].metric("DataParallel tax", f"{data.tax_pct:.1f}%", help="scatter + replicate + gather: work only "
-                    "DataParallel does (DistributedDataParallel has no replicate and no gather)")
+        c[4].metric("DataParallel tax", f"{data.tax_pct:.1f}%", help="scatter + replicate + gather, of the mean step past "
+                    "the first: work only DataParallel does (DistributedDataParallel has no replicate and no gather)")
     common.chart(charts.step_times(data.steps, data.outliers))
     if data.totals.empty or data.breakdown.empty:
         common.missing("No phases recorded: the steps' time is not split into phases.")

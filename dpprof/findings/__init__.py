@@ -27,8 +27,8 @@ import pandas as pd
 from dpprof.findings.base import FINDING_COLUMNS, Tables, finding
 from dpprof.findings.dataparallel import (BACKWARD_SHARE_INFO, DP_TAX_WARN, MEMORY_SKEW_CRITICAL_RATIO,
                                           MEMORY_SKEW_RATIO, STRAGGLER_CONSISTENCY, STRAGGLER_RATIO,
-                                          STRAGGLER_RATIO_CPU, UNEVEN_STEPS_SHARE, Straggler, backward_share,
-                                          dataparallel_tax, memory_skew, straggler, straggler_severity,
+                                          STRAGGLER_RATIO_CPU, UNEVEN_STEPS_SHARE, DataParallelTax, Straggler,
+                                          backward_share, dataparallel_tax, dataparallel_tax_of, memory_skew, straggler, straggler_severity,
                                           straggler_verdict, uneven_chunks)
 from dpprof.findings.ddp import (COMM_SHARE_WARN, FEW_BUCKETS, MANY_BUCKETS, SMALL_BUCKET_BYTES, communication,
                                  straggler_rank, uneven_inputs)
@@ -40,7 +40,7 @@ from dpprof.findings.floors import (CRITICAL_STEP_SHARE, MEMORY_FLOOR_BYTES, STE
 from dpprof.findings.gpu import (GPU_IDLE_WARN, THROTTLED_SAMPLES_SHARE, UNDERUSED_UTIL_RATIO, allocator_skew,
                                  gpu_communication, gpu_idle, gpu_underused, throttling, use_ddp)
 from dpprof.findings.steps import OUTLIER_STEP_RATIO, OUTLIER_TIME_SHARE, outlier_steps
-from dpprof.records import FINDING_UNITS, SEVERITIES
+from dpprof.records import DP_TAX_PHASES, FINDING_UNITS, SEVERITIES
 from dpprof.store import finding_rows
 from dpprof.store.model import RunModel
 from dpprof.store.reader import StoredRun
@@ -48,6 +48,7 @@ from dpprof.store.reader import StoredRun
 __all__ = ["FINDING_COLUMNS", "FINDINGS_MIN_STEPS", "FINDINGS_FULL_STEPS", "Findings", "Tables", "Rule",
            "DATAPARALLEL_RULES", "PROCESS_RULES", "FSDP_RULES_OF_RUN", "TRACE_GPU_RULES", "FALLBACK_RULES", "rules_for", "run_findings",
            "findings_from", "worst_first", "tables_of", "findings_withheld", "finding", "imbalance", "Imbalance", "Straggler",
+           "DataParallelTax",
            "straggler_verdict", "worth_time",
            "worth_bytes", "TIME_FLOOR_MS", "STEP_SHARE_FLOOR", "MEMORY_FLOOR_BYTES", "CRITICAL_STEP_SHARE",
            "STRAGGLER_RATIO", "STRAGGLER_RATIO_CPU", "STRAGGLER_CONSISTENCY", "straggler_severity",
@@ -91,6 +92,9 @@ class Findings:
     # the verdict on the slowest device, from the tables the rules read (None: one device, or under 3 steps): the
     # straggler finding is raised from it, and the Overview's headline says it
     straggler: Straggler | None = None
+    # the DataParallel tax per step past the first, from the same tables (None: not a DataParallel run, or no step past
+    # the first): the tax finding states it, the Overview's section and Compare say it
+    tax: DataParallelTax | None = None
 
 
 def rules_for(model: RunModel) -> tuple[tuple[Rule, ...], tuple[tuple[Rule, str], ...]]:
@@ -112,13 +116,15 @@ def tables_of(run: StoredRun, last_steps: int | None = None, work_only: bool = F
     every step's time, and the phases and all-reduces of the steps whose detail stands for the run without bias
     (RunModel.sampled_steps_sql, applied in dpprof.store.finding_rows: the first steps, one in ``every``, the
     newest), not the outliers kept for their own sake, with those steps' times; every step's time is ``all_steps``; its memory and allocator rows include each device's peak step.
-    ``work_only``: the steps and the work phases (run.model.work) alone, the rest empty: what straggler_verdict reads.
+    ``work_only``: the steps and the work phases (run.model.work) alone, and a DataParallel run's scatter, replicate and
+    gather, the rest empty: what straggler_verdict and dataparallel_tax_of read.
     """
     names = ("steps", "phases", "memory", "allocator", "comms", "gpu_time")
     if work_only and last_steps is None:
         frames = {t: finding_rows.empty(run, t) for t in (*names, "gpu_samples")}
         frames["steps"] = finding_rows.sampled(run, "steps")
-        frames["phases"] = finding_rows.sampled_phases(run, run.model.work.phases)
+        phases = (*run.model.work.phases, *(DP_TAX_PHASES if run.model.dataparallel else ()))
+        frames["phases"] = finding_rows.sampled_phases(run, phases)
         return Tables(model=run.model, traced_dataparallel=(run.meta.get("workload_args") or {}).get("dataparallel"),
                       step_count=run.model.steps, detail=operator_data(run), **frames)
     if last_steps is None and not run.model.aggregated:
@@ -186,19 +192,25 @@ def run_findings(run: StoredRun, fresh: bool = False) -> Findings:
     empty = pd.DataFrame(columns=FINDING_COLUMNS)
     if model.kind == "empty":
         return Findings(empty, model.empty_reason or "no steps recorded", withheld=True)
+
+    def tax(tables: Tables) -> DataParallelTax | None:
+        return dataparallel_tax_of(tables) if model.dataparallel else None
+
     withheld = findings_withheld(model.steps)
     if withheld:
-        return Findings(empty, withheld, withheld=True)
+        return Findings(empty, withheld, withheld=True, tax=tax(tables_of(run)) if model.dataparallel else None)
     running = run.meta["status"] == "running"
     if fresh or model.steps <= FINDINGS_FULL_STEPS:
         tables = tables_of(run)
         return Findings(findings_from(tables), f"from all {model.steps:,} steps" + (" so far" if running else ""),
-                        straggler=straggler_verdict(tables))
+                        straggler=straggler_verdict(tables), tax=tax(tables))
     if run.meta["status"] == "finished":
         stored = worst_first(run.findings[FINDING_COLUMNS]) if len(run.findings) else empty  # as written, or older
-        # the verdict from the same steps and phases the stored findings read (tables_of), the work phases alone
+        # the verdict and the tax from the same steps and phases the stored findings read (tables_of): the work phases
+        # and the tax's alone
+        tables = tables_of(run, work_only=True)
         return Findings(stored, f"stored when the run finished, from all {model.steps:,} steps",
-                        straggler=straggler_verdict(tables_of(run, work_only=True)))
+                        straggler=straggler_verdict(tables), tax=tax(tables))
     tables = tables_of(run, FINDINGS_FULL_STEPS)
     return Findings(findings_from(tables), f"from the last {FINDINGS_FULL_STEPS:,} of {model.steps:,} steps",
-                    straggler=straggler_verdict(tables))
+                    straggler=straggler_verdict(tables), tax=tax(tables))

@@ -14,7 +14,8 @@ from dpprof.records import DP_TAX_PHASES, MEMORY_BYTES, idle_severity, split_sha
 
 __all__ = ["STRAGGLER_RATIO", "STRAGGLER_RATIO_CPU", "STRAGGLER_CONSISTENCY", "straggler_severity",
            "MEMORY_SKEW_RATIO", "MEMORY_SKEW_CRITICAL_RATIO", "DP_TAX_WARN", "UNEVEN_STEPS_SHARE",
-           "BACKWARD_SHARE_INFO", "Straggler", "straggler_threshold", "straggler_verdict", "straggler_row", "straggler", "memory_skew", "dataparallel_tax",
+           "BACKWARD_SHARE_INFO", "Straggler", "straggler_threshold", "straggler_verdict", "straggler_row", "straggler", "memory_skew", "DataParallelTax",
+           "dataparallel_tax_of", "dataparallel_tax",
            "SplitCost", "split_cost", "uneven_chunks", "backward_share"]
 
 # A device is a straggler when its median apply time is 15% above the others' (smaller gaps are
@@ -217,24 +218,41 @@ def memory_skew(t: Tables) -> list[dict]:
                     "chunk, buffers or tensors the model puts on device_ids[0]).", ratio, "ratio")]
 
 
-def dataparallel_tax(t: Tables) -> list[dict]:
+@dataclass(frozen=True)
+class DataParallelTax:
+    """The DataParallel tax, per step past the first (the first carries one-time costs): scatter, replicate and gather,
+    the work only DataParallel does. The finding states it, the Overview's section and Compare say it."""
+
+    by_phase_ms: dict[str, float]  # mean ms a step of each of DP_TAX_PHASES
+    ms: float  # their sum: mean ms a step
+    step_ms: float  # the mean step past the first
+    share: float  # ms / step_ms
+
+
+def dataparallel_tax_of(t: Tables) -> DataParallelTax | None:
+    """The run's DataParallel tax from the tables the rules read; None without phases or a step past the first."""
     steps = t.later_steps
     if t.phases.empty or steps.empty:
-        return []
+        return None
     tax = t.phases[t.phases["phase"].isin(DP_TAX_PHASES) & t.phases["step"].isin(steps.index)]
     by_phase = tax.groupby("phase")["duration_ms"].sum() / len(steps)
     tax_ms, step_ms = float(by_phase.sum()), float(steps.mean())
-    share = tax_ms / step_ms if step_ms else 0.0
-    if share < DP_TAX_WARN or not worth_time(tax_ms, step_ms):
+    return DataParallelTax(by_phase_ms={p: float(by_phase.get(p, 0.0)) for p in DP_TAX_PHASES}, ms=tax_ms,
+                           step_ms=step_ms, share=tax_ms / step_ms if step_ms else 0.0)
+
+
+def dataparallel_tax(t: Tables) -> list[dict]:
+    tax = dataparallel_tax_of(t)
+    if tax is None or tax.share < DP_TAX_WARN or not worth_time(tax.ms, tax.step_ms):
         return []
-    parts = ", ".join(f"{p} {by_phase.get(p, 0):.2f} ms" for p in DP_TAX_PHASES)
-    return [finding("dataparallel_tax", critical_share_or("warning", share), None,
-                    f"scatter, replicate and gather take {share:.0%} of the step",
-                    f"per step past the first: {parts} of a {step_ms:.2f} ms mean step; it "
-                    f"{cost_text(tax_ms, t.later_step_count)}",
+    parts = ", ".join(f"{p} {ms:.2f} ms" for p, ms in tax.by_phase_ms.items())
+    return [finding("dataparallel_tax", critical_share_or("warning", tax.share), None,
+                    f"scatter, replicate and gather take {tax.share:.0%} of the step",
+                    f"per step past the first: {parts} of a {tax.step_ms:.2f} ms mean step; it "
+                    f"{cost_text(tax.ms, t.later_step_count)}",
                     "This is work only DataParallel does: DistributedDataParallel runs one process per GPU with the "
                     "model resident there, so it has no replicate and no gather, and overlaps the gradient all-reduce "
-                    "with backward. A larger batch per step also spreads this cost.", share, "share")]
+                    "with backward. A larger batch per step also spreads this cost.", tax.share, "share")]
 
 
 @dataclass(frozen=True)

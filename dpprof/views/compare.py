@@ -65,7 +65,8 @@ def compare_part(run: StoredRun, max_points: int = 1_000) -> ComparePart:
     figure = memory_figure(memory)  # the Overview's: the allocator's peak allocated where recorded, else held
     peaks = memory.assign(peak_bytes=memory[figure], memory=MEMORY_SOURCES[figure]).dropna(subset=["peak_bytes"])
     peak = peaks["peak_bytes"]
-    found = run_findings(run).straggler  # the one verdict on the slowest device (its ratio, as the Overview says it)
+    findings = run_findings(run)
+    found = findings.straggler  # the one verdict on the slowest device (its ratio, as the Overview says it)
     label = run_label(run.meta)
     shared = _shared(totals)
     share = shared.set_index("phase")["share_pct"] if not shared.empty else pd.Series(dtype=float)
@@ -76,7 +77,8 @@ def compare_part(run: StoredRun, max_points: int = 1_000) -> ComparePart:
         "backend": model.backend_label, "devices": len(model.devices), "workload": run.meta.get("workload"),
         "steps": stats["steps"], "batch_size": batch, "median_step_ms": median, "mean_step_ms": stats["mean_step_ms"],
         "samples_per_s": batch / median * 1e3 if batch and median else None,
-        "dp_tax_pct": (float(share.get(TAX, 0.0)) if model.dataparallel and len(share) else None),
+        # the tax finding's figure, per step past the first (Findings.tax), as the Overview says it
+        "dp_tax_pct": 100 * findings.tax.share if findings.tax is not None else None,
         "work": found.work if found is not None else model.work.label,  # what imbalance_ratio is the medians of
         # the straggler's ratio as the Overview says it where one is named; else the slowest by work (the verdict from
         # the collectives names the rank that waits least, which an FSDP rank's work, its collectives inside, makes the
@@ -329,7 +331,7 @@ def _differences(rows: list[dict[str, Any]]) -> list[str]:
         taxed = any(d[1] == TAX for d in sorted(deltas, reverse=True)[:2] if abs(d[3] - d[2]) >= 1.0)
         if base["dp_tax_pct"] is not None and other["dp_tax_pct"] is not None and not taxed:
             out.append(f"DataParallel tax (scatter + replicate + gather): {b} {other['dp_tax_pct']:.1f}%, "
-                       f"{a} {base['dp_tax_pct']:.1f}% of the step.")
+                       f"{a} {base['dp_tax_pct']:.1f}% of the mean step past the first.")
         out += _memory_differences(base, other)
         x, y = base["memory_most_to_least"], other["memory_most_to_least"]
         if x and y and abs(x - y) >= 0.05:

@@ -12,7 +12,6 @@ from dpprof.findings.ddp import collective_busy, overlapped_ms
 from dpprof.findings.collectives import match_collectives, wait_heatmap
 from dpprof.findings.dataparallel import MEMORY_SKEW_RATIO
 from dpprof.findings.floors import MEMORY_FLOOR_BYTES
-from dpprof.records import DP_TAX_PHASES
 from dpprof.store import queries
 from dpprof.store.collective_rows import rank_collectives
 from dpprof.store.model import RunModel
@@ -68,8 +67,9 @@ class Overview:
     breakdown: pd.DataFrame  # queries.phase_breakdown
     totals: pd.DataFrame  # queries.phase_totals
     findings: Findings
-    tax_pct: float | None = None  # scatter + replicate (+ gather), % of step time: DataParallel runs only
-    tax_ms: float | None = None  # ... in ms per step
+    # scatter + replicate (+ gather), % of the mean step past the first (Findings.tax): DataParallel runs only
+    tax_pct: float | None = None
+    tax_ms: float | None = None  # ... in ms per step past the first
     comms: pd.DataFrame = field(default_factory=pd.DataFrame)  # comm_stats: DDP ranks
     fsdp: pd.DataFrame = field(default_factory=pd.DataFrame)  # views.fsdp.fsdp_collective_table: FSDP ranks
     gpu: pd.DataFrame = field(default_factory=pd.DataFrame)  # queries.gpu_time: imported traces with GPUs
@@ -100,10 +100,6 @@ def collective_wait_view(run: StoredRun) -> CollectiveWaitView | None:
                         "is not here may be the one they all wait for)")
     devices = {int(r): f"rank:{int(r)}" for r in waits.counts["rank"]}
     return CollectiveWaitView(heatmap=wait_heatmap(waits.per_step, devices), notes=notes)
-
-
-def _nan_to_none(value: Any) -> Any:
-    return None if value is None or (isinstance(value, float) and pd.isna(value)) else value
 
 
 # A device's memory figure, by the column of queries.memory_peaks it is read from, in words.
@@ -242,9 +238,8 @@ def overview(run: StoredRun) -> Overview:
     data = Overview(model=model, glance=glance(run, stats, found), stats=stats, steps=steps,
                     breakdown=queries.phase_breakdown(run, steps=steps), totals=totals, findings=found,
                     outliers=queries.outlier_steps(run))
-    if model.dataparallel and not totals.empty:
-        tax = totals[totals["phase"].isin(DP_TAX_PHASES)]
-        data.tax_pct, data.tax_ms = _nan_to_none(float(tax["share_pct"].sum())), float(tax["per_step_ms"].sum())
+    if found.tax is not None:  # the figure the tax finding states, per step past the first
+        data.tax_pct, data.tax_ms = 100 * found.tax.share, found.tax.ms
     if "comms" in model.has:
         data.comms = comm_stats(run)
         data.waits = collective_wait_view(run)
