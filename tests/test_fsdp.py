@@ -154,6 +154,7 @@ def test_exposed_collective_findings_follow_the_recorded_waits(runs):
         run = runs[name]
         table = fsdp_collective_table(run)
         assert ((table["exposed_ms"] - table["issued_ms"]).abs() <= 1e-6 + 1e-9 * table["issued_ms"]).all()
+        assert (table["hidden_pct"] == 0.0).all(), table["hidden_pct"]  # none hidden: not 2.2e-14 of float rounding
         steps = run.steps[run.steps["step"] > 0].groupby("step")["duration_ms"].max()
         later = run.phases[run.phases["step"] > 0]
         kinds = set(run_findings(run).table["kind"])
