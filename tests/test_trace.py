@@ -687,6 +687,13 @@ def test_collectives_whose_sizes_the_trace_lacks_show_no_bytes_rather_than_zero(
     stats = comm_stats(run)
     assert list(stats["device"]) == ["rank:0", "rank:1"] and stats["sent_per_step_bytes"].isna().all()
     assert (stats["busy_ms"] > 0).all()
+    # buckets per step: each rank's distinct collectives in its steps past the first (the first forward's broadcast of
+    # the model is no bucket), the median, from the run's rows; it read 1.50 with the first step's broadcast in
+    later = run.comms[run.comms["step"] > run.comms["step"].min()]
+    expected = later.groupby(["device", "step"])["bucket"].nunique().groupby("device").median()
+    assert stats.set_index("device")["buckets_per_step"].to_dict() == expected.to_dict()
+    assert run.comms[run.comms["step"] == run.comms["step"].min()].groupby("device")["bucket"].nunique().gt(
+        expected).all()  # the first step's broadcast is there, and left out
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["--reports-dir", str(reports), "show", run.id]) == 0

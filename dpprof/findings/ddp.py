@@ -15,7 +15,7 @@ from dpprof.store.model import RunModel
 from dpprof.units import mib
 
 __all__ = ["COMM_SHARE_WARN", "FEW_BUCKETS", "MANY_BUCKETS", "SMALL_BUCKET_BYTES", "straggler_rank",
-           "communication", "uneven_inputs", "union_ms", "overlapped_ms", "collective_busy"]
+           "communication", "uneven_inputs", "union_ms", "overlapped_ms", "collective_busy", "bucket_counts"]
 
 # All-reduce busy more than 20% of the step is worth acting on.
 COMM_SHARE_WARN = 0.20
@@ -127,6 +127,14 @@ def collective_busy(comms: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     return out[out["busy_ms"] > 0].reset_index(drop=True) if len(out) else out
 
 
+def bucket_counts(comms: pd.DataFrame) -> pd.Series:
+    """How many buckets (distinct collectives) each rank's steps past the first ran, by (step, device): DDP builds its
+    buckets anew after step 0, whose first forward also broadcasts the model (no gradient bucket). A run of one step:
+    that step's. The bucket finding weighs their median, and the Overview and ``dpprof show`` say each rank's."""
+    later = comms[comms["step"] > comms["step"].min()] if comms["step"].nunique() > 1 else comms
+    return later.groupby(["step", "device"])["bucket"].nunique()
+
+
 def communication(t: Tables) -> list[dict]:
     """Collectives' share of the step (their union, clipped to the step: never over 100%) and how much of it
     overlaps backward compute; bucket-size advice. A recorded DDP run's collectives are its gradient buckets'
@@ -163,8 +171,8 @@ def communication(t: Tables) -> list[dict]:
                                  "communication. Otherwise: r" if t.model.partial_job else "R")
                                 + "aise the per-rank batch (communication is per step, compute per sample), or compress "
                                 "gradients with a communication hook (fp16/bf16 compress, PowerSGD).", share, "share"))
-    later = comms[comms["step"] > comms["step"].min()] if comms["step"].nunique() > 1 else comms  # DDP rebuilds buckets after step 0
-    per_step_buckets = later.groupby(["step", "device"])["bucket"].nunique().median()
+    later = comms[comms["step"] > comms["step"].min()] if comms["step"].nunique() > 1 else comms  # as bucket_counts
+    per_step_buckets = bucket_counts(comms).median()
     mean_bytes = later["bucket_bytes"].mean()
     sized = pd.notna(mean_bytes)  # a gloo trace's collectives may name no size
     if per_step_buckets <= FEW_BUCKETS and share >= COMM_SHARE_WARN / 2 and worth_time(exposed_ms, step_ms):

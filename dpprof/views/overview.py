@@ -8,7 +8,7 @@ from typing import Any
 import pandas as pd
 
 from dpprof.findings import Findings, run_findings
-from dpprof.findings.ddp import collective_busy, overlapped_ms
+from dpprof.findings.ddp import bucket_counts, collective_busy, overlapped_ms
 from dpprof.findings.collectives import match_collectives, wait_heatmap
 from dpprof.findings.dataparallel import MEMORY_SKEW_RATIO
 from dpprof.findings.floors import MEMORY_FLOOR_BYTES
@@ -197,7 +197,8 @@ def comm_stats(run: StoredRun) -> pd.DataFrame:
     busy (ddp.collective_busy: their union clipped to the step, never over the step) and the share of it that
     overlapped backward compute, over the steps whose detail stands for the run (every step, or a long run's
     sample: RunModel.sampled_steps_sql). Empty without collective records; the bytes are NaN where the collectives'
-    sizes are not known (a trace profiled without record_shapes).
+    sizes are not known (a trace profiled without record_shapes). buckets_per_step is the median over the steps past
+    the first (ddp.bucket_counts), the bucket finding's count.
 
     Returns:
         columns device, collectives (their names, most time first), steps, buckets_per_step, sent_per_step_bytes,
@@ -212,14 +213,15 @@ def comm_stats(run: StoredRun) -> pd.DataFrame:
     overlap = overlapped_ms(comms, compute)
     rows = []
     for (step, device), c in comms.groupby(["step", "device"]):
-        rows.append({"device": device, "step": step, "buckets": c["bucket"].nunique(),
+        rows.append({"device": device, "step": step,
                      # unknown (NaN), not 0, where no collective's size is known (a trace without record_shapes)
                      "bytes": pd.to_numeric(c["bucket_bytes"]).sum(min_count=1),
                      "busy": busy["busy_ms"].get((step, device), 0.0),
                      "overlap": overlap[(step, device)]})
-    per = pd.DataFrame(rows).groupby("device").agg(steps=("step", "count"), buckets_per_step=("buckets", "mean"),
-                                                   sent_per_step_bytes=("bytes", "mean"), busy_ms=("busy", "mean"),
-                                                   overlap=("overlap", "mean"))
+    per = pd.DataFrame(rows).groupby("device").agg(steps=("step", "count"), sent_per_step_bytes=("bytes", "mean"),
+                                                   busy_ms=("busy", "mean"), overlap=("overlap", "mean"))
+    # the bucket finding's count: each rank's median over the steps past the first (the first broadcasts the model)
+    per["buckets_per_step"] = bucket_counts(comms).groupby("device").median()
     per["overlap_pct"] = (100 * per["overlap"] / per["busy_ms"].where(per["busy_ms"] > 0)).clip(upper=100)
     names = comms.groupby("device")["collective"].agg(set)
     per["collectives"] = [", ".join(k for k in kinds if k in names.get(d, set())) for d in per.index]
