@@ -393,7 +393,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
 
 def _cmd_runs(args: argparse.Namespace) -> int:
-    from dpprof.store.reader import checks_under_their_runs, list_runs, reports_dir_problem
+    from dpprof.store.reader import checks_under_their_runs, list_runs, reports_dir, reports_dir_problem
 
     runs = list_runs(args.reports_dir)
     problem = reports_dir_problem(args.reports_dir)
@@ -401,7 +401,10 @@ def _cmd_runs(args: argparse.Namespace) -> int:
         print(f"dpprof: {problem}", file=sys.stderr)
         return EXIT_FAILURE
     if runs.empty:
-        print("no runs yet: record one with `dpprof profile cifar-lenet --devices cpu:2`")
+        where = reports_dir(args.reports_dir)
+        # a directory that is not there yet is said by its path: a mistyped --reports-dir is seen at once
+        print(f"no runs yet{'' if where.is_dir() else f' ({where} does not exist)'}: record one with "
+              "`dpprof profile cifar-lenet --devices cpu:2`")
         return EXIT_OK
     readable = checks_under_their_runs(runs[runs["reason"].isna()])
     cols = ["id", "name", "status", "workload", "backend", "devices", "steps", "duration_s", "created_at"]

@@ -387,7 +387,7 @@ def test_a_run_file_given_as_the_reports_directory_is_said_never_no_runs_yet(tmp
     assert main(["--reports-dir", str(run.path), "show", str(run.path)]) == 0  # the file named as the run still reads
     assert Path(run.path).read_bytes() == before
     assert main(["--reports-dir", str(tmp_path / "none yet"), "runs"]) == 0  # no directory yet: no runs yet
-    assert "no runs yet" in capsys.readouterr().out
+    assert f"no runs yet ({tmp_path / 'none yet'} does not exist)" in capsys.readouterr().out  # a typo is seen
 
 def test_check_takes_one_worker_named_cpu0_and_asks_every_worker_named_for_cpu_n(capsys):
     assert main(["check", "--device-ids", "cpu:0", "--batch-size", "10"]) == 0
