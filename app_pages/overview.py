@@ -30,7 +30,13 @@ def per_device(data: overview.Overview) -> None:
     """The first screen: which device is the problem, in numbers and one chart."""
     g, unit = data.glance, data.model.unit
     c = st.columns(4)
-    if g.time_uneven:
+    if g.time_uneven and g.from_collectives:  # the rank the others wait for inside the collectives
+        c[0].metric(f"Straggler {markdown_text(unit)}", g.slowest, help="the one the others wait for inside the "
+                    "collectives: it waited least, collective after collective")
+        c[1].metric("Others' wait", f"{g.wait_ms:.2f} ms a step", f"{g.wait_share:.0%} of the median step past the first",
+                    delta_color="off", help="what the others wait for it inside the collectives per step (the straggler "
+                    "finding's figure); its own work, collectives inside, may be the shortest")
+    elif g.time_uneven:
         c[0].metric(f"Slowest {markdown_text(unit)}", g.slowest, help=f"the longest median {g.work_phase} per step")
         c[1].metric(f"{capitalized(data.model.work.column)} imbalance", f"{g.time_ratio:.2f}x",
                     f"{g.wait_ms:.2f} ms a step", delta_color="off",

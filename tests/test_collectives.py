@@ -65,6 +65,23 @@ def _assert_straggler(run: dpprof.StoredRun, rank: str) -> None:
     said = glance(run, found=found)
     assert said.slowest == rank and said.time_uneven and said.wait_ms == verdict.wait_ms
     assert said.sentences[0] == verdict.sentence()
+    # the dashboard's metrics name it with the others' wait, never a work ratio: an FSDP rank's work (its collectives
+    # inside) is the shortest, and "Slowest rank ... 0.54x" said the opposite of the verdict
+    assert said.from_collectives and said.wait_share == pytest.approx(verdict.wait_ms / verdict.step_ms)
+    from streamlit.testing.v1 import AppTest
+    os.environ["DPPROF_REPORTS"] = str(run.path.parent)
+    try:
+        at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60)
+        at.run()
+        at.sidebar.selectbox[0].select(run.id).run()
+        assert not at.exception, at.exception
+    finally:
+        del os.environ["DPPROF_REPORTS"]
+    metrics = {m.label: (m.value, m.proto.delta) for m in at.metric}
+    assert metrics["Straggler rank"][0] == rank and "Slowest rank" not in metrics
+    assert metrics["Others' wait"] == (f"{verdict.wait_ms:.2f} ms a step",
+                                       f"{verdict.wait_share:.0%} of the median step past the first")
+    assert not any("imbalance" in label for label in metrics)
 
 
 def test_a_late_rank_of_a_recorded_ddp_run_is_the_straggler_with_its_delay_as_the_wait(tmp_path, capsys):

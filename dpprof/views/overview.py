@@ -50,6 +50,10 @@ class Glance:
     memory_uneven: bool  # the memory-skew finding names ``heaviest``: the headline marks it
     idle: list[str]  # devices of the run that never got a chunk
     sentences: list[str]  # the above, in words
+    # the verdict came from the collectives (the rank the others wait for inside them): its work may be the shortest,
+    # so the headline names it with the others' wait, not a work ratio (which reads under 1x for an FSDP rank)
+    from_collectives: bool = False
+    wait_share: float | None = None  # wait_ms over the median step past the first (the straggler finding's value)
 
     def marked(self) -> tuple[str | None, str | None]:
         """The slowest and the heaviest device to mark, each None where the devices read as even."""
@@ -147,10 +151,11 @@ def glance(run: StoredRun, stats: dict[str, Any] | None = None, found: Findings 
     work = verdict.work if verdict is not None else model.work.label  # what the bars are the medians of
     sentences: list[str] = []
     slowest = fastest = None
-    ratio = wait = None
+    ratio = wait = share = None
     uneven = False
     if verdict is not None:
         slowest, fastest, ratio, wait = verdict.slowest, verdict.found.fastest, verdict.ratio, verdict.wait_ms
+        share = verdict.wait_share
         uneven = verdict.reported
         sentences.append(verdict.sentence())
     heaviest = lightest = None
@@ -188,7 +193,8 @@ def glance(run: StoredRun, stats: dict[str, Any] | None = None, found: Findings 
     return Glance(devices=by_device.reset_index(), work_phase=work, memory_source=source, slowest=slowest,
                   fastest=fastest, time_ratio=ratio, wait_ms=wait, time_uneven=uneven, heaviest=heaviest,
                   lightest=lightest, memory_ratio=memory_ratio, memory_uneven=memory_uneven, idle=idle,
-                  sentences=sentences)
+                  sentences=sentences, from_collectives=verdict is not None and verdict.collectives is not None,
+                  wait_share=share)
 
 
 def comm_stats(run: StoredRun) -> pd.DataFrame:
