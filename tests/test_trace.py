@@ -344,6 +344,14 @@ def test_one_trace_given_twice_under_two_names_is_refused_not_read_as_two_ranks(
     ranks = gloo_ddp_traces(tmp_path / "ddp", steps=3)
     assert len({json.loads(p.read_text())["trace_id"] for p in ranks}) == 2
     assert import_traces(ranks, reports).devices == ["rank:0", "rank:1"]
+    # ranks given one id (a request that profiled them all, as an on-demand trace may be) are ranks, not copies
+    docs = [json.loads(p.read_text()) for p in ranks]
+    shared = []
+    for i, doc in enumerate(docs):
+        doc["trace_id"] = docs[0]["trace_id"]
+        shared.append(tmp_path / f"shared-id-rank{i}.pt.trace.json")
+        shared[-1].write_text(json.dumps(doc))
+    assert import_traces(shared, reports).devices == ["rank:0", "rank:1"]
 
 
 def test_the_command_imports_and_show_prints_the_run(reports):

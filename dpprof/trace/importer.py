@@ -141,14 +141,18 @@ def _check_one_job(files: list[Collected]) -> None:
     in time."""
     if len(files) < 2:
         return
-    traces: dict[str, str] = {}  # Kineto's trace_id, new for every trace it writes -> the file
+    traces: dict[tuple[str, Any], str] = {}  # (Kineto's trace_id, the file's rank) -> the file
     for f in files:
         trace_id = f.meta.get("trace_id")
+        info = f.meta.get("distributedInfo")
+        # the id is new for every trace torch writes; keyed with the rank too, so that ranks given one id by a
+        # request that profiled them all (an on-demand trace) are never taken for copies
         if isinstance(trace_id, str) and trace_id:
-            if trace_id in traces:
-                raise TraceError(f"{f.name}: the same trace as {traces[trace_id]} (trace_id {trace_id}): one trace "
+            identity = (trace_id, info.get("rank") if isinstance(info, dict) else None)
+            if identity in traces:
+                raise TraceError(f"{f.name}: the same trace as {traces[identity]} (trace_id {trace_id}): one trace "
                                  "given twice, not two ranks of a job")
-            traces[trace_id] = f.name
+            traces[identity] = f.name
     cycles: dict[tuple[str, Any], list[str]] = {}  # tensorboard_trace_handler's <host>_<pid>, and rank -> its files
     for f in files:
         handled = _HANDLER_NAME.match(f.name)
