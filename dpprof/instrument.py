@@ -10,7 +10,8 @@ checkpoint loads without dpprof.
 
 A training step ends at each ``optimizer.step()`` (torch's global optimizer step hook), so the
 forward calls of gradient accumulation share a step; a forward under no_grad, or with neither a
-backward nor an optimizer step before it (evaluation), starts a step of its own.
+backward nor an optimizer step before it (evaluation), starts a step of its own, which a forward with grad of
+another model then joins (a distillation's teacher, then its student).
 ``dpprof run script.py`` is this around ``runpy``.
 """
 from __future__ import annotations
@@ -116,7 +117,7 @@ class _SessionForward:
         session = _session
         if session is None or on_worker_thread():  # none, or inside a replica: the outer call's step
             return super().forward(*inputs, **kwargs)
-        session.before_forward()
+        session.before_forward(self._modules.get("module"))
         output = super().forward(*inputs, **kwargs)
         session.after_forward(output)
         return output
@@ -215,7 +216,7 @@ def data_parallel(module: torch.nn.Module, inputs: Any, device_ids: Sequence[Any
         output_device = None  # the first worker
     if session is not None:
         session.built()
-        session.before_forward()
+        session.before_forward(module)
     output = _data_parallel(module, inputs, workers or device_ids, output_device, dim, module_kwargs)
     if session is not None:
         session.after_forward(output)
@@ -503,11 +504,12 @@ class _Session:
         self.built_any = True
         self.start()
 
-    def before_forward(self) -> None:
+    def before_forward(self, module: Any = None) -> None:
+        """Before a stand-in's forward call of ``module``: --steps stops recording where the call would start a step."""
         run = self.run
         if run is None or self.stopped or self.steps is None:
             return
-        if run.steps_started >= self.steps and run.forward_starts_step():
+        if run.steps_started >= self.steps and run.forward_starts_step(module):
             self.stop(f"recording stopped after {self.steps} steps (--steps); the script went on")
 
     def after_forward(self, output: Any) -> None:
@@ -523,11 +525,17 @@ class _Session:
         self.backward_seen = True
         self.backwards += 1
 
-    def _joins_open_step(self, step: Any) -> bool:
+    def _joins_open_step(self, step: Any, module_id: int | None) -> bool:
         """A forward joins the open step when training is under way: a backward since the step's last
         forward (gradient accumulation), or an optimizer that ends steps; never under no_grad, and never a step
-        opened under no_grad (an evaluation pass: no optimizer step ends it)."""
-        return step.grad and torch.is_grad_enabled() and (self.optimizer_seen or self.backward_seen)
+        opened under no_grad (an evaluation pass: no optimizer step ends it) by the same module. A forward with grad
+        of another module joins a step a no_grad forward opened: a distillation's teacher, then its student (or a
+        frozen backbone, then the head trained on its features), one iteration, one step."""
+        if not torch.is_grad_enabled():
+            return False
+        if step.grad:
+            return self.optimizer_seen or self.backward_seen
+        return module_id is not None and step.opened_by is not None and module_id != step.opened_by
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         run = self.run

@@ -99,13 +99,14 @@ def _distributed_identity(name: str | None, run_id: str | None = None
 
 class _Step:
     __slots__ = ("index", "start_ns", "explicit", "calls", "batch_size", "batch_of", "devices_used", "last_end_ns",
-                 "grad", "passes", "weighed", "closed")
+                 "grad", "opened_by", "passes", "weighed", "closed")
 
     def __init__(self, index: int, start_ns: int, explicit: bool) -> None:
         self.index = index
         self.start_ns = start_ns
         self.explicit = explicit
         self.grad = True  # an implicit step under a step rule: whether its first forward ran with grad enabled
+        self.opened_by: int | None = None  # ... and the module of that forward (id), where the caller said it
         # backward passes ended in the step (several: gradient accumulation); an FSDP rank's counts one once its memory
         # for the step is written (dpprof.parallel.fsdp: at the first backward's end, or a no_grad forward's)
         self.passes = 0
@@ -217,7 +218,7 @@ class Run:
         self.last_step_end_ns: int | None = None  # where the newest closed step ended (perf_counter_ns)
         # dpprof.instrument's step rule: whether a forward call joins the open implicit step (None: never), and what
         # it is told of each recorded forward call's output where no stand-in's forward sees it (FSDP's root)
-        self.joins_open_step: Callable[[_Step], bool] | None = None
+        self.joins_open_step: Callable[[_Step, int | None], bool] | None = None
         self.forward_ended: Callable[[Any], None] | None = None
         self._pending: list[Any] = []  # CUDA timings whose events have not completed yet
         self._pending_lock = threading.Lock()
@@ -343,21 +344,22 @@ class Run:
                                "dpprof.record block")
         return _StepBlock(self)
 
-    def step_for_forward(self, starts_step: bool = True) -> _Step:
+    def step_for_forward(self, starts_step: bool = True, module: object | None = None) -> _Step:
         """The step a forward call belongs to: the open run.step(), or a new implicit one.
 
         A call that does not start a step (DataParallelCriterion after DataParallelModel) joins
-        the current implicit step.
+        the current implicit step. ``module``: the module called, for a step rule that tells models apart.
         """
         with self._lock:
             step = self._explicit  # read once: run.step()'s exit clears it without the lock
             if step is None:
                 step = self._implicit
-                if step is None or (starts_step and not self._rule_joins(step)):
+                module_id = None if module is None else id(module)
+                if step is None or (starts_step and not self._rule_joins(step, module_id)):
                     self._flush_implicit()
                     step = self._implicit = self._new_step(explicit=False)
                     if self.joins_open_step is not None:
-                        step.grad = torch.is_grad_enabled()
+                        step.grad, step.opened_by = torch.is_grad_enabled(), module_id
             step.calls += 1
             return step
 
@@ -366,8 +368,8 @@ class Run:
         with self._lock:
             return self._explicit or self._implicit
 
-    def _rule_joins(self, step: _Step) -> bool:
-        return self.joins_open_step is not None and self.joins_open_step(step)
+    def _rule_joins(self, step: _Step, module_id: int | None) -> bool:
+        return self.joins_open_step is not None and self.joins_open_step(step, module_id)
 
     def end_step(self) -> None:
         """End the open implicit step now (dpprof.instrument calls it at each optimizer.step())."""
@@ -376,10 +378,11 @@ class Run:
                 self._implicit.touch(time.perf_counter_ns())
                 self._flush_implicit()
 
-    def forward_starts_step(self) -> bool:
-        """Whether a forward call made now would start a new step."""
+    def forward_starts_step(self, module: object | None = None) -> bool:
+        """Whether a forward call of ``module`` made now would start a new step."""
         with self._lock:
-            return self._explicit is None and (self._implicit is None or not self._rule_joins(self._implicit))
+            return self._explicit is None and (self._implicit is None or not self._rule_joins(
+                self._implicit, None if module is None else id(module)))
 
     @property
     def steps_started(self) -> int:

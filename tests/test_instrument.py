@@ -536,6 +536,38 @@ def test_a_gans_generator_backward_is_in_the_step_it_runs_in():
 
 
 @needs_no_gpu
+def test_a_distillation_iteration_is_one_step_and_evaluation_still_a_step_a_forward():
+    """Knowledge distillation: the teacher under no_grad, then the student with grad, its backward and optimizer
+    step. The teacher's no_grad forward opened a step of its own and the student's forward another: 6 steps for 3
+    iterations, the median step half an iteration. A forward with grad of another model now joins the step a no_grad
+    forward opened; the student's own evaluation after training is still a step a forward, and its first training
+    forward after that evaluation starts a step (the same model: not joined)."""
+    with instrument(store=False, cpu_workers=2) as run:
+        teacher, student = nn.DataParallel(nn.Linear(4, 3)), nn.DataParallel(nn.Linear(4, 3))
+        opt = torch.optim.SGD(student.parameters(), lr=0.01)
+
+        def iteration() -> None:
+            x = torch.randn(6, 4)
+            with torch.no_grad():
+                target = teacher(x).softmax(-1)
+            loss = torch.nn.functional.cross_entropy(student(x), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+        for _ in range(3):
+            iteration()
+        with torch.no_grad():
+            for _ in range(2):
+                student(torch.randn(6, 4))
+        iteration()
+    steps = run.frames()["steps"]
+    assert steps["forward_calls"].tolist() == [2, 2, 2, 1, 1, 2]
+    backward = run.frames()["phases"].query("phase == 'backward'").groupby("step").size()
+    assert backward.to_dict() == {0: 1, 1: 1, 2: 1, 5: 1}
+
+
+@needs_no_gpu
 def test_without_recording_the_stand_ins_still_run_on_cpu_workers(reports):
     from dpprof.instrument import instrumented
 

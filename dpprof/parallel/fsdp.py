@@ -87,7 +87,7 @@ class _StepProbe:
         self.devices = rank_devices(rank)
         self.label = self.devices.label(rank)
         run.note_devices(self.devices)
-        self.step = run.step_for_forward(True)
+        self.step = run.step_for_forward(True, module)
         if not self.step.explicit and self.step.calls == 1:
             # the root's forward began (t0) before this probe made its step: the step begins no later, or the first
             # step (no previous step's end to start from) would hold less than its own forward

@@ -304,7 +304,7 @@ class ForwardProbe:
         self.put = run.sink.put  # what run.emit calls, one call less on every record
         self.t0_ns = run._t0_ns  # the run's clock origin (run.ms)
         self.root = root  # the module the replicas are made from
-        self.step = run.step_for_forward(starts_step)
+        self.step = run.step_for_forward(starts_step, root)
         self.call = self.step.calls - 1
         # a backward ended in this step before this call (gradient accumulation): the micro-batches do not coexist, so
         # the step's memory is its first pass's (what a later one holds is not added to it)
