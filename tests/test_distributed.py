@@ -223,3 +223,44 @@ def test_a_gan_of_two_ddp_models_keeps_each_part_and_all_reduce_in_the_step_it_r
     comms = frames["comms"]
     assert sorted(comms.loc[comms["step"] == last, "bucket_bytes"]) == [(8 + 1) * 4, generator_bytes]
     assert (comms["bucket_bytes"] == generator_bytes).sum() == 3
+
+
+def test_a_distillation_of_ddp_models_is_one_step_an_iteration(tmp_path):
+    """A DDP teacher under no_grad, then a DDP student with grad, its backward and optimizer step, on a gloo world of
+    one: one step an iteration (the student's forward joins the step the teacher's opened), its batch counted once;
+    the student's evaluation after training is a step a forward, and its next training forward starts a step."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from dpprof.instrument import instrument
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with instrument(store=False) as run:
+            teacher = nn.parallel.DistributedDataParallel(nn.Linear(4, 3))
+            student = nn.parallel.DistributedDataParallel(nn.Linear(4, 3))
+            opt = torch.optim.SGD(student.parameters(), lr=0.01)
+
+            def iteration() -> None:
+                x = torch.randn(6, 4)
+                with torch.no_grad():
+                    target = teacher(x).softmax(-1)
+                loss = nn.functional.cross_entropy(student(x), target)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+
+            for _ in range(3):
+                iteration()
+            with torch.no_grad():
+                for _ in range(2):
+                    student(torch.randn(6, 4))
+            iteration()
+    finally:
+        dist.destroy_process_group()
+    steps = run.frames()["steps"]
+    assert steps["forward_calls"].tolist() == [2, 2, 2, 1, 1, 2]
+    assert steps["batch_size"].tolist() == [6] * 6
+    comms = run.frames()["comms"]
+    assert sorted(comms["step"].unique()) == [0, 1, 2, 5]  # the student's all-reduce, in each training step

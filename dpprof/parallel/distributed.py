@@ -64,11 +64,13 @@ def _install_optimizer_hooks() -> None:
 class _RankProbe:
     """One recorded DDP step on one rank."""
 
-    def __init__(self, run: Run, rank: int, previous: _RankProbe | None, cuda_index: int | None = None) -> None:
+    def __init__(self, run: Run, rank: int, previous: _RankProbe | None, cuda_index: int | None = None,
+                 module: torch.nn.Module | None = None) -> None:
         self.run = run
         self.devices = rank_devices(rank)
         self.label = self.devices.label(rank)
-        self.forward = ForwardProbe(run, self.devices, self.label, dim=0)
+        # the module called: the step rule tells models apart by it (a distillation's teacher, then a DDP student)
+        self.forward = ForwardProbe(run, self.devices, self.label, dim=0, root=module)
         self.step = self.forward.step
         self.cuda_index = cuda_index  # the GPU this rank's module is on (None: on the CPU)
         if cuda_index is not None and self.forward.call == 0:
@@ -229,7 +231,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         if previous is not None and previous.run is not run:
             previous = None
         probe = _RankProbe(run, dist.get_rank(self.process_group) if dist.is_initialized() else 0, previous,
-                           self.__dict__.get("_dpprof_cuda"))
+                           self.__dict__.get("_dpprof_cuda"), self._modules["module"])
         self.__dict__["_dpprof_probe"] = probe
         self.__dict__["_dpprof_previous"] = probe
         _latest["probe"] = probe
