@@ -406,3 +406,18 @@ def test_a_bad_number_in_one_rank_of_a_job_read_by_workers_is_its_one_line_and_n
     assert len(lines) == 1 and re.fullmatch(r"dpprof: job-rank1\.pt\.trace\.json: ProfilerStep#\d+ \(traceEvents\[[\d,]+\]\): "
                                             r"dur NaN is not a time", lines[0]), lines
     assert _left(reports) == []
+
+
+def test_a_step_range_with_no_step_number_is_left_out_and_said(tmp_path, reports):
+    """ProfilerStep#abc (a hand-edited or foreign trace) is no step: it was dropped without a word; it is now left
+    out and counted in the import's note, and the other steps stand."""
+    doc = _base()
+    numbered = sorted(int(s["name"].split("#")[1]) for s in _steps(doc))
+    odd = _steps(doc)[1]
+    gone = int(odd["name"].split("#")[1])
+    odd["name"] = "ProfilerStep#abc"
+    run_id, out = _imported(doc, tmp_path, reports)
+    assert "left out: the first, ProfilerStep#abc" in out and "a ProfilerStep range with no step number" in out, out
+    run = dpprof.load_run(run_id, reports)
+    assert sorted(run.steps["step"]) == [n for n in numbered if n != gone]
+    _holds_the_invariants(reports, run_id)

@@ -255,6 +255,8 @@ def _name_kind(name: str) -> tuple[str, int] | None:
         if len(digits) > MAX_STEP_DIGITS or int(digits) > MAX_STEP:
             return ("bad step", 0)
         return ("step", int(digits))
+    if name.startswith("ProfilerStep#"):  # a step range with no number (a hand-edited or foreign trace): no step
+        return ("unnumbered step", 0)
     if name in WRAPPER_FORWARDS:
         return ("forward", 0)
     if name.startswith("dpprof."):
@@ -355,6 +357,8 @@ def collect_part(trace: TraceFile) -> Collected:
                     elif what == "bad step":
                         _refuse(trace, batch, event, f"the step number is past 2**53 "
                                                      f"({len(name) - len('ProfilerStep#'):,} digits)")
+                    elif what == "unnumbered step":
+                        _left_out(out, trace, batch, event, "a ProfilerStep range with no step number")
                     elif what == "forward":
                         out.forwards.append(Range(name, float(ts), float(end), event.tid))
                     elif what == "dpprof":
