@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import forked
+import pandas as pd
 import torch
 from torch import nn
 
@@ -235,3 +236,50 @@ class ProfiledOnce:
         for path in files:
             shutil.copy2(path, Path(directory) / path.name)
         return [p.name for p in files]
+
+
+def train_gan(generator: nn.Module, discriminator: nn.Module, iterations: int = 3) -> None:
+    """A GAN's iterations on 6 samples, its steps ended by its two optimizers: the generator's forward in the
+    discriminator's step, its backward (through the discriminator) in the generator's step after."""
+    opt_g, opt_d = (torch.optim.SGD(m.parameters(), lr=0.01) for m in (generator, discriminator))
+    for _ in range(iterations):
+        fake = generator(torch.randn(6, 4))
+        d_loss = discriminator(torch.randn(6, 8)).mean() - discriminator(fake.detach()).mean()
+        opt_d.zero_grad()
+        d_loss.backward()
+        opt_d.step()
+        g_loss = -discriminator(fake).mean()
+        opt_g.zero_grad()
+        g_loss.backward()
+        opt_g.step()
+
+
+def train_distillation(teacher: nn.Module, student: nn.Module, iterations: int = 3, evaluations: int = 2) -> None:
+    """Knowledge distillation on 6 samples of 4 features: ``iterations`` of the teacher under no_grad, then the student
+    with grad, its backward and optimizer step; then ``evaluations`` forward calls of the student under no_grad, and
+    one iteration more."""
+    opt = torch.optim.SGD(student.parameters(), lr=0.01)
+
+    def iteration() -> None:
+        x = torch.randn(6, 4)
+        with torch.no_grad():
+            target = teacher(x).softmax(-1)
+        loss = nn.functional.cross_entropy(student(x), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    for _ in range(iterations):
+        iteration()
+    with torch.no_grad():
+        for _ in range(evaluations):
+            student(torch.randn(6, 4))
+    iteration()
+
+
+def assert_phases_inside_steps(steps: pd.DataFrame, phases: pd.DataFrame, slack_ms: float = 1e-6) -> None:
+    """Every phase starts and ends inside its step (``steps`` indexed by step)."""
+    joined = phases.join(steps[["start_ms", "duration_ms"]].add_suffix("_step"), on="step")
+    assert (joined["start_ms"] >= joined["start_ms_step"] - slack_ms).all()
+    assert (joined["start_ms"] + joined["duration_ms"]
+            <= joined["start_ms_step"] + joined["duration_ms_step"] + slack_ms).all()

@@ -8,6 +8,8 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import forked
@@ -182,42 +184,36 @@ def test_merge_refuses_rank_files_it_must_not_copy_and_folds_a_killed_ranks_log(
     assert main(["merge", str(rank1.parent), str(rank1), str(rank0.parent)]) == 0  # one rank named twice at once
 
 
+@contextmanager
+def _gloo_world_of_one(tmp_path: Path) -> Iterator[None]:
+    """A gloo process group of this process alone, destroyed at the block's end."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_gan_of_two_ddp_models_keeps_each_part_and_all_reduce_in_the_step_it_runs_in(tmp_path):
     """Two DDP models, two optimizers (a GAN) on a gloo world of one: the generator's forward is in the
     discriminator's step, its backward and all-reduce run in the generator's step after. They are recorded there, every
     phase lies inside its step, and the steps do not overlap (the next step's data part starts at the end of the
     step before it, not at the end of the generator's backward inside it)."""
-    import torch
-    import torch.distributed as dist
     from torch import nn
 
     from dpprof.instrument import instrument
+    from recorded import assert_phases_inside_steps, train_gan
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        with instrument(store=False) as run:
-            generator = nn.parallel.DistributedDataParallel(nn.Linear(4, 8))
-            discriminator = nn.parallel.DistributedDataParallel(nn.Linear(8, 1))
-            opt_g, opt_d = (torch.optim.SGD(m.parameters(), lr=0.01) for m in (generator, discriminator))
-            for _ in range(3):
-                fake = generator(torch.randn(6, 4))
-                d_loss = discriminator(torch.randn(6, 8)).mean() - discriminator(fake.detach()).mean()
-                opt_d.zero_grad()
-                d_loss.backward()
-                opt_d.step()
-                g_loss = -discriminator(fake).mean()
-                opt_g.zero_grad()
-                g_loss.backward()
-                opt_g.step()
-    finally:
-        dist.destroy_process_group()
+    with _gloo_world_of_one(tmp_path), instrument(store=False) as run:
+        train_gan(nn.parallel.DistributedDataParallel(nn.Linear(4, 8)),
+                  nn.parallel.DistributedDataParallel(nn.Linear(8, 1)))
     frames = run.frames()
     steps = frames["steps"].set_index("step")
     ends = steps["start_ms"] + steps["duration_ms"]
     assert (steps["start_ms"].iloc[1:].to_numpy() >= ends.iloc[:-1].to_numpy() - 1e-6).all(), steps
-    phases = frames["phases"].join(steps[["start_ms", "duration_ms"]].add_suffix("_step"), on="step")
-    assert (phases["start_ms"] >= phases["start_ms_step"] - 1e-6).all()
-    assert (phases["start_ms"] + phases["duration_ms"] <= phases["start_ms_step"] + phases["duration_ms_step"] + 1e-6).all()
+    assert_phases_inside_steps(steps, frames["phases"])
     generator_bytes = (4 * 8 + 8) * 4
     last = steps.index.max()  # a generator step: the discriminator's gradients and the generator's are all-reduced
     comms = frames["comms"]
@@ -229,36 +225,14 @@ def test_a_distillation_of_ddp_models_is_one_step_an_iteration(tmp_path):
     """A DDP teacher under no_grad, then a DDP student with grad, its backward and optimizer step, on a gloo world of
     one: one step an iteration (the student's forward joins the step the teacher's opened), its batch counted once;
     the student's evaluation after training is a step a forward, and its next training forward starts a step."""
-    import torch
-    import torch.distributed as dist
     from torch import nn
 
     from dpprof.instrument import instrument
+    from recorded import train_distillation
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        with instrument(store=False) as run:
-            teacher = nn.parallel.DistributedDataParallel(nn.Linear(4, 3))
-            student = nn.parallel.DistributedDataParallel(nn.Linear(4, 3))
-            opt = torch.optim.SGD(student.parameters(), lr=0.01)
-
-            def iteration() -> None:
-                x = torch.randn(6, 4)
-                with torch.no_grad():
-                    target = teacher(x).softmax(-1)
-                loss = nn.functional.cross_entropy(student(x), target)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-
-            for _ in range(3):
-                iteration()
-            with torch.no_grad():
-                for _ in range(2):
-                    student(torch.randn(6, 4))
-            iteration()
-    finally:
-        dist.destroy_process_group()
+    with _gloo_world_of_one(tmp_path), instrument(store=False) as run:
+        train_distillation(nn.parallel.DistributedDataParallel(nn.Linear(4, 3)),
+                           nn.parallel.DistributedDataParallel(nn.Linear(4, 3)))
     steps = run.frames()["steps"]
     assert steps["forward_calls"].tolist() == [2, 2, 2, 1, 1, 2]
     assert steps["batch_size"].tolist() == [6] * 6

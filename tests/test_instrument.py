@@ -22,6 +22,7 @@ import dpprof
 from dpprof.cli import main
 from dpprof.device_ids import DeviceSet
 from dpprof.instrument import _TORCH_DP, NO_PARALLEL_NOTE, SPAWNED_NOTE, instrument
+from recorded import assert_phases_inside_steps, train_distillation, train_gan
 
 pytestmark = pytest.mark.slow  # most tests run `dpprof run` (or torchrun) in a fresh process that imports torch
 
@@ -513,23 +514,10 @@ def test_a_gans_generator_backward_is_in_the_step_it_runs_in():
     runs in the generator's step (through the discriminator's). That backward is a phase of the step it ran in, so
     every phase lies inside its step (it was written under the closed step of its forward, after that step's end)."""
     with instrument(store=False, cpu_workers=2) as run:
-        generator, discriminator = nn.DataParallel(nn.Linear(4, 8)), nn.DataParallel(nn.Linear(8, 1))
-        opt_g, opt_d = (torch.optim.SGD(m.parameters(), lr=0.01) for m in (generator, discriminator))
-        for _ in range(3):
-            fake = generator(torch.randn(6, 4))
-            d_loss = discriminator(torch.randn(6, 8)).mean() - discriminator(fake.detach()).mean()
-            opt_d.zero_grad()
-            d_loss.backward()
-            opt_d.step()
-            g_loss = -discriminator(fake).mean()
-            opt_g.zero_grad()
-            g_loss.backward()
-            opt_g.step()
+        train_gan(nn.DataParallel(nn.Linear(4, 8)), nn.DataParallel(nn.Linear(8, 1)))
     frames = run.frames()
-    steps = frames["steps"].set_index("step")
-    phases = frames["phases"].join(steps[["start_ms", "duration_ms"]].add_suffix("_step"), on="step")
-    assert (phases["start_ms"] >= phases["start_ms_step"] - 1e-6).all()
-    assert (phases["start_ms"] + phases["duration_ms"] <= phases["start_ms_step"] + phases["duration_ms_step"] + 1e-6).all()
+    steps, phases = frames["steps"].set_index("step"), frames["phases"]
+    assert_phases_inside_steps(steps, phases)
     backward = phases[phases["phase"] == "backward"].groupby("step").size()
     last_generator_step = steps.index.max()  # the discriminator's backward and the generator's, in one pass
     assert backward[last_generator_step] == 2 and backward.sum() == 3 * 4
@@ -543,24 +531,7 @@ def test_a_distillation_iteration_is_one_step_and_evaluation_still_a_step_a_forw
     forward opened; the student's own evaluation after training is still a step a forward, and its first training
     forward after that evaluation starts a step (the same model: not joined)."""
     with instrument(store=False, cpu_workers=2) as run:
-        teacher, student = nn.DataParallel(nn.Linear(4, 3)), nn.DataParallel(nn.Linear(4, 3))
-        opt = torch.optim.SGD(student.parameters(), lr=0.01)
-
-        def iteration() -> None:
-            x = torch.randn(6, 4)
-            with torch.no_grad():
-                target = teacher(x).softmax(-1)
-            loss = torch.nn.functional.cross_entropy(student(x), target)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-
-        for _ in range(3):
-            iteration()
-        with torch.no_grad():
-            for _ in range(2):
-                student(torch.randn(6, 4))
-        iteration()
+        train_distillation(nn.DataParallel(nn.Linear(4, 3)), nn.DataParallel(nn.Linear(4, 3)))
     steps = run.frames()["steps"]
     assert steps["forward_calls"].tolist() == [2, 2, 2, 1, 1, 2]
     backward = run.frames()["phases"].query("phase == 'backward'").groupby("step").size()
