@@ -15,7 +15,7 @@ from dpprof.store.model import RunModel
 from dpprof.units import mib
 
 __all__ = ["COMM_SHARE_WARN", "FEW_BUCKETS", "MANY_BUCKETS", "SMALL_BUCKET_BYTES", "straggler_rank",
-           "communication", "uneven_inputs", "union_ms", "overlapped_ms", "collective_busy", "bucket_counts"]
+           "communication", "uneven_inputs", "union_ms", "overlapped_ms", "collective_busy", "bucket_rows", "bucket_counts"]
 
 # All-reduce busy more than 20% of the step is worth acting on.
 COMM_SHARE_WARN = 0.20
@@ -127,12 +127,16 @@ def collective_busy(comms: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     return out[out["busy_ms"] > 0].reset_index(drop=True) if len(out) else out
 
 
+def bucket_rows(comms: pd.DataFrame) -> pd.DataFrame:
+    """The collectives the bucket figures read: those of the steps past the first (DDP builds its buckets anew after
+    step 0, whose first forward also broadcasts the model: no gradient bucket); a run of one step: that step's."""
+    return comms[comms["step"] > comms["step"].min()] if comms["step"].nunique() > 1 else comms
+
+
 def bucket_counts(comms: pd.DataFrame) -> pd.Series:
-    """How many buckets (distinct collectives) each rank's steps past the first ran, by (step, device): DDP builds its
-    buckets anew after step 0, whose first forward also broadcasts the model (no gradient bucket). A run of one step:
-    that step's. The bucket finding weighs their median, and the Overview and ``dpprof show`` say each rank's."""
-    later = comms[comms["step"] > comms["step"].min()] if comms["step"].nunique() > 1 else comms
-    return later.groupby(["step", "device"])["bucket"].nunique()
+    """How many buckets (distinct collectives) each rank's steps of bucket_rows ran, by (step, device). The bucket
+    finding weighs their median, and the Overview and ``dpprof show`` say each rank's."""
+    return bucket_rows(comms).groupby(["step", "device"])["bucket"].nunique()
 
 
 def communication(t: Tables) -> list[dict]:
@@ -171,9 +175,8 @@ def communication(t: Tables) -> list[dict]:
                                  "communication. Otherwise: r" if t.model.partial_job else "R")
                                 + "aise the per-rank batch (communication is per step, compute per sample), or compress "
                                 "gradients with a communication hook (fp16/bf16 compress, PowerSGD).", share, "share"))
-    later = comms[comms["step"] > comms["step"].min()] if comms["step"].nunique() > 1 else comms  # as bucket_counts
     per_step_buckets = bucket_counts(comms).median()
-    mean_bytes = later["bucket_bytes"].mean()
+    mean_bytes = bucket_rows(comms)["bucket_bytes"].mean()
     sized = pd.notna(mean_bytes)  # a gloo trace's collectives may name no size
     if per_step_buckets <= FEW_BUCKETS and share >= COMM_SHARE_WARN / 2 and worth_time(exposed_ms, step_ms):
         findings.append(finding("bucket_size", "info", None, "all gradients travel in one bucket",
