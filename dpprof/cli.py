@@ -395,11 +395,11 @@ def _cmd_import(args: argparse.Namespace) -> int:
 def _cmd_runs(args: argparse.Namespace) -> int:
     from dpprof.store.reader import checks_under_their_runs, list_runs, reports_dir, reports_dir_problem
 
-    runs = list_runs(args.reports_dir)
     problem = reports_dir_problem(args.reports_dir)
     if problem is not None:  # a file given for the directory: not "no runs yet"
         print(f"dpprof: {problem}", file=sys.stderr)
         return EXIT_FAILURE
+    runs = list_runs(args.reports_dir)
     if runs.empty:
         where = reports_dir(args.reports_dir)
         # a directory that is not there yet is said by its path: a mistyped --reports-dir is seen at once
