@@ -294,11 +294,14 @@ def test_a_ddp_runs_file_says_nothing_of_fsdp(runs, tmp_path):
 def test_a_ddp_run_whose_process_group_named_no_backend_reads_back_with_its_all_reduces(tmp_path):
     """A process group made without naming a backend stores what torch says of it ("undefined", or one per device
     type): its all-reduces are written as torch names them on its ranks' device (gloo:all_reduce on CPUs), so they
-    read back (they were written as a name no import reads, and the run read back had no collective)."""
+    read back (they were written as a name no import reads, and the run read back had no collective).
+    The GPU is hidden from the ranks: where torch sees one, a group made without a backend is NCCL's alone (torch
+    2.11 on an H100: "No backend type associated with device type cpu"), and this CPU script cannot run at all."""
     reports = tmp_path / "reports"
     for out in forked.run_ranks(2, ["-m", "dpprof", "--reports-dir", str(reports), "run", str(STRAGGLER), "--steps", "4",
                                     "--load-ms", "5", "--no-backend"],
-                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}):
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+                                     "CUDA_VISIBLE_DEVICES": ""}):
         assert out.returncode == 0, out.stderr[-3000:]
     [run_id] = dpprof.list_runs(reports)["id"]
     run = dpprof.load_run(run_id, reports)
