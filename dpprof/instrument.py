@@ -40,7 +40,7 @@ from dpprof.parallel.probe import iter_tensors
 from dpprof.parallel.workers import on_worker_thread
 from dpprof.recording import CLOSE_HOOKS, Run, record
 
-__all__ = ["instrument", "NO_PARALLEL_NOTE", "NO_OPTIMIZER_NOTE", "SPAWNED_NOTE"]
+__all__ = ["instrument", "NO_PARALLEL_NOTE", "NO_OPTIMIZER_NOTE", "SPAWNED_NOTE", "FAILED_BUILD_NOTE"]
 
 NO_OPTIMIZER_NOTE = ("no torch.optim optimizer stepped, so no step ended: the {:,} backward passes were taken for "
                      "gradient accumulation in few steps. A script that updates its weights by hand has no step "
@@ -56,6 +56,8 @@ SPAWNED_NOTE = ("the script built no DataParallel, DistributedDataParallel or FS
                 "{} of its own ({}), which dpprof run does not reach: nothing was recorded. Start the ranks with "
                 "torchrun (torchrun --nproc_per_node=N -m dpprof run train.py), or record in each with "
                 "dpprof.instrument or dpprof.record")
+# the same, where what the script built raised as it was built (FSDP1 with no accelerator, DDP with no process group)
+FAILED_BUILD_NOTE = "the script's {} raised as it was built (the run's error says why): nothing was recorded"
 _DATALOADER_WORKER = "torch.utils.data._utils.worker._worker_loop"  # a DataLoader's worker: builds no model
 
 # torch.nn.parallel.data_parallel is also the name of the function, so the modules are looked up
@@ -75,6 +77,18 @@ _NAMES = {
 }
 
 _session: _Session | None = None
+
+
+@contextmanager
+def _building(name: str) -> Iterator[None]:
+    """Around a stand-in's construction: where torch's constructor raises, the session notes what (the run's empty
+    note names it, not "built nothing")."""
+    try:
+        yield
+    except BaseException:
+        if _session is not None:
+            _session.failed_builds.append(name)
+        raise
 
 
 class _StandIn(type):
@@ -136,7 +150,8 @@ class DataParallel(_SessionForward, _DataParallel, metaclass=_StandIn):
             device_ids, output_device = workers, None
         elif not torch.cuda.is_available() and not is_cpu_worker_list(device_ids):
             device_ids = output_device = None  # torch's pass-through: with no GPU, its device_ids are not looked at
-        super().__init__(module, device_ids, output_device, dim)
+        with _building("DataParallel"):
+            super().__init__(module, device_ids, output_device, dim)
         self.__dict__["_dpprof_cpu_workers"] = workers is not None
         if session is not None:
             session.built()
@@ -172,7 +187,8 @@ class DistributedDataParallel(_SessionForward, _ddp.DistributedDataParallel, met
     _dpprof_original = _TORCH_DDP
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        with _building("DistributedDataParallel"):
+            super().__init__(*args, **kwargs)
         session = _session
         if session is not None:
             session.built()
@@ -240,7 +256,8 @@ def _torch_fully_shard() -> Any:
 def fully_shard(*args: Any, **kwargs: Any) -> Any:
     """torch.distributed.fsdp.fully_shard inside an instrument block: torch's, the run started at its first call
     (under torchrun, when the process group is up); dpprof.parallel.fsdp records the steps."""
-    module = _torch_fully_shard()(*args, **kwargs)
+    with _building("fully_shard"):
+        module = _torch_fully_shard()(*args, **kwargs)
     session = _session
     if session is not None:
         session.built()
@@ -305,6 +322,7 @@ class _Session:
         self.started = False  # a start was tried (it may have failed)
         self.stopped = False  # recording ended before the block did (--steps, or a failure)
         self.built_any = False
+        self.failed_builds: list[str] = []  # what the script's constructors raised in (DataParallel, fully_shard)
         self.started_processes: list[str] = []  # what each process the script started runs (DataLoader workers not)
         self.optimizer_seen = False
         self.backward_seen = False
@@ -408,7 +426,8 @@ class _Session:
 
         @functools.wraps(original)
         def __init__(module: Any, *args: Any, **kwargs: Any) -> None:
-            original(module, *args, **kwargs)
+            with _building("FullyShardedDataParallel"):
+                original(module, *args, **kwargs)
             session = _session
             if session is not None:
                 session.built()
@@ -468,7 +487,8 @@ class _Session:
             self.run.note("dpprof", NO_OPTIMIZER_NOTE.format(self.backwards), tell=False)
         # nothing built, and no step from a dpprof.DataParallel the script made itself: say why the run is empty
         if self.run is not None and not self.built_any and not self.run.steps_started:
-            self.run.note("dpprof", _nothing_built(self.started_processes, self.own_runs), tell=False)
+            self.run.note("dpprof", _nothing_built(self.started_processes, self.own_runs, self.failed_builds),
+                          tell=False)
         recording, self._recording = self._recording, None
         if isinstance(exc, SystemExit) and exc.code in (None, 0):
             exc = None
@@ -588,10 +608,13 @@ def instrumented(record_args: dict[str, Any] | None, cpu_workers: int | None = N
             session.finish(error)
 
 
-def _nothing_built(started: list[str], own_runs: Sequence[str] = ()) -> str:
-    """Why a run recorded nothing: the script built nothing, recorded itself, or built it in processes of its own."""
+def _nothing_built(started: list[str], own_runs: Sequence[str] = (), failed: Sequence[str] = ()) -> str:
+    """Why a run recorded nothing: the script built nothing, recorded itself, built it in processes of its own, or
+    what it built raised."""
     if own_runs:
         return OWN_RUN_NOTE.format(", ".join(own_runs))
+    if failed:
+        return FAILED_BUILD_NOTE.format(" and ".join(dict.fromkeys(failed)))
     if not started:
         return NO_PARALLEL_NOTE
     spawn = [w for w in started if w.startswith("torch.multiprocessing.spawn.")]

@@ -21,7 +21,7 @@ from torch import nn
 import dpprof
 from dpprof.cli import main
 from dpprof.device_ids import DeviceSet
-from dpprof.instrument import _TORCH_DP, NO_PARALLEL_NOTE, SPAWNED_NOTE, instrument
+from dpprof.instrument import _TORCH_DP, FAILED_BUILD_NOTE, NO_PARALLEL_NOTE, SPAWNED_NOTE, instrument
 from recorded import assert_phases_inside_steps, train_distillation, train_gan
 
 pytestmark = pytest.mark.slow  # most tests run `dpprof run` (or torchrun) in a fresh process that imports torch
@@ -200,6 +200,23 @@ def test_a_script_that_builds_no_data_parallel_says_so_and_keeps_its_exit_code()
     assert out.returncode == 3 and out.stdout == "sum 3.0\n"
     run = _only_run()
     assert NO_PARALLEL_NOTE in run.notes["message"].tolist() and run.steps.empty
+
+
+@pytest.mark.parametrize("build", ["torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))",
+                                   "torch.distributed.fsdp.FullyShardedDataParallel(torch.nn.Linear(2, 2))"],
+                         ids=["ddp", "fsdp1"])
+def test_a_script_whose_data_parallel_raises_as_it_is_built_is_told_so_not_that_it_built_none(tmp_path, build):
+    """DDP and FSDP1 built with no process group raise in torch's constructor: the run fails with that error, and its
+    note names what raised as it was built (it said the script built no DataParallel, DDP or FSDP)."""
+    script = tmp_path / "raises.py"
+    script.write_text(f"import torch, torch.distributed.fsdp\n{build}\n")
+    out = _dpprof_run(script)
+    assert out.returncode == 1 and "Error" in out.stderr.splitlines()[-1]
+    run = _only_run()
+    name = build.split("(")[0].rsplit(".", 1)[1]
+    assert run.meta["status"] == "failed" and run.steps.empty
+    assert run.notes["message"].tolist().count(FAILED_BUILD_NOTE.format(name)) == 1
+    assert NO_PARALLEL_NOTE not in run.notes["message"].tolist()
 
 
 def test_a_script_that_trains_in_spawned_processes_is_told_they_are_out_of_reach():
