@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 from pathlib import Path
 
 import forked
@@ -207,3 +208,21 @@ def test_streamed_matching_holds_one_rank_at_a_time_and_reports_uneven_counts():
         (1, 1, "reduce-scatter"): 0.5}
     assert any("different numbers of collectives" in n and "rank 1: 2" in n for n in waits.notes)
     assert any("one rank alone" in n for n in waits.notes)
+
+
+def test_a_rank_profiled_over_fewer_steps_is_costed_over_its_own_steps(tmp_path):
+    """A job whose rank 1 profiled 4 of the 7 steps rank 0 did (another profiler schedule): the data finding of rank 1
+    costs its wait over rank 1's own steps past the first (it gave the job's longest rank's, 6)."""
+    _ranks(2, "--steps", "7", "--load-ms", "30", "--window", "1:4", "--trace", str(tmp_path), "--stem", "window")
+    reports = tmp_path / "reports"
+    run = dpprof.load_run(import_traces(sorted(tmp_path.glob("window-rank*.json")), reports).id, reports)
+    steps = run.steps.groupby("rank")["step"].nunique()
+    assert steps.to_dict() == {0: 7, 1: 4}
+    table = run_findings(run).table
+    data = table[table["kind"] == "data_loading"].set_index("device")["evidence"]
+    for rank, whose in ((0, "the run's"), (1, "rank:1's")):
+        later = steps[rank] - 1
+        ms, total_s = re.search(r"costs ([\d.]+) ms a step, ([\d.]+) s over", data[f"rank:{rank}"]).groups()
+        assert f"({later} steps, the first left out)" in data[f"rank:{rank}"]
+        assert f"over {whose} {later} steps" in data[f"rank:{rank}"]
+        assert float(total_s) == pytest.approx(float(ms) * later / 1e3, abs=0.006)

@@ -90,8 +90,10 @@ def data_loading(t: Tables) -> list[dict]:
         data_ms, mean_step = float(col.mean()), float(step_ms.mean())
         if share <= DATA_SHARE_WARN or not worth_time(data_ms, mean_step):
             continue
+        # a rank whose trace holds fewer steps than the job's longest (its profiler's window): over its own steps
+        whose = "the run's" if len(col) == t.later_step_count else f"{device}'s"
         evidence = (f"loading the batch takes {data_ms:.2f} ms of a {mean_step:.2f} ms step on average "
-                    f"({plural(len(col), 'step')}, the first left out): it {cost_text(data_ms, t.later_step_count)}")
+                    f"({plural(len(col), 'step')}, the first left out): it {cost_text(data_ms, len(col), whose)}")
         advice = ("The step waits for its input: load in DataLoader worker processes (num_workers=4 or more, "
                   "persistent_workers=True), with pin_memory=True, and move decoding and augmentation there or to the "
                   "GPU.")

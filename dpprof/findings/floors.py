@@ -54,10 +54,10 @@ def worth_bytes(cost_bytes: float) -> bool:
     return bool(pd.notna(cost_bytes) and cost_bytes >= MEMORY_FLOOR_BYTES)
 
 
-def cost_text(ms_per_step: float, steps: int) -> str:
-    """"costs 1.20 ms a step, 3.6 s over the run's 3,000 steps"."""
+def cost_text(ms_per_step: float, steps: int, whose: str = "the run's") -> str:
+    """"costs 1.20 ms a step, 3.6 s over the run's 3,000 steps" (``whose``: "rank:1's", for a rank with fewer)."""
     total_s = ms_per_step * steps / 1e3
-    return f"costs {ms_per_step:.2f} ms a step, {total_s:,.{1 if total_s >= 1 else 2}f} s over the run's {steps:,} steps"
+    return f"costs {ms_per_step:.2f} ms a step, {total_s:,.{1 if total_s >= 1 else 2}f} s over {whose} {steps:,} steps"
 
 
 @dataclass(frozen=True)

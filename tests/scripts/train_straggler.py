@@ -19,6 +19,8 @@ parser.add_argument("--delay", default=None, metavar="RANK:MS", help="RANK loads
 parser.add_argument("--fsdp", action="store_true")
 parser.add_argument("--trace", default=None, metavar="DIR")
 parser.add_argument("--stem", default="straggler")
+parser.add_argument("--window", default=None, metavar="RANK:STEPS", help="RANK's profiler is active for STEPS steps "
+                    "of the --steps the others profile (its trace holds fewer steps)")
 parser.add_argument("--no-backend", action="store_true", help="init_process_group() naming no backend (torch's "
                     "default for each device type)")
 args = parser.parse_args()
@@ -40,6 +42,7 @@ else:
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 batches = torch.Generator().manual_seed(rank)
 delay_rank, delay_ms = (int(x) for x in args.delay.split(":")) if args.delay else (-1, 0)
+window_rank, window = (int(x) for x in args.window.split(":")) if args.window else (-1, 0)
 load_s = (args.load_ms + (delay_ms if rank == delay_rank else 0)) / 1e3
 
 
@@ -53,7 +56,8 @@ def step() -> None:
 
 if args.trace:
     out = Path(args.trace) / f"{args.stem}-rank{rank}.pt.trace.json"
-    with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=args.steps, repeat=1),
+    with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=window if rank == window_rank else args.steps,
+                                       repeat=1),
                  on_trace_ready=lambda p: p.export_chrome_trace(str(out))) as prof:
         for _ in range(args.steps + 1):
             step()
