@@ -131,7 +131,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         # error): one line, as any failure; its run is kept, failed, with the steps before it (dpprof.record)
         from dpprof.plaintext import error_line
 
-        print(f"dpprof: the workload failed while training: {error_line(err)}", file=sys.stderr)
+        say(f"the workload failed while training: {error_line(err)}")
         print(f"  dpprof show {profile.run_id}", file=sys.stderr)
         return EXIT_FAILURE
     if run.recording_failed:  # training finished; the one line on stderr said what was not recorded
@@ -155,7 +155,7 @@ def _profile_ddp(profile: Profile, quiet: bool) -> int:
     except LaunchError as err:
         bar.close()
         print("\n".join(err.lines), file=sys.stderr)
-        print(f"dpprof: {err}; the ranks' records so far are kept", file=sys.stderr)
+        say(f"{err}; the ranks' records so far are kept")
         return EXIT_FAILURE
     bar.close()
     print(f"recorded run {run_id} ({profile.steps} steps on {profile.nproc} ranks)")
@@ -167,7 +167,7 @@ def _profile_ddp(profile: Profile, quiet: bool) -> int:
     notes = load_run(run_id, profile.reports_dir).notes
     missed = notes[(notes["source"] == "capture") & notes["message"].str.contains(NOT_STORED, regex=False)]
     for rank, message in zip(missed["rank"], missed["message"]):  # each rank's line (its own stderr went unread)
-        print(f"dpprof: rank {rank}: {message}", file=sys.stderr)
+        say(f"rank {rank}: {message}")
     # a deep capture asked for and not stored on some rank: the run is kept, the command failed
     return EXIT_FAILURE if len(missed) else EXIT_OK
 
@@ -277,10 +277,10 @@ def _cmd_capture(args: argparse.Namespace) -> int:
                   file=sys.stderr, flush=True)
         answer = wait_for_answer(asked, args.timeout)
     except CaptureError as err:
-        print(f"dpprof: {err}", file=sys.stderr)
+        say(str(err))
         return EXIT_FAILURE
     if answer.error is not None:
-        print(f"dpprof: run {run.id}: {answer.error}", file=sys.stderr)
+        say(f"run {run.id}: {answer.error}")
         return EXIT_FAILURE
     traces = [os.path.join(asked.directory, t) for t in (answer.traces or [answer.trace]) if t]
     got = (answer.end_step or 0) - (answer.first_step or 0)
@@ -382,7 +382,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
             for bar in bars.values():
                 bar.close()
     except TraceError as err:
-        print(f"dpprof: {err}", file=sys.stderr)
+        say(str(err))
         return EXIT_FAILURE
     print(f"imported run {run.id} ({plural(run.steps, 'step')}, {', '.join(run.devices)}) in "
           f"{', '.join(str(p) for p in run.paths)}")
@@ -397,7 +397,7 @@ def _cmd_runs(args: argparse.Namespace) -> int:
 
     problem = reports_dir_problem(args.reports_dir)
     if problem is not None:  # a file given for the directory: not "no runs yet"
-        print(f"dpprof: {problem}", file=sys.stderr)
+        say(str(problem))
         return EXIT_FAILURE
     runs = list_runs(args.reports_dir)
     if runs.empty:
@@ -598,7 +598,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     for path in [*csvs, *traces]:
         print(path)
     if note:
-        print(f"dpprof: {note}", file=sys.stderr)
+        say(str(note))
     return EXIT_OK
 
 
@@ -662,14 +662,14 @@ def _detail_run(args: argparse.Namespace) -> object:
     run = load_run(args.run, args.reports_dir)
     why = detail_missing(run)
     if why is not None:
-        print(f"dpprof: run {run.id}: {why}", file=sys.stderr)
+        say(f"run {run.id}: {why}")
         return None
     ranked = re.fullmatch(r"rank:(\d+)", args.device or "")
     if ranked and args.device not in set(run.operators()["device"]):
         # --device rank:N names a rank, whatever its device is called in its tables (cpu:0, cuda:0); an imported
         # trace's tables may call their devices rank:N themselves
         if args.rank is not None and args.rank != int(ranked.group(1)):
-            print(f"dpprof: --device {args.device} and --rank {args.rank} name two ranks", file=sys.stderr)
+            say(f"--device {args.device} and --rank {args.rank} name two ranks")
             return None
         args.rank, args.device = int(ranked.group(1)), None
     held = run.model.ranks or (0,)  # a one-file run's tables are rank 0's
@@ -681,7 +681,7 @@ def _detail_run(args: argparse.Namespace) -> object:
     try:
         listed, chosen = captures(run), chosen_capture(run)
     except ValueError as err:
-        print(f"dpprof: {err}", file=sys.stderr)
+        say(str(err))
         return None
     named = detail_devices(run, args.rank) if args.device is not None else []
     if args.device is not None and args.device not in named:  # as a rank: not "no kernels in this run"
@@ -754,7 +754,7 @@ def _ops_vs(args: argparse.Namespace, run: object) -> int:
             return EXIT_FAILURE
         why = detail_missing(other)
         if why is not None:
-            print(f"dpprof: run {other.id}: {why}", file=sys.stderr)
+            say(f"run {other.id}: {why}")
             return EXIT_FAILURE
         pick_a, label_a = Pick(), str(other.meta.get("name") or other.id)
     label_b = pick_b.label(run) if other is run or args.device or args.rank is not None \
@@ -875,7 +875,7 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     try:
         m = measure(run)
     except NotAdvisable as err:
-        print(f"dpprof: {err}", file=sys.stderr)
+        say(str(err))
         return EXIT_FAILURE
     calibration, _ = calibration_for(m)
     if m.backend == "cpu" and (args.calibrate or calibration is None):
@@ -899,7 +899,7 @@ def _cmd_advise(args: argparse.Namespace) -> int:
                    compute=_measure_compute(m, args.batch_sizes, calibration,
                                             progress=not args.json and sys.stderr.isatty()))
     if view.advice is None:
-        print(f"dpprof: {view.reason}", file=sys.stderr)
+        say(view.reason)
         return EXIT_FAILURE
     checked = None
     if args.check:
@@ -911,7 +911,7 @@ def _cmd_advise(args: argparse.Namespace) -> int:
         try:  # a directory the check's runs cannot go to: the line a run would give, before any scenario runs
             check_reports_dir(out_dir)
         except RecordingError as err:
-            print(f"dpprof: --check-dir: {err}", file=sys.stderr)
+            say(f"--check-dir: {err}")
             return EXIT_FAILURE
         def progress(scenario: Scenario, profile: Profile | None) -> None:
             """The command each check runs (its steps at most CHECK_MAX_STEPS), as it starts."""
@@ -966,7 +966,7 @@ def _measure_compute(m: Measured, batch_sizes: list[int] | None, calibration: Ca
         try:
             save_compute(probe)
         except OSError as err:
-            print(f"dpprof: the measure was not cached ({error_line(err)})", file=sys.stderr)
+            say(f"the measure was not cached ({error_line(err)})")
     return probe
 
 
@@ -1182,12 +1182,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         _quiet_stdout()
         return EXIT_OK
     except (RunFileError, RecordingError, OutputError) as err:  # one line: what could not be read or written, why
-        print(f"dpprof: {err}", file=sys.stderr)
+        say(str(err))
         return EXIT_FAILURE
     except KeyboardInterrupt:  # a run being recorded said what it kept
         print("dpprof: interrupted", file=sys.stderr)
         return EXIT_FAILURE
     return EXIT_OK
+
+
+def say(message: str) -> None:
+    """One line on stderr: ``dpprof: message``, a line break inside it (a file named with one) written as ``\\n``."""
+    print(f"dpprof: {one_line(message)}", file=sys.stderr)
+
+
+def one_line(message: str) -> str:
+    """``message`` on one line: a line break inside it (a file named with one) written as ``\\n``, as Python writes it.
+
+    Example:
+        >>> print(one_line("the reports directory /tmp/a\\nb is a file"))
+        the reports directory /tmp/a\\nb is a file
+    """
+    return message.replace("\r", "\\r").replace("\n", "\\n")
 
 
 def _quiet_stdout() -> None:

@@ -389,6 +389,20 @@ def test_a_run_file_given_as_the_reports_directory_is_said_never_no_runs_yet(tmp
     assert main(["--reports-dir", str(tmp_path / "none yet"), "runs"]) == 0  # no directory yet: no runs yet
     assert f"no runs yet ({tmp_path / 'none yet'} does not exist)" in capsys.readouterr().out  # a typo is seen
 
+def test_a_file_named_with_a_line_break_is_said_in_one_line(tmp_path, capsys):
+    """A reports directory and a trace whose names hold a line break: each error is one line, the break written as
+    Python writes it (it split the error over two lines)."""
+    odd = tmp_path / "a\nb"
+    odd.write_text('{"traceEvents": [')
+    assert main(["--reports-dir", str(odd), "runs"]) == 1
+    escaped = str(odd).replace("\n", "\\n")
+    assert capsys.readouterr().err == f"dpprof: the reports directory {escaped} is an existing file, not a directory\n"
+    assert main(["--reports-dir", str(tmp_path / "reports"), "import", str(odd)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("dpprof: a\\nb: not JSON"), err
+    assert odd.read_text() == '{"traceEvents": ['
+
+
 def test_check_takes_one_worker_named_cpu0_and_asks_every_worker_named_for_cpu_n(capsys):
     assert main(["check", "--device-ids", "cpu:0", "--batch-size", "10"]) == 0
     assert capsys.readouterr().out.startswith("checked 1 CPU worker, cpu:0, on ")
