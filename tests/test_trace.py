@@ -381,6 +381,17 @@ def test_a_trace_imported_already_is_refused_naming_its_run_until_asked_again(re
     assert f"was imported already as runs {min(first, second)}, {last} (dpprof show {last})" in str(twice.value)
 
 
+def test_one_path_given_alone_is_one_trace_not_a_file_per_character(reports):
+    # a str is a Sequence of str: it read as the files "/", "t", "m", ... ("t: no such file or directory")
+    listed = dpprof.load_run(import_traces([DDP2], reports).id, reports)
+    for alone in (str(DDP2), DDP2):
+        run = dpprof.load_run(import_traces(alone, reports, again=True).id, reports)
+        assert run.steps["duration_ms"].tolist() == listed.steps["duration_ms"].tolist()
+        assert run.meta["devices"] == listed.meta["devices"]
+    with pytest.raises(TraceError, match=f"^{re.escape(str(TRACES / 'nope.json'))}: no such file or directory$"):
+        import_traces(str(TRACES / "nope.json"), reports)
+
+
 def test_files_of_one_job_imported_already_all_or_some_are_refused_naming_which(reports):
     rank0 = import_traces(DDP128[:1], reports).id
     with pytest.raises(AlreadyImported) as some:

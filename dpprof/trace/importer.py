@@ -217,7 +217,7 @@ def _created_at(c: Collected, first_us: float) -> str:
     return datetime.now(timezone.utc).isoformat()
 
 
-def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | os.PathLike[str] | None = None,
+def import_traces(sources: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], reports_dir: str | os.PathLike[str] | None = None,
                   name: str | None = None, progress: Callable[[int], None] | None = None,
                   again: bool = False, jobs: int | None = None,
                   file_progress: Callable[[Path, int], None] | None = None) -> ImportedRun:
@@ -225,7 +225,7 @@ def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | 
 
     Args:
         sources: trace files (``.json``, ``.json.gz``) or directories of them; several files are the
-            ranks of one job.
+            ranks of one job. One path alone (a str or a Path) is one source, not a sequence of characters.
         reports_dir: where the run goes (default: $DPPROF_REPORTS, else ./reports).
         name: the run's name (default: for files ``dpprof export`` wrote, the name of the run they hold; else the
             first file's name).
@@ -249,7 +249,8 @@ def import_traces(sources: Sequence[str | os.PathLike[str]], reports_dir: str | 
         >>> run = import_traces(["rank0.pt.trace.json.gz", "rank1.pt.trace.json.gz"], name="baseline")
         >>> dpprof.load_run(run.id).comms
     """
-    paths = trace_files(sources)
+    # a str is a Sequence of str: one path given alone would read as a file per character ("r: no such file")
+    paths = trace_files([sources] if isinstance(sources, (str, os.PathLike)) else sources)
     if not paths:
         raise TraceError("no trace files given")
     directory = resolve_reports_dir(reports_dir)
