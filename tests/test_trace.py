@@ -235,8 +235,9 @@ def test_memory_events_give_the_allocator_peak_per_step(reports):
     assert "running sum" in " ".join(run.notes["message"])
 
 
-def _profile_dataparallel(reports: Path, out: Path, workers: int = 2):
-    """Six steps of a dpprof.DataParallel on CPU workers, recorded by dpprof and by torch.profiler at once."""
+def _profile_dataparallel(reports: Path, out: Path, workers: int = 2, all_threads: bool = True):
+    """Six steps of a dpprof.DataParallel on CPU workers, recorded by dpprof and by torch.profiler at once (on
+    every thread, or as torch.profiler does by default, on the calling thread only)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
@@ -244,8 +245,8 @@ def _profile_dataparallel(reports: Path, out: Path, workers: int = 2):
                               device_ids=dpprof.cpu_devices(workers))
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     with dpprof.record(name="profiled", reports_dir=str(reports)) as run:
-        with profile(activities=[ProfilerActivity.CPU],
-                     experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)) as prof:
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True) if all_threads else None
+        with profile(activities=[ProfilerActivity.CPU], experimental_config=config) as prof:
             for _ in range(6):
                 with run.step():
                     loss = net(torch.randn(64, 64)).sum()
@@ -287,6 +288,25 @@ def test_a_profiled_dpprof_dataparallel_round_trips_to_its_own_records(workers, 
     assert later(imported) == pytest.approx(later(recorded), rel=0.05)
     assert "k-th dpprof.apply" in " ".join(imported.notes["message"])
 
+
+
+def test_a_dpprof_dataparallel_profiled_on_its_calling_thread_only_says_its_applies_are_not_in_the_trace(reports,
+                                                                                                        tmp_path):
+    # torch.profiler's default: the replicas' threads, and their dpprof.apply ranges, are not in the trace. The
+    # run said the k-th dpprof.apply was device k, and that the steps had no DataParallel.forward (they have)
+    _profile_dataparallel(reports, tmp_path / "calling-thread.json", 2, all_threads=False)
+    doc = json.loads((tmp_path / "calling-thread.json").read_text())
+    names = [e.get("name") for e in doc["traceEvents"]]
+    assert "dpprof.parallel_apply" in names and "DataParallel.forward" in names and "dpprof.apply" not in names
+    run = dpprof.load_run(import_traces([tmp_path / "calling-thread.json"], reports).id, reports)
+    notes = " ".join(run.notes["message"])
+    assert "k-th dpprof.apply" not in notes
+    assert "no dpprof.apply" in notes and "profile_all_threads=True" in notes
+    assert run.model.work.label == "apply"
+    assert run.model.missing["work"].startswith("The trace has no dpprof.apply ranges")
+    assert "profile_all_threads=True" in run.model.missing["work"]
+    assert "no forward range" not in run.model.missing["work"]
+    assert set(run.phases["phase"]) == {"scatter", "replicate", "parallel_apply", "gather", "backward"}
 
 BAD = {
     "not-json.json": lambda p: p.write_text("this is not json\n"),

@@ -61,6 +61,8 @@ class Work:
 
 
 DATAPARALLEL_WORK = Work(("apply",), "apply", "apply")
+# how to profile the threads that run a DataParallel's replicas: torch.profiler records only the calling thread
+PROFILE_ALL_THREADS = "experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)"
 # A process's work (a DDP rank, an imported trace): what it computes, whichever of the two it recorded.
 PROCESS_WORK = Work(("forward", "backward_compute"), "forward + backward compute", "compute")
 # An FSDP rank's: its forward and backward, which hold FSDP's exposed collectives and copies (the step partition,
@@ -296,7 +298,9 @@ def _nonempty_tables(run: StoredRun) -> set[str]:
 def _work(phases: list[str], kind: str) -> Work:
     """Each device's own share of a step in this kind's terms: DataParallel's apply; a process's forward and
     backward compute (whichever of the two it recorded; both where it recorded neither, said in ``missing``)."""
-    if "apply" in phases or kind in ("dataparallel", "balanced") or (kind == "empty" and "forward" not in phases):
+    # a profiled dpprof.DataParallel (its parallel_apply) is DataParallel's, its applies in the trace or not
+    if ("apply" in phases or "parallel_apply" in phases or kind in ("dataparallel", "balanced")
+            or (kind == "empty" and "forward" not in phases)):
         return DATAPARALLEL_WORK
     if kind == "fsdp" or set(FSDP_ONLY_PHASES) & set(phases):  # recorded, or dpprof's FSDP file read back
         return FSDP_WORK
@@ -374,7 +378,11 @@ def _missing(run: StoredRun, kind: str, has: set[str], backend: str | None, work
         out["comms"] = "No gradient all-reduce was recorded (one rank, or no backward yet)."
     if kind == "fsdp" and "comms" not in has:
         out["comms"] = "No all-gather or reduce-scatter was recorded (one rank: FSDP shards nothing)."
-    if "work" not in has and kind != "empty":
+    if "work" not in has and kind != "empty" and trace and work is DATAPARALLEL_WORK:
+        out["work"] = ("The trace has no dpprof.apply ranges: torch.profiler did not profile the threads that run "
+                       f"the replicas (it is thread-local; profile with {PROFILE_ALL_THREADS}), so there is no apply "
+                       "per device.")
+    elif "work" not in has and kind != "empty":
         out["work"] = (f"The trace's steps have no {work.label}: no forward range (DataParallel.forward, "
                        "DistributedDataParallel.forward) and no backward op in them, so there is no compute per "
                        f"{'rank' if kind == 'ddp' or run.ranks > 1 or run.meta.get('rank') is not None else 'device'}."

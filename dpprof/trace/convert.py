@@ -32,6 +32,7 @@ import pandas as pd
 
 from dpprof.records import (FSDP_ONLY_PHASES, PHASES, AllocatorRecord, CommRecord, DeviceRecord, GpuTimeRecord,
                             PhaseRecord, Record, StepRecord)
+from dpprof.store.model import PROFILE_ALL_THREADS
 from dpprof.stepmodel import GPU_PARTS, IDLE, part_names, partition
 from dpprof.trace.collect import GPU_KINDS, Collected, collective_name
 from dpprof.trace.detail import Detail, detail_tables
@@ -342,9 +343,15 @@ def convert(c: Collected, t0_us: float, rank: int | None) -> Converted:
         devices += [f"cpu:{i}" for i in range(len(devices), count)]
         label_of = {g: f"cuda:{g}" for g in gpus}
         out.dataparallel = "exact"
-        out.notes.append("phases are dpprof's own dpprof.* ranges (a profiled dpprof.DataParallel); the trace does "
-                         "not say which worker thread ran which replica, so the k-th dpprof.apply to start in a "
-                         "parallel_apply is device k (dpprof starts replica k's thread k-th)")
+        if applies:
+            out.notes.append("phases are dpprof's own dpprof.* ranges (a profiled dpprof.DataParallel); the trace "
+                             "does not say which worker thread ran which replica, so the k-th dpprof.apply to start "
+                             "in a parallel_apply is device k (dpprof starts replica k's thread k-th)")
+        else:  # torch.profiler is thread-local: the replicas' threads, and their dpprof.apply ranges, were not profiled
+            out.notes.append(f"phases are dpprof's own dpprof.* ranges (a profiled dpprof.DataParallel), but the trace "
+                             f"has no dpprof.apply: torch.profiler did not profile the threads that run the replicas "
+                             f"(it is thread-local; {PROFILE_ALL_THREADS} profiles them), so each device's apply and the "
+                             f"number of devices are unknown: its parallel_apply is on {devices[0]}")
         out.records += _dataparallel_phases(c, windows, devices, ms)
     else:
         label = process_label(c, rank)
