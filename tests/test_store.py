@@ -27,7 +27,7 @@ from dpprof.store import writer
 from dpprof.store.collective_rows import rank_collectives
 from dpprof.store.writer import SqliteSink
 from dpprof.views.text import dropped_records
-from recorded import killed_child, record_until_killed
+from recorded import killed_child, record, record_until_killed
 
 
 def _record(steps=4, store=True, workers=2, name="run"):
@@ -338,3 +338,14 @@ def test_a_ddp_run_stores_what_its_collectives_are_and_an_older_file_reads_the_s
         pd.testing.assert_frame_equal(mine, theirs)
     assert read[old][2] == read[new][2]
     assert read[old][3] == read[new][3] and b"all-reduce" in read[old][3]["comms.csv"]
+
+
+def test_list_runs_and_load_run_take_reports_dir_by_name_as_the_docs_and_record_do(tmp_path, monkeypatch):
+    # their argument was named reports_dir_: dpprof.list_runs(reports_dir=...) as docs/api.md writes it was a TypeError
+    monkeypatch.setenv("DPPROF_REPORTS", str(tmp_path / "elsewhere"))
+    run = record(tmp_path, "by name", workers=2, steps=2, batch_size=8, workload="tutorial-linear")
+    assert dpprof.list_runs(reports_dir=tmp_path)["id"].tolist() == [run.id]
+    assert dpprof.load_run(run.id, reports_dir=tmp_path).meta["name"] == "by name"
+    assert dpprof.list_runs(tmp_path)["id"].tolist() == [run.id]  # by position, as before
+    with pytest.raises(RunFileError, match=f"no run 'nope' in {re.escape(str(tmp_path))}"):
+        dpprof.load_run("nope", reports_dir=tmp_path)

@@ -59,6 +59,10 @@ def reports_dir(path: str | os.PathLike[str] | None = None) -> Path:
     return Path(path if path is not None else os.environ.get("DPPROF_REPORTS", "reports"))
 
 
+# list_runs and load_run take ``reports_dir=`` as record, instrument and import_traces do: the name is their argument
+resolve_reports_dir = reports_dir
+
+
 def reports_dir_problem(path: str | os.PathLike[str] | None = None) -> str | None:
     """Why the reports directory (``reports_dir(path)``) can hold no runs although something is there ("the reports
     directory D is an existing file, not a directory"); None for a directory, or where nothing is (no runs yet)."""
@@ -587,7 +591,7 @@ def _missing_files(metas: list[dict[str, Any]]) -> str | None:
             f"{', '.join(map(str, held))}): the others were not written, gathered (dpprof merge) or published yet")
 
 
-def list_runs(reports_dir_: str | os.PathLike[str] | None = None) -> pd.DataFrame:
+def list_runs(reports_dir: str | os.PathLike[str] | None = None) -> pd.DataFrame:
     """Every run in the reports directory, one row each, and every unreadable file with its ``reason``.
 
     A torch.distributed run's rank files are one row (``ranks`` says how many); one holding fewer files than it
@@ -609,7 +613,7 @@ def list_runs(reports_dir_: str | os.PathLike[str] | None = None) -> pd.DataFram
 
     rows: list[dict[str, Any]] = []
     by_id: dict[str, list[tuple[Path, dict[str, Any], dict[str, Any]]]] = {}
-    for path in _candidates(reports_dir(reports_dir_)):
+    for path in _candidates(resolve_reports_dir(reports_dir)):
         try:
             meta, summary = _open(path)
         except RunFileError as err:
@@ -631,7 +635,7 @@ def list_runs(reports_dir_: str | os.PathLike[str] | None = None) -> pd.DataFram
                      "source": meta.get("source"), "reason": None})
     from dpprof.store.publish import interrupted
 
-    rows += interrupted(reports_dir(reports_dir_))  # imports and merges killed before they finished, with why
+    rows += interrupted(resolve_reports_dir(reports_dir))  # imports and merges killed before they finished, with why
     columns = ["id", "name", "status", "created_at", "ended_at", "duration_s", "backend", "devices",
                "workload", "steps", "ranks", "dropped_records", "error", "balanced", "check_of", "source", "path",
                "reason", "copy_of", "damage"]
@@ -686,7 +690,7 @@ def _resolve(run: str | os.PathLike[str], directory: Path) -> Path:
     raise RunFileError(f"no run {os.fspath(run)!r} in {directory} (dpprof runs lists them)")
 
 
-def load_run(run: str | os.PathLike[str], reports_dir_: str | os.PathLike[str] | None = None,
+def load_run(run: str | os.PathLike[str], reports_dir: str | os.PathLike[str] | None = None,
              read: str = "auto") -> StoredRun:
     """Open one run by id (or a unique id prefix) in the reports directory, or by path.
 
@@ -699,7 +703,7 @@ def load_run(run: str | os.PathLike[str], reports_dir_: str | os.PathLike[str] |
     """
     if read not in READS:
         raise ValueError(f"read must be one of {', '.join(READS)}, got {read!r}")
-    path = _resolve(run, reports_dir(reports_dir_))
+    path = _resolve(run, resolve_reports_dir(reports_dir))
     try:
         meta, _ = _open(path)
     except RunFileError as err:
