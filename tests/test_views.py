@@ -171,6 +171,23 @@ def test_compare_says_a_part_a_run_does_not_time_as_not_timed_never_zero(runs, t
         assert "Compute: " in said  # a part both time is still set side by side
 
 
+def test_compare_says_the_dataparallel_tax_a_run_has_and_the_other_lacks_as_the_tax_figure(runs, tmp_path):
+    """Against a run with no DataParallel tax (an imported trace), Compare's sentence states the DataParallel run's tax
+    as its row, the Overview and the tax finding do: per step past the first, over the mean step past the first. It
+    said the phase table's share over every step, one-time costs of the first step included (2.3% beside the 2.15 of
+    its own row)."""
+    trace = dpprof.load_run(import_traces([TRACES / "resnet50-1gpu-tb-sample.pt.trace.json.gz"], tmp_path).id,
+                            tmp_path)
+    plain = runs["plain"]
+    share, _ = _tax_of_records(plain)
+    for pair in ([plain, trace], [trace, plain]):
+        data = compare.compare(pair)
+        row = data.summary.set_index("id").loc[plain.id]
+        assert row["dp_tax_pct"] == pytest.approx(100 * share) == overview.overview(plain).tax_pct
+        assert (f"{run_label(trace.meta)} has no DataParallel tax (it does no scatter, replicate or gather): "
+                f"{run_label(plain.meta)}'s is {100 * share:.1f}% of the mean step past the first.") in data.differences
+
+
 def test_compare_says_first_when_runs_ran_different_workloads_or_did_not_finish(runs, tmp_path):
     """Two models' step times are not set side by side without a word; a failed run (with steps or none) is said
     failed; a run with no steps is said so in a sentence, and two such runs get one."""

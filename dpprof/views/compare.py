@@ -254,8 +254,12 @@ def _untimed(has: dict[str, Any], lacks: dict[str, Any]) -> list[str]:
     out = []
     if TAX in parts and lacks["dp_tax_pct"] is None:  # a kind with no scatter, replicate or gather at all
         parts.remove(TAX)
+        # the tax figure (Findings.tax: per step past the first), as the row, the Overview and the finding say it; the
+        # share of every step only where the run has no step past the first
+        said = (f"{has['dp_tax_pct']:.1f}% of the mean step past the first" if has["dp_tax_pct"] is not None
+                else f"{has[f'{TAX}_share_pct']:.1f}% of its step")
         out.append(f"{lacks['run']} has no DataParallel tax (it does no scatter, replicate or gather): "
-                   f"{has['run']}'s is {has[f'{TAX}_share_pct']:.1f}% of its step.")
+                   f"{has['run']}'s is {said}.")
     if not parts:
         return out
     words = [SHARED_PART_WORDS.get(p, p) for p in parts]
