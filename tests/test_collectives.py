@@ -62,6 +62,16 @@ def _assert_straggler(run: dpprof.StoredRun, rank: str) -> None:
     assert rows["device"].tolist() == [rank]
     assert rows["severity"].tolist() == [straggler_severity(verdict.wait_ms, verdict.step_ms)]  # the work-based rule's
     assert f"the others wait {verdict.wait_ms:.2f} ms per step for it" in rows["evidence"].iloc[0]
+    # the evidence's three figures agree: the wait is the others' median wait less the straggler's own, the two it
+    # states ("rank:1 waits 15.60 ms ..., the others 55.56 ms; the others wait 39.00 ms per step for it" said the
+    # median of the per-step differences), as the work-based verdict's wait is the difference of the medians it states
+    c = verdict.collectives
+    assert c.wait_ms == pytest.approx(c.others_wait_ms - c.own_wait_ms)
+    per = collective_waits(run.comms).per_step
+    table = per[per["step"] != run.steps["step"].min()].pivot_table(index="step", columns="rank", values="wait_ms")
+    slow = int(rank.split(":")[1])
+    assert c.own_wait_ms == pytest.approx(table[slow].median())
+    assert c.others_wait_ms == pytest.approx(table.drop(columns=slow).mean(axis=1).median())
     # the Overview's headline says the same verdict, with the same figures
     said = glance(run, found=found)
     assert said.slowest == rank and said.time_uneven and said.wait_ms == verdict.wait_ms
