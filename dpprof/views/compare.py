@@ -80,10 +80,11 @@ def compare_part(run: StoredRun, max_points: int = 1_000) -> ComparePart:
         # the tax finding's figure, per step past the first (Findings.tax), as the Overview says it
         "dp_tax_pct": 100 * findings.tax.share if findings.tax is not None else None,
         "work": found.work if found is not None else model.work.label,  # what imbalance_ratio is the medians of
-        # the straggler's ratio as the Overview says it where one is named; else the slowest by work (the verdict from
-        # the collectives names the rank that waits least, which an FSDP rank's work, its collectives inside, makes the
-        # fastest: 0.54x would read as a "slowest" device faster than the others)
-        "imbalance_ratio": (found.ratio if found.reported else found.found.ratio) if found is not None else None,
+        # the slowest device's by work (dpprof.findings.imbalance), the Overview's ratio for a straggler it names from the
+        # work: a rank named from the collectives is the one that waits least in them, and its own work may be the
+        # shortest (an FSDP rank's, its collectives inside, or a rank late outside its work): its ratio read 0.16x for a
+        # "slowest" device, and the Overview names such a rank with the others' wait, never a ratio
+        "imbalance_ratio": found.found.ratio if found is not None else None,
         "balanced": model.kind == "balanced",
         "memory": MEMORY_SOURCES[figure] if len(peaks) else None,  # what the *_peak_bytes figures are
         "fullest_device": peaks.loc[peak.idxmax(), "device"] if len(peaks) else None,

@@ -1,5 +1,6 @@
-"""A data-parallel script for torchrun (gloo) whose ranks spend a fixed time loading each batch, one rank longer: a
-straggler of known size. DistributedDataParallel, or FSDP2 (``--fsdp``: fully_shard on each Linear and the root).
+"""A data-parallel script for torchrun (gloo) whose ranks spend a fixed time loading each batch, one rank longer (or,
+with ``--delay-at optimizer``, that long between its backward and its optimizer step): a straggler of known size.
+DistributedDataParallel, or FSDP2 (``--fsdp``: fully_shard on each Linear and the root).
 ``--trace DIR``: profile each rank with torch.profiler (a schedule, so steps are ProfilerStep#N) and export
 DIR/<stem>-rank<N>.pt.trace.json, as a user would without dpprof."""
 import argparse
@@ -16,6 +17,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--load-ms", type=float, default=60.0, help="every rank's time to load a batch")
 parser.add_argument("--delay", default=None, metavar="RANK:MS", help="RANK loads each batch MS longer")
+parser.add_argument("--delay-at", choices=["load", "optimizer"], default="load", help="where RANK's delay is: in "
+                    "loading its batch, or after its backward, before its optimizer step (outside its work)")
 parser.add_argument("--fsdp", action="store_true")
 parser.add_argument("--trace", default=None, metavar="DIR")
 parser.add_argument("--stem", default="straggler")
@@ -43,7 +46,8 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 batches = torch.Generator().manual_seed(rank)
 delay_rank, delay_ms = (int(x) for x in args.delay.split(":")) if args.delay else (-1, 0)
 window_rank, window = (int(x) for x in args.window.split(":")) if args.window else (-1, 0)
-load_s = (args.load_ms + (delay_ms if rank == delay_rank else 0)) / 1e3
+late_s = (delay_ms if rank == delay_rank else 0) / 1e3
+load_s, before_optimizer_s = (args.load_ms / 1e3 + late_s, 0.0) if args.delay_at == "load" else (args.load_ms / 1e3, late_s)
 
 
 def step() -> None:
@@ -51,6 +55,7 @@ def step() -> None:
     x, y = torch.randn(32, 32, generator=batches), torch.randint(0, 4, (32,), generator=batches)
     optimizer.zero_grad()
     nn.functional.cross_entropy(model(x), y).backward()
+    time.sleep(before_optimizer_s)  # the host's own work between backward and the optimizer (clipping, logging)
     optimizer.step()
 
 
