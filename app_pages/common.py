@@ -29,7 +29,7 @@ from dpprof.views.text import display_table, dropped_records, finding_heading, r
 from dpprof.store import detail_rows
 from dpprof.store.faults import RecordingError
 from dpprof.store.files import dir_signature, run_signature
-from dpprof.store.reader import RunFileError, StoredRun, list_runs, load_run, reports_dir
+from dpprof.store.reader import LISTING_COLUMNS, RunFileError, StoredRun, list_runs, load_run, reports_dir
 from dpprof.store.staging import check_reports_dir
 from dpprof.trace.importer import LEGACY_WORKLOAD
 from dpprof.units import plural
@@ -47,7 +47,10 @@ DEMO_ARGS = {"workload": "cifar-lenet", "devices": "cpu:2", "steps": 30, "name":
 
 @st.cache_data(ttl=LISTING_TTL_S, show_spinner=False)
 def _listing(directory: str, signature: tuple) -> pd.DataFrame:
-    return list_runs(directory)
+    try:
+        return list_runs(directory)
+    except RunFileError:  # a file where the directory should be: the Runs page says so (reports_dir_problem)
+        return pd.DataFrame(columns=LISTING_COLUMNS)
 
 
 def listing() -> pd.DataFrame:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from dataclasses import astuple
+from pathlib import Path
 
 import forked
 import pandas as pd
@@ -349,3 +350,15 @@ def test_list_runs_and_load_run_take_reports_dir_by_name_as_the_docs_and_record_
     assert dpprof.list_runs(tmp_path)["id"].tolist() == [run.id]  # by position, as before
     with pytest.raises(RunFileError, match=f"no run 'nope' in {re.escape(str(tmp_path))}"):
         dpprof.load_run("nope", reports_dir=tmp_path)
+
+
+def test_list_runs_of_a_file_given_for_the_reports_directory_says_so_and_leaves_it(tmp_path):
+    """A run's own file given as the reports directory: list_runs raises what `dpprof runs` says (it returned no runs
+    without a word); a directory not made yet is still no runs."""
+    run = record(tmp_path, "kept", workers=2, steps=2, batch_size=8, workload="tutorial-linear")
+    before = Path(run.path).read_bytes()
+    with pytest.raises(RunFileError) as err:
+        dpprof.list_runs(run.path)
+    assert str(err.value) == f"the reports directory {run.path} is an existing file, not a directory"
+    assert Path(run.path).read_bytes() == before
+    assert dpprof.list_runs(tmp_path / "not yet").empty

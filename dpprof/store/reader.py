@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from dpprof.store.model import RunModel
 
 __all__ = ["RUN_SUFFIX", "list_runs", "read_run_file", "checks_under_their_runs", "load_run", "StoredRun", "RunFileError",
-           "reports_dir", "reports_dir_problem", "HEARTBEAT_TIMEOUT_S", "FULL_DISK_FREE_BYTES", "CHECKED_TABLES", "why_not_regular", "file_damage",
+           "reports_dir", "reports_dir_problem", "LISTING_COLUMNS", "HEARTBEAT_TIMEOUT_S", "FULL_DISK_FREE_BYTES", "CHECKED_TABLES", "why_not_regular", "file_damage",
            "effective_status", "integrity_problem", "named_collectives"]
 
 RUN_SUFFIX = ".sqlite"
@@ -591,6 +591,11 @@ def _missing_files(metas: list[dict[str, Any]]) -> str | None:
             f"{', '.join(map(str, held))}): the others were not written, gathered (dpprof merge) or published yet")
 
 
+LISTING_COLUMNS = ["id", "name", "status", "created_at", "ended_at", "duration_s", "backend", "devices", "workload",
+                   "steps", "ranks", "dropped_records", "error", "balanced", "check_of", "source", "path", "reason",
+                   "copy_of", "damage"]  # list_runs' columns
+
+
 def list_runs(reports_dir: str | os.PathLike[str] | None = None) -> pd.DataFrame:
     """Every run in the reports directory, one row each, and every unreadable file with its ``reason``.
 
@@ -607,10 +612,16 @@ def list_runs(reports_dir: str | os.PathLike[str] | None = None) -> pd.DataFrame
         ("trace" for an imported trace, else None), path, reason (why the file is no readable run; None for
         readable runs), copy_of (for a file holding a copy of another run's file: that run's id; its own id is its
         file's name) and damage (what was wrong in the run's metadata, read as None: dpprof.store.validation),
-        newest first.
+        newest first; with no rows where the directory is not there yet.
+
+    Raises:
+        RunFileError: something that is no directory is where the reports directory should be (reports_dir_problem).
     """
     from dpprof.store.model import backend_label
 
+    problem = reports_dir_problem(reports_dir)
+    if problem is not None:  # a file where the directory should be: not "no runs"
+        raise RunFileError(problem)
     rows: list[dict[str, Any]] = []
     by_id: dict[str, list[tuple[Path, dict[str, Any], dict[str, Any]]]] = {}
     for path in _candidates(resolve_reports_dir(reports_dir)):
@@ -636,10 +647,7 @@ def list_runs(reports_dir: str | os.PathLike[str] | None = None) -> pd.DataFrame
     from dpprof.store.publish import interrupted
 
     rows += interrupted(resolve_reports_dir(reports_dir))  # imports and merges killed before they finished, with why
-    columns = ["id", "name", "status", "created_at", "ended_at", "duration_s", "backend", "devices",
-               "workload", "steps", "ranks", "dropped_records", "error", "balanced", "check_of", "source", "path",
-               "reason", "copy_of", "damage"]
-    df = pd.DataFrame(rows, columns=columns)
+    df = pd.DataFrame(rows, columns=LISTING_COLUMNS)
     for count in ("steps", "ranks", "dropped_records"):  # whole numbers, missing for a file that is no run
         df[count] = pd.to_numeric(df[count], errors="coerce").round().astype("Int64")
     return df.sort_values("created_at", ascending=False, na_position="last", kind="stable").reset_index(drop=True)
