@@ -99,13 +99,24 @@ def test_a_truncated_file_says_where(cut, expected, tmp_path):
         list(TraceFile(path).batches())
 
 
-def test_bytes_that_are_not_utf8_where_dpprof_reads_are_not_json(tmp_path):
+def test_bytes_that_are_not_utf8_and_control_characters_in_strings_are_read_and_binary_is_not_json(tmp_path):
+    """torch writes a with_stack "Call stack" string's bytes as they are: one that is not UTF-8, or a control
+    character, in a string (a name dpprof reads, or args it skips, or before a top-level field) is read, the bad byte as
+    U+FFFD; the file was refused whole as "not UTF-8 text". A file of binary is still not JSON."""
     whole = tmp_path / "whole.json"
-    _write(whole, CASES["plain"](), "compact", True)
+    events = CASES["plain"]()
+    _write(whole, events, "compact", True)
+    expected = [e["name"] for e in events]
     path = tmp_path / "binary.json"
-    path.write_bytes(whole.read_bytes().replace(b'"aten::op15000"', b'"aten::op\xff\xfe15000"'))
-    with pytest.raises(TraceError, match=r"^binary.json: not JSON \(not UTF-8 text\)"):
-        list(TraceFile(path).batches())
+    raw = whole.read_bytes().replace(b'"aten::op15000"', b'"aten::op\xff\xfe15000"')
+    raw = raw.replace(b'"aten::op20000"', b'"aten::op\x16\x7f20000"')
+    raw = raw.replace(b'"traceEvents"', b'"note": "\xa0~\xe5\xf2", "traceEvents"', 1)
+    path.write_bytes(raw)
+    trace = TraceFile(path)
+    names = [e.name for batch in trace.batches() for e in batch]
+    expected[15000], expected[20000] = "aten::op\ufffd\ufffd15000", "aten::op\x16\x7f20000"
+    assert names == expected
+    assert trace.meta["note"] == "\ufffd~\ufffd\ufffd"
     path.write_bytes(bytes(range(256)) * 10_000)
     with pytest.raises(TraceError, match=r"^binary.json: not JSON"):
         list(TraceFile(path).batches())

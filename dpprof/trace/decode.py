@@ -17,8 +17,9 @@ A guess that is wrong (a ``},{`` inside a string, or between objects nested in a
 an array of objects: the chunk is decoded again up to an earlier boundary, before the byte where msgspec
 stopped. What msgspec refuses (``NaN``, a lone surrogate, an entry that is not an object) and the last
 event of ``traceEvents`` are decoded one event at a time by the standard library's C scanner, which also
-words the errors. Fields dpprof never reads are skipped, not checked: bytes that are not UTF-8 inside one
-are not an error.
+words the errors. Fields dpprof never reads are skipped, not checked. Bytes that are not UTF-8 and control
+characters inside strings (torch writes a ``with_stack`` call stack's bytes as they are) are read, not refused: a
+string dpprof reads holds U+FFFD for each byte that is not UTF-8.
 
 Speed, in CPU time on the 2-core build machine: decoding every field of every event with the standard
 library's decoder (as this reader did until 2026-11) ran at 34-45 MiB/s of JSON, ijson's yajl2_c at a third
@@ -62,7 +63,9 @@ _SEPARATORS = re.compile(rb"[ \t\n\r,]*")  # between events
 _BOUNDARY = re.compile(rb"}[ \t\n\r]*(?:,[ \t\n\r]*{|])")  # an event's end, then the next one or the list's, guessed
 _AT_BYTE = re.compile(r"\(byte (\d+)\)$")  # where msgspec says it stopped
 GUESSES = 4  # event boundaries tried in a chunk before its events are read one by one
-_scan = json.JSONDecoder().scan_once  # the stdlib's C scanner: (value, end), or StopIteration / JSONDecodeError
+# the stdlib's C scanner: (value, end), or StopIteration / JSONDecodeError. strict=False: a control character inside a
+# string (torch writes a with_stack "Call stack" string's bytes as they are) is read as itself, as Kineto wrote it
+_scan = json.JSONDecoder(strict=False).scan_once
 
 
 class _Tagged(msgspec.Struct, gc=False, tag_field="ph"):
@@ -272,18 +275,49 @@ class _Buffer:
         """Decode the JSON value at the cursor with the stdlib's scanner, reading on until it is whole."""
         self.peek()
         while True:
-            text, _ = codecs.utf_8_decode(self.buf[self.pos:], "strict", False)  # a character cut at the end waits
+            text, _ = codecs.utf_8_decode(self.buf[self.pos:], _BAD_BYTES, False)  # a character cut at the end waits
             try:
                 value, end = _scan(text, 0)
             except (json.JSONDecodeError, StopIteration) as err:
                 if self.eof or len(self.buf) - self.pos > MAX_VALUE_BYTES:
                     at = err.pos if isinstance(err, json.JSONDecodeError) else 0
                     raise _Broken(getattr(err, "msg", "expecting a value"),
-                                  self.consumed + self.pos + len(text[:at].encode())) from None
+                                  self.consumed + self.pos + _nbytes(text[:at])) from None
                 self.more(len(self.buf) - self.pos)  # twice as much each time: a large value is decoded a few times
                 continue
-            self.pos += end if text.isascii() else len(text[:end].encode())
+            if text.isascii():
+                self.pos += end
+                return value
+            self.pos += _nbytes(text[:end])
+            return _valid(value)
+
+
+# Bytes that are not UTF-8 (torch has written one inside a with_stack "Call stack" string) are read as lone surrogates,
+# one per byte, and counted back as that byte: a field dpprof reads is seldom the one that holds them, and the others
+# are skipped. A string holding one reads with it (sqlite3 stores it as written; dpprof.store)
+_BAD_BYTES = "surrogateescape"
+
+
+def _nbytes(text: str) -> int:
+    """How many bytes of the file ``text`` was decoded from (a byte that is not UTF-8 counted as one)."""
+    return len(text.encode("utf-8", _BAD_BYTES))
+
+
+def _valid(value: Any) -> Any:
+    """``value`` (decoded from text that may hold bytes that are not UTF-8) with each such byte in its strings as
+    U+FFFD, the replacement character, as a UTF-8 decoder that replaces writes it: nothing downstream (SQLite, the
+    terminal) takes a lone surrogate."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
             return value
+        except UnicodeEncodeError:
+            return value.encode("utf-8", _BAD_BYTES).decode("utf-8", "replace")
+    if isinstance(value, list):
+        return [_valid(v) for v in value]
+    if isinstance(value, dict):
+        return {_valid(k): _valid(v) for k, v in value.items()}
+    return value
 
 
 class TraceFile:
@@ -463,7 +497,8 @@ class TraceFile:
             stop = pos + 1 if until is None else until
             end_window = min(len(buf), pos + window)
             whole = end_window == len(buf)
-            chunk, _ = codecs.utf_8_decode(buf[pos:end_window], "strict", False)  # a character cut at the end waits
+            chunk, _ = codecs.utf_8_decode(buf[pos:end_window], _BAD_BYTES, False)  # a character cut at the end waits
+            ascii_only = chunk.isascii()
             out: list = []
             at = done_chars = done = 0  # characters scanned; of them, those whose bytes are counted in done
             while True:
@@ -483,14 +518,14 @@ class TraceFile:
                     if text.eof or len(buf) - pos > MAX_VALUE_BYTES:
                         at_char = err.pos if isinstance(err, json.JSONDecodeError) else at
                         raise _Broken(getattr(err, "msg", "expecting a value"),
-                                      text.consumed + pos + len(chunk[:at_char].encode())) from None
+                                      text.consumed + pos + _nbytes(chunk[:at_char])) from None
                     text.more(len(buf) - pos)  # the event runs past the buffer: read on and decode it again
                     window = max(window, len(text.buf) - text.pos)
                     break
                 if not isinstance(event, dict):
                     raise self._error("traceEvents holds something other than event objects")
-                out.append(from_dict(event))
-                done += len(chunk[done_chars:end].encode())
+                out.append(from_dict(event if ascii_only else _valid(event)))
+                done += _nbytes(chunk[done_chars:end])
                 at = done_chars = end
 
 
