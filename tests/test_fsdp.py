@@ -162,6 +162,13 @@ def test_exposed_collective_findings_follow_the_recorded_waits(runs):
                             ("reduce_scatter_wait", "reduce_scatter_exposed")):
             worst = later[later["phase"] == phase].groupby("device")["duration_ms"].sum().max() / len(steps)
             assert (kind in kinds) == (worst / steps.median() >= EXPOSED_SHARE_WARN and worst >= 0.25), (name, kind)
+        # each title names the rank whose wait it gives (it said "the ranks wait", with one rank's share)
+        found = run_findings(run).table
+        for row in found[found["kind"].str.endswith("_exposed")].itertuples():
+            what = row.kind.removesuffix("_exposed").replace("_", "-")
+            mine = table[table["collective"] == what]
+            assert row.device == mine.loc[mine["exposed_ms"].idxmax(), "device"]
+            assert row.title == f"{what} exposed: {row.device} waits {100 * row.value:.0f}% of the step for it"
 
 
 def test_uneven_shards_are_found_only_where_dim_0_does_not_divide(runs, tmp_path):

@@ -102,7 +102,7 @@ def _exposed(t: Tables, what: str, advice: str) -> list[dict]:
     severity = critical_share_or("warning", share)
     gloo = t.model.dist_backend == "gloo"
     return [finding(f"{name}_exposed", severity, str(worst["device"]),
-                    f"{what} exposed: the ranks wait {100 * share:.0f}% of the step for it",
+                    f"{what} exposed: {worst['device']} waits {100 * share:.0f}% of the step for it",
                     f"{worst['device']} waits {cost:.2f} ms a step for {_count(worst['per_step'], what)} of "
                     f"{mib(worst['bytes_per_step'])} a step ({worst['issued_ms']:.2f} ms issued, "
                     f"{worst['hidden_pct']:.0f}% of it hidden behind compute), of a {step_ms:.2f} ms {MEDIAN_STEP}; "
