@@ -27,7 +27,7 @@ What the file holds:
 
 Which steps: every step the run holds in full (a thinned run's, dpprof.store.retention: its first steps, one in
 ``every``, outliers, peaks and its newest), or those of ``--steps A:B``. A viewer has limits (chrome://tracing
-struggles above ~1M events and ~256 MB of JSON; the Perfetto UI above ~2 GB of browser memory): without
+struggles above ~1M events and ~256 MiB of JSON; the Perfetto UI above ~2 GB of browser memory): without
 ``--steps``, a run whose steps would make more exports its newest steps that fit, and says so in one line.
 
 Events are written as they are made, a chunk of steps at a time, one JSON object per line (gzip when the name
@@ -63,7 +63,7 @@ __all__ = ["MAX_EVENTS", "MAX_BYTES", "TracePlan", "TraceWritten", "parse_steps"
            "export_trace", "rank_path", "trace_bytes"]
 
 # What a trace viewer opens: chrome://tracing slows to a crawl above about a million events and fails on JSON
-# above about 256 MB; the Perfetto UI holds about 2 GB of browser memory (some 10x a file's JSON). The lower wins.
+# above about 256 MiB; the Perfetto UI holds about 2 GB of browser memory (some 10x a file's JSON). The lower wins.
 MAX_EVENTS = 1_000_000
 MAX_BYTES = 256 * 2**20
 CHUNK_STEPS = 1_000  # steps read from the run file at a time: what the writer holds in memory
@@ -173,7 +173,7 @@ class TracePlan:
         if self.cut:
             return (f"the newest {n:,} of the {self.held:,} steps held in full (steps {which}): all of them would "
                     f"make about {self._full_events:,} events, over what a trace viewer opens "
-                    f"({self._limits[0]:,} events or {self._limits[1] >> 20} MB); --steps A:B picks others")
+                    f"({self._limits[0]:,} events or {self._limits[1] / 2**20:g} MiB); --steps A:B picks others")
         asked = f" of --steps {_asked_text(self.asked)}" if self.asked else ""
         said = f"{n:,} step{'s' if n != 1 else ''}{asked}: {which}" if n else f"no step{asked}"
         if self.thinned:
