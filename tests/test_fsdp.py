@@ -344,3 +344,30 @@ def test_each_ranks_compute_share_is_of_its_own_steps_and_never_over_the_step(ru
             expected = 100 * mine.mean() / steps.mean()
             share = stats.loc[f"rank:{rank}", "work_share_of_step_pct"]
             assert abs(share - expected) <= 1e-9 * expected and 0 < share <= 100, (name, rank, share, expected)
+
+
+def test_fsdp1_no_shard_records_its_gradient_all_reduce_as_ddp_does(tmp_path):
+    """NO_SHARD all-reduces each flat parameter's gradient in its post-backward hook, as DDP does: each is an
+    all-reduce row and a comm_wait inside backward, so the run (a ddp one) has its all-reduce section and findings;
+    it had none, and `dpprof show` said no all-reduce was recorded. The trained weights stay bit-identical."""
+    weights = {"plain": tmp_path / "plain.pt", "recorded": tmp_path / "recorded.pt"}
+    _torchrun([SCRIPT1], {"FSDP_RESHARD": "none", "FSDP_OUT": str(weights["plain"]),
+                          "DPPROF_REPORTS": str(tmp_path / "unused")})
+    _torchrun(["-m", "dpprof", "run", SCRIPT1], {"FSDP_RESHARD": "none", "FSDP_OUT": str(weights["recorded"]),
+                                                 "DPPROF_REPORTS": str(tmp_path / "runs")})
+    plain, recorded = (torch.load(weights[k]) for k in ("plain", "recorded"))
+    assert plain.keys() == recorded.keys() and all(torch.equal(plain[k], recorded[k]) for k in plain)
+    listed = dpprof.list_runs(tmp_path / "runs")
+    run = dpprof.load_run(listed.loc[0, "id"], tmp_path / "runs")
+    assert run.model.kind == "ddp" and "comms" not in run.model.missing
+    units = sorted(_flat_bytes(u, padded=False) for u in _group_shapes())
+    assert set(run.comms["collective"]) == {"all-reduce"}
+    for (rank, step), c in run.comms.groupby(["rank", "step"]):
+        assert sorted(c["bucket_bytes"]) == units, (rank, step)
+    assert set(run.comms.groupby("rank")["step"].unique().map(list).map(tuple)) == {tuple(range(STEPS))}
+    p = run.phases.assign(end=run.phases["start_ms"] + run.phases["duration_ms"])
+    backward = p[p["phase"] == "backward"]
+    for row in p[p["phase"] == "comm_wait"].itertuples():
+        spans = backward[(backward["rank"] == row.rank) & (backward["step"] == row.step)]
+        assert ((spans["start_ms"] <= row.start_ms + 1e-6) & (row.end <= spans["end"] + 1e-6)).any(), row
+    assert_parts_partition_the_steps(run)

@@ -8,7 +8,8 @@ post-backward callback, the parameter groups' unshard wait and reshard, and the 
 is handed, so the collective call itself is timed.
 For FSDP1, the class's ``forward`` (the outermost call is the root's), the runtime's pre-backward hook and
 post-backward final callback, ``FlatParamHandle._all_gather_flat_param`` and ``_free_unsharded_flat_param``, and the
-reduce-scatter the runtime calls (through its module's ``dist``, which alone is wrapped). FSDP1 has one flat
+reduce-scatter the runtime calls and NO_SHARD's gradient all-reduce (through its module's ``dist``, which alone is
+wrapped). FSDP1 has one flat
 parameter per FSDP module and no separate copy-in or copy-out: those parts stay empty.
 Outside a recording the wrappers call torch's functions and do nothing else.
 
@@ -60,7 +61,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from dpprof.device_ids import rank_devices
 from dpprof.parallel.probe import allocator_bytes, cuda_event, gpu_of, iter_tensors, rank_part, tensor_bytes
 from dpprof.recording import Run, current_run
-from dpprof.records import COMM_ROW, MEMORY_ROW, PHASE_ROW, AllocatorRecord
+from dpprof.records import ALL_REDUCE, COMM_ROW, MEMORY_ROW, PHASE_ROW, AllocatorRecord
 
 __all__ = ["install", "uninstall", "installed", "FSDP_WAIT_PHASES", "ALL_GATHER", "REDUCE_SCATTER"]
 
@@ -104,7 +105,7 @@ class _StepProbe:
         self.optimizer_ev0: torch.cuda.Event | None = None
         self.last_end_ns = t0
         self.last_end_event: torch.cuda.Event | None = None  # the newest part's end on the GPU, where it has one
-        self.count = {ALL_GATHER: 0, REDUCE_SCATTER: 0}
+        self.count = {ALL_GATHER: 0, REDUCE_SCATTER: 0, ALL_REDUCE: 0}
         self.pending: dict[int, tuple[int, int, int]] = {}  # id(AllGatherResult) -> (index, bytes, launch_ns)
         self.gathered_bytes = 0
         self.gathered_peak_bytes = 0
@@ -533,7 +534,8 @@ def _wrap_fsdp1_free(original: Callable[..., Any]) -> Callable[..., Any]:
 
 class _TimedDist:
     """torch.distributed as FSDP1's runtime module sees it: its reduce-scatter (``reduce_scatter_tensor``, or
-    ``reduce_scatter_single`` in newer torch) timed inside a recording; every other name torch's own."""
+    ``reduce_scatter_single`` in newer torch) and its gradient all-reduce (NO_SHARD's, as DDP's) timed inside a
+    recording; every other name torch's own."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -558,6 +560,20 @@ class _TimedDist:
 
     def reduce_scatter_single(self, output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
         return self._timed("reduce_scatter_single", output, input, *args, **kwargs)
+
+    def all_reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        """NO_SHARD's gradient all-reduce (one per flat parameter, in its post-backward hook): a DDP run's
+        ``comm_wait`` and all-reduce row. Launched asynchronously, it is left to torch untimed."""
+        call = self._inner.all_reduce
+        probe = _probe()
+        if probe is None or not isinstance(tensor, torch.Tensor) or kwargs.get("async_op"):
+            return call(tensor, *args, **kwargs)
+        t0 = time.perf_counter_ns()
+        out = call(tensor, *args, **kwargs)
+        t1 = time.perf_counter_ns()
+        probe.phase("comm_wait", t0, t1)
+        probe.collective(ALL_REDUCE, tensor.numel() * tensor.element_size(), t0, t1)
+        return out
 
 
 def _optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -2,7 +2,8 @@
 for dpprof.
 
 Run under torchrun. Environment: FSDP_STEPS (default 4), FSDP_RESHARD (1: FULL_SHARD, resharding after forward, the
-default; 0: SHARD_GRAD_OP, keeping the gathered parameters until backward), FSDP_OUT (a path: rank 0 saves the trained
+default; 0: SHARD_GRAD_OP, keeping the gathered parameters until backward; none: NO_SHARD, every rank holding every
+parameter and all-reducing the gradients, as DDP does), FSDP_OUT (a path: rank 0 saves the trained
 full state dict there).
 """
 import gc
@@ -15,7 +16,8 @@ from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
-strategy = ShardingStrategy.FULL_SHARD if os.environ.get("FSDP_RESHARD", "1") == "1" else ShardingStrategy.SHARD_GRAD_OP
+strategy = {"1": ShardingStrategy.FULL_SHARD, "0": ShardingStrategy.SHARD_GRAD_OP,
+            "none": ShardingStrategy.NO_SHARD}[os.environ.get("FSDP_RESHARD", "1")]
 cpu = torch.device("cpu")
 layers = [FullyShardedDataParallel(torch.nn.Sequential(torch.nn.Linear(64 if i else 20, 64), torch.nn.ReLU()),
                                    device_id=cpu, sharding_strategy=strategy) for i in range(3)]
