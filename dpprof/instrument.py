@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.abc
-import importlib.machinery
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -37,6 +35,7 @@ from dpprof.parallel import fsdp as _fsdp
 from dpprof.parallel.data_parallel import DataParallel as _DataParallel
 from dpprof.parallel.data_parallel import data_parallel as _data_parallel
 from dpprof.parallel.probe import iter_tensors
+from dpprof.imports import WhenImported
 from dpprof.parallel.workers import on_worker_thread
 from dpprof.recording import CLOSE_HOOKS, Run, record
 
@@ -264,39 +263,6 @@ def fully_shard(*args: Any, **kwargs: Any) -> Any:
     return module
 
 
-class _WhenImported(importlib.abc.MetaPathFinder):
-    """Calls ``then()`` once module ``name`` is imported (its body run), in whichever import first loads it."""
-
-    def __init__(self, name: str, then: Callable[[], None]) -> None:
-        self.name = name
-        self.then = then
-
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: Any = None) -> Any:
-        if fullname != self.name:
-            return None
-        self.remove()
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        loader = spec.loader if spec is not None else None
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        exec_module = loader.exec_module
-
-        def exec_then(module: Any) -> None:
-            if getattr(module, "__name__", None) != self.name:  # a loader shared by several modules: theirs as ever
-                exec_module(module)
-                return
-            loader.exec_module = exec_module  # type: ignore[method-assign]  # once: the loader as it was
-            exec_module(module)
-            self.then()  # raises nothing: what it cannot patch stays torch's
-
-        loader.exec_module = exec_then  # type: ignore[method-assign]  # this spec's loader, until it runs
-        return spec
-
-    def remove(self) -> None:
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-
-
 _STAND_INS = {"DataParallel": DataParallel, "data_parallel": data_parallel,
               "DistributedDataParallel": DistributedDataParallel, "fully_shard": fully_shard}
 
@@ -331,7 +297,7 @@ class _Session:
         self._patched: list[tuple[Any, str, Any]] = []
         self._hook: Any = None
         self._fsdp_installed_here = False
-        self._fsdp_waiting: _WhenImported | None = None
+        self._fsdp_waiting: WhenImported | None = None
         self.on_hard_exit: Callable[[], None] | None = None  # said after the run is closed by os._exit (dpprof run)
         self.yields = False  # dpprof run's block, around a whole script: an instrument block of the script's own runs
         self.own_runs: list[str] = []  # the runs the script recorded itself in such a block (ids)
@@ -345,7 +311,7 @@ class _Session:
         if _FSDP_MODULE in sys.modules:
             self._patch_fsdp()
         else:  # when the script imports it
-            self._fsdp_waiting = _WhenImported(_FSDP_MODULE, self._patch_fsdp)
+            self._fsdp_waiting = WhenImported(_FSDP_MODULE, self._patch_fsdp)
             sys.meta_path.insert(0, self._fsdp_waiting)
         self._hook = register_optimizer_step_post_hook(self._on_optimizer_step)
         self._patch_process_start()
