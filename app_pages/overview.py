@@ -103,13 +103,13 @@ def kind_section(data: overview.Overview) -> None:
         common.table(data.fsdp, "fsdp_collectives_per_rank")
     elif len(data.comms) and model.named_collectives:
         st.subheader("Collectives (from the trace)")
-        st.markdown("Each rank's collective kernels per step, named by what they are: how long they were busy "
+        st.markdown("Each rank's collective kernels per step past the first, named by what they are: how long they were busy "
                     "(several in flight count once, clipped to the step), the bytes they sent, and how much of that "
                     "ran while backward was still computing.")
         common.table(data.comms, "collectives_per_rank")
     elif len(data.comms):
         st.subheader("Gradient all-reduce")
-        st.markdown("Each rank's gradient buckets per step: how long the all-reduce was busy, and how much of that "
+        st.markdown("Each rank's gradient buckets per step past the first (the first is DDP's start-up): how long the all-reduce was busy, and how much of that "
                     "ran while backward was still computing.")
         common.table(data.comms, "allreduce_per_rank")
     if data.waits is not None:

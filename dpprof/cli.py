@@ -487,7 +487,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
               "completion; exposed: the rank waited for it):")
         print(_table(display_table(fsdp_collective_table(run).drop(columns="rank")).set_index("device"), "{:,.2f}"))
     elif "comms" in model.has and (model.kind == "ddp" or model.imported):
-        print("\ncollectives per step (from the trace):" if model.named_collectives else "\ngradient all-reduce per step:")
+        print("\ncollectives per step past the first (from the trace):" if model.named_collectives
+              else "\ngradient all-reduce per step past the first:")
         print(_table(display_table(comm_stats(run)).set_index("device"), "{:,.2f}"))
     if "gpu_time" in model.has:
         print("\nGPU time, mean ms per step (from the trace):")

@@ -229,6 +229,47 @@ def test_a_round_trip_keeps_the_steps_phase_totals_and_allocator_peaks(runs, nam
             assert pb.at[device, col] == pytest.approx(value, rel=ROUND_TRIP_REL), (device, col)
 
 
+def _union_ms(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """The time covered by ``spans`` inside [lo, hi], by merging them in order (no sweep shared with the package)."""
+    total, end = 0.0, lo
+    for start, stop in sorted((max(a, lo), min(b, hi)) for a, b in spans):
+        if stop > max(start, end):
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+@pytest.mark.parametrize("name", ["ddp", "ddp-2ranks-rank0-nccl.json.gz"])
+def test_the_collectives_busy_figure_is_their_union_over_the_steps_past_the_first(runs, name):
+    """The collectives' busy time a step, per rank (dpprof show's table, the Overview's) and over the ranks (the
+    communication finding's), from the run's rows: each step's collectives merged and clipped to their rank's step,
+    over the steps past the first (the first is DDP's start-up: the ranks meeting, the model's broadcast)."""
+    run = _load(runs, name)
+    comms, steps = run.comms.copy(), run.steps.copy()
+    for frame in (comms, steps):
+        frame["rank"] = frame["rank"].fillna(0) if "rank" in frame else 0
+    windows = {(r, s): (a, a + d) for r, s, a, d in zip(steps["rank"], steps["step"], steps["start_ms"],
+                                                         steps["duration_ms"])}
+    busy = {}
+    for (rank, device, step), c in comms[comms["step"] > comms["step"].min()].groupby(["rank", "device", "step"]):
+        spans = list(zip(c["launch_ms"], c["launch_ms"] + c["duration_ms"]))
+        busy[(device, step)] = _union_ms(spans, *windows[(rank, step)])
+    busy = pd.Series(busy)
+    busy = busy[busy > 0]
+    stats = overview.comm_stats(run).set_index("device")["busy_ms"]
+    expected = busy.groupby(level=0).mean()
+    assert stats.to_dict() == pytest.approx(expected.to_dict(), rel=1e-6), (stats, expected)
+    found = run_findings(run).table.set_index("kind")
+    if "communication_share" in found.index:
+        said = re.search(r"busy ([\d.]+) ms per step per rank", found.loc["communication_share", "evidence"])
+        assert float(said.group(1)) == pytest.approx(busy.mean(), abs=0.006)
+    if name == "ddp":  # cifar-lenet's gradients, 242 KiB in one bucket: no smaller bucket_cap_mb is advised
+        later = comms[comms["step"] > comms["step"].min()]
+        assert later.groupby(["device", "step"])["bucket"].nunique().median() == 1
+        assert later["bucket_bytes"].mean() < 2**20
+        assert found.loc["bucket_size", "advice"].startswith("The gradients are small: their one all-reduce costs")
+
+
 def test_compare_across_kinds_speaks_one_vocabulary(runs):
     parts = [compare.compare_part(_load(runs, n)) for n in ("dataparallel", "ddp")]
     both = compare.combine(parts)

@@ -129,8 +129,8 @@ def test_show_prints_a_traces_collectives_where_the_overview_has_them(runs, name
     run = _run(runs, name)
     assert len(overview(run).comms)  # the Overview's collectives section
     out = _show(runs, name, capsys)
-    assert "collectives per step (from the trace):" in out
-    assert "gradient all-reduce per step:" in _show(runs, "ddp_gloo", capsys)
+    assert "collectives per step past the first (from the trace):" in out
+    assert "gradient all-reduce per step past the first:" in _show(runs, "ddp_gloo", capsys)
 
 
 @pytest.mark.parametrize("name", list(TRACE_RUNS))

@@ -15,7 +15,7 @@ from dpprof.store.model import RunModel
 from dpprof.units import mib
 
 __all__ = ["COMM_SHARE_WARN", "FEW_BUCKETS", "MANY_BUCKETS", "SMALL_BUCKET_BYTES", "straggler_rank",
-           "communication", "uneven_inputs", "union_ms", "overlapped_ms", "collective_busy", "bucket_rows", "bucket_counts"]
+           "communication", "uneven_inputs", "union_ms", "overlapped_ms", "collective_busy", "later_collectives", "bucket_counts"]
 
 # All-reduce busy more than 20% of the step is worth acting on.
 COMM_SHARE_WARN = 0.20
@@ -127,23 +127,25 @@ def collective_busy(comms: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     return out[out["busy_ms"] > 0].reset_index(drop=True) if len(out) else out
 
 
-def bucket_rows(comms: pd.DataFrame) -> pd.DataFrame:
-    """The collectives the bucket figures read: those of the steps past the first (DDP builds its buckets anew after
-    step 0, whose first forward also broadcasts the model: no gradient bucket); a run of one step: that step's."""
+def later_collectives(comms: pd.DataFrame) -> pd.DataFrame:
+    """The collectives the communication and bucket figures read: those of the steps past the first. Step 0 is DDP's
+    start-up: the ranks meet there for the first time (one waited 115 to 130 ms in step 0's all-reduce for the other
+    to start, in a job whose later steps took 2 ms), its first forward broadcasts the model, and DDP builds its
+    buckets anew after it. A run of one step: that step's."""
     return comms[comms["step"] > comms["step"].min()] if comms["step"].nunique() > 1 else comms
 
 
 def bucket_counts(comms: pd.DataFrame) -> pd.Series:
-    """How many buckets (distinct collectives) each rank's steps of bucket_rows ran, by (step, device). The bucket
-    finding weighs their median, and the Overview and ``dpprof show`` say each rank's."""
-    return bucket_rows(comms).groupby(["step", "device"])["bucket"].nunique()
+    """How many buckets (distinct collectives) each rank's steps of later_collectives ran, by (step, device). The
+    bucket finding weighs their median, and the Overview and ``dpprof show`` say each rank's."""
+    return later_collectives(comms).groupby(["step", "device"])["bucket"].nunique()
 
 
 def communication(t: Tables) -> list[dict]:
     """Collectives' share of the step (their union, clipped to the step: never over 100%) and how much of it
     overlaps backward compute; bucket-size advice. A recorded DDP run's collectives are its gradient buckets'
     all-reduce; an imported trace's are what its GPU ran (all-reduce, reduce-scatter, all-to-all...), each named."""
-    comms, phases = t.comms, t.phases
+    comms, phases = later_collectives(t.comms), t.phases  # over the steps past the first, as the buckets
     if comms.empty:
         return []
     busy_table = collective_busy(comms, t.steps)
@@ -167,27 +169,31 @@ def communication(t: Tables) -> list[dict]:
                                 f"{what} {'are' if named else 'is'} busy {share:.0%} of the step, {overlap:.0%} of "
                                 "it overlapped",
                                 f"{what} busy {comm_ms:.2f} ms per step per rank of a {step_ms:.2f} ms mean "
-                                f"step{each}; "
+                                f"step past the first{each}; "
                                 f"{overlap:.0%} of it ran while backward was still computing; the rest "
-                                f"{cost_text(exposed_ms, t.later_step_count + 1)}" + _partial_job_words(t.model),
+                                f"{cost_text(exposed_ms, t.later_step_count)}" + _partial_job_words(t.model),
                                 ("Bring every rank's file into the run first (import them together, or dpprof merge): "
                                  "a rank the others wait for is then named the straggler, and that wait is no cost of "
                                  "communication. Otherwise: r" if t.model.partial_job else "R")
                                 + "aise the per-rank batch (communication is per step, compute per sample), or compress "
                                 "gradients with a communication hook (fp16/bf16 compress, PowerSGD).", share, "share"))
     per_step_buckets = bucket_counts(comms).median()
-    mean_bytes = bucket_rows(comms)["bucket_bytes"].mean()
+    mean_bytes = comms["bucket_bytes"].mean()
     sized = pd.notna(mean_bytes)  # a gloo trace's collectives may name no size
     if per_step_buckets <= FEW_BUCKETS and share >= COMM_SHARE_WARN / 2 and worth_time(exposed_ms, step_ms):
         findings.append(finding("bucket_size", "info", None, "all gradients travel in one bucket",
                                 f"{per_step_buckets:.0f} bucket per step"
                                 + (f" of {mib(mean_bytes)}" if sized else " (its size is not in the trace)")
                                 + f"; {overlap:.0%} overlap; the all-reduce after backward "
-                                f"{cost_text(exposed_ms, t.later_step_count + 1)}",
-                                "With one bucket the all-reduce starts only when backward has finished: lower "
-                                "bucket_cap_mb (DDP's default is 25)"
-                                + (f" to below {mean_bytes / 2**20 / 4:.2g}" if sized else "")
-                                + " so it overlaps.", per_step_buckets, "count"))
+                                f"{cost_text(exposed_ms, t.later_step_count)}",
+                                ("The gradients are small: their one all-reduce costs its latency, which smaller "
+                                 "buckets would pay several times over. All-reduce less often: raise the per-rank batch, "
+                                 "or accumulate gradients over micro-batches under no_sync()."
+                                 if sized and mean_bytes < SMALL_BUCKET_BYTES else
+                                 "With one bucket the all-reduce starts only when backward has finished: lower "
+                                 "bucket_cap_mb (DDP's default is 25)"
+                                 + (f" to below {mean_bytes / 2**20 / 4:.2g}" if sized else "")
+                                 + " so it overlaps."), per_step_buckets, "count"))
     elif per_step_buckets > MANY_BUCKETS and mean_bytes < SMALL_BUCKET_BYTES and worth_time(comm_ms, step_ms):
         findings.append(finding("bucket_size", "info", None, f"{per_step_buckets:.0f} small buckets per step",
                                 f"{per_step_buckets:.0f} buckets of {mib(mean_bytes)} on average; the "

@@ -8,7 +8,7 @@ from typing import Any
 import pandas as pd
 
 from dpprof.findings import Findings, run_findings
-from dpprof.findings.ddp import bucket_counts, collective_busy, overlapped_ms
+from dpprof.findings.ddp import bucket_counts, collective_busy, later_collectives, overlapped_ms
 from dpprof.findings.collectives import match_collectives, wait_heatmap
 from dpprof.findings.dataparallel import MEMORY_SKEW_RATIO
 from dpprof.findings.floors import MEMORY_FLOOR_BYTES
@@ -201,8 +201,8 @@ def comm_stats(run: StoredRun) -> pd.DataFrame:
     """Per rank: its collectives per step (a recorded DDP run's gradient buckets' all-reduce; an imported trace's
     collective kernels, named: all-reduce, reduce-scatter, all-to-all...), the bytes they sent, the time they were
     busy (ddp.collective_busy: their union clipped to the step, never over the step) and the share of it that
-    overlapped backward compute, over the steps whose detail stands for the run (every step, or a long run's
-    sample: RunModel.sampled_steps_sql). Empty without collective records; the bytes are NaN where the collectives'
+    overlapped backward compute, over the steps past the first (ddp.later_collectives: the first is DDP's start-up)
+    whose detail stands for the run (every step, or a long run's sample: RunModel.sampled_steps_sql). Empty without collective records; the bytes are NaN where the collectives'
     sizes are not known (a trace profiled without record_shapes). buckets_per_step is the median over the steps past
     the first (ddp.bucket_counts), the bucket finding's count.
 
@@ -214,6 +214,7 @@ def comm_stats(run: StoredRun) -> pd.DataFrame:
     if "comms" not in run.model.has:
         return pd.DataFrame(columns=cols)
     comms, steps, compute = queries.sampled_comm_rows(run)  # a long run: the steps whose detail stands for it
+    comms = later_collectives(comms)  # the steps past the first, as the communication finding's
     busy = collective_busy(comms, steps).set_index(["step", "device"])
     kinds = [k for k in busy.columns if k not in ("window_ms", "busy_ms")]
     overlap = overlapped_ms(comms, compute)
