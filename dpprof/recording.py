@@ -30,6 +30,7 @@ from dpprof.store.faults import start_failure
 from dpprof.store.ids import new_run_id
 from dpprof.store.reader import RUN_SUFFIX, load_run
 from dpprof.store.reader import reports_dir as resolve_reports_dir
+from dpprof.units import plural
 from dpprof.store.retention import Retention, retention_of
 from dpprof.store.staging import open_sink
 from dpprof.store.writer import fold_leftover_logs
@@ -435,7 +436,8 @@ class Run:
         self.problem = getattr(self.sink, "message", None)
         self.recording_failed = getattr(self.sink, "failure", None) is not None
         if self.problem is None and self.status == "interrupted":
-            self.problem = f"{self.error}: {getattr(self.sink, 'steps_kept', self._next_step)} steps kept in {self.path}"
+            kept = getattr(self.sink, "steps_kept", self._next_step)
+            self.problem = f"{self.error}: {plural(kept, 'step')} kept in {self.path}"
         stays = getattr(self.sink, "stays", None)  # a staged run that could not be moved into the reports directory
         if stays is not None:
             self.problem = f"{self.problem}; {stays}" if self.problem else stays
@@ -451,7 +453,7 @@ class Run:
             flush()
 
     def _interrupted_by(self, what: str) -> str:
-        return f"interrupted by {what} after step {self._next_step}"
+        return f"interrupted by {what} after {plural(self._next_step, 'step')}"
 
     def metadata(self) -> dict[str, Any]:
         return {

@@ -33,6 +33,11 @@ ROOT = Path(__file__).resolve().parents[1]
 ROWS: dict[str, dict] = {}  # fault -> {"trained", "kept", "status", "line"}
 
 
+def _steps(n: int) -> str:
+    """How the lines count steps: "1 step", "21 steps" (the count of steps, not a step's index)."""
+    return f"{n} step" if n == 1 else f"{n} steps"
+
+
 def _row(fault: str, trained: int | str, kept: int | str, status: str, line: str) -> None:
     line = re.sub(r"/\S*/\d{8}-\d{6}-[0-9a-f]{6}\.sqlite", "reports/RUN.sqlite", line)  # this session's paths
     line = re.sub(r"/\S*/(mnt\d+|reports)\b", "reports", line)
@@ -120,7 +125,7 @@ def test_a_disk_that_fills_mid_run_keeps_every_committed_step_and_says_how_many(
                     time.sleep(0.6)  # a few commits go through before the disk "fills"
         assert run.recording_failed
         line, directory = f"dpprof: {run.problem}", reports
-    match = re.fullmatch(r"dpprof: disk full after step (\d+): (\d+) steps kept in (\S+), (\d+) not recorded", line)
+    match = re.fullmatch(r"dpprof: disk full after (\d+) steps?: (\d+) steps? kept in (\S+), (\d+) not recorded", line)
     assert match, line
     kept, path = int(match.group(2)), match.group(3)
     assert int(match.group(1)) == kept and kept + int(match.group(4)) == steps and 0 < kept < steps
@@ -134,7 +139,7 @@ def test_a_disk_that_fills_mid_run_keeps_every_committed_step_and_says_how_many(
     assert stored.steps["step"].tolist() == list(range(kept))  # every committed step, in order
     # the final line if it still fitted, else the one stored when the disk filled
     assert stored.meta["error"] in (line.removeprefix("dpprof: "),
-                                    f"disk full after step {kept}: the steps after it were not recorded")
+                                    f"disk full after {_steps(kept)}: the steps after them were not recorded")
     listed = dpprof.list_runs(directory)
     assert listed[["status", "steps"]].values.tolist() == [["disk_full", kept]]
     _row("disk full mid-run", steps, kept, "disk_full", line)
@@ -176,7 +181,7 @@ def test_whatever_room_the_full_disk_leaves_the_run_keeps_its_devices_status_and
         stored = dpprof.load_run(run.path)
         kept = len(stored.steps)
         assert (stored.meta["stored_status"], stored.meta["devices"]) == ("disk_full", ["cpu:0", "cpu:1"]), left_kb
-        assert re.match(rf"disk full after step {kept}: ", stored.meta["error"]), (left_kb, kept, stored.meta["error"])
+        assert re.match(rf"disk full after {_steps(kept)}: ", stored.meta["error"]), (left_kb, kept, stored.meta["error"])
         assert stored.steps["step"].tolist() == list(range(kept))
         (where / "filler").unlink()
         shutil.rmtree(reports)
@@ -278,7 +283,7 @@ def test_a_script_recording_onto_a_full_disk_trains_on_and_is_told_once(mount, m
     assert trained == 600 and run.status == "finished" and run.recording_failed
     lines = [r.getMessage() for r in caplog.records if r.name == "dpprof"]
     kept = len(dpprof.load_run(run.path).steps)
-    assert lines == [f"dpprof: disk full after step {kept}: {kept} steps kept in {run.path}, {600 - kept} not recorded"]
+    assert lines == [f"dpprof: disk full after {_steps(kept)}: {_steps(kept)} kept in {run.path}, {600 - kept} not recorded"]
 
 
 def _read_only_dir(mount, monkeypatch, fallback: Path) -> Path:
@@ -493,10 +498,10 @@ def test_sigterm_and_sighup_flush_mark_the_run_interrupted_and_end_the_process_b
     stored = dpprof.load_run(path)
     kept = len(stored.steps)
     name = signal.Signals(signum).name
-    assert line == f"dpprof: interrupted by {name} after step {kept}: {kept} steps kept in {path}"
+    assert line == f"dpprof: interrupted by {name} after {_steps(kept)}: {_steps(kept)} kept in {path}"
     assert stored.meta["status"] == "interrupted" and stored.meta["ended_at"]
     assert stored.steps["step"].tolist() == list(range(kept)) and kept >= last + 1
-    assert stored.meta["error"] == f"interrupted by {name} after step {kept}"
+    assert stored.meta["error"] == f"interrupted by {name} after {_steps(kept)}"
     _row(name, kept, kept, "interrupted", line)
 
 
@@ -506,7 +511,7 @@ def test_a_programs_own_sigterm_handler_is_called_and_decides(reports):
     trained = int(out.split("went on")[1])
     stored = dpprof.load_run(path)
     assert stored.meta["status"] == "interrupted" and len(stored.steps) == trained
-    assert _one_line(err) == f"dpprof: interrupted by SIGTERM after step {trained}: {trained} steps kept in {path}"
+    assert _one_line(err) == f"dpprof: interrupted by SIGTERM after {_steps(trained)}: {_steps(trained)} kept in {path}"
 
 
 def test_ctrl_c_marks_the_run_interrupted_with_its_steps(reports):
@@ -515,7 +520,7 @@ def test_ctrl_c_marks_the_run_interrupted_with_its_steps(reports):
     stored = dpprof.load_run(path)
     kept = len(stored.steps)
     assert stored.meta["status"] == "interrupted" and kept >= last + 1
-    line = f"dpprof: interrupted by SIGINT (Ctrl-C) after step {kept}: {kept} steps kept in {path}"
+    line = f"dpprof: interrupted by SIGINT (Ctrl-C) after {_steps(kept)}: {_steps(kept)} kept in {path}"
     assert err.splitlines()[0] == line
     _row("SIGINT (Ctrl-C)", kept, kept, "interrupted", line)
 
@@ -599,8 +604,8 @@ def test_a_signal_as_the_run_file_is_made_closes_the_run_interrupted(reports, na
     stored = dpprof.load_run(path)
     what = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else name
     assert stored.meta["status"] == "interrupted" and stored.meta["ended_at"], stored.meta
-    assert stored.meta["error"] == f"interrupted by {what} after step 0" and stored.steps.empty
-    assert child.stderr.splitlines()[0] == f"dpprof: interrupted by {what} after step 0: 0 steps kept in {path}"
+    assert stored.meta["error"] == f"interrupted by {what} after 0 steps" and stored.steps.empty
+    assert child.stderr.splitlines()[0] == f"dpprof: interrupted by {what} after 0 steps: 0 steps kept in {path}"
 
 
 def test_sigkill_keeps_every_step_committed_before_it(reports):

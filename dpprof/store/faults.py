@@ -12,6 +12,7 @@ import shutil
 import sqlite3
 
 from dpprof.store import filesystems
+from dpprof.units import plural
 
 __all__ = ["RunFileError", "RecordingError", "cause_of", "is_disk_full", "start_failure", "failure_line", "DISK_FULL", "STORAGE_CAUSES"]
 
@@ -114,8 +115,8 @@ def start_failure(directory: str | os.PathLike[str], err: BaseException) -> Reco
 
 
 def failure_line(cause: str, path: str, steps_kept: int, steps_total: int | None) -> str:
-    """"disk full after step 212: 212 steps kept in PATH, 188 not recorded"."""
-    line = f"{cause} after step {steps_kept}: {steps_kept} steps kept in {path}"
+    """"disk full after 212 steps: 212 steps kept in PATH, 188 not recorded"."""
+    line = f"{cause} after {plural(steps_kept, 'step')}: {plural(steps_kept, 'step')} kept in {path}"
     if steps_total is not None and steps_total > steps_kept:
         line += f", {steps_total - steps_kept} not recorded"
     return line

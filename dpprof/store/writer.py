@@ -32,6 +32,7 @@ from dpprof.store.faults import cause_of, failure_line, is_disk_full, start_fail
 from dpprof.store.retention import BOUNDED, Retention
 from dpprof.store.schema import FORMAT, RECORD_TABLES, RUN_COLUMNS, SCHEMA_VERSION, ddl
 from dpprof.store.status import effective_status
+from dpprof.units import plural
 
 __all__ = ["SqliteSink", "FLUSH_INTERVAL_S", "MAX_BUFFERED_RECORDS", "create_run_file", "replace_findings",
            "fold_leftover_logs"]
@@ -292,7 +293,8 @@ class SqliteSink:
         self._aggregator = None
         log.warning("dpprof: %s: per-block aggregates stopped (%s: %s); the run keeps every row from here on",
                     self.path, type(err).__name__, err)
-        note = self._note(f"per-block aggregates stopped after step {self.steps_kept} ({type(err).__name__}: {err}); "
+        note = self._note(f"per-block aggregates stopped after {plural(self.steps_kept, 'step')} "
+                          f"({type(err).__name__}: {err}); "
                           "the run keeps every row from there on and is read from its rows")
         return [note], {**updates, "detail": None}
 
@@ -320,7 +322,7 @@ class SqliteSink:
         self.record_failure(self._stopped_line(self.steps_kept))
 
     def _stopped_line(self, steps_kept: int) -> str:
-        return f"{self.failure} after step {steps_kept}: the steps after it were not recorded"
+        return f"{self.failure} after {plural(steps_kept, 'step')}: the steps after them were not recorded"
 
     def _keep_run_updates(self, updates: dict[str, Any]) -> None:
         """Run columns that could not be written (the devices seen, ...), for the failure's own update;
