@@ -27,7 +27,7 @@ from dpprof.capture.session import NO_CAPTURE, TRAINING_THREAD_DEVICE
 from dpprof.cli import main
 from dpprof.launch import Profile, ProfileError
 from dpprof.parallel.workers import worker_native_ids
-from dpprof.store.detail_rows import Capture, captures
+from dpprof.store.detail_rows import Capture, captures, memory_peaks
 from dpprof.store.files import CAPTURE_TRACE, capture_request_name
 from dpprof.store.reader import RunFileError, list_runs
 from dpprof.trace import import_traces, pending_traces, trace_files
@@ -214,6 +214,16 @@ def test_each_ranks_capture_stores_its_memory_over_time_memory_events_and_module
                  if e.get("cat") == "python_function" and "Python module id" in e.get("args", {})}
         assert set(modules[modules["rank"] == r]["module"]) == named
         assert {"DistributedDataParallel_0", "Linear_0"} <= named
+    # the capture's times are the run's clock, as its steps' are ("ms into the run" on the Memory page and in the
+    # findings, the Timeline's lanes beside the phases): the peak falls in its step, every reading in the window
+    steps, peaks = run.steps, memory_peaks(run)
+    for r in (0, 1):
+        mine = steps[steps["rank"] == r].set_index("step")
+        peak = peaks[peaks["rank"] == r].iloc[0]
+        window_ms = (mine.loc[1, "start_ms"] - 5.0, mine.loc[2, "start_ms"] + mine.loc[2, "duration_ms"] + 5.0)
+        assert window_ms[0] <= peak["peak_t_ms"] <= window_ms[1], (r, peak["peak_t_ms"], window_ms)
+        for t_ms in (timeline[timeline["rank"] == r]["t_ms"], events[events["rank"] == r]["alloc_t_ms"]):
+            assert window_ms[0] <= t_ms.min() and t_ms.max() <= window_ms[1], (r, t_ms.min(), t_ms.max(), window_ms)
     # every thread of a rank on CPU is its rank's device, rank:N, as its phases are (not the cpu:0 or host of a
     # DataParallel process's threads)
     for table in ("operators", "memory_timeline", "modules"):

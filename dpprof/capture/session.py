@@ -94,6 +94,7 @@ class CaptureSession:
         self._profiler: Any = None  # torch.profiler.profile while a window records
         self._step_range: Any = None  # the open ProfilerStep#N range
         self._first = 0
+        self._first_ms = 0.0  # when ProfilerStep#first began, on the run's clock (the trace's times are moved onto it)
         self._training_tid = 0  # the thread that started the profiler: the run's training thread
         self._jobs: list[threading.Thread] = []
         self._closing = threading.Event()
@@ -147,6 +148,7 @@ class CaptureSession:
             return
         self._profiler, self._first = profiler, index
         self._training_tid = threading.get_native_id()
+        self._first_ms = self.run.now_ms()
         self._mark(index)
 
     def _mark(self, index: int) -> None:
@@ -176,7 +178,7 @@ class CaptureSession:
         # still stops the profiler and stores what it holds, and its own error is the one raised
         steps = CaptureWindow(self._first, max(end_step, self._first + 1))
         job = threading.Thread(target=self._store, args=(profiler, steps, self._nonce, error, stop_ms,
-                                                         self._device_of_thread()),
+                                                         self._device_of_thread(), self._first_ms),
                                name=f"dpprof-capture-store-{self.run.id}", daemon=True)
         self._jobs.append(job)
         job.start()
@@ -209,14 +211,14 @@ class CaptureSession:
     # -- after the window (the session's own thread) -------------------------------------------------------------
 
     def _store(self, profiler: Any, steps: CaptureWindow, nonce: str | None, error: str | None, stop_ms: float,
-               device_of_thread: dict[int, str] | None) -> None:
+               device_of_thread: dict[int, str] | None, first_ms: float) -> None:
         """Write the raw trace beside the run, aggregate it into the run's tables, note it, answer a request."""
         t0 = time.perf_counter()
         trace: str | None = None
         if error is None:
             try:
                 trace = self._write_trace(profiler, steps)
-                self._aggregate(trace, steps, device_of_thread)
+                self._aggregate(trace, steps, device_of_thread, first_ms)
             except FileExistsError as err:  # a file of the trace's name, never replaced: another run's of this id
                 error = f"{os.path.basename(str(err.filename2 or err.filename))} is there already (never replaced)"
             except OSError as err:  # a full disk, a read-only directory: in a few words
@@ -252,13 +254,17 @@ class CaptureSession:
             remove_files(built)
         return path
 
-    def _aggregate(self, trace: str, steps: CaptureWindow, device_of_thread: dict[int, str] | None) -> None:
-        """The trace's tables into the run file, beside its earlier captures' (each kept under its first step)."""
+    def _aggregate(self, trace: str, steps: CaptureWindow, device_of_thread: dict[int, str] | None,
+                   first_ms: float) -> None:
+        """The trace's tables into the run file, beside its earlier captures' (each kept under its first step), their
+        times (memory over time, memory events, GPU streams' spans) on the run's clock: ``first_ms``, when the
+        window's first step began."""
         from dpprof.store.detail_rows import Capture, write_detail
         from dpprof.trace.detail import detail_of_trace
 
         assert self.run.path is not None
-        write_detail(self.run.path, detail_of_trace(trace, device_of_thread, process_device=self._process_device()),
+        write_detail(self.run.path, detail_of_trace(trace, device_of_thread, process_device=self._process_device(),
+                                                    first_step_ms=first_ms),
                      Capture(steps.first_step, steps.end_step, (os.path.basename(trace),)))
 
     # -- requests (the session's own thread) ---------------------------------------------------------------------

@@ -911,7 +911,8 @@ def _modules(raw: RawDetail, names: np.ndarray, s_tid: np.ndarray, starts_ends: 
 
 
 def detail_of_trace(path: str | Any, device_of_thread: Mapping[int, str] | None = None,
-                    t0_us: float | None = None, process_device: str | None = None) -> Detail:
+                    t0_us: float | None = None, process_device: str | None = None,
+                    first_step_ms: float | None = None) -> Detail:
     """The operator, kernel, GPU-metric, memory and module tables of one torch.profiler trace file.
 
     For a trace dpprof recorded of its own run (a deep capture on CPU worker threads): each thread's ops and CPU
@@ -926,6 +927,8 @@ def detail_of_trace(path: str | Any, device_of_thread: Mapping[int, str] | None 
             the trace's first event).
         process_device: the device of the threads ``device_of_thread`` does not name where the trace shows no GPU
             (default cpu:0; a DDP or FSDP rank's: "rank:N").
+        first_step_ms: when the trace's first step began on a run's own clock (a deep capture's window of a
+            recorded run): the ``t_ms`` columns count from that run's start, as its steps' and phases' do.
 
     Raises:
         TraceError: the file cannot be read as a trace (one line naming it and why).
@@ -937,6 +940,8 @@ def detail_of_trace(path: str | Any, device_of_thread: Mapping[int, str] | None 
     c = collect(TraceFile(path))
     windows = list(c.steps) or ([(0, c.first_us, c.last_us)] if c.last_us >= c.first_us else [])
     origin = t0_us if t0_us is not None else (windows[0][1] if windows else 0.0)
+    if first_step_ms is not None and windows and t0_us is None:
+        origin = windows[0][1] - first_step_ms * 1e3
     gpus = c.gpus
     host = f"cuda:{gpus[0]}" if gpus else (process_device or "cpu:0")
     return detail_tables(c.detail, windows, origin, {g: f"cuda:{g}" for g in gpus}, host, device_of_thread,
