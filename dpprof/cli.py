@@ -697,6 +697,17 @@ def _detail_run(args: argparse.Namespace) -> object:
     return run
 
 
+def _none_here(args: argparse.Namespace, what: str, whole: pd.DataFrame) -> str | None:
+    """"no kernels on host in this run: its kernels are cuda:0's" where --device or --rank leave none of the run's
+    ``whole`` table (it has rows elsewhere); None otherwise (no filter, or the run has none at all)."""
+    if whole.empty or (args.device is None and args.rank is None):
+        return None
+    where = " of ".join(w for w in (args.device, None if args.rank is None else f"rank {args.rank}") if w)
+    many = whole["rank"].nunique() > 1
+    holders = sorted({f"rank {r} {d}" if many else str(d) for r, d in zip(whole["rank"], whole["device"])})
+    return f"no {what} on {where} in this run: its {what} are {', '.join(holders)}'s"
+
+
 def _print_json(doc: dict[str, object]) -> None:
     import json
 
@@ -720,6 +731,10 @@ def _cmd_ops(args: argparse.Namespace) -> int:
         from dpprof.views.operators import missing_text
 
         print(missing_text(run))
+        return EXIT_OK
+    none_here = _none_here(args, "operators", operators(run)) if df.empty else None
+    if none_here is not None:
+        print(none_here)
         return EXIT_OK
     print(_table(df.drop(columns=["tc_eligible", "tc_pct"] if df["tc_pct"].isna().all() else [])))
     return EXIT_OK
@@ -787,7 +802,7 @@ def _cmd_kernels(args: argparse.Namespace) -> int:
         _print_json({"kernels": _records(df, KERNELS_JSON), "gpu": _records(gpu, GPU_JSON)})
         return EXIT_OK
     if df.empty:
-        print("no kernels in this run (a CPU-only trace or capture)")
+        print(_none_here(args, "kernels", kernels(run)) or "no kernels in this run (a CPU-only trace or capture)")
         return EXIT_OK
     print(_table(gpu.drop(columns=["window_ms", "busy_ms"])))
     print()
@@ -805,6 +820,10 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     peaks = memory_peaks(run, rank=args.rank, device=args.device)  # type: ignore[arg-type]
     if args.json:
         _print_json({"devices": _records(peaks, MEMORY_JSON)})
+        return EXIT_OK
+    none_here = _none_here(args, "[memory] events", memory_peaks(run)) if peaks.empty else None
+    if none_here is not None:
+        print(none_here)
         return EXIT_OK
     if peaks.empty:
         print("no [memory] events in this run's trace: profiled without profile_memory, or torch.profiler wrote none "

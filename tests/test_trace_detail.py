@@ -643,3 +643,16 @@ def test_a_damaged_detail_table_reads_its_bad_values_as_missing(imported, tmp_pa
         assert code in (0, 1) and (code == 1 or json.loads(out))  # JSON, or one line saying there is nothing to show
     assert main(["export", str(path), "--out", str(tmp_path / "csv")]) in (0, 1)
     assert (tmp_path / "csv" / "operators.csv").exists()
+
+
+def test_a_device_with_none_of_a_tables_rows_is_said_so_not_taken_for_the_whole_run(imported, capsys):
+    """ResNet-50's trace: its kernels and operators are cuda:0's, its host has [memory] events only. `dpprof kernels
+    --device host` said "no kernels in this run (a CPU-only trace or capture)" of a GPU run, and `ops --device host`
+    printed "(none)"; each says the device has none and which devices have them."""
+    path = str(imported[SINGLE[0]].path)
+    for command, what in (("kernels", "kernels"), ("ops", "operators")):
+        assert main([command, path, "--device", "host"]) == 0
+        out = capsys.readouterr().out
+        assert out.strip() == f"no {what} on host in this run: its {what} are cuda:0's", out
+    assert main(["memory", path, "--device", "host"]) == 0  # host has memory of its own
+    assert "peak_allocated_bytes" in capsys.readouterr().out
