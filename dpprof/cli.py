@@ -718,6 +718,8 @@ def _cmd_ops(args: argparse.Namespace) -> int:
     """The top operators of a run (imported traces, deep captures), per rank and device."""
     from dpprof.store.detail_rows import operators
 
+    if args.vs and args.by == "shape":  # the difference is by name (dpprof.views.opdiff): never dropped unsaid
+        raise UsageError("--vs compares operators by name: leave out --by shape, or read the shapes without --vs")
     run = _detail_run(args)
     if run is None:
         return EXIT_FAILURE

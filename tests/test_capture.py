@@ -557,3 +557,14 @@ def test_the_operators_side_by_side_says_which_device_b_is_when_all_are_chosen(c
     at.selectbox(key="ops_pick").set_value(Pick(None, "cpu:1")).run()
     b = at.selectbox(key="ops_b")
     assert b.value == Pick(None, "cpu:1") and b.label == "B (explained: the device chosen above)"
+
+
+def test_ops_vs_by_shape_is_refused_not_compared_by_name_without_a_word(captured, capsys):
+    """`--vs` compares operators by name: `--by shape` beside it was dropped and the names compared."""
+    run, _ = captured
+    with pytest.raises(SystemExit) as exited:
+        main(["ops", str(run.path), "--device", "cpu:1", "--vs", "cpu:0", "--by", "shape"])
+    said = capsys.readouterr()
+    assert exited.value.code == 2 and said.out == ""
+    assert said.err.splitlines()[-1] == ("dpprof ops: error: --vs compares operators by name: leave out --by shape, "
+                                         "or read the shapes without --vs"), said.err
