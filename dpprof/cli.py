@@ -18,7 +18,7 @@ import pandas as pd
 from dpprof.advise.commands import CHECK_MAX_STEPS
 from dpprof.launch import (DEFAULT_WORKLOAD, LaunchError, Profile, ProfileError, parse_devices,
                            parse_input_shape)
-from dpprof.units import plural
+from dpprof.units import plural, steps_words
 from dpprof.workload_names import WORKLOAD_NAMES
 
 if TYPE_CHECKING:
@@ -285,7 +285,7 @@ def _cmd_capture(args: argparse.Namespace) -> int:
     traces = [os.path.join(asked.directory, t) for t in (answer.traces or [answer.trace]) if t]
     got = (answer.end_step or 0) - (answer.first_step or 0)
     short = "" if got >= args.steps else f" ({got} of the {plural(args.steps, 'step')} asked: the run stopped stepping)"
-    print(f"captured steps {answer.first_step} to {(answer.end_step or 0) - 1} of run {run.id}{short}: operators in the "
+    print(f"captured {steps_words(answer.first_step, answer.end_step or 0)} of run {run.id}{short}: operators in the "
           f"run, raw trace{'s' if len(traces) > 1 else ''} {', '.join(traces) or None}")
     return EXIT_OK
 
@@ -777,9 +777,13 @@ def _ops_vs(args: argparse.Namespace, run: object) -> int:
         pick_a, label_a = Pick(), str(other.meta.get("name") or other.id)
     label_b = pick_b.label(run) if other is run or args.device or args.rank is not None \
         else str(run.meta.get("name") or run.id)
+    if other is run and label_a == pick_b.label(run):
+        raise UsageError(f"--vs {args.vs} names the device the run's side already is: compare two devices")
     diff = operator_diff(other, pick_a, run, pick_b)
-    steps = detail_step_count(run) if other is run else None  # the capture's steps, not the run's
-    sentence = diff_sentence(diff, label_a, label_b, quote="", steps=steps)
+    # the capture's steps, not the run's; another run's too: totals over different steps are said so
+    steps = detail_step_count(run)
+    sentence = diff_sentence(diff, label_a, label_b, quote="", steps=steps,
+                             steps_a=None if other is run else detail_step_count(other))
     top = diff.head(args.top)
     if args.json:
         _print_json({"sentence": sentence, "clock": diff.attrs["clock"],

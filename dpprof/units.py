@@ -1,7 +1,7 @@
 """Units as people read them: bytes in KiB, MiB or GiB by size. Shared by findings, views and charts."""
 from __future__ import annotations
 
-__all__ = ["mib", "bytes_unit", "plural"]
+__all__ = ["mib", "bytes_unit", "plural", "steps_words"]
 
 
 def mib(value: float) -> str:
@@ -25,3 +25,9 @@ def bytes_unit(max_bytes: float) -> tuple[str, float]:
 def plural(count: int, noun: str) -> str:
     """A count and its noun, singular for one: "1 step", "2 steps", "1,000 steps"."""
     return f"{count:,} {noun}" if count == 1 else f"{count:,} {noun}s"
+
+
+def steps_words(first_step: int, end_step: int) -> str:
+    """Steps ``first_step`` to ``end_step - 1`` in words: "steps 2 to 3", "step 4" for one."""
+    last = end_step - 1
+    return f"step {first_step}" if last == first_step else f"steps {first_step} to {last}"

@@ -253,6 +253,7 @@ BAD_WINDOWS = [
     ("x", "expected A:B, steps A to B-1 such as 10:15"),
     ("-1:3", "expected A:B, steps A to B-1 such as 10:15"),
     ("2", "expected A:B, steps A to B-1 such as 10:15"),
+    ("\uff11:\uff12", "expected A:B, steps A to B-1 such as 10:15"),  # full-width digits: \\d took them for 1:2
     ("0:1001", "1,001 steps, at most 1,000 in one window (a longer trace opens in no viewer)"),
 ]
 
@@ -521,6 +522,24 @@ def test_a_device_or_rank_the_capture_does_not_hold_is_said_not_read_as_nothing(
         assert out.out == "" and out.err.strip() == f"dpprof: run {run.id} {said}"
     assert main([command, str(run.path), "--device", "cpu:1", "--rank", "0"]) == 0  # what it holds still reads
     assert "has no" not in capsys.readouterr().err
+
+
+def test_ops_vs_the_same_device_is_a_usage_error_and_another_runs_steps_are_said(captured, tmp_path, capsys):
+    """`--device cpu:1 --vs cpu:1` compares nothing: a usage error (it printed "cpu:1 is 0.0 ms faster than cpu:1").
+    Against another run whose capture holds 1 step to this one's 2, both counts are said: the totals are over
+    different steps (the sentence gave none)."""
+    run, _ = captured
+    with pytest.raises(SystemExit) as exit_:
+        main(["ops", str(run.path), "--device", "cpu:1", "--vs", "cpu:1"])
+    assert exit_.value.code == 2
+    assert "--vs cpu:1 names the device the run's side already is" in capsys.readouterr().err
+    one = train(build_workload("cifar-lenet", 32), dpprof.cpu_devices(2), 3, name="one step", reports_dir=str(tmp_path),
+                capture="1:2")
+    notes = dpprof.load_run(one.path).notes["message"]
+    assert any(m.startswith("captured step 1 with torch.profiler") for m in notes)  # not "steps 1 to 1"
+    assert main(["--reports-dir", str(tmp_path), "ops", str(run.path), "--vs", one.id]) == 0
+    sentence = capsys.readouterr().out.splitlines()[0]
+    assert "(totals over 2 steps of captured and 1 step of one step)" in sentence, sentence
 
 
 def test_ops_vs_a_device_the_capture_does_not_hold_says_so_not_no_run(captured, capsys):

@@ -38,6 +38,7 @@ from torch.autograd.profiler import record_function
 
 from dpprof.capture.request import CaptureAnswer, read_request, write_answer
 from dpprof.capture.window import CaptureError, CaptureWindow
+from dpprof.units import steps_words
 from dpprof.records import NoteRecord
 from dpprof.store.faults import cause_of
 from dpprof.store.files import capture_trace_name, hidden_name, publish_file, remove_files
@@ -229,11 +230,11 @@ class CaptureSession:
         done = CapturedWindow(steps.first_step, steps.end_step, trace, error, stop_ms, export_ms)
         self.captured.append(done)
         if error is None:
-            message = (f"captured steps {steps.first_step} to {steps.end_step - 1} with torch.profiler: raw trace "
+            message = (f"captured {steps_words(steps.first_step, steps.end_step)} with torch.profiler: raw trace "
                        f"{os.path.basename(str(trace))} (stop {stop_ms:.0f} ms on the training thread, trace and "
                        f"tables {export_ms:.0f} ms beside it)")
         else:
-            message = f"capture of steps {steps.first_step} to {steps.end_step - 1}{NOT_STORED}{error}"
+            message = f"capture of {steps_words(steps.first_step, steps.end_step)}{NOT_STORED}{error}"
         self.run.emit(NoteRecord(t_ms=self.run.now_ms(), source="capture", message=message))
         if error is not None:
             log.warning("dpprof: %s", message)
@@ -290,10 +291,10 @@ class CaptureSession:
                     continue
                 window, profiling, own = self.window, self._profiler is not None, self._nonce is None
             if window is not None and not profiling and own:  # the run's own --capture window, later on
-                error = (f"this run captures steps {window.first_step} to {window.end_step - 1} (its --capture "
+                error = (f"this run captures {steps_words(window.first_step, window.end_step)} (its --capture "
                          f"{window}), which begin later: one capture at a time; ask again once it is stored")
             elif window is not None:  # recording, or asked for and about to begin
-                error = (f"a capture of steps {window.first_step} to {window.end_step - 1} is under way in this run; "
+                error = (f"a capture of {steps_words(window.first_step, window.end_step)} is under way in this run; "
                          "ask again once it is stored")
             elif busy:
                 error = "a capture is being stored; ask again in a moment"

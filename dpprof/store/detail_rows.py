@@ -20,6 +20,7 @@ import pandas as pd
 
 from dpprof.store.schema import CAPTURE_COLUMN, DETAIL_TABLES, detail_ddl
 from dpprof.store.validation import MAX_VALUE
+from dpprof.units import steps_words
 
 if TYPE_CHECKING:
     from dpprof.store.reader import StoredRun
@@ -69,7 +70,7 @@ class Capture:
 
     @property
     def label(self) -> str:
-        return f"steps {self.first_step} to {self.end_step - 1}"
+        return steps_words(self.first_step, self.end_step)
 
 
 def write_detail(run_path: str | os.PathLike[str], detail: DetailTables, capture: Capture | None = None) -> None:

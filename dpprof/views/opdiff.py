@@ -17,6 +17,7 @@ import pandas as pd
 
 from dpprof.store import detail_rows
 from dpprof.store.reader import StoredRun
+from dpprof.units import plural
 
 __all__ = ["Pick", "DIFF_COLUMNS", "KERNEL_DIFF_COLUMNS", "SAME_CALLS_TOLERANCE", "operator_diff", "kernel_diff",
            "diff_rows", "side_of", "others_mean", "others_mean_of", "clock_of", "diff_sentence", "picks_of"]
@@ -167,16 +168,21 @@ def _calls_text(a: float, b: float) -> str:
 
 
 def diff_sentence(diff: pd.DataFrame, label_a: str, label_b: str, top: int = 3, quote: str = "`",
-                  steps: int | None = None) -> str:
+                  steps: int | None = None, steps_a: int | None = None) -> str:
     """"cuda:2 is 4.1 ms slower than cuda:0 on the device: `aten::cudnn_convolution` +3.2 ms (same calls, 1.8x the
     time), ..." from ``operator_diff``: the whole difference, then the operators that explain most of it (each name
-    between ``quote``s: backticks for markdown, quotes for plain text); ``steps``: the sides' step count, said."""
+    between ``quote``s: backticks for markdown, quotes for plain text); ``steps``: the sides' step count, said
+    (``steps_a``: side A's, where it is another run's: two counts that differ are both said, the totals being over
+    different steps)."""
     if diff.empty:
         return f"Neither {label_a} nor {label_b} has operators to compare."
     clock = diff.attrs.get("clock", "host")
     total = float(diff["delta_ms"].sum())
     word = "slower" if total > 0 else "faster"
-    over = f" over {steps:,} step{'s' if steps != 1 else ''}" if steps else ""
+    if steps and steps_a and steps_a != steps:
+        over = f" (totals over {plural(steps, 'step')} of {label_b} and {plural(steps_a, 'step')} of {label_a})"
+    else:
+        over = f" over {plural(steps, 'step')}" if steps else ""
     lead = f"{label_b} is {abs(total):.1f} ms {word} than {label_a} in {clock} self time{over}"
     same_sign = diff[np.sign(diff["delta_ms"]) == np.sign(total)] if total else diff
     parts = []
