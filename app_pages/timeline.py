@@ -25,8 +25,10 @@ def body(row: pd.Series) -> None:
         start = max(first, last - count + 1)
         c1.metric("From step", start)
     else:
+        # keyed by the run: each run opens on its own last steps and keeps the step chosen on it
         start = int(c1.number_input(f"From step ({first}–{last})", min_value=0,
-                                    value=max(first, last - timeline.TIMELINE_DEFAULT_STEPS + 1), step=1, key="tl_from"))
+                                    value=max(first, last - timeline.TIMELINE_DEFAULT_STEPS + 1), step=1,
+                                    key=f"tl_from_{row['id']}"))
         if not first <= start <= last:
             st.warning(f"This run's steps are {first}–{last}; showing from step {min(max(start, first), last)}.")
             start = min(max(start, first), last)

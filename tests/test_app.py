@@ -211,12 +211,25 @@ def test_timeline_shows_the_chosen_range_of_steps(reports_with_runs):
     run = reports_with_runs.balanced
     shown = at.dataframe[0].value
     assert sorted(set(shown["step"])) == [1, 2, 3, 4, 5]  # the last five steps
-    at.number_input(key="tl_from").set_value(0)
+    at.number_input[0].set_value(0)
     at.slider(key="tl_count").set_value(2).run()
     shown = at.dataframe[0].value
     assert len(shown) == len(run.phases[run.phases["step"] <= 1]) and _charts(at) == 1
-    at.number_input(key="tl_from").set_value(99).run()  # past the end: said, and clamped
+    at.number_input[0].set_value(99).run()  # past the end: said, and clamped
     assert "This run's steps are 0–5" in _texts(at.warning)
+
+
+def test_timeline_opens_each_run_on_its_own_last_steps(reports_with_runs):
+    """The step chosen on one run's Timeline is that run's: another run opened after it shows its own last steps,
+    not the steps from the step chosen before."""
+    at = _page(_app(), "timeline")
+    plain, balanced = reports_with_runs.plain, reports_with_runs.balanced
+    assert at.session_state[common.RUN_KEY] == balanced.id
+    at.number_input[0].set_value(0).run()
+    assert sorted(set(at.dataframe[0].value["step"])) == [0, 1, 2, 3, 4]
+    at.selectbox(key=common.PICKER_KEY).select(plain.id).run()
+    assert not at.exception and not at.warning
+    assert sorted(set(at.dataframe[0].value["step"])) == [1, 2, 3, 4, 5]  # plain's last five, not from step 0
 
 
 def test_compare_sets_runs_side_by_side_and_states_the_differences(reports_with_runs):
