@@ -23,6 +23,7 @@ from dpprof.stepmodel import PHASE_WORDS
 from dpprof.records import PHASE_ORDER
 from dpprof.store.queries import MAX_POINTS
 from dpprof.units import bytes_unit
+from dpprof.views.opdiff import Pick
 from dpprof.views.timeline import STREAM_PHASE
 
 __all__ = ["MAX_POINTS", "PHASE_COLORS", "downsample", "device_glance", "step_times", "phase_breakdown", "phase_shares",
@@ -600,7 +601,7 @@ def gpu_metrics_per_step(per_step: pd.DataFrame) -> go.Figure:
     many = per_step["rank"].nunique() > 1
     dashes = ("solid", "dash", "dot")
     for (rank, device), df in per_step.groupby(["rank", "device"], sort=False):
-        who = f"rank {rank} {device}" if many else str(device)
+        who = Pick(int(rank), str(device)).label() if many else str(device)  # "rank 1 cuda:0", or "rank 1"
         for (col, word), dash in zip(_GPU_METRICS, dashes):
             fig.add_trace(go.Scatter(x=df["step"].astype(int).tolist(), y=df[col].astype(float).tolist(),
                                      mode="lines+markers", name=f"{who} {word}", line=dict(dash=dash)))
@@ -634,7 +635,7 @@ def memory_over_time(curve: pd.DataFrame, peaks: pd.DataFrame) -> go.Figure:
     many = peaks["rank"].nunique() > 1
     for row in peaks.itertuples(index=False):
         step = f"step {int(row.peak_step)}" if pd.notna(row.peak_step) else "no step"
-        who = f"rank {row.rank} {row.device}" if many else str(row.device)
+        who = Pick(int(row.rank), str(row.device)).label() if many else str(row.device)
         fig.add_trace(go.Scatter(x=[row.peak_t_ms / 1e3], y=[row.peak_allocated_bytes * scale], mode="markers+text",
                                  marker=dict(symbol="x", size=11, color="black"), name=f"{who} peak",
                                  text=[f"peak {row.peak_allocated_bytes * scale:,.1f} {unit} ({step})"],

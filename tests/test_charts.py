@@ -1,12 +1,17 @@
 """dpprof.charts: figures drawn from what the store's queries return for runs the CPU backend records."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import plotly.graph_objects as go
 import pytest
 
+import dpprof
 from dpprof import charts
+from dpprof.trace import import_traces
 from dpprof.units import bytes_unit
-from dpprof.views import compare, load, overview
+from dpprof.views import compare, kernels, load, overview
+from dpprof.views.opdiff import Pick
 from dpprof.devices import chunk_sizes
 from dpprof.store import queries
 from recorded import BUS, record, record_with_gpu_samples
@@ -203,3 +208,16 @@ def test_a_run_named_with_html_is_text_in_every_compare_chart(tmp_path):
         assert not [s for _, s in strings if "<" in s or ">" in s], strings
         shown = {html.unescape(s) for _, s in strings}
         assert any(HTML_NAME in s for s in shown)  # the name is there, as its characters
+
+
+DDP128 = [Path(__file__).resolve().parents[2] / "shared" / "traces" / f"ddp-128ranks-rank{r}-sampled.json.gz"
+          for r in (0, 1)]
+
+
+@pytest.mark.skipif(not DDP128[0].exists(), reason="../shared/traces is not beside the project")
+def test_a_ranks_own_device_is_named_once_in_the_gpu_figures(tmp_path):
+    """An imported rank file's device is its rank ("rank:1"): its lines say "rank 1", not "rank 1 rank:1"."""
+    run = dpprof.load_run(import_traces(DDP128, tmp_path, name="ddp128", jobs=1).id, tmp_path)
+    fig = charts.gpu_metrics_per_step(kernels.gpu_per_step(run, Pick()))
+    assert _names(fig) == [f"rank {r} {word}" for r in (0, 1)
+                           for word in ("GPU utilization", "Est. SM efficiency", "Est. achieved occupancy")]
