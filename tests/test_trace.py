@@ -762,3 +762,9 @@ def test_some_ranks_of_a_job_with_a_straggler_are_not_told_their_wait_is_communi
     assert found.set_index("kind").loc["straggler_rank", "device"] == "rank:1"
     assert not found["evidence"].str.contains("ranks is in this run|ranks are in this run").any()
     assert not found["advice"].str.contains("Bring every rank's file").any()
+    # one step figure: the communication finding's mean step past the first is the job's (the slowest rank's each
+    # step, the data finding's), not each rank's own step averaged
+    comm = found.set_index("kind").loc["communication_share", "evidence"]
+    said = float(re.search(r"of a ([\d.]+) ms mean step past the first", comm).group(1))
+    job = both.steps.groupby("step")["duration_ms"].max().sort_index().iloc[1:]
+    assert said == pytest.approx(job.mean(), abs=0.006)

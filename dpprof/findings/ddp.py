@@ -155,7 +155,10 @@ def communication(t: Tables) -> list[dict]:
     overlapped = [ms for key, ms in overlapped_ms(comms, phases[phases["phase"] == "backward_compute"]).items()
                   if key in windows.index]
     comm_ms = float(busy_table["busy_ms"].mean())
-    step_ms = float(busy_table["window_ms"].mean())
+    # the job's mean step past the first (the slowest rank's, as the data finding's), the step the ranks pay together;
+    # a run of one step: the ranks' own steps
+    later = t.later_steps
+    step_ms = float(later.mean()) if len(later) else float(busy_table["window_ms"].mean())
     share = comm_ms / step_ms if step_ms else 0.0
     overlap = min(1.0, sum(overlapped) / busy_table["busy_ms"].sum()) if busy_table["busy_ms"].sum() else 0.0
     exposed_ms = comm_ms * (1 - overlap)
