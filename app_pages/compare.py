@@ -79,7 +79,8 @@ def body() -> None:
     common.csv_button(data.summary, "compare_summary")
     empty = [r["run"] for _, r in data.summary.iterrows() if not r["steps"]]
     if empty:
-        common.missing(f"No steps recorded in {', '.join(empty)}: its charts stay empty.")
+        whose = "its" if len(empty) == 1 else "their"
+        common.missing(f"No steps recorded in {', '.join(empty)}: {whose} charts stay empty.")
     if data.steps.empty:
         return
     common.chart(charts.compare_step_times(data.steps))
