@@ -629,6 +629,29 @@ def test_check_runs_that_fail_say_the_childs_own_error_and_exit_1(tmp_path, monk
     assert out.count(said) == scenarios and "[--nproc NPROC]" not in out
 
 
+@pytest.mark.slow
+def test_a_check_run_whose_model_fails_while_training_says_the_models_error(tmp_path, monkeypatch, calibrated):
+    """A check run that starts and fails in a step says the model's own error, not the hint printed under it
+    ("  dpprof show ID", the child's last line)."""
+    (tmp_path / "failingmodels.py").write_text(MODEL_FILE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reports = tmp_path / "reports"
+    assert main(["--reports-dir", str(reports), "profile", "--model", "failingmodels:make", "--input-shape", "12",
+                 "--devices", "cpu:2", "--steps", "4", "--batch-size", "16", "--quiet"]) == 0
+    [run_id] = dpprof.list_runs(reports)["id"]
+    # the same model, failing on a chunk over 2 samples: the pre-flight pass (a batch of two) goes through
+    (tmp_path / "failingmodels.py").write_text(
+        MODEL_FILE + "class Failing(torch.nn.Module):\n    def forward(self, x):\n        if len(x) > 2:\n"
+        "            raise RuntimeError('the model went wrong')\n        return x\n"
+        "def make():\n    return torch.nn.Sequential(Failing(), torch.nn.Linear(12, 4))\n")
+    advice = _advice(dpprof.load_run(run_id, reports))
+    [checked] = check(advice, reports, scenarios=[s for s in advice.scenarios if s.recorded])
+    assert checked.run_id is None and checked.error is not None
+    assert checked.error.startswith("exited with 1: dpprof: the workload failed while training: RuntimeError: ")
+    assert "the model went wrong" in checked.error
+
+
 def _damaged(cal: dict, how: str):
     """A cache file's JSON damaged one way (the JSON text written)."""
     if how == "a list":

@@ -5,6 +5,7 @@ workload_args, dpprof.records.CHECK_OF_ENV), and is read back as any run is."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -20,6 +21,9 @@ from dpprof.store.reader import load_run
 __all__ = ["CHECK_MAX_STEPS", "CHECK_TIMEOUT_S", "Checked", "check", "check_profile", "failed_reason", "run_scenario"]
 
 CHECK_TIMEOUT_S = 900  # one scenario's run; a DDP run starts torchrun and its ranks
+# A line dpprof itself says why it failed in: "dpprof: ..." or "dpprof profile: error: ...", never the hint under
+# it ("  dpprof show ID", printed after a workload that failed while training)
+_OWN_ERROR_LINE = re.compile(r"dpprof(?: [a-z]+)?: ")
 
 
 @dataclass
@@ -130,7 +134,7 @@ def failed_reason(err: Exception) -> str:
         return f"ran past {err.timeout:g} s and was stopped"
     if isinstance(err, LaunchError):
         said = [line.strip() for line in err.lines if line.strip()]
-        own = [line for line in said if line.startswith("dpprof")]
+        own = [line for line in said if _OWN_ERROR_LINE.match(line)]
         last = (own or said or [type(err).__name__])[-1]
         return f"exited with {err.returncode}: {last}"
     return str(err).splitlines()[0] if str(err) else type(err).__name__
