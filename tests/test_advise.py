@@ -856,6 +856,12 @@ def test_the_measure_is_cached_per_run_and_another_torch_s_is_not_read(measured_
     assert cached_compute(m.run_id, "0.0.1") is None
     compute_path(m.run_id).write_text("{not json")
     assert cached_compute(m.run_id) is None
+    compute_path(m.run_id).write_text("[]")  # JSON, not an object: no measure, not a crash
+    assert cached_compute(m.run_id) is None
+    data = probe.to_json()
+    data["layouts"][0]["backward_ms"] = float("nan")  # a time that is no number would print as "nan" and as NaN,
+    compute_path(m.run_id).write_text(json.dumps(data))  # which --json's reader cannot parse
+    assert cached_compute(m.run_id) is None
 
 
 def test_advise_measures_the_model_alone_once_and_the_page_reads_it(runs, calibrated, monkeypatch, capsys):

@@ -14,6 +14,7 @@ page) only reads the cache. The dataclasses are torch-free; measure_compute impo
 from __future__ import annotations
 
 import json
+import math
 import socket
 import statistics
 import time
@@ -83,9 +84,10 @@ class ComputeProbe:
         for row in data["layouts"]:
             times = ChunkTimes(int(row["batch"]), int(row["k"]), tuple(float(v) for v in row["forward_ms"]),
                                float(row["backward_ms"]), int(row["passes"]))
-            if (len(times.forward_ms) != len(chunk_sizes(times.batch, times.k)) or times.backward_ms < 0
-                    or any(v < 0 for v in times.forward_ms)):
+            if len(times.forward_ms) != len(chunk_sizes(times.batch, times.k)):
                 raise ValueError(f"layout {times.batch}/{times.k} does not hold one forward time per chunk")
+            if not all(math.isfinite(v) and v >= 0 for v in (*times.forward_ms, times.backward_ms)):
+                raise ValueError(f"layout {times.batch}/{times.k} holds a time that is no finite number of at least 0")
             layouts[(times.batch, times.k)] = times
         return cls(str(data["run_id"]), str(data["host"]), str(data["torch_version"]), str(data["measured_at"]),
                    layouts)
@@ -101,7 +103,7 @@ def cached_compute(run_id: str, torch_version: str | None = None) -> ComputeProb
     path = compute_path(run_id)
     try:
         data = json.loads(path.read_text())
-        if data.get("version") != COMPUTE_VERSION:
+        if not isinstance(data, dict) or data.get("version") != COMPUTE_VERSION:
             return None
         probe = ComputeProbe.from_json(data)
     except (OSError, ValueError, KeyError, TypeError):
