@@ -276,7 +276,7 @@ def _by_k(value: Any, check: Callable[[Any], str | None]) -> str | None:
     if not isinstance(value, dict):
         return "is not a table"
     for k, v in value.items():
-        if not str(k).isdigit() or int(k) < 1:
+        if not (str(k).isascii() and str(k).isdigit()) or int(k) < 1:  # "²" is a digit int() does not read
             return f"has a key {k!r} that is no worker count"
         why = check(v)
         if why is not None:
