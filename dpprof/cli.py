@@ -1145,8 +1145,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "from one DataParallel run", description="Predicts, from one recorded DataParallel run and a "
                        "short calibration of this machine (cached per host and device set), each scenario's median "
                        "step with an interval, its parts and each device's peak held memory, and prints the command "
-                       "that runs it. Exit 1, in one line, for a run it cannot predict from (DDP runs, imported "
-                       "traces, runs of fewer than 3 steps).")
+                       "that runs it. Exit 1, in one line, for a run it cannot predict from (DDP and FSDP runs, "
+                       "imported traces, runs of fewer than 3 steps).")
     p.add_argument("run", nargs="?", default=None, help="run id (or a unique prefix) or path to a run file")
     p.add_argument("--json", action="store_true", help="print the prediction (and the check) as JSON")
     p.add_argument("--calibrate", action="store_true",

@@ -404,12 +404,15 @@ def test_a_run_gathered_onto_the_host_is_titled_by_the_workers_it_spread_over(tm
 
 @pytest.fixture(scope="module")
 def refused(tmp_path_factory, runs, profiled):
-    """Runs the advisor cannot predict from: a DDP run, an imported trace, a run of 2 steps."""
+    """Runs the advisor cannot predict from: a DDP run, an FSDP run, an imported trace, a run of 2 steps."""
     directory = runs.dir
     profiled(directory, "tutorial-linear", "--ddp", "--nproc", "2", "--steps", "4")  # recorded once a session
+    profiled(directory, "tutorial-linear", "--fsdp", "--nproc", "2", "--steps", "4")
     listing = dpprof.list_runs(directory)
+    ranks = [dpprof.load_run(run_id, directory) for run_id in listing[listing["ranks"] == 2]["id"]]
     idle = record(directory, "idle", workers=3, steps=4, batch_size=2, workload="tutorial-linear")
-    out = {"ddp": (listing[listing["ranks"] == 2]["id"].iloc[0], "DistributedDataParallel run"),
+    out = {"ddp": (next(r.id for r in ranks if r.model.kind == "ddp"), "is a DistributedDataParallel run: "),
+           "fsdp": (next(r.id for r in ranks if r.model.kind == "fsdp"), "is an FSDP run: "),
            "short": (runs.short.id, f"at least {MIN_STEPS}"),
            "idle": (idle.id, "gave no chunk to cpu:2 (its batch is smaller than its 3 devices)"),
            "host": (_recorded_onto_the_host(directory).id, "gathered its outputs onto the host (output_device=-1)")}
@@ -418,7 +421,7 @@ def refused(tmp_path_factory, runs, profiled):
     return out
 
 
-@pytest.mark.parametrize("kind", ["ddp", "trace", "short", "idle", "host"])
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "trace", "short", "idle", "host"])
 def test_runs_it_cannot_predict_from_say_why_in_one_line_and_exit_1(runs, refused, kind, capsys):
     if kind not in refused:
         pytest.skip(f"no {TRACE}")

@@ -152,14 +152,12 @@ def _refuse(run: StoredRun) -> None:
         raise NotAdvisable(f"run {run.id} is an imported torch.profiler trace: it holds no dpprof accounting of what "
                            "each device computes per sample and holds to predict from; record the training with "
                            "dpprof (dpprof run or dpprof profile) and advise on that run")
-    if model.kind == "ddp":
-        raise NotAdvisable(f"run {run.id} is a DistributedDataParallel run: the advisor predicts other set-ups "
-                           "from a DataParallel run; record the model with DataParallel (dpprof profile, or dpprof "
-                           "run on a script that uses it) and advise on that run")
     if model.kind not in ("dataparallel", "balanced"):
-        raise NotAdvisable(f"run {run.id} is a {model.title} run: the advisor predicts other set-ups from a "
-                           "DataParallel run; record the model with DataParallel (dpprof profile, or dpprof run on a "
-                           "script that uses it) and advise on that run")
+        what = {"ddp": "a DistributedDataParallel run", "fsdp": "an FSDP run"}.get(
+            model.kind, f"not a DataParallel run ({model.title})")
+        raise NotAdvisable(f"run {run.id} is {what}: the advisor predicts other set-ups from a DataParallel run; "
+                           "record the model with DataParallel (dpprof profile, or dpprof run on a script that uses "
+                           "it) and advise on that run")
     if model.steps < MIN_STEPS:
         raise NotAdvisable(f"run {run.id} has {model.steps} step(s): the advisor needs at least {MIN_STEPS} (the "
                            "first step carries one-time costs, and a typical step needs two more)")
@@ -179,7 +177,7 @@ def measure(run: StoredRun) -> Measured:
     """The run's typical step, its parts, its chunks and its memory, for dpprof.advise.predict.
 
     Raises:
-        NotAdvisable: a DDP run, an imported trace, an empty run or one of fewer than MIN_STEPS steps, or a step
+        NotAdvisable: a DDP or FSDP run, an imported trace, an empty run or one of fewer than MIN_STEPS steps, or a step
             the model does not cover (several DataParallel forward calls); the message says why in one line.
     """
     _refuse(run)
