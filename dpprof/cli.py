@@ -883,12 +883,15 @@ def _cmd_advise(args: argparse.Namespace) -> int:
 
     if args.memory_gib is not None and args.memory_gib <= 0:
         raise UsageError(f"--memory-gib must be positive, got {args.memory_gib}")
+    if args.check_dir is not None and not args.check:
+        raise UsageError("--check-dir is where --check records its runs: give --check too")
     if args.run is None:
         if not args.calibrate:
             raise UsageError("advise needs a run (dpprof advise RUN), or --calibrate to measure this machine")
-        match = re.fullmatch(r"cpu:(\d+)", args.devices.strip())
+        devices = args.devices or "cpu:2"
+        match = re.fullmatch(r"cpu:(\d+)", devices.strip())
         if not match or int(match.group(1)) < 1:
-            raise UsageError(f"--devices {args.devices!r}: the calibration is of CPU workers, cpu:N")
+            raise UsageError(f"--devices {devices!r}: the calibration is of CPU workers, cpu:N")
         calibration, cached = _calibrate_and_cache(int(match.group(1)), progress=sys.stderr.isatty())
         print("\n".join(calibration.lines()))
         if calibration.loaded_reason():
@@ -897,6 +900,9 @@ def _cmd_advise(args: argparse.Namespace) -> int:
         if cached is not None:
             print(f"cached in {cached}")
         return EXIT_OK
+    if args.devices is not None:
+        raise UsageError(f"--devices {args.devices!r} is for --calibrate without a run: a run is predicted on its "
+                         "own devices (and on 1 to twice their count)")
     run = load_run(args.run, args.reports_dir)
     try:
         m = measure(run)
@@ -1152,7 +1158,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine first (without RUN: for --devices); cached in "
                    "$XDG_CACHE_HOME/dpprof/advise (default ~/.cache/dpprof/advise)")
-    p.add_argument("--devices", default="cpu:2", help="with --calibrate and no RUN: the CPU workers to calibrate for")
+    p.add_argument("--devices", default=None, help="with --calibrate and no RUN: the CPU workers to calibrate for "
+                   "(default: cpu:2); a run is calibrated for its own")
     p.add_argument("--check", action="store_true",
                    help=f"run every scenario's command on this machine (at most {CHECK_MAX_STEPS} steps each) and "
                    "print predicted against measured")

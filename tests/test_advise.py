@@ -441,6 +441,17 @@ def test_advise_without_a_run_is_a_usage_error(capsys):
     assert exit_.value.code == 2 and "advise needs a run" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("given, said", [
+    (["--devices", "cpu:3"], "--devices 'cpu:3' is for --calibrate without a run"),
+    (["--check-dir", "elsewhere"], "--check-dir is where --check records its runs: give --check too")])
+def test_an_option_advise_on_a_run_would_drop_is_a_usage_error(runs, calibrated, given, said, capsys):
+    """Not a prediction that leaves the option out (on the run's 2 workers, not the 3 asked for; no check run)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["--reports-dir", str(runs.dir), "advise", runs.plain.id, *given])
+    captured = capsys.readouterr()
+    assert exit_.value.code == 2 and said in captured.err and captured.out == ""
+
+
 @pytest.mark.slow
 def test_calibrate_measures_this_machine_says_what_and_caches_it(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
