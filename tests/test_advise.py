@@ -123,6 +123,8 @@ def test_ddp_is_each_ranks_own_chunk_and_the_allreduce_backward_does_not_hide(ru
     # one bucket (the gradients of cifar-lenet's 62k weights, under DDP's 1 MiB first bucket), launched when
     # backward ends: nothing hides its all-reduce
     assert m.param_bytes < 1 << 20
+    # said in the unit that shows it: cifar-lenet's 242 KiB of gradients, not "0.23 MiB"
+    assert f"1 gradient bucket of {m.param_bytes / 1024:,.1f} KiB all-reduced" in ddp.changes[1]
     wait = calibrated.ddp_sync_ms + calibrated.allreduce_ms_per_mib * m.param_bytes / 2**20
     # plus the ranks' skew: each step waits for the slower of two ranks whose compute moves as the recorded applies
     # did (each device's apply over its mean, every step past the first, clipped to the 5th-95th percentiles)

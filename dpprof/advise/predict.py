@@ -39,7 +39,7 @@ from dpprof.advise.compute import ComputeProbe
 from dpprof.advise.measured import Measured, chunk_sizes
 from dpprof.records import PHASE_ORDER
 from dpprof.stepmodel import PHASE_WORDS
-from dpprof.units import plural
+from dpprof.units import mib, plural
 
 if TYPE_CHECKING:
     from dpprof.launch import Profile
@@ -688,7 +688,7 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
     ddp_notes = [f"no scatter, replicate or gather: each rank keeps its model and its own {per_rank[0]} samples; "
                  + ("one intra-op thread a rank; " if m.backend == "cpu" else "")
                  + "the step waits for the slowest rank, whose parts these are",
-                 f"{len(buckets)} gradient bucket(s) of {', '.join(f'{b / 2**20:.2f} MiB' for b in buckets)} all-reduced "
+                 f"{plural(len(buckets), 'gradient bucket')} of {', '.join(mib(b) for b in buckets)} all-reduced "
                  f"({model.allreduce_ms(buckets[0]) if buckets else 0:.2f} ms for the first); what backward does not "
                  f"hide is the wait, {ddp_parts['comm_wait'] - skew_ms:.2f} ms"]
     if model.raw_skew() > 0.0005:
