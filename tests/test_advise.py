@@ -677,6 +677,7 @@ def _damaged(cal: dict, how: str):
     damaged = {**cal, **{"NaN copy": {"copy_ms_per_mib": float("nan")}, "no cores": {"cores": 0},
                          "cores in words": {"cores": "two"}, "a negative hand-off": {"handoff_ms": {"2": -1.0}},
                          "a superscript count": {"handoff_ms": {**cal["handoff_ms"], "²": 0.1}},
+                         "another host's": {"host": "gpu-box-7"},
                          "older": {"version": 1}, "another torch": {"torch_version": "1.13.1"}}.get(how, {})}
     if how == "host missing":
         del damaged["host"]
@@ -687,6 +688,7 @@ def _damaged(cal: dict, how: str):
     ("a list", "it holds a JSON list"), ("not JSON", "it cannot be read"), ("NaN copy", "copy_ms_per_mib is nan"),
     ("no cores", "cores is 0"), ("cores in words", "cores is 'two'"), ("a negative hand-off", "handoff_ms [2] is -1.0"),
     ("a superscript count", "handoff_ms has a key '²' that is no worker count"),
+    ("another host's", f"it is of host 'gpu-box-7', not {__import__('socket').gethostname()!r}"),
     ("host missing", "host is missing"), ("older", "it is of version 1"),
     ("another torch", f"it was measured with torch 1.13.1, and torch {torch.__version__} is installed now")])
 def test_a_damaged_calibration_cache_is_none_and_says_why(runs, calibrated, tmp_path, monkeypatch, how, why):

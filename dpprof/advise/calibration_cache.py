@@ -173,6 +173,9 @@ def cached_calibration(backend: str, devices: int, threads: int,
     except (OSError, ValueError) as err:
         return None, f"it cannot be read ({type(err).__name__}: {err})"
     why = _not_a_calibration(data)
+    host = host or socket.gethostname()
+    if why is None and data["host"] != host:  # a file copied from another machine under this one's name
+        why = f"it is of host {data['host']!r}, not {host!r}"
     if why is None and (data["backend"], data["devices"], data["threads"]) != (backend, devices, threads):
         why = (f"it is of {data['backend']} x{data['devices']} at {data['threads']} thread(s), not {backend} "
                f"x{devices} at {threads}")
