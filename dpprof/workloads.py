@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -194,6 +195,11 @@ def user_workload(spec: str, input_shape: Sequence[int], batch_size: int | None 
     try:
         factory = getattr(importlib.import_module(module_name), factory_name)
     except Exception as err:  # noqa: BLE001 - ImportError, AttributeError, the module's own SyntaxError or raise
+        if module_name.endswith(".py") or "/" in module_name:  # a file's path: the module is named as python -m names it
+            path = Path(module_name)
+            where = "the file's directory" if str(path.parent) == "." else path.parent
+            raise ValueError(f"--model takes a module's name as python -m does, not a file's path ({spec!r}): run "
+                             f"from {where} with --model {path.name.removesuffix('.py')}:{factory_name}") from None
         raise ValueError(f"cannot load model factory {spec!r}: {error_line(err)}") from None
     if not input_shape or any(d < 1 for d in input_shape):
         raise ValueError(f"--input-shape needs positive sizes, got {list(input_shape)}")

@@ -188,6 +188,19 @@ def test_a_model_that_cannot_train_is_refused_in_one_line_before_any_run(factory
     assert "Traceback" not in err and dpprof.list_runs().empty
 
 
+@pytest.mark.parametrize("spec, says", [("failing.py:batchnorm", "run from the file's directory with --model failing:batchnorm"),
+                                        ("{dir}/failing.py:batchnorm", "run from {dir} with --model failing:batchnorm")])
+def test_a_model_given_as_a_files_path_says_the_module_name_to_give(spec, says, tmp_path, monkeypatch, capsys):
+    """As a newcomer writes it: the file, not the module python -m imports (No module named 'failing.py' before)."""
+    (tmp_path / "failing.py").write_text(_FAILING)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["profile", "--model", spec.format(dir=tmp_path), "--input-shape", "4", "--steps", "2", "--quiet"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--model takes a module's name as python -m does, not a file's path" in err
+    assert says.format(dir=tmp_path) in err and "Traceback" not in err and dpprof.list_runs().empty
+
+
 def test_a_workload_that_fails_while_training_says_so_in_one_line_and_keeps_its_run(tmp_path, monkeypatch, capsys):
     """BatchNorm in training mode on a replica of one sample: torch's error, from inside the run."""
     (tmp_path / "failing.py").write_text(_FAILING)
