@@ -934,6 +934,10 @@ def _cmd_advise(args: argparse.Namespace) -> int:
         say(view.reason)
         return EXIT_FAILURE
     checked = None
+    if args.check and all(s.profile is None for s in view.advice.scenarios):
+        say(f"--check has nothing to run: run {run.id} was recorded from a script, so no scenario has a command "
+            "(change the script to run one)")
+        return EXIT_FAILURE
     if args.check:
         from dpprof.advise.check import check
         from dpprof.store.faults import RecordingError

@@ -612,6 +612,17 @@ def test_a_run_on_gpus_is_predicted_from_its_own_transfers(tmp_path):
     assert any("not been checked against GPU runs" in a for a in advice.assumptions)
 
 
+def test_check_on_a_run_recorded_from_a_script_says_in_one_line_it_has_nothing_to_run(paused, calibrated, capsys):
+    """Not a table of every scenario and "8 of 8 check runs failed" where none was run."""
+    run = paused.stalled
+    assert main(["--reports-dir", str(Path(run.path).parent), "advise", run.id, "--check"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and "check runs failed" not in captured.err
+    assert captured.err.strip().splitlines()[-1] == (
+        f"dpprof: --check has nothing to run: run {run.id} was recorded from a script, so no scenario has a command "
+        "(change the script to run one)")
+
+
 def test_a_check_directory_that_is_a_file_is_one_line_before_any_scenario_runs(runs, calibrated, tmp_path, capsys):
     target = tmp_path / "a-file"
     target.write_text("mine")
