@@ -38,10 +38,10 @@ from torch.autograd.profiler import record_function
 
 from dpprof.capture.request import CaptureAnswer, read_request, write_answer
 from dpprof.capture.window import CaptureError, CaptureWindow
-from dpprof.units import steps_words
 from dpprof.records import NoteRecord
 from dpprof.store.faults import cause_of
 from dpprof.store.files import capture_trace_name, hidden_name, publish_file, remove_files
+from dpprof.units import steps_words
 
 if TYPE_CHECKING:
     from dpprof.recording import Run

@@ -9,8 +9,7 @@ is handed, so the collective call itself is timed.
 For FSDP1, the class's ``forward`` (the outermost call is the root's), the runtime's pre-backward hook and
 post-backward final callback, ``FlatParamHandle._all_gather_flat_param`` and ``_free_unsharded_flat_param``, and the
 reduce-scatter the runtime calls and NO_SHARD's gradient all-reduce (through its module's ``dist``, which alone is
-wrapped). FSDP1 has one flat
-parameter per FSDP module and no separate copy-in or copy-out: those parts stay empty.
+wrapped). FSDP1 has one flat parameter per FSDP module and no separate copy-in or copy-out: those parts stay empty.
 Outside a recording the wrappers call torch's functions and do nothing else.
 
 What is measured per rank and step, on the host clock (``time.perf_counter_ns``):
