@@ -845,9 +845,9 @@ def _cmd_memory(args: argparse.Namespace) -> int:
 
 
 def _detail_options(p: argparse.ArgumentParser, by: tuple[str, ...] | None) -> None:
-    p.add_argument("run", help="run id (or a unique prefix) or path to a run file")
-    p.add_argument("--rank", type=int, default=None, help="only this rank")
-    p.add_argument("--device", default=None, help="only this device (cuda:0, cpu:1, rank:2)")
+    p.add_argument("run", metavar="RUN", help="run id (or a unique prefix) or path to a run file")
+    p.add_argument("--rank", type=int, default=None, metavar="N", help="only this rank")
+    p.add_argument("--device", default=None, metavar="D", help="only this device (cuda:0, cpu:1, rank:2)")
     p.add_argument("--top", type=_positive_int, default=20, metavar="N", help="the first N rows (default 20)")
     p.add_argument("--capture", type=_step_index, default=None, metavar="A",
                    help="a recorded run's deep capture that starts at step A (default: its latest)")
@@ -1013,7 +1013,7 @@ _CAPTURE_HELP = ("profile steps A to B-1 with torch.profiler (every thread; CUDA
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpprof", description="Profile PyTorch data-parallel training, "
                                      "device by device and phase by phase.")
-    parser.add_argument("--reports-dir", default=None,
+    parser.add_argument("--reports-dir", default=None, metavar="DIR",
                         help="where runs are kept (default: $DPPROF_REPORTS, else ./reports)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -1022,8 +1022,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"built-in workload (default: {DEFAULT_WORKLOAD}); not with --model")
     p.add_argument("--devices", default=None, help="cpu:N (N CPU workers), cpu:0,cpu:1 (those workers), cuda "
                    "(every GPU) or 0,1,2 (default: cpu:2)")
-    p.add_argument("--steps", type=int, default=50, help="training steps to record (default: 50)")
-    p.add_argument("--batch-size", type=int, default=None, help="batch size (default: the workload's)")
+    p.add_argument("--steps", type=int, default=50, metavar="N", help="training steps to record (default: 50)")
+    p.add_argument("--batch-size", type=int, default=None, metavar="N", help="batch size (default: the workload's)")
     p.add_argument("--name", default=None, help="a name for the run")
     p.add_argument("--model", default=None, metavar="PKG.MODULE:FACTORY",
                    help="profile your own model: a factory returning an nn.Module, on random inputs")
@@ -1039,7 +1039,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp", action="store_true",
                    help="train under torchrun with FSDP2 (fully_shard on each top-level child module and the root), "
                         "--nproc ranks (gloo on CPU, NCCL on GPUs), each rank recorded")
-    p.add_argument("--nproc", type=int, default=None, help="with --ddp or --fsdp: ranks to start (default: 2)")
+    p.add_argument("--nproc", type=int, default=None, metavar="N", help="with --ddp or --fsdp: ranks to start (default: 2)")
     p.add_argument("--detail", choices=["bounded", "all"], default="bounded",
                    help="bounded (default): every step's time and per-block aggregates, full detail for the first and "
                    "last 1,000 steps, one step in 100 and outliers, so a day-long run stays small; all: every record")
@@ -1055,7 +1055,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-ids", default=None, metavar="IDS",
                    help="devices DataParallel will use: 0,1,2 or cuda:0,cuda:1 or cpu:0,cpu:1 (every worker named; "
                    "default: every GPU)")
-    p.add_argument("--batch-size", type=int, default=None, help="check how torch.chunk splits this batch")
+    p.add_argument("--batch-size", type=int, default=None, metavar="N", help="check how torch.chunk splits this batch")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     p.set_defaults(func=_cmd_check, parser=p)
 
@@ -1091,16 +1091,16 @@ def build_parser() -> argparse.ArgumentParser:
                        "seconds ahead) and waits until its operators are stored in the run and its raw trace (one per "
                        "rank) beside it. Exit 1, in one line, for a run that has ended, was imported, or does not "
                        "answer within --timeout.")
-    p.add_argument("run", help="run id (or a unique prefix) or path to a run file")
-    p.add_argument("--steps", type=_positive_int, default=5, help="steps to capture (default: 5)")
+    p.add_argument("run", metavar="RUN", help="run id (or a unique prefix) or path to a run file")
+    p.add_argument("--steps", type=_positive_int, default=5, metavar="N", help="steps to capture (default: 5)")
     p.add_argument("--timeout", type=_positive_seconds, default=600.0, metavar="S",
                    help="give up after S seconds without an answer (default: 600)")
     p.add_argument("--quiet", action="store_true", help="no line on stderr while waiting")
     p.set_defaults(func=_cmd_capture, parser=p)
 
     p = sub.add_parser("merge", help="gather distributed runs' rank files from several machines into one run")
-    p.add_argument("sources", nargs="+", help="rank files (<run id>.rank<N>.sqlite) or directories holding them")
-    p.add_argument("--out", default=None, help="where to gather them (default: the reports directory)")
+    p.add_argument("sources", nargs="+", metavar="DIR_OR_FILE", help="rank files (<run id>.rank<N>.sqlite) or directories holding them")
+    p.add_argument("--out", default=None, metavar="DIR", help="where to gather them (default: the reports directory)")
     p.set_defaults(func=_cmd_merge, parser=p)
 
     p = sub.add_parser("import", help="read torch.profiler traces (.json, .json.gz) as one run",
@@ -1126,7 +1126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_runs, parser=p)
 
     p = sub.add_parser("show", help="the per-device phase summary of one run")
-    p.add_argument("run", help="run id (or a unique prefix) or path to a run file")
+    p.add_argument("run", metavar="RUN", help="run id (or a unique prefix) or path to a run file")
     p.set_defaults(func=_cmd_show, parser=p)
 
     p = sub.add_parser("ops", help="a run's top operators per rank and device (imported traces, deep captures)",
@@ -1157,7 +1157,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "step with an interval, its parts and each device's peak held memory, and prints the command "
                        "that runs it. Exit 1, in one line, for a run it cannot predict from (DDP and FSDP runs, "
                        "imported traces, runs of fewer than 3 steps).")
-    p.add_argument("run", nargs="?", default=None, help="run id (or a unique prefix) or path to a run file")
+    p.add_argument("run", nargs="?", default=None, metavar="RUN", help="run id (or a unique prefix) or path to a run file")
     p.add_argument("--json", action="store_true", help="print the prediction (and the check) as JSON")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine first (without RUN: for --devices); cached in "
@@ -1167,7 +1167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help=f"run every scenario's command on this machine (at most {CHECK_MAX_STEPS} steps each) and "
                    "print predicted against measured")
-    p.add_argument("--check-dir", default=None, help="where --check records its runs (default: the reports directory)")
+    p.add_argument("--check-dir", default=None, metavar="DIR", help="where --check records its runs (default: the reports directory)")
     p.add_argument("--memory-gib", type=_memory_gib, default=None, metavar="GIB",
                    help="each CPU worker's memory, for the largest batch that fits (a GPU's is its own)")
     p.add_argument("--batch-sizes", type=_batch_sizes, default=None, metavar="B1,B2",
@@ -1182,8 +1182,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "FILE.rank<N>.json[.gz]. It holds the steps the run keeps in full (a thinned run's say "
                        "which in the file), at most what a viewer opens: a run over ~1M events exports its newest "
                        "steps that fit and says which on one line.")
-    p.add_argument("run", help="run id (or a unique prefix) or path to a run file")
-    p.add_argument("--out", default=None, help="output directory for the CSV files (default: ./<run id>-csv; "
+    p.add_argument("run", metavar="RUN", help="run id (or a unique prefix) or path to a run file")
+    p.add_argument("--out", default=None, metavar="DIR", help="output directory for the CSV files (default: ./<run id>-csv; "
                    "with --trace, CSV files only when given)")
     p.add_argument("--trace", default=None, metavar="FILE.json[.gz]",
                    help="write the run as a trace file (gzip'd when the name ends in .gz)")

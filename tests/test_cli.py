@@ -30,6 +30,30 @@ def test_help_on_every_command(command, capsys):
     assert "usage: dpprof" in capsys.readouterr().out
 
 
+# Each usage line names what an option takes as docs/cli.md writes it (RUN, N, DIR), not argparse's upper-cased dest
+# (BATCH_SIZE, REPORTS_DIR, CHECK_DIR) or a lower-case "run"
+USAGE_METAVARS = [([], ["[--reports-dir DIR]"]),
+                  (["profile"], ["[--steps N]", "[--batch-size N]", "[--nproc N]"]),
+                  (["check"], ["[--batch-size N]"]),
+                  (["capture"], ["[--steps N]", " RUN"]),
+                  (["show"], [" RUN"]),
+                  (["export"], ["[--out DIR]", " RUN"]),
+                  (["ops"], ["[--rank N]", "[--device D]", " RUN"]),
+                  (["kernels"], ["[--rank N]", "[--device D]", " RUN"]),
+                  (["memory"], ["[--rank N]", "[--device D]", " RUN"]),
+                  (["advise"], ["[--check-dir DIR]", "[RUN]"]),
+                  (["merge"], ["[--out DIR]", "DIR_OR_FILE [DIR_OR_FILE ...]"])]
+
+
+@pytest.mark.parametrize("command, shown", USAGE_METAVARS, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_every_usage_line_names_what_each_option_takes(command, shown, capsys):
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    usage = " ".join(capsys.readouterr().out.split("\n\n")[0].split())
+    for text in shown:
+        assert text in usage, usage
+
+
 def test_profile_records_a_run_that_runs_and_show_describe(capsys):
     assert _profile("--name", "cli run") == 0
     runs = dpprof.list_runs()
