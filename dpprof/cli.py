@@ -1059,13 +1059,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     p.set_defaults(func=_cmd_check, parser=p)
 
-    p = sub.add_parser("run", help="run a training script unchanged, its DataParallel, DDP and FSDP2 recorded",
+    p = sub.add_parser("run", help="run a training script unchanged, its DataParallel, DDP and FSDP recorded",
                        usage="dpprof run [-h] [--name NAME] [--cpu-workers N] [--steps N] [--no-record] [--detail bounded|all] "
                        "[--capture A:B] "
                        "(SCRIPT.py | -m MODULE) [ARGS...]",
                        description="Runs SCRIPT.py (or -m MODULE) as python would: same sys.argv, __main__, "
                        "working directory, exit code and exceptions, with torch.nn.DataParallel, "
-                       "data_parallel and DistributedDataParallel recording into one run. A step ends at each "
+                       "data_parallel, DistributedDataParallel, fully_shard (FSDP2) and FullyShardedDataParallel "
+                       "(FSDP1) recording into one run. A step ends at each "
                        "optimizer.step(). Under torchrun: torchrun --nproc_per_node=N -m dpprof run train.py")
     p.add_argument("--name", default=None, help="a name for the run (default: the script and its arguments)")
     p.add_argument("--cpu-workers", type=int, default=None, metavar="N",
