@@ -149,6 +149,18 @@ def test_a_recorded_ddp_run_with_no_late_rank_has_no_straggler(tmp_path):
     assert found.straggler.sentence().startswith("No straggler")
 
 
+def test_a_late_rank_of_a_recorded_ddp_run_with_uneven_inputs_is_the_straggler(tmp_path):
+    """Uneven inputs under DDP's Join: rank 1 trains 3 of the 6 steps the others do and shadows their all-reduces after
+    it. Each rank's wait and work are among the ranks present in each step: the steps without rank 1 count (there was no
+    straggler verdict at all, and no headline: only 2 later steps had every rank)."""
+    _ranks(4, "--steps", "6", "--load-ms", str(LOAD_MS), "--delay", f"2:{DELAY_MS:g}", "--rank-steps", "1:3",
+           record=tmp_path)
+    run = _only_run(tmp_path)
+    assert run.steps.groupby("rank")["step"].nunique().to_dict() == {0: 6, 1: 3, 2: 6, 3: 6}
+    _assert_straggler(run, "rank:2")
+    assert run_findings(run).straggler.collectives.steps == 5
+
+
 def test_a_late_rank_of_a_recorded_fsdp_run_is_the_straggler_with_its_delay_as_the_wait(tmp_path):
     _ranks(2, "--steps", "6", "--load-ms", str(LOAD_MS), "--delay", f"1:{DELAY_MS:g}", "--fsdp", record=tmp_path)
     run = _only_run(tmp_path)

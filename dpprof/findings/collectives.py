@@ -194,7 +194,9 @@ def collective_verdict(t: Tables) -> CollectiveVerdict | None:
     if per.empty:
         return None
     first = t.first_step if t.first_step is not None else per["step"].min()
-    table = per[per["step"] != first].pivot_table(index="step", columns="rank", values="wait_ms").dropna()
+    # a step counts where two ranks or more have it: a rank done early (uneven inputs under Join) or profiled over
+    # fewer steps is left out of the steps it lacks, not those steps out of the run
+    table = per[per["step"] != first].pivot_table(index="step", columns="rank", values="wait_ms").dropna(thresh=2)
     if table.shape[1] < 2 or len(table) < 2:
         return None
     least = table.idxmin(axis=1)

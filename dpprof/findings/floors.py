@@ -88,12 +88,14 @@ def imbalance(table: pd.DataFrame) -> Imbalance | None:
     """The one definition of a device's imbalance, for the findings and the Overview alike.
 
     Args:
-        table: ms per step (rows, the first step left out: it carries one-time costs) and device (columns).
+        table: ms per step (rows, the first step left out: it carries one-time costs) and device (columns); a device
+            absent from a step (a rank done early under Join, or profiled over fewer steps) is NaN there.
 
     Returns:
-        None with fewer than two devices or three steps.
+        None with fewer than two devices or three steps of two devices or more; each device's median is over the
+        steps it has.
     """
-    table = table.dropna()
+    table = table.dropna(thresh=2)
     if table.shape[1] < 2 or len(table) < 3:
         return None
     medians = table.median()

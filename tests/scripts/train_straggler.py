@@ -1,6 +1,6 @@
 """A data-parallel script for torchrun (gloo) whose ranks spend a fixed time loading each batch, one rank longer (or,
 with ``--delay-at optimizer``, that long between its backward and its optimizer step): a straggler of known size.
-DistributedDataParallel, or FSDP2 (``--fsdp``: fully_shard on each Linear and the root).
+DistributedDataParallel (``--rank-steps``: one rank trains fewer steps, under Join), or FSDP2 (``--fsdp``: fully_shard on each Linear and the root).
 ``--trace DIR``: profile each rank with torch.profiler (a schedule, so steps are ProfilerStep#N) and export
 DIR/<stem>-rank<N>.pt.trace.json, as a user would without dpprof."""
 import argparse
@@ -24,6 +24,8 @@ parser.add_argument("--trace", default=None, metavar="DIR")
 parser.add_argument("--stem", default="straggler")
 parser.add_argument("--window", default=None, metavar="RANK:STEPS", help="RANK's profiler is active for STEPS steps "
                     "of the --steps the others profile (its trace holds fewer steps)")
+parser.add_argument("--rank-steps", default=None, metavar="RANK:STEPS", help="RANK trains STEPS steps, the others "
+                    "--steps: uneven inputs under DDP's Join (the ranks done early shadow the others' all-reduces)")
 parser.add_argument("--no-backend", action="store_true", help="init_process_group() naming no backend (torch's "
                     "default for each device type)")
 args = parser.parse_args()
@@ -67,6 +69,13 @@ if args.trace:
         for _ in range(args.steps + 1):
             step()
             prof.step()
+elif args.rank_steps:
+    from torch.distributed.algorithms.join import Join
+
+    short_rank, short_steps = (int(x) for x in args.rank_steps.split(":"))
+    with Join([model]):
+        for _ in range(short_steps if rank == short_rank else args.steps):
+            step()
 else:
     for _ in range(args.steps):
         step()
