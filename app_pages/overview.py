@@ -118,7 +118,11 @@ def kind_section(data: overview.Overview) -> None:
                     "data once all have arrived), per step. The row that stays pale is the rank the others wait for.")
         for note in data.waits.notes:
             st.caption(markdown_text(f"{note[:1].upper()}{note[1:]}."))
-        common.chart(charts.collective_waits(data.waits.heatmap))
+        if len(data.waits.heatmap):
+            common.chart(charts.collective_waits(data.waits.heatmap))
+        else:
+            st.caption("No collective could be matched across the ranks: the straggler verdict is from each rank's "
+                       "work.")
     if data.tax_pct is None and not len(data.comms) and len(data.gpu):
         st.subheader("GPU time (from the trace)")
         st.markdown("Each GPU's step by what it ran: computation, communication, their overlap, copies and idle time.")

@@ -193,6 +193,38 @@ def test_imported_fsdp_traces_name_each_collective_and_find_the_late_rank(tmp_pa
     _assert_straggler(run, "rank:0")
 
 
+def test_a_subgroups_collectives_are_not_paired_with_the_other_ranks_by_their_order(tmp_path):
+    """Ranks 0 and 1 all-reduce a metric on their own process group (dist.new_group) before each forward; rank 3 is
+    late. By order in the step, their metric's all-reduce was paired with ranks 2 and 3's gradient all-reduce, and
+    their gradient all-reduce with each other's alone: ranks 0, 1 and 3 read as waiting nothing and the verdict said
+    "No straggler: inside the collectives rank:0 waits least". Steps whose ranks hold different collectives are left
+    out and said; with none left the verdict is the work-based one, which names rank 3."""
+    _ranks(4, "--steps", "5", "--load-ms", str(LOAD_MS), "--delay", f"3:{DELAY_MS:g}", "--subgroup", "0,1",
+           "--trace", str(tmp_path), "--stem", "sub")
+    reports = tmp_path / "reports"
+    run = dpprof.load_run(import_traces(sorted(tmp_path.glob("sub-rank*.json")), reports).id, reports)
+    calls = run.comms[run.comms["collective"] == "all-reduce"].groupby("rank").size()
+    assert calls[0] == calls[1] == 2 * calls[2] == 2 * calls[3]  # the subgroup's metric beside the gradients'
+    verdict = run_findings(run).straggler
+    assert verdict is not None and verdict.collectives is None, verdict.sentence()
+    assert verdict.reported and verdict.slowest == "rank:3", verdict.sentence()
+    view = collective_wait_view(run)
+    assert view is not None and view.heatmap.empty
+    assert any("ranks hold different collectives left out" in n for n in view.notes), view.notes
+    from streamlit.testing.v1 import AppTest
+    os.environ["DPPROF_REPORTS"] = str(reports)
+    try:
+        at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60)
+        at.run()
+        at.sidebar.selectbox[0].select(run.id).run()
+        assert not at.exception, at.exception
+    finally:
+        del os.environ["DPPROF_REPORTS"]
+    said = " ".join(c.value for c in at.caption)
+    assert "ranks hold different collectives left out" in said and "No collective could be matched" in said
+    assert "rank:3" in [m.value for m in at.metric]  # the headline's device
+
+
 def _raw_comm_kernels(path: Path) -> pd.DataFrame:
     """Straight from the file: each NCCL kernel in a ProfilerStep window, its step, order in the step and length."""
     with gzip.open(path) as f:

@@ -13,7 +13,9 @@ is the one the others wait for: the straggler; the others' wait is what it costs
 The matching streams: ``match_collectives`` reads one rank's collectives at a time, twice (a running minimum
 per collective, then each rank's waits), so a 128-rank job needs memory for one rank's table and the minima.
 A rank with a different number of collectives is said, and its collectives are matched where the others
-have them; a collective that only one rank has says nothing about waiting and is left out (counted).
+have them; a collective that only one rank has says nothing about waiting and is left out (counted). A step in which
+the ranks that have it hold different collectives (a subgroup's, from ``dist.new_group``) is left out and said: its
+order would pair calls that never met.
 """
 from __future__ import annotations
 
@@ -75,6 +77,22 @@ def _union_from_launch(k: pd.DataFrame) -> pd.Series:
     return pd.Series(np.clip(end - begin, 0, None)).groupby(k["step"].to_numpy()).sum()
 
 
+def _ragged_steps(calls: list[pd.Series]) -> list[int]:
+    """The steps in which the ranks that have the step hold different collectives (by name and number of calls): there
+    the k-th call of a collective on one rank may be another collective on the next (a subgroup's, from
+    dist.new_group), so matching by order would pair calls that never met."""
+    if len(calls) < 2:
+        return []
+    table = pd.concat(calls, axis=1).fillna(0)  # (step, collective) x rank: calls, 0 where the rank has none
+    present = pd.concat([c.groupby(level=0).sum() for c in calls], axis=1).reindex(
+        table.index.get_level_values(0)).notna().to_numpy()  # the rank has the step at all
+    values = table.to_numpy(dtype=float)
+    lo = np.where(present, values, np.inf).min(axis=1)
+    hi = np.where(present, values, -np.inf).max(axis=1)
+    odd = (lo != hi) & (present.sum(axis=1) >= 2)
+    return sorted({int(s) for s in table.index.get_level_values(0)[odd]})
+
+
 def match_collectives(ranks: Callable[[], Iterable[tuple[int, pd.DataFrame]]], keep_rows: bool = False
                       ) -> CollectiveWaits:
     """Each rank's wait and data time in every collective it shares with another rank, streamed one rank at a time.
@@ -89,6 +107,7 @@ def match_collectives(ranks: Callable[[], Iterable[tuple[int, pd.DataFrame]]], k
     """
     best: pd.Series | None = None  # (step, collective, ordinal) -> the shortest duration among the ranks
     held: pd.Series | None = None  # ... -> how many ranks have it
+    calls: list[pd.Series] = []  # per rank: (step, collective) -> its calls (a few numbers a step)
     counts: dict[int, int] = {}
     for rank, frame in ranks():
         k = keyed(frame).set_index(KEY)["duration_ms"]
@@ -96,6 +115,10 @@ def match_collectives(ranks: Callable[[], Iterable[tuple[int, pd.DataFrame]]], k
         best = k if best is None else pd.concat([best, k]).groupby(level=[0, 1, 2]).min()
         ones = pd.Series(1, index=k.index)
         held = ones if held is None else held.add(ones, fill_value=0)
+        calls.append(k.groupby(level=[0, 1]).size())
+    ragged = _ragged_steps(calls)
+    if held is not None and ragged:
+        held = held[~held.index.get_level_values(0).isin(ragged)]
     steps, rows = [], []
     matched: dict[int, int] = {}
     for rank, frame in ranks():
@@ -104,7 +127,7 @@ def match_collectives(ranks: Callable[[], Iterable[tuple[int, pd.DataFrame]]], k
             matched[rank] = 0
             continue
         index = pd.MultiIndex.from_frame(k[KEY])
-        shared = held.reindex(index).to_numpy() >= 2
+        shared = (held.reindex(index).to_numpy() >= 2) & ~k["step"].isin(ragged).to_numpy()
         k = k[shared].reset_index(drop=True)
         k["data_ms"] = best.reindex(pd.MultiIndex.from_frame(k[KEY])).to_numpy()
         k["wait_ms"] = (k["duration_ms"] - k["data_ms"]).clip(lower=0)
@@ -128,6 +151,12 @@ def match_collectives(ranks: Callable[[], Iterable[tuple[int, pd.DataFrame]]], k
         odd = [f"rank {r}: {n:,}" for r, n in counts.items() if n != usual]
         notes.append(f"ranks hold different numbers of collectives ({usual:,} on most; {', '.join(odd[:8])}"
                      f"{', ...' if len(odd) > 8 else ''}): each is matched where other ranks have it")
+    if ragged:
+        listed = ", ".join(str(int(s)) for s in ragged[:8]) + (", ..." if len(ragged) > 8 else "")
+        notes.append(f"{len(ragged):,} step{'s' if len(ragged) > 1 else ''} in which the ranks hold different "
+                     f"collectives left out (step{'s' if len(ragged) > 1 else ''} {listed}): their order in the step "
+                     "cannot pair them (a collective on a subgroup of the ranks, one cut by a profiler's window, or a "
+                     "rank's shadow collectives under Join)")
     alone = int(held[held < 2].sum()) if held is not None else 0
     if alone:
         notes.append(f"{alone:,} collective{'s' if alone > 1 else ''} held by one rank alone left out (nothing "

@@ -85,18 +85,19 @@ class Overview:
 class CollectiveWaitView:
     """The wait inside the collectives (dpprof.findings.collectives), rank by step: what the heatmap draws."""
 
-    heatmap: pd.DataFrame  # ms a rank waited inside its collectives (rows "rank:N") per step (columns)
+    heatmap: pd.DataFrame  # ms a rank waited inside its collectives (rows "rank:N") per step (columns); empty: none matched
     notes: list[str]  # ranks absent from the job, ranks with other numbers of collectives, ...
 
 
 def collective_wait_view(run: StoredRun) -> CollectiveWaitView | None:
     """Each rank's wait inside its collectives per step, matched across the ranks one rank file at a time (bounded
-    memory: dpprof.findings.collectives.match_collectives); None for a run of one rank or with no collectives."""
+    memory: dpprof.findings.collectives.match_collectives); None for a run of one rank or with no collectives, an
+    empty heatmap with the notes saying why where no collective could be matched."""
     model = run.model
     if run.ranks < 2 or "comms" not in model.has:
         return None
     waits = match_collectives(lambda: rank_collectives(run))
-    if waits.per_step.empty:
+    if waits.per_step.empty and not waits.notes:
         return None
     notes = [*waits.notes]
     if model.world_size and run.ranks < model.world_size:

@@ -26,6 +26,8 @@ parser.add_argument("--window", default=None, metavar="RANK:STEPS", help="RANK's
                     "of the --steps the others profile (its trace holds fewer steps)")
 parser.add_argument("--rank-steps", default=None, metavar="RANK:STEPS", help="RANK trains STEPS steps, the others "
                     "--steps: uneven inputs under DDP's Join (the ranks done early shadow the others' all-reduces)")
+parser.add_argument("--subgroup", default=None, metavar="RANKS", help="comma-separated ranks that all-reduce a "
+                    "metric among themselves (dist.new_group) before each forward")
 parser.add_argument("--no-backend", action="store_true", help="init_process_group() naming no backend (torch's "
                     "default for each device type)")
 args = parser.parse_args()
@@ -49,11 +51,15 @@ batches = torch.Generator().manual_seed(rank)
 delay_rank, delay_ms = (int(x) for x in args.delay.split(":")) if args.delay else (-1, 0)
 window_rank, window = (int(x) for x in args.window.split(":")) if args.window else (-1, 0)
 late_s = (delay_ms if rank == delay_rank else 0) / 1e3
+subgroup = [int(r) for r in args.subgroup.split(",")] if args.subgroup else []
+metric_group = dist.new_group(subgroup) if subgroup else None  # every rank takes part in creating it
 load_s, before_optimizer_s = (args.load_ms / 1e3 + late_s, 0.0) if args.delay_at == "load" else (args.load_ms / 1e3, late_s)
 
 
 def step() -> None:
     time.sleep(load_s)  # loading the batch: a slow disk, a busy input pipeline
+    if rank in subgroup:
+        dist.all_reduce(torch.ones(4), group=metric_group)  # a metric of the subgroup's ranks alone
     x, y = torch.randn(32, 32, generator=batches), torch.randint(0, 4, (32,), generator=batches)
     optimizer.zero_grad()
     nn.functional.cross_entropy(model(x), y).backward()
