@@ -10,7 +10,9 @@ import math
 import os
 import random
 import shutil
+import signal
 import sqlite3
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -228,6 +230,41 @@ def test_a_directory_fifo_device_or_dangling_symlink_named_sqlite_is_listed_with
         assert (done.returncode, done.stderr) == (1, f"dpprof: {name}: {reason}\n")
     runs = list_runs(reports).set_index("path")
     assert {Path(p).name: r for p, r in runs["reason"].items() if isinstance(r, str)} == expected
+
+
+def _killed_mid_write(path: Path) -> None:
+    """Kill a process as it writes to the closed run file ``path`` (as a run's findings are stored after it closes):
+    it leaves the file half written and the rollback journal that undoes it (a hot journal) beside it."""
+    script = f"""
+import os, signal, sqlite3
+con = sqlite3.connect({str(path)!r})
+con.execute("PRAGMA cache_size=1")  # the half-done transaction spills into the run file itself
+con.execute("BEGIN")
+con.execute("DELETE FROM findings")
+con.execute("DELETE FROM steps")
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert Path(f"{path}-journal").stat().st_size > 0
+
+
+def test_a_run_left_with_a_hot_journal_reads_whole_and_is_not_changed(reports, sound, capsys, tmp_path):
+    reports.mkdir()
+    path = reports / sound.plain.path.name
+    shutil.copyfile(sound.plain.path, path)
+    _killed_mid_write(path)
+    before = {p.name: _digest(p) for p in reports.iterdir()}
+    runs = list_runs(reports).set_index("id")
+    assert runs.at[sound.plain.id, "status"] == "finished" and runs.at[sound.plain.id, "steps"] == 6
+    code, out, err = _cli(capsys, "runs")
+    assert code == 0 and "unreadable" not in out and err == ""
+    code, out, err = _cli(capsys, "show", sound.plain.id)
+    assert code == 0 and out.startswith(f"run {sound.plain.id}  'plain'  status finished") and err == ""
+    code, out, err = _cli(capsys, "export", sound.plain.id, "--out", str(tmp_path / "csv"))
+    assert code == 0 and err == ""
+    assert len(pd.read_csv(tmp_path / "csv" / "steps.csv")) == 6
+    assert {p.name: _digest(p) for p in reports.iterdir()} == before  # the journal is still there, undone nowhere
 
 
 def test_sound_runs_of_every_kind_read_whole(tmp_path, sound, fake_gpus):

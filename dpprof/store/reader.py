@@ -6,8 +6,10 @@ is listed with its reason and never makes listing fail. Reading never modifies a
 from __future__ import annotations
 
 import os
+import shutil
 import sqlite3
 import stat
+import tempfile
 import threading
 from contextlib import contextmanager
 from collections.abc import Iterator
@@ -19,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from dpprof.records import ALL_REDUCE
-from dpprof.store.faults import RunFileError
-from dpprof.store.files import RANK_FILE, SIDE_FILES, SQLITE_HEADER
+from dpprof.store.faults import RunFileError, cause_of
+from dpprof.store.files import RANK_FILE, SIDE_FILES, SQLITE_HEADER, fold_log
 from dpprof.store.schema import AGGREGATE_TABLES, CHECKED_TABLES, FORMAT, RECORD_TABLES, SCHEMA_VERSION, TABLES, columns_of
 from dpprof.store.status import FULL_DISK_FREE_BYTES, HEARTBEAT_TIMEOUT_S, effective_status
 from dpprof.store.validation import TableDamage, added, damage, run_meta, schema_version
@@ -115,10 +117,40 @@ def _connect_ro(path: Path) -> sqlite3.Connection:
     if head != SQLITE_HEADER:
         raise RunFileError("not a dpprof run: not an SQLite file" if head else "empty file")
     try:
-        return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=5,
-                               check_same_thread=False)
+        con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=5,
+                              check_same_thread=False)
     except sqlite3.Error as err:
         raise RunFileError(f"cannot open: {err}") from None
+    try:
+        con.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    except sqlite3.Error as err:
+        if getattr(err, "sqlite_errorname", None) not in _NOT_READABLE_IN_PLACE:
+            return con  # damage or a busy writer: the caller's first read says it, as it would without this check
+        con.close()
+        return _private_copy(path)
+    return con
+
+
+# What a read-only connection cannot read in place although the run is whole: a hot rollback journal beside the file
+# (its process killed mid-write after the run closed, storing its findings) that only a writer may roll back
+_NOT_READABLE_IN_PLACE = ("SQLITE_READONLY_ROLLBACK",)
+
+
+def _private_copy(path: Path) -> sqlite3.Connection:
+    """A read-only connection to a copy of the run file and its journal or log, made in the temp directory and made
+    whole there (the journal rolled back, the log folded in) as SQLite would in place: the run's own files are left as
+    they are. The copy is gone from disk once opened (the connection holds it)."""
+    try:
+        with tempfile.TemporaryDirectory(prefix="dpprof-read-") as directory:
+            copy = os.path.join(directory, path.name)
+            for suffix in ("", "-journal", "-wal"):
+                if os.path.isfile(f"{path}{suffix}"):
+                    shutil.copyfile(f"{path}{suffix}", f"{copy}{suffix}")
+            fold_log(copy)
+            return sqlite3.connect(f"{Path(copy).as_uri()}?mode=ro", uri=True, timeout=5, check_same_thread=False)
+    except (OSError, sqlite3.Error) as err:
+        raise RunFileError(f"cannot read: it must be read from a copy (a journal or log beside it that cannot be "
+                           f"used in place), and the copy failed: {cause_of(err)}") from None
 
 
 # quick_check's problems named in integrity_problem's line: the first few say where the damage is
