@@ -29,7 +29,8 @@ from dpprof.store.reader import list_runs, load_run
 from dpprof.store.retention import Retention
 from dpprof.trace.importer import import_traces
 import fake_pynvml
-from recorded import BUS, record, record_failed, record_straggler, record_with_gpu_samples
+from recorded import (BUS, killed_child, record, record_failed, record_straggler, record_until_killed,
+                      record_with_gpu_samples)
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "app.py"
@@ -265,6 +266,30 @@ def test_a_run_left_with_a_hot_journal_reads_whole_and_is_not_changed(reports, s
     assert code == 0 and err == ""
     assert len(pd.read_csv(tmp_path / "csv" / "steps.csv")) == 6
     assert {p.name: _digest(p) for p in reports.iterdir()} == before  # the journal is still there, undone nowhere
+
+
+def test_a_killed_run_without_its_shm_on_a_read_only_path_reads_with_every_committed_step(reports, mount, capsys):
+    """A run killed while recording, its file and write-ahead log copied (not its -shm) onto a read-only path."""
+    point = mount("16m")
+    if point is None:
+        pytest.skip("mounting a tmpfs is not permitted here")
+    path, last, _, _ = record_until_killed(killed_child(), 3, {"DPPROF_REPORTS": str(reports)})
+    path = Path(path)
+    assert Path(f"{path}-wal").stat().st_size > 0
+    kept = len(load_run(path).steps)
+    assert kept >= last + 1
+    for suffix in ("", "-wal"):
+        shutil.copyfile(f"{path}{suffix}", point / f"{path.name}{suffix}")
+    done = subprocess.run(["mount", "-o", "remount,ro", str(point)], capture_output=True, timeout=30)
+    if done.returncode != 0:
+        pytest.skip("remounting the tmpfs read-only is not permitted here")
+    before = {p.name: _digest(p) for p in point.iterdir()}
+    runs = list_runs(point).set_index("id")
+    assert runs.at[path.stem, "status"] == "incomplete" and runs.at[path.stem, "steps"] == kept
+    code, out, err = _cli(capsys, "--reports-dir", str(point), "show", path.stem)
+    assert code == 0 and out.startswith(f"run {path.stem}  'killed'  status incomplete") and err == ""
+    assert len(load_run(point / path.name).steps) == kept
+    assert {p.name: _digest(p) for p in point.iterdir()} == before
 
 
 def test_sound_runs_of_every_kind_read_whole(tmp_path, sound, fake_gpus):

@@ -132,8 +132,9 @@ def _connect_ro(path: Path) -> sqlite3.Connection:
 
 
 # What a read-only connection cannot read in place although the run is whole: a hot rollback journal beside the file
-# (its process killed mid-write after the run closed, storing its findings) that only a writer may roll back
-_NOT_READABLE_IN_PLACE = ("SQLITE_READONLY_ROLLBACK",)
+# (its process killed mid-write after the run closed, storing its findings) that only a writer may roll back; a
+# write-ahead log whose index (-shm) is missing and cannot be made (a killed run copied onto a read-only path)
+_NOT_READABLE_IN_PLACE = ("SQLITE_READONLY_ROLLBACK", "SQLITE_CANTOPEN")
 
 
 def _private_copy(path: Path) -> sqlite3.Connection:
