@@ -426,6 +426,29 @@ def test_a_run_file_given_as_the_reports_directory_is_said_never_no_runs_yet(tmp
     assert main(["--reports-dir", str(tmp_path / "none yet"), "runs"]) == 0  # no directory yet: no runs yet
     assert f"no runs yet ({tmp_path / 'none yet'} does not exist)" in capsys.readouterr().out  # a typo is seen
 
+def test_a_reports_directory_that_is_a_symlink_loop_is_said_so_in_one_line(tmp_path, capsys):
+    """`--reports-dir LOOP` (a symlink to itself): runs, show, profile and merge --out each say it is a symlink loop, exit
+    1; they said "a symlink to LOOP, which is not there", "not a directory" and "file exists"."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    said = f"a symlink loop (it points to {loop}), not a directory"
+    assert main(["--reports-dir", str(loop), "runs"]) == 1
+    assert capsys.readouterr().err == f"dpprof: the reports directory {loop} is {said}\n"
+    assert main(["--reports-dir", str(loop), "show", "x"]) == 1
+    assert capsys.readouterr().err == f"dpprof: no run 'x': the reports directory {loop} is {said}\n"
+    assert main(["--reports-dir", str(loop), "profile", "tutorial-linear", "--steps", "2", "--devices", "cpu:2",
+                 "--quiet"]) == 1
+    assert capsys.readouterr().err == f"dpprof: cannot record in {loop}: {said}\n"
+    from dpprof.recording import Run
+    rank = Run(name="rank", reports_dir=tmp_path / "machine", rank=0, world_size=1, sample_hz=None)
+    with rank.step():
+        pass
+    rank.close()
+    assert main(["merge", str(tmp_path / "machine"), "--out", str(loop)]) == 1
+    assert capsys.readouterr().err == f"dpprof: --out {loop}: {said}; nothing was copied\n"
+    assert os.readlink(loop) == str(loop)
+
+
 def test_a_file_named_with_a_line_break_is_said_in_one_line(tmp_path, capsys):
     """A reports directory and a trace whose names hold a line break: each error is one line, the break written as
     Python writes it (it split the error over two lines)."""

@@ -14,7 +14,7 @@ import sqlite3
 from dpprof.store import filesystems
 from dpprof.units import plural
 
-__all__ = ["RunFileError", "RecordingError", "cause_of", "is_disk_full", "start_failure", "failure_line", "DISK_FULL", "STORAGE_CAUSES"]
+__all__ = ["symlink_loop", "RunFileError", "RecordingError", "cause_of", "is_disk_full", "start_failure", "failure_line", "DISK_FULL", "STORAGE_CAUSES"]
 
 DISK_FULL = "disk full"
 
@@ -106,11 +106,25 @@ def is_disk_full(err: BaseException, where: str | os.PathLike[str] | None = None
     return cause_of(err, where) in (DISK_FULL, QUOTA_EXCEEDED)
 
 
+def symlink_loop(path: str | os.PathLike[str]) -> str | None:
+    """"a symlink loop (it points to TARGET)" where following ``path`` never ends (ELOOP); None otherwise."""
+    try:
+        os.stat(path)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            try:
+                return f"a symlink loop (it points to {os.readlink(path)})"
+            except OSError:  # the loop is in a directory above it
+                return "behind a symlink loop"
+    return None
+
+
 def start_failure(directory: str | os.PathLike[str], err: BaseException) -> RecordingError:
     """The error for a run that could not start: "cannot record in DIR: CAUSE"."""
     cause = cause_of(err, directory)
     if isinstance(err, FileExistsError) and not os.path.isdir(directory):
-        cause = "not a directory"  # the reports directory's own path is a file
+        loop = symlink_loop(directory)  # else the reports directory's own path is a file
+        cause = f"{loop}, not a directory" if loop else "not a directory"
     return RecordingError(f"cannot record in {os.fspath(directory)}: {cause}", os.fspath(directory), cause)
 
 

@@ -9,7 +9,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from dpprof.store.faults import cause_of
+from dpprof.store.faults import cause_of, symlink_loop
 from dpprof.store.publish import Stage, recover
 from dpprof.store.files import RANK_FILE, fold_log, remove_files
 from dpprof.store.reader import RUN_SUFFIX, RunFileError, integrity_problem, read_run_file, why_not_regular
@@ -122,7 +122,9 @@ def _merge(sources: Iterable[str | Path], out: Path, folded: Path) -> dict[str, 
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:  # a file where the directory goes, no permission: one line, nothing copied
-        why = "an existing file, not a directory" if out.is_file() else cause_of(err, out)
+        loop = symlink_loop(out)
+        why = ("an existing file, not a directory" if out.is_file() else f"{loop}, not a directory" if loop
+               else cause_of(err, out))
         raise RunFileError(f"--out {out}: {why}; nothing was copied") from None
     recover(out)  # what an import or merge killed here left: published whole, or removed
     merged: dict[str, list[int]] = {}

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from dpprof.records import ALL_REDUCE
-from dpprof.store.faults import RunFileError, cause_of
+from dpprof.store.faults import RunFileError, cause_of, symlink_loop
 from dpprof.store.files import RANK_FILE, SIDE_FILES, SQLITE_HEADER, fold_log
 from dpprof.store.schema import AGGREGATE_TABLES, CHECKED_TABLES, FORMAT, RECORD_TABLES, SCHEMA_VERSION, TABLES, columns_of
 from dpprof.store.status import FULL_DISK_FREE_BYTES, HEARTBEAT_TIMEOUT_S, effective_status
@@ -69,6 +69,9 @@ def reports_dir_problem(path: str | os.PathLike[str] | None = None) -> str | Non
     """Why the reports directory (``reports_dir(path)``) can hold no runs although something is there ("the reports
     directory D is an existing file, not a directory"); None for a directory, or where nothing is (no runs yet)."""
     directory = reports_dir(path)
+    loop = symlink_loop(directory)
+    if loop is not None:
+        return f"the reports directory {directory} is {loop}, not a directory"
     if directory.is_dir() or not os.path.lexists(directory):
         return None
     try:
