@@ -362,3 +362,36 @@ def test_list_runs_of_a_file_given_for_the_reports_directory_says_so_and_leaves_
     assert str(err.value) == f"the reports directory {run.path} is an existing file, not a directory"
     assert Path(run.path).read_bytes() == before
     assert dpprof.list_runs(tmp_path / "not yet").empty
+
+
+def test_a_recording_leaves_another_programs_wal_database_in_its_directory_as_it_is(reports):
+    """A SQLite file of another program in the reports directory, in WAL mode with its log beside it and a `runs`
+    table of its own: a recording, which folds back the logs runs left on a full disk, never switched it out of WAL."""
+    reports.mkdir()
+    other = reports / "tracker.sqlite"
+    script = f"""
+import os, sqlite3
+con = sqlite3.connect({str(other)!r})
+con.execute("PRAGMA journal_mode=WAL")
+con.execute("CREATE TABLE runs (id INTEGER, status TEXT)")
+con.execute("INSERT INTO runs VALUES (1, 'done')")
+con.commit()
+os._exit(0)  # its log stays beside it, as a program that has not closed the database leaves it
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in reports.iterdir()}
+    assert sorted(before) == ["tracker.sqlite", "tracker.sqlite-shm", "tracker.sqlite-wal"]
+    net = dpprof.DataParallel(nn.Linear(5, 2), device_ids=dpprof.cpu_devices(2))
+    with dpprof.record(name="beside", reports_dir=reports) as run:
+        with run.step():
+            net(torch.randn(8, 5)).sum().backward()
+    after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in reports.iterdir() if p != Path(run.path)}
+    assert sorted(after) == sorted(before)
+    # the database and its log as they were (-shm is SQLite's scratch index of the log, which any reader updates)
+    assert {k: v for k, v in after.items() if not k.endswith("-shm")} == \
+        {k: v for k, v in before.items() if not k.endswith("-shm")}
+    con = sqlite3.connect(f"{other.as_uri()}?mode=ro", uri=True)
+    try:
+        assert con.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    finally:
+        con.close()

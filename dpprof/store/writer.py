@@ -472,29 +472,47 @@ class SqliteSink:
 
 def fold_leftover_logs(directory: str | os.PathLike[str]) -> list[Path]:
     """Fold back the write-ahead logs that runs no longer recording left beside them (the disk was
-    full when they closed); returns the run files now whole. Never touches a run still recording."""
+    full when they closed); returns the run files now whole. Never touches a run still recording, nor a file
+    that is not a dpprof run (another program's SQLite database in the directory keeps its journal mode)."""
     folded = []
     for wal in sorted(Path(directory).glob("*.sqlite-wal")):
         path = wal.with_name(wal.name[:-len("-wal")])
         if path.name.startswith(".") or not path.is_file():
+            continue
+        if not _stopped_run(path):
             continue
         try:
             con = sqlite3.connect(path, timeout=0.5)
         except sqlite3.Error:
             continue
         try:
-            cur = con.execute("SELECT * FROM runs")
-            row = dict(zip((d[0] for d in cur.description), cur.fetchone() or ()))
-            if row.get("status") == "running" and effective_status(row) == "running":
-                continue
             con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             if con.execute("PRAGMA journal_mode=DELETE").fetchone()[0] == "delete":
                 folded.append(path)
         except sqlite3.Error:
-            continue  # not a run, no room yet, or a reader holds it: the next recording tries again
+            continue  # no room yet, or a reader holds it: the next recording tries again
         finally:
             con.close()
     return folded
+
+
+def _stopped_run(path: Path) -> bool:
+    """Whether ``path`` is a dpprof run no process records any longer, read without writing: a connection that may
+    write would fold the log of any WAL database as it closes, another program's too."""
+    try:
+        con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=0.5)
+    except sqlite3.Error:
+        return False
+    try:
+        if con.execute("SELECT value FROM meta WHERE key = 'format'").fetchone() != (FORMAT,):
+            return False  # another program's database (with a `runs` table of its own, say): never ours to change
+        cur = con.execute("SELECT * FROM runs")
+        row = dict(zip((d[0] for d in cur.description), cur.fetchone() or ()))
+        return not (row.get("status") == "running" and effective_status(row) == "running")
+    except sqlite3.Error:
+        return False
+    finally:
+        con.close()
 
 
 def replace_findings(path: str, findings: list[tuple[Any, ...]]) -> None:
