@@ -26,7 +26,7 @@ from torch import nn
 
 import dpprof
 from dpprof.store import detail_rows
-from dpprof.store.faults import RecordingError
+from dpprof.store.faults import RecordingError, failure_line
 from dpprof.plaintext import shown_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -654,3 +654,10 @@ def test_the_docs_fault_table_says_what_these_tests_saw():
     table = {m.group(1): m.group(2) for m in re.finditer(r"^\| ([^|]+?) \| [^|]+ \| [^|]+ \| ([^|]+?) \|", page, re.M)}
     for fault, row in ROWS.items():
         assert table.get(fault) == row["status"], f"docs/runs-on-disk.md's fault table: {fault!r} should read {row['status']!r}"
+
+
+def test_the_line_of_a_run_cut_short_counts_with_thousands_separators():
+    """A long run's counts read as the rest of dpprof writes them: "17,316 not recorded" (it said 17316)."""
+    assert (failure_line("disk full", "reports/RUN.sqlite", 1_212, 18_528)
+            == "disk full after 1,212 steps: 1,212 steps kept in reports/RUN.sqlite, 17,316 not recorded")
+    assert failure_line("disk full", "r.sqlite", 1, None) == "disk full after 1 step: 1 step kept in r.sqlite"

@@ -132,5 +132,5 @@ def failure_line(cause: str, path: str, steps_kept: int, steps_total: int | None
     """"disk full after 212 steps: 212 steps kept in PATH, 188 not recorded"."""
     line = f"{cause} after {plural(steps_kept, 'step')}: {plural(steps_kept, 'step')} kept in {path}"
     if steps_total is not None and steps_total > steps_kept:
-        line += f", {steps_total - steps_kept} not recorded"
+        line += f", {steps_total - steps_kept:,} not recorded"
     return line
