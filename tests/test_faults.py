@@ -661,3 +661,62 @@ def test_the_line_of_a_run_cut_short_counts_with_thousands_separators():
     assert (failure_line("disk full", "reports/RUN.sqlite", 1_212, 18_528)
             == "disk full after 1,212 steps: 1,212 steps kept in reports/RUN.sqlite, 17,316 not recorded")
     assert failure_line("disk full", "r.sqlite", 1, None) == "disk full after 1 step: 1 step kept in r.sqlite"
+
+
+def _rank_process(parent: int, rank: int) -> int | None:
+    """The pid of a dpprof.ddp_worker below ``parent`` whose RANK is ``rank`` (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    below, todo = [], [parent]
+    while todo:
+        pid = todo.pop()
+        for child in children.get(pid, []):
+            below.append(child)
+            todo.append(child)
+    for pid in below:
+        try:
+            cmdline = (Path("/proc") / str(pid) / "cmdline").read_bytes()
+            environ = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"dpprof.ddp_worker" in cmdline and f"RANK={rank}".encode() in environ:
+            return pid
+    return None
+
+
+@pytest.mark.slow
+def test_a_ddp_rank_killed_is_said_first_not_the_peer_error_it_caused(tmp_path):
+    """One rank of a 2-rank DDP job killed (SIGKILL): its file is never closed and says nothing, and rank 0 then
+    fails on the closed connection. The run says the killed rank stopped first (it gave rank 0's "Connection reset
+    by peer" alone, blaming the rank that survived)."""
+    reports = tmp_path / "reports"
+    job = subprocess.Popen([sys.executable, "-m", "dpprof", "--reports-dir", str(reports), "profile", "tutorial-linear",
+                            "--ddp", "--nproc", "2", "--steps", "100000", "--quiet"],
+                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:  # both ranks recording, some steps committed
+            listed = dpprof.list_runs(reports) if reports.is_dir() else None
+            if listed is not None and len(listed) and listed.loc[0, "ranks"] == 2 and listed.loc[0, "steps"] >= 3:
+                break
+            time.sleep(0.5)
+        victim = _rank_process(job.pid, 1)
+        assert victim is not None, "rank 1's process was not found"
+        os.kill(victim, signal.SIGKILL)
+        job.wait(timeout=180)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    [row] = dpprof.list_runs(reports).to_dict("records")
+    assert row["status"] == "failed", row
+    assert row["error"].startswith("rank 1 stopped without closing its file (a process killed, or its machine lost); "
+                                   "then rank 0: "), row["error"]

@@ -596,13 +596,22 @@ def _combine(metas: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _first_error(metas: list[dict[str, Any]]) -> str | None:
     """The error of the rank that ended first with one, named by its rank where the run has several: a rank that
-    raised is the cause, and the others' errors (a peer's closed connection, torchrun's stop) came after it."""
+    raised is the cause, and the others' errors (a peer's closed connection, torchrun's stop) came after it. A rank
+    whose file was never closed (its process killed, its machine lost) said nothing, and is said first: the others'
+    errors are what its loss did to them."""
     failed = [m for m in metas if m.get("error")]
     if not failed:
         return None
     first = min(failed, key=lambda m: (m.get("ended_at") is None, m.get("ended_at") or ""))
-    return f"rank {first['rank']}: {first['error']}" if len(metas) > 1 and first.get("rank") is not None \
+    said = f"rank {first['rank']}: {first['error']}" if len(metas) > 1 and first.get("rank") is not None \
         else str(first["error"])
+    lost = [m["rank"] for m in metas if m.get("status") == "incomplete" and not m.get("ended_at")
+            and not m.get("error") and m.get("rank") is not None]
+    if len(metas) > 1 and lost:
+        which = f"rank {lost[0]}" if len(lost) == 1 else f"ranks {', '.join(map(str, lost))}"
+        said = (f"{which} stopped without closing {'its file' if len(lost) == 1 else 'their files'} (a process "
+                f"killed, or its machine lost); then {said}")
+    return said
 
 
 def _missing_files(metas: list[dict[str, Any]]) -> str | None:
