@@ -211,6 +211,11 @@ def wait_heatmap(per_step: pd.DataFrame, devices: dict[int, str] | None = None) 
     return table
 
 
+# Another rank that waited least in at least this share of the compared steps is said beside the straggler (one
+# rank late early in the run, another later: the verdict names the one of most steps, and the other is not hidden)
+MOVED_STEP_SHARE = 0.25
+
+
 def collective_verdict(t: Tables) -> CollectiveVerdict | None:
     """The straggler from the collectives (the module's rule); None where fewer than two ranks have matched
     collectives in two later steps (the first step left out: DDP rebuilds its buckets after it)."""
@@ -253,6 +258,12 @@ def collective_verdict(t: Tables) -> CollectiveVerdict | None:
                   else f"{cost / step_ms:.1%} of the {MEDIAN_STEP} is under the {STEP_SHARE_FLOOR:.0%} floor")
     matched = per[per["step"] != first].groupby("rank")["collectives"].median()
     notes = [*waits.notes]
+    # a straggler that moved: another rank the others waited for in a share of the steps of its own, said with them
+    for rank, steps in least[least != slow].groupby(least[least != slow]).groups.items():
+        if len(steps) >= max(2, MOVED_STEP_SHARE * len(table)):
+            notes.append(f"{devices.get(int(rank), f'rank:{int(rank)}')} waited least in {len(steps)} of the "
+                         f"{len(table)} steps (steps {', '.join(str(int(s)) for s in sorted(steps))}): the others "
+                         "waited for it there")
     world = t.model.world_size
     if world and comms["rank"].nunique() < world:
         notes.insert(0, f"{comms['rank'].nunique()} of {world} ranks present: each wait is among them (a rank "

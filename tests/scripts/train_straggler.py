@@ -28,6 +28,8 @@ parser.add_argument("--rank-steps", default=None, metavar="RANK:STEPS", help="RA
                     "--steps: uneven inputs under DDP's Join (the ranks done early shadow the others' all-reduces)")
 parser.add_argument("--subgroup", default=None, metavar="RANKS", help="comma-separated ranks that all-reduce a "
                     "metric among themselves (dist.new_group) before each forward")
+parser.add_argument("--moves-to", default=None, metavar="RANK:STEP", help="from the script's step STEP on, the "
+                    "delay is RANK's instead (the straggler moves)")
 parser.add_argument("--no-backend", action="store_true", help="init_process_group() naming no backend (torch's "
                     "default for each device type)")
 args = parser.parse_args()
@@ -56,8 +58,16 @@ metric_group = dist.new_group(subgroup) if subgroup else None  # every rank take
 load_s, before_optimizer_s = (args.load_ms / 1e3 + late_s, 0.0) if args.delay_at == "load" else (args.load_ms / 1e3, late_s)
 
 
+moved_rank, moved_at = (int(x) for x in args.moves_to.split(":")) if args.moves_to else (-1, -1)
+calls = 0
+
+
 def step() -> None:
-    time.sleep(load_s)  # loading the batch: a slow disk, a busy input pipeline
+    global calls
+    moved = 0 <= moved_at <= calls
+    calls += 1
+    late = (delay_ms / 1e3 if rank == (moved_rank if moved else delay_rank) else 0.0) if moved_at >= 0 else None
+    time.sleep(load_s if late is None else args.load_ms / 1e3 + late)  # loading the batch: a slow disk, a busy input pipeline
     if rank in subgroup:
         dist.all_reduce(torch.ones(4), group=metric_group)  # a metric of the subgroup's ranks alone
     x, y = torch.randn(32, 32, generator=batches), torch.randint(0, 4, (32,), generator=batches)
