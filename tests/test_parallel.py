@@ -1514,15 +1514,18 @@ def test_a_missing_cuda_device_raises_value_error(device_ids, output_device, err
     [(2, (4, 3)), (-3, (4, 3)), (5, (4, 3))],
 )
 @pytest.mark.parametrize("workers", [1, 2])
-def test_scatter_dim_out_of_range_names_the_shape_and_changes_nothing(dim, shape, workers):
+@pytest.mark.parametrize("recording", [False, True], ids=["plain", "recorded"])
+def test_scatter_dim_out_of_range_names_the_shape_and_changes_nothing(dim, shape, workers, recording):
+    # recorded too: the step's batch is noted before the scatter, and must not raise an error of its own first
     torch.manual_seed(0)
     module = Tracked()
     before = snapshot(module)
     x = torch.randn(*shape)
-    with pytest.raises(IndexError, match=re.escape(str(shape))):
-        dpprof.DataParallel(module, W(workers), dim=dim)(x)
-    with pytest.raises(IndexError, match=re.escape(str(shape))):
-        dpprof.data_parallel(module, x, W(workers), dim=dim)
+    with dpprof.record(name="dim out of range") if recording else nullcontext():
+        with pytest.raises(IndexError, match=re.escape(str(shape))):
+            dpprof.DataParallel(module, W(workers), dim=dim)(x)
+        with pytest.raises(IndexError, match=re.escape(str(shape))):
+            dpprof.data_parallel(module, x, W(workers), dim=dim)
     assert module.calls == 0
     assert_unchanged(module, before)
 

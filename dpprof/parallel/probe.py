@@ -415,7 +415,8 @@ class ForwardProbe:
         """Add this call's samples to the step's batch where the call is of the step's first module (_Step.batch_of):
         gradient accumulation's micro-batches add up, a second model's calls (a GAN's) do not."""
         first = _first_tensor(inputs, kwargs)
-        if first is not None and first.dim() > 0:
+        # a dim out of the tensor's range is left to the scatter, which raises torch's IndexError naming the shape
+        if first is not None and -first.dim() <= self.dim < first.dim():
             step, module = self.step, id(self.root) if self.root is not None else 0
             if step.batch_of is None:
                 step.batch_of = module
