@@ -1530,6 +1530,26 @@ def test_scatter_dim_out_of_range_names_the_shape_and_changes_nothing(dim, shape
     assert_unchanged(module, before)
 
 
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("recording", [False, True], ids=["plain", "recorded"])
+def test_a_replica_modifying_its_input_in_place_leaves_the_callers_batch_alone(workers, recording):
+    # torch's Scatter hands each device a copy of its chunk: an in-place first layer neither changes the batch the
+    # caller passed nor meets autograd's "Output 0 of Split is a view and is being modified inplace"
+    net = dpprof.DataParallel(nn.ReLU(inplace=True), W(workers))
+    x = torch.randn(5, 3, dtype=DOUBLE)
+    before = x.clone()
+    leaf = torch.randn(5, 3, dtype=DOUBLE, requires_grad=True)
+    with dpprof.record(name="in place") if recording else nullcontext():
+        out = net(x)
+        out_grad = net(leaf * 2)
+        out_grad.sum().backward()
+    assert torch.equal(x, before)
+    assert torch.equal(out, before.relu())
+    assert torch.equal(out_grad, (leaf * 2).relu())
+    assert torch.equal(leaf.grad, (leaf > 0).to(DOUBLE) * 2)
+
+
 # the wrapper itself
 
 def test_it_is_a_torch_data_parallel_around_the_module():

@@ -1,7 +1,8 @@
 """scatter, scatter_kwargs and gather with torch's meaning, on CUDA devices and on CPU workers.
 
-CUDA goes to torch.nn.parallel's own functions. CPU workers share one memory, so a
-"copy to device i" is the chunk itself, made contiguous as a device copy would be.
+CUDA goes to torch.nn.parallel's own functions. On CPU workers each device gets a contiguous copy of
+its chunk, as torch's Scatter copies each chunk to its GPU: a replica that changes its input in place
+changes neither the caller's batch nor another replica's (and a chunk is no view for autograd to refuse).
 """
 from __future__ import annotations
 
@@ -73,9 +74,14 @@ def _scatter_map(inputs: Any, split: Callable[[torch.Tensor], tuple[torch.Tensor
         scatter_map = None  # type: ignore[assignment]  # break the closure's reference cycle, as torch does
 
 
+def _device_copy(chunk: torch.Tensor) -> torch.Tensor:
+    """A chunk as a device receives it: a contiguous copy of its own, differentiable back to the batch."""
+    return chunk.clone(memory_format=torch.contiguous_format)
+
+
 def _cpu_scatter(inputs: Any, target: Sequence[DeviceLike], dim: int) -> Any:
     n = len(target)
-    return _scatter_map(inputs, lambda t: tuple(chunk.contiguous() for chunk in t.chunk(n, dim)), n)
+    return _scatter_map(inputs, lambda t: tuple(_device_copy(chunk) for chunk in t.chunk(n, dim)), n)
 
 
 def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any:
@@ -119,7 +125,7 @@ def scatter_sized(inputs: Any, target_devices: Sequence[DeviceLike], chunk_sizes
                 f"the outputs were split {'+'.join(map(str, chunk_sizes))} = {total} along dim {dim}, "
                 f"but a target of shape {tuple(t.shape)} holds {t.size(dim)}")
         if cpu:
-            return tuple(c.contiguous() for c in t.split(list(chunk_sizes), dim))
+            return tuple(_device_copy(c) for c in t.split(list(chunk_sizes), dim))
         from torch.nn.parallel._functions import Scatter
         return Scatter.apply(list(target_devices), list(chunk_sizes), dim, t)
 
