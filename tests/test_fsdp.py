@@ -184,6 +184,23 @@ def test_uneven_shards_are_found_only_where_dim_0_does_not_divide(runs, tmp_path
     assert mib(held["rank:0"] - held["rank:1"]) in found.loc["uneven_shards", "evidence"]
 
 
+def test_a_collectives_bucket_is_its_index_among_the_steps_of_its_kind_over_micro_batches(tmp_path):
+    """Gradient accumulation (3 micro-batches a step, set_requires_gradient_sync on the last alone): every micro-batch
+    gathers each group in forward and backward, the last alone reduce-scatters, and ``bucket`` counts each kind's
+    collectives over the whole step (each micro-batch's root forward used to start it again at 0)."""
+    micro = 3
+    run = _recorded(tmp_path, FSDP_ACCUM=str(micro))
+    groups = sorted(_padded_bytes(g) for g in _group_shapes())
+    assert (run.steps["forward_calls"] == micro).all()
+    for (rank, step), c in run.comms.groupby(["rank", "step"]):
+        gathers, scatters = (c[c["collective"] == k] for k in ("all-gather", "reduce-scatter"))
+        assert sorted(scatters["bucket_bytes"]) == groups, (rank, step)
+        assert len(gathers) == micro * 2 * len(groups), (rank, step)  # reshard_after_forward=True: the root too
+        for kind in (gathers, scatters):
+            assert sorted(kind["bucket"]) == list(range(len(kind))), (rank, step, sorted(kind["bucket"]))
+            assert kind.sort_values("launch_ms")["bucket"].is_monotonic_increasing, (rank, step)
+
+
 def test_profile_fsdp_runs_a_builtin_on_two_ranks(tmp_path, capsys):
     assert main(["--reports-dir", str(tmp_path), "profile", "tutorial-linear", "--fsdp", "--nproc", "2",
                  "--steps", "4", "--quiet"]) == 0

@@ -110,6 +110,8 @@ class _StepProbe:
         self.gathered_peak_bytes = 0
         self.io_bytes = (0, 0)
         if previous is not None and previous.run is run:
+            if previous.step is self.step:  # a later micro-batch of the step: its collectives' indexes go on
+                self.count = dict(previous.count)
             step, data_start = self.step, previous.last_end_ns
             if not step.explicit and step.calls == 1:
                 step.start_ns = min(step.start_ns, data_start)

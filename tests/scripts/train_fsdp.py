@@ -3,7 +3,9 @@
 Run under torchrun. Environment: FSDP_STEPS (default 4), FSDP_RESHARD (1: reshard after forward, the default; 0:
 keep the gathered parameters until backward), FSDP_PREFETCH (1: explicit forward and backward prefetching),
 FSDP_OUT (a path: rank 0 saves the trained full state dict there), FSDP_WIDTH (hidden width, default 64),
-FSDP_UNEVEN (1: add a 3-row table of 589,824 columns, its own fully_shard group: on 2 ranks its shards are 2 rows and 1).
+FSDP_UNEVEN (1: add a 3-row table of 589,824 columns, its own fully_shard group: on 2 ranks its shards are 2 rows and 1),
+FSDP_ACCUM (micro-batches per optimizer step, default 1: gradients reduce-scattered on the last alone, through
+set_requires_gradient_sync).
 """
 import gc
 import os
@@ -45,10 +47,14 @@ if os.environ.get("FSDP_PREFETCH") == "1":
         b.set_modules_to_backward_prefetch([a])
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 g = torch.Generator().manual_seed(1 + rank)
+accum = int(os.environ.get("FSDP_ACCUM", "1"))
 for _ in range(int(os.environ.get("FSDP_STEPS", "4"))):
-    x, y = torch.randn(16, 20, generator=g), torch.randint(0, 7, (16,), generator=g)
-    loss = torch.nn.functional.cross_entropy(model(x), y)
-    loss.backward()
+    for micro in range(accum):
+        if accum > 1:
+            model.set_requires_gradient_sync(micro == accum - 1)
+        x, y = torch.randn(16, 20, generator=g), torch.randint(0, 7, (16,), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
     opt.step()
     opt.zero_grad()
 state = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items()}
