@@ -201,6 +201,17 @@ def test_a_collectives_bucket_is_its_index_among_the_steps_of_its_kind_over_micr
             assert kind.sort_values("launch_ms")["bucket"].is_monotonic_increasing, (rank, step)
 
 
+def test_param_bytes_are_the_shards_when_a_micro_batch_keeps_its_parameters_gathered(tmp_path):
+    """Micro-batches before the last keep their parameters gathered after backward (set_reshard_after_backward(False)),
+    where dpprof reads the step's memory: ``param_bytes`` is each rank's local shards all the same (it was the whole
+    model on every rank, the unsharded parameters the modules held then)."""
+    run = _recorded(tmp_path, FSDP_ACCUM="2", FSDP_KEEP_GATHERED="1")
+    total = sum(math.prod(s) for g in _group_shapes() for s in g) * FLOAT_BYTES
+    per_rank = run.memory.groupby("rank")["param_bytes"].agg(["min", "max"])
+    assert (per_rank["min"] == per_rank["max"]).all(), per_rank
+    assert per_rank["max"].sum() == total and (per_rank["max"] < total).all(), (per_rank, total)
+
+
 def test_profile_fsdp_runs_a_builtin_on_two_ranks(tmp_path, capsys):
     assert main(["--reports-dir", str(tmp_path), "profile", "tutorial-linear", "--fsdp", "--nproc", "2",
                  "--steps", "4", "--quiet"]) == 0

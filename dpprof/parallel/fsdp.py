@@ -222,9 +222,28 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
+def _fsdp_params(module: torch.nn.Module) -> list[Any]:
+    """The FSDPParams of every fully_shard module in ``module`` (each group's of this torch: one or several)."""
+    found = []
+    for m in module.modules():
+        get_state = getattr(m, "_get_fsdp_state", None)
+        state = get_state() if callable(get_state) else None
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [] if group is None else [group]
+        found += [fp for group in groups for fp in group.fsdp_params]
+    return found
+
+
 def _shard_bytes(module: torch.nn.Module) -> tuple[int, int]:
-    """(parameter bytes, buffer bytes) this rank holds of the module: its shards."""
-    params = sum(_local(p).numel() * p.element_size() for p in module.parameters())
+    """(parameter bytes, buffer bytes) this rank holds of the module: its shards. Each FSDP parameter's is its sharded
+    DTensor's local shard, read there: while a group is unsharded (between steps with reshard_after_backward=False,
+    or under no_grad with reshard_after_forward=False) the module holds the whole unsharded parameter instead."""
+    managed = _fsdp_params(module)
+    held = {id(t) for fp in managed for t in (fp.sharded_param, fp.__dict__.get("_unsharded_param")) if t is not None}
+    params = sum(_local(fp.sharded_param).numel() * fp.sharded_param.element_size() for fp in managed)
+    params += sum(_local(p).numel() * p.element_size() for p in module.parameters() if id(p) not in held)
     return params, sum(b.numel() * b.element_size() for b in module.buffers())
 
 

@@ -5,7 +5,8 @@ keep the gathered parameters until backward), FSDP_PREFETCH (1: explicit forward
 FSDP_OUT (a path: rank 0 saves the trained full state dict there), FSDP_WIDTH (hidden width, default 64),
 FSDP_UNEVEN (1: add a 3-row table of 589,824 columns, its own fully_shard group: on 2 ranks its shards are 2 rows and 1),
 FSDP_ACCUM (micro-batches per optimizer step, default 1: gradients reduce-scattered on the last alone, through
-set_requires_gradient_sync).
+set_requires_gradient_sync; with FSDP_KEEP_GATHERED=1 the micro-batches before the last also keep their parameters
+gathered after backward, set_reshard_after_backward(False)).
 """
 import gc
 import os
@@ -52,6 +53,8 @@ for _ in range(int(os.environ.get("FSDP_STEPS", "4"))):
     for micro in range(accum):
         if accum > 1:
             model.set_requires_gradient_sync(micro == accum - 1)
+            if os.environ.get("FSDP_KEEP_GATHERED") == "1":
+                model.set_reshard_after_backward(micro == accum - 1)
         x, y = torch.randn(16, 20, generator=g), torch.randint(0, 7, (16,), generator=g)
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
