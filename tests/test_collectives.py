@@ -18,7 +18,7 @@ import pytest
 
 import dpprof
 from dpprof.findings import run_findings, straggler_severity
-from dpprof.findings.collectives import collective_waits, match_collectives, wait_heatmap
+from dpprof.findings.collectives import MOVED_STEP_SHARE, collective_waits, match_collectives, wait_heatmap
 from dpprof.trace import import_traces
 from dpprof import charts
 from dpprof.cli import main
@@ -308,10 +308,11 @@ def test_a_rank_profiled_over_fewer_steps_is_costed_over_its_own_steps(tmp_path)
 
 
 def test_a_straggler_that_moves_is_named_with_the_rank_the_others_waited_for_before(tmp_path):
-    """Rank 0 loads late for the script's first 3 steps, rank 1 for the 5 after (recorded, 2 gloo ranks): the verdict
+    """Rank 0 loads late for the script's first 5 steps, rank 1 for the 7 after (recorded, 2 gloo ranks): the verdict
     names rank 1, and its evidence says rank 0 waited least in the steps where it was late (the finding named rank 1
-    alone: only the heatmap showed the first steps' straggler)."""
-    _ranks(2, "--steps", "8", "--load-ms", "20", "--delay", f"0:{DELAY_MS:g}", "--moves-to", "1:3", record=tmp_path)
+    alone: only the heatmap showed the first steps' straggler). Step 1's wait may fall in DDP's bucket rebuild, which
+    is no recorded collective: the early steps are counted from the run's rows."""
+    _ranks(2, "--steps", "12", "--load-ms", "20", "--delay", f"0:{DELAY_MS:g}", "--moves-to", "1:5", record=tmp_path)
     run = _only_run(tmp_path)
     found = run_findings(run)
     verdict = found.straggler
@@ -319,7 +320,7 @@ def test_a_straggler_that_moves_is_named_with_the_rank_the_others_waited_for_bef
     per = collective_waits(run.comms).per_step
     later = per[per["step"] != run.steps["step"].min()].pivot_table(index="step", columns="rank", values="wait_ms")
     early = sorted(int(s) for s in later.index[later.idxmin(axis=1) == 0])
-    assert len(early) >= 2, later  # rank 0 was the one waited for in the steps it was late
+    assert len(early) >= max(2, MOVED_STEP_SHARE * len(later)), later  # rank 0 waited for in the steps it was late
     note = (f"rank:0 waited least in {len(early)} of the {len(later)} steps (steps {', '.join(map(str, early))}): "
             "the others waited for it there")
     assert [n for n in verdict.collectives.notes if n.startswith("rank:0 waited least")] == [note]
