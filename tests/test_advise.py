@@ -633,18 +633,25 @@ def test_a_check_directory_that_is_a_file_is_one_line_before_any_scenario_runs(r
     assert "running" not in err and target.read_text() == "mine"
 
 
+def _profiled_model(tmp_path, monkeypatch, module: str) -> tuple[Path, str]:
+    """MODEL_FILE as ``module``.py in tmp_path (the working directory, on sys.path), profiled on 2 CPU workers for 4
+    steps: (the reports directory, the run's id)."""
+    (tmp_path / f"{module}.py").write_text(MODEL_FILE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reports = tmp_path / "reports"
+    assert main(["--reports-dir", str(reports), "profile", "--model", f"{module}:make", "--input-shape", "12",
+                 "--devices", "cpu:2", "--steps", "4", "--batch-size", "16", "--quiet"]) == 0
+    [run_id] = dpprof.list_runs(reports)["id"]
+    return reports, run_id
+
+
 @pytest.mark.slow
 def test_check_runs_that_fail_say_the_childs_own_error_and_exit_1(tmp_path, monkeypatch, calibrated, capsys):
     """A run of a user's model whose module is gone by the time of --check (another directory, a renamed file):
     every check run fails, each row says the child's own error line (not argparse's usage text), the table says
     how many failed, and the exit status is 1."""
-    (tmp_path / "gonemodels.py").write_text(MODEL_FILE)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    reports = tmp_path / "reports"
-    assert main(["--reports-dir", str(reports), "profile", "--model", "gonemodels:make", "--input-shape", "12",
-                 "--devices", "cpu:2", "--steps", "4", "--batch-size", "16", "--quiet"]) == 0
-    [run_id] = dpprof.list_runs(reports)["id"]
+    reports, run_id = _profiled_model(tmp_path, monkeypatch, "gonemodels")
     (tmp_path / "gonemodels.py").unlink()
     monkeypatch.delitem(sys.modules, "gonemodels", raising=False)
     capsys.readouterr()
@@ -660,13 +667,7 @@ def test_check_runs_that_fail_say_the_childs_own_error_and_exit_1(tmp_path, monk
 def test_a_check_run_whose_model_fails_while_training_says_the_models_error(tmp_path, monkeypatch, calibrated):
     """A check run that starts and fails in a step says the model's own error, not the hint printed under it
     ("  dpprof show ID", the child's last line)."""
-    (tmp_path / "failingmodels.py").write_text(MODEL_FILE)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    reports = tmp_path / "reports"
-    assert main(["--reports-dir", str(reports), "profile", "--model", "failingmodels:make", "--input-shape", "12",
-                 "--devices", "cpu:2", "--steps", "4", "--batch-size", "16", "--quiet"]) == 0
-    [run_id] = dpprof.list_runs(reports)["id"]
+    reports, run_id = _profiled_model(tmp_path, monkeypatch, "failingmodels")
     # the same model, failing on a chunk over 2 samples: the pre-flight pass (a batch of two) goes through
     (tmp_path / "failingmodels.py").write_text(
         MODEL_FILE + "class Failing(torch.nn.Module):\n    def forward(self, x):\n        if len(x) > 2:\n"

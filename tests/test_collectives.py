@@ -53,6 +53,20 @@ def _only_run(directory: Path) -> dpprof.StoredRun:
     return dpprof.load_run(run_id, directory)
 
 
+def _overview(reports: Path, run_id: str):
+    """The dashboard opened on run ``run_id`` of ``reports`` (its Overview), with no exception."""
+    from streamlit.testing.v1 import AppTest
+    os.environ["DPPROF_REPORTS"] = str(reports)
+    try:
+        at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60)
+        at.run()
+        at.sidebar.selectbox[0].select(run_id).run()
+        assert not at.exception, at.exception
+    finally:
+        del os.environ["DPPROF_REPORTS"]
+    return at
+
+
 def _assert_straggler(run: dpprof.StoredRun, rank: str) -> None:
     found = run_findings(run)
     verdict = found.straggler
@@ -80,15 +94,7 @@ def _assert_straggler(run: dpprof.StoredRun, rank: str) -> None:
     # the dashboard's metrics name it with the others' wait, never a work ratio: an FSDP rank's work (its collectives
     # inside) is the shortest, and "Slowest rank ... 0.54x" said the opposite of the verdict
     assert said.from_collectives and said.wait_share == pytest.approx(verdict.wait_ms / verdict.step_ms)
-    from streamlit.testing.v1 import AppTest
-    os.environ["DPPROF_REPORTS"] = str(run.path.parent)
-    try:
-        at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60)
-        at.run()
-        at.sidebar.selectbox[0].select(run.id).run()
-        assert not at.exception, at.exception
-    finally:
-        del os.environ["DPPROF_REPORTS"]
+    at = _overview(run.path.parent, run.id)
     metrics = {m.label: (m.value, m.proto.delta) for m in at.metric}
     assert metrics["Straggler rank"][0] == rank and "Slowest rank" not in metrics
     assert metrics["Others' wait"] == (f"{verdict.wait_ms:.2f} ms a step",
@@ -211,15 +217,7 @@ def test_a_subgroups_collectives_are_not_paired_with_the_other_ranks_by_their_or
     view = collective_wait_view(run)
     assert view is not None and view.heatmap.empty
     assert any("ranks hold different collectives left out" in n for n in view.notes), view.notes
-    from streamlit.testing.v1 import AppTest
-    os.environ["DPPROF_REPORTS"] = str(reports)
-    try:
-        at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60)
-        at.run()
-        at.sidebar.selectbox[0].select(run.id).run()
-        assert not at.exception, at.exception
-    finally:
-        del os.environ["DPPROF_REPORTS"]
+    at = _overview(reports, run.id)
     said = " ".join(c.value for c in at.caption)
     assert "ranks hold different collectives left out" in said and "No collective could be matched" in said
     assert "rank:3" in [m.value for m in at.metric]  # the headline's device
