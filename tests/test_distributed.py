@@ -238,3 +238,64 @@ def test_a_distillation_of_ddp_models_is_one_step_an_iteration(tmp_path):
     assert steps["batch_size"].tolist() == [6] * 6
     comms = run.frames()["comms"]
     assert sorted(comms["step"].unique()) == [0, 1, 2, 5]  # the student's all-reduce, in each training step
+
+
+def _ddp_steps_pausing(tmp_path: Path, pause_s: float, steps: int = 6) -> dpprof.StoredRun:
+    """A DDP model (Linear 256 x 256, batch 128) on a gloo world of one, recorded into the reports directory: each
+    step pauses ``pause_s`` after backward, in the script's own code (as a logging all-reduce waiting for a late rank
+    would), before the optimizer step."""
+    import torch
+    from torch import nn
+
+    from dpprof.instrument import instrument
+
+    torch.manual_seed(0)
+    with _gloo_world_of_one(tmp_path), instrument(name="pausing") as run:
+        model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model(torch.randn(128, 256)).square().mean().backward()
+            time.sleep(pause_s)
+            optimizer.step()
+    return dpprof.load_run(run.id)
+
+
+def _rest_by_hand(run: dpprof.StoredRun) -> tuple[float, float]:
+    """rank:0's mean step past the first, and the mean of its time in none of its recorded phases, from the raw rows:
+    each step's length less the union of its phases (clipped to the step)."""
+    steps, phases = run.steps.set_index("step"), run.phases
+    rest, length = [], []
+    for step, row in steps.iloc[1:].iterrows():
+        lo, hi = row["start_ms"], row["start_ms"] + row["duration_ms"]
+        spans = sorted((max(lo, s), min(hi, s + d)) for s, d in
+                       phases.loc[phases["step"] == step, ["start_ms", "duration_ms"]].itertuples(index=False))
+        covered, reach = 0.0, lo
+        for a, b in spans:
+            if b > max(a, reach):
+                covered += b - max(a, reach)
+                reach = b
+        rest.append(hi - lo - covered)
+        length.append(hi - lo)
+    return sum(length) / len(length), sum(rest) / len(rest)
+
+
+def test_a_rank_whose_step_is_mostly_its_scripts_own_code_is_told_what_dpprof_does_not_time(tmp_path, reports):
+    """A DDP step that spends 200 ms after backward in the script's own code (nothing dpprof times) gets a finding on
+    the rank: its share of the step outside the recorded parts, the same ms as the step less the union of its phases
+    computed here from the raw rows; the same model without the pause gets none."""
+    import re
+
+    run = _ddp_steps_pausing(tmp_path, 0.2)
+    found = run_findings(run).table
+    rest = found[found["kind"] == "unrecorded_time"]
+    assert len(rest) == 1, found[["kind", "title"]]
+    step_ms, rest_ms = _rest_by_hand(run)
+    assert rest_ms >= 200 and rest.iloc[0]["device"] == "rank:0"
+    assert rest.iloc[0]["value"] == pytest.approx(rest_ms / step_ms, rel=1e-6)
+    said = re.search(r"([0-9.]+) ms of rank:0's ([0-9.]+) ms mean step past the first \(5 steps\)", rest.iloc[0]["evidence"])
+    assert said and float(said[1]) == pytest.approx(rest_ms, abs=0.006) and float(said[2]) == pytest.approx(step_ms, abs=0.006)
+    assert f"{rest_ms / step_ms:.0%} of the step is outside" in rest.iloc[0]["title"]
+    (tmp_path / "quiet").mkdir()
+    quiet = _ddp_steps_pausing(tmp_path / "quiet", 0.0)
+    assert "unrecorded_time" not in set(run_findings(quiet).table["kind"])

@@ -1,4 +1,5 @@
-"""Rules over the steps alone, for every kind of run: steps that stall far beyond the median."""
+"""Rules over the steps alone, for every kind of run: steps that stall far beyond the median; and a recorded rank's
+step time that none of its recorded parts covers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,10 +7,12 @@ from dataclasses import dataclass
 import pandas as pd
 
 from dpprof.findings.base import MEDIAN_STEP, Tables, finding
-from dpprof.findings.floors import worth_time
+from dpprof.findings.floors import cost_text, worth_time
+from dpprof.stepmodel import REST, partition, parts_for
+from dpprof.units import plural
 
 __all__ = ["OUTLIER_STEP_RATIO", "OUTLIER_TIME_SHARE", "OUTLIER_WARN_SHARE", "OUTLIER_STEPS_LISTED", "Stalls", "stalls",
-           "outlier_steps"]
+           "outlier_steps", "REST_SHARE_WARN", "RANKS_LISTED", "rest_of_steps", "unrecorded_time"]
 
 # A step (past the first) over 2x the run's median step is an outlier: a stall or contention from
 # outside the step (another process on the same cores or GPU, data loading, swapping), not the
@@ -21,6 +24,14 @@ OUTLIER_TIME_SHARE = 0.05
 OUTLIER_WARN_SHARE = 0.20
 # Outlier steps listed in the evidence (the slowest first).
 OUTLIER_STEPS_LISTED = 8
+# A recorded DDP or FSDP rank's step is its parts (data, forward, backward, the exposed collectives, the optimizer)
+# and the rest: the loss and the script's own code between them. Over a quarter of the step in the rest is more than
+# the loss and Python between the parts take in the built-in workloads (2 gloo ranks on a loaded 2-core machine:
+# 5-17% on tutorial-linear's 12-31 ms DDP and FSDP steps, 1-2% on cifar-lenet's DDP), so something there is worth
+# looking at ...
+REST_SHARE_WARN = 0.25
+# ... and the ranks named in its evidence (the most rest first).
+RANKS_LISTED = 8
 
 
 @dataclass(frozen=True)
@@ -70,3 +81,56 @@ def outlier_steps(t: Tables) -> list[dict]:
                     "Steps that stall like this come from outside the model: another process on the same cores or "
                     "GPU (another run started alongside), data loading, swapping or garbage collection. Check what "
                     "else ran at those steps; the per-device findings of such a run are less certain.", share, "share")]
+
+
+def rest_of_steps(t: Tables) -> pd.DataFrame:
+    """Per rank (its device label) over the steps past the first: steps, mean step (window_ms) and mean rest (the part
+    of the step the step model gives no recorded part: dpprof.stepmodel.partition over the run's phases), ms."""
+    cols = ["device", "steps", "window_ms", REST]
+    steps = t.steps[t.steps["step"] != t.first_step]
+    if steps.empty or t.phases.empty:
+        return pd.DataFrame(columns=cols)
+    windows = steps.assign(lo=steps["start_ms"], hi=steps["start_ms"] + steps["duration_ms"])[["rank", "step", "lo", "hi"]]
+    ph = t.phases
+    intervals = pd.DataFrame({"rank": ph["rank"], "step": ph["step"], "kind": ph["phase"], "start": ph["start_ms"],
+                              "end": ph["start_ms"] + ph["duration_ms"]})
+    parts = partition(windows, intervals, parts_for(t.model.phases), ["rank", "step"])
+    label = ph.drop_duplicates("rank").set_index("rank")["device"]  # a rank's device label ("rank:1")
+    per = parts.groupby("rank").agg(steps=("step", "count"), window_ms=("window_ms", "mean"), rest=(REST, "mean"))
+    per = per[per.index.isin(label.index)]
+    return per.assign(device=per.index.map(label)).reset_index(drop=True)[cols]
+
+
+def unrecorded_time(t: Tables) -> list[dict]:
+    """A recorded DDP or FSDP rank whose step is over REST_SHARE_WARN outside its recorded parts: the loss and the
+    script's own code between the parts (logging, metrics and the collectives that reduce them, .item(),
+    checkpoints), none of which dpprof times. One finding for the job, on the rank with the largest share; the value
+    is that share."""
+    if t.model.imported or t.model.kind not in ("ddp", "fsdp"):
+        return []
+    per = rest_of_steps(t)
+    per = per[per["window_ms"] > 0]
+    if per.empty:
+        return []
+    per = per.assign(share=per[REST] / per["window_ms"]).sort_values("share", ascending=False, kind="stable")
+    worst = per.iloc[0]
+    share, rest_ms, step_ms = float(worst["share"]), float(worst[REST]), float(worst["window_ms"])
+    if share <= REST_SHARE_WARN or not worth_time(rest_ms, step_ms):
+        return []
+    device, steps = str(worst["device"]), int(worst["steps"])
+    others = [f"{r.device} {getattr(r, REST):.2f} ms ({r.share:.0%})" for r in per.iloc[1:RANKS_LISTED].itertuples()]
+    more = f" and {len(per) - RANKS_LISTED} more" if len(per) > RANKS_LISTED else ""
+    parts = "data loading, forward, backward, the exposed collectives and the optimizer step"
+    evidence = (f"{rest_ms:.2f} ms of {device}'s {step_ms:.2f} ms mean step past the first ({plural(steps, 'step')}) "
+                f"is in none of its recorded parts ({parts})"
+                + (f"; the other ranks: {', '.join(others)}{more}" if others else "")
+                + f". It holds the loss and the script's own code between the parts: logging and metrics, the "
+                f"collectives that reduce them (a dist.all_reduce of the loss), .item() and other synchronisations, "
+                f"checkpoints. It {cost_text(rest_ms, steps, device + chr(39) + 's')}")
+    advice = ("See what runs there: record a window of steps with torch.profiler (dpprof run --capture 5:8 "
+              "train.py, then dpprof ops RUN), or profile the script with torch.profiler and dpprof import its "
+              "rank files: the script's own collectives then show, and a rank the others wait for in them is named. "
+              "Log and reduce metrics every N steps rather than every step, or reduce them with async_op=True.")
+    return [finding("unrecorded_time", "warning", device,
+                    f"{share:.0%} of the step is outside the parts dpprof records", evidence, advice, share,
+                    "share")]
