@@ -31,6 +31,26 @@ def _per_step(run, phase):
 
 
 @pytest.mark.parametrize("name", ["plain", "balanced", "uneven"])
+def test_phase_means_are_per_step_sums_over_the_steps_past_the_first(runs, name, capsys):
+    """show's phase table: each phase's per-step sum, averaged over the steps past the first (as the findings and the
+    collectives' table weigh a step), computed here from the raw rows; show's table has the same figures."""
+    from dpprof.cli import main
+
+    run = runs[name]
+    later = run.phases[run.phases["step"] != run.steps["step"].min()]
+    expected = later.groupby(["device", "phase", "step"])["duration_ms"].sum().groupby(["device", "phase"]).mean()
+    means = queries.phase_means(run)
+    for (device, phase), ms in expected.items():
+        assert means.loc[device, f"{phase}_ms"] == pytest.approx(ms, rel=1e-9), (device, phase)
+    assert means.notna().sum().sum() == len(expected)
+    assert main(["--reports-dir", str(run.path.parent), "show", run.meta["id"]]) == 0
+    shown = capsys.readouterr().out.split("mean ms per step past the first, by phase:\n")[1].split("\n\n")[0]
+    row = next(line for line in shown.splitlines() if line.startswith(means.index[0]))
+    first = means.iloc[0].dropna().iloc[0]
+    assert f"{first:,.2f}" in row
+
+
+@pytest.mark.parametrize("name", ["plain", "balanced", "uneven"])
 def test_run_stats_equal_the_steps_table(runs, name):
     run = runs[name]
     stats = queries.run_stats(run)
