@@ -111,7 +111,7 @@ def parse_devices(text: str) -> list:
 def check_input_shape(workload: object, spec: str, shape: Sequence[int]) -> None:
     """One forward pass of the user's model on a batch of two samples of ``shape``, before any run is created:
     a model that cannot take the shape is a ProfileError, said in one line."""
-    import torch
+    from dpprof.workloads import random_inputs, token_count
 
     model = workload.model  # type: ignore[attr-defined]
     if not any(p.requires_grad for p in model.parameters()):
@@ -119,8 +119,8 @@ def check_input_shape(workload: object, spec: str, shape: Sequence[int]) -> None
     training = model.training
     try:
         model.eval()  # no BatchNorm statistics learnt from the check's random batch
-        output = model(torch.randn(2, *shape))
-        loss = workload.criterion(output, torch.zeros(2))  # type: ignore[attr-defined]  # the mean square
+        output = model(random_inputs((2, *shape), token_count(model)))
+        loss = workload.criterion(output, None)  # type: ignore[attr-defined]  # the mean square
         loss.backward()  # an output that needs no gradient fails here, not in the run
     except Exception as err:  # noqa: BLE001 - whatever the model raises: the message is what the user needs
         raise ProfileError(f"--model {spec} fails on --input-shape {','.join(map(str, shape))} "

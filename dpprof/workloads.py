@@ -17,7 +17,7 @@ from dpprof.parallel.balanced import MeasuredLoss
 from dpprof.plaintext import error_line
 from dpprof.recording import Run, record
 
-__all__ = ["Workload", "WORKLOADS", "build_workload", "user_workload", "train", "TutorialLinear", "CifarNet",
+__all__ = ["Workload", "WORKLOADS", "build_workload", "user_workload", "token_count", "random_inputs", "train", "TutorialLinear", "CifarNet",
            "SortedGRU", "TinyFCN"]
 
 Batch = tuple[tuple[Any, ...], torch.Tensor]  # (positional inputs of the model, target)
@@ -213,13 +213,35 @@ def user_workload(spec: str, input_shape: Sequence[int], batch_size: int | None 
     batch_size = batch_size or 32
     gen = torch.Generator().manual_seed(seed)
     shape = (batch_size, *input_shape)
+    tokens = token_count(model)
 
     def batches() -> Iterator[Batch]:
         while True:
-            yield (torch.randn(shape, generator=gen),), torch.zeros(batch_size)
+            yield (random_inputs(shape, tokens, gen),), torch.zeros(batch_size)
 
+    inputs = {"inputs": f"token ids 0..{tokens - 1}"} if tokens is not None else {}
     return Workload(spec, model, _SquaredOutput(), batches, batch_size,
-                    {"batch_size": batch_size, "input_shape": list(input_shape), "loss": "mean square of outputs"})
+                    {"batch_size": batch_size, "input_shape": list(input_shape), **inputs,
+                     "loss": "mean square of outputs"})
+
+
+def token_count(model: nn.Module) -> int | None:
+    """How many token ids a user's model takes where its first module with parameters is an nn.Embedding (or
+    EmbeddingBag), as a language model's is: its num_embeddings; None for a model of float inputs."""
+    for module in model.modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+            return int(module.num_embeddings)
+        if any(True for _ in module.parameters(recurse=False)):
+            return None
+    return None
+
+
+def random_inputs(shape: Sequence[int], tokens: int | None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """A batch of a user's model's inputs: token ids uniform in 0..tokens-1 (int64) for a model that starts with an
+    embedding (token_count), else standard normal floats."""
+    if tokens is not None:
+        return torch.randint(0, tokens, tuple(shape), generator=generator)
+    return torch.randn(tuple(shape), generator=generator)
 
 
 def build_workload(name: str, batch_size: int | None = None, seed: int = 0) -> Workload:

@@ -276,6 +276,26 @@ def test_profile_a_users_model_from_a_factory(tmp_path, monkeypatch):
     assert run.memory.groupby("device")["input_bytes"].first().tolist() == [5 * 12 * 4] * 2
 
 
+def test_profile_a_users_language_model_on_token_ids(tmp_path, monkeypatch):
+    """A model whose first module is an nn.Embedding (a language model) trains on random token ids below its
+    vocabulary, not on floats it cannot take ("Expected tensor for argument #1 'indices' to have one of the following
+    scalar types: Long, Int" before): every token of the recorded inputs is an int64 under 100."""
+    (tmp_path / "lms.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    return torch.nn.Sequential(torch.nn.Embedding(100, 8), torch.nn.Flatten(), torch.nn.Linear(16 * 8, 100))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["profile", "--model", "lms:make", "--input-shape", "16", "--batch-size", "6", "--steps", "3",
+                 "--devices", "cpu:2", "--quiet"]) == 0
+    run = dpprof.load_run(dpprof.list_runs().loc[0, "id"])
+    assert run.meta["workload_args"]["inputs"] == "token ids 0..99"
+    assert run.memory.groupby("device")["input_bytes"].first().tolist() == [3 * 16 * 8] * 2  # int64 ids
+    from dpprof.workloads import user_workload
+
+    (ids,), _ = next(user_workload("lms:make", [16], 6).batches())
+    assert ids.dtype == torch.int64 and ids.shape == (6, 16) and 0 <= int(ids.min()) and int(ids.max()) < 100
+
+
 def test_python_dash_m_and_the_console_script_agree(reports):
     out = forked.run([sys.executable, "-m", "dpprof", "runs"], capture_output=True, text=True, check=True)
     assert "no runs yet" in out.stdout
