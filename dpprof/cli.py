@@ -476,6 +476,9 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if columns:  # units in the headers: `dpprof export` keeps machine values
         print(f"\nper {model.unit} ({model.work.label}):")
         print(_table(display_table(summary[columns].reset_index()).set_index("device"), "{:,.2f}"))
+        if stats["steps"] > 1 and any(c.endswith("_p50_ms") for c in columns):
+            print("  (mean and share over every step, the first's one-time costs included; p50 and p95 over the steps past the "
+                  "first, as the findings)")
     else:  # no figure per device: why, once, in words (never a table of nothing)
         print(f"\nper {model.unit}: {model.missing.get('work') or 'no figures per ' + model.unit + ' recorded.'}")
     means = queries.phase_means(run)

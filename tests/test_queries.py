@@ -44,7 +44,9 @@ def test_phase_means_are_per_step_sums_over_the_steps_past_the_first(runs, name,
         assert means.loc[device, f"{phase}_ms"] == pytest.approx(ms, rel=1e-9), (device, phase)
     assert means.notna().sum().sum() == len(expected)
     assert main(["--reports-dir", str(run.path.parent), "show", run.meta["id"]]) == 0
-    shown = capsys.readouterr().out.split("mean ms per step past the first, by phase:\n")[1].split("\n\n")[0]
+    out = capsys.readouterr().out
+    assert "(mean and share over every step, the first's one-time costs included; p50 and p95 over the steps past" in out
+    shown = out.split("mean ms per step past the first, by phase:\n")[1].split("\n\n")[0]
     row = next(line for line in shown.splitlines() if line.startswith(means.index[0]))
     first = means.iloc[0].dropna().iloc[0]
     assert f"{first:,.2f}" in row
