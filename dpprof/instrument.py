@@ -397,6 +397,8 @@ class _Session:
             session = _session
             if session is not None:
                 session.built()
+                if session.run is not None:  # a job sharded with FSDP1, whichever strategy: NO_SHARD's run is DDP-like
+                    session.run.note_workload(fsdp=True)
 
         self._patched.append((cls, "__init__", original))
         cls.__init__ = __init__

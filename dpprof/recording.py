@@ -455,6 +455,13 @@ class Run:
     def _interrupted_by(self, what: str) -> str:
         return f"interrupted by {what} after {plural(self._next_step, 'step')}"
 
+    def note_workload(self, **values: Any) -> None:
+        """Add to the run's workload_args (what the script turned out to train: an FSDP1 model built after the run
+        started), stored with the run."""
+        if any(self.workload_args.get(k) != v for k, v in values.items()):
+            self.workload_args.update(values)
+            self.sink.update_run(workload_args=dict(self.workload_args))
+
     def metadata(self) -> dict[str, Any]:
         return {
             "id": self.id, "name": self.name, "created_at": self.created_at.isoformat(),

@@ -377,7 +377,8 @@ def test_each_ranks_compute_share_is_of_its_own_steps_and_never_over_the_step(ru
 def test_fsdp1_no_shard_records_its_gradient_all_reduce_as_ddp_does(tmp_path):
     """NO_SHARD all-reduces each flat parameter's gradient in its post-backward hook, as DDP does: each is an
     all-reduce row and a comm_wait inside backward, so the run (a ddp one) has its all-reduce section and findings;
-    it had none, and `dpprof show` said no all-reduce was recorded. The trained weights stay bit-identical."""
+    it had none, and `dpprof show` said no all-reduce was recorded. The trained weights stay bit-identical, and the run
+    is titled as the FSDP it is."""
     weights = {"plain": tmp_path / "plain.pt", "recorded": tmp_path / "recorded.pt"}
     _torchrun([SCRIPT1], {"FSDP_RESHARD": "none", "FSDP_OUT": str(weights["plain"]),
                           "DPPROF_REPORTS": str(tmp_path / "unused")})
@@ -388,6 +389,8 @@ def test_fsdp1_no_shard_records_its_gradient_all_reduce_as_ddp_does(tmp_path):
     listed = dpprof.list_runs(tmp_path / "runs")
     run = dpprof.load_run(listed.loc[0, "id"], tmp_path / "runs")
     assert run.model.kind == "ddp" and "comms" not in run.model.missing
+    # titled as the script's FSDP, not as a DDP it never built ("DistributedDataParallel (gloo), 2 ranks" before)
+    assert run.model.title == "FullyShardedDataParallel (NO_SHARD) (gloo), 2 ranks"
     units = sorted(_flat_bytes(u, padded=False) for u in _group_shapes())
     assert set(run.comms["collective"]) == {"all-reduce"}
     for (rank, step), c in run.comms.groupby(["rank", "step"]):

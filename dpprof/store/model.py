@@ -204,7 +204,9 @@ class RunModel:
             return f"{KIND_TITLES[self.kind]} on {n} {where}"
         dist = f" ({self.dist_backend})" if self.dist_backend else ""
         if self.kind in ("ddp", "fsdp"):
-            return f"{KIND_TITLES[self.kind]}{dist}, {n} rank{'s' if n != 1 else ''}"
+            # FSDP1 NO_SHARD: a sharded job whose ranks all-reduce their gradients as DDP's do (a run of DDP's kind)
+            what = "FullyShardedDataParallel (NO_SHARD)" if self.kind == "ddp" and self.sharded else KIND_TITLES[self.kind]
+            return f"{what}{dist}, {n} rank{'s' if n != 1 else ''}"
         if self.imported:
             what = ("DataParallel" if self.dataparallel else
                     f"{'FSDP' if self.sharded else 'DDP'}{dist}, {self.scope}" if self.ranks else
