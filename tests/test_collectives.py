@@ -86,7 +86,7 @@ def _assert_straggler(run: dpprof.StoredRun, rank: str) -> None:
     table = per[per["step"] != run.steps["step"].min()].pivot_table(index="step", columns="rank", values="wait_ms")
     slow = int(rank.split(":")[1])
     assert c.own_wait_ms == pytest.approx(table[slow].median())
-    assert c.others_wait_ms == pytest.approx(table.drop(columns=slow).mean(axis=1).median())
+    assert c.others_wait_ms == pytest.approx(table.drop(columns=slow).median(axis=1).median())
     # the Overview's headline says the same verdict, with the same figures
     said = glance(run, found=found)
     assert said.slowest == rank and said.time_uneven and said.wait_ms == verdict.wait_ms
@@ -322,5 +322,27 @@ def test_a_straggler_that_moves_is_named_with_the_rank_the_others_waited_for_bef
     note = (f"rank:0 waited least in {len(early)} of the {len(later)} steps (steps {', '.join(map(str, early))}): "
             "the others waited for it there")
     assert [n for n in verdict.collectives.notes if n.startswith("rank:0 waited least")] == [note]
+    rows = found.table[found.table["kind"] == "straggler_rank"]
+    assert rows["device"].tolist() == ["rank:1"] and note in rows["evidence"].iloc[0]
+
+
+def test_two_late_ranks_the_later_is_the_straggler_and_the_other_is_named_with_its_own_wait(tmp_path):
+    """Rank 1 loads each batch 300 ms late and rank 2 150 ms late (4 gloo ranks, recorded): rank 1 is the straggler,
+    the others' wait for it is near 300 ms (their median: the mean of rank 0's, 2's and 3's said about 250), and the
+    evidence names rank 2 as late too, the others but rank 1 waiting about 150 ms a step for it (it was not named)."""
+    _ranks(4, "--steps", "6", "--load-ms", str(LOAD_MS), "--delay", "1:300", "--also-delay", "2:150", record=tmp_path)
+    run = _only_run(tmp_path)
+    found = run_findings(run)
+    verdict = found.straggler
+    assert verdict is not None and verdict.collectives is not None and verdict.slowest == "rank:1"
+    assert abs(verdict.wait_ms - 300) <= TOLERANCE * 300, verdict.sentence()
+    [note] = [n for n in verdict.collectives.notes if "comes late too" in n]
+    assert note.startswith("rank:2 comes late too: it waits ") and "where the ranks but rank:1 and it wait" in note
+    said = float(re.search(r"they would still wait ([0-9.]+) ms per step for it", note)[1])
+    assert abs(said - 150) <= TOLERANCE * 150, note
+    per = collective_waits(run.comms).per_step  # the figure from the raw waits, computed here
+    table = per[per["step"] != run.steps["step"].min()].pivot_table(index="step", columns="rank", values="wait_ms")
+    rest = table.drop(columns=1)
+    assert said == pytest.approx(rest[[0, 3]].median(axis=1).median() - rest[2].median(), abs=0.006)
     rows = found.table[found.table["kind"] == "straggler_rank"]
     assert rows["device"].tolist() == ["rank:1"] and note in rows["evidence"].iloc[0]

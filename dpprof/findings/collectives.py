@@ -216,6 +216,24 @@ def wait_heatmap(per_step: pd.DataFrame, devices: dict[int, str] | None = None) 
 MOVED_STEP_SHARE = 0.25
 
 
+def _second_late_rank(table: pd.DataFrame, slow: int, devices: dict[int, str], threshold: float,
+                      step_ms: float) -> str | None:
+    """Another rank the others wait for beside the straggler (two late ranks): the straggler's rule again over the
+    ranks but the straggler, said in words; None where none clears it (or fewer than 3 ranks)."""
+    rest = table.drop(columns=slow)
+    if rest.shape[1] < 2 or not step_ms or pd.isna(step_ms):
+        return None
+    least = rest.idxmin(axis=1)
+    late = int(least.mode().sort_values().iloc[0])
+    theirs, own = float(rest.drop(columns=late).median(axis=1).median()), float(rest[late].median())
+    cost = theirs - own
+    if (least == late).mean() < STRAGGLER_STEP_SHARE or cost < threshold * step_ms or not worth_time(cost, step_ms):
+        return None
+    name, first = devices.get(late, f"rank:{late}"), devices.get(slow, f"rank:{slow}")
+    return (f"{name} comes late too: it waits {own:.2f} ms per step where the ranks but {first} and it wait "
+            f"{theirs:.2f} ms; without {first}, they would still wait {cost:.2f} ms per step for it")
+
+
 def collective_verdict(t: Tables) -> CollectiveVerdict | None:
     """The straggler from the collectives (the module's rule); None where fewer than two ranks have matched
     collectives in two later steps (the first step left out: DDP rebuilds its buckets after it)."""
@@ -235,10 +253,12 @@ def collective_verdict(t: Tables) -> CollectiveVerdict | None:
         return None
     least = table.idxmin(axis=1)
     slow = int(least.mode().sort_values().iloc[0])
-    others = table.drop(columns=slow).mean(axis=1)
-    # the others' median wait less its own: the difference of the two figures the evidence states beside it, as the
+    # each step, the others' wait is their median (a second late rank, which waits less, does not pull it down: their
+    # mean said 250 ms where two of the three others waited 300 ms for the straggler); over the steps, the median of
+    # that less the straggler's own median: the difference of the two figures the evidence states beside it, as the
     # work-based verdict's wait is the difference of its medians (a median of the per-step differences said 39.00 ms
     # beside "waits 15.60 ms ..., the others 55.56 ms")
+    others = table.drop(columns=slow).median(axis=1)
     others_ms, own_ms = float(others.median()), float(table[slow].median())
     cost = others_ms - own_ms
     step_ms = t.median_step_ms
@@ -264,6 +284,9 @@ def collective_verdict(t: Tables) -> CollectiveVerdict | None:
             notes.append(f"{devices.get(int(rank), f'rank:{int(rank)}')} waited least in {len(steps)} of the "
                          f"{len(table)} steps (steps {', '.join(str(int(s)) for s in sorted(steps))}): the others "
                          "waited for it there")
+    second = _second_late_rank(table, slow, devices, threshold, float(step_ms))
+    if reason is None and second is not None:
+        notes.append(second)
     world = t.model.world_size
     if world and comms["rank"].nunique() < world:
         notes.insert(0, f"{comms['rank'].nunique()} of {world} ranks present: each wait is among them (a rank "

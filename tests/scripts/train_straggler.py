@@ -17,6 +17,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--load-ms", type=float, default=60.0, help="every rank's time to load a batch")
 parser.add_argument("--delay", default=None, metavar="RANK:MS", help="RANK loads each batch MS longer")
+parser.add_argument("--also-delay", default=None, metavar="RANK:MS", help="a second late rank: RANK loads each batch "
+                    "MS longer too")
 parser.add_argument("--delay-at", choices=["load", "optimizer"], default="load", help="where RANK's delay is: in "
                     "loading its batch, or after its backward, before its optimizer step (outside its work)")
 parser.add_argument("--fsdp", action="store_true")
@@ -53,6 +55,8 @@ batches = torch.Generator().manual_seed(rank)
 delay_rank, delay_ms = (int(x) for x in args.delay.split(":")) if args.delay else (-1, 0)
 window_rank, window = (int(x) for x in args.window.split(":")) if args.window else (-1, 0)
 late_s = (delay_ms if rank == delay_rank else 0) / 1e3
+also_rank, also_ms = (int(x) for x in args.also_delay.split(":")) if args.also_delay else (-1, 0)
+also_s = (also_ms if rank == also_rank else 0) / 1e3
 subgroup = [int(r) for r in args.subgroup.split(",")] if args.subgroup else []
 metric_group = dist.new_group(subgroup) if subgroup else None  # every rank takes part in creating it
 load_s, before_optimizer_s = (args.load_ms / 1e3 + late_s, 0.0) if args.delay_at == "load" else (args.load_ms / 1e3, late_s)
@@ -67,7 +71,7 @@ def step() -> None:
     moved = 0 <= moved_at <= calls
     calls += 1
     late = (delay_ms / 1e3 if rank == (moved_rank if moved else delay_rank) else 0.0) if moved_at >= 0 else None
-    time.sleep(load_s if late is None else args.load_ms / 1e3 + late)  # loading the batch: a slow disk, a busy input pipeline
+    time.sleep((load_s if late is None else args.load_ms / 1e3 + late) + also_s)  # loading the batch: a slow disk, a busy input pipeline
     if rank in subgroup:
         dist.all_reduce(torch.ones(4), group=metric_group)  # a metric of the subgroup's ranks alone
     x, y = torch.randn(32, 32, generator=batches), torch.randint(0, 4, (32,), generator=batches)
