@@ -308,6 +308,19 @@ def test_a_dpprof_dataparallel_profiled_on_its_calling_thread_only_says_its_appl
     assert "no forward range" not in run.model.missing["work"]
     assert set(run.phases["phase"]) == {"scatter", "replicate", "parallel_apply", "gather", "backward"}
 
+def _execution_trace(path: Path) -> None:
+    """What torch.profiler.ExecutionTraceObserver writes for a training step: {"schema", "pid", ..., "nodes"}, a JSON
+    file beside the profiler's own that a user may give by mistake (it read as "no events")."""
+    from torch.profiler import ExecutionTraceObserver
+
+    model = nn.Linear(8, 2)
+    observer = ExecutionTraceObserver().register_callback(str(path))
+    observer.start()
+    model(torch.randn(4, 8)).sum().backward()
+    observer.stop()
+    observer.unregister_callback()
+
+
 BAD = {
     "not-json.json": lambda p: p.write_text("this is not json\n"),
     "truncated.json.gz": lambda p: p.write_bytes(RESNET.read_bytes()[: RESNET.stat().st_size // 2]),
@@ -318,12 +331,14 @@ BAD = {
     "metadata-only.json": lambda p: p.write_text(json.dumps({"schemaVersion": 1, "traceEvents": [
         {"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "python"}},
         {"name": "ProfilerStep#0", "cat": "user_annotation", "ph": "i", "ts": 5, "pid": 1, "tid": 1, "s": "t"}]})),
+    "execution-trace.json": _execution_trace,
 }
 
 
 @pytest.mark.parametrize("name, expected", [
     ("not-json.json", "not JSON"), ("truncated.json.gz", "truncated"), ("chrome.json", "another tool"),
     ("empty.json", "no events"), ("metadata-only.json", "no CPU ranges to make steps of (no operator or range"),
+    ("execution-trace.json", "an execution trace (torch.profiler.ExecutionTraceObserver's nodes, schema '"),
 ])
 def test_bad_input_is_one_line_naming_the_file_exit_1_and_nothing_written(name, expected, tmp_path, reports):
     path = tmp_path / name

@@ -44,6 +44,8 @@ from typing import Any, ClassVar, Union
 
 import msgspec
 
+from dpprof.trace.numbers import shown
+
 __all__ = ["TraceError", "TraceFile", "Event", "Flow", "OddEvent", "TRACE_SUFFIXES", "is_trace_name", "CHUNK_BYTES",
            "MAX_VALUE_BYTES", "PHASES", "Span", "split_points"]
 
@@ -387,6 +389,10 @@ class TraceFile:
         finally:
             chunks.close()
         if not self.events_read:
+            if "traceEvents" not in self.meta and isinstance(self.meta.get("nodes"), list) and "schema" in self.meta:
+                raise self._error(f"an execution trace (torch.profiler.ExecutionTraceObserver's nodes, schema "
+                                  f"{shown(self.meta['schema'])}), not a torch.profiler trace: import the file the "
+                                  "profiler wrote (tensorboard_trace_handler's or export_chrome_trace's)")
             raise self._error("no events (traceEvents is empty or missing)")
         if self.span is not None and not self.span.first:
             return  # what the file is, is the first part's to say: its header holds schemaVersion
