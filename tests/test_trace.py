@@ -673,6 +673,27 @@ def test_profiling_cycles_of_one_process_are_refused_as_ranks_with_what_they_are
     assert not reports.exists() or not any(reports.iterdir())
 
 
+def test_profiling_cycles_of_a_ddp_job_say_which_files_import_together(tmp_path, reports):
+    """A DDP job profiled with a schedule with repeat: tensorboard_trace_handler writes a file per rank per cycle
+    (<host>_<pid>.<time>). Refused as before, the line says which files are one cycle of the job, one per rank; it
+    said "import each file on its own", each of which is one rank of the job alone."""
+    from cpu_traces import gloo_ddp_traces
+
+    handler = tmp_path / "tb"
+    handler.mkdir()
+    for cycle in range(2):  # a cycle of each rank: each rank's file named as the handler names it
+        for rank, path in enumerate(gloo_ddp_traces(tmp_path / f"cycle{cycle}", steps=2)):
+            path.rename(handler / f"vm_{4100 + rank}.{1764230400000 + 5000 * cycle + 3 * rank}.pt.trace.json")
+    cycles = [[f"vm_4100.{1764230400000 + 5000 * c}.pt.trace.json", f"vm_4101.{1764230400003 + 5000 * c}.pt.trace.json"]
+              for c in range(2)]
+    with pytest.raises(TraceError, match=re.escape(
+            f"import each cycle's files together, one per rank: {', '.join(cycles[0])}; {', '.join(cycles[1])}")):
+        import_traces([handler], reports)
+    assert not reports.exists() or not any(reports.iterdir())
+    run = import_traces([handler / name for name in cycles[1]], reports)
+    assert run.devices == ["rank:0", "rank:1"] and run.steps == 2
+
+
 def test_a_trace_without_a_schedule_has_a_step_per_optimizer_step(tmp_path, reports):
     """``prof.export_chrome_trace`` after profiling without a schedule (the tutorials' way) writes no ProfilerStep
     ranges: each step ends as an Optimizer.step# range does, as ``dpprof run`` cuts a script's steps, instead of the

@@ -136,6 +136,24 @@ def _ranks(files: list[Collected]) -> list[int | None]:
     return list(ranks)
 
 
+def _cycle_advice(cycles: dict[tuple[str, Any], list[str]]) -> str:
+    """What to import instead of several profiling cycles given together: each file on its own where they are one
+    process's; where several processes (the ranks of a job) each wrote as many cycles, each cycle's files together,
+    the k-th file in time of each process (its handler's time stamp), by rank."""
+    if len(cycles) < 2 or len({len(names) for names in cycles.values()}) > 1:
+        return "import each file on its own"
+    by_rank = sorted(cycles, key=lambda key: (key[1] is None, key[1] if key[1] is not None else 0, key[0]))
+    in_time = [sorted(cycles[key], key=_handler_time) for key in by_rank]
+    return (f"import each cycle's files together, one per {'rank' if by_rank[0][1] is not None else 'process'}: "
+            + "; ".join(", ".join(cycle) for cycle in zip(*in_time)))
+
+
+def _handler_time(name: str) -> int:
+    """The time stamp tensorboard_trace_handler put in a file's name (<worker>.<time>.pt.trace.json), 0 without one."""
+    match = _HANDLER_NAME.match(name)
+    return int(match.group(2)) if match else 0
+
+
 def _check_one_job(files: list[Collected]) -> None:
     """Files given together must be ranks of one job: each its own trace, same world size and backend, overlapping
     in time."""
@@ -162,7 +180,7 @@ def _check_one_job(files: list[Collected]) -> None:
         if len(names) > 1:
             raise TraceError(f"{', '.join(sorted(names))}: {len(names)} profiling cycles of one process ({worker}, "
                              "tensorboard_trace_handler's files of a schedule with repeat): not ranks of a job; "
-                             "import each file on its own")
+                             f"{_cycle_advice(cycles)}")
     first = files[0]
     info0 = first.meta.get("distributedInfo") or {}  # an object, checked by collect (dpprof.trace.numbers)
     for f in files[1:]:
@@ -188,7 +206,7 @@ _TRACE_EXTENSIONS = re.compile(r"(\.pt)?(\.trace)?\.json(\.gz)?$", re.IGNORECASE
 _RANK_TOKEN = re.compile(r"[-_.]?rank[-_.]?\d+(?=$|[-_.])", re.IGNORECASE)
 _HANDLER_SUFFIX = re.compile(r"(_\d+)?\.\d{10,}$")  # [_<pid>].<epoch ms or ns>: a worker_name given has no pid
 # tensorboard_trace_handler's file: <worker name, by default host_pid>.<epoch ms or ns>.pt.trace.json
-_HANDLER_NAME = re.compile(r"^(.+)\.\d{10,}(\.pt)?\.trace\.json(\.gz)?$")
+_HANDLER_NAME = re.compile(r"^(.+)\.(\d{10,})(\.pt)?\.trace\.json(\.gz)?$")
 LEGACY_WORKLOAD = "torch.profiler trace"  # every imported run's workload before job_name (and a nameless file's)
 
 
