@@ -673,6 +673,26 @@ def test_profiling_cycles_of_one_process_are_refused_as_ranks_with_what_they_are
     assert not reports.exists() or not any(reports.iterdir())
 
 
+def test_a_tensorboard_log_directory_names_its_runs_directories(tmp_path, reports):
+    """tensorboard_trace_handler(dir_name) writes each run's files into a directory of its own, and TensorBoard is
+    given the directory above them: dpprof import of that one said only that it held no trace files."""
+    from cpu_traces import single_process_trace
+
+    log = tmp_path / "log"
+    for run in ("resnet18", "resnet50"):
+        single_process_trace(log / run, stem=f"host_4242.{1764230400000 if run == 'resnet18' else 1764230405000}")
+    (log / "notes").mkdir()
+    with pytest.raises(TraceError, match=re.escape(
+            f"{log}: no .json or .json.gz trace files in this directory; its directories resnet18, resnet50 hold "
+            "some (a TensorBoard log directory, a directory per run): import one of them")):
+        import_traces([log], reports)
+    with pytest.raises(TraceError, match=re.escape(f"{log / 'notes'}: no .json or .json.gz trace files in this "
+                                                   "directory") + "$"):
+        import_traces([log / "notes"], reports)
+    assert not reports.exists() or not any(reports.iterdir())
+    assert import_traces([log / "resnet50"], reports).steps == 1
+
+
 def test_profiling_cycles_of_a_ddp_job_say_which_files_import_together(tmp_path, reports):
     """A DDP job profiled with a schedule with repeat: tensorboard_trace_handler writes a file per rank per cycle
     (<host>_<pid>.<time>). Refused as before, the line says which files are one cycle of the job, one per rank; it

@@ -92,13 +92,31 @@ def trace_files(sources: Iterable[str | os.PathLike[str]]) -> list[Path]:
             found = sorted(p for p in source.iterdir()
                            if p.is_file() and is_trace_name(p.name) and not is_capture_trace(p.name))
             if not found:
-                raise TraceError(f"{source}: no .json or .json.gz trace files in this directory")
+                raise TraceError(f"{source}: no .json or .json.gz trace files in this directory{_held_below(source)}")
             out += found
         elif source.is_file():
             out.append(source)
         else:  # say what is there: a FIFO, a device, a dangling symlink, or nothing
             raise TraceError(f"{source}: {why_not_regular(source) or 'no such file or directory'}")
     return out
+
+
+def _held_below(directory: Path) -> str:
+    """Where a directory with no trace files of its own has some one level down (a TensorBoard log directory: one
+    directory per run, as tensorboard_trace_handler(dir_name) writes them): "; ..." naming those directories, else ""."""
+    def holds_traces(d: Path) -> bool:
+        try:
+            return d.is_dir() and any(p.is_file() and is_trace_name(p.name) and not is_capture_trace(p.name)
+                                      for p in d.iterdir())
+        except OSError:  # a directory that cannot be read: not one to name
+            return False
+
+    below = sorted(d.name for d in directory.iterdir() if holds_traces(d))
+    if not below:
+        return ""
+    shown = ", ".join(below[:5]) + (f" and {len(below) - 5:,} more" if len(below) > 5 else "")
+    return (f"; {'its directory' if len(below) == 1 else 'its directories'} {shown} hold some (a TensorBoard log "
+            f"directory, a directory per run): import {'it' if len(below) == 1 else 'one of them'}")
 
 
 def _abs_offset_us(c: Collected) -> float:
