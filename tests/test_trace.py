@@ -332,6 +332,8 @@ BAD = {
         {"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "python"}},
         {"name": "ProfilerStep#0", "cat": "user_annotation", "ph": "i", "ts": 5, "pid": 1, "tid": 1, "s": "t"}]})),
     "execution-trace.json": _execution_trace,
+    # gzip -c of a .json.gz: it read as "gzip data in a file whose name does not end in .gz" (it does)
+    "twice.json.gz": lambda p: p.write_bytes(gzip.compress(RESNET.read_bytes())),
 }
 
 
@@ -339,6 +341,7 @@ BAD = {
     ("not-json.json", "not JSON"), ("truncated.json.gz", "truncated"), ("chrome.json", "another tool"),
     ("empty.json", "no events"), ("metadata-only.json", "no CPU ranges to make steps of (no operator or range"),
     ("execution-trace.json", "an execution trace (torch.profiler.ExecutionTraceObserver's nodes, schema '"),
+    ("twice.json.gz", "gzip data again inside its gzip data (compressed twice: gunzip it once)"),
 ])
 def test_bad_input_is_one_line_naming_the_file_exit_1_and_nothing_written(name, expected, tmp_path, reports):
     path = tmp_path / name

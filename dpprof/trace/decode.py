@@ -229,9 +229,12 @@ def _json_kind(head: bytes) -> str | None:
     return kinds.get(first) or ("a JSON number" if first and first in b"-0123456789" else None)
 
 
-def _not_an_object(head: bytes) -> str:
-    """Why a file beginning with the bytes ``head`` is no torch.profiler trace (a JSON object)."""
+def _not_an_object(head: bytes, gunzipped: bool = False) -> str:
+    """Why a file beginning with the bytes ``head`` (once gunzipped, for a file named .gz) is no torch.profiler trace
+    (a JSON object)."""
     if head[:1] == b"\x1f":
+        if gunzipped:  # gzip's magic again inside the gzip data
+            return "gzip data again inside its gzip data (compressed twice: gunzip it once)"
         return "gzip data in a file whose name does not end in .gz (name it .json.gz)"
     what = _json_kind(head)
     return f"{what}, not a torch.profiler trace (a JSON object)" if what else "not JSON (a torch.profiler trace is " \
@@ -415,7 +418,8 @@ class TraceFile:
         if first == b"[":
             raise self._error("a JSON array of events (a Chrome trace from another tool), not a torch.profiler trace")
         if first != b"{":
-            raise self._error("empty file" if first == b"" else _not_an_object(text.buf[text.pos:text.pos + 8]))
+            raise self._error("empty file" if first == b"" else _not_an_object(text.buf[text.pos:text.pos + 8],
+                                                                                 self.name.endswith(".gz")))
         text.pos += 1
         yield from self._fields(text, decode, from_dict)
         if self.span is None or self.span.last:  # else the part ended inside traceEvents
