@@ -334,6 +334,9 @@ BAD = {
     "execution-trace.json": _execution_trace,
     # gzip -c of a .json.gz: it read as "gzip data in a file whose name does not end in .gz" (it does)
     "twice.json.gz": lambda p: p.write_bytes(gzip.compress(RESNET.read_bytes())),
+    # cut inside a string: the stdlib's "Unterminated string starting at" read as cut off before its place
+    "cut-in-a-string.json": lambda p: p.write_bytes((raw := gzip.decompress(RESNET.read_bytes()))[
+        :raw.index(b'"name": "', 1 << 20) + 12]),
 }
 
 
@@ -342,6 +345,8 @@ BAD = {
     ("empty.json", "no events"), ("metadata-only.json", "no CPU ranges to make steps of (no operator or range"),
     ("execution-trace.json", "an execution trace (torch.profiler.ExecutionTraceObserver's nodes, schema '"),
     ("twice.json.gz", "gzip data again inside its gzip data (compressed twice: gunzip it once)"),
+    ("cut-in-a-string.json", "truncated or corrupt JSON after 777 events (byte 1,048,592: Unterminated string starting "
+                             "there)"),
 ])
 def test_bad_input_is_one_line_naming_the_file_exit_1_and_nothing_written(name, expected, tmp_path, reports):
     path = tmp_path / name

@@ -141,6 +141,13 @@ class _Broken(Exception):
         self.msg, self.at = msg, at
 
 
+def _said(err: Exception) -> str:
+    """What the stdlib's decoder says is wrong, to follow the byte it happened at: its message ends in " at" where
+    it names a place ("Unterminated string starting at"), which is that byte here."""
+    msg = getattr(err, "msg", "expecting a value")
+    return f"{msg[:-3]} there" if msg.endswith(" at") else msg
+
+
 @dataclass(frozen=True)
 class Span:
     """A part of a plain JSON trace's events, read on its own (``TraceFile(path, span=...)``): bytes ``start`` to
@@ -286,8 +293,7 @@ class _Buffer:
             except (json.JSONDecodeError, StopIteration) as err:
                 if self.eof or len(self.buf) - self.pos > MAX_VALUE_BYTES:
                     at = err.pos if isinstance(err, json.JSONDecodeError) else 0
-                    raise _Broken(getattr(err, "msg", "expecting a value"),
-                                  self.consumed + self.pos + _nbytes(text[:at])) from None
+                    raise _Broken(_said(err), self.consumed + self.pos + _nbytes(text[:at])) from None
                 self.more(len(self.buf) - self.pos)  # twice as much each time: a large value is decoded a few times
                 continue
             if text.isascii():
@@ -527,8 +533,7 @@ class TraceFile:
                         break
                     if text.eof or len(buf) - pos > MAX_VALUE_BYTES:
                         at_char = err.pos if isinstance(err, json.JSONDecodeError) else at
-                        raise _Broken(getattr(err, "msg", "expecting a value"),
-                                      text.consumed + pos + _nbytes(chunk[:at_char])) from None
+                        raise _Broken(_said(err), text.consumed + pos + _nbytes(chunk[:at_char])) from None
                     text.more(len(buf) - pos)  # the event runs past the buffer: read on and decode it again
                     window = max(window, len(text.buf) - text.pos)
                     break
