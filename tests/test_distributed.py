@@ -299,3 +299,93 @@ def test_a_rank_whose_step_is_mostly_its_scripts_own_code_is_told_what_dpprof_do
     (tmp_path / "quiet").mkdir()
     quiet = _ddp_steps_pausing(tmp_path / "quiet", 0.0)
     assert "unrecorded_time" not in set(run_findings(quiet).table["kind"])
+
+
+def _train_hooked(register, recorded: bool) -> tuple[list, object, list[str]]:
+    """A DDP Linear trained 3 steps in this process's gloo world after ``register(ddp)`` ran (it registers a comm hook,
+    and may run a forward first), recorded or not: its weights, the run (None unrecorded) and the hooks that ran."""
+    import contextlib
+
+    import torch
+    from torch import nn
+
+    from dpprof.instrument import instrument
+
+    ran: list[str] = []
+    torch.manual_seed(0)
+    with instrument(store=False) if recorded else contextlib.nullcontext() as run:
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(6, 3))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+        register(ddp, ran)
+        for _ in range(3):
+            ddp(torch.randn(4, 6)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return [p.detach().clone() for p in ddp.parameters()], run, ran
+
+
+def _fp16_after_an_evaluation(ddp, ran) -> None:
+    """A forward under no_grad (an evaluation before training), then torch's fp16 compression hook, counted."""
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    def counted(state, bucket):
+        ran.append("fp16")
+        return fp16_compress_hook(state, bucket)
+
+    with torch.no_grad():
+        ddp(torch.randn(2, 6))
+    ddp.register_comm_hook(None, counted)
+
+
+def test_a_comm_hook_registered_after_a_recorded_forward_runs_in_place_of_dpprofs_timed_all_reduce(tmp_path):
+    """dpprof registers its timed default all-reduce at a recorded forward; torch's reducer takes one hook, once. A
+    script that evaluates first and then registers its hook raised 'register_comm_hook or register_builtin_comm_hook
+    can only be called once' under dpprof: now the script's hook runs there, timed, and trains as without dpprof; a
+    second registration is still torch's error."""
+    import torch
+
+    with _gloo_world_of_one(tmp_path):
+        plain, _, plain_ran = _train_hooked(_fp16_after_an_evaluation, recorded=False)
+        weights, run, ran = _train_hooked(_fp16_after_an_evaluation, recorded=True)
+        assert ran == plain_ran == ["fp16"] * 3
+        assert all(torch.equal(a, b) for a, b in zip(plain, weights))
+        comms = run.frames()["comms"]
+        assert comms["step"].tolist() == [1, 2, 3] and set(comms["bucket_bytes"]) == {(6 * 3 + 3) * 4}
+
+        def twice(ddp, ran):
+            _fp16_after_an_evaluation(ddp, ran)
+            ddp.register_comm_hook(None, lambda state, bucket: None)
+
+        with pytest.raises(RuntimeError, match="can only be called once"):
+            _train_hooked(twice, recorded=True)
+
+
+def test_a_hook_torchs_constructor_registers_is_the_scripts_not_replaced_by_dpprofs(tmp_path):
+    """DDP's constructor registers a comm hook itself for parameters with optimizers in backward (and for its
+    mixed_precision): dpprof's constructor forgot it after torch's returned, and its first recorded forward raised
+    'register_comm_hook or register_builtin_comm_hook can only be called once'. Now the recorded script ends as
+    torch's does (on a machine with no accelerator, torch's own error in backward)."""
+    import contextlib
+
+    import torch
+    from torch import nn
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    from dpprof.instrument import instrument
+
+    def train(recorded: bool) -> str:
+        torch.manual_seed(0)
+        net = nn.Linear(6, 3)
+        _apply_optimizer_in_backward(torch.optim.SGD, net.parameters(), {"lr": 0.5})
+        try:
+            with instrument(store=False) if recorded else contextlib.nullcontext():
+                ddp = nn.parallel.DistributedDataParallel(net)
+                for _ in range(3):
+                    ddp(torch.randn(4, 6)).pow(2).sum().backward()
+        except RuntimeError as err:
+            return str(err)
+        return repr(net.weight.detach().flatten().tolist())
+
+    with _gloo_world_of_one(tmp_path):
+        assert train(recorded=True) == train(recorded=False)

@@ -191,6 +191,25 @@ def _timed_hook(owner: DistributedDataParallel, inner: Callable[[Any, Any], Any]
     return dpprof_comm_hook
 
 
+_DEFAULT = "default"  # _dpprof_hooked: dpprof registered torch's default all-reduce itself (the script no hook yet)
+
+
+def _default_hook(owner: DistributedDataParallel) -> Callable[[Any, Any], Any]:
+    """The hook dpprof registers (timed) where the script has none yet: torch's default all-reduce, until the script
+    registers a hook of its own (``_dpprof_chosen``), which then runs in its place: torch's reducer takes one hook."""
+
+    def chosen(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        hook_state, hook = owner.__dict__.get("_dpprof_chosen") or (state, allreduce_hook)
+        run_hook: Callable[[Any, Any], torch.futures.Future[torch.Tensor]] = hook
+        return run_hook(hook_state, bucket)
+
+    chosen.__qualname__ = allreduce_hook.__qualname__
+    timed = _timed_hook(owner, chosen)
+    timed._dpprof_inner = allreduce_hook  # type: ignore[attr-defined]  # a pickled DDP drops it, as torch's default
+    timed._dpprof_default = True  # type: ignore[attr-defined]
+    return timed
+
+
 class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     """torch.nn.parallel.DistributedDataParallel (same constructor, same behaviour), recorded per rank.
 
@@ -206,15 +225,26 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # before torch's constructor, which registers a hook itself for its mixed_precision or optimizers in backward
+        self.__dict__["_dpprof_hooked"] = False
+        self.__dict__["_dpprof_probe"] = None
         super().__init__(*args, **kwargs)
         self.__dict__["_dpprof_cuda"] = gpu_of(self.module)
-        self.__dict__["_dpprof_probe"] = None
-        self.__dict__["_dpprof_hooked"] = False
         self.__dict__["_dpprof_previous"] = None
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
-        """Register ``hook`` as torch does; dpprof times each bucket's all-reduce around it."""
+        """Register ``hook`` as torch does; dpprof times each bucket's all-reduce around it. After a recorded forward
+        made dpprof register the default all-reduce (the hook's one place in torch's reducer), ``hook`` takes its
+        place there, as torch's first registration would."""
         self._check_comm_hook(hook)
+        if self.__dict__["_dpprof_hooked"] == _DEFAULT:
+            self.__dict__["_dpprof_hooked"] = True
+            self.__dict__["_dpprof_chosen"] = (state, hook)
+            if self.logger is not None:  # what torch's register_comm_hook does, but registering
+                self.logger._set_comm_hook_name(hook.__qualname__)
+            self._comm_hooks[:] = [(_timed_hook(self, hook), state) if getattr(h, "_dpprof_default", False)
+                                   else (h, s) for h, s in self._comm_hooks]
+            return
         self.__dict__["_dpprof_hooked"] = True
         super().register_comm_hook(state, _timed_hook(self, hook))
 
@@ -224,8 +254,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             self.__dict__["_dpprof_probe"] = None  # a backward after the run must not record into it
             _latest["probe"] = None
             return super().forward(*inputs, **kwargs)
-        if not self.__dict__["_dpprof_hooked"]:
-            self.register_comm_hook(self.process_group, allreduce_hook)
+        if not self.__dict__["_dpprof_hooked"]:  # torch's default all-reduce, timed, until the script registers a hook
+            super().register_comm_hook(self.process_group, _default_hook(self))
+            self.__dict__["_dpprof_hooked"] = _DEFAULT
         _install_optimizer_hooks()
         previous: _RankProbe | None = self.__dict__["_dpprof_previous"]
         if previous is not None and previous.run is not run:
