@@ -195,7 +195,8 @@ class DistributedDataParallel(_SessionForward, _ddp.DistributedDataParallel, met
     def __getstate__(self) -> dict[str, Any]:
         """torch's DDP state: dpprof's attributes dropped, its timing hook unwrapped to the user's own."""
         state = super().__getstate__()
-        for key in ("_dpprof_cuda", "_dpprof_probe", "_dpprof_hooked", "_dpprof_previous", "_dpprof_chosen"):
+        for key in ("_dpprof_cuda", "_dpprof_probe", "_dpprof_hooked", "_dpprof_previous", "_dpprof_chosen",
+                    "_dpprof_builtin"):
             state.pop(key, None)
         hooks = []
         for hook, hook_state in state.get("_comm_hooks", []):

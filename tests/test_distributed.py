@@ -361,6 +361,30 @@ def test_a_comm_hook_registered_after_a_recorded_forward_runs_in_place_of_dpprof
             _train_hooked(twice, recorded=True)
 
 
+def _builtin_fp16(ddp, ran) -> None:
+    import torch.distributed as dist
+
+    ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+
+
+def test_a_builtin_comm_hook_trains_as_without_dpprof_its_backward_whole_and_said(tmp_path):
+    """torch's built-in (C++) hook, which dpprof cannot wrap: the script raised 'can only be called once' at its first
+    recorded forward (dpprof registered its own hook there). Now it trains as without dpprof; its backward is one part
+    (the wait for the unseen all-reduce is in it), no all-reduce rows, and the run's note says why."""
+    import torch
+
+    with _gloo_world_of_one(tmp_path):
+        plain, _, _ = _train_hooked(_builtin_fp16, recorded=False)
+        weights, run, _ = _train_hooked(_builtin_fp16, recorded=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, weights))
+    frames = run.frames()
+    assert frames["phases"].groupby("phase").size().to_dict() == {"backward": 3, "data": 2, "forward": 3,
+                                                                   "optimizer": 3}
+    assert frames["comms"].empty
+    assert any("built-in communication hook (BuiltinCommHookType.FP16_COMPRESS)" in m
+               for m in frames["notes"]["message"])
+
+
 def test_a_hook_torchs_constructor_registers_is_the_scripts_not_replaced_by_dpprofs(tmp_path):
     """DDP's constructor registers a comm hook itself for parameters with optimizers in backward (and for its
     mixed_precision): dpprof's constructor forgot it after torch's returned, and its first recorded forward raised

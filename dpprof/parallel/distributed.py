@@ -88,6 +88,7 @@ class _RankProbe:
         self.launches: list[int] = []
         self.last_launch_event: torch.cuda.Event | None = None
         self.completions: list[int] = []
+        self.split_backward = True  # False under torch's built-in (C++) hook: no all-reduce is seen, none waited for
         self.lock = threading.Lock()
 
     def event(self) -> torch.cuda.Event | None:
@@ -156,6 +157,10 @@ class _RankProbe:
             self.backward_t0 = self.graph_end_ns = self.backward_ev0 = self.last_launch_event = None
             self.launches, self.completions = [], []
         ev_end = self.event()
+        if not self.split_backward:  # its wait for the all-reduces is in it, unseen: backward whole, no compute of it
+            self.phase_done("backward", t0, end, ev0, ev_end)
+            self.read_allocator("backward")
+            return
         if launch_event is None:  # no all-reduce launched: backward's compute ends with it
             launch_event = ev_end
         self.phase_done("backward", t0, end, ev0, ev_end)
@@ -248,6 +253,18 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self.__dict__["_dpprof_hooked"] = True
         super().register_comm_hook(state, _timed_hook(self, hook))
 
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        """torch's C++ hook (``dist.BuiltinCommHookType``), which dpprof cannot wrap: registered as torch does, its
+        buckets untimed (the run says so). After dpprof registered the default all-reduce, torch's error for a second
+        hook."""
+        if self.__dict__["_dpprof_hooked"] == _DEFAULT:
+            raise RuntimeError(f"dpprof cannot register the built-in communication hook {comm_hook_type} after a "
+                               "recorded forward: register it before the first forward (or use register_comm_hook "
+                               "with torch.distributed.algorithms.ddp_comm_hooks.default_hooks)")
+        self.__dict__["_dpprof_hooked"] = True
+        self.__dict__["_dpprof_builtin"] = str(comm_hook_type)
+        super()._register_builtin_comm_hook(comm_hook_type)
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         run = current_run()
         if run is None:
@@ -266,6 +283,12 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self.__dict__["_dpprof_probe"] = probe
         self.__dict__["_dpprof_previous"] = probe
         _latest["probe"] = probe
+        builtin = self.__dict__.get("_dpprof_builtin")
+        if builtin is not None:
+            run.note("dpprof", f"a DistributedDataParallel's built-in communication hook ({builtin}) runs in C++, "
+                     "where dpprof cannot time it: its gradient all-reduces are not recorded and its backward is not "
+                     "split into compute and the wait for them", tell=False)
+            probe.split_backward = False
         ev0 = probe.event()
         t0 = time.perf_counter_ns()
         if probe.previous_end_ns is not None:
