@@ -1043,6 +1043,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train under torchrun with FSDP2 (fully_shard on each top-level child module and the root), "
                         "--nproc ranks (gloo on CPU, NCCL on GPUs), each rank recorded")
     p.add_argument("--nproc", type=int, default=None, metavar="N", help="with --ddp or --fsdp: ranks to start (default: 2)")
+    p.add_argument("--bucket-cap-mb", type=float, default=None, metavar="MB",
+                   help="with --ddp: DDP's bucket_cap_mb, the gradient bucket size (default: torch's 25)")
     p.add_argument("--detail", choices=["bounded", "all"], default="bounded",
                    help="bounded (default): every step's time and per-block aggregates, full detail for the first and "
                    "last 1,000 steps, one step in 100 and outliers, so a day-long run stays small; all: every record")

@@ -150,6 +150,7 @@ class Profile:
         ddp: under torchrun with dpprof.DistributedDataParallel, ``nproc`` ranks.
         fsdp: under torchrun with FSDP2 (``fully_shard`` on each top-level child module and the root, recorded by
             dpprof.parallel.fsdp), ``nproc`` ranks.
+        bucket_cap_mb: under ``ddp``, DDP's bucket_cap_mb (None: torch's 25).
         detail: "bounded" or "all" (dpprof.record's detail).
         name: the run's name (None: the workload's).
         run_id: the run's id, chosen before the start (with_run_id); None: chosen by the recording.
@@ -169,6 +170,7 @@ class Profile:
     ddp: bool = False
     fsdp: bool = False
     nproc: int = DEFAULT_NPROC
+    bucket_cap_mb: float | None = None
     detail: str = "bounded"
     name: str | None = None
     run_id: str | None = None
@@ -202,6 +204,10 @@ class Profile:
             raise ProfileError(f"--nproc must be positive, got {self.nproc}")
         if not self.distributed and self.nproc != DEFAULT_NPROC:
             raise ProfileError(_NPROC_ALONE.format(self.nproc))
+        if self.bucket_cap_mb is not None and not self.ddp:
+            raise ProfileError("--bucket-cap-mb is DDP's gradient bucket size: give it with --ddp")
+        if self.bucket_cap_mb is not None and not (0 < self.bucket_cap_mb < float("inf")):
+            raise ProfileError(f"--bucket-cap-mb must be a positive number of MB, got {self.bucket_cap_mb:g}")
         if self.model and not self.input_shape:
             raise ProfileError("--model needs --input-shape (the shape of one sample, e.g. 3,224,224)")
         if self.input_shape is not None and not self.model:  # a built-in makes its own inputs: never dropped unsaid
@@ -261,7 +267,8 @@ class Profile:
         return cls(workload=args.workload, model=args.model, input_shape=tuple(shape) if shape else None,
                    devices=args.devices, batch_size=args.batch_size, steps=args.steps, balanced=args.balanced,
                    ddp=args.ddp, fsdp=getattr(args, "fsdp", False),
-                   nproc=DEFAULT_NPROC if args.nproc is None else args.nproc, detail=args.detail,
+                   nproc=DEFAULT_NPROC if args.nproc is None else args.nproc,
+                   bucket_cap_mb=getattr(args, "bucket_cap_mb", None), detail=args.detail,
                    name=args.name, run_id=args.run_id, reports_dir=args.reports_dir, capture=args.capture)
 
     # -- as words ----------------------------------------------------------------------------------
@@ -280,6 +287,8 @@ class Profile:
             out.append("--fsdp")
         if self.distributed:
             out += ["--nproc", str(self.nproc)]
+        if self.bucket_cap_mb is not None:
+            out += ["--bucket-cap-mb", repr(float(self.bucket_cap_mb))]  # repr: the float itself, back from argv
         if self.devices is not None:
             out += _option("--devices", self.devices)
         if self.batch_size is not None:
@@ -409,7 +418,7 @@ class Profile:
                "--device", "cuda" if on_gpus else "cpu", "--detail", self.detail, *(["--fsdp"] if self.fsdp else [])]
         for flag, value in (("--batch-size", self.batch_size), ("--name", self.name),
                             ("--reports-dir", self.reports_dir), ("--run-id", self.run_id),
-                            ("--capture", self.capture)):
+                            ("--capture", self.capture), ("--bucket-cap-mb", self.bucket_cap_mb)):
             if value is not None:
                 cmd += [flag, str(value)]
         return cmd
