@@ -217,6 +217,25 @@ def test_idle_devices_when_the_batch_is_smaller_than_the_devices():
     assert "idle_devices" not in found.index or found.loc["idle_devices", "severity"] == checked.severity == "critical"
 
 
+def test_a_device_idle_in_some_steps_only_is_said_with_what_it_costs():
+    # batches of 4 and 6 in turn on 3 workers: torch.chunk gives 2, 2 (cpu:2 idle) and 2, 2, 2; no device is idle in
+    # every step, and no step's chunks differ, yet every other step waits 4 ms on a third of its samples' devices
+    run = _record(_PerSample(), lambda i: (torch.randn(6 if i % 2 == 0 else 4, 5),), workers=3, steps=8)
+    assert run.model.idle == ()
+    _, idle_ms, median = _split_cost_of_records(run)  # a third of a 4 ms apply in half the steps: about 0.7 ms
+    assert worth_time(idle_ms, median)
+    findings = findings_of(run).set_index("kind")
+    assert "uneven_chunks" not in findings.index
+    idle = findings.loc["idle_devices"]
+    assert idle["device"] == "cpu:2" and "cpu:2 in 4 of 7" in idle["evidence"]
+    assert "step 1: chunks [2, 2] on 3 devices" in idle["evidence"]
+    assert f"leaving them idle costs {idle_ms:.2f} ms a step" in idle["evidence"]
+    assert (idle["value"], idle["unit"]) == (pytest.approx(idle_ms / median), "share")
+    # the check's grade of the split that leaves it idle (1 of 3: a warning), critical from a quarter of the step
+    [checked] = [f for f in dpprof.check_balance(dpprof.cpu_devices(3), 4) if f.kind == "idle_devices"]
+    assert idle["severity"] == ("critical" if idle_ms >= CRITICAL_STEP_SHARE * median else checked.severity)
+
+
 def _timing_rules(run):
     """The timing findings whose documented rule holds on the run's records, computed here from the tables
     (the first step left out, as every rule does; each cost above the floors of dpprof.findings.floors)."""

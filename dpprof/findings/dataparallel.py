@@ -339,7 +339,39 @@ def uneven_chunks(t: Tables) -> list[dict]:
                                 f"{cost_text(cost.idle_ms, later)} ({costs:.0%} of the {MEDIAN_STEP})",
                                 "The batch is smaller than the number of devices times the chunk torch.chunk makes; "
                                 "raise the batch size or use fewer devices.", costs, "share"))
+    elif not idle and worth_time(cost.idle_ms, step_ms):
+        findings += _idle_in_some_steps(t, chunked, cost, waited)
     return findings
+
+
+def _idle_in_some_steps(t: Tables, chunked: pd.DataFrame, cost: SplitCost, waited: str) -> list[dict]:
+    """The idle_devices finding of devices that got no chunk in some steps past the first only (a batch of 4 on 3
+    devices splits 2, 2 and leaves the third idle in those steps, a batch of 6 gives it 2): what split_cost counts
+    of those steps, said as the devices and steps it comes from."""
+    later = chunked[chunked["step"] != t.first_step]
+    given = later.groupby("step")["device"].agg(set)
+    short = {d: int(sum(d not in s for s in given)) for d in t.model.devices}
+    short = {d: k for d, k in short.items() if k}
+    if not short:
+        return []
+    n, step_ms = len(t.model.devices), t.median_step_ms
+    most_idle = max(n - len(s) for s in given)
+    step = next(s for s, got in given.items() if len(got) < n)
+    order = {d: i for i, d in enumerate(t.model.devices)}
+    first_call = later[later["step"] == step]["call"].min()
+    sizes = [int(c) for c in later[(later["step"] == step) & (later["call"] == first_call)]
+             .sort_values("device", key=lambda s: s.map(order))["chunk_size"]]
+    costs = cost.idle_ms / step_ms
+    which = ", ".join(f"{d} in {k} of {len(given)}" for d, k in short.items())
+    return [finding("idle_devices", critical_or(idle_severity(most_idle, n), cost.idle_ms, step_ms), next(iter(short)),
+                    f"{len(short)} device(s) got no chunk in some steps, costing {costs:.0%} of the step",
+                    f"steps past the first in which a device did no work: {which}; e.g. step {step}: chunks {sizes} "
+                    f"on {n} devices; {waited}, and spreading each step's batch over all {n} would take "
+                    f"{cost.idle:.0%} off it on average: leaving them idle {cost_text(cost.idle_ms, t.later_step_count)} "
+                    f"({costs:.0%} of the {MEDIAN_STEP})",
+                    f"torch.chunk gives every device ceil(batch / {n}) samples until the batch runs out, so some "
+                    f"batch sizes leave devices with nothing; use batch sizes that {n} divides evenly (dpprof check "
+                    "--batch-size N shows the split), or drop the short batches (drop_last=True).", costs, "share")]
 
 
 def backward_share(t: Tables) -> list[dict]:
