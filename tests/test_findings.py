@@ -292,6 +292,20 @@ def test_no_findings_from_fewer_steps_than_they_need():
     assert found.scope.startswith(f"no findings from {FINDINGS_MIN_STEPS - 1} steps")
 
 
+def test_the_headline_of_a_run_too_short_for_findings_gives_no_reason_the_rule_never_weighed():
+    # 63 x 50,000 logits gathered on cpu:0: 12.0 MiB more than cpu:1, over the memory-skew thresholds; in 2 steps the
+    # rule never runs, and the headline says that, not that the output device holds under 1.25x or 2 MiB more
+    from dpprof.views.overview import glance
+    run = _record(nn.Linear(16, 50_000), lambda i: (torch.randn(63, 16),), workers=2, steps=FINDINGS_MIN_STEPS - 1)
+    peaks = run.memory.groupby(["device", "step"])[["gathered_bytes"]].sum().groupby("device").max()
+    assert peaks.loc["cpu:0", "gathered_bytes"] == 63 * 50_000 * 4
+    said = glance(run)
+    assert not said.memory_uneven and said.heaviest == "cpu:0"
+    [memory] = [s for s in said.sentences if s.startswith("Memory:")]
+    assert "no memory skew" not in memory and "holds under" not in memory
+    assert f"no memory verdict: no findings from {FINDINGS_MIN_STEPS - 1} steps" in memory
+
+
 def test_gpu_findings_from_nvml_samples(fake_gpus):
     fake_gpus([fake_pynvml.gpu("00000000:1A:00.0", util=95, throttle=0x40),
                fake_pynvml.gpu("00000000:3B:00.0", util=20)])

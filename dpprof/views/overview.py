@@ -182,7 +182,9 @@ def glance(run: StoredRun, stats: dict[str, Any] | None = None, found: Findings 
             said = (f"Memory: {mib(peaks.min())} to {mib(peaks.max())} per {model.unit} ({heaviest} the fullest, "
                     f"{memory_ratio:.2f}x {lightest})")
         if not len(skew):
-            if model.dataparallel:  # the memory-skew rule, as it was made (other kinds have no such rule to miss)
+            if model.dataparallel and found.withheld:  # the rule never ran: its figures may be over its thresholds
+                said += f"; no memory verdict: {found.scope}"
+            elif model.dataparallel:  # the memory-skew rule, as it was made (other kinds have no such rule to miss)
                 said += (f"; no memory skew: the output device (the fullest where nothing is gathered) holds under "
                          f"{MEMORY_SKEW_RATIO:.2f}x the others' average, or under {mib(MEMORY_FLOOR_BYTES)} more")
             sentences.append(said + ".")
