@@ -282,6 +282,21 @@ def test_stalled_steps_are_named_in_an_outlier_finding():
     assert int(listed[0][1]) >= 900 and int(listed[1][1]) >= 600
     assert re.match(r"\d+ of 13 steps took over 2x the median step", outliers["title"])
     assert "another process" in outliers["advice"]
+    assert "bigger batch" not in outliers["evidence"]  # every step had 8 samples
+
+
+def test_steps_slow_from_their_own_bigger_batch_are_not_called_stalls_from_outside():
+    # dynamic shapes: steps 4 and 8 carry 60 samples, the others 4 (2 ms a sample on each worker's chunk): 60 ms of
+    # apply against 4 ms, the model's own work, which the rule sees as outliers
+    run = _record(_PerSample(), lambda i: (torch.randn(60 if i in (4, 8) else 4, 5),), workers=2, steps=10)
+    outliers = findings_of(run).set_index("kind").loc["outlier_steps"]
+    listed = [int(s) for s, _ in re.findall(r"(\d+) \((\d+) ms\)", outliers["evidence"])]
+    assert {4, 8} <= set(listed)
+    assert "bigger batch than the median step's 4 samples" in outliers["evidence"]
+    assert "4 (60 samples)" in outliers["evidence"] and "8 (60 samples)" in outliers["evidence"]
+    assert "more samples to work on" in outliers["advice"]
+    # another step over 2x the median on a loaded machine would be a stall, said as one beside them
+    assert ("another process" in outliers["advice"]) == (set(listed) != {4, 8})
 
 
 def test_no_findings_from_fewer_steps_than_they_need():

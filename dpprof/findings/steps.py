@@ -74,13 +74,35 @@ def outlier_steps(t: Tables) -> list[dict]:
     median, excess, share, worst = found.median_ms, found.excess_ms, found.share, found.slow_ms
     listed = ", ".join(f"{s} ({ms:.0f} ms)" for s, ms in worst.head(OUTLIER_STEPS_LISTED).items())
     more = f" and {len(worst) - OUTLIER_STEPS_LISTED} more" if len(worst) > OUTLIER_STEPS_LISTED else ""
+    outside = ("Steps that stall like this come from outside the model: another process on the same cores or GPU "
+               "(another run started alongside), data loading, swapping or garbage collection. Check what else ran "
+               "at those steps; the per-device findings of such a run are less certain.")
+    bigger, median_batch = _bigger_batches(t, worst.index)
+    advice, batches = outside, ""
+    if bigger:  # the step's own work grew with its batch (dynamic shapes): no stall from outside
+        listed_big = ", ".join(f"{s} ({b:,} samples)" for s, b in list(bigger.items())[:OUTLIER_STEPS_LISTED])
+        batches = (f"; {len(bigger)} of them had a bigger batch than the median step's {median_batch:,g} samples: steps "
+                   f"{listed_big}")
+        advice = (f"{'These steps' if len(bigger) == len(worst) else 'The steps with bigger batches'} took longer "
+                  "because they had more samples to work on (batches of varying size, dynamic shapes), not from a "
+                  "stall: their time follows their batch. Bucket batches by size or pad to fixed shapes for steady "
+                  "steps" + ("." if len(bigger) == len(worst) else f". For the others: {outside}"))
     return [finding("outlier_steps", found.severity, None,
                     f"{len(worst)} of {found.steps} steps took over {OUTLIER_STEP_RATIO:g}x the median step",
                     f"{MEDIAN_STEP} {median:.2f} ms; steps {listed}{more}; {excess / 1e3:.2f} s beyond the median, "
-                    f"{share:.0%} of the run's step time past the first",
-                    "Steps that stall like this come from outside the model: another process on the same cores or "
-                    "GPU (another run started alongside), data loading, swapping or garbage collection. Check what "
-                    "else ran at those steps; the per-device findings of such a run are less certain.", share, "share")]
+                    f"{share:.0%} of the run's step time past the first{batches}", advice, share, "share")]
+
+
+def _bigger_batches(t: Tables, steps: pd.Index) -> tuple[dict[int, int], float]:
+    """Of ``steps``, those whose batch (a step's largest recorded batch_size) is bigger than the median batch of the
+    steps past the first, step -> batch, and that median; none where the run records no batch sizes."""
+    if "batch_size" not in t.every_step:
+        return {}, 0.0
+    batch = pd.to_numeric(t.every_step.groupby("step")["batch_size"].max(), errors="coerce").sort_index().iloc[1:]
+    if batch.isna().all():
+        return {}, 0.0
+    median = float(batch.median())
+    return {int(s): int(batch[s]) for s in steps if s in batch.index and batch[s] > median}, median
 
 
 def rest_of_steps(t: Tables) -> pd.DataFrame:
