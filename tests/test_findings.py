@@ -18,6 +18,7 @@ from dpprof.findings import (BACKWARD_SHARE_INFO, CRITICAL_STEP_SHARE, DP_TAX_WA
                              STRAGGLER_CONSISTENCY, STRAGGLER_RATIO_CPU, findings_from, imbalance, run_findings,
                              tables_of, worth_time)
 from dpprof.findings.base import per_step
+from dpprof.findings.dataparallel import split_cost
 from dpprof.views.export import run_zip
 from dpprof.workloads import SortedGRU, build_workload, train
 from recorded import record_straggler
@@ -234,6 +235,30 @@ def test_a_device_idle_in_some_steps_only_is_said_with_what_it_costs():
     # the check's grade of the split that leaves it idle (1 of 3: a warning), critical from a quarter of the step
     [checked] = [f for f in dpprof.check_balance(dpprof.cpu_devices(3), 4) if f.kind == "idle_devices"]
     assert idle["severity"] == ("critical" if idle_ms >= CRITICAL_STEP_SHARE * median else checked.severity)
+
+
+def test_the_host_an_output_is_gathered_onto_is_no_device_of_the_split():
+    # output_device=-1 gathers onto the host, which the run lists as a fourth device "cpu"; the batch is split over
+    # the 3 workers: 10 -> 4, 4, 2, and 9 -> 3, 3, 3 leaves none of them idle
+    def record(batch):
+        net = dpprof.DataParallel(_PerSample(), device_ids=dpprof.cpu_devices(3), output_device=-1)
+        with dpprof.record(name="host-output") as run:
+            for _ in range(6):
+                with run.step():
+                    net(torch.randn(batch, 5)).pow(2).mean().backward()
+        return dpprof.load_run(run.path)
+
+    even = record(9)
+    assert even.model.devices == ("cpu:0", "cpu:1", "cpu:2", "cpu") and even.model.spread == even.model.devices[:3]
+    assert split_cost(tables_of(even)).idle == 0.0
+    assert not {"idle_devices", "uneven_chunks"} & set(findings_of(even)["kind"])
+    uneven = record(10)
+    cost = split_cost(tables_of(uneven))
+    assert cost.idle == 0.0 and cost.uneven == pytest.approx(1 / 6)
+    findings = findings_of(uneven).set_index("kind")
+    assert "idle_devices" not in findings.index
+    if "uneven_chunks" in findings.index:  # the floors, as every finding's
+        assert "use a batch size that 3 divides evenly" in findings.loc["uneven_chunks", "advice"]
 
 
 def _timing_rules(run):

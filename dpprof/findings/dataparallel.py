@@ -271,7 +271,8 @@ class SplitCost:
 def split_cost(t: Tables) -> SplitCost | None:
     """What uneven chunks and idle devices cost each step past the first: the apply of a device with the step's
     biggest chunk (chunks of every forward call that scattered a batch summed) times records.split_shares of the
-    step's chunks over the run's devices; None where no step past the first has both chunks and apply times."""
+    step's chunks over the devices the run spreads its batch over (RunModel.spread: not the host an output_device -1
+    gathers onto); None where no step past the first has both chunks and apply times."""
     chunked = t.memory.dropna(subset=["chunk_size"])
     chunks = chunked[chunked["step"] != t.first_step].groupby(["step", "device"])["chunk_size"].sum().unstack("device")
     apply = per_step(t, ["apply"])
@@ -281,7 +282,7 @@ def split_cost(t: Tables) -> SplitCost | None:
     chunks, apply = chunks.loc[steps], apply.loc[steps]
     biggest = chunks.eq(chunks.max(axis=1), axis=0).reindex(columns=apply.columns, fill_value=False)
     waited_ms = apply.where(biggest).max(axis=1)
-    n = len(t.model.devices)
+    n = len(t.model.spread)
     # split_shares once per distinct split (a run has one or two), not once per step: 2,000 steps took 0.1 s at close
     filled = chunks.fillna(0.0)
     devices = list(filled.columns)
@@ -305,7 +306,7 @@ def uneven_chunks(t: Tables) -> list[dict]:
     if chunked.empty or cost is None:
         return []
     findings = []
-    n, later = len(t.model.devices), t.later_step_count
+    n, later = len(t.model.spread), t.later_step_count
     waited = (f"a device with the biggest chunk applies {cost.apply_ms:.2f} ms a step past the first, which every "
               "step waits for")
     calls = chunked.groupby(["step", "call"])["chunk_size"].agg(["min", "max"])
@@ -350,11 +351,11 @@ def _idle_in_some_steps(t: Tables, chunked: pd.DataFrame, cost: SplitCost, waite
     of those steps, said as the devices and steps it comes from."""
     later = chunked[chunked["step"] != t.first_step]
     given = later.groupby("step")["device"].agg(set)
-    short = {d: int(sum(d not in s for s in given)) for d in t.model.devices}
+    short = {d: int(sum(d not in s for s in given)) for d in t.model.spread}
     short = {d: k for d, k in short.items() if k}
     if not short:
         return []
-    n, step_ms = len(t.model.devices), t.median_step_ms
+    n, step_ms = len(t.model.spread), t.median_step_ms
     most_idle = max(n - len(s) for s in given)
     step = next(s for s, got in given.items() if len(got) < n)
     order = {d: i for i, d in enumerate(t.model.devices)}
@@ -384,7 +385,7 @@ def backward_share(t: Tables) -> list[dict]:
     if share < BACKWARD_SHARE_INFO or not worth_time(backward_ms, float(steps.mean())):
         return []
     device = backward["device"].iloc[0]
-    working = len([d for d in t.model.devices if d not in t.model.idle])
+    working = len([d for d in t.model.spread if d not in t.model.idle])
     summed = (f"; it includes summing every replica's gradients onto {device}" if working > 1 else
               f" (one device: no replica's gradients to sum onto {device})")
     return [finding("backward_share", "info", device, f"backward takes {share:.0%} of the step",
