@@ -19,6 +19,7 @@ from dpprof.findings import (BACKWARD_SHARE_INFO, CRITICAL_STEP_SHARE, DP_TAX_WA
                              tables_of, worth_time)
 from dpprof.findings.base import per_step
 from dpprof.findings.dataparallel import split_cost
+from dpprof.records import MEMORY_BYTES
 from dpprof.views.export import run_zip
 from dpprof.workloads import SortedGRU, build_workload, train
 from recorded import record_straggler
@@ -259,6 +260,27 @@ def test_the_host_an_output_is_gathered_onto_is_no_device_of_the_split():
     assert "idle_devices" not in findings.index
     if "uneven_chunks" in findings.index:  # the floors, as every finding's
         assert "use a batch size that 3 divides evenly" in findings.loc["uneven_chunks", "advice"]
+
+
+def test_outputs_gathered_onto_the_host_are_no_memory_skew_of_the_devices():
+    # output_device=-1, as torch's users move the gather off GPU 0: 60 x 50,000 logits (11.4 MiB) land on the host,
+    # each worker holds 1 MiB of weights and its 20 x 50,000 outputs; the workers are even
+    from dpprof.views.overview import glance
+    net = dpprof.DataParallel(nn.Linear(4, 50_000), device_ids=dpprof.cpu_devices(3), output_device=-1)
+    with dpprof.record(name="host-output") as run:
+        for _ in range(4):
+            with run.step():
+                net(torch.randn(60, 4)).pow(2).mean().backward()
+    run = dpprof.load_run(run.path)
+    held = run.memory.assign(held=run.memory[list(MEMORY_BYTES)].sum(axis=1)).groupby(["device", "step"])["held"]
+    peaks = held.sum().groupby("device").max()
+    assert peaks["cpu"] == 60 * 50_000 * 4 and peaks["cpu"] > 2 * peaks["cpu:0"]  # what the rule compared before
+    assert peaks["cpu:0"] == peaks["cpu:1"] == peaks["cpu:2"]
+    assert "memory_skew" not in set(findings_of(run)["kind"])
+    said = glance(run)
+    assert not said.memory_uneven and said.memory_ratio == 1.0
+    [memory] = [s for s in said.sentences if s.startswith("Memory:")]
+    assert "on each device" in memory and "the host (output_device -1) holds the gathered outputs: 11.4 MiB" in memory
 
 
 def _timing_rules(run):

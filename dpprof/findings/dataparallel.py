@@ -186,7 +186,11 @@ def _held(memory: pd.DataFrame) -> pd.DataFrame:
 
 
 def memory_skew(t: Tables) -> list[dict]:
-    memory, allocator = t.memory, t.allocator
+    """The output device's memory over the others' (the fullest's where nothing is gathered onto one of them), among
+    the devices the batch is spread over: outputs gathered onto the host (output_device -1) are off them, as the user
+    chose, and the host's memory is no device's to compare."""
+    spread = list(t.model.spread)
+    memory, allocator = t.memory[t.memory["device"].isin(spread)], t.allocator[t.allocator["device"].isin(spread)]
     if memory.empty or memory["device"].nunique() < 2:
         return []
     per = _held(memory)

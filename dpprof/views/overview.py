@@ -12,6 +12,7 @@ from dpprof.findings.ddp import bucket_counts, collective_busy, later_collective
 from dpprof.findings.collectives import match_collectives, wait_heatmap
 from dpprof.findings.dataparallel import MEMORY_SKEW_RATIO
 from dpprof.findings.floors import MEMORY_FLOOR_BYTES
+from dpprof.records import HOST_OUTPUT
 from dpprof.store import queries
 from dpprof.store.collective_rows import rank_collectives
 from dpprof.store.model import RunModel
@@ -162,8 +163,11 @@ def glance(run: StoredRun, stats: dict[str, Any] | None = None, found: Findings 
     heaviest = lightest = None
     memory_ratio = None
     memory_uneven = False
-    peaks = by_device.loc[~by_device["idle"], "peak_bytes"].dropna()
+    # the devices the batch is spread over, as the memory-skew rule weighs them: not the host an output_device -1
+    # gathers onto, whose bytes are said beside them
+    peaks = by_device.loc[~by_device["idle"] & by_device.index.isin(model.spread), "peak_bytes"].dropna()
     peaks = peaks[peaks > 0]
+    host = by_device["peak_bytes"].get(HOST_OUTPUT)
     # the memory-skew finding is the one verdict on memory: the headline marks its device with its figures, or says
     # why no device is marked; the fullest and the emptiest are facts beside it
     skew = found.table[found.table["kind"] == "memory_skew"]
@@ -187,6 +191,8 @@ def glance(run: StoredRun, stats: dict[str, Any] | None = None, found: Findings 
             elif model.dataparallel:  # the memory-skew rule, as it was made (other kinds have no such rule to miss)
                 said += (f"; no memory skew: the output device (the fullest where nothing is gathered) holds under "
                          f"{MEMORY_SKEW_RATIO:.2f}x the others' average, or under {mib(MEMORY_FLOOR_BYTES)} more")
+            if host is not None and pd.notna(host):
+                said += f"; the host (output_device -1) holds the gathered outputs: {mib(host)}"
             sentences.append(said + ".")
     elif not has_memory and model.missing.get("memory") and model.kind != "empty":
         sentences.append((model.missing.get("allocator") if model.imported else None) or model.missing["memory"])
