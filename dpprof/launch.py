@@ -110,7 +110,8 @@ def parse_devices(text: str) -> list:
 
 def check_input_shape(workload: object, spec: str, shape: Sequence[int]) -> None:
     """One forward pass of the user's model on a batch of two samples of ``shape``, before any run is created:
-    a model that cannot take the shape is a ProfileError, said in one line."""
+    a model that cannot take the shape is a ProfileError, said in one line with what it was given (--model's inputs
+    are one tensor: a forward of several arguments, or of a dict, fails on it)."""
     from dpprof.workloads import random_inputs, token_count
 
     model = workload.model  # type: ignore[attr-defined]
@@ -124,7 +125,8 @@ def check_input_shape(workload: object, spec: str, shape: Sequence[int]) -> None
         loss.backward()  # an output that needs no gradient fails here, not in the run
     except Exception as err:  # noqa: BLE001 - whatever the model raises: the message is what the user needs
         raise ProfileError(f"--model {spec} fails on --input-shape {','.join(map(str, shape))} "
-                           f"(a batch of 2, one training step): {error_line(err)}") from None
+                           f"(a batch of 2, one tensor of shape {tuple([2, *shape])} as its forward's only argument, "
+                           f"one training step): {error_line(err)}") from None
     finally:
         model.train(training)
         model.zero_grad(set_to_none=True)  # the check's gradients are not the run's

@@ -192,13 +192,45 @@ def integer_out():
 
 def batchnorm():
     return nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+
+
+class _Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x, mask):
+        return self.lin(x) * mask
+
+
+class _Dict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, batch):
+        return self.lin(batch["image"])
+
+
+def two_inputs():
+    return _Pair()
+
+
+def dict_input():
+    return _Dict()
 """
 
 
 @pytest.mark.parametrize("factory, says", [("needs_args", "needs_args() failed: TypeError"),
                                            ("raises", "raises() failed: RuntimeError: no weights file here"),
                                            ("frozen", "has no parameter that takes a gradient"),
-                                           ("integer_out", "(a batch of 2, one training step): RuntimeError"),
+                                           ("integer_out", "(a batch of 2, one tensor of shape (2, 4) as its "
+                                            "forward's only argument, one training step): RuntimeError"),
+                                           # what it was given beside torch's words, which name neither
+                                           ("two_inputs", "one tensor of shape (2, 4) as its forward's only argument, "
+                                            "one training step): TypeError: _Pair.forward() missing 1 required"),
+                                           ("dict_input", "one tensor of shape (2, 4) as its forward's only argument, "
+                                            "one training step): "),
                                            ("missing", "cannot load model factory 'failing:missing': AttributeError")])
 def test_a_model_that_cannot_train_is_refused_in_one_line_before_any_run(factory, says, tmp_path, monkeypatch, capsys):
     (tmp_path / "failing.py").write_text(_FAILING)
