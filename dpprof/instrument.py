@@ -292,6 +292,7 @@ class _Session:
         self.failed_builds: list[str] = []  # what the script's constructors raised in (DataParallel, fully_shard)
         self.started_processes: list[str] = []  # what each process the script started runs (DataLoader workers not)
         self.optimizer_seen = False
+        self.optimizer_steps = 0  # optimizer.step() calls seen by the hook (a GradScaler's skipped step is not one)
         self.backward_seen = False
         self.backwards = 0  # backward passes through a recorded forward's output
         self.told = False
@@ -315,6 +316,7 @@ class _Session:
             self._fsdp_waiting = WhenImported(_FSDP_MODULE, self._patch_fsdp)
             sys.meta_path.insert(0, self._fsdp_waiting)
         self._hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+        self._patch_grad_scaler()
         self._patch_process_start()
         self._patch_hard_exit()
 
@@ -334,6 +336,25 @@ class _Session:
 
         self._patched.append((os, "_exit", original))
         os._exit = _exit
+
+    def _patch_grad_scaler(self) -> None:
+        """GradScaler.step, ending the step where it skips optimizer.step() (inf or NaN gradients: mixed precision's
+        first iterations, while the scale is too high), as the optimizer's step would have: else each skipped
+        iteration joined the next as if it were gradient accumulation. torch.cuda.amp's and FSDP's scalers inherit it."""
+        from torch.amp.grad_scaler import GradScaler
+
+        original = GradScaler.step
+
+        @functools.wraps(original)
+        def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            before = self.optimizer_steps
+            result = original(scaler, optimizer, *args, **kwargs)
+            if self.optimizer_steps == before:  # skipped: no optimizer step hook ran
+                self._on_optimizer_step(optimizer, args, kwargs)
+            return result
+
+        self._patched.append((GradScaler, "step", original))
+        GradScaler.step = step  # type: ignore[method-assign]
 
     def _patch_process_start(self) -> None:
         """multiprocessing's Process.start, counting the processes the script starts, then starting each as before."""
@@ -527,6 +548,7 @@ class _Session:
         return module_id is not None and step.opened_by is not None and module_id != step.opened_by
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.optimizer_steps += 1
         run = self.run
         if run is None or self.stopped:
             return

@@ -668,3 +668,29 @@ def test_a_script_with_no_optimizer_says_its_steps_could_not_be_told_apart():
     frames = run.frames()
     assert len(frames["steps"]) == 1 and frames["steps"]["forward_calls"].tolist() == [4]
     assert NO_OPTIMIZER_NOTE.format(4) in frames["notes"]["message"].tolist()
+
+
+@needs_no_gpu
+def test_an_iteration_a_grad_scaler_skips_is_a_step_of_its_own():
+    """Mixed precision with a GradScaler whose scale is too high: scaler.step() finds inf gradients and skips
+    optimizer.step(), which ended the steps. Each skipped iteration joined the next as if accumulated (8 iterations
+    were one step of 8 forward calls, batch 256); now every scaler.step() ends its iteration's step, and the one that
+    does step the optimizer ends it once."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
+    skipped = []
+    with instrument(store=False, cpu_workers=2) as run:
+        net = nn.DataParallel(model)
+        for i in range(6):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(net(torch.randn(32, 16)).float(), torch.randint(0, 4, (32,)))
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            skipped.append(sum(v.item() for v in scaler._found_inf_per_device(opt).values()) > 0)
+            scaler.update(2.0 ** 40 if i < 3 else 1.0)  # four skipped steps, then two taken
+    assert skipped == [True] * 4 + [False] * 2
+    steps = run.frames()["steps"]
+    assert steps["forward_calls"].tolist() == [1] * 6 and steps["batch_size"].tolist() == [32] * 6
