@@ -10,8 +10,8 @@ checkpoint loads without dpprof.
 
 A training step ends at each ``optimizer.step()`` (torch's global optimizer step hook), so the
 forward calls of gradient accumulation share a step; a forward under no_grad, or with neither a
-backward nor an optimizer step before it (evaluation), starts a step of its own, which a forward with grad of
-another model then joins (a distillation's teacher, then its student).
+backward nor an optimizer step before it (evaluation) nor another model's output among its inputs, starts a step of
+its own, which a forward with grad of another model then joins (a distillation's teacher, then its student).
 ``dpprof run script.py`` is this around ``runpy``.
 """
 from __future__ import annotations
@@ -130,8 +130,11 @@ class _SessionForward:
         session = _session
         if session is None or on_worker_thread():  # none, or inside a replica: the outer call's step
             return super().forward(*inputs, **kwargs)
-        session.before_forward(self._modules.get("module"))
-        output = super().forward(*inputs, **kwargs)
+        session.before_forward(self._modules.get("module"), inputs, kwargs)
+        try:
+            output = super().forward(*inputs, **kwargs)
+        finally:
+            session.forward_inputs = None
         session.after_forward(output)
         return output
 
@@ -232,8 +235,12 @@ def data_parallel(module: torch.nn.Module, inputs: Any, device_ids: Sequence[Any
         output_device = None  # the first worker
     if session is not None:
         session.built()
-        session.before_forward(module)
-    output = _data_parallel(module, inputs, workers or device_ids, output_device, dim, module_kwargs)
+        session.before_forward(module, inputs, module_kwargs)
+    try:
+        output = _data_parallel(module, inputs, workers or device_ids, output_device, dim, module_kwargs)
+    finally:
+        if session is not None:
+            session.forward_inputs = None
     if session is not None:
         session.after_forward(output)
     return output
@@ -295,6 +302,8 @@ class _Session:
         self.optimizer_steps = 0  # optimizer.step() calls seen by the hook (a GradScaler's skipped step is not one)
         self.backward_seen = False
         self.backwards = 0  # backward passes through a recorded forward's output
+        # the stand-in call under way: its module and its inputs, for the step rule (cleared as the call ends)
+        self.forward_inputs: tuple[Any, Any, Any] | None = None
         self.told = False
         self._patched: list[tuple[Any, str, Any]] = []
         self._hook: Any = None
@@ -514,8 +523,10 @@ class _Session:
         self.built_any = True
         self.start()
 
-    def before_forward(self, module: Any = None) -> None:
-        """Before a stand-in's forward call of ``module``: --steps stops recording where the call would start a step."""
+    def before_forward(self, module: Any = None, inputs: Any = None, kwargs: Any = None) -> None:
+        """Before a stand-in's forward call of ``module`` on ``inputs`` and ``kwargs``: --steps stops recording where
+        the call would start a step."""
+        self.forward_inputs = (module, inputs, kwargs)
         run = self.run
         if run is None or self.stopped or self.steps is None:
             return
@@ -544,8 +555,17 @@ class _Session:
         if not torch.is_grad_enabled():
             return False
         if step.grad:
-            return self.optimizer_seen or self.backward_seen
+            return self.optimizer_seen or self.backward_seen or self._fed_by_graph(module_id)
         return module_id is not None and step.opened_by is not None and module_id != step.opened_by
+
+    def _fed_by_graph(self, module_id: int | None) -> bool:
+        """Whether the forward of ``module_id`` under way takes a tensor with autograd history: another model's output
+        (a backbone's features into a head, an encoder's into a decoder), part of the same iteration, where an
+        evaluation pass with grad on takes its batch from the data."""
+        call = self.forward_inputs
+        if call is None or module_id is None or id(call[0]) != module_id:
+            return False
+        return any(t.grad_fn is not None for t in iter_tensors(call[1:]))
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.optimizer_steps += 1

@@ -6,6 +6,7 @@ plain `python ...`, on CPU workers (forked from a server that imported torch onc
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import pickle
 import subprocess
@@ -694,3 +695,28 @@ def test_an_iteration_a_grad_scaler_skips_is_a_step_of_its_own():
     assert skipped == [True] * 4 + [False] * 2
     steps = run.frames()["steps"]
     assert steps["forward_calls"].tolist() == [1] * 6 and steps["batch_size"].tolist() == [32] * 6
+
+
+@needs_no_gpu
+@pytest.mark.parametrize("call", ["module", "functional"])
+def test_a_backbone_and_a_head_of_their_own_are_one_step_from_the_first_iteration(call):
+    """Two DataParallel models in a pipeline, one optimizer: the head takes the backbone's output. Before the first
+    optimizer step a forward with grad and no backward since the last one started a step (an evaluation script's
+    rule), so the first iteration was split in two: 6 steps for 5 iterations, the first two of one call each. A
+    forward whose inputs carry autograd history joins the step; evaluation batches (data, no history) still do not."""
+    backbone, head = nn.Sequential(nn.Linear(12, 16), nn.Tanh()), nn.Linear(16, 3)
+    opt = torch.optim.SGD([*backbone.parameters(), *head.parameters()], lr=0.1)
+    with instrument(store=False, cpu_workers=2) as run:
+        if call == "module":
+            first, second = nn.DataParallel(backbone), nn.DataParallel(head)
+        else:
+            first, second = (functools.partial(nn.parallel.data_parallel, m) for m in (backbone, head))
+        for _ in range(2):  # evaluation with grad on, before training: a step per call
+            first(torch.randn(8, 12))
+        for _ in range(5):
+            loss = second(first(torch.randn(8, 12))).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    steps = run.frames()["steps"]
+    assert steps["forward_calls"].tolist() == [1, 1] + [2] * 5 and steps["batch_size"].tolist() == [8] * 7
