@@ -202,3 +202,25 @@ def test_ranks_holding_the_same_memory_are_said_so_not_compared_with_themselves(
     assert peaks.nunique() == 1  # both ranks: the same model, the same micro-batch shapes
     said = " ".join(overview(run).glance.sentences)
     assert "Memory: " in said and " on each rank" in said and "1.00x" not in said, said
+
+
+def test_the_all_reduce_share_counts_the_evaluation_steps_that_ran_none(jobs, monkeypatch):
+    """The evaluation steps between training steps run no all-reduce. The communication finding took the mean busy
+    time of the steps that ran one and set it against the mean of every step, and its cost over the run counted the
+    steps that ran none (a DDP script with evaluation each epoch: 43% of the step said, 27% paid). Its figure per step
+    is now the busy time over every step from the first compared one on (the first step left out), each rank's."""
+    import dpprof.findings.ddp as ddp
+    from dpprof.findings import tables_of
+
+    monkeypatch.setattr(ddp, "COMM_SHARE_WARN", 0.0)  # the figures, on a run too small to clear the floors
+    monkeypatch.setattr(ddp, "worth_time", lambda *args: True)
+    t = tables_of(jobs["ddp"]["run"])
+    [row] = [f for f in ddp.communication(t) if f["kind"] == "communication_share"]
+    busy = ddp.collective_busy(ddp.later_collectives(t.comms), t.steps)
+    steps = EPOCHS * (STEPS + EVAL) - 1  # every step past the first: training steps 1, 2, 5, 6, 7 ran all-reduces
+    assert sorted(busy["step"].unique()) == [1, 2, 5, 6, 7]
+    per_step_ms = busy["busy_ms"].sum() / (2 * steps)
+    assert row["value"] == pytest.approx(per_step_ms / t.later_steps.mean())
+    assert f"busy {per_step_ms:.2f} ms per step per rank" in row["evidence"]
+    assert f"(none in 4 of those {steps} steps)" in row["evidence"]
+    assert f"{steps} steps" in row["evidence"].split("the rest ")[1]

@@ -154,7 +154,14 @@ def communication(t: Tables) -> list[dict]:
     windows = busy_table.set_index(["step", "device"])
     overlapped = [ms for key, ms in overlapped_ms(comms, phases[phases["phase"] == "backward_compute"]).items()
                   if key in windows.index]
-    comm_ms = float(busy_table["busy_ms"].mean())
+    # per step and rank over every step from the first compared one on, a step that ran none (an evaluation pass
+    # between training steps) counting 0: the mean over the steps that ran some, set against every step, overstated
+    # the share, and the cost over the run counted the steps that ran none
+    steps = t.steps.assign(rank=t.steps.get("rank", 0))
+    window = steps[(steps["step"] >= comms["step"].min()) & steps["rank"].isin(comms["rank"].unique())]
+    slots = max(len(window[["rank", "step"]].drop_duplicates()), len(busy_table))
+    comm_ms = float(busy_table["busy_ms"].sum()) / slots
+    without = window["step"].nunique() - busy_table["step"].nunique()
     # the job's mean step past the first (the slowest rank's, as the data finding's), the step the ranks pay together;
     # a run of one step: the ranks' own steps
     later = t.later_steps
@@ -165,7 +172,9 @@ def communication(t: Tables) -> list[dict]:
     kinds = [k for k in busy_table.columns if k not in ("step", "device", "window_ms", "busy_ms")]
     named = t.model.named_collectives  # an imported trace: say what its collectives are (a DDP run's: its gradient buckets')
     what = "collectives" if named else "gradient all-reduce"
-    each = ": " + ", ".join(f"{k} {busy_table[k].mean():.2f} ms" for k in kinds) if named else ""
+    each = ": " + ", ".join(f"{k} {busy_table[k].sum() / slots:.2f} ms" for k in kinds) if named else ""
+    if without > 0:
+        each += f" (none in {without:,} of those {window['step'].nunique():,} steps)"
     findings = []
     if share >= COMM_SHARE_WARN and worth_time(comm_ms, step_ms):
         findings.append(finding("communication_share", "warning", None,
