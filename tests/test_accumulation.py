@@ -224,3 +224,31 @@ def test_the_all_reduce_share_counts_the_evaluation_steps_that_ran_none(jobs, mo
     assert f"busy {per_step_ms:.2f} ms per step per rank" in row["evidence"]
     assert f"(none in 4 of those {steps} steps)" in row["evidence"]
     assert f"{steps} steps" in row["evidence"].split("the rest ")[1]
+
+
+def test_the_stragglers_wait_is_paid_over_the_steps_that_run_collectives(jobs, monkeypatch):
+    """The others' wait for a straggler rank, per step inside the collectives, was multiplied by every step past the
+    first for its cost over the run, the evaluation steps (no all-reduce, no wait) included: 9 steps where 5 ran
+    all-reduces (a DDP script with evaluation each epoch said 0.08 s where 0.05 s was paid)."""
+    import dpprof.findings.collectives as collectives
+    import dpprof.findings.ddp as ddp
+    from dpprof.findings import tables_of
+
+    t = tables_of(jobs["ddp"]["run"])
+    assert t.later_step_count == EPOCHS * (STEPS + EVAL) - 1
+    assert ddp.collective_steps(t) == 5  # training steps 1, 2, 5, 6, 7
+    # the verdict on a run too small to clear the floors: every rank's wait a straggler's
+    monkeypatch.setattr(collectives, "STRAGGLER_STEP_SHARE", 0.0)
+    monkeypatch.setattr(collectives, "STRAGGLER_WAIT_SHARE_CPU", -1e9)
+    monkeypatch.setattr(collectives, "worth_time", lambda *args: True)
+    monkeypatch.setattr(ddp, "straggler_verdict", lambda t: _reported(collectives.collective_verdict(t)))
+    paid_over = []
+    monkeypatch.setattr(collectives.CollectiveVerdict, "evidence", lambda self, steps: paid_over.append(steps) or "")
+    assert len(ddp.straggler_rank(t)) == 1 and paid_over == [5]
+
+
+def _reported(c):
+    """A straggler verdict from the collectives' one, as straggler_verdict makes it."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(reported=True, slowest=c.straggler, collectives=c, severity="warning", wait_share=0.5)

@@ -36,7 +36,7 @@ def straggler_rank(t: Tables) -> list[dict]:
     c = v.collectives
     if c is not None:  # the collectives' verdict: the wait inside them is the evidence
         return [finding("straggler_rank", v.severity, slow, f"{slow} is the straggler: the others wait for it inside their collectives",
-                        c.evidence(t.later_step_count),
+                        c.evidence(collective_steps(t)),
                         f"Look at what {slow} does before its collectives: its data loading, its forward and backward "
                         "(a slower or shared device, throttling), its share of the data. The job steps at its pace.",
                         v.wait_share, "share")]
@@ -44,6 +44,15 @@ def straggler_rank(t: Tables) -> list[dict]:
                           f"median time to gradients ready ({v.work})",
                           f"Look at {slow}'s forward and backward (its device: slower or shared GPU, throttling) and its "
                           "data (input pipeline, its share of the data). DDP steps at the pace of the slowest rank.")]
+
+
+def collective_steps(t: Tables) -> int:
+    """How many of the run's steps past the first ran collectives, what a wait inside them is paid over: an evaluation
+    step between training steps runs none. From the steps read (a thinned run's sample), in proportion."""
+    steps, comms = t.steps["step"], t.comms["step"]
+    later = steps[steps != t.first_step].nunique()
+    ran = comms[comms != t.first_step].nunique()
+    return round(t.later_step_count * min(ran, later) / later) if later else t.later_step_count
 
 
 def union_ms(intervals: list[tuple[float, float]]) -> float:
