@@ -1643,3 +1643,28 @@ def test_recording_does_not_change_outputs_or_gradients(workers):
     applied = phases[phases["phase"] == "apply"]
     assert sorted(applied["device"]) == [f"cpu:{i}" for i in range(workers)]
     assert phases["device_duration_ms"].isna().all()  # CPU workers have no device clock
+
+
+def test_dropout_on_several_cpu_workers_is_said_once_where_the_call_is(tmp_path):
+    """The CPU workers share the CPU's one random generator (each GPU has its own): a model with dropout trained on 2 of
+    them is warned about once, at the caller's line, and the recorded run keeps the note; in eval mode, on one worker,
+    or with p=0 nothing is said."""
+    def calls(model, workers, train=True, steps=2):
+        net = dpprof.DataParallel(model, device_ids=dpprof.cpu_devices(workers)).train(train)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(steps):
+                net(torch.randn(8, 4))
+        return [w for w in caught if "share the CPU's one generator" in str(w.message)]
+
+    def dropping(p=0.1):
+        return nn.Sequential(nn.Linear(4, 4), nn.Dropout(p))
+
+    said = calls(dropping(), 2)
+    assert len(said) == 1 and said[0].filename == __file__
+    assert str(said[0].message).startswith("the model's Dropout(p=0.1) draws random numbers in its replicas on 2 CPU")
+    assert calls(dropping(), 2, train=False) == [] and calls(dropping(), 1) == [] and calls(dropping(0.0), 2) == []
+    with dpprof.record(name="dropout", reports_dir=tmp_path) as run:
+        assert len(calls(dropping(), 2)) == 1
+    notes = dpprof.load_run(run.id, tmp_path).notes["message"].tolist()
+    assert sum("share the CPU's one generator" in n for n in notes) == 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from collections.abc import Sequence
 from itertools import chain
 from typing import Any
@@ -100,6 +101,28 @@ class _PhaseRange:
                 self.probe.finish_phase(self.name, self.label, self.t0, self.ev0)
         finally:
             self.range.__exit__(*exc)
+
+
+SHARED_GENERATOR_NOTE = (
+    "the model's {what} draws random numbers in its replicas on {n} CPU workers, which share the CPU's one generator (each GPU has "
+    "its own): the masks depend on the order the worker threads reach it, so a seeded run does not repeat, and "
+    "activation checkpointing (torch.utils.checkpoint) can recompute a replica with another mask than its forward "
+    "drew: wrong gradients. Train it with that off, or on one worker, on CPU workers")
+
+
+def _say_shared_generator(module: Module, workers: int) -> None:
+    """Warn (and note in the run being recorded) where a module trained on several CPU workers has dropout on: the
+    workers' random draws share one generator (docs/recording.md)."""
+    if workers < 2:
+        return
+    drops = [m for m in module.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
+    if not drops:
+        return
+    message = SHARED_GENERATOR_NOTE.format(what=f"{type(drops[0]).__name__}(p={drops[0].p:g})", n=workers)
+    run = current_run()
+    if run is not None:
+        run.note("dpprof", message, tell=False)
+    warnings.warn(message, UserWarning, stacklevel=6)  # the caller's line: past _forward, forward and Module's call
 
 
 class DataParallel(torch.nn.DataParallel):
@@ -245,6 +268,9 @@ class DataParallel(torch.nn.DataParallel):
         if len(self.device_ids) == 1:
             replica = MeasuredReplica(self.module, probe, self._label(self.device_ids[0]))
             return replica(*inputs[0], **module_kwargs[0])
+        if self.training and "_rng_checked" not in self.__dict__ and self.__dict__["_devices"].type == "cpu":
+            _say_shared_generator(self.module, len(inputs))
+            self.__dict__["_rng_checked"] = True  # once per DataParallel: a walk of the module, not one per step
         replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
         outputs = self.parallel_apply(replicas, inputs, module_kwargs)
         return self.gather(outputs, self.output_device)
