@@ -1205,7 +1205,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)  # exits 2 on usage errors, 0 on --help
+    args, extra = parser.parse_known_args(argv)  # exits 2 on usage errors, 0 on --help
+    if extra:  # said with the subcommand's usage, as its other errors, not the top-level one
+        hint = ("; --reports-dir goes before the command: dpprof --reports-dir DIR "
+                f"{args.command} ..." if any(a.split("=")[0] == "--reports-dir" for a in extra) else "")
+        args.parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     from dpprof.outputs import OutputError
     from dpprof.store.faults import RecordingError
     from dpprof.store.reader import RunFileError

@@ -385,6 +385,10 @@ def test_a_model_that_fails_on_the_input_shape_is_refused_in_one_line_before_any
     (["run", "--no-record", "--capture", "1:2", "train.py"], "--no-record records nothing, so --capture would do "
                                                              "nothing: leave it out, or record without --no-record"),
     (["run", "--no-record", "--name", "x", "--detail", "all", "train.py"], "so --name and --detail all would do nothing"),
+    # an option the command does not take: its own usage, not the top-level one
+    (["show", "some-run", "--json"], "unrecognized arguments: --json"),
+    (["runs", "--reports-dir", "elsewhere"], "--reports-dir goes before the command: dpprof --reports-dir DIR runs"),
+    (["export", "some-run", "--reports-dir=elsewhere"], "--reports-dir goes before the command"),
 ])
 def test_usage_errors_exit_2_with_the_subcommands_usage(argv, says, capsys):
     with pytest.raises(SystemExit) as exit_:
