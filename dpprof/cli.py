@@ -118,11 +118,14 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from dpprof.store.reader import RunFileError
 
     profile = Profile.from_args(args).with_run_id()
+    # a bar on a terminal only: into a log (nohup, a job scheduler) it would be ten lines a second, a day-long
+    # run's tens of MB, as import and advise --calibrate do
+    quiet = args.quiet or not sys.stderr.isatty()
     if profile.distributed:
-        return _profile_ddp(profile, args.quiet)
+        return _profile_ddp(profile, quiet)
     progress = lambda it: tqdm(it, total=profile.steps,  # noqa: E731
                                desc=f"{profile.workload_name} on {profile.devices_text}", unit="step",
-                               disable=args.quiet)
+                               disable=quiet)
     try:
         run = profile.record(progress)
     except (ProfileError, UsageError, RecordingError, RunFileError, OutputError):

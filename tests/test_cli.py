@@ -91,6 +91,15 @@ def test_profile_refuses_an_unknown_detail(capsys):
     assert exit_.value.code == 2 and "--detail: invalid choice: 'some'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("terminal", [False, True])
+def test_profile_draws_its_progress_bar_on_a_terminal_only(terminal, monkeypatch, capsys):
+    # under nohup or a job scheduler stderr is a log: a bar there is ten lines a second for as long as the run lasts
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    assert main(["profile", "tutorial-linear", "--steps", "3", "--devices", "cpu:2"]) == 0
+    err = capsys.readouterr().err
+    assert ("tutorial-linear on cpu:2" in err) == terminal, err
+
+
 def test_profile_names_the_run_by_its_absolute_path(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("DPPROF_REPORTS", "reports")  # relative: ./reports
