@@ -547,6 +547,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         findings = dpprof.check_balance(device_ids, args.batch_size)
     except (ValueError, TypeError) as err:
         raise UsageError(str(err)) from None
+    args.status = EXIT_FAILURE if findings else EXIT_OK  # kept when a reader closes the pipe early (main)
     if args.json:
         print(json.dumps([asdict(f) for f in findings], indent=2))
         return EXIT_FAILURE if findings else EXIT_OK
@@ -1222,6 +1223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return args.func(args)
         except UsageError as err:
             args.parser.error(str(err))
+    code = EXIT_OK
     try:
         code = args.func(args)
         sys.stdout.flush()  # inside the try: a pipe closed early breaks here, not in the interpreter's last flush
@@ -1230,7 +1232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.parser.error(str(err))  # the subcommand's usage and the message; exits 2
     except BrokenPipeError:  # `dpprof runs | head`: the reader has what it wanted
         _quiet_stdout()
-        return EXIT_OK
+        # the command's own status where it finished, or had decided before printing (`dpprof check | head`: 1 on
+        # findings, so that a job script with pipefail still refuses to start)
+        return getattr(args, "status", code)
     except (RunFileError, RecordingError, OutputError) as err:  # one line: what could not be read or written, why
         say(str(err))
         return EXIT_FAILURE

@@ -428,6 +428,20 @@ def test_a_reader_that_closes_the_pipe_early_gets_no_traceback(tmp_path, reports
     assert out.returncode == 0
 
 
+def test_check_piped_into_a_reader_that_stops_early_still_exits_1_on_findings():
+    # `set -o pipefail; dpprof check ... | head -n 1` in a job script: the findings are still a refusal to start
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        out = forked.run([sys.executable, "-m", "dpprof", "check", "--device-ids", "cpu:0,cpu:1,cpu:2", "--batch-size",
+                          "4"], stdout=write, stderr=subprocess.PIPE, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    finally:
+        os.close(write)
+    assert "Traceback" not in out.stderr, out.stderr
+    assert out.returncode == 1
+
+
 def _significant_digits(token: str) -> int:
     mantissa = token.lstrip("-").split("e")[0].replace(".", "").lstrip("0")
     return len(mantissa)
