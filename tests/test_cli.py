@@ -168,6 +168,9 @@ def test_exit_codes_for_bad_input(capsys, monkeypatch):
     assert "cannot load model factory" in capsys.readouterr().err
     assert main(["show", "no-such-run"]) == 1
     assert "no run 'no-such-run'" in capsys.readouterr().err
+    # a path to a file that is not there: said of the path, not "no run '...' in the reports directory"
+    assert main(["show", "elsewhere/gone.sqlite"]) == 1
+    assert capsys.readouterr().err == "dpprof: no run file 'elsewhere/gone.sqlite': no such file\n"
     assert dpprof.list_runs().empty  # nothing half-made was left behind
 
 

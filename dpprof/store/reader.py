@@ -737,6 +737,9 @@ def _resolve(run: str | os.PathLike[str], directory: Path) -> Path:
         return min(matches, key=lambda p: _rank_of(p) or 0)
     if len(ids) > 1:
         raise RunFileError(f"{run!r} matches {len(ids)} runs in {directory}: {', '.join(sorted(ids)[:5])}")
+    if os.sep in os.fspath(run) or (os.altsep and os.altsep in os.fspath(run)):
+        # a path (no id has a separator, so it was never looked up in the directory): the file is not there
+        raise RunFileError(f"no run file {os.fspath(run)!r}: no such file")
     problem = reports_dir_problem(directory)
     if problem is not None:  # not "no run": nothing in it could be
         raise RunFileError(f"no run {os.fspath(run)!r}: {problem}")
