@@ -178,6 +178,17 @@ def test_an_idle_device_shows_as_zero_labelled_idle(reports):
     assert at.dataframe[2].value["chunk size"].tolist() == [1]  # the chunk table: no row without a chunk
 
 
+def test_a_one_step_run_says_why_the_first_screen_has_no_work_per_device(reports):
+    one = record(reports, "one", workers=2, steps=1, batch_size=8, workload="tutorial-linear")
+    glance = overview.overview(one).glance
+    assert glance.devices["work_ms"].isna().all()  # the medians leave the first step out: none is left
+    at = _app()
+    said = _texts(at.markdown)
+    assert ("No apply per device to compare: the medians leave out the first step (its one-time costs), and the "
+            "run has 1 step.") in said
+    assert "Memory: " in said  # what it does have is still said
+
+
 def test_per_gpu_load_draws_what_the_run_has_and_says_what_it_has_not(reports_with_runs):
     at = _page(_app(), "load")  # the balanced run: 3 CPU workers
     assert _charts(at) == 3  # apply distributions, memory, chunk sizes; no GPU chart

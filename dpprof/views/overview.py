@@ -17,7 +17,7 @@ from dpprof.store import queries
 from dpprof.store.collective_rows import rank_collectives
 from dpprof.store.model import RunModel
 from dpprof.store.reader import StoredRun
-from dpprof.units import mib
+from dpprof.units import mib, plural
 from dpprof.views.fsdp import fsdp_collective_table
 
 __all__ = ["MEMORY_SOURCES", "Glance", "Overview", "CollectiveWaitView", "memory_figure", "glance", "overview",
@@ -160,6 +160,9 @@ def glance(run: StoredRun, stats: dict[str, Any] | None = None, found: Findings 
         share = verdict.wait_share
         uneven = verdict.reported
         sentences.append(verdict.sentence())
+    elif stats["steps"] and by_device.loc[~by_device["idle"], "work_ms"].isna().all():  # no bars to draw: say why
+        sentences.append(f"No {work} per {model.unit} to compare: the medians leave out the first step (its one-time "
+                         f"costs), and the run has {plural(int(stats['steps']), 'step')}.")
     heaviest = lightest = None
     memory_ratio = None
     memory_uneven = False
