@@ -10,6 +10,8 @@ from dpprof.views import timeline
 from dpprof.store.queries import TIMELINE_MAX_STEPS
 from app_pages import common
 
+TIMELINE_FROM_KEY = "timeline_from"  # session state: each run's chosen first step (no widget has this key)
+
 
 def body(row: pd.Series) -> None:
     common.run_header(row)
@@ -25,10 +27,13 @@ def body(row: pd.Series) -> None:
         start = max(first, last - count + 1)
         c1.metric("From step", start)
     else:
-        # keyed by the run: each run opens on its own last steps and keeps the step chosen on it
+        # keyed by the run: each run opens on its own last steps and keeps the step chosen on it, also while its
+        # widget is not drawn (another run or page open), when Streamlit drops a widget's state
+        chosen = st.session_state.setdefault(TIMELINE_FROM_KEY, {})
         start = int(c1.number_input(f"From step ({first}–{last})", min_value=0,
-                                    value=max(first, last - timeline.TIMELINE_DEFAULT_STEPS + 1), step=1,
-                                    key=f"tl_from_{row['id']}"))
+                                    value=chosen.get(row["id"], max(first, last - timeline.TIMELINE_DEFAULT_STEPS + 1)),
+                                    step=1, key=f"tl_from_{row['id']}"))
+        chosen[row["id"]] = start
         if not first <= start <= last:
             st.warning(f"This run's steps are {first}–{last}; showing from step {min(max(start, first), last)}.")
             start = min(max(start, first), last)

@@ -232,7 +232,7 @@ def test_timeline_shows_the_chosen_range_of_steps(reports_with_runs):
 
 def test_timeline_opens_each_run_on_its_own_last_steps(reports_with_runs):
     """The step chosen on one run's Timeline is that run's: another run opened after it shows its own last steps,
-    not the steps from the step chosen before."""
+    not the steps from the step chosen before, and the first run shows its chosen step again when opened again."""
     at = _page(_app(), "timeline")
     plain, balanced = reports_with_runs.plain, reports_with_runs.balanced
     assert at.session_state[common.RUN_KEY] == balanced.id
@@ -241,6 +241,11 @@ def test_timeline_opens_each_run_on_its_own_last_steps(reports_with_runs):
     at.selectbox(key=common.PICKER_KEY).select(plain.id).run()
     assert not at.exception and not at.warning
     assert sorted(set(at.dataframe[0].value["step"])) == [1, 2, 3, 4, 5]  # plain's last five, not from step 0
+    # and back: the step chosen on balanced is kept (its widget was not drawn meanwhile), as after another page
+    at.selectbox(key=common.PICKER_KEY).select(balanced.id).run()
+    assert sorted(set(at.dataframe[0].value["step"])) == [0, 1, 2, 3, 4]
+    at = _page(_page(at, "overview"), "timeline")
+    assert sorted(set(at.dataframe[0].value["step"])) == [0, 1, 2, 3, 4] and at.number_input[0].value == 0
 
 
 def test_compare_sets_runs_side_by_side_and_states_the_differences(reports_with_runs):
