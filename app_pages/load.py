@@ -10,6 +10,8 @@ from dpprof.plaintext import capitalized, markdown_text
 from dpprof.views import load
 from app_pages import common
 
+DRAW_AS_KEY = "load_draw_as"  # session state: box or violin, as last chosen (no widget has this key)
+
 
 def body(row: pd.Series) -> None:
     common.run_header(row)
@@ -22,7 +24,10 @@ def body(row: pd.Series) -> None:
     if data.work_stats.empty:
         common.missing(data.missing.get("work") or f"No {work} phases recorded.")
     else:
-        kind = st.segmented_control("Draw as", ["box", "violin"], default="box", key="apply_kind") or "box"
+        # kept beside the widget: Streamlit drops a widget's state while another page is open
+        kind = st.segmented_control("Draw as", ["box", "violin"], default=st.session_state.get(DRAW_AS_KEY, "box"),
+                                    key="apply_kind") or "box"
+        st.session_state[DRAW_AS_KEY] = kind
         common.chart(charts.work_distribution(data.work_samples, kind, work, data.idle, unit_word=model.unit))
         if model.aggregated:
             per = int(data.work_samples.groupby("device").size().max()) if len(data.work_samples) else 0

@@ -204,6 +204,8 @@ def test_per_gpu_load_draws_what_the_run_has_and_says_what_it_has_not(reports_wi
     assert memory[f"peak held ({unit})"].tolist() == (held * scale).round(2).tolist()
     at.segmented_control(key="apply_kind").set_value("violin").run()
     assert not at.exception and _charts(at) == 3
+    at = _page(_page(at, "overview"), "load")  # the choice outlives a visit to another page
+    assert at.segmented_control(key="apply_kind").value == "violin"
 
 
 def test_per_gpu_load_draws_gpu_samples_where_they_were_recorded(reports, fake_gpus):
