@@ -19,6 +19,7 @@ from dpprof.findings import (BACKWARD_SHARE_INFO, CRITICAL_STEP_SHARE, DP_TAX_WA
                              tables_of, worth_time)
 from dpprof.findings.base import per_step
 from dpprof.findings.dataparallel import split_cost
+from dpprof.findings.floors import cost_text
 from dpprof.records import MEMORY_BYTES
 from dpprof.views.export import run_zip
 from dpprof.workloads import SortedGRU, build_workload, train
@@ -414,3 +415,12 @@ def test_every_time_finding_states_its_cost_per_step_and_over_the_run():
     for kind, evidence in zip(found["kind"], found["evidence"]):
         if kind in costs:
             assert re.search(costs[kind], evidence), evidence
+
+
+@pytest.mark.parametrize("ms_per_step, steps, said", [
+    (0.28, 3, "costs 0.28 ms a step, 0.84 ms over the run's 3 steps"),  # a 4-step run's tax: not "0.00 s"
+    (5.85, 7, "costs 5.85 ms a step, 0.04 s over the run's 7 steps"),
+    (1.2, 3000, "costs 1.20 ms a step, 3.6 s over the run's 3,000 steps"),
+])
+def test_a_cost_over_the_run_is_never_said_as_zero(ms_per_step, steps, said):
+    assert cost_text(ms_per_step, steps) == said

@@ -57,7 +57,9 @@ def worth_bytes(cost_bytes: float) -> bool:
 def cost_text(ms_per_step: float, steps: int, whose: str = "the run's") -> str:
     """"costs 1.20 ms a step, 3.6 s over the run's 3,000 steps" (``whose``: "rank:1's", for a rank with fewer)."""
     total_s = ms_per_step * steps / 1e3
-    return f"costs {ms_per_step:.2f} ms a step, {total_s:,.{1 if total_s >= 1 else 2}f} s over {whose} {steps:,} steps"
+    # under 10 ms in all, in ms: two decimals of a second would read 0.00 s or 0.01 s
+    total = f"{total_s * 1e3:.2f} ms" if total_s < 0.01 else f"{total_s:,.{1 if total_s >= 1 else 2}f} s"
+    return f"costs {ms_per_step:.2f} ms a step, {total} over {whose} {steps:,} steps"
 
 
 @dataclass(frozen=True)
