@@ -14,6 +14,7 @@ from dpprof.views.opdiff import Pick
 from dpprof.views.text import run_label
 
 ANOTHER_RUN = "another run…"
+KEPT_KEY = "operators_kept"  # session state: the grouping and search last chosen (no widget has this key)
 
 
 def side_by_side(row: pd.Series, picks: list[Pick], pick: Pick, capture: int | None = None,
@@ -72,9 +73,12 @@ def body(row: pd.Series) -> None:
     c1, c2, c3 = st.columns([2, 2, 3])
     with c1:
         pick = common.pick_box("Rank and device", picks, "ops_pick")
-    by = c2.radio("Group by", ["name", "shape"], horizontal=True, key="ops_by",
-                  format_func={"name": "name", "shape": "name + input shapes"}.get)
-    search = c3.text_input("Search names", key="ops_search")
+    # kept beside the widgets: Streamlit drops a widget's state while another page is open
+    kept = st.session_state.setdefault(KEPT_KEY, {"by": "name", "search": ""})
+    by = c2.radio("Group by", ["name", "shape"], index=["name", "shape"].index(kept["by"]), horizontal=True,
+                  key="ops_by", format_func={"name": "name", "shape": "name + input shapes"}.get)
+    search = c3.text_input("Search names", value=kept["search"], key="ops_search")
+    kept.update(by=by, search=search)
     data = common.view(operators.operators_page, row, pick, by, search, capture=capture)
     common.chart(charts.top_operators(data.top, data.value))
     table = data.table

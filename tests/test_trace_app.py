@@ -79,6 +79,23 @@ def test_every_page_of_an_imported_trace_opens_without_an_empty_chart(imported, 
         assert "GPU time per device (from the trace)" in [shown_text(s.value) for s in at.subheader]
 
 
+def test_the_operators_search_and_grouping_outlive_a_visit_to_another_page(imported, monkeypatch):
+    directory, ids = imported
+    monkeypatch.setenv("DPPROF_REPORTS", str(directory))
+    at = AppTest.from_file(str(APP), default_timeout=90)
+    at.session_state[common.RUN_KEY] = ids["resnet50 (1 GPU, 2021 format, memory)"]
+    at.run()
+    at.switch_page("app_pages/operators.py").run()
+    at.radio(key="ops_by").set_value("shape")
+    at.text_input(key="ops_search").input("conv").run()
+    rows = len(at.dataframe[0].value)
+    at.switch_page("app_pages/kernels.py").run()
+    at.switch_page("app_pages/operators.py").run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert at.radio(key="ops_by").value == "shape" and at.text_input(key="ops_search").value == "conv"
+    assert len(at.dataframe[0].value) == rows
+
+
 def test_the_runs_page_lists_a_trace_file_and_imports_it_on_a_click(tmp_path, monkeypatch):
     monkeypatch.setenv("DPPROF_REPORTS", str(tmp_path))
     shutil.copyfile(TRACES / "ddp-2ranks-rank0-nccl.json.gz", tmp_path / "job.pt.trace.json.gz")
