@@ -486,7 +486,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
         print(f"\nper {model.unit}: {model.missing.get('work') or 'no figures per ' + model.unit + ' recorded.'}")
     means = queries.phase_means(run)
     if len(means):
-        print("\nmean ms per step past the first, by phase:" if stats["steps"] > 1 else "\nms in the step, by phase:")
+        print("\nmean ms per step (every step, the first's one-time costs included, as the Overview's shares), by phase:"
+              if stats["steps"] > 1 else "\nms in the step, by phase:")
         print(_table(display_table(means.reset_index()).set_index("device"), "{:,.2f}"))
     if "comms" in model.has and model.fsdp_phases:
         print("\nFSDP collectives per step past the first, as the findings weigh them (issued: launch to "

@@ -665,26 +665,16 @@ def gpu_time(run: StoredRun) -> pd.DataFrame:
 
 
 def phase_means(run: StoredRun) -> pd.DataFrame:
-    """Mean milliseconds per step past the first of each phase on each device (devices as rows in the run's order,
-    phases as ``<phase>_ms`` columns in step order), as the findings and the collectives' table weigh a step (the
-    first carries one-time costs: DDP's start-up, lazy initialisation); a run of one step, over that step. A phase
-    run several times in one step is summed within the step. NaN where a device does not run a phase (only the
-    output device scatters)."""
-    first, last = _span(run)
-    skip = first if first is not None and last is not None and last > first else None
-    if run.model.aggregated:  # the blocks' sums, less the first step's rows (the retention keeps the first steps')
-        per = run.query("SELECT device, phase, SUM(sum_ms) AS ms, SUM(steps) AS steps FROM phase_blocks WHERE phase != ? "
+    """Mean milliseconds per step (every step, the first's one-time costs included, as the Overview's share of the
+    step) of each phase on each device (devices as rows in the run's order, phases as
+    ``<phase>_ms`` columns in step order); a phase run several times in one step is summed within the step.
+    NaN where a device does not run a phase (only the output device scatters)."""
+    if run.model.aggregated:
+        per = run.query("SELECT device, phase, SUM(sum_ms) / SUM(steps) AS ms FROM phase_blocks WHERE phase != ? "
                         "GROUP BY device, phase", (WORK,))
-        if skip is not None:
-            head = run.query("SELECT device, phase, SUM(duration_ms) AS ms, 1 AS steps FROM phases WHERE step = ? "
-                             "GROUP BY device, phase", (skip,)).set_index(["device", "phase"])
-            per = per.set_index(["device", "phase"])
-            per = per.sub(head.reindex(per.index).fillna(0.0)).reset_index()
-        per = per[per["steps"] > 0].assign(ms=lambda f: f["ms"] / f["steps"])
     else:
         per = run.query("SELECT device, phase, AVG(ms) AS ms FROM (SELECT device, phase, step, SUM(duration_ms) AS ms "
-                        "FROM phases WHERE step != ? GROUP BY device, phase, step) GROUP BY device, phase",
-                        (-1 if skip is None else skip,))
+                        "FROM phases GROUP BY device, phase, step) GROUP BY device, phase")
     table = per.pivot_table(index="device", columns="phase", values="ms", aggfunc="sum")
     table = table.reindex(index=[d for d in run.model.devices if d in table.index],
                           columns=[p for p in run.model.phases if p in table.columns])
