@@ -161,7 +161,7 @@ class DataParallel(_SessionForward, _DataParallel, metaclass=_StandIn):
     def __getstate__(self) -> dict[str, Any]:
         """torch's DataParallel's attributes, as torch would have set them."""
         state = super().__getstate__()
-        for key in ("_devices", "_probe"):
+        for key in ("_devices", "_probe", "_rng_checked"):  # dpprof.DataParallel's own
             state.pop(key, None)
         if state.pop("_dpprof_cpu_workers", False):  # torch's pass-through: no devices, nothing else set
             state["device_ids"] = []
