@@ -216,6 +216,15 @@ def wait_heatmap(per_step: pd.DataFrame, devices: dict[int, str] | None = None) 
 MOVED_STEP_SHARE = 0.25
 
 
+def _least_waiting(table: pd.DataFrame) -> tuple[pd.Series, int, float, float]:
+    """Over a step x rank table of waits: the rank that waited least in each step, the one that did most often, the
+    others' wait (each step their median: a second late rank, which waits less, does not pull it down; then the
+    median over the steps) and its own median wait."""
+    least = table.idxmin(axis=1)
+    rank = int(least.mode().sort_values().iloc[0])
+    return least, rank, float(table.drop(columns=rank).median(axis=1).median()), float(table[rank].median())
+
+
 def _second_late_rank(table: pd.DataFrame, slow: int, devices: dict[int, str], threshold: float,
                       step_ms: float) -> str | None:
     """Another rank the others wait for beside the straggler (two late ranks): the straggler's rule again over the
@@ -223,9 +232,7 @@ def _second_late_rank(table: pd.DataFrame, slow: int, devices: dict[int, str], t
     rest = table.drop(columns=slow)
     if rest.shape[1] < 2 or not step_ms or pd.isna(step_ms):
         return None
-    least = rest.idxmin(axis=1)
-    late = int(least.mode().sort_values().iloc[0])
-    theirs, own = float(rest.drop(columns=late).median(axis=1).median()), float(rest[late].median())
+    least, late, theirs, own = _least_waiting(rest)
     cost = theirs - own
     if (least == late).mean() < STRAGGLER_STEP_SHARE or cost < threshold * step_ms or not worth_time(cost, step_ms):
         return None
@@ -251,15 +258,11 @@ def collective_verdict(t: Tables) -> CollectiveVerdict | None:
     table = per[per["step"] != first].pivot_table(index="step", columns="rank", values="wait_ms").dropna(thresh=2)
     if table.shape[1] < 2 or len(table) < 2:
         return None
-    least = table.idxmin(axis=1)
-    slow = int(least.mode().sort_values().iloc[0])
-    # each step, the others' wait is their median (a second late rank, which waits less, does not pull it down: their
-    # mean said 250 ms where two of the three others waited 300 ms for the straggler); over the steps, the median of
-    # that less the straggler's own median: the difference of the two figures the evidence states beside it, as the
+    # the others' wait (their median each step: their mean said 250 ms where two of the three others waited 300 ms for
+    # the straggler) less the straggler's own: the difference of the two figures the evidence states beside it, as the
     # work-based verdict's wait is the difference of its medians (a median of the per-step differences said 39.00 ms
     # beside "waits 15.60 ms ..., the others 55.56 ms")
-    others = table.drop(columns=slow).median(axis=1)
-    others_ms, own_ms = float(others.median()), float(table[slow].median())
+    least, slow, others_ms, own_ms = _least_waiting(table)
     cost = others_ms - own_ms
     step_ms = t.median_step_ms
     on_gpus = t.model.backend == "cuda" or bool({"allocator", "gpu_samples", "gpu_time"} & t.model.has)
