@@ -18,6 +18,7 @@ import pytest
 import dpprof
 from dpprof.cli import main
 from dpprof.findings import run_findings
+from dpprof.findings.steps import REST_SHARE_WARN
 from dpprof.store.reader import RUN_SUFFIX, RunFileError
 
 pytestmark = pytest.mark.slow
@@ -240,10 +241,11 @@ def test_a_distillation_of_ddp_models_is_one_step_an_iteration(tmp_path):
     assert sorted(comms["step"].unique()) == [0, 1, 2, 5]  # the student's all-reduce, in each training step
 
 
-def _ddp_steps_pausing(tmp_path: Path, pause_s: float, steps: int = 6) -> dpprof.StoredRun:
-    """A DDP model (Linear 256 x 256, batch 128) on a gloo world of one, recorded into the reports directory: each
-    step pauses ``pause_s`` after backward, in the script's own code (as a logging all-reduce waiting for a late rank
-    would), before the optimizer step."""
+def _ddp_steps_pausing(tmp_path: Path, pause_s: float, steps: int = 6, pausing: set[int] | None = None) -> dpprof.StoredRun:
+    """A DDP model (Linear 1024 x 1024, batch 256: steps of tens of ms, so the loss and the Python between the parts
+    are a few % of them) on a gloo world of one, recorded into the reports directory: each step (or each of
+    ``pausing``) pauses ``pause_s`` after backward, in the script's own code (as a logging all-reduce waiting for a
+    late rank would), before the optimizer step."""
     import torch
     from torch import nn
 
@@ -251,12 +253,12 @@ def _ddp_steps_pausing(tmp_path: Path, pause_s: float, steps: int = 6) -> dpprof
 
     torch.manual_seed(0)
     with _gloo_world_of_one(tmp_path), instrument(name="pausing") as run:
-        model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)))
+        model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024)))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        for _ in range(steps):
+        for step in range(steps):
             optimizer.zero_grad()
-            model(torch.randn(128, 256)).square().mean().backward()
-            time.sleep(pause_s)
+            model(torch.randn(256, 1024)).square().mean().backward()
+            time.sleep(pause_s if pausing is None or step in pausing else 0.0)
             optimizer.step()
     return dpprof.load_run(run.id)
 
@@ -283,7 +285,8 @@ def _rest_by_hand(run: dpprof.StoredRun) -> tuple[float, float]:
 def test_a_rank_whose_step_is_mostly_its_scripts_own_code_is_told_what_dpprof_does_not_time(tmp_path, reports):
     """A DDP step that spends 200 ms after backward in the script's own code (nothing dpprof times) gets a finding on
     the rank: its share of the step outside the recorded parts, the same ms as the step less the union of its phases
-    computed here from the raw rows; the same model without the pause gets none."""
+    computed here from the raw rows; the same model without the pause gets none, and nor does one that pauses in one
+    step of five (a stall: most of its steps' rest is under the threshold, though the mean's is over it)."""
     import re
 
     run = _ddp_steps_pausing(tmp_path, 0.2)
@@ -296,9 +299,15 @@ def test_a_rank_whose_step_is_mostly_its_scripts_own_code_is_told_what_dpprof_do
     said = re.search(r"([0-9.]+) ms of rank:0's ([0-9.]+) ms mean step past the first \(5 steps\)", rest.iloc[0]["evidence"])
     assert said and float(said[1]) == pytest.approx(rest_ms, abs=0.006) and float(said[2]) == pytest.approx(step_ms, abs=0.006)
     assert f"{rest_ms / step_ms:.0%} of the step is outside" in rest.iloc[0]["title"]
+    assert "over 25% of the step in 5 of them" in rest.iloc[0]["evidence"]
     (tmp_path / "quiet").mkdir()
     quiet = _ddp_steps_pausing(tmp_path / "quiet", 0.0)
     assert "unrecorded_time" not in set(run_findings(quiet).table["kind"])
+    (tmp_path / "once").mkdir()
+    once = _ddp_steps_pausing(tmp_path / "once", 0.4, pausing={3})
+    step_ms, rest_ms = _rest_by_hand(once)
+    assert rest_ms / step_ms > REST_SHARE_WARN  # the mean's share alone would raise it
+    assert "unrecorded_time" not in set(run_findings(once).table["kind"])
 
 
 def _train_hooked(register, recorded: bool) -> tuple[list, object, list[str]]:

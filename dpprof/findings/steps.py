@@ -106,9 +106,10 @@ def _bigger_batches(t: Tables, steps: pd.Index) -> tuple[dict[int, int], float]:
 
 
 def rest_of_steps(t: Tables) -> pd.DataFrame:
-    """Per rank (its device label) over the steps past the first: steps, mean step (window_ms) and mean rest (the part
-    of the step the step model gives no recorded part: dpprof.stepmodel.partition over the run's phases), ms."""
-    cols = ["device", "steps", "window_ms", REST]
+    """Per rank (its device label) over the steps past the first: steps, mean step (window_ms), mean rest (the part
+    of the step the step model gives no recorded part: dpprof.stepmodel.partition over the run's phases), ms, and
+    steps_over, the steps whose own rest is over REST_SHARE_WARN of that step."""
+    cols = ["device", "steps", "window_ms", REST, "steps_over"]
     steps = t.steps[t.steps["step"] != t.first_step]
     if steps.empty or t.phases.empty:
         return pd.DataFrame(columns=cols)
@@ -117,34 +118,41 @@ def rest_of_steps(t: Tables) -> pd.DataFrame:
     intervals = pd.DataFrame({"rank": ph["rank"], "step": ph["step"], "kind": ph["phase"], "start": ph["start_ms"],
                               "end": ph["start_ms"] + ph["duration_ms"]})
     parts = partition(windows, intervals, parts_for(t.model.phases), ["rank", "step"])
+    parts = parts.assign(over=parts[REST] > REST_SHARE_WARN * parts["window_ms"])
     label = ph.drop_duplicates("rank").set_index("rank")["device"]  # a rank's device label ("rank:1")
-    per = parts.groupby("rank").agg(steps=("step", "count"), window_ms=("window_ms", "mean"), rest=(REST, "mean"))
+    per = parts.groupby("rank").agg(steps=("step", "count"), window_ms=("window_ms", "mean"), rest=(REST, "mean"),
+                                          steps_over=("over", "sum"))
     per = per[per.index.isin(label.index)]
     return per.assign(device=per.index.map(label)).reset_index(drop=True)[cols]
 
 
 def unrecorded_time(t: Tables) -> list[dict]:
-    """A recorded DDP or FSDP rank whose step is over REST_SHARE_WARN outside its recorded parts: the loss and the
-    script's own code between the parts (logging, metrics and the collectives that reduce them, .item(),
-    checkpoints), none of which dpprof times. One finding for the job, on the rank with the largest share; the value
-    is that share."""
+    """A recorded DDP or FSDP rank whose step is over REST_SHARE_WARN outside its recorded parts, over the run and in
+    most of its steps: the loss and the script's own code between the parts (logging, metrics and the collectives
+    that reduce them, .item(), checkpoints), none of which dpprof times. One finding for the job, on the rank with the
+    largest share; the value is that share. A few steps whose rest a stall lengthened (another process took the
+    core between two parts) are the stall finding's, not this one's."""
     if t.model.imported or t.model.kind not in ("ddp", "fsdp"):
         return []
     per = rest_of_steps(t)
     per = per[per["window_ms"] > 0]
-    if per.empty:
-        return []
     per = per.assign(share=per[REST] / per["window_ms"]).sort_values("share", ascending=False, kind="stable")
-    worst = per.iloc[0]
+    mostly = per[2 * per["steps_over"] > per["steps"]]
+    if mostly.empty:
+        return []
+    worst = mostly.iloc[0]
     share, rest_ms, step_ms = float(worst["share"]), float(worst[REST]), float(worst["window_ms"])
     if share <= REST_SHARE_WARN or not worth_time(rest_ms, step_ms):
         return []
     device, steps = str(worst["device"]), int(worst["steps"])
-    others = [f"{r.device} {getattr(r, REST):.2f} ms ({r.share:.0%})" for r in per.iloc[1:RANKS_LISTED].itertuples()]
-    more = f" and {len(per) - RANKS_LISTED} more" if len(per) > RANKS_LISTED else ""
+    rest = per[per["device"] != device]
+    others = [f"{r.device} {getattr(r, REST):.2f} ms ({r.share:.0%})" for r in rest.iloc[:RANKS_LISTED - 1].itertuples()]
+    more = f" and {len(rest) - RANKS_LISTED + 1} more" if len(rest) >= RANKS_LISTED else ""
     parts = "data loading, forward, backward, the exposed collectives and the optimizer step"
+    over = int(worst["steps_over"])
     evidence = (f"{rest_ms:.2f} ms of {device}'s {step_ms:.2f} ms mean step past the first ({plural(steps, 'step')}) "
-                f"is in none of its recorded parts ({parts})"
+                f"is in none of its recorded parts ({parts}), over {REST_SHARE_WARN:.0%} of the step in {over} of "
+                f"them"
                 + (f"; the other ranks: {', '.join(others)}{more}" if others else "")
                 + f". It holds the loss and the script's own code between the parts: logging and metrics, the "
                 f"collectives that reduce them (a dist.all_reduce of the loss), .item() and other synchronisations, "
