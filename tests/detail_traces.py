@@ -95,10 +95,10 @@ def _rank(rank: int, world: int, port: int, directory: str, steps: int) -> None:
     leave_rank()
 
 
-def straggler_ddp_traces(directory: Path, steps: int = 12) -> list[Path]:
-    """Each rank's trace of a 2-rank gloo DDP job in which rank 1 does extra work in its forward: 12 steps, so that
+def straggler_ddp_traces(directory: Path, steps: int = 16) -> list[Path]:
+    """Each rank's trace of a 2-rank gloo DDP job in which rank 1 does extra work in its forward: 16 steps, so that
     a few steps on a loaded machine where rank 0 was the one held up (its core taken by other work) leave rank 1
-    the rank that waited least in most of them, as the straggler rule needs."""
+    the rank that waited least in most of them, more than chance would (10 of 15), as the straggler rule needs."""
     directory.mkdir(parents=True, exist_ok=True)
     mp.spawn(_rank, args=(2, _free_port(), str(directory), steps), nprocs=2, join=True)
     return [directory / f"straggler-rank{r}.pt.trace.json" for r in range(2)]

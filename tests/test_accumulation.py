@@ -239,6 +239,7 @@ def test_the_stragglers_wait_is_paid_over_the_steps_that_run_collectives(jobs, m
     assert ddp.collective_steps(t) == 5  # training steps 1, 2, 5, 6, 7
     # the verdict on a run too small to clear the floors: every rank's wait a straggler's
     monkeypatch.setattr(collectives, "STRAGGLER_STEP_SHARE", 0.0)
+    monkeypatch.setattr(collectives, "STRAGGLER_CHANCE", 1.0)
     monkeypatch.setattr(collectives, "STRAGGLER_WAIT_SHARE_CPU", -1e9)
     monkeypatch.setattr(collectives, "worth_time", lambda *args: True)
     monkeypatch.setattr(ddp, "straggler_verdict", lambda t: _reported(collectives.collective_verdict(t)))

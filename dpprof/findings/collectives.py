@@ -19,6 +19,7 @@ order would pair calls that never met.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -28,7 +29,7 @@ import pandas as pd
 from dpprof.findings.base import MEDIAN_STEP, Tables
 from dpprof.findings.floors import STEP_SHARE_FLOOR, TIME_FLOOR_MS, worth_time
 
-__all__ = ["KEY", "STRAGGLER_WAIT_SHARE", "STRAGGLER_WAIT_SHARE_CPU", "STRAGGLER_STEP_SHARE",
+__all__ = ["KEY", "STRAGGLER_WAIT_SHARE", "STRAGGLER_WAIT_SHARE_CPU", "STRAGGLER_STEP_SHARE", "STRAGGLER_CHANCE", "by_chance",
            "CollectiveWaits", "CollectiveVerdict", "keyed", "match_collectives", "collective_waits",
            "collective_verdict", "wait_heatmap"]
 
@@ -39,8 +40,20 @@ STRAGGLER_WAIT_SHARE = 0.10
 # ... or 20% where ranks share the host's cores (gloo ranks on CPUs): balanced CPU workers on a 2-core machine
 # measured up to 17% apart in their work (the measure behind STRAGGLER_RATIO_CPU), so a wait under 20% is noise.
 STRAGGLER_WAIT_SHARE_CPU = 0.20
-# ... and it waited least in at least 60% of the steps (consistently, not one bad step; as STRAGGLER_CONSISTENCY).
+# ... and it waited least in at least 60% of the steps (consistently, not one bad step; as STRAGGLER_CONSISTENCY) ...
 STRAGGLER_STEP_SHARE = 0.6
+# ... and in more steps than chance gives one rank of the k more than this often (were each rank as likely to wait
+# least in each step, 1/k): with 2 ranks one of them always waits least, so 3 steps of 5 (60%) is what launch jitter
+# and the host's scheduling give some rank every time, and 3 of 4 five times in eight; 4 of 4 or of 5, 8 of 11, or
+# 13 of 20 pass; with 4 ranks, 3 of 4.
+STRAGGLER_CHANCE = 0.2
+
+
+def by_chance(least: int, steps: int, ranks: int) -> float:
+    """The chance that a given rank waits least in ``least`` or more of ``steps`` steps, were each of the ``ranks``
+    as likely to in each step: the binomial tail."""
+    p = 1 / ranks
+    return sum(math.comb(steps, j) * p ** j * (1 - p) ** (steps - j) for j in range(least, steps + 1))
 
 
 def keyed(frame: pd.DataFrame) -> pd.DataFrame:
@@ -233,8 +246,9 @@ def _second_late_rank(table: pd.DataFrame, slow: int, devices: dict[int, str], t
     if rest.shape[1] < 2 or not step_ms or pd.isna(step_ms):
         return None
     least, late, theirs, own = _least_waiting(rest)
-    cost = theirs - own
-    if (least == late).mean() < STRAGGLER_STEP_SHARE or cost < threshold * step_ms or not worth_time(cost, step_ms):
+    cost, count = theirs - own, int((least == late).sum())
+    if (count / len(rest) < STRAGGLER_STEP_SHARE or by_chance(count, len(rest), rest.shape[1]) > STRAGGLER_CHANCE
+            or cost < threshold * step_ms or not worth_time(cost, step_ms)):
         return None
     name, first = devices.get(late, f"rank:{late}"), devices.get(slow, f"rank:{slow}")
     return (f"{name} comes late too: it waits {own:.2f} ms per step where the ranks but {first} and it wait "
@@ -267,11 +281,16 @@ def collective_verdict(t: Tables) -> CollectiveVerdict | None:
     step_ms = t.median_step_ms
     on_gpus = t.model.backend == "cuda" or bool({"allocator", "gpu_samples", "gpu_time"} & t.model.has)
     threshold = STRAGGLER_WAIT_SHARE if on_gpus else STRAGGLER_WAIT_SHARE_CPU
-    share = float((least == slow).mean())
+    share, count = float((least == slow).mean()), int((least == slow).sum())
+    chance = by_chance(count, len(table), table.shape[1])
     reason = None
     if share < STRAGGLER_STEP_SHARE:
         reason = (f"it waited least in only {share:.0%} of {len(table)} steps, under the {STRAGGLER_STEP_SHARE:.0%} "
                   "a straggler needs")
+    elif chance > STRAGGLER_CHANCE:
+        reason = (f"it waited least in {count} of {len(table)} steps, which one of {table.shape[1]} ranks does "
+                  f"by chance {chance:.0%} of the time (over the {STRAGGLER_CHANCE:.0%} a straggler allows): "
+                  "too few steps to tell a late rank from launch jitter")
     elif not step_ms or pd.isna(step_ms) or cost < threshold * step_ms:
         shared = " where ranks share the host's cores" if not on_gpus else ""
         reason = (f"the others wait {cost:.2f} ms per step for it, under the {threshold:.0%} of the "
