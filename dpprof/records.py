@@ -248,7 +248,8 @@ class CommRecord:
     step: int
     device: str  # "rank:N"
     bucket: int  # the bucket's index in DDP's reducer
-    bucket_bytes: int | None  # None: an imported collective whose kernel and op both give no size
+    bucket_bytes: int | None  # what it sent: a DDP bucket's hook's collectives' tensors (half the bucket under an fp16
+    # compress hook), the bucket's size where none was seen; None: an imported collective whose kernel and op give no size
     launch_ms: float  # since the run started: when the bucket was ready and its all-reduce launched
     duration_ms: float  # launch to completion (the future's callback)
     collective: str | None = None  # what it is: a DDP bucket's ALL_REDUCE; FSDP's all-gather, reduce-scatter; an

@@ -360,7 +360,8 @@ def test_a_comm_hook_registered_after_a_recorded_forward_runs_in_place_of_dpprof
         assert ran == plain_ran == ["fp16"] * 3
         assert all(torch.equal(a, b) for a, b in zip(plain, weights))
         comms = run.frames()["comms"]
-        assert comms["step"].tolist() == [1, 2, 3] and set(comms["bucket_bytes"]) == {(6 * 3 + 3) * 4}
+        # what the hook all-reduced: the bucket's 21 gradients in float16
+        assert comms["step"].tolist() == [1, 2, 3] and set(comms["bucket_bytes"]) == {(6 * 3 + 3) * 2}
 
         def twice(ddp, ran):
             _fp16_after_an_evaluation(ddp, ran)
@@ -368,6 +369,47 @@ def test_a_comm_hook_registered_after_a_recorded_forward_runs_in_place_of_dpprof
 
         with pytest.raises(RuntimeError, match="can only be called once"):
             _train_hooked(twice, recorded=True)
+
+
+@pytest.mark.parametrize("hook, sent_bytes", [
+    (None, [2080 * 4] * 3),  # torch's default all-reduce: the bucket, float32
+    ("fp16", [2080 * 2] * 3),  # its float16 copy
+    # PowerSGD of rank 1 from its third iteration: the plain bucket before; then each matrix's P and Q (the weight's
+    # 32 + 64, the bias, a 32x1 matrix, its 32 + 1) and nothing uncompressed, two all-reduces from its callbacks
+    ("powersgd", [2080 * 4, 2080 * 4, (32 + 64 + 32 + 1) * 4]),
+])
+def test_sent_per_step_is_what_the_comm_hook_sent_not_the_buckets_size(tmp_path, reports, hook, sent_bytes):
+    """A compressing hook all-reduces fewer bytes than its bucket holds: the comms rows, `dpprof show`'s sent per step
+    and the CSV said the bucket's 8,320 bytes under fp16_compress_hook (it sent 4,160) and under PowerSGD (516)."""
+    import torch
+    from torch import nn
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    from dpprof.instrument import instrument
+    from dpprof.views.overview import comm_stats
+
+    with _gloo_world_of_one(tmp_path):
+        torch.manual_seed(0)
+        with instrument(name=f"hook-{hook}", reports_dir=reports):
+            ddp = nn.parallel.DistributedDataParallel(nn.Linear(64, 32))  # 2,080 parameters, one bucket
+            if hook == "fp16":
+                ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            elif hook == "powersgd":
+                state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                                    start_powerSGD_iter=2, min_compression_rate=0.5)
+                ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            for _ in range(3):
+                ddp(torch.randn(8, 64)).pow(2).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    [run_id] = dpprof.list_runs(reports)["id"]
+    run = dpprof.load_run(run_id, reports)
+    assert run.comms.sort_values("step")["bucket_bytes"].tolist() == sent_bytes
+    assert comm_stats(run)["sent_per_step_bytes"].tolist() == [sum(sent_bytes[1:]) / 2]  # the steps past the first
+    assert main(["export", run_id, "--out", str(tmp_path / "csv")]) == 0
+    csv = (tmp_path / "csv" / "comms.csv").read_text()
+    assert f",{sent_bytes[-1]}," in csv
 
 
 def _builtin_fp16(ddp, ran) -> None:

@@ -15,6 +15,7 @@ and a short GPU one.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any, Callable
@@ -169,8 +170,61 @@ class _RankProbe:
         self.read_allocator("backward")
 
 
+class _Sent:
+    """The bytes one bucket's hook sends: the tensors of the collectives it launches through torch.distributed."""
+
+    __slots__ = ("nbytes", "seen")
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+        self.seen = False  # a collective was counted (else the bucket's size stands for it)
+
+
+# What a communication hook sent, not its bucket's size: a compressing hook (fp16/bf16 compress) all-reduces a copy of
+# half the bytes, PowerSGD its low-rank factors. Each bucket's hook runs with its _Sent as this thread's
+# _sending.sent, and torch.distributed's all_reduce and all_gather add their tensor's bytes to it. A hook's later
+# collectives, launched from its future's callbacks on a communication thread (gloo's: PowerSGD's P and Q), count into
+# the oldest bucket still in flight: a rank's total is exact, the split between buckets in flight together is not.
+_sending = threading.local()
+_in_flight: list[_Sent] = []
+_hook_threads: set[int] = set()  # threads that ran a bucket's hook (backward's): their own collectives (SyncBatchNorm's
+# backward) are no bucket's
+_sent_lock = threading.Lock()
+
+
+def _counting(collective: Callable[..., Any], position: int, name: str) -> Callable[..., Any]:
+    """torch.distributed's ``collective``, adding the bytes of its tensor argument (at ``position``, or keyword ``name``)
+    to the bucket whose hook launched it."""
+
+    @functools.wraps(collective)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        sent: _Sent | None = getattr(_sending, "sent", None)
+        if sent is None and _in_flight and threading.get_ident() not in _hook_threads:
+            with _sent_lock:
+                sent = _in_flight[0] if _in_flight else None
+        if sent is not None:
+            tensor = args[position] if len(args) > position else kwargs.get(name)
+            if isinstance(tensor, torch.Tensor):
+                sent.nbytes += tensor.numel() * tensor.element_size()
+                sent.seen = True
+        return collective(*args, **kwargs)
+
+    counted._dpprof_counting = True  # type: ignore[attr-defined]
+    return counted
+
+
+def _count_sent() -> None:
+    """Count what hooks send through torch.distributed's all_reduce and all_gather (installed once a process)."""
+    with _sent_lock:
+        for name, position, keyword in (("all_reduce", 0, "tensor"), ("all_gather", 1, "tensor")):
+            collective = getattr(dist, name)
+            if not getattr(collective, "_dpprof_counting", False):
+                setattr(dist, name, _counting(collective, position, keyword))
+
+
 def _timed_hook(owner: DistributedDataParallel, inner: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    """Wrap a DDP communication hook so each bucket's launch and completion are recorded."""
+    """Wrap a DDP communication hook so each bucket's launch and completion, and the bytes it sent, are recorded."""
+    _count_sent()
 
     def dpprof_comm_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         probe: _RankProbe | None = owner.__dict__["_dpprof_probe"]
@@ -179,11 +233,24 @@ def _timed_hook(owner: DistributedDataParallel, inner: Callable[[Any, Any], Any]
         launch = time.perf_counter_ns()
         probe.launched(launch)
         index, nbytes = bucket.index(), bucket.buffer().numel() * bucket.buffer().element_size()
-        with record_function(ALL_REDUCE_RANGE):
-            fut = inner(state, bucket)
+        sent = _Sent()
+        with _sent_lock:
+            _in_flight.append(sent)
+            _hook_threads.add(threading.get_ident())
+        _sending.sent = sent
+        try:
+            with record_function(ALL_REDUCE_RANGE):
+                fut = inner(state, bucket)
+        finally:
+            _sending.sent = None
 
         def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            probe.comm(index, nbytes, launch, time.perf_counter_ns())
+            with _sent_lock:
+                if sent in _in_flight:
+                    _in_flight.remove(sent)
+            # a hook whose collectives dpprof did not see (launched other than through torch.distributed's
+            # functions): its bucket's size
+            probe.comm(index, sent.nbytes if sent.seen else nbytes, launch, time.perf_counter_ns())
             return f.value()
 
         return fut.then(done)
