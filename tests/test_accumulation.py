@@ -253,3 +253,29 @@ def _reported(c):
     from types import SimpleNamespace
 
     return SimpleNamespace(reported=True, slowest=c.straggler, collectives=c, severity="warning", wait_share=0.5)
+
+
+def test_a_straggler_in_the_training_steps_is_weighed_against_them_not_the_evaluation_steps(tmp_path):
+    """DDP with more evaluation batches than training steps, rank 1 40 ms late to each training step: the others wait
+    ~40 ms inside each all-reduce. The straggler finding, its value and the Overview's headline set that wait against
+    the median of every step past the first, an evaluation step's fraction of a millisecond (thousands of percent);
+    now against the median of the steps that ran the collectives, the wait's own."""
+    from dpprof.findings import run_findings
+    from dpprof.views.overview import overview
+
+    reports = tmp_path / "reports"
+    _torchrun(["-m", "dpprof", "run", SCRIPT], {"DPPROF_REPORTS": str(reports), "ACCUM": "1", "EVAL": "6",
+                                                "SLOW": "1:40"})
+    [run_id] = dpprof.list_runs(reports)["id"]
+    run = dpprof.load_run(run_id, reports)
+    steps = run.steps.groupby("step")["duration_ms"].max().iloc[1:]
+    training = steps[steps.index.isin(run.comms["step"])]
+    assert len(training) == EPOCHS * STEPS - 1 and len(steps) - len(training) == EPOCHS * 6
+    assert steps.median() < 40 < training.median()  # the evaluation steps are the median step
+    found = run_findings(run).table.set_index("kind").loc["straggler_rank"]
+    assert found["device"] == "rank:1"
+    wait = float(found["evidence"].split("the others wait ")[1].split(" ms")[0])
+    assert wait > 30 and found["value"] == pytest.approx(wait / training.median(), rel=0.01) and found["value"] < 1
+    assert "of the median step past the first that ran collectives" in found["evidence"]
+    glance = overview(run).glance
+    assert glance.wait_share == pytest.approx(found["value"])

@@ -111,7 +111,7 @@ class Straggler:
         c = self.collectives
         if c is not None and self.reported:
             return (f"{slow} is the slowest to reach the collectives: inside them they wait {c.wait_ms:.2f} ms per "
-                    f"step for it ({self.wait_share:.0%} of the {MEDIAN_STEP}); it waited least in {c.share:.0%} "
+                    f"step for it ({self.wait_share:.0%} of the {c.step_words}); it waited least in {c.share:.0%} "
                     f"of {c.steps} steps.")
         if c is not None:
             return (f"No straggler: inside the collectives {slow} waits least, the others "
@@ -137,7 +137,7 @@ def straggler_verdict(t: Tables) -> Straggler | None:
     if not t.model.dataparallel and (by_collectives := collective_verdict(t)) is not None:
         # one verdict per run: where the ranks' collectives match, the wait inside them names the straggler
         return Straggler(found=found, work=work, unit=t.model.unit, threshold=by_collectives.threshold,
-                         step_ms=t.median_step_ms, later_steps=t.later_step_count, reason=by_collectives.reason,
+                         step_ms=by_collectives.step_ms, later_steps=t.later_step_count, reason=by_collectives.reason,
                          collectives=by_collectives)
     threshold, step_ms, wait = straggler_threshold(t), t.median_step_ms, found.wait_ms_per_step
     reason = None

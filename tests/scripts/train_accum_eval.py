@@ -7,12 +7,14 @@ prints one line per optimizer step and per evaluation batch, and saves the train
 
 Environment: WRAP (ddp, fsdp2, fsdp1; default ddp), EPOCHS (2), STEPS (3), ACCUM (3), EVAL (2), OUT,
 OUTPUT (tensor, or dataclass: the model returns its logits in a dataclass), IMPORT (public, or composable: FSDP2's
-fully_shard imported from torch.distributed._composable.fsdp), MP (bf16: FSDP2 gathers its parameters in bfloat16).
+fully_shard imported from torch.distributed._composable.fsdp), MP (bf16: FSDP2 gathers its parameters in bfloat16),
+SLOW (RANK:MS: that rank sleeps MS before each optimizer step's first micro-batch, a slow data loader).
 """
 import contextlib
 import dataclasses
 import gc
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -21,6 +23,7 @@ from torch import nn
 WRAP = os.environ.get("WRAP", "ddp")
 EPOCHS, STEPS = int(os.environ.get("EPOCHS", "2")), int(os.environ.get("STEPS", "3"))
 ACCUM, EVAL = int(os.environ.get("ACCUM", "3")), int(os.environ.get("EVAL", "2"))
+SLOW_RANK, SLOW_MS = (int(v) for v in os.environ.get("SLOW", "-1:0").split(":"))
 
 
 @dataclasses.dataclass
@@ -91,6 +94,8 @@ def logits_of(output):
 for epoch in range(EPOCHS):
     model.train()
     for step in range(STEPS):
+        if rank == SLOW_RANK:
+            time.sleep(SLOW_MS / 1e3)
         for micro in range(ACCUM):
             x, y = torch.randn(8, 20, generator=data), torch.randint(0, 5, (8,), generator=data)
             with sync(model, micro == ACCUM - 1):
