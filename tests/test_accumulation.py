@@ -255,19 +255,25 @@ def _reported(c):
     return SimpleNamespace(reported=True, slowest=c.straggler, collectives=c, severity="warning", wait_share=0.5)
 
 
-def test_a_straggler_in_the_training_steps_is_weighed_against_them_not_the_evaluation_steps(tmp_path):
-    """DDP with more evaluation batches than training steps, rank 1 40 ms late to each training step: the others wait
-    ~40 ms inside each all-reduce. The straggler finding, its value and the Overview's headline set that wait against
-    the median of every step past the first, an evaluation step's fraction of a millisecond (thousands of percent);
-    now against the median of the steps that ran the collectives, the wait's own."""
-    from dpprof.findings import run_findings
-    from dpprof.views.overview import overview
-
-    reports = tmp_path / "reports"
+@pytest.fixture(scope="module")
+def eval_heavy(tmp_path_factory):
+    """DDP with more evaluation batches than training steps (6 an epoch after 3), rank 1 40 ms late to each training
+    step, recorded by `dpprof run`."""
+    reports = tmp_path_factory.mktemp("eval-heavy") / "reports"
     _torchrun(["-m", "dpprof", "run", SCRIPT], {"DPPROF_REPORTS": str(reports), "ACCUM": "1", "EVAL": "6",
                                                 "SLOW": "1:40"})
     [run_id] = dpprof.list_runs(reports)["id"]
-    run = dpprof.load_run(run_id, reports)
+    return dpprof.load_run(run_id, reports)
+
+
+def test_a_straggler_in_the_training_steps_is_weighed_against_them_not_the_evaluation_steps(eval_heavy):
+    """The others wait ~40 ms inside each all-reduce for rank 1. The straggler finding, its value and the Overview's
+    headline set that wait against the median of every step past the first, an evaluation step's fraction of a
+    millisecond (thousands of percent); now against the median of the steps that ran the collectives, the wait's own."""
+    from dpprof.findings import run_findings
+    from dpprof.views.overview import overview
+
+    run = eval_heavy
     steps = run.steps.groupby("step")["duration_ms"].max().iloc[1:]
     training = steps[steps.index.isin(run.comms["step"])]
     assert len(training) == EPOCHS * STEPS - 1 and len(steps) - len(training) == EPOCHS * 6
@@ -279,3 +285,35 @@ def test_a_straggler_in_the_training_steps_is_weighed_against_them_not_the_evalu
     assert "of the median step past the first that ran collectives" in found["evidence"]
     glance = overview(run).glance
     assert glance.wait_share == pytest.approx(found["value"])
+
+
+def test_training_steps_between_evaluation_steps_are_no_stalls_a_stall_among_them_is(eval_heavy):
+    """The stall rule set every step against the median of all, an evaluation step's: each training step (40 ms and
+    more against 0.5 ms) was 'over 2x the median step', 5 of 17 said to stall 'from outside the model'. Each step is
+    now set against the median of its kind (training: a backward ran; evaluation: none), and a training step that
+    stalls among them still is one."""
+    from dpprof.findings import run_findings, tables_of
+    from dpprof.findings.steps import outlier_steps, stalls, step_kinds
+
+    run = eval_heavy
+    t = tables_of(run)
+    per = t.every_step.groupby("step")["duration_ms"].max().sort_index().iloc[1:]
+    kinds = step_kinds(t, per.index)
+    assert kinds.value_counts().to_dict() == {"evaluation": EPOCHS * 6, "training": EPOCHS * STEPS - 1}
+    training = per[kinds == "training"]
+    assert set(training.index) <= set(stalls(per).slow_ms.index)  # the rule over every step alone: all of them
+    # an evaluation step may stall against its own kind on a loaded machine; no training step does here
+    found = stalls(per, kinds)
+    assert found is None or not (kinds[found.slow_ms.index] == "training").any()
+    said = run_findings(run).table.set_index("kind")
+    assert "outlier_steps" not in said.index or said.loc["outlier_steps", "title"].endswith("of its kind")
+    stalled = training.index[-1]
+    per[stalled] = 10 * training.median()  # one training step ten times its kind's median
+    found = stalls(per, kinds)
+    assert found is not None and found.slow_ms.index[0] == stalled
+    assert (kinds[found.slow_ms.index] == "training").sum() == 1
+    assert found.median_ms == pytest.approx(per[kinds == "training"].median())
+    t.steps.loc[t.steps["step"] == stalled, "duration_ms"] = 10 * training.median()
+    [row] = outlier_steps(t)
+    assert row["title"].endswith(f"of {len(per)} steps took over 2x the median step of its kind")
+    assert "median training step past the first" in row["evidence"] and "(no backward)" in row["evidence"]

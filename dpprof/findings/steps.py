@@ -12,7 +12,7 @@ from dpprof.stepmodel import REST, partition, parts_for
 from dpprof.units import plural
 
 __all__ = ["OUTLIER_STEP_RATIO", "OUTLIER_TIME_SHARE", "OUTLIER_WARN_SHARE", "OUTLIER_STEPS_LISTED", "Stalls", "stalls",
-           "outlier_steps", "REST_SHARE_WARN", "RANKS_LISTED", "rest_of_steps", "unrecorded_time"]
+           "step_kinds", "outlier_steps", "REST_SHARE_WARN", "RANKS_LISTED", "rest_of_steps", "unrecorded_time"]
 
 # A step (past the first) over 2x the run's median step is an outlier: a stall or contention from
 # outside the step (another process on the same cores or GPU, data loading, swapping), not the
@@ -39,39 +39,66 @@ class Stalls:
     """Steps far beyond the run's median, as the stall rule counts them (outlier_steps raises its finding on these;
     dpprof advise says them before any prediction)."""
 
-    median_ms: float  # the median of the steps past the first
-    slow_ms: pd.Series  # step -> ms of each step over OUTLIER_STEP_RATIO x the median, the slowest first
-    excess_ms: float  # their time beyond the median, summed
+    median_ms: float  # the median of the steps past the first (of the kind with the most time: training's)
+    slow_ms: pd.Series  # step -> ms of each step over OUTLIER_STEP_RATIO x its kind's median, the slowest first
+    excess_ms: float  # their time beyond their kind's median, summed
     share: float  # excess_ms over the run's step time (steps past the first)
     steps: int  # steps past the first
+    medians: dict[str, float] | None = None  # kind -> its median, where steps of kinds were told apart
 
     @property
     def severity(self) -> str:
         return "warning" if self.share >= OUTLIER_WARN_SHARE else "info"
 
 
-def stalls(step_ms: pd.Series) -> Stalls | None:
+def stalls(step_ms: pd.Series, kinds: pd.Series | None = None) -> Stalls | None:
     """The stall rule over the steps past the first (ms by step, in step order): steps over OUTLIER_STEP_RATIO x
     the median whose time beyond it is over OUTLIER_TIME_SHARE of the run's and clears the time floors; None
-    where there are none (or fewer than 3 steps)."""
+    where there are none (or fewer than 3 steps). With ``kinds`` (step -> "training" or "evaluation"), each step
+    against the median of its kind (a kind of under 3 steps is not judged): training steps between shorter evaluation
+    steps are no stalls for being longer."""
     if len(step_ms) < 3:
         return None
-    median = float(step_ms.median())
-    slow = step_ms[step_ms > OUTLIER_STEP_RATIO * median]
-    excess = float((slow - median).sum())
+    kinds = pd.Series("", index=step_ms.index) if kinds is None else kinds.reindex(step_ms.index)
+    medians = {str(k): float(ms.median()) for k, ms in step_ms.groupby(kinds) if len(ms) >= 3}
+    if not medians:
+        return None
+    median_of = kinds.map(medians).astype(float)
+    slow = step_ms[step_ms > OUTLIER_STEP_RATIO * median_of]
+    excess = float((slow - median_of[slow.index]).sum())
     share = excess / float(step_ms.sum()) if step_ms.sum() else 0.0
+    main = max(medians, key=lambda k: float(step_ms[kinds == k].sum()))  # the kind the run's time goes to
+    median = medians[main]
     if slow.empty or share < OUTLIER_TIME_SHARE or not worth_time(excess / len(step_ms), median):
         return None
-    return Stalls(median, slow.sort_values(ascending=False), excess, share, len(step_ms))
+    return Stalls(median, slow.sort_values(ascending=False), excess, share, len(step_ms),
+                  medians if len(medians) > 1 or "" not in medians else None)
+
+
+def step_kinds(t: Tables, steps: pd.Index) -> pd.Series | None:
+    """Of ``steps``, step -> "training" (it ran a backward) or "evaluation" (none: forwards under no_grad between
+    training steps); None where they are all one kind, or the run's phases do not cover every step (a thinned run)."""
+    if t.all_steps is not None or "phase" not in t.phases:
+        return None
+    trains = steps.isin(t.phases.loc[t.phases["phase"] == "backward", "step"].unique())
+    if trains.all() or not trains.any():
+        return None
+    return pd.Series(["training" if x else "evaluation" for x in trains], index=steps)
 
 
 def outlier_steps(t: Tables) -> list[dict]:
     """Steps far beyond the run's median (stalls, contention from other load), named with their times."""
     per = t.every_step.groupby("step")["duration_ms"].max().sort_index().iloc[1:]  # the first step's costs are no stall
-    found = stalls(per)
+    found = stalls(per, step_kinds(t, per.index))
     if found is None:
         return []
     median, excess, share, worst = found.median_ms, found.excess_ms, found.share, found.slow_ms
+    of_median, of_kind = f"{MEDIAN_STEP} {median:.2f} ms", ""
+    if found.medians is not None:  # a training step against the training steps, an evaluation step against its own
+        of_median = "; ".join(f"median {k} step past the first {m:.2f} ms" + (" (no backward)" if k == "evaluation"
+                                                                               else "")
+                              for k, m in sorted(found.medians.items(), reverse=True))
+        of_kind = " of its kind"
     listed = ", ".join(f"{s} ({ms:.0f} ms)" for s, ms in worst.head(OUTLIER_STEPS_LISTED).items())
     more = f" and {len(worst) - OUTLIER_STEPS_LISTED} more" if len(worst) > OUTLIER_STEPS_LISTED else ""
     outside = ("Steps that stall like this come from outside the model: another process on the same cores or GPU "
@@ -88,8 +115,8 @@ def outlier_steps(t: Tables) -> list[dict]:
                   "stall: their time follows their batch. Bucket batches by size or pad to fixed shapes for steady "
                   "steps" + ("." if len(bigger) == len(worst) else f". For the others: {outside}"))
     return [finding("outlier_steps", found.severity, None,
-                    f"{len(worst)} of {found.steps} steps took over {OUTLIER_STEP_RATIO:g}x the median step",
-                    f"{MEDIAN_STEP} {median:.2f} ms; steps {listed}{more}; {excess / 1e3:.2f} s beyond the median, "
+                    f"{len(worst)} of {found.steps} steps took over {OUTLIER_STEP_RATIO:g}x the median step{of_kind}",
+                    f"{of_median}; steps {listed}{more}; {excess / 1e3:.2f} s beyond the median{of_kind}, "
                     f"{share:.0%} of the run's step time past the first{batches}", advice, share, "share")]
 
 
