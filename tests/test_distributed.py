@@ -310,6 +310,33 @@ def test_a_rank_whose_step_is_mostly_its_scripts_own_code_is_told_what_dpprof_do
     assert "unrecorded_time" not in set(run_findings(once).table["kind"])
 
 
+def test_a_second_ddp_models_forward_in_the_step_reads_no_data_over_the_first_models(tmp_path):
+    """An encoder and a decoder, each its own DDP, one loss and one optimizer: the decoder's forward recorded a data
+    part from the step's start, over the encoder's forward (2 gloo ranks: 1.43 ms of data a step where 0.36 ms was
+    loading, and a data finding of 21% of the step). A later forward's data starts after the parts recorded in its
+    step before it."""
+    import torch
+    from torch import nn
+
+    from dpprof.instrument import instrument
+
+    with _gloo_world_of_one(tmp_path), instrument(store=False) as run:
+        enc = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(32, 64), nn.ReLU()))
+        dec = nn.parallel.DistributedDataParallel(nn.Linear(64, 8))
+        opt = torch.optim.SGD([*enc.parameters(), *dec.parameters()], lr=0.1)
+        for _ in range(4):
+            x = torch.randn(16, 32)
+            dec(enc(x)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    phases = run.frames()["phases"]
+    phases = phases.assign(end_ms=phases["start_ms"] + phases["duration_ms"])
+    assert phases.groupby("phase").size()[["data", "forward"]].tolist() == [6, 8]  # no data before the first step
+    for step, p in phases[phases["phase"].isin(["data", "forward"])].groupby("step"):
+        p = p.sort_values("start_ms")
+        assert (p["start_ms"].iloc[1:].to_numpy() >= p["end_ms"].iloc[:-1].to_numpy() - 1e-6).all(), p  # none overlap
+
+
 def _train_hooked(register, recorded: bool) -> tuple[list, object, list[str]]:
     """A DDP Linear trained 3 steps in this process's gloo world after ``register(ddp)`` ran (it registers a comm hook,
     and may run a forward first), recorded or not: its weights, the run (None unrecorded) and the hooks that ran."""
