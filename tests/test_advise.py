@@ -320,6 +320,38 @@ def test_stalled_steps_are_said_before_the_prediction(paused):
     assert m.typical_step_ms < 250 and a.headline() is not None
 
 
+class _PerSample(torch.nn.Module):
+    """A Linear whose forward sleeps 2 ms a sample of its chunk: a step's time follows its batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.002 * len(x))
+        return self.lin(x)
+
+
+def test_steps_slow_from_their_own_bigger_batch_are_said_as_the_finding_says_them(tmp_path):
+    from dpprof.findings import run_findings
+
+    # dynamic shapes: steps 4 and 8 carry 60 samples, the others 4 (30 ms of apply against 4 ms on each worker): the
+    # outlier finding puts them down to their batch; the advisor's note said "stalled: something else ran"
+    net = dpprof.DataParallel(_PerSample(), device_ids=dpprof.cpu_devices(2))
+    with dpprof.record(name="dynamic", reports_dir=str(tmp_path)) as recording:
+        for i in range(10):
+            with recording.step():
+                net(torch.randn(60 if i in (4, 8) else 4, 5)).pow(2).mean().backward()
+    run = dpprof.load_run(recording.path)
+    outliers = run_findings(run).table.set_index("kind").loc["outlier_steps"]
+    assert "bigger batch than the median step's 4 samples" in outliers["evidence"]
+    note = measure(run).stall_note
+    assert note is not None and "a bigger batch than the median step's 4 samples" in note
+    assert "4 (60 samples)" in note and "8 (60 samples)" in note and "not a stall" in note
+    # a step over 2x the median with 4 samples (a loaded machine) is a stall in both
+    assert ("something else ran" in note) == ("another process" in outliers["advice"])
+
+
 def test_a_run_too_noisy_to_predict_from_headlines_nothing_and_says_its_spread(paused):
     from dpprof.advise.predict import MAX_INTERVAL_RATIO
     from dpprof.views.advise import AdvisorView, scenario_table, text_lines

@@ -20,7 +20,7 @@ from typing import Any
 import pandas as pd
 
 from dpprof.advise import NotAdvisable
-from dpprof.findings.steps import OUTLIER_STEP_RATIO, stalls
+from dpprof.findings.steps import OUTLIER_STEP_RATIO, bigger_batches, stalls
 from dpprof.store import advisor_rows, queries
 from dpprof.store.reader import StoredRun, effective_status
 from dpprof.workload_names import WORKLOAD_NAMES
@@ -287,7 +287,8 @@ def _incomplete_note(run: StoredRun, steps: int) -> str | None:
 
 def _stall_note(run: StoredRun) -> str | None:
     """The stall finding's rule (dpprof.findings.steps.stalls) over every step past the first, in a sentence said
-    before the predictions; None where the steps do not stall.
+    before the predictions; None where the steps do not stall. Slow steps that carried a bigger batch than the
+    median step's are put down to their batch, as the finding puts them (dpprof.findings.steps.bigger_batches).
 
     Stalls do not stop a prediction: a stall is a step over OUTLIER_STEP_RATIO x the median, so stalls are always
     fewer than half the steps; the median step is not moved by them and the typical step the parts come from
@@ -296,11 +297,29 @@ def _stall_note(run: StoredRun) -> str | None:
     found = stalls(advisor_rows.step_maxima(run).iloc[1:])
     if found is None:
         return None
-    worst = ", ".join(f"{int(s)} ({ms:,.0f} ms)" for s, ms in found.slow_ms.head(3).items())
-    return (f"{len(found.slow_ms)} of {found.steps} steps stalled (over {OUTLIER_STEP_RATIO:g}x the median step of "
-            f"{found.median_ms:,.2f} ms: steps {worst}; {found.share:.0%} of the run's step time): something else ran "
-            "on this machine. The predictions start from the median and the typical step, which leave the stalls "
-            "out, and hold for a machine as quiet as the run's other steps.")
+    slow = len(found.slow_ms)
+    worst = ", ".join(f"{int(s)} ({ms:,.0f} ms)" for s, ms in found.slow_ms.head(3).items()) + _more(slow)
+    bigger, median_batch = bigger_batches(advisor_rows.step_batch_maxima(run).iloc[1:], found.slow_ms.index)
+    if not bigger:
+        return (f"{slow} of {found.steps} steps stalled (over {OUTLIER_STEP_RATIO:g}x the median step of "
+                f"{found.median_ms:,.2f} ms: steps {worst}; {found.share:.0%} of the run's step time): something else "
+                "ran on this machine. The predictions start from the median and the typical step, which leave the "
+                "stalls out, and hold for a machine as quiet as the run's other steps.")
+    listed = ", ".join(f"{s} ({b:,} samples)" for s, b in list(bigger.items())[:3]) + _more(len(bigger))
+    took = (f"{slow} of {found.steps} steps took over {OUTLIER_STEP_RATIO:g}x the median step of "
+            f"{found.median_ms:,.2f} ms (steps {worst}; {found.share:.0%} of the run's step time)")
+    batches = (f"a bigger batch than the median step's {median_batch:,g} samples (steps {listed}): their time "
+               "follows their batch (batches of varying size), not a stall")
+    if len(bigger) == slow:
+        return (f"{took}, each with {batches}. The predictions start from the median and the typical step, of the "
+                "run's most common batch, which leave them out.")
+    return (f"{took}: {len(bigger)} of them had {batches}; the other {slow - len(bigger)} stalled: something else ran "
+            "on this machine. The predictions start from the median and the typical step, of the run's most common "
+            "batch, which leave them out, and hold for a machine as quiet as the run's other steps.")
+
+
+def _more(listed: int, shown: int = 3) -> str:
+    return f" and {listed - shown} more" if listed > shown else ""
 
 
 RATIO_CLIP = (0.05, 0.95)  # apply_ratios' percentiles kept: a stall of the machine is not a rank's spread

@@ -2,6 +2,7 @@
 step time that none of its recorded parts covers."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pandas as pd
@@ -12,7 +13,8 @@ from dpprof.stepmodel import REST, partition, parts_for
 from dpprof.units import plural
 
 __all__ = ["OUTLIER_STEP_RATIO", "OUTLIER_TIME_SHARE", "OUTLIER_WARN_SHARE", "OUTLIER_STEPS_LISTED", "Stalls", "stalls",
-           "step_kinds", "outlier_steps", "REST_SHARE_WARN", "RANKS_LISTED", "rest_of_steps", "unrecorded_time"]
+           "step_kinds", "bigger_batches", "outlier_steps", "REST_SHARE_WARN", "RANKS_LISTED", "rest_of_steps",
+           "unrecorded_time"]
 
 # A step (past the first) over 2x the run's median step is an outlier: a stall or contention from
 # outside the step (another process on the same cores or GPU, data loading, swapping), not the
@@ -121,11 +123,18 @@ def outlier_steps(t: Tables) -> list[dict]:
 
 
 def _bigger_batches(t: Tables, steps: pd.Index) -> tuple[dict[int, int], float]:
-    """Of ``steps``, those whose batch (a step's largest recorded batch_size) is bigger than the median batch of the
-    steps past the first, step -> batch, and that median; none where the run records no batch sizes."""
+    """bigger_batches over the run's steps past the first (a step's batch: its largest recorded batch_size)."""
     if "batch_size" not in t.every_step:
         return {}, 0.0
-    batch = pd.to_numeric(t.every_step.groupby("step")["batch_size"].max(), errors="coerce").sort_index().iloc[1:]
+    return bigger_batches(t.every_step.groupby("step")["batch_size"].max().sort_index().iloc[1:], steps)
+
+
+def bigger_batches(batch: pd.Series, steps: Iterable[int]) -> tuple[dict[int, int], float]:
+    """Of ``steps``, those whose batch is bigger than the median batch of the steps past the first, step -> batch,
+    and that median; none where the run records no batch sizes. ``batch``: each step past the first's batch (its
+    largest recorded batch_size), by step. The outlier_steps finding and dpprof advise's note of slow steps put the
+    steps it returns down to their batch, not to a stall."""
+    batch = pd.to_numeric(batch, errors="coerce")
     if batch.isna().all():
         return {}, 0.0
     median = float(batch.median())

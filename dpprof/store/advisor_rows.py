@@ -23,6 +23,7 @@ __all__ = [
     "phases_of_steps",
     "sampled_model_applies",
     "sampled_steps",
+    "step_batch_maxima",
     "step_maxima",
     "step_spans",
     "steps_after",
@@ -77,6 +78,12 @@ def step_maxima(run: StoredRun) -> pd.Series:
     """Each step's longest duration over the run's ranks (ms), indexed by step in step order."""
     per = run.query("SELECT step, MAX(duration_ms) AS ms FROM steps GROUP BY step ORDER BY step")
     return per.set_index("step")["ms"]
+
+
+def step_batch_maxima(run: StoredRun) -> pd.Series:
+    """Each step's largest batch_size over the run's ranks, indexed by step in step order (NaN where none)."""
+    per = run.query("SELECT step, MAX(batch_size) AS batch FROM steps GROUP BY step ORDER BY step")
+    return per.set_index("step")["batch"]
 
 
 def step_spans(run: StoredRun) -> pd.DataFrame:
