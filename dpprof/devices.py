@@ -14,6 +14,7 @@ from dpprof.device_ids import DeviceLike, DeviceSet, resolve_devices
 from dpprof.nvml import Nvml, NvmlUnavailable, throttle_names
 from dpprof.records import (SEVERITIES, SLOWDOWN_REASONS, DeviceRecord, FindingRecord, finding_unit_error,
                             idle_severity, split_shares, uneven_severity)
+from dpprof.units import plural
 
 __all__ = ["inventory", "check_balance", "chunk_sizes", "even_batch_sizes", "cpu_info",
            "MEMORY_RATIO_WARN", "MULTIPROCESSOR_RATIO_WARN", "FREE_MEMORY_RATIO_WARN"]
@@ -142,14 +143,19 @@ def _batch_rule(devices: DeviceSet, batch_size: int) -> list[FindingRecord]:
         return []
     idle = n - len(sizes)
     uneven, idle_share = split_shares(sizes, n)
-    # what the split costs the device with the biggest chunk, which every step waits for (split_shares: the run's
-    # findings of the same split state the same shares of its apply, and what they cost a step)
+    # what the split leaves unused of the step, which waits for a device with the biggest chunk: torch.chunk's biggest
+    # chunk, ceil(batch / n), is the smallest any split of whole samples makes, so the same batch gains nothing from
+    # another split; a batch n divides evenly fills every device (split_shares: the run's findings of the same split
+    # state the same shares)
+    biggest = max(sizes)
     evidence = (f"batch {batch_size} on {n} devices: torch.chunk gives {sizes}"
-                + (f"; {idle} device(s) get nothing: spreading the batch over all {n} would take {idle_share:.0%} off "
-                   f"the work of a device with the biggest chunk, which every step waits for" if idle else
-                   f"; an even split of the same samples would take {uneven:.0%} off the work of a device with the "
-                   "biggest chunk, which every step waits for")
-                + (f" (evening out the chunks given, {uneven:.0%} more)" if idle and uneven else ""))
+                + (f"; {idle} device(s) get nothing" if idle else "")
+                + f"; every step waits for a device with the biggest chunk, {plural(biggest, 'sample')}, in which the "
+                f"{n} devices could take {n * biggest} and are given {batch_size}: "
+                + (f"the idle device(s) leave {idle_share:.0%} of the devices' time unused" if idle else
+                   f"the uneven chunks leave {uneven:.0%} of the devices' time unused")
+                + (f" (the uneven chunks given, {uneven:.0%} more)" if idle and uneven else "")
+                + f"; no split of {plural(batch_size, 'sample')} gives a smaller biggest chunk")
     suggestions = even_batch_sizes(batch_size, n)
     advice = f"Use a batch size that {n} divides evenly: {' or '.join(map(str, suggestions))}."
     if idle:

@@ -87,21 +87,25 @@ def uneven_severity(chunks: Sequence[int], devices: int) -> str:
 
 
 def split_shares(chunks: Sequence[float], devices: int) -> tuple[float, float]:
-    """What a batch split costs the device with the biggest chunk (the one the step waits for), as shares of its
-    work, against an even split of the same samples over every device: (uneven, idle). ``uneven``: the part an
-    even split among the devices given a chunk saves (1 - their mean chunk / the biggest); ``idle``: what spreading
-    the batch over the devices given none saves beyond that. The two sum to 1 - (batch / devices) / the biggest.
-    The uneven_chunks and idle_devices findings of the pre-flight check and of a run read them.
+    """What a batch split leaves unused of the step, which waits for a device with the biggest chunk: in that time
+    every device could take the biggest chunk, ``devices`` x biggest samples in all, and is given the batch. The
+    shares of those samples' slots left empty: (uneven, idle). ``uneven``: the slots the devices given a chunk leave
+    empty beside the biggest ((given devices x biggest - batch) / (devices x biggest)); ``idle``: the slots of the
+    devices given none ((devices - given devices) / devices). The two sum to 1 - batch / (devices x biggest).
+    torch.chunk's biggest chunk, ceil(batch / devices), is the smallest any split of whole samples makes: the same
+    batch gains nothing from another split, a batch the devices divide evenly fills every slot. The uneven_chunks
+    and idle_devices findings of the pre-flight check and of a run read them.
 
     Example:
         >>> split_shares([4, 4, 2], 3)  # batch 10 on 3 devices: (0.1667, 0.0)
         >>> split_shares([1, 1, 1], 4)  # batch 3 on 4 devices: (0.0, 0.25)
+        >>> split_shares([2, 2, 1], 4)  # batch 5 on 4 devices: (0.125, 0.25)
     """
     given = [c for c in chunks if c > 0]
     if not given or devices < 1:
         return 0.0, 0.0
-    biggest, mean_given = max(given), sum(given) / len(given)
-    return 1 - mean_given / biggest, (mean_given - sum(given) / devices) / biggest
+    slots = devices * max(given)
+    return (len(given) * max(given) - sum(given)) / slots, (devices - len(given)) / devices
 
 
 def device_key(label: object) -> tuple[str, int, str]:

@@ -72,14 +72,14 @@ def test_nvml_missing_still_checks_what_torch_knows(fake_gpus):
     assert _kinds(dpprof.check_balance()) == [("memory_imbalance", "cuda:1")]
 
 
-# share: what the split costs the device with the biggest chunk, as a share of its work (records.split_shares):
-# 4 where an even split gives 10/3; 2 where spreading over all 8 gives 1.25; 4 where 30/8 is 3.75; 2 of [2, 2, 1]
-# where spreading 5 over all 4 gives 1.25, beyond the mean 1.67 of the chunks given
+# share: what the split leaves unused of the devices' time in a step, which waits for the biggest chunk
+# (records.split_shares): 10 of 12 samples' slots filled; the 3 idle devices' 6 of 16; 30 of 32; the idle device's
+# 2 of 8 (and 1 more beside cpu:2's single sample)
 @pytest.mark.parametrize("batch, n, chunks, kind, suggest, share", [
     (10, 3, [4, 4, 2], "uneven_chunks", [9, 12], 1 - 10 / 3 / 4),
-    (10, 8, [2, 2, 2, 2, 2], "idle_devices", [8, 16], 1 - 1.25 / 2),
-    (30, 8, [4, 4, 4, 4, 4, 4, 4, 2], "uneven_chunks", [24, 32], 1 - 3.75 / 4),
-    (5, 4, [2, 2, 1], "idle_devices", [4, 8], (5 / 3 - 1.25) / 2),
+    (10, 8, [2, 2, 2, 2, 2], "idle_devices", [8, 16], 3 / 8),
+    (30, 8, [4, 4, 4, 4, 4, 4, 4, 2], "uneven_chunks", [24, 32], 2 / 32),
+    (5, 4, [2, 2, 1], "idle_devices", [4, 8], 2 / 8),
     (30, 3, [10, 10, 10], None, [30, 33], 0.0),
 ])
 def test_batch_split_as_torch_chunk_makes_it(batch, n, chunks, kind, suggest, share):
@@ -94,7 +94,11 @@ def test_batch_split_as_torch_chunk_makes_it(batch, n, chunks, kind, suggest, sh
     assert str(chunks) in finding.evidence
     assert f"{suggest[0]} or {suggest[1]}" in finding.advice
     assert (finding.value, finding.unit) == (pytest.approx(share), "share")
-    assert f"would take {share:.0%} off the work of a device with the biggest chunk" in finding.evidence
+    biggest = max(chunks)
+    assert (f"every step waits for a device with the biggest chunk, {biggest} sample{'s' * (biggest > 1)}, in which "
+            f"the {n} devices could take {n * biggest} and are given {batch}: ") in finding.evidence
+    assert f"leave {share:.0%} of the devices' time unused" in finding.evidence
+    assert f"no split of {batch} samples gives a smaller biggest chunk" in finding.evidence
     if kind == "idle_devices":
         assert finding.title.startswith(f"{n - len(chunks)} of {n} devices") and finding.device == f"cpu:{len(chunks)}"
 

@@ -109,9 +109,9 @@ class _PerSample(nn.Module):
 
 def _split_cost_of_records(run):
     """What the split cost, from the run's own records (the rule of docs/findings.md, computed here): per step past
-    the first, the apply of a device with the biggest chunk times the share an even split among the devices given a
-    chunk (uneven), and spreading over every device beyond that (idle), would take off; means over the steps, and
-    the median step past the first."""
+    the first, the apply of a device with the biggest chunk times the share of the devices' time in it (n x the
+    biggest chunk's samples) the chunks given leave empty beside the biggest (uneven), and the devices given none
+    leave (idle); means over the steps, and the median step past the first."""
     first = run.steps["step"].min()
     n = len(run.meta["devices"])
     memory = run.memory[(run.memory["step"] != first) & run.memory["chunk_size"].notna()]
@@ -122,8 +122,8 @@ def _split_cost_of_records(run):
     for step, c in chunks.iterrows():
         c = c[c > 0]
         waited = apply.loc[step, c[c == c.max()].index].max()
-        uneven_ms.append(waited * (1 - c.mean() / c.max()))
-        idle_ms.append(waited * (c.mean() - c.sum() / n) / c.max())
+        uneven_ms.append(waited * (len(c) * c.max() - c.sum()) / (n * c.max()))
+        idle_ms.append(waited * (n - len(c)) / n)
     median = run.steps.loc[run.steps["step"] != first, "duration_ms"].median()
     return sum(uneven_ms) / len(uneven_ms), sum(idle_ms) / len(idle_ms), median
 
@@ -168,8 +168,8 @@ def test_uneven_chunks_state_what_they_cost_as_the_check_grades_the_split():
     # the pre-flight check of the same split: the same share of the waited-for device's work, the same grade (a
     # warning: two samples apart), which the run raises to critical only from a quarter of the step
     [checked] = [f for f in dpprof.check_balance(dpprof.cpu_devices(3), 10) if f.kind == "uneven_chunks"]
-    assert checked.value == pytest.approx(1 / 6) and "would take 17% off" in checked.evidence
-    assert "would take 17% off it" in uneven["evidence"]
+    assert checked.value == pytest.approx(1 / 6) and "leave 17% of the devices' time unused" in checked.evidence
+    assert "the uneven chunks leave 17% of the devices' time unused" in uneven["evidence"]
     assert uneven["severity"] == ("critical" if uneven_ms >= CRITICAL_STEP_SHARE * median else checked.severity)
 
 
@@ -198,7 +198,7 @@ def test_idle_devices_when_the_batch_is_smaller_than_the_devices():
     if "idle_devices" not in findings.index:
         return
     idle = findings.loc["idle_devices"]
-    assert idle["device"] == "cpu:3" and "would take 25% off it" in idle["evidence"]
+    assert idle["device"] == "cpu:3" and "leave 25% of the 4 devices' time unused" in idle["evidence"]
     assert f"leaving them idle costs {idle_ms:.2f} ms a step" in idle["evidence"]
     assert (idle["value"], idle["unit"]) == (pytest.approx(idle_ms / median), "share")
     # show's and the CSV's per-device summary has the idle device too: a row of no work, chunk 0
@@ -210,7 +210,7 @@ def test_idle_devices_when_the_batch_is_smaller_than_the_devices():
     # the same severity as the pre-flight check of the same split (1 of 4 idle is a warning, half or more critical),
     # and the same share of the waited-for device's work; critical too from a quarter of the step
     [checked] = [f for f in dpprof.check_balance(dpprof.cpu_devices(4), 3) if f.kind == "idle_devices"]
-    assert checked.value == pytest.approx(0.25) and "would take 25% off" in checked.evidence
+    assert checked.value == pytest.approx(0.25) and "leave 25% of the devices' time unused" in checked.evidence
     assert idle["severity"] == ("critical" if idle_ms >= CRITICAL_STEP_SHARE * median else checked.severity)
     run = _record(_PerSample(), lambda i: (torch.randn(2, 5),), workers=4, steps=4)
     [checked] = [f for f in dpprof.check_balance(dpprof.cpu_devices(4), 2) if f.kind == "idle_devices"]
@@ -237,6 +237,24 @@ def test_a_device_idle_in_some_steps_only_is_said_with_what_it_costs():
     # the check's grade of the split that leaves it idle (1 of 3: a warning), critical from a quarter of the step
     [checked] = [f for f in dpprof.check_balance(dpprof.cpu_devices(3), 4) if f.kind == "idle_devices"]
     assert idle["severity"] == ("critical" if idle_ms >= CRITICAL_STEP_SHARE * median else checked.severity)
+
+
+def test_a_split_that_leaves_a_device_idle_costs_what_its_whole_samples_leave_unused():
+    # batch 5 on 4 workers: torch.chunk gives 2, 2, 1 and cpu:3 nothing. Every step waits for a 2-sample chunk, and no
+    # split of 5 whole samples gives a smaller one: the 4 devices could take 8 in that time. cpu:3 leaves its 2 of
+    # them empty (25%), cpu:2 one (12.5%). The share was 21% and 17%, from an even split of 1.25 samples a device
+    run = _record(_PerSample(), lambda i: (torch.randn(5, 5),), workers=4, steps=5)
+    assert run.model.idle == ("cpu:3",)
+    cost = split_cost(tables_of(run))
+    [checked] = [f for f in dpprof.check_balance(dpprof.cpu_devices(4), 5) if f.kind == "idle_devices"]
+    assert (cost.idle, cost.uneven) == (pytest.approx(0.25), pytest.approx(0.125)) and checked.value == cost.idle
+    assert ("the 4 devices could take 8 and are given 5: the idle device(s) leave 25% of the devices' time unused "
+            "(the uneven chunks given, 12% more); no split of 5 samples gives a smaller biggest chunk") in checked.evidence
+    _, idle_ms, _ = _split_cost_of_records(run)
+    assert cost.idle_ms == pytest.approx(idle_ms)
+    idle = findings_of(run).set_index("kind")
+    if "idle_devices" in idle.index:  # the floors, as every finding's
+        assert "the idle devices leave 25% of the 4 devices' time unused" in idle.loc["idle_devices", "evidence"]
 
 
 def test_the_host_an_output_is_gathered_onto_is_no_device_of_the_split():

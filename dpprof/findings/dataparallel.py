@@ -262,12 +262,12 @@ def dataparallel_tax(t: Tables) -> list[dict]:
 @dataclass(frozen=True)
 class SplitCost:
     """What the batch's split cost a run, per step past the first (split_cost): the apply of a device with the
-    biggest chunk, which the step waits for, and the shares of it an even split would take off (records.split_shares
-    of the step's chunks, the pre-flight check's figures of a split)."""
+    biggest chunk, which the step waits for, and the shares of the devices' time in it the split leaves unused
+    (records.split_shares of the step's chunks, the pre-flight check's figures of a split)."""
 
     apply_ms: float  # mean apply of a device with the biggest chunk (the slower of several)
-    uneven: float  # mean share of it an even split among the devices given a chunk takes off
-    idle: float  # mean share of it spreading the batch over the devices given none takes off beyond that
+    uneven: float  # mean share of the devices' time the chunks given leave unused beside the biggest
+    idle: float  # mean share of the devices' time the devices given none leave unused
     uneven_ms: float  # mean ms a step: apply_ms x uneven, step by step
     idle_ms: float  # mean ms a step: apply_ms x idle, step by step
 
@@ -328,9 +328,10 @@ def uneven_chunks(t: Tables) -> list[dict]:
         findings.append(finding("uneven_chunks", critical_or(uneven_severity(sizes, n), cost.uneven_ms, step_ms),
                                 None, f"chunks were uneven in {share:.0%} of steps, costing {costs:.0%} of the step",
                                 f"{len(uneven)} of {len(per_step_sizes)} steps; e.g. step {step}: chunks {sizes}; the "
-                                f"largest chunk is {spread.mean():.0%} bigger than the smallest on average; {waited}, "
-                                f"and an even split of the same samples would take {cost.uneven:.0%} off it: the "
-                                f"uneven split {cost_text(cost.uneven_ms, later)} ({costs:.0%} of the {MEDIAN_STEP})",
+                                f"largest chunk is {spread.mean():.0%} bigger than the smallest on average; {waited}; "
+                                f"in that time the uneven chunks leave {cost.uneven:.0%} of the devices' time unused "
+                                "(no split of the same samples gives a smaller biggest chunk): the uneven split "
+                                f"{cost_text(cost.uneven_ms, later)} ({costs:.0%} of the {MEDIAN_STEP})",
                                 f"torch.chunk splits the batch; use a batch size that {n} divides "
                                 "evenly (dpprof check --batch-size N shows the split).", costs, "share"))
     idle = list(t.model.idle)
@@ -339,8 +340,8 @@ def uneven_chunks(t: Tables) -> list[dict]:
         findings.append(finding("idle_devices", critical_or(idle_severity(len(idle), n), cost.idle_ms, step_ms),
                                 idle[0], f"{len(idle)} device(s) never got a chunk, costing {costs:.0%} of the step",
                                 f"devices {', '.join(idle)} of {n} did no work in any step: the run used "
-                                f"{n - len(idle)} of its {n} devices; {waited}, and spreading the batch over all {n} "
-                                f"would take {cost.idle:.0%} off it: leaving them idle "
+                                f"{n - len(idle)} of its {n} devices; {waited}; in that time the idle devices leave "
+                                f"{cost.idle:.0%} of the {n} devices' time unused: leaving them idle "
                                 f"{cost_text(cost.idle_ms, later)} ({costs:.0%} of the {MEDIAN_STEP})",
                                 "The batch is smaller than the number of devices times the chunk torch.chunk makes; "
                                 "raise the batch size or use fewer devices.", costs, "share"))
@@ -371,8 +372,9 @@ def _idle_in_some_steps(t: Tables, chunked: pd.DataFrame, cost: SplitCost, waite
     return [finding("idle_devices", critical_or(idle_severity(most_idle, n), cost.idle_ms, step_ms), next(iter(short)),
                     f"{len(short)} device(s) got no chunk in some steps, costing {costs:.0%} of the step",
                     f"steps past the first in which a device did no work: {which}; e.g. step {step}: chunks {sizes} "
-                    f"on {n} devices; {waited}, and spreading each step's batch over all {n} would take "
-                    f"{cost.idle:.0%} off it on average: leaving them idle {cost_text(cost.idle_ms, t.later_step_count)} "
+                    f"on {n} devices; {waited}; in that time the devices idle in the step leave "
+                    f"{cost.idle:.0%} of the {n} devices' time unused on average: leaving them idle "
+                    f"{cost_text(cost.idle_ms, t.later_step_count)} "
                     f"({costs:.0%} of the {MEDIAN_STEP})",
                     f"torch.chunk gives every device ceil(batch / {n}) samples until the batch runs out, so some "
                     f"batch sizes leave devices with nothing; use batch sizes that {n} divides evenly (dpprof check "
