@@ -445,17 +445,24 @@ def refused(tmp_path_factory, runs, profiled):
     listing = dpprof.list_runs(directory)
     ranks = [dpprof.load_run(run_id, directory) for run_id in listing[listing["ranks"] == 2]["id"]]
     idle = record(directory, "idle", workers=3, steps=4, batch_size=2, workload="tutorial-linear")
+    # a batch of at least the devices that still leaves one idle: torch.chunk's chunks of 2 run out at the third
+    idle4 = record(directory, "idle4", workers=3, steps=4, batch_size=4, workload="tutorial-linear")
     out = {"ddp": (next(r.id for r in ranks if r.model.kind == "ddp"), "is a DistributedDataParallel run: "),
            "fsdp": (next(r.id for r in ranks if r.model.kind == "fsdp"), "is an FSDP run: "),
            "short": (runs.short.id, f"at least {MIN_STEPS}"),
-           "idle": (idle.id, "gave no chunk to cpu:2 (its batch is smaller than its 3 devices)"),
+           "idle": (idle.id, "gave no chunk to cpu:2: torch.chunk splits its batch of 2 into [1, 1] over its 3 "
+                    "devices; the advisor predicts from runs whose every device works: record it with a batch 3 "
+                    "divides evenly (3)"),
+           "idle4": (idle4.id, "gave no chunk to cpu:2: torch.chunk splits its batch of 4 into [2, 2] over its 3 "
+                     "devices; the advisor predicts from runs whose every device works: record it with a batch 3 "
+                     "divides evenly (3 or 6)"),
            "host": (_recorded_onto_the_host(directory).id, "gathered its outputs onto the host (output_device=-1)")}
     if TRACE.exists():
         out["trace"] = (import_traces([TRACE], directory).id, "imported torch.profiler trace")
     return out
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp", "trace", "short", "idle", "host"])
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "trace", "short", "idle", "idle4", "host"])
 def test_runs_it_cannot_predict_from_say_why_in_one_line_and_exit_1(runs, refused, kind, capsys):
     if kind not in refused:
         pytest.skip(f"no {TRACE}")

@@ -168,9 +168,17 @@ def _refuse(run: StoredRun) -> None:
                            "from runs that gather onto one of their devices; record it without output_device=-1")
     if model.idle:  # DataParallel replicates onto the devices that got a chunk only: no set-up the model knows
         n = len(model.devices)
-        raise NotAdvisable(f"run {run.id} gave no chunk to {', '.join(model.idle)} (its batch is smaller than its "
-                           f"{n} devices): the advisor predicts from runs whose every device works; record it with a "
-                           f"batch of at least {n}")
+        batches = pd.to_numeric(advisor_rows.step_batch_maxima(run).iloc[1:], errors="coerce").dropna()
+        # torch.chunk's chunks of ceil(batch / n) run out before the last devices, also where the batch is n or more
+        # (4 on 3: 2, 2): the batch said with its split, and the batches n divides evenly beside it
+        split = ""
+        even = f"a batch {n} divides evenly"
+        if len(batches):
+            batch = int(batches.mode().max())
+            split = f": torch.chunk splits its batch of {batch} into {chunk_sizes(batch, n)} over its {n} devices"
+            even += f" ({' or '.join(str(b) for b in ((batch // n) * n, (batch // n + 1) * n) if b > 0)})"
+        raise NotAdvisable(f"run {run.id} gave no chunk to {', '.join(model.idle)}{split}; the advisor predicts from "
+                           f"runs whose every device works: record it with {even}")
 
 
 def measure(run: StoredRun) -> Measured:
