@@ -249,8 +249,19 @@ def test_every_command_is_one_dpprof_profile_can_run(runs, calibrated):
             args = build_parser().parse_args(argv[1:])
             assert args.command == "profile" and args.ddp == (s.scenario == "ddp")
             assert args.balanced == (s.scenario == "balanced")
-            per_rank = s.batch_size // s.devices if s.scenario == "ddp" else s.batch_size
+            per_rank = -(-s.batch_size // s.devices) if s.scenario == "ddp" else s.batch_size
             assert args.batch_size == per_rank
+
+
+def test_the_ddp_command_of_a_batch_the_ranks_do_not_divide_runs_the_chunk_the_prediction_waits_for(tmp_path):
+    # batch 5 on 3 workers: the DDP scenario predicts ranks of torch.chunk's 2, 2, 1 samples, its step waiting for a
+    # rank of 2; its command ran --batch-size 1 (5 // 3), a rank of half the work, which --check set against it
+    m = measure(record(tmp_path, "odd", workers=3, steps=4, batch_size=5, workload="tutorial-linear"))
+    [ddp] = [s for s in advise(m, None).scenarios if s.scenario == "ddp"]
+    assert ddp.label.endswith("2 samples each") and ddp.profile is not None and ddp.profile.batch_size == 2
+    assert ddp.command.endswith("--ddp --nproc 3 --batch-size 2 --steps 4")
+    assert ("5 does not split evenly over 3 ranks: the prediction gives them torch.chunk's [2, 2, 1], the command "
+            "each rank 2 samples (6 a step)") in "\n".join(ddp.changes)
 
 
 def test_without_a_calibration_the_read_side_predicts_nothing_and_gives_the_command(runs, tmp_path, monkeypatch):

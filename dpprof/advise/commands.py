@@ -35,7 +35,8 @@ def profile_for(m: Measured, scenario: str, k: int, batch: int, steps: int | Non
     """The profile that runs one scenario for real (None for a run recorded from a script: dpprof cannot rebuild
     it).
 
-    DDP takes the per-rank batch (``batch_size`` is each rank's under ``ddp``). The recorded run's
+    DDP takes the per-rank batch (``batch_size`` is each rank's under ``ddp``): torch.chunk's biggest chunk of
+    ``batch``, which the prediction's step waits for. The recorded run's
     OMP_NUM_THREADS, where it set one, is set again, so that the threads are those the prediction assumed.
     """
     args = m.workload_args
@@ -49,7 +50,9 @@ def profile_for(m: Measured, scenario: str, k: int, batch: int, steps: int | Non
     omp = args.get("omp_num_threads")
     env = {"OMP_NUM_THREADS": str(int(omp))} if omp else {}
     if scenario == "ddp":
-        return Profile(**what, ddp=True, nproc=k, batch_size=max(1, batch // k),
+        # each rank torch.chunk's biggest chunk, ceil(batch / k): the prediction's ranks take torch.chunk's chunks,
+        # and its step waits for the biggest (batch // k gave 5 on 3 ranks 1 sample each against a prediction of 2)
+        return Profile(**what, ddp=True, nproc=k, batch_size=-(-batch // k),
                        devices="cuda" if m.backend == "cuda" else None, steps=steps, env=env)
     return Profile(**what, devices=_devices(m, k), batch_size=batch, balanced=scenario == "balanced", steps=steps,
                    env=env)

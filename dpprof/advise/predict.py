@@ -704,8 +704,9 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
         ddp_notes.append(f"the ranks share the {model.C:.2f} cores this job gets: each step also waits out the other "
                          f"ranks' loading of their next batch, {model.ddp_data_ms():.2f} ms (in the rest)")
     if B % n:
-        ddp_notes.append(f"{B} does not split evenly: the command gives each rank {B // n} samples "
-                         f"({B // n * n} a step)")
+        ddp_notes.append(f"{B} does not split evenly over {plural(n, 'rank')}: the prediction gives them torch.chunk's "
+                         f"{per_rank}, the command each rank {plural(per_rank[0], 'sample')} ({per_rank[0] * n} a "
+                         "step), the biggest chunk, which the step waits for")
     add("ddp", n, B, ddp_parts, model.ddp_memory(), ddp_label, ddp_notes)
 
     # DataParallel on 1 .. 2n devices (the recorded kind for a balanced run is balanced: plain here)
