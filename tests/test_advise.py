@@ -411,6 +411,10 @@ def test_batch_size_moves_the_compute_that_scales_with_samples(runs, calibrated)
     assert apply[64] - apply[32] == pytest.approx(max(m.apply_ms.values()) * m.step_ms / m.typical_step_ms, rel=1e-9)
     assert apply[16] < apply[32] < apply[64]
     assert by_batch[64].step_ms > by_batch[32].step_ms > by_batch[16].step_ms
+    # a batch asked twice (--batch-sizes 16,16,64) is one scenario, not two rows of the same prediction
+    again = advise(m, calibrated, batch_sizes=[16, 16, 64])
+    assert [s.batch_size for s in again.scenarios if s.devices == 3 and not s.recorded and s.scenario == "dataparallel"
+            ] == [16, 64]
     # a run recorded at B / 2 predicts B: up, by what its compute (apply, backward, loss) is, at most twice its step
     half = measure(runs.half)
     assert half.batch_size == 16 and half.fixed_apply_ms == 0

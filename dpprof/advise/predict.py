@@ -616,8 +616,9 @@ def _changes(parts: dict[str, float], base: dict[str, float], balanced_from_plai
 
 def other_batches(m: Measured, batch_sizes: list[int] | None = None) -> list[int]:
     """The global batch sizes weighed at the recorded device count besides the recorded one (default: half and
-    twice it)."""
-    return [b for b in (batch_sizes or sorted({max(1, m.batch_size // 2), m.batch_size * 2})) if b != m.batch_size]
+    twice it), each once, in the order given."""
+    asked = batch_sizes or sorted({max(1, m.batch_size // 2), m.batch_size * 2})
+    return [b for b in dict.fromkeys(asked) if b != m.batch_size]
 
 
 def compute_layouts(m: Measured, batch_sizes: list[int] | None = None) -> list[tuple[int, int]]:
