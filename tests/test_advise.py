@@ -264,6 +264,24 @@ def test_the_ddp_command_of_a_batch_the_ranks_do_not_divide_runs_the_chunk_the_p
             "each rank 2 samples (6 a step)") in "\n".join(ddp.changes)
 
 
+def test_a_scenario_that_leaves_devices_idle_says_so_and_shares_cores_among_the_devices_that_work(tmp_path):
+    # batch 5 on 4 workers: torch.chunk gives 2, 2, 1 and cpu:3 nothing, so 3 workers run; the 4-worker scenario was
+    # predicted for 3 threads but its note said "4 workers share the ... cores: each apply runs ...x", the factor of 4
+    m = measure(record(tmp_path, "odd", workers=3, steps=4, batch_size=5, workload="tutorial-linear"))
+    advice = advise(m, None, batch_sizes=[2])
+    four = next(s for s in advice.scenarios if s.scenario == "dataparallel" and s.devices == 4)
+    assert four.changes[0] == "torch.chunk splits batch 5 into [2, 2, 1]: 1 CPU worker of 4 gets no chunk and runs nothing"
+    assert not any(c.startswith("4 workers share") for c in four.changes)
+    assert four.peak_bytes["cpu:3"] == 0
+    # batch 2 on the recorded 3: [1, 1]
+    [two] = [s for s in advice.scenarios if s.batch_size == 2]
+    assert two.changes[0] == "torch.chunk splits batch 2 into [1, 1]: 1 CPU worker of 3 gets no chunk and runs nothing"
+    assert not any(c.startswith("3 workers share") for c in two.changes)
+    # every device given a chunk: no such note
+    assert not any("no chunk" in c for s in advice.scenarios if s.devices in (3, 5) and s.batch_size == 5
+                   for c in s.changes)
+
+
 def test_without_a_calibration_the_read_side_predicts_nothing_and_gives_the_command(runs, tmp_path, monkeypatch):
     from dpprof.views.advise import advisor
 

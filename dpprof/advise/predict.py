@@ -714,10 +714,7 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
     for k in range(1, 2 * n + 1):
         parts = model.dataparallel(k, B, False)
         same = k == n and not recorded_kind_balanced
-        notes = []
-        if m.backend == "cpu" and k * model._share(k) > model.C:
-            notes.append(f"{k} worker{'s share' if k != 1 else ' shares'} the {model.C:.2f} cores this job gets: each apply runs "
-                         f"{model._oversubscribed(k, model._share(k)):.1f}x its time alone")
+        notes = _split_notes(m, model, k, B, device)
         if k == 1:
             notes.append("one device: no replicate, no parallel apply, no gather; the model runs on the caller")
         add("dataparallel", k, B, parts, model.memory(k, B, False),
@@ -737,13 +734,30 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
     for batch in other_batches(m, batch_sizes):
         parts = model.dataparallel(n, batch, recorded_kind_balanced)
         add("balanced" if recorded_kind_balanced else "dataparallel", n, batch, parts,
-            model.memory(n, batch, recorded_kind_balanced), f"batch {batch} on {plural(n, device)}")
+            model.memory(n, batch, recorded_kind_balanced), f"batch {batch} on {plural(n, device)}",
+            _split_notes(m, model, n, batch, device))
 
     fits, note = _max_batch(m, model, memory_bytes)
     said_first, withheld = _withheld(m, cal, scenarios)
     return Advice(run_id=m.run_id, measured=m, calibration=cal, scenarios=scenarios, max_batch_size=fits,
                   max_batch_note=note, assumptions=_assumptions(m, cal, model), said_first=said_first, withheld=withheld,
                   compute=compute)
+
+
+def _split_notes(m: Measured, model: _Model, k: int, batch: int, device: str) -> list[str]:
+    """What DataParallel on k devices does with ``batch`` that the parts do not say: the devices torch.chunk gives
+    no chunk (they run nothing: DataParallel replicates onto and applies on the devices given one), and on CPU
+    workers, the cores the working ones share, as _Model._raw weighs them."""
+    chunks = chunk_sizes(batch, k)
+    used = len(chunks)
+    notes = []
+    if used < k:
+        notes.append(f"torch.chunk splits batch {batch} into {chunks}: {plural(k - used, device)} of {k} "
+                     f"{'gets' if k - used == 1 else 'get'} no chunk and {'runs' if k - used == 1 else 'run'} nothing")
+    if m.backend == "cpu" and used * model._share(used) > model.C:
+        notes.append(f"{used} worker{'s share' if used != 1 else ' shares'} the {model.C:.2f} cores this job gets: "
+                     f"each apply runs {model._oversubscribed(used, model._share(used)):.1f}x its time alone")
+    return notes
 
 
 def _withheld(m: Measured, cal: Calibration | None, scenarios: list[Scenario]) -> tuple[list[str], str | None]:
