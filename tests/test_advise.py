@@ -900,6 +900,24 @@ def test_the_model_is_measured_alone_for_every_split_the_scenarios_need(measured
     assert ComputeProbe.from_json(json.loads(json.dumps(probe.to_json()))) == probe  # the cache's round trip exact
 
 
+def test_one_split_on_more_devices_than_it_has_chunks_is_measured_once_and_predicted_alike(tmp_path):
+    from dpprof.advise.compute import measure_compute
+    from dpprof.advise.predict import compute_layouts
+
+    # batch 5 on 3 workers; on 4, torch.chunk makes the same [2, 2, 1] and the fourth runs nothing. Each was measured
+    # apart, so the same work was predicted twice, apart by the measures' noise (sorted-gru batch 6 on 3 and 4
+    # workers: apply 53.86 and 48.87 ms, backward 1,000 and 768 ms)
+    m = measure(record(tmp_path, "odd", workers=3, steps=4, batch_size=5, workload="tutorial-linear"))
+    needed = compute_layouts(m)
+    assert (5, 4) not in needed and (5, 6) not in needed and needed.count((5, 3)) == 1
+    assert {(5, 1), (5, 2), (5, 3), (5, 5), (2, 1), (1, 1), (2, 2), (10, 3)} == set(needed)  # batch 2 on 3: [1, 1]
+    probe = measure_compute(m, needed)
+    assert probe is not None and probe.get(5, 4) is probe.get(5, 3)
+    advice = advise(m, None, compute=probe)
+    three, four = (next(s for s in advice.scenarios if s.scenario == "dataparallel" and s.devices == k) for k in (3, 4))
+    assert four.parts_ms == three.parts_ms
+
+
 def test_measured_alone_the_prediction_is_the_measure_at_the_runs_level(measured_alone, calibrated):
     """One device's apply is the whole batch's forward measured alone, on the caller's threads; its backward the
     measured one-graph backward at the level the run's own backward shows over the measured two-graph one; a DDP

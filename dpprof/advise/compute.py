@@ -71,7 +71,9 @@ class ComputeProbe:
         return all(key in self.layouts for key in needed)
 
     def get(self, batch: int, k: int) -> ChunkTimes:
-        return self.layouts[(batch, k)]
+        """The layout of ``batch`` on k devices: measured as on the devices torch.chunk gives a chunk (batch 6 on 4
+        is 6 on 3: [2, 2, 2]), one measure for one split (layout_key)."""
+        return self.layouts[layout_key(batch, k)]
 
     def to_json(self) -> dict[str, Any]:
         return {"version": COMPUTE_VERSION, "run_id": self.run_id, "host": self.host,
@@ -91,6 +93,12 @@ class ComputeProbe:
             layouts[(times.batch, times.k)] = times
         return cls(str(data["run_id"]), str(data["host"]), str(data["torch_version"]), str(data["measured_at"]),
                    layouts)
+
+
+def layout_key(batch: int, k: int) -> tuple[int, int]:
+    """The layout ``batch`` on k devices is measured as: (batch, the devices torch.chunk gives a chunk), the same
+    chunks (its chunks of ceil(batch / k) run out before the last devices where the batch is small)."""
+    return batch, len(chunk_sizes(batch, k)) or k
 
 
 def compute_path(run_id: str, host: str | None = None) -> Path:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from dpprof.advise import NotAdvisable
 from dpprof.advise.calibration_cache import Calibration
 from dpprof.advise.commands import profile_for
-from dpprof.advise.compute import ComputeProbe
+from dpprof.advise.compute import ComputeProbe, layout_key
 from dpprof.advise.measured import Measured, chunk_sizes
 from dpprof.records import PHASE_ORDER
 from dpprof.stepmodel import PHASE_WORDS
@@ -625,8 +625,10 @@ def compute_layouts(m: Measured, batch_sizes: list[int] | None = None) -> list[t
     """Every (batch, devices) split the scenarios run the model on (dpprof.advise.compute measures each): the
     recorded batch on 1 to 2n devices, each DDP rank's chunk on its own, the other batches on n."""
     B, n = m.batch_size, m.n
-    return ([(B, k) for k in range(1, 2 * n + 1)] + [(c, 1) for c in sorted(set(chunk_sizes(B, n)))]
-            + [(b, n) for b in other_batches(m, batch_sizes)])
+    # one layout per split: batch 6 on 4 devices is the 6 on 3 of [2, 2, 2] (layout_key), measured once
+    return list(dict.fromkeys([layout_key(B, k) for k in range(1, 2 * n + 1)]
+                              + [(c, 1) for c in sorted(set(chunk_sizes(B, n)))]
+                              + [layout_key(b, n) for b in other_batches(m, batch_sizes)]))
 
 
 def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None = None,
