@@ -199,11 +199,14 @@ def check_balance(device_ids: Sequence[DeviceLike] | None = None, batch_size: in
         raise ValueError(f"batch size {batch_size:,} is past any batch a device holds (at most {MAX_BATCH_SIZE:,})")
     if device_ids is None:
         if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+            # a batch size given is not checked (there are no devices to split it over): said, not dropped
+            unchecked = (f" Batch size {batch_size} was not checked: there are no devices to split it over."
+                         if batch_size is not None else "")
             return [_finding("no_gpu", "critical", None, "no CUDA GPU is visible",
                              f"torch.cuda.is_available() is False (torch {torch.__version__}, "
                              f"CUDA {torch.version.cuda or 'none'})",
                              "Check the driver, CUDA_VISIBLE_DEVICES and that torch is a CUDA build; "
-                             "or check CPU workers with --device-ids cpu:0,cpu:1.")]
+                             "or check CPU workers with --device-ids cpu:0,cpu:1." + unchecked)]
         device_ids = list(range(torch.cuda.device_count()))
     devices = resolve_devices(device_ids)
     findings: list[FindingRecord] = []

@@ -121,6 +121,11 @@ def test_no_gpu_is_a_critical_finding(monkeypatch):
     _no_gpu(monkeypatch)
     [finding] = dpprof.check_balance()
     assert (finding.kind, finding.severity) == ("no_gpu", "critical")
+    assert "was not checked" not in finding.advice
+    # a batch size given with no devices to split it over is said unchecked, not dropped without a word
+    [finding] = dpprof.check_balance(batch_size=10)
+    assert finding.kind == "no_gpu"
+    assert finding.advice.endswith("Batch size 10 was not checked: there are no devices to split it over.")
 
 
 def test_more_cpu_workers_than_threads(monkeypatch):
