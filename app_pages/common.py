@@ -38,6 +38,7 @@ REFRESH_S = 2.0  # a running run's pages re-read it this often (its writer commi
 LISTING_TTL_S = 5.0  # "running" turns "incomplete" by time alone (heartbeat age), not by file changes
 RUN_KEY = "chosen_run"  # session state: the chosen run's id (no widget has this key)
 COMPARE_KEY = "compare_ids"  # session state: ids of runs to compare (no widget has this key)
+KEPT_KEY = "kept_choices"  # session state: each kept_selectbox's last choice, by its key (no widget has this key)
 STATUS_COLORS = {"running": "green", "finished": "blue", "failed": "red", "incomplete": "orange",
                  "interrupted": "orange", "disk_full": "red", "unreadable": "gray"}
 DEMO_ARGS = {"workload": "cifar-lenet", "devices": "cpu:2", "steps": 30, "name": "demo"}
@@ -88,11 +89,11 @@ def capture_box(row: pd.Series) -> int | None:
     if len(listed) < 2:
         return None
     by_first = {c.first_step: c for c in listed}
-    return st.selectbox("Capture", list(reversed(by_first)), key=f"capture_{row['id']}",
-                        format_func=lambda first: by_first[first].label + (" (latest)" if first == listed[-1].first_step
-                                                                             else ""),
-                        help="The run keeps each deep capture's operators, kernels and memory; the latest is shown "
-                             "unless another is picked.")
+    return kept_selectbox("Capture", list(reversed(by_first)), key=f"capture_{row['id']}",
+                            format_func=lambda first: by_first[first].label + (" (latest)" if first == listed[-1].first_step
+                                                                               else ""),
+                          help="The run keeps each deep capture's operators, kernels and memory; the latest is shown "
+                               "unless another is picked.")
 
 
 @st.cache_data(show_spinner="Comparing…", max_entries=32)
@@ -317,9 +318,20 @@ def csv_button(df: pd.DataFrame, name: str, index: bool = False) -> None:
 
 
 def pick_box(label: str, picks: list[Any], key: str) -> Any:
-    """A rank/device chooser of dpprof.views.opdiff.Pick values ("all devices" first where there are several)."""
+    """A rank/device chooser of dpprof.views.opdiff.Pick values ("all devices" first where there are several), kept
+    (kept_selectbox)."""
     options = ([Pick()] if len(picks) > 1 else []) + picks
-    return st.selectbox(label, options, format_func=lambda p: p.label(), key=key)
+    return kept_selectbox(label, options, key=key, format_func=lambda p: p.label())
+
+
+def kept_selectbox(label: str, options: list[Any], key: str, default: int | None = 0, **kwargs: Any) -> Any:
+    """st.selectbox whose choice is kept beside it (KEPT_KEY): Streamlit drops a widget's state while another page is
+    open, so a rank, device or capture chosen on one page read as the first again on coming back. A kept choice the
+    options no longer hold (another run's rank or device) gives way to the option at ``default`` (None: none)."""
+    kept = st.session_state.setdefault(KEPT_KEY, {})
+    index = options.index(kept[key]) if key in kept and kept[key] in options else default
+    kept[key] = st.selectbox(label, options, index=index, key=key, **kwargs)
+    return kept[key]
 
 
 def missing(text: str) -> None:

@@ -12,11 +12,11 @@ from dpprof.views import kernels
 
 def body(row: pd.Series) -> None:
     common.run_header(row)
-    missing = common.view(kernels.missing_text, row)
+    capture = common.capture_box(row)  # the capture kept from another page may be one without them: said so
+    missing = common.view(kernels.missing_text, row, capture=capture)
     if missing:
         common.missing(missing)
         return
-    capture = common.capture_box(row)
     picks = common.view(kernels.picks, row, capture=capture)
     c1, c2, c3 = st.columns([2, 2, 3])
     with c1:

@@ -13,11 +13,11 @@ from dpprof.views import memory
 
 def body(row: pd.Series) -> None:
     common.run_header(row)
-    missing = common.view(memory.missing_text, row)
+    capture = common.capture_box(row)  # the capture kept from another page may be one without them: said so
+    missing = common.view(memory.missing_text, row, capture=capture)
     if missing:
         common.missing(missing)
         return
-    capture = common.capture_box(row)
     pick = common.pick_box("Rank and device", common.view(memory.picks, row, capture=capture), "mem_pick")
     data = common.view(memory.memory_page, row, pick, capture=capture)
     st.markdown("\n".join(f"- {markdown_text(line)}" for line in memory.peak_lines(data.peaks)))

@@ -29,8 +29,10 @@ def side_by_side(row: pd.Series, picks: list[Pick], pick: Pick, capture: int | N
     others = [p for p in picks if p != pick]
     choices: list[object] = [*others, ANOTHER_RUN]
     # another run is read only when asked for: with no other device here, nothing is chosen at first
-    a = c1.selectbox("A (the reference)", choices, format_func=lambda p: p if isinstance(p, str) else p.label(),
-                     key="ops_a", index=0 if others else None, placeholder="choose another run…")
+    with c1:
+        a = common.kept_selectbox("A (the reference)", choices, key="ops_a", default=0 if others else None,
+                                  format_func=lambda p: p if isinstance(p, str) else p.label(),
+                                  placeholder="choose another run…")
     c2.selectbox("B (explained: the device chosen above)" if chosen else
                  "B (explained: the last device, as all are chosen above; choose one there for another)", [pick],
                  format_func=lambda p: p.label(), key="ops_b", disabled=True)
@@ -43,7 +45,7 @@ def side_by_side(row: pd.Series, picks: list[Pick], pick: Pick, capture: int | N
             common.missing("There is no other run to compare with.")
             return
         labels = {i: run_label(r) for i, r in runs.set_index("id", drop=False).iterrows()}
-        other = st.selectbox("Run A", ids, key="ops_run_a", format_func=labels.get)
+        other = common.kept_selectbox("Run A", ids, key="ops_run_a", format_func=labels.get)
         row_a = runs[runs["id"] == other].iloc[0]
         missing = common.view(operators.missing_text, row_a)
         if missing:

@@ -96,6 +96,38 @@ def test_the_operators_search_and_grouping_outlive_a_visit_to_another_page(impor
     assert len(at.dataframe[0].value) == rows
 
 
+RESNET_JOB, RANKS_JOB = "resnet50 (1 GPU, 2021 format, memory)", "ddp 128 ranks (ranks 0 and 1)"
+
+
+@pytest.mark.parametrize("page,key,job,chosen,elsewhere", [
+    ("operators", "ops_pick", RANKS_JOB, "rank 1", "cuda:0"),
+    ("kernels", "k_pick", RANKS_JOB, "rank 1", "cuda:0"),
+    ("memory", "mem_pick", RESNET_JOB, "cuda:0", None),  # the only job with [memory] events
+])
+def test_the_rank_or_device_chosen_outlives_another_page(imported, monkeypatch, page, key, job, chosen, elsewhere):
+    """A rank or device chosen, then Overview and back: still chosen, its rows shown (Streamlit drops the state of a
+    widget not drawn: 'all devices' again). On a run without that rank the picker shows one it has."""
+    directory, ids = imported
+    monkeypatch.setenv("DPPROF_REPORTS", str(directory))
+    at = AppTest.from_file(str(APP), default_timeout=90)
+    at.session_state[common.RUN_KEY] = ids[job]
+    at.run()
+    at.switch_page(f"app_pages/{page}.py").run()
+    box = at.selectbox(key=key)
+    box.select_index(box.options.index(chosen)).run()
+    shown = [d.value.to_csv() for d in at.dataframe]
+    at.switch_page("app_pages/overview.py").run()
+    at.switch_page(f"app_pages/{page}.py").run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert at.selectbox(key=key).value.label() == chosen
+    assert [d.value.to_csv() for d in at.dataframe] == shown
+    if elsewhere:
+        at.session_state[common.RUN_KEY] = ids[RESNET_JOB]
+        at.run()
+        assert not at.exception, [e.message for e in at.exception]
+        assert at.selectbox(key=key).value.label() == elsewhere
+
+
 def test_the_runs_page_lists_a_trace_file_and_imports_it_on_a_click(tmp_path, monkeypatch):
     monkeypatch.setenv("DPPROF_REPORTS", str(tmp_path))
     shutil.copyfile(TRACES / "ddp-2ranks-rank0-nccl.json.gz", tmp_path / "job.pt.trace.json.gz")
