@@ -9,6 +9,8 @@ from app_pages import common
 from dpprof import charts
 from dpprof.views import kernels
 
+KEPT_KEY = "kernels_kept"  # session state: the grouping and search last chosen (no widget has this key)
+
 
 def body(row: pd.Series) -> None:
     common.run_header(row)
@@ -21,9 +23,12 @@ def body(row: pd.Series) -> None:
     c1, c2, c3 = st.columns([2, 2, 3])
     with c1:
         pick = common.pick_box("Rank and device", picks, "k_pick")
-    by = c2.radio("Group by", ["name", "operator"], horizontal=True, key="k_by",
-                  format_func={"name": "kernel", "operator": "kernel + operator"}.get)
-    search = c3.text_input("Search names", key="k_search")
+    # kept beside the widgets: Streamlit drops a widget's state while another page is open
+    kept = st.session_state.setdefault(KEPT_KEY, {"by": "name", "search": ""})
+    by = c2.radio("Group by", ["name", "operator"], index=["name", "operator"].index(kept["by"]), horizontal=True,
+                  key="k_by", format_func={"name": "kernel", "operator": "kernel + operator"}.get)
+    search = c3.text_input("Search names", value=kept["search"], key="k_search")
+    kept.update(by=by, search=search)
     data = common.view(kernels.kernels_page, row, pick, by, search, capture=capture)
     st.subheader("GPU utilization, SM efficiency and occupancy")
     common.table(data.summary, "gpu_summary")

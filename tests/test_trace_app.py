@@ -96,6 +96,23 @@ def test_the_operators_search_and_grouping_outlive_a_visit_to_another_page(impor
     assert len(at.dataframe[0].value) == rows
 
 
+def test_the_kernels_search_and_grouping_outlive_a_visit_to_another_page(imported, monkeypatch):
+    directory, ids = imported
+    monkeypatch.setenv("DPPROF_REPORTS", str(directory))
+    at = AppTest.from_file(str(APP), default_timeout=90)
+    at.session_state[common.RUN_KEY] = ids["resnet50 (1 GPU, 2021 format, memory)"]
+    at.run()
+    at.switch_page("app_pages/kernels.py").run()
+    at.radio(key="k_by").set_value("operator")
+    at.text_input(key="k_search").input("gemm").run()
+    rows = len(at.dataframe[-1].value)
+    at.switch_page("app_pages/operators.py").run()
+    at.switch_page("app_pages/kernels.py").run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert at.radio(key="k_by").value == "operator" and at.text_input(key="k_search").value == "gemm"
+    assert len(at.dataframe[-1].value) == rows
+
+
 RESNET_JOB, RANKS_JOB = "resnet50 (1 GPU, 2021 format, memory)", "ddp 128 ranks (ranks 0 and 1)"
 
 
