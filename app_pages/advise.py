@@ -12,14 +12,19 @@ from dpprof.plaintext import markdown_code, markdown_text, markdown_words
 from dpprof.units import mib
 from dpprof.views import advise
 
+MEMORY_KEY = "advise_memory_gib"  # session state: the memory per CPU worker last given (no widget has this key)
+
 
 def body(row: pd.Series) -> None:
     common.run_header(row)
     st.subheader("What would switching buy")
     memory_gib = None
     if row.get("backend") == "cpu":
+        # kept beside the widget: Streamlit drops a widget's state while another page is open
         memory_gib = st.number_input("Memory per CPU worker (GiB), for the largest batch that fits", min_value=0.0,
-                                     value=0.0, step=1.0, key="advise-memory") or None
+                                     value=st.session_state.get(MEMORY_KEY, 0.0), step=1.0, key="advise-memory")
+        st.session_state[MEMORY_KEY] = memory_gib
+        memory_gib = memory_gib or None
     data = common.view(advise.page_advisor, row, memory_gib, advise.calibration_files())
     if data.advice is None:
         common.missing(data.reason)

@@ -83,6 +83,19 @@ def test_every_page_runs_on_recorded_runs(reports_with_runs, page):
     assert at.title, page
 
 
+def test_the_advisors_memory_per_worker_outlives_another_page_and_another_run(reports_with_runs, monkeypatch):
+    """The memory per CPU worker is the machine's: given once, it stays after Overview and on the other run (Streamlit
+    drops the state of a widget not drawn: 0, no memory, again)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(reports_with_runs.dir / "no-calibration"))
+    at = _page(_app(), "advise")
+    at.number_input(key="advise-memory").set_value(4.0).run()
+    _page(_page(at, "overview"), "advise")
+    assert at.number_input(key="advise-memory").value == 4.0
+    at.sidebar.selectbox[0].set_value(reports_with_runs.plain.id).run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert at.number_input(key="advise-memory").value == 4.0
+
+
 def test_it_opens_on_the_newest_run(reports_with_runs):
     at = _app()
     assert shown_text(at.title[0].value) == "balanced"  # Overview of the run recorded last
