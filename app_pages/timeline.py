@@ -11,6 +11,7 @@ from dpprof.store.queries import TIMELINE_MAX_STEPS
 from app_pages import common
 
 TIMELINE_FROM_KEY = "timeline_from"  # session state: each run's chosen first step (no widget has this key)
+TIMELINE_COUNT_KEY = "timeline_count"  # session state: the steps to show, as last chosen (no widget has this key)
 
 
 def body(row: pd.Series) -> None:
@@ -22,7 +23,10 @@ def body(row: pd.Series) -> None:
         return
     follow = row["status"] == "running" and st.toggle("Follow the latest steps", value=True, key="tl_follow")
     c1, c2 = st.columns(2)
-    count = c2.slider("Steps to show", 1, TIMELINE_MAX_STEPS, timeline.TIMELINE_DEFAULT_STEPS, key="tl_count")
+    # kept beside the widget, as the first step: Streamlit drops a widget's state while another page is open
+    count = c2.slider("Steps to show", 1, TIMELINE_MAX_STEPS,
+                      st.session_state.get(TIMELINE_COUNT_KEY, timeline.TIMELINE_DEFAULT_STEPS), key="tl_count")
+    st.session_state[TIMELINE_COUNT_KEY] = count
     if follow:
         start = max(first, last - count + 1)
         c1.metric("From step", start)

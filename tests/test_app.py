@@ -263,6 +263,16 @@ def test_timeline_opens_each_run_on_its_own_last_steps(reports_with_runs):
     assert sorted(set(at.dataframe[0].value["step"])) == [0, 1, 2, 3, 4] and at.number_input[0].value == 0
 
 
+def test_timeline_keeps_the_steps_to_show_after_another_page(reports_with_runs):
+    """'Steps to show' set to 2, then Overview and back: still 2 steps (Streamlit drops the state of a widget not
+    drawn: the default five again)."""
+    at = _page(_app(), "timeline")
+    at.slider(key="tl_count").set_value(2).run()
+    assert sorted(set(at.dataframe[0].value["step"])) == [1, 2]
+    at = _page(_page(at, "overview"), "timeline")
+    assert at.slider(key="tl_count").value == 2 and sorted(set(at.dataframe[0].value["step"])) == [1, 2]
+
+
 def test_compare_sets_runs_side_by_side_and_states_the_differences(reports_with_runs):
     at = _page(_app(), "compare")
     plain, balanced = reports_with_runs.plain, reports_with_runs.balanced
