@@ -35,7 +35,7 @@ def body(row: pd.Series) -> None:
         # widget is not drawn (another run or page open), when Streamlit drops a widget's state
         chosen = st.session_state.setdefault(TIMELINE_FROM_KEY, {})
         start = int(c1.number_input(f"From step ({first}–{last})", min_value=0,
-                                    value=chosen.get(row["id"], max(first, last - timeline.TIMELINE_DEFAULT_STEPS + 1)),
+                                    value=chosen.get(row["id"], max(first, last - count + 1)),
                                     step=1, key=f"tl_from_{row['id']}"))
         chosen[row["id"]] = start
         if not first <= start <= last:
