@@ -1018,6 +1018,17 @@ _CAPTURE_HELP = ("profile steps A to B-1 with torch.profiler (every thread; CUDA
                  "kernels and memory stored in the run per device, the raw trace beside it for Perfetto")
 
 
+# Python 3.11's argparse reads "-3:2" as an option (its negative numbers are "-3" and "-.5" alone), so
+# `--steps -3:2` said "argument --steps: expected one argument" and never named the value; the commands that take a
+# window A:B take it as a value, as Python 3.13's argparse does, and say what is wrong with it.
+_NEGATIVE_OR_WINDOW = re.compile(r"^-\d+$|^-\d*\.\d+$|^-\d+:-?\d*$")
+
+
+def _takes_negative_windows(p: argparse.ArgumentParser) -> None:
+    """Let ``p``'s options take a value such as ``-3:2`` (then refused by what parses it, naming it)."""
+    p._negative_number_matcher = _NEGATIVE_OR_WINDOW  # type: ignore[attr-defined]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpprof", description="Profile PyTorch data-parallel training, "
                                      "device by device and phase by phase.")
@@ -1056,6 +1067,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-id", default=None, metavar="ID",
                    help="the run's id, chosen by whoever starts it (default: a new one; dpprof.launch)")
     p.add_argument("--capture", default=None, metavar="A:B", help=_CAPTURE_HELP)
+    _takes_negative_windows(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_profile, parser=p)
 
@@ -1091,6 +1103,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bounded (default): every step's time and per-block aggregates, full detail for the first and "
                    "last 1,000 steps, one step in 100 and outliers, so a day-long run stays small; all: every record")
     p.add_argument("--capture", default=None, metavar="A:B", help=_CAPTURE_HELP)
+    _takes_negative_windows(p)
     p.add_argument("-m", dest="module", action="store_true", help="run a module, as python -m does")
     p.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT.py|MODULE [ARGS...]",
                    help="the script (or, with -m, the module) and its own arguments")
@@ -1198,6 +1211,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "with --trace, CSV files only when given)")
     p.add_argument("--trace", default=None, metavar="FILE.json[.gz]",
                    help="write the run as a trace file (gzip'd when the name ends in .gz)")
+    _takes_negative_windows(p)
     p.add_argument("--steps", default=None, metavar="A:B",
                    help="with --trace: steps A to B-1 (A: or :B open at one end; N: step N) instead of every step held "
                    "in full, or the newest that fit")

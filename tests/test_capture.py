@@ -251,7 +251,7 @@ BAD_WINDOWS = [
     ("4:2", "steps A:B need 0 <= A < B"),
     ("3:3", "steps A:B need 0 <= A < B"),
     ("x", "expected A:B, steps A to B-1 such as 10:15"),
-    ("-1:3", "expected A:B, steps A to B-1 such as 10:15"),
+    ("-1:3", "steps A:B need 0 <= A < B"),  # a negative step named as one, not as a malformed window
     ("2", "expected A:B, steps A to B-1 such as 10:15"),
     ("\uff11:\uff12", "expected A:B, steps A to B-1 such as 10:15"),  # full-width digits: \\d took them for 1:2
     ("0:1001", "1,001 steps, at most 1,000 in one window (a longer trace opens in no viewer)"),

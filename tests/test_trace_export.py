@@ -522,7 +522,10 @@ def test_parse_steps(text, steps):
 @pytest.mark.parametrize("argv, says", [
     (["--steps", "9:3"], "B must be after A"), (["--steps", "a:b"], "expected A:B"),
     (["--trace", "{tmp}/t.txt"], "must end in .json or .json.gz"), (["--one-file"], "give --trace"),
-    (["--steps", "100000:"], "picks no step run")])
+    (["--steps", "100000:"], "picks no step run"),
+    # not Python's from-the-end: -3: wrote every step and -3:2 steps 0 and 1, without a word
+    (["--steps", "-3:2"], "--steps '-3:2': steps count from 0, so A and B cannot be negative"),
+    (["--steps", "-3:"], "--steps '-3:': steps count from 0"), (["--steps", ":-1"], "cannot be negative")])
 def test_bad_trace_arguments_are_usage_errors(runs, argv, says, tmp_path, capsys):
     argv = [a.format(tmp=tmp_path) for a in argv]
     if "--trace" not in argv:

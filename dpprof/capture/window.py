@@ -21,7 +21,8 @@ __all__ = ["MAX_CAPTURE_STEPS", "CaptureError", "CaptureWindow", "parse_capture"
 # chrome://tracing open traces up to about a million (dpprof export's own limit), so a longer window writes a trace
 # no viewer opens and holds the profiler's whole buffer in memory until it stops.
 MAX_CAPTURE_STEPS = 1000
-_WINDOW = re.compile(r"\s*([0-9]+)\s*:\s*([0-9]+)\s*")  # ASCII digits: \d takes any script's ("１:２")
+# ASCII digits (\d takes any script's, "１:２"); a minus sign read, for 0 <= A < B to refuse it in its own words
+_WINDOW = re.compile(r"\s*(-?[0-9]+)\s*:\s*(-?[0-9]+)\s*")
 
 
 class CaptureError(ValueError):

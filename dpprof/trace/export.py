@@ -97,7 +97,7 @@ def parse_steps(text: str | None) -> tuple[int | None, int | None] | None:
     """``--steps A:B``: steps A to B-1 (Python's slice; ``A:`` or ``:B`` open at one end), or ``N``: step N alone.
 
     Raises:
-        ValueError: not of that form, or B not after A.
+        ValueError: not of that form, A or B negative, or B not after A.
     """
     if text is None:
         return None
@@ -111,6 +111,8 @@ def parse_steps(text: str | None) -> tuple[int | None, int | None] | None:
         if lo is None:
             raise ValueError(f"--steps {text!r}: expected A:B (steps A to B-1), A:, :B or N")
         hi = lo + 1
+    if (lo is not None and lo < 0) or (hi is not None and hi < 0):  # not Python's from-the-end: said, not clipped
+        raise ValueError(f"--steps {text!r}: steps count from 0, so A and B cannot be negative (A:B is steps A to B-1)")
     if lo is not None and hi is not None and hi <= lo:
         raise ValueError(f"--steps {text!r}: B must be after A (A:B is steps A to B-1)")
     return lo, hi
