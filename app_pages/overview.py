@@ -10,7 +10,7 @@ from dpprof.findings import Findings
 from dpprof.plaintext import capitalized, markdown_text
 from dpprof.views import overview
 from dpprof.units import plural
-from dpprof.views.text import sentence, steps_per_rank
+from dpprof.views.text import batch_words, sentence, steps_per_rank
 from app_pages import common
 
 
@@ -148,7 +148,7 @@ def body(row: pd.Series) -> None:
     c[2].metric("Mean step", f"{stats['mean_step_ms']:.2f} ms")
     if stats["batch_size"]:
         c[3].metric("Samples/s", f"{stats['batch_size'] / stats['median_step_ms'] * 1e3:,.0f}",
-                    help=f"batch {stats['batch_size']} over the median step")
+                    help=f"batch {batch_words(stats)} over the median step: the batch most steps ran")
     if data.tax_pct is not None:
         c[4].metric("DataParallel tax", f"{data.tax_pct:.1f}%", help="scatter + replicate + gather, of the mean step past "
                     "the first: work only DataParallel does (DistributedDataParallel has no replicate and no gather)")

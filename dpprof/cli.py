@@ -437,7 +437,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from dpprof.views import job_of
     from dpprof.views.fsdp import fsdp_collective_table
     from dpprof.views.overview import comm_stats
-    from dpprof.views.text import display_table, dropped_records, status_sentence, steps_per_rank
+    from dpprof.views.text import batch_words, display_table, dropped_records, status_sentence, steps_per_rank
 
     run = load_run(args.run, args.reports_dir)
     m, model = run.meta, run.model
@@ -469,7 +469,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     stats = queries.run_stats(run)
     ranks = steps_per_rank(stats, run.ranks)
     print(f"  {plural(stats['steps'], 'step')}{ranks}, median {stats['median_step_ms']:.2f} ms, "
-          f"batch {stats['batch_size'] if stats['batch_size'] else '-'}")
+          f"batch {batch_words(stats)}")
     if model.detail_text():
         print(f"  {model.detail_text()}")
     if model.nothing_to_balance:

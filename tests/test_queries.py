@@ -63,7 +63,37 @@ def test_run_stats_equal_the_steps_table(runs, name):
     assert stats["mean_step_ms"] == pytest.approx(steps["duration_ms"].mean())
     assert stats["total_ms"] == pytest.approx(steps["duration_ms"].sum())
     assert stats["median_step_ms"] == pytest.approx(steps["duration_ms"].median())  # the mean of the middle two
-    assert stats["batch_size"] == steps["batch_size"].max()
+    counts = steps["batch_size"].value_counts()
+    assert stats["batch_size"] == counts[counts == counts.max()].index.max()  # the batch most steps ran
+
+
+def test_the_runs_batch_is_the_one_most_steps_ran_on_every_surface(tmp_path, capsys):
+    """A loader of 16-sample batches with one of 256: show said "batch 256" (the largest step's) and the Overview's
+    and the Compare page's samples/s were 256 over the median step, 16 times the run's; every surface now says the
+    batch most steps ran, as steps.csv counts it, and show says the others' range."""
+    import torch
+    from torch import nn
+
+    from dpprof.cli import main
+    from dpprof.views.compare import compare
+
+    net = dpprof.DataParallel(nn.Linear(8, 4), device_ids=dpprof.cpu_devices(2))
+    with dpprof.record(name="batches", reports_dir=str(tmp_path)) as recording:
+        for size in [16, 16, 16, 16, 256, 16, 16, 16, 16, 16]:
+            with recording.step():
+                net(torch.randn(size, 8)).sum().backward()
+    run = dpprof.load_run(recording.path)
+    assert main(["--reports-dir", str(tmp_path), "export", run.id, "--out", str(tmp_path / "csv")]) == 0
+    steps_csv = pd.read_csv(tmp_path / "csv" / "steps.csv")
+    assert steps_csv["batch_size"].mode().tolist() == [16] and steps_csv["batch_size"].max() == 256
+    stats = queries.run_stats(run)
+    assert (stats["batch_size"], stats["batch_size_steps"], stats["batch_size_min"], stats["batch_size_max"]) == \
+        (16, 9, 16, 256)
+    capsys.readouterr()
+    assert main(["--reports-dir", str(tmp_path), "show", run.id]) == 0
+    assert "batch 16 (9 of 10 steps; 16 to 256)" in capsys.readouterr().out
+    row = compare([run]).summary.iloc[0]
+    assert row["batch_size"] == 16 and row["samples_per_s"] == pytest.approx(16 / stats["median_step_ms"] * 1e3)
 
 
 def test_step_times_is_every_step_until_it_must_bucket(runs):

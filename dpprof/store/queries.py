@@ -28,7 +28,7 @@ from dpprof.store.sketch import grouped_quantile, quantiles
 from dpprof.stepmodel import REST, partition, parts_for
 
 __all__ = ["MAX_POINTS", "WORK_SAMPLE_PER_DEVICE", "TIMELINE_MAX_STEPS", "GPU_METRICS", "bucket_width",
-           "stacked_phases", "step_parts", "run_stats", "median_step_ms", "step_times", "phase_breakdown", "phase_totals",
+           "stacked_phases", "step_parts", "run_stats", "batch_sizes", "median_step_ms", "step_times", "phase_breakdown", "phase_totals",
            "work_samples", "work_stats", "memory_peaks", "chunk_counts", "gpu_series", "timeline",
            "GPU_TIME_PARTS", "gpu_time", "phase_means", "outlier_steps", "detail_steps", "step_span", "sampled_comm_rows"]
 
@@ -105,10 +105,33 @@ def run_stats(run: StoredRun) -> dict[str, Any]:
     stats["steps_fewest"] = fewest
     stats["ranks_fewest"] = sorted(int(r) for r in per.loc[per["steps"] == fewest, "rank"]) if "rank" in per and \
         len(per) > 1 else []
-    stats["batch_size"] = int(stats["batch_size"]) if stats["batch_size"] else None
+    stats.update(batch_sizes(run))
     stats["devices_used"] = int(stats["devices_used"]) if stats["devices_used"] else None
     stats["median_step_ms"] = median_step_ms(run) if stats["steps"] else None
     return stats
+
+
+def batch_sizes(run: StoredRun) -> dict[str, int | None]:
+    """The run's batch: the one definition ``dpprof show``, the Overview's samples/s and the Compare page share.
+
+    ``batch_size`` is the batch most steps ran (the larger of a tie), a step's batch being its recorded batch_size
+    summed over the ranks that ran it (a distributed run's ranks step together); ``batch_size_steps`` how many steps
+    ran it, of ``batch_steps`` with a batch; ``batch_size_min`` and ``batch_size_max`` the smallest and largest. A
+    loader's short last batch or one big batch leaves it the batch the run trains at (the largest read 256 for a run
+    of nine 16-sample steps and one of 256). Every step counts: the steps table is whole in every run file."""
+    rows = run.query("SELECT step, batch_size FROM steps WHERE batch_size IS NOT NULL")
+    none: dict[str, int | None] = {"batch_size": None, "batch_size_steps": 0, "batch_steps": 0,
+                                   "batch_size_min": None, "batch_size_max": None}
+    if rows.empty:
+        return none
+    per_step = pd.to_numeric(rows.groupby("step")["batch_size"].sum(), errors="coerce").dropna()
+    per_step = per_step[per_step > 0]
+    if per_step.empty:
+        return none
+    counts = per_step.astype(np.int64).value_counts()
+    batch = int(counts[counts == counts.max()].index.max())
+    return {"batch_size": batch, "batch_size_steps": int(counts[batch]), "batch_steps": int(counts.sum()),
+            "batch_size_min": int(per_step.min()), "batch_size_max": int(per_step.max())}
 
 
 def median_step_ms(run: StoredRun) -> float | None:

@@ -7,9 +7,9 @@ from typing import Any
 import pandas as pd
 
 from dpprof.plaintext import capitalized
-from dpprof.units import bytes_unit
+from dpprof.units import bytes_unit, plural
 
-__all__ = ["DISPLAY_DECIMALS", "display_table", "dropped_records", "finding_heading", "run_label", "sentence",
+__all__ = ["DISPLAY_DECIMALS", "batch_words", "display_table", "dropped_records", "finding_heading", "run_label", "sentence",
            "status_sentence"]
 
 # Column-name endings and the unit people read them in: (ending, unit, scale).
@@ -97,6 +97,18 @@ def status_sentence(status: str, error: str | None) -> tuple[str, str | None] | 
         return ("The run is incomplete: its process stopped without closing it (killed, or the machine went down). "
                 "What it recorded until then is shown.", None)
     return None
+
+
+def batch_words(stats: dict[str, Any]) -> str:
+    """The run's batch (queries.batch_sizes), and where steps ran others, how many and their range: "16", "16 (9 of
+    10 steps; 16 to 256)", "-" for none. ``dpprof show`` and the Overview's samples/s say it so."""
+    batch = stats.get("batch_size")
+    if not batch:
+        return "-"
+    if stats.get("batch_size_min") == stats.get("batch_size_max"):
+        return f"{batch:,}"
+    return (f"{batch:,} ({stats['batch_size_steps']:,} of {plural(stats['batch_steps'], 'step')}; "
+            f"{stats['batch_size_min']:,} to {stats['batch_size_max']:,})")
 
 
 def steps_per_rank(stats: dict[str, Any], ranks: int) -> str:
