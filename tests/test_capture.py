@@ -140,7 +140,9 @@ def test_the_raw_trace_imports_and_is_never_taken_for_a_run(captured, tmp_path):
     assert main(["--reports-dir", str(tmp_path / "cli"), "import", "--quiet", str(trace)]) == 0
 
 
-def test_a_window_past_the_end_stops_at_the_last_step_or_never_starts(tmp_path):
+def test_a_window_past_the_end_stops_at_the_last_step_or_never_starts(tmp_path, capsys):
+    """A window the run ended before says that nothing was captured and which window would be, there and in ops
+    (it said 'the run ended after 5 steps, before the window began', and ops to ask for a --capture A:B)."""
     net = dpprof.DataParallel(torch.nn.Linear(8, 2), device_ids=dpprof.cpu_devices(2))
     for window, held in (("3:10", "3-5"), ("7:9", None)):
         directory = tmp_path / window.replace(":", "-")
@@ -154,7 +156,12 @@ def test_a_window_past_the_end_stops_at_the_last_step_or_never_starts(tmp_path):
             assert names == [f"{run.id}.capture-{held}.pt.trace.json.gz"]
             assert sorted(_steps_in(_events(directory / names[0]))) == [3, 4]
         else:
-            assert names == [] and "before the window began" in notes
+            said = ("capture 7:9: the run ended after 5 steps, before the window began, so nothing was captured: give "
+                    "a window that ends by step 5, such as 3:5 (its last 2 steps)")
+            assert names == [] and said in notes
+            capsys.readouterr()
+            assert main(["--reports-dir", str(directory), "ops", run.id]) == 1
+            assert f"no operator data: {said}" in capsys.readouterr().err
         assert not torch.autograd.profiler._is_profiler_enabled
 
 

@@ -41,7 +41,7 @@ from dpprof.capture.window import CaptureError, CaptureWindow
 from dpprof.records import NoteRecord
 from dpprof.store.faults import cause_of
 from dpprof.store.files import capture_trace_name, hidden_name, publish_file, remove_files
-from dpprof.units import steps_words
+from dpprof.units import plural, steps_words
 
 if TYPE_CHECKING:
     from dpprof.recording import Run
@@ -319,12 +319,23 @@ class CaptureSession:
             if window is not None and self._profiler is not None:
                 self._stop(self.run.steps_started)
             elif window is not None:
-                self._give_up(window, f"capture {window}: the run ended after {self.run.steps_started} steps, "
-                                      "before the window began")
+                self._give_up(window, _never_began(window, self.run.steps_started, own=self._nonce is None))
         if self._poller is not None:
             self._poller.join()
         for job in self._jobs:
             job.join()
+
+
+def _never_began(window: CaptureWindow, steps: int, own: bool) -> str:
+    """What a window the run ended before says: that nothing was captured, and for the run's own window (--capture
+    A:B, capture="A:B") the window that would have been, over its last steps."""
+    ended = f"the run ended after {plural(steps, 'step')}" if steps else "the run ended before its first step"
+    said = f"capture {window}: {ended}, before the window began, so nothing was captured"
+    if not own or not steps:  # a request (dpprof capture) came too late; a run of no step has no window to give
+        return said
+    first = max(0, steps - window.steps)
+    return (f"{said}: give a window that ends by step {steps}, such as {first}:{steps} (its last "
+            f"{plural(steps - first, 'step')})")
 
 
 def _experimental_config() -> Any:

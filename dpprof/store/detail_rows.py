@@ -196,6 +196,9 @@ def detail_missing(run: StoredRun) -> str | None:
     if run.meta.get("source") == "trace":
         return ("no operator data: this run was imported before dpprof kept operators, kernels and memory events "
                 "(import its trace files again: dpprof import --again FILE)")
+    said = run.notes.loc[run.notes["source"] == "capture", "message"] if "source" in run.notes else ()
+    if len(said):  # the run asked for a capture that stored nothing: what its note says, not to ask for one
+        return f"no operator data: {'; '.join(dict.fromkeys(said))}"
     return ("no operator data: a recorded run holds operators only from a deep capture with torch.profiler "
             "(dpprof profile ... --capture A:B)")
 
