@@ -489,6 +489,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
         print("\nmean ms per step (every step, the first's one-time costs included, as the Overview's shares), by phase:"
               if stats["steps"] > 1 else "\nms in the step, by phase:")
         print(_table(display_table(means.reset_index()).set_index("device"), "{:,.2f}"))
+        overlaps = queries.phase_overlaps(run, means)
+        if len(overlaps):  # the table's phases add up to more than the step; the Overview's shares to the step
+            said = "; ".join(f"{r.phase.replace('_', ' ')} on {r.device} {r.mean_ms:,.2f} ms, {r.part_ms:,.2f} ms of it "
+                             "outside the others" for r in overlaps.itertuples())
+            print(f"  (phases overlap in the steps, so they add up to more than the step: {said}; the Overview's "
+                  "shares count each moment once)")
     if "comms" in model.has and model.fsdp_phases:
         print("\nFSDP collectives per step past the first, as the findings weigh them (issued: launch to "
               "completion; exposed: the rank waited for it):")

@@ -16,7 +16,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, schedule
 
-__all__ = ["gloo_ddp_traces", "fsdp_traces", "single_process_trace", "inference_trace", "leave_rank"]
+__all__ = ["gloo_ddp_traces", "fsdp_traces", "single_process_trace", "optimizer_in_backward_trace", "inference_trace",
+           "leave_rank"]
 
 
 def leave_rank() -> None:
@@ -104,6 +105,28 @@ def single_process_trace(directory: Path, stem: str = "tinycpu", steps: int = 1)
     directory.mkdir(parents=True, exist_ok=True)
     out = directory / f"{stem}.pt.trace.json"
     _train(_net(), steps, out)
+    return out
+
+
+def optimizer_in_backward_trace(directory: Path, stem: str = "tinyoib", steps: int = 3) -> Path:
+    """A trace of one CPU process whose optimizer steps inside backward (PyTorch's optimizer-in-backward recipe:
+    each parameter's own optimizer, stepped by ``register_post_accumulate_grad_hook``), ``steps`` profiled steps."""
+    directory.mkdir(parents=True, exist_ok=True)
+    out = directory / f"{stem}.pt.trace.json"
+    model = _net()
+    optimizers = {p: torch.optim.Adam([p], lr=0.01) for p in model.parameters()}
+
+    def step(p: torch.Tensor) -> None:
+        optimizers[p].step()
+        optimizers[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
+                 on_trace_ready=lambda prof: prof.export_chrome_trace(str(out))) as prof:
+        for _ in range(steps + 1):
+            model(torch.randn(32, 64)).sum().backward()
+            prof.step()
     return out
 
 

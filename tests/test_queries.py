@@ -54,6 +54,31 @@ def test_phase_means_are_per_step_sums_over_every_step_and_say_so(runs, name, ca
     assert f"{first:,.2f}" in row
 
 
+def test_show_says_where_its_phases_overlap_and_by_how_much_with_the_overviews_share(tmp_path, capsys):
+    """A real trace whose optimizer steps inside backward (optimizer in backward): show's table read optimizer ~200 ms
+    a step beside backward's, under a heading 'as the Overview's shares', whose share gives it none; show now says
+    the phases overlap, with the Overview's figure."""
+    from cpu_traces import optimizer_in_backward_trace
+
+    from dpprof.cli import main
+    from dpprof.trace import import_traces
+
+    run = dpprof.load_run(import_traces([optimizer_in_backward_trace(tmp_path / "t")], tmp_path, jobs=1).id, tmp_path)
+    means, totals = queries.phase_means(run), queries.phase_totals(run).set_index("phase")
+    overlaps = queries.phase_overlaps(run, means)
+    assert overlaps["phase"].tolist() == ["optimizer"]
+    row = overlaps.iloc[0]
+    assert row["mean_ms"] == pytest.approx(means.loc["cpu:0", "optimizer_ms"]) and row["mean_ms"] > 0
+    assert row["part_ms"] == pytest.approx(totals.loc["optimizer", "per_step_ms"], abs=1e-9)
+    assert row["part_ms"] < 0.05 * row["mean_ms"]
+    capsys.readouterr()
+    assert main(["--reports-dir", str(tmp_path), "show", run.id]) == 0
+    out = capsys.readouterr().out
+    assert (f"(phases overlap in the steps, so they add up to more than the step: optimizer on cpu:0 "
+            f"{row['mean_ms']:,.2f} ms, {row['part_ms']:,.2f} ms of it outside the others; the Overview's shares count "
+            "each moment once)") in out
+
+
 @pytest.mark.parametrize("name", ["plain", "balanced", "uneven"])
 def test_run_stats_equal_the_steps_table(runs, name):
     run = runs[name]

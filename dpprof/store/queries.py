@@ -30,7 +30,7 @@ from dpprof.stepmodel import REST, partition, parts_for
 __all__ = ["MAX_POINTS", "WORK_SAMPLE_PER_DEVICE", "TIMELINE_MAX_STEPS", "GPU_METRICS", "bucket_width",
            "stacked_phases", "step_parts", "run_stats", "batch_sizes", "median_step_ms", "step_times", "phase_breakdown", "phase_totals",
            "work_samples", "work_stats", "memory_peaks", "chunk_counts", "gpu_series", "timeline",
-           "GPU_TIME_PARTS", "gpu_time", "phase_means", "outlier_steps", "detail_steps", "step_span", "sampled_comm_rows"]
+           "GPU_TIME_PARTS", "gpu_time", "phase_means", "phase_overlaps", "outlier_steps", "detail_steps", "step_span", "sampled_comm_rows"]
 
 MAX_POINTS = 2_000  # points a chart draws per series; a browser stays responsive well past this
 WORK_SAMPLE_PER_DEVICE = 4_000  # enough for box and violin shapes; exact mean, min and max come from SQL
@@ -685,6 +685,47 @@ def gpu_time(run: StoredRun) -> pd.DataFrame:
     per["busy_ms"] = per["step_ms"] - per["idle_ms"]
     per["idle_pct"] = 100 * per["idle_ms"] / per["step_ms"]
     return per.reset_index(drop=True)[cols]
+
+
+# A phase's mean per step over its part of the step by more than this (and PHASE_OVERLAP_SHARE of the mean) runs
+# during another phase: a recorded step's phases meet end to end, and clipping them to the step moves a few µs.
+PHASE_OVERLAP_MS = 0.5
+PHASE_OVERLAP_SHARE = 0.05
+
+
+def phase_overlaps(run: StoredRun, means: pd.DataFrame) -> pd.DataFrame:
+    """The phases of ``means`` (phase_means) that run during others: where a phase's mean per step is over its part
+    of the step (step_parts: each moment of a step to one phase, the Overview's shares), by more than
+    PHASE_OVERLAP_MS and PHASE_OVERLAP_SHARE of it, e.g. an imported trace's optimizer inside backward. Only a run
+    with one device per rank (DDP, a trace's ranks) is compared: a DataParallel step's parts are its rank's, not a
+    device's; FSDP's phases nest in forward and backward by design (their table names them); a run read from its
+    blocks is not.
+
+    Returns:
+        columns device, phase, mean_ms, part_ms.
+    """
+    cols = ["device", "phase", "mean_ms", "part_ms"]
+    devices = list(run.model.devices)
+    if run.model.aggregated or run.model.fsdp_phases or len(devices) != run.ranks or means.empty:
+        return pd.DataFrame(columns=cols)
+    parts = step_parts(run)
+    if parts.empty:
+        return pd.DataFrame(columns=cols)
+    # each part over the steps its phase ran in, as phase_means averages it: a phase of some steps is not diluted
+    present = run.query("SELECT phase, COUNT(DISTINCT step) AS steps FROM phases GROUP BY phase")
+    present = present.set_index(["rank", "phase"])["steps"]
+    per_rank = parts.drop(columns=["step", "window_ms", REST]).groupby("rank").sum()
+    rows = []
+    for rank, part_sum in per_rank.iterrows():
+        part = pd.Series({ph: ms / present[(rank, ph)] for ph, ms in part_sum.items() if (rank, ph) in present.index})
+        device = f"rank:{rank}" if f"rank:{rank}" in means.index else devices[0] if len(devices) == 1 else None
+        if device not in means.index:
+            continue
+        for phase, part_ms in part.items():
+            mean_ms = means.loc[device].get(f"{phase}_ms")
+            if pd.notna(mean_ms) and mean_ms - part_ms > max(PHASE_OVERLAP_MS, PHASE_OVERLAP_SHARE * mean_ms):
+                rows.append({"device": device, "phase": phase, "mean_ms": float(mean_ms), "part_ms": float(part_ms)})
+    return pd.DataFrame(rows, columns=cols)
 
 
 def phase_means(run: StoredRun) -> pd.DataFrame:
