@@ -268,10 +268,13 @@ def _capture_window(text: str | None, steps: int | None):
 
 def _cmd_capture(args: argparse.Namespace) -> int:
     """Ask a running run to capture its next N steps with torch.profiler, and wait until they are stored."""
-    from dpprof.capture import CaptureError
+    from dpprof.capture import MAX_CAPTURE_STEPS, CaptureError
     from dpprof.capture.request import ask, wait_for_answer
     from dpprof.store.reader import load_run
 
+    if args.steps > MAX_CAPTURE_STEPS:  # a usage error before the run is looked for, as --steps 0 is
+        raise UsageError(f"--steps {args.steps}: at most {MAX_CAPTURE_STEPS:,} steps in one capture (a longer trace "
+                         "opens in no viewer)")
     run = load_run(args.run, args.reports_dir)
     try:
         asked = ask(run, args.steps)

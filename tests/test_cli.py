@@ -392,6 +392,7 @@ def test_a_model_that_fails_on_the_input_shape_is_refused_in_one_line_before_any
     (["profile", "seg-fcn", "--model", "m:make", "--input-shape", "3,32,32"], "seg-fcn) or --model, not both"),
     (["profile", "--steps", "0"], "--steps must be positive"),
     (["profile", "--capture", "-3:2"], "--capture -3:2: steps A:B need 0 <= A < B"),  # not "expected one argument"
+    (["capture", "some-run", "--steps", "2000"], "--steps 2000: at most 1,000 steps in one capture"),  # not exit 1
     (["profile", "seg-fcn", "--input-shape", "3,4"], "the built-in workload (seg-fcn) makes its own"),  # not dropped
     (["check", "--device-ids", "cpu:3"], "--device-ids cpu:0,cpu:1,cpu:2 for 3 workers"),
     # a flag --no-record would drop without a word (the script never runs)
