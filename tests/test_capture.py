@@ -155,6 +155,7 @@ def test_a_window_past_the_end_stops_at_the_last_step_or_never_starts(tmp_path, 
         if held:
             assert names == [f"{run.id}.capture-{held}.pt.trace.json.gz"]
             assert sorted(_steps_in(_events(directory / names[0]))) == [3, 4]
+            assert "captured steps 3 to 4 with torch.profiler (of the window 3:10: the run ended after 5 steps)" in notes
         else:
             said = ("capture 7:9: the run ended after 5 steps, before the window began, so nothing was captured: give "
                     "a window that ends by step 5, such as 3:5 (its last 2 steps)")

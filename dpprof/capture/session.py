@@ -178,8 +178,9 @@ class CaptureSession:
         # at least the window's first step: a run that failed as its window began (the profiler started, the step not)
         # still stops the profiler and stores what it holds, and its own error is the one raised
         steps = CaptureWindow(self._first, max(end_step, self._first + 1))
+        cut = window if steps.end_step < window.end_step else None  # the run ended inside the window
         job = threading.Thread(target=self._store, args=(profiler, steps, self._nonce, error, stop_ms,
-                                                         self._device_of_thread(), self._first_ms),
+                                                         self._device_of_thread(), self._first_ms, cut),
                                name=f"dpprof-capture-store-{self.run.id}", daemon=True)
         self._jobs.append(job)
         job.start()
@@ -212,8 +213,9 @@ class CaptureSession:
     # -- after the window (the session's own thread) -------------------------------------------------------------
 
     def _store(self, profiler: Any, steps: CaptureWindow, nonce: str | None, error: str | None, stop_ms: float,
-               device_of_thread: dict[int, str] | None, first_ms: float) -> None:
-        """Write the raw trace beside the run, aggregate it into the run's tables, note it, answer a request."""
+               device_of_thread: dict[int, str] | None, first_ms: float, cut: CaptureWindow | None = None) -> None:
+        """Write the raw trace beside the run, aggregate it into the run's tables, note it, answer a request;
+        ``cut``: the window asked for, where the run ended inside it."""
         t0 = time.perf_counter()
         trace: str | None = None
         if error is None:
@@ -230,7 +232,9 @@ class CaptureSession:
         done = CapturedWindow(steps.first_step, steps.end_step, trace, error, stop_ms, export_ms)
         self.captured.append(done)
         if error is None:
-            message = (f"captured {steps_words(steps.first_step, steps.end_step)} with torch.profiler: raw trace "
+            short = (f" (of the window {cut}: the run ended after {plural(steps.end_step, 'step')})"
+                     if cut is not None else "")
+            message = (f"captured {steps_words(steps.first_step, steps.end_step)} with torch.profiler{short}: raw trace "
                        f"{os.path.basename(str(trace))} (stop {stop_ms:.0f} ms on the training thread, trace and "
                        f"tables {export_ms:.0f} ms beside it)")
         else:
