@@ -148,7 +148,7 @@ def body(row: pd.Series) -> None:
     c[2].metric("Mean step", f"{stats['mean_step_ms']:.2f} ms")
     if stats["batch_size"]:
         c[3].metric("Samples/s", f"{stats['batch_size'] / stats['median_step_ms'] * 1e3:,.0f}",
-                    help=f"batch {batch_words(stats)} over the median step: the batch most steps ran")
+                    help=f"batch {batch_words(stats, ranks)} over the median step: the batch most steps ran")
     if data.tax_pct is not None:
         c[4].metric("DataParallel tax", f"{data.tax_pct:.1f}%", help="scatter + replicate + gather, of the mean step past "
                     "the first: work only DataParallel does (DistributedDataParallel has no replicate and no gather)")

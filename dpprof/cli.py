@@ -472,7 +472,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     stats = queries.run_stats(run)
     ranks = steps_per_rank(stats, run.ranks)
     print(f"  {plural(stats['steps'], 'step')}{ranks}, median {stats['median_step_ms']:.2f} ms, "
-          f"batch {batch_words(stats)}")
+          f"batch {batch_words(stats, run.ranks)}")
     if model.detail_text():
         print(f"  {model.detail_text()}")
     if model.nothing_to_balance:

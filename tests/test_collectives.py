@@ -112,6 +112,8 @@ def test_a_late_rank_of_a_recorded_ddp_run_is_the_straggler_with_its_delay_as_th
     assert main(["--reports-dir", str(tmp_path), "show", run.id]) == 0
     shown = capsys.readouterr().out
     assert row["title"] in shown and row["evidence"] in shown
+    per_rank = run.steps.groupby("rank")["batch_size"].max()  # each rank's --batch-size: the batch is theirs together
+    assert f", batch {per_rank.sum():,} across 4 ranks" in shown and per_rank.nunique() == 1
     # the Overview's heatmap: read one rank file at a time, the same waits as from the whole table
     view = overview(run).waits
     assert view is not None and view.notes == []

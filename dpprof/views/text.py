@@ -99,15 +99,17 @@ def status_sentence(status: str, error: str | None) -> tuple[str, str | None] | 
     return None
 
 
-def batch_words(stats: dict[str, Any]) -> str:
-    """The run's batch (queries.batch_sizes), and where steps ran others, how many and their range: "16", "16 (9 of
-    10 steps; 16 to 256)", "-" for none. ``dpprof show`` and the Overview's samples/s say it so."""
+def batch_words(stats: dict[str, Any], ranks: int = 1) -> str:
+    """The run's batch (queries.batch_sizes), a distributed run's said to be its ranks' together, and where steps ran
+    others, how many and their range: "16", "60 across 2 ranks", "16 (9 of 10 steps; 16 to 256)", "-" for none.
+    ``dpprof show`` and the Overview's samples/s say it so."""
     batch = stats.get("batch_size")
     if not batch:
         return "-"
+    said = f"{batch:,}" + (f" across {ranks} ranks" if ranks > 1 else "")
     if stats.get("batch_size_min") == stats.get("batch_size_max"):
-        return f"{batch:,}"
-    return (f"{batch:,} ({stats['batch_size_steps']:,} of {plural(stats['batch_steps'], 'step')}; "
+        return said
+    return (f"{said} ({stats['batch_size_steps']:,} of {plural(stats['batch_steps'], 'step')}; "
             f"{stats['batch_size_min']:,} to {stats['batch_size_max']:,})")
 
 
