@@ -437,6 +437,14 @@ def test_sent_per_step_is_what_the_comm_hook_sent_not_the_buckets_size(tmp_path,
     assert main(["export", run_id, "--out", str(tmp_path / "csv")]) == 0
     csv = (tmp_path / "csv" / "comms.csv").read_text()
     assert f",{sent_bytes[-1]}," in csv
+    # the run keeps the hook's name, and the communication finding's advice does not tell it to compress again
+    from dpprof.findings.ddp import _compress_words
+
+    named = {None: None, "fp16": "fp16_compress_hook", "powersgd": "powerSGD_hook"}[hook]
+    assert run.model.comm_hook == named
+    advice = _compress_words(run.model.comm_hook)
+    assert ("already go through the compressing communication hook " + named in advice) if named else \
+        advice.startswith(", or compress gradients")
 
 
 def _builtin_fp16(ddp, ran) -> None:
@@ -461,6 +469,7 @@ def test_a_builtin_comm_hook_trains_as_without_dpprof_its_backward_whole_and_sai
     assert frames["comms"].empty
     assert any("built-in communication hook (BuiltinCommHookType.FP16_COMPRESS)" in m
                for m in frames["notes"]["message"])
+    assert run.workload_args["comm_hook"] == "BuiltinCommHookType.FP16_COMPRESS"  # the advice's: no compressing again
 
 
 def test_a_hook_torchs_constructor_registers_is_the_scripts_not_replaced_by_dpprofs(tmp_path):

@@ -14,7 +14,7 @@ from dpprof.stepmodel import partition
 from dpprof.store.model import RunModel
 from dpprof.units import mib
 
-__all__ = ["COMM_SHARE_WARN", "FEW_BUCKETS", "MANY_BUCKETS", "SMALL_BUCKET_BYTES", "straggler_rank",
+__all__ = ["COMM_SHARE_WARN", "COMPRESSING_HOOKS", "FEW_BUCKETS", "MANY_BUCKETS", "SMALL_BUCKET_BYTES", "straggler_rank",
            "communication", "uneven_inputs", "union_ms", "overlapped_ms", "collective_busy", "later_collectives", "bucket_counts"]
 
 # All-reduce busy more than 20% of the step is worth acting on.
@@ -150,6 +150,22 @@ def bucket_counts(comms: pd.DataFrame) -> pd.Series:
     return later_collectives(comms).groupby(["step", "device"])["bucket"].nunique()
 
 
+
+COMPRESSING_HOOKS = ("compress", "powersgd")  # in a hook's name: torch's fp16/bf16_compress_hook(s), PowerSGD's
+
+
+def _compress_words(hook: str | None) -> str:
+    """The communication advice's end: compress gradients with a hook, unless the run's hook already does (its bytes
+    sent are then what it sent, dpprof.parallel.distributed)."""
+    if hook is None:
+        return ", or compress gradients with a communication hook (fp16/bf16 compress, PowerSGD)."
+    if any(word in hook.lower() for word in COMPRESSING_HOOKS):
+        return (f"; the gradients already go through the compressing communication hook {hook} (the bytes sent are "
+                "what it sent), so compressing them again buys little.")
+    return (f", or compress gradients with a communication hook (fp16/bf16 compress, PowerSGD) in place of, or "
+            f"wrapping, the run's {hook}.")
+
+
 def communication(t: Tables) -> list[dict]:
     """Collectives' share of the step (their union, clipped to the step: never over 100%) and how much of it
     overlaps backward compute; bucket-size advice. A recorded DDP run's collectives are its gradient buckets'
@@ -196,8 +212,8 @@ def communication(t: Tables) -> list[dict]:
                                 ("Bring every rank's file into the run first (import them together, or dpprof merge): "
                                  "a rank the others wait for is then named the straggler, and that wait is no cost of "
                                  "communication. Otherwise: r" if t.model.partial_job else "R")
-                                + "aise the per-rank batch (communication is per step, compute per sample), or compress "
-                                "gradients with a communication hook (fp16/bf16 compress, PowerSGD).", share, "share"))
+                                + "aise the per-rank batch (communication is per step, compute per sample)"
+                                + _compress_words(t.model.comm_hook), share, "share"))
     per_step_buckets = bucket_counts(comms).median()
     mean_bytes = comms["bucket_bytes"].mean()
     sized = pd.notna(mean_bytes)  # a gloo trace's collectives may name no size

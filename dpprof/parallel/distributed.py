@@ -309,6 +309,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         made dpprof register the default all-reduce (the hook's one place in torch's reducer), ``hook`` takes its
         place there, as torch's first registration would."""
         self._check_comm_hook(hook)
+        self.__dict__["_dpprof_hook_name"] = getattr(hook, "__qualname__", None) or repr(hook)
         if self.__dict__["_dpprof_hooked"] == _DEFAULT:
             self.__dict__["_dpprof_hooked"] = True
             self.__dict__["_dpprof_chosen"] = (state, hook)
@@ -329,7 +330,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                                "recorded forward: register it before the first forward (or use register_comm_hook "
                                "with torch.distributed.algorithms.ddp_comm_hooks.default_hooks)")
         self.__dict__["_dpprof_hooked"] = True
-        self.__dict__["_dpprof_builtin"] = str(comm_hook_type)
+        self.__dict__["_dpprof_builtin"] = self.__dict__["_dpprof_hook_name"] = str(comm_hook_type)
         super()._register_builtin_comm_hook(comm_hook_type)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -350,6 +351,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self.__dict__["_dpprof_probe"] = probe
         self.__dict__["_dpprof_previous"] = probe
         _latest["probe"] = probe
+        hook_name = self.__dict__.get("_dpprof_hook_name")
+        if hook_name is not None:  # the script's hook, stored with the run: the findings' advice names it
+            run.note_workload(comm_hook=hook_name)
         builtin = self.__dict__.get("_dpprof_builtin")
         if builtin is not None:
             run.note("dpprof", f"a DistributedDataParallel's built-in communication hook ({builtin}) runs in C++, "

@@ -116,6 +116,7 @@ class RunModel:
     sharded: bool = False  # an imported trace of a job sharded with FSDP (its FSDP ranges are in the trace)
     # a DDP run dpprof exported, imported again: its collectives are its gradient buckets' all-reduces, as recorded
     ddp_buckets: bool = False
+    comm_hook: str | None = None  # a recorded DDP's communication hook, as the script registered it (its qualname)
 
     @property
     def fsdp_phases(self) -> bool:
@@ -429,4 +430,5 @@ def describe(run: StoredRun) -> RunModel:
                     ranks=tuple(sorted(int(r) for r in run.meta.get("ranks") or [] if r is not None)),
                     dist_backend=distributed_backend(run.meta),
                     sharded=bool((run.meta.get("workload_args") or {}).get("fsdp")),
-                    ddp_buckets=bool((run.meta.get("workload_args") or {}).get("ddp_buckets")))
+                    ddp_buckets=bool((run.meta.get("workload_args") or {}).get("ddp_buckets")),
+                    comm_hook=(run.meta.get("workload_args") or {}).get("comm_hook"))
