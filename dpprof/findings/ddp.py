@@ -150,7 +150,6 @@ def bucket_counts(comms: pd.DataFrame) -> pd.Series:
     return later_collectives(comms).groupby(["step", "device"])["bucket"].nunique()
 
 
-
 COMPRESSING_HOOKS = ("compress", "powersgd")  # in a hook's name: torch's fp16/bf16_compress_hook(s), PowerSGD's
 
 
