@@ -638,12 +638,18 @@ def test_an_edited_inventory_keeps_what_is_well_formed_and_leaves_the_rest_unkno
     assert b["kind"] == "cpu" and b[["cores", "threads"]].isna().all() and b["cpu_model"] == second["cpu_model"]
 
 
-def test_a_ddp_run_read_back_words_its_collectives_as_the_recorded_run_does(runs, tmp_path, capsys):
+def test_a_ddp_run_read_back_words_its_collectives_as_the_recorded_run_does(runs, tmp_path, capsys, monkeypatch):
     """A DDP run's collectives are its gradient buckets' all-reduces: read back from the file dpprof exported, show,
     the Overview and the communication finding say "gradient all-reduce" as for the recorded run, where an imported
-    trace of another job says "collectives (from the trace)" and names each."""
+    trace of another job says "collectives (from the trace)" and names each. The finding's thresholds are set to
+    nothing: its words are under test, and whether the all-reduce of the recorded run clears 20% of its step depends
+    on the machine's load (CI once read it under)."""
+    import dpprof.findings.ddp as ddp
     from dpprof.cli import main
     from dpprof.findings import run_findings
+
+    monkeypatch.setattr(ddp, "COMM_SHARE_WARN", 0.0)
+    monkeypatch.setattr(ddp, "worth_time", lambda *args: True)
 
     run = dpprof.load_run(runs.ids["ddp"], runs.dir)
     _, written, _ = _export(run, tmp_path)
