@@ -79,41 +79,35 @@ def test_every_page_of_an_imported_trace_opens_without_an_empty_chart(imported, 
         assert "GPU time per device (from the trace)" in [shown_text(s.value) for s in at.subheader]
 
 
-def test_the_operators_search_and_grouping_outlive_a_visit_to_another_page(imported, monkeypatch):
-    directory, ids = imported
-    monkeypatch.setenv("DPPROF_REPORTS", str(directory))
-    at = AppTest.from_file(str(APP), default_timeout=90)
-    at.session_state[common.RUN_KEY] = ids["resnet50 (1 GPU, 2021 format, memory)"]
-    at.run()
-    at.switch_page("app_pages/operators.py").run()
-    at.radio(key="ops_by").set_value("shape")
-    at.text_input(key="ops_search").input("conv").run()
-    rows = len(at.dataframe[0].value)
-    at.switch_page("app_pages/kernels.py").run()
-    at.switch_page("app_pages/operators.py").run()
-    assert not at.exception, [e.message for e in at.exception]
-    assert at.radio(key="ops_by").value == "shape" and at.text_input(key="ops_search").value == "conv"
-    assert len(at.dataframe[0].value) == rows
-
-
-def test_the_kernels_search_and_grouping_outlive_a_visit_to_another_page(imported, monkeypatch):
-    directory, ids = imported
-    monkeypatch.setenv("DPPROF_REPORTS", str(directory))
-    at = AppTest.from_file(str(APP), default_timeout=90)
-    at.session_state[common.RUN_KEY] = ids["resnet50 (1 GPU, 2021 format, memory)"]
-    at.run()
-    at.switch_page("app_pages/kernels.py").run()
-    at.radio(key="k_by").set_value("operator")
-    at.text_input(key="k_search").input("gemm").run()
-    rows = len(at.dataframe[-1].value)
-    at.switch_page("app_pages/operators.py").run()
-    at.switch_page("app_pages/kernels.py").run()
-    assert not at.exception, [e.message for e in at.exception]
-    assert at.radio(key="k_by").value == "operator" and at.text_input(key="k_search").value == "gemm"
-    assert len(at.dataframe[-1].value) == rows
-
-
 RESNET_JOB, RANKS_JOB = "resnet50 (1 GPU, 2021 format, memory)", "ddp 128 ranks (ranks 0 and 1)"
+
+
+def _opened(imported, monkeypatch, job: str) -> AppTest:
+    """The dashboard on the imported ``job`` (its Overview)."""
+    directory, ids = imported
+    monkeypatch.setenv("DPPROF_REPORTS", str(directory))
+    at = AppTest.from_file(str(APP), default_timeout=90)
+    at.session_state[common.RUN_KEY] = ids[job]
+    at.run()
+    return at
+
+
+@pytest.mark.parametrize("page,other,by,by_value,search,term,table", [
+    ("operators", "kernels", "ops_by", "shape", "ops_search", "conv", 0),
+    ("kernels", "operators", "k_by", "operator", "k_search", "gemm", -1),
+])
+def test_the_search_and_grouping_outlive_a_visit_to_another_page(imported, monkeypatch, page, other, by, by_value,
+                                                                  search, term, table):
+    at = _opened(imported, monkeypatch, RESNET_JOB)
+    at.switch_page(f"app_pages/{page}.py").run()
+    at.radio(key=by).set_value(by_value)
+    at.text_input(key=search).input(term).run()
+    rows = len(at.dataframe[table].value)
+    at.switch_page(f"app_pages/{other}.py").run()
+    at.switch_page(f"app_pages/{page}.py").run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert at.radio(key=by).value == by_value and at.text_input(key=search).value == term
+    assert len(at.dataframe[table].value) == rows
 
 
 @pytest.mark.parametrize("page,key,job,chosen,elsewhere", [
@@ -124,11 +118,7 @@ RESNET_JOB, RANKS_JOB = "resnet50 (1 GPU, 2021 format, memory)", "ddp 128 ranks 
 def test_the_rank_or_device_chosen_outlives_another_page(imported, monkeypatch, page, key, job, chosen, elsewhere):
     """A rank or device chosen, then Overview and back: still chosen, its rows shown (Streamlit drops the state of a
     widget not drawn: 'all devices' again). On a run without that rank the picker shows one it has."""
-    directory, ids = imported
-    monkeypatch.setenv("DPPROF_REPORTS", str(directory))
-    at = AppTest.from_file(str(APP), default_timeout=90)
-    at.session_state[common.RUN_KEY] = ids[job]
-    at.run()
+    at = _opened(imported, monkeypatch, job)
     at.switch_page(f"app_pages/{page}.py").run()
     box = at.selectbox(key=key)
     box.select_index(box.options.index(chosen)).run()
@@ -139,7 +129,7 @@ def test_the_rank_or_device_chosen_outlives_another_page(imported, monkeypatch, 
     assert at.selectbox(key=key).value.label() == chosen
     assert [d.value.to_csv() for d in at.dataframe] == shown
     if elsewhere:
-        at.session_state[common.RUN_KEY] = ids[RESNET_JOB]
+        at.session_state[common.RUN_KEY] = imported[1][RESNET_JOB]
         at.run()
         assert not at.exception, [e.message for e in at.exception]
         assert at.selectbox(key=key).value.label() == elsewhere
