@@ -90,8 +90,8 @@ def capture_box(row: pd.Series) -> int | None:
         return None
     by_first = {c.first_step: c for c in listed}
     return kept_selectbox("Capture", list(reversed(by_first)), key=f"capture_{row['id']}",
-                            format_func=lambda first: by_first[first].label + (" (latest)" if first == listed[-1].first_step
-                                                                               else ""),
+                          format_func=lambda first: by_first[first].label + (" (latest)" if first == listed[-1].first_step
+                                                                             else ""),
                           help="The run keeps each deep capture's operators, kernels and memory; the latest is shown "
                                "unless another is picked.")
 

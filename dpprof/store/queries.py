@@ -68,35 +68,34 @@ def stacked_phases(present: list[str] | tuple[str, ...]) -> list[str]:
 
 def _steps_per_file(run: StoredRun) -> pd.DataFrame:
     """Per run file (a distributed run's ranks, each with its ``rank``): step count, first and last step, mean and
-    total step time, batch size and devices used."""
+    total step time and devices used (the batch is batch_sizes')."""
     if run.model.aggregated:
         # the blocks hold every settled step; a run killed while recording also holds up to SETTLE_STEPS steps past
         # the last block's (dpprof.store.blocks), counted from the steps table, which keeps every step
         return run.query(
             "WITH b AS (SELECT SUM(steps) AS steps, MIN(first_step) AS first_step, MAX(last_step) AS last_step, "
-            "SUM(sum_ms) AS total_ms, MAX(batch_size) AS batch_size, MAX(devices_used) AS devices_used "
+            "SUM(sum_ms) AS total_ms, MAX(devices_used) AS devices_used "
             "FROM step_blocks), "
             "t AS (SELECT COUNT(*) AS steps, MIN(step) AS first_step, MAX(step) AS last_step, "
-            "SUM(duration_ms) AS total_ms, MAX(batch_size) AS batch_size, MAX(devices_used) AS devices_used "
+            "SUM(duration_ms) AS total_ms, MAX(devices_used) AS devices_used "
             "FROM steps WHERE step > COALESCE((SELECT MAX(last_step) FROM step_blocks), -1)) "
             "SELECT COALESCE(b.steps, 0) + t.steps AS steps, COALESCE(b.first_step, t.first_step) AS first_step, "
             "COALESCE(t.last_step, b.last_step) AS last_step, "
             "(COALESCE(b.total_ms, 0) + COALESCE(t.total_ms, 0)) / NULLIF(COALESCE(b.steps, 0) + t.steps, 0) "
             "AS mean_step_ms, COALESCE(b.total_ms, 0) + COALESCE(t.total_ms, 0) AS total_ms, "
-            "MAX(COALESCE(b.batch_size, t.batch_size), COALESCE(t.batch_size, b.batch_size)) AS batch_size, "
             "MAX(COALESCE(b.devices_used, t.devices_used), COALESCE(t.devices_used, b.devices_used)) AS devices_used "
             "FROM b, t")
     return run.query("SELECT COUNT(*) AS steps, MIN(step) AS first_step, MAX(step) AS last_step, "
                      "AVG(duration_ms) AS mean_step_ms, SUM(duration_ms) AS total_ms, "
-                     "MAX(batch_size) AS batch_size, MAX(devices_used) AS devices_used FROM steps")
+                     "MAX(devices_used) AS devices_used FROM steps")
 
 
 def run_stats(run: StoredRun) -> dict[str, Any]:
     """Step count, first and last step, mean, median and total step time, batch size and devices used."""
     per = _steps_per_file(run)
-    # ranks of a distributed run step together: their steps are the same steps, their batches add up
+    # ranks of a distributed run step together: their steps are the same steps (their batches add up: batch_sizes)
     row = per.agg({"steps": "max", "first_step": "min", "last_step": "max", "mean_step_ms": "mean",
-                   "total_ms": "mean", "batch_size": "sum" if len(per) > 1 else "max", "devices_used": "sum"})
+                   "total_ms": "mean", "devices_used": "sum"})
     stats = {k: (None if pd.isna(v) else v.item() if hasattr(v, "item") else v) for k, v in row.items()}
     stats["steps"] = int(stats["steps"] or 0)
     # a distributed run whose ranks hold different step counts (an imported job a rank's profiler cut short): the
