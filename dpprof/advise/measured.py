@@ -20,6 +20,7 @@ from typing import Any
 import pandas as pd
 
 from dpprof.advise import NotAdvisable
+from dpprof.devices import even_batch_sizes
 from dpprof.findings.steps import OUTLIER_STEP_RATIO, bigger_batches, stalls
 from dpprof.store import advisor_rows, queries
 from dpprof.store.reader import StoredRun, effective_status
@@ -176,7 +177,7 @@ def _refuse(run: StoredRun) -> None:
         if len(batches):
             batch = int(batches.mode().max())
             split = f": torch.chunk splits its batch of {batch} into {chunk_sizes(batch, n)} over its {n} devices"
-            even += f" ({' or '.join(str(b) for b in ((batch // n) * n, (batch // n + 1) * n) if b > 0)})"
+            even += f" ({' or '.join(map(str, even_batch_sizes(batch, n)))})"
         raise NotAdvisable(f"run {run.id} gave no chunk to {', '.join(model.idle)}{split}; the advisor predicts from "
                            f"runs whose every device works: record it with {even}")
 
