@@ -157,7 +157,7 @@ def rest_of_steps(t: Tables) -> pd.DataFrame:
     parts = parts.assign(over=parts[REST] > REST_SHARE_WARN * parts["window_ms"])
     label = ph.drop_duplicates("rank").set_index("rank")["device"]  # a rank's device label ("rank:1")
     per = parts.groupby("rank").agg(steps=("step", "count"), window_ms=("window_ms", "mean"), rest=(REST, "mean"),
-                                          steps_over=("over", "sum"))
+                                    steps_over=("over", "sum"))
     per = per[per.index.isin(label.index)]
     return per.assign(device=per.index.map(label)).reset_index(drop=True)[cols]
 
