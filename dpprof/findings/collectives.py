@@ -239,6 +239,13 @@ def _least_waiting(table: pd.DataFrame) -> tuple[pd.Series, int, float, float]:
     return least, rank, float(table.drop(columns=rank).median(axis=1).median()), float(table[rank].median())
 
 
+def _consistency(least: pd.Series, rank: int, ranks: int) -> tuple[float, int, float]:
+    """How consistently ``rank`` waited least (``least``: each step's rank that did, of ``ranks``): the share of the
+    steps, their count, and the chance one rank does so that often (by_chance), as the straggler rule weighs them."""
+    count = int((least == rank).sum())
+    return count / len(least), count, by_chance(count, len(least), ranks)
+
+
 def _second_late_rank(table: pd.DataFrame, slow: int, devices: dict[int, str], threshold: float,
                       step_ms: float) -> str | None:
     """Another rank the others wait for beside the straggler (two late ranks): the straggler's rule again over the
@@ -247,8 +254,8 @@ def _second_late_rank(table: pd.DataFrame, slow: int, devices: dict[int, str], t
     if rest.shape[1] < 2 or not step_ms or pd.isna(step_ms):
         return None
     least, late, theirs, own = _least_waiting(rest)
-    cost, count = theirs - own, int((least == late).sum())
-    if (count / len(rest) < STRAGGLER_STEP_SHARE or by_chance(count, len(rest), rest.shape[1]) > STRAGGLER_CHANCE
+    cost, (share, _, chance) = theirs - own, _consistency(least, late, rest.shape[1])
+    if (share < STRAGGLER_STEP_SHARE or chance > STRAGGLER_CHANCE
             or cost < threshold * step_ms or not worth_time(cost, step_ms)):
         return None
     name, first = devices.get(late, f"rank:{late}"), devices.get(slow, f"rank:{slow}")
@@ -288,8 +295,7 @@ def collective_verdict(t: Tables) -> CollectiveVerdict | None:
         step_ms, step_words = float(compared.median()), f"{MEDIAN_STEP} that ran collectives"
     on_gpus = t.model.backend == "cuda" or bool({"allocator", "gpu_samples", "gpu_time"} & t.model.has)
     threshold = STRAGGLER_WAIT_SHARE if on_gpus else STRAGGLER_WAIT_SHARE_CPU
-    share, count = float((least == slow).mean()), int((least == slow).sum())
-    chance = by_chance(count, len(table), table.shape[1])
+    share, count, chance = _consistency(least, slow, table.shape[1])
     reason = None
     if share < STRAGGLER_STEP_SHARE:
         reason = (f"it waited least in only {share:.0%} of {len(table)} steps, under the {STRAGGLER_STEP_SHARE:.0%} "
