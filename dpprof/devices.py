@@ -13,7 +13,7 @@ import torch
 from dpprof.device_ids import DeviceLike, DeviceSet, resolve_devices
 from dpprof.nvml import Nvml, NvmlUnavailable, throttle_names
 from dpprof.records import (SEVERITIES, SLOWDOWN_REASONS, DeviceRecord, FindingRecord, finding_unit_error,
-                            idle_severity, split_shares, uneven_severity)
+                            even_batch_sizes, idle_severity, split_shares, uneven_severity)
 from dpprof.units import plural
 
 __all__ = ["inventory", "check_balance", "chunk_sizes", "even_batch_sizes", "cpu_info",
@@ -100,13 +100,6 @@ MAX_BATCH_SIZE = 2**40  # samples: past any device's memory, and well inside tor
 def chunk_sizes(batch_size: int, n_devices: int) -> list[int]:
     """The chunk each device gets, exactly as torch.chunk splits a batch (devices past the end idle)."""
     return [len(c) for c in torch.empty(batch_size, 0).chunk(n_devices)]
-
-
-def even_batch_sizes(batch_size: int, n_devices: int) -> list[int]:
-    """The nearest batch sizes at or around ``batch_size`` that give every device an equal chunk."""
-    below = (batch_size // n_devices) * n_devices
-    above = below + n_devices
-    return [b for b in (below, above) if b > 0]
 
 
 def _finding(kind: str, severity: str, device: str | None, title: str, evidence: str, advice: str,

@@ -5,7 +5,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["HOST_OUTPUT", "PHASE_ORDER", "PHASES", "DDP_PHASES", "FSDP_PHASES", "FSDP_ONLY_PHASES", "DP_TAX_PHASES", "MEMORY_BYTES", "SEVERITIES", "FINDING_UNITS", "finding_unit_error", "SLOWDOWN_REASONS", "device_key", "idle_severity", "uneven_severity", "split_shares", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
+__all__ = ["HOST_OUTPUT", "PHASE_ORDER", "PHASES", "DDP_PHASES", "FSDP_PHASES", "FSDP_ONLY_PHASES", "DP_TAX_PHASES", "MEMORY_BYTES", "SEVERITIES", "FINDING_UNITS", "finding_unit_error", "SLOWDOWN_REASONS", "device_key", "idle_severity", "uneven_severity", "split_shares", "even_batch_sizes", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
            "DeviceRecord", "NoteRecord", "FindingRecord", "CommRecord", "GpuTimeRecord", "Record",
            "TABLE_OF", "CHECK_OF_ENV", "Row", "PHASE_ROW", "COMM_ROW", "STEP_ROW", "MEMORY_ROW",
            "RECORD_OF_TABLE", "record_of_row", "ALL_REDUCE", "ALL_REDUCE_RANGE"]
@@ -106,6 +106,13 @@ def split_shares(chunks: Sequence[float], devices: int) -> tuple[float, float]:
         return 0.0, 0.0
     slots = devices * max(given)
     return (len(given) * max(given) - sum(given)) / slots, (devices - len(given)) / devices
+
+
+def even_batch_sizes(batch_size: int, n_devices: int) -> list[int]:
+    """The nearest batch sizes at or around ``batch_size`` that give every device an equal chunk."""
+    below = (batch_size // n_devices) * n_devices
+    above = below + n_devices
+    return [b for b in (below, above) if b > 0]
 
 
 def device_key(label: object) -> tuple[str, int, str]:

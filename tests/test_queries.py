@@ -298,3 +298,17 @@ def test_the_read_side_never_imports_streamlit():
             "dpprof.views.text, dpprof.charts; print('streamlit' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_the_read_side_imports_nothing_of_the_collect_side():
+    """The fast half of test_read_side: every module the read side's surfaces import (the slow test then reads
+    every kind of run through them), in a fresh interpreter, loads no torch, pynvml, streamlit or dpprof.parallel."""
+    code = ("import sys, dpprof, dpprof.charts, dpprof.report, dpprof.cli, dpprof.findings, dpprof.advise, "
+            "dpprof.advise.measured, dpprof.advise.predict, dpprof.store.reader, dpprof.views.advise, "
+            "dpprof.views.overview, dpprof.views.load, dpprof.views.timeline, dpprof.views.compare, "
+            "dpprof.views.export, dpprof.views.text; "
+            "print(sorted(m for m in sys.modules if m in ('torch', 'pynvml', 'streamlit') "
+            "or m.startswith('dpprof.parallel')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

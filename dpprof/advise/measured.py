@@ -20,8 +20,8 @@ from typing import Any
 import pandas as pd
 
 from dpprof.advise import NotAdvisable
-from dpprof.devices import even_batch_sizes
 from dpprof.findings.steps import OUTLIER_STEP_RATIO, bigger_batches, stalls
+from dpprof.records import even_batch_sizes
 from dpprof.store import advisor_rows, queries
 from dpprof.store.reader import StoredRun, effective_status
 from dpprof.workload_names import WORKLOAD_NAMES
