@@ -599,7 +599,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     if (args.steps is not None or args.one_file) and args.trace is None:
         raise UsageError("--steps and --one-file choose what --trace FILE writes: give --trace")
-    if args.trace is not None and not args.trace.endswith((".json", ".json.gz")):
+    if args.trace is not None and not args.trace.lower().endswith((".json", ".json.gz")):
         raise UsageError(f"--trace {args.trace}: the name must end in .json or .json.gz (gzip'd)")
     from dpprof.trace.export import parse_steps
 

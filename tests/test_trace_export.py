@@ -64,7 +64,7 @@ def runs(tmp_path_factory, profiled):
 
 
 def read_trace(path: Path) -> dict:
-    opener = gzip.open if path.name.endswith(".gz") else open
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
     with opener(path, "rt") as f:
         return json.load(f)
 
@@ -161,7 +161,7 @@ def check_round_trip(run, plan, paths: list[Path], reports: Path) -> None:
     got = _phase_totals(back)
     assert list(got.index) == list(original.index)
     assert ((got - original).abs() <= TOTALS_REL * original.abs() + 1e-6).all(), pd.concat([original, got], axis=1)
-    if EXPORT_KEY in json.loads(gzip.open(paths[0]).read() if paths[0].suffix == ".gz" else paths[0].read_bytes()):
+    if EXPORT_KEY in json.loads(gzip.open(paths[0]).read() if paths[0].suffix.lower() == ".gz" else paths[0].read_bytes()):
         # dpprof's own file: each step's phases come back in their own step, to the ns the file writes (an end at
         # the next step's start, but for ts + dur's rounding, stays in its step)
         def per_step(r) -> pd.Series:
@@ -514,14 +514,23 @@ def test_steps_picks_a_range(runs, tmp_path, capsys):
     assert [s for a, b in ranges for s in range(a, b)] == held and len(ranges) > 1
 
 
-@pytest.mark.parametrize("text, steps", [("5:12", (5, 12)), ("5:", (5, None)), (":12", (None, 12)), ("7", (7, 8))])
+@pytest.mark.parametrize("text, steps", [("5:12", (5, 12)), ("5:", (5, None)), (":12", (None, 12)), ("7", (7, 8)),
+                                         (" 5 : 12 ", (5, 12))])
 def test_parse_steps(text, steps):
     assert parse_steps(text) == steps
+
+
+@pytest.mark.parametrize("text", ["2_0:3_0", "+3:5", "1e3", "\u0663:5", "", "1:2:3"])
+def test_parse_steps_takes_step_numbers_only(text):
+    """Python's int() reads 2_0 as 20, +3 as 3 and Arabic-Indic digits: a step number is plain digits."""
+    with pytest.raises(ValueError, match="expected A:B"):
+        parse_steps(text)
 
 
 @pytest.mark.parametrize("argv, says", [
     (["--steps", "9:3"], "B must be after A"), (["--steps", "a:b"], "expected A:B"),
     (["--trace", "{tmp}/t.txt"], "must end in .json or .json.gz"), (["--one-file"], "give --trace"),
+    (["--steps", "2_0:3_0"], "expected A:B"),
     (["--steps", "100000:"], "picks no step run"),
     # not Python's from-the-end: -3: wrote every step and -3:2 steps 0 and 1, without a word
     (["--steps", "-3:2"], "--steps '-3:2': steps count from 0, so A and B cannot be negative"),
@@ -561,6 +570,24 @@ def test_a_run_over_the_viewers_limit_exports_the_newest_steps_that_fit_and_says
 def test_rank_path_names_each_ranks_file_as_dpprof_import_reads_it(tmp_path):
     assert rank_path(tmp_path / "t.json.gz", 3).name == "t.rank3.json.gz"
     assert rank_path(tmp_path / "t.json", 0).name == "t.rank0.json"
+    assert rank_path(tmp_path / "T.JSON.GZ", 1).name == "T.rank1.JSON.GZ"  # the suffix as written, any case
+
+
+def test_a_trace_name_in_capitals_is_exported_gzipd_per_rank_and_imported_back(runs, tmp_path):
+    """T.JSON.GZ was refused ("must end in .json or .json.gz"); import's listing of a folder skipped T.JSON."""
+    run = dpprof.load_run(runs.ids["ddp"], runs.dir)
+    assert main(["--reports-dir", str(runs.dir), "export", run.id, "--trace", str(tmp_path / "T.JSON.GZ")]) == 0
+    files = sorted(tmp_path.glob("T.rank*.JSON.GZ"))
+    assert [f.name for f in files] == ["T.rank0.JSON.GZ", "T.rank1.JSON.GZ"]
+    assert all(f.read_bytes()[:2] == b"\x1f\x8b" for f in files)  # gzip's magic
+    check_round_trip(run, plan_trace(run), files, tmp_path / "back")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    assert main(["--reports-dir", str(runs.dir), "export", runs.ids["dataparallel"], "--trace",
+                 str(plain / "T.JSON")]) == 0
+    assert json.loads((plain / "T.JSON").read_text())["traceEvents"]
+    assert main(["--reports-dir", str(tmp_path / "r2"), "import", str(plain)]) == 0
+    assert len(dpprof.list_runs(tmp_path / "r2")) == 1
 
 
 def test_export_writes_csv_only_with_out_and_the_trace_with_it(runs, tmp_path, capsys):

@@ -517,7 +517,8 @@ def _candidates(directory: Path) -> list[Path]:
     if not directory.is_dir():
         return []
     return sorted(p for p in directory.iterdir()
-                  if not p.name.startswith(".") and not p.name.endswith(SIDE_FILES + _TRACE_FILES)
+                  if not p.name.startswith(".") and not p.name.endswith(SIDE_FILES)
+                  and not p.name.lower().endswith(_TRACE_FILES)
                   and (p.name.endswith(RUN_SUFFIX) or p.is_file()))
 
 

@@ -46,7 +46,7 @@ import msgspec
 
 from dpprof.trace.numbers import shown
 
-__all__ = ["TraceError", "TraceFile", "Event", "Flow", "OddEvent", "TRACE_SUFFIXES", "is_trace_name", "CHUNK_BYTES",
+__all__ = ["TraceError", "TraceFile", "Event", "Flow", "OddEvent", "TRACE_SUFFIXES", "trace_suffix", "is_trace_name", "is_gzip_name", "CHUNK_BYTES",
            "MAX_VALUE_BYTES", "PHASES", "Span", "split_points"]
 
 TRACE_SUFFIXES = (".json", ".json.gz")
@@ -131,8 +131,21 @@ class TraceError(Exception):
     """A file that cannot be read as a torch.profiler trace; the message names the file and why."""
 
 
+def trace_suffix(name: str) -> str | None:
+    """The trace suffix ``name`` ends in, as written: .json or .json.gz in any case (trace.JSON too), else None."""
+    for suffix in sorted(TRACE_SUFFIXES, key=len, reverse=True):
+        if name.lower().endswith(suffix):
+            return name[-len(suffix):]
+    return None
+
+
 def is_trace_name(name: str) -> bool:
-    return name.endswith(TRACE_SUFFIXES)
+    return trace_suffix(name) is not None
+
+
+def is_gzip_name(name: str) -> bool:
+    """A file dpprof reads or writes gzip'd: its name ends in .gz, in any case."""
+    return name.lower().endswith(".gz")
 
 
 class _Broken(Exception):
@@ -178,7 +191,7 @@ class _Chunks:
         self._queue: queue.Queue = queue.Queue(maxsize=READ_AHEAD_CHUNKS)
         self._stop = threading.Event()
         raw = open(path, "rb")  # an OSError here is the caller's (cannot read)
-        stream = gzip.GzipFile(fileobj=raw, mode="rb") if path.name.endswith(".gz") else raw
+        stream = gzip.GzipFile(fileobj=raw, mode="rb") if is_gzip_name(path.name) else raw
         self._left: int | None = None
         if span is not None:
             raw.seek(span.start)
@@ -425,7 +438,7 @@ class TraceFile:
             raise self._error("a JSON array of events (a Chrome trace from another tool), not a torch.profiler trace")
         if first != b"{":
             raise self._error("empty file" if first == b"" else _not_an_object(text.buf[text.pos:text.pos + 8],
-                                                                                 self.name.endswith(".gz")))
+                                                                                 is_gzip_name(self.name)))
         text.pos += 1
         yield from self._fields(text, decode, from_dict)
         if self.span is None or self.span.last:  # else the part ended inside traceEvents
@@ -560,7 +573,7 @@ def split_points(path: str | os.PathLike[str], parts: int) -> list[Span]:
     checked boundary is found near a cut (a gzipped file, or a small one, is one span: the whole file)."""
     path = Path(path)
     size = path.stat().st_size
-    if parts < 2 or path.name.endswith(".gz"):
+    if parts < 2 or is_gzip_name(path.name):
         return [Span(0, None, 0)]
     cuts: list[int] = []
     with open(path, "rb") as f:

@@ -41,6 +41,7 @@ import io
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ from dpprof.outputs import Outputs
 from dpprof.records import MEMORY_BYTES, DeviceRecord, device_key
 from dpprof.store import trace_rows
 from dpprof.store.reader import StoredRun
+from dpprof.trace.decode import is_gzip_name, trace_suffix
 from dpprof.trace.readback import EXPORT_KEY, EXPORT_VERSION, THREADS_KEY
 from dpprof.units import plural
 
@@ -101,12 +103,15 @@ def parse_steps(text: str | None) -> tuple[int | None, int | None] | None:
     """
     if text is None:
         return None
-    head, colon, tail = text.strip().partition(":")
-    try:
-        lo = int(head) if head.strip() else None
-        hi = int(tail) if tail.strip() else None
-    except ValueError:
-        raise ValueError(f"--steps {text!r}: expected A:B (steps A to B-1), A:, :B or N") from None
+    # plain ASCII digits: int() would also take 2_0 as 20, +3 and other scripts' digits; a sign is said below
+    form = re.fullmatch(r"\s*(-?[0-9]*)\s*(:)?\s*(-?[0-9]*)\s*", text)
+    if form is None or (form[2] is None and form[3]):
+        raise ValueError(f"--steps {text!r}: expected A:B (steps A to B-1), A:, :B or N")
+    head, colon, tail = form.groups()
+    lo = int(head) if head.strip("-") else None
+    hi = int(tail) if tail.strip("-") else None
+    if head == "-" or tail == "-":
+        raise ValueError(f"--steps {text!r}: expected A:B (steps A to B-1), A:, :B or N")
     if not colon:
         if lo is None:
             raise ValueError(f"--steps {text!r}: expected A:B (steps A to B-1), A:, :B or N")
@@ -768,7 +773,7 @@ def write_trace(run: StoredRun, target: str | os.PathLike[str] | IO[bytes], plan
     view = run if len(paths) == len(run.paths) else StoredRun(path=paths[0], meta=run.meta, paths=paths, read=run.read)
     path = None if hasattr(target, "write") else Path(target)
     if gz is None:
-        gz = path is not None and path.name.endswith(".gz")
+        gz = path is not None and is_gzip_name(path.name)
     # a path is written under a hidden name and takes its own only whole: a failed export leaves no half file
     own = Outputs() if path is not None and files is None else contextlib.nullcontext(files)
     with own as files:
@@ -822,10 +827,9 @@ def write_trace(run: StoredRun, target: str | os.PathLike[str] | IO[bytes], plan
 def rank_path(path: str | os.PathLike[str], rank: int) -> Path:
     """A rank's file beside ``path``: trace.json.gz -> trace.rank1.json.gz (the name dpprof import reads a rank from)."""
     p = Path(path)
-    name = p.name
-    for suffix in (".json.gz", ".json"):
-        if name.endswith(suffix):
-            return p.with_name(f"{name[:-len(suffix)]}.rank{rank}{suffix}")
+    name, suffix = p.name, trace_suffix(p.name)
+    if suffix is not None:
+        return p.with_name(f"{name[:-len(suffix)]}.rank{rank}{suffix}")
     return p.with_name(f"{name}.rank{rank}")
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from dpprof.trace.collect import Collected, collect, collect_part, finish, merge_parts
-from dpprof.trace.decode import Span, TraceError, TraceFile, split_points
+from dpprof.trace.decode import Span, TraceError, TraceFile, is_gzip_name, split_points
 
 __all__ = ["default_jobs", "capped_jobs", "collect_files", "usable_cores", "available_memory_bytes", "worker_bytes",
            "task_sizes", "SPLIT_MIN_BYTES"]
@@ -88,12 +88,12 @@ def worker_bytes(path: str | os.PathLike[str]) -> int:
     """What a worker reading this file may hold at its peak (an estimate, generous)."""
     path = Path(path)
     size = path.stat().st_size
-    json_bytes = size * GZIP_RATIO if path.name.endswith(".gz") else size
+    json_bytes = size * GZIP_RATIO if is_gzip_name(path.name) else size
     return WORKER_BASE_BYTES + int(json_bytes * COLLECTED_PER_JSON_BYTE)
 
 
 def _splittable(path: Path, min_bytes: int) -> bool:
-    return not path.name.endswith(".gz") and _size(path) >= min_bytes
+    return not is_gzip_name(path.name) and _size(path) >= min_bytes
 
 
 def _parts_each(paths: Sequence[Path], jobs: int) -> int:
