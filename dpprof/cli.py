@@ -471,7 +471,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
         return EXIT_OK
     stats = queries.run_stats(run)
     ranks = steps_per_rank(stats, run.ranks)
-    print(f"  {plural(stats['steps'], 'step')}{ranks}, median {stats['median_step_ms']:.2f} ms, "
+    kinds = queries.kind_medians(run)  # an evaluation-heavy run's median is an evaluation step's: each kind's too
+    of_kinds = f" (training steps {kinds['training']:.2f} ms, evaluation steps {kinds['evaluation']:.2f} ms)" \
+        if kinds else ""
+    print(f"  {plural(stats['steps'], 'step')}{ranks}, median {stats['median_step_ms']:.2f} ms{of_kinds}, "
           f"batch {batch_words(stats, run.ranks)}")
     if model.detail_text():
         print(f"  {model.detail_text()}")

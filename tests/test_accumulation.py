@@ -10,6 +10,7 @@ from pathlib import Path
 
 import forked
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -317,3 +318,27 @@ def test_training_steps_between_evaluation_steps_are_no_stalls_a_stall_among_the
     [row] = outlier_steps(t)
     assert row["title"].endswith(f"of {len(per)} steps took over 2x the median step of its kind")
     assert "median training step past the first" in row["evidence"] and "(no backward)" in row["evidence"]
+
+
+def test_show_gives_the_median_of_each_kind_beside_an_evaluation_heavy_runs_median(eval_heavy, capsys, tmp_path):
+    """show's header gave the median of every step alone: an evaluation step's (under 1 ms) for a run whose training
+    steps take over 40 ms. Each kind's median now follows it, from the steps step_kinds calls training."""
+    from dpprof.cli import main
+    from dpprof.findings import tables_of
+    from dpprof.findings.steps import step_kinds
+    from dpprof.store import queries
+
+    run = eval_heavy
+    t = tables_of(run)
+    kinds = step_kinds(t, pd.Index(sorted(run.steps["step"].unique())))
+    rows = run.steps.assign(kind=run.steps["step"].map(kinds))
+    expected = rows.groupby("kind")["duration_ms"].median()
+    got = queries.kind_medians(run)
+    assert got == pytest.approx(expected.to_dict()) and got["evaluation"] < 40 < got["training"]
+    assert main(["--reports-dir", str(run.path.parent), "show", run.id]) == 0
+    header = next(line for line in capsys.readouterr().out.splitlines() if ", median " in line)
+    assert (f"median {queries.median_step_ms(run):.2f} ms (training steps {expected['training']:.2f} ms, "
+            f"evaluation steps {expected['evaluation']:.2f} ms)") in header
+    from recorded import record
+
+    assert queries.kind_medians(record(tmp_path, "training only", steps=4)) is None  # every step ran a backward

@@ -28,7 +28,7 @@ from dpprof.store.sketch import grouped_quantile, quantiles
 from dpprof.stepmodel import REST, partition, parts_for
 
 __all__ = ["MAX_POINTS", "WORK_SAMPLE_PER_DEVICE", "TIMELINE_MAX_STEPS", "GPU_METRICS", "bucket_width",
-           "stacked_phases", "step_parts", "run_stats", "batch_sizes", "median_step_ms", "step_times", "phase_breakdown", "phase_totals",
+           "stacked_phases", "step_parts", "run_stats", "batch_sizes", "median_step_ms", "kind_medians", "step_times", "phase_breakdown", "phase_totals",
            "work_samples", "work_stats", "memory_peaks", "chunk_counts", "gpu_series", "timeline",
            "GPU_TIME_PARTS", "gpu_time", "phase_means", "phase_overlaps", "outlier_steps", "detail_steps", "step_span", "sampled_comm_rows"]
 
@@ -152,6 +152,23 @@ def median_step_ms(run: StoredRun) -> float | None:
                        "LIMIT 2 - (SELECT COUNT(*) FROM steps) % 2 OFFSET (SELECT (COUNT(*) - 1) / 2 FROM steps))")
     value = middle["ms"].iloc[0]
     return None if pd.isna(value) else float(value)
+
+
+def kind_medians(run: StoredRun) -> dict[str, float] | None:
+    """Where a run mixes training steps (a backward ran) and evaluation steps (none: forwards under no_grad between
+    them), the median step of each kind as median_step_ms takes it, every rank's rows: {"training": ms,
+    "evaluation": ms}. The header's median of every step is then one kind's, an evaluation step's where they are
+    the more (findings.steps.step_kinds sorts the steps past the first by the same rule). None where the steps are
+    all of one kind, or the run's phases are not whole (a long or thinned run's)."""
+    if run.model.aggregated or run.model.kind == "empty":
+        return None
+    rows = run.query("SELECT s.duration_ms, EXISTS (SELECT 1 FROM phases p WHERE p.step = s.step "
+                     "AND p.phase = 'backward') AS trains FROM steps s")
+    if rows.empty or rows["trains"].all() or not rows["trains"].any():
+        return None
+    trains = rows["trains"].astype(bool)
+    return {"training": float(rows.loc[trains, "duration_ms"].median()),
+            "evaluation": float(rows.loc[~trains, "duration_ms"].median())}
 
 
 def step_times(run: StoredRun, max_points: int = MAX_POINTS) -> pd.DataFrame:
