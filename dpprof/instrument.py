@@ -199,7 +199,7 @@ class DistributedDataParallel(_SessionForward, _ddp.DistributedDataParallel, met
         """torch's DDP state: dpprof's attributes dropped, its timing hook unwrapped to the user's own."""
         state = super().__getstate__()
         for key in ("_dpprof_cuda", "_dpprof_probe", "_dpprof_hooked", "_dpprof_previous", "_dpprof_chosen",
-                    "_dpprof_builtin", "_dpprof_hook_name"):
+                    "_dpprof_builtin", "_dpprof_hook_name", "_dpprof_span"):
             state.pop(key, None)
         hooks = []
         for hook, hook_state in state.get("_comm_hooks", []):

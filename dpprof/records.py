@@ -258,7 +258,8 @@ class CommRecord:
 
     step: int
     device: str  # "rank:N"
-    bucket: int  # the bucket's index in DDP's reducer
+    bucket: int  # the bucket's index in DDP's reducer, after the buckets of the DDP models recorded before it (a
+    # GAN's two models: the second's follow the first's); FSDP's and an imported trace's: its index among the step's
     bucket_bytes: int | None  # what it sent: a DDP bucket's hook's collectives' tensors (half the bucket under an fp16
     # compress hook), the bucket's size where none was seen; None: an imported collective whose kernel and op give no size
     launch_ms: float  # since the run started: when the bucket was ready and its all-reduce launched

@@ -18,6 +18,7 @@ import pytest
 import dpprof
 from dpprof.cli import main
 from dpprof.findings import run_findings
+from dpprof.findings.ddp import bucket_counts
 from dpprof.findings.steps import REST_SHARE_WARN
 from dpprof.store.reader import RUN_SUFFIX, RunFileError
 
@@ -220,6 +221,8 @@ def test_a_gan_of_two_ddp_models_keeps_each_part_and_all_reduce_in_the_step_it_r
     comms = frames["comms"]
     assert sorted(comms.loc[comms["step"] == last, "bucket_bytes"]) == [(8 + 1) * 4, generator_bytes]
     assert (comms["bucket_bytes"] == generator_bytes).sum() == 3
+    # each model's reducer numbers its one bucket 0: the run's comms numbered both 0, one bucket to bucket_counts
+    assert sorted(comms.loc[comms["step"] == last, "bucket"]) == [0, 1]
 
 
 def test_a_distillation_of_ddp_models_is_one_step_an_iteration(tmp_path):
@@ -266,6 +269,23 @@ def _ddp_steps_pausing(tmp_path: Path, pause_s: float, steps: int = 6, pausing: 
 def _rest_by_hand(run: dpprof.StoredRun) -> tuple[float, float]:
     """rank:0's mean step past the first, and the mean of its time in none of its recorded phases, from the raw rows:
     each step's length less the union of its phases (clipped to the step)."""
+    length, rest = _rest_per_step_by_hand(run)
+    return sum(length) / len(length), sum(rest) / len(rest)
+
+
+def _rest_is_mostly_over_by_hand(run: dpprof.StoredRun) -> bool:
+    """The unrecorded_time rule on the raw rows: the mean rest over REST_SHARE_WARN of the mean step, and the rest of
+    most steps over it of theirs (the test's own loop, not the step model's partition)."""
+    from dpprof.findings.floors import worth_time
+
+    length, rest = _rest_per_step_by_hand(run)
+    over = sum(r > REST_SHARE_WARN * n for n, r in zip(length, rest))
+    step_ms, rest_ms = sum(length) / len(length), sum(rest) / len(rest)
+    return rest_ms > REST_SHARE_WARN * step_ms and 2 * over > len(length) and worth_time(rest_ms, step_ms)
+
+
+def _rest_per_step_by_hand(run: dpprof.StoredRun) -> tuple[list[float], list[float]]:
+    """rank:0's steps past the first: each one's length, and its time in none of its recorded phases."""
     steps, phases = run.steps.set_index("step"), run.phases
     rest, length = [], []
     for step, row in steps.iloc[1:].iterrows():
@@ -279,7 +299,7 @@ def _rest_by_hand(run: dpprof.StoredRun) -> tuple[float, float]:
                 reach = b
         rest.append(hi - lo - covered)
         length.append(hi - lo)
-    return sum(length) / len(length), sum(rest) / len(rest)
+    return length, rest
 
 
 def test_a_rank_whose_step_is_mostly_its_scripts_own_code_is_told_what_dpprof_does_not_time(tmp_path, reports):
@@ -300,14 +320,17 @@ def test_a_rank_whose_step_is_mostly_its_scripts_own_code_is_told_what_dpprof_do
     assert said and float(said[1]) == pytest.approx(rest_ms, abs=0.006) and float(said[2]) == pytest.approx(step_ms, abs=0.006)
     assert f"{rest_ms / step_ms:.0%} of the step is outside" in rest.iloc[0]["title"]
     assert "over 25% of the step in 5 of them" in rest.iloc[0]["evidence"]
+    # without the pause, and with it in one step of five: no finding where the steps' own rest is under the threshold
+    # in most of them. A loaded machine (other work on the 2 cores) can stretch the Python between the parts of every
+    # step past it: the rule is then checked on the steps this run recorded, computed here from the raw rows
     (tmp_path / "quiet").mkdir()
     quiet = _ddp_steps_pausing(tmp_path / "quiet", 0.0)
-    assert "unrecorded_time" not in set(run_findings(quiet).table["kind"])
+    assert ("unrecorded_time" in set(run_findings(quiet).table["kind"])) == _rest_is_mostly_over_by_hand(quiet)
     (tmp_path / "once").mkdir()
     once = _ddp_steps_pausing(tmp_path / "once", 0.4, pausing={3})
     step_ms, rest_ms = _rest_by_hand(once)
     assert rest_ms / step_ms > REST_SHARE_WARN  # the mean's share alone would raise it
-    assert "unrecorded_time" not in set(run_findings(once).table["kind"])
+    assert ("unrecorded_time" in set(run_findings(once).table["kind"])) == _rest_is_mostly_over_by_hand(once)
 
 
 def test_a_second_ddp_models_forward_in_the_step_reads_no_data_over_the_first_models(tmp_path):
@@ -329,9 +352,15 @@ def test_a_second_ddp_models_forward_in_the_step_reads_no_data_over_the_first_mo
             dec(enc(x)).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-    phases = run.frames()["phases"]
+    frames = run.frames()
+    phases = frames["phases"]
     phases = phases.assign(end_ms=phases["start_ms"] + phases["duration_ms"])
     assert phases.groupby("phase").size()[["data", "forward"]].tolist() == [6, 8]  # no data before the first step
+    # two models, a bucket each: two buckets a step (both were numbered 0: one bucket to the bucket finding and the
+    # Overview's buckets per step), each model's numbers the same in every step
+    comms = frames["comms"]
+    assert bucket_counts(comms).tolist() == [2, 2, 2]
+    assert comms.groupby("step")["bucket"].apply(sorted).tolist() == [[0, 1]] * 4
     for step, p in phases[phases["phase"].isin(["data", "forward"])].groupby("step"):
         p = p.sort_values("start_ms")
         assert (p["start_ms"].iloc[1:].to_numpy() >= p["end_ms"].iloc[:-1].to_numpy() - 1e-6).all(), p  # none overlap

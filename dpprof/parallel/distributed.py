@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -36,6 +37,9 @@ __all__ = ["DistributedDataParallel"]
 # The probe of the latest recorded DDP forward in this process, for the optimizer hooks.
 _latest: dict[str, Any] = {"probe": None}
 _optimizer_hooks: list[Any] = []
+# The DDP models recorded in this process, in the order their first bucket was reduced: a later model's buckets are
+# numbered after the earlier ones' (_bucket_id), so a GAN's or an encoder-decoder's two models are two sets of buckets
+_recorded_models: list[weakref.ref[DistributedDataParallel]] = []
 _hooks_lock = threading.Lock()
 
 
@@ -222,6 +226,30 @@ def _count_sent() -> None:
                 setattr(dist, name, _counting(collective, position, keyword))
 
 
+def _bucket_id(owner: DistributedDataParallel, index: int, run: Run) -> int:
+    """A bucket's number in the run's comms: its index in ``owner``'s reducer after the buckets of the DDP models
+    recorded in ``run`` before it (each model's reducer numbers its own from 0), in the order their first buckets
+    were reduced. A model's span is the most buckets it has reduced: a backward through both models at once in the
+    first step (before an earlier model's last bucket), or DDP's rebuilding of buckets after it, may number the
+    first step's alike (no figure counts the first step's buckets)."""
+    state = owner.__dict__
+    if "_dpprof_span" not in state:
+        with _hooks_lock:
+            _recorded_models[:] = [ref for ref in _recorded_models if ref() is not None]
+            _recorded_models.append(weakref.ref(owner))
+    if index >= state.get("_dpprof_span", 0):
+        state["_dpprof_span"] = index + 1
+    offset = 0
+    for ref in _recorded_models:
+        model = ref()
+        if model is owner:
+            break
+        probe = model.__dict__["_dpprof_probe"] if model is not None else None
+        if probe is not None and probe.run is run:
+            offset += model.__dict__.get("_dpprof_span", 0)
+    return offset + index
+
+
 def _timed_hook(owner: DistributedDataParallel, inner: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     """Wrap a DDP communication hook so each bucket's launch and completion, and the bytes it sent, are recorded."""
     _count_sent()
@@ -232,7 +260,8 @@ def _timed_hook(owner: DistributedDataParallel, inner: Callable[[Any, Any], Any]
             return inner(state, bucket)  # rank out of inputs, after its last step): no step's
         launch = time.perf_counter_ns()
         probe.launched(launch)
-        index, nbytes = bucket.index(), bucket.buffer().numel() * bucket.buffer().element_size()
+        index = _bucket_id(owner, bucket.index(), probe.run)
+        nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
         sent = _Sent()
         with _sent_lock:
             _in_flight.append(sent)
