@@ -434,7 +434,8 @@ def test_a_comm_hook_registered_after_a_recorded_forward_runs_in_place_of_dpprof
     # 32 + 64, the bias, a 32x1 matrix, its 32 + 1) and nothing uncompressed, two all-reduces from its callbacks
     ("powersgd", [2080 * 4, 2080 * 4, (32 + 64 + 32 + 1) * 4]),
 ])
-def test_sent_per_step_is_what_the_comm_hook_sent_not_the_buckets_size(tmp_path, reports, hook, sent_bytes):
+def test_sent_per_step_is_what_the_comm_hook_sent_not_the_buckets_size(tmp_path, reports, hook, sent_bytes,
+                                                                        monkeypatch):
     """A compressing hook all-reduces fewer bytes than its bucket holds: the comms rows, `dpprof show`'s sent per step
     and the CSV said the bucket's 8,320 bytes under fp16_compress_hook (it sent 4,160) and under PowerSGD (516)."""
     import torch
@@ -474,6 +475,17 @@ def test_sent_per_step_is_what_the_comm_hook_sent_not_the_buckets_size(tmp_path,
     advice = _compress_words(run.model.comm_hook)
     assert ("already go through the compressing communication hook " + named in advice) if named else \
         advice.startswith(", or compress gradients")
+    # the bucket finding's bucket_cap_mb came from the bytes sent: half the bucket under fp16, a 16th under PowerSGD
+    from dpprof.findings import ddp as ddp_findings, tables_of
+
+    monkeypatch.setattr(ddp_findings, "COMM_SHARE_WARN", 0.0)  # its figures are what this tests, not its thresholds
+    monkeypatch.setattr(ddp_findings, "SMALL_BUCKET_BYTES", 0)
+    monkeypatch.setattr(ddp_findings, "worth_time", lambda *a: True)
+    [bucket] = [f for f in ddp_findings.communication(tables_of(run)) if f["kind"] == "bucket_size"]
+    if named:
+        assert "to below" not in bucket["advice"] and f"what {named} sent" in bucket["advice"]
+    else:
+        assert f"to below {8320 / 2**20 / 4:.2g} so it overlaps" in bucket["advice"]
 
 
 def _builtin_fp16(ddp, ran) -> None:

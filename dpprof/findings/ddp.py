@@ -153,12 +153,17 @@ def bucket_counts(comms: pd.DataFrame) -> pd.Series:
 COMPRESSING_HOOKS = ("compress", "powersgd")  # in a hook's name: torch's fp16/bf16_compress_hook(s), PowerSGD's
 
 
+def _compresses(hook: str | None) -> bool:
+    """The run's communication hook sends less than its buckets hold (its bytes sent are not the buckets' size)."""
+    return hook is not None and any(word in hook.lower() for word in COMPRESSING_HOOKS)
+
+
 def _compress_words(hook: str | None) -> str:
     """The communication advice's end: compress gradients with a hook, unless the run's hook already does (its bytes
     sent are then what it sent, dpprof.parallel.distributed)."""
     if hook is None:
         return ", or compress gradients with a communication hook (fp16/bf16 compress, PowerSGD)."
-    if any(word in hook.lower() for word in COMPRESSING_HOOKS):
+    if _compresses(hook):
         return (f"; the gradients already go through the compressing communication hook {hook} (the bytes sent are "
                 "what it sent), so compressing them again buys little.")
     return (f", or compress gradients with a communication hook (fp16/bf16 compress, PowerSGD) in place of, or "
@@ -227,8 +232,7 @@ def communication(t: Tables) -> list[dict]:
                                  "or accumulate gradients over micro-batches under no_sync()."
                                  if sized and mean_bytes < SMALL_BUCKET_BYTES else
                                  "With one bucket the all-reduce starts only when backward has finished: lower "
-                                 "bucket_cap_mb (DDP's default is 25)"
-                                 + (f" to below {mean_bytes / 2**20 / 4:.2g}" if sized else "")
+                                 "bucket_cap_mb (DDP's default is 25)" + _cap_words(mean_bytes, sized, t.model.comm_hook)
                                  + " so it overlaps."), per_step_buckets, "count"))
     elif per_step_buckets > MANY_BUCKETS and mean_bytes < SMALL_BUCKET_BYTES and worth_time(comm_ms, step_ms):
         findings.append(finding("bucket_size", "info", None, f"{per_step_buckets:.0f} small buckets per step",
@@ -237,6 +241,14 @@ def communication(t: Tables) -> list[dict]:
                                 "Each all-reduce pays a fixed latency: raise bucket_cap_mb.", per_step_buckets,
                                 "count"))
     return findings
+
+
+def _cap_words(sent_bytes: float, sized: bool, hook: str | None) -> str:
+    """What to lower bucket_cap_mb to: under a quarter of the one bucket, so it splits in four. The bucket's size is
+    what it sent, but for a compressing hook's (half under fp16 compress, PowerSGD's low-rank factors): no figure."""
+    if _compresses(hook):
+        return f" (to a quarter of the gradients' size: the {mib(sent_bytes)} a step is what {hook} sent)"
+    return f" to below {sent_bytes / 2**20 / 4:.2g}" if sized else ""
 
 
 def _partial_job_words(model: RunModel) -> str:
