@@ -334,6 +334,14 @@ def kept_selectbox(label: str, options: list[Any], key: str, default: int | None
     return kept[key]
 
 
+def kept_toggle(label: str, value: bool, key: str, **kwargs: Any) -> bool:
+    """st.toggle whose state is kept beside it (KEPT_KEY), as kept_selectbox's choice: ``value`` until it is
+    changed, then the user's choice, also after another page."""
+    kept = st.session_state.setdefault(KEPT_KEY, {})
+    kept[key] = bool(st.toggle(label, value=kept.get(key, value), key=key, **kwargs))
+    return kept[key]
+
+
 def missing(text: str) -> None:
     """Data this run does not have, said in words (never an empty chart); the names in them as plain text, the
     commands in backticks as code (dpprof.plaintext.markdown_words)."""

@@ -51,10 +51,10 @@ def body(row: pd.Series) -> None:
     if phases.empty:
         common.missing(f"No phases recorded in steps {start}–{end}.")
         return
-    equal = st.toggle("Every step the same width", value=end - start + 1 > charts.TIMELINE_LABELLED_STEPS,
-                      key=f"tl_equal_{end - start + 1 > charts.TIMELINE_LABELLED_STEPS}",
-                      help="Each phase at its share of its step, so a few slow steps do not squash the others "
-                           "(hover for milliseconds)")
+    many = end - start + 1 > charts.TIMELINE_LABELLED_STEPS  # the default: on for more steps than are labelled
+    equal = common.kept_toggle("Every step the same width", value=many, key=f"tl_equal_{many}",
+                               help="Each phase at its share of its step, so a few slow steps do not squash the "
+                                    "others (hover for milliseconds)")
     common.chart(charts.timeline(phases, steps, equal_steps=equal))
     common.table(phases, f"timeline_steps_{start}_{end}")
 

@@ -271,6 +271,11 @@ def test_timeline_keeps_the_steps_to_show_after_another_page(reports_with_runs):
     assert sorted(set(at.dataframe[0].value["step"])) == [1, 2]
     at = _page(_page(at, "overview"), "timeline")
     assert at.slider(key="tl_count").value == 2 and sorted(set(at.dataframe[0].value["step"])) == [1, 2]
+    # "Every step the same width" (off for two steps) turned on is kept too (it read off again)
+    assert at.toggle(key="tl_equal_False").value is False
+    at.toggle(key="tl_equal_False").set_value(True).run()
+    at = _page(_page(at, "overview"), "timeline")
+    assert at.toggle(key="tl_equal_False").value is True
     # a run not opened on the Timeline yet opens on its own last steps, as many as are to be shown
     at.selectbox(key=common.PICKER_KEY).select(reports_with_runs.plain.id).run()
     assert sorted(set(at.dataframe[0].value["step"])) == [4, 5]
