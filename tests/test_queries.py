@@ -39,7 +39,8 @@ def test_phase_means_are_per_step_sums_over_every_step_and_say_so(runs, name, ca
     from dpprof.cli import main
 
     run = runs[name]
-    expected = run.phases.groupby(["device", "phase", "step"])["duration_ms"].sum().groupby(["device", "phase"]).mean()
+    steps = run.phases.groupby("device")["step"].nunique()  # every step the device took part in
+    expected = run.phases.groupby(["device", "phase"])["duration_ms"].sum() / steps
     means = queries.phase_means(run)
     for (device, phase), ms in expected.items():
         assert means.loc[device, f"{phase}_ms"] == pytest.approx(ms, rel=1e-9), (device, phase)
@@ -52,6 +53,46 @@ def test_phase_means_are_per_step_sums_over_every_step_and_say_so(runs, name, ca
     row = next(line for line in shown.splitlines() if line.startswith(means.index[0]))
     first = means.iloc[0].dropna().iloc[0]
     assert f"{first:,.2f}" in row
+
+
+def test_phase_means_count_an_evaluation_step_without_backward_as_the_overviews_shares_do(tmp_path, capsys):
+    """Training steps and evaluation steps under no_grad (no backward): show's backward was averaged over the steps that
+    ran one (56.88 ms a step on a run of 14 training and 2 evaluation steps, beside the Overview's 49.77) under a
+    heading saying every step, as the Overview's shares; now over every step, as phase_totals' per_step_ms. A device
+    left without a chunk (the last evaluation's batch of 1) is averaged over the steps it took part in, as the
+    per-device summary's apply mean."""
+    import torch
+    from torch import nn
+
+    from dpprof.cli import main
+
+    net = dpprof.DataParallel(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4)),
+                              device_ids=dpprof.cpu_devices(2))
+    with dpprof.record(name="train-and-eval", reports_dir=str(tmp_path)) as recording:
+        for i in range(6):
+            with recording.step():
+                if i % 3 == 2:
+                    with torch.no_grad():
+                        net(torch.randn(32 if i < 5 else 1, 64))
+                else:
+                    net(torch.randn(32, 64)).sum().backward()
+    run = dpprof.load_run(recording.path)
+    backward = run.phases[run.phases["phase"] == "backward"]
+    assert backward["step"].nunique() == 4 and len(run.steps) == 6
+    means = queries.phase_means(run)
+    expected = backward["duration_ms"].sum() / 6
+    assert means.loc["cpu:0", "backward_ms"] == pytest.approx(expected, rel=1e-9)
+    totals = queries.phase_totals(run).set_index("phase")
+    assert means.loc["cpu:0", "backward_ms"] == pytest.approx(totals.loc["backward", "per_step_ms"], rel=1e-6)
+    apply = run.phases[(run.phases["phase"] == "apply") & (run.phases["device"] == "cpu:1")]
+    assert apply["step"].nunique() == 5
+    work = queries.work_stats(run).set_index("device")
+    assert means.loc["cpu:1", "apply_ms"] == pytest.approx(apply["duration_ms"].sum() / 5, rel=1e-9)
+    assert means.loc["cpu:1", "apply_ms"] == pytest.approx(work.loc["cpu:1", "work_mean_ms"], rel=1e-9)
+    capsys.readouterr()
+    assert main(["--reports-dir", str(tmp_path), "show", run.meta["id"]]) == 0
+    row = next(line for line in capsys.readouterr().out.split("by phase:\n")[1].splitlines() if line.startswith("cpu:0"))
+    assert row.split()[-1] == f"{expected:,.2f}"
 
 
 def test_show_says_where_its_phases_overlap_and_by_how_much_with_the_overviews_share(tmp_path, capsys):

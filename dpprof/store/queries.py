@@ -731,16 +731,14 @@ def phase_overlaps(run: StoredRun, means: pd.DataFrame) -> pd.DataFrame:
     parts = step_parts(run)
     if parts.empty:
         return pd.DataFrame(columns=cols)
-    # each part over the steps its phase ran in, as phase_means averages it: a phase of some steps is not diluted
-    present = run.query("SELECT phase, COUNT(DISTINCT step) AS steps FROM phases GROUP BY phase")
-    present = present.set_index(["rank", "phase"])["steps"]
+    steps = _device_steps(run)
     per_rank = parts.drop(columns=["step", "window_ms", REST]).groupby("rank").sum()
     rows = []
     for rank, part_sum in per_rank.iterrows():
-        part = pd.Series({ph: ms / present[(rank, ph)] for ph, ms in part_sum.items() if (rank, ph) in present.index})
         device = f"rank:{rank}" if f"rank:{rank}" in means.index else devices[0] if len(devices) == 1 else None
         if device not in means.index:
             continue
+        part = part_sum / steps[(rank, device)]  # over the device's steps, as phase_means averages it
         for phase, part_ms in part.items():
             mean_ms = means.loc[device].get(f"{phase}_ms")
             if pd.notna(mean_ms) and mean_ms - part_ms > max(PHASE_OVERLAP_MS, PHASE_OVERLAP_SHARE * mean_ms):
@@ -748,17 +746,28 @@ def phase_overlaps(run: StoredRun, means: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=cols)
 
 
+def _device_steps(run: StoredRun) -> pd.Series:
+    """(rank, device) -> how many steps the device ran a phase in (a run read from its rows)."""
+    return run.query("SELECT device, COUNT(DISTINCT step) AS steps FROM phases GROUP BY device") \
+        .set_index(["rank", "device"])["steps"]
+
+
 def phase_means(run: StoredRun) -> pd.DataFrame:
     """Mean milliseconds per step (every step, the first's one-time costs included, as the Overview's share of the
     step) of each phase on each device (devices as rows in the run's order, phases as
     ``<phase>_ms`` columns in step order); a phase run several times in one step is summed within the step.
-    NaN where a device does not run a phase (only the output device scatters)."""
+    NaN where a device does not run a phase (only the output device scatters). Each device's means are over every
+    step it took part in, a step without the phase counting 0 (an evaluation step's backward), as phase_totals'
+    per_step_ms counts it; a device with no chunk in a step (a batch smaller than the devices) has no such step."""
     if run.model.aggregated:
-        per = run.query("SELECT device, phase, SUM(sum_ms) / SUM(steps) AS ms FROM phase_blocks WHERE phase != ? "
-                        "GROUP BY device, phase", (WORK,))
+        per = run.query("SELECT device, phase, SUM(sum_ms) AS ms, SUM(steps) AS steps FROM phase_blocks "
+                        "WHERE phase != ? GROUP BY device, phase", (WORK,))
+        # a device's steps: those of the phase it ran in most (the output device's scatter, each device's apply)
+        steps = per.groupby(["rank", "device"])["steps"].transform("max")
     else:
-        per = run.query("SELECT device, phase, AVG(ms) AS ms FROM (SELECT device, phase, step, SUM(duration_ms) AS ms "
-                        "FROM phases GROUP BY device, phase, step) GROUP BY device, phase")
+        per = run.query("SELECT device, phase, SUM(duration_ms) AS ms FROM phases GROUP BY device, phase")
+        steps = _device_steps(run).reindex(pd.MultiIndex.from_frame(per[["rank", "device"]])).to_numpy()
+    per["ms"] /= steps
     table = per.pivot_table(index="device", columns="phase", values="ms", aggfunc="sum")
     table = table.reindex(index=[d for d in run.model.devices if d in table.index],
                           columns=[p for p in run.model.phases if p in table.columns])
