@@ -227,6 +227,24 @@ def test_the_all_reduce_share_counts_the_evaluation_steps_that_ran_none(jobs, mo
     assert f"{steps} steps" in row["evidence"].split("the rest ")[1]
 
 
+def test_the_bucket_advice_says_the_run_already_accumulates_under_no_sync(jobs, monkeypatch):
+    """A DDP script accumulating 3 micro-batches a step under no_sync() was told to 'accumulate gradients over
+    micro-batches under no_sync()' by the one-bucket finding; the advice now says it already accumulates 3. A step
+    whose micro-batches each reduce their gradients (no no_sync()) is advised as before."""
+    import dpprof.findings.ddp as ddp
+    from dpprof.findings import tables_of
+
+    monkeypatch.setattr(ddp, "COMM_SHARE_WARN", 0.0)  # the words, on a run too small to clear the floors
+    monkeypatch.setattr(ddp, "worth_time", lambda *args: True)
+    t = tables_of(jobs["ddp"]["run"])
+    [row] = [f for f in ddp.communication(t) if f["kind"] == "bucket_size"]
+    assert row["advice"].endswith("or accumulate gradients over more micro-batches under no_sync() (the run already "
+                                  f"accumulates {ACCUM} a step).")
+    comms = ddp.later_collectives(t.comms)
+    assert ddp._micro_batches(t.steps, comms) == ACCUM
+    assert ddp._micro_batches(t.steps, pd.concat([comms] * ACCUM)) == 1  # each micro-batch all-reduced: no no_sync()
+
+
 def test_the_stragglers_wait_is_paid_over_the_steps_that_run_collectives(jobs, monkeypatch):
     """The others' wait for a straggler rank, per step inside the collectives, was multiplied by every step past the
     first for its cost over the run, the evaluation steps (no all-reduce, no wait) included: 9 steps where 5 ran

@@ -229,7 +229,7 @@ def communication(t: Tables) -> list[dict]:
                                 f"{cost_text(exposed_ms, t.later_step_count)}",
                                 ("The gradients are small: their one all-reduce costs its latency, which smaller "
                                  "buckets would pay several times over. All-reduce less often: raise the per-rank batch, "
-                                 "or accumulate gradients over micro-batches under no_sync()."
+                                 + _accumulate_words(_micro_batches(t.steps, comms))
                                  if sized and mean_bytes < SMALL_BUCKET_BYTES else
                                  "With one bucket the all-reduce starts only when backward has finished: lower "
                                  "bucket_cap_mb (DDP's default is 25)" + _cap_words(mean_bytes, sized, t.model.comm_hook)
@@ -241,6 +241,28 @@ def communication(t: Tables) -> list[dict]:
                                 "Each all-reduce pays a fixed latency: raise bucket_cap_mb.", per_step_buckets,
                                 "count"))
     return findings
+
+
+def _micro_batches(steps: pd.DataFrame, comms: pd.DataFrame) -> int:
+    """How many micro-batches the run's steps with an all-reduce accumulate under no_sync() (their median forward
+    calls, where those steps reduce their gradients once: each bucket once); 1 where they do not accumulate so."""
+    if "forward_calls" not in steps.columns or comms.empty:
+        return 1
+    launches = comms.groupby(["step", "rank"]).agg(rows=("bucket", "size"), buckets=("bucket", "nunique"))
+    calls = steps.set_index(["step", "rank"])["forward_calls"].reindex(launches.index)
+    once = calls[(launches["rows"] == launches["buckets"]).to_numpy()].dropna()
+    if len(once) * 2 <= len(launches):  # most steps reduce more than once (or their calls are unknown)
+        return 1
+    return max(1, int(once.median()))
+
+
+def _accumulate_words(micro_batches: int) -> str:
+    """The bucket advice's end: accumulate under no_sync(), or more, where the run already does (a step of N forward
+    calls reducing its gradients once)."""
+    if micro_batches > 1:
+        return (f"or accumulate gradients over more micro-batches under no_sync() (the run already accumulates "
+                f"{micro_batches} a step).")
+    return "or accumulate gradients over micro-batches under no_sync()."
 
 
 def _cap_words(sent_bytes: float, sized: bool, hook: str | None) -> str:
