@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+import contextlib
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -223,6 +224,28 @@ def test_a_gan_of_two_ddp_models_keeps_each_part_and_all_reduce_in_the_step_it_r
     assert (comms["bucket_bytes"] == generator_bytes).sum() == 3
     # each model's reducer numbers its one bucket 0: the run's comms numbered both 0, one bucket to bucket_counts
     assert sorted(comms.loc[comms["step"] == last, "bucket"]) == [0, 1]
+
+
+def test_torchs_constructor_warnings_point_at_the_line_that_built_the_model(tmp_path):
+    """torch's DDP warns at its caller's line (stacklevel=2: broadcast_buffers' deprecation); under dpprof that line
+    was dpprof/parallel/distributed.py's call of torch's constructor, for dpprof's DDP and the stand-in dpprof run
+    puts in torch's place alike, where torch names the script's line."""
+    import warnings
+
+    from torch import nn
+
+    from dpprof.instrument import instrument
+
+    with _gloo_world_of_one(tmp_path):
+        for wrap in ("torch", "dpprof", "stand-in"):
+            with warnings.catch_warnings(record=True) as caught, instrument(store=False) if wrap == "stand-in" else \
+                    contextlib.nullcontext():
+                warnings.simplefilter("always")
+                cls = dpprof.DistributedDataParallel if wrap == "dpprof" else nn.parallel.DistributedDataParallel
+                line = sys._getframe().f_lineno + 1
+                cls(nn.Linear(4, 2), broadcast_buffers=True)
+            [said] = [w for w in caught if "broadcast_buffers" in str(w.message)]
+            assert (said.filename, said.lineno, said.category) == (__file__, line, FutureWarning), wrap
 
 
 def test_a_distillation_of_ddp_models_is_one_step_an_iteration(tmp_path):

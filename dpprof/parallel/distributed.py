@@ -16,9 +16,14 @@ and a short GPU one.
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import threading
 import time
+import warnings
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import torch
@@ -311,6 +316,37 @@ def _default_hook(owner: DistributedDataParallel) -> Callable[[Any, Any], Any]:
     return timed
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # dpprof/
+
+
+@contextmanager
+def _warnings_at_caller() -> Iterator[None]:
+    """Around torch's DDP constructor: a warning it gives at its caller's line (``stacklevel=2``, as its
+    ``broadcast_buffers`` deprecation) is given at the line that built the model, as under torch, not at dpprof's
+    constructor (or the stand-in's) that calls torch's; others as they were."""
+    frame = sys._getframe(2)  # past this generator and contextlib's __enter__
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        _warn_again(caught, frame)
+
+
+def _warn_again(caught: list[warnings.WarningMessage], frame: Any) -> None:
+    """Give the warnings caught again, under the script's filters, those that pointed into dpprof at ``frame``."""
+    for w in caught:
+        if w.filename.startswith(_PACKAGE_DIR):
+            globs = frame.f_globals
+            warnings.warn_explicit(w.message, w.category, frame.f_code.co_filename, frame.f_lineno,
+                                   module=globs.get("__name__"), registry=globs.setdefault("__warningregistry__", {}),
+                                   module_globals=globs)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
 class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     """torch.nn.parallel.DistributedDataParallel (same constructor, same behaviour), recorded per rank.
 
@@ -329,7 +365,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         # before torch's constructor, which registers a hook itself for its mixed_precision or optimizers in backward
         self.__dict__["_dpprof_hooked"] = False
         self.__dict__["_dpprof_probe"] = None
-        super().__init__(*args, **kwargs)
+        with _warnings_at_caller():
+            super().__init__(*args, **kwargs)
         self.__dict__["_dpprof_cuda"] = gpu_of(self.module)
         self.__dict__["_dpprof_previous"] = None
 
