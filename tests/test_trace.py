@@ -648,6 +648,26 @@ def test_ranks_that_hold_different_step_counts_are_said_so_and_each_gpu_reads_it
         assert n == held[rank]
 
 
+def test_a_rank_that_stopped_a_step_early_has_its_buckets_per_step(tmp_path, reports):
+    """A gloo DDP job of 3 steps whose rank 1 trace ends after 2: each rank's buckets per step are counted over its
+    steps past the job's first, from the run's rows. They were counted over the steps past the second (the steps past
+    the first taken out twice): rank 1's one later step left out, its column read <NA>, the others' from 1 of 2."""
+    from cpu_traces import gloo_ddp_traces
+    from dpprof.views.overview import comm_stats
+
+    files = gloo_ddp_traces(tmp_path / "made", steps=3)
+    doc = json.loads(files[1].read_text())
+    starts = sorted(e["ts"] for e in doc["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#"))
+    doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("ts", 0) < starts[-1] or e.get("ph") == "M"]
+    files[1].write_text(json.dumps(doc))
+    run = dpprof.load_run(import_traces(files, reports).id, reports)
+    assert run.steps.groupby("rank")["step"].nunique().to_dict() == {0: 3, 1: 2}
+    later = run.comms[run.comms["step"] > run.comms["step"].min()]
+    expected = later.groupby(["device", "step"])["bucket"].nunique().groupby("device").median()
+    assert set(expected.index) == {"rank:0", "rank:1"}
+    assert comm_stats(run).set_index("device")["buckets_per_step"].to_dict() == expected.to_dict()
+
+
 def test_ranks_named_by_their_files_alone_are_not_taken_for_the_whole_job(tmp_path):
     """Without distributedInfo, files named job-rank2 and job-rank10 are two ranks of a job of unknown size (not "a
     2-rank job"); files of ranks 0 to n-1 are taken for the job."""

@@ -145,8 +145,9 @@ def later_collectives(comms: pd.DataFrame) -> pd.DataFrame:
 
 
 def bucket_counts(comms: pd.DataFrame) -> pd.Series:
-    """How many buckets (distinct collectives) each rank's steps of later_collectives ran, by (step, device). The
-    bucket finding weighs their median, and the Overview and ``dpprof show`` say each rank's."""
+    """How many buckets (distinct collectives) each rank's steps of later_collectives ran, by (step, device), from the
+    whole comms table (given later_collectives' rows, it took their first step out again). The bucket finding weighs
+    their median, and the Overview and ``dpprof show`` say each rank's."""
     return later_collectives(comms).groupby(["step", "device"])["bucket"].nunique()
 
 
@@ -218,7 +219,7 @@ def communication(t: Tables) -> list[dict]:
                                  "communication. Otherwise: r" if t.model.partial_job else "R")
                                 + "aise the per-rank batch (communication is per step, compute per sample)"
                                 + _compress_words(t.model.comm_hook), share, "share"))
-    per_step_buckets = bucket_counts(comms).median()
+    per_step_buckets = bucket_counts(t.comms).median()  # over the steps past the first: it takes them itself
     mean_bytes = comms["bucket_bytes"].mean()
     sized = pd.notna(mean_bytes)  # a gloo trace's collectives may name no size
     if per_step_buckets <= FEW_BUCKETS and share >= COMM_SHARE_WARN / 2 and worth_time(exposed_ms, step_ms):

@@ -225,8 +225,8 @@ def comm_stats(run: StoredRun) -> pd.DataFrame:
     cols = ["device", "collectives", "steps", "buckets_per_step", "sent_per_step_bytes", "busy_ms", "overlap_pct"]
     if "comms" not in run.model.has:
         return pd.DataFrame(columns=cols)
-    comms, steps, compute = queries.sampled_comm_rows(run)  # a long run: the steps whose detail stands for it
-    comms = later_collectives(comms)  # the steps past the first, as the communication finding's
+    every, steps, compute = queries.sampled_comm_rows(run)  # a long run: the steps whose detail stands for it
+    comms = later_collectives(every)  # the steps past the first, as the communication finding's
     busy = collective_busy(comms, steps).set_index(["step", "device"])
     kinds = [k for k in busy.columns if k not in ("window_ms", "busy_ms")]
     overlap = overlapped_ms(comms, compute)
@@ -240,7 +240,7 @@ def comm_stats(run: StoredRun) -> pd.DataFrame:
     per = pd.DataFrame(rows).groupby("device").agg(steps=("step", "count"), sent_per_step_bytes=("bytes", "mean"),
                                                    busy_ms=("busy", "mean"), overlap=("overlap", "mean"))
     # the bucket finding's count: each rank's median over the steps past the first (the first broadcasts the model)
-    per["buckets_per_step"] = bucket_counts(comms).groupby("device").median()
+    per["buckets_per_step"] = bucket_counts(every).groupby("device").median()  # it takes the later steps itself
     per["overlap_pct"] = (100 * per["overlap"] / per["busy_ms"].where(per["busy_ms"] > 0)).clip(upper=100)
     names = comms.groupby("device")["collective"].agg(set)
     per["collectives"] = [", ".join(k for k in kinds if k in names.get(d, set())) for d in per.index]
