@@ -668,6 +668,32 @@ def test_a_rank_that_stopped_a_step_early_has_its_buckets_per_step(tmp_path, rep
     assert comm_stats(run).set_index("device")["buckets_per_step"].to_dict() == expected.to_dict()
 
 
+def test_the_operators_behind_a_straggler_are_set_against_as_many_steps_of_the_others(tmp_path, reports):
+    """Rank 1 of a 2-rank gloo job sleeps before each forward (the straggler); rank 0's trace ends a step early. The
+    operators behind the straggler finding set rank 1's host self time over its 6 steps against rank 0's over 5: the
+    difference held a step of rank 1's whole work, its calls "N calls against 5/6 N". Each rank's totals are now
+    scaled to the straggler's steps, and the sentence says so."""
+    from cpu_traces import gloo_ddp_traces
+    from dpprof.findings import run_findings
+
+    files = gloo_ddp_traces(tmp_path / "made", steps=6, delay=(1, 0.03))
+    doc = json.loads(files[0].read_text())
+    starts = sorted(e["ts"] for e in doc["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#"))
+    doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("ts", 0) < starts[-1] or e.get("ph") == "M"]
+    files[0].write_text(json.dumps(doc))
+    run = dpprof.load_run(import_traces(files, reports).id, reports)
+    held = run.steps.groupby("rank")["step"].nunique().to_dict()
+    assert held == {0: 5, 1: 6}
+    evidence = run_findings(run).table.set_index("kind").loc["straggler_rank", "evidence"]
+    said = re.search(r"rank:1 is ([\d.]+) ms (slower|faster) than the others' mean \(each rank's scaled to 6 steps\) "
+                     r"in host self time over 6 steps", evidence)
+    assert said, evidence
+    ops = run.operators()
+    self_ms = ops.groupby("rank")["host_self_ms"].sum()
+    expected = self_ms[1] - self_ms[0] * held[1] / held[0]
+    assert float(said[1]) * (1 if said[2] == "slower" else -1) == pytest.approx(expected, abs=0.051)
+
+
 def test_ranks_named_by_their_files_alone_are_not_taken_for_the_whole_job(tmp_path):
     """Without distributedInfo, files named job-rank2 and job-rank10 are two ranks of a job of unknown size (not "a
     2-rank job"); files of ranks 0 to n-1 are taken for the job."""

@@ -1,7 +1,7 @@
 """What every rule takes (a run's tables and its model) and gives (finding rows)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import pandas as pd
@@ -31,6 +31,9 @@ class OperatorData:
     peaks: pd.DataFrame  # detail_rows.memory_peaks
     operator_memory: pd.DataFrame  # detail_rows.operator_memory
     devices: pd.DataFrame  # the run's device inventory (total_memory_bytes: deviceProperties' totalGlobalMem)
+    # rank -> the steps its operator tables span, where ranks differ (an imported job whose ranks' profilers held
+    # different step counts); empty where every rank's span the same steps (a deep capture: operator_steps)
+    operator_steps_of: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -48,12 +48,17 @@ def operator_data(run: StoredRun) -> OperatorData | None:
     gpu_steps = detail_rows.gpu_metrics(run)
     steps_of = {(rank, device): int(n) for (rank, device), n in
                 gpu_steps.groupby(["rank", "device"], dropna=False)["step"].nunique().items()}
+    operator_steps_of: dict[int, int] = {}
+    if detail_rows.chosen_capture(run) is None and run.ranks > 1:  # each rank's tables span its own steps
+        held = run.table("steps").groupby("rank")["step"].nunique()
+        if held.nunique() > 1:
+            operator_steps_of = {int(rank): int(n) for rank, n in held.items()}
     return OperatorData(operators=detail_rows.operators(run), operator_steps=detail_rows.detail_step_count(run),
                         kernel_ops=detail_rows.kernels(run, by="operator"),
                         gpu=detail_rows.gpu_summary(run), gpu_steps=int(gpu_steps["step"].nunique()),
                         gpu_steps_of=steps_of,
                         peaks=detail_rows.memory_peaks(run), operator_memory=detail_rows.operator_memory(run),
-                        devices=run.table("devices"))
+                        devices=run.table("devices"), operator_steps_of=operator_steps_of)
 
 
 def _gpu_data_ms(t: Tables, device: str, steps: pd.Index) -> float | None:
@@ -233,6 +238,21 @@ def _memory_sentence(d: OperatorData, device: str) -> str | None:
             + ", ".join(f"'{n}' +{mib(b)}" for n, b in extra.items()))
 
 
+def _at_steps_of(ops: pd.DataFrame, d: OperatorData, device: str) -> tuple[pd.DataFrame, int, str]:
+    """The operators with each rank's calls and times scaled to the step count of ``device``'s rank, where the ranks'
+    tables span different step counts (d.operator_steps_of), so that the others' totals are set against the device's
+    over as many steps; with the step count and the others' label. Unchanged where every rank's span the same."""
+    held = d.operator_steps_of
+    own = ops.loc[ops["device"] == device, "rank"].unique()
+    if not held or len(own) != 1 or not held.get(int(own[0])):
+        return ops, d.operator_steps, "the others' mean"
+    steps = held[int(own[0])]
+    factor = ops["rank"].map(lambda r: steps / held[int(r)] if held.get(int(r)) else 1.0)
+    summed = ["calls", "host_total_ms", "host_self_ms", "device_total_ms", "device_self_ms"]
+    return (ops.assign(**{c: ops[c] * factor for c in summed}), steps,
+            f"the others' mean (each rank's scaled to {plural(steps, 'step')})")
+
+
 def explain(rows: list[dict], t: Tables) -> list[dict]:
     """Each straggler or memory finding on a device with operator data gains the operators behind it: the device's
     difference from the mean of the others (dpprof.views.opdiff, the Operators page's side by side)."""
@@ -250,9 +270,10 @@ def explain(rows: list[dict], t: Tables) -> list[dict]:
         if row["kind"] == "memory_skew":
             sentence = _memory_sentence(d, device)
         else:
-            diff = diff_rows(others_mean_of(ops, pick), side_of(ops, pick))
-            sentence = diff_sentence(diff, "the others' mean", device, top=EXPLAIN_TOP, quote="'",
-                                     steps=d.operator_steps) if len(diff) else None
+            same, steps, label = _at_steps_of(ops, d, device)
+            diff = diff_rows(others_mean_of(same, pick), side_of(same, pick))
+            sentence = diff_sentence(diff, label, device, top=EXPLAIN_TOP, quote="'",
+                                     steps=steps) if len(diff) else None
         if sentence:
             row["evidence"] += f". Operators behind it (Operators page, side by side): {sentence}"
     return rows
