@@ -648,6 +648,33 @@ def test_ranks_that_hold_different_step_counts_are_said_so_and_each_gpu_reads_it
         assert n == held[rank]
 
 
+def test_the_parts_of_the_step_of_ranks_that_hold_different_step_counts_are_each_ranks_mean(tmp_path):
+    """A job whose rank 1 profiler stopped a step early: each part's ms per step (phase_totals, the Overview's shares
+    chart, phase_totals.csv, Compare) is each rank's mean over its own steps, averaged over the ranks, as `dpprof show`'s
+    table per rank gives it, and the parts sum to the ranks' mean step. They were the ranks' mean total over the most
+    steps (2 of rank 0's, 1 of rank 1's): every part read too small, their sum under the mean step."""
+    paths = []
+    for rank in (0, 1):
+        doc = json.loads(gzip.decompress((TRACES / f"ddp-128ranks-rank{rank}-sampled.json.gz").read_bytes()))
+        if rank == 1:
+            steps = [e for e in doc["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")]
+            last = max(steps, key=lambda e: e["ts"])
+            doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("ts", 0) < last["ts"] or e.get("ph") == "M"]
+        paths.append(tmp_path / f"job-rank{rank}.pt.trace.json")
+        paths[-1].write_text(json.dumps(doc))
+    reports = tmp_path / "reports"
+    run = dpprof.load_run(import_traces(paths, reports).id, reports)
+    held = run.steps.groupby("rank")["step"].nunique()
+    assert held[0] == held[1] + 1
+    totals = queries.phase_totals(run).set_index("phase")
+    mean_step = run.steps.groupby("rank")["duration_ms"].mean().mean()
+    assert totals["per_step_ms"].sum() == pytest.approx(mean_step, rel=1e-9)
+    parts = queries.step_parts(run)
+    for phase in totals.index:
+        each = parts.groupby("rank")[phase].sum() / held
+        assert totals.loc[phase, "per_step_ms"] == pytest.approx(each.mean(), rel=1e-9, abs=1e-12), phase
+
+
 def test_a_rank_that_stopped_a_step_early_has_its_buckets_per_step(tmp_path, reports):
     """A gloo DDP job of 3 steps whose rank 1 trace ends after 2: each rank's buckets per step are counted over its
     steps past the job's first, from the run's rows. They were counted over the steps past the second (the steps past

@@ -346,12 +346,16 @@ def phase_totals(run: StoredRun, stats: dict[str, Any] | None = None) -> pd.Data
                              "GROUP BY phase", tuple(phases)).groupby("phase")["total_ms"].sum() / run.ranks
         totals = sums.reindex(phases).fillna(0.0)
         totals[REST] = max(0.0, stats["total_ms"] - totals.sum())
+        per_step = totals / stats["steps"]
     else:
         parts = step_parts(run, stats["first_step"], stats["last_step"])
         totals = parts[[*phases, REST]].sum() / run.ranks  # a distributed run: the ranks' mean
         totals.index.name = None
+        # each rank's mean over its own steps, then the ranks' mean: ranks may hold different step counts (an imported
+        # job whose rank's profiler stopped early), whose totals over the most steps understated every part
+        per_step = parts.groupby("rank")[[*phases, REST]].mean().mean() if len(parts) else totals
     out = totals.rename("total_ms").rename_axis("phase").reset_index()
-    out["per_step_ms"] = out["total_ms"] / stats["steps"]
+    out["per_step_ms"] = out["phase"].map(per_step).astype(float)
     out["share_pct"] = 100 * out["total_ms"] / stats["total_ms"] if stats["total_ms"] else float("nan")
     return out[cols]
 
