@@ -675,6 +675,23 @@ def test_the_parts_of_the_step_of_ranks_that_hold_different_step_counts_are_each
         assert totals.loc[phase, "per_step_ms"] == pytest.approx(each.mean(), rel=1e-9, abs=1e-12), phase
 
 
+def test_the_communication_advice_of_an_imported_fsdp_job_is_fsdps(tmp_path, reports):
+    """An imported FSDP2 job on gloo: its collectives are all-gathers of parameters and reduce-scatters of gradients,
+    busy over a fifth of the step. The communication finding advised compressing gradients with a DDP communication
+    hook (fp16/bf16 compress, PowerSGD), which FSDP2 does not take and which would not touch an all-gather; it now
+    names FSDP's mixed-precision policy, which halves the bytes of both."""
+    from cpu_traces import fsdp_traces
+    from dpprof.findings import run_findings
+
+    run = dpprof.load_run(import_traces(fsdp_traces(tmp_path / "made", steps=3), reports).id, reports)
+    assert run.model.sharded and set(run.comms["collective"]) == {"all-gather", "reduce-scatter"}
+    found = run_findings(run).table.set_index("kind")
+    assert "communication_share" in found.index, found
+    advice = found.loc["communication_share", "advice"]
+    assert "communication hook" not in advice and "PowerSGD" not in advice, advice
+    assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)" in advice
+
+
 def test_a_rank_that_stopped_a_step_early_has_its_buckets_per_step(tmp_path, reports):
     """A gloo DDP job of 3 steps whose rank 1 trace ends after 2: each rank's buckets per step are counted over its
     steps past the job's first, from the run's rows. They were counted over the steps past the second (the steps past

@@ -159,6 +159,13 @@ def _compresses(hook: str | None) -> bool:
     return hook is not None and any(word in hook.lower() for word in COMPRESSING_HOOKS)
 
 
+# an imported trace of FSDP: its collectives are the parameters' all-gathers and the gradients' reduce-scatters, which
+# no DDP communication hook touches (FSDP2 takes none); its mixed-precision policy sends both in half the bytes
+_FSDP_BYTES_WORDS = (", or gather parameters and reduce gradients in bf16: fully_shard(..., mp_policy="
+                     "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)) halves the bytes of "
+                     "every all-gather and reduce-scatter (FSDP1: mixed_precision=MixedPrecision(...)).")
+
+
 def _compress_words(hook: str | None) -> str:
     """The communication advice's end: compress gradients with a hook, unless the run's hook already does (its bytes
     sent are then what it sent, dpprof.parallel.distributed)."""
@@ -218,7 +225,8 @@ def communication(t: Tables) -> list[dict]:
                                  "a rank the others wait for is then named the straggler, and that wait is no cost of "
                                  "communication. Otherwise: r" if t.model.partial_job else "R")
                                 + "aise the per-rank batch (communication is per step, compute per sample)"
-                                + _compress_words(t.model.comm_hook), share, "share"))
+                                + (_FSDP_BYTES_WORDS if t.model.sharded else _compress_words(t.model.comm_hook)),
+                                share, "share"))
     per_step_buckets = bucket_counts(t.comms).median()  # over the steps past the first: it takes them itself
     mean_bytes = comms["bucket_bytes"].mean()
     sized = pd.notna(mean_bytes)  # a gloo trace's collectives may name no size
