@@ -19,7 +19,7 @@ from dpprof.findings import (BACKWARD_SHARE_INFO, CRITICAL_STEP_SHARE, DP_TAX_WA
                              tables_of, worth_time)
 from dpprof.findings.base import per_step
 from dpprof.findings.dataparallel import split_cost
-from dpprof.findings.floors import cost_text
+from dpprof.findings.floors import cost_text, total_text
 from dpprof.records import MEMORY_BYTES
 from dpprof.views.export import run_zip
 from dpprof.workloads import SortedGRU, build_workload, train
@@ -351,6 +351,22 @@ def test_stalled_steps_are_named_in_an_outlier_finding():
     assert "bigger batch" not in outliers["evidence"]  # every step had 8 samples
 
 
+def test_a_stall_of_a_few_ms_is_said_in_ms_beyond_the_median():
+    """A 3 ms stall in a run of ~1 ms steps: its time beyond the median read "0.00 s beyond the median" (seconds with
+    two decimals; a torch.profiler trace of 1 ms steps said it of a 4.78 ms stall). Under 10 ms it is said in ms, as
+    cost_text says a cost over the run (a loaded machine's own stalls may take it past 10 ms: then in s)."""
+    run = _record(nn.Linear(5, 2), lambda i: (torch.randn(8, 5),), workers=2, steps=8, stall_s={5: 0.003})
+    outliers = findings_of(run).set_index("kind").loc["outlier_steps"]
+    per = run.steps.groupby("step")["duration_ms"].max().sort_index().iloc[1:]
+    slow = per[per > 2 * per.median()]
+    excess = float((slow - per.median()).sum())
+    said = re.search(r"; ([\d.,]+) (ms|s) beyond the median", outliers["evidence"])
+    assert said, outliers["evidence"]
+    assert said[2] == ("ms" if excess < 10 else "s"), outliers["evidence"]
+    value = float(said[1].replace(",", "")) * (1 if said[2] == "ms" else 1e3)
+    assert value == pytest.approx(excess, abs=0.006 if said[2] == "ms" else 5.1), (value, excess)
+
+
 def test_steps_slow_from_their_own_bigger_batch_are_not_called_stalls_from_outside():
     # dynamic shapes: steps 4 and 8 carry 60 samples, the others 4 (2 ms a sample on each worker's chunk): 60 ms of
     # apply against 4 ms, the model's own work, which the rule sees as outliers
@@ -442,3 +458,14 @@ def test_every_time_finding_states_its_cost_per_step_and_over_the_run():
 ])
 def test_a_cost_over_the_run_is_never_said_as_zero(ms_per_step, steps, said):
     assert cost_text(ms_per_step, steps) == said
+
+
+@pytest.mark.parametrize("total_ms, said", [
+    (4.78, "4.78 ms"),  # a trace's 4.78 ms stall beyond the median step read "0.00 s beyond the median"
+    (9.994, "9.99 ms"),
+    (10.0, "0.01 s"),
+    (350.0, "0.35 s"),
+    (3600.0, "3.6 s"),
+])
+def test_a_time_over_the_run_is_said_in_ms_under_10_ms(total_ms, said):
+    assert total_text(total_ms) == said

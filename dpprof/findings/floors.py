@@ -13,7 +13,7 @@ import pandas as pd
 from dpprof.units import mib
 
 __all__ = ["TIME_FLOOR_MS", "STEP_SHARE_FLOOR", "MEMORY_FLOOR_BYTES", "CRITICAL_STEP_SHARE", "critical_or", "critical_share_or", "worth_time",
-           "worth_bytes", "Imbalance", "imbalance", "cost_text", "mib"]
+           "worth_bytes", "Imbalance", "imbalance", "total_text", "cost_text", "mib"]
 
 # A finding about time is raised only when it costs at least this much a step ...
 # Under a quarter of a millisecond is about three hand-offs to a CPU worker thread (53-78 us each, measured
@@ -54,12 +54,16 @@ def worth_bytes(cost_bytes: float) -> bool:
     return bool(pd.notna(cost_bytes) and cost_bytes >= MEMORY_FLOOR_BYTES)
 
 
+def total_text(total_ms: float) -> str:
+    """A time over the run: "4.91 ms", "0.35 s", "3.6 s"; under 10 ms in ms (two decimals of a second would read
+    0.00 s or 0.01 s)."""
+    total_s = total_ms / 1e3
+    return f"{total_ms:.2f} ms" if total_s < 0.01 else f"{total_s:,.{1 if total_s >= 1 else 2}f} s"
+
+
 def cost_text(ms_per_step: float, steps: int, whose: str = "the run's") -> str:
     """"costs 1.20 ms a step, 3.6 s over the run's 3,000 steps" (``whose``: "rank:1's", for a rank with fewer)."""
-    total_s = ms_per_step * steps / 1e3
-    # under 10 ms in all, in ms: two decimals of a second would read 0.00 s or 0.01 s
-    total = f"{total_s * 1e3:.2f} ms" if total_s < 0.01 else f"{total_s:,.{1 if total_s >= 1 else 2}f} s"
-    return f"costs {ms_per_step:.2f} ms a step, {total} over {whose} {steps:,} steps"
+    return f"costs {ms_per_step:.2f} ms a step, {total_text(ms_per_step * steps)} over {whose} {steps:,} steps"
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from dpprof.findings.base import MEDIAN_STEP, Tables, finding
-from dpprof.findings.floors import cost_text, worth_time
+from dpprof.findings.floors import cost_text, total_text, worth_time
 from dpprof.stepmodel import REST, partition, parts_for
 from dpprof.units import plural
 
@@ -118,7 +118,7 @@ def outlier_steps(t: Tables) -> list[dict]:
                   "steps" + ("." if len(bigger) == len(worst) else f". For the others: {outside}"))
     return [finding("outlier_steps", found.severity, None,
                     f"{len(worst)} of {found.steps} steps took over {OUTLIER_STEP_RATIO:g}x the median step{of_kind}",
-                    f"{of_median}; steps {listed}{more}; {excess / 1e3:.2f} s beyond the median{of_kind}, "
+                    f"{of_median}; steps {listed}{more}; {total_text(excess)} beyond the median{of_kind}, "
                     f"{share:.0%} of the run's step time past the first{batches}", advice, share, "share")]
 
 
