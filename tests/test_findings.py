@@ -442,8 +442,8 @@ def test_every_time_finding_states_its_cost_per_step_and_over_the_run():
             _record(deep, lambda i: (torch.randn(4, 4),), workers=2, steps=6)]
     found = pd.concat([findings_of(run) for run in runs])
     assert {"straggler", "dataparallel_tax"} & set(found["kind"])  # each run's headline finding, if its cost clears the floors
-    costs = {"straggler": r"the others wait [\d.]+ ms per step, [\d.]+ s over the run",
-             "dataparallel_tax": r"costs [\d.]+ ms a step, [\d.]+ s over the run's \d+ steps"}
+    costs = {"straggler": r"the others wait [\d.]+ ms per step, [\d.,]+ m?s over the run",
+             "dataparallel_tax": r"costs [\d.]+ ms a step, [\d.,]+ m?s over the run's \d+ steps"}
     # every row: under load the deep model's run has a straggler of its own (a worker the other job slowed),
     # and its finding must state its cost as the sorted GRU's does
     for kind, evidence in zip(found["kind"], found["evidence"]):
@@ -469,3 +469,19 @@ def test_a_cost_over_the_run_is_never_said_as_zero(ms_per_step, steps, said):
 ])
 def test_a_time_over_the_run_is_said_in_ms_under_10_ms(total_ms, said):
     assert total_text(total_ms) == said
+
+
+def test_a_straggler_whose_wait_over_the_run_is_under_10_ms_says_it_in_ms(tmp_path):
+    """cpu:0 sleeps 1 ms in every apply of a 5-step run: the others wait about 1 ms a step, about 4 ms over the 4
+    steps past the first, which the straggler finding said as "0.00 s over the run" (its evidence, from the verdict: on
+    a loaded machine the steps' own stalls may keep the verdict under the step-share floor, which is not this test's)."""
+    from dpprof.findings.dataparallel import straggler_row, straggler_verdict
+    from recorded import record_straggler
+
+    run = dpprof.load_run(record_straggler(tmp_path, steps=5, sleep_s=0.001).path)
+    verdict = straggler_verdict(tables_of(run))
+    assert verdict is not None and verdict.slowest == "cpu:0", verdict
+    evidence = straggler_row(verdict, "straggler", "title", "median apply", "advice")["evidence"]
+    total = verdict.wait_ms * verdict.later_steps
+    assert f"the others wait {verdict.wait_ms:.2f} ms per step, {total_text(total)} over the run" in evidence, evidence
+    assert total >= 10 or " ms over the run" in evidence, evidence

@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 
 from dpprof.findings.base import MEDIAN_STEP, Tables
-from dpprof.findings.floors import STEP_SHARE_FLOOR, TIME_FLOOR_MS, worth_time
+from dpprof.findings.floors import STEP_SHARE_FLOOR, TIME_FLOOR_MS, total_text, worth_time
 
 __all__ = ["KEY", "STRAGGLER_WAIT_SHARE", "STRAGGLER_WAIT_SHARE_CPU", "STRAGGLER_STEP_SHARE", "STRAGGLER_CHANCE", "by_chance",
            "CollectiveWaits", "CollectiveVerdict", "keyed", "match_collectives", "collective_waits",
@@ -210,7 +210,7 @@ class CollectiveVerdict:
         return (f"matched {self.collectives:.0f} collective{'s' if self.collectives != 1 else ''} per step across "
                 f"{self.ranks} ranks: {self.straggler} waits {self.own_wait_ms:.2f} ms per step inside them, the "
                 f"others {self.others_wait_ms:.2f} ms; it waited least in {self.share:.0%} of {self.steps} steps; the "
-                f"others wait {self.wait_ms:.2f} ms per step for it, {self.wait_ms * later_steps / 1e3:.2f} s over "
+                f"others wait {self.wait_ms:.2f} ms per step for it, {total_text(self.wait_ms * later_steps)} over "
                 f"the run ({self.wait_ms / self.step_ms:.0%} of the {self.step_words})"
                 + "".join(f"; {n}" for n in self.notes))
 

@@ -9,7 +9,7 @@ import pandas as pd
 from dpprof.findings.base import MEDIAN_STEP, Tables, finding, per_step
 from dpprof.findings.collectives import CollectiveVerdict, collective_verdict
 from dpprof.findings.floors import (STEP_SHARE_FLOOR, TIME_FLOOR_MS, Imbalance, cost_text, critical_or,
-                                    critical_share_or, imbalance, mib, worth_bytes, worth_time)
+                                    critical_share_or, imbalance, mib, total_text, worth_bytes, worth_time)
 from dpprof.records import DP_TAX_PHASES, MEMORY_BYTES, idle_severity, split_shares, uneven_severity
 
 __all__ = ["STRAGGLER_RATIO", "STRAGGLER_RATIO_CPU", "STRAGGLER_CONSISTENCY", "straggler_severity",
@@ -164,7 +164,7 @@ def straggler_row(v: Straggler, kind: str, title: str, measure: str, advice: str
     return finding(kind, v.severity, slow, title,
                    f"{measure} {f.medians[slow]:.2f} ms on {slow} vs {f.others_ms:.2f} ms on the others; slowest in "
                    f"{f.slowest_share:.0%} of {f.steps} steps; the others wait {v.wait_ms:.2f} ms per step, "
-                   f"{v.wait_ms * v.later_steps / 1e3:.2f} s over the run ({v.wait_share:.0%} of the "
+                   f"{total_text(v.wait_ms * v.later_steps)} over the run ({v.wait_share:.0%} of the "
                    f"{MEDIAN_STEP})", advice, v.wait_share, "share")
 
 
