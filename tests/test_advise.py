@@ -1011,6 +1011,18 @@ def test_a_run_recorded_from_a_script_is_not_measured_alone(paused):
     assert not any("measured alone" in a for a in advise(m, None).assumptions)
 
 
+def test_a_batch_the_workload_cannot_yield_is_not_measured_as_another(tmp_path):
+    from dpprof.advise.compute import measure_compute
+    from dpprof.advise.predict import compute_layouts
+
+    # tutorial-linear's data set holds 100 samples: asked for 1,000,000,000 it yields 100, whose forward (0.047 ms)
+    # was cached as the billion's, and advise predicted batch 10**9's apply at 3.77 ms (3.74 at the recorded 30)
+    m = measure(record(tmp_path, "linear", workers=2, steps=4, batch_size=30, workload="tutorial-linear"))
+    with pytest.raises(ValueError, match="yields batches of 100 samples when asked for 1000000000"):
+        measure_compute(m, compute_layouts(m, [10**9]))
+    assert measure_compute(m, compute_layouts(m, [60])) is not None
+
+
 def test_a_split_of_fewer_chunks_than_devices_is_measured_and_cached_as_it_runs(tmp_path, monkeypatch):
     """Batch 3 on 4 workers runs 3 replicas of 1 (torch.chunk): its measure holds 3 forward times, and the cache
     reads it back (a check of one time per device would refuse it, and measure again every time)."""

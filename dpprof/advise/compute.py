@@ -139,7 +139,10 @@ def measure_compute(m: Measured, needed: list[tuple[int, int]], known: ComputePr
     k CPU workers, each chunk's forward timed on its worker alone at one intra-op thread (on the calling thread
     where k is 1, as DataParallel on one device runs it), then backward timed from the loss on the gathered outputs.
 
-    None for a run dpprof cannot rebuild (recorded from a script) or one on GPUs (they do not share cores)."""
+    None for a run dpprof cannot rebuild (recorded from a script) or one on GPUs (they do not share cores).
+
+    Raises:
+        ValueError: the workload yields another batch than a layout's (a batch over its data set's samples)."""
     if m.backend != "cpu" or m.source not in ("builtin", "model"):
         return None
     import torch
@@ -173,6 +176,11 @@ def measure_compute(m: Measured, needed: list[tuple[int, int]], known: ComputePr
                 workload = build(batch)
                 model, criterion = workload.model, workload.criterion
                 inputs, target = next(workload.batches())
+                first = next(iter(inputs), None)
+                if isinstance(first, torch.Tensor) and first.dim() > 0 and first.size(0) != batch:
+                    # tutorial-linear's data set holds 100 samples: asked for more, it yields 100
+                    raise ValueError(f"{m.workload} yields batches of {first.size(0)} samples when asked for "
+                                     f"{batch}: batch {batch} cannot be measured")
                 for k in sorted(k for b, k in todo if b == batch):
                     devices = [torch.device("cpu", i) for i in range(k)]
                     chunks = scatter(inputs, devices) if k > 1 else [inputs]
