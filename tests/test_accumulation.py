@@ -340,16 +340,15 @@ def test_training_steps_between_evaluation_steps_are_no_stalls_a_stall_among_the
 
 def test_show_gives_the_median_of_each_kind_beside_an_evaluation_heavy_runs_median(eval_heavy, capsys, tmp_path):
     """show's header gave the median of every step alone: an evaluation step's (under 1 ms) for a run whose training
-    steps take over 40 ms. Each kind's median now follows it, from the steps step_kinds calls training."""
+    steps take over 40 ms. Each kind's median now follows it: a rank's step that ran a backward on it trains."""
     from dpprof.cli import main
-    from dpprof.findings import tables_of
-    from dpprof.findings.steps import step_kinds
     from dpprof.store import queries
 
     run = eval_heavy
-    t = tables_of(run)
-    kinds = step_kinds(t, pd.Index(sorted(run.steps["step"].unique())))
-    rows = run.steps.assign(kind=run.steps["step"].map(kinds))
+    # each rank's step is training where that rank ran a backward in it, from the raw rows
+    trained = set(map(tuple, run.phases.loc[run.phases["phase"] == "backward", ["rank", "step"]].to_numpy()))
+    rows = run.steps.assign(kind=["training" if (r, s) in trained else "evaluation"
+                                  for r, s in zip(run.steps["rank"], run.steps["step"])])
     expected = rows.groupby("kind")["duration_ms"].median()
     got = queries.kind_medians(run)
     assert got == pytest.approx(expected.to_dict()) and got["evaluation"] < 40 < got["training"]

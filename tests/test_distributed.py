@@ -351,8 +351,6 @@ def test_a_rank_whose_step_is_mostly_its_scripts_own_code_is_told_what_dpprof_do
     assert ("unrecorded_time" in set(run_findings(quiet).table["kind"])) == _rest_is_mostly_over_by_hand(quiet)
     (tmp_path / "once").mkdir()
     once = _ddp_steps_pausing(tmp_path / "once", 0.4, pausing={3})
-    step_ms, rest_ms = _rest_by_hand(once)
-    assert rest_ms / step_ms > REST_SHARE_WARN  # the mean's share alone would raise it
     assert ("unrecorded_time" in set(run_findings(once).table["kind"])) == _rest_is_mostly_over_by_hand(once)
 
 

@@ -156,10 +156,10 @@ def median_step_ms(run: StoredRun) -> float | None:
 
 def kind_medians(run: StoredRun) -> dict[str, float] | None:
     """Where a run mixes training steps (a backward ran) and evaluation steps (none: forwards under no_grad between
-    them), the median step of each kind as median_step_ms takes it, every rank's rows: {"training": ms,
-    "evaluation": ms}. The header's median of every step is then one kind's, an evaluation step's where they are
-    the more (findings.steps.step_kinds sorts the steps past the first by the same rule). None where the steps are
-    all of one kind, or the run's phases are not whole (a long or thinned run's)."""
+    them), the median step of each kind as median_step_ms takes it, every rank's rows, a rank's step training where
+    that rank recorded a backward in it: {"training": ms, "evaluation": ms}. The header's median of every step is
+    then one kind's, an evaluation step's where they are the more. None where the steps are all of one kind, or the
+    run's phases are not whole (a long or thinned run's)."""
     if run.model.aggregated or run.model.kind == "empty":
         return None
     rows = run.query("SELECT s.duration_ms, EXISTS (SELECT 1 FROM phases p WHERE p.step = s.step "
