@@ -621,12 +621,9 @@ def test_a_collective_kernel_the_profiler_dropped_costs_its_own_op_only(tmp_path
     assert (phases["start_ms"] + phases["duration_ms"] <= phases["start_ms_step"] + phases["duration_ms_step"] + 1e-6).all()
 
 
-def test_ranks_that_hold_different_step_counts_are_said_so_and_each_gpu_reads_its_own(tmp_path, capsys):
-    """A job whose rank 1 profiler stopped a step early: `show` says how many each holds, and each GPU's figures are
-    spread over its own rank's steps."""
-    from dpprof.cli import main
-    from dpprof.findings.detail import operator_data
-
+def _rank_one_stopped_a_step_early(tmp_path: Path, reports: Path) -> dpprof.StoredRun:
+    """The shared 2-rank job imported with rank 1's trace cut before its last ProfilerStep (its profiler stopped a
+    step early)."""
     paths = []
     for rank in (0, 1):
         doc = json.loads(gzip.decompress((TRACES / f"ddp-128ranks-rank{rank}-sampled.json.gz").read_bytes()))
@@ -636,8 +633,17 @@ def test_ranks_that_hold_different_step_counts_are_said_so_and_each_gpu_reads_it
             doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("ts", 0) < last["ts"] or e.get("ph") == "M"]
         paths.append(tmp_path / f"job-rank{rank}.pt.trace.json")
         paths[-1].write_text(json.dumps(doc))
+    return dpprof.load_run(import_traces(paths, reports).id, reports)
+
+
+def test_ranks_that_hold_different_step_counts_are_said_so_and_each_gpu_reads_its_own(tmp_path, capsys):
+    """A job whose rank 1 profiler stopped a step early: `show` says how many each holds, and each GPU's figures are
+    spread over its own rank's steps."""
+    from dpprof.cli import main
+    from dpprof.findings.detail import operator_data
+
     reports = tmp_path / "reports"
-    run = dpprof.load_run(import_traces(paths, reports).id, reports)
+    run = _rank_one_stopped_a_step_early(tmp_path, reports)
     held = run.steps.groupby("rank")["step"].nunique().to_dict()
     assert held[0] == held[1] + 1
     assert main(["--reports-dir", str(reports), "show", run.id]) == 0
@@ -653,17 +659,8 @@ def test_the_parts_of_the_step_of_ranks_that_hold_different_step_counts_are_each
     chart, phase_totals.csv, Compare) is each rank's mean over its own steps, averaged over the ranks, as `dpprof show`'s
     table per rank gives it, and the parts sum to the ranks' mean step. They were the ranks' mean total over the most
     steps (2 of rank 0's, 1 of rank 1's): every part read too small, their sum under the mean step."""
-    paths = []
-    for rank in (0, 1):
-        doc = json.loads(gzip.decompress((TRACES / f"ddp-128ranks-rank{rank}-sampled.json.gz").read_bytes()))
-        if rank == 1:
-            steps = [e for e in doc["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")]
-            last = max(steps, key=lambda e: e["ts"])
-            doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("ts", 0) < last["ts"] or e.get("ph") == "M"]
-        paths.append(tmp_path / f"job-rank{rank}.pt.trace.json")
-        paths[-1].write_text(json.dumps(doc))
     reports = tmp_path / "reports"
-    run = dpprof.load_run(import_traces(paths, reports).id, reports)
+    run = _rank_one_stopped_a_step_early(tmp_path, reports)
     held = run.steps.groupby("rank")["step"].nunique()
     assert held[0] == held[1] + 1
     totals = queries.phase_totals(run).set_index("phase")
