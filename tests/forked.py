@@ -15,9 +15,11 @@ Chromium, mount).
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -166,6 +168,7 @@ class _Server:
 
     def __init__(self, start_env: dict[str, str]) -> None:
         self.dir = tempfile.mkdtemp(prefix="dpprof-forked-")
+        atexit.register(shutil.rmtree, self.dir, True)  # its socket, left behind by every test process once
         self.path = os.path.join(self.dir, "server.sock")
         env = {k: v for k, v in os.environ.items()
                if not k.startswith("PYTEST_") and not (k.startswith(_READ_AT_START) and k not in _HANDLED)}
