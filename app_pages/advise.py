@@ -60,8 +60,8 @@ def body(row: pd.Series) -> None:
             st.markdown("Peak held: " + ", ".join(f"{markdown_text(d)} **{mib(b)}**" for d, b in s.peak_bytes.items()))
             if s.command:
                 st.code(s.command, language="bash")
-            else:
-                st.caption("Recorded from a script: change the script to run it.")
+            elif s.no_command:
+                st.caption(f"No command runs it: {markdown_text(s.no_command)}.")
     st.subheader("Memory per device")
     common.table(advise.memory_table(a), "advice_memory")
     if a.max_batch_size:

@@ -32,7 +32,7 @@ from dpprof.capture.window import CaptureError, parse_capture
 from dpprof.plaintext import error_line
 from dpprof.processes import LaunchError, Started
 from dpprof.store.ids import new_run_id
-from dpprof.workload_names import WORKLOAD_NAMES
+from dpprof.workload_names import WORKLOAD_NAMES, WORKLOAD_SAMPLES
 
 if TYPE_CHECKING:
     import argparse
@@ -219,6 +219,11 @@ class Profile:
             raise ProfileError(f"--input-shape {self.input_shape}: sizes must be positive")
         if self.batch_size is not None and self.batch_size < 1:
             raise ProfileError(f"batch size must be positive, got {self.batch_size}")
+        most = WORKLOAD_SAMPLES.get(self.workload_name)
+        if most is not None and self.batch_size is not None and self.batch_size > most:
+            # its loader would yield every sample as one batch: a run of another batch than asked for
+            raise ProfileError(f"{self.workload_name}'s data set holds {most} samples: --batch-size takes 1 to "
+                               f"{most}" + (" (each rank's)" if self.distributed else "") + f", got {self.batch_size:,}")
         if self.detail not in DETAIL_CHOICES:
             raise ProfileError(f"--detail {self.detail!r}: choose one of {', '.join(DETAIL_CHOICES)}")
         if self.devices is not None and not self.devices.strip():

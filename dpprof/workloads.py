@@ -16,6 +16,7 @@ from dpprof.parallel import DataParallel, DataParallelCriterion, DataParallelMod
 from dpprof.parallel.balanced import MeasuredLoss
 from dpprof.plaintext import error_line
 from dpprof.recording import Run, record
+from dpprof.workload_names import WORKLOAD_SAMPLES
 
 __all__ = ["Workload", "WORKLOADS", "build_workload", "user_workload", "token_count", "random_inputs", "train", "TutorialLinear", "CifarNet",
            "SortedGRU", "TinyFCN"]
@@ -108,19 +109,20 @@ class Workload:
 
 def _tutorial_linear(batch_size: int | None, seed: int) -> Workload:
     batch_size = batch_size or 30
+    samples = WORKLOAD_SAMPLES["tutorial-linear"]
     gen = torch.Generator().manual_seed(seed)
-    data = torch.randn(100, 5, generator=gen)  # the tutorial's RandomDataset(5, 100)
-    target = torch.randn(100, 2, generator=gen)
+    data = torch.randn(samples, 5, generator=gen)  # the tutorial's RandomDataset(5, 100)
+    target = torch.randn(samples, 2, generator=gen)
 
     def batches() -> Iterator[Batch]:
         while True:  # epochs of 100 samples: 30, 30, 30, 10 at the tutorial's batch size
-            order = torch.randperm(100, generator=gen)
-            for start in range(0, 100, batch_size):
+            order = torch.randperm(samples, generator=gen)
+            for start in range(0, samples, batch_size):
                 idx = order[start:start + batch_size]
                 yield (data[idx],), target[idx]
 
     return Workload("tutorial-linear", TutorialLinear(), nn.MSELoss(), batches, batch_size,
-                    {"batch_size": batch_size, "samples": 100})
+                    {"batch_size": batch_size, "samples": samples})
 
 
 def _cifar_lenet(batch_size: int | None, seed: int) -> Workload:

@@ -1021,6 +1021,12 @@ def test_a_batch_the_workload_cannot_yield_is_not_measured_as_another(tmp_path):
     with pytest.raises(ValueError, match="yields batches of 100 samples when asked for 1000000000"):
         measure_compute(m, compute_layouts(m, [10**9]))
     assert measure_compute(m, compute_layouts(m, [60])) is not None
+    # nor is such a batch's command given: `dpprof profile tutorial-linear --batch-size 1000000000` ran batch 100
+    shown = {s.batch_size: s for s in advise(m, None, [10**9, 60]).scenarios
+             if s.scenario == "dataparallel" and s.devices == 2}
+    assert shown[10**9].command is None and shown[10**9].profile is None
+    assert shown[10**9].no_command == "tutorial-linear's data set holds 100 samples: no run of it has batch 1,000,000,000"
+    assert shown[60].command.endswith("--devices cpu:2 --batch-size 60 --steps 4") and shown[60].no_command is None
 
 
 def test_a_split_of_fewer_chunks_than_devices_is_measured_and_cached_as_it_runs(tmp_path, monkeypatch):

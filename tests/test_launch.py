@@ -17,7 +17,7 @@ import dpprof
 from dpprof.cli import build_parser, main
 from dpprof.launch import DEFAULT_NPROC, LaunchError, Profile, ProfileError
 from dpprof.processes import progress_line, run_row
-from dpprof.workload_names import WORKLOAD_NAMES
+from dpprof.workload_names import WORKLOAD_NAMES, WORKLOAD_SAMPLES
 
 # -- words: argv and the shell command ------------------------------------------------------------
 
@@ -29,12 +29,14 @@ _positive = st.integers(1, 10**6)
 def profiles(draw) -> Profile:
     model = draw(st.booleans())
     ddp = draw(st.booleans())
+    workload = None if model else draw(st.none() | st.sampled_from(WORKLOAD_NAMES))
+    most = WORKLOAD_SAMPLES.get(workload or "", 10**6)  # a batch over a finite data set's is refused (a test below)
     return Profile(
-        workload=None if model else draw(st.none() | st.sampled_from(WORKLOAD_NAMES)),
+        workload=workload,
         model=draw(st.from_regex(r"[a-z_][a-z0-9_.]{0,10}:[a-z_]\w{0,8}", fullmatch=True)) if model else None,
         input_shape=tuple(draw(st.lists(_positive, min_size=1, max_size=4))) if model else None,
         devices=draw(st.none() | st.sampled_from(["cpu:2", "cpu:0,cpu:1", "cuda", "0,1", "cpu:7", "-1"])),
-        batch_size=draw(st.none() | _positive), steps=draw(_positive),
+        batch_size=draw(st.none() | st.integers(1, most)), steps=draw(_positive),
         balanced=False if ddp else draw(st.booleans()), ddp=ddp, nproc=draw(_positive) if ddp else DEFAULT_NPROC,
         bucket_cap_mb=draw(st.none() | st.floats(1e-6, 1e6)) if ddp else None,
         detail=draw(st.sampled_from(["bounded", "all"])), name=draw(st.none() | _text),
@@ -90,6 +92,10 @@ def test_the_commands_users_read_keep_their_order():
     ({"input_shape": (3, 4)}, ("--input-shape is the shape of --model's inputs; the built-in workload (cifar-lenet) "
                                "makes its own: give --model, or leave it out")),
     ({"batch_size": 0}, "batch size must be positive, got 0"),
+    ({"workload": "tutorial-linear", "batch_size": 101},  # its loader would yield the 100 as one batch
+     "tutorial-linear's data set holds 100 samples: --batch-size takes 1 to 100, got 101"),
+    ({"workload": "tutorial-linear", "ddp": True, "batch_size": 1000},
+     "tutorial-linear's data set holds 100 samples: --batch-size takes 1 to 100 (each rank's), got 1,000"),
     ({"bucket_cap_mb": 1.0}, "--bucket-cap-mb is DDP's gradient bucket size: give it with --ddp"),
     ({"ddp": True, "bucket_cap_mb": 0.0}, "--bucket-cap-mb must be a positive number of MB, got 0"),
     ({"ddp": True, "bucket_cap_mb": float("nan")}, "--bucket-cap-mb must be a positive number of MB, got nan"),

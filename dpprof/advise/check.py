@@ -115,7 +115,7 @@ def check(advice: Advice, reports_dir: str | os.PathLike[str], scenarios: Sequen
         if progress is not None:
             progress(scenario, profile)
         if profile is None:
-            out.append(Checked(scenario, None, None, {}, "no command: the run was recorded from a script"))
+            out.append(Checked(scenario, None, None, {}, f"no command: {scenario.no_command}"))
             continue
         name = f"check of {advice.run_id}: {scenario.label}"
         try:

@@ -4,11 +4,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dpprof.launch import Profile
+from dpprof.workload_names import WORKLOAD_SAMPLES
 
 if TYPE_CHECKING:
     from dpprof.advise.measured import Measured
 
-__all__ = ["CHECK_MAX_STEPS", "DEFAULT_STEPS", "command_for", "profile_for", "scenario_steps"]
+__all__ = ["CHECK_MAX_STEPS", "DEFAULT_STEPS", "command_for", "no_command", "profile_for", "scenario_steps"]
 
 # The most steps a check run records (dpprof.advise.check): a median step and its interval are settled well before (a
 # run of 100,000 steps would make --check take hours). The commands shown run the run's own steps; only --check is
@@ -31,28 +32,44 @@ def scenario_steps(m: Measured) -> int:
     return max(1, min(asked, m.steps or asked))
 
 
+def _process_batch(scenario: str, k: int, batch: int) -> int:
+    """The batch each process trains on: DDP's ranks torch.chunk's biggest chunk of ``batch``, ceil(batch / k) (batch
+    // k gave 5 on 3 ranks 1 sample each against a prediction of 2); DataParallel's process the global batch."""
+    return -(-batch // k) if scenario == "ddp" else batch
+
+
+def no_command(m: Measured, scenario: str, k: int, batch: int) -> str | None:
+    """Why no command runs one scenario for real (None where one does): a run recorded from a script, which dpprof
+    cannot rebuild, or a batch over a built-in's data set (its loader would yield every sample, another batch)."""
+    if m.source not in ("builtin", "model"):
+        return "recorded from a script: change the script"
+    most = WORKLOAD_SAMPLES.get(str(m.workload)) if m.source == "builtin" else None
+    if most is not None and _process_batch(scenario, k, batch) > most:
+        each = f" ({_process_batch(scenario, k, batch):,} a rank)" if scenario == "ddp" else ""
+        return f"{m.workload}'s data set holds {most} samples: no run of it has batch {batch:,}{each}"
+    return None
+
+
 def profile_for(m: Measured, scenario: str, k: int, batch: int, steps: int | None = None) -> Profile | None:
-    """The profile that runs one scenario for real (None for a run recorded from a script: dpprof cannot rebuild
-    it).
+    """The profile that runs one scenario for real (None where no_command says why not: a run recorded from a
+    script, a batch the built-in cannot yield).
 
     DDP takes the per-rank batch (``batch_size`` is each rank's under ``ddp``): torch.chunk's biggest chunk of
     ``batch``, which the prediction's step waits for. The recorded run's
     OMP_NUM_THREADS, where it set one, is set again, so that the threads are those the prediction assumed.
     """
+    if no_command(m, scenario, k, batch) is not None:
+        return None
     args = m.workload_args
     if m.source == "builtin":
         what: dict = {"workload": str(m.workload)}
-    elif m.source == "model":
-        what = {"model": str(m.workload), "input_shape": tuple(int(d) for d in args["input_shape"])}
     else:
-        return None
+        what = {"model": str(m.workload), "input_shape": tuple(int(d) for d in args["input_shape"])}
     steps = steps or scenario_steps(m)
     omp = args.get("omp_num_threads")
     env = {"OMP_NUM_THREADS": str(int(omp))} if omp else {}
-    if scenario == "ddp":
-        # each rank torch.chunk's biggest chunk, ceil(batch / k): the prediction's ranks take torch.chunk's chunks,
-        # and its step waits for the biggest (batch // k gave 5 on 3 ranks 1 sample each against a prediction of 2)
-        return Profile(**what, ddp=True, nproc=k, batch_size=-(-batch // k),
+    if scenario == "ddp":  # each rank torch.chunk's biggest chunk: the prediction's step waits for it
+        return Profile(**what, ddp=True, nproc=k, batch_size=_process_batch(scenario, k, batch),
                        devices="cuda" if m.backend == "cuda" else None, steps=steps, env=env)
     return Profile(**what, devices=_devices(m, k), batch_size=batch, balanced=scenario == "balanced", steps=steps,
                    env=env)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from dpprof.advise import NotAdvisable
 from dpprof.advise.calibration_cache import Calibration
-from dpprof.advise.commands import profile_for
+from dpprof.advise.commands import no_command, profile_for
 from dpprof.advise.compute import ComputeProbe, layout_key
 from dpprof.advise.measured import Measured, chunk_sizes
 from dpprof.records import PHASE_ORDER
@@ -91,12 +91,13 @@ class Scenario:
     parts_ms: dict[str, float]  # add up to step_ms
     label: str  # "DDP on 2 ranks (gloo)", "DataParallel on 3 CPU workers, batch 512"
     changes: list[str]  # what changes and why, with each part's predicted ms
-    command: str | None  # the command that runs it for real; None for a run recorded from a script
+    command: str | None  # the command that runs it for real; None where no_command says why not
     recorded: bool = False  # the recorded set-up itself (its step is the measured median)
     allocator_peak_bytes: dict[str, int] | None = None  # the CUDA allocator's peak, where the run recorded it
     device_labels: list[str] = field(default_factory=list)
     withheld: str | None = None  # why its step is no prediction (too wide an interval, a loaded calibration)
     profile: Profile | None = None  # what runs it for real (dpprof.launch); command is its shell command
+    no_command: str | None = None  # why no command runs it (dpprof.advise.commands.no_command)
 
     @property
     def interval_ratio(self) -> float:
@@ -675,7 +676,7 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
             scenario=scenario, devices=k, batch_size=batch, step_ms=step, step_ms_low=lo, step_ms_high=hi,
             peak_bytes=memory, parts_ms={p: parts[p] for p in PART_ORDER if p in parts}, label=label,
             changes=changes, command=None if profile is None else profile.command(), recorded=recorded,
-            allocator_peak_bytes=alloc, profile=profile))
+            allocator_peak_bytes=alloc, profile=profile, no_command=no_command(m, scenario, k, batch)))
         if not recorded and scenarios[-1].interval_ratio > MAX_INTERVAL_RATIO:
             ratio = scenarios[-1].interval_ratio
             scenarios[-1].withheld = (f"its interval, {lo:,.2f}-{hi:,.2f} ms, spans "

@@ -181,7 +181,7 @@ def text_lines(view: AdvisorView) -> list[str]:
             out.append("  allocator peak: " + ", ".join(f"{d} {mib(b)}" for d, b in s.allocator_peak_bytes.items()))
         for change in s.changes:
             out.append(f"  - {change}")
-        out.append(f"  run it: {s.command}" if s.command else "  run it: (recorded from a script: change the script)")
+        out.append(f"  run it: {s.command}" if s.command else f"  run it: ({s.no_command})")
     out.append("")
     if a.max_batch_size:
         fits = ", ".join(f"{d} {b:,}" for d, b in a.max_batch_size.items())
