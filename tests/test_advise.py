@@ -981,6 +981,8 @@ def test_the_measure_is_cached_per_run_and_another_torch_s_is_not_read(measured_
     compute_path(m.run_id).write_text("[]")  # JSON, not an object: no measure, not a crash
     assert cached_compute(m.run_id) is None
     data = probe.to_json()
+    compute_path(m.run_id).write_text(json.dumps({**data, "version": 1}))  # may hold a batch measured as another
+    assert cached_compute(m.run_id) is None
     data["layouts"][0]["backward_ms"] = float("nan")  # a time that is no number would print as "nan" and as NaN,
     compute_path(m.run_id).write_text(json.dumps(data))  # which --json's reader cannot parse
     assert cached_compute(m.run_id) is None

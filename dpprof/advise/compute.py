@@ -32,7 +32,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ChunkTimes", "ComputeProbe", "cached_compute", "compute_path", "measure_compute", "save_compute"]
 
-COMPUTE_VERSION = 1
+# 2: a layout whose batch the workload cannot yield is refused (measure_compute); a version-1 file may hold one,
+# measured on the batch the workload yielded (tutorial-linear's 100 taken for 10**9): measured again, not read
+COMPUTE_VERSION = 2
 WARMUP = 1  # passes not timed: the first allocates what later ones reuse
 # timed passes per split: at least MIN_PASSES (a model whose pass takes seconds pays (WARMUP + MIN_PASSES) passes a
 # split, no more), then more while the split has taken under PASS_BUDGET_S, up to MAX_PASSES (a small model's)
