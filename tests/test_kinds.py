@@ -205,3 +205,32 @@ def test_a_run_with_no_steps_is_no_figure_in_compare_and_its_timeline_is_not_wai
     at.switch_page("app_pages/timeline.py").run()
     shown = _page_text(at)
     assert "The run recorded no steps" in shown and "yet" not in shown
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_reading_a_run_changes_none_of_its_tables(kinds, name):
+    """Every view reads a run's tables from one cache (StoredRun.table), shared by the pages of a session: a view or a
+    rule that wrote into a frame it read would change what every later page shows. After the Overview, the load,
+    the timeline, the findings, the export's tables and the detail pages, each table is still what a fresh read of
+    the file gives."""
+    import pandas as pd
+
+    from dpprof.findings import run_findings, tables_of
+    from dpprof.store.schema import TABLES
+    from dpprof.views import kernels, memory, operators
+    from dpprof.views.export import export_tables
+    from dpprof.views.load import load
+    from dpprof.views.overview import overview
+    from dpprof.views.timeline import default_timeline_range, timeline
+
+    run_id, _ = kinds.runs[name]
+    run = dpprof.load_run(run_id, kinds.dir)
+    overview(run), load(run), run_findings(run, fresh=True), tables_of(run, last_steps=3), export_tables(run)
+    timeline(run, *default_timeline_range(run))
+    for page, view in ((operators.operators_page, operators), (kernels.kernels_page, kernels),
+                       (memory.memory_page, memory)):
+        for pick in view.picks(run)[:2]:
+            page(run, pick)
+    fresh = dpprof.load_run(run_id, kinds.dir)
+    for table in TABLES:
+        pd.testing.assert_frame_equal(run.table(table), fresh.table(table), obj=table)
