@@ -181,7 +181,11 @@ def test_the_operators_behind_a_finding_of_a_captured_run_are_over_the_captures_
     t = tables_of(runs.captured)
     assert t.detail is not None and t.detail.operator_steps == detail_rows.detail_step_count(runs.captured) == 2
     [row] = explain([{"kind": "straggler", "device": "cpu:1", "evidence": "cpu:1 is slower"}], t)
-    assert "Operators behind it" in row["evidence"] and " over 2 steps" in row["evidence"], row["evidence"]
+    assert " over 2 steps" in row["evidence"], row["evidence"]
+    # the lead as the difference's sign says: a cpu:1 whose operators are faster is not late for them
+    faster = " ms faster than the others' mean" in row["evidence"]
+    assert ("Operators behind it" in row["evidence"]) == (not faster), row["evidence"]
+    assert ("Not its operators, which are faster than the others'" in row["evidence"]) == faster, row["evidence"]
 
 
 def test_show_prints_the_findings_the_page_reads(runs, capsys):

@@ -267,6 +267,7 @@ def explain(rows: list[dict], t: Tables) -> list[dict]:
         if row["kind"] not in _EXPLAINED or device not in set(ops["device"]):
             continue
         pick = Pick(device=device)
+        lead = "Operators behind it"
         if row["kind"] == "memory_skew":
             sentence = _memory_sentence(d, device)
         else:
@@ -274,6 +275,10 @@ def explain(rows: list[dict], t: Tables) -> list[dict]:
             diff = diff_rows(others_mean_of(same, pick), side_of(same, pick))
             sentence = diff_sentence(diff, label, device, top=EXPLAIN_TOP, quote="'",
                                      steps=steps) if len(diff) else None
+            if sentence and float(diff["delta_ms"].sum()) < 0:
+                # a rank late for what it does outside its operators (a sleep, its own logging after the step): they
+                # are faster than the others', and "behind it" said the opposite of what they show
+                lead = "Not its operators, which are faster than the others'"
         if sentence:
-            row["evidence"] += f". Operators behind it (Operators page, side by side): {sentence}"
+            row["evidence"] += f". {lead} (Operators page, side by side): {sentence}"
     return rows
