@@ -201,6 +201,32 @@ def test_imported_fsdp_traces_name_each_collective_and_find_the_late_rank(tmp_pa
     _assert_straggler(run, "rank:0")
 
 
+def test_a_collective_the_script_runs_after_its_optimizer_step_is_no_part_of_backward(tmp_path):
+    """Rank 1 sleeps after its optimizer step, then every rank all-reduces a metric to log. The imported traces'
+    backward ran from the first autograd op to the last collective's end: the metric's, so it held the optimizer, the
+    sleep and the wait for rank 1 (rank 0's compute read 50.5 ms a step against rank 1's 20.0, of a 52 ms step). Its
+    collectives are now those launched while it ran; the others wait for rank 1 inside the metric's all-reduce,
+    and the straggler is rank 1, whose operators are not what makes it late."""
+    _ranks(2, "--steps", "5", "--load-ms", "20", "--delay", f"1:{DELAY_MS:g}", "--delay-at", "after", "--trace",
+           str(tmp_path), "--stem", "after")
+    reports = tmp_path / "reports"
+    run = dpprof.load_run(import_traces(sorted(tmp_path.glob("after-rank*.json")), reports).id, reports)
+    phases = run.phases.pivot_table(index=["rank", "step"], columns="phase", values="start_ms", aggfunc="min")
+    ends = run.phases.assign(end_ms=run.phases["start_ms"] + run.phases["duration_ms"])
+    backward_end = ends[ends["phase"] == "backward"].set_index(["rank", "step"])["end_ms"]
+    assert len(backward_end) == 2 * 5  # every step of both ranks ran a backward
+    assert (backward_end <= phases["optimizer"].reindex(backward_end.index) + 1e-6).all()
+    found = run_findings(run)
+    verdict = found.straggler
+    assert verdict is not None and verdict.reported and verdict.slowest == "rank:1", verdict.sentence()
+    assert abs(verdict.wait_ms - DELAY_MS) <= TOLERANCE * DELAY_MS, verdict.sentence()
+    # the operators' sentence leads as their difference says: the late rank's sleep is in none of them
+    evidence = found.table.set_index("kind").loc["straggler_rank", "evidence"]
+    faster = " ms faster than the others' mean" in evidence
+    assert ("Not its operators, which are faster than the others'" in evidence) == faster
+    assert ("Operators behind it" in evidence) == (not faster)
+
+
 def test_a_subgroups_collectives_are_not_paired_with_the_other_ranks_by_their_order(tmp_path):
     """Ranks 0 and 1 all-reduce a metric on their own process group (dist.new_group) before each forward; rank 3 is
     late. By order in the step, their metric's all-reduce was paired with ranks 2 and 3's gradient all-reduce, and

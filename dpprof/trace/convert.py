@@ -12,7 +12,9 @@ Rules (each said in the run's notes when it applies):
   ranges, else the gap before the forward), ``forward`` (the wrapper's range, else up to the first
   backward op), ``backward`` (first autograd op to the last op or collective done), inside it
   ``backward_compute`` (until the last collective was launched) and ``comm_wait`` (from then until it
-  completed on the GPU), and ``optimizer`` (``Optimizer.step#`` ranges).
+  completed on the GPU), and ``optimizer`` (``Optimizer.step#`` ranges). Backward's collectives are those
+  launched while its ops ran (DDP's buckets'); the script's own after it (a metric all-reduced for logging) are
+  no part of backward: the step's rest.
 - GPU time per step: each GPU's step window partitioned (``dpprof.stepmodel``, GPU_PARTS): a compute kernel
   and a collective kernel together are overlap, then computation, communication, memcpy (not under a kernel),
   memset (not under a kernel or copy), and idle: the parts sum to the window.
@@ -215,7 +217,10 @@ def _host_phases(c: Collected, windows: list[tuple[int, float, float]], label: s
             notes.add("forward: no DataParallel or DistributedDataParallel forward range, so forward is from the "
                       "step's start (after loading data) to its first backward op")
         if b0 is not None and b1 is not None:
-            colls = _in(c.collectives, b0, hi)
+            # backward's collectives: those launched while it ran (DDP's buckets' from its autograd hooks); one the
+            # script launches after it (a metric all-reduced for logging after the optimizer step) is the script's,
+            # and stretched backward, its compute, over all the host did before it
+            colls = [x for x in _in(c.collectives, b0, hi) if x.start_us <= b1]
             if colls:
                 last_launch = min(hi, max(x.start_us for x in colls))
                 # the last collective's end, in the step: a kernel that runs on past it waits in the next step

@@ -19,8 +19,10 @@ parser.add_argument("--load-ms", type=float, default=60.0, help="every rank's ti
 parser.add_argument("--delay", default=None, metavar="RANK:MS", help="RANK loads each batch MS longer")
 parser.add_argument("--also-delay", default=None, metavar="RANK:MS", help="a second late rank: RANK loads each batch "
                     "MS longer too")
-parser.add_argument("--delay-at", choices=["load", "optimizer"], default="load", help="where RANK's delay is: in "
-                    "loading its batch, or after its backward, before its optimizer step (outside its work)")
+parser.add_argument("--delay-at", choices=["load", "optimizer", "after"], default="load", help="where RANK's delay "
+                    "is: in loading its batch, after its backward, before its optimizer step (outside its work), or "
+                    "after its optimizer step, before every rank all-reduces a metric to log (the script's own "
+                    "collective)")
 parser.add_argument("--fsdp", action="store_true")
 parser.add_argument("--trace", default=None, metavar="DIR")
 parser.add_argument("--stem", default="straggler")
@@ -60,6 +62,8 @@ also_s = (also_ms if rank == also_rank else 0) / 1e3
 subgroup = [int(r) for r in args.subgroup.split(",")] if args.subgroup else []
 metric_group = dist.new_group(subgroup) if subgroup else None  # every rank takes part in creating it
 load_s, before_optimizer_s = (args.load_ms / 1e3 + late_s, 0.0) if args.delay_at == "load" else (args.load_ms / 1e3, late_s)
+if args.delay_at == "after":
+    before_optimizer_s = 0.0
 
 
 moved_rank, moved_at = (int(x) for x in args.moves_to.split(":")) if args.moves_to else (-1, -1)
@@ -79,6 +83,9 @@ def step() -> None:
     nn.functional.cross_entropy(model(x), y).backward()
     time.sleep(before_optimizer_s)  # the host's own work between backward and the optimizer (clipping, logging)
     optimizer.step()
+    if args.delay_at == "after":
+        time.sleep(late_s)  # the host's own work after the step (a checkpoint, a log line)
+        dist.all_reduce(torch.ones(4))  # a metric every rank logs: the script's own collective
 
 
 if args.trace:
