@@ -23,6 +23,7 @@ from dpprof.capture.session import NO_CAPTURE, CaptureSession
 from dpprof.capture.window import CaptureWindow, parse_capture
 from dpprof.device_ids import DeviceSet
 from dpprof.devices import inventory, nvml_handles
+from dpprof.loaders import MAX_LOADERS, describe, install_watch
 from dpprof.nvml import DEFAULT_SAMPLE_HZ, GpuSampler, Nvml, NvmlUnavailable
 from dpprof.records import CHECK_OF_ENV, STEP_ROW, TABLE_OF, NoteRecord, Record, Row, record_of_row
 from dpprof.signals import Interrupted, SignalGuard, signal_name
@@ -58,6 +59,13 @@ _start_lock = threading.Lock()  # held while a record() checks the other threads
 def current_run() -> Run | None:
     """The innermost active run, or None when nothing is recording."""
     return _active[-1] if _active else None
+
+
+def _note_data_loader(loader: Any) -> None:
+    """A DataLoader is iterated (dpprof.loaders.install_watch): the recording run keeps its settings."""
+    run = current_run()
+    if run is not None:
+        run.note_data_loader(loader)
 
 
 class Sink(Protocol):
@@ -462,6 +470,14 @@ class Run:
             self.workload_args.update(values)
             self.sink.update_run(workload_args=dict(self.workload_args))
 
+    def note_data_loader(self, loader: Any) -> None:
+        """Keep a DataLoader's settings (dpprof.loaders.describe) the first time the run sees them, up to
+        MAX_LOADERS: the data_loading finding's advice reads them."""
+        seen = list(self.workload_args.get("data_loaders") or [])
+        found = describe(loader)
+        if found not in seen and len(seen) < MAX_LOADERS:
+            self.note_workload(data_loaders=[*seen, found])
+
     def metadata(self) -> dict[str, Any]:
         return {
             "id": self.id, "name": self.name, "created_at": self.created_at.isoformat(),
@@ -556,6 +572,7 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
             guard.deliver_interrupt()
             raise
         guard.on_chain = run.mark_interrupted
+        install_watch(_note_data_loader)
         with _active_lock:
             _active.append(run)
     try:

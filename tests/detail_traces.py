@@ -18,12 +18,12 @@ from torch.utils.data import DataLoader, Dataset
 
 from cpu_traces import _free_port, leave_rank
 
-__all__ = ["slow_loader_trace", "straggler_ddp_traces", "with_gpu_memory"]
+__all__ = ["SlowSet", "slow_loader_trace", "straggler_ddp_traces", "with_gpu_memory"]
 
 LOADER_SLEEP_S = 0.004  # per sample: 8 samples a batch, about 32 ms of loading against about 1 ms of compute
 
 
-class _SlowSet(Dataset):
+class SlowSet(Dataset):
     def __len__(self) -> int:
         return 1_000
 
@@ -32,15 +32,15 @@ class _SlowSet(Dataset):
         return torch.randn(64)
 
 
-def slow_loader_trace(directory: Path, steps: int = 5) -> Path:
-    """One CPU process whose batches come from a DataLoader without workers, each sample taking LOADER_SLEEP_S:
-    loading dominates every step."""
+def slow_loader_trace(directory: Path, steps: int = 5, num_workers: int = 0) -> Path:
+    """One CPU process whose batches come from a DataLoader (without workers unless ``num_workers``), each sample
+    taking LOADER_SLEEP_S: loading dominates every step (two workers halve it, still 16 ms against 1 ms)."""
     directory.mkdir(parents=True, exist_ok=True)
-    out = directory / "slowloader.pt.trace.json"
+    out = directory / f"slowloader{num_workers or ''}.pt.trace.json"
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    batches = iter(DataLoader(_SlowSet(), batch_size=8, num_workers=0))
+    batches = iter(DataLoader(SlowSet(), batch_size=8, num_workers=num_workers))
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True, with_stack=True,
                  with_modules=True, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
                  on_trace_ready=lambda p: p.export_chrome_trace(str(out))) as prof:

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pandas as pd
 import pytest
+import torch
 from streamlit.testing.v1 import AppTest
 
 import dpprof
@@ -21,7 +22,7 @@ from dpprof.trace import import_traces
 from dpprof.trace.detail import detail_of_trace
 from dpprof.views import kernels, memory, operators, opdiff
 from dpprof.views.opdiff import Pick
-from detail_traces import slow_loader_trace, straggler_ddp_traces, with_gpu_memory
+from detail_traces import SlowSet, slow_loader_trace, straggler_ddp_traces, with_gpu_memory
 from dpprof.workloads import build_workload, train
 from recorded import record
 
@@ -133,6 +134,55 @@ def test_data_loading_fires_where_loading_takes_the_step_and_not_elsewhere(runs)
         assert share > DATA_SHARE_WARN
         assert found["value"] == pytest.approx(share, rel=1e-9)
     assert "data_loading" not in _kinds(runs.ddp2)  # 2 ms of loading in a 667 ms trace
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_data_loading_advice_follows_whether_the_traced_loader_has_workers(tmp_path, num_workers):
+    """torch.profiler names the iterator that ran (_MultiProcessingDataLoaderIter with workers): a job loading in 2
+    workers that still waits is told they do not keep up, not to load in workers (num_workers=4 or more)."""
+    trace = slow_loader_trace(tmp_path, num_workers=num_workers)
+    found = _kinds(dpprof.load_run(import_traces([trace], tmp_path / "r", jobs=1).id, tmp_path / "r"))["data_loading"]
+    if num_workers:
+        assert "num_workers=4 or more" not in found["advice"]
+        assert "already loads in worker processes: they do not keep up" in found["advice"]
+        assert found["evidence"].endswith("already loads in worker processes (the trace's "
+                                          "_MultiProcessingDataLoaderIter)")
+    else:
+        assert "load in DataLoader worker processes (num_workers=4 or more" in found["advice"]
+        assert found["evidence"].endswith("the DataLoader loads in the training process (num_workers=0)")
+
+
+def test_data_loading_advice_names_a_recorded_ddp_loaders_own_settings(tmp_path):
+    """A DDP rank recorded while its DataLoader loads in 2 workers (pin_memory off, prefetch_factor 2): the advice
+    names what is left (more than 2 workers, persistent_workers, pin_memory, prefetch_factor), from the settings the
+    recorder noted as the loader was iterated."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    from dpprof.instrument import instrument
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with instrument(name="loader", reports_dir=tmp_path, sample_hz=None) as run:
+            net = nn.parallel.DistributedDataParallel(nn.Linear(64, 10))
+            opt = torch.optim.SGD(net.parameters(), lr=0.01)
+            for i, x in enumerate(DataLoader(SlowSet(), batch_size=8, num_workers=2)):
+                net(x).sum().backward()
+                opt.step()
+                if i == 5:
+                    break
+    finally:
+        dist.destroy_process_group()
+    stored = dpprof.load_run(run.path)
+    assert stored.data_loaders() == {0: [{"workers": True, "num_workers": 2, "persistent_workers": False,
+                                          "pin_memory": False, "prefetch_factor": 2}]}
+    found = _kinds(stored)["data_loading"]
+    assert found["evidence"].endswith("the DataLoader already loads in num_workers=2")
+    assert "num_workers=4 or more" not in found["advice"]
+    for left in ("more workers than 2", "persistent_workers=True (its workers start again each epoch)",
+                 "pin_memory=True", "a larger prefetch_factor (it is 2)"):
+        assert left in found["advice"]
 
 
 def test_low_gpu_utilization_is_the_kernels_pages_figure(runs):

@@ -139,7 +139,7 @@ def tables_of(run: StoredRun, last_steps: int | None = None, work_only: bool = F
         t0 = frames["steps"]["start_ms"].min() if not frames["steps"].empty else 0.0
         frames["gpu_samples"] = finding_rows.gpu_samples_from(run, t0)
     return Tables(model=run.model, traced_dataparallel=(run.meta.get("workload_args") or {}).get("dataparallel"),
-                  detail=operator_data(run), **frames)
+                  detail=operator_data(run), data_loaders=run.data_loaders(), **frames)
 
 
 def findings_from(tables: Tables) -> pd.DataFrame:

@@ -57,6 +57,8 @@ class Tables:
     all_steps: pd.DataFrame | None = None
     step_count: int | None = None  # how many steps the run has, where every step's time was not read (all_steps None)
     detail: OperatorData | None = None  # operators, kernels, GPU figures and memory peaks, where the run has them
+    # rank -> its DataLoaders' settings (StoredRun.data_loaders, dpprof.loaders); a rank that says none is left out
+    data_loaders: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
 
     @property
     def every_step(self) -> pd.DataFrame:

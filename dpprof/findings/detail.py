@@ -8,6 +8,8 @@ page's, the operator differences the Operators page's side by side (dpprof.views
 """
 from __future__ import annotations
 
+from typing import Any
+
 import pandas as pd
 
 from dpprof.findings.base import OperatorData, Tables, finding, per_step
@@ -73,6 +75,48 @@ def _gpu_data_ms(t: Tables, device: str, steps: pd.Index) -> float | None:
     return float(gpu.mean())
 
 
+def _loaders_of(t: Tables, device: str) -> list[dict[str, Any]]:
+    """The DataLoaders of the rank (or one-file run) whose device this is, as the run stored them (dpprof.loaders)."""
+    if not t.data_loaders:
+        return []
+    ranks = t.phases.loc[t.phases["device"].astype(str) == device, "rank"].dropna().unique()
+    return [d for rank in ranks for d in t.data_loaders.get(int(rank), [])]
+
+
+def _workers_advice(loaders: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """What the evidence says of the process's DataLoaders, and where every one already loads in worker processes,
+    what is left to advise (never num_workers it already has); ("", None) where the run does not say, and None
+    advice where one loads without workers (the rule's own advice: load in workers)."""
+    if not loaders:
+        return "", None
+    without = sum(not d["workers"] for d in loaders)
+    if without:
+        whose = "the DataLoader loads" if len(loaders) == 1 else f"{without} of its {len(loaders)} DataLoaders load"
+        return f"; {whose} in the training process (num_workers=0)", None
+    counts = sorted({d["num_workers"] for d in loaders if isinstance(d.get("num_workers"), int)})
+    if counts and len(counts) == sum(isinstance(d.get("num_workers"), int) for d in loaders) == len(loaders):
+        said = f"num_workers={'/'.join(map(str, counts))}"
+        more = f"more workers than {max(counts)} (while CPU cores are free)"
+    else:  # a trace: its _MultiProcessingDataLoaderIter says workers, not how many
+        said = "worker processes (the trace's _MultiProcessingDataLoaderIter)"
+        more = "more workers (while CPU cores are free)"
+    left = [more]
+    if any(d.get("persistent_workers") is False for d in loaders):
+        left.append("persistent_workers=True (its workers start again each epoch)")
+    elif not any("persistent_workers" in d for d in loaders):
+        left.append("persistent_workers=True")
+    if not any(d.get("pin_memory") is True for d in loaders):
+        left.append("pin_memory=True")
+    factors = sorted({d["prefetch_factor"] for d in loaders if isinstance(d.get("prefetch_factor"), int)})
+    left.append(f"a larger prefetch_factor (it is {'/'.join(map(str, factors))})" if factors
+                else "a larger prefetch_factor")
+    evidence = f"; the DataLoader already loads in {said}"
+    advice = ("The step waits for its input although the DataLoader already loads in worker processes: they do not "
+              f"keep up. What is left: {', '.join(left)}, and cheaper work per sample (decoding and augmentation "
+              "moved to the GPU, or data stored decoded).")
+    return evidence, advice
+
+
 def data_loading(t: Tables) -> list[dict]:
     """Loading the batch (the step model's ``data`` part) over DATA_SHARE_WARN of the step, per device or rank.
 
@@ -102,6 +146,8 @@ def data_loading(t: Tables) -> list[dict]:
         advice = ("The step waits for its input: load in DataLoader worker processes (num_workers=4 or more, "
                   "persistent_workers=True), with pin_memory=True, and move decoding and augmentation there or to the "
                   "GPU.")
+        said, workers_advice = _workers_advice(_loaders_of(t, str(device)))
+        evidence, advice = evidence + said, workers_advice or advice
         gpu_ms = _gpu_data_ms(t, str(device), col.index)
         # a process whose model is on a GPU (its allocator read): the host's part before forward also holds the
         # wait for the GPU to finish the previous step, where the batch's copy to the GPU blocks (pageable memory)

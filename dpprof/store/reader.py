@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from dpprof.loaders import stored
 from dpprof.records import ALL_REDUCE
 from dpprof.store.faults import RunFileError, cause_of, symlink_loop
 from dpprof.store.files import RANK_FILE, SIDE_FILES, SQLITE_HEADER, fold_log
@@ -360,6 +361,18 @@ class StoredRun:
             rows.append({"rank": self._file_rank(path), "created_at": meta["created_at"], "devices": meta["devices"],
                          "host": host if isinstance(host, str) and host else None})
         return pd.DataFrame(rows, columns=["rank", "created_at", "devices", "host"])
+
+    def data_loaders(self) -> dict[int, list[dict[str, Any]]]:
+        """Each rank's DataLoaders as its file's workload_args say (dpprof.loaders: recorded settings, or a trace's
+        iterators): rank -> their settings (0 for a one-file run); a file that says none is left out."""
+        out: dict[int, list[dict[str, Any]]] = {}
+        for path in self.paths:
+            meta = self.meta if len(self.paths) == 1 else _open(path)[0]
+            args = meta.get("workload_args")
+            found = stored(args.get("data_loaders") if isinstance(args, dict) else None)
+            if found:
+                out[self._file_rank(path)] = found
+        return out
 
     @contextmanager
     def connect(self, path: Path) -> Iterator[sqlite3.Connection]:

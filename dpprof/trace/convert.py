@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from dpprof.loaders import of_iterators
 from dpprof.records import (FSDP_ONLY_PHASES, PHASES, AllocatorRecord, CommRecord, DeviceRecord, GpuTimeRecord,
                             PhaseRecord, Record, StepRecord)
 from dpprof.store.model import PROFILE_ALL_THREADS
@@ -57,6 +58,7 @@ class Converted:
     fsdp: bool = False  # the process shards its model with FSDP (its trace has FSDP's ranges)
     ddp_buckets: bool = False  # a DDP run dpprof exported: its collectives are its gradient buckets' all-reduces
     exported: bool = False  # a file dpprof export wrote: its phases, steps and collectives, no torch.profiler operators
+    data_loaders: list[dict[str, Any]] = field(default_factory=list)  # its DataLoaders' iterators (dpprof.loaders)
 
     @property
     def gpus(self) -> list[str]:
@@ -304,7 +306,7 @@ def convert(c: Collected, t0_us: float, rank: int | None) -> Converted:
         t0_us: the run's time origin, in the trace's microseconds.
         rank: the file's rank in a distributed run (its device axis is then "rank:N"), else None.
     """
-    out = Converted()
+    out = Converted(data_loaders=of_iterators(r.name for r in c.data))
 
     def ms(t: float) -> float:
         return (t - t0_us) / 1e3

@@ -1,0 +1,70 @@
+"""What a run's DataLoaders were set to: whether they load in worker processes, and how (the data_loading finding's
+advice follows it, never advising what the job already does).
+
+A recorded run notes each DataLoader the recording process iterates (``DataLoader.__iter__``, once an epoch) into
+its workload_args' ``data_loaders``: ``num_workers``, ``persistent_workers``, ``pin_memory``, ``prefetch_factor``.
+An imported trace says only which iterator ran (torch.profiler names the range
+``enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__`` or ``..._SingleProcessDataLoaderIter...``): workers
+or none, not how many. Importing this module loads no torch (the read side uses it).
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Iterable
+from typing import Any, Callable
+
+__all__ = ["MAX_LOADERS", "WORKERS_ITER", "NO_WORKERS_ITER", "describe", "of_iterators", "stored", "install_watch"]
+
+MAX_LOADERS = 4  # distinct settings kept a process: a training, a validation and a test loader, and one more
+WORKERS_ITER = "_MultiProcessingDataLoaderIter"  # torch.utils.data.dataloader's iterator with num_workers > 0
+NO_WORKERS_ITER = "_SingleProcessDataLoaderIter"  # and with num_workers=0
+
+_installed: list[Callable[..., Any]] = []
+_lock = threading.Lock()
+
+
+def describe(loader: Any) -> dict[str, Any]:
+    """One DataLoader's settings that decide how it loads (what ``data_loaders`` holds for a recorded run)."""
+    workers = int(getattr(loader, "num_workers", 0) or 0)
+    prefetch = getattr(loader, "prefetch_factor", None)
+    return {"workers": workers > 0, "num_workers": workers,
+            "persistent_workers": bool(getattr(loader, "persistent_workers", False)),
+            "pin_memory": bool(getattr(loader, "pin_memory", False)),
+            "prefetch_factor": int(prefetch) if workers > 0 and isinstance(prefetch, int) else None}
+
+
+def of_iterators(names: Iterable[str]) -> list[dict[str, Any]]:
+    """What a trace's ``enumerate(DataLoader)#...`` ranges say of its loaders: workers or none (not how many)."""
+    seen = {WORKERS_ITER in n for n in names if WORKERS_ITER in n or NO_WORKERS_ITER in n}
+    return [{"workers": w} for w in sorted(seen, reverse=True)]
+
+
+def stored(value: Any) -> list[dict[str, Any]]:
+    """The ``data_loaders`` of a run file's workload_args, as far as they are readable (a damaged or hand-edited
+    file's are left out, never raised on): each a dict with a bool ``workers``."""
+    if not isinstance(value, list):
+        return []
+    return [d for d in value[:MAX_LOADERS] if isinstance(d, dict) and isinstance(d.get("workers"), bool)]
+
+
+def install_watch(note: Callable[[Any], None]) -> None:
+    """Call ``note(loader)`` each time a DataLoader is iterated (``DataLoader.__iter__``), from now on in this
+    process; installed once (the first caller's ``note``), as torch's optimizer hooks are global."""
+    with _lock:
+        if _installed:
+            return
+        from torch.utils.data import DataLoader
+
+        original = DataLoader.__iter__
+
+        @functools.wraps(original)
+        def __iter__(self: Any) -> Any:
+            try:
+                note(self)
+            except Exception:  # noting must never break the script's loop
+                pass
+            return original(self)
+
+        DataLoader.__iter__ = __iter__  # type: ignore[method-assign]
+        _installed.append(original)
