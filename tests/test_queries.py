@@ -162,6 +162,35 @@ def test_the_runs_batch_is_the_one_most_steps_ran_on_every_surface(tmp_path, cap
     assert row["batch_size"] == 16 and row["samples_per_s"] == pytest.approx(16 / stats["median_step_ms"] * 1e3)
 
 
+def test_an_empty_batch_is_a_step_of_batch_0_on_every_surface(tmp_path, capsys):
+    """A forward of a 0-sample batch (a sampler's empty tail) in the fourth of six steps: steps.csv and the per-device
+    chunk sizes count it (chunk size mean 6.67 = 40 / 6), but show said "batch 16" as if every step ran 16 (the batch
+    count left it out without a word); it is now a step of batch 0, said as such."""
+    import torch
+    from torch import nn
+
+    from dpprof.cli import main
+    from dpprof.views.compare import compare
+    from dpprof.views.text import batch_words
+
+    net = dpprof.DataParallel(nn.Linear(8, 4), device_ids=dpprof.cpu_devices(2))
+    with dpprof.record(name="empty", reports_dir=str(tmp_path), sample_hz=None) as recording:
+        for size in [16, 16, 16, 0, 16, 16]:
+            with recording.step():
+                net(torch.randn(size, 8)).sum().backward()
+    run = dpprof.load_run(recording.path)
+    assert main(["--reports-dir", str(tmp_path), "export", run.id, "--out", str(tmp_path / "csv")]) == 0
+    assert pd.read_csv(tmp_path / "csv" / "steps.csv")["batch_size"].tolist() == [16, 16, 16, 0, 16, 16]
+    stats = queries.run_stats(run)
+    assert (stats["batch_size"], stats["batch_size_steps"], stats["batch_steps"], stats["batch_size_min"],
+            stats["batch_size_max"]) == (16, 5, 6, 0, 16)
+    assert batch_words(stats) == "16 (5 of 6 steps; 0 to 16)"  # the Overview's samples/s says it so
+    capsys.readouterr()
+    assert main(["--reports-dir", str(tmp_path), "show", run.id]) == 0
+    assert "batch 16 (5 of 6 steps; 0 to 16)" in capsys.readouterr().out
+    assert compare([run]).summary.iloc[0]["batch_size"] == 16
+
+
 def test_step_times_is_every_step_until_it_must_bucket(runs):
     run = runs["plain"]
     full = queries.step_times(run)

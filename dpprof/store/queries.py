@@ -117,19 +117,21 @@ def batch_sizes(run: StoredRun) -> dict[str, int | None]:
     summed over the ranks that ran it (a distributed run's ranks step together); ``batch_size_steps`` how many steps
     ran it, of ``batch_steps`` with a batch; ``batch_size_min`` and ``batch_size_max`` the smallest and largest. A
     loader's short last batch or one big batch leaves it the batch the run trains at (the largest read 256 for a run
-    of nine 16-sample steps and one of 256). Every step counts: the steps table is whole in every run file."""
+    of nine 16-sample steps and one of 256). Every step with a batch counts, an empty one (a forward of a 0-sample
+    batch: a sampler's empty tail) as 0, so the words say it ("16 (5 of 6 steps; 0 to 16)") as the per-device chunk
+    sizes count it; the steps table is whole in every run file."""
     none: dict[str, int | None] = {"batch_size": None, "batch_size_steps": 0, "batch_steps": 0,
                                    "batch_size_min": None, "batch_size_max": None}
     per_step = "SELECT step, SUM(batch_size) AS batch FROM steps WHERE batch_size IS NOT NULL GROUP BY step"
     if run.ranks == 1:  # counted in SQLite: a 300,000-step run's steps do not come to pandas on every Overview
-        rows = run.query(f"SELECT batch, COUNT(*) AS n FROM ({per_step}) WHERE batch > 0 GROUP BY batch")
+        rows = run.query(f"SELECT batch, COUNT(*) AS n FROM ({per_step}) WHERE batch >= 0 GROUP BY batch")
         counts = pd.Series(rows["n"].to_numpy(np.int64), index=rows["batch"].to_numpy(np.int64)) if not rows.empty \
             else pd.Series(dtype=np.int64)
     else:  # rank files are separate databases: each step's batch is summed over them here
         rows = run.query(per_step)
         summed = pd.to_numeric(rows.groupby("step")["batch"].sum(), errors="coerce").dropna() if not rows.empty \
             else pd.Series(dtype=float)
-        counts = summed[summed > 0].astype(np.int64).value_counts()
+        counts = summed[summed >= 0].astype(np.int64).value_counts()
     if counts.empty:
         return none
     batch = int(counts[counts == counts.max()].index.max())

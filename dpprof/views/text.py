@@ -104,7 +104,7 @@ def batch_words(stats: dict[str, Any], ranks: int = 1) -> str:
     others, how many and their range: "16", "60 across 2 ranks", "16 (9 of 10 steps; 16 to 256)", "-" for none.
     ``dpprof show`` and the Overview's samples/s say it so."""
     batch = stats.get("batch_size")
-    if not batch:
+    if batch is None:
         return "-"
     said = f"{batch:,}" + (f" across {ranks} ranks" if ranks > 1 else "")
     if stats.get("batch_size_min") == stats.get("batch_size_max"):
