@@ -339,6 +339,42 @@ def test_a_balanced_run_has_no_findings_but_those_its_timings_earn():
     assert found == _timing_rules(run)
 
 
+def test_a_dataparallel_loop_that_waits_for_its_loader_between_steps_is_told_so():
+    """A DataParallel loop fed by a DataLoader without workers (8 samples of 4 ms each a batch) with run.step() around
+    the body: the fetch of each batch runs between the steps, in none of them, so the median step and samples/s
+    over it read several times the job's throughput (a dpprof run of such a script: 889 samples/s over the median step
+    against 90 samples/s trained) and no finding said a word. between_steps now says the share of the time between
+    steps (computed here from the steps table) and what the steps past the first trained per second of it; a loop
+    with no loader between its steps gets none."""
+    from torch.utils.data import DataLoader
+
+    from dpprof.findings.steps import BETWEEN_STEPS_WARN
+    from detail_traces import SlowSet
+
+    net = dpprof.DataParallel(nn.Linear(64, 10), device_ids=dpprof.cpu_devices(2))
+    with dpprof.record(name="loader", sample_hz=None) as recording:
+        for i, x in enumerate(DataLoader(SlowSet(), batch_size=8, num_workers=0)):
+            with recording.step():
+                net(x).sum().backward()
+            if i == 7:
+                break
+    run = dpprof.load_run(recording.path)
+    steps = run.steps.set_index("step").sort_index()
+    ends = steps["start_ms"] + steps["duration_ms"]
+    gaps = (steps["start_ms"].shift(-1) - ends).iloc[:-1].clip(lower=0)
+    share = gaps.sum() / (ends.iloc[-1] - ends.iloc[0])
+    assert share > BETWEEN_STEPS_WARN
+    found = findings_of(run).set_index("kind").loc["between_steps"]
+    assert found["value"] == pytest.approx(share, rel=1e-9)
+    assert found["title"] == f"{share:.0%} of the run's time is between its steps"
+    trained = 7 * 8 / (ends.iloc[-1] - ends.iloc[0]) * 1e3
+    assert f"trained 56 samples in {(ends.iloc[-1] - ends.iloc[0]) / 1e3:,.2f} s, {trained:,.0f} samples/s" \
+        in found["evidence"]
+    assert "DataLoader" in found["advice"]
+    quiet = _record(nn.Linear(5, 2), lambda i: (torch.randn(8, 5),), workers=2, steps=8)
+    assert "between_steps" not in set(findings_of(quiet)["kind"])
+
+
 def test_stalled_steps_are_named_in_an_outlier_finding():
     stalls = {5: 0.6, 9: 0.9}  # seconds: far beyond a few-ms step, even on a loaded machine
     run = _record(nn.Linear(5, 2), lambda i: (torch.randn(8, 5),), workers=2, steps=14, stall_s=stalls)

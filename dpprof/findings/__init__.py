@@ -39,7 +39,8 @@ from dpprof.findings.floors import (CRITICAL_STEP_SHARE, MEMORY_FLOOR_BYTES, STE
                                     Imbalance, imbalance, worth_bytes, worth_time)
 from dpprof.findings.gpu import (GPU_IDLE_WARN, THROTTLED_SAMPLES_SHARE, UNDERUSED_UTIL_RATIO, allocator_skew,
                                  gpu_communication, gpu_idle, gpu_underused, throttling, use_ddp)
-from dpprof.findings.steps import OUTLIER_STEP_RATIO, OUTLIER_TIME_SHARE, outlier_steps, unrecorded_time
+from dpprof.findings.steps import (OUTLIER_STEP_RATIO, OUTLIER_TIME_SHARE, between_steps, outlier_steps,
+                                   unrecorded_time)
 from dpprof.records import DP_TAX_PHASES, FINDING_UNITS, SEVERITIES
 from dpprof.store import finding_rows
 from dpprof.store.model import RunModel
@@ -69,12 +70,12 @@ FINDINGS_MIN_STEPS = 3
 FINDINGS_FULL_STEPS = 5_000
 
 DATAPARALLEL_RULES: tuple[Rule, ...] = (straggler, memory_skew, dataparallel_tax, uneven_chunks, gpu_underused,
-                                        throttling, backward_share, outlier_steps)
+                                        throttling, backward_share, outlier_steps, between_steps)
 PROCESS_RULES: tuple[Rule, ...] = (straggler_rank, communication, uneven_inputs, gpu_underused, throttling,
-                                   outlier_steps, unrecorded_time)
+                                   outlier_steps, unrecorded_time, between_steps)
 # An FSDP rank's: the collectives in FSDP's own terms (dpprof.findings.fsdp) in place of DDP's all-reduce share
 FSDP_RULES_OF_RUN: tuple[Rule, ...] = (straggler_rank, *FSDP_RULES, uneven_inputs, gpu_underused, throttling,
-                                       outlier_steps, unrecorded_time)
+                                       outlier_steps, unrecorded_time, between_steps)
 TRACE_GPU_RULES: tuple[Rule, ...] = (gpu_idle, use_ddp)
 # Rules of an imported trace's GPUs that say what a shared rule may already have said from the host's view:
 # each runs only when no finding of the kind named was raised.

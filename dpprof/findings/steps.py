@@ -14,7 +14,7 @@ from dpprof.units import plural
 
 __all__ = ["OUTLIER_STEP_RATIO", "OUTLIER_TIME_SHARE", "OUTLIER_WARN_SHARE", "OUTLIER_STEPS_LISTED", "Stalls", "stalls",
            "step_kinds", "bigger_batches", "outlier_steps", "REST_SHARE_WARN", "RANKS_LISTED", "rest_of_steps",
-           "unrecorded_time"]
+           "unrecorded_time", "BETWEEN_STEPS_WARN", "between_steps"]
 
 # A step (past the first) over 2x the run's median step is an outlier: a stall or contention from
 # outside the step (another process on the same cores or GPU, data loading, swapping), not the
@@ -34,6 +34,10 @@ OUTLIER_STEPS_LISTED = 8
 REST_SHARE_WARN = 0.25
 # ... and the ranks named in its evidence (the most rest first).
 RANKS_LISTED = 8
+# Time between one recorded step's end and the next's start over a quarter of the two together, in most gaps: more
+# than a loop's own Python between steps (fetching an in-memory batch, zero_grad outside the step) takes, the same
+# bound as the rest within a step (REST_SHARE_WARN); a DataParallel loop's DataLoader waits there.
+BETWEEN_STEPS_WARN = REST_SHARE_WARN
 
 
 @dataclass(frozen=True)
@@ -200,3 +204,49 @@ def unrecorded_time(t: Tables) -> list[dict]:
     return [finding("unrecorded_time", "warning", device,
                     f"{share:.0%} of the step is outside the parts dpprof records", evidence, advice, share,
                     "share")]
+
+
+def between_steps(t: Tables) -> list[dict]:
+    """A recorded run whose steps leave over BETWEEN_STEPS_WARN of the time they span between them, in most of its
+    gaps: the script's time from one step's end to the next's start (a DataParallel loop's fetch of the next batch
+    from its DataLoader, the script's own code), which no step, median step or samples/s holds. Imported traces'
+    steps tile their window and are left out. The value is that share of the time from the first step's end to the
+    last step's end."""
+    if t.model.imported:
+        return []
+    s = t.every_step
+    if s.empty or "start_ms" not in s:
+        return []
+    ends = (s["start_ms"] + s["duration_ms"]).groupby(s["step"]).max().sort_index()
+    starts = s.groupby("step")["start_ms"].min().reindex(ends.index)
+    durations = t.every_step.groupby("step")["duration_ms"].max().reindex(ends.index)
+    if len(ends) < 3 or (ends.index.to_series().diff().iloc[1:] != 1).any():  # a thinned table: gaps unknown
+        return []
+    gaps = (starts.shift(-1) - ends).iloc[:-1].clip(lower=0.0)  # before each step past the first
+    later = durations.iloc[1:].to_numpy()
+    each = gaps.to_numpy() / (gaps.to_numpy() + later)
+    if 2 * (each > BETWEEN_STEPS_WARN).sum() <= len(each):
+        return []
+    gap_ms, step_ms = float(gaps.mean()), float(later.mean())
+    span_ms = float(ends.iloc[-1] - ends.iloc[0])
+    share = float(gaps.sum()) / span_ms if span_ms > 0 else 0.0
+    if share <= BETWEEN_STEPS_WARN or not worth_time(gap_ms, step_ms):
+        return []
+    evidence = (f"{gap_ms:.2f} ms passes between one step's end and the next's start against a {step_ms:.2f} ms "
+                f"step (means over the {plural(len(gaps), 'step')} past the first): {share:.0%} of the time from the "
+                f"first step's end to the last's is in no step, over {BETWEEN_STEPS_WARN:.0%} of it before "
+                f"{int((each > BETWEEN_STEPS_WARN).sum())} of them. The step time, its median and samples/s over it "
+                f"leave this time out")
+    batch = s.groupby("step")["batch_size"].sum(min_count=1).reindex(ends.index).iloc[1:] \
+        if "batch_size" in s else pd.Series(dtype=float)
+    if batch.notna().all() and len(batch) and span_ms > 0:
+        evidence += (f": the steps past the first trained {int(batch.sum()):,} samples in {span_ms / 1e3:,.2f} s, "
+                     f"{batch.sum() / span_ms * 1e3:,.0f} samples/s, against {batch.sum() / later.sum() * 1e3:,.0f} "
+                     "samples/s over the steps' own time")
+    advice = ("See what the script does between steps: in a training loop that is fetching the next batch from its "
+              "DataLoader (load in worker processes: num_workers, persistent_workers, pin_memory), then logging, "
+              "metrics and checkpoints. Record a window with torch.profiler (dpprof run --capture 5:8 train.py, "
+              "then dpprof ops RUN) to see it by operator.")
+    # half the run between steps: every step figure (median, samples/s) is off by 2x or more
+    return [finding("between_steps", "critical" if share >= 2 * BETWEEN_STEPS_WARN else "warning", None,
+                    f"{share:.0%} of the run's time is between its steps", evidence, advice, share, "share")]
