@@ -14,7 +14,8 @@ import threading
 from collections.abc import Iterable
 from typing import Any, Callable
 
-__all__ = ["MAX_LOADERS", "WORKERS_ITER", "NO_WORKERS_ITER", "describe", "of_iterators", "stored", "install_watch"]
+__all__ = ["MAX_LOADERS", "WORKERS_ITER", "NO_WORKERS_ITER", "describe", "of_iterators", "stored", "exported_loaders",
+           "install_watch"]
 
 MAX_LOADERS = 4  # distinct settings kept a process: a training, a validation and a test loader, and one more
 WORKERS_ITER = "_MultiProcessingDataLoaderIter"  # torch.utils.data.dataloader's iterator with num_workers > 0
@@ -46,6 +47,19 @@ def stored(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list):
         return []
     return [d for d in value[:MAX_LOADERS] if isinstance(d, dict) and isinstance(d.get("workers"), bool)]
+
+
+def exported_loaders(info: Any, rank: int | None) -> list[dict[str, Any]]:
+    """The DataLoaders a file dpprof export wrote says of ``rank`` (its export info's ``data_loaders``, rank ->
+    settings), or of every rank in it where the file has none (a one-file run's): each once."""
+    by_rank = info.get("data_loaders") if isinstance(info, dict) else None
+    if not isinstance(by_rank, dict):
+        return []
+    chosen = [by_rank.get(str(rank))] if rank is not None else list(by_rank.values())
+    out: list[dict[str, Any]] = []
+    for found in chosen:
+        out += [d for d in stored(found) if d not in out]
+    return out[:MAX_LOADERS]
 
 
 def install_watch(note: Callable[[Any], None]) -> None:

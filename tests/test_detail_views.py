@@ -20,6 +20,7 @@ from dpprof.plaintext import shown_text
 from dpprof.store import detail_rows
 from dpprof.trace import import_traces
 from dpprof.trace.detail import detail_of_trace
+from dpprof.trace.export import write_trace
 from dpprof.views import kernels, memory, operators, opdiff
 from dpprof.views.opdiff import Pick
 from detail_traces import SlowSet, slow_loader_trace, straggler_ddp_traces, with_gpu_memory
@@ -183,6 +184,12 @@ def test_data_loading_advice_names_a_recorded_ddp_loaders_own_settings(tmp_path)
     for left in ("more workers than 2", "persistent_workers=True (its workers start again each epoch)",
                  "pin_memory=True", "a larger prefetch_factor (it is 2)"):
         assert left in found["advice"]
+    # exported as a trace (dpprof export --trace) and imported again: the same loaders, the same advice (it read
+    # 'load in DataLoader worker processes (num_workers=4 or more' again: the export did not carry them)
+    write_trace(stored, tmp_path / "exported.json.gz")
+    again = dpprof.load_run(import_traces([tmp_path / "exported.json.gz"], tmp_path / "r", jobs=1).id, tmp_path / "r")
+    assert again.data_loaders() == stored.data_loaders()
+    assert _kinds(again)["data_loading"]["advice"] == found["advice"]
 
 
 def test_low_gpu_utilization_is_the_kernels_pages_figure(runs):

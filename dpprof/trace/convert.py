@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dpprof.loaders import of_iterators
+from dpprof.loaders import exported_loaders, of_iterators
 from dpprof.records import (FSDP_ONLY_PHASES, PHASES, AllocatorRecord, CommRecord, DeviceRecord, GpuTimeRecord,
                             PhaseRecord, Record, StepRecord)
 from dpprof.store.model import PROFILE_ALL_THREADS
@@ -320,6 +320,7 @@ def convert(c: Collected, t0_us: float, rank: int | None) -> Converted:
     dp_exact = any(r.name in ("parallel_apply", "scatter") for r in c.dpprof_ranges) and rank is None
     if export_info(c.meta) is not None:  # a file dpprof export wrote: it names each thread's device
         out.exported = True
+        out.data_loaders = exported_loaders(c.meta[EXPORT_KEY], rank)
         devices, phases = exported_phases(c, windows, ms)
         label_of = {g: f"cuda:{g}" for g in gpus}
         out.records += phases

@@ -805,6 +805,9 @@ def write_trace(run: StoredRun, target: str | os.PathLike[str] | IO[bytes], plan
         inventory = _inventory(view, writer.devices)
         if inventory:
             head[EXPORT_KEY]["inventory"] = inventory
+        loaders = view.data_loaders()
+        if loaders:  # each rank's DataLoaders (dpprof.loaders): the data_loading finding reads them back
+            head[EXPORT_KEY]["data_loaders"] = {str(rank): found for rank, found in loaders.items()}
         if model.sharded:  # an imported trace of a job sharded with FSDP: its FSDP ranges are not written
             head[EXPORT_KEY]["fsdp"] = True
         if run.damage:  # values of the run file the store read as missing or left out (dpprof.store.validation)
