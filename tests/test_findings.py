@@ -339,13 +339,15 @@ def test_a_balanced_run_has_no_findings_but_those_its_timings_earn():
     assert found == _timing_rules(run)
 
 
-def test_a_dataparallel_loop_that_waits_for_its_loader_between_steps_is_told_so():
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_dataparallel_loop_that_waits_for_its_loader_between_steps_is_told_so(num_workers):
     """A DataParallel loop fed by a DataLoader without workers (8 samples of 4 ms each a batch) with run.step() around
     the body: the fetch of each batch runs between the steps, in none of them, so the median step and samples/s
     over it read several times the job's throughput (a dpprof run of such a script: 889 samples/s over the median step
     against 90 samples/s trained) and no finding said a word. between_steps now says the share of the time between
     steps (computed here from the steps table) and what the steps past the first trained per second of it; a loop
-    with no loader between its steps gets none."""
+    with no loader between its steps gets none. Its advice follows the loader's workers, as data_loading's does: a
+    loader with 2 workers (16 ms a batch against a ~1 ms step) is not told to load in worker processes."""
     from torch.utils.data import DataLoader
 
     from dpprof.findings.steps import BETWEEN_STEPS_WARN
@@ -353,7 +355,7 @@ def test_a_dataparallel_loop_that_waits_for_its_loader_between_steps_is_told_so(
 
     net = dpprof.DataParallel(nn.Linear(64, 10), device_ids=dpprof.cpu_devices(2))
     with dpprof.record(name="loader", sample_hz=None) as recording:
-        for i, x in enumerate(DataLoader(SlowSet(), batch_size=8, num_workers=0)):
+        for i, x in enumerate(DataLoader(SlowSet(), batch_size=8, num_workers=num_workers)):
             with recording.step():
                 net(x).sum().backward()
             if i == 7:
@@ -370,7 +372,13 @@ def test_a_dataparallel_loop_that_waits_for_its_loader_between_steps_is_told_so(
     trained = 7 * 8 / (ends.iloc[-1] - ends.iloc[0]) * 1e3
     assert f"trained 56 samples in {(ends.iloc[-1] - ends.iloc[0]) / 1e3:,.2f} s, {trained:,.0f} samples/s" \
         in found["evidence"]
-    assert "DataLoader" in found["advice"]
+    if num_workers:
+        assert found["evidence"].endswith("; the DataLoader already loads in num_workers=2")
+        assert "load in worker processes" not in found["advice"]
+        assert "already loads in workers that do not keep up; what is left: more workers than 2" in found["advice"]
+    else:
+        assert found["evidence"].endswith("; the DataLoader loads in the training process (num_workers=0)")
+        assert "DataLoader (load in worker processes: num_workers" in found["advice"]
     quiet = _record(nn.Linear(5, 2), lambda i: (torch.randn(8, 5),), workers=2, steps=8)
     assert "between_steps" not in set(findings_of(quiet)["kind"])
 

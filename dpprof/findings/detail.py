@@ -20,7 +20,7 @@ from dpprof.units import plural
 from dpprof.views.opdiff import Pick, diff_rows, diff_sentence, others_mean_of, side_of
 
 __all__ = ["DATA_SHARE_WARN", "GPU_UTIL_LOW_PCT", "TC_UNUSED_SHARE", "MEMORY_FULL_SHARE", "EXPLAIN_TOP",
-           "SUPERSEDES", "operator_data", "data_loading", "gpu_utilization", "tensor_cores_unused", "memory_full",
+           "SUPERSEDES", "operator_data", "workers_advice", "data_loading", "gpu_utilization", "tensor_cores_unused", "memory_full",
            "DETAIL_RULES", "explain"]
 
 # Loading the batch over 5% of the step: the step waits on the input pipeline (the issue's figure; the TensorBoard
@@ -83,10 +83,10 @@ def _loaders_of(t: Tables, device: str) -> list[dict[str, Any]]:
     return [d for rank in ranks for d in t.data_loaders.get(int(rank), [])]
 
 
-def _workers_advice(loaders: list[dict[str, Any]]) -> tuple[str, str | None]:
+def workers_advice(loaders: list[dict[str, Any]]) -> tuple[str, str | None]:
     """What the evidence says of the process's DataLoaders, and where every one already loads in worker processes,
-    what is left to advise (never num_workers it already has); ("", None) where the run does not say, and None
-    advice where one loads without workers (the rule's own advice: load in workers)."""
+    what is left to advise, as a list in words (never num_workers it already has); ("", None) where the run does not
+    say, and None where one loads without workers (the rule's own advice: load in workers)."""
     if not loaders:
         return "", None
     without = sum(not d["workers"] for d in loaders)
@@ -110,11 +110,8 @@ def _workers_advice(loaders: list[dict[str, Any]]) -> tuple[str, str | None]:
     factors = sorted({d["prefetch_factor"] for d in loaders if isinstance(d.get("prefetch_factor"), int)})
     left.append(f"a larger prefetch_factor (it is {'/'.join(map(str, factors))})" if factors
                 else "a larger prefetch_factor")
-    evidence = f"; the DataLoader already loads in {said}"
-    advice = ("The step waits for its input although the DataLoader already loads in worker processes: they do not "
-              f"keep up. What is left: {', '.join(left)}, and cheaper work per sample (decoding and augmentation "
-              "moved to the GPU, or data stored decoded).")
-    return evidence, advice
+    return (f"; the DataLoader already loads in {said}", f"{', '.join(left)}, and cheaper work per sample (decoding "
+            "and augmentation moved to the GPU, or data stored decoded)")
 
 
 def data_loading(t: Tables) -> list[dict]:
@@ -146,8 +143,11 @@ def data_loading(t: Tables) -> list[dict]:
         advice = ("The step waits for its input: load in DataLoader worker processes (num_workers=4 or more, "
                   "persistent_workers=True), with pin_memory=True, and move decoding and augmentation there or to the "
                   "GPU.")
-        said, workers_advice = _workers_advice(_loaders_of(t, str(device)))
-        evidence, advice = evidence + said, workers_advice or advice
+        said, left = workers_advice(_loaders_of(t, str(device)))
+        evidence += said
+        if left is not None:
+            advice = ("The step waits for its input although the DataLoader already loads in worker processes: they "
+                      f"do not keep up. What is left: {left}.")
         gpu_ms = _gpu_data_ms(t, str(device), col.index)
         # a process whose model is on a GPU (its allocator read): the host's part before forward also holds the
         # wait for the GPU to finish the previous step, where the batch's copy to the GPU blocks (pageable memory)

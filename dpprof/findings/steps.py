@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from dpprof.findings.base import MEDIAN_STEP, Tables, finding
+from dpprof.findings.detail import workers_advice
 from dpprof.findings.floors import cost_text, total_text, worth_time
 from dpprof.stepmodel import REST, partition, parts_for
 from dpprof.units import plural
@@ -243,10 +244,15 @@ def between_steps(t: Tables) -> list[dict]:
         evidence += (f": the steps past the first trained {int(batch.sum()):,} samples in {span_ms / 1e3:,.2f} s, "
                      f"{batch.sum() / span_ms * 1e3:,.0f} samples/s, against {batch.sum() / later.sum() * 1e3:,.0f} "
                      "samples/s over the steps' own time")
+    said, left = workers_advice([d for found in t.data_loaders.values() for d in found])
+    evidence += said
+    loading = (" (load in worker processes: num_workers, persistent_workers, pin_memory)" if left is None else "")
     advice = ("See what the script does between steps: in a training loop that is fetching the next batch from its "
-              "DataLoader (load in worker processes: num_workers, persistent_workers, pin_memory), then logging, "
-              "metrics and checkpoints. Record a window with torch.profiler (dpprof run --capture 5:8 train.py, "
-              "then dpprof ops RUN) to see it by operator.")
+              f"DataLoader{loading}, then logging, metrics and checkpoints. "
+              + ("" if left is None else f"Its DataLoader already loads in workers that do not keep up; what is left: "
+                                         f"{left}. ")
+              + "Record a window with torch.profiler (dpprof run --capture 5:8 train.py, then dpprof ops RUN) to see "
+              "it by operator.")
     # half the run between steps: every step figure (median, samples/s) is off by 2x or more
     return [finding("between_steps", "critical" if share >= 2 * BETWEEN_STEPS_WARN else "warning", None,
                     f"{share:.0%} of the run's time is between its steps", evidence, advice, share, "share")]
