@@ -9,7 +9,6 @@ import streamlit as st
 
 from dpprof import charts
 from dpprof.plaintext import markdown_text, markdown_words
-from dpprof.store.detail_rows import detail_step_count
 from dpprof.views import compare, operators, opdiff
 from dpprof.views.opdiff import Pick
 from dpprof.views.text import display_table, run_label
@@ -57,8 +56,8 @@ def operator_side_by_side(rows: list[pd.Series]) -> None:
         return
     diff = common.operator_diff(base, Pick(), other, Pick())
     label_a, label_b = (str(r["name"] or r["id"]) for r in rows)
-    steps_a, steps_b = (common.view(detail_step_count, r) for r in rows)  # each side's captured steps, said
-    st.markdown(markdown_words(opdiff.diff_sentence(diff, label_a, label_b, steps=steps_b, steps_a=steps_a)))
+    # over the second run's steps: the first's totals scaled to them where its capture spans another count, said so
+    st.markdown(markdown_words(opdiff.diff_sentence(diff, label_a, label_b)))
     common.chart(charts.operator_diff(diff, label_a, label_b))
     common.table(diff, "operator_diff")
 

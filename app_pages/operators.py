@@ -8,7 +8,6 @@ import streamlit as st
 from app_pages import common
 from dpprof import charts
 from dpprof.plaintext import markdown_text, markdown_words
-from dpprof.store import detail_rows
 from dpprof.views import operators, opdiff
 from dpprof.views.opdiff import Pick
 from dpprof.views.text import run_label
@@ -55,9 +54,8 @@ def side_by_side(row: pd.Series, picks: list[Pick], pick: Pick, capture: int | N
     assert isinstance(a, Pick)
     diff = common.operator_diff(row_a, a, row, pick, capture)
     label_a = a.label() if row_a is row else f"{row_a['name'] or row_a['id']} {a.label()}".strip()
-    # one run: the same steps, its capture's (detail_rows.detail_step_count, as `dpprof ops --vs` counts them)
-    steps = common.view(detail_rows.detail_step_count, row, capture=capture) if row_a is row else None
-    st.markdown(markdown_words(opdiff.diff_sentence(diff, label_a, pick.label(), steps=steps)))
+    # over B's steps, as `dpprof ops --vs` says them: a side whose tables span another count is scaled to them
+    st.markdown(markdown_words(opdiff.diff_sentence(diff, label_a, pick.label())))
     if diff.empty:
         return
     common.chart(charts.operator_diff(diff, label_a, pick.label()))

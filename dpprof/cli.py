@@ -765,7 +765,7 @@ def _cmd_ops(args: argparse.Namespace) -> int:
 def _ops_vs(args: argparse.Namespace, run: object) -> int:
     """``dpprof ops RUN --vs DEVICE|RUN2``: the run's operators (--rank, --device) against another device of it, or
     against another run (all its devices), the difference per operator largest first (dpprof.views.opdiff)."""
-    from dpprof.store.detail_rows import detail_missing, detail_step_count
+    from dpprof.store.detail_rows import detail_missing
     from dpprof.store.reader import RunFileError, StoredRun, load_run
     from dpprof.views.opdiff import Pick, diff_sentence, operator_diff
 
@@ -799,11 +799,9 @@ def _ops_vs(args: argparse.Namespace, run: object) -> int:
         else str(run.meta.get("name") or run.id)
     if other is run and label_a == pick_b.label(run):
         raise UsageError(f"--vs {args.vs} names the device the run's side already is: compare two devices")
+    # over B's steps (its capture's, its rank's): a side whose tables span another count is scaled to them, said so
     diff = operator_diff(other, pick_a, run, pick_b)
-    # the capture's steps, not the run's; another run's too: totals over different steps are said so
-    steps = detail_step_count(run)
-    sentence = diff_sentence(diff, label_a, label_b, quote="", steps=steps,
-                             steps_a=None if other is run else detail_step_count(other))
+    sentence = diff_sentence(diff, label_a, label_b, quote="")
     top = diff.head(args.top)
     if args.json:
         _print_json({"sentence": sentence, "clock": diff.attrs["clock"],

@@ -534,8 +534,8 @@ def test_a_device_or_rank_the_capture_does_not_hold_is_said_not_read_as_nothing(
 
 def test_ops_vs_the_same_device_is_a_usage_error_and_another_runs_steps_are_said(captured, tmp_path, capsys):
     """`--device cpu:1 --vs cpu:1` compares nothing: a usage error (it printed "cpu:1 is 0.0 ms faster than cpu:1").
-    Against another run whose capture holds 1 step to this one's 2, both counts are said: the totals are over
-    different steps (the sentence gave none)."""
+    Against another run whose capture holds 1 step to this one's 2, its totals are scaled to this one's 2 steps, said
+    so (the sentence gave no count, then both counts with the totals left over different steps)."""
     run, _ = captured
     with pytest.raises(SystemExit) as exit_:
         main(["ops", str(run.path), "--device", "cpu:1", "--vs", "cpu:1"])
@@ -547,7 +547,7 @@ def test_ops_vs_the_same_device_is_a_usage_error_and_another_runs_steps_are_said
     assert any(m.startswith("captured step 1 with torch.profiler") for m in notes)  # not "steps 1 to 1"
     assert main(["--reports-dir", str(tmp_path), "ops", str(run.path), "--vs", one.id]) == 0
     sentence = capsys.readouterr().out.splitlines()[0]
-    assert "(totals over 2 steps of captured and 1 step of one step)" in sentence, sentence
+    assert "self time over 2 steps (one step's totals scaled from 1 step)" in sentence, sentence
 
 
 def test_ops_vs_a_device_the_capture_does_not_hold_says_so_not_no_run(captured, capsys):

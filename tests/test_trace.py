@@ -654,6 +654,36 @@ def test_ranks_that_hold_different_step_counts_are_said_so_and_each_gpu_reads_it
         assert n == held[rank]
 
 
+def test_ops_vs_another_rank_that_holds_more_steps_sets_its_totals_over_as_many(tmp_path, capsys):
+    """A job whose rank 1 profiler stopped a step early: `ops --rank 1 --vs rank:0` set rank 1's totals over its 1
+    step against rank 0's over 2, and said both were over 2 steps ("rank 1 is 302.7 ms faster than rank 0 in device
+    self time over 2 steps": each operator about half rank 0's). Rank 0's calls and times are now scaled to rank 1's
+    step, and the sentence says so; the other way, rank 1's are scaled to rank 0's 2 steps."""
+    from dpprof.cli import main
+
+    reports = tmp_path / "reports"
+    run = _rank_one_stopped_a_step_early(tmp_path, reports)
+    held = run.steps.groupby("rank")["step"].nunique().to_dict()
+    assert held == {0: 2, 1: 1}
+    ops = run.operators()
+    self_ms = ops.groupby("rank")["device_self_ms"].sum()
+    calls = ops.groupby(["rank", "name"])["calls"].sum()
+    for b, a in ((1, 0), (0, 1)):
+        assert main(["--reports-dir", str(reports), "ops", run.id, "--rank", str(b), "--vs", f"rank:{a}",
+                     "--json", "--top", "1000"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        said = re.fullmatch(rf"rank {b} is ([\d.]+) ms (slower|faster) than rank {a} in device self time over "
+                            rf"{held[b]} steps? \(rank {a}'s totals scaled from {held[a]} steps?\): .*", doc["sentence"])
+        assert said, doc["sentence"]
+        factor = held[b] / held[a]
+        expected = self_ms[b] - self_ms[a] * factor
+        assert float(said[1]) * (1 if said[2] == "slower" else -1) == pytest.approx(expected, abs=0.051)
+        rows = pd.DataFrame(doc["operators"]).set_index("name")
+        for name in ("aten::mm", "record_param_comms"):
+            assert rows.loc[name, "calls_a"] == pytest.approx(calls[(a, name)] * factor)
+            assert rows.loc[name, "calls_b"] == calls[(b, name)]
+
+
 def test_the_parts_of_the_step_of_ranks_that_hold_different_step_counts_are_each_ranks_mean(tmp_path):
     """A job whose rank 1 profiler stopped a step early: each part's ms per step (phase_totals, the Overview's shares
     chart, phase_totals.csv, Compare) is each rank's mean over its own steps, averaged over the ranks, as `dpprof show`'s

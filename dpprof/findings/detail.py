@@ -17,7 +17,7 @@ from dpprof.findings.floors import cost_text, critical_share_or, mib, worth_time
 from dpprof.store import detail_rows
 from dpprof.store.reader import StoredRun
 from dpprof.units import plural
-from dpprof.views.opdiff import Pick, diff_rows, diff_sentence, others_mean_of, side_of
+from dpprof.views.opdiff import Pick, at_steps, diff_rows, diff_sentence, others_mean_of, side_of
 
 __all__ = ["DATA_SHARE_WARN", "GPU_UTIL_LOW_PCT", "TC_UNUSED_SHARE", "MEMORY_FULL_SHARE", "EXPLAIN_TOP",
            "SUPERSEDES", "operator_data", "workers_advice", "data_loading", "gpu_utilization", "tensor_cores_unused", "memory_full",
@@ -50,11 +50,8 @@ def operator_data(run: StoredRun) -> OperatorData | None:
     gpu_steps = detail_rows.gpu_metrics(run)
     steps_of = {(rank, device): int(n) for (rank, device), n in
                 gpu_steps.groupby(["rank", "device"], dropna=False)["step"].nunique().items()}
-    operator_steps_of: dict[int, int] = {}
-    if detail_rows.chosen_capture(run) is None and run.ranks > 1:  # each rank's tables span its own steps
-        held = run.table("steps").groupby("rank")["step"].nunique()
-        if held.nunique() > 1:
-            operator_steps_of = {int(rank): int(n) for rank, n in held.items()}
+    held = detail_rows.detail_steps_of(run)  # each rank's tables may span their own steps (an imported job)
+    operator_steps_of = held if len(set(held.values())) > 1 else {}
     return OperatorData(operators=detail_rows.operators(run), operator_steps=detail_rows.detail_step_count(run),
                         kernel_ops=detail_rows.kernels(run, by="operator"),
                         gpu=detail_rows.gpu_summary(run), gpu_steps=int(gpu_steps["step"].nunique()),
@@ -293,10 +290,7 @@ def _at_steps_of(ops: pd.DataFrame, d: OperatorData, device: str) -> tuple[pd.Da
     if not held or len(own) != 1 or not held.get(int(own[0])):
         return ops, d.operator_steps, "the others' mean"
     steps = held[int(own[0])]
-    factor = ops["rank"].map(lambda r: steps / held[int(r)] if held.get(int(r)) else 1.0)
-    summed = ["calls", "host_total_ms", "host_self_ms", "device_total_ms", "device_self_ms"]
-    return (ops.assign(**{c: ops[c] * factor for c in summed}), steps,
-            f"the others' mean (each rank's scaled to {plural(steps, 'step')})")
+    return at_steps(ops, held, steps), steps, f"the others' mean (each rank's scaled to {plural(steps, 'step')})"
 
 
 def explain(rows: list[dict], t: Tables) -> list[dict]:

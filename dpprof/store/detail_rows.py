@@ -25,7 +25,8 @@ from dpprof.units import steps_words
 if TYPE_CHECKING:
     from dpprof.store.reader import StoredRun
 
-__all__ = ["DetailTables", "Capture", "write_detail", "captures", "read_captures", "chosen_capture", "detail_step_count", "detail_missing", "detail_devices", "operators", "kernels", "gpu_metrics", "gpu_summary",
+__all__ = ["DetailTables", "Capture", "write_detail", "captures", "read_captures", "chosen_capture", "detail_step_count", "detail_steps_of",
+           "detail_missing", "detail_devices", "operators", "kernels", "gpu_metrics", "gpu_summary",
            "memory_timeline", "memory_peaks", "memory_events", "operator_memory", "modules", "stream_spans",
            "detail_notes",
            "WRITE_TIMEOUT_S", "TABLE_OF_FRAME"]
@@ -160,6 +161,18 @@ def detail_step_count(run: StoredRun) -> int:
     keeps them as one (an imported trace), the run's."""
     chosen = chosen_capture(run)
     return int(chosen.end_step - chosen.first_step) if chosen is not None else int(run.model.steps)
+
+
+def detail_steps_of(run: StoredRun) -> dict[int, int]:
+    """Rank -> how many steps its operator tables span: the chosen capture's (or the run's) for every rank, except in
+    a run that keeps its tables as one whose ranks hold different step counts (an imported job whose rank's profiler
+    stopped early, or ran another schedule): each rank's own. A one-file run's tables are rank 0's."""
+    steps = detail_step_count(run)
+    ranks = run.model.ranks or (0,)
+    if chosen_capture(run) is not None or len(ranks) < 2:
+        return {int(r): steps for r in ranks}
+    held = run.table("steps").groupby("rank")["step"].nunique()
+    return {int(r): int(held[r]) if r in held.index else steps for r in ranks}
 
 
 def chosen_capture(run: StoredRun) -> Capture | None:

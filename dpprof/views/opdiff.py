@@ -4,12 +4,15 @@ and kernel, largest first (the TensorBoard plugin's Diff view, per device), with
 A side is a run and a ``Pick`` (a rank, a device, or both; None: all of them summed). Times are the stored ones
 (dpprof.store.detail_rows): ``delta_ms`` is B's self time less A's, on the device where both sides ran kernels,
 else on the host. Self time, so that the deltas of nested operators do not count the same kernel twice: the
-deltas sum to the difference of the two sides' whole time.
+deltas sum to the difference of the two sides' whole time. Where the sides' tables span different step counts (two
+ranks of an imported job whose profilers held different steps, two runs' captures of different lengths), each
+rank's calls and times are scaled to side B's steps first (``at_steps``), and the sentence says so.
 """
 from __future__ import annotations
 
 import re
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +23,7 @@ from dpprof.store.reader import StoredRun
 from dpprof.units import plural
 
 __all__ = ["Pick", "DIFF_COLUMNS", "KERNEL_DIFF_COLUMNS", "SAME_CALLS_TOLERANCE", "operator_diff", "kernel_diff",
-           "diff_rows", "side_of", "others_mean", "others_mean_of", "clock_of", "diff_sentence", "picks_of"]
+           "diff_rows", "side_of", "others_mean", "others_mean_of", "clock_of", "diff_sentence", "picks_of", "at_steps"]
 
 # Two sides made "the same calls" when their counts differ by at most this share (a sampled trace drops a few)
 SAME_CALLS_TOLERANCE = 0.01
@@ -67,10 +70,6 @@ def side_of(ops: pd.DataFrame, pick: Pick) -> pd.DataFrame:
     if pick.device is not None:
         sel = sel[sel["device"] == pick.device]
     return sel.groupby("name", sort=False)[_SUMMED].sum(min_count=1).reset_index()
-
-
-def _operators(run: StoredRun, pick: Pick) -> pd.DataFrame:
-    return side_of(detail_rows.operators(run, rank=pick.rank, device=pick.device), pick)
 
 
 def others_mean_of(ops: pd.DataFrame, pick: Pick) -> pd.DataFrame:
@@ -126,6 +125,28 @@ def diff_rows(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def at_steps(ops: pd.DataFrame, held: Mapping[int, int], steps: int) -> pd.DataFrame:
+    """Rows of detail_rows.operators (or kernels) with each rank's calls and times scaled from the steps its tables
+    span (``held``: rank -> steps, detail_rows.detail_steps_of) to ``steps``, so that totals over different step
+    counts are set side by side over as many; a rank ``held`` lacks is left as it is."""
+    factor = ops["rank"].map(lambda r: steps / held[int(r)] if held.get(int(r)) else 1.0).astype(float)
+    if (factor == 1.0).all():
+        return ops
+    summed = [c for c in (*_SUMMED, "total_ms") if c in ops.columns]
+    return ops.assign(**{c: ops[c].astype(float) * factor for c in summed})
+
+
+def _scaled_from(ops: pd.DataFrame, held: Mapping[int, int], steps: int) -> dict[int, int]:
+    """The ranks of ``ops`` whose tables span another step count than ``steps``, with theirs."""
+    ranks = sorted({int(r) for r in ops["rank"].dropna()})
+    return {r: held[r] for r in ranks if held.get(r) and held[r] != steps}
+
+
+def _side_steps(ops: pd.DataFrame, held: Mapping[int, int], fallback: int) -> int:
+    """How many steps a side's tables span: its rank's (the most of its ranks' where they differ)."""
+    return max((held[int(r)] for r in ops["rank"].dropna().unique() if held.get(int(r))), default=fallback)
+
+
 def operator_diff(run_a: StoredRun, pick_a: Pick, run_b: StoredRun, pick_b: Pick | None = None,
                   against_others: bool = False) -> pd.DataFrame:
     """Operators of side A and side B by name, with B's difference from A: DIFF_COLUMNS, largest first.
@@ -138,14 +159,31 @@ def operator_diff(run_a: StoredRun, pick_a: Pick, run_b: StoredRun, pick_b: Pick
     Returns:
         name, calls_a, calls_b, host_total_ms_a/_b, device_total_ms_a/_b (NaN on a CPU-only side), self_ms_a/_b
         (self time on the clock the difference is taken on: ``df.attrs["clock"]``, "device" or "host"),
-        delta_ms (self_ms_b - self_ms_a), ratio (self_ms_b / self_ms_a; NaN where A has none).
+        delta_ms (self_ms_b - self_ms_a), ratio (self_ms_b / self_ms_a; NaN where A has none). Every figure is
+        over B's steps (``df.attrs["steps"]``): a rank whose tables span another count has its calls and times
+        scaled to it (``df.attrs["scaled_a"]``, ``["scaled_b"]``: rank -> the steps it held; ``["ranks_a"]``,
+        ``["ranks_b"]``: how many ranks each side covers), which diff_sentence says.
 
     Example:
         >>> operator_diff(run, Pick(device="cuda:0"), run, Pick(device="cuda:2")).head(3)
     """
     pick_b = pick_b or Pick()
-    a = others_mean(run_a, pick_b) if against_others else _operators(run_a, pick_a)
-    return diff_rows(a, _operators(run_b, pick_b))
+    ops_b = detail_rows.operators(run_b, rank=pick_b.rank, device=pick_b.device)
+    ops_a = detail_rows.operators(run_a) if against_others else \
+        detail_rows.operators(run_a, rank=pick_a.rank, device=pick_a.device)
+    held_b = detail_rows.detail_steps_of(run_b)
+    held_a = held_b if run_a is run_b else detail_rows.detail_steps_of(run_a)
+    steps = _side_steps(ops_b, held_b, detail_rows.detail_step_count(run_b))
+    a = others_mean_of(at_steps(ops_a, held_a, steps), pick_b) if against_others else \
+        side_of(at_steps(ops_a, held_a, steps), pick_a)
+    out = diff_rows(a, side_of(at_steps(ops_b, held_b, steps), pick_b))
+    if against_others:  # side A is every rank and device but B's
+        ops_a = ops_a[~((pick_b.rank is None or ops_a["rank"] == pick_b.rank)
+                        & (pick_b.device is None or ops_a["device"] == pick_b.device))]
+    out.attrs.update(steps=steps, scaled_a=_scaled_from(ops_a, held_a, steps),
+                     scaled_b=_scaled_from(ops_b, held_b, steps), ranks_a=int(ops_a["rank"].nunique()),
+                     ranks_b=int(ops_b["rank"].nunique()))
+    return out
 
 
 def kernel_diff(run_a: StoredRun, pick_a: Pick, run_b: StoredRun, pick_b: Pick) -> pd.DataFrame:
@@ -167,22 +205,35 @@ def _calls_text(a: float, b: float) -> str:
     return f"{b:,.0f} calls against {a:,.0f}"
 
 
+def _scaled_text(label: str, scaled: Mapping[int, int] | None, ranks: int) -> str:
+    """"rank 0's totals scaled from 2 steps" (a side of one rank), "job's totals with rank 1's scaled from 1 step"
+    (a side of several): what operator_diff scaled to B's steps; "" where nothing was."""
+    if not scaled:
+        return ""
+    if ranks <= 1:
+        return f"{label}'s totals scaled from {plural(next(iter(scaled.values())), 'step')}"
+    return f"{label}'s totals with " + ", ".join(f"rank {r}'s scaled from {plural(n, 'step')}"
+                                                 for r, n in scaled.items())
+
+
 def diff_sentence(diff: pd.DataFrame, label_a: str, label_b: str, top: int = 3, quote: str = "`",
-                  steps: int | None = None, steps_a: int | None = None) -> str:
+                  steps: int | None = None) -> str:
     """"cuda:2 is 4.1 ms slower than cuda:0 on the device: `aten::cudnn_convolution` +3.2 ms (same calls, 1.8x the
     time), ..." from ``operator_diff``: the whole difference, then the operators that explain most of it (each name
-    between ``quote``s: backticks for markdown, quotes for plain text); ``steps``: the sides' step count, said
-    (``steps_a``: side A's, where it is another run's: two counts that differ are both said, the totals being over
-    different steps)."""
+    between ``quote``s: backticks for markdown, quotes for plain text); ``steps``: the sides' step count, said;
+    without it, operator_diff's (``diff.attrs``), with the sides it scaled to them ("over 1 step (rank 0's totals
+    scaled from 2 steps)")."""
     if diff.empty:
         return f"Neither {label_a} nor {label_b} has operators to compare."
     clock = diff.attrs.get("clock", "host")
     total = float(diff["delta_ms"].sum())
     word = "slower" if total > 0 else "faster"
-    if steps and steps_a and steps_a != steps:
-        over = f" (totals over {plural(steps, 'step')} of {label_b} and {plural(steps_a, 'step')} of {label_a})"
-    else:
-        over = f" over {plural(steps, 'step')}" if steps else ""
+    steps = steps or diff.attrs.get("steps")
+    over = f" over {plural(steps, 'step')}" if steps else ""
+    scaled = [_scaled_text(label, diff.attrs.get(f"scaled_{side}"), diff.attrs.get(f"ranks_{side}", 1))
+              for label, side in ((label_a, "a"), (label_b, "b"))]
+    if any(scaled):
+        over += f" ({'; '.join(t for t in scaled if t)})"
     lead = f"{label_b} is {abs(total):.1f} ms {word} than {label_a} in {clock} self time{over}"
     same_sign = diff[np.sign(diff["delta_ms"]) == np.sign(total)] if total else diff
     parts = []
