@@ -684,6 +684,26 @@ def test_ops_vs_another_rank_that_holds_more_steps_sets_its_totals_over_as_many(
             assert rows.loc[name, "calls_b"] == calls[(b, name)]
 
 
+def test_kernel_diff_of_ranks_that_hold_different_step_counts_is_over_as_many_steps(tmp_path):
+    """A job whose rank 1 profiler stopped a step early: opdiff.kernel_diff of rank 0 against rank 1 set rank 1's
+    kernels over its 1 step against rank 0's over 2 (303.6 ms against 606.5: -302.9 ms, where per step rank 1 is
+    0.3 ms slower); rank 0's calls and times are now scaled to rank 1's step, as the operators' side by side does."""
+    from dpprof.views.opdiff import Pick, kernel_diff
+
+    run = _rank_one_stopped_a_step_early(tmp_path, tmp_path / "reports")
+    diff = kernel_diff(run, Pick(rank=0), run, Pick(rank=1)).set_index("name")
+    assert diff.attrs["steps"] == 1 and diff.attrs["scaled_a"] == {0: 2} and not diff.attrs["scaled_b"]
+    kernels = run.kernels().groupby(["rank", "name"])[["calls", "total_ms"]].sum()
+    for col in ("calls", "total_ms"):
+        a = kernels.loc[0, col] / 2
+        b = kernels.loc[1, col]
+        pd.testing.assert_series_equal(diff[f"{col}_a"].reindex(a.index).astype(float), a.astype(float),
+                                       check_names=False)
+        pd.testing.assert_series_equal(diff[f"{col}_b"].reindex(b.index).astype(float), b.astype(float),
+                                       check_names=False)
+    assert diff["delta_ms"].sum() == pytest.approx(kernels.loc[1, "total_ms"].sum() - kernels.loc[0, "total_ms"].sum() / 2)
+
+
 def test_the_parts_of_the_step_of_ranks_that_hold_different_step_counts_are_each_ranks_mean(tmp_path):
     """A job whose rank 1 profiler stopped a step early: each part's ms per step (phase_totals, the Overview's shares
     chart, phase_totals.csv, Compare) is each rank's mean over its own steps, averaged over the ranks, as `dpprof show`'s

@@ -187,16 +187,25 @@ def operator_diff(run_a: StoredRun, pick_a: Pick, run_b: StoredRun, pick_b: Pick
 
 
 def kernel_diff(run_a: StoredRun, pick_a: Pick, run_b: StoredRun, pick_b: Pick) -> pd.DataFrame:
-    """Kernels of side A and side B by name: KERNEL_DIFF_COLUMNS (delta_ms = B's total less A's), largest first."""
-    def side(run: StoredRun, pick: Pick) -> pd.DataFrame:
-        k = detail_rows.kernels(run, rank=pick.rank, device=pick.device)
+    """Kernels of side A and side B by name: KERNEL_DIFF_COLUMNS (delta_ms = B's total less A's), largest first; over
+    B's steps, as operator_diff's (``df.attrs["steps"]``, ``["scaled_a"]``, ``["scaled_b"]``)."""
+    k_a = detail_rows.kernels(run_a, rank=pick_a.rank, device=pick_a.device)
+    k_b = detail_rows.kernels(run_b, rank=pick_b.rank, device=pick_b.device)
+    held_b = detail_rows.detail_steps_of(run_b)
+    held_a = held_b if run_a is run_b else detail_rows.detail_steps_of(run_a)
+    steps = _side_steps(k_b, held_b, detail_rows.detail_step_count(run_b))
+
+    def side(k: pd.DataFrame, held: Mapping[int, int]) -> pd.DataFrame:
+        k = at_steps(k, held, steps)
         return k.groupby("name", sort=False)[["calls", "total_ms"]].sum().reset_index().set_index("name")
-    both = side(run_a, pick_a).add_suffix("_a").join(side(run_b, pick_b).add_suffix("_b"), how="outer")
+    both = side(k_a, held_a).add_suffix("_a").join(side(k_b, held_b).add_suffix("_b"), how="outer")
     both = both.fillna(0).reset_index()
     both["delta_ms"] = both["total_ms_b"] - both["total_ms_a"]
     both["ratio"] = both["total_ms_b"] / both["total_ms_a"].where(both["total_ms_a"] > 0)
     both = both.loc[both["delta_ms"].abs().sort_values(ascending=False, kind="stable").index]
-    return both[KERNEL_DIFF_COLUMNS].reset_index(drop=True)
+    out = both[KERNEL_DIFF_COLUMNS].reset_index(drop=True)
+    out.attrs.update(steps=steps, scaled_a=_scaled_from(k_a, held_a, steps), scaled_b=_scaled_from(k_b, held_b, steps))
+    return out
 
 
 def _calls_text(a: float, b: float) -> str:
