@@ -802,14 +802,17 @@ def _ops_vs(args: argparse.Namespace, run: object) -> int:
     # over B's steps (its capture's, its rank's): a side whose tables span another count is scaled to them, said so
     diff = operator_diff(other, pick_a, run, pick_b)
     sentence = diff_sentence(diff, label_a, label_b, quote="")
-    top = diff.head(args.top)
+    # a side with no operators (a rank whose trace holds none): the sentence says so, no table of the other's alone
+    empty = any(not (diff[f"calls_{side}"].fillna(0) > 0).any() for side in ("a", "b"))
+    top = diff.head(0 if empty else args.top)
     if args.json:
         _print_json({"sentence": sentence, "clock": diff.attrs["clock"],
                      "operators": _records(top, list(top.columns))})
         return EXIT_OK
     print(sentence)
-    print()
-    print(_table(top))
+    if len(top):
+        print()
+        print(_table(top))
     return EXIT_OK
 
 

@@ -704,6 +704,31 @@ def test_kernel_diff_of_ranks_that_hold_different_step_counts_is_over_as_many_st
     assert diff["delta_ms"].sum() == pytest.approx(kernels.loc[1, "total_ms"].sum() - kernels.loc[0, "total_ms"].sum() / 2)
 
 
+def test_ops_vs_a_rank_whose_trace_holds_no_operators_says_so_not_faster(tmp_path, capsys):
+    """The shared 2-rank job with rank 1's trace holding no cpu_op events (profiled without ProfilerActivity.CPU):
+    `ops --rank 1 --vs rank:0` said "rank 1 is 623.2 ms faster than rank 0" with a table of rank 0's operators
+    against zeros, where plain `ops --rank 1` says it has none. Either way round it now says the rank has none, with
+    no table (--json: no rows)."""
+    from dpprof.cli import main
+
+    paths = []
+    for rank in (0, 1):
+        doc = json.loads(gzip.decompress((TRACES / f"ddp-128ranks-rank{rank}-sampled.json.gz").read_bytes()))
+        if rank == 1:
+            doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("cat") != "cpu_op"]
+        paths.append(tmp_path / f"job-rank{rank}.pt.trace.json")
+        paths[-1].write_text(json.dumps(doc))
+    reports = tmp_path / "reports"
+    run = dpprof.load_run(import_traces(paths, reports).id, reports)
+    assert set(run.operators()["rank"]) == {0}
+    said = "rank 1 has no operators to compare with rank 0's: its trace or capture holds none."
+    assert main(["--reports-dir", str(reports), "ops", run.id, "--rank", "1", "--vs", "rank:0"]) == 0
+    assert capsys.readouterr().out == said + "\n"
+    assert main(["--reports-dir", str(reports), "ops", run.id, "--rank", "0", "--vs", "rank:1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["sentence"] == said and doc["operators"] == []
+
+
 def test_the_parts_of_the_step_of_ranks_that_hold_different_step_counts_are_each_ranks_mean(tmp_path):
     """A job whose rank 1 profiler stopped a step early: each part's ms per step (phase_totals, the Overview's shares
     chart, phase_totals.csv, Compare) is each rank's mean over its own steps, averaged over the ranks, as `dpprof show`'s

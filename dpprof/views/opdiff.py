@@ -229,11 +229,15 @@ def diff_sentence(diff: pd.DataFrame, label_a: str, label_b: str, top: int = 3, 
                   steps: int | None = None) -> str:
     """"cuda:2 is 4.1 ms slower than cuda:0 on the device: `aten::cudnn_convolution` +3.2 ms (same calls, 1.8x the
     time), ..." from ``operator_diff``: the whole difference, then the operators that explain most of it (each name
-    between ``quote``s: backticks for markdown, quotes for plain text); ``steps``: the sides' step count, said;
+    between ``quote``s: backticks for markdown, quotes for plain text), or that a side has none; ``steps``: the
+    sides' step count, said;
     without it, operator_diff's (``diff.attrs``), with the sides it scaled to them ("over 1 step (rank 0's totals
     scaled from 2 steps)")."""
     if diff.empty:
         return f"Neither {label_a} nor {label_b} has operators to compare."
+    for label, side, other in ((label_b, "b", label_a), (label_a, "a", label_b)):
+        if not (diff[f"calls_{side}"].fillna(0) > 0).any():  # not "faster" by all of the other's time
+            return f"{label} has no operators to compare with {other}'s: its trace or capture holds none."
     clock = diff.attrs.get("clock", "host")
     total = float(diff["delta_ms"].sum())
     word = "slower" if total > 0 else "faster"
