@@ -852,10 +852,10 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     if none_here is not None:
         print(none_here)
         return EXIT_OK
-    if peaks.empty:
-        print("no [memory] events in this run's trace: profiled without profile_memory, or torch.profiler wrote none "
-              "(it writes none when it profiles every thread, as a DataParallel run's deep capture does; a DDP or "
-              "FSDP rank's capture has them)")
+    if peaks.empty:  # none in the whole run: why, as the Memory page says it (an imported trace's, a capture's)
+        from dpprof.views.memory import missing_text
+
+        print(missing_text(run))
         return EXIT_OK
     print(_table(peaks, "{:.1f}"))
     ops = operator_memory(run, rank=args.rank, device=args.device, top=args.top)  # type: ignore[arg-type]

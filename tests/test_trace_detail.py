@@ -549,6 +549,20 @@ def test_ops_of_a_trace_without_cpu_ops_says_why_as_the_operators_page_does(cpu_
     assert "no cpu_op events" not in out and "aten::" in out
 
 
+def test_memory_of_a_trace_without_memory_events_says_why_as_the_memory_page_does(imported, capsys):
+    """The 2-rank job's traces hold no [memory] events: `dpprof memory` said torch.profiler "writes none when it
+    profiles every thread, as a DataParallel run's deep capture does; a DDP or FSDP rank's capture has them" of an
+    imported trace, which no capture made; it now says the Memory page's reason (profile with profile_memory=True and
+    import it again)."""
+    from dpprof.views.memory import missing_text
+
+    run = imported["ranks"]
+    said = missing_text(run)
+    assert said and "profile_memory=True" in said and "capture" not in said
+    assert main(["memory", str(run.paths[0])]) == 0
+    assert capsys.readouterr().out == said + "\n"
+
+
 def test_commands_print_json_in_the_issues_shapes(imported, capsys):
     run = imported["ranks"]
     assert main(["ops", str(run.path), "--json", "--top", "3"]) == 0
