@@ -801,6 +801,9 @@ def _ops_vs(args: argparse.Namespace, run: object) -> int:
         raise UsageError(f"--vs {args.vs} names the device the run's side already is: compare two devices")
     # over B's steps (its capture's, its rank's): a side whose tables span another count is scaled to them, said so
     diff = operator_diff(other, pick_a, run, pick_b)
+    if other is not run and diff.attrs["ranks_a"] != diff.attrs["ranks_b"]:  # one rank beside a job's sum: said
+        label_a, label_b = (f"{label} ({n} ranks summed)" if n > 1 else label
+                            for label, n in ((label_a, diff.attrs["ranks_a"]), (label_b, diff.attrs["ranks_b"])))
     sentence = diff_sentence(diff, label_a, label_b, quote="")
     # a side with no operators (a rank whose trace holds none): the sentence says so, no table of the other's alone
     empty = any(not (diff[f"calls_{side}"].fillna(0) > 0).any() for side in ("a", "b"))

@@ -563,6 +563,19 @@ def test_memory_of_a_trace_without_memory_events_says_why_as_the_memory_page_doe
     assert capsys.readouterr().out == said + "\n"
 
 
+def test_ops_vs_another_run_of_more_ranks_says_its_ranks_are_summed(imported, capsys):
+    """`ops ONE --vs JOB`: the one-rank NCCL trace against the 2-rank job, whose operators are both ranks' summed
+    (calls twice one rank's), was said "... than job-rank0..." as though against one rank; the job's side now says
+    "(2 ranks summed)", and `--rank 1` of the job against the one-rank run says it of neither."""
+    one, job = imported[SINGLE[1]], imported["ranks"]
+    for b, flags, a, summed in ((one, [], job, " (2 ranks summed)"), (job, ["--rank", "1"], one, "")):
+        assert main(["--reports-dir", str(Path(b.paths[0]).parent), "ops", b.id, *flags, "--vs", a.id, "--json"]) == 0
+        sentence = json.loads(capsys.readouterr().out)["sentence"]
+        label_a = str(a.meta.get("name") or a.id)
+        assert f" than {label_a}{summed} in " in sentence, sentence
+        assert "ranks summed" not in sentence.split(" is ", 1)[0], sentence
+
+
 def test_commands_print_json_in_the_issues_shapes(imported, capsys):
     run = imported["ranks"]
     assert main(["ops", str(run.path), "--json", "--top", "3"]) == 0
