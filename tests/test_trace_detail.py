@@ -574,6 +574,8 @@ def test_ops_vs_another_run_of_more_ranks_says_its_ranks_are_summed(imported, ca
         label_a = str(a.meta.get("name") or a.id)
         assert f" than {label_a}{summed} in " in sentence, sentence
         assert "ranks summed" not in sentence.split(" is ", 1)[0], sentence
+        if summed:  # both of the job's ranks hold 2 steps to the one rank's 3: said once, not rank by rank
+            assert f"({label_a}{summed}'s totals scaled from 2 steps)" in sentence, sentence
 
 
 def test_commands_print_json_in_the_issues_shapes(imported, capsys):

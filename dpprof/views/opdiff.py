@@ -219,7 +219,7 @@ def _scaled_text(label: str, scaled: Mapping[int, int] | None, ranks: int) -> st
     (a side of several): what operator_diff scaled to B's steps; "" where nothing was."""
     if not scaled:
         return ""
-    if ranks <= 1:
+    if ranks <= 1 or (len(scaled) == ranks and len(set(scaled.values())) == 1):  # one count for the whole side
         return f"{label}'s totals scaled from {plural(next(iter(scaled.values())), 'step')}"
     return f"{label}'s totals with " + ", ".join(f"rank {r}'s scaled from {plural(n, 'step')}"
                                                  for r, n in scaled.items())
