@@ -762,6 +762,16 @@ def _cmd_ops(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _latest_capture(run: object) -> int | None:
+    """The first step of the run's latest deep capture (what --vs reads of a run named again), None without one."""
+    from dpprof.store.detail_rows import captures
+    from dpprof.store.reader import StoredRun
+
+    assert isinstance(run, StoredRun)
+    listed = captures(run)
+    return listed[-1].first_step if listed else None
+
+
 def _ops_vs(args: argparse.Namespace, run: object) -> int:
     """``dpprof ops RUN --vs DEVICE|RUN2``: the run's operators (--rank, --device) against another device of it, or
     against another run (all its devices), the difference per operator largest first (dpprof.views.opdiff)."""
@@ -794,6 +804,9 @@ def _ops_vs(args: argparse.Namespace, run: object) -> int:
         if why is not None:
             say(f"run {other.id}: {why}")
             return EXIT_FAILURE
+        if other.id == run.id and pick_b == Pick() and args.capture in (None, _latest_capture(run)):
+            raise UsageError(f"--vs {args.vs} names the run itself: compare another run, a device or rank of it "
+                             "(--vs rank:0), or another of its captures (--capture A)")
         pick_a, label_a = Pick(), str(other.meta.get("name") or other.id)
     label_b = pick_b.label(run) if other is run or args.device or args.rank is not None \
         else str(run.meta.get("name") or run.id)

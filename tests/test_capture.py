@@ -550,6 +550,20 @@ def test_ops_vs_the_same_device_is_a_usage_error_and_another_runs_steps_are_said
     assert "self time over 2 steps (one step's totals scaled from 1 step)" in sentence, sentence
 
 
+def test_ops_vs_the_run_itself_is_a_usage_error(captured, capsys):
+    """`dpprof ops RUN --vs RUN` (the run named again, by its id) printed "captured is 0.0 ms faster than captured"
+    and a table of zeros, as `--vs` of the same device did before it was refused: it is a usage error too, naming what
+    to compare instead; a rank or device of the run against the whole of it still compares."""
+    run, _ = captured
+    reports = str(Path(run.path).parent)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--reports-dir", reports, "ops", str(run.path), "--vs", run.id])
+    assert exit_.value.code == 2
+    assert f"--vs {run.id} names the run itself" in capsys.readouterr().err
+    assert main(["--reports-dir", reports, "ops", str(run.path), "--device", "cpu:1", "--vs", run.id]) == 0
+    assert capsys.readouterr().out.startswith("cpu:1 is ")
+
+
 def test_ops_vs_a_device_the_capture_does_not_hold_says_so_not_no_run(captured, capsys):
     """`dpprof ops RUN --device cpu:0 --vs cpu:9`: the device is named missing with the devices the capture holds,
     not taken for a run ("no run 'cpu:9'"); a name that is no device is still looked up as a run."""
