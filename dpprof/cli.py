@@ -1118,13 +1118,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "working directory, exit code and exceptions, with torch.nn.DataParallel, "
                        "data_parallel, DistributedDataParallel, fully_shard (FSDP2) and FullyShardedDataParallel "
                        "(FSDP1) recording into one run. A step ends at each "
-                       "optimizer.step(). Under torchrun: torchrun --nproc_per_node=N -m dpprof run train.py")
+                       "optimizer.step() (at the last of several stepped back to back). Under torchrun: torchrun --nproc_per_node=N -m dpprof run train.py")
     p.add_argument("--name", default=None, help="a name for the run (default: the script and its arguments)")
     p.add_argument("--cpu-workers", type=int, default=None, metavar="N",
                    help="with no GPU, a DataParallel built with no device_ids runs on N CPU workers instead of "
                    "torch's pass-through (a script that calls .cuda() still needs a GPU)")
     p.add_argument("--steps", type=int, default=None, metavar="N",
-                   help="stop recording after N steps; the script goes on, unrecorded")
+                   help="stop recording after N steps (at the forward that would start one more); the script goes on, "
+                   "unrecorded")
     p.add_argument("--no-record", action="store_true",
                    help="record nothing: torch's classes are still dpprof's and --cpu-workers still applies "
                    "(what bench/run_overhead.py compares recording against)")

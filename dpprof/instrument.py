@@ -8,7 +8,8 @@ ways (an instance of torch's class is an instance of the stand-in too), and a pi
 (``torch.save(model)``, ``copy.deepcopy``) is written as torch's class with torch's attributes, so a
 checkpoint loads without dpprof.
 
-A training step ends at each ``optimizer.step()`` (torch's global optimizer step hook), so the
+A training step ends at each ``optimizer.step()`` (torch's global optimizer step hook; at the last of several stepped
+back to back with no forward between, as an embedding's optimizer and the dense layers'), so the
 forward calls of gradient accumulation share a step; a forward under no_grad, or with neither a
 backward nor an optimizer step before it (evaluation) nor another model's output among its inputs, starts a step of
 its own, which a forward with grad of another model then joins (a distillation's teacher, then its student).
@@ -574,9 +575,9 @@ class _Session:
             return
         self.optimizer_seen = True
         self.backward_seen = False
+        # --steps stops at the forward that would start a step past the limit (before_forward), not here: another
+        # optimizer stepped after this one (several optimizers, back to back) is the last step's too
         run.end_step()
-        if self.steps is not None and run.steps_started >= self.steps:
-            self.stop(f"recording stopped after {self.steps} steps (--steps); the script went on")
 
 
 @contextmanager

@@ -120,7 +120,9 @@ class _Step:
         # for the step is written (dpprof.parallel.fsdp: at the first backward's end, or a no_grad forward's)
         self.passes = 0
         self.weighed: tuple[int, ...] | None = None  # the modules whose weights the step's memory counts (ids)
-        self.closed = False  # its step record is made: what a stale probe does after it belongs to no step
+        # ended: its step record is made, or an optimizer step ended it (its record held: Run.end_step); what a stale
+        # probe does after it belongs to no step
+        self.closed = False
         self.calls = 0
         self.batch_size: int | None = None
         # the module whose calls the batch counts (id; 0 for a DDP rank's): the step's first, so that a step of two
@@ -224,6 +226,10 @@ class Run:
         self._next_step = 0
         self._explicit: _Step | None = None
         self._implicit: _Step | None = None
+        # the implicit step an optimizer step ended (end_step), its record held until the next step starts or the run
+        # ends, and where it ends: the optimizer steps that follow it back to back (several optimizers) are its too
+        self._ended: _Step | None = None
+        self._ended_at_ns = 0
         self.last_step_end_ns: int | None = None  # where the newest closed step ended (perf_counter_ns)
         # dpprof.instrument's step rule: whether a forward call joins the open implicit step (None: never), and what
         # it is told of each recorded forward call's output where no stand-in's forward sees it (FSDP's root)
@@ -325,6 +331,8 @@ class Run:
 
     # steps
     def _new_step(self, explicit: bool) -> _Step:
+        if self._ended is not None:  # the step before, ended by its optimizers: none follows now
+            self._flush_ended()
         index = self._next_step
         if index == self.capture_edge:  # a deep capture starts, marks a step or stops, before the step's clock
             self.capture.turn(index)
@@ -381,11 +389,20 @@ class Run:
         return self.joins_open_step is not None and self.joins_open_step(step, module_id)
 
     def end_step(self) -> None:
-        """End the open implicit step now (dpprof.instrument calls it at each optimizer.step())."""
+        """End the open implicit step now (dpprof.instrument calls it at each optimizer.step()).
+
+        Its record waits for the next step's start (or the run's end): an optimizer step made before that, with no
+        forward between (the second of two optimizers stepped back to back after one backward: an embedding's
+        SparseAdam, then the dense layers' Adam), ends it again, later, so that every optimizer's time is in it."""
+        now = time.perf_counter_ns()
         with self._lock:
-            if self._implicit is not None:
-                self._implicit.touch(time.perf_counter_ns())
-                self._flush_implicit()
+            step = self._implicit
+            if step is not None:
+                self._implicit = None
+                step.closed = True  # ended: what a stale probe does after it belongs to no step
+                self._ended, self._ended_at_ns = step, max(now, step.last_end_ns)
+            elif self._ended is not None and self._explicit is None:
+                self._ended_at_ns = now
 
     def forward_starts_step(self, module: object | None = None) -> bool:
         """Whether a forward call of ``module`` made now would start a new step."""
@@ -396,6 +413,11 @@ class Run:
     @property
     def steps_started(self) -> int:
         return self._next_step
+
+    def _flush_ended(self) -> None:
+        step, self._ended = self._ended, None
+        if step is not None:
+            self._close_step(step, self._ended_at_ns)
 
     def _flush_implicit(self) -> None:
         if self._implicit is not None:
@@ -426,6 +448,7 @@ class Run:
         if self._nvml is not None:
             self._nvml.close()
         with self._lock:
+            self._flush_ended()
             self._flush_implicit()
         self.resolve_pending(block=True)
         self.capture.close()  # a window still open ends with the last step; its trace and tables are stored first

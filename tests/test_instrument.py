@@ -129,6 +129,55 @@ def test_b_a_ddp_script_under_torchrun_records_both_ranks_into_one_run():
     assert len(run.comms) >= 6
 
 
+def _optimizers_ms(stdout: str) -> dict[tuple[int, int], float]:
+    """tests/scripts/train_two_optimizers.py's own timing of each step's two optimizer steps: (rank, step) -> ms."""
+    words = [line.split() for line in stdout.splitlines() if line.startswith("rank ")]
+    return {(int(w[1]), int(w[3])): float(w[5]) for w in words}
+
+
+@pytest.mark.parametrize("wrap", ["dp", "ddp"])
+def test_two_optimizers_stepped_back_to_back_are_both_in_the_step(wrap):
+    """loss.backward(); opt_embedding.step(); opt_dense.step(), no forward between (an embedding's optimizer beside
+    the dense layers'; the dense one sleeps 30 ms). The first optimizer step ended the step, so the second's time was in
+    none: DataParallel steps of ~12 ms for ~42 ms of optimizers, and under DDP an optimizer part of 44.6 ms a step, its
+    second row after its step's end, over a 25.4 ms median step. The step now ends at the last optimizer step before the
+    next forward (DDP: --steps 3 of the script's 4, so the last recorded step is closed by --steps' stop, not by the
+    script's end), its optimizer part both optimizers' time and no more than the script measured."""
+    from dpprof.store import queries
+
+    sleep_ms = 30.0
+    script = [SCRIPTS / "train_two_optimizers.py", "--steps", "4", "--sleep-ms", sleep_ms]
+    if wrap == "dp":
+        out = _dpprof_run("--cpu-workers", "2", *script)
+    else:
+        out = _python("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dpprof", "run",
+                      "--steps", "3", *script, env={"WRAP": "ddp"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    measured = _optimizers_ms(out.stdout)
+    run = _only_run()
+    assert run.meta["status"] == "finished"
+    ranks = [0] if wrap == "dp" else [0, 1]
+    recorded = 4 if wrap == "dp" else 3
+    steps = run.steps.set_index(["rank", "step"]).sort_index()
+    assert list(steps.index) == [(r, s) for r in ranks for s in range(recorded)]
+    joined = run.phases.join(steps[["start_ms", "duration_ms"]].add_suffix("_step"), on=["rank", "step"])
+    assert (joined["start_ms"] >= joined["start_ms_step"] - 1e-6).all()  # every part inside its step
+    assert (joined.eval("start_ms + duration_ms") <= joined.eval("start_ms_step + duration_ms_step") + 1e-6).all()
+    per_phase = run.phases.groupby(["rank", "step", "phase"])["duration_ms"].sum().unstack()
+    assert (per_phase.le(steps["duration_ms"], axis=0) | per_phase.isna()).all().all()  # no part over its step
+    parts = queries.step_parts(run).set_index(["rank", "step"]).sort_index()
+    for (rank, step), row in steps.iterrows():
+        if wrap == "dp":  # DataParallel times no optimizer phase: both are in the step's rest, after its last phase
+            ends = run.phases[run.phases["step"] == step].eval("start_ms + duration_ms")
+            assert row["start_ms"] + row["duration_ms"] - ends.max() >= sleep_ms, (step, row)
+            assert parts.at[(rank, step), "rest"] >= sleep_ms
+        else:  # the optimizer part is both optimizers' rows, whole inside the step, within the script's own timing
+            optimizer = per_phase.at[(rank, step), "optimizer"]
+            assert parts.at[(rank, step), "optimizer"] == pytest.approx(optimizer, abs=1e-6)
+            assert sleep_ms <= optimizer <= measured[(rank, step)], (rank, step, optimizer)
+            assert len(run.phases.query("rank == @rank and step == @step and phase == 'optimizer'")) == 2
+
+
 @pytest.mark.slow
 def test_a_ddp_script_whose_rank_raises_says_that_ranks_error_not_the_others():
     """Rank 1 raises; rank 0 then fails in its all-reduce (its peer gone) or is stopped by torchrun, later. The run's
