@@ -68,6 +68,24 @@ def _note_data_loader(loader: Any) -> None:
         run.note_data_loader(loader)
 
 
+_optimizer_hook: list[Any] = []  # the global optimizer step hook below, once registered (one per process)
+
+
+def _optimizer_stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """Torch's global optimizer step post hook: the innermost run's open implicit step holds the optimizer steps that
+    follow its backward (Run.optimizer_stepped)."""
+    if _active:
+        _active[-1].optimizer_stepped()
+
+
+def _install_optimizer_hook() -> None:
+    with _active_lock:
+        if not _optimizer_hook:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            _optimizer_hook.append(register_optimizer_step_post_hook(_optimizer_stepped))
+
+
 class Sink(Protocol):
     def put(self, record: Record | Row) -> None: ...  # a record, or a row of one (dpprof.records.Row)
     def update_run(self, **values: Any) -> None: ...
@@ -388,6 +406,13 @@ class Run:
     def _rule_joins(self, step: _Step, module_id: int | None) -> bool:
         return self.joins_open_step is not None and self.joins_open_step(step, module_id)
 
+    def optimizer_stepped(self) -> None:
+        """An optimizer step ended now: the open implicit step, where a backward ran in it, ends no earlier (without
+        run.step() a DataParallel step ended at its last phase, its backward, and its optimizer was in no step)."""
+        step = self._implicit  # read once: a forward on another thread may close it; touching a closed step is harmless
+        if step is not None and step.passes:
+            step.touch(time.perf_counter_ns())
+
     def end_step(self) -> None:
         """End the open implicit step now (dpprof.instrument calls it at each optimizer.step()).
 
@@ -596,6 +621,7 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
             raise
         guard.on_chain = run.mark_interrupted
         install_watch(_note_data_loader)
+        _install_optimizer_hook()
         with _active_lock:
             _active.append(run)
     try:

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -82,6 +83,44 @@ def test_without_run_step_each_forward_starts_a_step():
     for _, s in frames["steps"].iterrows():
         bw = frames["phases"].query("phase == 'backward' and step == @s.step").iloc[0]
         assert s.start_ms + s.duration_ms >= bw.start_ms + bw.duration_ms - 1e-3
+
+
+class _SleepySGD(torch.optim.SGD):
+    """SGD whose step also sleeps ``sleep_s``: an optimizer step of known length."""
+
+    def __init__(self, params, sleep_s: float) -> None:
+        super().__init__(params, lr=0.1)
+        self.sleep_s = sleep_s
+
+    def step(self, closure=None):
+        time.sleep(self.sleep_s)
+        return super().step(closure)
+
+
+def test_an_implicit_step_holds_the_optimizer_steps_after_its_backward():
+    """Without run.step(), a DataParallel step ended at its last phase, its backward: the optimizer steps after it were
+    in no step (here two optimizers of 10 ms each after every backward, in steps of about 2 ms), where a DDP rank's
+    implicit step holds them and `dpprof run`'s ends at them. It now ends after them. A step with no backward (an
+    evaluation forward) is not stretched over an optimizer step after it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2))
+    net = dpprof.DataParallel(model, device_ids=dpprof.cpu_devices(2))
+    first, second = _SleepySGD(model[0].parameters(), 0.01), _SleepySGD(model[2].parameters(), 0.01)
+    with dpprof.record(name="implicit optimizers") as run:
+        for _ in range(3):
+            net(torch.randn(6, 5)).sum().backward()
+            first.step()
+            second.step()
+        with torch.no_grad():
+            net(torch.randn(6, 5))
+        first.step()  # after a step with no backward: not that step's
+    frames = run.frames()
+    steps = frames["steps"].set_index("step")
+    assert steps.index.tolist() == [0, 1, 2, 3]
+    last_part_end = frames["phases"].eval("end = start_ms + duration_ms").groupby("step")["end"].max()
+    after = steps["start_ms"] + steps["duration_ms"] - last_part_end  # what no phase covers after the last one
+    assert (after[:3] >= 20).all(), after
+    assert after[3] < 10, after
 
 
 def test_two_forward_calls_in_one_step_are_two_calls():
