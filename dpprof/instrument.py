@@ -577,7 +577,7 @@ class _Session:
         self.backward_seen = False
         # --steps stops at the forward that would start a step past the limit (before_forward), not here: another
         # optimizer stepped after this one (several optimizers, back to back) is the last step's too
-        run.end_step()
+        run.end_step(optimizer)
 
 
 @contextmanager

@@ -10,6 +10,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, fields
@@ -75,7 +76,7 @@ def _optimizer_stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
     """Torch's global optimizer step post hook: the innermost run's open implicit step holds the optimizer steps that
     follow its backward (Run.optimizer_stepped)."""
     if _active:
-        _active[-1].optimizer_stepped()
+        _active[-1].optimizer_stepped(optimizer)
 
 
 def _install_optimizer_hook() -> None:
@@ -248,6 +249,12 @@ class Run:
         # ends, and where it ends: the optimizer steps that follow it back to back (several optimizers) are its too
         self._ended: _Step | None = None
         self._ended_at_ns = 0
+        # the parameters (ids) of each module whose forward calls opened or joined a step, and whether each optimizer
+        # updates any (cached, with the count of modules it was found for): only such an optimizer's step moves an
+        # ended step's end, not that of a model the run does not record (trained before the next recorded forward)
+        # (by id, with a weak reference that tells a reused id apart: a module or optimizer need not be hashable)
+        self._weights_of: dict[int, tuple[weakref.ref[Any], frozenset[int]]] = {}
+        self._updates_recorded: dict[int, tuple[weakref.ref[Any], int, bool]] = {}
         self.last_step_end_ns: int | None = None  # where the newest closed step ended (perf_counter_ns)
         # dpprof.instrument's step rule: whether a forward call joins the open implicit step (None: never), and what
         # it is told of each recorded forward call's output where no stand-in's forward sees it (FSDP's root)
@@ -386,6 +393,8 @@ class Run:
         the current implicit step. ``module``: the module called, for a step rule that tells models apart.
         """
         with self._lock:
+            if module is not None:
+                self._note_weights(module)
             step = self._explicit  # read once: run.step()'s exit clears it without the lock
             if step is None:
                 step = self._implicit
@@ -406,19 +415,23 @@ class Run:
     def _rule_joins(self, step: _Step, module_id: int | None) -> bool:
         return self.joins_open_step is not None and self.joins_open_step(step, module_id)
 
-    def optimizer_stepped(self) -> None:
+    def optimizer_stepped(self, optimizer: Any = None) -> None:
         """An optimizer step ended now: the open implicit step, where a backward ran in it, ends no earlier (without
-        run.step() a DataParallel step ended at its last phase, its backward, and its optimizer was in no step)."""
+        run.step() a DataParallel step ended at its last phase, its backward, and its optimizer was in no step), where
+        the optimizer updates a recorded module's weights (another model's, trained before the next recorded forward,
+        is no part of the step)."""
         step = self._implicit  # read once: a forward on another thread may close it; touching a closed step is harmless
-        if step is not None and step.passes:
+        if step is not None and step.passes and self._updates_weights(optimizer):
             step.touch(time.perf_counter_ns())
 
-    def end_step(self) -> None:
-        """End the open implicit step now (dpprof.instrument calls it at each optimizer.step()).
+    def end_step(self, optimizer: Any = None) -> None:
+        """End the open implicit step now (dpprof.instrument calls it at each optimizer.step(), with the optimizer).
 
         Its record waits for the next step's start (or the run's end): an optimizer step made before that, with no
         forward between (the second of two optimizers stepped back to back after one backward: an embedding's
-        SparseAdam, then the dense layers' Adam), ends it again, later, so that every optimizer's time is in it."""
+        SparseAdam, then the dense layers' Adam), ends it again, later, so that every optimizer's time is in it; unless
+        the optimizer updates none of the recorded modules' weights (a model the run does not record, trained before
+        the next recorded forward: its time and the loading before it are no part of the step)."""
         now = time.perf_counter_ns()
         with self._lock:
             step = self._implicit
@@ -426,8 +439,36 @@ class Run:
                 self._implicit = None
                 step.closed = True  # ended: what a stale probe does after it belongs to no step
                 self._ended, self._ended_at_ns = step, max(now, step.last_end_ns)
-            elif self._ended is not None and self._explicit is None:
+            elif self._ended is not None and self._explicit is None and self._updates_weights(optimizer):
                 self._ended_at_ns = now
+
+    def _note_weights(self, module: object) -> None:
+        """Keep the parameters (ids) of a module whose forward call the run records, once (under the lock)."""
+        known = self._weights_of.get(id(module))
+        if known is not None and known[0]() is module:
+            return
+        try:
+            self._weights_of[id(module)] = (weakref.ref(module), frozenset(map(id, module.parameters())))  # type: ignore[attr-defined]
+        except (TypeError, AttributeError):  # no weak reference, or no parameters: nothing an optimizer updates
+            pass
+
+    def _updates_weights(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` updates weights of a module whose forward calls the run recorded (None: say so)."""
+        if optimizer is None:
+            return True
+        known = self._updates_recorded.get(id(optimizer))
+        if known is not None and known[0]() is optimizer and known[1] == len(self._weights_of):
+            return known[2]
+        try:
+            params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        except (AttributeError, TypeError, KeyError):  # not torch.optim's shape: counted as the model's, as before
+            return True
+        updates = any(not params.isdisjoint(weights) for _, weights in tuple(self._weights_of.values()))
+        try:
+            self._updates_recorded[id(optimizer)] = (weakref.ref(optimizer), len(self._weights_of), updates)
+        except TypeError:  # no weak reference: found again next time
+            pass
+        return updates
 
     def forward_starts_step(self, module: object | None = None) -> bool:
         """Whether a forward call of ``module`` made now would start a new step."""

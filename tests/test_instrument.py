@@ -178,6 +178,20 @@ def test_two_optimizers_stepped_back_to_back_are_both_in_the_step(wrap):
             assert len(run.phases.query("rank == @rank and step == @step and phase == 'optimizer'")) == 2
 
 
+def test_a_plain_models_optimizer_step_before_the_next_forward_is_no_part_of_the_step():
+    """A DataParallel trained beside a plain module (not recorded), whose optimizer steps after loading the next batch
+    (30 ms) and before the DataParallel's forward: an optimizer step after the step ended, with no recorded forward
+    between, as a second optimizer stepped back to back is. It moved the step's end over the loading and the plain
+    model's work (steps of 36 to 44 ms, the last 2 ms); only an optimizer of a recorded model's weights does now."""
+    out = _dpprof_run("--cpu-workers", "2", SCRIPTS / "train_beside_a_plain_model.py", "--load-ms", "30")
+    assert out.returncode == 0, out.stderr
+    steps = _only_run().steps.sort_values("step")
+    assert steps["step"].tolist() == [0, 1, 2, 3]
+    ends = (steps["start_ms"] + steps["duration_ms"]).to_numpy()
+    gaps = steps["start_ms"].to_numpy()[1:] - ends[:-1]
+    assert (gaps >= 30).all(), gaps  # each loading lies between two steps
+
+
 @pytest.mark.slow
 def test_a_ddp_script_whose_rank_raises_says_that_ranks_error_not_the_others():
     """Rank 1 raises; rank 0 then fails in its all-reduce (its peer gone) or is stopped by torchrun, later. The run's

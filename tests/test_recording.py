@@ -123,6 +123,26 @@ def test_an_implicit_step_holds_the_optimizer_steps_after_its_backward():
     assert after[3] < 10, after
 
 
+def test_an_implicit_step_holds_no_optimizer_step_of_a_model_the_run_does_not_record():
+    """A plain module beside the DataParallel, its optimizer stepped after loading the next batch (30 ms) and before
+    the DataParallel's forward: the step still open then ended at that optimizer step, over the loading (steps of 33 to
+    34 ms where 8 ms were recorded). Only an optimizer of a recorded module's weights moves a step's end."""
+    torch.manual_seed(0)
+    net = dpprof.DataParallel(nn.Linear(8, 4), device_ids=dpprof.cpu_devices(2))
+    plain = nn.Linear(8, 4)
+    optimizer, plain_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (net, plain))
+    with dpprof.record(name="beside a plain model") as run:
+        for _ in range(4):
+            time.sleep(0.03)  # loading the batch
+            plain(torch.randn(8, 8)).sum().backward()
+            plain_optimizer.step()
+            net(torch.randn(8, 8)).sum().backward()
+            optimizer.step()
+    steps = run.frames()["steps"].sort_values("step")
+    gaps = steps["start_ms"].to_numpy()[1:] - (steps["start_ms"] + steps["duration_ms"]).to_numpy()[:-1]
+    assert (gaps >= 30).all(), gaps  # each loading lies between two steps
+
+
 def test_two_forward_calls_in_one_step_are_two_calls():
     net = _linear_net(2)
     with dpprof.record(name="two calls") as run:
