@@ -23,7 +23,7 @@ from dpprof.store.reader import StoredRun
 from dpprof.units import plural
 
 __all__ = ["Pick", "DIFF_COLUMNS", "KERNEL_DIFF_COLUMNS", "SAME_CALLS_TOLERANCE", "operator_diff", "kernel_diff",
-           "diff_rows", "side_of", "others_mean", "others_mean_of", "clock_of", "diff_sentence", "picks_of", "at_steps"]
+           "diff_rows", "side_of", "others_mean_of", "clock_of", "diff_sentence", "picks_of", "at_steps"]
 
 # Two sides made "the same calls" when their counts differ by at most this share (a sampled trace drops a few)
 SAME_CALLS_TOLERANCE = 0.01
@@ -90,11 +90,6 @@ def others_mean_of(ops: pd.DataFrame, pick: Pick) -> pd.DataFrame:
     for col in ("device_total_ms", "device_self_ms"):  # a CPU-only side keeps its device times missing
         summed[col] = summed[col].where(device_any)
     return summed.reset_index()
-
-
-def others_mean(run: StoredRun, pick: Pick) -> pd.DataFrame:
-    """The mean per operator of every other (rank, device) of the run (others_mean_of)."""
-    return others_mean_of(detail_rows.operators(run), pick)
 
 
 def clock_of(a: pd.DataFrame, b: pd.DataFrame) -> str:
