@@ -37,7 +37,7 @@ PHASE_COLORS = {
     "scatter": "#88CCEE", "replicate": "#CC6677", "parallel_apply": "#DDCC77", "apply": "#117733",
     "gather": "#332288", "loss": "#44AA99", "reduce": "#999933", "backward": "#AA4499", "rest": "#BBBBBB",
     "step": "#DDDDDD", "data": "#661100", "forward": "#6699CC", "backward_compute": "#882255",
-    "comm_wait": "#EE8866", "optimizer": "#E69F00", "kernels": "#225555",
+    "comm_wait": "#EE8866", "optimizer": "#E69F00", "kernels": "#225555", "script_comm": "#994455",
 }
 PHASE_LABELS = {**PHASE_WORDS, "kernels": "GPU kernels", "rest": "rest of step", "loss": "loss (output device)", "reduce": "reduce (losses)"}
 _OTHER_COLORS = ["#888888", "#FFAABB", "#77AADD", "#AAAA00"]  # phases dpprof does not name

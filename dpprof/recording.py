@@ -127,7 +127,7 @@ def _distributed_identity(name: str | None, run_id: str | None = None
 
 class _Step:
     __slots__ = ("index", "start_ns", "explicit", "calls", "batch_size", "batch_of", "devices_used", "last_end_ns",
-                 "grad", "opened_by", "passes", "weighed", "closed")
+                 "grad", "opened_by", "passes", "weighed", "closed", "stepped")
 
     def __init__(self, index: int, start_ns: int, explicit: bool) -> None:
         self.index = index
@@ -142,6 +142,8 @@ class _Step:
         # ended: its step record is made, or an optimizer step ended it (its record held: Run.end_step); what a stale
         # probe does after it belongs to no step
         self.closed = False
+        # an optimizer stepped after its backward: what the script does next (its own collectives) is between steps
+        self.stepped = False
         self.calls = 0
         self.batch_size: int | None = None
         # the module whose calls the batch counts (id; 0 for a DDP rank's): the step's first, so that a step of two
@@ -249,6 +251,10 @@ class Run:
         # ends, and where it ends: the optimizer steps that follow it back to back (several optimizers) are its too
         self._ended: _Step | None = None
         self._ended_at_ns = 0
+        # the collectives the script called itself between steps, for the next step (dpprof.parallel.script_comms),
+        # once a DDP or FSDP forward was recorded (records_comms): a DataParallel run's process has no ranks
+        self.script_comms: list[list[Any]] = []
+        self.records_comms = False
         # the parameters (ids) of each module whose forward calls opened or joined a step, and whether each optimizer
         # updates any (cached, with the count of modules it was found for): only such an optimizer's step moves an
         # ended step's end, not that of a model the run does not record (trained before the next recorded forward)
@@ -423,6 +429,7 @@ class Run:
         step = self._implicit  # read once: a forward on another thread may close it; touching a closed step is harmless
         if step is not None and step.passes and self._updates_weights(optimizer):
             step.touch(time.perf_counter_ns())
+            step.stepped = True
 
     def end_step(self, optimizer: Any = None) -> None:
         """End the open implicit step now (dpprof.instrument calls it at each optimizer.step(), with the optimizer).
@@ -441,6 +448,14 @@ class Run:
                 self._ended, self._ended_at_ns = step, max(now, step.last_end_ns)
             elif self._ended is not None and self._explicit is None and self._updates_weights(optimizer):
                 self._ended_at_ns = now
+
+    def step_for_collective(self) -> _Step | None:
+        """The step a collective the script calls now is in (dpprof.parallel.script_comms): the open run.step(), else
+        the open implicit step until an optimizer stepped after its backward; None between steps (after the optimizer,
+        before the next forward: the next step's, whose data part holds it)."""
+        with self._lock:
+            step = self._explicit or self._implicit
+            return step if step is not None and not step.closed and not step.stepped else None
 
     def _note_weights(self, module: object) -> None:
         """Keep the parameters (ids) of a module whose forward call the run records, once (under the lock)."""

@@ -8,7 +8,7 @@ from typing import Any
 __all__ = ["HOST_OUTPUT", "PHASE_ORDER", "PHASES", "DDP_PHASES", "FSDP_PHASES", "FSDP_ONLY_PHASES", "DP_TAX_PHASES", "MEMORY_BYTES", "SEVERITIES", "FINDING_UNITS", "finding_unit_error", "SLOWDOWN_REASONS", "device_key", "idle_severity", "uneven_severity", "split_shares", "even_batch_sizes", "StepRecord", "PhaseRecord", "DeviceMemoryRecord", "AllocatorRecord", "GpuSampleRecord",
            "DeviceRecord", "NoteRecord", "FindingRecord", "CommRecord", "GpuTimeRecord", "Record",
            "TABLE_OF", "CHECK_OF_ENV", "Row", "PHASE_ROW", "COMM_ROW", "STEP_ROW", "MEMORY_ROW",
-           "RECORD_OF_TABLE", "record_of_row", "ALL_REDUCE", "ALL_REDUCE_RANGE"]
+           "RECORD_OF_TABLE", "record_of_row", "ALL_REDUCE", "ALL_REDUCE_RANGE", "SCRIPT_BUCKET"]
 
 # ``dpprof advise RUN --check`` sets this in the environment of the runs it records (one per scenario): a run
 # recorded under it stores the id of the run it checks as ``check_of`` in its workload_args, so that listings
@@ -20,27 +20,32 @@ CHECK_OF_ENV = "DPPROF_CHECK_OF"
 ALL_REDUCE = "all-reduce"
 # The record_function range around each bucket's all-reduce (dpprof.parallel.distributed).
 ALL_REDUCE_RANGE = "dpprof.allreduce"
+# A comms row's bucket for a collective the script called itself (dpprof.parallel.script_comms): no bucket of DDP's
+# or FSDP's. The figures of DDP's buckets and FSDP's collectives leave such rows out (framework_comms); the straggler
+# verdict matches them with the rest.
+SCRIPT_BUCKET = -1
 
 # Phase names, in the order a step runs them; record_function ranges are "dpprof.<phase>".
 PHASES = ("scatter", "replicate", "parallel_apply", "apply", "gather", "loss", "reduce", "backward")
 # DistributedDataParallel's phases, per rank ("rank:N" as the device): the gap before the step
 # (data loading), forward, backward (first gradient to the last all-reduce done), inside it
 # backward_compute (until the last bucket was launched) and comm_wait (from then until the last
-# all-reduce completed), and the optimizer step.
-DDP_PHASES = ("data", "forward", "backward", "backward_compute", "comm_wait", "optimizer")
+# all-reduce completed), the optimizer step, and script_comm (the host's time inside the script's own collectives:
+# a metric all-reduced after the optimizer step; dpprof.parallel.script_comms).
+DDP_PHASES = ("data", "forward", "backward", "backward_compute", "comm_wait", "optimizer", "script_comm")
 # FSDP's phases, per rank (dpprof.parallel.fsdp): data, the root's forward and backward (each holding the FSDP work
 # below that ran inside it), the exposed part of its all-gathers and reduce-scatters (the host blocked in the
 # collective or its wait), FSDP's copies around them (copy_in: shards into the all-gather buffer, gradients into the
 # reduce-scatter buffer; copy_out: the gathered buffer into the unsharded parameters, the reduced shard into .grad),
 # and the optimizer step.
 FSDP_PHASES = ("data", "forward", "backward", "all_gather_wait", "reduce_scatter_wait", "copy_in", "copy_out",
-               "optimizer")
+               "optimizer", "script_comm")
 FSDP_ONLY_PHASES = ("all_gather_wait", "reduce_scatter_wait", "copy_in", "copy_out")  # a run with one is FSDP's
 # Every phase in the order it runs in a step, the one order every table, legend and the advisor's parts list them in
 # (a parent before its parts: backward before backward_compute and comm_wait).
 PHASE_ORDER = ("data", "scatter", "replicate", "apply", "parallel_apply", "gather", "loss", "reduce", "forward",
                "backward", "backward_compute", "comm_wait", "copy_in", "all_gather_wait", "copy_out",
-               "reduce_scatter_wait", "optimizer")
+               "reduce_scatter_wait", "optimizer", "script_comm")
 # "loss" is a whole-batch loss measured on the output device (MeasuredLoss, after a plain gather);
 # "reduce" is DataParallelCriterion's: the per-device losses combined on the output device.
 DP_TAX_PHASES = ("scatter", "replicate", "gather")  # work only DataParallel does (DDP has none of it)
@@ -259,7 +264,8 @@ class CommRecord:
     step: int
     device: str  # "rank:N"
     bucket: int  # the bucket's index in DDP's reducer, after the buckets of the DDP models recorded before it (a
-    # GAN's two models: the second's follow the first's); FSDP's and an imported trace's: its index among the step's
+    # GAN's two models: the second's follow the first's); FSDP's and an imported trace's: its index among the step's;
+    # SCRIPT_BUCKET for a collective the script called itself (a recorded DDP or FSDP run's)
     bucket_bytes: int | None  # what it sent: a DDP bucket's hook's collectives' tensors (half the bucket under an fp16
     # compress hook), the bucket's size where none was seen; None: an imported collective whose kernel and op give no size
     launch_ms: float  # since the run started: when the bucket was ready and its all-reduce launched

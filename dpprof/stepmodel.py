@@ -10,9 +10,9 @@ stated priority, whose kinds are all running then; an instant where none runs is
 | kind of step | priority (first wins) | rest |
 | --- | --- | --- |
 | DataParallel (dpprof's phases) | scatter, replicate, parallel_apply, apply (one device's, outside any parallel_apply), gather, loss, reduce, backward | rest |
-| a process (DDP ranks, imported traces) | forward, backward_compute, comm_wait, optimizer, data | rest |
-|   (a process whose backward is not split) | forward, backward, optimizer, data | rest |
-| an FSDP rank | all_gather_wait, reduce_scatter_wait, copy_in, copy_out, forward, backward, optimizer, data | rest |
+| a process (DDP ranks, imported traces) | forward, backward_compute, comm_wait, optimizer, script_comm, data | rest |
+|   (a process whose backward is not split) | forward, backward, optimizer, script_comm, data | rest |
+| an FSDP rank | all_gather_wait, reduce_scatter_wait, copy_in, copy_out, forward, backward, optimizer, script_comm, data | rest |
 | a GPU (imported traces) | overlap (kernel + collective), computation, communication, memcpy, memset | idle |
 
 Every figure that says "N% of the step" or stacks parts of a step is read from ``partition``; nothing sums
@@ -41,14 +41,17 @@ DATAPARALLEL_PARTS: tuple[Part, ...] = tuple((p, (p,)) for p in (
     "scatter", "replicate", "parallel_apply", "apply", "gather", "loss", "reduce", "backward"))
 # A process's step (a DDP rank, an imported trace): computing first, then the all-reduce it waits for (what
 # overlapped backward compute is counted as compute: only the exposed wait is communication), the optimizer, and
-# loading data last (a DataLoader range that runs beside forward is not time the step spent waiting for data).
-# "backward" is backward_compute + comm_wait (its parent): a part of its own only in a run without its parts.
+# the script's own collectives (a recorded rank's wait in a metric's all-reduce between its steps, inside the gap before
+# forward that is its data part), and loading data last (a DataLoader range that runs beside forward is not time the
+# step spent waiting for data). "backward" is backward_compute + comm_wait (its parent): a part of its own only in a
+# run without its parts.
 PROCESS_PARTS: tuple[Part, ...] = tuple((p, (p,)) for p in (
-    "forward", "backward_compute", "comm_wait", "backward", "optimizer", "data"))
+    "forward", "backward_compute", "comm_wait", "backward", "optimizer", "script_comm", "data"))
 # An FSDP rank (dpprof.parallel.fsdp): its forward and backward hold FSDP's own work, so the exposed collectives and
 # FSDP's copies come first; what is left of forward and backward is their compute.
 FSDP_PARTS: tuple[Part, ...] = tuple((p, (p,)) for p in (
-    "all_gather_wait", "reduce_scatter_wait", "copy_in", "copy_out", "forward", "backward", "optimizer", "data"))
+    "all_gather_wait", "reduce_scatter_wait", "copy_in", "copy_out", "forward", "backward", "optimizer", "script_comm",
+    "data"))
 # A GPU: kernels over copies over memsets (the plugin's kernel > memcpy > memset > communication order); a
 # compute kernel and a collective kernel running together are the overlap, a part of its own.
 GPU_PARTS: tuple[Part, ...] = (("overlap", ("compute", "communication")), ("computation", ("compute",)),
@@ -65,14 +68,15 @@ SHARED_OF = {
     "forward": "compute", "backward_compute": "compute", "comm_wait": "exposed communication",
     "optimizer": "optimizer", "data": "data", REST: REST,
     "all_gather_wait": "exposed communication", "reduce_scatter_wait": "exposed communication",
-    "copy_in": "compute", "copy_out": "compute",
+    "copy_in": "compute", "copy_out": "compute", "script_comm": "exposed communication",
 }
 
 # The words for a phase whose name is not one, wherever a phase is named for people (charts' legends, dpprof advise,
 # the advisor's notes). A place that says more about a phase (a legend's "loss (output device)") adds to these.
 PHASE_WORDS = {"parallel_apply": "apply (all devices)", "backward_compute": "backward compute",
                "comm_wait": f"{ALL_REDUCE} wait", "all_gather_wait": "all-gather wait",
-               "reduce_scatter_wait": "reduce-scatter wait", "copy_in": "FSDP copy-in", "copy_out": "FSDP copy-out"}
+               "reduce_scatter_wait": "reduce-scatter wait", "copy_in": "FSDP copy-in", "copy_out": "FSDP copy-out",
+               "script_comm": "the script's collectives"}
 # The shared parts as a sentence names them (Compare's differences); the others by their own names.
 SHARED_PART_WORDS = {REST: "the rest of the step", "exposed communication": "exposed communication (the wait for it)",
                      "DataParallel tax": "the DataParallel tax (scatter + replicate + gather)"}

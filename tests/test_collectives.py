@@ -18,6 +18,7 @@ import pytest
 
 import dpprof
 from dpprof.findings import run_findings, straggler_severity
+from dpprof.records import SCRIPT_BUCKET
 from dpprof.findings.collectives import MOVED_STEP_SHARE, by_chance, collective_waits, match_collectives, wait_heatmap
 from dpprof.trace import import_traces
 from dpprof import charts
@@ -225,6 +226,52 @@ def test_a_collective_the_script_runs_after_its_optimizer_step_is_no_part_of_bac
     faster = " ms faster than the others' mean" in evidence
     assert ("Not its operators, which are faster than the others'" in evidence) == faster
     assert ("Operators behind it" in evidence) == (not faster)
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_a_recorded_rank_late_to_the_scripts_own_collective_is_the_straggler(tmp_path, fsdp):
+    """Rank 1 sleeps after its optimizer step, then every rank all-reduces a metric to log, recorded by dpprof run.
+    dpprof timed DDP's buckets and FSDP's collectives but not the script's own: the whole gap before the next forward
+    was every rank's data part ("rank:1 spends 84% of the step loading data" and "rank:0 ... 80%", with a 30 ms
+    delay), and no straggler was named. The script's collectives are now timed: rank 0's wait in the metric's
+    all-reduce is its script_comm part, not data, and the verdict matches it across the ranks: rank 1 is the
+    straggler, by its delay. A round trip through dpprof's own trace keeps them apart from DDP's buckets."""
+    _ranks(2, "--steps", "6", "--load-ms", "20", "--delay", f"1:{DELAY_MS:g}", "--delay-at", "after",
+           *(["--fsdp"] if fsdp else []), record=tmp_path)
+    run = _only_run(tmp_path)
+    _assert_straggler(run, "rank:1")
+    comms, first = run.comms, run.steps["step"].min()
+    own = comms[comms["bucket"] == SCRIPT_BUCKET]
+    # one metric all-reduce of 4 floats after each step but the last (the last is after the last step: in none)
+    assert own.groupby("rank").size().tolist() == [5, 5]
+    assert set(own["collective"]) == {"all-reduce"} and set(own["bucket_bytes"]) == {16}
+    assert first not in set(own["step"])  # each is the next step's: it ran before that step's forward
+    # the wait is rank 0's script_comm part, out of its data part, which holds its loading (20 ms) alone
+    phases = run.phases[run.phases["step"] != first]
+    per = phases.groupby(["device", "step", "phase"])["duration_ms"].sum().unstack("phase")
+    waited = per.loc["rank:0", "script_comm"]
+    assert (abs(waited - DELAY_MS) <= TOLERANCE * DELAY_MS).all(), waited
+    assert (per.loc["rank:0", "data"] < 20.0 + TOLERANCE * DELAY_MS).all(), per.loc["rank:0", "data"]
+    # the data part and the script's collectives never overlap in the rows: each step's sum is its union
+    rows = phases[phases["phase"].isin(["data", "script_comm"])].sort_values(["device", "step", "start_ms"])
+    ends = rows["start_ms"] + rows["duration_ms"]
+    later = rows.groupby(["device", "step"])["start_ms"].shift(-1)
+    assert (later.dropna() >= ends[later.notna()] - 1e-6).all()
+    found = run_findings(run)
+    data = found.table[found.table["kind"] == "data_loading"].set_index("device")["value"]
+    # rank 0 loads 20 ms of its ~190 ms step: it waited in the collective, it did not load for 150 ms more (84%)
+    assert data.get("rank:0", 0.0) < 0.25, data
+    if not fsdp:  # DDP's buckets are counted as before: the script's all-reduce is no bucket
+        stats = overview(run).comms.set_index("device")
+        buckets = comms[(comms["bucket"] >= 0) & (comms["step"] != first)].groupby(["rank", "step"])["bucket"].nunique()
+        assert stats["buckets_per_step"].tolist() == [buckets.loc[0].median(), buckets.loc[1].median()]
+    # dpprof's own trace of the run, imported again: the same collectives, the script's still its own
+    from dpprof.trace.export import export_trace
+    _, written = export_trace(run, tmp_path / "trace.json.gz")
+    back = dpprof.load_run(import_traces([w.path for w in written], tmp_path / "back").id, tmp_path / "back")
+    again = back.comms[back.comms["bucket"] == SCRIPT_BUCKET]
+    assert len(again) == len(own) and set(again["step"]) == set(own["step"])
+    _assert_straggler(back, "rank:1")
 
 
 def test_a_subgroups_collectives_are_not_paired_with_the_other_ranks_by_their_order(tmp_path):

@@ -70,9 +70,9 @@ DDP_BUCKET_BYTES = 25 << 20
 # host, a few tens of microseconds in NCCL's own tests.
 ASSUMED_LINK_MS_PER_MIB = 2**20 / 12e9 * 1e3
 NCCL_LATENCY_MS = 0.03
-# Parts of a step, in the order they run (records.PHASE_ORDER; data loading and the optimizer are in "rest");
-# each scenario's parts_ms add up to its step_ms.
-PART_ORDER = (*(p for p in PHASE_ORDER if p not in ("data", "optimizer")), "rest")
+# Parts of a step, in the order they run (records.PHASE_ORDER; data loading, the optimizer and the script's own
+# collectives are in "rest"); each scenario's parts_ms add up to its step_ms.
+PART_ORDER = (*(p for p in PHASE_ORDER if p not in ("data", "optimizer", "script_comm")), "rest")
 PART_WORDS = {p: PHASE_WORDS.get(p, p) for p in PART_ORDER} | {"apply": "apply (one device, on the caller)",
                                                                "rest": "rest (optimizer, zero_grad, Python)"}
 

@@ -6,10 +6,10 @@ from typing import Any
 
 import pandas as pd
 
-from dpprof.records import FindingRecord, finding_unit_error
+from dpprof.records import SCRIPT_BUCKET, FindingRecord, finding_unit_error
 from dpprof.store.model import RunModel
 
-__all__ = ["FINDING_COLUMNS", "MEDIAN_STEP", "OperatorData", "Tables", "finding", "per_step"]
+__all__ = ["FINDING_COLUMNS", "MEDIAN_STEP", "OperatorData", "Tables", "finding", "per_step", "split_script_comms"]
 
 FINDING_COLUMNS = [f.name for f in fields(FindingRecord)]
 # What a finding weighs a cost against, in its words: the median of the steps past the first (which carries one-time
@@ -59,6 +59,21 @@ class Tables:
     detail: OperatorData | None = None  # operators, kernels, GPU figures and memory peaks, where the run has them
     # rank -> its DataLoaders' settings (StoredRun.data_loaders, dpprof.loaders); a rank that says none is left out
     data_loaders: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    # the collectives a recorded DDP or FSDP script called itself (records.SCRIPT_BUCKET), out of ``comms``: DDP's
+    # buckets' and FSDP's figures read ``comms``; the straggler verdict reads both (``collectives``)
+    script_comms: pd.DataFrame = field(default_factory=pd.DataFrame)
+
+    def __post_init__(self) -> None:
+        self.comms, script = split_script_comms(self.comms)
+        if len(script):
+            self.script_comms = script
+
+    @property
+    def collectives(self) -> pd.DataFrame:
+        """Every collective of the run, DDP's or FSDP's and the script's own: what ranks wait for each other in."""
+        if self.script_comms.empty:
+            return self.comms
+        return pd.concat([self.comms, self.script_comms]).sort_index(kind="stable")
 
     @property
     def every_step(self) -> pd.DataFrame:
@@ -90,6 +105,17 @@ class Tables:
     @property
     def first_step(self) -> int | None:
         return int(self.steps["step"].min()) if len(self.steps) else None
+
+
+def split_script_comms(comms: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A comms table as (DDP's or FSDP's collectives, or an imported trace's; the script's own collectives): the figures
+    of buckets and of FSDP's collectives read the first alone. The table itself where the script called none."""
+    if comms.empty or "bucket" not in comms:
+        return comms, comms.iloc[:0]
+    own = comms["bucket"].to_numpy() == SCRIPT_BUCKET
+    if not own.any():
+        return comms, comms.iloc[:0]
+    return comms[~own], comms[own]
 
 
 def finding(kind: str, severity: str, device: str | None, title: str, evidence: str, advice: str,

@@ -266,7 +266,7 @@ def _second_late_rank(table: pd.DataFrame, slow: int, devices: dict[int, str], t
 def collective_verdict(t: Tables) -> CollectiveVerdict | None:
     """The straggler from the collectives (the module's rule); None where fewer than two ranks have matched
     collectives in two later steps (the first step left out: DDP rebuilds its buckets after it)."""
-    comms = t.comms
+    comms = t.collectives  # the script's own too: a rank late to its metric's all-reduce holds the others there
     if comms.empty or "rank" not in comms or comms["rank"].nunique() < 2:
         return None
     devices = {int(r): str(d) for r, d in comms.groupby("rank")["device"].first().items()}

@@ -189,19 +189,19 @@ def unrecorded_time(t: Tables) -> list[dict]:
     rest = per[per["device"] != device]
     others = [f"{r.device} {getattr(r, REST):.2f} ms ({r.share:.0%})" for r in rest.iloc[:RANKS_LISTED - 1].itertuples()]
     more = f" and {len(rest) - RANKS_LISTED + 1} more" if len(rest) >= RANKS_LISTED else ""
-    parts = "data loading, forward, backward, the exposed collectives and the optimizer step"
+    parts = "data loading, forward, backward, the exposed collectives, the optimizer step and the script's collectives"
     over = int(worst["steps_over"])
     evidence = (f"{rest_ms:.2f} ms of {device}'s {step_ms:.2f} ms mean step past the first ({plural(steps, 'step')}) "
                 f"is in none of its recorded parts ({parts}), over {REST_SHARE_WARN:.0%} of the step in {over} of "
                 f"them"
                 + (f"; the other ranks: {', '.join(others)}{more}" if others else "")
-                + f". It holds the loss and the script's own code between the parts: logging and metrics, the "
-                f"collectives that reduce them (a dist.all_reduce of the loss), .item() and other synchronisations, "
-                f"checkpoints. It {cost_text(rest_ms, steps, device + chr(39) + 's')}")
+                + f". It holds the loss and the script's own code between the parts: logging and metrics, "
+                f".item() and other synchronisations, checkpoints (the script's own collectives are a part of their "
+                f"own, script_comm). It {cost_text(rest_ms, steps, device + chr(39) + 's')}")
     advice = ("See what runs there: record a window of steps with torch.profiler (dpprof run --capture 5:8 "
               "train.py, then dpprof ops RUN), or profile the script with torch.profiler and dpprof import its "
-              "rank files: the script's own collectives then show, and a rank the others wait for in them is named. "
-              "Log and reduce metrics every N steps rather than every step, or reduce them with async_op=True.")
+              "rank files. Log metrics every N steps rather than every step, and move checkpoints and evaluation "
+              "off the step.")
     return [finding("unrecorded_time", "warning", device,
                     f"{share:.0%} of the step is outside the parts dpprof records", evidence, advice, share,
                     "share")]

@@ -33,6 +33,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from dpprof.device_ids import rank_devices
+from dpprof.parallel import script_comms
 from dpprof.parallel.probe import ForwardProbe, allocator_bytes, cuda_event, gpu_of, iter_tensors, rank_part
 from dpprof.recording import Run, current_run
 from dpprof.records import ALL_REDUCE, ALL_REDUCE_RANGE, COMM_ROW, AllocatorRecord
@@ -219,6 +220,7 @@ def _counting(collective: Callable[..., Any], position: int, name: str) -> Calla
         return collective(*args, **kwargs)
 
     counted._dpprof_counting = True  # type: ignore[attr-defined]
+    script_comms.skip_wrapper(counted.__code__)  # type: ignore[attr-defined] # the script's call of a collective it counts is the script's
     return counted
 
 
@@ -409,6 +411,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             super().register_comm_hook(self.process_group, _default_hook(self))
             self.__dict__["_dpprof_hooked"] = _DEFAULT
         _install_optimizer_hooks()
+        if not run.records_comms:
+            script_comms.install()
+            run.records_comms = True
         previous: _RankProbe | None = self.__dict__["_dpprof_previous"]
         if previous is not None and previous.run is not run:
             previous = None
@@ -440,11 +445,18 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             if not step.explicit and probe.forward.call == 0:
                 step.start_ns = min(step.start_ns, data_start)
             data_start = max(data_start, step.start_ns)
-            if t0 > data_start:
+            # the script's collectives since the last step are this step's (held since then), and no part of its data
+            held = script_comms.settle(run, step, step.start_ns) if probe.forward.call == 0 else []
+            if held and t0 > data_start:  # the data part around them, host time alone
+                for a, b in script_comms.outside(data_start, t0, held):
+                    probe.phase_done("data", a, b)
+            elif t0 > data_start:
                 # on a GPU, the data part's GPU time only where it starts at the previous step's end (not at an
                 # explicit step's start, which no event marks)
                 data_ev0 = probe.previous_end_event if data_start == probe.previous_end_ns else None
                 probe.phase_done("data", data_start, t0, data_ev0, ev0)
+        elif probe.forward.call == 0:  # the first step: what the script called before it is in no step
+            script_comms.settle(run, probe.step, probe.step.start_ns)
         probe.forward.note_batch(inputs, kwargs)
         with record_function("dpprof.forward"):
             # calls alike (this module, its input shapes) counted from the graph once, then every so many calls

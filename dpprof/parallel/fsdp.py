@@ -58,6 +58,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from dpprof.device_ids import rank_devices
+from dpprof.parallel import script_comms
 from dpprof.parallel.probe import allocator_bytes, cuda_event, gpu_of, iter_tensors, rank_part, tensor_bytes
 from dpprof.recording import Run, current_run
 from dpprof.records import ALL_REDUCE, COMM_ROW, MEMORY_ROW, PHASE_ROW, AllocatorRecord
@@ -116,10 +117,20 @@ class _StepProbe:
             if not step.explicit and step.calls == 1:
                 step.start_ns = min(step.start_ns, data_start)
             data_start = max(data_start, step.start_ns)
-            if t0 > data_start:
+            # the script's collectives since the last step are this step's (held since then), and no part of its data
+            held = script_comms.settle(run, step, step.start_ns) if step.calls == 1 else []
+            if held and t0 > data_start:  # the data part around them, host time alone
+                for a, b in script_comms.outside(data_start, t0, held):
+                    self.phase("data", a, b)
+            elif t0 > data_start:
                 # on a GPU, from the previous step's last part's end there (not from an explicit step's start)
                 data_ev0 = previous.last_end_event if data_start == previous.last_end_ns else None
                 self.phase("data", data_start, t0, data_ev0, ev0)
+        elif self.step.calls == 1:  # the first step: what the script called before it is in no step
+            script_comms.settle(run, self.step, self.step.start_ns)
+        if not run.records_comms:
+            script_comms.install()
+            run.records_comms = True
 
     def event(self) -> torch.cuda.Event | None:
         """A CUDA timing event recorded now on this rank's GPU's current stream (None for a rank on the CPU)."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from dpprof.records import TABLE_OF
+from dpprof.records import SCRIPT_BUCKET, TABLE_OF
 from dpprof.store.retention import BOUNDED, Retention, stored_retention
 from dpprof.store.schema import AGGREGATE_TABLES, RUN_COLUMNS, columns_of
 
@@ -32,6 +32,8 @@ RUN_ID = re.compile(r"[^./\\\x00-\x1f*?\[\]][^/\\\x00-\x1f*?\[\]]{0,199}")  # fu
 # Figures that are times since the run started may precede it (an imported trace's events before its first
 # step); every other figure (a duration, a size, a count, a step number, a percentage) is never negative.
 SIGNED = frozenset({"start_ms", "t_ms", "launch_ms", "value"})
+# ... and a comms row's bucket may be SCRIPT_BUCKET (-1): a collective the script called itself
+LOWEST = {"bucket": SCRIPT_BUCKET}
 # The columns that say what a row is and when (its step, device, phase, time), which every reader of the table
 # relies on and every writer fills; any other column may hold NULL (a figure the source did not have: an
 # imported trace's unknown reserved bytes, a block's minimum before a finite one, a call without a batch).
@@ -166,10 +168,15 @@ def _columns(table: str) -> dict[str, tuple[str, bool]]:
     return {name: (kind, name not in NOT_NULL.get(table, ())) for name, kind in columns.items()}
 
 
+def _lowest(column: str) -> float:
+    """The least value ``column`` may hold."""
+    return -MAX_VALUE if column in SIGNED else LOWEST.get(column, 0)
+
+
 def _wanted(column: str, kind: str) -> str:
     """What ``column`` must hold, in words: "a number from 0 to 1e+15", "text"."""
     if kind in ("INTEGER", "REAL"):
-        return f"a number from {-MAX_VALUE if column in SIGNED else 0:g} to {MAX_VALUE:g}"
+        return f"a number from {_lowest(column):g} to {MAX_VALUE:g}"
     return "text" if kind == "TEXT" else "a sketch (int32 pairs)"
 
 
@@ -182,7 +189,7 @@ def _valid_sql(column: str, kind: str, nullable: bool) -> str:
     """
     c = f'"{column}"'
     if kind in ("INTEGER", "REAL"):
-        low = -MAX_VALUE if column in SIGNED else 0
+        low = _lowest(column)
         test = f"{c} BETWEEN {low:.0f} AND {MAX_VALUE:.0f}"
     elif kind == "TEXT":
         test = f"{c} >= '' AND {c} < x''"

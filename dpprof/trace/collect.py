@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from dpprof.records import ALL_REDUCE
+from dpprof.records import ALL_REDUCE, SCRIPT_BUCKET
 from dpprof.trace.numbers import (MAX_BYTES, MAX_GPU_INDEX, MAX_STEP, MAX_STEP_DIGITS, MAX_TIME_US,
                                   base_time_problem, distributed_problem, is_time, shown, slack_us, time_problem, whole)
 from dpprof.trace.decode import Event, OddEvent, TraceError, TraceFile
@@ -374,7 +374,7 @@ def collect_part(trace: TraceFile) -> Collected:
                     else:
                         op_args = args_of(event)
                         out.collectives.append(Collective(name, float(ts), float(end), _message_bytes(op_args),
-                                                          bucket=whole(op_args.bucket, 0, MAX_STEP)))
+                                                          bucket=whole(op_args.bucket, SCRIPT_BUCKET, MAX_STEP)))
                 elif cat in gpu_cats:
                     ts, dur = event.ts, event.dur
                     if not (isinstance(ts, number) and 0 <= ts <= top) or (

@@ -8,6 +8,7 @@ from typing import Any
 import pandas as pd
 
 from dpprof.findings import Findings, run_findings
+from dpprof.findings.base import split_script_comms
 from dpprof.findings.ddp import bucket_counts, collective_busy, later_collectives, overlapped_ms
 from dpprof.findings.collectives import match_collectives, wait_heatmap
 from dpprof.findings.dataparallel import MEMORY_SKEW_RATIO
@@ -226,6 +227,9 @@ def comm_stats(run: StoredRun) -> pd.DataFrame:
     if "comms" not in run.model.has:
         return pd.DataFrame(columns=cols)
     every, steps, compute = queries.sampled_comm_rows(run)  # a long run: the steps whose detail stands for it
+    every, _ = split_script_comms(every)  # DDP's buckets and FSDP's collectives: the script's own are no bucket
+    if every.empty:
+        return pd.DataFrame(columns=cols)
     comms = later_collectives(every)  # the steps past the first, as the communication finding's
     busy = collective_busy(comms, steps).set_index(["step", "device"])
     kinds = [k for k in busy.columns if k not in ("window_ms", "busy_ms")]
