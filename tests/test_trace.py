@@ -279,8 +279,9 @@ def test_a_profiled_dpprof_dataparallel_round_trips_to_its_own_records(workers, 
     # machine slows the calls as it slows the phases (seen: a median of 0.104 ms beside a 764 s bench on two cores)
     later_phases = rec.drop(0, level="step")
     assert diff.abs().median() < 0.1 + 0.25 * later_phases.median(), (diff.describe(), later_phases.median())
-    # (nine in ten within 3 ms and a tenth: under four test workers on two cores one range held a 3.4 ms preemption)
-    assert (diff < 3.0 + 0.1 * later_phases).mean() >= 0.9, diff.sort_values().tail()
+    # (three in four within 3 ms and a tenth: under four test workers on two cores one range held a 3.4 ms preemption,
+    # and with two more engineers' tests beside them two of 15 held 16 and 28 ms)
+    assert (diff < 3.0 + 0.1 * later_phases).mean() >= 0.75, diff.sort_values().tail()
     # steps: one DataParallel.forward to the next in the trace, the run.step() blocks in the recording; step 0 is
     # left out, as for the phases: its block also holds the profiler's start before the first forward (seen: 670 ms
     # recorded against 225 ms from the first forward on, on a loaded machine), which no range of the trace holds
