@@ -217,6 +217,11 @@ def test_a_collective_the_script_runs_after_its_optimizer_step_is_no_part_of_bac
     backward_end = ends[ends["phase"] == "backward"].set_index(["rank", "step"])["end_ms"]
     assert len(backward_end) == 2 * 5  # every step of both ranks ran a backward
     assert (backward_end <= phases["optimizer"].reindex(backward_end.index) + 1e-6).all()
+    # rank 0's wait in the metric's all-reduce is its script_comm part, as a recorded rank's (it was the step's rest)
+    later = run.phases[run.phases["step"] != run.steps["step"].min()]
+    waited = later[later["phase"] == "script_comm"].groupby(["device", "step"])["duration_ms"].sum()
+    assert (abs(waited.loc["rank:0"] - DELAY_MS) <= TOLERANCE * DELAY_MS).all(), waited
+    assert (waited.loc["rank:1"] < TOLERANCE * DELAY_MS).all(), waited
     found = run_findings(run)
     verdict = found.straggler
     assert verdict is not None and verdict.reported and verdict.slowest == "rank:1", verdict.sentence()

@@ -14,7 +14,8 @@ Rules (each said in the run's notes when it applies):
   ``backward_compute`` (until the last collective was launched) and ``comm_wait`` (from then until it
   completed on the GPU), and ``optimizer`` (``Optimizer.step#`` ranges). Backward's collectives are those
   launched while its ops ran (DDP's buckets'); the script's own after it (a metric all-reduced for logging) are
-  no part of backward: the step's rest.
+  no part of backward: a collective outside forward, backward and the optimizer is ``script_comm`` (the host's
+  time in its op), as in a recorded rank (not in a job that shards with FSDP, whose hooks run collectives there).
 - GPU time per step: each GPU's step window partitioned (``dpprof.stepmodel``, GPU_PARTS): a compute kernel
   and a collective kernel together are overlap, then computation, communication, memcpy (not under a kernel),
   memset (not under a kernel or copy), and idle: the parts sum to the window.
@@ -189,7 +190,8 @@ def _allocator(c: Collected, windows: list[tuple[int, float, float]], label_of: 
 
 
 def _host_phases(c: Collected, windows: list[tuple[int, float, float]], label: str, ms: Any) -> tuple[list[Record], list[str]]:
-    """data, forward, backward (backward_compute, comm_wait) and optimizer of each step of one process."""
+    """data, forward, backward (backward_compute, comm_wait), optimizer and the script's own collectives
+    (script_comm) of each step of one process."""
     out: list[Record] = []
     notes: set[str] = set()
     bw_s = np.frombuffer(c.backward.starts, dtype=float)
@@ -208,14 +210,17 @@ def _host_phases(c: Collected, windows: list[tuple[int, float, float]], label: s
         for r in data:
             phase("data", r.start_us, r.end_us)
         forwards = _in(c.forwards, lo, hi)
+        busy = []  # forward's and the optimizer's spans: a collective inside them is theirs, not the script's
         if forwards:
             if not data and forwards[0].start_us > lo:
                 phase("data", lo, forwards[0].start_us)
             for f in forwards:
                 phase("forward", f.start_us, f.end_us)
+                busy.append((f.start_us, f.end_us))
         elif b0 is not None:
             start = max([r.end_us for r in data], default=lo)
             phase("forward", start, b0)
+            busy.append((start, b0))
             notes.add("forward: no DataParallel or DistributedDataParallel forward range, so forward is from the "
                       "step's start (after loading data) to its first backward op")
         if b0 is not None and b1 is not None:
@@ -235,6 +240,14 @@ def _host_phases(c: Collected, windows: list[tuple[int, float, float]], label: s
                 phase("backward_compute", b0, b1)
         for r in _in(c.optimizer, lo, hi):
             phase("optimizer", r.start_us, r.end_us)
+            busy.append((r.start_us, r.end_us))
+        if not c.fsdp_ranges:  # FSDP's collectives run outside these ranges too (its hooks'): none is the script's
+            for x in _in(c.collectives, lo, hi):
+                # the script's own: outside forward, backward and the optimizer (a metric all-reduced after the
+                # optimizer step), the host's time in it as a recorded rank's script_comm (its launch, on NCCL)
+                if not (b0 is not None and b1 is not None and b0 <= x.start_us <= b1) and not any(
+                        a <= x.start_us < b for a, b in busy):
+                    phase("script_comm", x.start_us, min(x.end_us, hi))
     return out, sorted(notes)
 
 
