@@ -10,7 +10,7 @@ import os
 import re
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import pandas as pd
@@ -104,10 +104,44 @@ def _terminal(value: object) -> object:
     return "".join(repr(ch)[1:-1] if unicodedata.category(ch)[0] == "C" else ch for ch in value)
 
 
-def _table(df: pd.DataFrame, float_format: str = "{:.3f}") -> str:
+# The most characters a text cell takes in a printed table. A C++ kernel's name runs to 2,000 (its template arguments
+# and whole signature: an fbgemm embedding kernel of a shared trace, 1,700) and pandas pads its column to the longest,
+# so every row of `dpprof kernels` was as wide; torch.profiler's own table cuts names at 55. --json and
+# `dpprof export` keep them whole.
+CELL_CHARS = 60
+ELLIPSIS = "..."  # ASCII: a log or a C-locale terminal shows it as written
+
+
+def _cell(value: object, width: int = CELL_CHARS) -> object:
+    """Text over ``width`` characters as its start and end around "...", ``width`` in all (the start the longer: a
+    kernel's name and template, an operator's namespace; the end: its last arguments, a shape's last dimensions)."""
+    if not isinstance(value, str) or len(value) <= width:
+        return value
+    tail = (width - len(ELLIPSIS)) // 3
+    return f"{value[:width - len(ELLIPSIS) - tail]}{ELLIPSIS}{value[-tail:]}"
+
+
+def _too_long(values: Iterable[object]) -> bool:
+    """Whether any of ``values`` is text over CELL_CHARS characters."""
+    return any(isinstance(v, str) and len(v) > CELL_CHARS for v in values)
+
+
+def _table(df: pd.DataFrame, float_format: str = "{:.3f}", whole: str = "--json and dpprof export give it whole") -> str:
+    """``df`` as a terminal table: text cells over CELL_CHARS characters shortened, a line under the table saying so
+    and where ``whole`` text is to be read."""
     if df.empty:
         return "(none)"
-    return df.to_string(float_format=float_format.format, na_rep="-")
+    long = [c for c in df.columns if not pd.api.types.is_numeric_dtype(df[c].dtype) and _too_long(df[c])]
+    index_long = not pd.api.types.is_numeric_dtype(df.index.dtype) and _too_long(df.index)
+    if long or index_long:
+        df = df.copy()
+        for c in long:
+            df[c] = df[c].map(_cell)
+        if index_long:
+            df.index = df.index.map(_cell)
+    text = df.to_string(float_format=float_format.format, na_rep="-")
+    return text + (f"\n(text over {CELL_CHARS} characters is shortened to its start and end; {whole})"
+                   if long or index_long else "")
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
@@ -419,7 +453,7 @@ def _cmd_runs(args: argparse.Namespace) -> int:
     shown["id"] = [f"└ {i}" if pd.notna(of) else i for i, of in zip(readable["id"], readable["check_of"])]
     for col in ("id", "name", "workload", "devices"):  # names are the users' (and a file's): shown, never obeyed
         shown[col] = shown[col].map(_terminal)
-    print(_table(shown.set_index("id"), "{:.1f}"))
+    print(_table(shown.set_index("id"), "{:.1f}", whole="dpprof show RUN gives a run's name whole"))
     for _, short in readable[(readable["status"] == "incomplete") & readable["error"].notna()].iterrows():
         print(_terminal(f"incomplete: {short['id']}: {short['error']}"))
     for _, copy in readable[readable["copy_of"].notna()].iterrows():

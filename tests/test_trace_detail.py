@@ -685,3 +685,31 @@ def test_a_device_with_none_of_a_tables_rows_is_said_so_not_taken_for_the_whole_
         assert out.strip() == f"no {what} on host in this run: its {what} are cuda:0's", out
     assert main(["memory", path, "--device", "host"]) == 0  # host has memory of its own
     assert "peak_allocated_bytes" in capsys.readouterr().out
+
+
+def test_tables_shorten_long_names_in_the_terminal_and_json_keeps_them_whole(imported, capsys):
+    """The 128-rank job's fbgemm kernels are named with their whole C++ signature (1,700 characters), and pandas pads
+    a column to its longest cell: every row of `dpprof kernels` was 2,070 characters wide (`ops --by shape` 2,775,
+    `kernels --by operator` 2,247), unreadable in a terminal. Text cells are now cut to CELL_CHARS, keeping the start
+    and end, a line under the table says so, and --json keeps each name whole. No terminal is needed (the width is
+    fixed), so this holds under nohup as in a terminal."""
+    from dpprof.cli import CELL_CHARS
+
+    run = imported["ranks"]
+    assert main(["kernels", str(run.path), "--json"]) == 0
+    names = [k["name"] for k in json.loads(capsys.readouterr().out)["kernels"]]
+    longest = max(names, key=len)
+    assert len(longest) > 1_500  # whole in JSON
+    assert main(["kernels", str(run.path)]) == 0
+    out = capsys.readouterr().out
+    tail = (CELL_CHARS - 3) // 3
+    assert f"  {longest[:CELL_CHARS - 3 - tail]}...{longest[-tail:]}  " in out
+    assert out.rstrip().endswith(f"(text over {CELL_CHARS} characters is shortened to its start and end; --json and "
+                                 "dpprof export give it whole)")
+    assert all(name in out for name in names if len(name) <= CELL_CHARS)  # short names as they are
+    for name in (*SINGLE, "ranks"):
+        for command in (["kernels"], ["kernels", "--by", "operator"], ["ops"], ["ops", "--by", "shape"], ["memory"]):
+            assert main([*command, str(imported[name].path)]) == 0
+            widest = max(map(len, capsys.readouterr().out.splitlines()))
+            # the widest table, kernels by operator (16 columns, two of them text), is 309 characters
+            assert widest <= 320, (name, command, widest)
