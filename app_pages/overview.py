@@ -146,9 +146,9 @@ def body(row: pd.Series) -> None:
         st.caption(markdown_text(f"{plural(stats['steps'], 'step')}{spread}."))
     c[1].metric("Median step", f"{stats['median_step_ms']:.2f} ms")
     c[2].metric("Mean step", f"{stats['mean_step_ms']:.2f} ms")
-    if stats["batch_size"]:
-        c[3].metric("Samples/s", f"{stats['batch_size'] / stats['median_step_ms'] * 1e3:,.0f}",
-                    help=f"batch {batch_words(stats, ranks)} over the median step: the batch most steps ran")
+    if data.throughput is not None:
+        c[3].metric("Samples/s", f"{data.throughput.samples_per_s:,.0f}",
+                    help=f"{data.throughput.words()} (batch {batch_words(stats, ranks)})")
     if data.tax_pct is not None:
         c[4].metric("DataParallel tax", f"{data.tax_pct:.1f}%", help="scatter + replicate + gather, of the mean step past "
                     "the first: work only DataParallel does (DistributedDataParallel has no replicate and no gather)")

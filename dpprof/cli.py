@@ -510,6 +510,9 @@ def _cmd_show(args: argparse.Namespace) -> int:
         if kinds else ""
     print(f"  {plural(stats['steps'], 'step')}{ranks}, median {stats['median_step_ms']:.2f} ms{of_kinds}, "
           f"batch {batch_words(stats, run.ranks)}")
+    rate = queries.throughput(run)  # the Overview's samples/s
+    if rate is not None:
+        print(f"  {rate.samples_per_s:,.0f} samples/s: {rate.words()}")
     if model.detail_text():
         print(f"  {model.detail_text()}")
     if model.nothing_to_balance:

@@ -173,8 +173,14 @@ def test_overview_opens_on_each_device_with_the_worst_named_and_numbers_that_mat
     # one median: the steps table's, the dashboard's and dpprof show's
     median = dpprof.load_run(run.path).steps["duration_ms"].median()
     assert metrics["Median step"] == f"{median:.2f} ms"
+    # one samples/s: what the steps past the first trained a second of the time from the first step's end to the last's
+    steps = dpprof.load_run(run.path).steps.sort_values("step")
+    ends = steps["start_ms"] + steps["duration_ms"]
+    rate = steps["batch_size"].iloc[1:].sum() / (ends.iloc[-1] - ends.iloc[0]) * 1e3
+    assert metrics["Samples/s"] == f"{rate:,.0f}"
     assert main(["show", run.id]) == 0
-    assert f"median {median:.2f} ms" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"median {median:.2f} ms" in out and f"\n  {rate:,.0f} samples/s: " in out
 
 
 def test_an_idle_device_shows_as_zero_labelled_idle(reports):

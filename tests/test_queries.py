@@ -159,7 +159,10 @@ def test_the_runs_batch_is_the_one_most_steps_ran_on_every_surface(tmp_path, cap
     assert main(["--reports-dir", str(tmp_path), "show", run.id]) == 0
     assert "batch 16 (9 of 10 steps; 16 to 256)" in capsys.readouterr().out
     row = compare([run]).summary.iloc[0]
-    assert row["batch_size"] == 16 and row["samples_per_s"] == pytest.approx(16 / stats["median_step_ms"] * 1e3)
+    # samples/s counts each step's own batch, the 256 too (queries.throughput): the words say the batch most ran
+    ends = run.steps["start_ms"] + run.steps["duration_ms"]
+    assert row["batch_size"] == 16 and row["samples_per_s"] == pytest.approx(
+        (16 * 8 + 256) / (ends.iloc[-1] - ends.iloc[0]) * 1e3, rel=1e-9)
 
 
 def test_an_empty_batch_is_a_step_of_batch_0_on_every_surface(tmp_path, capsys):
@@ -382,3 +385,52 @@ def test_the_read_side_imports_nothing_of_the_collect_side():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_samples_per_s_is_what_the_run_trained_a_second_on_every_surface(tmp_path, capsys):
+    """A loop with a 0.2 s stall inside every 4th step (a DataLoader's refill) and 30 ms of the script's own work
+    between steps: the Overview's and the Compare page's samples/s were the batch over the median step (a run with a
+    50 ms stall every 4th step: 10,619 samples/s, against 1,867 it trained a second, 5.7x), the median hiding the
+    steps that pay for the stalls, and `dpprof show` gave none. One definition,
+    queries.throughput, is now read by the Overview, Compare, `dpprof show` and the between_steps finding: the samples
+    of the steps past the first over the time from the first step's end to the last's, computed here from the steps
+    table itself; a run read from its aggregates gives the same figure."""
+    import time
+
+    import torch
+    from torch import nn
+
+    from dpprof.cli import main
+    from dpprof.findings import run_findings
+    from dpprof.store.retention import Retention
+    from dpprof.views.compare import compare
+    from dpprof.views.overview import overview
+
+    net = dpprof.DataParallel(nn.Linear(8, 4), device_ids=dpprof.cpu_devices(2))
+    with dpprof.record(name="stalls", reports_dir=str(tmp_path), sample_hz=None,
+                       detail=Retention(mode="all", block_steps=4)) as recording:
+        for i in range(16):
+            with recording.step():
+                if i % 4 == 3:
+                    time.sleep(0.2)
+                net(torch.randn(16, 8)).sum().backward()
+            time.sleep(0.03)
+    run = dpprof.load_run(recording.path)
+    steps = run.steps.sort_values("step")
+    ends = steps["start_ms"] + steps["duration_ms"]
+    paid = steps["batch_size"].iloc[1:].sum() / (ends.iloc[-1] - ends.iloc[0]) * 1e3  # samples a second of the run
+    stats = queries.run_stats(run)
+    assert 16 / stats["median_step_ms"] * 1e3 > 1.5 * paid  # what the median hides: the stalls and the gaps
+    assert compare([run]).summary.iloc[0]["samples_per_s"] == pytest.approx(paid, rel=1e-9)
+    rate = queries.throughput(run)
+    assert rate is not None and rate.samples == 15 * 16 and rate.samples_per_s == pytest.approx(paid, rel=1e-9)
+    aggregated = dpprof.load_run(recording.path, read="aggregates")
+    assert aggregated.model.aggregated
+    assert queries.throughput(aggregated) == rate
+    assert overview(run).throughput == rate == overview(aggregated).throughput
+    assert compare([aggregated]).summary.iloc[0]["samples_per_s"] == pytest.approx(paid, rel=1e-9)
+    capsys.readouterr()
+    assert main(["--reports-dir", str(tmp_path), "show", run.id]) == 0
+    assert f"\n  {paid:,.0f} samples/s: 240 samples of the 15 steps past the first in the " in capsys.readouterr().out
+    between = run_findings(run).table.set_index("kind").loc["between_steps"]  # headline = finding
+    assert f"{paid:,.0f} samples/s (the run's samples/s)" in between["evidence"]

@@ -11,6 +11,7 @@ from dpprof.findings.base import MEDIAN_STEP, Tables, finding
 from dpprof.findings.detail import workers_advice
 from dpprof.findings.floors import cost_text, total_text, worth_time
 from dpprof.stepmodel import REST, partition, parts_for
+from dpprof.store.queries import throughput_of
 from dpprof.units import plural
 
 __all__ = ["OUTLIER_STEP_RATIO", "OUTLIER_TIME_SHARE", "OUTLIER_WARN_SHARE", "OUTLIER_STEPS_LISTED", "Stalls", "stalls",
@@ -210,7 +211,8 @@ def unrecorded_time(t: Tables) -> list[dict]:
 def between_steps(t: Tables) -> list[dict]:
     """A recorded run whose steps leave over BETWEEN_STEPS_WARN of the time they span between them, in most of its
     gaps: the script's time from one step's end to the next's start (a DataParallel loop's fetch of the next batch
-    from its DataLoader, the script's own code), which no step, median step or samples/s holds. Imported traces'
+    from its DataLoader, the script's own code), which no step or median step holds (the run's samples/s does:
+    dpprof.store.queries.throughput, which the evidence gives). Imported traces'
     steps tile their window and are left out. The value is that share of the time from the first step's end to the
     last step's end."""
     if t.model.imported:
@@ -236,14 +238,12 @@ def between_steps(t: Tables) -> list[dict]:
     evidence = (f"{gap_ms:.2f} ms passes between one step's end and the next's start against a {step_ms:.2f} ms "
                 f"step (means over the {plural(len(gaps), 'step')} past the first): {share:.0%} of the time from the "
                 f"first step's end to the last's is in no step, over {BETWEEN_STEPS_WARN:.0%} of it before "
-                f"{int((each > BETWEEN_STEPS_WARN).sum())} of them. The step time, its median and samples/s over it "
-                f"leave this time out")
-    batch = s.groupby("step")["batch_size"].sum(min_count=1).reindex(ends.index).iloc[1:] \
-        if "batch_size" in s else pd.Series(dtype=float)
-    if batch.notna().all() and len(batch) and span_ms > 0:
-        evidence += (f": the steps past the first trained {int(batch.sum()):,} samples in {span_ms / 1e3:,.2f} s, "
-                     f"{batch.sum() / span_ms * 1e3:,.0f} samples/s, against {batch.sum() / later.sum() * 1e3:,.0f} "
-                     "samples/s over the steps' own time")
+                f"{int((each > BETWEEN_STEPS_WARN).sum())} of them. The step time and its median leave this time out")
+    rate = throughput_of(s)  # the Overview's samples/s (dpprof.store.queries.throughput)
+    if rate is not None:
+        evidence += (f": the steps past the first trained {rate.samples:,} samples in {rate.span_ms / 1e3:,.2f} s, "
+                     f"{rate.samples_per_s:,.0f} samples/s (the run's samples/s), against "
+                     f"{rate.samples / later.sum() * 1e3:,.0f} samples/s over the steps' own time")
     said, left = workers_advice([d for found in t.data_loaders.values() for d in found])
     evidence += said
     loading = (" (load in worker processes: num_workers, persistent_workers, pin_memory)" if left is None else "")

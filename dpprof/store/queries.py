@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,9 +27,10 @@ from dpprof.store.blocks import WORK
 from dpprof.store.reader import StoredRun
 from dpprof.store.sketch import grouped_quantile, quantiles
 from dpprof.stepmodel import REST, partition, parts_for
+from dpprof.units import plural
 
 __all__ = ["MAX_POINTS", "WORK_SAMPLE_PER_DEVICE", "TIMELINE_MAX_STEPS", "GPU_METRICS", "bucket_width",
-           "stacked_phases", "step_parts", "run_stats", "batch_sizes", "median_step_ms", "kind_medians", "step_times", "phase_breakdown", "phase_totals",
+           "stacked_phases", "step_parts", "run_stats", "batch_sizes", "Throughput", "throughput_of", "throughput", "median_step_ms", "kind_medians", "step_times", "phase_breakdown", "phase_totals",
            "work_samples", "work_stats", "memory_peaks", "chunk_counts", "gpu_series", "timeline",
            "GPU_TIME_PARTS", "gpu_time", "phase_means", "phase_overlaps", "outlier_steps", "detail_steps", "step_span", "sampled_comm_rows"]
 
@@ -137,6 +139,54 @@ def batch_sizes(run: StoredRun) -> dict[str, int | None]:
     batch = int(counts[counts == counts.max()].index.max())
     return {"batch_size": batch, "batch_size_steps": int(counts[batch]), "batch_steps": int(counts.sum()),
             "batch_size_min": int(counts.index.min()), "batch_size_max": int(counts.index.max())}
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """What a run trains a second of the time it takes (throughput_of): ``samples`` of the ``steps`` past the first
+    over the ``span_ms`` from the first step's end to the last step's end."""
+
+    samples: int
+    steps: int
+    span_ms: float
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.span_ms * 1e3
+
+    def words(self) -> str:
+        """How the figure is made, for the words beside it."""
+        return (f"{self.samples:,} samples of the {plural(self.steps, 'step')} past the first in the "
+                f"{self.span_ms / 1e3:,.2f} s from the first step's end to the last's, slow steps and the time between "
+                "steps included")
+
+
+def throughput_of(steps: pd.DataFrame) -> Throughput | None:
+    """The run's samples a second, from its steps table (every rank's rows: step, start_ms, duration_ms, batch_size):
+    the one definition the Overview, ``dpprof show``, the Compare page and the between_steps finding share.
+
+    The samples of the steps past the first (a step's batch summed over the ranks that ran it, as batch_sizes takes it)
+    over the time from the first step's end to the last step's end (a step's end being its last rank's), so a step
+    that stalls every k steps, an evaluation, a loader's fetch between steps all count, as the user pays them; the
+    first step's one-time costs are left out, as the findings leave them. None without two steps, with a step of no
+    recorded batch (an imported trace's), or with no time between the first step's end and the last's."""
+    if steps.empty or not {"step", "start_ms", "duration_ms", "batch_size"} <= set(steps.columns):
+        return None
+    ends = (steps["start_ms"].astype(float) + steps["duration_ms"].astype(float)).groupby(steps["step"]).max() \
+        .sort_index()
+    if len(ends) < 2:
+        return None
+    batch = pd.to_numeric(steps["batch_size"], errors="coerce").groupby(steps["step"]).sum(min_count=1) \
+        .reindex(ends.index).iloc[1:]
+    span_ms = float(ends.iloc[-1] - ends.iloc[0])
+    if batch.isna().any() or not span_ms > 0:
+        return None
+    return Throughput(samples=int(batch.sum()), steps=len(batch), span_ms=span_ms)
+
+
+def throughput(run: StoredRun) -> Throughput | None:
+    """throughput_of the run's steps table (whole in every run file, a long run's too: dpprof.store.retention)."""
+    return throughput_of(run.query("SELECT step, start_ms, duration_ms, batch_size FROM steps"))
 
 
 def median_step_ms(run: StoredRun) -> float | None:

@@ -71,12 +71,13 @@ def compare_part(run: StoredRun, max_points: int = 1_000) -> ComparePart:
     shared = _shared(totals)
     share = shared.set_index("phase")["share_pct"] if not shared.empty else pd.Series(dtype=float)
     median, batch = stats["median_step_ms"], stats["batch_size"]
+    rate = queries.throughput(run)
     is_out = peaks["output_device"].fillna(False).astype(bool)
     row = {
         "run": label, "id": run.meta["id"], "kind": model.title, "status": run.meta["status"],
         "backend": model.backend_label, "devices": len(model.devices), "workload": run.meta.get("workload"),
         "steps": stats["steps"], "batch_size": batch, "median_step_ms": median, "mean_step_ms": stats["mean_step_ms"],
-        "samples_per_s": batch / median * 1e3 if batch and median else None,
+        "samples_per_s": rate.samples_per_s if rate is not None else None,  # the Overview's (queries.throughput)
         # the tax finding's figure, per step past the first (Findings.tax), as the Overview says it
         "dp_tax_pct": 100 * findings.tax.share if findings.tax is not None else None,
         "work": found.work if found is not None else model.work.label,  # what imbalance_ratio is the medians of
@@ -317,7 +318,8 @@ def _differences(rows: list[dict[str, Any]]) -> list[str]:
             out.append(f"Median step: {b} {other['median_step_ms']:.2f} ms, {a} {base['median_step_ms']:.2f} ms: "
                        f"{b} takes {_times_text(base['median_step_ms'], other['median_step_ms'])}.")
         if base["samples_per_s"] and other["samples_per_s"]:
-            out.append(f"Throughput: {b} {other['samples_per_s']:,.0f} samples/s, {a} "
+            out.append(f"Throughput (samples over the time from the first step's end to the last's): {b} "
+                       f"{other['samples_per_s']:,.0f} samples/s, {a} "
                        f"{base['samples_per_s']:,.0f} samples/s "
                        f"({other['samples_per_s'] / base['samples_per_s'] - 1:+.0%}).")
         deltas = []

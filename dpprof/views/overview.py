@@ -69,6 +69,7 @@ class Overview:
     model: RunModel
     glance: Glance
     stats: dict[str, Any]
+    throughput: queries.Throughput | None  # samples/s: the run's samples over the time it took
     steps: pd.DataFrame  # queries.step_times
     breakdown: pd.DataFrame  # queries.phase_breakdown
     totals: pd.DataFrame  # queries.phase_totals
@@ -260,7 +261,8 @@ def overview(run: StoredRun) -> Overview:
     totals = queries.phase_totals(run, stats)
     steps = queries.step_times(run)
     found = run_findings(run)
-    data = Overview(model=model, glance=glance(run, stats, found), stats=stats, steps=steps,
+    data = Overview(model=model, glance=glance(run, stats, found), stats=stats, throughput=queries.throughput(run),
+                    steps=steps,
                     breakdown=queries.phase_breakdown(run, steps=steps), totals=totals, findings=found,
                     outliers=queries.outlier_steps(run))
     if found.tax is not None:  # the figure the tax finding states, per step past the first
