@@ -434,3 +434,39 @@ def test_samples_per_s_is_what_the_run_trained_a_second_on_every_surface(tmp_pat
     assert f"\n  {paid:,.0f} samples/s: 240 samples of the 15 steps past the first in the " in capsys.readouterr().out
     between = run_findings(run).table.set_index("kind").loc["between_steps"]  # headline = finding
     assert f"{paid:,.0f} samples/s (the run's samples/s)" in between["evidence"]
+
+
+def test_samples_per_s_counts_the_training_steps_samples_not_the_evaluations(tmp_path, capsys):
+    """An evaluation forward of 256 samples under no_grad after every third training step of 32, each in a step of
+    its own: samples/s counted the evaluations' samples as trained (a run of this kind: 1,376 samples where the
+    training steps past the first ran 352, 1,178 samples/s against 301). It now counts the samples of the steps a
+    backward ran in, over the whole time (the evaluations' included), and says how many evaluation steps it left
+    out; a run of training steps alone counts every step, as before."""
+    import torch
+    from torch import nn
+
+    from dpprof.cli import main
+
+    net = dpprof.DataParallel(nn.Linear(8, 4), device_ids=dpprof.cpu_devices(2))
+    with dpprof.record(name="evaluations", reports_dir=str(tmp_path), sample_hz=None) as recording:
+        for i in range(9):
+            with recording.step():
+                net(torch.randn(32, 8)).sum().backward()
+            if i % 3 == 2:
+                with torch.no_grad(), recording.step():
+                    net(torch.randn(256, 8))
+    run = dpprof.load_run(recording.path)
+    steps = run.steps.sort_values("step")
+    ends = steps["start_ms"] + steps["duration_ms"]
+    trains = steps["step"].isin(run.phases.loc[run.phases["phase"] == "backward", "step"])
+    assert trains.sum() == 9 and (~trains).sum() == 3
+    later = steps.iloc[1:]
+    trained = later.loc[trains.iloc[1:], "batch_size"].sum()
+    assert trained == 8 * 32
+    rate = queries.throughput(run)
+    assert rate is not None and rate.samples == trained and rate.evaluation_steps == 3
+    assert rate.samples_per_s == pytest.approx(trained / (ends.iloc[-1] - ends.iloc[0]) * 1e3, rel=1e-9)
+    capsys.readouterr()
+    assert main(["--reports-dir", str(tmp_path), "show", run.id]) == 0
+    assert (f"  {rate.samples_per_s:,.0f} samples/s: 256 samples of the 8 training steps past the first (not the 3 "
+            "evaluation steps') in the ") in capsys.readouterr().out

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,7 @@ from dpprof.stepmodel import REST, partition, parts_for
 from dpprof.units import plural
 
 __all__ = ["MAX_POINTS", "WORK_SAMPLE_PER_DEVICE", "TIMELINE_MAX_STEPS", "GPU_METRICS", "bucket_width",
-           "stacked_phases", "step_parts", "run_stats", "batch_sizes", "Throughput", "throughput_of", "throughput", "median_step_ms", "kind_medians", "step_times", "phase_breakdown", "phase_totals",
+           "stacked_phases", "step_parts", "run_stats", "batch_sizes", "Throughput", "training_steps_of", "throughput_of", "throughput", "median_step_ms", "kind_medians", "step_times", "phase_breakdown", "phase_totals",
            "work_samples", "work_stats", "memory_peaks", "chunk_counts", "gpu_series", "timeline",
            "GPU_TIME_PARTS", "gpu_time", "phase_means", "phase_overlaps", "outlier_steps", "detail_steps", "step_span", "sampled_comm_rows"]
 
@@ -149,6 +150,7 @@ class Throughput:
     samples: int
     steps: int
     span_ms: float
+    evaluation_steps: int = 0  # steps past the first whose samples are left out: forwards alone (training_steps_of)
 
     @property
     def samples_per_s(self) -> float:
@@ -156,20 +158,32 @@ class Throughput:
 
     def words(self) -> str:
         """How the figure is made, for the words beside it."""
-        return (f"{self.samples:,} samples of the {plural(self.steps, 'step')} past the first in the "
-                f"{self.span_ms / 1e3:,.2f} s from the first step's end to the last's, slow steps and the time between "
-                "steps included")
+        which = (f"the {plural(self.steps - self.evaluation_steps, 'training step')} past the first (not the "
+                 f"{plural(self.evaluation_steps, 'evaluation step')}')" if self.evaluation_steps
+                 else f"the {plural(self.steps, 'step')} past the first")
+        return (f"{self.samples:,} samples of {which} in the {self.span_ms / 1e3:,.2f} s from the first step's end to "
+                "the last's, slow steps and the time between steps included")
 
 
-def throughput_of(steps: pd.DataFrame) -> Throughput | None:
+def training_steps_of(backward_steps: Iterable[int], steps: Iterable[int]) -> set[int] | None:
+    """Of a run's ``steps``, those that trained (a backward ran in them, on any rank: ``backward_steps``) where the
+    run mixes them with evaluation steps (forwards alone, under no_grad between them, as kind_medians splits them);
+    None where every step is of one kind. The rule throughput and the between_steps finding share."""
+    trains, every = {int(s) for s in backward_steps}, {int(s) for s in steps}
+    return trains & every if trains and not every <= trains else None
+
+
+def throughput_of(steps: pd.DataFrame, training: set[int] | None = None) -> Throughput | None:
     """The run's samples a second, from its steps table (every rank's rows: step, start_ms, duration_ms, batch_size):
     the one definition the Overview, ``dpprof show``, the Compare page and the between_steps finding share.
 
     The samples of the steps past the first (a step's batch summed over the ranks that ran it, as batch_sizes takes it)
     over the time from the first step's end to the last step's end (a step's end being its last rank's), so a step
     that stalls every k steps, an evaluation, a loader's fetch between steps all count, as the user pays them; the
-    first step's one-time costs are left out, as the findings leave them. None without two steps, with a step of no
-    recorded batch (an imported trace's), or with no time between the first step's end and the last's."""
+    first step's one-time costs are left out, as the findings leave them. Where ``training`` names the steps that
+    trained (training_steps_of: the run mixes them with evaluation steps) only their samples count, the evaluation
+    steps' time still in the span. None without two steps, with a step of no recorded batch (an imported trace's), or
+    with no time between the first step's end and the last's."""
     if steps.empty or not {"step", "start_ms", "duration_ms", "batch_size"} <= set(steps.columns):
         return None
     ends = (steps["start_ms"].astype(float) + steps["duration_ms"].astype(float)).groupby(steps["step"]).max() \
@@ -181,12 +195,21 @@ def throughput_of(steps: pd.DataFrame) -> Throughput | None:
     span_ms = float(ends.iloc[-1] - ends.iloc[0])
     if batch.isna().any() or not span_ms > 0:
         return None
-    return Throughput(samples=int(batch.sum()), steps=len(batch), span_ms=span_ms)
+    evaluation = ~batch.index.isin(list(training)) if training is not None else np.zeros(len(batch), dtype=bool)
+    return Throughput(samples=int(batch[~evaluation].sum()), steps=len(batch), span_ms=span_ms,
+                      evaluation_steps=int(evaluation.sum()))
 
 
 def throughput(run: StoredRun) -> Throughput | None:
-    """throughput_of the run's steps table (whole in every run file, a long run's too: dpprof.store.retention)."""
-    return throughput_of(run.query("SELECT step, start_ms, duration_ms, batch_size FROM steps"))
+    """throughput_of the run's steps table (whole in every run file, a long run's too: dpprof.store.retention), its
+    evaluation steps' samples left out where its phases are whole (a long or thinned run's are not: every step's
+    samples count there, as kind_medians says no kinds for it)."""
+    steps = run.query("SELECT step, start_ms, duration_ms, batch_size FROM steps")
+    training = None
+    if not run.model.aggregated and run.model.kind != "empty":
+        backward = run.query("SELECT DISTINCT step FROM phases WHERE phase = 'backward'")["step"]
+        training = training_steps_of(backward, steps["step"])
+    return throughput_of(steps, training)
 
 
 def median_step_ms(run: StoredRun) -> float | None:
