@@ -126,12 +126,26 @@ def _too_long(values: Iterable[object]) -> bool:
     return any(isinstance(v, str) and len(v) > CELL_CHARS for v in values)
 
 
+def _escaped(values: Iterable[object]) -> bool:
+    """Whether any of ``values`` is text with a character _terminal escapes."""
+    return any(isinstance(v, str) and _terminal(v) != v for v in values)
+
+
 def _table(df: pd.DataFrame, float_format: str = "{:.3f}", whole: str = "--json and dpprof export give it whole") -> str:
-    """``df`` as a terminal table: text cells over CELL_CHARS characters shortened, a line under the table saying so
-    and where ``whole`` text is to be read."""
+    """``df`` as a terminal table: text cells with their control characters escaped (_terminal: an operator's or a
+    kernel's name is a trace's), those over CELL_CHARS characters shortened, a line under the table saying so and where
+    ``whole`` text is to be read."""
     if df.empty:
         return "(none)"
-    long = [c for c in df.columns if not pd.api.types.is_numeric_dtype(df[c].dtype) and _too_long(df[c])]
+    texts = [c for c in df.columns if not pd.api.types.is_numeric_dtype(df[c].dtype)]
+    if any(_escaped(df[c]) for c in texts) or (not pd.api.types.is_numeric_dtype(df.index.dtype)
+                                               and _escaped(df.index)):
+        df = df.copy()
+        for c in texts:
+            df[c] = df[c].map(_terminal)
+        if not pd.api.types.is_numeric_dtype(df.index.dtype):
+            df.index = df.index.map(_terminal)
+    long = [c for c in texts if _too_long(df[c])]
     index_long = not pd.api.types.is_numeric_dtype(df.index.dtype) and _too_long(df.index)
     if long or index_long:
         df = df.copy()

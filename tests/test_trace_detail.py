@@ -713,3 +713,28 @@ def test_tables_shorten_long_names_in_the_terminal_and_json_keeps_them_whole(imp
             widest = max(map(len, capsys.readouterr().out.splitlines()))
             # the widest table, kernels by operator (16 columns, two of them text), is 309 characters
             assert widest <= 320, (name, command, widest)
+
+
+def test_a_traces_names_are_shown_in_tables_never_obeyed(cpu_trace, tmp_path, capsys):
+    """A trace is a file from elsewhere: an operator named "aten::mm" plus ESC [2J (clear the screen) and an OSC that
+    sets the terminal's title reached the terminal as written through `dpprof ops` and `dpprof memory` (its escapes
+    obeyed: the table wiped), though `dpprof runs` showed names as their escapes. The table printer now escapes
+    control characters in every text cell, as runs did; --json keeps the name as the trace has it."""
+    doc = json.loads(cpu_trace.read_text())
+    hostile = "\x1b[2J\x1b]0;pwned\x07"
+    named = {e["name"] for e in doc["traceEvents"] if e.get("cat") == "cpu_op"}
+    victim = "aten::mm" if "aten::mm" in named else sorted(named)[0]
+    for e in doc["traceEvents"]:
+        if e.get("cat") == "cpu_op" and e.get("name") == victim:
+            e["name"] = victim + hostile
+    path = tmp_path / "hostile.pt.trace.json"
+    path.write_text(json.dumps(doc))
+    run = dpprof.load_run(import_traces([path], tmp_path).id, tmp_path)
+    capsys.readouterr()
+    for command in (["ops"], ["ops", "--by", "shape"]):
+        assert main(["--reports-dir", str(tmp_path), *command, run.id, "--top", "500"]) == 0
+        out = capsys.readouterr().out
+        assert "\x1b" not in out and "\x07" not in out, command
+        assert victim + "\\x1b[2J\\x1b]0;pwned\\x07" in out, command
+    assert main(["--reports-dir", str(tmp_path), "ops", run.id, "--top", "500", "--json"]) == 0
+    assert victim + hostile in {o["name"] for o in json.loads(capsys.readouterr().out)["operators"]}
