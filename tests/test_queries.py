@@ -424,6 +424,7 @@ def test_samples_per_s_is_what_the_run_trained_a_second_on_every_surface(tmp_pat
     assert compare([run]).summary.iloc[0]["samples_per_s"] == pytest.approx(paid, rel=1e-9)
     rate = queries.throughput(run)
     assert rate is not None and rate.samples == 15 * 16 and rate.samples_per_s == pytest.approx(paid, rel=1e-9)
+    assert queries.throughput_of(run.steps) == rate  # SQLite's sums for one file, the definition's on the rows
     aggregated = dpprof.load_run(recording.path, read="aggregates")
     assert aggregated.model.aggregated
     assert queries.throughput(aggregated) == rate
@@ -465,6 +466,8 @@ def test_samples_per_s_counts_the_training_steps_samples_not_the_evaluations(tmp
     assert trained == 8 * 32
     rate = queries.throughput(run)
     assert rate is not None and rate.samples == trained and rate.evaluation_steps == 3
+    # SQLite's sums for one file, the definition's on the rows
+    assert queries.throughput_of(run.steps, queries.training_steps_of(steps.loc[trains, "step"], steps["step"])) == rate
     assert rate.samples_per_s == pytest.approx(trained / (ends.iloc[-1] - ends.iloc[0]) * 1e3, rel=1e-9)
     capsys.readouterr()
     assert main(["--reports-dir", str(tmp_path), "show", run.id]) == 0
