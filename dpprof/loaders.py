@@ -3,6 +3,9 @@ advice follows it, never advising what the job already does).
 
 A recorded run notes each DataLoader the recording process iterates (``DataLoader.__iter__``, once an epoch) into
 its workload_args' ``data_loaders``: ``num_workers``, ``persistent_workers``, ``pin_memory``, ``prefetch_factor``.
+A run recorded since the watch says so from its start (``data_loaders: []``), so ``[]`` read back is "watched, none
+iterated" (the script built its batches itself), and no ``data_loaders`` at all is "not said" (a file written
+before, an imported trace without DataLoader ranges).
 An imported trace says only which iterator ran (torch.profiler names the range
 ``enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__`` or ``..._SingleProcessDataLoaderIter...``): workers
 or none, not how many. Importing this module loads no torch (the read side uses it).
@@ -14,8 +17,8 @@ import threading
 from collections.abc import Iterable
 from typing import Any, Callable
 
-__all__ = ["MAX_LOADERS", "WORKERS_ITER", "NO_WORKERS_ITER", "describe", "of_iterators", "stored", "exported_loaders",
-           "install_watch"]
+__all__ = ["MAX_LOADERS", "WORKERS_ITER", "NO_WORKERS_ITER", "describe", "of_iterators", "stored", "said_in",
+           "none_iterated", "exported_loaders", "install_watch"]
 
 MAX_LOADERS = 4  # distinct settings kept a process: a training, a validation and a test loader, and one more
 WORKERS_ITER = "_MultiProcessingDataLoaderIter"  # torch.utils.data.dataloader's iterator with num_workers > 0
@@ -49,13 +52,31 @@ def stored(value: Any) -> list[dict[str, Any]]:
     return [d for d in value[:MAX_LOADERS] if isinstance(d, dict) and isinstance(d.get("workers"), bool)]
 
 
-def exported_loaders(info: Any, rank: int | None) -> list[dict[str, Any]]:
+def said_in(args: Any) -> list[dict[str, Any]] | None:
+    """The DataLoaders a run file's workload_args say (``stored``): [] where the recorder watched and none was
+    iterated, None where the file does not say (no ``data_loaders``: written before the watch, or a trace)."""
+    if not isinstance(args, dict) or not isinstance(args.get("data_loaders"), list):
+        return None
+    return stored(args["data_loaders"])
+
+
+def none_iterated(by_rank: dict[int, list[dict[str, Any]]], ranks: Iterable[int] | None = None) -> bool:
+    """Whether the run's files say that no DataLoader was iterated in the processes of ``ranks`` (default: every rank
+    in ``by_rank``, at least one): each watched and noted none (a rank that does not say is no such rank)."""
+    chosen = list(by_rank) if ranks is None else [int(r) for r in ranks]
+    return bool(chosen) and all(r in by_rank and not by_rank[r] for r in chosen)
+
+
+def exported_loaders(info: Any, rank: int | None) -> list[dict[str, Any]] | None:
     """The DataLoaders a file dpprof export wrote says of ``rank`` (its export info's ``data_loaders``, rank ->
-    settings), or of every rank in it where the file has none (a one-file run's): each once."""
+    settings), or of every rank in it where the file has none (a one-file run's): each once; [] where the run it
+    was written from watched and none was iterated, None where it does not say."""
     by_rank = info.get("data_loaders") if isinstance(info, dict) else None
     if not isinstance(by_rank, dict):
-        return []
+        return None
     chosen = [by_rank.get(str(rank))] if rank is not None else list(by_rank.values())
+    if not any(isinstance(found, list) for found in chosen):
+        return None
     out: list[dict[str, Any]] = []
     for found in chosen:
         out += [d for d in stored(found) if d not in out]

@@ -211,6 +211,9 @@ class Run:
         self.workload_args = dict(workload_args or {})
         # the intra-op threads the caller and its CPU workers share, for every recording (dpprof advise models them)
         self.workload_args.setdefault("threads", torch.get_num_threads())
+        # the DataLoader watch (record installs it) is on from the start: [] says none was iterated, where a file
+        # without the key (written before) says nothing (dpprof.loaders)
+        self.workload_args.setdefault("data_loaders", [])
         if os.environ.get(CHECK_OF_ENV):  # a run dpprof advise --check records: marked as a check of that run
             self.workload_args.setdefault("check_of", os.environ[CHECK_OF_ENV])
         self.sync_timing = sync_timing

@@ -383,6 +383,40 @@ def test_a_dataparallel_loop_that_waits_for_its_loader_between_steps_is_told_so(
     assert "between_steps" not in set(findings_of(quiet)["kind"])
 
 
+def test_a_recorded_run_says_its_dataloader_watch_saw_none(tmp_path):
+    """A DataParallel run with no DataLoader iterated stores data_loaders [] from its start, read back as {0: []}
+    ("watched, none"; it read {}, as a file that says nothing does), and so does a dpprof export of it imported
+    again; a file written before the watch (no data_loaders) still reads {}."""
+    from dpprof.trace import import_traces
+    from dpprof.trace.export import write_trace
+
+    run = _record(nn.Linear(5, 2), lambda i: (torch.randn(8, 5),), workers=2, steps=4)
+    assert run.meta["workload_args"]["data_loaders"] == []
+    assert run.data_loaders() == {0: []}
+    assert _without_loader_watch(run, tmp_path).data_loaders() == {}
+    write_trace(run, tmp_path / "exported.json.gz")
+    again = dpprof.load_run(import_traces([tmp_path / "exported.json.gz"], tmp_path / "r", jobs=1).id, tmp_path / "r")
+    assert again.data_loaders() == {0: []}
+
+
+def _without_loader_watch(run, tmp_path):
+    """A copy of a one-file run as a file written before the DataLoader watch holds it: no ``data_loaders``."""
+    import json
+    import shutil
+    import sqlite3
+
+    copy = tmp_path / "old" / run.paths[0].name
+    copy.parent.mkdir()
+    shutil.copy2(run.paths[0], copy)
+    con = sqlite3.connect(copy)
+    with con:
+        (args,) = con.execute("SELECT workload_args FROM runs").fetchone()
+        args = {k: v for k, v in json.loads(args).items() if k != "data_loaders"}
+        con.execute("UPDATE runs SET workload_args = ?", (json.dumps(args),))
+    con.close()
+    return dpprof.load_run(copy)
+
+
 def test_stalled_steps_are_named_in_an_outlier_finding():
     stalls = {5: 0.6, 9: 0.9}  # seconds: far beyond a few-ms step, even on a loaded machine
     run = _record(nn.Linear(5, 2), lambda i: (torch.randn(8, 5),), workers=2, steps=14, stall_s=stalls)

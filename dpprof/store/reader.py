@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from dpprof.loaders import stored
+from dpprof.loaders import said_in
 from dpprof.records import ALL_REDUCE
 from dpprof.store.faults import RunFileError, cause_of, symlink_loop
 from dpprof.store.files import RANK_FILE, SIDE_FILES, SQLITE_HEADER, fold_log
@@ -364,14 +364,16 @@ class StoredRun:
 
     def data_loaders(self) -> dict[int, list[dict[str, Any]]]:
         """Each rank's DataLoaders as its file's workload_args say (dpprof.loaders: recorded settings, or a trace's
-        iterators): rank -> their settings (0 for a one-file run); a file that says none is left out. A distributed
-        run's come from the rank files' metadata load_run read (``rank_data_loaders``), of the files this view holds."""
+        iterators): rank -> their settings (0 for a one-file run); [] for a rank recorded with the watch on that
+        iterated none, and a file that does not say (written before the watch, a trace without DataLoader ranges) is
+        left out. A distributed run's come from the rank files' metadata load_run read (``rank_data_loaders``), of the
+        files this view holds."""
         by_rank = self.meta.get("rank_data_loaders")
         if isinstance(by_rank, dict):
             held = {self._file_rank(p) for p in self.paths}
             return {rank: found for rank, found in by_rank.items() if rank in held}
         found = _loaders_in(self.meta)
-        return {self._file_rank(self.paths[0]): found} if found else {}
+        return {self._file_rank(self.paths[0]): found} if found is not None else {}
 
     @contextmanager
     def connect(self, path: Path) -> Iterator[sqlite3.Connection]:
@@ -598,7 +600,8 @@ def _combine(metas: list[dict[str, Any]]) -> dict[str, Any]:
     meta["detail_from"] = max((m.get("detail_from") or 0 for m in metas), default=0)
     meta["ranks"] = [m.get("rank") for m in metas]
     meta["damage"] = [d for m in metas for d in m.get("damage") or []]
-    meta["rank_data_loaders"] = {int(m.get("rank") or 0): found for m in metas if (found := _loaders_in(m))}
+    meta["rank_data_loaders"] = {int(m.get("rank") or 0): found for m in metas
+                                 if (found := _loaders_in(m)) is not None}
     ends = [m.get("ended_at") for m in metas]
     known = [e for e in ends if e]
     meta["ended_at"] = max(known) if len(known) == len(ends) else None  # ended only when every rank's file has
@@ -608,10 +611,10 @@ def _combine(metas: list[dict[str, Any]]) -> dict[str, Any]:
     return meta
 
 
-def _loaders_in(meta: dict[str, Any]) -> list[dict[str, Any]]:
-    """The DataLoaders one run file's workload_args say (dpprof.loaders.stored: [] where none or unreadable)."""
-    args = meta.get("workload_args")
-    return stored(args.get("data_loaders") if isinstance(args, dict) else None)
+def _loaders_in(meta: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The DataLoaders one run file's workload_args say (dpprof.loaders.said_in: [] where it watched and none was
+    iterated, None where it does not say)."""
+    return said_in(meta.get("workload_args"))
 
 
 def _first_error(metas: list[dict[str, Any]]) -> str | None:

@@ -59,7 +59,9 @@ class Converted:
     fsdp: bool = False  # the process shards its model with FSDP (its trace has FSDP's ranges)
     ddp_buckets: bool = False  # a DDP run dpprof exported: its collectives are its gradient buckets' all-reduces
     exported: bool = False  # a file dpprof export wrote: its phases, steps and collectives, no torch.profiler operators
-    data_loaders: list[dict[str, Any]] = field(default_factory=list)  # its DataLoaders' iterators (dpprof.loaders)
+    # its DataLoaders' iterators (dpprof.loaders); None where the file says nothing of them, [] where the run a dpprof
+    # export was written from watched and iterated none
+    data_loaders: list[dict[str, Any]] | None = None
 
     @property
     def gpus(self) -> list[str]:
@@ -319,7 +321,7 @@ def convert(c: Collected, t0_us: float, rank: int | None) -> Converted:
         t0_us: the run's time origin, in the trace's microseconds.
         rank: the file's rank in a distributed run (its device axis is then "rank:N"), else None.
     """
-    out = Converted(data_loaders=of_iterators(r.name for r in c.data))
+    out = Converted(data_loaders=of_iterators(r.name for r in c.data) or None)
 
     def ms(t: float) -> float:
         return (t - t0_us) / 1e3

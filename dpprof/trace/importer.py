@@ -386,7 +386,7 @@ def _write(staging: Path, run_id: str, name: str, workload: str | None, files: l
                               "distributedInfo": f.meta.get("distributedInfo"), "dataparallel": dataparallel,
                               **({"fsdp": True} if fsdp else {}), **({"ddp_buckets": True} if ddp_buckets else {}),
                               **({"dpprof_export": True} if exported else {}),
-                              **({"data_loaders": conv.data_loaders} if conv.data_loaders else {})},
+                              **({"data_loaders": conv.data_loaders} if conv.data_loaders is not None else {})},
             "status": "finished", "error": None, "rank": rank, "world_size": world, "source": SOURCE,
         }
         steps = [x for x in conv.records if isinstance(x, StepRecord)]
