@@ -399,6 +399,30 @@ def test_a_recorded_run_says_its_dataloader_watch_saw_none(tmp_path):
     assert again.data_loaders() == {0: []}
 
 
+def _record_ddp_rank(tmp_path, loader):
+    """One gloo rank (world size 1, in this process) recorded as dpprof run records it: 8 steps of a small DDP model,
+    each batch from ``loader`` (a DataLoader) or, where None, built in the loop with torch.randn and the script's own
+    30 ms of logging after each optimizer step."""
+    import torch.distributed as dist
+
+    from dpprof.instrument import instrument
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with instrument(name="ddp", reports_dir=tmp_path, sample_hz=None) as run:
+            net = nn.parallel.DistributedDataParallel(nn.Linear(64, 10))
+            opt = torch.optim.SGD(net.parameters(), lr=0.01)
+            batches = iter(loader) if loader is not None else (torch.randn(8, 64) for _ in range(8))
+            for _ in range(8):
+                net(next(batches)).sum().backward()
+                opt.step()
+                if loader is None:
+                    time.sleep(0.03)  # logging, a checkpoint: the script's own work after the step
+    finally:
+        dist.destroy_process_group()
+    return dpprof.load_run(run.path)
+
+
 def _without_loader_watch(run, tmp_path):
     """A copy of a one-file run as a file written before the DataLoader watch holds it: no ``data_loaders``."""
     import json
@@ -415,6 +439,55 @@ def _without_loader_watch(run, tmp_path):
         con.execute("UPDATE runs SET workload_args = ?", (json.dumps(args),))
     con.close()
     return dpprof.load_run(copy)
+
+
+def test_a_ddp_rank_that_iterates_no_dataloader_is_not_told_it_loads_data(tmp_path):
+    """A DDP rank whose script builds its batches with torch.randn and logs for 30 ms after each optimizer step: its
+    data part (previous step's end to forward) is ~30 ms of a ~31 ms step, and the finding read 'rank:0 spends 97%
+    of the step loading data' with 'load in DataLoader worker processes (num_workers=4 or more' when no DataLoader
+    ran. The run now says its DataLoader watch was on and saw none (data_loaders [] for rank 0), so the finding says
+    the time before its forward and the script's own work, with no DataLoader advice; a file written before the
+    watch (no data_loaders) keeps the loading words, as does a dpprof export of the run read back with them."""
+    from dpprof.trace import import_traces
+    from dpprof.trace.export import write_trace
+
+    run = _record_ddp_rank(tmp_path, None)
+    assert run.data_loaders() == {0: []}
+    found = findings_of(run).set_index("kind").loc["data_loading"]
+    assert found["title"] == f"rank:0 spends {found['value']:.0%} of the step before its forward"
+    assert found["evidence"].startswith("the time from the previous step's end to forward takes ")
+    assert found["evidence"].endswith("; no DataLoader was iterated in this process while it was recorded, so this "
+                                      "is the script's own work between the optimizer step and the next forward")
+    assert found["advice"].startswith("No DataLoader loads here: the step waits for the script's own code between "
+                                      "the optimizer step and the next forward (building or reading the batch in the "
+                                      "loop, logging and metrics, checkpointing, evaluation")
+    assert "every N steps" in found["advice"]
+    for loading in ("loading", "num_workers", "worker processes", "pin_memory", "input"):
+        assert loading not in found["title"] + found["evidence"] + found["advice"], loading
+    old = findings_of(_without_loader_watch(run, tmp_path)).set_index("kind").loc["data_loading"]
+    assert old["title"] == f"rank:0 spends {old['value']:.0%} of the step loading data"
+    assert "load in DataLoader worker processes (num_workers=4 or more" in old["advice"]
+    write_trace(run, tmp_path / "exported.json.gz")
+    again = dpprof.load_run(import_traces([tmp_path / "exported.json.gz"], tmp_path / "r", jobs=1).id, tmp_path / "r")
+    assert again.data_loaders() == {0: []}
+    assert findings_of(again).set_index("kind").loc["data_loading", "advice"] == found["advice"]
+
+
+def test_a_ddp_rank_whose_dataloader_loads_keeps_the_loading_words(tmp_path):
+    """The same rank fed by a DataLoader without workers (8 samples of 4 ms a batch): still 'loading data', with the
+    advice to load in worker processes and the loader's own settings in the evidence."""
+    from torch.utils.data import DataLoader
+
+    from detail_traces import SlowSet
+
+    run = _record_ddp_rank(tmp_path, DataLoader(SlowSet(), batch_size=8, num_workers=0))
+    assert run.data_loaders() == {0: [{"workers": False, "num_workers": 0, "persistent_workers": False,
+                                       "pin_memory": False, "prefetch_factor": None}]}
+    found = findings_of(run).set_index("kind").loc["data_loading"]
+    assert found["title"] == f"rank:0 spends {found['value']:.0%} of the step loading data"
+    assert found["evidence"].startswith("loading the batch takes ")
+    assert found["evidence"].endswith("; the DataLoader loads in the training process (num_workers=0)")
+    assert "load in DataLoader worker processes (num_workers=4 or more" in found["advice"]
 
 
 def test_stalled_steps_are_named_in_an_outlier_finding():

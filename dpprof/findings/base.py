@@ -57,7 +57,8 @@ class Tables:
     all_steps: pd.DataFrame | None = None
     step_count: int | None = None  # how many steps the run has, where every step's time was not read (all_steps None)
     detail: OperatorData | None = None  # operators, kernels, GPU figures and memory peaks, where the run has them
-    # rank -> its DataLoaders' settings (StoredRun.data_loaders, dpprof.loaders); a rank that says none is left out
+    # rank -> its DataLoaders' settings (StoredRun.data_loaders, dpprof.loaders): [] for a rank recorded with the
+    # watch on that iterated none; a rank whose file does not say (written before, a trace without them) is left out
     data_loaders: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     # the collectives a recorded DDP or FSDP script called itself (records.SCRIPT_BUCKET), out of ``comms``: DDP's
     # buckets' and FSDP's figures read ``comms``; the straggler verdict reads both (``collectives``)

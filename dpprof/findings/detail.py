@@ -14,6 +14,7 @@ import pandas as pd
 
 from dpprof.findings.base import OperatorData, Tables, finding, per_step
 from dpprof.findings.floors import cost_text, critical_share_or, mib, worth_time
+from dpprof.loaders import none_iterated
 from dpprof.store import detail_rows
 from dpprof.store.reader import StoredRun
 from dpprof.units import plural
@@ -72,12 +73,22 @@ def _gpu_data_ms(t: Tables, device: str, steps: pd.Index) -> float | None:
     return float(gpu.mean())
 
 
+def _ranks_of(t: Tables, device: str) -> list[int]:
+    """The ranks (0 for a one-file run) whose phases are on this device."""
+    return [int(r) for r in t.phases.loc[t.phases["device"].astype(str) == device, "rank"].dropna().unique()]
+
+
 def _loaders_of(t: Tables, device: str) -> list[dict[str, Any]]:
     """The DataLoaders of the rank (or one-file run) whose device this is, as the run stored them (dpprof.loaders)."""
     if not t.data_loaders:
         return []
-    ranks = t.phases.loc[t.phases["device"].astype(str) == device, "rank"].dropna().unique()
-    return [d for rank in ranks for d in t.data_loaders.get(int(rank), [])]
+    return [d for rank in _ranks_of(t, device) for d in t.data_loaders.get(rank, [])]
+
+
+def _no_loader(t: Tables, device: str) -> bool:
+    """Whether the process of this device was recorded with the DataLoader watch on and iterated none (its batches
+    built in the loop, or another source): its data part is then no DataLoader's loading (dpprof.loaders)."""
+    return none_iterated(t.data_loaders, _ranks_of(t, device))
 
 
 def workers_advice(loaders: list[dict[str, Any]]) -> tuple[str, str | None]:
@@ -117,7 +128,12 @@ def data_loading(t: Tables) -> list[dict]:
     A rank on a GPU with its parts' CUDA-event times (dpprof.parallel.distributed) also gets the data part's GPU
     time: how long the GPU had nothing to do for want of the batch. The rest of the host's part ran while the GPU was
     still busy with the previous step (the host loading behind it, or waiting for it in a blocking copy of the batch):
-    it costs the GPU nothing. The advice follows whichever is larger, and the severity the GPU's own wait."""
+    it costs the GPU nothing. The advice follows whichever is larger, and the severity the GPU's own wait.
+
+    A process recorded with the DataLoader watch on that iterated none (dpprof.loaders.none_iterated) loaded nothing
+    through a DataLoader: the part is then said as the time before its forward, the script's own work since the
+    optimizer step (building the batch in the loop, logging, checkpoints), and its advice is to move that work off
+    the step, never DataLoader workers."""
     if "data" not in t.model.phases or t.phases.empty:
         return []
     data = per_step(t, ["data"])
@@ -135,45 +151,59 @@ def data_loading(t: Tables) -> list[dict]:
             continue
         # a rank whose trace holds fewer steps than the job's longest (its profiler's window): over its own steps
         whose = "the run's" if len(col) == t.later_step_count else f"{device}'s"
-        evidence = (f"loading the batch takes {data_ms:.2f} ms of a {mean_step:.2f} ms step on average "
+        own = _no_loader(t, str(device))  # no DataLoader ran: the script's own work before forward
+        what = "the time from the previous step's end to forward" if own else "loading the batch"
+        evidence = (f"{what} takes {data_ms:.2f} ms of a {mean_step:.2f} ms step on average "
                     f"({plural(len(col), 'step')}, the first left out): it {cost_text(data_ms, len(col), whose)}")
-        advice = ("The step waits for its input: load in DataLoader worker processes (num_workers=4 or more, "
-                  "persistent_workers=True), with pin_memory=True, and move decoding and augmentation there or to the "
-                  "GPU.")
-        said, left = workers_advice(_loaders_of(t, str(device)))
-        evidence += said
-        if left is not None:
-            advice = ("The step waits for its input although the DataLoader already loads in worker processes: they "
-                      f"do not keep up. What is left: {left}.")
+        if own:
+            evidence += ("; no DataLoader was iterated in this process while it was recorded, so this is the "
+                         "script's own work between the optimizer step and the next forward")
+            advice = ("No DataLoader loads here: the step waits for the script's own code between the optimizer step "
+                      "and the next forward (building or reading the batch in the loop, logging and metrics, "
+                      "checkpointing, evaluation, a host synchronisation such as .item() or .cpu()). Move it off the "
+                      "step: build batches in the background or on the GPU, log and checkpoint every N steps rather "
+                      "than every step, and evaluate less often; dpprof run --capture 5:8 train.py, then dpprof ops "
+                      "RUN, shows it by operator.")
+        else:
+            advice = ("The step waits for its input: load in DataLoader worker processes (num_workers=4 or more, "
+                      "persistent_workers=True), with pin_memory=True, and move decoding and augmentation there or to "
+                      "the GPU.")
+            said, left = workers_advice(_loaders_of(t, str(device)))
+            evidence += said
+            if left is not None:
+                advice = ("The step waits for its input although the DataLoader already loads in worker processes: "
+                          f"they do not keep up. What is left: {left}.")
         gpu_ms = _gpu_data_ms(t, str(device), col.index)
         # a process whose model is on a GPU (its allocator read): the host's part before forward also holds the
         # wait for the GPU to finish the previous step, where the batch's copy to the GPU blocks (pageable memory)
         on_gpu = not t.allocator.empty and str(device) in set(t.allocator["device"])
         copy_advice = (" Copy the batch with .to(device, non_blocking=True) from pinned memory, so the copy does not "
-                       "wait for the GPU: what is left of this part is then loading.")
+                       "wait for the GPU: what is left of this part is then "
+                       + ("the script's own work." if own else "loading."))
         if gpu_ms is not None:
             behind = max(0.0, data_ms - gpu_ms)  # ran while the GPU was still busy with the previous step
-            evidence += (f"; of it, the GPU sat {gpu_ms:.2f} ms a step waiting for the batch, and the other "
-                         f"{behind:.2f} ms ran while the GPU was still busy with the previous step's work (the host "
-                         "loading behind it, or waiting for it in a blocking copy of the batch; CUDA events on the "
-                         "rank's stream)")
+            evidence += (f"; of it, the GPU sat {gpu_ms:.2f} ms a step waiting for "
+                         + ("the next forward" if own else "the batch") + f", and the other {behind:.2f} ms ran while "
+                         "the GPU was still busy with the previous step's work (the host "
+                         + ("working" if own else "loading") + " behind it, or waiting for it in a blocking copy of "
+                         "the batch; CUDA events on the rank's stream)")
             if behind > gpu_ms:
                 advice = ("Most of this part runs while the GPU is still busy with the previous step, so the GPU is "
-                          f"the bound: faster input buys back at most the GPU's {gpu_ms:.2f} ms a step. A batch "
-                          "copied from memory that is not pinned also waits for the GPU." + copy_advice)
+                          "the bound: " + ("less host work there" if own else "faster input")
+                          + f" buys back at most the GPU's {gpu_ms:.2f} ms a step. A batch copied from memory that is "
+                          "not pinned also waits for the GPU." + copy_advice)
             else:
                 advice += copy_advice
         elif on_gpu:
             evidence += ("; on a GPU this host time also holds any wait for the GPU to finish the previous step's "
                          "work before a blocking copy of the batch (from memory that is not pinned), which this run "
-                         "does not separate from loading")
+                         "does not separate from " + ("the script's own work" if own else "loading"))
             advice += copy_advice
         # how bad: the host's share, or where the GPU's own wait is known, that (the rest cost the GPU nothing)
         bound = share if gpu_ms is None else gpu_ms / mean_step
         severity = critical_share_or("warning" if bound > DATA_SHARE_WARN else "info", bound)
-        out.append(finding("data_loading", severity, str(device),
-                           f"{device} spends {share:.0%} of the step loading data", evidence, advice, share,
-                           "share"))
+        title = f"{device} spends {share:.0%} of the step " + ("before its forward" if own else "loading data")
+        out.append(finding("data_loading", severity, str(device), title, evidence, advice, share, "share"))
     return out
 
 
