@@ -58,16 +58,20 @@ def per_device(data: overview.Overview) -> None:
 
 def _breakdown_caption(data: overview.Overview) -> str:
     model = data.model
+    batch = ("the script's own code (no DataLoader ran: building the batch, logging)" if data.no_data_loader
+             else "loading the batch")
     if model.dataparallel:
-        rest = ("the optimizer step, loading the batch (each device computes its own loss inside apply)."
-                if not model.gathers else "the loss, the optimizer step, loading the batch."
-                if "loss" not in model.phases else "the optimizer step, loading the batch.")
+        rest = (f"the optimizer step, {batch} (each device computes its own loss inside apply)."
+                if not model.gathers else f"the loss, the optimizer step, {batch}."
+                if "loss" not in model.phases else f"the optimizer step, {batch}.")
         return ("apply (all devices) is parallel_apply: every device's apply, side by side. The rest of the step is "
                 "what runs outside DataParallel: " + rest)
     ranks = "Each bar is the ranks' mean. " if model.unit == "rank" and len(model.devices) > 1 else ""
     said = []  # only the phases this run has, each in its own kind's terms
     if "data" in model.phases:
-        said.append("data is the time before the step's forward (loading the batch)")
+        said.append("data is the time before the step's forward (" + (
+            "no DataLoader ran: the script's own work since the previous step, such as building the batch"
+            if data.no_data_loader else "loading the batch") + ")")
     if "comm_wait" in model.phases:
         said.append("backward compute ends when the last gradient bucket is launched, the all-reduce wait after it"
                     if model.kind == "ddp" else

@@ -407,6 +407,7 @@ def _record_ddp_rank(tmp_path, loader):
 
     from dpprof.instrument import instrument
 
+    tmp_path.mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         with instrument(name="ddp", reports_dir=tmp_path, sample_hz=None) as run:
@@ -488,6 +489,58 @@ def test_a_ddp_rank_whose_dataloader_loads_keeps_the_loading_words(tmp_path):
     assert found["evidence"].startswith("loading the batch takes ")
     assert found["evidence"].endswith("; the DataLoader loads in the training process (num_workers=0)")
     assert "load in DataLoader worker processes (num_workers=4 or more" in found["advice"]
+
+
+def test_a_dataparallel_loop_without_dataloader_is_told_its_own_work_runs_between_steps():
+    """A DataParallel loop that builds its batches with torch.randn and logs for 40 ms after each run.step(): its
+    between_steps finding said 'fetching the next batch from its DataLoader (load in worker processes: num_workers,
+    ...)' where no DataLoader ran. The run says its watch saw none, so the finding says the script's own work is
+    there, with no DataLoader advice."""
+    net = dpprof.DataParallel(nn.Linear(64, 10), device_ids=dpprof.cpu_devices(2))
+    with dpprof.record(name="no loader", sample_hz=None) as recording:
+        for _ in range(8):
+            x = torch.randn(8, 64)
+            with recording.step():
+                net(x).sum().backward()
+            time.sleep(0.04)  # logging, a checkpoint: the script's own work between the steps
+    found = findings_of(dpprof.load_run(recording.path)).set_index("kind").loc["between_steps"]
+    assert found["evidence"].endswith("; no DataLoader was iterated while the run was recorded")
+    assert found["advice"].startswith("See what the script does between steps: no DataLoader loads there, so it is "
+                                      "the script's own work (building or reading the next batch in the loop, logging "
+                                      "and metrics, checkpointing, evaluation")
+    assert "every N steps" in found["advice"]
+    for loading in ("fetching", "num_workers", "worker processes", "pin_memory"):
+        assert loading not in found["evidence"] + found["advice"], loading
+
+
+def test_the_pages_say_the_data_part_of_a_rank_without_dataloader_is_no_loading(tmp_path):
+    """The Overview's breakdown caption and the Timeline's lanes named a DDP rank's data part 'loading the batch'
+    whatever fed it; for a rank that iterated no DataLoader they now say the script's own work, and a rank fed by a
+    DataLoader keeps 'loading the batch'."""
+    import sys
+    from pathlib import Path
+
+    from torch.utils.data import DataLoader
+
+    from detail_traces import SlowSet
+    from dpprof.views import overview, timeline
+
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from app_pages.overview import _breakdown_caption
+
+    own = _record_ddp_rank(tmp_path / "own", None)
+    fed = _record_ddp_rank(tmp_path / "fed", DataLoader(SlowSet(), batch_size=8, num_workers=0))
+    page = overview.overview(own)
+    assert page.no_data_loader and not overview.overview(fed).no_data_loader
+    assert "Data is the time before the step's forward (no DataLoader ran: the script's own work since the previous " \
+           "step, such as building the batch)" in _breakdown_caption(page)
+    assert "(loading the batch)" in _breakdown_caption(overview.overview(fed))
+    assert "the time before forward (data: no DataLoader ran, the script's own work), forward" in \
+        timeline.lanes_text(own)
+    assert "loading the batch" not in timeline.lanes_text(own)
+    assert "loading the batch (data), forward" in timeline.lanes_text(fed)
 
 
 def test_stalled_steps_are_named_in_an_outlier_finding():

@@ -37,6 +37,7 @@ from dpprof.advise.calibration_cache import Calibration
 from dpprof.advise.commands import no_command, profile_for
 from dpprof.advise.compute import ComputeProbe, layout_key
 from dpprof.advise.measured import Measured, chunk_sizes
+from dpprof.loaders import said_in
 from dpprof.records import PHASE_ORDER
 from dpprof.stepmodel import PHASE_WORDS
 from dpprof.units import mib, plural
@@ -705,8 +706,11 @@ def advise(m: Measured, cal: Calibration | None, batch_sizes: list[int] | None =
                          f"{model.raw_skew():.1%} over one rank's compute{shared}: {skew_ms:.2f} ms (in the all-reduce "
                          "wait)")
     if model.ddp_data_ms() >= 0.005:  # said where it shows in two decimals
+        # a run recorded with the DataLoader watch on that iterated none loaded no batch there (dpprof.loaders)
+        between = ("work between their steps (no DataLoader ran: the script's own, building the next batch, logging)"
+                   if said_in(m.workload_args) == [] else "loading of their next batch")
         ddp_notes.append(f"the ranks share the {model.C:.2f} cores this job gets: each step also waits out the other "
-                         f"ranks' loading of their next batch, {model.ddp_data_ms():.2f} ms (in the rest)")
+                         f"ranks' {between}, {model.ddp_data_ms():.2f} ms (in the rest)")
     if B % n:
         ddp_notes.append(f"{B} does not split evenly over {plural(n, 'rank')}: the prediction gives them torch.chunk's "
                          f"{per_rank}, the command each rank {plural(per_rank[0], 'sample')} ({per_rank[0] * n} a "

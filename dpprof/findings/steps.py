@@ -10,6 +10,7 @@ import pandas as pd
 from dpprof.findings.base import MEDIAN_STEP, Tables, finding
 from dpprof.findings.detail import workers_advice
 from dpprof.findings.floors import cost_text, total_text, worth_time
+from dpprof.loaders import none_iterated
 from dpprof.stepmodel import REST, partition, parts_for
 from dpprof.store.queries import throughput_of, training_steps_of
 from dpprof.units import plural
@@ -214,7 +215,8 @@ def between_steps(t: Tables) -> list[dict]:
     from its DataLoader, the script's own code), which no step or median step holds (the run's samples/s does:
     dpprof.store.queries.throughput, which the evidence gives). Imported traces'
     steps tile their window and are left out. The value is that share of the time from the first step's end to the
-    last step's end."""
+    last step's end. A run recorded with the DataLoader watch on that iterated none is told it is the script's own
+    work there, with no DataLoader advice."""
     if t.model.imported:
         return []
     s = t.every_step
@@ -247,15 +249,23 @@ def between_steps(t: Tables) -> list[dict]:
         evidence += (f": the steps past the first trained {rate.samples:,} samples in {rate.span_ms / 1e3:,.2f} s, "
                      f"{rate.samples_per_s:,.0f} samples/s (the run's samples/s), against "
                      f"{rate.samples / later.sum() * 1e3:,.0f} samples/s over the steps' own time")
-    said, left = workers_advice([d for found in t.data_loaders.values() for d in found])
-    evidence += said
-    loading = (" (load in worker processes: num_workers, persistent_workers, pin_memory)" if left is None else "")
-    advice = ("See what the script does between steps: in a training loop that is fetching the next batch from its "
-              f"DataLoader{loading}, then logging, metrics and checkpoints. "
-              + ("" if left is None else f"Its DataLoader already loads in workers that do not keep up; what is left: "
-                                         f"{left}. ")
-              + "Record a window with torch.profiler (dpprof run --capture 5:8 train.py, then dpprof ops RUN) to see "
-              "it by operator.")
+    capture = ("Record a window with torch.profiler (dpprof run --capture 5:8 train.py, then dpprof ops RUN) to see "
+               "it by operator.")
+    if none_iterated(t.data_loaders):  # recorded with the watch on, and no DataLoader ran (dpprof.loaders)
+        evidence += "; no DataLoader was iterated while the run was recorded"
+        advice = ("See what the script does between steps: no DataLoader loads there, so it is the script's own work "
+                  "(building or reading the next batch in the loop, logging and metrics, checkpointing, evaluation, "
+                  "a host synchronisation such as .item()). Move it off the step loop: log and checkpoint every N "
+                  "steps rather than every step, evaluate less often, build batches in the background. " + capture)
+    else:
+        said, left = workers_advice([d for found in t.data_loaders.values() for d in found])
+        evidence += said
+        loading = (" (load in worker processes: num_workers, persistent_workers, pin_memory)" if left is None else "")
+        advice = ("See what the script does between steps: in a training loop that is fetching the next batch from its "
+                  f"DataLoader{loading}, then logging, metrics and checkpoints. "
+                  + ("" if left is None else f"Its DataLoader already loads in workers that do not keep up; what is "
+                                             f"left: {left}. ")
+                  + capture)
     # half the run between steps: every step figure (median, samples/s) is off by 2x or more
     return [finding("between_steps", "critical" if share >= 2 * BETWEEN_STEPS_WARN else "warning", None,
                     f"{share:.0%} of the run's time is between its steps", evidence, advice, share, "share")]

@@ -13,6 +13,7 @@ from dpprof.findings.ddp import bucket_counts, collective_busy, later_collective
 from dpprof.findings.collectives import match_collectives, wait_heatmap
 from dpprof.findings.dataparallel import MEMORY_SKEW_RATIO
 from dpprof.findings.floors import MEMORY_FLOOR_BYTES
+from dpprof.loaders import none_iterated
 from dpprof.records import HOST_OUTPUT
 from dpprof.store import queries
 from dpprof.store.collective_rows import rank_collectives
@@ -82,6 +83,9 @@ class Overview:
     gpu: pd.DataFrame = field(default_factory=pd.DataFrame)  # queries.gpu_time: imported traces with GPUs
     outliers: pd.DataFrame = field(default_factory=pd.DataFrame)  # queries.outlier_steps: a long run's, marked
     waits: CollectiveWaitView | None = None  # collective_wait_view: runs of two or more ranks with collectives
+    # recorded with the DataLoader watch on and no DataLoader iterated (dpprof.loaders.none_iterated): its data part
+    # and its time between steps are the script's own work, not loading
+    no_data_loader: bool = False
 
 
 @dataclass
@@ -264,7 +268,7 @@ def overview(run: StoredRun) -> Overview:
     data = Overview(model=model, glance=glance(run, stats, found), stats=stats, throughput=queries.throughput(run),
                     steps=steps,
                     breakdown=queries.phase_breakdown(run, steps=steps), totals=totals, findings=found,
-                    outliers=queries.outlier_steps(run))
+                    outliers=queries.outlier_steps(run), no_data_loader=none_iterated(run.data_loaders()))
     if found.tax is not None:  # the figure the tax finding states, per step past the first
         data.tax_pct, data.tax_ms = 100 * found.tax.share, found.tax.ms
     if "comms" in model.has:

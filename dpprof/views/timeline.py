@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from dpprof.loaders import none_iterated
 from dpprof.store import detail_rows, queries
 from dpprof.store.reader import StoredRun
 
@@ -70,10 +71,13 @@ def lanes_text(run: StoredRun) -> str:
         return ("Lanes: each step; parallel_apply (every replica together); then each device with its own phases "
                 "(scatter, replicate and gather on the output device, each replica's apply on its own)." + streams)
     unit = "rank" if model.unit == "rank" else "process"
+    # recorded with no DataLoader iterated (dpprof.loaders): the data part is the script's own work before forward
+    data = ("the time before forward (data: no DataLoader ran, the script's own work)"
+            if none_iterated(run.data_loaders()) else "loading the batch (data)")
     if model.fsdp_phases:  # FSDP's own waits and copies inside forward and backward, no all-reduce
-        return (f"Lanes: each step; then each {unit} with its phases in order: loading the batch (data), forward and "
+        return (f"Lanes: each step; then each {unit} with its phases in order: {data}, forward and "
                 "backward with FSDP's work inside them (the waits for its all-gathers and reduce-scatters, its "
                 "copy-in and copy-out) and the optimizer step." + streams)
-    return (f"Lanes: each step; then each {unit} with its phases in order: loading the batch (data), forward, "
+    return (f"Lanes: each step; then each {unit} with its phases in order: {data}, forward, "
             "backward (its compute, then the wait for the gradient all-reduce where recorded) and the optimizer "
             "step." + streams)
