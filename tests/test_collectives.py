@@ -228,6 +228,8 @@ def test_a_collective_the_script_runs_after_its_optimizer_step_is_no_part_of_bac
     assert abs(verdict.wait_ms - DELAY_MS) <= TOLERANCE * DELAY_MS, verdict.sentence()
     # the operators' sentence leads as their difference says: the late rank's sleep is in none of them
     evidence = found.table.set_index("kind").loc["straggler_rank", "evidence"]
+    # a trace does not say whether the rank iterated a DataLoader: the advice names data loading among the suspects
+    assert "its data loading" in found.table.set_index("kind").loc["straggler_rank", "advice"]
     faster = " ms faster than the others' mean" in evidence
     assert ("Not its operators, which are faster than the others'" in evidence) == faster
     assert ("Operators behind it" in evidence) == (not faster)
@@ -263,6 +265,9 @@ def test_a_recorded_rank_late_to_the_scripts_own_collective_is_the_straggler(tmp
     later = rows.groupby(["device", "step"])["start_ms"].shift(-1)
     assert (later.dropna() >= ends[later.notna()] - 1e-6).all()
     found = run_findings(run)
+    # its advice looks at what the late rank does before them: not loading (it iterates no DataLoader)
+    advice = found.table.set_index("kind").loc["straggler_rank", "advice"]
+    assert "its own work between its optimizer step and its next forward" in advice and "data loading" not in advice
     data = found.table[found.table["kind"] == "data_loading"].set_index("device")["value"]
     # rank 0 loads 20 ms of its ~190 ms step: it waited in the collective, it did not load for 150 ms more (84%)
     assert data.get("rank:0", 0.0) < 0.25, data
