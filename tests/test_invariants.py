@@ -109,7 +109,7 @@ def test_the_partition_agrees_with_an_independent_sweep_of_the_rows(runs, name):
     if run.model.aggregated or not len(run.steps):
         return
     names = queries.stacked_phases(run.model.phases)
-    priority = [p for p in ("forward", "backward_compute", "comm_wait", "backward", "optimizer", "data")
+    priority = [p for p in ("forward", "backward_compute", "comm_wait", "backward", "optimizer", "script_comm", "data")
                 if p in names] if "forward" in names else names
     got = queries.step_parts(run).set_index(["rank", "step"])
     for step in run.steps.itertuples():
