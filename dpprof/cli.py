@@ -465,8 +465,7 @@ def _cmd_runs(args: argparse.Namespace) -> int:
     shown = readable[cols].copy()
     # the runs dpprof advise --check recorded, under the run they check
     shown["id"] = [f"└ {i}" if pd.notna(of) else i for i, of in zip(readable["id"], readable["check_of"])]
-    for col in ("id", "name", "workload", "devices"):  # names are the users' (and a file's): shown, never obeyed
-        shown[col] = shown[col].map(_terminal)
+    # names are the users' (and a file's): _table escapes them, shown, never obeyed
     print(_table(shown.set_index("id"), "{:.1f}", whole="dpprof show RUN gives a run's name whole"))
     for _, short in readable[(readable["status"] == "incomplete") & readable["error"].notna()].iterrows():
         print(_terminal(f"incomplete: {short['id']}: {short['error']}"))
