@@ -256,7 +256,7 @@ class Run:
         self._ended_at_ns = 0
         # the collectives the script called itself between steps, for the next step (dpprof.parallel.script_comms),
         # once a DDP or FSDP forward was recorded (records_comms): a DataParallel run's process has no ranks
-        self.script_comms: list[list[Any]] = []
+        self.script_comms: list[Any] = []  # script_comms._Call
         self.records_comms = False
         # the parameters (ids) of each module whose forward calls opened or joined a step, and whether each optimizer
         # updates any (cached, with the count of modules it was found for): only such an optimizer's step moves an

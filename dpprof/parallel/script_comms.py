@@ -23,7 +23,7 @@ import functools
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -81,11 +81,23 @@ def _bytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
     return None
 
 
+class _Call(NamedTuple):
+    """One call of the script's, as held for the next step's forward (Run.script_comms)."""
+
+    label: str  # its rank's device label
+    word: str  # the collective (COLLECTIVE_WORDS)
+    nbytes: int | None
+    t0: int  # launch and completion, perf_counter_ns
+    t1: int
+    blocking: bool  # the host waited in it (a part), not an async_op call (a row alone)
+    emitted: bool  # already in the step it was made in (_record), not held for the next
+
+
 def _record(run: Run, word: str, nbytes: int | None, t0: int, t1: int, blocking: bool) -> None:
     """One call: into the step it is in now, or held for the next step (``settle``). Either way it is kept until the
     next step's forward, whose data part it is carved out of."""
     step = run.step_for_collective()
-    item = [_label(), word, nbytes, t0, t1, blocking, step is not None]
+    item = _Call(_label(), word, nbytes, t0, t1, blocking, step is not None)
     if step is not None:
         _emit(run, step.index, item)
         if blocking:
@@ -96,10 +108,10 @@ def _record(run: Run, word: str, nbytes: int | None, t0: int, t1: int, blocking:
         run.script_comms.append(item)
 
 
-def _emit(run: Run, step: int, item: list[Any]) -> None:
-    label, word, nbytes, t0, t1, blocking, _ = item
+def _emit(run: Run, step: int, item: _Call) -> None:
+    label, word, nbytes, t0, t1 = item.label, item.word, item.nbytes, item.t0, item.t1
     start_ms, duration_ms = (t0 - run._t0_ns) / 1e6, (t1 - t0) / 1e6
-    if blocking:
+    if item.blocking:
         # a row (dpprof.records.Row): PHASE_ROW, then PhaseRecord's step, call, phase, device, start_ms, duration_ms,
         # device_duration_ms
         run.sink.put((PHASE_ROW, step, 0, SCRIPT_COMM, label, start_ms, duration_ms, None))
@@ -122,13 +134,13 @@ def settle(run: Run, step: Any, start_ns: int) -> list[tuple[int, int]]:
     with _lock:
         items, run.script_comms[:] = list(run.script_comms), []
     spans = []
-    for item in sorted(items, key=lambda i: i[3]):
-        if item[3] < start_ns:
+    for item in sorted(items, key=lambda i: i.t0):
+        if item.t0 < start_ns:
             continue
-        if not item[6]:
+        if not item.emitted:
             _emit(run, step.index, item)
-        if item[5]:
-            spans.append((item[3], item[4]))
+        if item.blocking:
+            spans.append((item.t0, item.t1))
     return spans
 
 
