@@ -10,7 +10,7 @@ import pandas as pd
 from dpprof.findings.base import Tables, finding
 from dpprof.findings.dataparallel import straggler_row, straggler_verdict
 from dpprof.findings.floors import cost_text, worth_time
-from dpprof.loaders import none_iterated
+from dpprof.findings.detail import no_data_loader
 from dpprof.stepmodel import partition
 from dpprof.store.model import RunModel
 from dpprof.units import mib
@@ -36,11 +36,9 @@ def straggler_rank(t: Tables) -> list[dict]:
     slow = v.slowest
     c = v.collectives
     if c is not None:  # the collectives' verdict: the wait inside them is the evidence
-        rank = slow.split(":", 1)[1]
         # a rank that iterated no DataLoader loads nothing: what it does before them is the script's own work
         own = ("its own work between its optimizer step and its next forward (logging, checkpoints, evaluation, "
-               "building batches: it iterates no DataLoader)" if rank.isdigit() and none_iterated(t.data_loaders, [int(rank)])
-               else "its data loading")
+               "building batches: it iterates no DataLoader)" if no_data_loader(t, slow) else "its data loading")
         return [finding("straggler_rank", v.severity, slow, f"{slow} is the straggler: the others wait for it inside their collectives",
                         c.evidence(collective_steps(t)),
                         f"Look at what {slow} does before its collectives: {own}, its forward and backward "

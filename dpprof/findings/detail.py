@@ -21,7 +21,7 @@ from dpprof.units import plural
 from dpprof.views.opdiff import Pick, at_steps, diff_rows, diff_sentence, others_mean_of, side_of
 
 __all__ = ["DATA_SHARE_WARN", "GPU_UTIL_LOW_PCT", "TC_UNUSED_SHARE", "MEMORY_FULL_SHARE", "EXPLAIN_TOP",
-           "SUPERSEDES", "operator_data", "workers_advice", "data_loading", "gpu_utilization", "tensor_cores_unused", "memory_full",
+           "SUPERSEDES", "operator_data", "workers_advice", "no_data_loader", "data_loading", "gpu_utilization", "tensor_cores_unused", "memory_full",
            "DETAIL_RULES", "explain"]
 
 # Loading the batch over 5% of the step: the step waits on the input pipeline (the issue's figure; the TensorBoard
@@ -85,7 +85,7 @@ def _loaders_of(t: Tables, device: str) -> list[dict[str, Any]]:
     return [d for rank in _ranks_of(t, device) for d in t.data_loaders.get(rank, [])]
 
 
-def _no_loader(t: Tables, device: str) -> bool:
+def no_data_loader(t: Tables, device: str) -> bool:
     """Whether the process of this device was recorded with the DataLoader watch on and iterated none (its batches
     built in the loop, or another source): its data part is then no DataLoader's loading (dpprof.loaders)."""
     return none_iterated(t.data_loaders, _ranks_of(t, device))
@@ -151,7 +151,7 @@ def data_loading(t: Tables) -> list[dict]:
             continue
         # a rank whose trace holds fewer steps than the job's longest (its profiler's window): over its own steps
         whose = "the run's" if len(col) == t.later_step_count else f"{device}'s"
-        own = _no_loader(t, str(device))  # no DataLoader ran: the script's own work before forward
+        own = no_data_loader(t, str(device))  # no DataLoader ran: the script's own work before forward
         what = "the time from the previous step's end to forward" if own else "loading the batch"
         evidence = (f"{what} takes {data_ms:.2f} ms of a {mean_step:.2f} ms step on average "
                     f"({plural(len(col), 'step')}, the first left out): it {cost_text(data_ms, len(col), whose)}")
