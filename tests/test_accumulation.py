@@ -276,17 +276,17 @@ def _reported(c):
 
 @pytest.fixture(scope="module")
 def eval_heavy(tmp_path_factory):
-    """DDP with more evaluation batches than training steps (6 an epoch after 3), rank 1 40 ms late to each training
-    step, recorded by `dpprof run`."""
+    """DDP with more evaluation batches than training steps (6 an epoch after 3), rank 1 80 ms late to each training
+    step, recorded by `dpprof run` (a delay whose half outlasts what a loaded machine takes from rank 0's steps)."""
     reports = tmp_path_factory.mktemp("eval-heavy") / "reports"
     _torchrun(["-m", "dpprof", "run", SCRIPT], {"DPPROF_REPORTS": str(reports), "ACCUM": "1", "EVAL": "6",
-                                                "SLOW": "1:40"})
+                                                "SLOW": "1:80"})
     [run_id] = dpprof.list_runs(reports)["id"]
     return dpprof.load_run(run_id, reports)
 
 
 def test_a_straggler_in_the_training_steps_is_weighed_against_them_not_the_evaluation_steps(eval_heavy):
-    """The others wait ~40 ms inside each all-reduce for rank 1. The straggler finding, its value and the Overview's
+    """The others wait ~80 ms inside each all-reduce for rank 1. The straggler finding, its value and the Overview's
     headline set that wait against the median of every step past the first, an evaluation step's fraction of a
     millisecond (thousands of percent); now against the median of the steps that ran the collectives, the wait's own."""
     from dpprof.findings import run_findings
@@ -300,14 +300,14 @@ def test_a_straggler_in_the_training_steps_is_weighed_against_them_not_the_evalu
     found = run_findings(run).table.set_index("kind").loc["straggler_rank"]
     assert found["device"] == "rank:1"
     wait = float(found["evidence"].split("the others wait ")[1].split(" ms")[0])
-    assert wait > 30 and found["value"] == pytest.approx(wait / training.median(), rel=0.01) and found["value"] < 1
+    assert wait > 40 and found["value"] == pytest.approx(wait / training.median(), rel=0.01) and found["value"] < 1
     assert "of the median step past the first that ran collectives" in found["evidence"]
     glance = overview(run).glance
     assert glance.wait_share == pytest.approx(found["value"])
 
 
 def test_training_steps_between_evaluation_steps_are_no_stalls_a_stall_among_them_is(eval_heavy):
-    """The stall rule set every step against the median of all, an evaluation step's: each training step (40 ms and
+    """The stall rule set every step against the median of all, an evaluation step's: each training step (80 ms and
     more against 0.5 ms) was 'over 2x the median step', 5 of 17 said to stall 'from outside the model'. Each step is
     now set against the median of its kind (training: a backward ran; evaluation: none), and a training step that
     stalls among them still is one."""
