@@ -33,6 +33,7 @@ from dpprof.device_ids import cpu_devices, is_cpu_worker_list, resolve_devices
 from dpprof.nvml import DEFAULT_SAMPLE_HZ
 from dpprof.parallel import distributed as _ddp
 from dpprof.parallel import fsdp as _fsdp
+from dpprof.parallel import script_comms
 from dpprof.parallel.data_parallel import DataParallel as _DataParallel
 from dpprof.parallel.data_parallel import data_parallel as _data_parallel
 from dpprof.parallel.probe import iter_tensors
@@ -326,6 +327,8 @@ class _Session:
             self._fsdp_waiting = WhenImported(_FSDP_MODULE, self._patch_fsdp)
             sys.meta_path.insert(0, self._fsdp_waiting)
         self._hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+        if self.record_args is not None:  # before the script's imports: a name it binds is the timed collective
+            script_comms.install()
         self._patch_grad_scaler()
         self._patch_process_start()
         self._patch_hard_exit()

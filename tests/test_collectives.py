@@ -242,7 +242,10 @@ def test_a_recorded_rank_late_to_the_scripts_own_collective_is_the_straggler(tmp
     was every rank's data part ("rank:1 spends 84% of the step loading data" and "rank:0 ... 80%", with a 30 ms
     delay), and no straggler was named. The script's collectives are now timed: rank 0's wait in the metric's
     all-reduce is its script_comm part, not data, and the verdict matches it across the ranks: rank 1 is the
-    straggler, by its delay. A round trip through dpprof's own trace keeps them apart from DDP's buckets."""
+    straggler, by its delay. A round trip through dpprof's own trace keeps them apart from DDP's buckets. The script
+    calls the all-reduce by the name it imported (``from torch.distributed import all_reduce``): bound before the
+    first forward, where dpprof wrapped the collectives, it was torch's own and untimed; dpprof run wraps them before
+    the script starts."""
     _ranks(2, "--steps", "6", "--load-ms", "20", "--delay", f"1:{DELAY_MS:g}", "--delay-at", "after",
            *(["--fsdp"] if fsdp else []), record=tmp_path)
     run = _only_run(tmp_path)

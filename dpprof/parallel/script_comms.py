@@ -16,6 +16,10 @@ wait is where the script waits on it, not timed as a part).
 A call inside a step (``run.step()``, or an implicit step before its optimizer stepped) is that step's; one
 between steps (after the optimizer, before the next forward) is the next step's, settled when its forward
 starts (``settle``); one before the first step or after the last is in no step, and not recorded.
+
+The collectives are wrapped once a process: by ``dpprof run`` (dpprof.instrument) before the script starts, so a
+name the script binds itself (``from torch.distributed import all_reduce``) is the timed one, and else at the first
+recorded DDP or FSDP forward (a ``dpprof.record`` block: a name bound before that is torch's own, untimed).
 """
 from __future__ import annotations
 
