@@ -56,3 +56,9 @@ class _Package(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Package
+
+# the DataLoader watch from the first import, once torch's DataLoader is (loading no torch itself): an iterator made
+# before a run starts is seen (dpprof.loaders)
+from dpprof.loaders import watch as _watch_loaders  # noqa: E402
+
+_watch_loaders()

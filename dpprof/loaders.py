@@ -6,6 +6,11 @@ its workload_args' ``data_loaders``: ``num_workers``, ``persistent_workers``, ``
 A run recorded since the watch says so from its start (``data_loaders: []``), so ``[]`` read back is "watched, none
 iterated" (the script built its batches itself), and no ``data_loaders`` at all is "not said" (a file written
 before, an imported trace without DataLoader ranges).
+The watch is on from ``import dpprof`` (``watch``: once torch's DataLoader is imported, never loading torch
+itself), so a DataLoader whose iterator was made before the run started (``it = iter(loader)`` before
+``dpprof.record``, or before DDP is built under torchrun, where the run starts) is seen: what is iterated while no
+run records is kept, while its iterator lives (``MAX_LOADERS``, the newest), for the next run to start
+(``claim``): a loop over a loader that ended before the run is no loader of it.
 An imported trace says only which iterator ran (torch.profiler names the range
 ``enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__`` or ``..._SingleProcessDataLoaderIter...``): workers
 or none, not how many. Importing this module loads no torch (the read side uses it).
@@ -14,11 +19,12 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections.abc import Iterable
 from typing import Any, Callable
 
 __all__ = ["MAX_LOADERS", "WORKERS_ITER", "NO_WORKERS_ITER", "describe", "of_iterators", "stored", "said_in",
-           "none_iterated", "exported_loaders", "install_watch"]
+           "none_iterated", "exported_loaders", "install_watch", "watch", "receive", "claim"]
 
 MAX_LOADERS = 4  # distinct settings kept a process: a training, a validation and a test loader, and one more
 WORKERS_ITER = "_MultiProcessingDataLoaderIter"  # torch.utils.data.dataloader's iterator with num_workers > 0
@@ -26,6 +32,9 @@ NO_WORKERS_ITER = "_SingleProcessDataLoaderIter"  # and with num_workers=0
 
 _installed: list[Callable[..., Any]] = []
 _lock = threading.Lock()
+_receivers: list[Callable[[dict[str, Any]], bool]] = []  # dpprof.recording's: True where a run kept the loader
+# loaders iterated while no run recorded (describe), each with a weak reference to its iterator, the newest last
+_unclaimed: list[tuple[dict[str, Any], Callable[[], Any]]] = []
 
 
 def describe(loader: Any) -> dict[str, Any]:
@@ -83,23 +92,64 @@ def exported_loaders(info: Any, rank: int | None) -> list[dict[str, Any]] | None
     return out[:MAX_LOADERS]
 
 
-def install_watch(note: Callable[[Any], None]) -> None:
-    """Call ``note(loader)`` each time a DataLoader is iterated (``DataLoader.__iter__``), from now on in this
-    process; installed once (the first caller's ``note``), as torch's optimizer hooks are global."""
+def _note(loader: Any, iterator: Any) -> None:
+    """A DataLoader is iterated: its settings to the run recording now, else kept for the next run while the
+    iterator lives (``claim``: a loop over a loader done before the run, its iterator freed, is no loader of it)."""
+    found = describe(loader)
+    if _receivers and _receivers[0](found):
+        return
+    ref: Callable[[], Any]
+    try:
+        ref = weakref.ref(iterator)
+    except TypeError:  # an iterator that takes no weak reference: kept while the process lives
+        ref = lambda: iterator  # noqa: E731
+    with _lock:
+        _unclaimed[:] = [(f, r) for f, r in _unclaimed if f != found and r() is not None][-(MAX_LOADERS - 1):]
+        _unclaimed.append((found, ref))
+
+
+def receive(receiver: Callable[[dict[str, Any]], bool]) -> None:
+    """Where the watch sends a DataLoader's settings first: ``receiver(found)`` is True where a run kept them (once a
+    process: dpprof.recording's)."""
+    if not _receivers:
+        _receivers.append(receiver)
+
+
+def claim() -> list[dict[str, Any]]:
+    """The settings of the DataLoaders iterated while no run recorded whose iterators still live, the oldest first,
+    handed over once: a run starting takes them (an iterator made before it, iterated inside it)."""
+    with _lock:
+        out = [found for found, ref in _unclaimed if ref() is not None]
+        _unclaimed.clear()
+    return out
+
+
+def install_watch() -> None:
+    """Note each DataLoader iterated (``DataLoader.__iter__``, once an epoch) from now on in this process; installed
+    once, as torch's optimizer hooks are global. Imports torch's DataLoader (``watch`` waits for it)."""
     with _lock:
         if _installed:
             return
-        from torch.utils.data import DataLoader
+        from torch.utils.data.dataloader import DataLoader  # its module's body run, where torch.utils.data may not be
 
         original = DataLoader.__iter__
 
         @functools.wraps(original)
         def __iter__(self: Any) -> Any:
+            iterator = original(self)
             try:
-                note(self)
+                _note(self, iterator)
             except Exception:  # noting must never break the script's loop
                 pass
-            return original(self)
+            return iterator
 
         DataLoader.__iter__ = __iter__  # type: ignore[method-assign]
         _installed.append(original)
+
+
+def watch() -> None:
+    """The watch installed once torch's DataLoader is imported (now, if it is): ``import dpprof`` calls it, loading
+    no torch."""
+    from dpprof.imports import when_imported
+
+    when_imported("torch.utils.data.dataloader", install_watch)

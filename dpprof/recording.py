@@ -24,7 +24,7 @@ from dpprof.capture.session import NO_CAPTURE, CaptureSession
 from dpprof.capture.window import CaptureWindow, parse_capture
 from dpprof.device_ids import DeviceSet
 from dpprof.devices import inventory, nvml_handles
-from dpprof.loaders import MAX_LOADERS, describe, install_watch
+from dpprof.loaders import MAX_LOADERS, claim, install_watch, receive
 from dpprof.nvml import DEFAULT_SAMPLE_HZ, GpuSampler, Nvml, NvmlUnavailable
 from dpprof.records import CHECK_OF_ENV, STEP_ROW, TABLE_OF, NoteRecord, Record, Row, record_of_row
 from dpprof.signals import Interrupted, SignalGuard, signal_name
@@ -62,11 +62,17 @@ def current_run() -> Run | None:
     return _active[-1] if _active else None
 
 
-def _note_data_loader(loader: Any) -> None:
-    """A DataLoader is iterated (dpprof.loaders.install_watch): the recording run keeps its settings."""
+def _note_data_loader(found: dict[str, Any]) -> bool:
+    """A DataLoader is iterated (dpprof.loaders.install_watch): the recording run keeps its settings (``found``:
+    dpprof.loaders.describe); False where no run records (the watch keeps them for the next)."""
     run = current_run()
-    if run is not None:
-        run.note_data_loader(loader)
+    if run is None:
+        return False
+    run.note_data_loader(found)
+    return True
+
+
+receive(_note_data_loader)
 
 
 _optimizer_hook: list[Any] = []  # the global optimizer step hook below, once registered (one per process)
@@ -577,11 +583,10 @@ class Run:
             self.workload_args.update(values)
             self.sink.update_run(workload_args=dict(self.workload_args))
 
-    def note_data_loader(self, loader: Any) -> None:
-        """Keep a DataLoader's settings (dpprof.loaders.describe) the first time the run sees them, up to
+    def note_data_loader(self, found: dict[str, Any]) -> None:
+        """Keep a DataLoader's settings (``found``: dpprof.loaders.describe) the first time the run sees them, up to
         MAX_LOADERS: the data_loading finding's advice reads them."""
         seen = list(self.workload_args.get("data_loaders") or [])
-        found = describe(loader)
         if found not in seen and len(seen) < MAX_LOADERS:
             self.note_workload(data_loaders=[*seen, found])
 
@@ -679,7 +684,9 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
             guard.deliver_interrupt()
             raise
         guard.on_chain = run.mark_interrupted
-        install_watch(_note_data_loader)
+        install_watch()
+        for found in claim():  # an iterator made before the run started, iterated in it
+            run.note_data_loader(found)
         _install_optimizer_hook()
         with _active_lock:
             _active.append(run)

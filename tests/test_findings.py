@@ -399,6 +399,33 @@ def test_a_recorded_run_says_its_dataloader_watch_saw_none(tmp_path):
     assert again.data_loaders() == {0: []}
 
 
+def test_a_dataloader_iterator_made_before_the_run_is_the_runs_loader():
+    """A loop over steps, not epochs: ``batches = iter(loader)`` before dpprof.record, ``next(batches)`` inside it.
+    The watch (DataLoader.__iter__) was installed as the run started and saw no loader, so the run said none was
+    iterated ({0: []}) and data_loading would call each batch's fetch the script's own work. The watch is now on
+    from ``import dpprof``, and a run takes the loaders whose iterators live as it starts: this one, and not a loader
+    looped over before the run and done with."""
+    from torch.utils.data import DataLoader
+
+    from dpprof.loaders import describe, none_iterated
+
+    for _ in DataLoader(torch.randn(16, 64), batch_size=8):  # done before the run: its iterator freed
+        pass
+    loader = DataLoader(torch.randn(64, 64), batch_size=8, num_workers=1)
+    batches = iter(loader)
+    net = dpprof.DataParallel(nn.Linear(64, 10), device_ids=dpprof.cpu_devices(2))
+    with dpprof.record(name="iterator before", sample_hz=None) as recording:
+        for _ in range(4):
+            net(next(batches)).sum().backward()
+    del batches
+    run = dpprof.load_run(recording.path)
+    assert run.data_loaders() == {0: [describe(loader)]} and describe(loader)["num_workers"] == 1
+    assert not none_iterated(run.data_loaders())
+    # handed over once: the next run, whose process iterates nothing, says none
+    again = _record(nn.Linear(5, 2), lambda i: (torch.randn(8, 5),), workers=2, steps=2)
+    assert again.data_loaders() == {0: []}
+
+
 def _record_ddp_rank(tmp_path, loader):
     """One gloo rank (world size 1, in this process) recorded as dpprof run records it: 8 steps of a small DDP model,
     each batch from ``loader`` (a DataLoader) or, where None, built in the loop with torch.randn and the script's own
