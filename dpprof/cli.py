@@ -112,13 +112,47 @@ CELL_CHARS = 60
 ELLIPSIS = "..."  # ASCII: a log or a C-locale terminal shows it as written
 
 
-def _cell(value: object, width: int = CELL_CHARS) -> object:
+def _cell(value: object, width: int = CELL_CHARS, middle: tuple[int, int] | None = None) -> object:
     """Text over ``width`` characters as its start and end around "...", ``width`` in all (the start the longer: a
-    kernel's name and template, an operator's namespace; the end: its last arguments, a shape's last dimensions)."""
+    kernel's name and template, an operator's namespace; the end: its last arguments, a shape's last dimensions);
+    ``middle`` (from, to): characters kept between them too, each gap shown as "..." (_shortened)."""
     if not isinstance(value, str) or len(value) <= width:
         return value
     tail = (width - len(ELLIPSIS)) // 3
-    return f"{value[:width - len(ELLIPSIS) - tail]}{ELLIPSIS}{value[-tail:]}"
+    kept = sorted([(0, width - len(ELLIPSIS) - tail), *([middle] if middle else []), (len(value) - tail, len(value))])
+    pieces, at = [], 0
+    for lo, hi in kept:
+        if lo > at:
+            pieces.append(ELLIPSIS)
+        pieces.append(value[max(lo, at):hi])
+        at = max(at, hi)
+    return "".join(pieces)
+
+
+# Where two texts would read the same shortened, the characters of each kept from just before where they differ:
+# enough to show how (a template's first argument, a shape's dimension), short beside CELL_CHARS.
+DIFFER_CHARS = 12
+DIFFER_BEFORE = 4
+
+
+def _shortened(values: Iterable[object]) -> list[object]:
+    """Each of ``values`` as _cell shortens it, except that texts that would read the same (the start and end of two
+    fbgemm kernels' 1,500-character names, which differ at their 72nd character) also keep the few characters where
+    they differ, between the start and the end: no two different texts read alike."""
+    values = list(values)
+    middles: dict[str, tuple[int, int] | None] = {v: None for v in values if isinstance(v, str)}
+    while True:
+        shown: dict[object, list[str]] = {}
+        for v, middle in middles.items():
+            shown.setdefault(_cell(v, middle=middle), []).append(v)
+        alike = [group for group in shown.values() if len(group) > 1]
+        if not alike:
+            return [_cell(v, middle=middles[v]) if isinstance(v, str) else v for v in values]
+        for group in alike:
+            differ = len(os.path.commonprefix(group))
+            for v in group:  # a later difference each time, in texts that share more than the others of their group
+                lo, hi = middles[v] or (max(differ - DIFFER_BEFORE, 0), 0)
+                middles[v] = (min(lo, max(differ - DIFFER_BEFORE, 0)), max(hi + 1, differ + DIFFER_CHARS))
 
 
 def _too_long(values: Iterable[object]) -> bool:
@@ -150,9 +184,9 @@ def _table(df: pd.DataFrame, float_format: str = "{:.3f}", whole: str = "--json 
     if long or index_long:
         df = df.copy()
         for c in long:
-            df[c] = df[c].map(_cell)
+            df[c] = _shortened(df[c])
         if index_long:
-            df.index = df.index.map(_cell)
+            df.index = pd.Index(_shortened(df.index), name=df.index.name)
     text = df.to_string(float_format=float_format.format, na_rep="-")
     return text + (f"\n(text over {CELL_CHARS} characters is shortened to its start and end; {whole})"
                    if long or index_long else "")

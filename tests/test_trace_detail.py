@@ -692,8 +692,9 @@ def test_tables_shorten_long_names_in_the_terminal_and_json_keeps_them_whole(imp
     a column to its longest cell: every row of `dpprof kernels` was 2,070 characters wide (`ops --by shape` 2,775,
     `kernels --by operator` 2,247), unreadable in a terminal. Text cells are now cut to CELL_CHARS, keeping the start
     and end, a line under the table says so, and --json keeps each name whole. No terminal is needed (the width is
-    fixed), so this holds under nohup as in a terminal."""
-    from dpprof.cli import CELL_CHARS
+    fixed), so this holds under nohup as in a terminal. Names that read the same so (three fbgemm kernels that differ
+    at their 72nd character) also keep the characters where they differ: no two kernels read alike."""
+    from dpprof.cli import CELL_CHARS, _cell, _shortened
 
     run = imported["ranks"]
     assert main(["kernels", str(run.path), "--json"]) == 0
@@ -703,7 +704,18 @@ def test_tables_shorten_long_names_in_the_terminal_and_json_keeps_them_whole(imp
     assert main(["kernels", str(run.path)]) == 0
     out = capsys.readouterr().out
     tail = (CELL_CHARS - 3) // 3
-    assert f"  {longest[:CELL_CHARS - 3 - tail]}...{longest[-tail:]}  " in out
+    shown = _shortened(names)
+    assert len(set(shown)) == len(set(names))  # a row a kernel and rank: different kernels never read alike
+    for name, text in zip(names, shown):
+        assert f"  {text}  " in out
+        if len(name) > CELL_CHARS:  # its start, "...", (where it reads as another: where they differ, "..."), its end
+            start, *middle, end = text.split("...")
+            assert name.startswith(start) and len(start) == CELL_CHARS - 3 - tail and end == name[-tail:]
+            at = len(start)
+            for piece in middle:  # in order, each after a gap
+                assert name.find(piece, at + 1) > at
+                at = name.find(piece, at + 1) + len(piece)
+    assert len({_cell(n) for n in set(names)}) < len(set(names))  # shortened alike, some read the same
     assert out.rstrip().endswith(f"(text over {CELL_CHARS} characters is shortened to its start and end; --json and "
                                  "dpprof export give it whole)")
     assert all(name in out for name in names if len(name) <= CELL_CHARS)  # short names as they are
@@ -711,8 +723,9 @@ def test_tables_shorten_long_names_in_the_terminal_and_json_keeps_them_whole(imp
         for command in (["kernels"], ["kernels", "--by", "operator"], ["ops"], ["ops", "--by", "shape"], ["memory"]):
             assert main([*command, str(imported[name].path)]) == 0
             widest = max(map(len, capsys.readouterr().out.splitlines()))
-            # the widest table, kernels by operator (16 columns, two of them text), is 309 characters
-            assert widest <= 320, (name, command, widest)
+            # the widest table, kernels by operator (16 columns, two of them text), is 346 characters (309 before
+            # names that read alike kept where they differ)
+            assert widest <= 360, (name, command, widest)
 
 
 def test_a_traces_names_are_shown_in_tables_never_obeyed(cpu_trace, tmp_path, capsys):
