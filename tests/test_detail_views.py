@@ -207,6 +207,27 @@ def test_low_gpu_utilization_is_the_kernels_pages_figure(runs):
     assert resnet >= GPU_UTIL_LOW_PCT and "gpu_utilization" not in _kinds(runs.resnet)  # 55%: the real figure decides
 
 
+def test_a_gpu_whose_process_iterates_no_dataloader_is_not_told_of_dataloader_workers(runs):
+    """gpu_utilization and gpu_idle told a GPU waiting on its host to add DataLoader workers, whatever the run said of
+    its loaders. The real 2-rank trace's rank 0 (its GPU busy 1% of the step), read as a rank recorded with the watch
+    on and no DataLoader iterated (``data_loaders`` [], as dpprof's export of such a rank carries it), is pointed at
+    the script's own work between steps instead; read as the trace says it (nothing of its loaders), the words stay."""
+    import dataclasses
+
+    from dpprof.findings import tables_of
+    from dpprof.findings.detail import NO_LOADER_WORDS, gpu_utilization
+    from dpprof.findings.gpu import gpu_idle
+
+    said = tables_of(runs.ddp2)
+    assert said.data_loaders == {}  # the trace has no DataLoader ranges: it says nothing
+    none = dataclasses.replace(said, data_loaders={0: []})
+    for rule in (gpu_utilization, gpu_idle):
+        [before], [after] = rule(said), rule(none)
+        assert "DataLoader workers" in before["advice"] and NO_LOADER_WORDS not in before["advice"]
+        assert NO_LOADER_WORDS in after["advice"] and "DataLoader workers" not in after["advice"]
+        assert {k: v for k, v in after.items() if k != "advice"} == {k: v for k, v in before.items() if k != "advice"}
+
+
 def test_tensor_cores_unused_on_fp32_resnet_and_not_where_they_are_used(runs):
     found = _kinds(runs.resnet)["tensor_cores_unused"]
     k = detail_rows.kernels(runs.resnet, by="operator")

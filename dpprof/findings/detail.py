@@ -21,7 +21,7 @@ from dpprof.units import plural
 from dpprof.views.opdiff import Pick, at_steps, diff_rows, diff_sentence, others_mean_of, side_of
 
 __all__ = ["DATA_SHARE_WARN", "GPU_UTIL_LOW_PCT", "TC_UNUSED_SHARE", "MEMORY_FULL_SHARE", "EXPLAIN_TOP",
-           "SUPERSEDES", "operator_data", "workers_advice", "no_data_loader", "data_loading", "gpu_utilization", "tensor_cores_unused", "memory_full",
+           "SUPERSEDES", "NO_LOADER_WORDS", "operator_data", "workers_advice", "no_data_loader", "data_loading", "gpu_utilization", "tensor_cores_unused", "memory_full",
            "DETAIL_RULES", "explain"]
 
 # Loading the batch over 5% of the step: the step waits on the input pipeline (the figure; the TensorBoard
@@ -83,6 +83,12 @@ def _loaders_of(t: Tables, device: str) -> list[dict[str, Any]]:
     if not t.data_loaders:
         return []
     return [d for rank in _ranks_of(t, device) for d in t.data_loaders.get(rank, [])]
+
+
+# What a GPU idle for want of the host is told of its input where its process iterated no DataLoader (no_data_loader):
+# the batch is the script's own work, which DataLoader workers do not speed up.
+NO_LOADER_WORDS = ("the script's own work between steps (it iterates no DataLoader: building the batch in "
+                   "the loop, logging, checkpoints)")
 
 
 def no_data_loader(t: Tables, device: str) -> bool:
@@ -227,8 +233,9 @@ def gpu_utilization(t: Tables) -> list[dict]:
             f"the time no kernel runs (memcpy and memset count as idle here, as in the plugin's utilization; the "
             f"GPU time table's idle leaves them out) {cost_text(idle_ms, steps)}",
             "The GPU waits on the host: give it more work per kernel (a bigger batch), fewer host synchronisations "
-            "(.item(), .cpu(), printing tensors inside the step), faster input (DataLoader workers), or fewer "
-            "launches (torch.compile, CUDA graphs).", util / 100, "share"))
+            "(.item(), .cpu(), printing tensors inside the step), "
+            + ("less of " + NO_LOADER_WORDS if no_data_loader(t, str(row.device)) else "faster input (DataLoader workers)")
+            + ", or fewer launches (torch.compile, CUDA graphs).", util / 100, "share"))
     return out
 
 

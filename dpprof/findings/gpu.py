@@ -5,6 +5,7 @@ from __future__ import annotations
 from dpprof.findings.base import Tables, finding
 from dpprof.findings.dataparallel import MEMORY_SKEW_CRITICAL_RATIO, MEMORY_SKEW_RATIO
 from dpprof.findings.ddp import COMM_SHARE_WARN
+from dpprof.findings.detail import NO_LOADER_WORDS, no_data_loader
 from dpprof.findings.floors import cost_text, mib, worth_bytes, worth_time
 from dpprof.records import SLOWDOWN_REASONS
 from dpprof.units import plural
@@ -70,8 +71,10 @@ def gpu_idle(t: Tables) -> list[dict]:
                                f"{device}'s GPU is idle {share:.0%} of the step",
                                f"no kernel, copy or memset ran for {idle_ms:.2f} ms of a {window_ms:.2f} ms step on "
                                f"average ({plural(steps, 'step')}): idle time {cost_text(idle_ms, steps)}",
-                               "The GPU waits on the host: look at data loading (more DataLoader workers, pinned "
-                               "memory), host-side Python between kernels, and synchronising calls (.item(), .cpu()).",
+                               "The GPU waits on the host: look at "
+                               + (NO_LOADER_WORDS if no_data_loader(t, str(device)) else
+                                  "data loading (more DataLoader workers, pinned memory)")
+                               + ", host-side Python between kernels, and synchronising calls (.item(), .cpu()).",
                                share, "share"))
     return out
 
