@@ -98,11 +98,10 @@ def _note(loader: Any, iterator: Any) -> None:
     found = describe(loader)
     if _receivers and _receivers[0](found):
         return
-    ref: Callable[[], Any]
     try:
         ref = weakref.ref(iterator)
-    except TypeError:  # an iterator that takes no weak reference: kept while the process lives
-        ref = lambda: iterator  # noqa: E731
+    except TypeError:  # an iterator that takes no weak reference: not held (its workers would outlive it)
+        return
     with _lock:
         _unclaimed[:] = [(f, r) for f, r in _unclaimed if f != found and r() is not None][-(MAX_LOADERS - 1):]
         _unclaimed.append((found, ref))
