@@ -9,6 +9,7 @@ Each rank prints, for each step, the time its two optimizer steps took together 
 import argparse
 import gc
 import os
+import sys
 import time
 
 import torch
@@ -60,7 +61,10 @@ for step in range(args.steps):
     t0 = time.perf_counter()
     opt_embedding.step()
     opt_dense.step()
-    print(f"rank {rank} step {step} optimizers_ms {(time.perf_counter() - t0) * 1000:.3f}", flush=True)
+    # one write of the whole line: print writes the text and its newline apart, and two ranks sharing torchrun's
+    # stdout interleaved them ("32.775rank 1 step ...")
+    sys.stdout.flush()
+    os.write(1, f"rank {rank} step {step} optimizers_ms {(time.perf_counter() - t0) * 1000:.3f}\n".encode())
 if WRAP == "ddp":
     del model  # DDP's gloo objects freed while the interpreter is whole (see train_ddp.py)
     gc.collect()
