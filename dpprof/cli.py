@@ -142,12 +142,13 @@ def _shortened(values: Iterable[object]) -> list[object]:
     values = list(values)
     middles: dict[str, tuple[int, int] | None] = {v: None for v in values if isinstance(v, str)}
     while True:
+        cells = {v: _cell(v, middle=middle) for v, middle in middles.items()}
         shown: dict[object, list[str]] = {}
-        for v, middle in middles.items():
-            shown.setdefault(_cell(v, middle=middle), []).append(v)
+        for v, cell in cells.items():
+            shown.setdefault(cell, []).append(v)
         alike = [group for group in shown.values() if len(group) > 1]
         if not alike:
-            return [_cell(v, middle=middles[v]) if isinstance(v, str) else v for v in values]
+            return [cells[v] if isinstance(v, str) else v for v in values]
         for group in alike:
             differ = len(os.path.commonprefix(group))
             for v in group:  # a later difference each time, in texts that share more than the others of their group

@@ -24,7 +24,7 @@ from dpprof.capture.session import NO_CAPTURE, CaptureSession
 from dpprof.capture.window import CaptureWindow, parse_capture
 from dpprof.device_ids import DeviceSet
 from dpprof.devices import inventory, nvml_handles
-from dpprof.loaders import MAX_LOADERS, claim, install_watch, receive
+from dpprof.loaders import MAX_LOADERS, claim, receive
 from dpprof.nvml import DEFAULT_SAMPLE_HZ, GpuSampler, Nvml, NvmlUnavailable
 from dpprof.records import CHECK_OF_ENV, STEP_ROW, TABLE_OF, NoteRecord, Record, Row, record_of_row
 from dpprof.signals import Interrupted, SignalGuard, signal_name
@@ -217,8 +217,8 @@ class Run:
         self.workload_args = dict(workload_args or {})
         # the intra-op threads the caller and its CPU workers share, for every recording (dpprof advise models them)
         self.workload_args.setdefault("threads", torch.get_num_threads())
-        # the DataLoader watch (record installs it) is on from the start: [] says none was iterated, where a file
-        # without the key (written before) says nothing (dpprof.loaders)
+        # the DataLoader watch (on from import dpprof: dpprof.loaders.watch) is on from the start: [] says none was
+        # iterated, where a file without the key (written before) says nothing (dpprof.loaders)
         self.workload_args.setdefault("data_loaders", [])
         if os.environ.get(CHECK_OF_ENV):  # a run dpprof advise --check records: marked as a check of that run
             self.workload_args.setdefault("check_of", os.environ[CHECK_OF_ENV])
@@ -684,7 +684,6 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
             guard.deliver_interrupt()
             raise
         guard.on_chain = run.mark_interrupted
-        install_watch()
         for found in claim():  # an iterator made before the run started, iterated in it
             run.note_data_loader(found)
         _install_optimizer_hook()
