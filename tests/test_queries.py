@@ -473,3 +473,43 @@ def test_samples_per_s_counts_the_training_steps_samples_not_the_evaluations(tmp
     assert main(["--reports-dir", str(tmp_path), "show", run.id]) == 0
     assert (f"  {rate.samples_per_s:,.0f} samples/s: 256 samples of the 8 training steps past the first (not the 3 "
             "evaluation steps') in the ") in capsys.readouterr().out
+    assert queries.throughput(dpprof.load_run(recording.path, read="aggregates")) == rate  # the blocks' counts
+
+
+@pytest.mark.parametrize("first", ["training", "evaluation"])
+def test_samples_per_s_leaves_out_evaluations_after_their_detail_is_thinned(tmp_path, first):
+    """A long run keeps only some steps' phases (dpprof.store.retention): samples/s read from its aggregates counted
+    every step's samples, the evaluations' too, as trained. Each block of steps now counts the steps a backward ran in
+    and their samples as the writer adds them up, so the run read from its aggregates, the phases of most of its
+    evaluation steps deleted, gives what the script trained: counted here from the order the script ran its steps in.
+    The first step's kind counts in telling the run mixes its kinds, not in its samples, either way round."""
+    import torch
+    from torch import nn
+
+    from dpprof.store.retention import Retention
+
+    net = dpprof.DataParallel(nn.Linear(8, 4), device_ids=dpprof.cpu_devices(2))
+    kinds = []  # the script's own account of what each step did
+    thin = Retention(first_steps=2, last_steps=2, every=1000, chunk_steps=4, block_steps=4, outliers_per_chunk=1)
+    with dpprof.record(name="evaluations", reports_dir=str(tmp_path), sample_hz=None, detail=thin) as recording:
+        for i in range(30):
+            evaluation = (i % 3 == 2) if first == "training" else (i % 3 == 0)
+            with recording.step():
+                if evaluation:
+                    with torch.no_grad():
+                        net(torch.randn(256, 8))
+                else:
+                    net(torch.randn(32, 8)).sum().backward()
+            kinds.append("evaluation" if evaluation else "training")
+    run = dpprof.load_run(recording.path, read="aggregates")
+    assert run.model.aggregated
+    steps = run.steps.sort_values("step").reset_index(drop=True)
+    assert len(steps) == 30 and steps["batch_size"].tolist() == [256 if k == "evaluation" else 32 for k in kinds]
+    kept = set(dpprof.load_run(recording.path, read="rows").phases["step"])
+    assert len(kept) < 20  # most steps' phases are gone: their kinds are no longer in the detail
+    later = pd.Series(kinds[1:])
+    trained = int((later == "training").sum())
+    ends = steps["start_ms"] + steps["duration_ms"]
+    rate = queries.throughput(run)
+    assert rate is not None and rate.samples == 32 * trained and rate.evaluation_steps == 29 - trained
+    assert rate.samples_per_s == pytest.approx(32 * trained / (ends.iloc[-1] - ends.iloc[0]) * 1e3, rel=1e-9)

@@ -48,7 +48,7 @@ class _Stat:
     """count, sum, min, max and a sketch of per-step values; the work row's imbalance sums."""
 
     __slots__ = ("first_step", "last_step", "steps", "calls", "sum", "min", "max", "device_sum", "sketch",
-                 "slowest", "wait_sum", "late", "batch", "devices_used")
+                 "slowest", "wait_sum", "late", "batch", "devices_used", "trained", "trained_samples")
 
     def __init__(self, late: bool = False, sketched: bool = True) -> None:
         self.first_step: int | None = None
@@ -64,6 +64,7 @@ class _Stat:
         self.late = late
         self.batch: int | None = None  # step blocks: the largest batch and most devices used
         self.devices_used = 0
+        self.trained = self.trained_samples = 0  # step blocks: the steps a backward ran in, and their batches
 
     def add(self, step: int, value: float, calls: int = 1, device_value: float | None = None,
             key: int | None = None) -> None:
@@ -147,9 +148,12 @@ _STAT_MERGE = {"first_step": "MIN(first_step, excluded.first_step)", "last_step"
                "wait_sum_ms": "wait_sum_ms + excluded.wait_sum_ms",
                "sketch": "sketch || excluded.sketch"}  # a sketch is a list of (bucket, count) pairs: concatenation merges
 _STEP_SQL = _upsert("step_blocks", ("block",), ("first_step", "last_step", "steps", "sum_ms", "min_ms", "max_ms",
-                                               "batch_size", "devices_used", "sketch"),
+                                               "batch_size", "devices_used", "sketch", "trained_steps",
+                                               "trained_samples"),
                     {**_STAT_MERGE, "batch_size": "MAX(batch_size, excluded.batch_size)",
-                     "devices_used": "MAX(devices_used, excluded.devices_used)"})
+                     "devices_used": "MAX(devices_used, excluded.devices_used)",
+                     "trained_steps": _ADD.format(c="trained_steps"),
+                     "trained_samples": _ADD.format(c="trained_samples")})
 _PHASE_SQL = _upsert("phase_blocks", ("phase", "device", "block"), _STAT_COLUMNS, _STAT_MERGE)
 _PEAK_IS_NEW = "excluded.peak_held_bytes > peak_held_bytes"
 _MEMORY_COLUMNS = ("first_step", "last_step", "steps", "calls", "held_sum_bytes", "peak_step", "peak_held_bytes",
@@ -343,6 +347,9 @@ class Aggregator:
             if acc.batch is not None and (s.batch is None or acc.batch > s.batch):
                 s.batch = acc.batch
             s.devices_used = max(s.devices_used, acc.devices_used or 0)
+            if any(phase == "backward" for phase, _ in acc.phases):  # queries.training_steps_of's rule
+                s.trained += 1
+                s.trained_samples += acc.batch or 0
             self._total("step", "").add_bucket(duration_bucket)
             self._dirty_steps.add(block)
             if not first:
@@ -482,7 +489,8 @@ class Aggregator:
         for block in self._dirty_steps:
             s = self._steps[block]
             out.append((_STEP_SQL[s.late], (block, s.first_step, s.last_step, s.steps, s.sum, _finite(s.min),
-                                            _finite(s.max), s.batch, s.devices_used, s.sketch_bytes())))
+                                            _finite(s.max), s.batch, s.devices_used, s.sketch_bytes(), s.trained,
+                                            s.trained_samples)))
         for key in self._dirty_phases:
             s = self._phases[key]
             out.append((_PHASE_SQL[s.late], (*key, s.first_step, s.last_step, s.steps, s.calls, s.sum,

@@ -200,21 +200,47 @@ def throughput_of(steps: pd.DataFrame, training: set[int] | None = None) -> Thro
                       evaluation_steps=int(evaluation.sum()))
 
 
+_TRAINS = "EXISTS (SELECT 1 FROM phases p WHERE p.step = s.step AND p.phase = 'backward')"  # the step s trained
+
+
+def _trained_of_blocks(run: StoredRun) -> tuple[int, int, int, int] | None:
+    """A long run's (samples of its training steps past the first, training steps past the first, steps past the
+    first, 1 where the first step trained else 0) read from its step blocks' trained_steps and trained_samples (dpprof.store.blocks), where its detail no
+    longer tells every step's kind: the steps past the last block (a run killed while recording) and whether the
+    first step trained are read from their phases, which the retention keeps. None for a file written before those
+    columns."""
+    if "trained_steps" not in set(run.query("SELECT name FROM pragma_table_info('step_blocks')")["name"]):
+        return None
+    row = run.query(
+        "WITH b AS (SELECT COALESCE(SUM(steps), 0) AS steps, COALESCE(SUM(trained_steps), 0) AS trained, "
+        "COALESCE(SUM(trained_samples), 0) AS samples, MAX(last_step) AS last FROM step_blocks), "
+        f"t AS (SELECT COUNT(*) AS steps, COALESCE(SUM({_TRAINS}), 0) AS trained, "
+        f"COALESCE(SUM(CASE WHEN {_TRAINS} THEN COALESCE(batch_size, 0) END), 0) AS samples "
+        "FROM steps s WHERE s.step > COALESCE((SELECT last FROM b), -1)), "
+        f"f AS (SELECT COALESCE(MAX({_TRAINS}), 0) AS trained, COALESCE(MAX(CASE WHEN {_TRAINS} THEN batch_size END), "
+        "0) AS samples FROM steps s WHERE s.step = (SELECT MIN(step) FROM steps)) "
+        "SELECT b.steps + t.steps - 1 AS later, b.trained + t.trained - f.trained AS trained, "
+        "b.samples + t.samples - f.samples AS samples, f.trained AS first FROM b, t, f").iloc[0]
+    return int(row["samples"]), int(row["trained"]), int(row["later"]), int(row["first"])
+
+
 def throughput(run: StoredRun) -> Throughput | None:
     """throughput_of the run's steps table (whole in every run file, a long run's too: dpprof.store.retention), its
-    evaluation steps' samples left out where its phases are whole (a long or thinned run's are not: every step's
-    samples count there, as kind_medians says no kinds for it). A run of one file is added up in SQLite, to the
-    same figure: a 300,000-step run's rows took 1.5 s to come to pandas."""
+    evaluation steps' samples left out where the run mixes them with training steps: told from its phases where they
+    are whole, else (a long or thinned run of one file) from its step blocks' counts of the steps that trained (a
+    distributed run's, or a file written before those counts: every step's samples count there). A run of one file
+    is added up in SQLite, to the same figure: a 300,000-step run's rows took 1.5 s to come to pandas."""
     whole = not run.model.aggregated and run.model.kind != "empty"
     if run.ranks > 1:  # rank files are separate databases: the rows come to pandas (a step's end is its last rank's)
         steps = run.query("SELECT step, start_ms, duration_ms, batch_size FROM steps")
         backward = run.query("SELECT DISTINCT step FROM phases WHERE phase = 'backward'")["step"] if whole else ()
         return throughput_of(steps, training_steps_of(backward, steps["step"]) if whole else None)
-    trains = "EXISTS (SELECT 1 FROM phases p WHERE p.step = s.step AND p.phase = 'backward')"
+    trains = _TRAINS
     if whole:  # training_steps_of's rule: the backward's steps count where the run mixes them with others
         kinds = run.query(f"SELECT COUNT(DISTINCT step) AS steps, COUNT(DISTINCT CASE WHEN {trains} THEN step END) "
                           "AS trains FROM steps s").iloc[0]
         whole = 0 < int(kinds["trains"]) < int(kinds["steps"])
+    blocks = _trained_of_blocks(run) if run.model.aggregated and run.model.kind != "empty" else None
     counted = trains if whole else "1"
     row = run.query(
         "WITH f AS (SELECT MIN(step) AS a, MAX(step) AS b FROM steps) SELECT "
@@ -229,8 +255,12 @@ def throughput(run: StoredRun) -> Throughput | None:
     span_ms = float(row["last_end"]) - float(row["first_end"])
     if not span_ms > 0:
         return None
-    return Throughput(samples=int(row["samples"]) if pd.notna(row["samples"]) else 0, steps=int(row["later"]),
-                      span_ms=span_ms, evaluation_steps=int(row["evaluation"]))
+    samples, evaluation = int(row["samples"]) if pd.notna(row["samples"]) else 0, int(row["evaluation"])
+    if blocks is not None:
+        trained_samples, trained, later, first = blocks
+        if 0 < trained + first < later + 1:  # training_steps_of's rule, over every step
+            samples, evaluation = trained_samples, later - trained
+    return Throughput(samples=samples, steps=int(row["later"]), span_ms=span_ms, evaluation_steps=evaluation)
 
 
 def median_step_ms(run: StoredRun) -> float | None:
