@@ -473,7 +473,9 @@ def test_samples_per_s_counts_the_training_steps_samples_not_the_evaluations(tmp
     assert main(["--reports-dir", str(tmp_path), "show", run.id]) == 0
     assert (f"  {rate.samples_per_s:,.0f} samples/s: 256 samples of the 8 training steps past the first (not the 3 "
             "evaluation steps') in the ") in capsys.readouterr().out
-    assert queries.throughput(dpprof.load_run(recording.path, read="aggregates")) == rate  # the blocks' counts
+    aggregated = dpprof.load_run(recording.path, read="aggregates")
+    assert queries.throughput(aggregated) == rate  # the blocks' counts
+    assert queries.kind_medians(aggregated) == pytest.approx(queries.kind_medians(run), rel=0.01)  # the sketches'
 
 
 @pytest.mark.parametrize("first", ["training", "evaluation"])
@@ -482,7 +484,9 @@ def test_samples_per_s_leaves_out_evaluations_after_their_detail_is_thinned(tmp_
     every step's samples, the evaluations' too, as trained. Each block of steps now counts the steps a backward ran in
     and their samples as the writer adds them up, so the run read from its aggregates, the phases of most of its
     evaluation steps deleted, gives what the script trained: counted here from the order the script ran its steps in.
-    The first step's kind counts in telling the run mixes its kinds, not in its samples, either way round."""
+    The first step's kind counts in telling the run mixes its kinds, not in its samples, either way round. Each kind's
+    median step, which `dpprof show` gives beside the median of every step, was none for such a run: it now comes
+    from the writer's sketch of each kind."""
     import torch
     from torch import nn
 
@@ -513,3 +517,10 @@ def test_samples_per_s_leaves_out_evaluations_after_their_detail_is_thinned(tmp_
     rate = queries.throughput(run)
     assert rate is not None and rate.samples == 32 * trained and rate.evaluation_steps == 29 - trained
     assert rate.samples_per_s == pytest.approx(32 * trained / (ends.iloc[-1] - ends.iloc[0]) * 1e3, rel=1e-9)
+    # each kind's median step too, from the writer's sketches of each kind: a sketch's quantile is within 1% of the
+    # lower middle step's, and the two medians are those of the script's own kinds of steps
+    medians = queries.kind_medians(run)
+    assert medians is not None
+    for kind in ("training", "evaluation"):
+        durations = steps.loc[[k == kind for k in kinds], "duration_ms"]
+        assert medians[kind] == pytest.approx(float(np.quantile(durations, 0.5, method="lower")), rel=0.01)

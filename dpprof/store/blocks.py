@@ -34,10 +34,12 @@ from dpprof.records import (MEMORY_BYTES, MEMORY_ROW, PHASE_ROW, STEP_ROW, Alloc
 from dpprof.store.retention import DETAIL_TABLES, OUTLIER_RATIO, Retention
 from dpprof.store.sketch import Sketch, bucket
 
-__all__ = ["SETTLE_STEPS", "WORK", "WORK_PHASES", "Aggregator", "SampleWindows"]
+__all__ = ["SETTLE_STEPS", "WORK", "WORK_PHASES", "TRAINING", "EVALUATION", "Aggregator", "SampleWindows"]
 
 SETTLE_STEPS = 8  # CUDA phase records arrive when their events complete: a step or two late, seldom more
 WORK = "work"  # the pseudo-phase of each device's own share of a step in phase_blocks
+# run_sketches' kinds of the steps a backward ran in and of the others (evaluation forwards): each kind's median
+TRAINING, EVALUATION = "training", "evaluation"
 WORK_PHASES = ("apply", "forward", "backward_compute")  # summed per device and step: dpprof.store.model._work
 _MEDIAN_EVERY = 64  # settled steps between recomputations of the running median step (the outlier rule's)
 
@@ -347,9 +349,11 @@ class Aggregator:
             if acc.batch is not None and (s.batch is None or acc.batch > s.batch):
                 s.batch = acc.batch
             s.devices_used = max(s.devices_used, acc.devices_used or 0)
-            if any(phase == "backward" for phase, _ in acc.phases):  # queries.training_steps_of's rule
+            trained = any(phase == "backward" for phase, _ in acc.phases)  # queries.training_steps_of's rule
+            if trained:
                 s.trained += 1
                 s.trained_samples += acc.batch or 0
+            self._total(TRAINING if trained else EVALUATION, "").add_bucket(duration_bucket)  # kind_medians'
             self._total("step", "").add_bucket(duration_bucket)
             self._dirty_steps.add(block)
             if not first:

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from dpprof.records import DDP_PHASES, FSDP_ONLY_PHASES, MEMORY_BYTES, PHASES, device_key
-from dpprof.store.blocks import WORK
+from dpprof.store.blocks import EVALUATION, TRAINING, WORK
 from dpprof.store.reader import StoredRun
 from dpprof.store.sketch import grouped_quantile, quantiles
 from dpprof.stepmodel import REST, partition, parts_for
@@ -284,10 +284,19 @@ def kind_medians(run: StoredRun) -> dict[str, float] | None:
     """Where a run mixes training steps (a backward ran) and evaluation steps (none: forwards under no_grad between
     them), the median step of each kind as median_step_ms takes it, every rank's rows, a rank's step training where
     that rank recorded a backward in it: {"training": ms, "evaluation": ms}. The header's median of every step is
-    then one kind's, an evaluation step's where they are the more. None where the steps are all of one kind, or the
-    run's phases are not whole (a long or thinned run's)."""
-    if run.model.aggregated or run.model.kind == "empty":
+    then one kind's, an evaluation step's where they are the more. A long or thinned run's (its phases not whole)
+    come from the sketches of each kind the writer kept, within 1% as median_step_ms's (none in a file written
+    before them). None where the steps are all of one kind."""
+    if run.model.kind == "empty":
         return None
+    if run.model.aggregated:
+        sketches = run.query("SELECT kind, sketch FROM run_sketches WHERE kind IN (?, ?) AND device = ''",
+                             (TRAINING, EVALUATION))
+        medians = {kind: quantiles(sketches.loc[sketches["kind"] == kind, "sketch"], (0.5,))[0]
+                   for kind in (TRAINING, EVALUATION)}
+        if any(pd.isna(v) for v in medians.values()):
+            return None
+        return {kind: float(v) for kind, v in medians.items()}
     rows = run.query("SELECT s.duration_ms, EXISTS (SELECT 1 FROM phases p WHERE p.step = s.step "
                      "AND p.phase = 'backward') AS trains FROM steps s")
     if rows.empty or rows["trains"].all() or not rows["trains"].any():

@@ -108,8 +108,10 @@ AGGREGATE_TABLES: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
                           "reserved_max_bytes": "INTEGER", "peak_step": "INTEGER"}, ("device", "phase", "block")),
     "chunk_counts": ({"device": "TEXT", "chunk_size": "INTEGER", "calls": "INTEGER"}, ()),
     "outlier_steps": ({"step": "INTEGER", "duration_ms": "REAL", "median_ms": "REAL"}, ("step",)),
-    # the whole run's sketches, merged as steps settle: "step" (device ''), and "work" per device; a page reads a
-    # long run's median step and each device's p50 and p95 from these few rows, not from every block's
+    # the whole run's sketches, merged as steps settle: "step" (device ''), its steps a backward ran in, "training",
+    # and the others, "evaluation" (device ''; a file written before them has neither), and "work" per device; a page
+    # reads a long run's median step, each kind's, and each device's p50 and p95 from these few rows, not from every
+    # block's
     "run_sketches": ({"kind": "TEXT", "device": "TEXT", "sketch": "BLOB"}, ("kind", "device")),
 }
 TABLES = tuple(RECORD_TABLES.values())
