@@ -36,7 +36,7 @@ from dpprof.parallel import fsdp as _fsdp
 from dpprof.parallel import script_comms
 from dpprof.parallel.data_parallel import DataParallel as _DataParallel
 from dpprof.parallel.data_parallel import data_parallel as _data_parallel
-from dpprof.parallel.probe import iter_tensors
+from dpprof.parallel.probe import iter_tensors, on_gradient
 from dpprof.imports import WhenImported
 from dpprof.parallel.workers import on_worker_thread
 from dpprof.recording import CLOSE_HOOKS, Run, record
@@ -544,9 +544,9 @@ class _Session:
         if torch.is_grad_enabled():
             first = next((t for t in iter_tensors(output) if t.requires_grad), None)
             if first is not None:
-                first.register_hook(self._on_backward)
+                on_gradient(first, self._on_backward)
 
-    def _on_backward(self, grad: torch.Tensor) -> None:
+    def _on_backward(self, grad: Any) -> None:
         self.backward_seen = True
         self.backwards += 1
 

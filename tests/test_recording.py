@@ -245,6 +245,38 @@ def test_no_grad_forward_records_no_backward_and_no_activations():
     assert frames["memory"]["activation_bytes"].eq(0).all()
 
 
+class _ReturnsItsWeight(nn.Module):
+    """A module whose output is its own parameter: a leaf, made by no graph node."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asserts behaviour without a GPU")
+def test_a_leaf_output_times_each_backward_once_and_keeps_no_hook():
+    """A module that returns its parameter (no GPU: torch runs it directly) gives a leaf output, which has no graph
+    node to hook: the tensor hook each forward put on it stayed on the parameter, so the third step's backward was
+    timed three times (6 backward records for 3 steps) and the hooks grew with the run. Each backward is now timed once,
+    two forwards before one backward included, and no hook is left on the parameter."""
+    module = _ReturnsItsWeight()
+    net = dpprof.DataParallel(module)
+    assert net.device_ids == []
+    with dpprof.record(name="leaf") as run:
+        for _ in range(3):
+            with run.step():
+                net(torch.randn(4, 3)).sum().backward()
+        with run.step():  # two forwards of the same leaf, one backward
+            net(torch.randn(4, 3))
+            net(torch.randn(4, 3)).sum().backward()
+    phases = run.frames()["phases"]
+    assert phases.loc[phases["phase"] == "backward", "step"].tolist() == [0, 1, 2, 3]
+    assert not module.weight._backward_hooks
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asserts behaviour without a GPU")
 def test_one_device_and_no_device_paths_still_record_an_apply():
     torch.manual_seed(0)

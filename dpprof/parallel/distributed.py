@@ -34,7 +34,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from dpprof.device_ids import rank_devices
 from dpprof.parallel import script_comms
-from dpprof.parallel.probe import ForwardProbe, allocator_bytes, cuda_event, gpu_of, iter_tensors, rank_part
+from dpprof.parallel.probe import (ForwardProbe, allocator_bytes, cuda_event, gpu_of, iter_tensors, on_gradient,
+                                   rank_part)
 from dpprof.recording import Run, current_run
 from dpprof.records import ALL_REDUCE, ALL_REDUCE_RANGE, COMM_ROW, AllocatorRecord
 
@@ -475,8 +476,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             return
         tensors = [t for t in iter_tensors(output) if t.requires_grad]
 
-        def on_grad(grad: torch.Tensor) -> None:
+        def on_grad(grad: Any) -> None:
             probe.backward_started()
 
         for t in tensors:
-            t.register_hook(on_grad)
+            on_gradient(t, on_grad)

@@ -20,7 +20,7 @@ from dpprof.recording import Run
 from dpprof.records import MEMORY_ROW, PHASE_ROW, AllocatorRecord
 
 __all__ = ["ForwardProbe", "MeasuredReplica", "end_after_error", "PendingPhase", "tensor_bytes", "iter_tensors", "watch_backward",
-           "allocator_bytes", "event_now", "cuda_event", "gpu_of", "rank_part"]
+           "allocator_bytes", "event_now", "cuda_event", "gpu_of", "rank_part", "on_gradient"]
 
 
 def _dataclass_values(obj: Any) -> list[Any] | None:
@@ -262,7 +262,9 @@ class _BackwardWatch:
         self.ev0: torch.cuda.Event | None = None
         self.range: Any = None
 
-    def on_grad(self, grad: torch.Tensor) -> None:
+    def on_grad(self, grad: Any) -> None:
+        """A tensor hook's gradient, or a graph node's pre-hook's gradients (watch_backward): the first opens the
+        range; nothing is returned, so nothing is changed."""
         if self.t0 is not None:
             return
         self.range = profiler_range("dpprof.backward")
@@ -292,7 +294,40 @@ def watch_backward(output: Any, probe: ForwardProbe | None, label: str) -> None:
     if tensors:
         watch = _BackwardWatch(probe, label)
         for t in tensors:
-            t.register_hook(watch.on_grad)
+            on_gradient(t, watch.on_grad)
+
+
+_LEAF_HOOKS: dict[int, Any] = {}  # id of a leaf tensor -> the handle of on_gradient's hook on it
+
+
+def on_gradient(tensor: torch.Tensor, hook: Callable[[Any], None]) -> None:
+    """Call ``hook`` when backward next reaches ``tensor`` (it must require grad): a pre-hook of the graph node that
+    made it, which runs at that moment, goes with the graph, and costs ~3 us less a step than a tensor hook (no handle
+    dict on the tensor); it runs after the tensor's own hooks. ``hook`` gets the gradient or gradients and returns
+    None: it changes nothing.
+
+    A leaf (a module that returns its own parameter) has no node, and a tensor hook stays on it: each forward's
+    would fire in every later backward. Its hook is the leaf's one (a forward's replaces the last's, so forwards with
+    no backward between them are timed once) and is removed once the backward it fired in ends."""
+    node = tensor.grad_fn
+    if node is not None:
+        node.register_prehook(hook)
+        return
+    key = id(tensor)
+    old = _LEAF_HOOKS.pop(key, None)
+    if old is not None:
+        old.remove()
+
+    def remove() -> None:
+        handle.remove()
+        if _LEAF_HOOKS.get(key) is handle:
+            del _LEAF_HOOKS[key]
+
+    def once(grad: torch.Tensor) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(remove)  # at the backward's end, not in its hooks
+        hook(grad)
+
+    handle = _LEAF_HOOKS[key] = tensor.register_hook(once)
 
 
 class ForwardProbe:
