@@ -347,7 +347,8 @@ class ForwardProbe:
         self.dim = dim
         self.output_label = output_label
         self.cuda_indices = list(devices.indices) if devices.type == "cuda" else []
-        self.memory: dict[str, dict[str, Any]] = {}
+        # device label -> [chunk_size, input_bytes, output_bytes, activation_bytes, gathered_bytes, a replica ran]
+        self.memory: dict[str, list[Any]] = {}
         # what each replica's call held, noted by its worker and counted by end() on the calling
         # thread: byte counts are Python, and on a worker they would contend with the other replicas
         self.applied: list[tuple[Any, ...]] = []
@@ -464,15 +465,25 @@ class ForwardProbe:
             return
         first = (args[0] if args and isinstance(args[0], torch.Tensor) else _first_tensor(args, kwargs)) if chunked \
             else None
-        inputs = args[shared_args:]
-        self.memory.setdefault(label, {}).update(
-            chunk_size=first.size(self.dim) if first is not None and first.dim() > 0 else None,
-            input_bytes=tensor_bytes((inputs, kwargs) if kwargs else inputs), output_bytes=tensor_bytes(output),
-            activation_bytes=activation_bytes,
-        )
+        chunk_size = first.size(self.dim) if first is not None and first.dim() > 0 else None
+        inputs = args[shared_args:] if shared_args else args
+        if not kwargs and len(inputs) == 1 and type(inputs[0]) is torch.Tensor:  # most replicas' input: no walk
+            input_bytes = inputs[0].numel() * inputs[0].element_size()
+        else:
+            input_bytes = tensor_bytes((inputs, kwargs) if kwargs else inputs)
+        output_bytes = output.numel() * output.element_size() if type(output) is torch.Tensor else tensor_bytes(output)
+        cell = self.memory.get(label)
+        if cell is None:
+            self.memory[label] = [chunk_size, input_bytes, output_bytes, activation_bytes, 0, True]
+        else:  # the output device's gathered bytes are noted first where the call ran no replica on it
+            cell[:4], cell[5] = (chunk_size, input_bytes, output_bytes, activation_bytes), True
 
     def note_gathered(self, output: Any) -> None:
-        self.memory.setdefault(self.output_label, {})["gathered_bytes"] = tensor_bytes(output)
+        cell = self.memory.get(self.output_label)
+        if cell is None:
+            self.memory[self.output_label] = [None, 0, 0, 0, tensor_bytes(output), False]
+        else:
+            cell[4] = tensor_bytes(output)
 
     def end(self, module: Module, used: int | None = None) -> None:
         """Close the forward call: count what each replica held and emit each device's memory record.
@@ -499,13 +510,13 @@ class ForwardProbe:
         else:
             self.step.weighed = (*weighed, key)
         step, call, put = self.step.index, self.call, self.put
-        for label, m in self.memory.items():
-            held = "input_bytes" in m  # a replica ran here (else only the gathered output is)
-            # a row (dpprof.records.Row): MEMORY_ROW, then DeviceMemoryRecord's step, call, device, chunk_size,
-            # input_bytes, output_bytes, activation_bytes, gathered_bytes, param_bytes, buffer_bytes
-            put((MEMORY_ROW, step, call, label, m.get("chunk_size"), m.get("input_bytes", 0), m.get("output_bytes", 0),
-                 m.get("activation_bytes", 0), m.get("gathered_bytes", 0), param_bytes if held else 0,
-                 buffer_bytes if held else 0))
+        for label, (chunk_size, input_bytes, output_bytes, activation_bytes, gathered_bytes, held) in \
+                self.memory.items():
+            # held: a replica ran here (else only the gathered output is). A row (dpprof.records.Row): MEMORY_ROW, then
+            # DeviceMemoryRecord's step, call, device, chunk_size, input_bytes, output_bytes, activation_bytes,
+            # gathered_bytes, param_bytes, buffer_bytes
+            put((MEMORY_ROW, step, call, label, chunk_size, input_bytes, output_bytes, activation_bytes, gathered_bytes,
+                 param_bytes if held else 0, buffer_bytes if held else 0))
 
     def watch_backward(self, output: Any) -> None:
         watch_backward(output, self, self.output_label)
