@@ -524,3 +524,28 @@ def test_samples_per_s_leaves_out_evaluations_after_their_detail_is_thinned(tmp_
     for kind in ("training", "evaluation"):
         durations = steps.loc[[k == kind for k in kinds], "duration_ms"]
         assert medians[kind] == pytest.approx(float(np.quantile(durations, 0.5, method="lower")), rel=0.01)
+
+
+def test_samples_per_s_words_say_one_evaluation_steps_samples_in_the_singular(tmp_path, capsys):
+    """A run with one evaluation step past the first said "(not the 1 evaluation step')": the plural's apostrophe
+    after the singular noun. One evaluation step is now "step's", several "steps'"."""
+    import torch
+    from torch import nn
+
+    from dpprof.cli import main
+
+    net = dpprof.DataParallel(nn.Linear(8, 4), device_ids=dpprof.cpu_devices(2))
+    with dpprof.record(name="one evaluation", reports_dir=str(tmp_path), sample_hz=None) as recording:
+        for i in range(4):
+            with recording.step():
+                net(torch.randn(16, 8)).sum().backward()
+            if i == 1:
+                with torch.no_grad(), recording.step():
+                    net(torch.randn(64, 8))
+    run = dpprof.load_run(recording.path)
+    rate = queries.throughput(run)
+    assert rate is not None and rate.evaluation_steps == 1
+    assert main(["--reports-dir", str(tmp_path), "show", run.id]) == 0
+    out = capsys.readouterr().out
+    assert "48 samples of the 3 training steps past the first (not the 1 evaluation step's) in the " in out
+    assert "step')" not in out

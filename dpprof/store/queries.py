@@ -158,8 +158,10 @@ class Throughput:
 
     def words(self) -> str:
         """How the figure is made, for the words beside it."""
+        evaluations = plural(self.evaluation_steps, "evaluation step")
+        whose = "'s" if self.evaluation_steps == 1 else "'"  # "1 evaluation step's", "3 evaluation steps'"
         which = (f"the {plural(self.steps - self.evaluation_steps, 'training step')} past the first (not the "
-                 f"{plural(self.evaluation_steps, 'evaluation step')}')" if self.evaluation_steps
+                 f"{evaluations}{whose})" if self.evaluation_steps
                  else f"the {plural(self.steps, 'step')} past the first")
         return (f"{self.samples:,} samples of {which} in the {self.span_ms / 1e3:,.2f} s from the first step's end to "
                 "the last's, slow steps and the time between steps included")
