@@ -100,6 +100,35 @@ def test_a_training_loop_with_accumulation_records_steps_calls_and_workers_and_t
     assert f"recorded run {run.id} (4 steps)" in out.stderr
 
 
+@needs_no_gpu
+def test_accumulation_whose_loss_uses_the_models_second_output_is_one_step_from_the_first():
+    """A model returning (features, logits), the loss on the logits alone, two micro-batches an optimizer step: the
+    first step was split in two (5 steps for 4 optimizer steps, step 0 of batch 8), as the backward was watched
+    on the first output needing grad only, which no gradient reached. Every such output is watched now."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = nn.Linear(10, 16), nn.Linear(16, 3)
+
+        def forward(self, x):
+            features = torch.relu(self.body(x))
+            return features, self.head(features)
+
+    torch.manual_seed(0)
+    with instrument(store=False, cpu_workers=2) as run:
+        model = nn.DataParallel(Net())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(4):
+            for _ in range(2):
+                _, logits = model(torch.randn(8, 10))
+                (nn.functional.cross_entropy(logits, torch.randint(0, 3, (8,))) / 2).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    steps = run.frames()["steps"]
+    assert steps["forward_calls"].tolist() == [2] * 4 and steps["batch_size"].tolist() == [16] * 4
+
+
 def test_steps_stops_recording_not_training(tmp_path):
     script = SCRIPTS / "train_accum.py"
     plain = _python(script, "--batches", "8")
