@@ -266,6 +266,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from dpprof.instrument import instrumented
     from dpprof.store.reader import reports_dir
 
+    if args.target[:1] == ["--"]:  # the end of dpprof's options, as python and torchrun take it: not the script
+        args.target = args.target[1:]
     if not args.target:
         raise UsageError("run needs a script (dpprof run train.py ARGS...) or a module (dpprof run -m MODULE ARGS...)")
     for flag, value in (("--cpu-workers", args.cpu_workers), ("--steps", args.steps)):

@@ -407,6 +407,16 @@ def test_the_script_sees_what_python_would_show_it(module):
     assert _only_run().meta["name"] == ("-m argv_echo a --b" if module else "argv_echo.py a --b")
 
 
+
+def test_a_double_dash_ends_dpprofs_options_as_it_ends_pythons():
+    """`dpprof run -- train.py ARGS` (python's and torchrun's way to end their options) was "--: no such file": the
+    `--` before the script is dpprof's, as python takes it; one after the script is the script's, as in python."""
+    plain = _python("--", "argv_echo.py", "a", "--", "b", cwd=SCRIPTS)
+    out = _dpprof_run("--", "argv_echo.py", "a", "--", "b", cwd=SCRIPTS)
+    assert plain.returncode == out.returncode == 0, out.stderr
+    assert out.stdout == plain.stdout and "argv ['argv_echo.py', 'a', '--', 'b']" in out.stdout
+    assert _only_run().meta["name"] == "argv_echo.py a -- b"
+
 _SHOWS_ITSELF = ("import os, sys\n"
                  "print('file', __file__)\n"
                  "print('argv0', sys.argv[0])\n"
@@ -472,6 +482,7 @@ def test_an_unwritable_reports_directory_is_said_once_and_the_script_goes_on(tmp
 
 @pytest.mark.parametrize("argv, message", [
     ([], "run needs a script"),
+    (["--"], "run needs a script"),
     (["no/such/script.py"], "no/such/script.py: no such file"),
     (["-m", "no_such_module_here"], "no module named 'no_such_module_here'"),
     (["--steps", "0", "x.py"], "--steps must be positive"),
