@@ -132,8 +132,8 @@ def _distributed_identity(name: str | None, run_id: str | None = None
 
 
 class _Step:
-    __slots__ = ("index", "start_ns", "explicit", "calls", "batch_size", "batch_of", "devices_used", "last_end_ns",
-                 "grad", "opened_by", "passes", "weighed", "closed", "stepped")
+    __slots__ = ("index", "start_ns", "explicit", "calls", "batch_size", "batch_of", "batch_inputs", "devices_used",
+                 "last_end_ns", "grad", "opened_by", "passes", "weighed", "closed", "stepped")
 
     def __init__(self, index: int, start_ns: int, explicit: bool) -> None:
         self.index = index
@@ -155,8 +155,29 @@ class _Step:
         # the module whose calls the batch counts (id; 0 for a DDP rank's): the step's first, so that a step of two
         # models (a GAN's generator and discriminator) counts its samples once, and micro-batches of one model add up
         self.batch_of: int | None = None
+        # the first input tensor of each call the batch counted, with its version: a call on the same tensor, unchanged
+        # (an LBFGS closure's or SAM's second pass over the step's batch), takes no new samples
+        self.batch_inputs: list[tuple[weakref.ref[torch.Tensor], int]] = []
         self.devices_used = 0
         self.last_end_ns = start_ns
+
+    def add_batch(self, module: int, first: torch.Tensor, samples: int) -> None:
+        """Add a call's ``samples`` to the step's batch where the call is of the step's first ``module`` (its id) and
+        ``first``, its first input tensor, is not one an earlier call of the step took unchanged: micro-batches of
+        gradient accumulation add up, a second model's calls (a GAN's) and passes again over the same batch (an LBFGS
+        closure's evaluations, SAM's two passes) do not."""
+        if self.batch_of is None:
+            self.batch_of = module
+        if self.batch_of != module:
+            return
+        version = first._version
+        if any(ref() is first and seen == version for ref, seen in self.batch_inputs):
+            return
+        try:
+            self.batch_inputs.append((weakref.ref(first), version))
+        except TypeError:  # no weak reference: counted, as before
+            pass
+        self.batch_size = (self.batch_size or 0) + samples
 
     def touch(self, end_ns: int) -> None:
         if end_ns > self.last_end_ns:

@@ -129,6 +129,64 @@ def test_accumulation_whose_loss_uses_the_models_second_output_is_one_step_from_
     assert steps["forward_calls"].tolist() == [2] * 4 and steps["batch_size"].tolist() == [16] * 4
 
 
+def _sam(model, optimizer, x, y):
+    """Sharpness-aware minimization's step (davda54/sam): a pass to perturb the weights, a second on the same batch."""
+    loss_fn = nn.functional.mse_loss
+    loss_fn(model(x), y).backward()
+    with torch.no_grad():
+        eps = [0.05 * p.grad / (p.grad.norm() + 1e-12) for p in model.parameters()]
+        for p, e in zip(model.parameters(), eps):
+            p.add_(e)
+    optimizer.zero_grad()
+    loss_fn(model(x), y).backward()
+    with torch.no_grad():
+        for p, e in zip(model.parameters(), eps):
+            p.sub_(e)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _lbfgs(model, optimizer, x, y):
+    def closure():
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+
+
+def _buffer_reused(model, optimizer, x, y):
+    """Two micro-batches copied into one input buffer, as a pinned staging buffer is: new samples each time."""
+    buffer = torch.empty_like(x[:8])
+    for i in range(2):
+        buffer.copy_(x[8 * i:8 * (i + 1)])
+        nn.functional.mse_loss(model(buffer), y[8 * i:8 * (i + 1)]).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@needs_no_gpu
+@pytest.mark.parametrize("train, make_optimizer, batch", [
+    (_sam, lambda p: torch.optim.SGD(p, lr=0.1), 16),
+    (_lbfgs, lambda p: torch.optim.LBFGS(p, max_iter=3), 16),
+    (_buffer_reused, lambda p: torch.optim.SGD(p, lr=0.1), 16),
+], ids=["sam", "lbfgs", "buffer-reused"])
+def test_passes_again_over_the_same_batch_do_not_count_its_samples_again(train, make_optimizer, batch):
+    """SAM's two passes and an LBFGS closure's evaluations over one batch each added its samples again (batch 32
+    and 48 for 16 samples, samples/s twice and three times what the run trained on). A call on the tensor an earlier
+    call of the step took, unchanged, adds none; a buffer the script refills (its version moves) is new samples."""
+    torch.manual_seed(0)
+    with instrument(store=False, cpu_workers=2) as run:
+        model = nn.DataParallel(nn.Linear(6, 1))
+        optimizer = make_optimizer(model.parameters())
+        for _ in range(3):
+            train(model, optimizer, torch.randn(16, 6), torch.randn(16, 1))
+    steps = run.frames()["steps"]
+    assert len(steps) == 3 and (steps["forward_calls"] >= 2).all()
+    assert steps["batch_size"].tolist() == [batch] * 3
+
+
 def test_steps_stops_recording_not_training(tmp_path):
     script = SCRIPTS / "train_accum.py"
     plain = _python(script, "--batches", "8")

@@ -318,7 +318,7 @@ def _open_step(run: Run, module: torch.nn.Module, t0: int, batch: Any, inputs: A
                        shard_bytes, ev0)
     first_tensor = next(iter_tensors(batch), None)
     if first_tensor is not None and first_tensor.dim() > 0:
-        probe.step.batch_size = (probe.step.batch_size or 0) + first_tensor.size(0)
+        probe.step.add_batch(0, first_tensor, first_tensor.size(0))
     probe.io_bytes = (tensor_bytes(inputs), 0)
     _state["probe"] = _state["previous"] = probe
     return probe

@@ -453,11 +453,7 @@ class ForwardProbe:
         first = _first_tensor(inputs, kwargs)
         # a dim out of the tensor's range is left to the scatter, which raises torch's IndexError naming the shape
         if first is not None and -first.dim() <= self.dim < first.dim():
-            step, module = self.step, id(self.root) if self.root is not None else 0
-            if step.batch_of is None:
-                step.batch_of = module
-            if step.batch_of == module:
-                step.batch_size = (step.batch_size or 0) + first.size(self.dim)
+            self.step.add_batch(id(self.root) if self.root is not None else 0, first, first.size(self.dim))
 
     def note_device(self, label: str, args: Any, kwargs: Any, output: Any, activation_bytes: int,
                     shared_args: int = 0, chunked: bool = True) -> None:
