@@ -187,6 +187,23 @@ def test_passes_again_over_the_same_batch_do_not_count_its_samples_again(train, 
     assert steps["batch_size"].tolist() == [batch] * 3
 
 
+@needs_no_gpu
+def test_the_dropout_warning_of_torchs_dataparallel_on_cpu_workers_names_the_scripts_line():
+    """Under dpprof run (torch's DataParallel is the stand-in) the warning about dropout on CPU workers named
+    torch/nn/modules/module.py, not the script's line the docs promise: the stand-in's forward is one frame more
+    than dpprof.DataParallel's fixed stacklevel allowed for."""
+    import warnings
+
+    with instrument(store=False, cpu_workers=2):
+        model = nn.DataParallel(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            line = sys._getframe().f_lineno + 1
+            model(torch.randn(8, 4))
+    [said] = [w for w in caught if "share the CPU's one generator" in str(w.message)]
+    assert (said.filename, said.lineno) == (__file__, line)
+
+
 def test_steps_stops_recording_not_training(tmp_path):
     script = SCRIPTS / "train_accum.py"
     plain = _python(script, "--batches", "8")

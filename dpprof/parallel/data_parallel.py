@@ -8,6 +8,8 @@ CPU workers by dpprof's implementations of the same semantics. Each phase runs i
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -122,7 +124,21 @@ def _say_shared_generator(module: Module, workers: int) -> None:
     run = current_run()
     if run is not None:
         run.note("dpprof", message, tell=False)
-    warnings.warn(message, UserWarning, stacklevel=6)  # the caller's line: past _forward, forward and Module's call
+    warnings.warn(message, UserWarning, stacklevel=_caller_level())
+
+
+# dpprof's own files and Module.__call__'s: the frames between a script's model(x) and a warning dpprof gives there
+_CALL_FILES = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+               os.path.abspath(sys.modules[Module.__module__].__file__ or ""))
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the caller's line for a warning given by the function that calls this: past dpprof's
+    frames and Module's call, however many there are (dpprof run's stand-in adds a forward of its own)."""
+    level, frame = 1, sys._getframe(2)  # the warning's function's caller
+    while frame is not None and frame.f_code.co_filename.startswith(_CALL_FILES):
+        frame, level = frame.f_back, level + 1
+    return level + 1
 
 
 class DataParallel(torch.nn.DataParallel):
