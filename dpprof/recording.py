@@ -171,8 +171,9 @@ class _Step:
         if self.batch_of != module:
             return
         version = first._version
-        if any(ref() is first and seen == version for ref, seen in self.batch_inputs):
-            return
+        for ref, seen in self.batch_inputs:  # a loop, not any() over a generator: one call a step, most steps
+            if ref() is first and seen == version:
+                return
         try:
             self.batch_inputs.append((weakref.ref(first), version))
         except TypeError:  # no weak reference: counted, as before
