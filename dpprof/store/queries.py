@@ -207,10 +207,10 @@ _TRAINS = "EXISTS (SELECT 1 FROM phases p WHERE p.step = s.step AND p.phase = 'b
 
 def _trained_of_blocks(run: StoredRun) -> tuple[int, int, int, int] | None:
     """A long run's (samples of its training steps past the first, training steps past the first, steps past the
-    first, 1 where the first step trained else 0) read from its step blocks' trained_steps and trained_samples (dpprof.store.blocks), where its detail no
-    longer tells every step's kind: the steps past the last block (a run killed while recording) and whether the
-    first step trained are read from their phases, which the retention keeps. None for a file written before those
-    columns."""
+    first, 1 where the first step trained else 0) read from its step blocks' trained_steps and trained_samples
+    (dpprof.store.blocks), where its detail no longer tells every step's kind: the steps past the last block (a run
+    killed while recording) and whether the first step trained are read from their phases, which the retention
+    keeps. None for a file written before those columns."""
     if "trained_steps" not in set(run.query("SELECT name FROM pragma_table_info('step_blocks')")["name"]):
         return None
     row = run.query(
