@@ -52,7 +52,7 @@ def _net(width: int = 64) -> nn.Module:
 
 
 def _rank(rank: int, world: int, port: int, directory: str, stem: str, steps: int, delay: tuple[int, float],
-          fsdp: bool, width: int) -> None:
+          fsdp: bool, width: int, bucket_cap_mb: float | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -66,7 +66,8 @@ def _rank(rank: int, world: int, port: int, directory: str, stem: str, steps: in
                     fully_shard(layer)
             fully_shard(model)
         else:
-            model = nn.parallel.DistributedDataParallel(_net(width))
+            model = nn.parallel.DistributedDataParallel(
+                _net(width), **({} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}))
         _train(model, steps, Path(directory) / f"{stem}-rank{rank}.pt.trace.json",
                delay[1] if rank == delay[0] else 0.0, width)
     finally:
@@ -81,12 +82,15 @@ def _free_port() -> int:
 
 
 def gloo_ddp_traces(directory: Path, stem: str = "tinyddp", steps: int = 3, world: int = 2,
-                    delay: tuple[int, float] = (-1, 0.0), width: int = 64) -> list[Path]:
+                    delay: tuple[int, float] = (-1, 0.0), width: int = 64,
+                    bucket_cap_mb: float | None = None) -> list[Path]:
     """Each rank's trace of a DDP job on ``world`` gloo ranks, ``steps`` profiled steps: the files, by rank.
-    ``delay``: (rank, seconds) that rank sleeps before every forward (a straggler); ``width``: the model's input."""
+    ``delay``: (rank, seconds) that rank sleeps before every forward (a straggler); ``width``: the model's input;
+    ``bucket_cap_mb``: DDP's (None: its default; a tiny one puts each parameter in a bucket of its own from the
+    second step on)."""
     directory.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_rank, args=(world, _free_port(), str(directory), stem, steps, delay, False, width), nprocs=world,
-             join=True)
+    mp.spawn(_rank, args=(world, _free_port(), str(directory), stem, steps, delay, False, width, bucket_cap_mb),
+             nprocs=world, join=True)
     return [directory / f"{stem}-rank{r}.pt.trace.json" for r in range(world)]
 
 

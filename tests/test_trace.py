@@ -995,3 +995,22 @@ def test_some_ranks_of_a_job_with_a_straggler_are_not_told_their_wait_is_communi
     said = float(re.search(r"of a ([\d.]+) ms mean step past the first", comm).group(1))
     job = both.steps.groupby("step")["duration_ms"].max().sort_index().iloc[1:]
     assert said == pytest.approx(job.mean(), abs=0.006)
+
+
+def test_a_bucket_launched_in_backward_is_backwards_though_gloo_starts_it_after_backwards_last_op(tmp_path, reports):
+    """A gloo DDP job with a bucket per parameter whose rank 1 sleeps before each forward: rank 0's first two buckets
+    hold gloo's two worker threads waiting for rank 1, so its last buckets' gloo:all_reduce ranges start ~30 ms after
+    backward's last op, though their c10d::allreduce_ launched them inside it. They were taken for the script's own
+    collectives (script_comm), the wait in them out of backward; a collective is now placed by its launch."""
+    from cpu_traces import gloo_ddp_traces
+
+    files = gloo_ddp_traces(tmp_path / "made", steps=3, delay=(1, 0.03), bucket_cap_mb=1e-6)
+    run = dpprof.load_run(import_traces(files, reports).id, reports)
+    phases = run.phases
+    assert "script_comm" not in set(phases["phase"])  # the script calls no collective of its own
+    waits = phases[phases["phase"] == "comm_wait"].groupby("device")["step"].nunique().to_dict()
+    assert waits == {"rank:0": 3, "rank:1": 3}
+    later = run.comms[run.comms["step"] > run.comms["step"].min()]
+    assert later.groupby(["device", "step"]).size().min() >= 3  # buckets per step, each all-reduced
+    per = phases.pivot_table(index=["device", "step"], columns="phase", values="duration_ms", aggfunc="sum")
+    assert (per["backward_compute"] + per["comm_wait"] <= per["backward"] + 1e-6).all()

@@ -81,6 +81,9 @@ class Collective:
     kernel_start_us: float | None = None
     kernel_end_us: float | None = None
     op: str | None = None  # the c10d op that launched it (c10d::_reduce_scatter_base_), where the trace pairs them
+    # that c10d op's start: when the process launched it (gloo's worker thread starts its op later, after backward's
+    # last op when its threads are busy with earlier buckets)
+    launch_us: float | None = None
     bucket: int | None = None  # its args.bucket: in a file dpprof export wrote, the run's own index of it in its step
 
 
@@ -513,11 +516,18 @@ def merge_parts(parts: list[Collected]) -> Collected | None:
 def _name_by_c10d(out: Collected) -> None:
     """Give each backend collective op (gloo:all_reduce) the c10d op that launched it (c10d::_reduce_scatter_base_),
     where the trace has as many of one as of the other: the backend runs them in the order c10d launched them.
-    Where the counts differ (the profiler's window cut one of a pair) each keeps its own name."""
+    Where the counts differ (the profiler's window cut one of a pair) each keeps its own name and start."""
     if len(out.c10d) != len(out.collectives) or not out.c10d:
         return
     for op, launch in zip(out.collectives, out.c10d):
         op.op = launch.name
+        if launch.start_us <= op.start_us:  # a launch comes first: else the pairs are not what they seem
+            op.launch_us = launch.start_us
+
+
+def launched_us(op: Collective) -> float:
+    """When the process launched a collective: its c10d op's start where the trace pairs them, else its own start."""
+    return op.start_us if op.launch_us is None else op.launch_us
 
 
 def _where(trace: TraceFile, batch: list, event: Any) -> str:

@@ -38,7 +38,7 @@ from dpprof.records import (FSDP_ONLY_PHASES, PHASES, AllocatorRecord, CommRecor
                             PhaseRecord, Record, StepRecord)
 from dpprof.store.model import PROFILE_ALL_THREADS
 from dpprof.stepmodel import GPU_PARTS, IDLE, part_names, partition
-from dpprof.trace.collect import GPU_KINDS, Collected, collective_name
+from dpprof.trace.collect import GPU_KINDS, Collected, collective_name, launched_us
 from dpprof.trace.detail import Detail, detail_tables
 from dpprof.trace.detail_events import RawDetail
 from dpprof.trace.readback import EXPORT_KEY, export_info, exported_gpus, exported_inventory, exported_phases
@@ -229,9 +229,11 @@ def _host_phases(c: Collected, windows: list[tuple[int, float, float]], label: s
             # backward's collectives: those launched while it ran (DDP's buckets' from its autograd hooks); one the
             # script launches after it (a metric all-reduced for logging after the optimizer step) is the script's,
             # and stretched backward, its compute, over all the host did before it
-            colls = [x for x in _in(c.collectives, b0, hi) if x.start_us <= b1]
+            # launched: by their c10d op where the trace pairs them (gloo's worker thread may start a bucket's op
+            # after backward's last op, its threads still busy with earlier buckets waiting for a slower rank)
+            colls = [x for x in _in(c.collectives, b0, hi) if b0 <= launched_us(x) <= b1]
             if colls:
-                last_launch = min(hi, max(x.start_us for x in colls))
+                last_launch = min(hi, max(launched_us(x) for x in colls))
                 # the last collective's end, in the step: a kernel that runs on past it waits in the next step; a host
                 # op (gloo's, no kernel) ends for the host where its optimizer starts (its thread stamps the op's end
                 # after the main thread went on: 0.4 ms past the optimizer's start under load)
@@ -251,8 +253,8 @@ def _host_phases(c: Collected, windows: list[tuple[int, float, float]], label: s
             for x in _in(c.collectives, lo, hi):
                 # the script's own: outside forward, backward and the optimizer (a metric all-reduced after the
                 # optimizer step), the host's time in it as a recorded rank's script_comm (its launch, on NCCL)
-                if not (b0 is not None and b1 is not None and b0 <= x.start_us <= b1) and not any(
-                        a <= x.start_us < b for a, b in busy):
+                t = launched_us(x)
+                if not (b0 is not None and b1 is not None and b0 <= t <= b1) and not any(a <= t < b for a, b in busy):
                     phase("script_comm", x.start_us, min(x.end_us, hi))
     return out, sorted(notes)
 
