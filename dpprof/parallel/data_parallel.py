@@ -127,9 +127,9 @@ def _say_shared_generator(module: Module, workers: int) -> None:
     warnings.warn(message, UserWarning, stacklevel=_caller_level())
 
 
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # dpprof/: its frames are not a script's
 # dpprof's own files and Module.__call__'s: the frames between a script's model(x) and a warning dpprof gives there
-_CALL_FILES = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
-               os.path.abspath(sys.modules[Module.__module__].__file__ or ""))
+_CALL_FILES = (PACKAGE_DIR, os.path.abspath(sys.modules[Module.__module__].__file__ or ""))
 
 
 def _caller_level() -> int:

@@ -16,7 +16,6 @@ and a short GPU one.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import threading
 import time
@@ -34,6 +33,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from dpprof.device_ids import rank_devices
 from dpprof.parallel import script_comms
+from dpprof.parallel.data_parallel import PACKAGE_DIR
 from dpprof.parallel.probe import (ForwardProbe, allocator_bytes, cuda_event, gpu_of, iter_tensors, on_gradient,
                                    rank_part)
 from dpprof.recording import Run, current_run
@@ -319,16 +319,13 @@ def _default_hook(owner: DistributedDataParallel) -> Callable[[Any, Any], Any]:
     return timed
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # dpprof/
-
-
 @contextmanager
 def _warnings_at_caller() -> Iterator[None]:
     """Around torch's DDP constructor: a warning it gives at its caller's line (``stacklevel=2``, as its
     ``broadcast_buffers`` deprecation) is given at the line that built the model, as under torch, not at dpprof's
     constructor (or the stand-in's) that calls torch's; others as they were."""
     frame = sys._getframe(2)  # past this generator and contextlib's __enter__
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(PACKAGE_DIR):
         frame = frame.f_back
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -341,7 +338,7 @@ def _warnings_at_caller() -> Iterator[None]:
 def _warn_again(caught: list[warnings.WarningMessage], frame: Any) -> None:
     """Give the warnings caught again, under the script's filters, those that pointed into dpprof at ``frame``."""
     for w in caught:
-        if w.filename.startswith(_PACKAGE_DIR):
+        if w.filename.startswith(PACKAGE_DIR):
             globs = frame.f_globals
             warnings.warn_explicit(w.message, w.category, frame.f_code.co_filename, frame.f_lineno,
                                    module=globs.get("__name__"), registry=globs.setdefault("__warningregistry__", {}),
