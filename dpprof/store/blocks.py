@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from itertools import combinations
-from typing import Any
+from typing import Any, cast
 
 from dpprof.records import (MEMORY_BYTES, MEMORY_ROW, PHASE_ROW, STEP_ROW, AllocatorRecord, DeviceMemoryRecord,
                             GpuSampleRecord, PhaseRecord, Record, Row, StepRecord)
@@ -41,6 +41,7 @@ WORK = "work"  # the pseudo-phase of each device's own share of a step in phase_
 # run_sketches' kinds of the steps a backward ran in and of the others (evaluation forwards): each kind's median
 TRAINING, EVALUATION = "training", "evaluation"
 WORK_PHASES = ("apply", "forward", "backward_compute")  # summed per device and step: dpprof.store.model._work
+_NO_STEP = 2**62  # a _Stat's first step before its first value: above every step
 _MEDIAN_EVERY = 64  # settled steps between recomputations of the running median step (the outlier rule's)
 
 Statement = tuple[str, Any]
@@ -53,8 +54,9 @@ class _Stat:
                  "slowest", "wait_sum", "late", "batch", "devices_used", "trained", "trained_samples")
 
     def __init__(self, late: bool = False, sketched: bool = True) -> None:
-        self.first_step: int | None = None
-        self.last_step: int | None = None
+        # set by the first add (statements writes a stat once it has one): bounds no step number reaches
+        self.first_step = _NO_STEP
+        self.last_step = -1
         self.steps = self.calls = 0
         self.sum = 0.0
         self.min = math.inf
@@ -71,9 +73,9 @@ class _Stat:
     def add(self, step: int, value: float, calls: int = 1, device_value: float | None = None,
             key: int | None = None) -> None:
         """Count one step's ``value``; ``key``, where given, is its sketch bucket (``bucket(value)``)."""
-        if self.first_step is None or step < self.first_step:
+        if step < self.first_step:
             self.first_step = step
-        if self.last_step is None or step > self.last_step:
+        if step > self.last_step:
             self.last_step = step
         self.steps += 1
         self.calls += calls
@@ -84,8 +86,10 @@ class _Stat:
             self.max = value
         if device_value is not None:
             self.device_sum = (self.device_sum or 0.0) + device_value
-        if self.sketch is not None:
-            self.sketch.add_bucket(bucket(value) if key is None else key)
+        if self.sketch is not None:  # Sketch.add_bucket, inlined: the writer adds some ten values a step
+            counts = self.sketch.counts
+            key = bucket(value) if key is None else key
+            counts[key] = counts.get(key, 0) + 1
 
     def sketch_bytes(self) -> bytes | None:
         return self.sketch.to_bytes() if self.sketch is not None else None
@@ -192,6 +196,7 @@ class Aggregator:
 
     def __init__(self, retention: Retention) -> None:
         self.retention = retention
+        self._block_steps = retention.block_steps
         self._pending: dict[int, _StepAcc] = {}
         self._newest = -1  # the newest step whose StepRecord arrived
         self._settled_to = 0  # steps below this are settled
@@ -202,8 +207,8 @@ class Aggregator:
         self._allocator: dict[tuple[str, str, int], _Allocator] = {}
         # the blocks changed since the last statements(), by table
         self._dirty_steps: set[int] = set()
-        self._dirty_phases: set[tuple[str, str, int]] = set()
-        self._dirty_memory: set[tuple[str, int]] = set()
+        self._dirty_phases: set[int] = set()  # blocks: every row of the block is written (_fold)
+        self._dirty_memory: set[int] = set()
         self._dirty_allocator: set[tuple[str, str, int]] = set()
         self._chunks: dict[tuple[str, int | None], int] = {}
         self._chunks_dirty = False
@@ -217,6 +222,7 @@ class Aggregator:
         self._alloc_peaks: dict[str, tuple[int, int]] = {}
         self._totals: dict[tuple[str, str], Sketch] = {}  # run_sketches: ("step", "") and ("work", device)
         self._totals_dirty = False
+        self._step_totals: dict[bool, tuple[dict[int, int], dict[int, int]]] = {}  # trained -> its kind's, every step's
         self._evicted_to = 0  # chunks below this step have had their detail thinned
         self.detail_from = 0  # every step from here on still has all its detail
 
@@ -283,12 +289,13 @@ class Aggregator:
             # collections of the training process (~200 ms each, about one per 10,000 steps of the MLP)
             self._settle(step - SETTLE_STEPS + 1)
 
-    def _add_memory(self, step: int, device: str, chunk_size: int | None, held: Iterable[int | None]) -> None:
+    def _add_memory(self, step: int, device: str, chunk_size: int | None, held: tuple[int | None, ...]) -> None:
         """A device's memory record (or row): ``held`` is its bytes in MEMORY_BYTES' order, None for none."""
         acc = self._acc(step)
         cell = acc.memory.get(device)
         if cell is None:
-            acc.memory[device] = [1, *(0 if v is None else v for v in held)]
+            acc.memory[device] = [1, *cast("tuple[int, ...]", held)] if None not in held \
+                else [1, *(0 if v is None else v for v in held)]
         else:
             cell[0] += 1
             for i, v in enumerate(held, 1):
@@ -307,10 +314,14 @@ class Aggregator:
     # settling: a step's values into its block
     def _settle(self, below: int) -> None:
         """Fold every pending step below ``below`` into its block."""
-        if below <= self._settled_to and not any(s < below for s in self._pending):
+        pending = self._pending
+        if below <= self._settled_to and not any(s < below for s in pending):
             return
-        for step in sorted(s for s in self._pending if s < below):
-            self._fold(step, self._pending.pop(step))
+        ready = [s for s in pending if s < below]  # one step, as steps arrive in order
+        if len(ready) > 1:
+            ready.sort()
+        for step in ready:
+            self._fold(step, pending.pop(step))
         self._settled_to = max(self._settled_to, below)
 
     def _block(self, step: int) -> int:
@@ -338,45 +349,78 @@ class Aggregator:
         return stat
 
     def _fold(self, step: int, acc: _StepAcc) -> None:
-        block = self._block(step)
+        """Add a settled step's values to its block. The writer thread runs this once a step, holding the GIL the
+        training threads want: the phases' sums are inlined (_Stat.add's, less its sketch), and the tables' rows are
+        marked changed once per block, not once per row (statements writes every row of a changed block)."""
+        block = step // self._block_steps
         first = self._first_step is None
         if first:
             self._first_step = step
+        work: dict[str, float] = {}
+        trained = False  # a backward ran in the step: queries.training_steps_of's rule
+        phases = self._phases
+        for (phase, device), (ms, calls, device_ms) in acc.phases.items():
+            key = (phase, device, block)
+            s = phases.get(key)  # the block's row, made by _stat at its first step
+            if s is None:
+                s = self._stat(phases, key, block)
+            if s.sketch is None:  # s.add(step, ms, calls, device_ms), inlined: some ten phases a step
+                s.steps += 1
+                s.calls += calls
+                s.sum += ms
+                if ms < s.min:
+                    s.min = ms
+                if ms > s.max:
+                    s.max = ms
+                if step < s.first_step:
+                    s.first_step = step
+                if step > s.last_step:
+                    s.last_step = step
+                if device_ms is not None:
+                    s.device_sum = (s.device_sum or 0.0) + device_ms
+            else:  # an imported phase named as the work rows are
+                s.add(step, ms, calls, device_ms)
+            if phase in WORK_PHASES:
+                work[device] = work.get(device, 0.0) + ms
+            elif phase == "backward":
+                trained = True
+        if acc.phases:
+            self._dirty_phases.add(block)
         if acc.duration is not None:
             s = self._steps.get(block) or self._stat(self._steps, block, block)
             duration_bucket = bucket(acc.duration)  # for the block's sketch, the run's and the outlier rule's
             s.add(step, acc.duration, key=duration_bucket)
             if acc.batch is not None and (s.batch is None or acc.batch > s.batch):
                 s.batch = acc.batch
-            s.devices_used = max(s.devices_used, acc.devices_used or 0)
-            trained = any(phase == "backward" for phase, _ in acc.phases)  # queries.training_steps_of's rule
+            if acc.devices_used and acc.devices_used > s.devices_used:
+                s.devices_used = acc.devices_used
             if trained:
                 s.trained += 1
                 s.trained_samples += acc.batch or 0
-            self._total(TRAINING if trained else EVALUATION, "").add_bucket(duration_bucket)  # kind_medians'
-            self._total("step", "").add_bucket(duration_bucket)
+            totals = self._step_totals.get(trained)
+            if totals is None:  # kind_medians' sketch of the step's kind, and every step's
+                totals = self._step_totals[trained] = (self._total(TRAINING if trained else EVALUATION, "").counts,
+                                                       self._total("step", "").counts)
+            for counts in totals:
+                counts[duration_bucket] = counts.get(duration_bucket, 0) + 1
+            self._totals_dirty = True
             self._dirty_steps.add(block)
             if not first:
                 self._outlier(step, acc.duration, duration_bucket)
-        work: dict[str, float] = {}
-        phases, dirty = self._phases, self._dirty_phases
-        for (phase, device), (ms, calls, device_ms) in acc.phases.items():
-            key = (phase, device, block)
-            stat = phases.get(key)  # the block's row, made by _stat at its first step (a call less on every other)
-            (stat if stat is not None else self._stat(phases, key, block)).add(step, ms, calls, device_ms)
-            dirty.add(key)
-            if phase in WORK_PHASES:
-                work[device] = work.get(device, 0.0) + ms
         for device, ms in work.items():
             key = (WORK, device, block)
             ms_bucket = bucket(ms)
-            stat = phases.get(key)
-            (stat if stat is not None else self._stat(phases, key, block)).add(step, ms, key=ms_bucket)
+            s = phases.get(key)
+            if s is None:
+                s = self._stat(phases, key, block)
+            s.add(step, ms, key=ms_bucket)
             if not first:  # the run's p50 and p95 of the work leave the first step out, as the findings' medians do
-                self._total(WORK, device).add_bucket(ms_bucket)
-            dirty.add(key)
-        if len(work) > 1 and step != self._first_step:  # the imbalance leaves the first step out
-            self._imbalance(work, block)
+                counts = self._total(WORK, device).counts
+                counts[ms_bucket] = counts.get(ms_bucket, 0) + 1
+        if work:
+            self._dirty_phases.add(block)
+            if len(work) > 1 and step != self._first_step:  # the imbalance leaves the first step out
+                self._imbalance(work, block)
         for device, (calls, *kinds) in acc.memory.items():
             m = self._memory.get((device, block)) or self._stat(self._memory, (device, block), block)
             held = sum(kinds)
@@ -389,7 +433,8 @@ class Aggregator:
                 m.peak, m.peak_step, m.kinds = held, step, kinds
             if held > self._peaks.get(device, (-1, 0))[0]:
                 self._peaks[device] = (held, step)
-            self._dirty_memory.add((device, block))
+        if acc.memory:
+            self._dirty_memory.add(block)
         for (device, phase), (rows, allocated, peak, reserved) in acc.allocator.items():
             a = self._stat(self._allocator, (device, phase, block), block)
             a.rows += rows
@@ -411,6 +456,15 @@ class Aggregator:
     def _imbalance(self, work: dict[str, float], block: int) -> None:
         """Per step: which device was slowest, and for each device how long, on average, the others waited
         for it (its time minus each other's, at least 0): dpprof.findings.floors.imbalance's figures."""
+        if len(work) == 2:  # two devices (the common case), without the pairs' bookkeeping below
+            (a, ta), (b, tb) = work.items()
+            stat_a, stat_b = self._phases[(WORK, a, block)], self._phases[(WORK, b, block)]
+            if ta > tb:
+                stat_a.wait_sum += ta - tb
+            elif tb > ta:
+                stat_b.wait_sum += tb - ta
+            (stat_a if ta >= tb else stat_b).slowest += 1  # max()'s choice: the first of equals
+            return
         n = len(work) - 1
         waits = dict.fromkeys(work, 0.0)
         for (a, ta), (b, tb) in combinations(work.items(), 2):
@@ -495,13 +549,15 @@ class Aggregator:
             out.append((_STEP_SQL[s.late], (block, s.first_step, s.last_step, s.steps, s.sum, _finite(s.min),
                                             _finite(s.max), s.batch, s.devices_used, s.sketch_bytes(), s.trained,
                                             s.trained_samples)))
-        for key in self._dirty_phases:
-            s = self._phases[key]
+        for key, s in self._phases.items() if self._dirty_phases else ():
+            if key[-1] not in self._dirty_phases:
+                continue
             out.append((_PHASE_SQL[s.late], (*key, s.first_step, s.last_step, s.steps, s.calls, s.sum,
                                              _finite(s.min), _finite(s.max), s.device_sum, s.slowest, s.wait_sum,
                                              s.sketch_bytes())))
-        for mkey in self._dirty_memory:
-            m = self._memory[mkey]
+        for mkey, m in self._memory.items() if self._dirty_memory else ():
+            if mkey[-1] not in self._dirty_memory:
+                continue
             out.append((_MEMORY_SQL[m.late], (*mkey, m.first_step, m.last_step, m.steps, m.calls, m.held_sum,
                                               m.peak_step, m.peak, *m.kinds)))
         for akey in self._dirty_allocator:
