@@ -119,8 +119,8 @@ _INSIDE = (
     ("probe.ForwardProbe", "end", "a call's memory records"),
     ("probe.ForwardProbe", "note_batch", "the batch noted"),
     ("probe.ForwardProbe", "watch_backward", "the backward hook set"),
-    ("probe._BackwardWatch", "on_grad", "backward starts (hook)"),
-    ("probe._BackwardWatch", "on_done", "backward ends (callback, holds finish_phase)"),
+    ("probe._PassWatch", "on_grad", "backward starts (hook)"),
+    ("probe._PassWatch", "on_done", "backward ends (callback, holds finish_phase)"),
 )
 
 

@@ -36,7 +36,7 @@ from dpprof.parallel import fsdp as _fsdp
 from dpprof.parallel import script_comms
 from dpprof.parallel.data_parallel import DataParallel as _DataParallel
 from dpprof.parallel.data_parallel import data_parallel as _data_parallel
-from dpprof.parallel.probe import iter_tensors, on_gradient
+from dpprof.parallel.probe import iter_tensors, watch_passes
 from dpprof.imports import WhenImported
 from dpprof.parallel.workers import on_worker_thread
 from dpprof.recording import CLOSE_HOOKS, Run, record
@@ -545,9 +545,7 @@ class _Session:
             # every output that needs grad: the loss may use any of them ((features, logits), the logits' alone)
             tensors = [t for t in iter_tensors(output) if t.requires_grad]
             if tensors:
-                watch = _BackwardSeen(self)
-                for t in tensors:
-                    on_gradient(t, watch.on_grad)
+                watch_passes(tensors, self._on_backward)
 
     def _on_backward(self) -> None:
         self.backward_seen = True
@@ -584,25 +582,6 @@ class _Session:
         # --steps stops at the forward that would start a step past the limit (before_forward), not here: another
         # optimizer stepped after this one (several optimizers, back to back) is the last step's too
         run.end_step(optimizer)
-
-
-class _BackwardSeen:
-    """Tells the session once per backward pass through one forward call's outputs, whichever of them it reaches."""
-
-    __slots__ = ("session", "seen")
-
-    def __init__(self, session: _Session) -> None:
-        self.session, self.seen = session, False
-
-    def on_grad(self, grad: Any) -> None:
-        if self.seen:
-            return
-        self.seen = True
-        self.session._on_backward()
-        torch.autograd.Variable._execution_engine.queue_callback(self.on_done)
-
-    def on_done(self) -> None:
-        self.seen = False  # a second backward through the same graph (retain_graph) is a pass of its own
 
 
 @contextmanager

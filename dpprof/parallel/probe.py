@@ -250,6 +250,39 @@ def saved_bytes(output: Any, before: Any, exclude: set[int]) -> int:
     return total
 
 
+class _PassWatch:
+    """Calls ``start`` at the first gradient of each backward pass that reaches any of the tensors it watches, and
+    ``end`` when that pass ends; a second pass through the same graph (retain_graph) is one of its own."""
+
+    __slots__ = ("start", "end", "seen")
+
+    def __init__(self, start: Callable[[], None], end: Callable[[], None] | None) -> None:
+        self.start, self.end, self.seen = start, end, False
+
+    def on_grad(self, grad: Any) -> None:
+        """A tensor hook's gradient, or a graph node's pre-hook's gradients (on_gradient): nothing is returned, so
+        nothing is changed."""
+        if self.seen:
+            return
+        self.seen = True
+        self.start()
+        torch.autograd.Variable._execution_engine.queue_callback(self.on_done)
+
+    def on_done(self) -> None:
+        self.seen = False
+        if self.end is not None:
+            self.end()
+
+
+def watch_passes(tensors: list[torch.Tensor], start: Callable[[], None],
+                 end: Callable[[], None] | None = None) -> None:
+    """Call ``start`` when a backward pass first reaches any of ``tensors`` (each must require grad), and ``end``
+    once that pass ends."""
+    watch = _PassWatch(start, end)
+    for t in tensors:
+        on_gradient(t, watch.on_grad)
+
+
 class _BackwardWatch:
     """The dpprof.backward range from the first gradient reaching the output to the end of the graph
     task; inside a run, also its timing."""
@@ -262,19 +295,14 @@ class _BackwardWatch:
         self.ev0: torch.cuda.Event | None = None
         self.range: Any = None
 
-    def on_grad(self, grad: Any) -> None:
-        """A tensor hook's gradient, or a graph node's pre-hook's gradients (watch_backward): the first opens the
-        range; nothing is returned, so nothing is changed."""
-        if self.t0 is not None:
-            return
+    def start(self) -> None:
         self.range = profiler_range("dpprof.backward")
         self.range.__enter__()
         self.t0 = time.perf_counter_ns()
         if self.probe is not None and self.probe.cuda_indices:
             self.ev0 = cuda_event(_cuda_index(self.label))
-        torch.autograd.Variable._execution_engine.queue_callback(self.on_done)
 
-    def on_done(self) -> None:
+    def end(self) -> None:
         t0, ev0, span, self.t0, self.ev0, self.range = self.t0, self.ev0, self.range, None, None, None
         if self.probe is not None and t0 is not None:  # timed before the range closes: the timer lies inside it
             self.probe.finish_backward(self.label, t0, ev0)
@@ -293,8 +321,7 @@ def watch_backward(output: Any, probe: ForwardProbe | None, label: str) -> None:
         tensors = [t for t in iter_tensors(output) if t.requires_grad]
     if tensors:
         watch = _BackwardWatch(probe, label)
-        for t in tensors:
-            on_gradient(t, watch.on_grad)
+        watch_passes(tensors, watch.start, watch.end)
 
 
 _LEAF_HOOKS: dict[int, Any] = {}  # id of a leaf tensor -> the handle of on_gradient's hook on it
