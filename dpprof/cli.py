@@ -563,6 +563,11 @@ def _cmd_show(args: argparse.Namespace) -> int:
     rate = queries.throughput(run)  # the Overview's samples/s
     if rate is not None:
         print(f"  {rate.samples_per_s:,.0f} samples/s: {rate.words()}")
+    raised = queries.raised_steps(run)
+    if raised:  # the script caught its forward's error and went on: these steps trained nothing, and evaluated nothing
+        whose = "'s" if raised == 1 else "'"  # "1 step's", "3 steps'"
+        print(f"  {plural(raised, 'step')}{whose} forward raised, the script going on (an out-of-memory batch "
+              "skipped): neither training nor evaluation steps, their samples not in samples/s")
     if model.detail_text():
         print(f"  {model.detail_text()}")
     if model.nothing_to_balance:

@@ -133,7 +133,7 @@ def _distributed_identity(name: str | None, run_id: str | None = None
 
 class _Step:
     __slots__ = ("index", "start_ns", "explicit", "calls", "batch_size", "batch_of", "batch_inputs", "devices_used",
-                 "last_end_ns", "grad", "opened_by", "passes", "weighed", "closed", "stepped")
+                 "last_end_ns", "grad", "opened_by", "passes", "weighed", "closed", "stepped", "raised_calls")
 
     def __init__(self, index: int, start_ns: int, explicit: bool) -> None:
         self.index = index
@@ -151,6 +151,7 @@ class _Step:
         # an optimizer stepped after its backward: what the script does next (its own collectives) is between steps
         self.stepped = False
         self.calls = 0
+        self.raised_calls = 0  # forward calls that raised (dpprof.parallel.probe.end_after_error)
         self.batch_size: int | None = None
         # the module whose calls the batch counts (id; 0 for a DDP rank's): the step's first, so that a step of two
         # models (a GAN's generator and discriminator) counts its samples once, and micro-batches of one model add up
@@ -408,9 +409,9 @@ class Run:
         if self._pending:  # CUDA timings only: a CPU step has none
             self.resolve_pending(block=False)
         # a row (dpprof.records.Row): STEP_ROW, then StepRecord's step, start_ms, duration_ms, batch_size, devices_used,
-        # forward_calls, explicit
+        # forward_calls, explicit, raised_calls
         self.sink.put((STEP_ROW, step.index, (step.start_ns - self._t0_ns) / 1e6, (end_ns - step.start_ns) / 1e6,
-                       step.batch_size, step.devices_used, step.calls, step.explicit))
+                       step.batch_size, step.devices_used, step.calls, step.explicit, step.raised_calls))
 
     def step(self) -> _StepBlock:
         """``with run.step() as index:`` marks one training step (forward, loss, backward, optimizer).

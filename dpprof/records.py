@@ -141,6 +141,9 @@ class StepRecord:
     devices_used: int  # replicas that ran (torch.chunk may use fewer than device_ids)
     forward_calls: int
     explicit: bool  # True when marked with run.step()
+    # forward calls that raised, the script catching the error and going on (an out-of-memory batch skipped); None
+    # where nobody knows (an imported trace's step; a file written before the column reads NULL)
+    raised_calls: int | None = None
 
 
 @dataclass(slots=True)  # built on every step: not frozen (see above StepRecord)

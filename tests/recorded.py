@@ -117,6 +117,48 @@ def record_failed_before_a_step(directory: Path, name: str = "failed early") -> 
     return dpprof.load_run(run.path)
 
 
+class _OutOfMemoryWhenFlagged(nn.Module):
+    """A linear layer whose forward, while ``fail`` is set, takes ``sleep_s`` and raises torch's out-of-memory error
+    (in each replica: torch re-raises the first in the caller)."""
+
+    def __init__(self, sleep_s: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 4)
+        self.sleep_s = sleep_s
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            time.sleep(self.sleep_s)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.linear(x)
+
+
+def record_skipped_batches(directory: Path, kinds: str, detail: object = "bounded", sleep_s: float = 0.02) -> str:
+    """A DataParallel run on 2 CPU workers, one implicit step per letter of ``kinds``: "T" trains on 32 samples, "E"
+    evaluates 64 under no_grad, "R" is a forward of 32 that raises out of memory after ``sleep_s``, which the script
+    catches and skips the batch (zero_grad, go on), as training loops do. Returns the run's path."""
+    torch.manual_seed(0)
+    model = _OutOfMemoryWhenFlagged(sleep_s)
+    net = dpprof.DataParallel(model, device_ids=dpprof.cpu_devices(2))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    with dpprof.record(name="skipped batches", reports_dir=str(directory), sample_hz=None, detail=detail) as run:
+        for kind in kinds:
+            model.fail = kind == "R"
+            if kind == "E":
+                with torch.no_grad():
+                    net(torch.randn(64, 8))
+                continue
+            try:
+                net(torch.randn(32, 8)).sum().backward()
+                optimizer.step()
+            except torch.OutOfMemoryError:
+                pass
+            optimizer.zero_grad()
+    assert run.path is not None
+    return run.path
+
+
 STALL_S = 0.3  # a stalled step: at least this, and 3x the median step so far (a loaded machine's steps grow)
 
 

@@ -14,7 +14,7 @@ import dpprof
 from dpprof.records import MEMORY_BYTES
 from dpprof.store import queries
 from dpprof.store.schema import INDEXES, LEGACY_INDEXES
-from recorded import record, record_with_gpu_samples
+from recorded import record, record_skipped_batches, record_with_gpu_samples
 
 
 @pytest.fixture(scope="module")
@@ -524,6 +524,70 @@ def test_samples_per_s_leaves_out_evaluations_after_their_detail_is_thinned(tmp_
     for kind in ("training", "evaluation"):
         durations = steps.loc[[k == kind for k in kinds], "duration_ms"]
         assert medians[kind] == pytest.approx(float(np.quantile(durations, 0.5, method="lower")), rel=0.01)
+
+
+@pytest.mark.parametrize("kinds", ["TTRTTETRTTETTRTE", "TTRTTTTRTTTTTRTT"])
+@pytest.mark.parametrize("detail", ["all", "thinned"])
+def test_a_step_whose_forward_raised_is_neither_a_training_nor_an_evaluation_step(tmp_path, capsys, kinds, detail):
+    """A script that skips a batch whose forward raised out of memory (try: forward, backward; except: zero_grad, go
+    on) leaves a step of forward phases and no backward, which counted as an evaluation step: samples/s said "not the
+    3 evaluation steps'" of a run that evaluated nothing, and `dpprof show` gave the failed forwards' median as the
+    evaluation steps'. Each step now records its forward calls that raised; a step with one that ran no backward is
+    neither kind: its samples are not counted, its time is in the span, it is in neither kind's median, and `dpprof
+    show` says how many there were. The figures are the script's own account of its steps ("T" trained, "E"
+    evaluated, "R" raised), read from the rows and from the aggregates alike, a thinned run's from its blocks."""
+    from dpprof.cli import main
+    from dpprof.store.retention import Retention
+
+    retention = (Retention(mode="all", block_steps=4) if detail == "all" else
+                 Retention(first_steps=2, last_steps=2, every=1000, chunk_steps=4, block_steps=4, outliers_per_chunk=1))
+    path = record_skipped_batches(tmp_path, kinds, detail=retention)
+    def reads_of(file):  # a thinned run's rows no longer tell its steps' kinds
+        return [dpprof.load_run(file, read="aggregates"), *([dpprof.load_run(file, read="rows")] if detail == "all" else [])]
+
+    reads = reads_of(path)
+    steps = reads[0].steps.sort_values("step").reset_index(drop=True)
+    assert len(steps) == len(kinds)
+    later = kinds[1:]
+    ends = steps["start_ms"] + steps["duration_ms"]
+    for run in reads:
+        rate = queries.throughput(run)
+        assert rate is not None
+        assert rate.evaluation_steps == later.count("E"), run.model.aggregated
+        assert rate.raised_steps == later.count("R") and rate.samples == 32 * later.count("T")
+        assert rate.samples_per_s == pytest.approx(32 * later.count("T") / (ends.iloc[-1] - ends.iloc[0]) * 1e3,
+                                                   rel=1e-9)
+        assert queries.raised_steps(run) == kinds.count("R")
+        medians = queries.kind_medians(run)
+        if "E" not in kinds:  # training steps and failed forwards: one kind of step
+            assert medians is None
+            continue
+        assert medians is not None
+        for kind, letter in (("training", "T"), ("evaluation", "E")):
+            durations = steps.loc[[k == letter for k in kinds], "duration_ms"]
+            # a sketch's quantile is within 1% of the lower middle step's
+            expected = np.quantile(durations, 0.5, method="lower") if run.model.aggregated else durations.median()
+            assert medians[kind] == pytest.approx(float(expected), rel=0.01), kind
+    capsys.readouterr()
+    assert main(["--reports-dir", str(tmp_path), "show", str(path)]) == 0
+    out = capsys.readouterr().out
+    counted, evaluations = ("training steps", "the 3 evaluation steps', nor ") if "E" in kinds else ("steps", "")
+    assert (f" samples/s: {32 * later.count('T'):,} samples of the {later.count('T')} {counted} past the first "
+            f"(not {evaluations}those of the 3 steps whose forward raised) in the ") in out
+    assert "\n  3 steps' forward raised, the script going on (an out-of-memory batch skipped): " in out
+    # a file written before the columns that tell such steps apart reads as before: they are evaluation steps
+    old = tmp_path / "older" / "older.sqlite"
+    old.parent.mkdir()
+    shutil.copyfile(path, old)
+    con = sqlite3.connect(old)
+    con.execute("ALTER TABLE steps DROP COLUMN raised_calls")
+    con.execute("ALTER TABLE step_blocks DROP COLUMN raised_steps")
+    con.commit()
+    con.close()
+    for run in reads_of(old):
+        rate = queries.throughput(run)
+        assert rate is not None and (rate.evaluation_steps, rate.raised_steps) == (later.count("E") + 3, 0)
+        assert queries.raised_steps(run) == 0
 
 
 def test_samples_per_s_words_say_one_evaluation_steps_samples_in_the_singular(tmp_path, capsys):

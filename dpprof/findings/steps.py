@@ -12,7 +12,7 @@ from dpprof.findings.detail import workers_advice
 from dpprof.findings.floors import cost_text, total_text, worth_time
 from dpprof.loaders import none_iterated
 from dpprof.stepmodel import REST, partition, parts_for
-from dpprof.store.queries import throughput_of, training_steps_of
+from dpprof.store.queries import raised_steps_of, throughput_of, training_steps_of
 from dpprof.units import plural
 
 __all__ = ["OUTLIER_STEP_RATIO", "OUTLIER_TIME_SHARE", "OUTLIER_WARN_SHARE", "OUTLIER_STEPS_LISTED", "Stalls", "stalls",
@@ -242,9 +242,10 @@ def between_steps(t: Tables) -> list[dict]:
                 f"first step's end to the last's is in no step, over {BETWEEN_STEPS_WARN:.0%} of it before "
                 f"{int((each > BETWEEN_STEPS_WARN).sum())} of them. The step time and its median leave this time out")
     # the Overview's samples/s (dpprof.store.queries.throughput): a run read from its aggregates has no whole phases
-    training = None if t.all_steps is not None or "phase" not in t.phases else \
-        training_steps_of(t.phases.loc[t.phases["phase"] == "backward", "step"], s["step"])
-    rate = throughput_of(s, training)
+    whole = t.all_steps is None and "phase" in t.phases
+    backward = t.phases.loc[t.phases["phase"] == "backward", "step"] if whole else ()
+    rate = throughput_of(s, training_steps_of(backward, s["step"]) if whole else None,
+                         raised_steps_of(s, backward) if whole else None)
     if rate is not None:
         evidence += (f": the steps past the first trained {rate.samples:,} samples in {rate.span_ms / 1e3:,.2f} s, "
                      f"{rate.samples_per_s:,.0f} samples/s (the run's samples/s), against "

@@ -546,8 +546,11 @@ class ForwardProbe:
 
 
 def end_after_error(probe: ForwardProbe, module: Module, used: int | None = None) -> None:
-    """``probe.end`` after a forward call that raised: that call's error is the one the caller sees, so an end that
-    fails on what the call left (a lazy module's weights never made) is dropped, never raised in its place."""
+    """``probe.end`` after a forward call that raised, counted in its step's raised_calls (a script that catches the
+    error and goes on, skipping an out-of-memory batch, leaves a step of forward phases and no backward that trained
+    nothing): that call's error is the one the caller sees, so an end that fails on what the call left (a lazy
+    module's weights never made) is dropped, never raised in its place."""
+    probe.step.raised_calls += 1
     try:
         probe.end(module, used)
     except Exception:  # noqa: BLE001 - the forward's own error is being raised

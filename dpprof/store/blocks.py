@@ -3,7 +3,8 @@
 A block is ``Retention.block_steps`` consecutive steps. For each block the writer keeps:
 
 - ``step_blocks``: the steps' count, sum, min, max and a quantile sketch of their durations, the largest
-  batch and the most devices a step used;
+  batch and the most devices a step used, the steps a backward ran in with their samples, and the steps whose
+  forward raised and ran no backward;
 - ``phase_blocks``: per device and phase, the per-step sums (forward calls summed): steps, calls, sum, min,
   max, the CUDA event sum; and a ``work`` row per device, with a sketch (the pages show quantiles of the work
   alone) (DataParallel's apply, a rank's forward
@@ -38,7 +39,8 @@ __all__ = ["SETTLE_STEPS", "WORK", "WORK_PHASES", "TRAINING", "EVALUATION", "Agg
 
 SETTLE_STEPS = 8  # CUDA phase records arrive when their events complete: a step or two late, seldom more
 WORK = "work"  # the pseudo-phase of each device's own share of a step in phase_blocks
-# run_sketches' kinds of the steps a backward ran in and of the others (evaluation forwards): each kind's median
+# run_sketches' kinds of the steps a backward ran in and of the others (evaluation forwards), a step whose forward
+# raised and ran no backward being neither (dpprof.store.queries.raised_steps_of): each kind's median
 TRAINING, EVALUATION = "training", "evaluation"
 WORK_PHASES = ("apply", "forward", "backward_compute")  # summed per device and step: dpprof.store.model._work
 _NO_STEP = 2**62  # a _Stat's first step before its first value: above every step
@@ -51,7 +53,7 @@ class _Stat:
     """count, sum, min, max and a sketch of per-step values; the work row's imbalance sums."""
 
     __slots__ = ("first_step", "last_step", "steps", "calls", "sum", "min", "max", "device_sum", "sketch",
-                 "slowest", "wait_sum", "late", "batch", "devices_used", "trained", "trained_samples")
+                 "slowest", "wait_sum", "late", "batch", "devices_used", "trained", "trained_samples", "raised")
 
     def __init__(self, late: bool = False, sketched: bool = True) -> None:
         # set by the first add (statements writes a stat once it has one): bounds no step number reaches
@@ -69,6 +71,7 @@ class _Stat:
         self.batch: int | None = None  # step blocks: the largest batch and most devices used
         self.devices_used = 0
         self.trained = self.trained_samples = 0  # step blocks: the steps a backward ran in, and their batches
+        self.raised = 0  # step blocks: the steps whose forward raised and ran no backward
 
     def add(self, step: int, value: float, calls: int = 1, device_value: float | None = None,
             key: int | None = None) -> None:
@@ -122,10 +125,11 @@ class _Allocator:
 class _StepAcc:
     """What one step's records add up to, until the step settles."""
 
-    __slots__ = ("duration", "batch", "devices_used", "phases", "memory", "allocator")
+    __slots__ = ("duration", "batch", "devices_used", "raised", "phases", "memory", "allocator")
 
     def __init__(self) -> None:
         self.duration: float | None = None
+        self.raised = False  # a forward call of the step raised
         self.batch: int | None = None
         self.devices_used = 0
         self.phases: dict[tuple[str, str], list[Any]] = {}  # (phase, device) -> [ms, calls, device ms or None]
@@ -155,11 +159,12 @@ _STAT_MERGE = {"first_step": "MIN(first_step, excluded.first_step)", "last_step"
                "sketch": "sketch || excluded.sketch"}  # a sketch is a list of (bucket, count) pairs: concatenation merges
 _STEP_SQL = _upsert("step_blocks", ("block",), ("first_step", "last_step", "steps", "sum_ms", "min_ms", "max_ms",
                                                "batch_size", "devices_used", "sketch", "trained_steps",
-                                               "trained_samples"),
+                                               "trained_samples", "raised_steps"),
                     {**_STAT_MERGE, "batch_size": "MAX(batch_size, excluded.batch_size)",
                      "devices_used": "MAX(devices_used, excluded.devices_used)",
                      "trained_steps": _ADD.format(c="trained_steps"),
-                     "trained_samples": _ADD.format(c="trained_samples")})
+                     "trained_samples": _ADD.format(c="trained_samples"),
+                     "raised_steps": _ADD.format(c="raised_steps")})
 _PHASE_SQL = _upsert("phase_blocks", ("phase", "device", "block"), _STAT_COLUMNS, _STAT_MERGE)
 _PEAK_IS_NEW = "excluded.peak_held_bytes > peak_held_bytes"
 _MEMORY_COLUMNS = ("first_step", "last_step", "steps", "calls", "held_sum_bytes", "peak_step", "peak_held_bytes",
@@ -222,7 +227,8 @@ class Aggregator:
         self._alloc_peaks: dict[str, tuple[int, int]] = {}
         self._totals: dict[tuple[str, str], Sketch] = {}  # run_sketches: ("step", "") and ("work", device)
         self._totals_dirty = False
-        self._step_totals: dict[bool, tuple[dict[int, int], dict[int, int]]] = {}  # trained -> its kind's, every step's
+        # a step's kind (TRAINING, EVALUATION, None for a step whose forward raised) -> the sketches it adds to
+        self._step_totals: dict[str | None, tuple[dict[int, int], ...]] = {}
         self._evicted_to = 0  # chunks below this step have had their detail thinned
         self.detail_from = 0  # every step from here on still has all its detail
 
@@ -235,8 +241,9 @@ class Aggregator:
                 # start_ms, duration_ms, device_duration_ms); a collective's has no aggregate; a step's and a memory
                 # row's fields are read in place, as their records' are (_add_step, _add_memory)
                 if r[0] != PHASE_ROW:
-                    if r[0] == STEP_ROW:  # step, start_ms, duration_ms, batch_size, devices_used, ...
-                        self._add_step(r[1], r[3], r[4], r[5])
+                    if r[0] == STEP_ROW:  # step, start_ms, duration_ms, batch_size, devices_used, forward_calls,
+                        # explicit, raised_calls
+                        self._add_step(r[1], r[3], r[4], r[5], bool(r[8]))
                     elif r[0] == MEMORY_ROW:  # step, call, device, chunk_size, then MEMORY_BYTES' six in order
                         self._add_memory(r[1], r[3], r[4], r[5:11])
                     continue  # else COMM_ROW, the one row kind left
@@ -262,7 +269,7 @@ class Aggregator:
     def _add_other(self, r: Record) -> None:
         """A record other than a phase: a step's duration and batch, a device's memory, the allocator's counters."""
         if type(r) is StepRecord:
-            self._add_step(r.step, r.duration_ms, r.batch_size, r.devices_used)
+            self._add_step(r.step, r.duration_ms, r.batch_size, r.devices_used, bool(r.raised_calls))
         elif type(r) is DeviceMemoryRecord:
             self._add_memory(r.step, r.device, r.chunk_size, (r.input_bytes, r.output_bytes, r.activation_bytes,
                                                               r.gathered_bytes, r.param_bytes, r.buffer_bytes))
@@ -278,10 +285,11 @@ class Aggregator:
                 cell[2] = max(cell[2], held[1])
                 cell[3] = max(cell[3], held[2])
 
-    def _add_step(self, step: int, duration_ms: float, batch_size: int | None, devices_used: int) -> None:
-        """A step's record (or row): its duration, batch and devices."""
+    def _add_step(self, step: int, duration_ms: float, batch_size: int | None, devices_used: int,
+                  raised: bool) -> None:
+        """A step's record (or row): its duration, batch and devices, and whether a forward call of it raised."""
         acc = self._acc(step)
-        acc.duration, acc.batch, acc.devices_used = duration_ms, batch_size, devices_used
+        acc.duration, acc.batch, acc.devices_used, acc.raised = duration_ms, batch_size, devices_used, raised
         if step > self._newest:
             self._newest = step
             # settled as the steps come, not once a commit: a commit's hundreds of steps waiting together here
@@ -397,10 +405,16 @@ class Aggregator:
             if trained:
                 s.trained += 1
                 s.trained_samples += acc.batch or 0
-            totals = self._step_totals.get(trained)
+                kind: str | None = TRAINING
+            elif acc.raised:  # neither kind: it trained nothing, and was no evaluation (queries.raised_steps_of)
+                s.raised += 1
+                kind = None
+            else:
+                kind = EVALUATION
+            totals = self._step_totals.get(kind)
             if totals is None:  # kind_medians' sketch of the step's kind, and every step's
-                totals = self._step_totals[trained] = (self._total(TRAINING if trained else EVALUATION, "").counts,
-                                                       self._total("step", "").counts)
+                every = self._total("step", "").counts
+                totals = self._step_totals[kind] = (every,) if kind is None else (self._total(kind, "").counts, every)
             for counts in totals:
                 counts[duration_bucket] = counts.get(duration_bucket, 0) + 1
             self._totals_dirty = True
@@ -548,7 +562,7 @@ class Aggregator:
             s = self._steps[block]
             out.append((_STEP_SQL[s.late], (block, s.first_step, s.last_step, s.steps, s.sum, _finite(s.min),
                                             _finite(s.max), s.batch, s.devices_used, s.sketch_bytes(), s.trained,
-                                            s.trained_samples)))
+                                            s.trained_samples, s.raised)))
         for key, s in self._phases.items() if self._dirty_phases else ():
             if key[-1] not in self._dirty_phases:
                 continue

@@ -31,7 +31,8 @@ from dpprof.stepmodel import REST, partition, parts_for
 from dpprof.units import plural
 
 __all__ = ["MAX_POINTS", "WORK_SAMPLE_PER_DEVICE", "TIMELINE_MAX_STEPS", "GPU_METRICS", "bucket_width",
-           "stacked_phases", "step_parts", "run_stats", "batch_sizes", "Throughput", "training_steps_of", "throughput_of", "throughput", "median_step_ms", "kind_medians", "step_times", "phase_breakdown", "phase_totals",
+           "stacked_phases", "step_parts", "run_stats", "batch_sizes", "Throughput", "training_steps_of",
+           "raised_steps_of", "throughput_of", "throughput", "raised_steps", "median_step_ms", "kind_medians", "step_times", "phase_breakdown", "phase_totals",
            "work_samples", "work_stats", "memory_peaks", "chunk_counts", "gpu_series", "timeline",
            "GPU_TIME_PARTS", "gpu_time", "phase_means", "phase_overlaps", "outlier_steps", "detail_steps", "step_span", "sampled_comm_rows"]
 
@@ -151,6 +152,7 @@ class Throughput:
     steps: int
     span_ms: float
     evaluation_steps: int = 0  # steps past the first whose samples are left out: forwards alone (training_steps_of)
+    raised_steps: int = 0  # ... and steps past the first whose forward raised, left out as well (raised_steps_of)
 
     @property
     def samples_per_s(self) -> float:
@@ -160,9 +162,14 @@ class Throughput:
         """How the figure is made, for the words beside it."""
         evaluations = plural(self.evaluation_steps, "evaluation step")
         whose = "'s" if self.evaluation_steps == 1 else "'"  # "1 evaluation step's", "3 evaluation steps'"
-        which = (f"the {plural(self.steps - self.evaluation_steps, 'training step')} past the first (not the "
-                 f"{evaluations}{whose})" if self.evaluation_steps
-                 else f"the {plural(self.steps, 'step')} past the first")
+        left_out = [f"the {evaluations}{whose}"] if self.evaluation_steps else []
+        if self.raised_steps:
+            left_out.append(f"those of the {plural(self.raised_steps, 'step')} whose forward raised")
+        counted = self.steps - self.evaluation_steps - self.raised_steps
+        # "training steps" beside the evaluation steps left out; beside failed forwards alone, the steps counted may be
+        # an evaluation run's
+        which = (f"the {plural(counted, 'training step' if self.evaluation_steps else 'step')} past the first "
+                 f"(not {', nor '.join(left_out)})" if left_out else f"the {plural(self.steps, 'step')} past the first")
         return (f"{self.samples:,} samples of {which} in the {self.span_ms / 1e3:,.2f} s from the first step's end to "
                 "the last's, slow steps and the time between steps included")
 
@@ -175,7 +182,21 @@ def training_steps_of(backward_steps: Iterable[int], steps: Iterable[int]) -> se
     return trains & every if trains and not every <= trains else None
 
 
-def throughput_of(steps: pd.DataFrame, training: set[int] | None = None) -> Throughput | None:
+def raised_steps_of(steps: pd.DataFrame, backward_steps: Iterable[int]) -> set[int]:
+    """Of a run's ``steps`` (its steps table, every rank's rows), those whose forward raised (a call of it, on any
+    rank: the script caught the error and went on, an out-of-memory batch skipped) and that ran no backward (on any
+    rank: ``backward_steps``). Such a step trained nothing, and was no evaluation either: throughput counts neither its
+    samples nor it among the evaluation steps, kind_medians neither kind's median, the writer neither kind's sketch
+    (dpprof.store.blocks). A step that trained besides (a micro-batch of gradient accumulation skipped) is a training
+    step. None is told apart in a file written before the steps' raised_calls, nor in an imported trace."""
+    if "raised_calls" not in steps.columns:
+        return set()
+    raised = pd.to_numeric(steps["raised_calls"], errors="coerce").fillna(0) > 0
+    return {int(s) for s in steps.loc[raised, "step"]} - {int(s) for s in backward_steps}
+
+
+def throughput_of(steps: pd.DataFrame, training: set[int] | None = None,
+                  raised: set[int] | None = None) -> Throughput | None:
     """The run's samples a second, from its steps table (every rank's rows: step, start_ms, duration_ms, batch_size):
     the one definition the Overview, ``dpprof show``, the Compare page and the between_steps finding share.
 
@@ -184,8 +205,9 @@ def throughput_of(steps: pd.DataFrame, training: set[int] | None = None) -> Thro
     that stalls every k steps, an evaluation, a loader's fetch between steps all count, as the user pays them; the
     first step's one-time costs are left out, as the findings leave them. Where ``training`` names the steps that
     trained (training_steps_of: the run mixes them with evaluation steps) only their samples count, the evaluation
-    steps' time still in the span. None without two steps, with a step of no recorded batch (an imported trace's), or
-    with no time between the first step's end and the last's."""
+    steps' time still in the span; the samples of the ``raised`` steps (raised_steps_of) never count, their time in
+    the span too. None without two steps, with a step of no recorded batch (an imported trace's), or with no time
+    between the first step's end and the last's."""
     if steps.empty or not {"step", "start_ms", "duration_ms", "batch_size"} <= set(steps.columns):
         return None
     ends = (steps["start_ms"].astype(float) + steps["duration_ms"].astype(float)).groupby(steps["step"]).max() \
@@ -197,53 +219,98 @@ def throughput_of(steps: pd.DataFrame, training: set[int] | None = None) -> Thro
     span_ms = float(ends.iloc[-1] - ends.iloc[0])
     if batch.isna().any() or not span_ms > 0:
         return None
-    evaluation = ~batch.index.isin(list(training)) if training is not None else np.zeros(len(batch), dtype=bool)
-    return Throughput(samples=int(batch[~evaluation].sum()), steps=len(batch), span_ms=span_ms,
-                      evaluation_steps=int(evaluation.sum()))
+    failed = batch.index.isin(list(raised or ()))
+    evaluation = ~batch.index.isin(list(training)) & ~failed if training is not None else np.zeros(len(batch), bool)
+    return Throughput(samples=int(batch[~evaluation & ~failed].sum()), steps=len(batch), span_ms=span_ms,
+                      evaluation_steps=int(evaluation.sum()), raised_steps=int(failed.sum()))
 
 
 _TRAINS = "EXISTS (SELECT 1 FROM phases p WHERE p.step = s.step AND p.phase = 'backward')"  # the step s trained
+_RAISED_CALLS = "COALESCE(s.raised_calls, 0) > 0"  # a forward call of the step s raised
 
 
-def _trained_of_blocks(run: StoredRun) -> tuple[int, int, int, int] | None:
-    """A long run's (samples of its training steps past the first, training steps past the first, steps past the
-    first, 1 where the first step trained else 0) read from its step blocks' trained_steps and trained_samples
-    (dpprof.store.blocks), where its detail no longer tells every step's kind: the steps past the last block (a run
-    killed while recording) and whether the first step trained are read from their phases, which the retention
-    keeps. None for a file written before those columns."""
-    if "trained_steps" not in set(run.query("SELECT name FROM pragma_table_info('step_blocks')")["name"]):
+def _columns(run: StoredRun, table: str) -> set[str]:
+    """The columns of ``table`` in every file of the run (one added to the schema since a file was written is not)."""
+    names = run.query(f"SELECT name FROM pragma_table_info('{table}')")["name"].value_counts()
+    return set(names[names == run.ranks].index)
+
+
+def _raised_sql(run: StoredRun) -> str:
+    """SQL true where the step s is raised_steps_of's (its forward raised, it ran no backward), told from its phases;
+    false throughout a file written before the steps' raised_calls."""
+    return f"({_RAISED_CALLS} AND NOT {_TRAINS})" if "raised_calls" in _columns(run, "steps") else "0"
+
+
+@dataclass(frozen=True)
+class _BlockKinds:
+    """A long run's steps by kind, read from its step blocks (dpprof.store.blocks) where its detail no longer tells
+    every step's kind."""
+
+    later: int  # steps past the first
+    trained: int  # steps past the first a backward ran in
+    trained_samples: int  # their samples
+    raised: int  # steps past the first whose forward raised and ran no backward (raised_steps_of)
+    first_trained: bool
+    first_raised: bool
+
+    @property
+    def mixed(self) -> bool:
+        """training_steps_of's rule, over every step: some trained and some did not."""
+        return 0 < self.trained + self.first_trained < self.later + 1
+
+
+def _kinds_of_blocks(run: StoredRun) -> _BlockKinds | None:
+    """A long run's steps by kind from its step blocks' trained_steps, trained_samples and raised_steps (0 in a file
+    written before the last: none told apart there); the steps past the last block (a run killed while recording) and
+    the first step's kind are read from their phases, which the retention keeps. None for a file written before the
+    first two."""
+    blocks = _columns(run, "step_blocks")
+    if "trained_steps" not in blocks:
         return None
+    raised = "COALESCE(SUM(raised_steps), 0)" if "raised_steps" in blocks else "0"
+    failed = _raised_sql(run)
     row = run.query(
-        "WITH b AS (SELECT COALESCE(SUM(steps), 0) AS steps, COALESCE(SUM(trained_steps), 0) AS trained, "
-        "COALESCE(SUM(trained_samples), 0) AS samples, MAX(last_step) AS last FROM step_blocks), "
+        f"WITH b AS (SELECT COALESCE(SUM(steps), 0) AS steps, COALESCE(SUM(trained_steps), 0) AS trained, "
+        f"COALESCE(SUM(trained_samples), 0) AS samples, {raised} AS raised, MAX(last_step) AS last FROM step_blocks), "
         f"t AS (SELECT COUNT(*) AS steps, COALESCE(SUM({_TRAINS}), 0) AS trained, "
-        f"COALESCE(SUM(CASE WHEN {_TRAINS} THEN COALESCE(batch_size, 0) END), 0) AS samples "
-        "FROM steps s WHERE s.step > COALESCE((SELECT last FROM b), -1)), "
+        f"COALESCE(SUM(CASE WHEN {_TRAINS} THEN COALESCE(batch_size, 0) END), 0) AS samples, "
+        f"COALESCE(SUM({failed}), 0) AS raised FROM steps s WHERE s.step > COALESCE((SELECT last FROM b), -1)), "
         f"f AS (SELECT COALESCE(MAX({_TRAINS}), 0) AS trained, COALESCE(MAX(CASE WHEN {_TRAINS} THEN batch_size END), "
-        "0) AS samples FROM steps s WHERE s.step = (SELECT MIN(step) FROM steps)) "
+        f"0) AS samples, COALESCE(MAX({failed}), 0) AS raised FROM steps s "
+        "WHERE s.step = (SELECT MIN(step) FROM steps)) "
         "SELECT b.steps + t.steps - 1 AS later, b.trained + t.trained - f.trained AS trained, "
-        "b.samples + t.samples - f.samples AS samples, f.trained AS first FROM b, t, f").iloc[0]
-    return int(row["samples"]), int(row["trained"]), int(row["later"]), int(row["first"])
+        "b.samples + t.samples - f.samples AS samples, b.raised + t.raised - f.raised AS raised, f.trained AS first, "
+        "f.raised AS first_raised FROM b, t, f").iloc[0]
+    return _BlockKinds(later=int(row["later"]), trained=int(row["trained"]), trained_samples=int(row["samples"]),
+                       raised=int(row["raised"]), first_trained=bool(row["first"]),
+                       first_raised=bool(row["first_raised"]))
 
 
 def throughput(run: StoredRun) -> Throughput | None:
     """throughput_of the run's steps table (whole in every run file, a long run's too: dpprof.store.retention), its
-    evaluation steps' samples left out where the run mixes them with training steps: told from its phases where they
-    are whole, else (a long or thinned run of one file) from its step blocks' counts of the steps that trained (a
-    distributed run's, or a file written before those counts: every step's samples count there). A run of one file
-    is added up in SQLite, to the same figure: a 300,000-step run's rows took 1.5 s to come to pandas."""
+    evaluation steps' samples left out where the run mixes them with training steps, and those of the steps whose
+    forward raised (raised_steps_of) always: told from its phases where they are whole, else (a long or thinned run
+    of one file) from its step blocks' counts of the steps that trained and that raised (a distributed run's, or a
+    file written before those counts: every step's samples count there). A run of one file is added up in SQLite, to
+    the same figure: a 300,000-step run's rows took 1.5 s to come to pandas."""
     whole = not run.model.aggregated and run.model.kind != "empty"
     if run.ranks > 1:  # rank files are separate databases: the rows come to pandas (a step's end is its last rank's)
-        steps = run.query("SELECT step, start_ms, duration_ms, batch_size FROM steps")
-        backward = run.query("SELECT DISTINCT step FROM phases WHERE phase = 'backward'")["step"] if whole else ()
-        return throughput_of(steps, training_steps_of(backward, steps["step"]) if whole else None)
-    trains = _TRAINS
+        raised_calls = ", raised_calls" if "raised_calls" in _columns(run, "steps") else ""
+        steps = run.query(f"SELECT step, start_ms, duration_ms, batch_size{raised_calls} FROM steps")
+        if not whole:
+            return throughput_of(steps)
+        backward = run.query("SELECT DISTINCT step FROM phases WHERE phase = 'backward'")["step"]
+        return throughput_of(steps, training_steps_of(backward, steps["step"]), raised_steps_of(steps, backward))
+    trains, failed = _TRAINS, _raised_sql(run)
+    mixed = False
     if whole:  # training_steps_of's rule: the backward's steps count where the run mixes them with others
         kinds = run.query(f"SELECT COUNT(DISTINCT step) AS steps, COUNT(DISTINCT CASE WHEN {trains} THEN step END) "
                           "AS trains FROM steps s").iloc[0]
-        whole = 0 < int(kinds["trains"]) < int(kinds["steps"])
-    blocks = _trained_of_blocks(run) if run.model.aggregated and run.model.kind != "empty" else None
-    counted = trains if whole else "1"
+        mixed = 0 < int(kinds["trains"]) < int(kinds["steps"])
+    blocks = _kinds_of_blocks(run) if run.model.aggregated and run.model.kind != "empty" else None
+    if blocks is not None and blocks.trained + blocks.first_trained == blocks.later + 1:
+        failed = "0"  # every step trained, the phases thinned away or not: none is raised_steps_of's
+    counted = trains if mixed else f"NOT {failed}"
     row = run.query(
         "WITH f AS (SELECT MIN(step) AS a, MAX(step) AS b FROM steps) SELECT "
         "(SELECT MAX(start_ms + duration_ms) FROM steps, f WHERE step = f.a) AS first_end, "
@@ -251,18 +318,37 @@ def throughput(run: StoredRun) -> Throughput | None:
         "(SELECT COUNT(DISTINCT step) FROM steps, f WHERE step > f.a) AS later, "
         "(SELECT COUNT(*) FROM steps, f WHERE step > f.a AND batch_size IS NULL) AS unknown, "
         f"(SELECT SUM(batch_size) FROM steps s, f WHERE s.step > f.a AND {counted}) AS samples, "
-        f"(SELECT COUNT(DISTINCT s.step) FROM steps s, f WHERE s.step > f.a AND NOT {counted}) AS evaluation").iloc[0]
+        f"(SELECT COUNT(DISTINCT s.step) FROM steps s, f WHERE s.step > f.a AND NOT {counted} AND NOT {failed}) "
+        "AS evaluation, "
+        f"(SELECT COUNT(DISTINCT s.step) FROM steps s, f WHERE s.step > f.a AND {failed}) AS raised").iloc[0]
     if pd.isna(row["first_end"]) or pd.isna(row["last_end"]) or not int(row["later"]) or int(row["unknown"]):
         return None
     span_ms = float(row["last_end"]) - float(row["first_end"])
     if not span_ms > 0:
         return None
     samples, evaluation = int(row["samples"]) if pd.notna(row["samples"]) else 0, int(row["evaluation"])
-    if blocks is not None:
-        trained_samples, trained, later, first = blocks
-        if 0 < trained + first < later + 1:  # training_steps_of's rule, over every step
-            samples, evaluation = trained_samples, later - trained
-    return Throughput(samples=samples, steps=int(row["later"]), span_ms=span_ms, evaluation_steps=evaluation)
+    raised = int(row["raised"])
+    if blocks is not None and blocks.mixed:
+        samples, raised = blocks.trained_samples, blocks.raised
+        evaluation = blocks.later - blocks.trained - raised
+    return Throughput(samples=samples, steps=int(row["later"]), span_ms=span_ms, evaluation_steps=evaluation,
+                      raised_steps=raised)
+
+
+def raised_steps(run: StoredRun) -> int:
+    """How many of the run's steps raised_steps_of counts (a forward raised, no backward ran): told from the phases
+    where they are whole, else from the step blocks (0 in a file written before either counted them)."""
+    if run.model.kind == "empty":
+        return 0
+    if run.model.aggregated:
+        blocks = _kinds_of_blocks(run)
+        return blocks.raised + blocks.first_raised if blocks is not None else 0
+    if run.ranks > 1:  # rank files are separate databases: a step raised on one rank may have trained on another
+        if "raised_calls" not in _columns(run, "steps"):
+            return 0
+        backward = run.query("SELECT DISTINCT step FROM phases WHERE phase = 'backward'")["step"]
+        return len(raised_steps_of(run.query("SELECT step, raised_calls FROM steps"), backward))
+    return int(run.query(f"SELECT COUNT(*) AS n FROM steps s WHERE {_raised_sql(run)}")["n"].iloc[0])
 
 
 def median_step_ms(run: StoredRun) -> float | None:
@@ -285,7 +371,8 @@ def median_step_ms(run: StoredRun) -> float | None:
 def kind_medians(run: StoredRun) -> dict[str, float] | None:
     """Where a run mixes training steps (a backward ran) and evaluation steps (none: forwards under no_grad between
     them), the median step of each kind as median_step_ms takes it, every rank's rows, a rank's step training where
-    that rank recorded a backward in it: {"training": ms, "evaluation": ms}. The header's median of every step is
+    that rank recorded a backward in it, a step whose forward raised there and that ran no backward (raised_steps_of)
+    of neither kind: {"training": ms, "evaluation": ms}. The header's median of every step is
     then one kind's, an evaluation step's where they are the more. A long or thinned run's (its phases not whole)
     come from the sketches of each kind the writer kept, within 1% as median_step_ms's (none in a file written
     before them). None where the steps are all of one kind."""
@@ -299,8 +386,7 @@ def kind_medians(run: StoredRun) -> dict[str, float] | None:
         if any(pd.isna(v) for v in medians.values()):
             return None
         return {kind: float(v) for kind, v in medians.items()}
-    rows = run.query("SELECT s.duration_ms, EXISTS (SELECT 1 FROM phases p WHERE p.step = s.step "
-                     "AND p.phase = 'backward') AS trains FROM steps s")
+    rows = run.query(f"SELECT s.duration_ms, {_TRAINS} AS trains FROM steps s WHERE NOT {_raised_sql(run)}")
     if rows.empty or rows["trains"].all() or not rows["trains"].any():
         return None
     trains = rows["trains"].astype(bool)

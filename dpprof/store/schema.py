@@ -94,8 +94,11 @@ AGGREGATE_TABLES: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     # trained_steps: the block's steps a backward ran in (a phase "backward" on any device), trained_samples their
     # batches: the run's samples/s counts those alone where it mixes them with evaluation steps (queries.throughput)
     # after the detail that tells them apart is thinned. A file written before them has neither column.
+    # raised_steps: the block's steps whose forward raised and ran no backward (queries.raised_steps_of), neither
+    # training nor evaluation steps; a file written before it has no such column (and no such step told apart).
     "step_blocks": ({"block": "INTEGER", **_STAT, **_MS, "batch_size": "INTEGER", "devices_used": "INTEGER",
-                     "sketch": "BLOB", "trained_steps": "INTEGER", "trained_samples": "INTEGER"}, ("block",)),
+                     "sketch": "BLOB", "trained_steps": "INTEGER", "trained_samples": "INTEGER",
+                     "raised_steps": "INTEGER"}, ("block",)),
     # per-step sums of each phase on each device (forward calls summed); phase "work" is each device's own share
     "phase_blocks": ({"phase": "TEXT", "device": "TEXT", "block": "INTEGER", **_STAT, "calls": "INTEGER", **_MS,
                       "device_sum_ms": "REAL", "slowest_steps": "INTEGER", "wait_sum_ms": "REAL", "sketch": "BLOB"},

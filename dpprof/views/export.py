@@ -48,7 +48,7 @@ PROCESS_DESCRIPTIONS = {
 # quantile sketch is exported as the block's p50 and p95.
 AGGREGATE_DESCRIPTIONS = {
     "step_blocks": ("per block of steps: count, sum, min, max, p50 and p95 of the step time; the steps a backward ran "
-                    "in and their samples"),
+                    "in and their samples; the steps whose forward raised and ran no backward"),
     "phase_blocks": ("per block, device and phase: the per-step sums' count, sum, min and max; the work rows also "
                      "p50, p95, how often the device was the slowest and how long the others waited for it"),
     "memory_blocks": "per block and device: the mean held, the peak step and what was held then",
