@@ -21,6 +21,7 @@ from dpprof.cli import main
 from dpprof.findings import run_findings
 from dpprof.findings.ddp import bucket_counts
 from dpprof.findings.steps import REST_SHARE_WARN
+from dpprof.store import queries
 from dpprof.store.reader import RUN_SUFFIX, RunFileError
 
 pytestmark = pytest.mark.slow
@@ -562,3 +563,27 @@ def test_a_hook_torchs_constructor_registers_is_the_scripts_not_replaced_by_dppr
 
     with _gloo_world_of_one(tmp_path):
         assert train(recorded=True) == train(recorded=False)
+
+
+def test_a_ddp_runs_samples_per_s_leaves_its_evaluation_steps_out_from_its_rows_and_its_aggregates():
+    """A DDP script (dpprof run under torchrun, 2 ranks) that evaluates a batch of 64 under no_grad on every rank after
+    every third training step of 32: read from its rows, samples/s counted the training steps' samples alone; read
+    from its aggregates (a long run's way), every step's, the evaluations' too, as trained. The ranks' step blocks
+    count the steps a backward ran in and their samples, and DDP's all-reduce has every rank backward in the same
+    steps: both reads now give what the script trained, 8 training steps past the first on 2 ranks of 32."""
+    out = forked.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                      "dpprof", "run", str(Path(__file__).parent / "scripts" / "train_ddp.py"), "--steps", "9",
+                      "--evaluate-every", "3"], capture_output=True, text=True, timeout=180,
+                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run_id = dpprof.list_runs().loc[0, "id"]
+    rows, aggregates = dpprof.load_run(run_id, read="rows"), dpprof.load_run(run_id, read="aggregates")
+    assert rows.ranks == 2 and not rows.model.aggregated and aggregates.model.aggregated
+    kinds = "TTTE" * 3  # the script's own account of its steps
+    steps = rows.steps.sort_values(["rank", "step"])
+    assert steps["batch_size"].tolist() == [64 if k == "E" else 32 for k in kinds] * 2
+    ends = (steps["start_ms"] + steps["duration_ms"]).groupby(steps["step"]).max()
+    for run in (rows, aggregates):
+        rate = queries.throughput(run)
+        assert rate is not None and (rate.samples, rate.evaluation_steps) == (2 * 32 * 8, 3), run.model.aggregated
+        assert rate.samples_per_s == pytest.approx(2 * 32 * 8 / (ends.iloc[-1] - ends.iloc[0]) * 1e3, rel=1e-9)

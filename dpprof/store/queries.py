@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -244,7 +244,7 @@ def _raised_sql(run: StoredRun) -> str:
 @dataclass(frozen=True)
 class _BlockKinds:
     """A long run's steps by kind, read from its step blocks (dpprof.store.blocks) where its detail no longer tells
-    every step's kind."""
+    every step's kind; a distributed run's samples are its ranks' summed."""
 
     later: int  # steps past the first
     trained: int  # steps past the first a backward ran in
@@ -263,13 +263,19 @@ def _kinds_of_blocks(run: StoredRun) -> _BlockKinds | None:
     """A long run's steps by kind from its step blocks' trained_steps, trained_samples and raised_steps (0 in a file
     written before the last: none told apart there); the steps past the last block (a run killed while recording) and
     the first step's kind are read from their phases, which the retention keeps. None for a file written before the
-    first two."""
+    first two.
+
+    A distributed run's ranks each count their own steps (a separate file each), and the blocks do not say which
+    steps: a step a backward ran in on one rank and not on another would be a training step of the run (on any rank,
+    training_steps_of) that the counts cannot place. DDP's gradient all-reduce has every rank backward in the same
+    steps (an FSDP rank's reduce-scatter too), so the ranks' counts agree, and each rank's kinds are the run's, its
+    training samples the ranks' sum. Ranks whose counts differ give None: the run's kinds are not known."""
     blocks = _columns(run, "step_blocks")
     if "trained_steps" not in blocks:
         return None
     raised = "COALESCE(SUM(raised_steps), 0)" if "raised_steps" in blocks else "0"
     failed = _raised_sql(run)
-    row = run.query(
+    rows = run.query(
         f"WITH b AS (SELECT COALESCE(SUM(steps), 0) AS steps, COALESCE(SUM(trained_steps), 0) AS trained, "
         f"COALESCE(SUM(trained_samples), 0) AS samples, {raised} AS raised, MAX(last_step) AS last FROM step_blocks), "
         f"t AS (SELECT COUNT(*) AS steps, COALESCE(SUM({_TRAINS}), 0) AS trained, "
@@ -280,8 +286,12 @@ def _kinds_of_blocks(run: StoredRun) -> _BlockKinds | None:
         "WHERE s.step = (SELECT MIN(step) FROM steps)) "
         "SELECT b.steps + t.steps - 1 AS later, b.trained + t.trained - f.trained AS trained, "
         "b.samples + t.samples - f.samples AS samples, b.raised + t.raised - f.raised AS raised, f.trained AS first, "
-        "f.raised AS first_raised FROM b, t, f").iloc[0]
-    return _BlockKinds(later=int(row["later"]), trained=int(row["trained"]), trained_samples=int(row["samples"]),
+        "f.raised AS first_raised FROM b, t, f")
+    kinds = rows[["later", "trained", "raised", "first", "first_raised"]].drop_duplicates()
+    if len(kinds) != 1:
+        return None
+    row = rows.iloc[0]
+    return _BlockKinds(later=int(row["later"]), trained=int(row["trained"]), trained_samples=int(rows["samples"].sum()),
                        raised=int(row["raised"]), first_trained=bool(row["first"]),
                        first_raised=bool(row["first_raised"]))
 
@@ -289,25 +299,32 @@ def _kinds_of_blocks(run: StoredRun) -> _BlockKinds | None:
 def throughput(run: StoredRun) -> Throughput | None:
     """throughput_of the run's steps table (whole in every run file, a long run's too: dpprof.store.retention), its
     evaluation steps' samples left out where the run mixes them with training steps, and those of the steps whose
-    forward raised (raised_steps_of) always: told from its phases where they are whole, else (a long or thinned run
-    of one file) from its step blocks' counts of the steps that trained and that raised (a distributed run's, or a
-    file written before those counts: every step's samples count there). A run of one file is added up in SQLite, to
-    the same figure: a 300,000-step run's rows took 1.5 s to come to pandas."""
+    forward raised (raised_steps_of) always: told from its phases where they are whole, else (a long or thinned run)
+    from its step blocks' counts of the steps that trained and that raised (a file written before those counts, or a
+    distributed run whose ranks' counts differ: every step's samples count there). A run of one file is added up in
+    SQLite, to the same figure: a 300,000-step run's rows took 1.5 s to come to pandas."""
     whole = not run.model.aggregated and run.model.kind != "empty"
+    blocks = _kinds_of_blocks(run) if run.model.aggregated and run.model.kind != "empty" else None
     if run.ranks > 1:  # rank files are separate databases: the rows come to pandas (a step's end is its last rank's)
         raised_calls = ", raised_calls" if "raised_calls" in _columns(run, "steps") else ""
         steps = run.query(f"SELECT step, start_ms, duration_ms, batch_size{raised_calls} FROM steps")
-        if not whole:
-            return throughput_of(steps)
-        backward = run.query("SELECT DISTINCT step FROM phases WHERE phase = 'backward'")["step"]
-        return throughput_of(steps, training_steps_of(backward, steps["step"]), raised_steps_of(steps, backward))
+        if whole:
+            backward = run.query("SELECT DISTINCT step FROM phases WHERE phase = 'backward'")["step"]
+            return throughput_of(steps, training_steps_of(backward, steps["step"]), raised_steps_of(steps, backward))
+        if blocks is None or not blocks.mixed:  # one kind: a step that raised where none trained is raised_steps_of's
+            untrained = blocks is not None and not blocks.trained + blocks.first_trained
+            return throughput_of(steps, raised=raised_steps_of(steps, ()) if untrained else None)
+        rate = throughput_of(steps)  # the span and the steps: the kinds and their samples are the blocks'
+        if rate is None:
+            return None
+        return replace(rate, samples=blocks.trained_samples, raised_steps=blocks.raised,
+                       evaluation_steps=blocks.later - blocks.trained - blocks.raised)
     trains, failed = _TRAINS, _raised_sql(run)
     mixed = False
     if whole:  # training_steps_of's rule: the backward's steps count where the run mixes them with others
         kinds = run.query(f"SELECT COUNT(DISTINCT step) AS steps, COUNT(DISTINCT CASE WHEN {trains} THEN step END) "
                           "AS trains FROM steps s").iloc[0]
         mixed = 0 < int(kinds["trains"]) < int(kinds["steps"])
-    blocks = _kinds_of_blocks(run) if run.model.aggregated and run.model.kind != "empty" else None
     if blocks is not None and blocks.trained + blocks.first_trained == blocks.later + 1:
         failed = "0"  # every step trained, the phases thinned away or not: none is raised_steps_of's
     counted = trains if mixed else f"NOT {failed}"
@@ -337,7 +354,8 @@ def throughput(run: StoredRun) -> Throughput | None:
 
 def raised_steps(run: StoredRun) -> int:
     """How many of the run's steps raised_steps_of counts (a forward raised, no backward ran): told from the phases
-    where they are whole, else from the step blocks (0 in a file written before either counted them)."""
+    where they are whole, else from the step blocks (0 in a file written before either counted them, and in a
+    distributed run whose ranks' counts differ: _kinds_of_blocks)."""
     if run.model.kind == "empty":
         return 0
     if run.model.aggregated:

@@ -10,6 +10,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--raise-at", default=None, help="RANK:STEP: that rank raises a ValueError before that step")
+parser.add_argument("--evaluate-every", type=int, default=0,
+                    help="N: after every Nth training step, every rank evaluates a batch of 64 under no_grad")
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -29,6 +31,9 @@ for step in range(args.steps):
     optimizer.step()
     if rank == 0:
         print(f"step {step} loss {loss.item():.6f}", flush=True)
+    if args.evaluate_every and step % args.evaluate_every == args.evaluate_every - 1:
+        with torch.no_grad():
+            model(torch.randn(64, 20, generator=batches))
 # The gloo objects these globals hold (DDP's reducer, FSDP's state) abort the process now and then when the
 # interpreter frees them at its exit ("terminate called without an active exception"; pytorch/pytorch#179291):
 # 3 of 20 runs of this script ended so, none of 20 with these lines. Freed here, while the interpreter is whole.
