@@ -410,7 +410,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             self.__dict__["_dpprof_hooked"] = _DEFAULT
         _install_optimizer_hooks()
         if not run.records_comms:
-            script_comms.install()
+            script_comms.install(run)
             run.records_comms = True
         previous: _RankProbe | None = self.__dict__["_dpprof_previous"]
         if previous is not None and previous.run is not run:

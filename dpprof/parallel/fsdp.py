@@ -129,7 +129,7 @@ class _StepProbe:
         elif self.step.calls == 1:  # the first step: what the script called before it is in no step
             script_comms.settle(run, self.step, self.step.start_ns)
         if not run.records_comms:
-            script_comms.install()
+            script_comms.install(run)
             run.records_comms = True
 
     def event(self) -> torch.cuda.Event | None:

@@ -19,14 +19,19 @@ starts (``settle``); one before the first step or after the last is in no step, 
 
 The collectives are wrapped once a process: by ``dpprof run`` (dpprof.instrument) before the script starts, so a
 name the script binds itself (``from torch.distributed import all_reduce``) is the timed one, and else at the first
-recorded DDP or FSDP forward (a ``dpprof.record`` block: a name bound before that is torch's own, untimed).
+recorded DDP or FSDP forward (a ``dpprof.record`` block). A name bound before that holds torch's own function: the
+names modules hold (the script's ``from torch.distributed import all_reduce`` at its top) are bound to the timed
+collectives then (``_rebind``); a function's local name, which cannot be, stays torch's, untimed, and the run's notes
+say so. One held elsewhere (an attribute, a closure, a default argument) is neither timed nor said.
 """
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
 import time
+import types
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -63,6 +68,11 @@ def _label() -> str:
     return label
 
 
+def _is_framework(module: str) -> bool:
+    """Whether the module named ``module`` is torch's or dpprof's (its calls are not the script's)."""
+    return module.split(".", 1)[0] in ("torch", "dpprof")
+
+
 def _from_script(frame: Any) -> bool:
     """Whether the call whose wrapper's caller is ``frame`` was made by the script: the first frame that is no
     wrapper of a collective (dpprof's byte counting wraps them too) is not torch's nor dpprof's."""
@@ -70,9 +80,7 @@ def _from_script(frame: Any) -> bool:
         frame = frame.f_back
     if frame is None:
         return False
-    module = frame.f_globals.get("__name__") or ""
-    top = module.split(".", 1)[0]
-    return top not in ("torch", "dpprof")
+    return not _is_framework(frame.f_globals.get("__name__") or "")
 
 
 def _bytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
@@ -186,16 +194,57 @@ def _timed(collective: Callable[..., Any], word: str) -> Callable[..., Any]:
     return script_collective
 
 
-def install() -> None:
+def install(run: Run | None = None) -> None:
     """Time the script's own calls of torch.distributed's collectives (once a process; every later call passes
-    through when no run records DDP or FSDP)."""
+    through when no run records DDP or FSDP). ``run``: the run recording now, where the script may have bound names to
+    torch's collectives already (``_rebind``)."""
     if not dist.is_available():
         return
+    timed: dict[int, tuple[Any, Any]] = {}  # id of torch's function -> (it, its timed wrapper)
     with _lock:
         for name, word in COLLECTIVE_WORDS.items():
             collective = getattr(dist, name, None)
             if collective is not None and not getattr(collective, "_dpprof_script", False):
-                setattr(dist, name, _timed(collective, word))
+                wrapper = _timed(collective, word)
+                setattr(dist, name, wrapper)
+                own = collective
+                # the function under DDP's byte counting (dpprof.parallel.distributed), which wrapped it first: the
+                # one the script holds
+                while getattr(own, "_dpprof_counting", False):
+                    own = own.__wrapped__
+                timed[id(own)] = (own, wrapper)
+    if timed and run is not None:
+        _rebind(run, timed, sys._getframe(1))
+
+
+def _rebind(run: Run, timed: dict[int, tuple[Any, Any]], frame: Any) -> None:
+    """Bind ``timed``'s wrappers in place of torch's functions to the names modules other than torch's and dpprof's
+    hold (the script's ``from torch.distributed import all_reduce``, bound before install: a global, looked up at each
+    call); note each local name of a function on the stack from ``frame`` up that holds one, which cannot be rebound.
+    Once a process, at the first recorded DDP or FSDP forward: some 20 ms over a thousand modules."""
+    for module in list(sys.modules.values()):
+        if not isinstance(module, types.ModuleType):
+            continue
+        # not module.__dict__: a lazily loaded module (importlib.util.LazyLoader) would be loaded by the look
+        namespace = object.__getattribute__(module, "__dict__")
+        if _is_framework(str(namespace.get("__name__") or "")):
+            continue
+        for key, value in list(namespace.items()):
+            found = timed.get(id(value))
+            if found is not None and found[0] is value:
+                namespace[key] = found[1]
+    while frame is not None:
+        code = frame.f_code
+        if frame.f_locals is not frame.f_globals and not _is_framework(frame.f_globals.get("__name__") or ""):
+            for key, value in frame.f_locals.items():
+                found = timed.get(id(value))
+                if found is not None and found[0] is value:
+                    name = value.__name__
+                    run.note("dpprof", f"the script's {key} in {code.co_name}() ({os.path.basename(code.co_filename)}) "
+                             f"is torch.distributed's {name}, bound before the first recorded forward to a local name "
+                             f"dpprof cannot rebind: its calls are not timed (call torch.distributed.{name} there, or "
+                             "record with dpprof run, which times it from the start)", tell=False)
+        frame = frame.f_back
 
 
 def skip_wrapper(code: Any) -> None:
