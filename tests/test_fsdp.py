@@ -415,3 +415,36 @@ def test_fsdp1_no_shard_records_its_gradient_all_reduce_as_ddp_does(tmp_path):
         spans = backward[(backward["rank"] == row.rank) & (backward["step"] == row.step)]
         assert ((spans["start_ms"] <= row.start_ms + 1e-6) & (row.end <= spans["end"] + 1e-6)).any(), row
     assert_parts_partition_the_steps(run)
+
+
+def test_fsdp1_layers_recomputed_in_backward_by_activation_checkpointing_are_no_forward_of_the_step(tmp_path):
+    """The root's forward runs each FSDP layer under torch.utils.checkpoint, so backward calls the layers' FSDP forward
+    again to recompute them. Each recomputation was read as a root forward of the step: 4 forward calls and batch 64 a
+    step for 16 samples, no backward part at all, and the recomputations' all-gathers between "data" parts. A
+    non-root FSDP module's forward is now no step's forward: one forward and one backward a step, the gathers inside
+    them, the weights bit-identical."""
+    weights = {"plain": tmp_path / "plain.pt", "recorded": tmp_path / "recorded.pt"}
+    _torchrun([SCRIPT1], {"FSDP_CHECKPOINT": "1", "FSDP_OUT": str(weights["plain"]),
+                          "DPPROF_REPORTS": str(tmp_path / "unused")})
+    _torchrun(["-m", "dpprof", "run", SCRIPT1], {"FSDP_CHECKPOINT": "1", "FSDP_OUT": str(weights["recorded"]),
+                                                 "DPPROF_REPORTS": str(tmp_path / "runs")})
+    plain, recorded = (torch.load(weights[k]) for k in ("plain", "recorded"))
+    assert plain.keys() == recorded.keys() and all(torch.equal(plain[k], recorded[k]) for k in plain)
+    listed = dpprof.list_runs(tmp_path / "runs")
+    run = dpprof.load_run(listed.loc[0, "id"], tmp_path / "runs")
+    assert run.steps.groupby("rank")["step"].apply(list).to_dict() == {r: list(range(STEPS)) for r in range(WORLD)}
+    assert run.steps["forward_calls"].tolist() == [1] * WORLD * STEPS
+    assert run.steps["batch_size"].tolist() == [16] * WORLD * STEPS  # the script's batch a rank
+    per = run.phases.groupby(["rank", "step", "phase"]).size().unstack(fill_value=0)
+    assert (per["forward"] == 1).all() and (per["backward"] == 1).all()
+    assert (per.get("data", 0) <= 1).all()
+    p = run.phases.assign(end=run.phases["start_ms"] + run.phases["duration_ms"])
+    outer = p[p["phase"].isin(["forward", "backward"])]
+    waits = p[p["phase"].isin(["all_gather_wait", "reduce_scatter_wait"])]
+    for row in waits.itertuples():
+        spans = outer[(outer["rank"] == row.rank) & (outer["step"] == row.step)]
+        assert ((spans["start_ms"] <= row.start_ms + 1e-6) & (row.end <= spans["end"] + 1e-6)).any(), row
+    gathers = fsdp_collective_table(run).set_index(["device", "collective"])
+    for rank in range(WORLD):  # FULL_SHARD: the layers gathered again in backward, for their recomputation
+        assert gathers.loc[(f"rank:{rank}", "all-gather"), "in_backward_per_step"] >= 3
+    assert_parts_partition_the_steps(run)

@@ -499,7 +499,9 @@ def _wrap_fsdp1_forward(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         run = current_run()
-        if run is None or _fsdp1["in_forward"]:  # not recording, or an inner FSDP module inside the root's forward
+        # not recording; an inner FSDP module inside the root's forward; or one FSDP's lazy init made no root (False,
+        # not None before it): a layer called again in backward, recomputed under activation checkpointing
+        if run is None or _fsdp1["in_forward"] or getattr(self, "_is_root", None) is False:
             return original(self, *args, **kwargs)
         ev0 = cuda_event(_gpu_of(self))
         probe = _open_step(run, self, time.perf_counter_ns(), args, (args, kwargs), _fsdp1_shard_bytes, ev0)

@@ -4,7 +4,8 @@ for dpprof.
 Run under torchrun. Environment: FSDP_STEPS (default 4), FSDP_RESHARD (1: FULL_SHARD, resharding after forward, the
 default; 0: SHARD_GRAD_OP, keeping the gathered parameters until backward; none: NO_SHARD, every rank holding every
 parameter and all-reducing the gradients, as DDP does), FSDP_OUT (a path: rank 0 saves the trained
-full state dict there).
+full state dict there), FSDP_CHECKPOINT (1: the root's forward runs each layer under torch.utils.checkpoint, so
+backward calls the layers' FSDP forward again to recompute them).
 """
 import gc
 import os
@@ -12,6 +13,17 @@ import os
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, ShardingStrategy, StateDictType
+from torch.utils.checkpoint import checkpoint
+
+
+class Checkpointed(torch.nn.Sequential):
+    """A Sequential whose FSDP layers (all but the last module) run under activation checkpointing in training."""
+
+    def forward(self, x):
+        for i, layer in enumerate(self):
+            x = checkpoint(layer, x, use_reentrant=False) if self.training and i < len(self) - 1 else layer(x)
+        return x
+
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -21,7 +33,8 @@ strategy = {"1": ShardingStrategy.FULL_SHARD, "0": ShardingStrategy.SHARD_GRAD_O
 cpu = torch.device("cpu")
 layers = [FullyShardedDataParallel(torch.nn.Sequential(torch.nn.Linear(64 if i else 20, 64), torch.nn.ReLU()),
                                    device_id=cpu, sharding_strategy=strategy) for i in range(3)]
-model = FullyShardedDataParallel(torch.nn.Sequential(*layers, torch.nn.Linear(64, 7)), device_id=cpu,
+root = Checkpointed if os.environ.get("FSDP_CHECKPOINT") == "1" else torch.nn.Sequential
+model = FullyShardedDataParallel(root(*layers, torch.nn.Linear(64, 7)), device_id=cpu,
                                  sharding_strategy=strategy)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 g = torch.Generator().manual_seed(1 + rank)
