@@ -319,6 +319,33 @@ def train_distillation(teacher: nn.Module, student: nn.Module, iterations: int =
     iteration()
 
 
+class _Wrapping(torch.optim.Optimizer):
+    """An optimizer that steps another inside its own step, then does work of its own (ZeroRedundancyOptimizer's
+    broadcast of the updated shards, a Lookahead's slow weights): here a sleep of ``own_s``."""
+
+    def __init__(self, inner: torch.optim.Optimizer, own_s: float) -> None:
+        self.inner, self.own_s = inner, own_s
+        super().__init__(inner.param_groups, {})
+
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        self.inner.step()
+        time.sleep(self.own_s)
+
+
+def train_with_a_wrapping_optimizer(model: nn.Module, steps: int = 3, own_s: float = 0.02) -> list[float]:
+    """``steps`` steps of ``model`` on 8 samples of 4 features, its optimizer an SGD inside a wrapping optimizer whose
+    own work after it takes ``own_s``; the ms each ``optimizer.step()`` took, as the script times it."""
+    opt = _Wrapping(torch.optim.SGD(model.parameters(), lr=0.1), own_s)
+    took = []
+    for _ in range(steps):
+        model(torch.randn(8, 4)).sum().backward()
+        t0 = time.perf_counter()
+        opt.step()
+        took.append((time.perf_counter() - t0) * 1e3)
+        opt.zero_grad()
+    return took
+
+
 def assert_phases_inside_steps(steps: pd.DataFrame, phases: pd.DataFrame, slack_ms: float = 1e-6) -> None:
     """Every phase starts and ends inside its step (``steps`` indexed by step)."""
     joined = phases.join(steps[["start_ms", "duration_ms"]].add_suffix("_step"), on="step")

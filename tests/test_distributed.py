@@ -228,6 +228,24 @@ def test_a_gan_of_two_ddp_models_keeps_each_part_and_all_reduce_in_the_step_it_r
     assert sorted(comms.loc[comms["step"] == last, "bucket"]) == [0, 1]
 
 
+def test_an_optimizer_stepping_another_inside_its_step_is_one_optimizer_part_to_its_end(tmp_path):
+    """An optimizer whose step runs another's (ZeroRedundancyOptimizer's local optimizer, then its broadcast of the
+    updated shards; a Lookahead wrapper): torch's optimizer hooks fire for both, and the inner step's end closed the
+    part, so a rank's optimizer part was the inner SGD's 0.3 ms of a 21 ms optimizer.step(), the rest of it in no part.
+    It is now the outer step, start to end."""
+    from torch import nn
+
+    from dpprof.instrument import instrument
+    from recorded import train_with_a_wrapping_optimizer
+
+    with _gloo_world_of_one(tmp_path), instrument(store=False) as run:
+        took = train_with_a_wrapping_optimizer(nn.parallel.DistributedDataParallel(nn.Linear(4, 2)), own_s=0.02)
+    phases = run.frames()["phases"]
+    parts = phases[phases["phase"] == "optimizer"].set_index("step")["duration_ms"]
+    assert parts.index.tolist() == [0, 1, 2]
+    assert ((parts >= 20) & (parts <= took)).all(), (parts, took)
+
+
 def test_torchs_constructor_warnings_point_at_the_line_that_built_the_model(tmp_path):
     """torch's DDP warns at its caller's line (stacklevel=2: broadcast_buffers' deprecation); under dpprof that line
     was dpprof/parallel/distributed.py's call of torch's constructor, for dpprof's DDP and the stand-in dpprof run

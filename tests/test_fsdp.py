@@ -448,3 +448,25 @@ def test_fsdp1_layers_recomputed_in_backward_by_activation_checkpointing_are_no_
     for rank in range(WORLD):  # FULL_SHARD: the layers gathered again in backward, for their recomputation
         assert gathers.loc[(f"rank:{rank}", "all-gather"), "in_backward_per_step"] >= 3
     assert_parts_partition_the_steps(run)
+
+
+def test_an_optimizer_stepping_another_inside_its_step_is_one_optimizer_part_to_its_end(tmp_path):
+    """FSDP2 on a gloo world of one, its optimizer an SGD inside a wrapping optimizer (as ZeroRedundancyOptimizer
+    steps its local optimizer, then broadcasts): the optimizer part was the inner step's alone (0.3 ms of 21 ms); it is
+    the outer step, start to end."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from dpprof.instrument import instrument
+    from recorded import train_with_a_wrapping_optimizer
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with instrument(store=False) as run:
+            took = train_with_a_wrapping_optimizer(fully_shard(nn.Linear(4, 2)), own_s=0.02)
+    finally:
+        dist.destroy_process_group()
+    phases = run.frames()["phases"]
+    parts = phases[phases["phase"] == "optimizer"].set_index("step")["duration_ms"]
+    assert parts.index.tolist() == [0, 1, 2]
+    assert ((parts >= 20) & (parts <= took)).all(), (parts, took)

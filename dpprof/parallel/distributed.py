@@ -59,12 +59,17 @@ def _install_optimizer_hooks() -> None:
         def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
             probe = _latest["probe"]
             if probe is not None:
-                probe.optimizer_ev0 = probe.event()
-                probe.optimizer_t0 = time.perf_counter_ns()
+                probe.optimizer_depth += 1
+                if probe.optimizer_depth == 1:  # the outermost step: one that steps another inside it is one part
+                    probe.optimizer_ev0 = probe.event()
+                    probe.optimizer_t0 = time.perf_counter_ns()
 
         def post(optimizer: Any, args: Any, kwargs: Any) -> None:
             probe = _latest["probe"]
             if probe is not None and probe.optimizer_t0 is not None:
+                probe.optimizer_depth -= 1
+                if probe.optimizer_depth > 0:  # an inner optimizer's (ZeroRedundancyOptimizer's local one)
+                    return
                 t1 = time.perf_counter_ns()
                 probe.phase_done("optimizer", probe.optimizer_t0, t1, probe.optimizer_ev0, probe.event())
                 probe.optimizer_t0 = probe.optimizer_ev0 = None
@@ -94,6 +99,9 @@ class _RankProbe:
         self.last_end_event: torch.cuda.Event | None = None
         self.optimizer_t0: int | None = None
         self.optimizer_ev0: torch.cuda.Event | None = None
+        # optimizer steps begun and not ended: an optimizer that steps another inside its own step (ZeroRedundancy-
+        # Optimizer's local optimizer, a Lookahead wrapper) is timed from the outer step's start to its end
+        self.optimizer_depth = 0
         self.backward_t0: int | None = None
         self.backward_ev0: torch.cuda.Event | None = None
         self.graph_end_ns: int | None = None

@@ -103,6 +103,7 @@ class _StepProbe:
         self.backward_ev0: torch.cuda.Event | None = None
         self.optimizer_t0: int | None = None
         self.optimizer_ev0: torch.cuda.Event | None = None
+        self.optimizer_depth = 0  # optimizer steps begun and not ended (_optimizer_pre): the outer one is the part
         self.last_end_ns = t0
         self.last_end_event: torch.cuda.Event | None = None  # the newest part's end on the GPU, where it has one
         self.count = {ALL_GATHER: 0, REDUCE_SCATTER: 0, ALL_REDUCE: 0}
@@ -612,13 +613,18 @@ class _TimedDist:
 def _optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
     probe = _probe()
     if probe is not None:
-        probe.optimizer_ev0 = probe.event()
-        probe.optimizer_t0 = time.perf_counter_ns()
+        probe.optimizer_depth += 1
+        if probe.optimizer_depth == 1:  # the outermost step: one that steps another inside it is one part
+            probe.optimizer_ev0 = probe.event()
+            probe.optimizer_t0 = time.perf_counter_ns()
 
 
 def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
     probe = _probe()
     if probe is not None and probe.optimizer_t0 is not None:
+        probe.optimizer_depth -= 1
+        if probe.optimizer_depth > 0:  # an inner optimizer's (ZeroRedundancyOptimizer's local one)
+            return
         probe.phase("optimizer", probe.optimizer_t0, time.perf_counter_ns(), probe.optimizer_ev0, probe.event())
         probe.optimizer_t0 = probe.optimizer_ev0 = None
 
