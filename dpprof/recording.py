@@ -311,6 +311,9 @@ class Run:
         # per step in _new_step; NO_CAPTURE outside a window
         self.capture_edge = NO_CAPTURE
         self.capture = CaptureSession(self, window, directory)
+        # where the profiler's latest start or stop ended (perf_counter_ns; 0: none yet; CaptureSession.turn): a DDP or
+        # FSDP step, whose data part runs from the step before's end, begins no earlier, so no part holds either
+        self.capture_turned_ns = 0
 
     # the GPU monitor
     def start_monitor(self, sample_gpus: bool | None = None) -> None:

@@ -471,6 +471,50 @@ def test_a_distributed_run_captures_the_same_steps_on_every_rank_on_request(tmp_
     assert not list(tmp_path.glob(".live*capture-*.json"))  # the request and both answers are gone once read
 
 
+PROFILER_TURN_S = 0.5  # the profiler's start and stop made this slow: far over a step of the model below
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_a_rank_steps_clock_holds_neither_the_profilers_start_nor_its_stop(wrap, tmp_path, monkeypatch):
+    """A DDP or FSDP step's data part runs from the step before's end to its forward, and the profiler starts and
+    stops as a step is made, at its forward: steps 2 and 4 held the start and the stop (the stop, 56 ms on the
+    training thread, was 60 ms of the data part of a 2-rank run's evaluation step of 4 ms). They begin after them now."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from dpprof.capture.session import CaptureSession
+    from dpprof.instrument import instrument
+
+    def slowed(original):
+        def turn(self, *args):
+            original(self, *args)
+            time.sleep(PROFILER_TURN_S)
+
+        return turn
+
+    for name in ("_start", "_stop"):
+        monkeypatch.setattr(CaptureSession, name, slowed(getattr(CaptureSession, name)))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with instrument(reports_dir=str(tmp_path), capture="2:4") as run:
+            net = nn.Linear(4, 2)
+            model = nn.parallel.DistributedDataParallel(net) if wrap == "ddp" else fully_shard(net)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(6):
+                model(torch.randn(8, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    finally:
+        dist.destroy_process_group()
+    frames = run.frames()
+    steps = frames["steps"].set_index("step")
+    assert steps.index.tolist() == list(range(6)) and [c.first_step for c in run.capture.captured] == [2]
+    assert (steps["duration_ms"] < 1e3 * PROFILER_TURN_S).all(), steps
+    gaps = steps["start_ms"].iloc[1:].to_numpy() - (steps["start_ms"] + steps["duration_ms"]).iloc[:-1].to_numpy()
+    assert (gaps[[1, 3]] >= 1e3 * PROFILER_TURN_S).all(), gaps  # before steps 2 and 4: the start and the stop
+
+
 def test_an_imported_run_or_an_unknown_one_is_refused_in_one_line(captured, tmp_path, capsys):
     _, trace = captured
     imported = import_traces([trace], tmp_path / "imported")

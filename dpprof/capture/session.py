@@ -126,8 +126,12 @@ class CaptureSession:
             self._start(window, index)
         elif index < window.end_step:
             self._mark(index)
+            return
         else:
             self._stop(index)
+        # no step's clock holds the start or the stop (a DDP or FSDP step's data part begins no earlier), while the
+        # steps the window marks (a range's exit and entry, microseconds) keep their data parts
+        self.run.capture_turned_ns = time.perf_counter_ns()
 
     def _start(self, window: CaptureWindow, index: int) -> None:
         from torch.profiler import ProfilerActivity, profile

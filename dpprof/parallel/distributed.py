@@ -445,6 +445,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             step, data_start = probe.step, probe.previous_end_ns
             if run.last_step_end_ns is not None:  # never inside the step before (a GAN's generator ended in it)
                 data_start = max(data_start, run.last_step_end_ns)
+            data_start = max(data_start, run.capture_turned_ns)  # nor over a deep capture's start or stop
             if probe.forward.call > 0:  # a later forward of the step (a second DDP model's: an encoder's, then its
                 # decoder's): never over the parts recorded in it before (the first model's forward read as data)
                 data_start = max(data_start, probe.step.last_end_ns)

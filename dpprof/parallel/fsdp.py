@@ -89,6 +89,10 @@ class _StepProbe:
         self.label = self.devices.label(rank)
         run.note_devices(self.devices)
         self.step = run.step_for_forward(True, module)
+        # a deep capture started or stopped as the step was made, after the root's forward began: the step and its
+        # forward begin after it, as its clock does (the root's pre-forward before it, lazy init after the first step's,
+        # is left out)
+        t0 = max(t0, run.capture_turned_ns)
         if not self.step.explicit and self.step.calls == 1:
             # the root's forward began (t0) before this probe made its step: the step begins no later, or the first
             # step (no previous step's end to start from) would hold less than its own forward
@@ -114,7 +118,7 @@ class _StepProbe:
         if previous is not None and previous.run is run:
             if previous.step is self.step:  # a later micro-batch of the step: its collectives' indexes go on
                 self.count = dict(previous.count)
-            step, data_start = self.step, previous.last_end_ns
+            step, data_start = self.step, max(previous.last_end_ns, run.capture_turned_ns)
             if not step.explicit and step.calls == 1:
                 step.start_ns = min(step.start_ns, data_start)
             data_start = max(data_start, step.start_ns)
