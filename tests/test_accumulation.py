@@ -16,6 +16,7 @@ import torch
 
 import dpprof
 from dpprof.cli import main
+from dpprof.findings import run_findings
 from dpprof.findings.ddp import overlapped_ms
 from dpprof.views.overview import comm_stats
 
@@ -360,3 +361,18 @@ def test_show_gives_the_median_of_each_kind_beside_an_evaluation_heavy_runs_medi
     from recorded import record
 
     assert queries.kind_medians(record(tmp_path, "training only", steps=4)) is None  # every step ran a backward
+
+
+def test_ranks_evaluating_different_batch_sizes_are_no_uneven_training_inputs(tmp_path):
+    """Rank 1's evaluation batches are one sample short (its shard of a set that does not divide), its training batches
+    the others': the uneven_inputs finding said "ranks got different batch sizes in 4 steps ... those steps train on a
+    skewed average" of evaluation steps under no_grad, which train nothing. It weighs the training steps alone."""
+    reports = tmp_path / "reports"
+    _torchrun(["-m", "dpprof", "run", SCRIPT], {"WRAP": "ddp", "EVAL_SHORT": "1", "DPPROF_REPORTS": str(reports),
+                                                "OUT": str(tmp_path / "recorded.pt")})
+    [run_id] = dpprof.list_runs(reports)["id"]
+    run = dpprof.load_run(run_id, reports)
+    sizes = run.steps.pivot(index="step", columns="rank", values="batch_size")
+    uneven = sizes[sizes[0] != sizes[1]]
+    assert len(uneven) == EPOCHS * EVAL and (uneven[1] == EVAL_BATCH - 1).all()  # the evaluation steps alone
+    assert "uneven_inputs" not in set(run_findings(run).table["kind"])

@@ -13,6 +13,7 @@ from dpprof.findings.floors import cost_text, worth_time
 from dpprof.findings.detail import no_data_loader
 from dpprof.stepmodel import partition
 from dpprof.store.model import RunModel
+from dpprof.store.queries import training_steps_of
 from dpprof.units import mib
 
 __all__ = ["COMM_SHARE_WARN", "COMPRESSING_HOOKS", "FEW_BUCKETS", "MANY_BUCKETS", "SMALL_BUCKET_BYTES", "straggler_rank",
@@ -298,10 +299,16 @@ def _partial_job_words(model: RunModel) -> str:
 
 
 def uneven_inputs(t: Tables) -> list[dict]:
-    """Ranks fed different batch sizes in the same step."""
+    """Ranks fed different batch sizes in the same training step (evaluation steps, forwards alone between them, train
+    nothing: ranks evaluating shards of a set that does not divide among them are no skewed gradient)."""
     steps = t.steps
     if t.steps["rank"].nunique() < 2 or steps["batch_size"].isna().all():
         return []
+    # the rule throughput shares (training_steps_of); a run read from its aggregates has no whole phases
+    training = None if t.all_steps is not None or "phase" not in t.phases else \
+        training_steps_of(t.phases.loc[t.phases["phase"] == "backward", "step"], steps["step"])
+    if training is not None:
+        steps = steps[steps["step"].isin(list(training))]
     spread = steps.groupby("step")["batch_size"].agg(["min", "max"])
     uneven = spread[spread["min"] != spread["max"]]
     if uneven.empty:

@@ -8,7 +8,9 @@ prints one line per optimizer step and per evaluation batch, and saves the train
 Environment: WRAP (ddp, fsdp2, fsdp1; default ddp), EPOCHS (2), STEPS (3), ACCUM (3), EVAL (2), OUT,
 OUTPUT (tensor, or dataclass: the model returns its logits in a dataclass), IMPORT (public, or composable: FSDP2's
 fully_shard imported from torch.distributed._composable.fsdp), MP (bf16: FSDP2 gathers its parameters in bfloat16),
-SLOW (RANK:MS: that rank sleeps MS before each optimizer step's first micro-batch, a slow data loader).
+SLOW (RANK:MS: that rank sleeps MS before each optimizer step's first micro-batch, a slow data loader),
+EVAL_SHORT (RANK: that rank's evaluation batches are one sample short, as ranks evaluating their shards of a set that
+does not divide among them).
 """
 import contextlib
 import dataclasses
@@ -24,6 +26,7 @@ WRAP = os.environ.get("WRAP", "ddp")
 EPOCHS, STEPS = int(os.environ.get("EPOCHS", "2")), int(os.environ.get("STEPS", "3"))
 ACCUM, EVAL = int(os.environ.get("ACCUM", "3")), int(os.environ.get("EVAL", "2"))
 SLOW_RANK, SLOW_MS = (int(v) for v in os.environ.get("SLOW", "-1:0").split(":"))
+EVAL_SHORT = int(os.environ.get("EVAL_SHORT", "-1"))
 
 
 @dataclasses.dataclass
@@ -108,7 +111,7 @@ for epoch in range(EPOCHS):
     model.eval()
     with torch.no_grad():
         for i in range(EVAL):
-            mean = logits_of(model(torch.randn(12, 20, generator=data))).mean().item()
+            mean = logits_of(model(torch.randn(12 - (rank == EVAL_SHORT), 20, generator=data))).mean().item()
             if rank == 0:
                 print(f"epoch {epoch} eval {i} mean {mean:.6f}", flush=True)
 
