@@ -363,16 +363,43 @@ def test_show_gives_the_median_of_each_kind_beside_an_evaluation_heavy_runs_medi
     assert queries.kind_medians(record(tmp_path, "training only", steps=4)) is None  # every step ran a backward
 
 
-def test_ranks_evaluating_different_batch_sizes_are_no_uneven_training_inputs(tmp_path):
-    """Rank 1's evaluation batches are one sample short (its shard of a set that does not divide), its training batches
-    the others': the uneven_inputs finding said "ranks got different batch sizes in 4 steps ... those steps train on a
-    skewed average" of evaluation steps under no_grad, which train nothing. It weighs the training steps alone."""
-    reports = tmp_path / "reports"
-    _torchrun(["-m", "dpprof", "run", SCRIPT], {"WRAP": "ddp", "EVAL_SHORT": "1", "DPPROF_REPORTS": str(reports),
-                                                "OUT": str(tmp_path / "recorded.pt")})
+@pytest.fixture(scope="module")
+def eval_short(tmp_path_factory):
+    """DDP, one micro-batch a step (8 samples), evaluation batches of 12 on rank 0 and 11 on rank 1 (its shard of a
+    set that does not divide), recorded by `dpprof run`."""
+    reports = tmp_path_factory.mktemp("eval-short") / "reports"
+    _torchrun(["-m", "dpprof", "run", SCRIPT], {"WRAP": "ddp", "ACCUM": "1", "EVAL_SHORT": "1",
+                                                "DPPROF_REPORTS": str(reports)})
     [run_id] = dpprof.list_runs(reports)["id"]
-    run = dpprof.load_run(run_id, reports)
+    return dpprof.load_run(run_id, reports)
+
+
+def test_ranks_evaluating_different_batch_sizes_are_no_uneven_training_inputs(eval_short):
+    """Rank 1's evaluation batches are one sample short, its training batches the others': the uneven_inputs finding
+    said "ranks got different batch sizes in 4 steps ... those steps train on a skewed average" of evaluation steps
+    under no_grad, which train nothing. It weighs the training steps alone."""
+    run = eval_short
     sizes = run.steps.pivot(index="step", columns="rank", values="batch_size")
     uneven = sizes[sizes[0] != sizes[1]]
     assert len(uneven) == EPOCHS * EVAL and (uneven[1] == EVAL_BATCH - 1).all()  # the evaluation steps alone
     assert "uneven_inputs" not in set(run_findings(run).table["kind"])
+
+
+def test_a_slow_evaluation_step_is_set_against_the_evaluation_steps_batch_not_the_training_steps(eval_short):
+    """A slow evaluation step is judged against the median of its kind, and so is its batch now: its 12 samples were
+    set against the median step's 8 (the training steps', the run's most), and the finding put its time down to "a
+    bigger batch ... more samples to work on", not to a stall, though every evaluation step had those 12 samples."""
+    from dpprof.findings import tables_of
+    from dpprof.findings.steps import outlier_steps, step_kinds
+
+    t = tables_of(eval_short)
+    per = t.every_step.groupby("step")["duration_ms"].max().sort_index().iloc[1:]
+    kinds = step_kinds(t, per.index)
+    assert kinds.value_counts().to_dict() == {"training": EPOCHS * STEPS - 1, "evaluation": EPOCHS * EVAL}
+    evaluation = per[kinds == "evaluation"]
+    stalled = evaluation.index[-1]
+    t.steps = t.steps.copy()  # the run's own frame, which the module's other tests read: not changed under them
+    t.steps.loc[t.steps["step"] == stalled, "duration_ms"] = 10 * per.max()  # ten times any step of either kind
+    [row] = outlier_steps(t)
+    assert f"steps {stalled} (" in row["evidence"] and "bigger batch" not in row["evidence"], row["evidence"]
+    assert "another process" in row["advice"]

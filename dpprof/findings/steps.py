@@ -98,7 +98,8 @@ def step_kinds(t: Tables, steps: pd.Index) -> pd.Series | None:
 def outlier_steps(t: Tables) -> list[dict]:
     """Steps far beyond the run's median (stalls, contention from other load), named with their times."""
     per = t.every_step.groupby("step")["duration_ms"].max().sort_index().iloc[1:]  # the first step's costs are no stall
-    found = stalls(per, step_kinds(t, per.index))
+    kinds = step_kinds(t, per.index)
+    found = stalls(per, kinds)
     if found is None:
         return []
     median, excess, share, worst = found.median_ms, found.excess_ms, found.share, found.slow_ms
@@ -113,12 +114,11 @@ def outlier_steps(t: Tables) -> list[dict]:
     outside = ("Steps that stall like this come from outside the model: another process on the same cores or GPU "
                "(another run started alongside), data loading, swapping or garbage collection. Check what else ran "
                "at those steps; the per-device findings of such a run are less certain.")
-    bigger, median_batch = _bigger_batches(t, worst.index)
+    bigger, against = _bigger_batches(t, worst.index, kinds)
     advice, batches = outside, ""
     if bigger:  # the step's own work grew with its batch (dynamic shapes): no stall from outside
         listed_big = ", ".join(f"{s} ({b:,} samples)" for s, b in list(bigger.items())[:OUTLIER_STEPS_LISTED])
-        batches = (f"; {len(bigger)} of them had a bigger batch than the median step's {median_batch:,g} samples: steps "
-                   f"{listed_big}")
+        batches = f"; {len(bigger)} of them had a bigger batch than {against}: steps {listed_big}"
         advice = (f"{'These steps' if len(bigger) == len(worst) else 'The steps with bigger batches'} took longer "
                   "because they had more samples to work on (batches of varying size, dynamic shapes), not from a "
                   "stall: their time follows their batch. Bucket batches by size or pad to fixed shapes for steady "
@@ -129,11 +129,26 @@ def outlier_steps(t: Tables) -> list[dict]:
                     f"{share:.0%} of the run's step time past the first{batches}", advice, share, "share")]
 
 
-def _bigger_batches(t: Tables, steps: pd.Index) -> tuple[dict[int, int], float]:
-    """bigger_batches over the run's steps past the first (a step's batch: its largest recorded batch_size)."""
+def _bigger_batches(t: Tables, steps: pd.Index, kinds: pd.Series | None = None) -> tuple[dict[int, int], str]:
+    """bigger_batches over the run's steps past the first (a step's batch: its largest recorded batch_size), and the
+    median they were set against, in words. Where ``kinds`` (step_kinds) mixes training and evaluation steps, each step
+    is set against the steps of its kind, as its time is (stalls): an evaluation batch, often bigger than a training
+    one, is no sign that a slow evaluation step's time grew with it."""
     if "batch_size" not in t.every_step:
-        return {}, 0.0
-    return bigger_batches(t.every_step.groupby("step")["batch_size"].max().sort_index().iloc[1:], steps)
+        return {}, ""
+    batch = t.every_step.groupby("step")["batch_size"].max().sort_index().iloc[1:]
+    if kinds is None:
+        bigger, median = bigger_batches(batch, steps)
+        return bigger, f"the median step's {median:,g} samples"
+    found: dict[int, int] = {}
+    against = []
+    for kind in sorted(set(kinds[steps]), reverse=True):  # training, then evaluation
+        mine, median = bigger_batches(batch[batch.index.isin(kinds.index[kinds == kind])],
+                                      [s for s in steps if kinds[s] == kind])
+        if mine:
+            found.update(mine)
+            against.append(f"the median {kind} step's {median:,g} samples")
+    return {int(s): found[s] for s in steps if s in found}, " and ".join(against)
 
 
 def bigger_batches(batch: pd.Series, steps: Iterable[int]) -> tuple[dict[int, int], float]:
