@@ -50,6 +50,19 @@ def _recorded(directory: Path, **env: str):
     return dpprof.load_run(runs.loc[0, "id"], directory)
 
 
+def _fsdp1_recorded_beside_plain(tmp_path: Path, **env: str):
+    """The FSDP1 script under torchrun with ``env``, without dpprof and under `dpprof run`: the trained weights
+    bit-identical, the recorded run opened."""
+    weights = {"plain": tmp_path / "plain.pt", "recorded": tmp_path / "recorded.pt"}
+    _torchrun([SCRIPT1], {**env, "FSDP_OUT": str(weights["plain"]), "DPPROF_REPORTS": str(tmp_path / "unused")})
+    _torchrun(["-m", "dpprof", "run", SCRIPT1], {**env, "FSDP_OUT": str(weights["recorded"]),
+                                                 "DPPROF_REPORTS": str(tmp_path / "runs")})
+    plain, recorded = (torch.load(weights[k]) for k in ("plain", "recorded"))
+    assert plain.keys() == recorded.keys() and all(torch.equal(plain[k], recorded[k]) for k in plain)
+    listed = dpprof.list_runs(tmp_path / "runs")
+    return dpprof.load_run(listed.loc[0, "id"], tmp_path / "runs")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The script recorded with FSDP2's default (reshard after forward) and with reshard_after_forward=False, and its
@@ -392,15 +405,7 @@ def test_fsdp1_no_shard_records_its_gradient_all_reduce_as_ddp_does(tmp_path):
     all-reduce row and a comm_wait inside backward, so the run (a ddp one) has its all-reduce section and findings;
     it had none, and `dpprof show` said no all-reduce was recorded. The trained weights stay bit-identical, and the run
     is titled as the FSDP it is."""
-    weights = {"plain": tmp_path / "plain.pt", "recorded": tmp_path / "recorded.pt"}
-    _torchrun([SCRIPT1], {"FSDP_RESHARD": "none", "FSDP_OUT": str(weights["plain"]),
-                          "DPPROF_REPORTS": str(tmp_path / "unused")})
-    _torchrun(["-m", "dpprof", "run", SCRIPT1], {"FSDP_RESHARD": "none", "FSDP_OUT": str(weights["recorded"]),
-                                                 "DPPROF_REPORTS": str(tmp_path / "runs")})
-    plain, recorded = (torch.load(weights[k]) for k in ("plain", "recorded"))
-    assert plain.keys() == recorded.keys() and all(torch.equal(plain[k], recorded[k]) for k in plain)
-    listed = dpprof.list_runs(tmp_path / "runs")
-    run = dpprof.load_run(listed.loc[0, "id"], tmp_path / "runs")
+    run = _fsdp1_recorded_beside_plain(tmp_path, FSDP_RESHARD="none")
     assert run.model.kind == "ddp" and "comms" not in run.model.missing
     # titled as the script's FSDP, not as a DDP it never built ("DistributedDataParallel (gloo), 2 ranks" before)
     assert run.model.title == "FullyShardedDataParallel (NO_SHARD) (gloo), 2 ranks"
@@ -423,15 +428,7 @@ def test_fsdp1_layers_recomputed_in_backward_by_activation_checkpointing_are_no_
     step for 16 samples, no backward part at all, and the recomputations' all-gathers between "data" parts. A
     non-root FSDP module's forward is now no step's forward: one forward and one backward a step, the gathers inside
     them, the weights bit-identical."""
-    weights = {"plain": tmp_path / "plain.pt", "recorded": tmp_path / "recorded.pt"}
-    _torchrun([SCRIPT1], {"FSDP_CHECKPOINT": "1", "FSDP_OUT": str(weights["plain"]),
-                          "DPPROF_REPORTS": str(tmp_path / "unused")})
-    _torchrun(["-m", "dpprof", "run", SCRIPT1], {"FSDP_CHECKPOINT": "1", "FSDP_OUT": str(weights["recorded"]),
-                                                 "DPPROF_REPORTS": str(tmp_path / "runs")})
-    plain, recorded = (torch.load(weights[k]) for k in ("plain", "recorded"))
-    assert plain.keys() == recorded.keys() and all(torch.equal(plain[k], recorded[k]) for k in plain)
-    listed = dpprof.list_runs(tmp_path / "runs")
-    run = dpprof.load_run(listed.loc[0, "id"], tmp_path / "runs")
+    run = _fsdp1_recorded_beside_plain(tmp_path, FSDP_CHECKPOINT="1")
     assert run.steps.groupby("rank")["step"].apply(list).to_dict() == {r: list(range(STEPS)) for r in range(WORLD)}
     assert run.steps["forward_calls"].tolist() == [1] * WORLD * STEPS
     assert run.steps["batch_size"].tolist() == [16] * WORLD * STEPS  # the script's batch a rank
