@@ -82,6 +82,14 @@ class Tables:
         return self.steps if self.all_steps is None else self.all_steps
 
     @property
+    def backward_steps(self) -> pd.Series | None:
+        """The steps a backward ran in (a step row per phase row: not unique), where the phases cover every step; None
+        for a thinned run or one without phases, whose steps' kinds the phases cannot tell."""
+        if self.all_steps is not None or "phase" not in self.phases:
+            return None
+        return self.phases.loc[self.phases["phase"] == "backward", "step"]
+
+    @property
     def later_step_count(self) -> int:
         """How many steps the run has past its first: what a per-step cost is paid over."""
         if self.step_count is not None:

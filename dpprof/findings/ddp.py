@@ -305,8 +305,8 @@ def uneven_inputs(t: Tables) -> list[dict]:
     if t.steps["rank"].nunique() < 2 or steps["batch_size"].isna().all():
         return []
     # the rule throughput shares (training_steps_of); a run read from its aggregates has no whole phases
-    training = None if t.all_steps is not None or "phase" not in t.phases else \
-        training_steps_of(t.phases.loc[t.phases["phase"] == "backward", "step"], steps["step"])
+    backward = t.backward_steps
+    training = None if backward is None else training_steps_of(backward, steps["step"])
     if training is not None:
         steps = steps[steps["step"].isin(list(training))]
     spread = steps.groupby("step")["batch_size"].agg(["min", "max"])

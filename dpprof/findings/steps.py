@@ -87,9 +87,10 @@ def stalls(step_ms: pd.Series, kinds: pd.Series | None = None) -> Stalls | None:
 def step_kinds(t: Tables, steps: pd.Index) -> pd.Series | None:
     """Of ``steps``, step -> "training" (it ran a backward) or "evaluation" (none: forwards under no_grad between
     training steps); None where they are all one kind, or the run's phases do not cover every step (a thinned run)."""
-    if t.all_steps is not None or "phase" not in t.phases:
+    backward = t.backward_steps
+    if backward is None:
         return None
-    trains = steps.isin(t.phases.loc[t.phases["phase"] == "backward", "step"].unique())
+    trains = steps.isin(backward.unique())
     if trains.all() or not trains.any():
         return None
     return pd.Series(["training" if x else "evaluation" for x in trains], index=steps)
@@ -257,10 +258,9 @@ def between_steps(t: Tables) -> list[dict]:
                 f"first step's end to the last's is in no step, over {BETWEEN_STEPS_WARN:.0%} of it before "
                 f"{int((each > BETWEEN_STEPS_WARN).sum())} of them. The step time and its median leave this time out")
     # the Overview's samples/s (dpprof.store.queries.throughput): a run read from its aggregates has no whole phases
-    whole = t.all_steps is None and "phase" in t.phases
-    backward = t.phases.loc[t.phases["phase"] == "backward", "step"] if whole else ()
-    rate = throughput_of(s, training_steps_of(backward, s["step"]) if whole else None,
-                         raised_steps_of(s, backward) if whole else None)
+    backward = t.backward_steps
+    rate = throughput_of(s, training_steps_of(backward, s["step"]) if backward is not None else None,
+                         raised_steps_of(s, backward) if backward is not None else None)
     if rate is not None:
         evidence += (f": the steps past the first trained {rate.samples:,} samples in {rate.span_ms / 1e3:,.2f} s, "
                      f"{rate.samples_per_s:,.0f} samples/s (the run's samples/s), against "
