@@ -14,27 +14,40 @@ run records is kept, while its iterator lives (``MAX_LOADERS``, the newest), for
 An imported trace says only which iterator ran (torch.profiler names the range
 ``enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__`` or ``..._SingleProcessDataLoaderIter...``): workers
 or none, not how many. Importing this module loads no torch (the read side uses it).
+
+The watch also times each batch a DataLoader's iterator makes (its ``_next_data``, the work inside torch.profiler's
+``enumerate(DataLoader)#...__next__`` range), on whichever thread asks, into a short log (``CALLS_KEPT`` calls, the
+newest): a recorded DDP or FSDP rank takes its own thread's calls from it as its forward starts (``take``), and its
+data part is those calls, as an imported trace's data part is its DataLoader ranges (dpprof.stepmodel). An iterator
+made before ``import dpprof`` is timed too: the classes' method is replaced, not the iterator's.
 """
 from __future__ import annotations
 
 import functools
 import threading
+import time
 import weakref
+from collections import deque
 from collections.abc import Iterable
 from typing import Any, Callable
 
 __all__ = ["MAX_LOADERS", "WORKERS_ITER", "NO_WORKERS_ITER", "describe", "of_iterators", "stored", "said_in",
-           "none_iterated", "exported_loaders", "install_watch", "watch", "receive", "claim"]
+           "none_iterated", "exported_loaders", "install_watch", "watch", "receive", "claim", "CALLS_KEPT", "take"]
 
 MAX_LOADERS = 4  # distinct settings kept a process: a training, a validation and a test loader, and one more
 WORKERS_ITER = "_MultiProcessingDataLoaderIter"  # torch.utils.data.dataloader's iterator with num_workers > 0
 NO_WORKERS_ITER = "_SingleProcessDataLoaderIter"  # and with num_workers=0
+# the DataLoader calls kept for a rank to take: an evaluation between two steps of more batches than this keeps its
+# newest (the older ones' time is then the step's rest, not its data part)
+CALLS_KEPT = 4096
 
 _installed: list[Callable[..., Any]] = []
 _lock = threading.Lock()
 _receivers: list[Callable[[dict[str, Any]], bool]] = []  # dpprof.recording's: True where a run kept the loader
 # loaders iterated while no run recorded (describe), each with a weak reference to its iterator, the newest last
 _unclaimed: list[tuple[dict[str, Any], Callable[[], Any]]] = []
+# each batch a DataLoader's iterator made, oldest first: (thread ident, start ns, end ns), perf_counter_ns's clock
+_calls: deque[tuple[int, int, int]] = deque(maxlen=CALLS_KEPT)
 
 
 def describe(loader: Any) -> dict[str, Any]:
@@ -123,13 +136,44 @@ def claim() -> list[dict[str, Any]]:
     return out
 
 
+def take(lo: int, hi: int) -> list[tuple[int, int]]:
+    """The calling thread's DataLoader calls since the last take, clipped to [lo, hi) (perf_counter_ns), oldest
+    first; every call logged so far is taken (another thread's, one outside the range: in no data part)."""
+    me, out = threading.get_ident(), list[tuple[int, int]]()
+    while True:
+        try:
+            thread, a, b = _calls.popleft()
+        except IndexError:
+            return out
+        a, b = max(a, lo), min(b, hi)
+        if thread == me and b > a:
+            out.append((a, b))
+
+
+def _timed(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """An iterator class's ``_next_data`` that logs its time (not ``__next__``, whose own warnings name their
+    caller's frame: it would be dpprof's)."""
+    @functools.wraps(original)
+    def _next_data(self: Any) -> Any:
+        t0 = time.perf_counter_ns()
+        try:
+            return original(self)
+        finally:
+            _calls.append((threading.get_ident(), t0, time.perf_counter_ns()))
+
+    return _next_data
+
+
 def install_watch() -> None:
-    """Note each DataLoader iterated (``DataLoader.__iter__``, once an epoch) from now on in this process; installed
-    once, as torch's optimizer hooks are global. Imports torch's DataLoader (``watch`` waits for it)."""
+    """Note each DataLoader iterated (``DataLoader.__iter__``, once an epoch) from now on in this process, and time
+    each batch its iterators make; installed once, as torch's optimizer hooks are global. Imports torch's DataLoader
+    (``watch`` waits for it)."""
     with _lock:
         if _installed:
             return
-        from torch.utils.data.dataloader import DataLoader  # its module's body run, where torch.utils.data may not be
+        # its module's body run, where torch.utils.data may not be
+        from torch.utils.data import dataloader
+        from torch.utils.data.dataloader import DataLoader
 
         original = DataLoader.__iter__
 
@@ -143,6 +187,10 @@ def install_watch() -> None:
             return iterator
 
         DataLoader.__iter__ = __iter__  # type: ignore[method-assign]
+        for name in (NO_WORKERS_ITER, WORKERS_ITER):
+            iterator_class = getattr(dataloader, name, None)
+            if iterator_class is not None and "_next_data" in vars(iterator_class):
+                iterator_class._next_data = _timed(iterator_class._next_data)
         _installed.append(original)
 
 

@@ -42,8 +42,9 @@ DATAPARALLEL_PARTS: tuple[Part, ...] = tuple((p, (p,)) for p in (
 # A process's step (a DDP rank, an imported trace): computing first, then the all-reduce it waits for (what
 # overlapped backward compute is counted as compute: only the exposed wait is communication), the optimizer, and
 # the script's own collectives (a recorded rank's wait in a metric's all-reduce between its steps, inside the gap before
-# forward that is its data part), and loading data last (a DataLoader range that runs beside forward is not time the
-# step spent waiting for data). "backward" is backward_compute + comm_wait (its parent): a part of its own only in a
+# forward), and loading data last (a DataLoader range that runs beside forward is not time the step spent waiting for
+# data). The data part is the DataLoader's calls in that gap (a trace's DataLoader ranges, a recorded rank's timed
+# calls: dpprof.loaders), else the whole gap. "backward" is backward_compute + comm_wait (its parent): a part of its own only in a
 # run without its parts.
 PROCESS_PARTS: tuple[Part, ...] = tuple((p, (p,)) for p in (
     "forward", "backward_compute", "comm_wait", "backward", "optimizer", "script_comm", "data"))

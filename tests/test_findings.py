@@ -518,6 +518,55 @@ def test_a_ddp_rank_whose_dataloader_loads_keeps_the_loading_words(tmp_path):
     assert "load in DataLoader worker processes (num_workers=4 or more" in found["advice"]
 
 
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_a_ranks_data_part_is_its_dataloaders_calls_not_its_own_work_between_steps(tmp_path, kind):
+    """A rank fed by a DataLoader (8 samples of 4 ms a batch) that also works 30 ms between its steps (an evaluation,
+    a checkpoint): its data part, the whole gap from the previous step's end to forward, read ~62 ms a step, 'rank:0
+    spends 95% of the step loading data' with DataLoader advice for time the loader did not take. The data part is
+    now the DataLoader's calls in the gap, as an imported trace's is its DataLoader ranges: never longer than the
+    script's own next() around them, and most of it; the 30 ms is the step's rest, which unrecorded_time names."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader
+
+    from detail_traces import SlowSet
+    from dpprof.findings import tables_of
+    from dpprof.findings.steps import rest_of_steps
+    from dpprof.instrument import instrument
+    from test_invariants import assert_parts_partition_the_steps
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    fetched = []  # the script's own clock around each next(): the DataLoader's calls lie inside it
+    try:
+        with instrument(name=kind, reports_dir=tmp_path, sample_hz=None) as recording:
+            net = nn.parallel.DistributedDataParallel(nn.Linear(64, 10)) if kind == "ddp" else fully_shard(
+                nn.Linear(64, 10))
+            opt = torch.optim.SGD(net.parameters(), lr=0.01)
+            batches = iter(DataLoader(SlowSet(), batch_size=8, num_workers=0))
+            for _ in range(6):
+                t0 = time.perf_counter_ns()
+                x = next(batches)
+                fetched.append((time.perf_counter_ns() - t0) / 1e6)
+                net(x).sum().backward()
+                opt.step()
+                time.sleep(0.03)  # an evaluation, a checkpoint: the script's own work between its steps
+    finally:
+        dist.destroy_process_group()
+    run = dpprof.load_run(recording.path)
+    data = run.phases[run.phases["phase"] == "data"].groupby("step")["duration_ms"].sum()
+    assert data.index.tolist() == [1, 2, 3, 4, 5]  # the first step's loading is before it, in no step
+    for step, ms in data.items():
+        assert ms <= fetched[step] + 1e-3, (step, ms, fetched)
+    assert data.sum() >= sum(fetched[1:]) - 0.5 * len(data)
+    assert_parts_partition_the_steps(run)
+    rest = rest_of_steps(tables_of(run)).set_index("device").loc["rank:0"]
+    assert rest["rest"] >= 25  # the 30 ms sleep: in no part (the first step left out)
+    found = findings_of(run).set_index("kind")
+    assert found.loc["unrecorded_time", "device"] == "rank:0"
+    if "data_loading" in found.index:
+        assert found.loc["data_loading", "value"] < 0.6
+
+
 def test_a_dataparallel_loop_without_dataloader_is_told_its_own_work_runs_between_steps():
     """A DataParallel loop that builds its batches with torch.randn and logs for 40 ms after each run.step(): its
     between_steps finding said 'fetching the next batch from its DataLoader (load in worker processes: num_workers,

@@ -188,9 +188,10 @@ def rest_of_steps(t: Tables) -> pd.DataFrame:
 def unrecorded_time(t: Tables) -> list[dict]:
     """A recorded DDP or FSDP rank whose step is over REST_SHARE_WARN outside its recorded parts, over the run and in
     most of its steps: the loss and the script's own code between the parts (logging, metrics and the collectives
-    that reduce them, .item(), checkpoints), none of which dpprof times. One finding for the job, on the rank with the
-    largest share; the value is that share. A few steps whose rest a stall lengthened (another process took the
-    core between two parts) are the stall finding's, not this one's."""
+    that reduce them, .item(), checkpoints, an evaluation between steps beside its DataLoader's calls), none of which
+    dpprof times. One finding for the job, on the rank with the largest share; the value is that share. A few steps
+    whose rest a stall lengthened (another process took the core between two parts) are the stall finding's, not
+    this one's."""
     if t.model.imported or t.model.kind not in ("ddp", "fsdp"):
         return []
     per = rest_of_steps(t)
@@ -214,8 +215,9 @@ def unrecorded_time(t: Tables) -> list[dict]:
                 f"them"
                 + (f"; the other ranks: {', '.join(others)}{more}" if others else "")
                 + f". It holds the loss and the script's own code between the parts: logging and metrics, "
-                f".item() and other synchronisations, checkpoints (the script's own collectives are a part of their "
-                f"own, script_comm). It {cost_text(rest_ms, steps, device + chr(39) + 's')}")
+                f".item() and other synchronisations, checkpoints and evaluation between steps (the DataLoader's calls "
+                f"are the data part, the script's own collectives a part of their own, script_comm). It "
+                f"{cost_text(rest_ms, steps, device + chr(39) + 's')}")
     advice = ("See what runs there: record a window of steps with torch.profiler (dpprof run --capture 5:8 "
               "train.py, then dpprof ops RUN), or profile the script with torch.profiler and dpprof import its "
               "rank files. Log metrics every N steps rather than every step, and move checkpoints and evaluation "

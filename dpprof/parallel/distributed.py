@@ -31,6 +31,7 @@ from torch.autograd.profiler import record_function
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from dpprof.loaders import take as loader_calls
 from dpprof.device_ids import rank_devices
 from dpprof.parallel import script_comms
 from dpprof.parallel.data_parallel import PACKAGE_DIR
@@ -454,8 +455,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             data_start = max(data_start, step.start_ns)
             # the script's collectives since the last step are this step's (held since then), and no part of its data
             held = script_comms.settle(run, step, step.start_ns) if probe.forward.call == 0 else []
-            if held and t0 > data_start:  # the data part around them, host time alone
-                for a, b in script_comms.outside(data_start, t0, held):
+            pieces = script_comms.data_pieces(data_start, t0, held, loader_calls(data_start, t0))
+            if pieces is not None:  # the DataLoader's calls, around the script's collectives: host time alone
+                for a, b in pieces:
                     probe.phase_done("data", a, b)
             elif t0 > data_start:
                 # on a GPU, the data part's GPU time only where it starts at the previous step's end (not at an

@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from dpprof.loaders import take as loader_calls
 from dpprof.device_ids import rank_devices
 from dpprof.parallel import script_comms
 from dpprof.parallel.probe import allocator_bytes, cuda_event, gpu_of, iter_tensors, rank_part, tensor_bytes
@@ -124,8 +125,9 @@ class _StepProbe:
             data_start = max(data_start, step.start_ns)
             # the script's collectives since the last step are this step's (held since then), and no part of its data
             held = script_comms.settle(run, step, step.start_ns) if step.calls == 1 else []
-            if held and t0 > data_start:  # the data part around them, host time alone
-                for a, b in script_comms.outside(data_start, t0, held):
+            pieces = script_comms.data_pieces(data_start, t0, held, loader_calls(data_start, t0))
+            if pieces is not None:  # the DataLoader's calls, around the script's collectives: host time alone
+                for a, b in pieces:
                     self.phase("data", a, b)
             elif t0 > data_start:
                 # on a GPU, from the previous step's last part's end there (not from an explicit step's start)

@@ -169,6 +169,18 @@ def outside(lo: int, hi: int, spans: list[tuple[int, int]]) -> list[tuple[int, i
     return pieces
 
 
+def data_pieces(lo: int, hi: int, held: list[tuple[int, int]],
+                loaded: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
+    """A recorded rank's data part in the gap [lo, hi) before its forward (dpprof.stepmodel): the DataLoader's calls
+    the rank's thread made in it (``loaded``: dpprof.loaders.take), as an imported trace's data part is its DataLoader
+    ranges, else the whole gap; less the script's collectives (``held``). None where it is the whole gap, the one
+    case whose GPU time is read (an event marks its start); the gap's time outside the pieces is the step's rest."""
+    if not held and not loaded:
+        return None
+    return [piece for a, b in (loaded or [(lo, hi)]) for piece in outside(max(a, lo), min(b, hi), held)
+            if piece[1] > piece[0]]
+
+
 def _timed(collective: Callable[..., Any], word: str) -> Callable[..., Any]:
     @functools.wraps(collective)
     def script_collective(*args: Any, **kwargs: Any) -> Any:
