@@ -631,6 +631,37 @@ def test_stalled_steps_are_named_in_an_outlier_finding():
     assert "bigger batch" not in outliers["evidence"]  # every step had 8 samples
 
 
+def test_slow_steps_every_n_steps_are_said_as_the_scripts_periodic_work_in_the_part_that_grew():
+    """A loop that does 60 ms of its own work inside every 4th step (an evaluation, a checkpoint): the outlier finding
+    listed steps 4, 8, 12 and 16 and advised looking for another process on the same cores. It now says they come
+    every 4 steps and that their extra time is in the step's rest, with the rest's ms in them and in the others, as
+    the step's parts (queries.step_parts, from the run file's rows) give them; irregular stalls get no period."""
+    from dpprof.store import queries
+
+    # ~4 ms steps (_PerSample's sleeps: steady under load), so a loaded machine's own noise stays under 2x
+    run = _record(_PerSample(), lambda i: (torch.randn(4, 5),), workers=2, steps=18,
+                  stall_s={i: 0.06 for i in (4, 8, 12, 16)})
+    outliers = findings_of(run).set_index("kind").loc["outlier_steps"]
+    listed = {int(s) for s, _ in re.findall(r"(\d+) \((\d+) ms\)", outliers["evidence"])}
+    assert {4, 8, 12, 16} <= listed
+    parts = queries.step_parts(run).groupby("step")[["rest"]].mean().iloc[1:]
+    slow = parts.index.isin(sorted(listed))
+    said = re.search(r"; their extra time is in the rest of the step \(in none of its recorded parts: the script's "
+                     r"own code in it, not the model's\): ([\d.]+) ms a step in them against ([\d.]+) ms in the others "
+                     r"\(median\)", outliers["evidence"])
+    assert said, outliers["evidence"]
+    assert float(said[1]) == pytest.approx(parts.loc[slow, "rest"].mean(), abs=0.006)
+    assert float(said[2]) == pytest.approx(parts.loc[~slow, "rest"].median(), abs=0.006)
+    assert float(said[1]) > 60 / len(listed) * 4 > float(said[2])
+    if listed == {4, 8, 12, 16}:  # a loaded machine's own stall beside them breaks the period
+        assert float(said[1]) >= 60
+        assert outliers["advice"].startswith("The slow steps come every 4 steps: work the script does every 4 steps")
+        assert "dpprof run --capture 4:5 train.py" in outliers["advice"]
+    irregular = _record(_PerSample(), lambda i: (torch.randn(4, 5),), workers=2, steps=18,
+                        stall_s={i: 0.06 for i in (3, 4, 9, 16)})
+    assert "every" not in findings_of(irregular).set_index("kind").loc["outlier_steps", "advice"]
+
+
 def test_a_stall_of_a_few_ms_is_said_in_ms_beyond_the_median():
     """A 3 ms stall in a run of ~1 ms steps: its time beyond the median read "0.00 s beyond the median" (seconds with
     two decimals; a torch.profiler trace of 1 ms steps said it of a 4.78 ms stall). Under 10 ms it is said in ms, as

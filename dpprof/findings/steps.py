@@ -2,6 +2,7 @@
 step time that none of its recorded parts covers."""
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -11,12 +12,12 @@ from dpprof.findings.base import MEDIAN_STEP, Tables, finding
 from dpprof.findings.detail import workers_advice
 from dpprof.findings.floors import cost_text, total_text, worth_time
 from dpprof.loaders import none_iterated
-from dpprof.stepmodel import REST, partition, parts_for
+from dpprof.stepmodel import PHASE_WORDS, REST, partition, parts_for
 from dpprof.store.queries import raised_steps_of, throughput_of, training_steps_of
 from dpprof.units import plural
 
 __all__ = ["OUTLIER_STEP_RATIO", "OUTLIER_TIME_SHARE", "OUTLIER_WARN_SHARE", "OUTLIER_STEPS_LISTED", "Stalls", "stalls",
-           "step_kinds", "bigger_batches", "outlier_steps", "REST_SHARE_WARN", "RANKS_LISTED", "rest_of_steps",
+           "step_kinds", "bigger_batches", "outlier_steps", "EVERY_MIN_STEPS", "EVERY_SHARE", "REST_SHARE_WARN", "RANKS_LISTED", "rest_of_steps",
            "unrecorded_time", "BETWEEN_STEPS_WARN", "between_steps"]
 
 # A step (past the first) over 2x the run's median step is an outlier: a stall or contention from
@@ -37,6 +38,10 @@ OUTLIER_STEPS_LISTED = 8
 REST_SHARE_WARN = 0.25
 # ... and the ranks named in its evidence (the most rest first).
 RANKS_LISTED = 8
+# Slow steps at a regular interval (every N steps): at least this many of them, and at least this share of the steps
+# at that interval slow (an evaluation or a checkpoint every N steps lands in every one; stalls from outside do not)
+EVERY_MIN_STEPS = 4
+EVERY_SHARE = 0.75
 # Time between one recorded step's end and the next's start over a quarter of the two together, in most gaps: more
 # than a loop's own Python between steps (fetching an in-memory batch, zero_grad outside the step) takes, the same
 # bound as the rest within a step (REST_SHARE_WARN); a DataParallel loop's DataLoader waits there.
@@ -115,6 +120,22 @@ def outlier_steps(t: Tables) -> list[dict]:
     outside = ("Steps that stall like this come from outside the model: another process on the same cores or GPU "
                "(another run started alongside), data loading, swapping or garbage collection. Check what else ran "
                "at those steps; the per-device findings of such a run are less certain.")
+    grown = _grown_part(t, worst.index)
+    where = ""
+    if grown is not None:
+        part, slow_ms, usual_ms = grown
+        words = ("the rest of the step (in none of its recorded parts: the script's own code in it, not the model's)"
+                 if part == REST else PHASE_WORDS.get(part, part))
+        where = (f"; their extra time is in {words}: {slow_ms:.2f} ms a step in them against {usual_ms:.2f} ms in the "
+                 f"others (median)")
+    every = _every(worst.index, per.index)
+    if every is not None:
+        first = int(min(worst.index))
+        outside = (f"The slow steps come every {every} steps: work the script does every {every} steps (an evaluation, "
+                   "a checkpoint, logging or a metric synchronised with .item()) lands in them. Do it less often, or "
+                   "make it cheaper (checkpoints written in the background, metrics kept on the device and "
+                   f"synchronised rarely); dpprof run --capture {first}:{first + 1} train.py, then dpprof ops RUN, "
+                   f"shows step {first}'s by operator.")
     bigger, against = _bigger_batches(t, worst.index, kinds)
     advice, batches = outside, ""
     if bigger:  # the step's own work grew with its batch (dynamic shapes): no stall from outside
@@ -127,7 +148,43 @@ def outlier_steps(t: Tables) -> list[dict]:
     return [finding("outlier_steps", found.severity, None,
                     f"{len(worst)} of {found.steps} steps took over {OUTLIER_STEP_RATIO:g}x the median step{of_kind}",
                     f"{of_median}; steps {listed}{more}; {total_text(excess)} beyond the median{of_kind}, "
-                    f"{share:.0%} of the run's step time past the first{batches}", advice, share, "share")]
+                    f"{share:.0%} of the run's step time past the first{where}{batches}", advice, share, "share")]
+
+
+def _grown_part(t: Tables, slow: pd.Index) -> tuple[str, float, float] | None:
+    """The part of the step (dpprof.stepmodel) that holds most of the ``slow`` steps' extra time: its name, its mean ms
+    a step in them and its median in the other steps past the first (each step's parts the mean over its ranks, so
+    they still sum to its mean window); None where the rows do not cover both, or no part holds half the extra."""
+    parts = _step_parts(t)
+    if parts.empty:
+        return None
+    names = [c for c in parts.columns if c not in ("rank", "step", "window_ms")]
+    per = parts.groupby("step")[["window_ms", *names]].mean()
+    hit = per.index.isin(slow)
+    if not hit.any() or hit.all():
+        return None
+    excess = per.loc[hit, names].mean() - per.loc[~hit, names].median()
+    total = float(per.loc[hit, "window_ms"].mean() - per.loc[~hit, "window_ms"].median())
+    part = str(excess.idxmax())
+    if total <= 0 or excess[part] < 0.5 * total:
+        return None
+    return part, float(per.loc[hit, part].mean()), float(per.loc[~hit, part].median())
+
+
+def _every(slow: Iterable[int], steps: Iterable[int]) -> int | None:
+    """The period of slow steps that come every N steps (N >= 2): at least EVERY_MIN_STEPS of them, all the same
+    step modulo N (N the greatest common divisor of their distances), and at least EVERY_SHARE of the run's steps
+    past the first that fall there; None otherwise (stalls at no regular interval)."""
+    found = sorted(int(s) for s in slow)
+    if len(found) < EVERY_MIN_STEPS:
+        return None
+    every = 0
+    for a, b in zip(found, found[1:]):
+        every = math.gcd(every, b - a)
+    if every < 2:
+        return None
+    there = [s for s in steps if s % every == found[0] % every]
+    return every if len(found) >= EVERY_SHARE * len(there) else None
 
 
 def _bigger_batches(t: Tables, steps: pd.Index, kinds: pd.Series | None = None) -> tuple[dict[int, int], str]:
@@ -164,20 +221,29 @@ def bigger_batches(batch: pd.Series, steps: Iterable[int]) -> tuple[dict[int, in
     return {int(s): int(batch[s]) for s in steps if s in batch.index and batch[s] > median}, median
 
 
+def _step_parts(t: Tables) -> pd.DataFrame:
+    """Each step past the first of each rank whose rows the run holds, split into its parts (dpprof.stepmodel.partition
+    over the run's phases): rank, step, window_ms, a column a part and the rest; empty without phases."""
+    steps = t.steps[t.steps["step"] != t.first_step]
+    if steps.empty or t.phases.empty:
+        return pd.DataFrame()
+    windows = steps.assign(lo=steps["start_ms"], hi=steps["start_ms"] + steps["duration_ms"])[["rank", "step", "lo", "hi"]]
+    ph = t.phases
+    intervals = pd.DataFrame({"rank": ph["rank"], "step": ph["step"], "kind": ph["phase"], "start": ph["start_ms"],
+                              "end": ph["start_ms"] + ph["duration_ms"]})
+    return partition(windows, intervals, parts_for(t.model.phases), ["rank", "step"])
+
+
 def rest_of_steps(t: Tables) -> pd.DataFrame:
     """Per rank (its device label) over the steps past the first: steps, mean step (window_ms), mean rest (the part
     of the step the step model gives no recorded part: dpprof.stepmodel.partition over the run's phases), ms, and
     steps_over, the steps whose own rest is over REST_SHARE_WARN of that step."""
     cols = ["device", "steps", "window_ms", REST, "steps_over"]
-    steps = t.steps[t.steps["step"] != t.first_step]
-    if steps.empty or t.phases.empty:
+    parts = _step_parts(t)
+    if parts.empty:
         return pd.DataFrame(columns=cols)
-    windows = steps.assign(lo=steps["start_ms"], hi=steps["start_ms"] + steps["duration_ms"])[["rank", "step", "lo", "hi"]]
-    ph = t.phases
-    intervals = pd.DataFrame({"rank": ph["rank"], "step": ph["step"], "kind": ph["phase"], "start": ph["start_ms"],
-                              "end": ph["start_ms"] + ph["duration_ms"]})
-    parts = partition(windows, intervals, parts_for(t.model.phases), ["rank", "step"])
     parts = parts.assign(over=parts[REST] > REST_SHARE_WARN * parts["window_ms"])
+    ph = t.phases
     label = ph.drop_duplicates("rank").set_index("rank")["device"]  # a rank's device label ("rank:1")
     per = parts.groupby("rank").agg(steps=("step", "count"), window_ms=("window_ms", "mean"), rest=(REST, "mean"),
                                     steps_over=("over", "sum"))
