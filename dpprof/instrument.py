@@ -556,8 +556,10 @@ class _Session:
         forward (gradient accumulation), or an optimizer that ends steps; never under no_grad, and never a step
         opened under no_grad (an evaluation pass: no optimizer step ends it) by the same module. A forward with grad
         of another module joins a step a no_grad forward opened: a distillation's teacher, then its student (or a
-        frozen backbone, then the head trained on its features), one iteration, one step."""
-        if not torch.is_grad_enabled():
+        frozen backbone, then the head trained on its features), one iteration, one step. A step whose forward raised
+        and ran no backward (the script caught the error and skipped the batch) is joined by none: it trained nothing
+        (queries.raised_steps_of), and the next forward is the next batch's, a step of its own."""
+        if not torch.is_grad_enabled() or (step.raised_calls and not step.passes):
             return False
         if step.grad:
             return self.optimizer_seen or self.backward_seen or self._fed_by_graph(module_id)

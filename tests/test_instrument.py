@@ -23,6 +23,7 @@ import dpprof
 from dpprof.cli import main
 from dpprof.device_ids import DeviceSet
 from dpprof.instrument import _TORCH_DP, FAILED_BUILD_NOTE, NO_PARALLEL_NOTE, SPAWNED_NOTE, instrument
+from dpprof.store import queries
 from recorded import assert_phases_inside_steps, train_distillation, train_gan
 
 pytestmark = pytest.mark.slow  # most tests run `dpprof run` (or torchrun) in a fresh process that imports torch
@@ -294,6 +295,31 @@ def test_a_plain_models_optimizer_step_before_the_next_forward_is_no_part_of_the
     ends = (steps["start_ms"] + steps["duration_ms"]).to_numpy()
     gaps = steps["start_ms"].to_numpy()[1:] - ends[:-1]
     assert (gaps >= 30).all(), gaps  # each loading lies between two steps
+
+
+def test_a_batch_whose_forward_raised_and_the_script_skipped_is_a_step_of_its_own(tmp_path, capsys):
+    """A DataParallel script that catches its forward's error on batch 3 (of 6) and goes on: once an optimizer had
+    stepped, the next batch's forward joined the failed one's step, a step of 2 forward calls and 32 samples that
+    trained (its backward), so no step was the failed forward's and its 16 samples were counted as trained
+    (queries.raised_steps 0, samples/s of 80 samples). A step whose forward raised and ran no backward is joined by
+    none now: 6 steps, the failed one neither kind, its samples not counted, as dpprof.record's steps have it."""
+    script = SCRIPTS / "train_skip.py"
+    out = _dpprof_run("--cpu-workers", "2", script, "--save", tmp_path / "recorded.pt")
+    plain = _dpprof_run("--no-record", "--cpu-workers", "2", script, "--save", tmp_path / "plain.pt")
+    assert out.returncode == plain.returncode == 0, out.stderr
+    assert out.stdout == plain.stdout and "step 3 skipped" in plain.stdout
+    recorded, unrecorded = torch.load(tmp_path / "recorded.pt"), torch.load(tmp_path / "plain.pt")
+    assert all(torch.equal(recorded[k], unrecorded[k]) for k in unrecorded)
+    run = _only_run()
+    steps = run.steps.sort_values("step")
+    assert steps["forward_calls"].tolist() == [1] * 6 and steps["batch_size"].tolist() == [16] * 6
+    assert steps["raised_calls"].tolist() == [0, 0, 0, 1, 0, 0]
+    rate = queries.throughput(run)
+    assert queries.raised_steps(run) == 1
+    assert rate is not None and (rate.samples, rate.evaluation_steps, rate.raised_steps) == (16 * 4, 0, 1)
+    capsys.readouterr()
+    assert main(["show", dpprof.list_runs().loc[0, "id"]]) == 0
+    assert "\n  1 step's forward raised, the script going on" in capsys.readouterr().out
 
 
 @pytest.mark.slow
