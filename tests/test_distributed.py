@@ -15,6 +15,7 @@ from pathlib import Path
 
 import forked
 import pytest
+import torch
 
 import dpprof
 from dpprof.cli import main
@@ -606,6 +607,35 @@ def test_a_ddp_runs_samples_per_s_leaves_its_evaluation_steps_out_from_its_rows_
         rate = queries.throughput(run)
         assert rate is not None and (rate.samples, rate.evaluation_steps) == (2 * 32 * 8, 3), run.model.aggregated
         assert rate.samples_per_s == pytest.approx(2 * 32 * 8 / (ends.iloc[-1] - ends.iloc[0]) * 1e3, rel=1e-9)
+
+
+def test_a_batch_every_rank_skipped_after_its_forward_raised_is_a_step_of_neither_kind(tmp_path, capsys):
+    """A DDP script (dpprof run under torchrun, 2 ranks, 6 steps of 32) whose model's forward raises on a NaN in step
+    3's batch on every rank, which the script catches and goes on (zero_grad, next batch): DDP's forward did not count
+    the call that raised, as DataParallel's does, so the step held no raised call (and the next batch's forward joined
+    it: 5 steps, step 3 of 2 calls and 64 samples a rank, all counted in samples/s). The call is counted now: 6 steps,
+    step 3 raised on each rank, neither kind, its samples not counted, said by `dpprof show`; the weights are the
+    unrecorded script's."""
+    script = [str(Path(__file__).parent / "scripts" / "train_ddp.py"), "--steps", "6", "--nan-at", "3"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    outs = [forked.run(torchrun + command + ["--save", str(tmp_path / f"{name}.pt")], capture_output=True, text=True,
+                       timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            for name, command in (("plain", script), ("recorded", ["-m", "dpprof", "run", *script]))]
+    for out in outs:
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert outs[0].stdout == outs[1].stdout and "step 3 skipped" in outs[0].stdout
+    plain, recorded = (torch.load(tmp_path / f"{name}.pt") for name in ("plain", "recorded"))
+    assert plain.keys() == recorded.keys() and all(torch.equal(plain[k], recorded[k]) for k in plain)
+    run = dpprof.load_run(dpprof.list_runs().loc[0, "id"])
+    steps = run.steps.sort_values(["rank", "step"])
+    assert steps["forward_calls"].tolist() == [1] * 12 and steps["batch_size"].tolist() == [32] * 12
+    assert steps["raised_calls"].tolist() == [0, 0, 0, 1, 0, 0] * 2
+    assert queries.raised_steps(run) == 1
+    rate = queries.throughput(run)
+    assert rate is not None and (rate.samples, rate.evaluation_steps, rate.raised_steps) == (2 * 32 * 4, 0, 1)
+    capsys.readouterr()
+    assert main(["show", dpprof.list_runs().loc[0, "id"]]) == 0
+    assert "\n  1 step's forward raised, the script going on" in capsys.readouterr().out
 
 
 def test_a_collective_the_script_bound_by_name_before_the_first_recorded_forward_is_timed(tmp_path):

@@ -20,6 +20,7 @@ from dpprof.cli import main
 from dpprof.findings import run_findings
 from dpprof.findings.fsdp import EXPOSED_SHARE_WARN, UNEVEN_SHARD_RATIO
 from dpprof.records import FSDP_PHASES
+from dpprof.store import queries
 from dpprof.units import mib
 from dpprof.views.fsdp import fsdp_collective_table
 from test_invariants import assert_parts_partition_the_steps
@@ -120,6 +121,29 @@ def test_weights_after_training_are_bit_identical_to_the_unprofiled_script(runs)
     for key in plain:
         assert torch.equal(plain[key], recorded[key]), key
     assert not torch.equal(plain["0.0.weight"], nn.Linear(20, 64).weight)  # trained: the weights moved
+
+
+def test_a_batch_every_rank_skipped_after_its_forward_raised_is_a_step_of_neither_kind(tmp_path, capsys):
+    """The FSDP2 script with a NaN in step 2's batch on every rank, which the model's forward raises on: the script
+    catches it, recovers FSDP (reset_iter_state) and skips the batch. dpprof counted no call that raised in an FSDP
+    root's forward, as DataParallel's, so the step held none (and the next batch's forward joined it: 4 steps, step 2
+    of 2 calls and 32 samples a rank, all counted in samples/s). It is counted now, at the next root forward: 5 steps,
+    step 2 raised on each rank, neither kind, its samples not counted, said by `dpprof show`; the weights are the
+    unrecorded script's."""
+    weights = {"plain": tmp_path / "plain.pt", "recorded": tmp_path / "recorded.pt"}
+    _torchrun([SCRIPT], {"FSDP_NAN_AT": "2", "FSDP_OUT": str(weights["plain"]), "DPPROF_REPORTS": str(tmp_path / "no")})
+    run = _recorded(tmp_path / "runs", FSDP_NAN_AT="2", FSDP_OUT=str(weights["recorded"]))
+    plain, recorded = (torch.load(weights[k]) for k in ("plain", "recorded"))
+    assert plain.keys() == recorded.keys() and all(torch.equal(plain[k], recorded[k]) for k in plain)
+    steps = run.steps.sort_values(["rank", "step"])
+    assert steps["forward_calls"].tolist() == [1] * 2 * STEPS and steps["batch_size"].tolist() == [16] * 2 * STEPS
+    assert steps["raised_calls"].tolist() == [0, 0, 1, 0, 0] * WORLD
+    assert queries.raised_steps(run) == 1
+    rate = queries.throughput(run)
+    assert rate is not None and (rate.samples, rate.evaluation_steps, rate.raised_steps) == (WORLD * 16 * 3, 0, 1)
+    capsys.readouterr()
+    assert main(["--reports-dir", str(tmp_path / "runs"), "show", str(run.paths[0])]) == 0
+    assert "\n  1 step's forward raised, the script going on" in capsys.readouterr().out
 
 
 def test_collectives_carry_the_bytes_the_shards_imply(runs):

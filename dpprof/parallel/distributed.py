@@ -35,8 +35,8 @@ from dpprof.loaders import take as loader_calls
 from dpprof.device_ids import rank_devices
 from dpprof.parallel import script_comms
 from dpprof.parallel.data_parallel import PACKAGE_DIR
-from dpprof.parallel.probe import (ForwardProbe, allocator_bytes, cuda_event, gpu_of, iter_tensors, on_gradient,
-                                   rank_part)
+from dpprof.parallel.probe import (ForwardProbe, allocator_bytes, cuda_event, end_after_error, gpu_of, iter_tensors,
+                                   on_gradient, rank_part)
 from dpprof.recording import Run, current_run
 from dpprof.records import ALL_REDUCE, ALL_REDUCE_RANGE, COMM_ROW, AllocatorRecord
 
@@ -468,9 +468,16 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             script_comms.settle(run, probe.step, probe.step.start_ns)
         probe.forward.note_batch(inputs, kwargs)
         with record_function("dpprof.forward"):
-            # calls alike (this module, its input shapes) counted from the graph once, then every so many calls
-            output, activation_bytes = probe.forward.call_counting_activations(
-                super().forward, self.module, inputs, kwargs, site=(probe.label, "forward", id(self.module)))
+            try:
+                # calls alike (this module, its input shapes) counted from the graph once, then every so many calls
+                output, activation_bytes = probe.forward.call_counting_activations(
+                    super().forward, self.module, inputs, kwargs, site=(probe.label, "forward", id(self.module)))
+            except BaseException:
+                # the script may catch it and go on (every rank skipping the batch): the part, and the call counted in
+                # its step's raised_calls, as DataParallel's
+                probe.phase_done("forward", t0, time.perf_counter_ns(), ev0, probe.event())
+                end_after_error(probe.forward, self.module, used=1)
+                raise
         probe.phase_done("forward", t0, time.perf_counter_ns(), ev0, probe.event())
         probe.read_allocator("forward")
         probe.forward.note_device(probe.label, inputs, kwargs, output, activation_bytes)

@@ -60,7 +60,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from dpprof.loaders import take as loader_calls
 from dpprof.device_ids import rank_devices
 from dpprof.parallel import script_comms
-from dpprof.parallel.probe import allocator_bytes, cuda_event, gpu_of, iter_tensors, rank_part, tensor_bytes
+from dpprof.parallel.probe import (allocator_bytes, cuda_event, end_after_error, gpu_of, iter_tensors, rank_part,
+                                   tensor_bytes)
 from dpprof.recording import Run, current_run
 from dpprof.records import ALL_REDUCE, COMM_ROW, MEMORY_ROW, PHASE_ROW, AllocatorRecord
 
@@ -104,6 +105,7 @@ class _StepProbe:
             torch.cuda.reset_peak_memory_stats(self.cuda_index)
         self.forward_t0 = t0
         self.forward_ev0 = ev0  # on a GPU: CUDA events at the parts' starts (the GPU's view of them)
+        self.forward_ended = False  # the root's forward returned (forward_done), or raised (end)
         self.backward_t0: int | None = None
         self.backward_ev0: torch.cuda.Event | None = None
         self.optimizer_t0: int | None = None
@@ -201,6 +203,7 @@ class _StepProbe:
     def forward_done(self, output: Any) -> None:
         """The root's forward ended with ``output``: its phase, output bytes and the allocator; under no_grad (no
         backward to come) the step's memory too."""
+        self.forward_ended = True
         self.phase("forward", self.forward_t0, time.perf_counter_ns(), self.forward_ev0, self.event())
         self.io_bytes = (self.io_bytes[0], tensor_bytes(output))
         self.read_allocator("forward")
@@ -210,6 +213,13 @@ class _StepProbe:
         told = self.run.forward_ended
         if told is not None:  # dpprof.instrument's step rule: a backward through it lets the next forward join
             told(output)
+
+    def end(self, module: torch.nn.Module, used: int | None = None) -> None:
+        """The root's forward raised (end_after_error, told at the next root forward: _open_step): its forward part
+        runs to the last part recorded inside it, the error's moment being unknown."""
+        self.forward_ended = True
+        self.phase("forward", self.forward_t0, max(self.forward_t0, self.last_end_ns))
+        self.step.devices_used = 1
 
     def memory(self) -> None:
         """This rank's memory for the step by dpprof's accounting (sharded and peak gathered parameters), once a step:
@@ -321,6 +331,11 @@ def _open_step(run: Run, module: torch.nn.Module, t0: int, batch: Any, inputs: A
     made the current one: the batch size from ``batch``'s first tensor, the input bytes of ``inputs``."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     previous = _state["previous"]
+    if previous is not None and previous.run is run and not previous.forward_ended:
+        # the previous root forward never reached its end: it raised, and the script went on (every rank skipping the
+        # batch; FSDP2 starts a root forward again once reset_iter_state() recovers it): counted in its step's
+        # raised_calls, as DataParallel's, before the step rule decides whether this forward joins that step
+        end_after_error(previous, previous.module)
     probe = _StepProbe(run, rank, module, t0, previous if previous is not None and previous.run is run else None,
                        shard_bytes, ev0)
     first_tensor = next(iter_tensors(batch), None)

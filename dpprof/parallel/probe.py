@@ -9,7 +9,7 @@ import dataclasses
 import time
 from collections.abc import Iterator
 from itertools import chain
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch.nn import Module
@@ -545,7 +545,15 @@ class ForwardProbe:
         watch_backward(output, self, self.output_label)
 
 
-def end_after_error(probe: ForwardProbe, module: Module, used: int | None = None) -> None:
+class _EndsForward(Protocol):
+    """What end_after_error closes: a DataParallel's or DDP rank's ForwardProbe, or an FSDP rank's step probe."""
+
+    step: Any  # the call's step (dpprof.recording's), which counts its raised_calls
+
+    def end(self, module: Module, used: int | None = None) -> None: ...
+
+
+def end_after_error(probe: _EndsForward, module: Module, used: int | None = None) -> None:
     """``probe.end`` after a forward call that raised, counted in its step's raised_calls (a script that catches the
     error and goes on, skipping an out-of-memory batch, leaves a step of forward phases and no backward that trained
     nothing): that call's error is the one the caller sees, so an end that fails on what the call left (a lazy

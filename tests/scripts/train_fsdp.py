@@ -6,7 +6,8 @@ FSDP_OUT (a path: rank 0 saves the trained full state dict there), FSDP_WIDTH (h
 FSDP_UNEVEN (1: add a 3-row table of 589,824 columns, its own fully_shard group: on 2 ranks its shards are 2 rows and 1),
 FSDP_ACCUM (micro-batches per optimizer step, default 1: gradients reduce-scattered on the last alone, through
 set_requires_gradient_sync; with FSDP_KEEP_GATHERED=1 the micro-batches before the last also keep their parameters
-gathered after backward, set_reshard_after_backward(False)).
+gathered after backward, set_reshard_after_backward(False)), FSDP_NAN_AT (a step: every rank's batch of it has a NaN,
+which the model's forward raises on; the script catches it, recovers FSDP with reset_iter_state() and skips the batch).
 """
 import gc
 import os
@@ -35,9 +36,16 @@ class Offset(torch.nn.Module):
         return x + self.table.mean()
 
 
+class Checked(torch.nn.Sequential):
+    def forward(self, x):
+        if not torch.isfinite(x).all():
+            raise RuntimeError("a batch with a NaN")
+        return super().forward(x)
+
+
 if os.environ.get("FSDP_UNEVEN") == "1":
     layers.append(Offset())
-model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 7))
+model = Checked(*layers, torch.nn.Linear(width, 7))
 reshard = os.environ.get("FSDP_RESHARD", "1") == "1"
 for layer in layers:
     fully_shard(layer, reshard_after_forward=reshard)
@@ -49,16 +57,24 @@ if os.environ.get("FSDP_PREFETCH") == "1":
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 g = torch.Generator().manual_seed(1 + rank)
 accum = int(os.environ.get("FSDP_ACCUM", "1"))
-for _ in range(int(os.environ.get("FSDP_STEPS", "4"))):
+nan_at = int(os.environ.get("FSDP_NAN_AT", "-1"))
+for step in range(int(os.environ.get("FSDP_STEPS", "4"))):
     for micro in range(accum):
         if accum > 1:
             model.set_requires_gradient_sync(micro == accum - 1)
             if os.environ.get("FSDP_KEEP_GATHERED") == "1":
                 model.set_reshard_after_backward(micro == accum - 1)
         x, y = torch.randn(16, 20, generator=g), torch.randint(0, 7, (16,), generator=g)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+        if step == nan_at:
+            x[0, 0] = float("nan")
+        try:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        except RuntimeError:
+            model.reset_iter_state()  # FSDP2's recovery from a forward that raised
+            break
         loss.backward()
-    opt.step()
+    else:
+        opt.step()
     opt.zero_grad()
 state = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items()}
 if rank == 0 and os.environ.get("FSDP_OUT"):
