@@ -146,6 +146,25 @@ def test_a_batch_every_rank_skipped_after_its_forward_raised_is_a_step_of_neithe
     assert "\n  1 step's forward raised, the script going on" in capsys.readouterr().out
 
 
+def test_fsdp2s_warning_of_a_view_names_the_line_it_names_without_dpprof(tmp_path):
+    """The FSDP2 script whose layers and root return a view of their output, which FSDP2 warns of at its caller's
+    line (stacklevel=2, in its post-forward): under dpprof the warning named dpprof's wrapper of the function that
+    warns (dpprof/parallel/fsdp.py, two lines: the root's and the other modules'), not torch's line. The recorded
+    script's warnings are now the plain script's, line for line; its weights too."""
+    warning = re.compile(r"^(.+):(\d+): (\w+Warning): (.*)$", re.MULTILINE)
+    weights = {"plain": tmp_path / "plain.pt", "recorded": tmp_path / "recorded.pt"}
+    plain = _torchrun([SCRIPT], {"FSDP_VIEW": "1", "FSDP_OUT": str(weights["plain"]),
+                                 "DPPROF_REPORTS": str(tmp_path / "unused")})
+    recorded = _torchrun(["-m", "dpprof", "run", SCRIPT], {"FSDP_VIEW": "1", "FSDP_OUT": str(weights["recorded"]),
+                                                           "DPPROF_REPORTS": str(tmp_path / "runs")})
+    said = [Counter(warning.findall(out.stderr)) for out in (plain, recorded)]
+    assert said[0] and all("returned a view tensor" in w[3] for w in said[0])  # each module class's, once a rank
+    assert said[1] == said[0]
+    assert not [w for w in said[1] if w[0].startswith(str(ROOT / "dpprof"))]
+    plain_weights, recorded_weights = (torch.load(weights[k]) for k in ("plain", "recorded"))
+    assert all(torch.equal(plain_weights[k], recorded_weights[k]) for k in plain_weights)
+
+
 def test_collectives_carry_the_bytes_the_shards_imply(runs):
     groups = sorted(_padded_bytes(g) for g in _group_shapes())
     for name, gathers_per_group in (("reshard", None), ("keep", 1)):

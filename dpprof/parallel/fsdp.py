@@ -48,9 +48,11 @@ too (``AllocatorRecord`` at the end of forward and of backward).
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import time
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -60,6 +62,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from dpprof.loaders import take as loader_calls
 from dpprof.device_ids import rank_devices
 from dpprof.parallel import script_comms
+from dpprof.parallel.data_parallel import PACKAGE_DIR
 from dpprof.parallel.probe import (allocator_bytes, cuda_event, end_after_error, gpu_of, iter_tensors, rank_part,
                                    tensor_bytes)
 from dpprof.recording import Run, current_run
@@ -631,6 +634,27 @@ class _TimedDist:
         return out
 
 
+class _WarningsPastDpprof:
+    """``warnings`` as FSDP2's state module sees it: a warning it gives at its caller's line (``stacklevel=2``, as its
+    post-forward's for a module that returned a view tensor) names the line it names without dpprof, past dpprof's
+    wrapper of the function that warns (which would otherwise be that caller); every other name torch's own."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def warn(self, message: Any, category: Any = None, stacklevel: int = 1, *args: Any, **kwargs: Any) -> None:
+        frame: FrameType | None = sys._getframe(1)  # the function that warns: stacklevel 1
+        level = 1
+        while frame is not None and level < stacklevel:
+            frame, level = frame.f_back, level + 1
+        while frame is not None and frame.f_code.co_filename.startswith(PACKAGE_DIR):
+            frame, stacklevel = frame.f_back, stacklevel + 1
+        self._inner.warn(message, category, stacklevel + 1, *args, **kwargs)  # + 1: this frame
+
+
 def _optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
     probe = _probe()
     if probe is not None:
@@ -650,6 +674,9 @@ def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
         probe.optimizer_t0 = probe.optimizer_ev0 = None
 
 
+_MODULES = ("dist", "warnings")  # the module globals wrapped (torch.distributed, warnings), not functions
+
+
 def installed() -> bool:
     """Whether FSDP's functions are wrapped now."""
     return bool(_patches)
@@ -660,7 +687,9 @@ def _fsdp2_targets() -> list[tuple[Any, str, Callable[..., Any]]]:
     from torch.distributed.fsdp._fully_shard import _fsdp_state as state_module
 
     state_cls, group_cls = state_module.FSDPState, group_module.FSDPParamGroup
-    return [(state_cls, "_root_pre_forward", _wrap_root_pre_forward),
+    # the module's warnings (a torch whose post-forward warns: 2.13's of a view tensor) name torch's lines, not dpprof's
+    warns = [(state_module, "warnings", _WarningsPastDpprof)] if "warnings" in vars(state_module) else []
+    return warns + [(state_cls, "_root_pre_forward", _wrap_root_pre_forward),
             (state_cls, "_register_pre_backward_hook", _wrap_post_forward),
             (state_cls, "_root_post_backward_final_callback", _wrap_post_backward_callback),
             (group_cls, "wait_for_unshard", _wrap_wait_for_unshard),
@@ -701,7 +730,7 @@ def install() -> bool:
                 continue
             found = [(owner.__dict__ if isinstance(owner, type) else vars(owner)).get(name)
                      for owner, name, _ in targets]
-            if any(f is None or (name != "dist" and not callable(f)) for f, (_, name, _) in zip(found, targets)):
+            if any(f is None or (name not in _MODULES and not callable(f)) for f, (_, name, _) in zip(found, targets)):
                 continue
             for (owner, name, wrap), original in zip(targets, found):
                 _patches.append((owner, name, original))

@@ -7,7 +7,8 @@ FSDP_UNEVEN (1: add a 3-row table of 589,824 columns, its own fully_shard group:
 FSDP_ACCUM (micro-batches per optimizer step, default 1: gradients reduce-scattered on the last alone, through
 set_requires_gradient_sync; with FSDP_KEEP_GATHERED=1 the micro-batches before the last also keep their parameters
 gathered after backward, set_reshard_after_backward(False)), FSDP_NAN_AT (a step: every rank's batch of it has a NaN,
-which the model's forward raises on; the script catches it, recovers FSDP with reset_iter_state() and skips the batch).
+which the model's forward raises on; the script catches it, recovers FSDP with reset_iter_state() and skips the batch),
+FSDP_VIEW (1: each layer and the root return a view of their output, which FSDP2 warns of).
 """
 import gc
 import os
@@ -21,7 +22,17 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
 width = int(os.environ.get("FSDP_WIDTH", "64"))
-layers = [torch.nn.Sequential(torch.nn.Linear(width if i else 20, width), torch.nn.ReLU()) for i in range(3)]
+
+
+class Rows(torch.nn.Module):
+    """Its input as rows: a view."""
+
+    def forward(self, x):
+        return x.view(len(x), -1)
+
+
+views = [Rows()] if os.environ.get("FSDP_VIEW") == "1" else []
+layers = [torch.nn.Sequential(torch.nn.Linear(width if i else 20, width), torch.nn.ReLU(), *views) for i in range(3)]
 UNEVEN_COLUMNS = 589_824  # one row is 2.25 MiB: over dpprof's memory floor (2 MiB)
 
 
@@ -45,7 +56,7 @@ class Checked(torch.nn.Sequential):
 
 if os.environ.get("FSDP_UNEVEN") == "1":
     layers.append(Offset())
-model = Checked(*layers, torch.nn.Linear(width, 7))
+model = Checked(*layers, torch.nn.Linear(width, 7), *views)
 reshard = os.environ.get("FSDP_RESHARD", "1") == "1"
 for layer in layers:
     fully_shard(layer, reshard_after_forward=reshard)
