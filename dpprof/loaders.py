@@ -139,15 +139,19 @@ def claim() -> list[dict[str, Any]]:
 def take(lo: int, hi: int) -> list[tuple[int, int]]:
     """The calling thread's DataLoader calls since the last take, clipped to [lo, hi) (perf_counter_ns), oldest
     first; every call logged so far is taken (another thread's, one outside the range: in no data part)."""
-    me, out = threading.get_ident(), list[tuple[int, int]]()
-    while True:
+    out: list[tuple[int, int]] = []
+    if not _calls:  # a step fed otherwise
+        return out
+    me = threading.get_ident()
+    while _calls:  # most steps: one call
         try:
             thread, a, b = _calls.popleft()
-        except IndexError:
-            return out
+        except IndexError:  # another thread took the last
+            break
         a, b = max(a, lo), min(b, hi)
         if thread == me and b > a:
             out.append((a, b))
+    return out
 
 
 def _timed(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
