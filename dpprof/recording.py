@@ -171,7 +171,11 @@ class _Step:
             self.batch_of = module
         if self.batch_of != module:
             return
-        version = first._version
+        try:
+            version = first._version
+        except RuntimeError:  # an inference tensor (made under torch.inference_mode) keeps no version: counted
+            self.batch_size = (self.batch_size or 0) + samples
+            return
         for ref, seen in self.batch_inputs:  # a loop, not any() over a generator: one call a step, most steps
             if ref() is first and seen == version:
                 return

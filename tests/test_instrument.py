@@ -349,12 +349,18 @@ def test_c_a_script_that_raises_keeps_its_run_failed_with_its_steps_and_its_own_
 
 
 # (d) evaluation only
-def test_d_an_evaluation_script_gets_one_step_per_forward_call():
-    out = _dpprof_run("--cpu-workers", "2", SCRIPTS / "evaluate.py")
+@pytest.mark.parametrize("mode", [[], ["inference"]], ids=["no_grad", "inference_mode"])
+def test_d_an_evaluation_script_gets_one_step_per_forward_call(mode):
+    """Under torch.inference_mode too: its batches are inference tensors, which keep no version counter, and reading
+    one's to tell a new batch from the same one again raised in the script's first forward (exit 1, a failed run of
+    1 step, its batch unrecorded)."""
+    out = _dpprof_run("--cpu-workers", "2", SCRIPTS / "evaluate.py", *mode)
     assert out.returncode == 0, out.stderr
-    assert out.stdout == _python(SCRIPTS / "evaluate.py").stdout
+    assert out.stdout == _python(SCRIPTS / "evaluate.py", *mode).stdout
     run = _only_run()
+    assert run.meta["status"] == "finished"
     assert run.steps["step"].tolist() == [0, 1, 2, 3, 4] and run.steps["forward_calls"].tolist() == [1] * 5
+    assert run.steps["batch_size"].tolist() == [20] * 5 and run.steps["raised_calls"].tolist() == [0] * 5
     assert set(run.phases["phase"]) == {"scatter", "replicate", "parallel_apply", "apply", "gather"}  # no backward
     assert run.steps["devices_used"].tolist() == [2] * 5
 
