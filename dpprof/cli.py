@@ -263,6 +263,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import os
     import runpy
 
+    from dpprof.device_ids import MAX_CPU_WORKERS, MAX_DEVICE_INDEX
     from dpprof.instrument import instrumented
     from dpprof.store.reader import reports_dir
 
@@ -273,6 +274,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     for flag, value in (("--cpu-workers", args.cpu_workers), ("--steps", args.steps)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be positive, got {value}")
+    if args.cpu_workers is not None and args.cpu_workers > MAX_CPU_WORKERS:  # as profile's --devices cpu:N
+        raise UsageError(f"--cpu-workers {args.cpu_workers:,}: at most {MAX_CPU_WORKERS} CPU workers exist (cpu:0 to "
+                         f"cpu:{MAX_DEVICE_INDEX}: torch numbers a device 0 to {MAX_DEVICE_INDEX})")
     if args.no_record:  # what only a recorded run has: refused, never dropped without a word
         dropped = [flag for flag, given in (("--name", args.name is not None), ("--capture", args.capture is not None),
                                             ("--detail all", args.detail == "all")) if given]

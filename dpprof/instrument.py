@@ -29,7 +29,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from dpprof.capture.window import parse_capture
-from dpprof.device_ids import cpu_devices, is_cpu_worker_list, resolve_devices
+from dpprof.device_ids import MAX_CPU_WORKERS, MAX_DEVICE_INDEX, cpu_devices, is_cpu_worker_list, resolve_devices
 from dpprof.nvml import DEFAULT_SAMPLE_HZ
 from dpprof.parallel import distributed as _ddp
 from dpprof.parallel import fsdp as _fsdp
@@ -600,6 +600,9 @@ def instrumented(record_args: dict[str, Any] | None, cpu_workers: int | None = N
         raise RuntimeError("dpprof.instrument blocks cannot be nested")
     if cpu_workers is not None and cpu_workers < 1:
         raise ValueError(f"cpu_workers must be positive, got {cpu_workers}")
+    if cpu_workers is not None and cpu_workers > MAX_CPU_WORKERS:  # refused here, not at the script's DataParallel
+        raise ValueError(f"cpu_workers={cpu_workers:,}: at most {MAX_CPU_WORKERS} CPU workers exist (cpu:0 to "
+                         f"cpu:{MAX_DEVICE_INDEX}: torch numbers a device 0 to {MAX_DEVICE_INDEX})")
     if steps is not None and steps < 1:
         raise ValueError(f"steps must be positive, got {steps}")
     session = _Session(record_args, cpu_workers, steps)

@@ -594,12 +594,23 @@ def test_an_unwritable_reports_directory_is_said_once_and_the_script_goes_on(tmp
     (["-m", "no_such_module_here"], "no module named 'no_such_module_here'"),
     (["--steps", "0", "x.py"], "--steps must be positive"),
     (["--cpu-workers", "0", "x.py"], "--cpu-workers must be positive"),
+    # more workers than torch numbers devices: the script ran and died at its DataParallel (a traceback into
+    # dpprof's cpu_devices, exit 1, a failed run of 0 steps)
+    (["--cpu-workers", "129", str(SCRIPTS / "evaluate.py")],
+     "--cpu-workers 129: at most 128 CPU workers exist (cpu:0 to cpu:127: torch numbers a device 0 to 127)"),
 ])
 def test_bad_run_arguments_are_usage_errors(argv, message, capsys):
     """A clear one-line error and exit code 2, before anything runs."""
     with pytest.raises(SystemExit) as exit_:
         main(["run", *argv])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert dpprof.list_runs().empty  # nothing recorded
+
+
+def test_instrument_refuses_more_cpu_workers_than_devices_before_the_block_runs():
+    with pytest.raises(ValueError, match="cpu_workers=129: at most 128 CPU workers exist"):
+        with instrument(store=False, cpu_workers=129):
+            pytest.fail("the block ran")
 
 
 def test_run_help(capsys):
