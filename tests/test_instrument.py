@@ -365,6 +365,22 @@ def test_d_an_evaluation_script_gets_one_step_per_forward_call(mode):
     assert run.steps["devices_used"].tolist() == [2] * 5
 
 
+@needs_no_gpu
+def test_torchs_warning_on_gathering_scalars_names_the_scripts_line_not_dpprofs():
+    """A loss computed inside forward: gathering the replicas' scalar losses gives torch's "all input tensors were
+    scalars" UserWarning, which named dpprof/parallel/scatter_gather.py:185 (a fixed stacklevel, another line of it
+    for a dict's scalar), so the script's own line was nowhere and dpprof looked at fault."""
+    script = SCRIPTS / "train_loss_inside.py"
+    out = _dpprof_run("--cpu-workers", "2", script)
+    assert out.returncode == 0, out.stderr
+    line = next(i for i, text in enumerate(script.read_text().splitlines(), 1) if "the line torch's warning" in text)
+    warned = [text for text in out.stderr.splitlines() if "UserWarning" in text]
+    assert warned == [f"{script}:{line}: UserWarning: Was asked to gather along dimension 0, but all input tensors "
+                      "were scalars; will instead unsqueeze and return a vector."], out.stderr
+    assert str(ROOT / "dpprof") not in out.stderr
+    assert _only_run().steps["batch_size"].tolist() == [14] * 3
+
+
 # (e) type, isinstance and checkpoints
 LOAD = """
 import sys, torch

@@ -224,7 +224,7 @@ def test_gather_of_scalars_returns_a_vector_and_warns(workers):
     inputs = tuple(torch.randn((), requires_grad=True, dtype=torch.double) for _ in range(workers))
     with pytest.warns(UserWarning, match=re.escape(SCALAR_WARNING)) as caught:
         result = dpprof.gather(inputs, torch.device("cpu", 0))
-    assert [str(w.message) for w in caught if "scalars" in str(w.message)] == [SCALAR_WARNING]
+    assert [(str(w.message), w.filename) for w in caught if "scalars" in str(w.message)] == [(SCALAR_WARNING, __file__)]
     assert result.size() == torch.Size([workers])
     for i in range(workers):
         assert_close(result[i], inputs[i])
@@ -235,6 +235,15 @@ def test_gather_of_scalars_returns_a_vector_and_warns(workers):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert gradcheck(lambda *xs: dpprof.gather(xs, torch.device("cpu", 0)), inputs)
+
+
+def test_the_scalar_warning_names_the_callers_line_however_deep_the_scalars_lie():
+    """It named a line of dpprof/parallel/scatter_gather.py (a fixed stacklevel), another one for a dict's scalars."""
+    for outputs in ([torch.tensor(1.0), torch.tensor(2.0)], [{"loss": torch.tensor(1.0)}, {"loss": torch.tensor(2.0)}],
+                    [(torch.ones(2), (torch.tensor(1.0),)), (torch.ones(2), (torch.tensor(2.0),))]):
+        with pytest.warns(UserWarning, match=re.escape(SCALAR_WARNING)) as caught:
+            dpprof.gather(outputs, torch.device("cpu", 0))
+        assert [w.filename for w in caught] == [__file__]
 
 
 def test_gather_of_scalars_along_dim_1_does_not_unsqueeze():

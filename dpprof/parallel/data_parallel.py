@@ -8,8 +8,6 @@ CPU workers by dpprof's implementations of the same semantics. Each phase runs i
 from __future__ import annotations
 
 import functools
-import os
-import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -20,6 +18,7 @@ import torch
 from torch.nn import Module
 
 from dpprof.device_ids import DeviceLike, DeviceSet, resolve_devices
+from dpprof.parallel.callers import caller_level
 from dpprof.parallel.parallel_apply import parallel_apply
 from dpprof.parallel.probe import ForwardProbe, MeasuredReplica, end_after_error, watch_backward
 from dpprof.parallel.ranges import profiler_on, profiler_range
@@ -124,21 +123,7 @@ def _say_shared_generator(module: Module, workers: int) -> None:
     run = current_run()
     if run is not None:
         run.note("dpprof", message, tell=False)
-    warnings.warn(message, UserWarning, stacklevel=_caller_level())
-
-
-PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # dpprof/: its frames are not a script's
-# dpprof's own files and Module.__call__'s: the frames between a script's model(x) and a warning dpprof gives there
-_CALL_FILES = (PACKAGE_DIR, os.path.abspath(sys.modules[Module.__module__].__file__ or ""))
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of the caller's line for a warning given by the function that calls this: past dpprof's
-    frames and Module's call, however many there are (dpprof run's stand-in adds a forward of its own)."""
-    level, frame = 1, sys._getframe(2)  # the warning's function's caller
-    while frame is not None and frame.f_code.co_filename.startswith(_CALL_FILES):
-        frame, level = frame.f_back, level + 1
-    return level + 1
+    warnings.warn(message, UserWarning, stacklevel=caller_level())
 
 
 class DataParallel(torch.nn.DataParallel):

@@ -62,7 +62,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from dpprof.loaders import take as loader_calls
 from dpprof.device_ids import rank_devices
 from dpprof.parallel import script_comms
-from dpprof.parallel.data_parallel import PACKAGE_DIR
+from dpprof.parallel.callers import PACKAGE_DIR
 from dpprof.parallel.probe import (allocator_bytes, cuda_event, end_after_error, gpu_of, iter_tensors, rank_part,
                                    tensor_bytes)
 from dpprof.recording import Run, current_run

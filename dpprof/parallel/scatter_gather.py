@@ -14,6 +14,7 @@ import torch
 from torch.nn.parallel import scatter_gather as _torch_sg
 
 from dpprof.device_ids import CudaIds, DeviceLike, is_cpu_worker_list
+from dpprof.parallel.callers import caller_level
 
 __all__ = ["scatter", "scatter_kwargs", "scatter_sized", "gather", "check_scatter_dim"]
 
@@ -150,7 +151,7 @@ def _first_tensor(obj: Any) -> torch.Tensor | None:
 
 def _cpu_gather_tensors(tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     if dim == 0 and all(t.dim() == 0 for t in tensors):
-        warnings.warn(_SCALAR_GATHER_WARNING, stacklevel=4)
+        warnings.warn(_SCALAR_GATHER_WARNING, stacklevel=caller_level())  # the script's line, at any depth
         tensors = [t.view(1) for t in tensors]
     return torch.cat(list(tensors), dim)
 
