@@ -36,7 +36,8 @@ def body(row: pd.Series) -> None:
         st.warning(markdown_text(line))
     st.caption(markdown_words(data.calibration_note))
     c = st.columns(3)
-    c[0].metric("Measured median step", f"{a.measured_step_ms:.2f} ms")
+    c[0].metric("Measured median training step" if a.measured.training_only else "Measured median step",  # evaluation left out
+                f"{a.measured_step_ms:.2f} ms")
     best = a.headline()
     if best is not None:
         c[1].metric("Fastest at this batch", f"{best.step_ms:.2f} ms", f"{best.step_ms / a.measured_step_ms - 1:+.0%}",

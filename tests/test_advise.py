@@ -381,6 +381,53 @@ def test_steps_slow_from_their_own_bigger_batch_are_said_as_the_finding_says_the
     assert ("something else ran" in note) == ("another process" in outliers["advice"])
 
 
+def test_a_script_that_evaluates_between_epochs_is_advised_from_its_training_steps(tmp_path):
+    """A training script with an evaluation pass under no_grad after each epoch, at the training batch: 8 training
+    steps (20 ms of their own work each) and 12 evaluation steps (forwards alone, ~1 ms). The advisor mixed the two
+    kinds: its median step was an evaluation step's, its typical step mostly evaluation steps (backward diluted), and
+    every training step past the first was "stalled: something else ran on this machine" against that median."""
+    from dpprof.views.advise import AdvisorView, text_lines
+
+    torch.manual_seed(0)
+    with dpprof.instrument(name="train and evaluate", reports_dir=str(tmp_path), cpu_workers=2) as recording:
+        model = torch.nn.DataParallel(torch.nn.Linear(16, 4))  # the script's own torch name, recorded
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            for _ in range(4):
+                model(torch.randn(8, 16)).pow(2).mean().backward()
+                time.sleep(0.02)  # the training step's own work, inside the step (which ends at optimizer.step)
+                optimizer.step()
+                optimizer.zero_grad()
+            with torch.no_grad():
+                for _ in range(6):
+                    model(torch.randn(8, 16))
+    run = dpprof.load_run(recording.path)
+    training = set(run.phases.loc[run.phases["phase"] == "backward", "step"])
+    assert len(run.steps) == 20 and len(training) == 8 and set(run.steps["batch_size"]) == {8}
+    m = measure(run)
+    assert m.step_ms == queries.kind_medians(run)["training"] >= 20
+    assert m.stall_note is None  # no training step is 2x the training steps' median
+    assert m.typical_step_ms >= 20 and m.parts_ms["backward"] > 0
+    assert m.typical_steps <= 7 and m.steps == 20
+    header = text_lines(AdvisorView(advise(m, None), None, ""))[1]
+    assert header.startswith(f"measured: median training step {m.step_ms:.2f} ms (the run's evaluation steps, with no "
+                             "backward, left out; 90% interval of the median "), header
+    # two training steps beside evaluation steps are too few, said of them
+    with dpprof.instrument(name="evaluation mostly", reports_dir=str(tmp_path), cpu_workers=2) as recording:
+        model = torch.nn.DataParallel(torch.nn.Linear(16, 4))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(torch.randn(8, 16)).pow(2).mean().backward()
+            optimizer.step()
+            with torch.no_grad():
+                for _ in range(3):
+                    model(torch.randn(8, 16))
+    mostly = dpprof.load_run(recording.path)
+    with pytest.raises(NotAdvisable, match=f"run {mostly.id} keeps 2 training step\\(s\\) beside its evaluation steps: "
+                                           "the advisor needs 3"):
+        measure(mostly)
+
+
 def test_a_run_too_noisy_to_predict_from_headlines_nothing_and_says_its_spread(paused):
     from dpprof.advise.predict import MAX_INTERVAL_RATIO
     from dpprof.views.advise import AdvisorView, scenario_table, text_lines

@@ -4,7 +4,10 @@
 common batch size, whose time lies between the 25th and 75th percentile: each phase is averaged over these
 steps, so the parts add up exactly to their mean step, which stands for the median step without the stalls a
 shared machine adds. A long run (read from its aggregates) uses the steps whose detail stands for the run
-(RunModel.sampled_steps_sql, applied in dpprof.store.advisor_rows).
+(RunModel.sampled_steps_sql, applied in dpprof.store.advisor_rows). A run that evaluates between its training steps
+(forwards alone, under no_grad: steps with no backward) is read from its training steps alone, the steps the advisor
+predicts: the typical step, the median step and its interval, the spread of applies and the stalls
+(queries.training_steps_of's rule, over the steps whose detail stands for the run).
 
 **Memory** is what dpprof accounts to each device in its peak step, split into what scales with the batch
 (its input chunk, outputs, saved activations, gathered outputs, the loss's tensors) and what does not (weights,
@@ -74,7 +77,8 @@ class Measured:
     chunks: tuple[int, ...]  # each device's chunk in the typical step (torch.chunk's split)
     steps: int  # steps in the run
     typical_steps: int  # steps the parts are averaged over
-    step_ms: float  # the median step (dpprof's one definition: every recorded step)
+    step_ms: float  # the median step (dpprof's one definition: every recorded step; the training steps' where the run
+    # evaluates between them: queries.kind_medians)
     typical_step_ms: float  # the mean of the typical steps: what the parts add up to
     median_interval: tuple[float, float]  # the 90% interval of the median step over the median, by resampling
     step_quartiles: tuple[float, float]  # the 25th and 75th percentile of the steps past the first, over the median
@@ -109,6 +113,8 @@ class Measured:
     # prediction; None where they do not
     stall_note: str | None = None
     incomplete_note: str | None = None  # that the run did not finish (its status, the steps it recorded)
+    # the run evaluates between its training steps (steps with no backward): the figures above are its training steps'
+    training_only: bool = False
 
     @property
     def n(self) -> int:
@@ -193,8 +199,15 @@ def measure(run: StoredRun) -> Measured:
     model = run.model
     steps = advisor_rows.sampled_steps(run)
     durations = advisor_rows.durations_past_first(run)
+    # evaluation between training steps (forwards alone, no backward): the advisor predicts the training steps
+    training = queries.training_steps_of(advisor_rows.trained_steps(run), steps["step"])
+    if training is not None:
+        steps = steps[steps["step"].isin(training)]
+        durations = durations[durations.index.isin(training)]
     if len(steps) < MIN_STEPS or len(durations) < MIN_STEPS - 1:
-        raise NotAdvisable(f"run {run.id} keeps the detail of {len(steps)} step(s): the advisor needs {MIN_STEPS}")
+        which = (f"{len(steps)} training step(s) beside its evaluation steps" if training is not None
+                 else f"the detail of {len(steps)} step(s)")
+        raise NotAdvisable(f"run {run.id} keeps {which}: the advisor needs {MIN_STEPS}")
     typical = _typical(steps)
     ids = tuple(int(s) for s in typical["step"])
     phases = advisor_rows.phases_of_steps(run, ids)
@@ -247,8 +260,8 @@ def measure(run: StoredRun) -> Measured:
     if not batch or sum(chunks) != batch:
         split = chunk_sizes(batch, len(devices))
         chunks = tuple(split + [0] * (len(devices) - len(split))) if batch else chunks
-    fixed, fixed_source = _fixed_apply_ms(run, devices)
-    ratios = _apply_ratios(run)
+    fixed, fixed_source = _fixed_apply_ms(run, devices, training)
+    ratios = _apply_ratios(run, training)
     threads, threads_source, cores = _threads(run)
     memory = _memory(run, devices, batch, model.kind)
     first = memory[devices[0]]
@@ -266,7 +279,7 @@ def measure(run: StoredRun) -> Measured:
     return Measured(
         run_id=run.id, name=str(run.meta.get("name") or run.id), kind=model.kind, backend=str(model.backend),
         devices=devices, batch_size=batch, chunks=chunks, steps=model.steps, typical_steps=count,
-        step_ms=float(queries.median_step_ms(run) or typical_ms), typical_step_ms=typical_ms,
+        step_ms=float(_median_ms(run, training) or typical_ms), typical_step_ms=typical_ms,
         median_interval=_median_interval([float(d) for d in durations]),
         gap_ms=_gap_ms(run),
         step_quartiles=(float(durations.quantile(0.25) / durations.median()),
@@ -279,7 +292,15 @@ def measure(run: StoredRun) -> Measured:
         target_bytes_per_sample=float(targets.sum() or 0) / (batch * count) if batch else 0.0,
         total_memory_bytes=total, workload=workload, workload_args=dict(args), source=source, apply_ratios=ratios,
         step_spread_ms=tuple(float(q) for q in durations.quantile([0, 0.25, 0.75, 1])),  # type: ignore[arg-type]
-        stall_note=_stall_note(run), incomplete_note=_incomplete_note(run, model.steps))
+        stall_note=_stall_note(run, training), incomplete_note=_incomplete_note(run, model.steps),
+        training_only=training is not None)
+
+
+def _median_ms(run: StoredRun, training: set[int] | None) -> float | None:
+    """The median step, of the training steps where the run evaluates between them (``training``)."""
+    if training is None:
+        return queries.median_step_ms(run)
+    return (queries.kind_medians(run) or {}).get("training")
 
 
 def _incomplete_note(run: StoredRun, steps: int) -> str | None:
@@ -294,35 +315,40 @@ def _incomplete_note(run: StoredRun, steps: int) -> str | None:
             f"recorded, and each command runs as many.")
 
 
-def _stall_note(run: StoredRun) -> str | None:
-    """The stall finding's rule (dpprof.findings.steps.stalls) over every step past the first, in a sentence said
-    before the predictions; None where the steps do not stall. Slow steps that carried a bigger batch than the
+def _stall_note(run: StoredRun, training: set[int] | None = None) -> str | None:
+    """The stall finding's rule (dpprof.findings.steps.stalls) over every step past the first (the ``training`` steps
+    alone where the run evaluates between them: a training step is no stall for being longer than an evaluation
+    step), in a sentence said before the predictions; None where the steps do not stall. Slow steps that carried a bigger batch than the
     median step's are put down to their batch, as the finding puts them (dpprof.findings.steps.bigger_batches).
 
     Stalls do not stop a prediction: a stall is a step over OUTLIER_STEP_RATIO x the median, so stalls are always
     fewer than half the steps; the median step is not moved by them and the typical step the parts come from
     (the middle half) never holds one. What they say is that the machine was shared while the run recorded.
     """
-    found = stalls(advisor_rows.step_maxima(run).iloc[1:])
+    per, batches = advisor_rows.step_maxima(run).iloc[1:], advisor_rows.step_batch_maxima(run).iloc[1:]
+    kind = ""
+    if training is not None:
+        per, batches, kind = per[per.index.isin(training)], batches[batches.index.isin(training)], "training "
+    found = stalls(per)
     if found is None:
         return None
     slow = len(found.slow_ms)
     worst = ", ".join(f"{int(s)} ({ms:,.0f} ms)" for s, ms in found.slow_ms.head(3).items()) + _more(slow)
-    bigger, median_batch = bigger_batches(advisor_rows.step_batch_maxima(run).iloc[1:], found.slow_ms.index)
+    bigger, median_batch = bigger_batches(batches, found.slow_ms.index)
     if not bigger:
-        return (f"{slow} of {found.steps} steps stalled (over {OUTLIER_STEP_RATIO:g}x the median step of "
+        return (f"{slow} of {found.steps} {kind}steps stalled (over {OUTLIER_STEP_RATIO:g}x the median {kind}step of "
                 f"{found.median_ms:,.2f} ms: steps {worst}; {found.share:.0%} of the run's step time): something else "
                 "ran on this machine. The predictions start from the median and the typical step, which leave the "
                 "stalls out, and hold for a machine as quiet as the run's other steps.")
     listed = ", ".join(f"{s} ({b:,} samples)" for s, b in list(bigger.items())[:3]) + _more(len(bigger))
-    took = (f"{slow} of {found.steps} steps took over {OUTLIER_STEP_RATIO:g}x the median step of "
+    took = (f"{slow} of {found.steps} {kind}steps took over {OUTLIER_STEP_RATIO:g}x the median {kind}step of "
             f"{found.median_ms:,.2f} ms (steps {worst}; {found.share:.0%} of the run's step time)")
-    batches = (f"a bigger batch than the median step's {median_batch:,g} samples (steps {listed}): their time "
-               "follows their batch (batches of varying size), not a stall")
+    bigger_words = (f"a bigger batch than the median {kind}step's {median_batch:,g} samples (steps {listed}): their "
+                    "time follows their batch (batches of varying size), not a stall")
     if len(bigger) == slow:
-        return (f"{took}, each with {batches}. The predictions start from the median and the typical step, of the "
+        return (f"{took}, each with {bigger_words}. The predictions start from the median and the typical step, of the "
                 "run's most common batch, which leave them out.")
-    return (f"{took}: {len(bigger)} of them had {batches}; the other {slow - len(bigger)} stalled: something else ran "
+    return (f"{took}: {len(bigger)} of them had {bigger_words}; the other {slow - len(bigger)} stalled: something else ran "
             "on this machine. The predictions start from the median and the typical step, of the run's most common "
             "batch, which leave them out, and hold for a machine as quiet as the run's other steps.")
 
@@ -334,10 +360,13 @@ def _more(listed: int, shown: int = 3) -> str:
 RATIO_CLIP = (0.05, 0.95)  # apply_ratios' percentiles kept: a stall of the machine is not a rank's spread
 
 
-def _apply_ratios(run: StoredRun) -> tuple[float, ...]:
-    """Each device's model apply (call 0) in each step past the first over that device's mean, pooled, clipped
-    to RATIO_CLIP's percentiles; empty where the run has fewer than MIN_STEPS such steps."""
+def _apply_ratios(run: StoredRun, training: set[int] | None = None) -> tuple[float, ...]:
+    """Each device's model apply (call 0) in each step past the first (each ``training`` step, where the run evaluates
+    between them) over that device's mean, pooled, clipped to RATIO_CLIP's percentiles; empty where the run has fewer
+    than MIN_STEPS such steps."""
     rows = advisor_rows.sampled_model_applies(run)
+    if training is not None:
+        rows = rows[rows["step"].isin(training)]
     if len(rows) < MIN_STEPS:
         return ()
     means = rows.groupby("device")["duration_ms"].transform("mean")
@@ -359,10 +388,11 @@ def _gap_ms(run: StoredRun) -> float:
 MIN_STEPS_PER_CHUNK_SIZE = 3
 
 
-def _fixed_apply_ms(run: StoredRun, devices: tuple[str, ...]) -> tuple[float, str]:
+def _fixed_apply_ms(run: StoredRun, devices: tuple[str, ...], training: set[int] | None = None) -> tuple[float, str]:
     """The per-chunk part of an apply: the intercept of one device's apply time against its chunk size, where
     that device's chunks came in at least two sizes (an epoch's last, smaller batch), the median over such
-    devices; else 0 (every apply scales with its chunk).
+    devices; else 0 (every apply scales with its chunk). Of the ``training`` steps alone where the run evaluates between
+    them: an evaluation's apply under no_grad is no training apply of another chunk size.
 
     Only one device's own chunks are compared: across devices the chunk sizes differ by a sample or two (torch.chunk
     gives the last device fewer) while the samples themselves differ far more (a sorted batch puts its longest
@@ -370,6 +400,8 @@ def _fixed_apply_ms(run: StoredRun, devices: tuple[str, ...]) -> tuple[float, st
     the batch, not what a chunk costs, and can call most of the compute "per chunk": batch size then moves nothing.
     """
     rows = advisor_rows.model_applies_with_chunks(run)
+    if training is not None:
+        rows = rows[rows["step"].isin(training)]
     rows = rows.dropna(subset=["chunk"])
     rows = rows[rows["device"].isin(devices)]
     # per device and chunk size, the median apply (robust to stalls) over the steps that had it

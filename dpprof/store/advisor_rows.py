@@ -27,6 +27,7 @@ __all__ = [
     "step_maxima",
     "step_spans",
     "steps_after",
+    "trained_steps",
 ]
 
 _PAST_FIRST = "step > (SELECT MIN(step) FROM steps)"  # the run's first step carries one-time costs
@@ -48,8 +49,14 @@ def sampled_steps(run: StoredRun) -> pd.DataFrame:
 
 
 def durations_past_first(run: StoredRun) -> pd.Series:
-    """Every step's duration_ms but the run's first step's (every step is kept, whatever the retention)."""
-    return run.query(f"SELECT duration_ms FROM steps WHERE {_PAST_FIRST}")["duration_ms"]
+    """Every step's duration_ms but the run's first step's (every step is kept, whatever the retention), by step."""
+    return run.query(f"SELECT step, duration_ms FROM steps WHERE {_PAST_FIRST}").set_index("step")["duration_ms"]
+
+
+def trained_steps(run: StoredRun) -> set[int]:
+    """The steps a backward ran in, of those whose detail stands for the run (the others' phases may be thinned)."""
+    rows = run.query(f"SELECT DISTINCT step FROM phases WHERE phase = 'backward' AND {run.model.sampled_steps_sql()}")
+    return {int(s) for s in rows["step"]}
 
 
 def phases_of_steps(run: StoredRun, steps: Iterable[int]) -> pd.DataFrame:
@@ -93,8 +100,8 @@ def step_spans(run: StoredRun) -> pd.DataFrame:
 
 def sampled_model_applies(run: StoredRun) -> pd.DataFrame:
     """The model's apply (call 0) per device in the steps past the first whose detail stands for the run: columns
-    device, duration_ms, rank."""
-    return run.query("SELECT device, duration_ms FROM phases WHERE phase = 'apply' AND call = 0 AND "
+    step, device, duration_ms, rank."""
+    return run.query("SELECT step, device, duration_ms FROM phases WHERE phase = 'apply' AND call = 0 AND "
                      f"{run.model.sampled_steps_sql()} AND {_PAST_FIRST}")
 
 

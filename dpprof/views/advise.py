@@ -142,6 +142,13 @@ def _parts(parts: dict[str, float]) -> str:
     return ", ".join(f"{_SHORT.get(p, p)} {v:.2f}" for p, v in parts.items() if v > 0.0005)
 
 
+def _over(m: Measured) -> str:
+    """The measured median step and the steps it is of, in words, up to the parenthesis its interval is said in."""
+    if not m.training_only:
+        return f"step {m.step_ms:.2f} ms over {m.steps} steps ("
+    return f"training step {m.step_ms:.2f} ms (the run's evaluation steps, with no backward, left out; "
+
+
 def text_lines(view: AdvisorView) -> list[str]:
     """``dpprof advise RUN``'s report: the run, each scenario (step, interval, parts, memory, what changes, the
     command), the largest batch that fits, the assumptions."""
@@ -152,7 +159,7 @@ def text_lines(view: AdvisorView) -> list[str]:
     on = plural(m.n, "CPU worker" if m.backend == "cpu" else "GPU")
     out = [f"run {m.run_id}  {m.name!r}: {'balanced ' if m.kind == 'balanced' else ''}DataParallel on {on}, "
            f"batch {m.batch_size}, {m.threads} intra-op thread(s)",
-           f"measured: median step {m.step_ms:.2f} ms over {m.steps} steps (90% interval of the median "
+           f"measured: median {_over(m)}90% interval of the median "
            f"{m.step_ms * m.median_interval[0]:.2f}-{m.step_ms * m.median_interval[1]:.2f} ms)",
            view.calibration_note, ""]
     recorded = next((s for s in a.scenarios if s.recorded), None)
