@@ -568,10 +568,15 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if rate is not None:
         print(f"  {rate.samples_per_s:,.0f} samples/s: {rate.words()}")
     raised = queries.raised_steps(run)
-    if raised:  # the script caught its forward's error and went on: these steps trained nothing, and evaluated nothing
-        whose = "'s" if raised == 1 else "'"  # "1 step's", "3 steps'"
-        print(f"  {plural(raised, 'step')}{whose} forward raised, the script going on (an out-of-memory batch "
+    # a failed run's last step whose forward raised: the error the script died of, not one it went on from
+    died = int(bool(raised) and m["status"] == "failed" and queries.raised_last_step(run))
+    if raised - died:  # the script caught its forward's error and went on: these trained nothing, evaluated nothing
+        whose = "'s" if raised - died == 1 else "'"  # "1 step's", "3 steps'"
+        print(f"  {plural(raised - died, 'step')}{whose} forward raised, the script going on (an out-of-memory batch "
               "skipped): neither training nor evaluation steps, their samples not in samples/s")
+    if died:
+        print("  its last step's forward raised the error the run failed with: a step of neither kind, its samples not "
+              "in samples/s")
     if model.detail_text():
         print(f"  {model.detail_text()}")
     if model.nothing_to_balance:

@@ -348,6 +348,23 @@ def test_c_a_script_that_raises_keeps_its_run_failed_with_its_steps_and_its_own_
     assert run.steps["step"].tolist() == [0, 1, 2] and run.steps["forward_calls"].tolist() == [1, 1, 1]
 
 
+def test_c_a_script_whose_forward_raises_uncaught_is_not_said_to_go_on(capsys):
+    """The forward that killed the script is its run's last step, a step whose forward raised and ran no backward, as
+    a step skipped by a script that catches an out-of-memory error is: dpprof show said of it "1 step's forward
+    raised, the script going on (an out-of-memory batch skipped)", of a script that died there."""
+    out = _dpprof_run("--cpu-workers", "2", SCRIPTS / "train_crash.py", "forward")
+    assert out.returncode == 1 and "mat1 and mat2 shapes cannot be multiplied" in out.stderr
+    run = _only_run()
+    assert run.meta["status"] == "failed"
+    assert run.steps["raised_calls"].tolist() == [0, 0, 0, 1]
+    capsys.readouterr()
+    assert main(["show", run.id]) == 0
+    shown = capsys.readouterr().out
+    assert "going on" not in shown
+    assert ("\n  its last step's forward raised the error the run failed with: a step of neither kind, its samples not "
+            "in samples/s\n") in shown
+
+
 # (d) evaluation only
 @pytest.mark.parametrize("mode", [[], ["inference"]], ids=["no_grad", "inference_mode"])
 def test_d_an_evaluation_script_gets_one_step_per_forward_call(mode):

@@ -32,7 +32,7 @@ from dpprof.units import plural
 
 __all__ = ["MAX_POINTS", "WORK_SAMPLE_PER_DEVICE", "TIMELINE_MAX_STEPS", "GPU_METRICS", "bucket_width",
            "stacked_phases", "step_parts", "run_stats", "batch_sizes", "Throughput", "training_steps_of",
-           "raised_steps_of", "throughput_of", "throughput", "raised_steps", "median_step_ms", "kind_medians", "step_times", "phase_breakdown", "phase_totals",
+           "raised_steps_of", "throughput_of", "throughput", "raised_steps", "raised_last_step", "median_step_ms", "kind_medians", "step_times", "phase_breakdown", "phase_totals",
            "work_samples", "work_stats", "memory_peaks", "chunk_counts", "gpu_series", "timeline",
            "GPU_TIME_PARTS", "gpu_time", "phase_means", "phase_overlaps", "outlier_steps", "detail_steps", "step_span", "sampled_comm_rows"]
 
@@ -367,6 +367,17 @@ def raised_steps(run: StoredRun) -> int:
         backward = run.query("SELECT DISTINCT step FROM phases WHERE phase = 'backward'")["step"]
         return len(raised_steps_of(run.query("SELECT step, raised_calls FROM steps"), backward))
     return int(run.query(f"SELECT COUNT(*) AS n FROM steps s WHERE {_raised_sql(run)}")["n"].iloc[0])
+
+
+def raised_last_step(run: StoredRun) -> bool:
+    """Whether the run's last step (a rank's, in a distributed run) is one raised_steps_of counts: its forward raised
+    and it ran no backward. In a failed run that forward is the error the script died of, not one it went on from.
+    False in a file written before the steps' raised_calls (the newest steps are always kept whole)."""
+    if run.model.kind == "empty" or "raised_calls" not in _columns(run, "steps"):
+        return False
+    last = run.query(f"SELECT COUNT(*) AS n FROM steps s WHERE s.step = (SELECT MAX(step) FROM steps) AND "
+                     f"{_raised_sql(run)}")
+    return bool(last["n"].sum())
 
 
 def median_step_ms(run: StoredRun) -> float | None:
