@@ -383,6 +383,36 @@ def test_a_dataparallel_loop_that_waits_for_its_loader_between_steps_is_told_so(
     assert "between_steps" not in set(findings_of(quiet)["kind"])
 
 
+def test_a_loop_that_waits_before_every_other_step_is_told_of_its_time_between_steps_and_one_stall_is_not():
+    """A DataParallel loop that waits 30 ms before every other step, as a DataLoader with 2 workers keeps it waiting
+    for one batch in two: 8 steps of ~1 ms, half of the run's time between them, and no finding, as the rule asked for
+    most gaps over a quarter of the gap and its step (3 of 7 here). It now asks that the share hold without the
+    longest gap; one 300 ms stall between two steps still gets none."""
+    from dpprof.findings.steps import BETWEEN_STEPS_WARN
+
+    def loop(waits):
+        net = dpprof.DataParallel(nn.Linear(64, 10), device_ids=dpprof.cpu_devices(2))
+        with dpprof.record(name="gaps", sample_hz=None) as recording:
+            for i in range(8):
+                time.sleep(waits.get(i, 0))  # the loop's wait for its next batch
+                with recording.step():
+                    net(torch.randn(8, 64)).sum().backward()
+        run = dpprof.load_run(recording.path)
+        steps = run.steps.set_index("step").sort_index()
+        ends = steps["start_ms"] + steps["duration_ms"]
+        gaps = (steps["start_ms"].shift(-1) - ends).iloc[:-1].clip(lower=0)
+        span = ends.iloc[-1] - ends.iloc[0]
+        return run, gaps.sum() / span, (gaps.sum() - gaps.max()) / (span - gaps.max())
+
+    run, share, without = loop({i: 0.03 for i in (2, 4, 6)})
+    assert share > without > BETWEEN_STEPS_WARN  # 3 waits of 30 ms against 7 steps of a few ms, even under load
+    found = findings_of(run).set_index("kind").loc["between_steps"]
+    assert found["value"] == pytest.approx(share, rel=1e-9)
+    run, share, without = loop({4: 0.3})
+    assert without <= BETWEEN_STEPS_WARN < share
+    assert "between_steps" not in set(findings_of(run)["kind"])
+
+
 def test_a_recorded_run_says_its_dataloader_watch_saw_none(tmp_path):
     """A DataParallel run with no DataLoader iterated stores data_loaders [] from its start, read back as {0: []}
     ("watched, none"; it read {}, as a file that says nothing does), and so does a dpprof export of it imported
