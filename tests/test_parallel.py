@@ -1072,6 +1072,33 @@ def test_a_forked_child_starts_workers_of_its_own():
     assert proc.exitcode == 0 and parent.recv() is True
 
 
+def test_a_forked_child_never_waits_for_the_parents_openmp_helpers(monkeypatch):
+    # the forking thread's OpenMP helpers are listed in the child's runtime but do not exist there: releasing them
+    # (a call after long calls, which a loaded machine makes of any hand-off) waited for them forever, 4 forks in 40
+    # under load; here every call counts as following long ones, and the parent's helpers are alive at the fork
+    import multiprocessing
+
+    from dpprof.parallel import workers
+
+    monkeypatch.setattr(workers, "PAUSE_AFTER_S", 0.0)
+    dpprof.DataParallel(nn.Linear(4, 4), W(2))(torch.randn(8, 4))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.randn(512, 512) @ torch.randn(512, 512)  # the caller's helper threads start, and stay
+        ctx = multiprocessing.get_context("fork")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_forward_on_workers_in_child, args=(child,))
+        proc.start()
+    finally:
+        torch.set_num_threads(threads)
+    proc.join(60)
+    if proc.is_alive():
+        proc.kill()
+        pytest.fail("the forked child's forward on CPU workers never returned")
+    assert proc.exitcode == 0 and parent.recv() is True
+
+
 _THREAD_SHARE_SCRIPT = """
 import torch, dpprof
 from torch import nn

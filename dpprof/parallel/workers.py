@@ -112,11 +112,14 @@ _workers_lock = threading.Lock()
 
 
 def _forget_workers() -> None:
-    """In a forked child the parent's threads do not exist: start from no workers."""
-    global _workers_lock
+    """In a forked child the parent's threads do not exist: start from no workers, and never release the caller's
+    OpenMP helper threads: the child's OpenMP runtime still lists the parent's, and libgomp's release waits for
+    them to answer, forever."""
+    global _workers_lock, _omp_pause
     _workers.clear()
     _native_ids.clear()
     _workers_lock = threading.Lock()
+    _omp_pause = None
 
 
 os.register_at_fork(after_in_child=_forget_workers)
