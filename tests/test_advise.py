@@ -221,6 +221,7 @@ def test_json_holds_every_scenario(runs, calibrated, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["run"] == runs.plain.id
     assert data["measured_step_ms"] == pytest.approx(queries.median_step_ms(runs.plain), abs=1e-4)  # 4 decimals
+    assert data["measured_training_only"] is False  # every step trained: the median is every step's
     assert {s["scenario"] for s in data["scenarios"]} == {"ddp", "dataparallel", "balanced"}
     for s in data["scenarios"]:
         assert set(s) >= {"scenario", "devices", "batch_size", "step_ms", "step_ms_low", "step_ms_high", "peak_bytes",
@@ -412,6 +413,8 @@ def test_a_script_that_evaluates_between_epochs_is_advised_from_its_training_ste
     header = text_lines(AdvisorView(advise(m, None), None, ""))[1]
     assert header.startswith(f"measured: median training step {m.step_ms:.2f} ms (the run's evaluation steps, with no "
                              "backward, left out; 90% interval of the median "), header
+    data = advise(m, None).to_json()  # --json says whose median measured_step_ms is
+    assert data["measured_training_only"] is True and data["measured_step_ms"] == round(m.step_ms, 4)
     # two training steps beside evaluation steps are too few, said of them
     with dpprof.instrument(name="evaluation mostly", reports_dir=str(tmp_path), cpu_workers=2) as recording:
         model = torch.nn.DataParallel(torch.nn.Linear(16, 4))

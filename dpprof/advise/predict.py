@@ -148,7 +148,7 @@ class Advice:
 
     def to_json(self) -> dict[str, Any]:
         m = self.measured
-        return {"run": self.run_id, "measured_step_ms": round(m.step_ms, 4),
+        return {"run": self.run_id, "measured_step_ms": round(m.step_ms, 4), "measured_training_only": m.training_only,
                 "scenarios": [s.to_json() for s in self.scenarios], "max_batch_size": dict(self.max_batch_size),
                 "max_batch_note": self.max_batch_note, "batch_size": m.batch_size, "devices": list(m.devices),
                 "kind": m.kind, "backend": m.backend, "recorded_parts_ms": {k: round(v, 4) for k, v in self._recorded().items()},
