@@ -11,7 +11,8 @@ import dpprof
 from dpprof.store import advisor_rows, finding_rows, table_rows, trace_rows
 from dpprof.store.retention import Retention
 
-# small enough that 60 steps are thinned: 10 first, 10 last, one in 7 between (and the outliers kept apart)
+# small enough that 60 steps are thinned: 10 first, 10 last, one in 7 between (and the outliers kept apart); one in 7
+# of 60 steps is under SAMPLE_MIN_STEPS, so the run is read through every step it kept whole
 SMALL = Retention(first_steps=10, last_steps=10, every=7, chunk_steps=10, block_steps=10)
 
 
@@ -23,7 +24,8 @@ def thinned(tmp_path_factory):
 
 
 def _sample(run) -> set[int]:
-    """The steps whose detail stands for a thinned run, by Retention's own rule (RunModel.whole_from)."""
+    """The steps whose detail stands for a thinned run too short for a systematic sample, by Retention's own rule
+    (RunModel.whole_from): the first steps, one in ``every``, the newest."""
     r, whole = run.model.retention, run.model.whole_from
     return {s for s in range(run.model.steps) if s < r.first_steps or s >= whole or s % r.every == 0}
 

@@ -1,7 +1,7 @@
 """The rows the findings' rules read from a run (dpprof.findings.tables_of), as named reads.
 
 A long run (run.model.aggregated) is read through the steps whose detail stands for it without bias
-(RunModel.sampled_steps_sql: the first steps, one in ``every``, the newest), never the outliers and peaks
+(RunModel.sample_ranges: one step in ``every``), never the outliers and peaks
 kept for their own sake: that rule is applied here, once. Each frame has a ``rank`` column, as
 StoredRun.query gives it.
 """

@@ -32,7 +32,7 @@ from dpprof.store.schema import TABLES
 if TYPE_CHECKING:
     from dpprof.store.reader import StoredRun
 
-__all__ = ["KINDS", "KIND_TITLES", "MEASUREMENTS", "TRACE_SOURCE", "ROWS_READ_STEPS", "Work", "RunModel", "describe",
+__all__ = ["KINDS", "KIND_TITLES", "MEASUREMENTS", "TRACE_SOURCE", "ROWS_READ_STEPS", "SAMPLE_MIN_STEPS", "Work", "RunModel", "describe",
            "present_phases", "distinct", "distributed_backend", "backend_label"]
 
 KINDS = ("dataparallel", "balanced", "ddp", "fsdp", "trace_gpu", "trace_cpu", "empty")
@@ -49,6 +49,9 @@ TRACE_SOURCE = "trace"  # runs.source of a run imported from torch.profiler trac
 # Up to this many steps, a run with every row of detail is read from its rows (exact, and fast at this size);
 # beyond, or once its detail has been thinned (dpprof.store.retention), from its per-block aggregates.
 ROWS_READ_STEPS = 5_000
+# A run read from its aggregates is read through one step in its retention's ``every`` where that is at least this
+# many steps (RunModel.sample_ranges): enough for the findings' medians and shares, unbiased in time.
+SAMPLE_MIN_STEPS = 30
 
 
 @dataclass(frozen=True)
@@ -138,30 +141,48 @@ class RunModel:
 
     @property
     def whole_from(self) -> int:
-        """The step from which the sample (sampled_steps_sql) takes every step: where thinning stopped, or a long
-        run kept whole's newest ``last_steps``."""
+        """The step from which every step keeps its detail: where thinning stopped, or a long run kept whole's
+        newest ``last_steps``."""
         r = self.retention
         if r is None:
             return 0
         return self.detail_from if self.thinned else max(r.first_steps, self.steps - r.last_steps)
 
+    def sample_ranges(self, stop: int | None = None) -> tuple[range, ...]:
+        """The steps below ``stop`` (default: the step count) whose detail stands for the run without bias, as
+        ranges: the one rule of sampled_steps_sql and of the work distribution's sample. Every step of a run read
+        from its rows; of one read from its aggregates, one step in the retention's ``every`` from the first step to
+        the last (a systematic sample: each of its steps stands for the same span of the run, the first and newest
+        no more than the thinned ones). A run whose sample would hold under SAMPLE_MIN_STEPS steps is read through
+        every step it kept whole instead: its first steps, one in ``every`` between and its newest, which are then
+        most of the run (at least (first_steps + last_steps) / (SAMPLE_MIN_STEPS x every) of it). Never the
+        outliers and peaks kept for their own sake."""
+        stop = self.steps if stop is None else stop
+        r = self.retention
+        if not self.aggregated or r is None:
+            return (range(stop),)
+        whole = self.whole_from
+        if -(-self.steps // r.every) >= SAMPLE_MIN_STEPS:
+            return (range(0, whole, r.every), range(whole + -whole % r.every, stop, r.every))
+        return (range(min(r.first_steps, whole)), range(r.first_steps + -r.first_steps % r.every, whole, r.every),
+                range(whole, stop))
+
     def sampled_steps_sql(self, column: str = "step") -> str:
-        """An SQL condition on ``column`` (a step column: ``step``, ``p.step``) that holds for the steps whose detail
-        stands for the run without bias: every step of a run read from its rows; of one read from its aggregates, the
-        first steps, the one-in-``every`` sample and the newest (those not thinned yet), never the outliers and peaks
-        kept for their own sake (a long run kept whole is read the same way: its rows are too many to read at once).
+        """An SQL condition on ``column`` (a step column: ``step``, ``p.step``) that holds for the steps of
+        sample_ranges, however far the step numbers go (an imported trace's start at its first ProfilerStep's).
         For the store's readers only (dpprof.store.detail): callers outside the store ask those for rows."""
         if not re.fullmatch(r"(?:[A-Za-z_]\w*\.)?step", column):
             raise ValueError(f"sampled_steps_sql: column must be a step column such as 'step' or 'p.step', got {column!r}")
         if not self.aggregated or self.retention is None:
             return "1"
-        r = self.retention
-        whole = self.whole_from
-        # three terms SQLite answers from the step index (its OR optimisation), never a scan of every row: two
-        # ranges, and the one-in-``every`` steps generated between them
-        every = (f"WITH RECURSIVE k(s) AS (SELECT {int(r.first_steps + -r.first_steps % r.every)} UNION ALL "
-                 f"SELECT s + {int(r.every)} FROM k WHERE s + {int(r.every)} < {int(whole)}) SELECT s FROM k")
-        return f"({column} < {int(r.first_steps)} OR {column} >= {int(whole)} OR {column} IN ({every}))"
+        # terms SQLite answers from the step index (its OR optimisation), never a scan of every row: the first
+        # ranges' steps generated, and the last range (the newest steps, kept whole) from its start on
+        *parts, last = self.sample_ranges()
+        terms = [f"{column} IN (WITH RECURSIVE k(s) AS (SELECT {p.start} UNION ALL SELECT s + {p.step} FROM k WHERE "
+                 f"s + {p.step} < {p.stop}) SELECT s FROM k)" for p in parts if p]
+        tail = f"{column} >= {last.start}"
+        terms.append(tail if last.step == 1 else f"({tail} AND {column} % {last.step} = 0)")
+        return f"({' OR '.join(terms)})"
 
     def detail_text(self) -> str | None:
         """What detail the run keeps, in one sentence; None for a run that keeps every row."""

@@ -14,6 +14,7 @@ what needs rows (a sample of work times, a Timeline range) reads the detail the 
 """
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from collections.abc import Iterable
@@ -650,16 +651,14 @@ def work_samples(run: StoredRun, per_device: int = WORK_SAMPLE_PER_DEVICE, skip_
 
 
 def _sampled_steps(run: StoredRun, first: int, last: int, per_device: int) -> np.ndarray:
-    """About per_device steps, evenly through the steps whose detail stands for a long run (the first steps, one
-    in ``every``, the newest: RunModel.sampled_steps_sql)."""
-    r, whole = run.model.retention, run.model.whole_from
-    start = r.first_steps + -r.first_steps % r.every
+    """About per_device steps from ``first`` to ``last``, evenly through the steps whose detail stands for a long run
+    (RunModel.sample_ranges, the rule of its sampled_steps_sql)."""
     # ranges, never arrays of every step: a damaged file's step numbers may span far more steps than it holds
-    parts = [range(first, min(r.first_steps, last + 1)), range(start, whole, r.every), range(max(whole, first), last + 1)]
+    parts = [p[bisect.bisect_left(p, first):] for p in run.model.sample_ranges(stop=last + 1)]
     total = sum(len(p) for p in parts)
     stride = max(1, math.ceil(total / max(1, per_device)))
     picked, offset = [], 0
-    for part in parts:  # every stride-th step of the three ranges one after another
+    for part in parts:  # every stride-th step of the ranges one after another
         picked.extend(part[(-offset) % stride::stride])
         offset += len(part)
     return np.array(picked, dtype=np.int64)
