@@ -18,7 +18,9 @@ or none, not how many. Importing this module loads no torch (the read side uses 
 The watch also times each batch a DataLoader's iterator makes (its ``_next_data``, the work inside torch.profiler's
 ``enumerate(DataLoader)#...__next__`` range), on whichever thread asks, into a short log (``CALLS_KEPT`` calls, the
 newest): a recorded DDP or FSDP rank takes its own thread's calls from it as its forward starts (``take``), and its
-data part is those calls, as an imported trace's data part is its DataLoader ranges (dpprof.stepmodel). An iterator
+data part is those calls, as an imported trace's data part is its DataLoader ranges (dpprof.stepmodel). A
+DataParallel step, which holds no data part, reads (``time_in``) the DataLoader's time between the step before it and
+itself (StepRecord.loader_ms). An iterator
 made before ``import dpprof`` is timed too: the classes' method is replaced, not the iterator's.
 """
 from __future__ import annotations
@@ -32,7 +34,8 @@ from collections.abc import Iterable
 from typing import Any, Callable
 
 __all__ = ["MAX_LOADERS", "WORKERS_ITER", "NO_WORKERS_ITER", "describe", "of_iterators", "stored", "said_in",
-           "none_iterated", "exported_loaders", "install_watch", "watch", "receive", "claim", "CALLS_KEPT", "take"]
+           "none_iterated", "exported_loaders", "install_watch", "watch", "receive", "claim", "CALLS_KEPT", "take",
+           "time_in"]
 
 MAX_LOADERS = 4  # distinct settings kept a process: a training, a validation and a test loader, and one more
 WORKERS_ITER = "_MultiProcessingDataLoaderIter"  # torch.utils.data.dataloader's iterator with num_workers > 0
@@ -134,6 +137,26 @@ def claim() -> list[dict[str, Any]]:
         out = [found for found, ref in _unclaimed if ref() is not None]
         _unclaimed.clear()
     return out
+
+
+def time_in(lo: int, hi: int) -> float | None:
+    """The calling thread's DataLoader time inside [lo, hi) (perf_counter_ns), in ms, read from the newest calls back
+    and leaving the log as it is; None where the log holds no call (no DataLoader made a batch in this process, or a
+    rank took them all: its data part holds them)."""
+    if not _calls:  # a step fed otherwise
+        return None
+    me, total = threading.get_ident(), 0
+    for _ in range(2):
+        try:
+            for thread, a, b in reversed(_calls):  # the newest last: most gaps hold one call, read first
+                if b <= lo:
+                    break
+                if thread == me:
+                    total += max(0, min(b, hi) - max(a, lo))
+            return total / 1e6
+        except RuntimeError:  # another thread logged or took a call meanwhile: read again
+            total = 0
+    return None
 
 
 def take(lo: int, hi: int) -> list[tuple[int, int]]:

@@ -24,7 +24,7 @@ from dpprof.capture.session import NO_CAPTURE, CaptureSession
 from dpprof.capture.window import CaptureWindow, parse_capture
 from dpprof.device_ids import DeviceSet
 from dpprof.devices import inventory, nvml_handles
-from dpprof.loaders import MAX_LOADERS, claim, receive
+from dpprof.loaders import MAX_LOADERS, claim, receive, time_in
 from dpprof.nvml import DEFAULT_SAMPLE_HZ, GpuSampler, Nvml, NvmlUnavailable
 from dpprof.records import CHECK_OF_ENV, STEP_ROW, TABLE_OF, NoteRecord, Record, Row, record_of_row
 from dpprof.signals import Interrupted, SignalGuard, signal_name
@@ -133,7 +133,7 @@ def _distributed_identity(name: str | None, run_id: str | None = None
 
 class _Step:
     __slots__ = ("index", "start_ns", "explicit", "calls", "batch_size", "batch_of", "batch_inputs", "devices_used",
-                 "last_end_ns", "grad", "opened_by", "passes", "weighed", "closed", "stepped", "raised_calls")
+                 "last_end_ns", "grad", "opened_by", "passes", "weighed", "closed", "stepped", "raised_calls", "loader_ms")
 
     def __init__(self, index: int, start_ns: int, explicit: bool) -> None:
         self.index = index
@@ -152,6 +152,8 @@ class _Step:
         self.stepped = False
         self.calls = 0
         self.raised_calls = 0  # forward calls that raised (dpprof.parallel.probe.end_after_error)
+        # the DataLoader's time between the step before and this one (StepRecord.loader_ms; Run._new_step)
+        self.loader_ms: float | None = None
         self.batch_size: int | None = None
         # the module whose calls the batch counts (id; 0 for a DDP rank's): the step's first, so that a step of two
         # models (a GAN's generator and discriminator) counts its samples once, and micro-batches of one model add up
@@ -408,6 +410,10 @@ class Run:
             self.capture.turn(index)
         step = _Step(index, time.perf_counter_ns(), explicit)
         self._next_step = index + 1
+        # the DataLoader's batches since the step before ended (the steps before are closed by now), in no step; a DDP
+        # or FSDP rank whose step then starts where the one before ended holds them in its data part, and clears this
+        lo = self.last_step_end_ns
+        step.loader_ms = time_in(self._t0_ns if lo is None else lo, step.start_ns)
         return step
 
     def _close_step(self, step: _Step, end_ns: int) -> None:
@@ -416,9 +422,9 @@ class Run:
         if self._pending:  # CUDA timings only: a CPU step has none
             self.resolve_pending(block=False)
         # a row (dpprof.records.Row): STEP_ROW, then StepRecord's step, start_ms, duration_ms, batch_size, devices_used,
-        # forward_calls, explicit, raised_calls
+        # forward_calls, explicit, raised_calls, loader_ms
         self.sink.put((STEP_ROW, step.index, (step.start_ns - self._t0_ns) / 1e6, (end_ns - step.start_ns) / 1e6,
-                       step.batch_size, step.devices_used, step.calls, step.explicit, step.raised_calls))
+                       step.batch_size, step.devices_used, step.calls, step.explicit, step.raised_calls, step.loader_ms))
 
     def step(self) -> _StepBlock:
         """``with run.step() as index:`` marks one training step (forward, loss, backward, optimizer).

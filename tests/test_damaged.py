@@ -482,7 +482,7 @@ def test_a_live_run_file_is_checked_from_its_new_rows_on_and_finds_what_a_whole_
     shutil.copyfile(sound.plain.path, live)
     assert file_damage(live, live=True) == []
     appended = ("INSERT INTO steps SELECT step + 1000, start_ms, {}, batch_size, devices_used, forward_calls, explicit,"
-                " raised_calls FROM steps WHERE step < 3")
+                " raised_calls, loader_ms FROM steps WHERE step < 3")
     for duration, more in (("duration_ms", 0), ("'abc'", 3), ("duration_ms", 0), ("1e300", 3)):
         con = sqlite3.connect(live)
         con.execute(appended.format(duration) + " ORDER BY step")  # same columns, steps past the run's

@@ -46,6 +46,8 @@ EVERY_SHARE = 0.75
 # than a loop's own Python between steps (fetching an in-memory batch, zero_grad outside the step) takes, the same
 # bound as the rest within a step (REST_SHARE_WARN); a DataParallel loop's DataLoader waits there.
 BETWEEN_STEPS_WARN = REST_SHARE_WARN
+# The DataLoader's share of the time between steps under which that time is said as the script's own work, not loading
+LOADER_GAP_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -293,6 +295,16 @@ def unrecorded_time(t: Tables) -> list[dict]:
                     "share")]
 
 
+def _loader_in_gaps(steps: pd.DataFrame, order: pd.Index) -> float | None:
+    """The DataLoader's time (ms) in the gaps before the steps past the first of ``order``, from the steps'
+    loader_ms; None where the steps do not say it (a DDP or FSDP rank's, whose DataLoader time is its data part, an
+    imported trace's, a file written before the column, or no DataLoader made a batch)."""
+    if "loader_ms" not in steps:
+        return None
+    loader = pd.to_numeric(steps["loader_ms"], errors="coerce").groupby(steps["step"]).max().reindex(order).iloc[1:]
+    return None if loader.isna().any() else float(loader.sum())
+
+
 def between_steps(t: Tables) -> list[dict]:
     """A recorded run whose steps leave over BETWEEN_STEPS_WARN of the time they span between them, and still do
     without their longest gap (not one stall): the script's time from one step's end to the next's start (a DataParallel loop's fetch of the next batch
@@ -300,7 +312,10 @@ def between_steps(t: Tables) -> list[dict]:
     dpprof.store.queries.throughput, which the evidence gives). Imported traces'
     steps tile their window and are left out. The value is that share of the time from the first step's end to the
     last step's end. A run recorded with the DataLoader watch on that iterated none is told it is the script's own
-    work there, with no DataLoader advice."""
+    work there, with no DataLoader advice. Where the steps say how much of each gap their thread spent in the
+    DataLoader's batches (StepRecord.loader_ms: a recorded DataParallel run's), the evidence splits the gap into that
+    and the script's own work, and the advice follows the larger: under LOADER_GAP_SHARE of the gap in the DataLoader
+    is the script's own work's advice."""
     if t.model.imported:
         return []
     s = t.every_step
@@ -337,9 +352,20 @@ def between_steps(t: Tables) -> list[dict]:
                      f"{rate.samples / later.sum() * 1e3:,.0f} samples/s over the steps' own time")
     capture = ("Record a window with torch.profiler (dpprof run --capture 5:8 train.py, then dpprof ops RUN) to see "
                "it by operator.")
-    if none_iterated(t.data_loaders):  # recorded with the watch on, and no DataLoader ran (dpprof.loaders)
-        evidence += "; no DataLoader was iterated while the run was recorded"
-        advice = ("See what the script does between steps: no DataLoader loads there, so it is the script's own work "
+    # a run whose DataLoader watch saw none iterated has none of its time (an earlier run's in the process is no part)
+    loading_ms = None if none_iterated(t.data_loaders) else _loader_in_gaps(s, ends.index)
+    if loading_ms is not None:
+        loaded = min(1.0, loading_ms / float(gaps.sum())) if float(gaps.sum()) > 0 else 0.0
+        evidence += (f"; the DataLoader made the next batch in {loaded:.0%} of the time between steps "
+                     f"({loading_ms / len(gaps):.2f} ms a step, its iterators' time on the steps' thread), the script's "
+                     f"own work took the other {max(0.0, gap_ms - loading_ms / len(gaps)):.2f} ms")
+    if none_iterated(t.data_loaders) or (loading_ms is not None and loaded < LOADER_GAP_SHARE):
+        # recorded with the watch on, and no DataLoader ran (dpprof.loaders), or it took the smaller part of the gaps
+        if loading_ms is None:
+            evidence += "; no DataLoader was iterated while the run was recorded"
+        where = ("no DataLoader loads there" if loading_ms is None else "its DataLoader loads in none of that time"
+                 if loading_ms == 0 else "its DataLoader takes the smaller part of that time")
+        advice = (f"See what the script does between steps: {where}, so it is the script's own work "
                   "(building or reading the next batch in the loop, logging and metrics, checkpointing, evaluation, "
                   "a host synchronisation such as .item()). Move it off the step loop: log and checkpoint every N "
                   "steps rather than every step, evaluate less often, build batches in the background. " + capture)

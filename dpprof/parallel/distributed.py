@@ -452,6 +452,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 data_start = max(data_start, probe.step.last_end_ns)
             if not step.explicit and probe.forward.call == 0:
                 step.start_ns = min(step.start_ns, data_start)
+                step.loader_ms = None  # the DataLoader's time since the step before is its data part, in the step
             data_start = max(data_start, step.start_ns)
             # the script's collectives since the last step are this step's (held since then), and no part of its data
             held = script_comms.settle(run, step, step.start_ns) if probe.forward.call == 0 else []

@@ -127,6 +127,7 @@ class _StepProbe:
             step, data_start = self.step, max(previous.last_end_ns, run.capture_turned_ns)
             if not step.explicit and step.calls == 1:
                 step.start_ns = min(step.start_ns, data_start)
+                step.loader_ms = None  # the DataLoader's time since the step before is its data part, in the step
             data_start = max(data_start, step.start_ns)
             # the script's collectives since the last step are this step's (held since then), and no part of its data
             held = script_comms.settle(run, step, step.start_ns) if step.calls == 1 else []
