@@ -144,7 +144,7 @@ class StepRecord:
     # forward calls that raised, the script catching the error and going on (an out-of-memory batch skipped); None
     # where nobody knows (an imported trace's step; a file written before the column reads NULL)
     raised_calls: int | None = None
-    # DataLoader time (its iterators' batches, dpprof.loaders.thread_ns) on the step's thread from the previous step's
+    # DataLoader time (its iterators' batches, dpprof.loaders.time_in) on the step's thread from the previous step's
     # end to this step's start, in no step: a DataParallel run's (0.0 where none ran there); None where the DataLoader
     # time is the step's own data part (a DDP or FSDP rank's), where no DataLoader made a batch, in an imported trace
     # and in a file written before the column

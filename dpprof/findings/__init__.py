@@ -115,7 +115,9 @@ def tables_of(run: StoredRun, last_steps: int | None = None, work_only: bool = F
 
     A run read from its aggregates (a long one, or one whose detail was thinned: dpprof.store.retention) gives
     every step's time, and the phases and all-reduces of the steps whose detail stands for the run without bias
-    (RunModel.sample_ranges, applied in dpprof.store.finding_rows: one step in ``every``), not the outliers kept for their own sake, with those steps' times; every step's time is ``all_steps``; its memory and allocator rows include each device's peak step.
+    (RunModel.sample_ranges, applied in dpprof.store.finding_rows: one step in ``every``), not the outliers kept for
+    their own sake, with those steps' times; every step's time is ``all_steps``; its memory and allocator rows include
+    each device's peak step.
     ``work_only``: the steps and the work phases (run.model.work) alone, and a DataParallel run's scatter, replicate and
     gather, the rest empty: what straggler_verdict and dataparallel_tax_of read.
     """

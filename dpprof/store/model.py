@@ -32,8 +32,8 @@ from dpprof.store.schema import TABLES
 if TYPE_CHECKING:
     from dpprof.store.reader import StoredRun
 
-__all__ = ["KINDS", "KIND_TITLES", "MEASUREMENTS", "TRACE_SOURCE", "ROWS_READ_STEPS", "SAMPLE_MIN_STEPS", "Work", "RunModel", "describe",
-           "present_phases", "distinct", "distributed_backend", "backend_label"]
+__all__ = ["KINDS", "KIND_TITLES", "MEASUREMENTS", "TRACE_SOURCE", "ROWS_READ_STEPS", "SAMPLE_MIN_STEPS", "Work",
+           "RunModel", "describe", "present_phases", "distinct", "distributed_backend", "backend_label"]
 
 KINDS = ("dataparallel", "balanced", "ddp", "fsdp", "trace_gpu", "trace_cpu", "empty")
 KIND_TITLES = {
