@@ -133,7 +133,8 @@ def _distributed_identity(name: str | None, run_id: str | None = None
 
 class _Step:
     __slots__ = ("index", "start_ns", "explicit", "calls", "batch_size", "batch_of", "batch_inputs", "devices_used",
-                 "last_end_ns", "grad", "opened_by", "passes", "weighed", "closed", "stepped", "raised_calls", "loader_ms")
+                 "last_end_ns", "grad", "opened_by", "passes", "weighed", "closed", "stepped", "raised_calls",
+                 "loader_ms", "on_close")
 
     def __init__(self, index: int, start_ns: int, explicit: bool) -> None:
         self.index = index
@@ -154,6 +155,9 @@ class _Step:
         self.raised_calls = 0  # forward calls that raised (dpprof.parallel.probe.end_after_error)
         # the DataLoader's time between the step before and this one (StepRecord.loader_ms; Run._new_step)
         self.loader_ms: float | None = None
+        # called as the step's record is made, before it: an FSDP root's forward that never ended raised, and is counted
+        # there where no later root forward counted it (dpprof.parallel.fsdp: the script's last, or a run.step() block's)
+        self.on_close: Callable[[], None] | None = None
         self.batch_size: int | None = None
         # the module whose calls the batch counts (id; 0 for a DDP rank's): the step's first, so that a step of two
         # models (a GAN's generator and discriminator) counts its samples once, and micro-batches of one model add up
@@ -418,6 +422,9 @@ class Run:
 
     def _close_step(self, step: _Step, end_ns: int) -> None:
         step.closed = True
+        if step.on_close is not None:
+            on_close, step.on_close = step.on_close, None
+            on_close()
         self.last_step_end_ns = end_ns
         if self._pending:  # CUDA timings only: a CPU step has none
             self.resolve_pending(block=False)

@@ -146,6 +146,78 @@ def test_a_batch_every_rank_skipped_after_its_forward_raised_is_a_step_of_neithe
     assert "\n  1 step's forward raised, the script going on" in capsys.readouterr().out
 
 
+def test_a_last_forward_that_raised_is_counted_when_the_run_closes(tmp_path, capsys):
+    """The FSDP2 script with a NaN in its last step's batch on every rank: the script catches the error, recovers FSDP
+    (reset_iter_state) and ends, no root forward following. dpprof counted a root forward that raised at the next root
+    forward alone, so this one was never counted: step 4 had raised_calls 0 and no forward part, and read as an
+    evaluation step (throughput: 1 evaluation step, 0 raised). It is counted as its step closes (here at the run's
+    close): step 4 raised on each rank, a forward part, neither kind, its samples not counted, said by `dpprof show`."""
+    run = _recorded(tmp_path / "runs", FSDP_NAN_AT=str(STEPS - 1))
+    assert run.meta["status"] == "finished"
+    steps = run.steps.sort_values(["rank", "step"])
+    assert steps["step"].tolist() == list(range(STEPS)) * WORLD
+    assert steps["forward_calls"].tolist() == [1] * 2 * STEPS and steps["batch_size"].tolist() == [16] * 2 * STEPS
+    assert steps["raised_calls"].tolist() == [0, 0, 0, 0, 1] * WORLD
+    last = run.phases[run.phases["step"] == STEPS - 1].groupby("rank")["phase"].apply(set)
+    assert all("forward" in parts and "backward" not in parts for parts in last), last
+    assert queries.raised_steps(run) == 1
+    rate = queries.throughput(run)
+    assert rate is not None and (rate.samples, rate.evaluation_steps, rate.raised_steps) == (WORLD * 16 * 3, 0, 1)
+    capsys.readouterr()
+    assert main(["--reports-dir", str(tmp_path / "runs"), "show", str(run.paths[0])]) == 0
+    assert "\n  1 step's forward raised, the script going on" in capsys.readouterr().out
+
+
+class _Checked(nn.Sequential):
+    def forward(self, x):
+        if not torch.isfinite(x).all():
+            raise RuntimeError("a batch with a NaN")
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("nan_at", [1, 3])
+def test_a_forward_that_raised_in_a_step_block_is_counted_in_its_step(tmp_path, nan_at):
+    """One gloo rank (world size 1, in this process) training an FSDP2 model in run.step() blocks, 4 steps, step
+    ``nan_at``'s batch with a NaN its forward raises on, caught in the block (reset_iter_state, the batch skipped).
+    The block closed the step before any later root forward could count the raise, so it was lost whether a step
+    followed (1) or not (3): raised_calls all 0. It is counted as the block closes the step."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from dpprof.instrument import instrument
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with instrument(name="blocks", reports_dir=tmp_path, sample_hz=None) as recording:
+            torch.manual_seed(0)
+            model = _Checked(nn.Linear(20, 8), nn.ReLU(), nn.Linear(8, 3))
+            fully_shard(model[0])
+            fully_shard(model)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(4):
+                x = torch.randn(16, 20)
+                if step == nan_at:
+                    x[0, 0] = float("nan")
+                with recording.step():
+                    try:
+                        loss = model(x).sum()
+                    except RuntimeError:
+                        model.reset_iter_state()
+                        continue
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+    finally:
+        dist.destroy_process_group()
+    run = dpprof.load_run(recording.path)
+    steps = run.steps.sort_values("step")
+    assert steps["step"].tolist() == [0, 1, 2, 3] and steps["explicit"].all()
+    assert steps["raised_calls"].tolist() == [int(i == nan_at) for i in range(4)]
+    assert queries.raised_steps(run) == 1
+    rate = queries.throughput(run)
+    assert rate is not None and (rate.evaluation_steps, rate.raised_steps) == (0, 1)
+
+
 def test_fsdp2s_warning_of_a_view_names_the_line_it_names_without_dpprof(tmp_path):
     """The FSDP2 script whose layers and root return a view of their output, which FSDP2 warns of at its caller's
     line (stacklevel=2, in its post-forward): under dpprof the warning named dpprof's wrapper of the function that

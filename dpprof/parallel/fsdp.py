@@ -121,6 +121,7 @@ class _StepProbe:
         self.gathered_bytes = 0
         self.gathered_peak_bytes = 0
         self.io_bytes = (0, 0)
+        self.step.on_close = self.if_raised  # the step's newest root forward: an earlier one's was told here
         if previous is not None and previous.run is run:
             if previous.step is self.step:  # a later micro-batch of the step: its collectives' indexes go on
                 self.count = dict(previous.count)
@@ -219,11 +220,18 @@ class _StepProbe:
             told(output)
 
     def end(self, module: torch.nn.Module, used: int | None = None) -> None:
-        """The root's forward raised (end_after_error, told at the next root forward: _open_step): its forward part
-        runs to the last part recorded inside it, the error's moment being unknown."""
+        """The root's forward raised (end_after_error, told at the next root forward, _open_step, or as its step
+        closes, if_raised): its forward part runs to the last part recorded inside it, the error's moment being
+        unknown."""
         self.forward_ended = True
         self.phase("forward", self.forward_t0, max(self.forward_t0, self.last_end_ns))
         self.step.devices_used = 1
+
+    def if_raised(self) -> None:
+        """As the step closes (its step's on_close): a root forward that never ended raised, and no later root forward
+        counted it (the script's last forward, caught, the script ending; or a run.step() block's, closed first)."""
+        if not self.forward_ended:
+            end_after_error(self, self.module)
 
     def memory(self) -> None:
         """This rank's memory for the step by dpprof's accounting (sharded and peak gathered parameters), once a step:
