@@ -330,6 +330,46 @@ def test_a_calibration_measured_under_load_predicts_nothing_and_says_why_first(r
     assert sum("no prediction" in line for line in lines) >= len(a.scenarios) - 1
 
 
+def test_a_thinned_runs_stalls_between_evaluation_steps_are_counted_from_every_step(tmp_path):
+    """A run that evaluates (a no_grad forward, its own step) after every other training step, its detail thinned
+    (a small Retention), 8 training steps stalled 0.1 s in its middle, where most steps keep no detail. The stall note
+    judged the training steps alone, told from their backward: those of the sample whose detail stands for the run,
+    so it said "2 of 41 training steps stalled" of this run's 8 of 119 (180 steps in all). It
+    counts every step now: each kept step by its kind, a thinned one against the larger kind's median (every step's),
+    over which it is a stall whatever its kind, and the training steps from every step's blocks."""
+    from dpprof.store.retention import Retention
+
+    small = Retention(first_steps=20, last_steps=20, every=10, chunk_steps=50, outliers_per_chunk=2, block_steps=10)
+    stall_at = {40, 48, 56, 64, 72, 80, 88, 97}  # training iterations, all past the first 20 steps
+    torch.manual_seed(0)
+    net = dpprof.DataParallel(torch.nn.Linear(16, 4), device_ids=dpprof.cpu_devices(2))
+    training = []
+    with dpprof.record(name="thinned-eval", reports_dir=str(tmp_path), detail=small, sample_hz=None) as run:
+        for i in range(120):
+            with run.step() as index:
+                net(torch.randn(32, 16)).sum().backward()
+                time.sleep(0.1 if i in stall_at else 0.01)
+            training.append(index)
+            if i % 2 == 0:
+                with run.step(), torch.no_grad():
+                    net(torch.randn(32, 16))
+    stored = dpprof.load_run(run.path)
+    assert stored.model.thinned
+    per = stored.steps.set_index("step")["duration_ms"].sort_index().iloc[1:]
+    trains = per[per.index.isin(training)]
+    over = per > 2 * trains.median()
+    kept = set(stored.query("SELECT DISTINCT step FROM phases")["step"])
+    # the note's count: the training steps over twice their median, and any evaluation step slower than that whose
+    # detail was thinned (its kind unknown, a stall either way; none on an idle machine)
+    expected = int((over & per.index.isin(training)).sum() + (over & ~per.index.isin(set(training) | kept)).sum())
+    stalled_kept = int((over & per.index.isin(training) & per.index.isin(kept)).sum())
+    assert expected >= 8 and stalled_kept < expected  # most stalls lost their detail: the note cannot read them there
+    note = measure(stored).stall_note
+    assert note is not None
+    assert note.startswith(f"{expected} of {len(training) - 1} training steps stalled (over 2x the median training "
+                           "step of "), note
+
+
 def test_stalled_steps_are_said_before_the_prediction(paused):
     from dpprof.findings import run_findings
     from dpprof.views.advise import AdvisorView, text_lines

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pandas as pd
@@ -318,7 +318,8 @@ def _incomplete_note(run: StoredRun, steps: int) -> str | None:
 def _stall_note(run: StoredRun, training: set[int] | None = None) -> str | None:
     """The stall finding's rule (dpprof.findings.steps.stalls) over every step past the first (the ``training`` steps
     alone where the run evaluates between them: a training step is no stall for being longer than an evaluation
-    step), in a sentence said before the predictions; None where the steps do not stall. Slow steps that carried a bigger batch than the
+    step; a thinned run's every step whose detail was thinned beside them, where the slower kind's median makes it a
+    stall whatever its kind), in a sentence said before the predictions; None where the steps do not stall. Slow steps that carried a bigger batch than the
     median step's are put down to their batch, as the finding puts them (dpprof.findings.steps.bigger_batches).
 
     Stalls do not stop a prediction: a stall is a step over OUTLIER_STEP_RATIO x the median, so stalls are always
@@ -326,12 +327,29 @@ def _stall_note(run: StoredRun, training: set[int] | None = None) -> str | None:
     (the middle half) never holds one. What they say is that the machine was shared while the run recorded.
     """
     per, batches = advisor_rows.step_maxima(run).iloc[1:], advisor_rows.step_batch_maxima(run).iloc[1:]
-    kind = ""
-    if training is not None:
+    kind, kinds, medians = "", None, None
+    every_kind = queries.kind_medians(run) if run.model.thinned else None
+    of_steps: int | None = None
+    if every_kind is not None:
+        # a thinned run that evaluates between its training steps: a step's kind is known where its detail was kept
+        # (training or, without a backward, not); a thinned step's is not, and it is judged against the larger of
+        # the kinds' medians (every step's, the writer's sketches), over which it is a stall whatever its kind (one of
+        # an evaluation step, slower than that, is counted with the training steps' as their kinds are not told apart)
+        trained = advisor_rows.kept_steps_trained(run).reindex(per.index)
+        judged = trained.isna() | trained.eq(True)
+        per, batches = per[judged], batches[judged]
+        kinds = trained[judged].notna().map({True: "training", False: "thinned"})
+        medians = {"training": every_kind["training"], "thinned": max(every_kind.values())}
+        rate = queries.throughput(run)  # the training steps past the first, counted from every step's blocks
+        of_steps = rate.steps - rate.evaluation_steps - rate.raised_steps if rate is not None else None
+        kind = "training "
+    elif training is not None:
         per, batches, kind = per[per.index.isin(training)], batches[batches.index.isin(training)], "training "
-    found = stalls(per)
+    found = stalls(per, kinds, medians)
     if found is None:
         return None
+    if of_steps is not None:
+        found = replace(found, steps=of_steps)
     slow = len(found.slow_ms)
     worst = ", ".join(f"{int(s)} ({ms:,.0f} ms)" for s, ms in found.slow_ms.head(3).items()) + _more(slow)
     bigger, median_batch = bigger_batches(batches, found.slow_ms.index)

@@ -67,23 +67,29 @@ class Stalls:
         return "warning" if self.share >= OUTLIER_WARN_SHARE else "info"
 
 
-def stalls(step_ms: pd.Series, kinds: pd.Series | None = None) -> Stalls | None:
+def stalls(step_ms: pd.Series, kinds: pd.Series | None = None, medians: dict[str, float] | None = None
+           ) -> Stalls | None:
     """The stall rule over the steps past the first (ms by step, in step order): steps over OUTLIER_STEP_RATIO x
     the median whose time beyond it is over OUTLIER_TIME_SHARE of the run's and clears the time floors; None
     where there are none (or fewer than 3 steps). With ``kinds`` (step -> "training" or "evaluation"), each step
     against the median of its kind (a kind of under 3 steps is not judged): training steps between shorter evaluation
-    steps are no stalls for being longer."""
+    steps are no stalls for being longer. With ``medians`` (kind -> ms), each kind is judged against that median rather
+    than its steps' here (a thinned run's: the writer's median of every step of the kind), the first kind named being
+    the one reported; a kind it does not name is not judged."""
     if len(step_ms) < 3:
         return None
     kinds = pd.Series("", index=step_ms.index) if kinds is None else kinds.reindex(step_ms.index)
-    medians = {str(k): float(ms.median()) for k, ms in step_ms.groupby(kinds) if len(ms) >= 3}
+    given = medians is not None
+    if medians is None:
+        medians = {str(k): float(ms.median()) for k, ms in step_ms.groupby(kinds) if len(ms) >= 3}
     if not medians:
         return None
     median_of = kinds.map(medians).astype(float)
     slow = step_ms[step_ms > OUTLIER_STEP_RATIO * median_of]
     excess = float((slow - median_of[slow.index]).sum())
     share = excess / float(step_ms.sum()) if step_ms.sum() else 0.0
-    main = max(medians, key=lambda k: float(step_ms[kinds == k].sum()))  # the kind the run's time goes to
+    # the kind the run's time goes to, or the first named
+    main = next(iter(medians)) if given else max(medians, key=lambda k: float(step_ms[kinds == k].sum()))
     median = medians[main]
     if slow.empty or share < OUTLIER_TIME_SHARE or not worth_time(excess / len(step_ms), median):
         return None
