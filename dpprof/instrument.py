@@ -21,6 +21,7 @@ import functools
 import importlib
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -312,6 +313,7 @@ class _Session:
         self._fsdp_installed_here = False
         self._fsdp_waiting: WhenImported | None = None
         self.on_hard_exit: Callable[[], None] | None = None  # said after the run is closed by os._exit (dpprof run)
+        self._closing: threading.Thread | None = None  # the close hooks of a run --steps stopped, where they run
         self.yields = False  # dpprof run's block, around a whole script: an instrument block of the script's own runs
         self.own_runs: list[str] = []  # the runs the script recorded itself in such a block (ids)
 
@@ -343,6 +345,7 @@ class _Session:
         def _exit(status: int) -> Any:
             if os.getpid() == pid:  # an outer block's too (dpprof run's, around the script's own): its run was open
                 self.finish(SystemExit(status))
+                self.wait_closed()
                 if self.on_hard_exit is not None:
                     self.on_hard_exit()
             original(status)
@@ -509,11 +512,29 @@ class _Session:
             self.own_runs.append(run.id)
 
     def stop(self, reason: str) -> None:
-        """End recording now; the script goes on unrecorded."""
+        """End recording now; the script goes on unrecorded, not waiting for the run's close hooks (its findings
+        computed and stored: 0.2-0.5 s a small run), which run on a thread the block's end waits for (wait_closed)."""
         if self.run is not None:
             self.run.note("dpprof", reason, tell=False)
+            self.run.close_hooks_later = self._close_hooks_on_thread
         self.stopped = True
         self.finish(None)
+
+    def _close_hooks_on_thread(self, hooks: Callable[[], None]) -> None:
+        def run_hooks() -> None:
+            try:
+                hooks()
+            except Exception as err:  # the run is stored whole; only what a hook adds to it is missing
+                self.say(f"closing the run failed ({type(err).__name__}: {err})")
+
+        self._closing = threading.Thread(target=run_hooks, name="dpprof-close-hooks", daemon=True)
+        self._closing.start()
+
+    def wait_closed(self) -> None:
+        """Wait for the close hooks of a run --steps stopped (stop), where they still run."""
+        closing, self._closing = self._closing, None
+        if closing is not None:
+            closing.join()
 
     # what the stand-ins call
     def cpu_workers_for(self, device_ids: Sequence[Any] | None) -> list[torch.device] | None:
@@ -621,6 +642,7 @@ def instrumented(record_args: dict[str, Any] | None, cpu_workers: int | None = N
         raise
     finally:
         _session = outer
+        session.wait_closed()
         if yields:
             CLOSE_HOOKS.remove(session.note_own_run)
         session.unpatch()

@@ -308,6 +308,9 @@ class Run:
         # it is told of each recorded forward call's output where no stand-in's forward sees it (FSDP's root)
         self.joins_open_step: Callable[[_Step, int | None], bool] | None = None
         self.forward_ended: Callable[[Any], None] | None = None
+        # where set, record() hands it its close hooks (the findings computed and stored) to run rather than running
+        # them: dpprof.instrument's --steps stop, whose script goes on at once, the block's end waiting for them
+        self.close_hooks_later: Callable[[Callable[[], None]], None] | None = None
         self._pending: list[Any] = []  # CUDA timings whose events have not completed yet
         self._pending_lock = threading.Lock()
         self._noted: set[str] = set()
@@ -765,5 +768,13 @@ def record(name: str | None = None, reports_dir: str | os.PathLike[str] | None =
         guard.deliver(guard.pending)
     guard.deliver_interrupt()  # a Ctrl-C while the run closed: KeyboardInterrupt now, the run whole
     if run.path is not None and not run.recording_failed:
-        for hook in CLOSE_HOOKS:
-            hook(run)
+        hooks = tuple(CLOSE_HOOKS)
+        if run.close_hooks_later is not None:  # the script goes on past the run (dpprof run --steps): not waited for
+            run.close_hooks_later(lambda: _run_hooks(run, hooks))
+        else:
+            _run_hooks(run, hooks)
+
+
+def _run_hooks(run: Run, hooks: tuple[Callable[[Run], None], ...]) -> None:
+    for hook in hooks:
+        hook(run)
