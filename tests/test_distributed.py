@@ -269,6 +269,39 @@ def test_torchs_constructor_warnings_point_at_the_line_that_built_the_model(tmp_
             assert (said.filename, said.lineno, said.category) == (__file__, line, FutureWarning), wrap
 
 
+def test_torchs_constructor_warnings_keep_the_scripts_filters(tmp_path, monkeypatch):
+    """dpprof's constructor caught torch's warnings in warnings.catch_warnings and gave them again: entering it reset
+    every module's once-only registry, so under the "default" filter the deprecation of broadcast_buffers given at
+    one line was shown once a model built there (torch: once), and a warning not pointing into dpprof was given
+    again under a module named for its file, past the script's filter naming its module."""
+    import warnings
+
+    from torch import nn
+    from torch.nn.parallel import distributed as torch_ddp
+
+    from dpprof.instrument import instrument
+
+    verify = torch_ddp._verify_param_shape_across_processes
+
+    def verify_warning(*args, **kwargs):  # a warning of a module's own inside torch's constructor, at its line
+        warnings.warn("the module's own warning", UserWarning, stacklevel=1)
+        return verify(*args, **kwargs)
+
+    with _gloo_world_of_one(tmp_path):
+        nn.parallel.DistributedDataParallel(nn.Linear(4, 2))  # torch's first model changes its filters once
+        monkeypatch.setattr(torch_ddp, "_verify_param_shape_across_processes", verify_warning)
+        for wrap in ("torch", "dpprof", "stand-in"):
+            with warnings.catch_warnings(record=True) as caught, instrument(store=False) if wrap == "stand-in" else \
+                    contextlib.nullcontext():
+                warnings.simplefilter("default")
+                warnings.filterwarnings("ignore", "the module's own warning", module=__name__)
+                cls = dpprof.DistributedDataParallel if wrap == "dpprof" else nn.parallel.DistributedDataParallel
+                for _ in range(3):
+                    cls(nn.Linear(4, 2), broadcast_buffers=True)
+            said = [str(w.message)[:30] for w in caught]
+            assert said == ["`broadcast_buffers` is depreca"], wrap
+
+
 def test_a_distillation_of_ddp_models_is_one_step_an_iteration(tmp_path):
     """A DDP teacher under no_grad, then a DDP student with grad, its backward and optimizer step, on a gloo world of
     one: one step an iteration (the student's forward joins the step the teacher's opened), its batch counted once;

@@ -16,10 +16,8 @@ and a short GPU one.
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,12 +27,13 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import distributed as _torch_ddp
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from dpprof.loaders import take as loader_calls
 from dpprof.device_ids import rank_devices
 from dpprof.parallel import script_comms
-from dpprof.parallel.callers import PACKAGE_DIR
+from dpprof.parallel.callers import WarningsPastDpprof
 from dpprof.parallel.probe import (ForwardProbe, allocator_bytes, cuda_event, end_after_error, gpu_of, iter_tensors,
                                    on_gradient, rank_part)
 from dpprof.recording import Run, current_run
@@ -328,32 +327,33 @@ def _default_hook(owner: DistributedDataParallel) -> Callable[[Any, Any], Any]:
     return timed
 
 
+# torch's DDP constructors running inside _warnings_at_caller, in every thread: its module's warnings stay dpprof's
+# while any runs, torch's own once none does
+_constructing: dict[str, Any] = {"count": 0, "inner": None}
+_constructing_lock = threading.Lock()
+
+
 @contextmanager
 def _warnings_at_caller() -> Iterator[None]:
     """Around torch's DDP constructor: a warning it gives at its caller's line (``stacklevel=2``, as its
     ``broadcast_buffers`` deprecation) is given at the line that built the model, as under torch, not at dpprof's
-    constructor (or the stand-in's) that calls torch's; others as they were."""
-    frame = sys._getframe(2)  # past this generator and contextlib's __enter__
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(PACKAGE_DIR):
-        frame = frame.f_back
+    constructor (or the stand-in's) that calls torch's; others as they were, each under the script's filters."""
+    module = vars(_torch_ddp)
+    if "warnings" not in module:  # a torch whose DDP gives no warning of its own
+        yield
+        return
+    with _constructing_lock:
+        if not _constructing["count"]:
+            _constructing["inner"] = module["warnings"]
+            module["warnings"] = WarningsPastDpprof(_constructing["inner"])
+        _constructing["count"] += 1
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            yield
+        yield
     finally:
-        _warn_again(caught, frame)
-
-
-def _warn_again(caught: list[warnings.WarningMessage], frame: Any) -> None:
-    """Give the warnings caught again, under the script's filters, those that pointed into dpprof at ``frame``."""
-    for w in caught:
-        if w.filename.startswith(PACKAGE_DIR):
-            globs = frame.f_globals
-            warnings.warn_explicit(w.message, w.category, frame.f_code.co_filename, frame.f_lineno,
-                                   module=globs.get("__name__"), registry=globs.setdefault("__warningregistry__", {}),
-                                   module_globals=globs)
-        else:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+        with _constructing_lock:
+            _constructing["count"] -= 1
+            if not _constructing["count"]:
+                module["warnings"] = _constructing["inner"]
 
 
 class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):

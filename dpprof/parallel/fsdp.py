@@ -48,11 +48,9 @@ too (``AllocatorRecord`` at the end of forward and of backward).
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 import time
 from collections.abc import Callable
-from types import FrameType
 from typing import Any
 
 import torch
@@ -62,7 +60,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from dpprof.loaders import take as loader_calls
 from dpprof.device_ids import rank_devices
 from dpprof.parallel import script_comms
-from dpprof.parallel.callers import PACKAGE_DIR
+from dpprof.parallel.callers import WarningsPastDpprof
 from dpprof.parallel.probe import (allocator_bytes, cuda_event, end_after_error, gpu_of, iter_tensors, rank_part,
                                    tensor_bytes)
 from dpprof.recording import Run, current_run
@@ -643,27 +641,6 @@ class _TimedDist:
         return out
 
 
-class _WarningsPastDpprof:
-    """``warnings`` as FSDP2's state module sees it: a warning it gives at its caller's line (``stacklevel=2``, as its
-    post-forward's for a module that returned a view tensor) names the line it names without dpprof, past dpprof's
-    wrapper of the function that warns (which would otherwise be that caller); every other name torch's own."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def warn(self, message: Any, category: Any = None, stacklevel: int = 1, *args: Any, **kwargs: Any) -> None:
-        frame: FrameType | None = sys._getframe(1)  # the function that warns: stacklevel 1
-        level = 1
-        while frame is not None and level < stacklevel:
-            frame, level = frame.f_back, level + 1
-        while frame is not None and frame.f_code.co_filename.startswith(PACKAGE_DIR):
-            frame, stacklevel = frame.f_back, stacklevel + 1
-        self._inner.warn(message, category, stacklevel + 1, *args, **kwargs)  # + 1: this frame
-
-
 def _optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
     probe = _probe()
     if probe is not None:
@@ -697,7 +674,7 @@ def _fsdp2_targets() -> list[tuple[Any, str, Callable[..., Any]]]:
 
     state_cls, group_cls = state_module.FSDPState, group_module.FSDPParamGroup
     # the module's warnings (a torch whose post-forward warns: 2.13's of a view tensor) name torch's lines, not dpprof's
-    warns = [(state_module, "warnings", _WarningsPastDpprof)] if "warnings" in vars(state_module) else []
+    warns = [(state_module, "warnings", WarningsPastDpprof)] if "warnings" in vars(state_module) else []
     return warns + [(state_cls, "_root_pre_forward", _wrap_root_pre_forward),
             (state_cls, "_register_pre_backward_hook", _wrap_post_forward),
             (state_cls, "_root_post_backward_final_callback", _wrap_post_backward_callback),
