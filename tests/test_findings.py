@@ -776,6 +776,44 @@ def test_steps_slow_from_their_own_bigger_batch_are_not_called_stalls_from_outsi
     assert ("another process" in outliers["advice"]) == (set(listed) != {4, 8})
 
 
+def test_a_ddp_ranks_outlier_and_rest_rules_read_one_partition_of_its_steps(tmp_path, monkeypatch):
+    """A DDP rank with stalled steps: outlier_steps (the part their extra time is in) and unrecorded_time (each step's
+    rest) each partitioned the steps into their parts, twice a run; both now read Tables.later_step_parts, once."""
+    import torch.distributed as dist
+
+    import dpprof.findings.base as base
+    import dpprof.findings.steps as steps
+    from dpprof.instrument import instrument
+    from dpprof.stepmodel import partition
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with instrument(name="ddp", reports_dir=tmp_path, sample_hz=None) as recording:
+            net = nn.parallel.DistributedDataParallel(nn.Linear(8, 2))
+            opt = torch.optim.SGD(net.parameters(), lr=0.01)
+            for i in range(12):
+                loss = net(torch.randn(4, 8)).sum()
+                if i in (5, 9):
+                    time.sleep(0.3)  # the script's own work inside the step: a stall in its rest
+                loss.backward()
+                opt.step()
+    finally:
+        dist.destroy_process_group()
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(len(args[0]))  # the windows partitioned
+        return partition(*args, **kwargs)
+
+    for module in (base, steps):  # where the rules found partition before (steps) and now (base)
+        monkeypatch.setattr(module, "partition", counted, raising=False)
+    found = findings_from(tables_of(dpprof.load_run(recording.path))).set_index("kind")
+    outliers = found.loc["outlier_steps"]
+    assert {5, 9} <= {int(s) for s, _ in re.findall(r"(\d+) \((\d+) ms\)", outliers["evidence"])}
+    assert "their extra time is in the rest of the step" in outliers["evidence"]
+    assert len(calls) == 1, calls
+
+
 def test_no_findings_from_fewer_steps_than_they_need():
     # batch 3 on 4 workers leaves cpu:3 idle: with enough steps that is a critical finding
     run = _record(nn.Linear(5, 2), lambda i: (torch.randn(3, 5),), workers=4, steps=FINDINGS_MIN_STEPS - 1)

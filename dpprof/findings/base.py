@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any
 
 import pandas as pd
 
 from dpprof.records import SCRIPT_BUCKET, FindingRecord, finding_unit_error
+from dpprof.stepmodel import partition, parts_for
 from dpprof.store.model import RunModel
 
 __all__ = ["FINDING_COLUMNS", "MEDIAN_STEP", "OperatorData", "Tables", "finding", "per_step", "split_script_comms"]
@@ -114,6 +116,22 @@ class Tables:
     @property
     def first_step(self) -> int | None:
         return int(self.steps["step"].min()) if len(self.steps) else None
+
+    @cached_property
+    def later_step_parts(self) -> pd.DataFrame:
+        """Each step past the first of each rank whose rows the run holds, split into its parts
+        (dpprof.stepmodel.partition over the run's phases): rank, step, window_ms, a column a part and the rest; empty
+        without phases. Computed once, at the first rule that reads it (outlier_steps, unrecorded_time): the rules
+        read the same frame and change neither it nor the tables."""
+        steps = self.steps[self.steps["step"] != self.first_step]
+        if steps.empty or self.phases.empty:
+            return pd.DataFrame()
+        windows = pd.DataFrame({"rank": steps["rank"], "step": steps["step"], "lo": steps["start_ms"],
+                                "hi": steps["start_ms"] + steps["duration_ms"]})
+        ph = self.phases
+        intervals = pd.DataFrame({"rank": ph["rank"], "step": ph["step"], "kind": ph["phase"], "start": ph["start_ms"],
+                                  "end": ph["start_ms"] + ph["duration_ms"]})
+        return partition(windows, intervals, parts_for(self.model.phases), ["rank", "step"])
 
 
 def split_script_comms(comms: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -12,7 +12,7 @@ from dpprof.findings.base import MEDIAN_STEP, Tables, finding
 from dpprof.findings.detail import workers_advice
 from dpprof.findings.floors import cost_text, total_text, worth_time
 from dpprof.loaders import none_iterated
-from dpprof.stepmodel import PHASE_WORDS, REST, partition, parts_for
+from dpprof.stepmodel import PHASE_WORDS, REST
 from dpprof.store.queries import raised_steps_of, throughput_of, training_steps_of
 from dpprof.units import plural
 
@@ -163,7 +163,7 @@ def _grown_part(t: Tables, slow: pd.Index) -> tuple[str, float, float] | None:
     """The part of the step (dpprof.stepmodel) that holds most of the ``slow`` steps' extra time: its name, its mean ms
     a step in them and its median in the other steps past the first (each step's parts the mean over its ranks, so
     they still sum to its mean window); None where the rows do not cover both, or no part holds half the extra."""
-    parts = _step_parts(t)
+    parts = t.later_step_parts
     if parts.empty:
         return None
     names = [c for c in parts.columns if c not in ("rank", "step", "window_ms")]
@@ -229,25 +229,12 @@ def bigger_batches(batch: pd.Series, steps: Iterable[int]) -> tuple[dict[int, in
     return {int(s): int(batch[s]) for s in steps if s in batch.index and batch[s] > median}, median
 
 
-def _step_parts(t: Tables) -> pd.DataFrame:
-    """Each step past the first of each rank whose rows the run holds, split into its parts (dpprof.stepmodel.partition
-    over the run's phases): rank, step, window_ms, a column a part and the rest; empty without phases."""
-    steps = t.steps[t.steps["step"] != t.first_step]
-    if steps.empty or t.phases.empty:
-        return pd.DataFrame()
-    windows = steps.assign(lo=steps["start_ms"], hi=steps["start_ms"] + steps["duration_ms"])[["rank", "step", "lo", "hi"]]
-    ph = t.phases
-    intervals = pd.DataFrame({"rank": ph["rank"], "step": ph["step"], "kind": ph["phase"], "start": ph["start_ms"],
-                              "end": ph["start_ms"] + ph["duration_ms"]})
-    return partition(windows, intervals, parts_for(t.model.phases), ["rank", "step"])
-
-
 def rest_of_steps(t: Tables) -> pd.DataFrame:
     """Per rank (its device label) over the steps past the first: steps, mean step (window_ms), mean rest (the part
     of the step the step model gives no recorded part: dpprof.stepmodel.partition over the run's phases), ms, and
     steps_over, the steps whose own rest is over REST_SHARE_WARN of that step."""
     cols = ["device", "steps", "window_ms", REST, "steps_over"]
-    parts = _step_parts(t)
+    parts = t.later_step_parts
     if parts.empty:
         return pd.DataFrame(columns=cols)
     parts = parts.assign(over=parts[REST] > REST_SHARE_WARN * parts["window_ms"])
