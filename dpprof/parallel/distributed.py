@@ -161,8 +161,13 @@ class _RankProbe:
                 self.step = self.run.open_step() or self.step
             self.backward_ev0 = self.event()
             self.backward_t0 = time.perf_counter_ns()
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: self.backward_done(time.perf_counter_ns()))
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_the_reducer)
+
+    def _after_the_reducer(self) -> None:
+        """The first of backward's final callbacks: DDP's reducer queued its own during the graph, after this one (it
+        waits for every bucket's all-reduce, then copies the reduced gradients into ``.grad``), so backward's end is
+        taken in a callback queued from here, which the autograd engine runs after it."""
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self.backward_done(time.perf_counter_ns()))
 
     def _maybe_finish_backward(self) -> None:
         """Once the graph task has ended and every launched all-reduce completed (in either order),
