@@ -79,6 +79,14 @@ class Tables:
         return pd.concat([self.comms, self.script_comms]).sort_index(kind="stable")
 
     @property
+    def on_gpus(self) -> bool:
+        """Whether the run's devices are GPUs: a DataParallel on CUDA, NCCL ranks, or ranks and traces with GPU
+        records (the CUDA allocator's counters, GPU samples, kernel time); False where they share the host's cores
+        (CPU workers, gloo ranks on CPUs, a trace of the CPU alone)."""
+        return (self.model.backend == "cuda" or self.model.dist_backend == "nccl"
+                or bool({"allocator", "gpu_samples", "gpu_time"} & self.model.has))
+
+    @property
     def every_step(self) -> pd.DataFrame:
         """Every step of the run (``steps`` unless the run was thinned)."""
         return self.steps if self.all_steps is None else self.all_steps

@@ -50,8 +50,7 @@ def straggler_severity(wait_ms: float, step_ms: float) -> str:
 
 def straggler_threshold(t: Tables) -> float:
     """STRAGGLER_RATIO_CPU where devices share the host's cores (CPU workers, ranks on CPUs), else STRAGGLER_RATIO."""
-    on_gpus = t.model.backend == "cuda" or bool({"allocator", "gpu_samples", "gpu_time"} & t.model.has)
-    return STRAGGLER_RATIO if on_gpus else STRAGGLER_RATIO_CPU
+    return STRAGGLER_RATIO if t.on_gpus else STRAGGLER_RATIO_CPU
 
 
 @dataclass(frozen=True)

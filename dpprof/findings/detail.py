@@ -97,10 +97,12 @@ def no_data_loader(t: Tables, device: str) -> bool:
     return none_iterated(t.data_loaders, _ranks_of(t, device))
 
 
-def workers_advice(loaders: list[dict[str, Any]]) -> tuple[str, str | None]:
+def workers_advice(loaders: list[dict[str, Any]], on_gpus: bool = True) -> tuple[str, str | None]:
     """What the evidence says of the process's DataLoaders, and where every one already loads in worker processes,
-    what is left to advise, as a list in words (never num_workers it already has); ("", None) where the run does not
-    say, and None where one loads without workers (the rule's own advice: load in workers)."""
+    what is left to advise, as a list in words (never num_workers it already has; pin_memory and work moved to the GPU
+    only where the run trains on GPUs: a loader pins memory only for an accelerator, and torch warns where it finds
+    none); ("", None) where the run does not say, and None where one loads without workers (the rule's own advice:
+    load in workers)."""
     if not loaders:
         return "", None
     without = sum(not d["workers"] for d in loaders)
@@ -119,13 +121,14 @@ def workers_advice(loaders: list[dict[str, Any]]) -> tuple[str, str | None]:
         left.append("persistent_workers=True (its workers start again each epoch)")
     elif not any("persistent_workers" in d for d in loaders):
         left.append("persistent_workers=True")
-    if not any(d.get("pin_memory") is True for d in loaders):
+    if on_gpus and not any(d.get("pin_memory") is True for d in loaders):
         left.append("pin_memory=True")
     factors = sorted({d["prefetch_factor"] for d in loaders if isinstance(d.get("prefetch_factor"), int)})
     left.append(f"a larger prefetch_factor (it is {'/'.join(map(str, factors))})" if factors
                 else "a larger prefetch_factor")
-    return (f"; the DataLoader already loads in {said}", f"{', '.join(left)}, and cheaper work per sample (decoding "
-            "and augmentation moved to the GPU, or data stored decoded)")
+    cheaper = ("decoding and augmentation moved to the GPU, or data stored decoded" if on_gpus
+               else "data stored decoded")
+    return f"; the DataLoader already loads in {said}", f"{', '.join(left)}, and cheaper work per sample ({cheaper})"
 
 
 def data_loading(t: Tables) -> list[dict]:
@@ -172,9 +175,10 @@ def data_loading(t: Tables) -> list[dict]:
                       "RUN, shows it by operator.")
         else:
             advice = ("The step waits for its input: load in DataLoader worker processes (num_workers=4 or more, "
-                      "persistent_workers=True), with pin_memory=True, and move decoding and augmentation there or to "
-                      "the GPU.")
-            said, left = workers_advice(_loaders_of(t, str(device)))
+                      "persistent_workers=True), " + ("with pin_memory=True, and move decoding and augmentation there "
+                                                      "or to the GPU." if t.on_gpus else
+                                                      "and move decoding and augmentation there."))
+            said, left = workers_advice(_loaders_of(t, str(device)), t.on_gpus)
             evidence += said
             if left is not None:
                 advice = ("The step waits for its input although the DataLoader already loads in worker processes: "

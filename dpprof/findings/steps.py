@@ -363,9 +363,10 @@ def between_steps(t: Tables) -> list[dict]:
                   "a host synchronisation such as .item()). Move it off the step loop: log and checkpoint every N "
                   "steps rather than every step, evaluate less often, build batches in the background. " + capture)
     else:
-        said, left = workers_advice([d for found in t.data_loaders.values() for d in found])
+        said, left = workers_advice([d for found in t.data_loaders.values() for d in found], t.on_gpus)
         evidence += said
-        loading = (" (load in worker processes: num_workers, persistent_workers, pin_memory)" if left is None else "")
+        pin = ", pin_memory" if t.on_gpus else ""
+        loading = f" (load in worker processes: num_workers, persistent_workers{pin})" if left is None else ""
         advice = ("See what the script does between steps: in a training loop that is fetching the next batch from its "
                   f"DataLoader{loading}, then logging, metrics and checkpoints. "
                   + ("" if left is None else f"Its DataLoader already loads in workers that do not keep up; what is "
