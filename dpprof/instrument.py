@@ -484,6 +484,7 @@ class _Session:
             return
         self.run.joins_open_step = self._joins_open_step
         self.run.forward_ended = self.after_forward
+        self.run.forward_starting = self.before_forward
 
     def finish(self, exc: BaseException | None) -> None:
         """Close the run: finished, unless the script raised (SystemExit 0 is a finish)."""

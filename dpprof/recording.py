@@ -308,6 +308,9 @@ class Run:
         # it is told of each recorded forward call's output where no stand-in's forward sees it (FSDP's root)
         self.joins_open_step: Callable[[_Step, int | None], bool] | None = None
         self.forward_ended: Callable[[Any], None] | None = None
+        # ... and what it is told before such a forward opens its step (the module, its inputs): dpprof run's --steps
+        # stops recording there, as it does before a stand-in's forward
+        self.forward_starting: Callable[[Any, Any], None] | None = None
         # where set, record() hands it its close hooks (the findings computed and stored) to run rather than running
         # them: dpprof.instrument's --steps stop, whose script goes on at once, the block's end waiting for them
         self.close_hooks_later: Callable[[Callable[[], None]], None] | None = None

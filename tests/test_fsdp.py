@@ -582,3 +582,22 @@ def test_an_optimizer_stepping_another_inside_its_step_is_one_optimizer_part_to_
     parts = phases[phases["phase"] == "optimizer"].set_index("step")["duration_ms"]
     assert parts.index.tolist() == [0, 1, 2]
     assert ((parts >= 20) & (parts <= took)).all(), (parts, took)
+
+
+@pytest.mark.parametrize("script", [SCRIPT, SCRIPT1], ids=["fsdp2", "fsdp1"])
+def test_dpprof_run_steps_stops_an_fsdp_script_at_its_limit(tmp_path, script):
+    """`dpprof run --steps 3` of an FSDP script of 5 steps: the limit was checked before DataParallel's and DDP's
+    stand-ins' forwards alone, so an FSDP script's run held all 5 steps. The root's forward now tells the session
+    first: the run holds 3 steps a rank, the script goes on unrecorded, and its weights are the plain script's."""
+    weights = {"plain": tmp_path / "plain.pt", "recorded": tmp_path / "recorded.pt"}
+    _torchrun([script], {"FSDP_OUT": str(weights["plain"]), "DPPROF_REPORTS": str(tmp_path / "unused")})
+    _torchrun(["-m", "dpprof", "run", "--steps", "3", script], {"FSDP_OUT": str(weights["recorded"]),
+                                                                 "DPPROF_REPORTS": str(tmp_path / "runs")})
+    plain, recorded = (torch.load(weights[k]) for k in ("plain", "recorded"))
+    assert plain.keys() == recorded.keys() and all(torch.equal(plain[k], recorded[k]) for k in plain)
+    run = dpprof.load_run(dpprof.list_runs(tmp_path / "runs").loc[0, "id"], tmp_path / "runs")
+    assert run.model.steps == 3 < STEPS
+    steps = run.steps
+    assert sorted(steps["rank"].unique()) == [0, 1]
+    assert all(sorted(g["step"]) == [0, 1, 2] for _, g in steps.groupby("rank"))
+    assert any("recording stopped after 3 steps (--steps)" in n for n in run.notes["message"])

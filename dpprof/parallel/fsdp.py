@@ -356,6 +356,15 @@ def _open_step(run: Run, module: torch.nn.Module, t0: int, batch: Any, inputs: A
     return probe
 
 
+def _starts_recorded(run: Run, module: torch.nn.Module, inputs: Any) -> bool:
+    """Whether the root's forward now is recorded: ``run.forward_starting`` (dpprof run's) is told first, and may end
+    the run there (--steps), the forward then running unrecorded."""
+    told = run.forward_starting
+    if told is not None:
+        told(module, inputs)
+    return current_run() is run
+
+
 # the wrappers: each calls torch's function; with a probe open it also times it
 def _wrap_root_pre_forward(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
@@ -368,7 +377,7 @@ def _wrap_root_pre_forward(original: Callable[..., Any]) -> Callable[..., Any]:
         ev0 = cuda_event(index)
         t0 = time.perf_counter_ns()
         out = original(self, module, args, kwargs)
-        if first and self._state_ctx.iter_forward_root is self:
+        if first and self._state_ctx.iter_forward_root is self and _starts_recorded(run, module, out):
             _open_step(run, module, t0, out[0], out, ev0=ev0)
         return out
 
@@ -536,6 +545,8 @@ def _wrap_fsdp1_forward(original: Callable[..., Any]) -> Callable[..., Any]:
         if run is None or _fsdp1["in_forward"] or getattr(self, "_is_root", None) is False:
             return original(self, *args, **kwargs)
         ev0 = cuda_event(_gpu_of(self))
+        if not _starts_recorded(run, self, (args, kwargs)):
+            return original(self, *args, **kwargs)
         probe = _open_step(run, self, time.perf_counter_ns(), args, (args, kwargs), _fsdp1_shard_bytes, ev0)
         _fsdp1["in_forward"] = True
         try:
