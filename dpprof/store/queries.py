@@ -109,6 +109,8 @@ def run_stats(run: StoredRun) -> dict[str, Any]:
     stats["steps_fewest"] = fewest
     stats["ranks_fewest"] = sorted(int(r) for r in per.loc[per["steps"] == fewest, "rank"]) if "rank" in per and \
         len(per) > 1 else []
+    stats["ranks_most"] = sorted(int(r) for r in per.loc[per["steps"] == stats["steps"], "rank"]) if "rank" in per \
+        and len(per) > 1 else []
     stats.update(batch_sizes(run))
     stats["devices_used"] = int(stats["devices_used"]) if stats["devices_used"] else None
     stats["median_step_ms"] = median_step_ms(run) if stats["steps"] else None

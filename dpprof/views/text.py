@@ -113,14 +113,25 @@ def batch_words(stats: dict[str, Any], ranks: int = 1) -> str:
             f"{stats['batch_size_min']:,} to {stats['batch_size_max']:,})")
 
 
+# ranks named one by one where a run's step counts differ; more are counted ("on 127 of 128 ranks")
+RANKS_NAMED = 4
+
+
+def _ranks_words(named: list[int], ranks: int) -> str:
+    """"rank 1", "ranks 0, 2", or "127 of 128 ranks" past RANKS_NAMED."""
+    if len(named) > RANKS_NAMED:
+        return f"{len(named):,} of {ranks:,} ranks"
+    return f"rank{'s' if len(named) > 1 else ''} {', '.join(str(r) for r in named)}"
+
+
 def steps_per_rank(stats: dict[str, Any], ranks: int) -> str:
     """Where a distributed run's steps are, after its step count (queries.run_stats): " on each of 2 ranks", or, where
-    its ranks hold different counts (a rank's profiler cut short), " on the most of 2 ranks, 6 on rank 1"; "" for one
-    process. ``dpprof show`` and the Overview say it so."""
+    its ranks hold different counts (a rank's profiler cut short, a Join's uneven inputs), " on rank 0, 6 on rank 1";
+    "" for one process. ``dpprof show`` and the Overview say it so."""
     if ranks < 2:
         return ""
     if stats.get("steps_fewest", stats["steps"]) == stats["steps"]:
         return f" on each of {ranks} ranks"
-    fewest = stats["ranks_fewest"]
-    return (f" on the most of {ranks} ranks, {stats['steps_fewest']:,} on rank{'s' if len(fewest) > 1 else ''} "
-            f"{', '.join(str(r) for r in fewest)}")
+    most = stats.get("ranks_most") or []
+    where = _ranks_words(most, ranks) if most else f"the most of {ranks} ranks"
+    return f" on {where}, {stats['steps_fewest']:,} on {_ranks_words(stats['ranks_fewest'], ranks)}"
