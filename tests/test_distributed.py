@@ -139,7 +139,7 @@ def _left_in_its_log(path: Path) -> None:
             "con.execute('PRAGMA wal_autocheckpoint=0')\n"
             "with con:\n"
             "    con.execute('INSERT INTO steps SELECT step + 1, start_ms + duration_ms, duration_ms, batch_size, "
-            "devices_used, forward_calls, explicit, raised_calls FROM steps ORDER BY step DESC LIMIT 1')\n"
+            "devices_used, forward_calls, explicit, raised_calls, loader_ms FROM steps ORDER BY step DESC LIMIT 1')\n"
             "os._exit(0)\n")
     subprocess.run([sys.executable, "-c", code, str(path)], check=True)
     assert Path(f"{path}-wal").stat().st_size > 0

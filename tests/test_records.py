@@ -16,7 +16,7 @@ from dpprof.records import (ALL_REDUCE, ALL_REDUCE_RANGE, MEMORY_BYTES, Allocato
 # sites assume is pinned here. Change both together.
 POSITIONAL = [
     (StepRecord, ["step", "start_ms", "duration_ms", "batch_size", "devices_used", "forward_calls", "explicit",
-                  "raised_calls"]),
+                  "raised_calls", "loader_ms"]),
     (PhaseRecord, ["step", "call", "phase", "device", "start_ms", "duration_ms", "device_duration_ms"]),
     (DeviceMemoryRecord, ["step", "call", "device", "chunk_size", "input_bytes", "output_bytes", "activation_bytes",
                           "gathered_bytes", "param_bytes", "buffer_bytes"]),

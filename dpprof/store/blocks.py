@@ -242,7 +242,7 @@ class Aggregator:
                 # row's fields are read in place, as their records' are (_add_step, _add_memory)
                 if r[0] != PHASE_ROW:
                     if r[0] == STEP_ROW:  # step, start_ms, duration_ms, batch_size, devices_used, forward_calls,
-                        # explicit, raised_calls
+                        # explicit, raised_calls, loader_ms
                         self._add_step(r[1], r[3], r[4], r[5], bool(r[8]))
                     elif r[0] == MEMORY_ROW:  # step, call, device, chunk_size, then MEMORY_BYTES' six in order
                         self._add_memory(r[1], r[3], r[4], r[5:11])

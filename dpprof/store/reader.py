@@ -445,7 +445,10 @@ class StoredRun:
             else:  # a table added to the schema since the file was written: it holds no rows
                 self._frames[name] = pd.DataFrame(columns=[*columns_of(cls), "rank"])
             if name == "steps":
-                self._frames[name]["explicit"] = self._frames[name]["explicit"].astype(bool)
+                frame = self._frames[name]
+                frame["explicit"] = frame["explicit"].astype(bool)
+                # a number where a step has it, NaN where none was read (as a CSV of the table reads it back)
+                frame["loader_ms"] = pd.to_numeric(frame["loader_ms"], errors="coerce").astype(float)
         return self._frames[name]
 
     def query(self, sql: str, params: tuple[Any, ...] = ()) -> pd.DataFrame:
