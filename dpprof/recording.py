@@ -30,7 +30,7 @@ from dpprof.records import CHECK_OF_ENV, STEP_ROW, TABLE_OF, NoteRecord, Record,
 from dpprof.signals import Interrupted, SignalGuard, signal_name
 from dpprof.store.faults import start_failure
 from dpprof.store.ids import new_run_id
-from dpprof.store.reader import RUN_SUFFIX, load_run
+from dpprof.store.reader import RUN_SUFFIX, load_run, typed
 from dpprof.store.reader import reports_dir as resolve_reports_dir
 from dpprof.units import plural
 from dpprof.store.retention import Retention, retention_of
@@ -660,7 +660,7 @@ class Run:
         for cls, table in TABLE_OF.items():
             rows = self.sink.tables[table]
             columns = [f.name for f in fields(cls)]
-            out[table] = pd.DataFrame([asdict(r) for r in rows], columns=columns)
+            out[table] = typed(table, pd.DataFrame([asdict(r) for r in rows], columns=columns))
         return out
 
 

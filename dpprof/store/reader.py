@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RUN_SUFFIX", "list_runs", "read_run_file", "checks_under_their_runs", "load_run", "StoredRun", "RunFileError",
            "reports_dir", "reports_dir_problem", "LISTING_COLUMNS", "HEARTBEAT_TIMEOUT_S", "FULL_DISK_FREE_BYTES", "CHECKED_TABLES", "why_not_regular", "file_damage",
-           "effective_status", "integrity_problem", "named_collectives"]
+           "effective_status", "integrity_problem", "named_collectives", "typed"]
 
 RUN_SUFFIX = ".sqlite"
 # torch.profiler traces waiting to be imported (dpprof import; the Runs page lists them), not runs
@@ -286,6 +286,16 @@ def _read_meta(con: sqlite3.Connection, path: Path | None = None) -> dict[str, A
     return row
 
 
+def typed(table: str, frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` (a record table's rows, read from a file or a run kept in memory) with the types its readers
+    expect, in place: the steps' ``explicit`` a bool, their ``loader_ms`` a number (NaN where a step has none, as a
+    CSV of the table reads it back)."""
+    if table == "steps":
+        frame["explicit"] = frame["explicit"].astype(bool)
+        frame["loader_ms"] = pd.to_numeric(frame["loader_ms"], errors="coerce").astype(float)
+    return frame
+
+
 @dataclass
 class StoredRun:
     """A run read from its file (or, for a torch.distributed run, its rank files): ``meta`` and one
@@ -444,11 +454,7 @@ class StoredRun:
                 self._frames[name] = frame
             else:  # a table added to the schema since the file was written: it holds no rows
                 self._frames[name] = pd.DataFrame(columns=[*columns_of(cls), "rank"])
-            if name == "steps":
-                frame = self._frames[name]
-                frame["explicit"] = frame["explicit"].astype(bool)
-                # a number where a step has it, NaN where none was read (as a CSV of the table reads it back)
-                frame["loader_ms"] = pd.to_numeric(frame["loader_ms"], errors="coerce").astype(float)
+            typed(name, self._frames[name])
         return self._frames[name]
 
     def query(self, sql: str, params: tuple[Any, ...] = ()) -> pd.DataFrame:
