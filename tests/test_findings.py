@@ -591,7 +591,9 @@ def test_a_ranks_data_part_is_its_dataloaders_calls_not_its_own_work_between_ste
     assert data.index.tolist() == [1, 2, 3, 4, 5]  # the first step's loading is before it, in no step
     for step, ms in data.items():
         assert ms <= fetched[step] + 1e-3, (step, ms, fetched)
-    assert data.sum() >= sum(fetched[1:]) - 0.5 * len(data)
+    # and most of it: next()'s own lines outside the batch's call (torch's profiler range, the sampler) are tens of µs
+    # idle, 0.53-0.56 ms a step in a loaded CI run (both kinds), against the 100 ms sleep the whole gap would hold
+    assert data.sum() >= 0.9 * sum(fetched[1:])
     assert_parts_partition_the_steps(run)
     rest = rest_of_steps(tables_of(run)).set_index("device").loc["rank:0"]
     assert rest["rest"] >= 100  # the sleep: in no part (the first step left out)
@@ -632,7 +634,7 @@ def test_a_dataparallel_steps_dataloader_time_between_steps_is_its_iterators_and
     its own work after each step (an evaluation on model.module): between_steps said "fetching the next batch from its
     DataLoader (load in worker processes ...)" either way, as nothing told the loader's time from the script's. Each
     step now has the DataLoader's time since the step before (loader_ms): the script's own clock around next() holds
-    it, less at most 1 ms past the first batch; the finding splits the gap by it, and where the script's work is the larger part, advises
+    it, and it is most of that time past the first batch; the finding splits the gap by it, and where the script's work is the larger part, advises
     on that work, not on DataLoader workers."""
     from torch.utils.data import DataLoader
 
@@ -653,9 +655,10 @@ def test_a_dataparallel_steps_dataloader_time_between_steps_is_its_iterators_and
     run = dpprof.load_run(recording.path)
     steps = run.steps.set_index("step").sort_index()
     loader = steps["loader_ms"].to_numpy()
-    # past the first batch, whose next() also starts the iterator's sampler (7 ms of 47, measured), outside its batch
-    assert ((loader <= np.array(fetched) + 1e-3) & (loader >= np.array(fetched) - 1.0))[1:].all(), (loader, fetched)
-    assert loader[0] <= fetched[0] + 1e-3
+    # inside next(), and most of it past the first batch, whose next() also starts the iterator's sampler (7 ms of 47,
+    # measured): next()'s own lines outside the batch's call are tens of µs idle, over half a ms a step under load
+    assert (loader <= np.array(fetched) + 1e-3).all(), (loader, fetched)
+    assert loader[1:].sum() >= 0.9 * sum(fetched[1:]), (loader, fetched)
     ends = steps["start_ms"] + steps["duration_ms"]
     gaps = (steps["start_ms"].shift(-1) - ends).iloc[:-1].clip(lower=0)
     found = findings_of(run).set_index("kind").loc["between_steps"]
