@@ -43,6 +43,26 @@ def _torchrun(args, env, timeout=300):
     return out
 
 
+def _assert_same_weights(weights: dict[str, Path]) -> None:
+    """The weights the script saved without dpprof ("plain") and under it ("recorded") are bit-identical."""
+    plain, recorded = (torch.load(weights[k]) for k in ("plain", "recorded"))
+    assert plain.keys() == recorded.keys() and all(torch.equal(plain[k], recorded[k]) for k in plain)
+
+
+def _assert_one_raised_step(run, at: int, capsys) -> None:
+    """Each rank's step ``at`` is its one step whose forward raised (every step one forward of batch 16): neither a
+    training nor an evaluation step, its samples not counted, and `dpprof show` says so."""
+    steps = run.steps.sort_values(["rank", "step"])
+    assert steps["forward_calls"].tolist() == [1] * 2 * STEPS and steps["batch_size"].tolist() == [16] * 2 * STEPS
+    assert steps["raised_calls"].tolist() == [int(s == at) for s in range(STEPS)] * WORLD
+    assert queries.raised_steps(run) == 1
+    rate = queries.throughput(run)
+    assert rate is not None and (rate.samples, rate.evaluation_steps, rate.raised_steps) == (WORLD * 16 * 3, 0, 1)
+    capsys.readouterr()
+    assert main(["--reports-dir", str(run.paths[0].parent), "show", str(run.paths[0])]) == 0
+    assert "\n  1 step's forward raised, the script going on" in capsys.readouterr().out
+
+
 def _recorded(directory: Path, **env: str):
     """`dpprof run` of the script under torchrun into ``directory``; the run, opened."""
     _torchrun(["-m", "dpprof", "run", SCRIPT], {"DPPROF_REPORTS": str(directory), **env})
@@ -58,8 +78,7 @@ def _fsdp1_recorded_beside_plain(tmp_path: Path, **env: str):
     _torchrun([SCRIPT1], {**env, "FSDP_OUT": str(weights["plain"]), "DPPROF_REPORTS": str(tmp_path / "unused")})
     _torchrun(["-m", "dpprof", "run", SCRIPT1], {**env, "FSDP_OUT": str(weights["recorded"]),
                                                  "DPPROF_REPORTS": str(tmp_path / "runs")})
-    plain, recorded = (torch.load(weights[k]) for k in ("plain", "recorded"))
-    assert plain.keys() == recorded.keys() and all(torch.equal(plain[k], recorded[k]) for k in plain)
+    _assert_same_weights(weights)
     listed = dpprof.list_runs(tmp_path / "runs")
     return dpprof.load_run(listed.loc[0, "id"], tmp_path / "runs")
 
@@ -133,17 +152,8 @@ def test_a_batch_every_rank_skipped_after_its_forward_raised_is_a_step_of_neithe
     weights = {"plain": tmp_path / "plain.pt", "recorded": tmp_path / "recorded.pt"}
     _torchrun([SCRIPT], {"FSDP_NAN_AT": "2", "FSDP_OUT": str(weights["plain"]), "DPPROF_REPORTS": str(tmp_path / "no")})
     run = _recorded(tmp_path / "runs", FSDP_NAN_AT="2", FSDP_OUT=str(weights["recorded"]))
-    plain, recorded = (torch.load(weights[k]) for k in ("plain", "recorded"))
-    assert plain.keys() == recorded.keys() and all(torch.equal(plain[k], recorded[k]) for k in plain)
-    steps = run.steps.sort_values(["rank", "step"])
-    assert steps["forward_calls"].tolist() == [1] * 2 * STEPS and steps["batch_size"].tolist() == [16] * 2 * STEPS
-    assert steps["raised_calls"].tolist() == [0, 0, 1, 0, 0] * WORLD
-    assert queries.raised_steps(run) == 1
-    rate = queries.throughput(run)
-    assert rate is not None and (rate.samples, rate.evaluation_steps, rate.raised_steps) == (WORLD * 16 * 3, 0, 1)
-    capsys.readouterr()
-    assert main(["--reports-dir", str(tmp_path / "runs"), "show", str(run.paths[0])]) == 0
-    assert "\n  1 step's forward raised, the script going on" in capsys.readouterr().out
+    _assert_same_weights(weights)
+    _assert_one_raised_step(run, 2, capsys)
 
 
 def test_a_last_forward_that_raised_is_counted_when_the_run_closes(tmp_path, capsys):
@@ -154,18 +164,10 @@ def test_a_last_forward_that_raised_is_counted_when_the_run_closes(tmp_path, cap
     close): step 4 raised on each rank, a forward part, neither kind, its samples not counted, said by `dpprof show`."""
     run = _recorded(tmp_path / "runs", FSDP_NAN_AT=str(STEPS - 1))
     assert run.meta["status"] == "finished"
-    steps = run.steps.sort_values(["rank", "step"])
-    assert steps["step"].tolist() == list(range(STEPS)) * WORLD
-    assert steps["forward_calls"].tolist() == [1] * 2 * STEPS and steps["batch_size"].tolist() == [16] * 2 * STEPS
-    assert steps["raised_calls"].tolist() == [0, 0, 0, 0, 1] * WORLD
+    assert run.steps.sort_values(["rank", "step"])["step"].tolist() == list(range(STEPS)) * WORLD
     last = run.phases[run.phases["step"] == STEPS - 1].groupby("rank")["phase"].apply(set)
     assert all("forward" in parts and "backward" not in parts for parts in last), last
-    assert queries.raised_steps(run) == 1
-    rate = queries.throughput(run)
-    assert rate is not None and (rate.samples, rate.evaluation_steps, rate.raised_steps) == (WORLD * 16 * 3, 0, 1)
-    capsys.readouterr()
-    assert main(["--reports-dir", str(tmp_path / "runs"), "show", str(run.paths[0])]) == 0
-    assert "\n  1 step's forward raised, the script going on" in capsys.readouterr().out
+    _assert_one_raised_step(run, STEPS - 1, capsys)
 
 
 class _Checked(nn.Sequential):
@@ -233,8 +235,7 @@ def test_fsdp2s_warning_of_a_view_names_the_line_it_names_without_dpprof(tmp_pat
     assert said[0] and all("returned a view tensor" in w[3] for w in said[0])  # each module class's, once a rank
     assert said[1] == said[0]
     assert not [w for w in said[1] if w[0].startswith(str(ROOT / "dpprof"))]
-    plain_weights, recorded_weights = (torch.load(weights[k]) for k in ("plain", "recorded"))
-    assert all(torch.equal(plain_weights[k], recorded_weights[k]) for k in plain_weights)
+    _assert_same_weights(weights)
 
 
 def test_collectives_carry_the_bytes_the_shards_imply(runs):
@@ -593,8 +594,7 @@ def test_dpprof_run_steps_stops_an_fsdp_script_at_its_limit(tmp_path, script):
     _torchrun([script], {"FSDP_OUT": str(weights["plain"]), "DPPROF_REPORTS": str(tmp_path / "unused")})
     _torchrun(["-m", "dpprof", "run", "--steps", "3", script], {"FSDP_OUT": str(weights["recorded"]),
                                                                  "DPPROF_REPORTS": str(tmp_path / "runs")})
-    plain, recorded = (torch.load(weights[k]) for k in ("plain", "recorded"))
-    assert plain.keys() == recorded.keys() and all(torch.equal(plain[k], recorded[k]) for k in plain)
+    _assert_same_weights(weights)
     run = dpprof.load_run(dpprof.list_runs(tmp_path / "runs").loc[0, "id"], tmp_path / "runs")
     assert run.model.steps == 3 < STEPS
     steps = run.steps
