@@ -107,10 +107,9 @@ def run_stats(run: StoredRun) -> dict[str, Any]:
     # fewest, and the ranks that hold them
     fewest = int(per["steps"].min() or 0) if len(per) else 0
     stats["steps_fewest"] = fewest
-    stats["ranks_fewest"] = sorted(int(r) for r in per.loc[per["steps"] == fewest, "rank"]) if "rank" in per and \
-        len(per) > 1 else []
-    stats["ranks_most"] = sorted(int(r) for r in per.loc[per["steps"] == stats["steps"], "rank"]) if "rank" in per \
-        and len(per) > 1 else []
+    ranked = "rank" in per and len(per) > 1
+    stats["ranks_fewest"], stats["ranks_most"] = (
+        sorted(int(r) for r in per.loc[per["steps"] == n, "rank"]) if ranked else [] for n in (fewest, stats["steps"]))
     stats.update(batch_sizes(run))
     stats["devices_used"] = int(stats["devices_used"]) if stats["devices_used"] else None
     stats["median_step_ms"] = median_step_ms(run) if stats["steps"] else None
