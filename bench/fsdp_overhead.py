@@ -1,8 +1,9 @@
 """What recording FSDP2 costs, against what torch.profiler adds: two gloo ranks on loopback.
 
 Starts itself under torchrun (2 ranks). Each rank trains two models sharded with ``fully_shard`` (per layer and on
-the root): an MLP and a small transformer encoder. Rounds interleave three arms in one process so machine noise hits
-them alike: nothing recording ("off"), ``dpprof.record`` with dpprof.parallel.fsdp's hooks ("dpprof"), and
+the root): an MLP and a small transformer encoder. Rounds interleave four arms in one process so machine noise hits
+them alike: nothing recording ("off"), ``dpprof.record`` with dpprof.parallel.fsdp's hooks kept in memory ("memory":
+no run file, no writer thread), the same into a run file ("dpprof"; what it adds over "memory" is the writer's), and
 ``torch.profiler.profile`` of the CPU activity ("torch.profiler"); the order rotates round by round and reverses
 every other round, so no arm is always first or always after the same arm. Each arm's block runs a tenth of its steps
 untimed, then ``--steps`` timed ones; after the block both ranks collect the arm's garbage and meet at a barrier,
@@ -34,7 +35,8 @@ from typing import Any
 from conditions import Conditions
 from stats import interval
 
-ARMS = ("off", "dpprof", "torch.profiler")
+ARMS = ("off", "memory", "dpprof", "torch.profiler")
+RECORDERS = ARMS[1:]
 
 
 def _models(torch: Any) -> dict[str, Any]:
@@ -78,6 +80,8 @@ def _worker(args: argparse.Namespace) -> None:
             return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n, (time.thread_time() - m0) / n
 
         def recorder(arm: str) -> Any:
+            if arm == "memory":  # the same recording kept in memory: no run file, no writer thread
+                return dpprof.record(name=f"bench-fsdp-{name}", sample_hz=None, store=False)
             if arm == "dpprof":
                 return dpprof.record(name=f"bench-fsdp-{name}", sample_hz=None)
             if arm == "torch.profiler":
@@ -91,7 +95,7 @@ def _worker(args: argparse.Namespace) -> None:
         if rank == 0:
             conditions.__enter__()
         for r in range(args.rounds + 1):
-            order = list(ARMS[r % 3:] + ARMS[:r % 3])
+            order = list(ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)])
             if r % 2:
                 order.reverse()
             for arm in order:
@@ -130,26 +134,28 @@ def _report(name: str, args: argparse.Namespace, means: dict[str, list[float]], 
         return
     n = len(means["off"])
     for what, table in (("wall", means), ("rank 0's CPU", cpu), ("rank 0's training thread's CPU", caller)):
-        added = {arm: [(a - b) * 1e3 for a, b in zip(table[arm], table["off"])] for arm in ARMS[1:]}
+        added = {arm: [(a - b) * 1e3 for a, b in zip(table[arm], table["off"])] for arm in RECORDERS}
+        added["the writer"] = [a - b for a, b in zip(added["dpprof"], added["memory"])]  # dpprof less memory
 
         def mean_of(arm: str, idx: list[int]) -> float:
             return statistics.fmean(added[arm][i] for i in idx)
 
-        def share(idx: list[int]) -> float:
+        def share(arm: str, idx: list[int]) -> float:
             theirs = mean_of("torch.profiler", idx)
-            return mean_of("dpprof", idx) / theirs if theirs > 0 else math.inf
+            return mean_of(arm, idx) / theirs if theirs > 0 else math.inf
 
         spans = {arm: interval(n, functools.partial(mean_of, arm)) for arm in added}
         line = ", ".join(f"{arm} {statistics.fmean(added[arm]):+.2f} ms (95% interval {spans[arm][0]:+.2f} to "
                          f"{spans[arm][1]:+.2f})" for arm in added)
         print(f"  added a step, {what}: {line}")
-        lo, hi = interval(n, share)
-        if spans["torch.profiler"][0] <= 0 or math.isinf(hi):
-            print(f"  dpprof / torch.profiler, {what}: not measurable (torch.profiler's added time cannot be told "
-                  "from zero)", flush=True)
-        else:
-            print(f"  dpprof / torch.profiler, {what}: {share(list(range(n))):.2f} (95% interval {lo:.2f} to "
-                  f"{hi:.2f}; aim: <= 0.5)", flush=True)
+        for arm in ("dpprof", "memory"):
+            lo, hi = interval(n, functools.partial(share, arm))
+            if spans["torch.profiler"][0] <= 0 or math.isinf(hi):
+                print(f"  {arm} / torch.profiler, {what}: not measurable (torch.profiler's added time cannot be told "
+                      "from zero)", flush=True)
+            else:
+                print(f"  {arm} / torch.profiler, {what}: {share(arm, list(range(n))):.2f} (95% interval {lo:.2f} to "
+                      f"{hi:.2f}; aim for dpprof: <= 0.5)", flush=True)
 
 
 def main() -> None:
