@@ -7,16 +7,18 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
 import dpprof
-from dpprof.findings import (BACKWARD_SHARE_INFO, CRITICAL_STEP_SHARE, DP_TAX_WARN, MEMORY_SKEW_RATIO, OUTLIER_TIME_SHARE,
-                             STEP_SHARE_FLOOR, STRAGGLER_RATIO_CPU, TIME_FLOOR_MS, findings_from,
+from dpprof.findings import (BACKWARD_SHARE_INFO, CRITICAL_STEP_SHARE, DP_TAX_WARN, MEMORY_SKEW_RATIO, OUTLIER_STEP_RATIO,
+                             OUTLIER_TIME_SHARE, STEP_SHARE_FLOOR, STRAGGLER_RATIO_CPU, TIME_FLOOR_MS, findings_from,
                              straggler_verdict, tables_of)
 from dpprof.store.blocks import SETTLE_STEPS
 from dpprof.store.model import SAMPLE_MIN_STEPS
 from dpprof.store.retention import ALL, OUTLIER_RATIO, Retention
+from dpprof.store import queries
 from dpprof.store.writer import SqliteSink
 from dpprof.views import overview
 from recorded import killed_child, record_straggler, record_until_killed
@@ -270,3 +272,50 @@ def test_a_long_thinned_runs_findings_read_one_step_in_every_from_its_first_to_i
     assert len(every & set(slow)) > len(every) / 2 and whole.median() >= pause_s * 1e3
     assert t.steps["duration_ms"].median() >= pause_s * 1e3
     assert straggler_verdict(t).step_ms >= pause_s * 1e3
+
+
+def test_a_thinned_runs_stall_finding_judges_each_step_against_its_kind(tmp_path):
+    """A thinned run that evaluates twice (a no_grad forward, its own step) after each training step: its evaluation
+    steps are most of its steps and far shorter, so the median of every step is an evaluation step's. Its phases no
+    longer tell every step's kind; the stall finding judged every step against that one median, and named every
+    training step a stall (40 of 119 steps). Each step is now judged as the advisor judges it: a kept step against its
+    kind's median (the writer's, over every step), a thinned one against the larger, so only the 8 stalled training
+    steps and what the machine's load slowed as much are named."""
+    small = Retention(first_steps=10, last_steps=10, every=10, chunk_steps=30, outliers_per_chunk=2, block_steps=10)
+    # training iterations: steps 36 to 45 and 66 to 84, four stalls in each of two chunks that keep two outliers
+    stall_at = {12, 13, 14, 15, 22, 24, 26, 28}
+    torch.manual_seed(0)
+    net = dpprof.DataParallel(torch.nn.Linear(16, 4), device_ids=dpprof.cpu_devices(2))
+    training = set()
+    with dpprof.record(name="thinned-mostly-eval", reports_dir=str(tmp_path), detail=small, sample_hz=None) as run:
+        for i in range(60):
+            with run.step() as index:
+                net(torch.randn(32, 16)).sum().backward()
+                time.sleep(0.15 if i in stall_at else 0.015)
+            training.add(index)
+            for _ in range(2):
+                with run.step(), torch.no_grad():
+                    net(torch.randn(32, 16))
+    stored = dpprof.load_run(run.path)
+    assert stored.model.thinned
+    per = stored.steps.set_index("step")["duration_ms"].sort_index().iloc[1:]
+    trains = per.index.isin(training)
+    assert per.median() < per[trains].median() / 2  # one median for all: every training step over twice it
+    # the writer's medians of each kind, against the steps' own (the script knows each step's kind): a sketch's
+    # median is a middle step's within 1% (the lower of two middle ones; the first step, a training one, counted or not)
+    medians = queries.kind_medians(stored)
+    for kind, ms in (("training", per[trains]), ("evaluation", per[~trains])):
+        middle = ms.sort_values().to_numpy()[len(ms) // 2 - 2:len(ms) // 2 + 2]
+        assert middle[0] * 0.99 <= medians[kind] <= middle[-1] * 1.01, (kind, medians[kind], middle)
+    kept = set(stored.query("SELECT DISTINCT step FROM phases")["step"])
+    assert not {3 * i for i in stall_at} <= kept  # stalls among the thinned steps, whose kind the phases cannot tell
+    # the rule by hand: a kept step against its kind's median, a thinned one against the larger
+    of = pd.Series([medians["training" if s in training else "evaluation"] if s in kept else max(medians.values())
+                    for s in per.index], index=per.index)
+    stalled = per[per > OUTLIER_STEP_RATIO * of]
+    assert {s for s in stalled.index if s in training} >= {s for s in per.index if s in training and per[s] >= 150}
+    found = findings_from(tables_of(stored))
+    row = found[found["kind"] == "outlier_steps"].iloc[0]
+    assert row["title"] == f"{len(stalled)} of {len(per)} steps took over 2x the median step of its kind", row["title"]
+    assert len(stalled) < trains.sum() / 2  # not every training step
+    assert "median training step past the first" in row["evidence"] and "its kind unknown" in row["evidence"]

@@ -23,9 +23,9 @@ from typing import Any
 import pandas as pd
 
 from dpprof.advise import NotAdvisable
-from dpprof.findings.steps import OUTLIER_STEP_RATIO, bigger_batches, stalls
+from dpprof.findings.steps import OUTLIER_STEP_RATIO, bigger_batches, stalls, thinned_kinds
 from dpprof.records import even_batch_sizes
-from dpprof.store import advisor_rows, queries
+from dpprof.store import advisor_rows, finding_rows, queries
 from dpprof.store.reader import StoredRun, effective_status
 from dpprof.workload_names import WORKLOAD_NAMES
 
@@ -335,11 +335,10 @@ def _stall_note(run: StoredRun, training: set[int] | None = None) -> str | None:
         # (training or, without a backward, not); a thinned step's is not, and it is judged against the larger of
         # the kinds' medians (every step's, the writer's sketches), over which it is a stall whatever its kind (one of
         # an evaluation step, slower than that, is counted with the training steps' as their kinds are not told apart)
-        trained = advisor_rows.kept_steps_trained(run).reindex(per.index)
-        judged = trained.isna() | trained.eq(True)
-        per, batches = per[judged], batches[judged]
-        kinds = trained[judged].notna().map({True: "training", False: "thinned"})
-        medians = {"training": every_kind["training"], "thinned": max(every_kind.values())}
+        kinds, medians = thinned_kinds(per.index, finding_rows.kept_steps_trained(run), every_kind)
+        judged = kinds != "evaluation"
+        per, batches, kinds = per[judged], batches[judged], kinds[judged]
+        del medians["evaluation"]
         rate = queries.throughput(run)  # the training steps past the first, counted from every step's blocks
         of_steps = rate.steps - rate.evaluation_steps - rate.raised_steps if rate is not None else None
         kind = "training "

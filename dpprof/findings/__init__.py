@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pandas as pd
 
@@ -42,7 +43,7 @@ from dpprof.findings.gpu import (GPU_IDLE_WARN, THROTTLED_SAMPLES_SHARE, UNDERUS
 from dpprof.findings.steps import (OUTLIER_STEP_RATIO, OUTLIER_TIME_SHARE, between_steps, outlier_steps,
                                    unrecorded_time)
 from dpprof.records import DP_TAX_PHASES, FINDING_UNITS, SEVERITIES
-from dpprof.store import finding_rows
+from dpprof.store import finding_rows, queries
 from dpprof.store.model import RunModel
 from dpprof.store.reader import StoredRun
 
@@ -122,6 +123,7 @@ def tables_of(run: StoredRun, last_steps: int | None = None, work_only: bool = F
     gather, the rest empty: what straggler_verdict and dataparallel_tax_of read.
     """
     names = ("steps", "phases", "memory", "allocator", "comms", "gpu_time")
+    kinds: dict[str, Any] = {}
     if work_only and last_steps is None:
         frames = {t: finding_rows.empty(run, t) for t in (*names, "gpu_samples")}
         frames["steps"] = finding_rows.sampled(run, "steps")
@@ -134,6 +136,11 @@ def tables_of(run: StoredRun, last_steps: int | None = None, work_only: bool = F
     elif last_steps is None:
         frames = {t: finding_rows.sampled(run, t) for t in (*names, "gpu_samples")}
         frames["all_steps"] = run.table("steps")
+        # a thinned run of training and evaluation steps: their phases do not tell every step's kind, the writer's
+        # medians of each kind and the kept steps' kinds do (dpprof.findings.steps.thinned_kinds)
+        medians = queries.kind_medians(run)
+        if medians is not None:
+            kinds = {"kind_medians": medians, "kept_trained": finding_rows.kept_steps_trained(run)}
     else:
         last = finding_rows.last_step(run)
         lo = -1 if pd.isna(last) else int(last) - last_steps + 1
@@ -141,7 +148,7 @@ def tables_of(run: StoredRun, last_steps: int | None = None, work_only: bool = F
         t0 = frames["steps"]["start_ms"].min() if not frames["steps"].empty else 0.0
         frames["gpu_samples"] = finding_rows.gpu_samples_from(run, t0)
     return Tables(model=run.model, traced_dataparallel=(run.meta.get("workload_args") or {}).get("dataparallel"),
-                  detail=operator_data(run), data_loaders=run.data_loaders(), **frames)
+                  detail=operator_data(run), data_loaders=run.data_loaders(), **frames, **kinds)
 
 
 def findings_from(tables: Tables) -> pd.DataFrame:

@@ -65,6 +65,10 @@ class Tables:
     # the collectives a recorded DDP or FSDP script called itself (records.SCRIPT_BUCKET), out of ``comms``: DDP's
     # buckets' and FSDP's figures read ``comms``; the straggler verdict reads both (``collectives``)
     script_comms: pd.DataFrame = field(default_factory=pd.DataFrame)
+    # a thinned run that mixes training and evaluation steps: each kind's median over every step (the writer's
+    # sketches, queries.kind_medians), and whether a backward ran in each step whose detail was kept (step -> bool)
+    kind_medians: dict[str, float] | None = None
+    kept_trained: pd.Series | None = None
 
     def __post_init__(self) -> None:
         self.comms, script = split_script_comms(self.comms)

@@ -17,7 +17,7 @@ from dpprof.store.queries import raised_steps_of, throughput_of, training_steps_
 from dpprof.units import plural
 
 __all__ = ["OUTLIER_STEP_RATIO", "OUTLIER_TIME_SHARE", "OUTLIER_WARN_SHARE", "OUTLIER_STEPS_LISTED", "Stalls", "stalls",
-           "step_kinds", "bigger_batches", "outlier_steps", "EVERY_MIN_STEPS", "EVERY_SHARE", "REST_SHARE_WARN", "RANKS_LISTED", "rest_of_steps",
+           "step_kinds", "thinned_kinds", "THINNED", "bigger_batches", "outlier_steps", "EVERY_MIN_STEPS", "EVERY_SHARE", "REST_SHARE_WARN", "RANKS_LISTED", "rest_of_steps",
            "unrecorded_time", "BETWEEN_STEPS_WARN", "between_steps"]
 
 # A step (past the first) over 2x the run's median step is an outlier: a stall or contention from
@@ -109,18 +109,39 @@ def step_kinds(t: Tables, steps: pd.Index) -> pd.Series | None:
     return pd.Series(["training" if x else "evaluation" for x in trains], index=steps)
 
 
+THINNED = "thinned"  # a step of a thinned run whose detail was not kept: its kind (a backward ran or not) unknown
+KIND_WORDS = {THINNED: "thinned"}  # a kind in words where it is not its own name
+
+
+def thinned_kinds(steps: pd.Index, trained: pd.Series, medians: dict[str, float]
+                  ) -> tuple[pd.Series, dict[str, float]]:
+    """A thinned run that evaluates between its training steps: each of ``steps``'s kind, and the median each kind is
+    judged against (stalls' ``kinds`` and ``medians``). A step's kind is known where its detail was kept (``trained``:
+    step -> whether a backward ran in it); a thinned step's is not, and it is judged against the larger of the kinds'
+    medians (``medians``: every step's of each kind, the writer's sketches, queries.kind_medians), over which it is a
+    stall whatever its kind. Training is named first: the kind stalls reports."""
+    known = trained.reindex(steps)
+    kinds = known.map({True: "training", False: "evaluation"}).fillna(THINNED)
+    return kinds, {"training": medians["training"], "evaluation": medians["evaluation"],
+                   THINNED: max(medians.values())}
+
+
 def outlier_steps(t: Tables) -> list[dict]:
     """Steps far beyond the run's median (stalls, contention from other load), named with their times."""
     per = t.every_step.groupby("step")["duration_ms"].max().sort_index().iloc[1:]  # the first step's costs are no stall
     kinds = step_kinds(t, per.index)
-    found = stalls(per, kinds)
+    medians = None
+    if kinds is None and t.kind_medians is not None and t.kept_trained is not None:  # thinned, of both kinds
+        kinds, medians = thinned_kinds(per.index, t.kept_trained, t.kind_medians)
+    found = stalls(per, kinds, medians)
     if found is None:
         return []
     median, excess, share, worst = found.median_ms, found.excess_ms, found.share, found.slow_ms
     of_median, of_kind = f"{MEDIAN_STEP} {median:.2f} ms", ""
     if found.medians is not None:  # a training step against the training steps, an evaluation step against its own
-        of_median = "; ".join(f"median {k} step past the first {m:.2f} ms" + (" (no backward)" if k == "evaluation"
-                                                                               else "")
+        of_median = "; ".join(f"a step whose detail was thinned (its kind unknown) against the larger, {m:.2f} ms"
+                              if k == THINNED else f"median {k} step past the first {m:.2f} ms"
+                              + (" (no backward)" if k == "evaluation" else "")
                               for k, m in sorted(found.medians.items(), reverse=True))
         of_kind = " of its kind"
     listed = ", ".join(f"{s} ({ms:.0f} ms)" for s, ms in worst.head(OUTLIER_STEPS_LISTED).items())
@@ -213,7 +234,7 @@ def _bigger_batches(t: Tables, steps: pd.Index, kinds: pd.Series | None = None) 
                                       [s for s in steps if kinds[s] == kind])
         if mine:
             found.update(mine)
-            against.append(f"the median {kind} step's {median:,g} samples")
+            against.append(f"the median {KIND_WORDS.get(kind, kind)} step's {median:,g} samples")
     return {int(s): found[s] for s in steps if s in found}, " and ".join(against)
 
 

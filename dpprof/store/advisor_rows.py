@@ -15,7 +15,6 @@ from dpprof.store.reader import StoredRun
 __all__ = [
     "call_input_bytes",
     "durations_past_first",
-    "kept_steps_trained",
     "memory_calls",
     "model_applies_with_chunks",
     "model_call_bytes",
@@ -58,13 +57,6 @@ def trained_steps(run: StoredRun) -> set[int]:
     """The steps a backward ran in, of those whose detail stands for the run (the others' phases may be thinned)."""
     rows = run.query(f"SELECT DISTINCT step FROM phases WHERE phase = 'backward' AND {run.model.sampled_steps_sql()}")
     return {int(s) for s in rows["step"]}
-
-
-def kept_steps_trained(run: StoredRun) -> pd.Series:
-    """Of every step whose detail the run kept (a phase row on any rank; a thinned step keeps none), whether a
-    backward ran in it on any rank: bool by step."""
-    rows = run.query("SELECT step, MAX(phase = 'backward') AS trained FROM phases GROUP BY step")
-    return rows.groupby("step")["trained"].max().astype(bool)
 
 
 def phases_of_steps(run: StoredRun, steps: Iterable[int]) -> pd.DataFrame:

@@ -13,7 +13,8 @@ import pandas as pd
 
 from dpprof.store.reader import TABLES, StoredRun
 
-__all__ = ["SAMPLED_TABLES", "empty", "from_step", "gpu_samples_from", "last_step", "sampled", "sampled_phases"]
+__all__ = ["SAMPLED_TABLES", "empty", "from_step", "gpu_samples_from", "kept_steps_trained", "last_step", "sampled",
+           "sampled_phases"]
 
 # The tables whose rows a long run is read through its sample of steps: every step's time is kept, but the
 # findings' medians and shares must not be pulled by outliers kept for their own sake (the phases and comms
@@ -60,3 +61,10 @@ def from_step(run: StoredRun, table: str, step: int) -> pd.DataFrame:
 def gpu_samples_from(run: StoredRun, t_ms: float) -> pd.DataFrame:
     """The NVML samples from ``t_ms`` (the run's clock) on."""
     return run.query("SELECT * FROM gpu_samples WHERE t_ms >= ?", (float(t_ms),))
+
+
+def kept_steps_trained(run: StoredRun) -> pd.Series:
+    """Of every step whose detail the run kept (a phase row on any rank; a thinned step keeps none), whether a
+    backward ran in it on any rank: bool by step."""
+    rows = run.query("SELECT step, MAX(phase = 'backward') AS trained FROM phases GROUP BY step")
+    return rows.groupby("step")["trained"].max().astype(bool)
