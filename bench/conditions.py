@@ -6,7 +6,9 @@ which it was. Each benchmark that prints a ratio wraps its measured part in ``Co
 
 - before: the load average and the processes already busy (the CPU they took in the last half second);
 - during: how many cores the whole machine kept busy (``/proc/stat``), how many this benchmark's own process tree
-  did, and how many every other process did (its CPU time over the run, for the processes alive at both ends);
+  did, and how many the rest took: every other process's CPU time over the run (the processes alive at both ends),
+  or what the machine kept busy beyond this benchmark, whichever is more (the latter also holds processes that
+  started or ended while it ran);
 - ``refusal()``: a sentence when the other processes took more than ``max_other_cores`` on average while it ran
   (the load average before is said, not judged: it still counts a job that just ended). The benchmark then prints its figures with that
   sentence in place of its ratios, unless run with ``--allow-load`` (the sentence is printed either way).
@@ -125,8 +127,10 @@ class Conditions:
             t0, t1 = self._times, os.times()
             own_cpu += (t1.children_user - t0.children_user) + (t1.children_system - t0.children_system)
         self.own_cores = own_cpu / wall
-        self.other_cores = sum(end[p][1] - cpu for p, (_, cpu) in self._start.items()
-                               if p in end and p not in own) / wall
+        alive = sum(end[p][1] - cpu for p, (_, cpu) in self._start.items() if p in end and p not in own) / wall
+        # what the machine kept busy beyond this benchmark: it also holds the processes that started or ended while it
+        # ran, which the processes alive at both ends miss (a run of other benchmarks took 0.75 of a core unseen)
+        self.other_cores = max(alive, self.machine_cores - self.own_cores)
         self.load_after = os.getloadavg()[0]
 
     def line(self) -> str:
