@@ -110,7 +110,6 @@ def step_kinds(t: Tables, steps: pd.Index) -> pd.Series | None:
 
 
 THINNED = "thinned"  # a step of a thinned run whose detail was not kept: its kind (a backward ran or not) unknown
-KIND_WORDS = {THINNED: "thinned"}  # a kind in words where it is not its own name
 
 
 def thinned_kinds(steps: pd.Index, trained: pd.Series, medians: dict[str, float]
@@ -234,7 +233,7 @@ def _bigger_batches(t: Tables, steps: pd.Index, kinds: pd.Series | None = None) 
                                       [s for s in steps if kinds[s] == kind])
         if mine:
             found.update(mine)
-            against.append(f"the median {KIND_WORDS.get(kind, kind)} step's {median:,g} samples")
+            against.append(f"the median {kind} step's {median:,g} samples")
     return {int(s): found[s] for s in steps if s in found}, " and ".join(against)
 
 
