@@ -53,8 +53,6 @@ def _store_findings(run: Run) -> None:
 CLOSE_HOOKS: list[Callable[[Run], None]] = [_store_findings]
 
 _active: list[Run] = []
-# the same list, read in place by a path that runs many times a step and cannot pay current_run()'s call (dpprof.parallel.fsdp)
-active_runs = _active
 _active_lock = threading.Lock()
 _start_lock = threading.Lock()  # held while a record() checks the other threads' runs and starts its own
 

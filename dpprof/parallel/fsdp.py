@@ -63,7 +63,7 @@ from dpprof.parallel import script_comms
 from dpprof.parallel.callers import WarningsPastDpprof
 from dpprof.parallel.probe import (allocator_bytes, cuda_event, end_after_error, gpu_of, iter_tensors, rank_part,
                                    tensor_bytes)
-from dpprof.recording import Run, active_runs, current_run
+from dpprof.recording import Run, current_run
 from dpprof.records import ALL_REDUCE, COMM_ROW, MEMORY_ROW, PHASE_ROW, AllocatorRecord
 
 __all__ = ["install", "uninstall", "installed", "FSDP_WAIT_PHASES", "ALL_GATHER", "REDUCE_SCATTER"]
@@ -187,9 +187,7 @@ class _StepProbe:
         if t1 is not None:
             put((PHASE_ROW, index, 0, "copy_out", label, (done - t0_ns) / 1e6, (t1 - done) / 1e6, None))
             end = t1
-        bucket = self.count[what]  # collective()'s row, written out
-        self.count[what] = bucket + 1
-        put((COMM_ROW, index, label, bucket, timed.nbytes, (launch - t0_ns) / 1e6, (done - launch) / 1e6, what))
+        self.collective(what, timed.nbytes, launch, done)
         step = self.step
         if end > step.last_end_ns:
             step.last_end_ns = end
@@ -306,13 +304,10 @@ def _group_unsharded_bytes(group: Any) -> int:
 class _TimedComm:
     """FSDP's collective object (DefaultAllGather, DefaultReduceScatter, ...) with its call timed."""
 
-    __slots__ = ("inner", "bytes_of", "launch_ns", "done_ns", "nbytes", "result", "allocate")
+    __slots__ = ("inner", "bytes_of", "launch_ns", "done_ns", "nbytes", "result")
 
     def __init__(self, inner: Any, bytes_of: str) -> None:
         self.inner = inner
-        allocate = getattr(inner, "allocate", None)  # what FSDP calls first, once or twice a collective: no __getattr__
-        if allocate is not None:
-            self.allocate = allocate
         self.bytes_of = bytes_of  # the keyword argument whose tensor the collective's bytes are
         self.launch_ns: int | None = None
         self.done_ns: int | None = None
@@ -332,10 +327,9 @@ class _TimedComm:
 
 
 def _probe() -> _StepProbe | None:
-    """The current step's probe; None outside a recording, or once its run is no longer the current one (current_run,
-    read here from the list it reads: this runs some 50 times a step)."""
+    """The current step's probe; None outside a recording, or once its run is no longer the current one."""
     probe: _StepProbe | None = _state["probe"]
-    if probe is not None and (not active_runs or active_runs[-1] is not probe.run):
+    if probe is not None and current_run() is not probe.run:
         _state["probe"] = _state["previous"] = None
         return None
     return probe
@@ -503,11 +497,8 @@ def _wrap_wait_for_unshard(original: Callable[..., Any]) -> Callable[..., Any]:
         if probe is None or self.is_unsharded:
             return original(self)
         out = original(self)
-        if self.is_unsharded:  # probe.gathered(+bytes), written out: twice a group and step
-            held = probe.gathered_bytes + (self.__dict__.get("_dpprof_unsharded_bytes") or _group_unsharded_bytes(self))
-            probe.gathered_bytes = held
-            if held > probe.gathered_peak_bytes:
-                probe.gathered_peak_bytes = held
+        if self.is_unsharded:
+            probe.gathered(_group_unsharded_bytes(self))
         return out
 
     return wait_for_unshard
@@ -520,9 +511,8 @@ def _wrap_reshard(original: Callable[..., Any]) -> Callable[..., Any]:
         if probe is None or not self.is_unsharded:
             return original(self)
         out = original(self)
-        if not self.is_unsharded:  # probe.gathered(-bytes), written out
-            held = probe.gathered_bytes - (self.__dict__.get("_dpprof_unsharded_bytes") or _group_unsharded_bytes(self))
-            probe.gathered_bytes = held if held > 0 else 0
+        if not self.is_unsharded:
+            probe.gathered(-_group_unsharded_bytes(self))
         return out
 
     return reshard
