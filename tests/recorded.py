@@ -9,6 +9,7 @@ import sys
 import threading
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import forked
@@ -157,6 +158,29 @@ def record_skipped_batches(directory: Path, kinds: str, detail: object = "bounde
             optimizer.zero_grad()
     assert run.path is not None
     return run.path
+
+
+def record_thinned_evaluation(directory: Path, detail: object, iterations: int, evaluations: Callable[[int], int],
+                              stall_at: set[int], step_s: float, stall_s: float, name: str
+                              ) -> tuple[StoredRun, list[int]]:
+    """A DataParallel run of a Linear(16, 4) on 2 CPU workers, its detail kept by ``detail`` (a small Retention thins
+    it): ``iterations`` training steps (``run.step()``: a forward of 32 samples, backward, a sleep of ``step_s``, or
+    ``stall_s`` at the iterations in ``stall_at``), each followed by ``evaluations(i)`` evaluation steps (a no_grad
+    forward, its own step). Returns the stored run and its training steps' indexes, in order."""
+    torch.manual_seed(0)
+    net = dpprof.DataParallel(torch.nn.Linear(16, 4), device_ids=dpprof.cpu_devices(2))
+    training = []
+    with dpprof.record(name=name, reports_dir=str(directory), detail=detail, sample_hz=None) as run:
+        for i in range(iterations):
+            with run.step() as index:
+                net(torch.randn(32, 16)).sum().backward()
+                time.sleep(stall_s if i in stall_at else step_s)
+            training.append(index)
+            for _ in range(evaluations(i)):
+                with run.step(), torch.no_grad():
+                    net(torch.randn(32, 16))
+    assert run.path is not None
+    return dpprof.load_run(run.path), training
 
 
 STALL_S = 0.3  # a stalled step: at least this, and 3x the median step so far (a loaded machine's steps grow)

@@ -28,7 +28,7 @@ from dpprof.plaintext import shown_text
 from dpprof.store import queries
 from dpprof.trace import import_traces
 from dpprof.views.advise import scenario_title
-from recorded import record
+from recorded import record, record_thinned_evaluation
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "traces" / "resnet50-1gpu-tb-sample.pt.trace.json.gz"
@@ -341,19 +341,8 @@ def test_a_thinned_runs_stalls_between_evaluation_steps_are_counted_from_every_s
 
     small = Retention(first_steps=20, last_steps=20, every=10, chunk_steps=50, outliers_per_chunk=2, block_steps=10)
     stall_at = {40, 48, 56, 64, 72, 80, 88, 97}  # training iterations, all past the first 20 steps
-    torch.manual_seed(0)
-    net = dpprof.DataParallel(torch.nn.Linear(16, 4), device_ids=dpprof.cpu_devices(2))
-    training = []
-    with dpprof.record(name="thinned-eval", reports_dir=str(tmp_path), detail=small, sample_hz=None) as run:
-        for i in range(120):
-            with run.step() as index:
-                net(torch.randn(32, 16)).sum().backward()
-                time.sleep(0.1 if i in stall_at else 0.01)
-            training.append(index)
-            if i % 2 == 0:
-                with run.step(), torch.no_grad():
-                    net(torch.randn(32, 16))
-    stored = dpprof.load_run(run.path)
+    stored, training = record_thinned_evaluation(tmp_path, small, 120, lambda i: int(i % 2 == 0), stall_at, 0.01, 0.1,
+                                                 "thinned-eval")
     assert stored.model.thinned
     per = stored.steps.set_index("step")["duration_ms"].sort_index().iloc[1:]
     trains = per[per.index.isin(training)]

@@ -21,7 +21,7 @@ from dpprof.store.retention import ALL, OUTLIER_RATIO, Retention
 from dpprof.store import queries
 from dpprof.store.writer import SqliteSink
 from dpprof.views import overview
-from recorded import killed_child, record_straggler, record_until_killed
+from recorded import killed_child, record_straggler, record_thinned_evaluation, record_until_killed
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = Retention(first_steps=30, last_steps=30, every=10, chunk_steps=50, outliers_per_chunk=2, block_steps=10)
@@ -284,19 +284,9 @@ def test_a_thinned_runs_stall_finding_judges_each_step_against_its_kind(tmp_path
     small = Retention(first_steps=10, last_steps=10, every=10, chunk_steps=30, outliers_per_chunk=2, block_steps=10)
     # training iterations: steps 36 to 45 and 66 to 84, four stalls in each of two chunks that keep two outliers
     stall_at = {12, 13, 14, 15, 22, 24, 26, 28}
-    torch.manual_seed(0)
-    net = dpprof.DataParallel(torch.nn.Linear(16, 4), device_ids=dpprof.cpu_devices(2))
-    training = set()
-    with dpprof.record(name="thinned-mostly-eval", reports_dir=str(tmp_path), detail=small, sample_hz=None) as run:
-        for i in range(60):
-            with run.step() as index:
-                net(torch.randn(32, 16)).sum().backward()
-                time.sleep(0.15 if i in stall_at else 0.015)
-            training.add(index)
-            for _ in range(2):
-                with run.step(), torch.no_grad():
-                    net(torch.randn(32, 16))
-    stored = dpprof.load_run(run.path)
+    stored, steps = record_thinned_evaluation(tmp_path, small, 60, lambda i: 2, stall_at, 0.015, 0.15,
+                                              "thinned-mostly-eval")
+    training = set(steps)
     assert stored.model.thinned
     per = stored.steps.set_index("step")["duration_ms"].sort_index().iloc[1:]
     trains = per.index.isin(training)
