@@ -29,7 +29,6 @@ def _worker(args: argparse.Namespace) -> None:
     import dpprof
     from dpprof.workloads import build_workload
 
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     workload = build_workload("cifar-lenet", args.batch_size, seed=rank)
     torch.manual_seed(0)
@@ -82,7 +81,6 @@ def _worker(args: argparse.Namespace) -> None:
         c = {arm: statistics.median(v) * 1e3 for arm, v in cpu.items()}
         print(f"  rank 0's CPU time per step, all its threads: off {c['off']:.2f} ms, dpprof {c['dpprof']:.2f} ms "
               f"({c['dpprof'] / c['off'] - 1:+.2%})")
-    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -95,7 +93,15 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        _worker(args)
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        try:
+            _worker(args)
+        finally:
+            # the models _worker trained hold the process group: freed as it returned, so the group goes now, not at
+            # the interpreter's end, where gloo's objects abort a rank now and then
+            dist.destroy_process_group()
         return
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
            "--worker", "--rounds", str(args.rounds), "--steps", str(args.steps), "--batch-size", str(args.batch_size),

@@ -58,7 +58,6 @@ def _worker(args: argparse.Namespace) -> None:
     import dpprof
     from dpprof.parallel import fsdp
 
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     fsdp.install()
     torch.manual_seed(0)
@@ -114,7 +113,6 @@ def _worker(args: argparse.Namespace) -> None:
         if rank == 0:
             conditions.__exit__(None, None, None)
             _report(name, args, means, cpu, caller, conditions, None if args.allow_load else conditions.refusal())
-    dist.destroy_process_group()
 
 
 def _report(name: str, args: argparse.Namespace, means: dict[str, list[float]], cpu: dict[str, list[float]],
@@ -167,7 +165,15 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        _worker(args)
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        try:
+            _worker(args)
+        finally:
+            # the models _worker trained hold the process group: freed as it returned, so the group goes now, not at
+            # the interpreter's end, where gloo's objects abort a rank now and then
+            dist.destroy_process_group()
         return
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
            "--worker", "--rounds", str(args.rounds), "--steps", str(args.steps),

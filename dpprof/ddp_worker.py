@@ -84,49 +84,57 @@ def _main() -> None:
     if cuda:
         torch.cuda.set_device(gpu)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
-    rank = dist.get_rank()
     try:
-        if args.model:  # each rank its own batches
-            shape = [int(d) for d in args.input_shape.replace("x", ",").split(",")]
-            workload = user_workload(args.model, shape, args.batch_size, seed=rank)
-        else:
-            workload = build_workload(args.workload, args.batch_size, seed=rank)
-        torch.manual_seed(0)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
-        model = workload.model
-        if cuda:
-            model = model.cuda(gpu)
-        if args.fsdp:
-            ddp = _fully_shard(model, cuda)
-        else:
-            ddp = dpprof.DistributedDataParallel(model, device_ids=[gpu] if cuda else None,
-                                                 bucket_cap_mb=args.bucket_cap_mb)
-        kind = "fsdp" if args.fsdp else "ddp"
-        delay_rank, delay_ms = (int(x) for x in args.delay_rank.split(":")) if args.delay_rank else (-1, 0)
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-        batches = workload.batches()
-        reports = args.reports_dir.format(rank=rank) if args.reports_dir else None
-        name = args.name or f"{workload.name} ({kind} x{dist.get_world_size()})"
-        run_args = {**workload.args, kind: True, "threads": torch.get_num_threads(), "world_size": dist.get_world_size(), "steps": args.steps,
-                    **({} if args.fsdp else {"bucket_cap_mb": args.bucket_cap_mb}), "backend": backend,
-                    "device": f"cuda:{gpu}" if cuda else "cpu"}
-        with dpprof.record(name=name, reports_dir=reports, workload=workload.name, workload_args=run_args,
-                           detail=args.detail, run_id=args.run_id, capture=args.capture) as run:
-            for step in range(args.steps):
-                inputs, target = next(batches)
-                if cuda:
-                    inputs = tuple(t.cuda(gpu) for t in inputs)
-                    target = target.cuda(gpu)
-                if rank == delay_rank:
-                    time.sleep(delay_ms / 1e3)
-                optimizer.zero_grad(set_to_none=True)
-                loss = workload.criterion(ddp(*inputs), target)
-                loss.backward()
-                optimizer.step()
-                print(f"rank {rank} step {step} pid {os.getpid()}", flush=True)
-        if rank == 0:
-            print(f"recorded run {run.id} ({args.steps} steps on {dist.get_world_size()} ranks)", flush=True)
+        _train(args, cuda, gpu, backend)
     finally:
+        # the model, its optimizer and the run are _train's, freed as it returned: the process group is destroyed
+        # with nothing left holding it, and gloo's objects are not freed at the interpreter's end, where they abort
+        # a rank now and then
         dist.destroy_process_group()
+
+
+def _train(args: argparse.Namespace, cuda: bool, gpu: int | None, backend: str) -> None:
+    """This rank's training, recorded."""
+    rank = dist.get_rank()
+    if args.model:  # each rank its own batches
+        shape = [int(d) for d in args.input_shape.replace("x", ",").split(",")]
+        workload = user_workload(args.model, shape, args.batch_size, seed=rank)
+    else:
+        workload = build_workload(args.workload, args.batch_size, seed=rank)
+    torch.manual_seed(0)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
+    model = workload.model
+    if cuda:
+        model = model.cuda(gpu)
+    if args.fsdp:
+        ddp = _fully_shard(model, cuda)
+    else:
+        ddp = dpprof.DistributedDataParallel(model, device_ids=[gpu] if cuda else None,
+                                             bucket_cap_mb=args.bucket_cap_mb)
+    kind = "fsdp" if args.fsdp else "ddp"
+    delay_rank, delay_ms = (int(x) for x in args.delay_rank.split(":")) if args.delay_rank else (-1, 0)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    batches = workload.batches()
+    reports = args.reports_dir.format(rank=rank) if args.reports_dir else None
+    name = args.name or f"{workload.name} ({kind} x{dist.get_world_size()})"
+    run_args = {**workload.args, kind: True, "threads": torch.get_num_threads(), "world_size": dist.get_world_size(), "steps": args.steps,
+                **({} if args.fsdp else {"bucket_cap_mb": args.bucket_cap_mb}), "backend": backend,
+                "device": f"cuda:{gpu}" if cuda else "cpu"}
+    with dpprof.record(name=name, reports_dir=reports, workload=workload.name, workload_args=run_args,
+                       detail=args.detail, run_id=args.run_id, capture=args.capture) as run:
+        for step in range(args.steps):
+            inputs, target = next(batches)
+            if cuda:
+                inputs = tuple(t.cuda(gpu) for t in inputs)
+                target = target.cuda(gpu)
+            if rank == delay_rank:
+                time.sleep(delay_ms / 1e3)
+            optimizer.zero_grad(set_to_none=True)
+            loss = workload.criterion(ddp(*inputs), target)
+            loss.backward()
+            optimizer.step()
+            print(f"rank {rank} step {step} pid {os.getpid()}", flush=True)
+    if rank == 0:
+        print(f"recorded run {run.id} ({args.steps} steps on {dist.get_world_size()} ranks)", flush=True)
 
 
 def _fully_shard(model: torch.nn.Module, cuda: bool) -> torch.nn.Module:

@@ -497,6 +497,7 @@ class _Session:
             self.run.note("dpprof", _nothing_built(self.started_processes, self.own_runs, self.failed_builds),
                           tell=False)
         recording, self._recording = self._recording, None
+        self.forward_inputs = None  # a root forward that raised: its module and batch, not kept past the run
         if isinstance(exc, SystemExit) and exc.code in (None, 0):
             exc = None
         try:
@@ -560,6 +561,7 @@ class _Session:
             self.stop(f"recording stopped after {self.steps} steps (--steps); the script went on")
 
     def after_forward(self, output: Any) -> None:
+        self.forward_inputs = None  # the call's module and batch: not kept past the forward (a DDP or FSDP root's)
         if self.run is None or self.stopped:
             return
         self.backward_seen = False

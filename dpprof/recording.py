@@ -51,6 +51,10 @@ def _store_findings(run: Run) -> None:
 
 # Called with each stored run after it closes; every stored run gets its findings.
 CLOSE_HOOKS: list[Callable[[Run], None]] = [_store_findings]
+# Called with every run as it closes, stored or not: the recorders of dpprof.parallel drop the step probes they keep
+# between a run's calls (each holds its model), so a model the script drops after its run is freed then, not kept
+# to the interpreter's end (where gloo's process group, freed last, aborts a rank now and then)
+RELEASE_HOOKS: list[Callable[[Run], None]] = []
 
 _active: list[Run] = []
 _active_lock = threading.Lock()
@@ -597,6 +601,8 @@ class Run:
         self.sink.update_run(status=status, error=error, ended_at=self.ended_at.isoformat())
         self.sink.close(steps_total=self._next_step)
         self.path = getattr(self.sink, "path", self.path)  # a staged run's file, moved into the reports directory
+        for release in RELEASE_HOOKS:
+            release(self)
         self._tell()
 
     def _tell(self) -> None:

@@ -287,6 +287,40 @@ def test_a_ddp_backward_ends_after_the_reducer_copied_the_all_reduced_gradients_
     assert split.to_numpy() == pytest.approx(backward["duration_ms"].to_numpy(), abs=1e-6)
 
 
+@pytest.mark.parametrize("hook", ["default", "script's"])
+def test_a_recorded_ddp_model_is_freed_when_the_script_drops_it(tmp_path, hook):
+    """dpprof's timed communication hook held its DDP model, and torch's reducer (C++, out of the collector's sight)
+    holds the hook; and the latest step's probe, which holds the model inside DDP, stayed in a module of dpprof after
+    its run. A recorded model, its gradients' buckets and its process group stayed alive after the script dropped
+    them, until the interpreter's end, where gloo's objects freed then aborted a rank now and then ("terminate called
+    without an active exception" after a clean run). The hook now reaches its model by a weak reference, and a run
+    lets its probes go as it closes: the model is freed when the script drops it, whether dpprof registered torch's
+    default all-reduce or the script its own hook."""
+    import gc
+    import weakref
+
+    from torch import nn
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from dpprof.instrument import instrument
+
+    with _gloo_world_of_one(tmp_path):
+        with instrument(store=False) as run:
+            model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+            if hook == "script's":
+                model.register_comm_hook(None, allreduce_hook)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(3):
+                model(torch.randn(8, 4)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        freed = [weakref.ref(model), weakref.ref(model.module)]
+        del model, optimizer
+        gc.collect()
+        assert [ref() for ref in freed] == [None, None]
+    assert len(run.frames()["comms"]) == 3  # the hook was dpprof's, timing each step's bucket
+
+
 def test_torchs_constructor_warnings_point_at_the_line_that_built_the_model(tmp_path):
     """torch's DDP warns at its caller's line (stacklevel=2: broadcast_buffers' deprecation); under dpprof that line
     was dpprof/parallel/distributed.py's call of torch's constructor, for dpprof's DDP and the stand-in dpprof run

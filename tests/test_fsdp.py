@@ -220,6 +220,49 @@ def test_a_forward_that_raised_in_a_step_block_is_counted_in_its_step(tmp_path, 
     assert rate is not None and (rate.evaluation_steps, rate.raised_steps) == (0, 1)
 
 
+@pytest.mark.parametrize("entry", ["instrument", "record"])
+@pytest.mark.parametrize("wrap", ["fsdp2", "fsdp1"])
+def test_a_recorded_fsdp_model_is_freed_when_the_script_drops_it(tmp_path, wrap, entry):
+    """The last step's probe, which holds the root module, stayed in dpprof's FSDP recorder after a dpprof.record run
+    (dpprof profile --fsdp's ranks), and the instrument session kept the last root forward's module and batch: a
+    model the script dropped, its shards and its process group lived on to the interpreter's end, where gloo's objects
+    freed then abort a rank now and then. A run lets its probes go as it closes, and the session each forward's call
+    as it returns: the model is freed when the script drops it (one gloo rank, in this process)."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+
+    from dpprof.instrument import instrument
+    from dpprof.parallel import fsdp
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    installed = entry == "record" and not fsdp.installed() and fsdp.install()
+    try:
+        with instrument(store=False) if entry == "instrument" else dpprof.record(store=False) as run:
+            model = nn.Sequential(nn.Linear(20, 8), nn.ReLU(), nn.Linear(8, 3))
+            if wrap == "fsdp2":
+                fully_shard(model[0])
+                fully_shard(model)
+            else:
+                model = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(3):
+                model(torch.randn(16, 20)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        freed = weakref.ref(model)
+        del model, opt
+        gc.collect()
+        assert freed() is None
+    finally:
+        if installed:
+            fsdp.uninstall()
+        dist.destroy_process_group()
+    assert run.frames()["steps"]["step"].tolist() == [0, 1, 2]
+
+
 def test_fsdp2s_warning_of_a_view_names_the_line_it_names_without_dpprof(tmp_path):
     """The FSDP2 script whose layers and root return a view of their output, which FSDP2 warns of at its caller's
     line (stacklevel=2, in its post-forward): under dpprof the warning named dpprof's wrapper of the function that

@@ -263,6 +263,7 @@ with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup
              on_trace_ready=lambda p: p.export_chrome_trace(out)) as prof:
     for _ in range(3):
         net(torch.randn(4, 8)).sum().backward(); opt.step(); opt.zero_grad(); prof.step()
+del net, opt, prof  # FSDP's state holds the process group: freed before it is destroyed, not at the interpreter's end
 dist.destroy_process_group()
 """
 

@@ -36,7 +36,7 @@ from dpprof.parallel import script_comms
 from dpprof.parallel.callers import WarningsPastDpprof
 from dpprof.parallel.probe import (ForwardProbe, allocator_bytes, cuda_event, end_after_error, gpu_of, iter_tensors,
                                    on_gradient, rank_part)
-from dpprof.recording import Run, current_run
+from dpprof.recording import RELEASE_HOOKS, Run, current_run
 from dpprof.records import ALL_REDUCE, ALL_REDUCE_RANGE, COMM_ROW, AllocatorRecord
 
 __all__ = ["DistributedDataParallel"]
@@ -48,6 +48,15 @@ _optimizer_hooks: list[Any] = []
 # numbered after the earlier ones' (_bucket_id), so a GAN's or an encoder-decoder's two models are two sets of buckets
 _recorded_models: list[weakref.ref[DistributedDataParallel]] = []
 _hooks_lock = threading.Lock()
+
+
+def _release(run: Run) -> None:
+    """The run closed: the latest forward's probe (which holds the model inside DDP) is let go."""
+    if _latest["probe"] is not None and _latest["probe"].run is run:
+        _latest["probe"] = None
+
+
+RELEASE_HOOKS.append(_release)
 
 
 def _install_optimizer_hooks() -> None:
@@ -272,13 +281,20 @@ def _bucket_id(owner: DistributedDataParallel, index: int, run: Run) -> int:
 
 
 def _timed_hook(owner: DistributedDataParallel, inner: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    """Wrap a DDP communication hook so each bucket's launch and completion, and the bytes it sent, are recorded."""
+    """Wrap a DDP communication hook so each bucket's launch and completion, and the bytes it sent, are recorded.
+    The hook reaches ``owner`` by a weak reference: torch's reducer holds the hook where Python's collector cannot see
+    it, so a strong one would keep the model (and its process group) alive after the script dropped it, to be freed
+    only when the interpreter ends, when gloo may abort the process."""
     _count_sent()
+    owner_ref = weakref.ref(owner)
 
     def dpprof_comm_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        probe: _RankProbe | None = owner.__dict__["_dpprof_probe"]
-        if probe is None or probe.step.closed:  # not recording; or a step ended (Join's shadow all-reduces of a
-            return inner(state, bucket)  # rank out of inputs, after its last step): no step's
+        owner = owner_ref()
+        probe: _RankProbe | None = owner.__dict__["_dpprof_probe"] if owner is not None else None
+        # not recording; or a step ended (Join's shadow all-reduces of a rank out of inputs, after its last step): no
+        # step's
+        if owner is None or probe is None or probe.step.closed:
+            return inner(state, bucket)
         launch = time.perf_counter_ns()
         probe.launched(launch)
         index = _bucket_id(owner, bucket.index(), probe.run)
@@ -318,10 +334,14 @@ _DEFAULT = "default"  # _dpprof_hooked: dpprof registered torch's default all-re
 
 def _default_hook(owner: DistributedDataParallel) -> Callable[[Any, Any], Any]:
     """The hook dpprof registers (timed) where the script has none yet: torch's default all-reduce, until the script
-    registers a hook of its own (``_dpprof_chosen``), which then runs in its place: torch's reducer takes one hook."""
+    registers a hook of its own (``_dpprof_chosen``), which then runs in its place: torch's reducer takes one hook.
+    ``owner`` is reached by a weak reference, as in `_timed_hook`."""
+    owner_ref = weakref.ref(owner)
 
     def chosen(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        hook_state, hook = owner.__dict__.get("_dpprof_chosen") or (state, allreduce_hook)
+        owner = owner_ref()
+        chosen_hook = owner.__dict__.get("_dpprof_chosen") if owner is not None else None
+        hook_state, hook = chosen_hook or (state, allreduce_hook)
         run_hook: Callable[[Any, Any], torch.futures.Future[torch.Tensor]] = hook
         return run_hook(hook_state, bucket)
 

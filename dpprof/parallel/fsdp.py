@@ -63,7 +63,7 @@ from dpprof.parallel import script_comms
 from dpprof.parallel.callers import WarningsPastDpprof
 from dpprof.parallel.probe import (allocator_bytes, cuda_event, end_after_error, gpu_of, iter_tensors, rank_part,
                                    tensor_bytes)
-from dpprof.recording import Run, current_run
+from dpprof.recording import RELEASE_HOOKS, Run, current_run
 from dpprof.records import ALL_REDUCE, COMM_ROW, MEMORY_ROW, PHASE_ROW, AllocatorRecord
 
 __all__ = ["install", "uninstall", "installed", "FSDP_WAIT_PHASES", "ALL_GATHER", "REDUCE_SCATTER"]
@@ -75,6 +75,16 @@ FSDP_WAIT_PHASES = {ALL_GATHER: "all_gather_wait", REDUCE_SCATTER: "reduce_scatt
 _lock = threading.Lock()
 _patches: list[tuple[Any, str, Any]] = []  # (owner, attribute, torch's original), to put back
 _state: dict[str, Any] = {"probe": None, "previous": None, "hooks": []}
+
+
+def _release(run: Run) -> None:
+    """The run closed: its last step's probe (which holds the root module) is let go."""
+    for key in ("probe", "previous"):
+        if _state[key] is not None and _state[key].run is run:
+            _state[key] = None
+
+
+RELEASE_HOOKS.append(_release)
 
 
 class _StepProbe:

@@ -93,6 +93,6 @@ if rank == 0 and os.environ.get("FSDP_OUT"):
 # The gloo objects these globals hold (DDP's reducer, FSDP's state) abort the process now and then when the
 # interpreter frees them at its exit ("terminate called without an active exception"; pytorch/pytorch#179291):
 # 1 of 20 runs of this script ended so. Freed here, while the interpreter is whole.
-del model, opt, loss, state
+del model, layers, layer, opt, loss, state
 gc.collect()
 dist.destroy_process_group()

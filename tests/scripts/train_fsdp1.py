@@ -51,7 +51,8 @@ if rank == 0 and os.environ.get("FSDP_OUT"):
     torch.save(state, os.environ["FSDP_OUT"])
 # The gloo objects these globals hold (DDP's reducer, FSDP's state) abort the process now and then when the
 # interpreter frees them at its exit ("terminate called without an active exception"; pytorch/pytorch#179291):
-# as in train_ddp.py and train_fsdp.py. Freed here, while the interpreter is whole.
-del model, opt, loss, state
+# as in train_ddp.py and train_fsdp.py. Freed here, while the interpreter is whole: every global that holds an FSDP
+# module (the layers too), as the FSDP states hold the process group.
+del model, layers, opt, loss, state
 gc.collect()
 dist.destroy_process_group()
