@@ -70,6 +70,7 @@ elif WRAP == "fsdp2":
         policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}
     for layer in net.layers:
         fully_shard(layer, **policy)
+    del layer  # a global left holding an FSDP module keeps the process group to the interpreter's end
     model = fully_shard(net, **policy)
 
     @contextlib.contextmanager

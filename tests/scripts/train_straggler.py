@@ -50,6 +50,7 @@ if args.fsdp:
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
+    del layer  # a global left holding an FSDP module keeps the process group to the interpreter's end
     fully_shard(model)
 else:
     model = nn.parallel.DistributedDataParallel(model)
